@@ -1,0 +1,5 @@
+"""`python -m localmoe` entry point."""
+
+from localmoe.cli import main
+
+raise SystemExit(main())

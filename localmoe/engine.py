@@ -1,0 +1,224 @@
+"""The Engine: owns everything from loading a model to streaming its reply, at batch 1.
+
+    Engine.load(MODEL) → resolve (hub) → tokenizer → load (loader: experts into localmoe's store)
+                       → sparsity thresholds (sparsity: cached calibration) → ready
+    engine.chat(messages) / engine.generate(ids) → prefill (dense path) → decode loop (sparse path)
+                       → TokenEvent per token; `stats` updated as it goes; `cancel()` from any thread.
+
+It knows nothing about terminals: the CLI, the Textual app, bench and eval consume its events and stats.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from dataclasses import replace
+from typing import Iterator, Sequence
+
+import torch
+
+from localmoe import hub
+from localmoe.errors import RuntimeFailure, UsageError
+from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
+from localmoe.loader import LoadedModel, load_model
+from localmoe.sampling import make_generator, sample
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+UNKNOWN_MODEL_SPARSITY = 0.5  # models outside the registry: conservative until `localmoe eval` says more
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeFailure("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise UsageError(f"unknown device {name!r}: use cpu or cuda")
+    return torch.device(name)
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise UsageError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:
+        raise RuntimeFailure(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0]}") from None
+
+
+class Engine:
+    def __init__(self, resolved: hub.ResolvedModel, loaded: LoadedModel, tokenizer, device, dtype):
+        self.resolved = resolved
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = tokenizer
+        self.device = str(device)
+        self._device = device
+        self.dtype = dtype
+        self.model_name = resolved.name
+        self.sparsity = 0.0
+        self._cancel = threading.Event()
+        self._stats = EngineStats()
+        self.eos_ids = self._eos_ids()
+        self.max_positions = int(getattr(loaded.config, "max_position_embeddings", 0) or 0)
+        # transformers >= 5.2x renamed the forward's `past_key_values` to `cache`; use whichever this one takes
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # -- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
+             progress: ProgressFn | None = None, calibration_text: str | None = None) -> "Engine":
+        dev = pick_device(device)
+        dt = pick_dtype(dtype, dev)
+        resolved = hub.resolve(model, progress=progress)
+        tokenizer = load_tokenizer(resolved.path)
+        try:
+            loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress)
+        except torch.OutOfMemoryError:
+            raise RuntimeFailure(
+                f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
+            ) from None
+        engine = cls(resolved, loaded, tokenizer, dev, dt)
+        if sparsity is None:
+            d = resolved.default_sparsity
+            sparsity = UNKNOWN_MODEL_SPARSITY if d is None else d
+        engine.set_sparsity(sparsity, progress, calibration_text=calibration_text)
+        return engine
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.loaded.config, "eos_token_id", None),
+                    self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        return ids
+
+    # -- sparsity -------------------------------------------------------------------------------------
+    def set_sparsity(self, sparsity: float, progress: ProgressFn | None = None, calibration_text: str | None = None):
+        from localmoe import sparsity as sp
+
+        if not 0.0 <= sparsity < 1.0:
+            raise UsageError(f"sparsity must be in [0, 1), got {sparsity}")
+        if sparsity == 0.0:
+            sp.disable(self.loaded)
+        else:
+            table = sp.thresholds_for(self, sparsity, progress=progress, text=calibration_text)
+            sp.apply(self.loaded, table, device=self._device)
+        self.sparsity = sparsity
+        self._stats = replace(self._stats, sparsity_target=sparsity)
+
+    # -- prompts ----------------------------------------------------------------------------------------
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError(f"{self.model_name} has no chat template: use --raw to send the prompt as is")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_raw(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def chat(self, messages: Sequence[Message], settings: GenerationSettings) -> Iterator[TokenEvent]:
+        return self.generate(self.encode_chat(messages), settings)
+
+    # -- control ----------------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], settings: GenerationSettings) -> Iterator[TokenEvent]:
+        if not prompt_ids:
+            raise UsageError("the prompt is empty: give some text")
+        n_prompt = len(prompt_ids)
+        if self.max_positions and n_prompt >= self.max_positions:
+            raise UsageError(f"the prompt has {n_prompt} tokens; {self.model_name} takes at most {self.max_positions}")
+        max_new = settings.max_new_tokens
+        if self.max_positions:
+            max_new = min(max_new, self.max_positions - n_prompt)
+        self._cancel.clear()
+        stats = EngineStats(prompt_tokens=n_prompt, sparsity_target=self.sparsity)
+        self._stats = stats
+        cuda = self._device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self._device)
+        gen = make_generator(settings, self._device)
+        for m in self.loaded.experts:
+            m.reset_counters()
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self._device)
+        generated: list[int] = []
+        emitted = ""
+        t0 = time.perf_counter()
+        try:
+            out = self.model(input_ids=ids, use_cache=True)
+        except torch.OutOfMemoryError:
+            raise RuntimeFailure("out of GPU memory during prefill: shorten the prompt or use --device cpu") from None
+        cache = _cache_of(out)
+        token = sample(out.logits[0, -1], settings, gen)
+        tok = int(token)  # synchronises: prefill done
+        t1 = time.perf_counter()
+        stats.prefill_tok_s = n_prompt / max(t1 - t0, 1e-9)
+        for m in self.loaded.experts:  # realised sparsity counts decode steps only
+            m.reset_counters()
+        t_decode = t1
+        finish = "length"
+        while True:
+            if tok in self.eos_ids:
+                finish = "stop"
+                break
+            generated.append(tok)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            delta = ""
+            if not text.endswith("\ufffd"):
+                delta, emitted = text[len(emitted):], text
+            stats.generated_tokens = len(generated)
+            now = time.perf_counter()
+            if len(generated) > 1:
+                stats.decode_tok_s = (len(generated) - 1) / max(now - t_decode, 1e-9)
+            yield TokenEvent(token_id=tok, text=delta, index=len(generated) - 1)
+            if len(generated) >= max_new:
+                break
+            if self._cancel.is_set():
+                finish = "cancelled"
+                break
+            step_ids = token.view(1, 1)
+            out = self.model(input_ids=step_ids, use_cache=True, **{self._cache_kw: cache})
+            cache = _cache_of(out)
+            token = sample(out.logits[0, -1], settings, gen)
+            tok = int(token)
+        t_end = time.perf_counter()
+        if len(generated) > 1:
+            stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_decode, 1e-9)
+        stats.sparsity_realized = self.realized_sparsity()
+        if cuda:
+            stats.peak_gpu_mem_gb = torch.cuda.max_memory_allocated(self._device) / 1e9
+        stats.finish_reason = finish
+        self._last_ids = generated
+
+    def realized_sparsity(self) -> float:
+        seen = sum(m.seen for m in self.loaded.experts)
+        if seen == 0:
+            return 0.0
+        kept = sum(int(m.kept) for m in self.loaded.experts if m.kept is not None)
+        return 1.0 - kept / seen
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values

@@ -1,0 +1,24 @@
+"""The two kinds of error a user can meet, and how the CLI reports them.
+
+`UsageError` (exit 2): bad input the user can fix by changing the command.
+`RuntimeFailure` (exit 1): the command was fine but something failed (corrupt file, no GPU, out of memory).
+Both carry a one-line message that says what is wrong and what to do; the CLI prints
+`localmoe: error: <message>` on stderr and shows a traceback only with `--debug`.
+"""
+
+from __future__ import annotations
+
+
+class LocalmoeError(Exception):
+    exit_code = 1
+
+    def __str__(self) -> str:  # one line, always
+        return " ".join(str(self.args[0]).split()) if self.args else self.__class__.__name__
+
+
+class UsageError(LocalmoeError):
+    exit_code = 2
+
+
+class RuntimeFailure(LocalmoeError):
+    exit_code = 1

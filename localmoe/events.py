@@ -1,0 +1,80 @@
+"""What the Engine streams to its consumers (CLI, TUI, bench, eval), and the protocol they rely on.
+
+Nothing here imports torch, so front ends can type against it cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Sampling and stopping for one reply. temperature 0 means greedy."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token: its id, the text it adds to the reply (may be empty mid-codepoint), its index."""
+
+    token_id: int
+    text: str
+    index: int
+
+
+@dataclass
+class EngineStats:
+    """Figures for the reply in flight (updated per token) or the last finished one."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    sparsity_target: float = 0.0
+    sparsity_realized: float = 0.0
+    peak_gpu_mem_gb: float = 0.0
+    cache_hit_rate: float | None = None  # None until expert offloading is active
+    h2d_bytes_per_token: float | None = None
+    finish_reason: str = ""  # "stop" (EOS), "length", "cancelled", or "" while running
+    extra: dict = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        d.update(self.extra)
+        return d
+
+
+# Progress callback for long work: (stage, done, total). stage is e.g. "download", "load", "calibrate".
+ProgressFn = Callable[[str, int, "int | None"], None]
+
+Message = dict  # {"role": "system"|"user"|"assistant", "content": str}
+
+
+class ChatEngine(Protocol):
+    """What a front end needs from an engine. `localmoe.engine.Engine` implements it; tests script fakes."""
+
+    model_name: str
+    device: str
+
+    def chat(self, messages: Sequence[Message], settings: GenerationSettings) -> Iterator[TokenEvent]:
+        """Format `messages` with the chat template and stream the reply. Blocking; run it off the UI thread."""
+        ...
+
+    def cancel(self) -> None:
+        """Ask the reply in flight to stop after the current token (thread-safe)."""
+        ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    def set_sparsity(self, sparsity: float, progress: ProgressFn | None = None) -> None:
+        """Switch the decode sparsity target (0 = dense); may calibrate first."""
+        ...

@@ -1,0 +1,162 @@
+"""localmoe's experts module: the parameter-free stand-in for a transformers MoE block's `experts`.
+
+Same call as transformers' unified experts interface: `experts(hidden [T,H], top_k_index [T,k],
+top_k_weights [T,k]) -> [T,H]`; the routing weights are final and applied after `down`.
+Weights live in an `ExpertWeights` owned by the expert store (filled by the loader), not in parameters,
+so transformers never loads, moves or saves them.
+
+Two paths:
+- dense (prefill, many tokens, or sparsity off): per-expert grouped matmuls over the tokens routed to it;
+- sparse (decode, T <= `max_sparse_tokens`): gate computed densely, neurons with |act(x·W_gate)| < τ skipped,
+  only the kept rows of W_up and W_down_t read. On CUDA this calls the Triton kernels in
+  `localmoe.kernels`; elsewhere the torch reference below (same arithmetic, gathers only kept rows).
+
+Shapes: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+@dataclass
+class ExpertWeights:
+    """One MoE layer's routed experts; every tensor [E, I, H], a neuron's weights contiguous in each."""
+
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down_t: torch.Tensor  # W_down transposed: row n is neuron n's output vector
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.w_gate.shape)  # (E, I, H)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down_t))
+
+
+class GateRecorder:
+    """Collects |g| samples of routed experts during calibration (bounded reservoir per layer)."""
+
+    def __init__(self, max_samples: int = 1 << 21, seed: int = 0):
+        self.max_samples = max_samples
+        self.chunks: list[torch.Tensor] = []
+        self.count = 0
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def add(self, g_abs: torch.Tensor) -> None:
+        v = g_abs.detach().flatten().float().cpu()
+        self.chunks.append(v)
+        self.count += v.numel()
+        if sum(c.numel() for c in self.chunks) > 2 * self.max_samples:
+            allv = torch.cat(self.chunks)
+            keep = torch.randperm(allv.numel(), generator=self.gen)[: self.max_samples]
+            self.chunks = [allv[keep]]
+
+    def quantile(self, q: float) -> float:
+        allv = torch.cat(self.chunks) if self.chunks else torch.zeros(1)
+        if q <= 0.0:
+            return 0.0
+        kth = max(1, min(allv.numel(), int(round(q * allv.numel()))))
+        return float(torch.kthvalue(allv, kth).values)
+
+
+class LocalExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, layer_idx: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.layer_idx = layer_idx
+        self.hidden_act = hidden_act
+        self.act_fn = ACT2FN[hidden_act]
+        self.weights: ExpertWeights | None = None
+        # sparse path state, set by the engine / sparsity module
+        self.tau: torch.Tensor | None = None  # [E] float32 threshold per expert (per-layer τ broadcast)
+        self.sparse_enabled = False
+        self.max_sparse_tokens = 1
+        self.recorder: GateRecorder | None = None
+        self.kept = None  # running count of kept neurons on the sparse path (device tensor, no sync)
+        self.seen = 0  # neurons considered on the sparse path (host int)
+
+    def extra_repr(self) -> str:
+        return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, act={self.hidden_act}, "
+                f"sparse={self.sparse_enabled}")
+
+    def reset_counters(self) -> None:
+        self.kept = None
+        self.seen = 0
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.weights is None:
+            raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
+        T = hidden_states.shape[0]
+        if self.sparse_enabled and self.tau is not None and self.recorder is None and T <= self.max_sparse_tokens:
+            return self._sparse(hidden_states, top_k_index, top_k_weights)
+        return self._dense(hidden_states, top_k_index, top_k_weights)
+
+    # -- dense: tokens grouped by expert (prefill, calibration, sparsity off) --------------------------
+    def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        out = torch.zeros_like(x)
+        flat = top_k_index.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tok_of = order // top_k_index.shape[1]  # token of each sorted slot
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[start:start + n]
+            tok = tok_of[start:start + n]
+            start += n
+            xs = x[tok]  # [n, H]
+            g = self.act_fn(xs @ w.w_gate[e].T)  # [n, I]
+            if self.recorder is not None:
+                self.recorder.add(g.abs())
+            h = g * (xs @ w.w_up[e].T)
+            y = h @ w.w_down_t[e]  # [n, H]
+            y = y * top_k_weights.reshape(-1)[slots, None].to(y.dtype)
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    # -- sparse: decode ---------------------------------------------------------------------------------
+    def _sparse(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        if x.is_cuda:
+            from localmoe.kernels.sparse_gate import sparse_gate
+            from localmoe.kernels.sparse_updown import sparse_updown
+
+            g, idx, count = sparse_gate(x, w.w_gate, top_k_index, self.tau, self.intermediate_size)
+            y = sparse_updown(x, w.w_up, w.w_down_t, top_k_index, top_k_weights, g, idx, count)
+            kept = count.sum()
+        else:
+            y, kept = sparse_reference(x, w, top_k_index, top_k_weights, self.tau, self.act_fn)
+        self.kept = kept if self.kept is None else self.kept + kept
+        self.seen += top_k_index.numel() * self.intermediate_size
+        return y.to(x.dtype)
+
+
+def sparse_reference(x, w: ExpertWeights, top_k_index, top_k_weights, tau, act_fn):
+    """Torch reference of the sparse path; reads only the kept rows of W_up and W_down_t.
+
+    x [T,H], top_k_index/top_k_weights [T,k], tau [E] -> (y [T,H] fp32, kept neuron count as a 0-d tensor)."""
+    T, k = top_k_index.shape
+    y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    kept_total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for t in range(T):
+        xt = x[t]
+        for j in range(k):
+            e = int(top_k_index[t, j])
+            g = act_fn(w.w_gate[e] @ xt)  # [I]
+            keep = (g.abs() >= tau[e]).nonzero().squeeze(1)  # kept neuron ids, ascending
+            kept_total += keep.numel()
+            if keep.numel() == 0:
+                continue
+            h = g[keep] * (w.w_up[e].index_select(0, keep) @ xt)  # [n_kept]
+            y[t] += (top_k_weights[t, j].float() * (h @ w.w_down_t[e].index_select(0, keep))).float()
+    return y, kept_total

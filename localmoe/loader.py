@@ -1,0 +1,231 @@
+"""Checkpoint loading: build the text model on the meta device, swap in localmoe's experts, stream tensors.
+
+1. `AutoConfig` (no remote code) → the family table decides whether the architecture is supported.
+2. The transformers model is built with parameters on the meta device (buffers real), and each MoE
+   block's `experts` submodule is replaced by a parameter-free `LocalExperts` (families.FAMILIES).
+3. Every non-expert tensor is read from the safetensors files one at a time and placed where it lives;
+   expert tensors are read expert by expert with `safe_open(...).get_slice` straight into the expert
+   store (`ExpertWeights`, [E, I, H] each), so host memory never holds two copies of the weights.
+Handles fused (`experts.gate_up_proj`/`down_proj`), per-expert (`experts.{e}.gate_proj/...`, Mixtral's
+`w1/w3/w2`) and Granite's `input_linear`/`output_linear` layouts, single-file and sharded checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from localmoe.errors import RuntimeFailure, UsageError
+from localmoe.events import ProgressFn
+from localmoe.experts import ExpertWeights, LocalExperts
+from localmoe.families import FAMILIES, PER_EXPERT_NAMES, FamilySpec, family_for_model_type, supported_families
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: object  # the text config
+    family: FamilySpec
+    experts: list[LocalExperts]  # one per MoE layer, in layer order
+
+    def expert_bytes(self) -> int:
+        return sum(m.weights.nbytes() for m in self.experts)
+
+
+def read_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except ValueError as e:  # unknown model_type, remote code needed
+        raise UsageError(f"cannot read {path}/config.json: {str(e).splitlines()[0]}; supported: {supported_families()}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise RuntimeFailure(f"cannot read {path}/config.json: {e}") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fam = family_for_model_type(config.model_type) or family_for_model_type(text.model_type)
+    if fam is None:
+        raise UsageError(
+            f"architecture {config.model_type!r} is not a supported MoE family; supported: {supported_families()}"
+        )
+    if fam.unsupported:
+        raise UsageError(fam.unsupported)
+    return config, text, fam
+
+
+def shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise RuntimeFailure(f"{path} has no .safetensors weights (localmoe never loads pickle weights)")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise RuntimeFailure(f"checkpoint is incomplete, missing {missing}: run `localmoe pull` again")
+    return files
+
+
+def _build_skeleton(text_config, dtype: torch.dtype):
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(text_config, dtype=dtype, trust_remote_code=False)
+    return model
+
+
+def _swap_experts(model, text_config) -> dict[str, LocalExperts]:
+    """Replace each MoE block's `experts`; returns {experts module name: LocalExperts} in layer order."""
+    swapped: dict[str, LocalExperts] = {}
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ not in FAMILIES or not hasattr(module, "experts"):
+            continue
+        old = module.experts
+        E, two_i, H = old.gate_up_proj.shape
+        layer = int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name + ".")) else len(swapped)
+        new = LocalExperts(E, H, two_i // 2, text_config.hidden_act, layer)
+        module.experts = new
+        swapped[f"{name}.experts"] = new
+    if not swapped:
+        raise UsageError(f"the checkpoint has no MoE layers localmoe can run; supported: {supported_families()}")
+    return swapped
+
+
+def _open(file: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError: header corrupt, file truncated
+        raise RuntimeFailure(f"{file} is corrupt or truncated ({e}); delete it and run `localmoe pull` again") from None
+
+
+def _keep_fp32(model) -> list[str]:
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    keep += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    return keep
+
+
+def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None) -> LoadedModel:
+    from accelerate.utils import set_module_tensor_to_device
+
+    _, text_config, fam = read_config(path)
+    model = _build_skeleton(text_config, dtype)
+    experts = _swap_experts(model, text_config)
+    fp32_modules = _keep_fp32(model)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    files = shard_files(path)
+
+    # Where each checkpoint key lives, in the module namespace.
+    plan: list[tuple[Path, str, str]] = []  # (file, checkpoint key, module name)
+    for file in files:
+        with _open(file) as f:
+            for key in f.keys():
+                name = fam.rename(key)
+                if name is not None:
+                    plan.append((file, key, name))
+    expert_keys: dict[str, dict[str, tuple[Path, str]]] = {p: {} for p in experts}
+    dense: list[tuple[Path, str, str]] = []
+    for file, key, name in plan:
+        prefix = next((p for p in experts if name.startswith(p + ".")), None)
+        if prefix is not None:
+            expert_keys[prefix][name[len(prefix) + 1:]] = (file, key)
+        elif name in params:
+            dense.append((file, key, name))
+
+    total = len(dense) + sum(m.num_experts for m in experts.values())
+    done = 0
+    handles: dict[Path, object] = {}
+
+    def handle(file: Path):
+        if file not in handles:
+            handles[file] = _open(file).__enter__()
+        return handles[file]
+
+    try:
+        loaded: set[str] = set()
+        for file, key, name in dense:
+            try:
+                tensor = handle(file).get_tensor(key)
+            except Exception as e:
+                raise RuntimeFailure(f"{file.name}: cannot read {key} ({e}); the file is corrupt or truncated") from None
+            tdtype = torch.float32 if any(m in name for m in fp32_modules) and tensor.is_floating_point() else dtype
+            set_module_tensor_to_device(model, name, device, value=tensor, dtype=tdtype if tensor.is_floating_point() else None)
+            loaded.add(name)
+            done += 1
+            if progress and done % 16 == 0:
+                progress("load", done, total)
+        for prefix, mod in experts.items():
+            mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype)
+            done += mod.num_experts
+            if progress:
+                progress("load", done, total)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+    missing = sorted(params - loaded)
+    if missing and getattr(text_config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise RuntimeFailure(f"checkpoint lacks {len(missing)} tensors (first: {missing[0]}); re-download it with `localmoe pull`")
+    for name, buf in model.named_buffers():
+        if buf.device != device:
+            set_module_tensor_to_device(model, name, device, value=buf)
+    model.eval()
+    model.requires_grad_(False)
+    if progress:
+        progress("load", total, total)
+    return LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()))
+
+
+def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, dtype) -> ExpertWeights:
+    E, I, H = mod.num_experts, mod.intermediate_size, mod.hidden_size
+    shape = (E, I, H)
+    w = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(3)))
+
+    def read(key_file, index=None):
+        file, key = key_file
+        try:
+            sl = handle(file).get_slice(key)
+            return sl[index] if index is not None else sl[:]
+        except Exception as e:
+            raise RuntimeFailure(f"{file.name}: cannot read {key} ({e}); the file is corrupt or truncated") from None
+
+    if "gate_up_proj" in keys and "down_proj" in keys:  # fused: [E, 2I, H] and [E, H, I]
+        for e in range(E):
+            gu = read(keys["gate_up_proj"], e)
+            _check(prefix, "gate_up_proj", gu.shape, (2 * I, H))
+            w.w_gate[e].copy_(gu[:I])
+            w.w_up[e].copy_(gu[I:])
+            dn = read(keys["down_proj"], e)
+            _check(prefix, "down_proj", dn.shape, (H, I))
+            w.w_down_t[e].copy_(dn.T)
+        return w
+    for names in PER_EXPERT_NAMES.values():
+        g_name, u_name, d_name = (f"0.{n}.weight" for n in names)
+        if g_name in keys:
+            for e in range(E):
+                for dst, n, want, transpose in ((w.w_gate, names[0], (I, H), False), (w.w_up, names[1], (I, H), False),
+                                                (w.w_down_t, names[2], (H, I), True)):
+                    kf = keys.get(f"{e}.{n}.weight")
+                    if kf is None:
+                        raise RuntimeFailure(f"checkpoint lacks {prefix}.{e}.{n}.weight; re-download it with `localmoe pull`")
+                    t = read(kf)
+                    _check(prefix, f"{e}.{n}", t.shape, want)
+                    dst[e].copy_(t.T if transpose else t)
+            return w
+    found = ", ".join(sorted(keys)[:4]) or "nothing"
+    raise RuntimeFailure(f"unrecognised expert layout under {prefix} (found {found}); this checkpoint layout is not supported")
+
+
+def _check(prefix, name, got, want):
+    if tuple(got) != tuple(want):
+        raise RuntimeFailure(f"{prefix}.{name} has shape {tuple(got)}, config says {tuple(want)}: checkpoint and config disagree")

@@ -1,0 +1,128 @@
+"""The model registry: `models.toml` parsed into frozen `ModelSpec`s, validated, and looked up by alias.
+
+Imports no torch (used by `localmoe models` and `--help`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from localmoe.errors import UsageError
+
+REGISTRY_PATH = Path(__file__).with_name("models.toml")
+PACKAGE_PREFIX = "package:"
+ASSETS_DIR = Path(__file__).with_name("assets")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    alias: str
+    repo: str  # hub repo id, or "package:<dir>" for a model shipped in localmoe/assets
+    family: str  # transformers model_type
+    sparsity: float  # default decode sparsity target
+    params_b: float
+    bf16_gb: float
+    vram: str = ""
+    description: str = ""
+
+    @property
+    def packaged_dir(self) -> Path | None:
+        if self.repo.startswith(PACKAGE_PREFIX):
+            return ASSETS_DIR / self.repo[len(PACKAGE_PREFIX):]
+        return None
+
+
+@dataclass(frozen=True)
+class Registry:
+    models: dict[str, ModelSpec]
+    default: str
+
+    def get(self, alias: str) -> ModelSpec | None:
+        return self.models.get(alias)
+
+    def by_repo(self, repo: str) -> ModelSpec | None:
+        for spec in self.models.values():
+            if spec.repo.lower() == repo.lower():
+                return spec
+        return None
+
+    def suggestions(self, name: str) -> list[str]:
+        names = list(self.models) + [m.repo for m in self.models.values() if "/" in m.repo]
+        return difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+
+
+_REQUIRED = {"repo", "family", "sparsity", "params_b", "bf16_gb"}
+_ALLOWED = {f.name for f in fields(ModelSpec)} - {"alias"}
+
+
+def parse_registry(text: str, source: str = "models.toml") -> Registry:
+    """Parse and validate registry TOML; raises ValueError naming the offending entry and key."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{source}: invalid TOML: {e}") from None
+    unknown_top = set(data) - {"default", "models"}
+    if unknown_top:
+        raise ValueError(f"{source}: unknown top-level keys {sorted(unknown_top)}")
+    models: dict[str, ModelSpec] = {}
+    for alias, entry in data.get("models", {}).items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{source}: models.{alias} must be a table")
+        unknown = set(entry) - _ALLOWED
+        if unknown:
+            raise ValueError(f"{source}: models.{alias}: unknown keys {sorted(unknown)} (allowed: {sorted(_ALLOWED)})")
+        missing = _REQUIRED - set(entry)
+        if missing:
+            raise ValueError(f"{source}: models.{alias}: missing keys {sorted(missing)}")
+        for key in ("repo", "family", "vram", "description"):
+            if key in entry and not isinstance(entry[key], str):
+                raise ValueError(f"{source}: models.{alias}.{key} must be a string")
+        for key in ("sparsity", "params_b", "bf16_gb"):
+            if not isinstance(entry[key], (int, float)) or isinstance(entry[key], bool):
+                raise ValueError(f"{source}: models.{alias}.{key} must be a number")
+        if not 0.0 <= float(entry["sparsity"]) < 1.0:
+            raise ValueError(f"{source}: models.{alias}.sparsity must be in [0, 1)")
+        repo = entry["repo"]
+        if not (repo.startswith(PACKAGE_PREFIX) or repo.count("/") == 1):
+            raise ValueError(f"{source}: models.{alias}.repo must be 'org/name' or 'package:<dir>'")
+        models[alias] = ModelSpec(
+            alias=alias,
+            repo=repo,
+            family=entry["family"],
+            sparsity=float(entry["sparsity"]),
+            params_b=float(entry["params_b"]),
+            bf16_gb=float(entry["bf16_gb"]),
+            vram=entry.get("vram", ""),
+            description=entry.get("description", ""),
+        )
+    default = data.get("default", "")
+    if default and default not in models:
+        raise ValueError(f"{source}: default {default!r} is not a listed model")
+    return Registry(models=models, default=default)
+
+
+_cached: Registry | None = None
+
+
+def load_registry() -> Registry:
+    global _cached
+    if _cached is None:
+        _cached = parse_registry(REGISTRY_PATH.read_text(encoding="utf-8"), str(REGISTRY_PATH))
+    return _cached
+
+
+def unknown_model_error(name: str, registry: Registry) -> UsageError:
+    close = registry.suggestions(name)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    return UsageError(
+        f"unknown model {name!r}: {hint}give an alias from `localmoe models`, a hub repo id (org/name), "
+        "or a local directory"
+    )

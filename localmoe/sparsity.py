@@ -1,0 +1,148 @@
+"""Sparsity thresholds: calibration, the on-disk cache, and switching the experts' sparse path on/off.
+
+For a target sparsity S, τ[layer] is the S-quantile of |act(x·W_gate)| over the routed experts of that
+layer, measured by running calibration text through the model (dense path). Results are cached as JSON under
+`$XDG_CACHE_HOME/localmoe/thresholds/` with the metadata that produced them (model, revision, S, calibration
+set and its hash, token count, localmoe version); a file whose metadata does not match is recomputed,
+never used. The default calibration text ships with the package (works offline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from localmoe import __version__
+from localmoe.errors import RuntimeFailure, UsageError
+from localmoe.events import ProgressFn
+from localmoe.experts import GateRecorder
+from localmoe.loader import LoadedModel
+
+DEFAULT_TEXT = Path(__file__).with_name("data") / "calibration.txt"
+DEFAULT_TOKENS = 4096
+CHUNK = 512  # tokens per calibration forward
+
+
+@dataclass(frozen=True)
+class ThresholdTable:
+    sparsity: float
+    taus: tuple[float, ...]  # one per MoE layer, layer order
+    meta: dict
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "localmoe" / "thresholds"
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")[:80] or "model"
+
+
+def cache_path(model_name: str, revision: str, sparsity: float) -> Path:
+    return cache_dir() / f"{_slug(model_name)}-{_slug(revision)[:24]}" / f"s{sparsity:.4f}.json"
+
+
+def read_calibration_text(path: str | Path | None) -> tuple[str, str]:
+    """(text, name) of the calibration set."""
+    p = Path(path) if path else DEFAULT_TEXT
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        if path:
+            raise UsageError(f"cannot read calibration text {path}: {e.strerror}") from None
+        raise RuntimeFailure(f"the bundled calibration text is missing ({p}); reinstall localmoe") from None
+    if not text.strip():
+        raise UsageError(f"calibration text {p} is empty")
+    return text, ("default" if not path else p.name)
+
+
+def _meta(engine, sparsity: float, text: str, name: str, tokens: int) -> dict:
+    return {
+        "model": engine.model_name,
+        "revision": engine.resolved.revision,
+        "sparsity": round(float(sparsity), 6),
+        "calibration_set": name,
+        "calibration_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+        "tokens_requested": tokens,
+        "mode": "layer",
+        "layers": len(engine.loaded.experts),
+        "localmoe_version": __version__,
+    }
+
+
+def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = None, text: str | Path | None = None,
+                   tokens: int = DEFAULT_TOKENS, force: bool = False) -> ThresholdTable:
+    """Cached thresholds for (model, revision, S, calibration set); calibrates when absent or stale."""
+    body, name = read_calibration_text(text)
+    meta = _meta(engine, sparsity, body, name, tokens)
+    path = cache_path(engine.model_name, engine.resolved.revision, sparsity)
+    if not force and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            saved_meta = {k: saved.get(k) for k in meta}
+            if saved_meta == meta and len(saved["thresholds"]) == meta["layers"]:
+                return ThresholdTable(sparsity, tuple(float(t) for t in saved["thresholds"]), saved)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or stale: recompute
+    table = calibrate(engine, sparsity, body, tokens=tokens, progress=progress, meta=meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**table.meta, "thresholds": list(table.taus)}, indent=1))
+    tmp.replace(path)
+    return table
+
+
+@torch.inference_mode()
+def calibrate(engine, sparsity: float, text: str, *, tokens: int, progress: ProgressFn | None, meta: dict) -> ThresholdTable:
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    if len(ids) < 16:
+        raise UsageError(f"calibration text is too short ({len(ids)} tokens); give at least a few hundred tokens")
+    chunk = min(CHUNK, engine.max_positions or CHUNK)
+    chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    experts = engine.loaded.experts
+    recorders = [GateRecorder(seed=i) for i in range(len(experts))]
+    for m, r in zip(experts, recorders):
+        m.recorder = r
+    try:
+        for i, c in enumerate(chunks):
+            engine.model(input_ids=torch.tensor([c], device=engine._device), use_cache=False)
+            if progress:
+                progress("calibrate", i + 1, len(chunks))
+    finally:
+        for m in experts:
+            m.recorder = None
+    taus = tuple(r.quantile(sparsity) for r in recorders)
+    return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids)})
+
+
+def crossover_tokens(loaded: LoadedModel, device: torch.device) -> int:
+    """Largest token count that takes the sparse path (measured per GPU and shape; 1 on CPU)."""
+    if device.type != "cuda":
+        return 1
+    try:
+        from localmoe.kernels.tuning import crossover_tokens as measured
+    except ImportError:
+        return 1
+    m = loaded.experts[0]
+    k = int(getattr(loaded.config, "num_experts_per_tok", 8))
+    return int(measured(torch.cuda.get_device_name(device), m.hidden_size, m.intermediate_size, m.num_experts, k))
+
+
+def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -> None:
+    limit = crossover_tokens(loaded, device)
+    for m, tau in zip(loaded.experts, table.taus):
+        m.tau = torch.full((m.num_experts,), tau, dtype=torch.float32, device=device)
+        m.max_sparse_tokens = limit
+        m.sparse_enabled = True
+
+
+def disable(loaded: LoadedModel) -> None:
+    for m in loaded.experts:
+        m.sparse_enabled = False

@@ -1,0 +1,56 @@
+"""Shared fixtures: an isolated offline HF cache and XDG dirs, and tiny random-weight MoE checkpoints of each family.
+
+The environment is set at import time, before anything imports huggingface_hub or triton, so the library reads
+it exactly as it would for a user running offline.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_ROOT = Path(tempfile.mkdtemp(prefix="localmoe-tests-"))
+os.environ["HF_HOME"] = str(_ROOT / "hf")
+os.environ["HF_HUB_CACHE"] = str(_ROOT / "hf" / "hub")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["XDG_CACHE_HOME"] = str(_ROOT / "xdg-cache")
+os.environ["XDG_DATA_HOME"] = str(_ROOT / "xdg-data")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU in CI
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+import tiny_models  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
+
+FAMILIES = ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "granitemoe"]
+
+
+def repo_id(family: str) -> str:
+    return f"{tiny_models.ORG}/tiny-{family}"
+
+
+@pytest.fixture(scope="session")
+def hub_cache() -> Path:
+    """The session's HF cache holding one tiny checkpoint per family (org localmoe-test), plus a sharded one."""
+    cache = Path(os.environ["HF_HUB_CACHE"])
+    src = _ROOT / "src"
+    for fam in FAMILIES + ["gpt_oss", "qwen3_dense"]:
+        folder = tiny_models.save_checkpoint(fam, src / fam)
+        tiny_models.place_in_hf_cache(folder, cache, repo_id(fam))
+    sharded = tiny_models.save_checkpoint("qwen3_moe", src / "sharded", max_shard_size="20KB")
+    tiny_models.place_in_hf_cache(sharded, cache, repo_id("sharded"))
+    return cache
+
+
+@pytest.fixture(scope="session")
+def src_dir(hub_cache) -> Path:
+    """Plain checkpoint folders (not in the cache layout), one per family."""
+    return _ROOT / "src"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_xdg(tmp_path, monkeypatch):
+    """Private XDG cache/data dirs per test, so calibration files and chat history never leak between tests."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))

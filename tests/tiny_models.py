@@ -1,0 +1,126 @@
+"""Tiny random-weight MoE checkpoints of several families, saved the way real checkpoints are stored.
+
+Each model is built from its transformers config class, saved with `save_pretrained` (Qwen3.5 as the hub's
+multimodal checkpoint with fused experts: `save_original_format=False`; the others in their original per-expert
+or Granite/Mixtral layouts), given a character-level tokenizer with a ChatML chat template, and placed in a real
+Hugging Face cache layout (blobs + snapshots + refs) under `org/name` so it loads with HF_HUB_OFFLINE=1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+from pathlib import Path
+
+ORG = "localmoe-test"
+SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VOCAB = 128
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer: specials, then printable ASCII and newline (100 ids)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    chars += [chr(0x3B1 + i) for i in range(VOCAB - len(SPECIALS) - len(chars))]  # Greek letters fill the vocab
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   bos_token=None, pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _common(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, initializer_range=0.3, eos_token_id=3, bos_token_id=1, pad_token_id=1,
+                tie_word_embeddings=False)
+    base.update(kw)
+    return base
+
+
+def build(family: str):
+    """(model, save kwargs) for a family name."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(1234)
+    if family == "qwen3_5_moe":
+        text = _common(head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8,
+                       num_experts_per_tok=2, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                       layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                      temporal_patch_size=2, spatial_merge_size=2)
+        cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        model = tf.Qwen3_5MoeForConditionalGeneration(cfg)
+        return model, {"save_original_format": False}
+    if family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**_common(head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                                          intermediate_size=48, norm_topk_prob=True))
+    elif family == "olmoe":
+        cfg = tf.OlmoeConfig(**_common(intermediate_size=16, num_experts=8, num_experts_per_tok=2))
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(**_common(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2))
+    elif family == "deepseek_v2":
+        cfg = tf.DeepseekV2Config(**_common(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+                                            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                            v_head_dim=8, n_group=1, topk_group=1, rope_scaling=None,
+                                            num_hidden_layers=3, num_key_value_heads=4))
+    elif family == "granitemoe":
+        cfg = tf.GraniteMoeConfig(**_common(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2))
+    elif family == "gpt_oss":
+        cfg = tf.GptOssConfig(**_common(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8))
+    elif family == "qwen3_dense":  # not an MoE: must be refused
+        cfg = tf.Qwen3Config(**_common(head_dim=8, intermediate_size=48))
+    else:
+        raise ValueError(family)
+    return tf.AutoModelForCausalLM.from_config(cfg), {}
+
+
+def save_checkpoint(family: str, folder: Path, *, max_shard_size: str | None = None) -> Path:
+    model, kwargs = build(family)
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(folder, **kwargs)
+    char_tokenizer().save_pretrained(folder)
+    gen = {"eos_token_id": 3, "bos_token_id": 1, "pad_token_id": 1}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    return folder
+
+
+def place_in_hf_cache(src: Path, hub_cache: Path, repo_id: str) -> Path:
+    """Copy a checkpoint folder into `hub_cache` the way huggingface_hub stores downloads."""
+    repo_dir = hub_cache / f"models--{repo_id.replace('/', '--')}"
+    digest = hashlib.sha1()
+    for f in sorted(src.iterdir()):
+        digest.update(f.name.encode())
+        digest.update(f.read_bytes())
+    commit = digest.hexdigest()
+    snap = repo_dir / "snapshots" / commit
+    (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        data = f.read_bytes()
+        blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
+        if not blob.exists():
+            shutil.copyfile(f, blob)
+        link = snap / f.name
+        if link.exists() or link.is_symlink():
+            link.unlink()
+        os.symlink(os.path.relpath(blob, snap), link)
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    return snap
