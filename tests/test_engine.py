@@ -1,0 +1,87 @@
+"""The Engine at batch 1: sampling settings, stopping, cancellation from another thread, stats."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import repo_id
+from localmoe.engine import Engine
+from localmoe.events import GenerationSettings
+from localmoe.sampling import sample
+
+
+@pytest.fixture(scope="module")
+def engine(hub_cache):
+    return Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0)
+
+
+def ids_of(engine, settings, prompt="abc"):
+    return [ev.token_id for ev in engine.generate(engine.encode_raw(prompt), settings)]
+
+
+def test_greedy_is_deterministic_and_max_new_tokens(engine):
+    s = GenerationSettings(max_new_tokens=7)
+    a, b = ids_of(engine, s), ids_of(engine, s)
+    assert a == b and len(a) <= 7
+    assert engine.stats.generated_tokens == len(a) and engine.stats.prompt_tokens == 3
+    assert engine.stats.finish_reason in {"length", "stop"}
+
+
+def test_seeded_sampling_reproducible(engine):
+    s = GenerationSettings(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=7)
+    assert ids_of(engine, s) == ids_of(engine, s)
+    other = GenerationSettings(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=8)
+    assert ids_of(engine, s) != ids_of(engine, other)
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = ids_of(engine, GenerationSettings(max_new_tokens=8))
+    assert ids_of(engine, GenerationSettings(max_new_tokens=8, temperature=0.7, top_k=1, seed=3)) == greedy
+
+
+def test_sampler_filters():
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    assert int(sample(logits, GenerationSettings(), None)) == 1
+    gen = torch.Generator().manual_seed(0)
+    draws = {int(sample(logits, GenerationSettings(temperature=1.0, top_p=0.5), gen)) for _ in range(50)}
+    assert draws <= {1, 2} and 1 in draws
+    draws = {int(sample(logits, GenerationSettings(temperature=5.0, top_k=2), gen)) for _ in range(200)}
+    assert draws == {1, 2}
+
+
+def test_stops_on_eos(engine):
+    engine.eos_ids = set(range(engine.loaded.config.vocab_size))  # every token is EOS: nothing is emitted
+    try:
+        assert ids_of(engine, GenerationSettings(max_new_tokens=5)) == []
+        assert engine.stats.finish_reason == "stop"
+    finally:
+        engine.eos_ids = engine._eos_ids()
+
+
+def test_cancel_from_another_thread(engine):
+    got = []
+    stream = engine.generate(engine.encode_raw("abc"), GenerationSettings(max_new_tokens=400))
+    first = next(stream)
+    got.append(first)
+    t = threading.Thread(target=engine.cancel)
+    t.start()
+    t.join()
+    got.extend(stream)
+    assert len(got) <= 2  # stops within a token
+    assert engine.stats.finish_reason == "cancelled"
+
+
+def test_empty_prompt_is_usage_error(engine):
+    from localmoe.errors import UsageError
+
+    with pytest.raises(UsageError):
+        list(engine.generate([], GenerationSettings()))
+
+
+def test_chat_template_with_system(engine):
+    ids = engine.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    text = engine.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nbe brief<|im_end|>") and text.endswith("<|im_start|>assistant\n")

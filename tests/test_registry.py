@@ -1,0 +1,54 @@
+"""models.toml parses into frozen ModelSpecs, rejects unknown keys and bad values, and lists the required models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from localmoe.registry import ModelSpec, load_registry, parse_registry
+
+REQUIRED = {"qwen3.5-35b": "Qwen/Qwen3.5-35B-A3B", "qwen3.5-122b": None, "qwen3-30b": None, "olmoe": None,
+            "granite-moe-1b": None, "granite-moe-3b": None, "deepseek-v2-lite": None, "mixtral-8x7b": None,
+            "gpt-oss-20b": None, "localmoe-tiny": None}
+
+
+def test_shipped_registry():
+    reg = load_registry()
+    for alias, repo in REQUIRED.items():
+        spec = reg.get(alias)
+        assert isinstance(spec, ModelSpec), alias
+        assert repo is None or spec.repo == repo
+        assert 0 <= spec.sparsity < 1 and spec.bf16_gb > 0 and spec.vram
+    assert reg.get("qwen3.5-35b").sparsity == pytest.approx(0.85)
+    assert reg.default == "localmoe-tiny"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reg.get("olmoe").sparsity = 0.1
+
+
+GOOD = '[models.a]\nrepo = "o/a"\nfamily = "olmoe"\nsparsity = 0.5\nparams_b = 1\nbf16_gb = 2\n'
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (GOOD + "colour = 'red'\n", "unknown keys"),
+        (GOOD.replace("sparsity = 0.5", "sparsity = 1.0"), "sparsity"),
+        (GOOD.replace('repo = "o/a"', 'repo = "nope"'), "repo"),
+        (GOOD.replace("bf16_gb = 2\n", ""), "missing keys"),
+        (GOOD + 'x = "y"\n', "unknown keys"),
+        ('default = "b"\n' + GOOD, "default"),
+        ("wat = 1\n", "unknown top-level"),
+        ("[models.a\n", "invalid TOML"),
+    ],
+)
+def test_rejects_bad_entries(text, needle):
+    with pytest.raises(ValueError, match=None) as e:
+        parse_registry(text)
+    assert needle in str(e.value)
+
+
+def test_parses_good_entry_and_suggests():
+    reg = parse_registry(GOOD)
+    assert reg.get("a").repo == "o/a" and reg.by_repo("O/A").alias == "a"
+    assert load_registry().suggestions("qwen35-35b")[0] == "qwen3.5-35b"
