@@ -50,7 +50,7 @@ def src_dir(hub_cache) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_xdg(tmp_path, monkeypatch):
+def _fresh_xdg(hub_cache, tmp_path, monkeypatch):
     """Private XDG cache/data dirs per test, so calibration files and chat history never leak between tests."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
