@@ -28,6 +28,13 @@ def _sparsity(value: str) -> float:
     return s
 
 
+def _sparsity_list(value: str) -> list[float]:
+    items = [v for v in value.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one sparsity")
+    return sorted({_sparsity(v) for v in items})
+
+
 def _ranged(kind, lo=None, hi=None, lo_open=False, what="value"):
     def parse(value: str):
         try:
@@ -89,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--continue", dest="continue_last", action="store_true", help="resume the last session")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
+    p = sub.add_parser("eval", help="perplexity and agreement with dense, per sparsity")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--sparsity", type=_sparsity_list, default=[0.0, 0.5, 0.7, 0.85, 0.9],
+                   help="comma-separated list (default 0,0.5,0.7,0.85,0.9)")
+    p.add_argument("--text", metavar="FILE", default=None, help="default: the held-out split shipped with localmoe")
+    p.add_argument("--tokens", type=_ranged(int, 16, what="--tokens"), default=16384)
+    p.add_argument("--window", type=_ranged(int, 16, what="--window"), default=512)
+    p.add_argument("--tasks", default=None, help="lm-eval tasks (needs the optional lm-eval extra)")
+    p.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
+    p.add_argument("--include-path", default=None, help="lm-eval: folder with extra task YAMLs")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
     p = sub.add_parser("models", help="list the registry's models")
     p.add_argument("--json", action="store_true")
 
@@ -118,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if not debug:
             _quiet_libraries()
         handler = {"run": cmd_run, "chat": cmd_chat, "models": cmd_models, "pull": cmd_pull,
-                   "calibrate": cmd_calibrate}[args.command]
+                   "calibrate": cmd_calibrate, "eval": cmd_eval}[args.command]
         return handler(args)
     except LocalmoeError as e:
         if debug:
@@ -284,3 +306,22 @@ def cmd_chat(args) -> int:
 
     return run_chat(lambda progress: _load_engine(args, progress), model_label=model, settings=_settings(args),
                     sparsity=args.sparsity, system=args.system, continue_last=args.continue_last)
+
+
+def cmd_eval(args) -> int:
+    from localmoe.engine import Engine
+
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=_stderr_progress())
+    if args.tasks:
+        from localmoe.harness import run_tasks
+
+        results = run_tasks(engine, args.tasks.split(","), args.sparsity, limit=args.limit,
+                            include_path=args.include_path, progress=_stderr_progress())
+        print(json.dumps(results) if args.json else results["table"])
+        return 0
+    from localmoe.evaluate import evaluate
+
+    report = evaluate(engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window,
+                      progress=_stderr_progress())
+    print(json.dumps(report.as_json()) if args.json else report.table())
+    return 0

@@ -79,6 +79,7 @@ class LocalExperts(nn.Module):
         self.tau: torch.Tensor | None = None  # [E] float32 threshold per expert (per-layer τ broadcast)
         self.sparse_enabled = False
         self.max_sparse_tokens = 1
+        self.mask_all_tokens = False  # evaluation: apply the sparse mask on the grouped path too (same function)
         self.recorder: GateRecorder | None = None
         self.kept = None  # running count of kept neurons on the sparse path (device tensor, no sync)
         self.seen = 0  # neurons considered on the sparse path (host int)
@@ -103,6 +104,8 @@ class LocalExperts(nn.Module):
     def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         w = self.weights
         out = torch.zeros_like(x)
+        masked = self.mask_all_tokens and self.sparse_enabled and self.tau is not None and self.recorder is None
+        kept = torch.zeros((), dtype=torch.int64, device=x.device)
         flat = top_k_index.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -118,10 +121,17 @@ class LocalExperts(nn.Module):
             g = self.act_fn(xs @ w.w_gate[e].T)  # [n, I]
             if self.recorder is not None:
                 self.recorder.add(g.abs())
+            if masked:
+                keep = g.abs() >= self.tau[e]
+                g = g * keep
+                kept = kept + keep.sum()
             h = g * (xs @ w.w_up[e].T)
             y = h @ w.w_down_t[e]  # [n, H]
             y = y * top_k_weights.reshape(-1)[slots, None].to(y.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
+        if masked:
+            self.kept = kept if self.kept is None else self.kept + kept
+            self.seen += top_k_index.numel() * self.intermediate_size
         return out
 
     # -- sparse: decode ---------------------------------------------------------------------------------
