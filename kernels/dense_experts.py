@@ -4,9 +4,9 @@ Owns `dense_experts` (Triton launcher), its torch reference `dense_experts_ref`,
 `_dense_experts_kernel`:
 
     grid (T*k, ceil(I / BLOCK_N)); program (tj, b) reads neurons [b*BLOCK_N, (b+1)*BLOCK_N) of expert
-    e = expert_ids[tj]: gate and up rows in one sweep over H (h_n = w[tj] * silu(x.W_gate[e,n]) * (x.W_up[e,n]),
-    fp32), then the same neurons' W_down_t rows, atomically adding sum_n h_n W_down_t[e, n, :] into y[t]
-    (fp32, zeroed by the launcher).
+    e = expert_ids[tj]: its gate, up and W_down_t rows are loaded in one go (full-width tiles, no serial loop
+    over H: batch-1 decode is latency bound), h_n = w[tj] * silu(x.W_gate[e,n]) * (x.W_up[e,n]) in fp32, and
+    sum_n h_n W_down_t[e, n, :] is atomically added into y[t] (fp32, zeroed by the launcher).
 
 One launch (plus a memset), every weight byte of the k routed experts read once, no host sync: graph
 capturable. Meant for small T (decode); for prefill use a grouped GEMM.
@@ -50,15 +50,15 @@ if triton is not None:
         eid_ptr,  # [T*k]
         rw_ptr,  # [T*k]
         y_ptr,  # [T, H] fp32, zeroed
-        H,
         I,
         K,
         stride_xt,
         stride_ge,
         stride_ue,
         stride_de,
+        H: tl.constexpr,
+        H_P2: tl.constexpr,  # next power of two >= H: full-width tiles, no serial H loop
         BLOCK_N: tl.constexpr,
-        BLOCK_H: tl.constexpr,
     ):
         pid_tj = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -67,29 +67,19 @@ if triton is not None:
         rw = tl.load(rw_ptr + pid_tj).to(tl.float32)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = rows < I
-        rows64 = rows.to(tl.int64)[:, None] * H
-        cols = tl.arange(0, BLOCK_H)
-        x_base = x_ptr + t.to(tl.int64) * stride_xt
-        acc_g = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
-        wg_base = wg_ptr + e * stride_ge + rows64
-        wu_base = wu_ptr + e * stride_ue + rows64
-        for h0 in range(0, H, BLOCK_H):
-            c = h0 + cols
-            cmask = c < H
-            m2 = valid[:, None] & cmask[None, :]
-            xv = tl.load(x_base + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            acc_g += tl.load(wg_base + c[None, :], mask=m2, other=0.0).to(tl.float32) * xv
-            acc_u += tl.load(wu_base + c[None, :], mask=m2, other=0.0).to(tl.float32) * xv
-        z = tl.sum(acc_g, axis=1)
-        h = z / (1.0 + tl.exp(-z)) * tl.sum(acc_u, axis=1) * rw  # [BLOCK_N]
-        wd_base = wd_ptr + e * stride_de + rows64
-        y_base = y_ptr + t.to(tl.int64) * H
-        for h0 in range(0, H, BLOCK_H):
-            c = h0 + cols
-            cmask = c < H
-            dv = tl.load(wd_base + c[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-            tl.atomic_add(y_base + c, tl.sum(dv.to(tl.float32) * h[:, None], axis=0), mask=cmask, sem="relaxed")
+        roff = rows.to(tl.int64)[:, None] * H
+        cols = tl.arange(0, H_P2)
+        cmask = cols < H
+        m2 = valid[:, None] & cmask[None, :]
+        # all three tiles are issued before any arithmetic: one memory round trip
+        wg = tl.load(wg_ptr + e * stride_ge + roff + cols[None, :], mask=m2, other=0.0)
+        wu = tl.load(wu_ptr + e * stride_ue + roff + cols[None, :], mask=m2, other=0.0)
+        wd = tl.load(wd_ptr + e * stride_de + roff + cols[None, :], mask=m2, other=0.0)
+        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        z = tl.sum(wg.to(tl.float32) * xv, axis=1)
+        h = z / (1.0 + tl.exp(-z)) * tl.sum(wu.to(tl.float32) * xv, axis=1) * rw  # [BLOCK_N]
+        contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)
+        tl.atomic_add(y_ptr + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
 
 
 def dense_experts(
@@ -101,9 +91,8 @@ def dense_experts(
     weights,
     out=None,
     *,
-    BLOCK_N: int = 8,
-    BLOCK_H: int = 512,
-    num_warps: int = 4,
+    BLOCK_N: int = 4,
+    num_warps: int = 8,
 ):
     """y [T,H] fp32 = sum_j weights[t,j] * expert_{expert_ids[t,j]}(x[t]) with SwiGLU experts, all neurons.
 
@@ -143,11 +132,10 @@ def dense_experts(
     out.zero_()
     if T == 0 or k == 0:
         return out
-    bn = min(BLOCK_N, triton.next_power_of_2(I))
-    bh = min(BLOCK_H, triton.next_power_of_2(H))
+    bn = max(1, min(triton.next_power_of_2(BLOCK_N), triton.next_power_of_2(I)))
     _dense_experts_kernel[(T * k, triton.cdiv(I, bn))](
-        x, w_gate, w_up, w_down_t, expert_ids.contiguous(), weights.contiguous(), out, H, I, k, x.stride(0),
+        x, w_gate, w_up, w_down_t, expert_ids.contiguous(), weights.contiguous(), out, I, k, x.stride(0),
         w_gate.stride(0), w_up.stride(0), w_down_t.stride(0),
-        BLOCK_N=bn, BLOCK_H=bh, num_warps=num_warps,
+        H=H, H_P2=triton.next_power_of_2(H), BLOCK_N=bn, num_warps=num_warps,
     )
     return out

@@ -1,16 +1,18 @@
 """Sparse decode, step 1 of 2: dense gate projection + threshold mask + index compaction.
 
-Owns `sparse_gate` (Triton launcher), its torch reference `sparse_gate_ref`, and the two Triton kernels
-behind it:
+Owns `sparse_gate` (Triton launcher), its torch reference `sparse_gate_ref`, and one Triton kernel
+`_sparse_gate_kernel`, grid (T*k, ceil(I / BLOCK_I)):
 
-* `_gate_gemv_kernel`  - grid (T*k, ceil(I / BLOCK_I)): g[t, j, n] = silu(x[t] . W_gate[e, n]) for a block of
-  BLOCK_I neurons, fp32 accumulation. Many programs per expert so a batch-1 step still fills the GPU.
-* `_gate_compact_kernel` - grid (T*k,): keep neuron n where |g[t, j, n]| >= tau[e]; one pass, prefix sum
-  (tl.cumsum) gives each kept neuron its slot, so `idx` lists kept neurons in ascending order; padding slots
-  are written with 0; count = min(#kept, C).
+* each program computes g[t, j, n] = silu(x[t] . W_gate[e, n]) for BLOCK_I neurons (fp32 accumulation) with
+  one full-width load of its BLOCK_I x H tile (no serial loop over H: a batch-1 step is latency bound), and
+  stores g; many programs per expert so a batch-1 step still fills the GPU;
+* then it takes a ticket (acq_rel atomic on a per-pair counter); the program that finishes last for pair
+  (t, j) reads the whole g row back from L2 and compacts it: keep n where |g| >= tau[e], prefix sum
+  (tl.cumsum) gives each kept neuron its slot, so `idx` lists kept neurons in ascending order, padding slots
+  are written with 0, count = min(#kept, C); it resets the ticket to 0 for the next launch.
 
-Both grids and all output sizes are fixed by (T, k, I, C), nothing reads data back to the host, so the whole
-thing can be captured in a CUDA graph (pass `out=` buffers to keep addresses fixed).
+One launch, fixed grid and output sizes, no host sync: CUDA-graph capturable (pass `out=` buffers to keep
+addresses fixed). The ticket workspace is cached per (device, stream).
 
 Shape legend: T = tokens, k = experts per token, E = experts, I = expert width (neurons), H = hidden,
 C = capacity (length of the kept-index list, <= I).
@@ -56,72 +58,78 @@ def sparse_gate_ref(x, w_gate, expert_ids, tau, capacity):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Triton kernels
+# Triton kernel
 # ----------------------------------------------------------------------------------------------------------
 if triton is not None:
 
     @triton.jit
-    def _gate_gemv_kernel(
+    def _sparse_gate_kernel(
         x_ptr,  # [T, H] any float dtype, row stride stride_xt
         w_ptr,  # [E, I, H] rows contiguous, expert stride stride_we
         eid_ptr,  # [T*k] int32/int64
+        tau_ptr,  # [E] fp32
         g_ptr,  # [T*k, I] fp32 out
-        H,
+        idx_ptr,  # [T*k, C] int32 out
+        cnt_ptr,  # [T*k] int32 out
+        ticket_ptr,  # [T*k] int32 workspace, zero between launches (the last program resets it)
         I,
+        C,
         K,  # experts per token
         stride_xt,
         stride_we,
+        H: tl.constexpr,
+        H_P2: tl.constexpr,  # next power of two >= H: one full-width load per program, no serial H loop
         BLOCK_I: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        I_P2: tl.constexpr,  # next power of two >= I
+        C_P2: tl.constexpr,  # next power of two >= C
     ):
         pid_tj = tl.program_id(0)  # one (token, slot) pair
         pid_i = tl.program_id(1)  # one block of BLOCK_I neurons
         t = pid_tj // K
         e = tl.load(eid_ptr + pid_tj).to(tl.int64)
+        # ---- gate GEMV for BLOCK_I neurons: g = silu(x . W_gate[e, n]) ----
         rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I]
         rmask = rows < I
-        cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-        w_base = w_ptr + e * stride_we + rows.to(tl.int64)[:, None] * H  # [BLOCK_I, 1]
-        x_base = x_ptr + t.to(tl.int64) * stride_xt
-        acc = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            c = h0 + cols
-            cmask = c < H
-            xv = tl.load(x_base + c, mask=cmask, other=0.0).to(tl.float32)  # [BLOCK_H]
-            wv = tl.load(w_base + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
-            acc += wv.to(tl.float32) * xv[None, :]
-        z = tl.sum(acc, axis=1)  # [BLOCK_I]
+        cols = tl.arange(0, H_P2)  # [H_P2]
+        cmask = cols < H
+        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + e * stride_we + rows.to(tl.int64)[:, None] * H + cols[None, :],
+                     mask=rmask[:, None] & cmask[None, :], other=0.0)  # [BLOCK_I, H_P2]
+        z = tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_I]
         g = z / (1.0 + tl.exp(-z))  # silu
-        tl.store(g_ptr + pid_tj.to(tl.int64) * I + rows, g, mask=rmask)
+        g_row = g_ptr + pid_tj.to(tl.int64) * I
+        tl.store(g_row + rows, g, mask=rmask)
+        # ---- the last program of this pair to finish compacts the mask (ascending, prefix sum) ----
+        tl.debug_barrier()  # all of this program's g stores precede the release below
+        done = tl.atomic_add(ticket_ptr + pid_tj, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            tau = tl.load(tau_ptr + e)
+            n = tl.arange(0, I_P2)
+            nmask = n < I
+            gall = tl.load(g_row + n, mask=nmask, other=0.0, cache_modifier=".cg")  # other programs' g: via L2
+            keep = (tl.abs(gall) >= tau) & nmask
+            keep_i = keep.to(tl.int32)
+            pos = tl.cumsum(keep_i, axis=0) - 1  # slot of each kept neuron
+            cnt = tl.minimum(tl.sum(keep_i, axis=0), C)
+            out_row = idx_ptr + pid_tj.to(tl.int64) * C
+            tl.store(out_row + pos, n, mask=keep & (pos < C))
+            p = tl.arange(0, C_P2)
+            tl.store(out_row + p, tl.zeros([C_P2], dtype=tl.int32), mask=(p >= cnt) & (p < C))
+            tl.store(cnt_ptr + pid_tj, cnt)
+            tl.store(ticket_ptr + pid_tj, 0)  # ready for the next launch / graph replay
 
-    @triton.jit
-    def _gate_compact_kernel(
-        g_ptr,  # [T*k, I] fp32
-        eid_ptr,  # [T*k]
-        tau_ptr,  # [E] fp32
-        idx_ptr,  # [T*k, C] int32 out
-        cnt_ptr,  # [T*k] int32 out
-        I,
-        C,
-        BLOCK_I: tl.constexpr,  # next power of two >= I
-        BLOCK_C: tl.constexpr,  # next power of two >= C
-    ):
-        pid = tl.program_id(0)
-        e = tl.load(eid_ptr + pid).to(tl.int64)
-        tau = tl.load(tau_ptr + e)
-        n = tl.arange(0, BLOCK_I)
-        nmask = n < I
-        g = tl.load(g_ptr + pid.to(tl.int64) * I + n, mask=nmask, other=0.0)
-        keep = (tl.abs(g) >= tau) & nmask
-        keep_i = keep.to(tl.int32)
-        pos = tl.cumsum(keep_i, axis=0) - 1  # slot of each kept neuron, ascending
-        total = tl.sum(keep_i, axis=0)
-        cnt = tl.minimum(total, C)
-        out_base = idx_ptr + pid.to(tl.int64) * C
-        tl.store(out_base + pos, n, mask=keep & (pos < C))
-        p = tl.arange(0, BLOCK_C)
-        tl.store(out_base + p, tl.zeros([BLOCK_C], dtype=tl.int32), mask=(p >= cnt) & (p < C))
-        tl.store(cnt_ptr + pid, cnt)
+
+_TICKETS: dict = {}
+
+
+def _tickets(device, n: int):
+    """Zeroed int32 workspace of >= n tickets, one per (device, stream); kernels leave it zeroed."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -142,8 +150,7 @@ def sparse_gate(
     capacity: int | None = None,
     *,
     out=None,
-    BLOCK_I: int = 16,
-    BLOCK_H: int = 512,
+    BLOCK_I: int = 8,
     num_warps: int = 4,
 ):
     """Dense gate + threshold + compaction for the k routed experts of each token.
@@ -194,14 +201,10 @@ def sparse_gate(
             raise ValueError(f"out count must be contiguous int32 [T,k] = {(T, k)}")
     if T == 0 or k == 0:
         return g, idx, count
-    bi = min(BLOCK_I, triton.next_power_of_2(I))
-    bh = min(BLOCK_H, triton.next_power_of_2(H))
-    _gate_gemv_kernel[(T * k, triton.cdiv(I, bi))](
-        x, w_gate, eid, g, H, I, k, x.stride(0), w_gate.stride(0),
-        BLOCK_I=bi, BLOCK_H=bh, num_warps=num_warps,
-    )
-    _gate_compact_kernel[(T * k,)](
-        g, eid, tau, idx, count, I, C,
-        BLOCK_I=triton.next_power_of_2(I), BLOCK_C=triton.next_power_of_2(C), num_warps=4,
+    bi = max(1, min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(I)))
+    _sparse_gate_kernel[(T * k, triton.cdiv(I, bi))](
+        x, w_gate, eid, tau, g, idx, count, _tickets(dev, T * k), I, C, k, x.stride(0), w_gate.stride(0),
+        H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, I_P2=triton.next_power_of_2(I),
+        C_P2=triton.next_power_of_2(C), num_warps=num_warps,
     )
     return g, idx, count

@@ -4,9 +4,10 @@ Owns `sparse_updown` (Triton launcher), its torch reference `sparse_updown_ref`,
 `_sparse_updown_kernel`:
 
     grid (T*k, ceil(C / BLOCK_N)); program (tj, b) takes kept slots [b*BLOCK_N, (b+1)*BLOCK_N) of pair tj
-    (exits at once when b*BLOCK_N >= count[tj]), gathers those neurons' W_up rows, computes
-    h_n = w[tj] * g[tj, n] * (x[t] . W_up[e, n]) in fp32, then gathers the same neurons' W_down_t rows and
-    atomically adds sum_n h_n * W_down_t[e, n, :] into y[t, :] (fp32, zeroed by the launcher).
+    (exits at once when b*BLOCK_N >= count[tj]), loads those neurons' full W_up and W_down_t rows in one go
+    (full-width tiles, no serial loop over H: batch-1 decode is latency bound), computes
+    h_n = w[tj] * g[tj, n] * (x[t] . W_up[e, n]) in fp32 and atomically adds sum_n h_n * W_down_t[e, n, :]
+    into y[t, :] (fp32, zeroed by the launcher).
 
 Each kept weight row is read exactly once; dropped rows are never touched. Grid and output size are fixed, no
 host sync: CUDA-graph capturable (the zeroing of y is a memset inside the launcher, so a graph captures it).
@@ -67,15 +68,15 @@ if triton is not None:
         idx_ptr,  # [T*k, C] int32
         cnt_ptr,  # [T*k] int32
         y_ptr,  # [T, H] fp32, zeroed
-        H,
         I,
         C,
         K,
         stride_xt,
         stride_ue,
         stride_de,
+        H: tl.constexpr,
+        H_P2: tl.constexpr,  # next power of two >= H: full-width tiles, no serial H loop
         BLOCK_N: tl.constexpr,
-        BLOCK_H: tl.constexpr,
     ):
         pid_tj = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -89,28 +90,17 @@ if triton is not None:
         valid = slots < cnt
         rows = tl.load(idx_ptr + pid_tj.to(tl.int64) * C + slots, mask=valid, other=0)
         gv = tl.load(g_ptr + pid_tj.to(tl.int64) * I + rows, mask=valid, other=0.0)
-        rows64 = rows.to(tl.int64)[:, None] * H  # [BLOCK_N, 1]
-        cols = tl.arange(0, BLOCK_H)
-        x_base = x_ptr + t.to(tl.int64) * stride_xt
-        # up: u_n = x . W_up[e, n]
-        acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
-        wu_base = wu_ptr + e * stride_ue + rows64
-        for h0 in range(0, H, BLOCK_H):
-            c = h0 + cols
-            cmask = c < H
-            xv = tl.load(x_base + c, mask=cmask, other=0.0).to(tl.float32)
-            wv = tl.load(wu_base + c[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-            acc += wv.to(tl.float32) * xv[None, :]
-        h = tl.sum(acc, axis=1) * gv * rw  # [BLOCK_N], zero on invalid slots
-        # down: y[t] += sum_n h_n W_down_t[e, n, :]
-        wd_base = wd_ptr + e * stride_de + rows64
-        y_base = y_ptr + t.to(tl.int64) * H
-        for h0 in range(0, H, BLOCK_H):
-            c = h0 + cols
-            cmask = c < H
-            dv = tl.load(wd_base + c[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-            contrib = tl.sum(dv.to(tl.float32) * h[:, None], axis=0)  # [BLOCK_H]
-            tl.atomic_add(y_base + c, contrib, mask=cmask, sem="relaxed")
+        roff = rows.to(tl.int64)[:, None] * H  # [BLOCK_N, 1]
+        cols = tl.arange(0, H_P2)
+        cmask = cols < H
+        m2 = valid[:, None] & cmask[None, :]
+        # both tiles are issued before any arithmetic: one memory round trip for all kept bytes
+        wu = tl.load(wu_ptr + e * stride_ue + roff + cols[None, :], mask=m2, other=0.0)  # [BLOCK_N, H_P2]
+        wd = tl.load(wd_ptr + e * stride_de + roff + cols[None, :], mask=m2, other=0.0)  # [BLOCK_N, H_P2]
+        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
+        h = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1) * gv * rw  # [BLOCK_N], 0 on invalid slots
+        contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)  # [H_P2]
+        tl.atomic_add(y_ptr + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -134,8 +124,7 @@ def sparse_updown(
     count,
     out=None,
     *,
-    BLOCK_N: int = 8,
-    BLOCK_H: int = 512,
+    BLOCK_N: int = 4,
     num_warps: int = 4,
 ):
     """y [T,H] fp32 = sum_j weights[t,j] sum_{n in idx[t,j,:count[t,j]]} g[t,j,n] (x[t].w_up[e,n]) w_down_t[e,n,:].
@@ -187,11 +176,10 @@ def sparse_updown(
     out.zero_()
     if T == 0 or k == 0:
         return out
-    bn = min(BLOCK_N, triton.next_power_of_2(C))
-    bh = min(BLOCK_H, triton.next_power_of_2(H))
+    bn = max(1, min(triton.next_power_of_2(BLOCK_N), triton.next_power_of_2(C)))
     _sparse_updown_kernel[(T * k, triton.cdiv(C, bn))](
         x, w_up, w_down_t, expert_ids.contiguous(), weights.contiguous(), g.contiguous(), idx.contiguous(),
-        count.contiguous(), out, H, I, C, k, x.stride(0), w_up.stride(0), w_down_t.stride(0),
-        BLOCK_N=bn, BLOCK_H=bh, num_warps=num_warps,
+        count.contiguous(), out, I, C, k, x.stride(0), w_up.stride(0), w_down_t.stride(0),
+        H=H, H_P2=triton.next_power_of_2(H), BLOCK_N=bn, num_warps=num_warps,
     )
     return out

@@ -1,0 +1,443 @@
+"""H200 benchmark of one MoE block at batch 1: localmoe sparse kernels vs dense paths.
+
+Owns the measurement behind `bench/RESULTS.md` and the tuned data in `kernels/tuned/`:
+  * device-copy bandwidth (the byte-floor ceiling), measured in the same run;
+  * correctness of every path vs the fp32 torch references (max rel err printed before any timing);
+  * launch-parameter sweep of the three Triton kernels per shape (H, I, k);
+  * whole block (router + shared expert where the family has one + experts) and experts-only times for
+    transformers `batched_mm`, `grouped_mm`, localmoe dense, localmoe sparse at 0/50/70/85/90 % sparsity;
+  * dense/sparse crossover token count (T = 1..32) per shape.
+Timing: CUDA graphs of several blocks over rotating weight sets and inputs (L2 = 60 MB must not hold the
+working set), `triton.testing.do_bench` median of graph replays.
+
+    PYTHONUNBUFFERED=1 python bench/bench_moe_block.py --out $OUT          # on the GPU
+    TRITON_INTERPRET=1 python bench/bench_moe_block.py --smoke             # CPU plumbing check, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kernels.dense_experts import dense_experts, dense_experts_ref  # noqa: E402
+from kernels.sparse_gate import sparse_gate, sparse_gate_ref  # noqa: E402
+from kernels.sparse_updown import sparse_updown, sparse_updown_ref  # noqa: E402
+
+# name, H, I, E, k, shared I (0 = none), transformers family
+FAMILIES = [
+    ("Qwen3.5-35B-A3B", 2048, 512, 256, 8, 512, "qwen3_5_moe"),
+    ("Qwen3.5-122B-A10B", 3072, 1024, 256, 8, 1024, "qwen3_5_moe"),
+    ("Qwen3-30B-A3B", 2048, 768, 128, 8, 0, "qwen3_moe"),
+]
+SMOKE_FAMILIES = [("smoke-shared", 64, 32, 8, 2, 32, "qwen3_5_moe"), ("smoke-noshared", 64, 48, 8, 2, 0, "qwen3_moe")]
+SPARSITIES = [0.0, 0.5, 0.7, 0.85, 0.9]
+CROSS_T = [1, 2, 4, 8, 16, 32]
+GATE_SWEEP = [dict(BLOCK_I=bi, num_warps=w) for bi in (2, 4, 8, 16) for w in (2, 4, 8)]
+UPDOWN_SWEEP = [dict(BLOCK_N=bn, num_warps=w) for bn in (1, 2, 4, 8) for w in (2, 4, 8)]
+DENSE_SWEEP = [dict(BLOCK_N=bn, num_warps=w) for bn in (1, 2, 4, 8) for w in (4, 8)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------------------
+class Timer:
+    """Graph-captured median timing on CUDA; plain wall clock in smoke mode."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __call__(self, fn, n_inner: int) -> tuple[float, str]:
+        """Median µs of one `fn()` call divided by n_inner (fn runs n_inner blocks); mode 'graph' or 'eager'."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6 / n_inner, "cpu"
+        import triton.testing
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        mode = "graph"
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+            run()
+            torch.cuda.synchronize()
+        except Exception as exc:  # capture failed: time eagerly and say so
+            print(f"    (graph capture failed: {type(exc).__name__}: {str(exc)[:120]}; timing eager)")
+            torch.cuda.synchronize()
+            run, mode = fn, "eager"
+        ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+        return ms * 1e3 / n_inner, mode
+
+
+def copy_bandwidth(cuda: bool) -> float:
+    """Device copy GB/s counting bytes read + written."""
+    if not cuda:
+        return 1.0
+    import triton.testing
+
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=50, return_mode="median")
+    del a, b
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model blocks
+# ---------------------------------------------------------------------------------------------------------
+def make_block(family, H, I, E, k, SI, dev):
+    """A real transformers MoE block with random bf16 weights plus localmoe's weight views."""
+    if family == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig as Cfg
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock as Block
+
+        cfg = Cfg(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k,
+                  shared_expert_intermediate_size=SI)
+    else:
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig as Cfg
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        cfg = Cfg(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k, norm_topk_prob=True)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            blk = Block(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.normal_(0.0, 0.02)
+    blk.eval().requires_grad_(False)
+    ex = blk.experts
+    # localmoe layout: w_gate / w_up are row-contiguous views of gate_up_proj, w_down_t is down_proj transposed
+    lw = dict(w_gate=ex.gate_up_proj[:, :I], w_up=ex.gate_up_proj[:, I:],
+              w_down_t=ex.down_proj.transpose(1, 2).contiguous())
+    return cfg, blk, lw
+
+
+def shared_part(blk, hs):
+    """Shared expert (with its sigmoid gate) of a Qwen3.5 block; None when the family has none."""
+    if not hasattr(blk, "shared_expert"):
+        return None
+    return torch.sigmoid(blk.shared_expert_gate(hs)) * blk.shared_expert(hs)
+
+
+def route(blk, hs):
+    _, rw, ids = blk.gate(hs)
+    return ids, rw
+
+
+def calibrate(blk, lw, H, sparsity, n_tok, dev):
+    """tau: quantile of |g| over the routed experts of n_tok random tokens (one value per layer)."""
+    xs = torch.randn(n_tok, H, device=dev, dtype=torch.bfloat16)
+    ids, _ = route(blk, xs)
+    w = lw["w_gate"]
+    gs = []
+    for c in range(0, n_tok, 16):
+        wi = w[ids[c:c + 16].long()].float()  # [t,k,I,H]
+        gs.append(torch.nn.functional.silu(torch.einsum("th,tkih->tki", xs[c:c + 16].float(), wi)).abs().flatten())
+    a = torch.cat(gs)
+    if a.numel() > 8_000_000:
+        a = a[torch.randperm(a.numel(), device=a.device)[:8_000_000]]
+    return float(torch.quantile(a.float(), sparsity)) if sparsity > 0 else 0.0
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one family
+# ---------------------------------------------------------------------------------------------------------
+def run_family(spec, args, timer, copy_bw, dev, results, tuned):
+    name, H, I, E, k, SI, family = spec
+    print(f"\n=== {name}: H={H} I={I} E={E} k={k} shared={SI}")
+    nsets = args.sets
+    blocks = [make_block(family, H, I, E, k, SI, dev) for _ in range(nsets)]
+
+    def set_impl(impl):  # every block has its own config object
+        for c_, _, _ in blocks:
+            c_._experts_implementation = impl
+    R = args.reps  # graph = R rounds over the nsets blocks, each with its own input
+    nin = R * nsets
+    xs = [torch.randn(1, H, device=dev, dtype=torch.bfloat16) for _ in range(nin)]
+    routes = [route(blocks[i % nsets][1], xs[i]) for i in range(nin)]
+    C = I
+    taus = {s: calibrate(blocks[0][1], blocks[0][2], H, s, args.calib, dev) for s in SPARSITIES}
+    tau_t = {s: torch.full((E,), taus[s], device=dev, dtype=torch.float32) for s in SPARSITIES}
+    print("  tau per sparsity:", {s: round(v, 4) for s, v in taus.items()})
+    key = f"H{H}_I{I}_k{k}"
+    P = {"gate": dict(BLOCK_I=8, num_warps=4), "updown": dict(BLOCK_N=4, num_warps=4),
+         "dense": dict(BLOCK_N=4, num_warps=8)}
+
+    # ---- correctness (one input per check, fresh random) ----
+    blk0, lw0 = blocks[0][1], blocks[0][2]
+    x = torch.randn(3, H, device=dev, dtype=torch.bfloat16)
+    ids, rw = route(blk0, x)
+    yref = dense_experts_ref(x, lw0["w_gate"], lw0["w_up"], lw0["w_down_t"], ids, rw)
+    errs = {}
+    for impl in ("batched_mm", "grouped_mm"):
+        set_impl(impl)
+        errs[impl] = rel(blk0.experts(x, ids, rw), yref)
+    errs["localmoe_dense"] = rel(dense_experts(x, lw0["w_gate"], lw0["w_up"], lw0["w_down_t"], ids, rw), yref)
+    g, idx, cnt = sparse_gate(x, lw0["w_gate"], ids, tau_t[0.0], C)
+    errs["sparse_0"] = rel(sparse_updown(x, lw0["w_up"], lw0["w_down_t"], ids, rw, g, idx, cnt), yref)
+    gr, idxr, cntr = sparse_gate_ref(x, lw0["w_gate"], ids, tau_t[0.85], C)
+    g, idx, cnt = sparse_gate(x, lw0["w_gate"], ids, tau_t[0.85], C)
+    # indices may differ only where |g| sits on the threshold within rounding; compare outputs of each
+    # path on its own mask, and on the reference mask
+    y85 = sparse_updown(x, lw0["w_up"], lw0["w_down_t"], ids, rw, gr, idxr, cntr)
+    errs["sparse_85_updown"] = rel(y85, sparse_updown_ref(x, lw0["w_up"], lw0["w_down_t"], ids, rw, gr, idxr, cntr))
+    errs["sparse_85_g"] = rel(g, gr)
+    errs["sparse_85_idx_mismatch"] = float((cnt != cntr).sum())
+    print("  max rel err vs fp32 reference:", {a: f"{b:.2e}" for a, b in errs.items()})
+    results.setdefault("correctness", {})[name] = errs
+
+    # ---- tuning (experts-only, 85 % sparsity, rotating sets) ----
+    def sparse_experts_fn(tau, pg, pu, T_inputs=None):
+        routes_ = T_inputs[1] if T_inputs else routes
+        xs_ = T_inputs[0] if T_inputs else xs
+        n = len(xs_)
+        outs = []
+        bufs = []
+        for i in range(n):
+            T = xs_[i].shape[0]
+            bufs.append((torch.empty(T, k, I, device=dev), torch.empty(T, k, C, device=dev, dtype=torch.int32),
+                         torch.empty(T, k, device=dev, dtype=torch.int32), torch.empty(T, H, device=dev)))
+
+        def fn():
+            for i in range(n):
+                lw = blocks[i % nsets][2]
+                ids_, rw_ = routes_[i]
+                gb, ib, cb, yb = bufs[i]
+                sparse_gate(xs_[i], lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), **pg)
+                sparse_updown(xs_[i], lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb, **pu)
+            return outs
+        return fn
+
+    def gate_only_fn(tau, pg):
+        bufs = [(torch.empty(1, k, I, device=dev), torch.empty(1, k, C, device=dev, dtype=torch.int32),
+                 torch.empty(1, k, device=dev, dtype=torch.int32)) for _ in range(nin)]
+
+        def fn():
+            for i in range(nin):
+                sparse_gate(xs[i], blocks[i % nsets][2]["w_gate"], routes[i][0], tau, C, out=bufs[i], **pg)
+        return fn
+
+    def dense_experts_fn(pd, T_inputs=None):
+        routes_ = T_inputs[1] if T_inputs else routes
+        xs_ = T_inputs[0] if T_inputs else xs
+        bufs = [torch.empty(x_.shape[0], H, device=dev) for x_ in xs_]
+
+        def fn():
+            for i in range(len(xs_)):
+                lw = blocks[i % nsets][2]
+                dense_experts(xs_[i], lw["w_gate"], lw["w_up"], lw["w_down_t"], *routes_[i], out=bufs[i], **pd)
+        return fn
+
+    def hf_experts_fn(impl, T_inputs=None):
+        routes_ = T_inputs[1] if T_inputs else routes
+        xs_ = T_inputs[0] if T_inputs else xs
+
+        def fn():
+            set_impl(impl)
+            for i in range(len(xs_)):
+                blocks[i % nsets][1].experts(xs_[i], *routes_[i])
+        return fn
+
+    if not args.no_tune:
+        t0 = time.time()
+        best = None
+        for pg in GATE_SWEEP:
+            us, _ = timer(gate_only_fn(tau_t[0.85], pg), nin)
+            if best is None or us < best[0]:
+                best = (us, pg)
+        P["gate"] = best[1]
+        print(f"  tuned gate {best[1]}: {best[0]:.2f} us")
+        best = None
+        for pu in UPDOWN_SWEEP:
+            us, _ = timer(sparse_experts_fn(tau_t[0.85], P["gate"], pu), nin)
+            if best is None or us < best[0]:
+                best = (us, pu)
+        P["updown"] = best[1]
+        print(f"  tuned updown {best[1]}: sparse experts {best[0]:.2f} us")
+        best = None
+        for pd in DENSE_SWEEP:
+            us, _ = timer(dense_experts_fn(pd), nin)
+            if best is None or us < best[0]:
+                best = (us, pd)
+        P["dense"] = best[1]
+        print(f"  tuned dense {best[1]}: {best[0]:.2f} us  (sweep {time.time() - t0:.1f} s)")
+    tuned["launch_params"][key] = P
+
+    # ---- main table ----
+    def whole_fn(kind, tau=None):
+        bufs = [(torch.empty(1, k, I, device=dev), torch.empty(1, k, C, device=dev, dtype=torch.int32),
+                 torch.empty(1, k, device=dev, dtype=torch.int32), torch.empty(1, H, device=dev)) for _ in range(nin)]
+
+        def fn():
+            if kind in ("batched_mm", "grouped_mm"):
+                set_impl(kind)
+                for i in range(nin):
+                    blocks[i % nsets][1](xs[i][None])
+                return
+            for i in range(nin):
+                blk, lw = blocks[i % nsets][1], blocks[i % nsets][2]
+                x_ = xs[i]
+                sh = shared_part(blk, x_)
+                ids_, rw_ = route(blk, x_)
+                gb, ib, cb, yb = bufs[i]
+                if kind == "dense":
+                    y = dense_experts(x_, lw["w_gate"], lw["w_up"], lw["w_down_t"], ids_, rw_, out=yb, **P["dense"])
+                else:
+                    sparse_gate(x_, lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), **P["gate"])
+                    y = sparse_updown(x_, lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb, **P["updown"])
+                y = y if sh is None else y + sh
+                y.to(torch.bfloat16)
+        return fn
+
+    ebytes = 2 * H * I  # bytes of one neuron-matrix of one expert (bf16)
+    other = E * H * 2 + ((3 * SI * H + H) * 2 if SI else 0)  # router + shared expert + its gate
+    rows = []
+
+    def add_row(path, whole_us, exp_us, exp_bytes, mode):
+        rows.append(dict(path=path, whole_us=whole_us, experts_us=exp_us, experts_MB=exp_bytes / 1e6,
+                         whole_MB=(exp_bytes + other) / 1e6, mode=mode))
+
+    dense_bytes = k * 3 * ebytes
+    for impl in ("batched_mm", "grouped_mm"):
+        w_us, m1 = timer(whole_fn(impl), nin)
+        e_us, m2 = timer(hf_experts_fn(impl), nin)
+        add_row(f"transformers {impl}", w_us, e_us, dense_bytes, m1 if m1 == m2 else f"{m1}/{m2}")
+    w_us, m1 = timer(whole_fn("dense"), nin)
+    e_us, _ = timer(dense_experts_fn(P["dense"]), nin)
+    add_row("localmoe dense", w_us, e_us, dense_bytes, m1)
+    for s in SPARSITIES:
+        # kept fraction measured on this run's inputs
+        kept = []
+        for i in range(nin):
+            _, _, c = sparse_gate(xs[i], blocks[i % nsets][2]["w_gate"], routes[i][0], tau_t[s], C)
+            kept.append(c.float().mean() / I)
+        kf = float(torch.stack(kept).mean())
+        w_us, m1 = timer(whole_fn("sparse", tau_t[s]), nin)
+        e_us, _ = timer(sparse_experts_fn(tau_t[s], P["gate"], P["updown"]), nin)
+        add_row(f"localmoe sparse {int(round(s * 100))}% (kept {kf:.3f})", w_us, e_us,
+                k * ebytes * (1 + 2 * kf), m1)
+    best_dense_w = min(r["whole_us"] for r in rows[:3])
+    best_dense_e = min(r["experts_us"] for r in rows[:3])
+    for r in rows:
+        r["GBps_experts"] = r["experts_MB"] * 1e6 / (r["experts_us"] * 1e-6) / 1e9
+        r["GBps_whole"] = r["whole_MB"] * 1e6 / (r["whole_us"] * 1e-6) / 1e9
+        r["speedup_whole"] = best_dense_w / r["whole_us"]
+        r["speedup_experts"] = best_dense_e / r["experts_us"]
+        r["floor_ratio_experts"] = r["experts_us"] / (r["experts_MB"] * 1e6 / (copy_bw * 1e9) * 1e6)
+        r["floor_ratio_whole"] = r["whole_us"] / (r["whole_MB"] * 1e6 / (copy_bw * 1e9) * 1e6)
+    results.setdefault("tables", {})[name] = rows
+    print(f"  | path | whole µs | experts µs | experts GB/s | speed-up whole / experts | x byte floor whole / experts | mode |")
+    for r in rows:
+        print(f"  | {r['path']} | {r['whole_us']:.1f} | {r['experts_us']:.1f} | {r['GBps_experts']:.0f} | "
+              f"{r['speedup_whole']:.2f} / {r['speedup_experts']:.2f} | {r['floor_ratio_whole']:.2f} / "
+              f"{r['floor_ratio_experts']:.2f} | {r['mode']} |")
+
+    # ---- crossover (experts-only, 85 % sparsity) ----
+    if not args.no_cross:
+        cross = {}
+        last_win = 0
+        for T in CROSS_T:
+            n = 2 * nsets
+            xT = [torch.randn(T, H, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+            rT = [route(blocks[i % nsets][1], xT[i]) for i in range(n)]
+            ti = (xT, rT)
+            sp, _ = timer(sparse_experts_fn(tau_t[0.85], P["gate"], P["updown"], ti), n)
+            de, _ = timer(dense_experts_fn(P["dense"], ti), n)
+            bm, _ = timer(hf_experts_fn("batched_mm", ti), n)
+            gm, _ = timer(hf_experts_fn("grouped_mm", ti), n)
+            bestd = min(de, bm, gm)
+            cross[T] = dict(sparse85=sp, localmoe_dense=de, batched_mm=bm, grouped_mm=gm)
+            print(f"  T={T:2d}: sparse85 {sp:7.1f}  dense {de:7.1f}  batched_mm {bm:7.1f}  grouped_mm {gm:7.1f} us")
+            if sp < bestd and last_win == (CROSS_T[CROSS_T.index(T) - 1] if T != CROSS_T[0] else 0):
+                last_win = T
+        tuned["crossover_tokens"][f"H{H}_I{I}_E{E}_k{k}"] = max(last_win, 1)
+        results.setdefault("crossover", {})[name] = dict(times=cross, crossover_tokens=max(last_win, 1))
+        print(f"  crossover tokens: {max(last_win, 1)}")
+    del blocks
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--sets", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--calib", type=int, default=512)
+    ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--no-cross", action="store_true")
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    dev = "cuda" if cuda else "cpu"
+    if args.smoke:
+        global GATE_SWEEP, UPDOWN_SWEEP, DENSE_SWEEP, CROSS_T
+        GATE_SWEEP, UPDOWN_SWEEP, DENSE_SWEEP, CROSS_T = GATE_SWEEP[:2], UPDOWN_SWEEP[:2], DENSE_SWEEP[:2], [1, 2]
+        args.sets, args.reps, args.calib = 2, 1, 64
+    torch.manual_seed(0)
+    devname = torch.cuda.get_device_name() if cuda else "cpu"
+    import transformers
+    import triton
+
+    print(f"device {devname}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"transformers {transformers.__version__}")
+    bw = copy_bandwidth(cuda)
+    print(f"device copy bandwidth (read+write): {bw:.0f} GB/s")
+    tiny = [torch.empty(64, device=dev) for _ in range(12)]
+    node_us, _ = Timer(cuda)(lambda: [b.zero_() for b in tiny], 12)
+    print(f"one tiny kernel node in a CUDA graph: {node_us:.2f} us")
+    results = dict(device=devname, copy_GBps=bw, graph_node_us=node_us, torch=torch.__version__, triton=triton.__version__,
+                   transformers=transformers.__version__)
+    tuned = dict(device=devname, launch_params={}, crossover_tokens={})
+    timer = Timer(cuda)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fams = SMOKE_FAMILIES if args.smoke else FAMILIES
+    if args.only:
+        fams = [f for f in fams if args.only in f[0]]
+    with torch.no_grad():
+        for spec in fams:
+            try:
+                run_family(spec, args, timer, bw, dev, results, tuned)
+            except Exception as exc:  # keep the other families' numbers
+                import traceback
+
+                traceback.print_exc()
+                results.setdefault("errors", {})[spec[0]] = repr(exc)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+            slug = "".join(ch if ch.isalnum() else "_" for ch in devname.lower()).strip("_")
+            (out / f"{slug}.json").write_text(json.dumps(tuned, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Loader for tuned launch parameters of the decode kernels (data in `kernels/tuned/*.json`).
+
+One JSON file per device, written by `bench/bench_moe_block.py`:
+
+    {"device": "NVIDIA H200",
+     "launch_params":   {"H2048_I512_k8": {"gate": {"BLOCK_I": 8, "num_warps": 4},
+                                           "updown": {"BLOCK_N": 4, "num_warps": 4},
+                                           "dense": {"BLOCK_N": 4, "num_warps": 8}}},
+     "crossover_tokens": {"H2048_I512_E256_k8": 8}}
+
+The dicts are keyword arguments of `sparse_gate`, `sparse_updown` and `dense_experts`.
+`launch_params(device_name, H, I, k)` returns the entry for that shape (or the defaults);
+`crossover_tokens(device_name, H, I, E, k)` returns the largest token count at which the sparse kernels beat the
+dense grouped path (1 when unmeasured). Device names match `torch.cuda.get_device_name()` case-insensitively.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from pathlib import Path
+
+_TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+
+DEFAULT_PARAMS = {
+    "gate": {"BLOCK_I": 8, "num_warps": 4},
+    "updown": {"BLOCK_N": 4, "num_warps": 4},
+    "dense": {"BLOCK_N": 4, "num_warps": 8},
+}
+
+
+def _norm(name: str) -> str:
+    return " ".join(str(name).lower().split())
+
+
+@functools.lru_cache(maxsize=None)
+def _tables() -> dict:
+    """device name (normalised) -> parsed JSON; unreadable files are skipped."""
+    out = {}
+    if _TUNED_DIR.is_dir():
+        for path in sorted(_TUNED_DIR.glob("*.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and "device" in data:
+                out[_norm(data["device"])] = data
+    return out
+
+
+def _device_table(device_name: str) -> dict:
+    tables = _tables()
+    key = _norm(device_name)
+    if key in tables:
+        return tables[key]
+    for name, data in tables.items():  # e.g. "NVIDIA H200 NVL" falls back to "NVIDIA H200"
+        if key.startswith(name) or name.startswith(key):
+            return data
+    return {}
+
+
+def launch_params(device_name: str, H: int, I: int, k: int) -> dict:
+    """Launch parameters {"gate": {...}, "updown": {...}, "dense": {...}} for one shape on one device."""
+    params = copy.deepcopy(DEFAULT_PARAMS)
+    entry = _device_table(device_name).get("launch_params", {}).get(f"H{H}_I{I}_k{k}", {})
+    for kernel, kw in entry.items():
+        if kernel in params and isinstance(kw, dict):
+            params[kernel].update(kw)
+    return params
+
+
+def crossover_tokens(device_name: str, H: int, I: int, E: int, k: int) -> int:
+    """Largest T at which the sparse path beat the dense path for this shape (1 when unmeasured)."""
+    val = _device_table(device_name).get("crossover_tokens", {}).get(f"H{H}_I{I}_E{E}_k{k}")
+    return int(val) if isinstance(val, (int, float)) and val >= 1 else 1
