@@ -113,7 +113,7 @@ class Engine:
         if not 0.0 <= sparsity < 1.0:
             raise UsageError(f"sparsity must be in [0, 1), got {sparsity}")
         if sparsity == 0.0:
-            sp.disable(self.loaded)
+            sp.disable(self.loaded, device=self._device)
         else:
             table = sp.thresholds_for(self, sparsity, progress=progress, text=calibration_text)
             sp.apply(self.loaded, table, device=self._device)

@@ -81,6 +81,7 @@ class LocalExperts(nn.Module):
         self.max_sparse_tokens = 1
         self.mask_all_tokens = False  # evaluation: apply the sparse mask on the grouped path too (same function)
         self.recorder: GateRecorder | None = None
+        self._params: dict | None = None  # tuned launch parameters (CUDA), looked up once
         self.kept = None  # running count of kept neurons on the sparse path (device tensor, no sync)
         self.seen = 0  # neurons considered on the sparse path (host int)
 
@@ -96,9 +97,28 @@ class LocalExperts(nn.Module):
         if self.weights is None:
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
         T = hidden_states.shape[0]
-        if self.sparse_enabled and self.tau is not None and self.recorder is None and T <= self.max_sparse_tokens:
+        few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
+        if few and self.sparse_enabled and self.tau is not None:
             return self._sparse(hidden_states, top_k_index, top_k_weights)
+        if few and hidden_states.is_cuda and self.hidden_act == "silu":
+            return self._dense_decode(hidden_states, top_k_index, top_k_weights)
         return self._dense(hidden_states, top_k_index, top_k_weights)
+
+    def _launch(self, x: torch.Tensor, k: int) -> dict:
+        if self._params is None:
+            from localmoe.kernels.tuning import launch_params
+
+            self._params = launch_params(torch.cuda.get_device_name(x.device), self.hidden_size,
+                                         self.intermediate_size, k)
+        return self._params
+
+    def _dense_decode(self, x, top_k_index, top_k_weights):
+        """Few tokens, sparsity off, CUDA: localmoe's dense decode kernel (no host sync)."""
+        from localmoe.kernels.dense_experts import dense_experts
+
+        w = self.weights
+        p = self._launch(x, top_k_index.shape[1])["dense"]
+        return dense_experts(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, **p).to(x.dtype)
 
     # -- dense: tokens grouped by expert (prefill, calibration, sparsity off) --------------------------
     def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -137,12 +157,13 @@ class LocalExperts(nn.Module):
     # -- sparse: decode ---------------------------------------------------------------------------------
     def _sparse(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         w = self.weights
-        if x.is_cuda:
+        if x.is_cuda and self.hidden_act == "silu":
             from localmoe.kernels.sparse_gate import sparse_gate
             from localmoe.kernels.sparse_updown import sparse_updown
 
-            g, idx, count = sparse_gate(x, w.w_gate, top_k_index, self.tau, self.intermediate_size)
-            y = sparse_updown(x, w.w_up, w.w_down_t, top_k_index, top_k_weights, g, idx, count)
+            p = self._launch(x, top_k_index.shape[1])
+            g, idx, count = sparse_gate(x, w.w_gate, top_k_index, self.tau, self.intermediate_size, **p["gate"])
+            y = sparse_updown(x, w.w_up, w.w_down_t, top_k_index, top_k_weights, g, idx, count, **p["updown"])
             kept = count.sum()
         else:
             y, kept = sparse_reference(x, w, top_k_index, top_k_weights, self.tau, self.act_fn)

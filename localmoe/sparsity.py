@@ -143,6 +143,8 @@ def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -
         m.sparse_enabled = True
 
 
-def disable(loaded: LoadedModel) -> None:
+def disable(loaded: LoadedModel, *, device: torch.device) -> None:
+    limit = crossover_tokens(loaded, device)
     for m in loaded.experts:
         m.sparse_enabled = False
+        m.max_sparse_tokens = limit
