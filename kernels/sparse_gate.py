@@ -72,6 +72,7 @@ if triton is not None:
         idx_ptr,  # [T*k, C] int32 out
         cnt_ptr,  # [T*k] int32 out
         ticket_ptr,  # [T*k] int32 workspace, zero between launches (the last program resets it)
+        zero_ptr,  # [T, H] fp32 buffer to clear (the next sparse_updown's y), used when ZERO_OUT
         I,
         C,
         K,  # experts per token
@@ -82,6 +83,7 @@ if triton is not None:
         BLOCK_I: tl.constexpr,
         I_P2: tl.constexpr,  # next power of two >= I
         C_P2: tl.constexpr,  # next power of two >= C
+        ZERO_OUT: tl.constexpr,
     ):
         pid_tj = tl.program_id(0)  # one (token, slot) pair
         pid_i = tl.program_id(1)  # one block of BLOCK_I neurons
@@ -99,6 +101,9 @@ if triton is not None:
         g = z / (1.0 + tl.exp(-z))  # silu
         g_row = g_ptr + pid_tj.to(tl.int64) * I
         tl.store(g_row + rows, g, mask=rmask)
+        if ZERO_OUT:  # saves the memset node before sparse_updown(..., accumulate=True)
+            if (pid_tj % K == 0) & (pid_i == 0):
+                tl.store(zero_ptr + t.to(tl.int64) * H + cols, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
         # ---- the last program of this pair to finish compacts the mask (ascending, prefix sum) ----
         tl.debug_barrier()  # all of this program's g stores precede the release below
         done = tl.atomic_add(ticket_ptr + pid_tj, 1, sem="acq_rel", scope="gpu")
@@ -150,6 +155,7 @@ def sparse_gate(
     capacity: int | None = None,
     *,
     out=None,
+    zero_out=None,
     BLOCK_I: int = 8,
     num_warps: int = 4,
 ):
@@ -157,7 +163,9 @@ def sparse_gate(
 
     x [T,H] (bf16/fp16/fp32), w_gate [E,I,H], expert_ids [T,k] int32/int64, tau [E] fp32, capacity C <= I
     (default I). Returns (g [T,k,I] fp32, idx [T,k,C] int32, count [T,k] int32). `out=(g, idx, count)`
-    reuses preallocated buffers (for CUDA-graph capture). No host sync, fixed grid.
+    reuses preallocated buffers (for CUDA-graph capture). `zero_out` (optional fp32 contiguous [T,H]) is
+    cleared by the same launch, so a following `sparse_updown(..., out=zero_out, accumulate=True)` needs no
+    memset of its own. No host sync, fixed grid.
     """
     if triton is None:
         raise RuntimeError("sparse_gate needs triton")
@@ -199,12 +207,18 @@ def sparse_gate(
             raise ValueError(f"out idx must be contiguous int32 [T,k,C] = {(T, k, C)}")
         if tuple(count.shape) != (T, k) or count.dtype != torch.int32 or not count.is_contiguous():
             raise ValueError(f"out count must be contiguous int32 [T,k] = {(T, k)}")
+    if zero_out is not None:
+        if (tuple(zero_out.shape) != (T, H) or zero_out.dtype != torch.float32 or not zero_out.is_contiguous()
+                or zero_out.device != dev):
+            raise ValueError(f"zero_out must be a contiguous fp32 [T, H] = {(T, H)} tensor on {dev}")
     if T == 0 or k == 0:
+        if zero_out is not None:
+            zero_out.zero_()
         return g, idx, count
     bi = max(1, min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(I)))
     _sparse_gate_kernel[(T * k, triton.cdiv(I, bi))](
-        x, w_gate, eid, tau, g, idx, count, _tickets(dev, T * k), I, C, k, x.stride(0), w_gate.stride(0),
+        x, w_gate, eid, tau, g, idx, count, _tickets(dev, T * k), g if zero_out is None else zero_out, I, C, k, x.stride(0), w_gate.stride(0),
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, I_P2=triton.next_power_of_2(I),
-        C_P2=triton.next_power_of_2(C), num_warps=num_warps,
+        C_P2=triton.next_power_of_2(C), ZERO_OUT=zero_out is not None, num_warps=num_warps,
     )
     return g, idx, count

@@ -80,15 +80,16 @@ if triton is not None:
     ):
         pid_tj = tl.program_id(0)
         pid_n = tl.program_id(1)
+        # count and the index slots are read together (slots past count hold 0, a valid row): one round trip
+        slots = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        rows = tl.load(idx_ptr + pid_tj.to(tl.int64) * C + slots, mask=slots < C, other=0)
         cnt = tl.load(cnt_ptr + pid_tj)
         if pid_n * BLOCK_N >= cnt:
             return
         t = pid_tj // K
         e = tl.load(eid_ptr + pid_tj).to(tl.int64)
         rw = tl.load(rw_ptr + pid_tj).to(tl.float32)
-        slots = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         valid = slots < cnt
-        rows = tl.load(idx_ptr + pid_tj.to(tl.int64) * C + slots, mask=valid, other=0)
         gv = tl.load(g_ptr + pid_tj.to(tl.int64) * I + rows, mask=valid, other=0.0)
         roff = rows.to(tl.int64)[:, None] * H  # [BLOCK_N, 1]
         cols = tl.arange(0, H_P2)
@@ -124,6 +125,7 @@ def sparse_updown(
     count,
     out=None,
     *,
+    accumulate: bool = False,
     BLOCK_N: int = 4,
     num_warps: int = 4,
 ):
@@ -131,7 +133,8 @@ def sparse_updown(
 
     x [T,H], w_up/w_down_t [E,I,H] (bf16/fp16/fp32), expert_ids [T,k] int32/int64, weights [T,k] any float,
     g [T,k,I] fp32, idx [T,k,C] int32, count [T,k] int32 (as returned by `sparse_gate`). `out` [T,H] fp32 is
-    zeroed and filled in place. No host sync, fixed grid.
+    zeroed and filled in place; with `accumulate=True` it is not zeroed and the result is added to it (e.g.
+    after `sparse_gate(..., zero_out=out)` cleared it, or onto a shared expert's output). No host sync, fixed grid.
     """
     if triton is None:
         raise RuntimeError("sparse_updown needs triton")
@@ -170,10 +173,13 @@ def sparse_updown(
         if tns.device != dev:
             raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
     if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs an out= buffer")
         out = torch.empty(T, H, dtype=torch.float32, device=dev)
     elif tuple(out.shape) != (T, H) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != dev:
         raise ValueError(f"out must be a contiguous fp32 [T, H] = {(T, H)} tensor on {dev}")
-    out.zero_()
+    if not accumulate:
+        out.zero_()
     if T == 0 or k == 0:
         return out
     bn = max(1, min(triton.next_power_of_2(BLOCK_N), triton.next_power_of_2(C)))
