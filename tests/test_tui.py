@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import pytest
 
 from localmoe.events import ChatEngine, EngineStats, GenerationSettings, ProgressFn, TokenEvent
 from localmoe.tui.app import ChatApp
@@ -147,7 +146,7 @@ async def test_escape_cancels_hanging_stream_and_keeps_partial(tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await type_and_send(pilot, "count")
         await wait_for(pilot, lambda: app.reply is not None and app.reply.view.content == "one two ")
-        assert "generating" in str(app.query_one(StatusBar).render())
+        assert "generating" in str(app.query_one("#hint").render())
         # the user message is committed before the reply ends
         assert stored(tmp_path) == [("user", "count", "ok")]
         await pilot.press("escape")

@@ -9,7 +9,8 @@ any `ChatEngine` (localmoe.events); tests pass a scripted one as `engine=`.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -20,9 +21,9 @@ from textual.message import Message
 from textual.widgets import ContentSwitcher, Label
 
 from localmoe.events import ChatEngine, GenerationSettings, ProgressFn
-from localmoe.tui.commands import ChatCommands, CommandError, CommandsMixin, CommandSpec, ParsedCommand, parse_command
+from localmoe.tui.commands import ChatCommands, CommandError, CommandsMixin, parse_command
 from localmoe.tui.history import HistoryError, HistoryStore, default_db_path
-from localmoe.tui.widgets import INPUT_HINT, ChatInput, ErrorView, LoadingView, MessageView, StatusBar
+from localmoe.tui.widgets import INPUT_HINT, ChatInput, ErrorView, LoadingView, MessageView, StatusBar, describe_error
 
 LoadFn = Callable[[ProgressFn], ChatEngine]
 
@@ -69,22 +70,6 @@ class Reply:
     id: int
     view: MessageView
     cancel_requested: bool = False
-
-
-def describe_error(exc: BaseException) -> tuple[str, str]:
-    """(error text, what to do) for a failure shown in the app instead of a traceback."""
-    msg = str(exc).strip()
-    text = msg if msg.startswith("localmoe: error:") else f"localmoe: error: {type(exc).__name__}: {msg}".rstrip(": ")
-    low = f"{type(exc).__name__} {msg}".lower()
-    if "out of memory" in low or "outofmemory" in low:
-        hint = "The model does not fit in memory: try a smaller model, another dtype, or a higher sparsity."
-    elif any(w in low for w in ("connection", "timeout", "resolve", "offline", "gated", "401", "403")):
-        hint = "Check network access to the Hugging Face Hub (and your token for gated models), or use a cached model."
-    elif "cuda" in low or "device" in low:
-        hint = "Check the GPU driver, or pick another device with --device (see `localmoe chat --help`)."
-    else:
-        hint = "Check the model name and options (`localmoe chat --help`), then retry."
-    return text, hint
 
 
 class ChatApp(CommandsMixin, App[int]):
@@ -153,8 +138,13 @@ class ChatApp(CommandsMixin, App[int]):
             self.start_loading()
 
     def _load_thread(self, load: LoadFn, sparsity: float | None) -> None:
+        last = {"stage": "", "at": 0.0}
+
         def progress(stage: str, done: int, total: int | None) -> None:
-            self._post(Progress(stage, done, total))
+            now = time.monotonic()  # downloads report per chunk: pass ~20 updates/s, and every stage change and end
+            if stage != last["stage"] or done == total or now - last["at"] >= 0.05:
+                last.update(stage=stage, at=now)
+                self._post(Progress(stage, done, total))
 
         try:
             engine = load(progress)
@@ -321,14 +311,18 @@ class ChatApp(CommandsMixin, App[int]):
         threading.Thread(target=target, args=args, daemon=True, name=f"localmoe-{target.__name__}").start()
 
     def refresh_status(self) -> None:
+        """Figures in the status bar; what is running (and how to stop it) in the hint line."""
         if self.reply is not None:
-            state = "cancelling…" if self.reply.cancel_requested else "generating (Esc cancels)"
+            state = "● cancelling…" if self.reply.cancel_requested else "● generating… Esc cancels the reply"
         else:
-            state = self.busy
+            state = f"● {self.busy}" if self.busy else ""
         stats = self.engine.stats if self.engine is not None else None
         device = self.engine.device if self.engine is not None else ""
         for bar in self.query(StatusBar):  # none while the app is shutting down
-            bar.show(self.model_label, device, stats, state)
+            bar.show(self.model_label, device, stats)
+        for hint in self.query("#hint").results(Label):
+            hint.update(state or INPUT_HINT)
+            hint.set_class(bool(state), "busy")
 
     def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
         """Notifications carry user and error text: no markup unless asked for."""
@@ -336,16 +330,6 @@ class ChatApp(CommandsMixin, App[int]):
 
     async def add_note(self, markdown: str, role: str = "note") -> None:
         await self.query_one("#conversation").mount(MessageView(role, markdown))
-
-    def palette_command(self, spec: CommandSpec) -> None:
-        """A command chosen in the palette: run it, or prefill the input when it needs an argument."""
-        if spec.arg == "required" or spec.name == "system":
-            prompt = self.query_one(ChatInput)
-            prompt.text = f"/{spec.name} "
-            prompt.move_cursor(prompt.document.end)
-            prompt.focus()
-        else:
-            self.run_worker(self.run_command(ParsedCommand(spec.name)))
 
 
 def run_chat(load: LoadFn, *, model_label: str, settings: GenerationSettings, sparsity: float | None,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from localmoe.tui.widgets import ChatInput, MessageView, SessionPicker
+from localmoe.tui.widgets import ChatInput, MessageView, SessionPicker, describe_error
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,9 @@ def parse_command(text: str) -> ParsedCommand | None:
 
 
 def help_markdown() -> str:
-    lines = ["**Commands**", "", "| command | what it does |", "|---|---|"]
-    lines += [f"| `/{s.name}{' ' + s.usage if s.usage else ''}` | {s.help} |" for s in COMMANDS]
-    lines += ["", "**Keys**", "", "| key | action |", "|---|---|"]
-    lines += [f"| {key} | {action} |" for key, action in KEYS_HELP]
+    lines = ["**Commands** (also in the palette, ctrl+p)", ""]
+    lines += [f"- `/{s.name}{' ' + s.usage if s.usage else ''}`: {s.help}" for s in COMMANDS]
+    lines += ["", "**Keys**", ""] + [f"- {key}: {action}" for key, action in KEYS_HELP]
     return "\n".join(lines)
 
 
@@ -127,6 +126,16 @@ class CommandsMixin:
         except Exception as exc:  # a failing command is reported, never a crash
             self.notify(f"/{cmd.name} failed: {type(exc).__name__}: {exc}", severity="error", timeout=8)
 
+    def palette_command(self, spec: CommandSpec) -> None:
+        """A command chosen in the palette: run it, or prefill the input when it needs an argument."""
+        if spec.arg == "required" or spec.name == "system":
+            prompt = self.query_one(ChatInput)
+            prompt.text = f"/{spec.name} "
+            prompt.move_cursor(prompt.document.end)
+            prompt.focus()
+        else:
+            self.run_worker(self.run_command(ParsedCommand(spec.name)))
+
     async def cmd_help(self, cmd: ParsedCommand) -> None:
         await self.add_note(help_markdown())
 
@@ -156,7 +165,7 @@ class CommandsMixin:
         self._spawn(self._sparsity_thread, cmd.number)
 
     def _sparsity_thread(self, sparsity: float) -> None:
-        from localmoe.tui.app import Progress, describe_error
+        from localmoe.tui.app import Progress  # app.py imports this module
 
         def progress(stage: str, done: int, total: int | None) -> None:
             self._post(Progress(stage, done, total))

@@ -19,7 +19,7 @@ from textual.widgets.option_list import Option
 from localmoe.events import EngineStats
 from localmoe.tui.history import STATUS_MARKERS, SessionInfo
 
-INPUT_HINT = "Enter send · ctrl+j newline · Esc cancel reply · /help commands · ctrl+p palette · ctrl+q quit"
+INPUT_HINT = "Enter send · ctrl+j newline · Esc cancel · /help · ctrl+p palette · ctrl+q quit"
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
 
 
@@ -101,12 +101,12 @@ class MessageView(Vertical):
             await self.markdown.append(("\n\n" if self.content.strip() else "") + tail)
 
 
-def format_status(model: str, device: str, stats: EngineStats | None, state: str) -> str:
+def format_status(model: str, device: str, stats: EngineStats | None) -> str:
     """One line of figures for the status bar."""
-    parts = [f"● {state}" if state else "", model, device]
+    parts = [model, device]
     if stats is not None:
         parts.append(f"{stats.decode_tok_s:.1f} tok/s")
-        parts.append(f"prompt {stats.prompt_tokens} gen {stats.generated_tokens}")
+        parts.append(f"{stats.prompt_tokens} in / {stats.generated_tokens} out")
         parts.append(f"sparsity {stats.sparsity_realized:.0%}/{stats.sparsity_target:.0%}")
         parts.append(f"GPU {stats.peak_gpu_mem_gb:.1f}G")
         if stats.cache_hit_rate is not None:
@@ -117,8 +117,8 @@ def format_status(model: str, device: str, stats: EngineStats | None, state: str
 class StatusBar(Static):
     """The live status line under the conversation."""
 
-    def show(self, model: str, device: str, stats: EngineStats | None, state: str = "") -> None:
-        self.update(Content(format_status(model, device, stats, state)))
+    def show(self, model: str, device: str, stats: EngineStats | None) -> None:
+        self.update(Content(format_status(model, device, stats)))
 
 
 class LoadingView(Vertical):
@@ -147,6 +147,22 @@ class LoadingView(Vertical):
             self.query_one("#stage", Label).update(self.STAGE_TITLES.get(stage, stage.capitalize()) + "…")
         bar = self.query_one("#progress", ProgressBar)
         bar.update(total=total, progress=done)
+
+
+def describe_error(exc: BaseException) -> tuple[str, str]:
+    """(error text, what to do) for a failure shown in the app instead of a traceback."""
+    msg = str(exc).strip()
+    text = msg if msg.startswith("localmoe: error:") else f"localmoe: error: {type(exc).__name__}: {msg}".rstrip(": ")
+    low = f"{type(exc).__name__} {msg}".lower()
+    if "out of memory" in low or "outofmemory" in low:
+        hint = "The model does not fit in memory: try a smaller model, another dtype, or a higher sparsity."
+    elif any(w in low for w in ("connection", "timeout", "resolve", "offline", "gated", "401", "403")):
+        hint = "Check network access to the Hugging Face Hub (and your token for gated models), or use a cached model."
+    elif "cuda" in low or "device" in low:
+        hint = "Check the GPU driver, or pick another device with --device (see `localmoe chat --help`)."
+    else:
+        hint = "Check the model name and options (`localmoe chat --help`), then retry."
+    return text, hint
 
 
 class ErrorView(Vertical, can_focus=True):
