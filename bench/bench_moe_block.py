@@ -43,10 +43,10 @@ FAMILIES = [
 ]
 SMOKE_FAMILIES = [("smoke-shared", 64, 32, 8, 2, 32, "qwen3_5_moe"), ("smoke-noshared", 64, 48, 8, 2, 0, "qwen3_moe")]
 SPARSITIES = [0.0, 0.5, 0.7, 0.85, 0.9]
-CROSS_T = [1, 2, 4, 8, 16, 32]
+CROSS_T = [1, 2, 4, 8, 16, 32, 64, 128]
 GATE_SWEEP = [dict(BLOCK_I=bi, num_warps=w) for bi in (2, 4, 8, 16) for w in (2, 4, 8)]
-UPDOWN_SWEEP = [dict(BLOCK_N=bn, num_warps=w) for bn in (1, 2, 4, 8) for w in (2, 4, 8)]
-DENSE_SWEEP = [dict(BLOCK_N=bn, num_warps=w) for bn in (1, 2, 4, 8) for w in (4, 8)]
+UPDOWN_SWEEP = [dict(BLOCK_N=bn, num_warps=w) for bn in (1, 2, 4, 8, 16) for w in (2, 4, 8)]
+DENSE_SWEEP = [dict(BLOCK_N=bn, num_warps=w) for bn in (2, 4, 8, 16) for w in (4, 8)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,12 +211,17 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
     y85 = sparse_updown(x, lw0["w_up"], lw0["w_down_t"], ids, rw, gr, idxr, cntr)
     errs["sparse_85_updown"] = rel(y85, sparse_updown_ref(x, lw0["w_up"], lw0["w_down_t"], ids, rw, gr, idxr, cntr))
     errs["sparse_85_g"] = rel(g, gr)
+    yp = torch.full((3, H), float("nan"), device=dev)
+    for _ in range(2):  # twice: the compaction tickets must have been reset by the first launch
+        g, idx, cnt = sparse_gate(x, lw0["w_gate"], ids, tau_t[0.85], C, zero_out=yp)
+        sparse_updown(x, lw0["w_up"], lw0["w_down_t"], ids, rw, g, idx, cnt, out=yp, accumulate=True)
+    errs["sparse_85_pipeline"] = rel(yp, sparse_updown_ref(x, lw0["w_up"], lw0["w_down_t"], ids, rw, gr, idxr, cntr))
     errs["sparse_85_idx_mismatch"] = float((cnt != cntr).sum())
     print("  max rel err vs fp32 reference:", {a: f"{b:.2e}" for a, b in errs.items()})
     results.setdefault("correctness", {})[name] = errs
 
     # ---- tuning (experts-only, 85 % sparsity, rotating sets) ----
-    def sparse_experts_fn(tau, pg, pu, T_inputs=None):
+    def sparse_experts_fn(tau, pg, pu, T_inputs=None, fused=True):
         routes_ = T_inputs[1] if T_inputs else routes
         xs_ = T_inputs[0] if T_inputs else xs
         n = len(xs_)
@@ -232,8 +237,13 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
                 lw = blocks[i % nsets][2]
                 ids_, rw_ = routes_[i]
                 gb, ib, cb, yb = bufs[i]
-                sparse_gate(xs_[i], lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), **pg)
-                sparse_updown(xs_[i], lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb, **pu)
+                if fused:  # the gate launch clears y: no memset node
+                    sparse_gate(xs_[i], lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), zero_out=yb, **pg)
+                    sparse_updown(xs_[i], lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb,
+                                  accumulate=True, **pu)
+                else:
+                    sparse_gate(xs_[i], lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), **pg)
+                    sparse_updown(xs_[i], lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb, **pu)
             return outs
         return fn
 
@@ -244,6 +254,20 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
         def fn():
             for i in range(nin):
                 sparse_gate(xs[i], blocks[i % nsets][2]["w_gate"], routes[i][0], tau, C, out=bufs[i], **pg)
+        return fn
+
+    def updown_only_fn(tau, pu):
+        bufs = []
+        for i in range(nin):
+            bufs.append(sparse_gate(xs[i], blocks[i % nsets][2]["w_gate"], routes[i][0], tau, C) +
+                        (torch.zeros(1, H, device=dev),))
+
+        def fn():
+            for i in range(nin):
+                lw = blocks[i % nsets][2]
+                gb, ib, cb, yb = bufs[i]
+                sparse_updown(xs[i], lw["w_up"], lw["w_down_t"], *routes[i], gb, ib, cb, out=yb, accumulate=True,
+                              **pu)
         return fn
 
     def dense_experts_fn(pd, T_inputs=None):
@@ -312,8 +336,9 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
                 if kind == "dense":
                     y = dense_experts(x_, lw["w_gate"], lw["w_up"], lw["w_down_t"], ids_, rw_, out=yb, **P["dense"])
                 else:
-                    sparse_gate(x_, lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), **P["gate"])
-                    y = sparse_updown(x_, lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb, **P["updown"])
+                    sparse_gate(x_, lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), zero_out=yb, **P["gate"])
+                    y = sparse_updown(x_, lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb,
+                                      accumulate=True, **P["updown"])
                 y = y if sh is None else y + sh
                 y.to(torch.bfloat16)
         return fn
@@ -345,6 +370,13 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
         e_us, _ = timer(sparse_experts_fn(tau_t[s], P["gate"], P["updown"]), nin)
         add_row(f"localmoe sparse {int(round(s * 100))}% (kept {kf:.3f})", w_us, e_us,
                 k * ebytes * (1 + 2 * kf), m1)
+        if s == 0.85:
+            e2, _ = timer(sparse_experts_fn(tau_t[s], P["gate"], P["updown"], fused=False), nin)
+            u2, _ = timer(updown_only_fn(tau_t[s], P["updown"]), nin)
+            g2, _ = timer(gate_only_fn(tau_t[s], P["gate"]), nin)
+            split = dict(experts_with_memset_node=e2, gate_only=g2, updown_only_accumulate=u2)
+            results.setdefault("split85", {})[name] = split
+            print("  85% split (us):", {a: round(b, 2) for a, b in split.items()})
     best_dense_w = min(r["whole_us"] for r in rows[:3])
     best_dense_e = min(r["experts_us"] for r in rows[:3])
     for r in rows:
@@ -366,7 +398,7 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
         cross = {}
         last_win = 0
         for T in CROSS_T:
-            n = 2 * nsets
+            n = 2 * nsets if T <= 32 else nsets
             xT = [torch.randn(T, H, device=dev, dtype=torch.bfloat16) for _ in range(n)]
             rT = [route(blocks[i % nsets][1], xT[i]) for i in range(n)]
             ti = (xT, rT)
