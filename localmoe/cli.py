@@ -61,6 +61,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--calibration-text", metavar="FILE", default=None, help="text to calibrate thresholds on")
+    p.add_argument("--context", type=_ranged(int, 16, what="--context"), default=None,
+                   help="context length in tokens, prompt + reply (default 8192 or the model's maximum)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -111,6 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
+    p = sub.add_parser("bench", help="load time, prefill and decode tok/s, memory, byte floor")
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None)
+    p.add_argument("--shape", metavar="ALIAS", default=None, help="random weights with this registry model's config")
+    p.add_argument("--sparsity", type=_sparsity_list, default=None, help="default: 0 and the model's default")
+    p.add_argument("--prompt-tokens", type=_ranged(int, 1, what="--prompt-tokens"), default=512)
+    p.add_argument("--decode-tokens", type=_ranged(int, 2, what="--decode-tokens"), default=256)
+    p.add_argument("--baseline", choices=["transformers"], default=None)
+    p.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
     p = sub.add_parser("models", help="list the registry's models")
     p.add_argument("--json", action="store_true")
 
@@ -140,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         if not debug:
             _quiet_libraries()
         handler = {"run": cmd_run, "chat": cmd_chat, "models": cmd_models, "pull": cmd_pull,
-                   "calibrate": cmd_calibrate, "eval": cmd_eval}[args.command]
+                   "calibrate": cmd_calibrate, "eval": cmd_eval,
+                   "bench": cmd_bench}[args.command]
         return handler(args)
     except LocalmoeError as e:
         if debug:
@@ -204,8 +220,13 @@ def _settings(args):
 def _load_engine(args, progress=None):
     from localmoe.engine import Engine
 
-    return Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
-                       progress=progress or _stderr_progress(), calibration_text=args.calibration_text)
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
+                         progress=progress or _stderr_progress(), calibration_text=args.calibration_text)
+    if args.context:
+        engine.set_context(args.context)
+    if progress is None:
+        engine.on_notice = lambda text: print(f"localmoe: note: {text}", file=sys.stderr)
+    return engine
 
 
 def cmd_run(args) -> int:
@@ -324,4 +345,16 @@ def cmd_eval(args) -> int:
     report = evaluate(engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window,
                       progress=_stderr_progress())
     print(json.dumps(report.as_json()) if args.json else report.table())
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from localmoe.benchmark import bench, table
+
+    if not args.model and not args.shape:
+        raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")
+    result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
+                   prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, baseline=args.baseline,
+                   graphs=not args.no_graph, progress=_stderr_progress())
+    print(json.dumps(result) if args.json else table(result))
     return 0

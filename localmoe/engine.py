@@ -25,7 +25,8 @@ from localmoe.loader import LoadedModel, load_model
 from localmoe.sampling import make_generator, sample
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-UNKNOWN_MODEL_SPARSITY = 0.5  # models outside the registry: conservative until `localmoe eval` says more
+UNKNOWN_MODEL_SPARSITY = 0.5
+DEFAULT_CONTEXT = 8192  # tokens of static cache for the CUDA-graph decode (prompt + reply)  # models outside the registry: conservative until `localmoe eval` says more
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -73,6 +74,10 @@ class Engine:
         # transformers >= 5.2x renamed the forward's `past_key_values` to `cache`; use whichever this one takes
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.context = min(DEFAULT_CONTEXT, self.max_positions) if self.max_positions else DEFAULT_CONTEXT
+        self.use_graphs = device.type == "cuda"  # CUDA-graph decode (falls back to eager with a notice)
+        self.on_notice = None  # callable(str) for one-line notices (the CLI prints them on stderr)
+        self._graph = None
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -95,11 +100,26 @@ class Engine:
         engine.set_sparsity(sparsity, progress, calibration_text=calibration_text)
         return engine
 
+    @classmethod
+    def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype) -> "Engine":
+        """A random-weight engine with a registry model's real config (for `bench --shape`)."""
+        from localmoe.benchmark import shape_config
+        from localmoe.loader import build_random
+        from localmoe.registry import load_registry
+
+        config = shape_config(shape)
+        loaded = build_random(config, device=device, dtype=dtype)
+        spec = load_registry().get(shape)
+        resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=hub.Path("."), spec=spec, revision="random")
+        engine = cls(resolved, loaded, None, device, dtype)
+        engine.set_sparsity(0.0)
+        return engine
+
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         gen = getattr(self.model, "generation_config", None)
         for src in (getattr(gen, "eos_token_id", None), getattr(self.loaded.config, "eos_token_id", None),
-                    self.tokenizer.eos_token_id):
+                    self.tokenizer.eos_token_id if self.tokenizer is not None else None):
             if isinstance(src, int):
                 ids.add(src)
             elif isinstance(src, (list, tuple)):
@@ -118,6 +138,7 @@ class Engine:
             table = sp.thresholds_for(self, sparsity, progress=progress, text=calibration_text)
             sp.apply(self.loaded, table, device=self._device)
         self.sparsity = sparsity
+        self._graph = None  # captured against the old thresholds / path: capture again
         self._stats = replace(self._stats, sparsity_target=sparsity)
 
     # -- prompts ----------------------------------------------------------------------------------------
@@ -132,6 +153,29 @@ class Engine:
 
     def chat(self, messages: Sequence[Message], settings: GenerationSettings) -> Iterator[TokenEvent]:
         return self.generate(self.encode_chat(messages), settings)
+
+    def set_context(self, tokens: int) -> None:
+        if tokens < 16:
+            raise UsageError(f"--context must be at least 16 tokens, got {tokens}")
+        if self.max_positions and tokens > self.max_positions:
+            raise UsageError(f"--context {tokens} is more than {self.model_name} supports ({self.max_positions})")
+        self.context = tokens
+        self._graph = None
+
+    def _notice(self, text: str) -> None:
+        if self.on_notice is not None:
+            self.on_notice(text)
+
+    def _graph_decoder(self):
+        from localmoe.graph import GraphDecoder, GraphUnavailable
+
+        if self._graph is None and self.use_graphs:
+            try:
+                self._graph = GraphDecoder(self, self.context)
+            except GraphUnavailable as e:
+                self.use_graphs = False
+                self._notice(f"CUDA graph decode unavailable ({e}); decoding eagerly")
+        return self._graph
 
     # -- control ----------------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -149,9 +193,10 @@ class Engine:
         n_prompt = len(prompt_ids)
         if self.max_positions and n_prompt >= self.max_positions:
             raise UsageError(f"the prompt has {n_prompt} tokens; {self.model_name} takes at most {self.max_positions}")
-        max_new = settings.max_new_tokens
-        if self.max_positions:
-            max_new = min(max_new, self.max_positions - n_prompt)
+        if n_prompt >= self.context:
+            raise UsageError(f"the prompt has {n_prompt} tokens but the context is {self.context}: "
+                             "shorten the prompt or raise --context")
+        max_new = min(settings.max_new_tokens, self.context - n_prompt)
         self._cancel.clear()
         stats = EngineStats(prompt_tokens=n_prompt, sparsity_target=self.sparsity)
         self._stats = stats
@@ -164,29 +209,45 @@ class Engine:
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self._device)
         generated: list[int] = []
         emitted = ""
+        graph = self._graph_decoder()
         t0 = time.perf_counter()
         try:
-            out = self.model(input_ids=ids, use_cache=True)
+            if graph is not None:
+                cache, logits = None, graph.prefill(ids)
+            else:
+                out = self.model(input_ids=ids, use_cache=True)
+                cache, logits = _cache_of(out), out.logits[0, -1]
         except torch.OutOfMemoryError:
             raise RuntimeFailure("out of GPU memory during prefill: shorten the prompt or use --device cpu") from None
-        cache = _cache_of(out)
-        token = sample(out.logits[0, -1], settings, gen)
+        token = sample(logits, settings, gen)
         tok = int(token)  # synchronises: prefill done
         t1 = time.perf_counter()
         stats.prefill_tok_s = n_prompt / max(t1 - t0, 1e-9)
+        if graph is not None and graph.graph is None:
+            from localmoe.graph import GraphUnavailable
+
+            try:
+                graph.capture(n_prompt)
+                graph.prefill(ids)  # capture's warm-up steps advanced recurrent (DeltaNet) state: redo the prompt
+            except GraphUnavailable as e:
+                self.use_graphs, self._graph = False, None
+                self._notice(f"CUDA graph capture failed ({e}); decoding eagerly")
+                out = self.model(input_ids=ids, use_cache=True)  # rebuild a dynamic cache from the prompt
+                cache, graph = _cache_of(out), None
         for m in self.loaded.experts:  # realised sparsity counts decode steps only
             m.reset_counters()
-        t_decode = t1
+        t_decode = time.perf_counter()
         finish = "length"
         while True:
             if tok in self.eos_ids:
                 finish = "stop"
                 break
             generated.append(tok)
-            text = self.tokenizer.decode(generated, skip_special_tokens=True)
             delta = ""
-            if not text.endswith("\ufffd"):
-                delta, emitted = text[len(emitted):], text
+            if self.tokenizer is not None:  # None: a random-weight bench engine, ids only
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):
+                    delta, emitted = text[len(emitted):], text
             stats.generated_tokens = len(generated)
             now = time.perf_counter()
             if len(generated) > 1:
@@ -197,10 +258,13 @@ class Engine:
             if self._cancel.is_set():
                 finish = "cancelled"
                 break
-            step_ids = token.view(1, 1)
-            out = self.model(input_ids=step_ids, use_cache=True, **{self._cache_kw: cache})
-            cache = _cache_of(out)
-            token = sample(out.logits[0, -1], settings, gen)
+            position = n_prompt + len(generated) - 1
+            if graph is not None:
+                logits = graph.step(token, position)
+            else:
+                out = self.model(input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache})
+                cache, logits = _cache_of(out), out.logits[0, -1]
+            token = sample(logits, settings, gen)
             tok = int(token)
         t_end = time.perf_counter()
         if len(generated) > 1:
@@ -215,7 +279,7 @@ class Engine:
         seen = sum(m.seen for m in self.loaded.experts)
         if seen == 0:
             return 0.0
-        kept = sum(int(m.kept) for m in self.loaded.experts if m.kept is not None)
+        kept = sum(int(m.kept) for m in self.loaded.experts)
         return 1.0 - kept / seen
 
 

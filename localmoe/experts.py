@@ -82,16 +82,22 @@ class LocalExperts(nn.Module):
         self.mask_all_tokens = False  # evaluation: apply the sparse mask on the grouped path too (same function)
         self.recorder: GateRecorder | None = None
         self._params: dict | None = None  # tuned launch parameters (CUDA), looked up once
-        self.kept = None  # running count of kept neurons on the sparse path (device tensor, no sync)
-        self.seen = 0  # neurons considered on the sparse path (host int)
+        self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons on the sparse path (updated in place)
+        self.seen = 0  # neurons considered on the sparse path (host int; a CUDA graph's replays add theirs)
 
     def extra_repr(self) -> str:
         return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, act={self.hidden_act}, "
                 f"sparse={self.sparse_enabled}")
 
     def reset_counters(self) -> None:
-        self.kept = None
+        self.kept.zero_()
         self.seen = 0
+
+    def _count(self, kept: torch.Tensor, neurons: int) -> None:
+        if self.kept.device != kept.device:
+            self.kept = self.kept.to(kept.device)
+        self.kept.add_(kept)  # in place: a captured CUDA graph keeps counting on replay
+        self.seen += neurons
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self.weights is None:
@@ -150,8 +156,7 @@ class LocalExperts(nn.Module):
             y = y * top_k_weights.reshape(-1)[slots, None].to(y.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
         if masked:
-            self.kept = kept if self.kept is None else self.kept + kept
-            self.seen += top_k_index.numel() * self.intermediate_size
+            self._count(kept, top_k_index.numel() * self.intermediate_size)
         return out
 
     # -- sparse: decode ---------------------------------------------------------------------------------
@@ -167,8 +172,7 @@ class LocalExperts(nn.Module):
             kept = count.sum()
         else:
             y, kept = sparse_reference(x, w, top_k_index, top_k_weights, self.tau, self.act_fn)
-        self.kept = kept if self.kept is None else self.kept + kept
-        self.seen += top_k_index.numel() * self.intermediate_size
+        self._count(kept, top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
 
 

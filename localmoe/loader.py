@@ -229,3 +229,37 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
 def _check(prefix, name, got, want):
     if tuple(got) != tuple(want):
         raise RuntimeFailure(f"{prefix}.{name} has shape {tuple(got)}, config says {tuple(want)}: checkpoint and config disagree")
+
+
+def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    """The same model with random weights (for `bench --shape`: measure hardware without a download).
+
+    Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    fam = family_for_model_type(text_config.model_type)
+    if fam is None or fam.unsupported:
+        raise UsageError(f"no random-weight build for {text_config.model_type!r}; supported: {supported_families()}")
+    model = _build_skeleton(text_config, dtype)
+    experts = _swap_experts(model, text_config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in list(model.named_parameters()):
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight") or p.dim() == 1:
+            zero_centred = "Qwen3_5" in type(model).__name__
+            t.fill_(0.0 if zero_centred and name.endswith("norm.weight") else 1.0)
+            if name.endswith(("A_log", "dt_bias")):
+                t.uniform_(0.0, 1.0, generator=gen)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        set_module_tensor_to_device(model, name, device, value=t)
+    for name, buf in model.named_buffers():
+        if buf.device != device:
+            set_module_tensor_to_device(model, name, device, value=buf)
+    for mod in experts.values():
+        shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
+        mod.weights = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+                                      for _ in range(3)))
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()))

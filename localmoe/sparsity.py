@@ -80,6 +80,10 @@ def _meta(engine, sparsity: float, text: str, name: str, tokens: int) -> dict:
 def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = None, text: str | Path | None = None,
                    tokens: int = DEFAULT_TOKENS, force: bool = False) -> ThresholdTable:
     """Cached thresholds for (model, revision, S, calibration set); calibrates when absent or stale."""
+    if engine.tokenizer is None:  # random-weight bench engine: random ids, nothing cached
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, engine.loaded.config.vocab_size, (tokens,), generator=gen).tolist()
+        return calibrate_ids(engine, sparsity, ids, progress=progress, meta={"calibration_set": "random ids"})
     body, name = read_calibration_text(text)
     meta = _meta(engine, sparsity, body, name, tokens)
     path = cache_path(engine.model_name, engine.resolved.revision, sparsity)
@@ -102,6 +106,11 @@ def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = Non
 @torch.inference_mode()
 def calibrate(engine, sparsity: float, text: str, *, tokens: int, progress: ProgressFn | None, meta: dict) -> ThresholdTable:
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    return calibrate_ids(engine, sparsity, ids, progress=progress, meta=meta)
+
+
+@torch.inference_mode()
+def calibrate_ids(engine, sparsity: float, ids: list[int], *, progress: ProgressFn | None, meta: dict) -> ThresholdTable:
     if len(ids) < 16:
         raise UsageError(f"calibration text is too short ({len(ids)} tokens); give at least a few hundred tokens")
     chunk = min(CHUNK, engine.max_positions or CHUNK)
@@ -139,6 +148,7 @@ def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -
     limit = crossover_tokens(loaded, device)
     for m, tau in zip(loaded.experts, table.taus):
         m.tau = torch.full((m.num_experts,), tau, dtype=torch.float32, device=device)
+        m.kept = torch.zeros((), dtype=torch.int64, device=device)
         m.max_sparse_tokens = limit
         m.sparse_enabled = True
 

@@ -1,0 +1,198 @@
+"""`localmoe bench`: what a user cares about, measured on their GPU — load time, prefill tok/s (512-token prompt),
+decode tok/s (256 tokens) at sparsity 0 and the model's default, peak GPU memory, and the step's byte floor.
+
+`--shape ALIAS` builds random weights with the real config (localmoe/data/shapes.json) when the checkpoint is not
+on disk, so hardware can be measured without a download. `--baseline transformers` adds stock `generate` with the
+same config in the same run. Prints a table, or JSON with `--json`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from localmoe.errors import UsageError
+from localmoe.events import GenerationSettings
+
+SHAPES = Path(__file__).with_name("data") / "shapes.json"
+
+
+@dataclass
+class BenchRow:
+    name: str
+    sparsity: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    peak_gpu_mem_gb: float
+    floor_tok_s: float  # bytes a decode step must read / measured copy bandwidth
+    fraction_of_floor: float
+    sparsity_realized: float = 0.0
+    graph: bool = False
+
+
+def shape_config(alias: str):
+    from transformers import AutoConfig
+
+    shapes = json.loads(SHAPES.read_text())
+    if alias not in shapes or alias.startswith("_"):
+        known = ", ".join(k for k in shapes if not k.startswith("_"))
+        raise UsageError(f"no shape for {alias!r}; known shapes: {known}")
+    entry = shapes[alias]
+    kwargs = {k: v for k, v in entry["config"].items() if not k.startswith("_")}
+    return AutoConfig.for_model(entry["model_type"], **kwargs)
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    if device.type != "cuda":
+        return 0.0
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 2 * n * 10 / (time.perf_counter() - t)
+    del a, b
+    return bw
+
+
+def step_bytes(engine, sparsity: float) -> float:
+    """Bytes one decode step must read: every non-expert weight except the embedding table (one row), plus the
+    k routed experts' gate rows (dense) and their kept up/down rows per MoE layer."""
+    model, cfg = engine.model, engine.loaded.config
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            total += p.shape[-1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    k = int(getattr(cfg, "num_experts_per_tok", 1))
+    for m in engine.loaded.experts:
+        E, I, H = m.weights.shape
+        el = m.weights.w_gate.element_size()
+        total += k * I * H * el * (1 + 2 * (1 - sparsity))
+    return float(total)
+
+
+def _run(engine, sparsity, prompt, n_decode, name, bw, progress) -> BenchRow:
+    engine.set_sparsity(sparsity, progress)
+    settings = GenerationSettings(max_new_tokens=n_decode)
+    eos = engine.eos_ids
+    engine.eos_ids = set()  # decode the full length
+    try:
+        for _ in engine.generate(prompt[:64], GenerationSettings(max_new_tokens=8)):  # warm-up, graph capture
+            pass
+        for _ in engine.generate(prompt, settings):
+            pass
+    finally:
+        engine.eos_ids = eos
+    st = engine.stats
+    floor = bw / step_bytes(engine, sparsity) if bw else 0.0
+    return BenchRow(name=name, sparsity=sparsity, prefill_tok_s=st.prefill_tok_s, decode_tok_s=st.decode_tok_s,
+                    peak_gpu_mem_gb=st.peak_gpu_mem_gb, floor_tok_s=floor,
+                    fraction_of_floor=(st.decode_tok_s / floor) if floor else 0.0,
+                    sparsity_realized=st.sparsity_realized, graph=engine._graph is not None)
+
+
+def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: str) -> BenchRow:
+    from transformers import AutoModelForCausalLM
+
+    config._experts_implementation = impl
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(0.0 if "Qwen3_5" in type(model).__name__ and name.endswith("norm.weight") else 1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        for mod in model.modules():  # non-persistent buffers (rotary inv_freq) were left empty by to_empty
+            if hasattr(mod, "inv_freq") and hasattr(mod, "rope_init_fn"):
+                inv, _ = mod.rope_init_fn(mod.config, device)
+                mod.inv_freq.copy_(inv)
+    model.eval()
+    ids = torch.tensor([prompt], device=device)
+    kw = dict(do_sample=False, min_new_tokens=n_decode, max_new_tokens=n_decode, attention_mask=torch.ones_like(ids))
+    model.generate(ids[:, :16], **{**kw, "min_new_tokens": 4, "max_new_tokens": 4, "attention_mask": torch.ones_like(ids[:, :16])})
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    t0 = time.perf_counter()
+    model(input_ids=ids)
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    t1 = time.perf_counter()
+    model.generate(ids, **kw)
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    t2 = time.perf_counter()
+    prefill = len(prompt) / (t1 - t0)
+    decode = n_decode / max((t2 - t1) - (t1 - t0), 1e-9)
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
+    del model
+    gc.collect()
+    return BenchRow(name=f"transformers generate ({impl})", sparsity=0.0, prefill_tok_s=prefill, decode_tok_s=decode,
+                    peak_gpu_mem_gb=peak, floor_tok_s=0.0, fraction_of_floor=0.0)
+
+
+def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
+          dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
+          graphs: bool = True, progress=None) -> dict:
+    from localmoe.engine import Engine, pick_device, pick_dtype
+
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    t0 = time.perf_counter()
+    if shape:
+        engine = Engine.random(shape, device=dev, dtype=dt)
+        default = engine.resolved.default_sparsity
+    else:
+        engine = Engine.load(model, device=device, dtype=dtype, sparsity=0.0, progress=progress)
+        default = engine.resolved.default_sparsity
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    engine.use_graphs = graphs and dev.type == "cuda"
+    engine.on_notice = progress and (lambda s: progress(f"note: {s}", 0, None))
+    if sparsities is None:
+        sparsities = sorted({0.0, default if default is not None else 0.5})
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.loaded.config.vocab_size
+    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
+    engine.set_context(min(engine.max_positions or 4096, prompt_tokens + decode_tokens + 64))
+    bw = copy_bandwidth(dev)
+    rows = [_run(engine, s, prompt, decode_tokens, "localmoe", bw, progress) for s in sparsities]
+    config = engine.loaded.config
+    name = engine.model_name
+    del engine
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    if baseline == "transformers":
+        rows.append(transformers_baseline(config, dev, dt, prompt, min(decode_tokens, 64), "grouped_mm"))
+    return {"model": name, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "dtype": str(dt).replace("torch.", ""), "load_s": load_s, "copy_gb_s": bw / 1e9,
+            "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "rows": [asdict(r) for r in rows]}
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['model']} on {result['device']} ({result['dtype']}), load {result['load_s']:.1f} s, "
+             f"copy bandwidth {result['copy_gb_s']:.0f} GB/s, prompt {result['prompt_tokens']}, "
+             f"decode {result['decode_tokens']}",
+             f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} "
+             f"{'of floor':>8} {'realised':>8} {'peak GB':>8}"]
+    for r in result["rows"]:
+        name = r["name"] + (" [graph]" if r.get("graph") else "")
+        lines.append(f"{name:<34} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
+                     f"{r['floor_tok_s']:>11.0f} {r['fraction_of_floor']:>8.1%} {r['sparsity_realized']:>8.1%} "
+                     f"{r['peak_gpu_mem_gb']:>8.1f}")
+    return "\n".join(lines)

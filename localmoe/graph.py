@@ -1,0 +1,81 @@
+"""The static decode step: a fixed-size cache allocated once and the whole batch-1 step captured in a CUDA graph.
+
+Prefill runs eager (dense path) into a transformers `StaticCache` sized for the context length; then one decode
+step — embedding, every layer's attention / Gated DeltaNet step, router, shared expert, localmoe's sparse experts,
+norm, lm_head and greedy/sampled token choice — is captured once and replayed per token. Inputs (token id,
+position) are copied into static buffers; the only host synchronisation per token is reading the chosen id for
+streaming. Anything that cannot be captured raises `GraphUnavailable`, and the Engine falls back to eager with a
+one-line notice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.events import GenerationSettings
+
+
+class GraphUnavailable(RuntimeError):
+    pass
+
+
+class GraphDecoder:
+    def __init__(self, engine, max_len: int):
+        from transformers import StaticCache
+
+        if engine._device.type != "cuda":
+            raise GraphUnavailable("CUDA graphs need a CUDA device")
+        self.engine = engine
+        self.model = engine.model
+        self.max_len = max_len
+        try:
+            self.cache = StaticCache(config=engine.loaded.config, max_cache_len=max_len)
+        except Exception as e:  # noqa: BLE001 - any cache this family cannot make static
+            raise GraphUnavailable(f"no static cache for {engine.loaded.config.model_type}: {e}") from None
+        dev = engine._device
+        self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
+        self.pos = torch.zeros((1,), dtype=torch.long, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.k = int(getattr(engine.loaded.config, "num_experts_per_tok", 1))
+
+    def _forward(self, ids, pos):
+        kw = {self.engine._cache_kw: self.cache}
+        return self.model(input_ids=ids, cache_position=pos, use_cache=True, **kw).logits[0, -1]
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """prompt [1, P] -> logits [V] of the last position (eager)."""
+        self.cache.reset()
+        P = prompt.shape[1]
+        return self._forward(prompt, torch.arange(P, device=prompt.device))
+
+    def capture(self, position: int) -> None:
+        self.pos.fill_(position)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: kernels compiled, workspaces allocated (same position is rewritten)
+                    self._forward(self.ids, self.pos)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self._forward(self.ids, self.pos)
+        except Exception as e:  # noqa: BLE001
+            raise GraphUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        self.graph = graph
+
+    def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """Run one captured step for `token` at `position`; returns the static logits [V] (valid until next step)."""
+        self.ids.copy_(token.view(1, 1))
+        self.pos.fill_(position)
+        self.graph.replay()
+        for m in self.engine.loaded.experts:  # replays count kept neurons on the GPU; add what was considered
+            if m.sparse_enabled and m.max_sparse_tokens >= 1:
+                m.seen += self.k * m.intermediate_size
+        return self.logits
+
+
+def settings_capturable(settings: GenerationSettings) -> bool:
+    """Sampling runs outside the graph on its static logits, so every setting is capturable."""
+    return True
