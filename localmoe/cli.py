@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", metavar="FILE", default=None, help="default: the held-out split shipped with localmoe")
     p.add_argument("--tokens", type=_ranged(int, 16, what="--tokens"), default=16384)
     p.add_argument("--window", type=_ranged(int, 16, what="--window"), default=512)
+    p.add_argument("--threshold-mode", choices=["layer", "expert"], default="layer",
+                   help="one threshold per layer (default) or per expert")
     p.add_argument("--tasks", default=None, help="lm-eval tasks (needs the optional lm-eval extra)")
     p.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
     p.add_argument("--include-path", default=None, help="lm-eval: folder with extra task YAMLs")
@@ -138,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsity", type=_sparsity, required=True)
     p.add_argument("--text", metavar="FILE", default=None, help="calibration text (default: bundled)")
     p.add_argument("--tokens", type=_ranged(int, 16, what="--tokens"), default=None)
+    p.add_argument("--threshold-mode", choices=["layer", "expert"], default="layer")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -309,8 +312,8 @@ def cmd_calibrate(args) -> int:
         raise UsageError("--sparsity 0 is the dense path and needs no calibration")
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=_stderr_progress())
     table = sp.thresholds_for(engine, args.sparsity, progress=_stderr_progress(), text=args.text,
-                              tokens=args.tokens or sp.DEFAULT_TOKENS, force=True)
-    path = sp.cache_path(engine.model_name, engine.resolved.revision, args.sparsity)
+                              tokens=args.tokens or sp.DEFAULT_TOKENS, force=True, mode=args.threshold_mode)
+    path = sp.cache_path(engine.model_name, engine.resolved.revision, args.sparsity, args.threshold_mode)
     print(f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} tokens "
           f"of {table.meta['calibration_set']}: thresholds saved to {path}")
     return 0
@@ -333,6 +336,7 @@ def cmd_eval(args) -> int:
     from localmoe.engine import Engine
 
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=_stderr_progress())
+    engine.threshold_mode = args.threshold_mode
     if args.tasks:
         from localmoe.harness import run_tasks
 

@@ -67,6 +67,7 @@ class Engine:
         self.dtype = dtype
         self.model_name = resolved.name
         self.sparsity = 0.0
+        self.threshold_mode = "layer"
         self._cancel = threading.Event()
         self._stats = EngineStats()
         self.eos_ids = self._eos_ids()
@@ -135,7 +136,7 @@ class Engine:
         if sparsity == 0.0:
             sp.disable(self.loaded, device=self._device)
         else:
-            table = sp.thresholds_for(self, sparsity, progress=progress, text=calibration_text)
+            table = sp.thresholds_for(self, sparsity, progress=progress, text=calibration_text, mode=self.threshold_mode)
             sp.apply(self.loaded, table, device=self._device)
         self.sparsity = sparsity
         self._graph = None  # captured against the old thresholds / path: capture again

@@ -40,29 +40,46 @@ class ExpertWeights:
 
 
 class GateRecorder:
-    """Collects |g| samples of routed experts during calibration (bounded reservoir per layer)."""
+    """Collects |g| samples of routed experts during calibration (bounded random subsample per layer),
+    with the expert each sample came from, so thresholds can be per layer or per expert."""
 
     def __init__(self, max_samples: int = 1 << 21, seed: int = 0):
         self.max_samples = max_samples
-        self.chunks: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.experts: list[torch.Tensor] = []
         self.count = 0
         self.gen = torch.Generator().manual_seed(seed)
 
-    def add(self, g_abs: torch.Tensor) -> None:
+    def add(self, g_abs: torch.Tensor, expert: int = 0) -> None:
         v = g_abs.detach().flatten().float().cpu()
-        self.chunks.append(v)
+        self.values.append(v)
+        self.experts.append(torch.full((v.numel(),), expert, dtype=torch.int32))
         self.count += v.numel()
-        if sum(c.numel() for c in self.chunks) > 2 * self.max_samples:
-            allv = torch.cat(self.chunks)
+        if sum(c.numel() for c in self.values) > 2 * self.max_samples:
+            allv, alle = torch.cat(self.values), torch.cat(self.experts)
             keep = torch.randperm(allv.numel(), generator=self.gen)[: self.max_samples]
-            self.chunks = [allv[keep]]
+            self.values, self.experts = [allv[keep]], [alle[keep]]
+
+    @staticmethod
+    def _q(v: torch.Tensor, q: float) -> float:
+        if q <= 0.0 or v.numel() == 0:
+            return 0.0
+        kth = max(1, min(v.numel(), int(round(q * v.numel()))))
+        return float(torch.kthvalue(v, kth).values)
 
     def quantile(self, q: float) -> float:
-        allv = torch.cat(self.chunks) if self.chunks else torch.zeros(1)
-        if q <= 0.0:
-            return 0.0
-        kth = max(1, min(allv.numel(), int(round(q * allv.numel()))))
-        return float(torch.kthvalue(allv, kth).values)
+        return self._q(torch.cat(self.values) if self.values else torch.zeros(0), q)
+
+    def expert_quantiles(self, q: float, num_experts: int, min_samples: int = 256) -> list[float]:
+        """Per-expert S-quantiles; experts seen too rarely fall back to the layer's."""
+        allv = torch.cat(self.values) if self.values else torch.zeros(0)
+        alle = torch.cat(self.experts) if self.experts else torch.zeros(0, dtype=torch.int32)
+        layer = self._q(allv, q)
+        out = []
+        for e in range(num_experts):
+            v = allv[alle == e]
+            out.append(self._q(v, q) if v.numel() >= min_samples else layer)
+        return out
 
 
 class LocalExperts(nn.Module):
@@ -146,7 +163,7 @@ class LocalExperts(nn.Module):
             xs = x[tok]  # [n, H]
             g = self.act_fn(xs @ w.w_gate[e].T)  # [n, I]
             if self.recorder is not None:
-                self.recorder.add(g.abs())
+                self.recorder.add(g.abs(), e)
             if masked:
                 keep = g.abs() >= self.tau[e]
                 g = g * keep

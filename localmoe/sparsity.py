@@ -29,10 +29,13 @@ DEFAULT_TOKENS = 4096
 CHUNK = 512  # tokens per calibration forward
 
 
+MODES = ("layer", "expert")  # one τ per layer (default: measured better, see README) or one per expert
+
+
 @dataclass(frozen=True)
 class ThresholdTable:
     sparsity: float
-    taus: tuple[float, ...]  # one per MoE layer, layer order
+    taus: tuple  # per MoE layer in layer order: a float (mode "layer") or a tuple of E floats (mode "expert")
     meta: dict
 
 
@@ -45,8 +48,9 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")[:80] or "model"
 
 
-def cache_path(model_name: str, revision: str, sparsity: float) -> Path:
-    return cache_dir() / f"{_slug(model_name)}-{_slug(revision)[:24]}" / f"s{sparsity:.4f}.json"
+def cache_path(model_name: str, revision: str, sparsity: float, mode: str = "layer") -> Path:
+    suffix = "" if mode == "layer" else f"-{mode}"
+    return cache_dir() / f"{_slug(model_name)}-{_slug(revision)[:24]}" / f"s{sparsity:.4f}{suffix}.json"
 
 
 def read_calibration_text(path: str | Path | None) -> tuple[str, str]:
@@ -63,7 +67,7 @@ def read_calibration_text(path: str | Path | None) -> tuple[str, str]:
     return text, ("default" if not path else p.name)
 
 
-def _meta(engine, sparsity: float, text: str, name: str, tokens: int) -> dict:
+def _meta(engine, sparsity: float, text: str, name: str, tokens: int, mode: str) -> dict:
     return {
         "model": engine.model_name,
         "revision": engine.resolved.revision,
@@ -71,34 +75,37 @@ def _meta(engine, sparsity: float, text: str, name: str, tokens: int) -> dict:
         "calibration_set": name,
         "calibration_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
         "tokens_requested": tokens,
-        "mode": "layer",
+        "mode": mode,
         "layers": len(engine.loaded.experts),
         "localmoe_version": __version__,
     }
 
 
 def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = None, text: str | Path | None = None,
-                   tokens: int = DEFAULT_TOKENS, force: bool = False) -> ThresholdTable:
-    """Cached thresholds for (model, revision, S, calibration set); calibrates when absent or stale."""
+                   tokens: int = DEFAULT_TOKENS, force: bool = False, mode: str = "layer") -> ThresholdTable:
+    """Cached thresholds for (model, revision, S, calibration set, mode); calibrates when absent or stale."""
+    if mode not in MODES:
+        raise UsageError(f"threshold mode must be one of {', '.join(MODES)}, got {mode!r}")
     if engine.tokenizer is None:  # random-weight bench engine: random ids, nothing cached
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, engine.loaded.config.vocab_size, (tokens,), generator=gen).tolist()
-        return calibrate_ids(engine, sparsity, ids, progress=progress, meta={"calibration_set": "random ids"})
+        return calibrate_ids(engine, sparsity, ids, progress=progress, meta={"calibration_set": "random ids", "mode": mode})
     body, name = read_calibration_text(text)
-    meta = _meta(engine, sparsity, body, name, tokens)
-    path = cache_path(engine.model_name, engine.resolved.revision, sparsity)
+    meta = _meta(engine, sparsity, body, name, tokens, mode)
+    path = cache_path(engine.model_name, engine.resolved.revision, sparsity, mode)
     if not force and path.is_file():
         try:
             saved = json.loads(path.read_text())
             saved_meta = {k: saved.get(k) for k in meta}
             if saved_meta == meta and len(saved["thresholds"]) == meta["layers"]:
-                return ThresholdTable(sparsity, tuple(float(t) for t in saved["thresholds"]), saved)
+                taus = tuple(tuple(float(x) for x in t) if isinstance(t, list) else float(t) for t in saved["thresholds"])
+                return ThresholdTable(sparsity, taus, saved)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or stale: recompute
     table = calibrate(engine, sparsity, body, tokens=tokens, progress=progress, meta=meta)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**table.meta, "thresholds": list(table.taus)}, indent=1))
+    tmp.write_text(json.dumps({**table.meta, "thresholds": [list(t) if isinstance(t, tuple) else t for t in table.taus]}))
     tmp.replace(path)
     return table
 
@@ -127,7 +134,10 @@ def calibrate_ids(engine, sparsity: float, ids: list[int], *, progress: Progress
     finally:
         for m in experts:
             m.recorder = None
-    taus = tuple(r.quantile(sparsity) for r in recorders)
+    if meta.get("mode") == "expert":
+        taus = tuple(tuple(r.expert_quantiles(sparsity, m.num_experts)) for r, m in zip(recorders, experts))
+    else:
+        taus = tuple(r.quantile(sparsity) for r in recorders)
     return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids)})
 
 
@@ -147,7 +157,10 @@ def crossover_tokens(loaded: LoadedModel, device: torch.device) -> int:
 def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -> None:
     limit = crossover_tokens(loaded, device)
     for m, tau in zip(loaded.experts, table.taus):
-        m.tau = torch.full((m.num_experts,), tau, dtype=torch.float32, device=device)
+        if isinstance(tau, (tuple, list)):
+            m.tau = torch.tensor(tau, dtype=torch.float32, device=device)
+        else:
+            m.tau = torch.full((m.num_experts,), tau, dtype=torch.float32, device=device)
         m.kept = torch.zeros((), dtype=torch.int64, device=device)
         m.max_sparse_tokens = limit
         m.sparse_enabled = True
