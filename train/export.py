@@ -1,8 +1,9 @@
 """Install a trained ``localmoe-tiny`` checkpoint into the package and write its model card.
 
-Takes the directory written by ``train/train_model.py --out`` (config.json,
-model.safetensors, tokenizer files, generation_config.json, train_summary.json), copies the
-shipped files to ``localmoe/assets/localmoe-tiny/``, then verifies the copy on CPU, offline
+Takes the directory written by ``train/train_model.py --out`` (config.json, model
+safetensors - one file or shards -, generation_config.json, train_summary.json, optionally
+tokenizer files; otherwise ``--tokenizer``), writes the shipped files to
+``localmoe/assets/localmoe-tiny/`` (a single bf16 ``model.safetensors``), then verifies the copy on CPU, offline
 and in float32: it loads with ``AutoTokenizer``/``AutoModelForCausalLM``, measures held-out
 perplexity on ``localmoe/data/heldout.txt`` (non-overlapping 512-token windows, per token of
 the model's tokenizer) and greedily answers a few chat prompts. Results go into the model
@@ -126,12 +127,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", required=True)
     ap.add_argument("--dst", default=str(REPO / "localmoe" / "assets" / "localmoe-tiny"))
+    ap.add_argument("--tokenizer", default=str(REPO / ".work" / "tiny" / "tokenizer"),
+                    help="tokenizer dir, used when --src has no tokenizer files")
     args = ap.parse_args()
     src, dst = Path(args.src), Path(args.dst)
     dst.mkdir(parents=True, exist_ok=True)
+    if (src / "model.safetensors").exists():
+        for f in SHIP:
+            shutil.copyfile(src / f if (src / f).exists() else Path(args.tokenizer) / f, dst / f)
+            os.chmod(dst / f, 0o644)
+    else:  # sharded checkpoint (device file-size limit): re-save as one bf16 file
+        m = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
+        m.save_pretrained(dst, safe_serialization=True)
+        del m
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(Path(args.tokenizer) / f, dst / f)
     for f in SHIP:
-        shutil.copyfile(src / f, dst / f)
         os.chmod(dst / f, 0o644)
+    assert sorted(p.name for p in dst.iterdir() if p.name != "README.md") == sorted(SHIP), list(dst.iterdir())
     summary = json.loads((src / "train_summary.json").read_text())
 
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ Steps (all offline once the ``.deb`` files are downloaded; deterministic, seed f
    ``.deb`` files are already in ``<work>/deb``) and unpack them with ``dpkg -x``.
 2. Walk the packaged HTML, strip navigation/sidebars/indices, and turn each page into a
    list of blocks (headings, paragraphs, list items, code, definition terms, table rows).
-3. Split pages (by a hash of their path) into train and held-out pages. Held-out pages
-   are written to ``localmoe/data/heldout.txt`` (never trained on, and never used for
+3. Split pages (by a hash of their path) into train, held-out and validation pages
+   (validation: ``<work>/val.txt``, for checkpoint selection only). Held-out pages are written to ``localmoe/data/heldout.txt`` (never trained on, and never used for
    instruction pairs); ``localmoe/data/calibration.txt`` gets ~50 KB of prose paragraphs
    from training pages.
 4. Render training pages as markdown-ish plain text (``<work>/pretrain.jsonl``) and build
@@ -410,7 +410,19 @@ def main() -> None:
             size += len(text) + 1
             if size >= args.heldout_bytes:
                 break
-    held = set(heldout_idx)
+    # Validation pages (for checkpoint selection; not shipped, not trained on): the next pages
+    # in the same hash order, so that heldout.txt does not depend on this split.
+    val_idx, size = [], 0
+    for i in order[order.index(heldout_idx[-1]) + 1:]:
+        text = render(pages[i][2])
+        if 2_000 <= len(text) <= 25_000:
+            val_idx.append(i)
+            size += len(text) + 1
+            if size >= args.heldout_bytes:
+                break
+    held = set(heldout_idx) | set(val_idx)
+    with open(work / "val.txt", "w", encoding="utf-8") as f:
+        f.write("\n".join(render(pages[i][2]) for i in sorted(val_idx, key=lambda i: pages[i][0])))
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     with open(DATA_DIR / "heldout.txt", "w", encoding="utf-8") as f:
         f.write("\n".join(render(pages[i][2]) for i in sorted(heldout_idx, key=lambda i: pages[i][0])))
@@ -452,7 +464,7 @@ def main() -> None:
     meta = {
         "packages": {pkg: {"version": versions[pkg], "product": prod, "license": lic}
                      for pkg, _, prod, lic in PACKAGES},
-        "pages": len(pages), "train_pages": len(train_pages), "heldout_pages": len(heldout_idx),
+        "pages": len(pages), "train_pages": len(train_pages), "heldout_pages": len(heldout_idx), "val_pages": len(val_idx),
         "pretrain_chars": n_chars, "chat_pairs": len(pairs), "chat_chars": chat_chars,
         "heldout_chars": os.path.getsize(DATA_DIR / "heldout.txt"),
         "calibration_chars": os.path.getsize(DATA_DIR / "calibration.txt"),

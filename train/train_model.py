@@ -4,8 +4,8 @@ Input (from ``train/train_tokenizer.py``), in ``--data``:
 ``train.bin`` (uint16 token stream), ``heldout.bin`` (uint16, held-out text),
 ``tokenizer/`` (tokenizer.json, tokenizer_config.json).
 
-The last ``--val-frac`` of ``train.bin`` is never trained on and serves as validation set
-for checkpoint selection; ``heldout.bin`` (``localmoe/data/heldout.txt``) is only reported.
+``val.bin`` (validation pages, disjoint from the training pages; if absent, the last
+``--val-frac`` of ``train.bin``) is never trained on and serves for checkpoint selection; ``heldout.bin`` (``localmoe/data/heldout.txt``) is only reported.
 Training: random 512-token windows, AdamW (0.9, 0.95), wd 0.1, linear warm-up then cosine
 decay to 10 %, bf16 autocast, load-balancing aux loss (``router_aux_loss_coef``).
 With ``--steps 0`` the step count is derived from ``--time-budget`` after timing the first
@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=400)
     ap.add_argument("--experts-impl", default="auto", help="auto | grouped_mm | batched_mm | eager")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--shard-size", default=None, help="save_pretrained max_shard_size, e.g. 12MB")
+    ap.add_argument("--minimal-out", action="store_true", help="write only the checkpoint (no tokenizer, no samples)")
     ap.add_argument("--debug", action="store_true", help="tiny model, few steps (CPU smoke test)")
     args = ap.parse_args()
 
@@ -170,8 +172,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     all_tok = torch.from_numpy(np.fromfile(data / "train.bin", dtype=np.uint16).astype(np.int32))
-    n_val = int(all_tok.numel() * args.val_frac)
-    train_tok, val_tok = all_tok[:-n_val], all_tok[-n_val:]
+    if (data / "val.bin").exists():  # validation pages, disjoint from training pages
+        train_tok = all_tok
+        val_tok = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16).astype(np.int32))
+    else:  # fall back to a slice of the training stream
+        n_val = int(all_tok.numel() * args.val_frac)
+        train_tok, val_tok = all_tok[:-n_val], all_tok[-n_val:]
     held_tok = torch.from_numpy(np.fromfile(data / "heldout.bin", dtype=np.uint16).astype(np.int32))
     print(f"tokens: train {train_tok.numel():,} val {val_tok.numel():,} heldout {held_tok.numel():,}", flush=True)
     train_gpu = train_tok.to(device)
@@ -298,9 +304,11 @@ def main() -> None:
         bos_token_id=None, eos_token_id=[IM_END, EOT], pad_token_id=EOT, do_sample=True,
         temperature=0.7, top_p=0.9, top_k=40, repetition_penalty=1.1, max_new_tokens=256,
     )
-    model_bf16.save_pretrained(out, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(data / "tokenizer" / f, out / f)
+    save_kw = {"max_shard_size": args.shard_size} if args.shard_size else {}
+    model_bf16.save_pretrained(out, safe_serialization=True, **save_kw)
+    if not args.minimal_out:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(data / "tokenizer" / f, out / f)
     summary = {
         "params": n_params, "steps": step, "batch": B, "seq": T, "train_time_s": round(train_time, 1),
         "tokens_seen": step * B * T, "experts_implementation": impl, "best_step": best_step,
@@ -311,6 +319,8 @@ def main() -> None:
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "evals"}, indent=2), flush=True)
 
+    if args.minimal_out:
+        return
     model = model.float()
     prompts = ["What is a list comprehension?", "Explain the os module.", "What does os.path.join() do?",
                "Hello", "How do I create a table in PostgreSQL?", "What is a decorator?"]

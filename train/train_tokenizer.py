@@ -8,7 +8,8 @@ to ``<work>/tokenizer/``, and writes the token streams as uint16 arrays:
 
 * ``<work>/train.bin``   - training documents and ChatML conversations, shuffled
   (fixed seed), each followed by ``<|endoftext|>``;
-* ``<work>/heldout.bin`` - ``localmoe/data/heldout.txt`` tokenized as one document.
+* ``<work>/heldout.bin`` - ``localmoe/data/heldout.txt`` tokenized as one document;
+* ``<work>/val.bin``     - ``<work>/val.txt`` (validation pages) tokenized the same way.
 
 Usage::
 
@@ -119,10 +120,13 @@ def main() -> None:
     held_ids = np.asarray(tok.encode(held).ids, dtype=np.uint16)
     held_ids.tofile(work / "heldout.bin")
 
+    val_ids = np.asarray(tok.encode((work / "val.txt").read_text(encoding="utf-8")).ids, dtype=np.uint16)
+    val_ids.tofile(work / "val.bin")
+
     stats = {
         "vocab_size": tok.get_vocab_size(),
         "train_tokens": int(arr.size), "pretrain_tokens": n_doc_tok, "chat_tokens": n_chat_tok,
-        "heldout_tokens": int(held_ids.size), "heldout_chars": len(held),
+        "heldout_tokens": int(held_ids.size), "val_tokens": int(val_ids.size), "heldout_chars": len(held),
         "chars_per_token_heldout": round(len(held) / held_ids.size, 3),
     }
     (work / "tokens.json").write_text(json.dumps(stats, indent=2))
