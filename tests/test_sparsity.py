@@ -21,7 +21,7 @@ from localmoe.experts import ExpertWeights, sparse_reference
 def test_realised_sparsity_within_3_points(family, target):
     engine = Engine.load(repo_id(family), device="cpu", sparsity=target)
     list(engine.generate(engine.encode_raw("The quick brown fox jumps over the lazy dog. " * 2),
-                         GenerationSettings(max_new_tokens=48)))
+                         GenerationSettings(max_new_tokens=64, temperature=1.0, seed=0)))  # sampled: varied tokens
     assert engine.stats.sparsity_target == target
     assert abs(engine.stats.sparsity_realized - target) <= 0.03, engine.stats.sparsity_realized
 
