@@ -96,13 +96,14 @@ were never trained on.
 {steps} steps of {batch} x {seq} tokens ({tokens_seen:,} tokens, about {epochs:.0f} passes over
 the data), AdamW, cosine LR, bf16 autocast, load-balancing aux loss 0.01, on one {device}
 in {train_time_s:.0f} s (experts implementation `{experts_implementation}`); checkpoint chosen at
-step {best_step} by validation loss on a 1 % slice of the training stream that was not trained on.
+step {best_step} by loss on validation pages that were not trained on (disjoint from the held-out pages).
 
 Reproduce (see `train/README.md`):
 
 ```
 python train/prepare_data.py && python train/train_tokenizer.py
-python train/train_model.py --data .work/tiny/carry --out .work/tiny/out --steps {steps} --batch {batch}
+python train/train_model.py --data .work/tiny/carry --out .work/tiny/out --steps {steps} --batch {batch} \\
+    --warmup {warmup} --lr {lr} --eval-every {eval_every} --experts-impl {experts_implementation}
 python train/export.py --src .work/tiny/out
 ```
 
@@ -157,7 +158,7 @@ def main() -> None:
     for p in PROMPTS:
         r = reply(model, tok, p)
         print(f">>> {p}\n{r}\n", flush=True)
-        samples.append(f"**User:** {p}\n\n**localmoe-tiny:** " + r.replace("\n", "\n> ").replace("```", "'''"))
+        samples.append(f"**User:** {p}\n\n**localmoe-tiny:**\n\n> " + r.replace("\n", "\n> ").replace("```", "'''"))
     stats = json.loads((REPO / ".work" / "tiny" / "tokens.json").read_text()) \
         if (REPO / ".work" / "tiny" / "tokens.json").exists() else {}
     card = CARD.format(
@@ -168,6 +169,7 @@ def main() -> None:
         size_mb=(dst / "model.safetensors").stat().st_size / 1e6,
         pretrain_tokens=stats.get("pretrain_tokens", 0), chat_tokens=stats.get("chat_tokens", 0),
         epochs=summary["tokens_seen"] / max(1, stats.get("train_tokens", summary["tokens_seen"])),
+        warmup=summary["args"]["warmup"], lr=summary["args"]["lr"], eval_every=summary["args"]["eval_every"],
         ppl=math.exp(nll), nll=nll, heldout_tokens=n_tok, samples="\n\n".join(samples),
         **{k: summary[k] for k in ("steps", "batch", "seq", "tokens_seen", "device", "train_time_s",
                                    "experts_implementation", "best_step")},
