@@ -145,7 +145,7 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
 
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
-          graphs: bool = True, progress=None) -> dict:
+          graphs: bool = True, compile: bool = False, progress=None) -> dict:
     from localmoe.engine import Engine, pick_device, pick_dtype
 
     dev = pick_device(device)
@@ -161,6 +161,7 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     engine.use_graphs = graphs and dev.type == "cuda"
+    engine.compile = compile
     engine.on_notice = progress and (lambda s: progress(f"note: {s}", 0, None))
     if sparsities is None:
         sparsities = sorted({0.0, default if default is not None else 0.5})

@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=_ranged(int, 2, what="--decode-tokens"), default=256)
     p.add_argument("--baseline", choices=["transformers"], default=None)
     p.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the step before capturing it (experimental)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
@@ -359,6 +360,6 @@ def cmd_bench(args) -> int:
         raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")
     result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
                    prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, baseline=args.baseline,
-                   graphs=not args.no_graph, progress=_stderr_progress())
+                   graphs=not args.no_graph, compile=args.compile, progress=_stderr_progress())
     print(json.dumps(result) if args.json else table(result))
     return 0

@@ -77,6 +77,7 @@ class Engine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.context = min(DEFAULT_CONTEXT, self.max_positions) if self.max_positions else DEFAULT_CONTEXT
         self.use_graphs = device.type == "cuda"  # CUDA-graph decode (falls back to eager with a notice)
+        self.compile = False  # torch.compile the decode step before capture (bench --compile; experimental)
         self.on_notice = None  # callable(str) for one-line notices (the CLI prints them on stderr)
         self._graph = None
 
@@ -172,7 +173,7 @@ class Engine:
 
         if self._graph is None and self.use_graphs:
             try:
-                self._graph = GraphDecoder(self, self.context)
+                self._graph = GraphDecoder(self, self.context, compile=self.compile)
             except GraphUnavailable as e:
                 self.use_graphs = False
                 self._notice(f"CUDA graph decode unavailable ({e}); decoding eagerly")

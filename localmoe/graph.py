@@ -20,7 +20,7 @@ class GraphUnavailable(RuntimeError):
 
 
 class GraphDecoder:
-    def __init__(self, engine, max_len: int):
+    def __init__(self, engine, max_len: int, compile: bool = False):
         from transformers import StaticCache
 
         if engine._device.type != "cuda":
@@ -38,6 +38,8 @@ class GraphDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.k = int(getattr(engine.loaded.config, "num_experts_per_tok", 1))
+        # optional: inductor fuses the step's many small elementwise ops before capture (slow first call)
+        self._step_fn = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
     def _forward(self, ids, pos):
         kw = {self.engine._cache_kw: self.cache}
@@ -55,12 +57,12 @@ class GraphDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: kernels compiled, workspaces allocated (same position is rewritten)
-                    self._forward(self.ids, self.pos)
+                for _ in range(3):  # warm-up: kernels compiled, workspaces allocated (same position is rewritten)
+                    self._step_fn(self.ids, self.pos)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.logits = self._forward(self.ids, self.pos)
+                self.logits = self._step_fn(self.ids, self.pos)
         except Exception as e:  # noqa: BLE001
             raise GraphUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.graph = graph
