@@ -135,6 +135,7 @@ class LocalExperts(nn.Module):
                                          self.intermediate_size, k)
         return self._params
 
+    @torch.compiler.disable  # Triton launches stay opaque to dynamo (graph break; the CUDA graph still holds them)
     def _dense_decode(self, x, top_k_index, top_k_weights):
         """Few tokens, sparsity off, CUDA: localmoe's dense decode kernel (no host sync)."""
         from localmoe.kernels.dense_experts import dense_experts
@@ -177,6 +178,7 @@ class LocalExperts(nn.Module):
         return out
 
     # -- sparse: decode ---------------------------------------------------------------------------------
+    @torch.compiler.disable
     def _sparse(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         w = self.weights
         if x.is_cuda and self.hidden_act == "silu":
