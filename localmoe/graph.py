@@ -40,15 +40,15 @@ class GraphDecoder:
         self.k = int(getattr(engine.loaded.config, "num_experts_per_tok", 1))
         # optional: inductor fuses the step's many small elementwise ops before capture (slow first call)
         if compile:
-            import torch._dynamo
+            from torch import _dynamo
 
             # every decoder layer is its own frame (graph breaks at localmoe's Triton launches): allow one per layer
             n = 4 * int(getattr(engine.loaded.config, "num_hidden_layers", 64)) + 16
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, n)
-            if hasattr(torch._dynamo.config, "recompile_limit"):
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
-            if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
-                torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 8 * n)
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, n)
+            if hasattr(_dynamo.config, "recompile_limit"):
+                _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, n)
+            if hasattr(_dynamo.config, "accumulated_recompile_limit"):
+                _dynamo.config.accumulated_recompile_limit = max(_dynamo.config.accumulated_recompile_limit, 8 * n)
         self._step_fn = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
     def _forward(self, ids, pos):
