@@ -13,7 +13,7 @@ import os
 import sys
 
 from localmoe import __version__
-from localmoe.errors import LocalmoeError, RuntimeFailure, UsageError
+from localmoe.errors import LocalmoeError, UsageError
 
 
 def _sparsity(value: str) -> float:
