@@ -23,7 +23,7 @@ SHAPES = Path(__file__).with_name("data") / "shapes.json"
 
 
 @dataclass
-class BenchRow:
+class BenchRow:  # one engine configuration's figures
     name: str
     sparsity: float
     prefill_tok_s: float
@@ -33,6 +33,8 @@ class BenchRow:
     fraction_of_floor: float
     sparsity_realized: float = 0.0
     graph: bool = False
+    cache_hit_rate: float | None = None
+    h2d_mb_per_token: float | None = None
 
 
 def shape_config(alias: str):
@@ -101,7 +103,9 @@ def _run(engine, sparsity, prompt, n_decode, name, bw, progress) -> BenchRow:
     return BenchRow(name=name, sparsity=sparsity, prefill_tok_s=st.prefill_tok_s, decode_tok_s=st.decode_tok_s,
                     peak_gpu_mem_gb=st.peak_gpu_mem_gb, floor_tok_s=floor,
                     fraction_of_floor=(st.decode_tok_s / floor) if floor else 0.0,
-                    sparsity_realized=st.sparsity_realized, graph=engine._graph is not None)
+                    sparsity_realized=st.sparsity_realized, graph=engine._graph is not None,
+                    cache_hit_rate=st.cache_hit_rate,
+                    h2d_mb_per_token=None if st.h2d_bytes_per_token is None else st.h2d_bytes_per_token / 1e6)
 
 
 def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: str) -> BenchRow:
@@ -145,30 +149,30 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
 
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
-          graphs: bool = True, compile: bool = False, progress=None) -> dict:
+          graphs: bool = True, compile: bool = False, vram_gib: float | None = None, progress=None) -> dict:
     from localmoe.engine import Engine, pick_device, pick_dtype
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     t0 = time.perf_counter()
+    note = progress and (lambda s: progress(f"note: {s}", 0, None))
+    context = prompt_tokens + decode_tokens + 64
     if shape:
-        engine = Engine.random(shape, device=dev, dtype=dt)
-        default = engine.resolved.default_sparsity
+        engine = Engine.random(shape, device=dev, dtype=dt, vram_gib=vram_gib, context=context, on_notice=note)
     else:
-        engine = Engine.load(model, device=device, dtype=dtype, sparsity=0.0, progress=progress)
-        default = engine.resolved.default_sparsity
+        engine = Engine.load(model, device=device, dtype=dtype, sparsity=0.0, progress=progress, vram_gib=vram_gib,
+                             context=context, on_notice=note)
+    default = engine.resolved.default_sparsity
     if dev.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    engine.use_graphs = graphs and dev.type == "cuda"
+    engine.use_graphs = engine.use_graphs and graphs and dev.type == "cuda"
     engine.compile = compile
-    engine.on_notice = progress and (lambda s: progress(f"note: {s}", 0, None))
     if sparsities is None:
         sparsities = sorted({0.0, default if default is not None else 0.5})
     gen = torch.Generator().manual_seed(0)
     vocab = engine.loaded.config.vocab_size
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
-    engine.set_context(min(engine.max_positions or 4096, prompt_tokens + decode_tokens + 64))
     bw = copy_bandwidth(dev)
     rows = [_run(engine, s, prompt, decode_tokens, "localmoe", bw, progress) for s in sparsities]
     config = engine.loaded.config
@@ -195,5 +199,7 @@ def table(result: dict) -> str:
         name = r["name"] + (" [graph]" if r.get("graph") else "")
         lines.append(f"{name:<34} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
                      f"{r['floor_tok_s']:>11.0f} {r['fraction_of_floor']:>8.1%} {r['sparsity_realized']:>8.1%} "
-                     f"{r['peak_gpu_mem_gb']:>8.1f}")
+                     f"{r['peak_gpu_mem_gb']:>8.1f}"
+                     + (f"  cache {r['cache_hit_rate']:.0%} hits, {r['h2d_mb_per_token']:.0f} MB/token H2D"
+                        if r.get("cache_hit_rate") is not None else ""))
     return "\n".join(lines)

@@ -61,6 +61,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--calibration-text", metavar="FILE", default=None, help="text to calibrate thresholds on")
+    p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
+                   help="GPU memory budget; experts that do not fit are offloaded to host memory behind a GPU cache "
+                        "(default: what the card has free minus 1 GiB)")
     p.add_argument("--context", type=_ranged(int, 16, what="--context"), default=None,
                    help="context length in tokens, prompt + reply (default 8192 or the model's maximum)")
 
@@ -124,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", choices=["transformers"], default=None)
     p.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
     p.add_argument("--compile", action="store_true", help="torch.compile the step before capturing it (experimental)")
+    p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
+                   help="GPU memory budget (experts beyond it are offloaded)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
@@ -224,13 +229,11 @@ def _settings(args):
 def _load_engine(args, progress=None):
     from localmoe.engine import Engine
 
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
-                         progress=progress or _stderr_progress(), calibration_text=args.calibration_text)
-    if args.context:
-        engine.set_context(args.context)
-    if progress is None:
-        engine.on_notice = lambda text: print(f"localmoe: note: {text}", file=sys.stderr)
-    return engine
+    quiet = progress is not None or getattr(args, "quiet", False)
+    notice = None if quiet else (lambda text: print(f"localmoe: note: {text}", file=sys.stderr))
+    return Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
+                       progress=progress or _stderr_progress(), calibration_text=args.calibration_text,
+                       vram_gib=args.vram, context=args.context, on_notice=notice)
 
 
 def cmd_run(args) -> int:
@@ -277,7 +280,9 @@ def _stats_line(stats, engine) -> str:
     return (f"[{engine.model_name} on {engine.device}] prompt {stats.prompt_tokens} tok, "
             f"{stats.prefill_tok_s:.1f} tok/s prefill | {stats.generated_tokens} tok, {stats.decode_tok_s:.1f} tok/s decode"
             f" | sparsity {stats.sparsity_target:.0%} target, {stats.sparsity_realized:.1%} realised"
-            + (f" | peak GPU {stats.peak_gpu_mem_gb:.2f} GB" if stats.peak_gpu_mem_gb else ""))
+            + (f" | peak GPU {stats.peak_gpu_mem_gb:.2f} GB" if stats.peak_gpu_mem_gb else "")
+            + (f" | expert cache {stats.cache_hit_rate:.0%} hits, {stats.h2d_bytes_per_token / 1e6:.1f} MB/token copied"
+               if stats.cache_hit_rate is not None else ""))
 
 
 def cmd_models(args) -> int:
@@ -360,6 +365,6 @@ def cmd_bench(args) -> int:
         raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")
     result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
                    prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, baseline=args.baseline,
-                   graphs=not args.no_graph, compile=args.compile, progress=_stderr_progress())
+                   graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, progress=_stderr_progress())
     print(json.dumps(result) if args.json else table(result))
     return 0

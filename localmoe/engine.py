@@ -47,6 +47,18 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def vram_budget(device: torch.device, vram_gib: float | None) -> int | None:
+    """Bytes the model may use on the device: --vram, else what a CUDA card has free minus a 1 GiB margin."""
+    if vram_gib is not None:
+        if vram_gib <= 0:
+            raise UsageError(f"--vram must be positive, got {vram_gib}")
+        return int(vram_gib * (1 << 30))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, free - (1 << 30))
+    return None
+
+
 def load_tokenizer(path):
     from transformers import AutoTokenizer
 
@@ -84,18 +96,25 @@ class Engine:
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
-             progress: ProgressFn | None = None, calibration_text: str | None = None) -> "Engine":
+             progress: ProgressFn | None = None, calibration_text: str | None = None, vram_gib: float | None = None,
+             context: int | None = None, on_notice=None) -> "Engine":
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         resolved = hub.resolve(model, progress=progress)
         tokenizer = load_tokenizer(resolved.path)
+        budget = vram_budget(dev, vram_gib)
         try:
-            loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress)
+            loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress, vram_bytes=budget,
+                                context=context or DEFAULT_CONTEXT)
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
                 f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
             ) from None
         engine = cls(resolved, loaded, tokenizer, dev, dt)
+        engine.on_notice = on_notice
+        if context:
+            engine.set_context(context)
+        engine._offload_notices()
         if sparsity is None:
             d = resolved.default_sparsity
             sparsity = UNKNOWN_MODEL_SPARSITY if d is None else d
@@ -103,19 +122,33 @@ class Engine:
         return engine
 
     @classmethod
-    def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype) -> "Engine":
+    def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype, vram_gib: float | None = None,
+               context: int | None = None, on_notice=None) -> "Engine":
         """A random-weight engine with a registry model's real config (for `bench --shape`)."""
         from localmoe.benchmark import shape_config
         from localmoe.loader import build_random
         from localmoe.registry import load_registry
 
         config = shape_config(shape)
-        loaded = build_random(config, device=device, dtype=dtype)
+        loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
+                              context=context or DEFAULT_CONTEXT)
         spec = load_registry().get(shape)
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=hub.Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)
+        engine.on_notice = on_notice
+        engine._offload_notices()
         engine.set_sparsity(0.0)
         return engine
+
+    def _offload_notices(self) -> None:
+        loaded = self.loaded
+        if loaded.cache is None:
+            return
+        self.use_graphs = False
+        pin_failed = self._device.type == "cuda" and not loaded.host_pinned
+        self._notice(loaded.offload.summary()
+                     + ("; pinning host memory failed, using pageable memory (slower misses)" if pin_failed else ""))
+        self._notice("expert offloading decodes eagerly for now (no CUDA graph)")
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -238,6 +271,9 @@ class Engine:
                 cache, graph = _cache_of(out), None
         for m in self.loaded.experts:  # realised sparsity counts decode steps only
             m.reset_counters()
+        expert_cache = self.loaded.cache
+        if expert_cache is not None:
+            expert_cache.reset_stats()
         t_decode = time.perf_counter()
         finish = "length"
         while True:
@@ -272,6 +308,9 @@ class Engine:
         if len(generated) > 1:
             stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_decode, 1e-9)
         stats.sparsity_realized = self.realized_sparsity()
+        if expert_cache is not None:
+            stats.cache_hit_rate = expert_cache.hit_rate
+            stats.h2d_bytes_per_token = expert_cache.h2d_bytes / max(1, len(generated) - 1)
         if cuda:
             stats.peak_gpu_mem_gb = torch.cuda.max_memory_allocated(self._device) / 1e9
         stats.finish_reason = finish

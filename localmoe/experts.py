@@ -91,7 +91,8 @@ class LocalExperts(nn.Module):
         self.layer_idx = layer_idx
         self.hidden_act = hidden_act
         self.act_fn = ACT2FN[hidden_act]
-        self.weights: ExpertWeights | None = None
+        self.weights: ExpertWeights | None = None  # all experts (resident), or the host master copies when offloaded
+        self.cache = None  # localmoe.offload.ExpertCache when experts are offloaded
         # sparse path state, set by the engine / sparsity module
         self.tau: torch.Tensor | None = None  # [E] float32 threshold per expert (per-layer τ broadcast)
         self.sparse_enabled = False
@@ -121,11 +122,18 @@ class LocalExperts(nn.Module):
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
-        if few and self.sparse_enabled and self.tau is not None:
-            return self._sparse(hidden_states, top_k_index, top_k_weights)
-        if few and hidden_states.is_cuda and self.hidden_act == "silu":
-            return self._dense_decode(hidden_states, top_k_index, top_k_weights)
-        return self._dense(hidden_states, top_k_index, top_k_weights)
+        sparse = few and self.sparse_enabled and self.tau is not None
+        if not (sparse or (few and hidden_states.is_cuda and self.hidden_act == "silu")):
+            return self._dense(hidden_states, top_k_index, top_k_weights)
+        w, ids, tau = self.weights, top_k_index, self.tau
+        if self.cache is not None:  # offloaded: compute from cache slots (misses copied in first)
+            w, ids = self.cache.pool, self.cache.slot_ids(self.layer_idx, top_k_index)
+            if tau is not None:
+                tau = torch.zeros(self.cache.slots, dtype=tau.dtype, device=tau.device)
+                tau[ids.reshape(-1)] = self.tau[top_k_index.reshape(-1)]  # thresholds follow their experts
+        if sparse:
+            return self._sparse(hidden_states, ids, top_k_weights, w, tau)
+        return self._dense_decode(hidden_states, ids, top_k_weights, w)
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:
         if self._params is None:
@@ -136,17 +144,23 @@ class LocalExperts(nn.Module):
         return self._params
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (graph break; the CUDA graph still holds them)
-    def _dense_decode(self, x, top_k_index, top_k_weights):
+    def _dense_decode(self, x, top_k_index, top_k_weights, w: ExpertWeights):
         """Few tokens, sparsity off, CUDA: localmoe's dense decode kernel (no host sync)."""
         from localmoe.kernels.dense_experts import dense_experts
 
-        w = self.weights
         p = self._launch(x, top_k_index.shape[1])["dense"]
         return dense_experts(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, **p).to(x.dtype)
 
     # -- dense: tokens grouped by expert (prefill, calibration, sparsity off) --------------------------
-    def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I,H], up [I,H], down_t [I,H]) of expert e, from the cache when offloaded."""
         w = self.weights
+        if self.cache is not None:
+            self.cache.fetch(self.layer_idx, [e])
+            w, e = self.cache.pool, self.cache.lru[(self.layer_idx, e)]
+        return w.w_gate[e], w.w_up[e], w.w_down_t[e]
+
+    def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         masked = self.mask_all_tokens and self.sparse_enabled and self.tau is not None and self.recorder is None
         kept = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -162,15 +176,16 @@ class LocalExperts(nn.Module):
             tok = tok_of[start:start + n]
             start += n
             xs = x[tok]  # [n, H]
-            g = self.act_fn(xs @ w.w_gate[e].T)  # [n, I]
+            w_gate, w_up, w_down_t = self._expert(e)
+            g = self.act_fn(xs @ w_gate.T)  # [n, I]
             if self.recorder is not None:
                 self.recorder.add(g.abs(), e)
             if masked:
                 keep = g.abs() >= self.tau[e]
                 g = g * keep
                 kept = kept + keep.sum()
-            h = g * (xs @ w.w_up[e].T)
-            y = h @ w.w_down_t[e]  # [n, H]
+            h = g * (xs @ w_up.T)
+            y = h @ w_down_t  # [n, H]
             y = y * top_k_weights.reshape(-1)[slots, None].to(y.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
         if masked:
@@ -179,18 +194,17 @@ class LocalExperts(nn.Module):
 
     # -- sparse: decode ---------------------------------------------------------------------------------
     @torch.compiler.disable
-    def _sparse(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        w = self.weights
+    def _sparse(self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.hidden_act == "silu":
             from localmoe.kernels.sparse_gate import sparse_gate
             from localmoe.kernels.sparse_updown import sparse_updown
 
             p = self._launch(x, top_k_index.shape[1])
-            g, idx, count = sparse_gate(x, w.w_gate, top_k_index, self.tau, self.intermediate_size, **p["gate"])
+            g, idx, count = sparse_gate(x, w.w_gate, top_k_index, tau, self.intermediate_size, **p["gate"])
             y = sparse_updown(x, w.w_up, w.w_down_t, top_k_index, top_k_weights, g, idx, count, **p["updown"])
             kept = count.sum()
         else:
-            y, kept = sparse_reference(x, w, top_k_index, top_k_weights, self.tau, self.act_fn)
+            y, kept = sparse_reference(x, w, top_k_index, top_k_weights, tau, self.act_fn)
         self._count(kept, top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
 

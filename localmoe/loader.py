@@ -31,6 +31,9 @@ class LoadedModel:
     config: object  # the text config
     family: FamilySpec
     experts: list[LocalExperts]  # one per MoE layer, in layer order
+    offload: object = None  # localmoe.offload.OffloadPlan when a VRAM budget was given
+    cache: object = None  # localmoe.offload.ExpertCache when experts are offloaded
+    host_pinned: bool = False  # expert master copies in pinned host memory
 
     def expert_bytes(self) -> int:
         return sum(m.weights.nbytes() for m in self.experts)
@@ -112,13 +115,31 @@ def _keep_fp32(model) -> list[str]:
     return keep
 
 
-def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None) -> LoadedModel:
+def _plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int):
+    from localmoe import offload
+
+    el = torch.finfo(dtype).bits // 8
+    non_expert = sum(p.numel() * el for p in model.parameters())
+    mods = list(experts.values())
+    E, I, H = mods[0].num_experts, mods[0].intermediate_size, mods[0].hidden_size
+    if any((m.num_experts, m.intermediate_size, m.hidden_size) != (E, I, H) for m in mods):
+        raise UsageError("expert offloading needs every MoE layer to have the same expert shape")
+    return offload.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
+                        state=offload.state_bytes(text_config, context, dtype), expert_bytes=3 * I * H * el,
+                        total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)))
+
+
+def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
+               vram_bytes: int | None = None, context: int = 8192) -> LoadedModel:
     from accelerate.utils import set_module_tensor_to_device
 
     _, text_config, fam = read_config(path)
     model = _build_skeleton(text_config, dtype)
     experts = _swap_experts(model, text_config)
     fp32_modules = _keep_fp32(model)
+    budget = _plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
+    host = budget is not None and budget.offloading
+    pinned = [device.type == "cuda"]  # cleared when pinning fails
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     files = shard_files(path)
 
@@ -162,7 +183,8 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
             if progress and done % 16 == 0:
                 progress("load", done, total)
         for prefix, mod in experts.items():
-            mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype)
+            mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype,
+                                              host=host, pinned=pinned)
             done += mod.num_experts
             if progress:
                 progress("load", done, total)
@@ -183,13 +205,40 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     model.requires_grad_(False)
     if progress:
         progress("load", total, total)
-    return LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()))
+    loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
+    if host:
+        _attach_cache(loaded, dtype, device, pinned[0])
+    return loaded
 
 
-def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, dtype) -> ExpertWeights:
+def _attach_cache(loaded: LoadedModel, dtype, device, pinned: bool) -> None:
+    """Experts' weights are host master copies: put the GPU expert cache in front of them."""
+    from localmoe.offload import ExpertCache
+
+    m0 = loaded.experts[0]
+    cache = ExpertCache(loaded.offload.slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device)
+    for m in loaded.experts:
+        cache.add_layer(m.layer_idx, m.weights)
+        m.cache = cache
+    loaded.cache = cache
+    loaded.host_pinned = pinned
+
+
+def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, dtype, *, host: bool = False,
+                        pinned: list | None = None) -> ExpertWeights:
     E, I, H = mod.num_experts, mod.intermediate_size, mod.hidden_size
     shape = (E, I, H)
-    w = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(3)))
+    if host:  # offloaded: the master copies live in host memory, pinned when possible
+        from localmoe.offload import host_buffer
+
+        bufs = []
+        for _ in range(3):
+            t, ok = host_buffer(shape, dtype, pin=pinned[0])
+            pinned[0] = pinned[0] and ok
+            bufs.append(t)
+        w = ExpertWeights(*bufs)
+    else:
+        w = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(3)))
 
     def read(key_file, index=None):
         file, key = key_file
@@ -231,7 +280,8 @@ def _check(prefix, name, got, want):
         raise RuntimeFailure(f"{prefix}.{name} has shape {tuple(got)}, config says {tuple(want)}: checkpoint and config disagree")
 
 
-def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 vram_bytes: int | None = None, context: int = 8192) -> LoadedModel:
     """The same model with random weights (for `bench --shape`: measure hardware without a download).
 
     Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise."""
@@ -242,6 +292,8 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
         raise UsageError(f"no random-weight build for {text_config.model_type!r}; supported: {supported_families()}")
     model = _build_skeleton(text_config, dtype)
     experts = _swap_experts(model, text_config)
+    budget = _plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
+    host = budget is not None and budget.offloading
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in list(model.named_parameters()):
         t = torch.empty(p.shape, dtype=dtype, device=device)
@@ -256,10 +308,23 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
     for name, buf in model.named_buffers():
         if buf.device != device:
             set_module_tensor_to_device(model, name, device, value=buf)
+    pinned = device.type == "cuda"
     for mod in experts.values():
         shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
-        mod.weights = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-                                      for _ in range(3)))
+        mats = []
+        for _ in range(3):
+            t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            if host:  # master copy in host memory (drawn on the device for speed, then moved)
+                from localmoe.offload import host_buffer
+
+                buf, ok = host_buffer(shape, dtype, pin=pinned)
+                pinned = pinned and ok
+                t = buf.copy_(t)
+            mats.append(t)
+        mod.weights = ExpertWeights(*mats)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()))
+    loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
+    if host:
+        _attach_cache(loaded, dtype, device, pinned)
+    return loaded

@@ -154,8 +154,17 @@ def crossover_tokens(loaded: LoadedModel, device: torch.device) -> int:
     return int(measured(torch.cuda.get_device_name(device), m.hidden_size, m.intermediate_size, m.num_experts, k))
 
 
-def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -> None:
+def sparse_token_limit(loaded: LoadedModel, device: torch.device) -> int:
+    """Crossover, capped so one call's experts fit the expert cache when offloading."""
     limit = crossover_tokens(loaded, device)
+    if loaded.cache is not None:
+        k = int(getattr(loaded.config, "num_experts_per_tok", 1))
+        limit = max(1, min(limit, loaded.cache.slots // k))
+    return limit
+
+
+def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -> None:
+    limit = sparse_token_limit(loaded, device)
     for m, tau in zip(loaded.experts, table.taus):
         if isinstance(tau, (tuple, list)):
             m.tau = torch.tensor(tau, dtype=torch.float32, device=device)
@@ -167,7 +176,7 @@ def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -
 
 
 def disable(loaded: LoadedModel, *, device: torch.device) -> None:
-    limit = crossover_tokens(loaded, device)
+    limit = sparse_token_limit(loaded, device)
     for m in loaded.experts:
         m.sparse_enabled = False
         m.max_sparse_tokens = limit

@@ -1,0 +1,148 @@
+"""Expert offloading under a VRAM budget: placement, and the GPU expert cache.
+
+Placement: the non-expert modules, the KV/recurrent state and a workspace reserve must fit in the budget (else a
+one-line error with the numbers); what is left becomes slots of an expert cache. Every expert's master copy lives
+in host memory (pinned when possible, pageable with a notice when pinning fails). The cache is expert-granular
+and shared by all layers, least-recently-used first out, never evicting an expert the current layer call needs.
+Each layer has a slot table on the device (expert → slot, -1 when absent), so the compute kernels read the pool
+through slot ids. A miss is served by copy-then-compute: the expert's three matrices are copied (asynchronously
+from pinned memory) into a slot, then computed from it; outputs are identical to the all-resident model.
+
+Shapes: E = experts per layer, I = expert width, H = hidden, S = cache slots.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from localmoe.errors import UsageError
+from localmoe.experts import ExpertWeights
+
+GiB = 1 << 30
+WORKSPACE_RESERVE = 0.5 * GiB  # activations, kernels' workspaces, allocator slack
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    budget_bytes: int
+    non_expert_bytes: int
+    state_bytes: int
+    expert_bytes: int  # one expert (gate + up + down)
+    total_experts: int
+    slots: int  # GPU cache slots (== total_experts: everything resident, no offloading)
+
+    @property
+    def offloading(self) -> bool:
+        return self.slots < self.total_experts
+
+    def summary(self) -> str:
+        gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+        return (f"VRAM budget {gib(self.budget_bytes)}: non-expert weights {gib(self.non_expert_bytes)}, "
+                f"KV/state {gib(self.state_bytes)}, {self.slots} of {self.total_experts} experts cached on the GPU "
+                f"({gib(self.slots * self.expert_bytes)}); host RAM for expert master copies "
+                f"{gib(self.total_experts * self.expert_bytes)}")
+
+
+def state_bytes(config, context: int, dtype: torch.dtype) -> int:
+    """KV cache of full-attention layers for `context` tokens, plus linear-attention states (batch 1)."""
+    el = torch.finfo(dtype).bits // 8
+    layers = int(config.num_hidden_layers)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    full = sum(1 for t in types if t != "linear_attention")
+    linear = layers - full
+    kv = full * 2 * context * heads * head_dim * el
+    lin_state = 0
+    if linear:
+        vh = int(getattr(config, "linear_num_value_heads", 0))
+        kd, vd = int(getattr(config, "linear_key_head_dim", 0)), int(getattr(config, "linear_value_head_dim", 0))
+        lin_state = linear * vh * kd * vd * 4 * 2  # recurrent state (fp32) + conv state, generous
+    return kv + lin_state
+
+
+def plan(*, budget_bytes: int, non_expert_bytes: int, state: int, expert_bytes: int, total_experts: int,
+         top_k: int) -> OffloadPlan:
+    fixed = non_expert_bytes + state + WORKSPACE_RESERVE
+    if budget_bytes < fixed + top_k * expert_bytes:
+        need = (fixed + top_k * expert_bytes) / GiB
+        raise UsageError(
+            f"--vram {budget_bytes / GiB:.2f} GiB cannot hold the non-expert weights ({non_expert_bytes / GiB:.2f} GiB), "
+            f"KV/state ({state / GiB:.2f} GiB), workspace ({WORKSPACE_RESERVE / GiB:.2f} GiB) and one token's "
+            f"{top_k} experts: give at least --vram {need:.2f}, a shorter --context, or --device cpu")
+    slots = min(total_experts, int((budget_bytes - fixed) // expert_bytes))
+    return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, slots)
+
+
+def host_buffer(shape, dtype, pin: bool) -> tuple[torch.Tensor, bool]:
+    """(tensor, pinned) — pinned host memory when asked and possible, else pageable."""
+    if pin:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True), True
+        except RuntimeError:
+            pass
+    return torch.empty(shape, dtype=dtype), False
+
+
+class ExpertCache:
+    """S GPU slots shared by all MoE layers; LRU over (layer, expert); per-layer slot tables on the device."""
+
+    def __init__(self, slots: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
+        E, I, H = shape
+        self.slots, self.num_experts = slots, E
+        self.pool = ExpertWeights(*(torch.empty((slots, I, H), dtype=dtype, device=device) for _ in range(3)))
+        self.expert_bytes = 3 * I * H * (torch.finfo(dtype).bits // 8)
+        self.device = device
+        self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
+        self.free = list(range(slots - 1, -1, -1))
+        self.masters: dict[int, ExpertWeights] = {}
+        self.tables: dict[int, torch.Tensor] = {}  # layer -> [E] int64 slot or -1 (device)
+        self.hits = self.misses = self.h2d_bytes = 0
+
+    def add_layer(self, layer: int, master: ExpertWeights) -> None:
+        self.masters[layer] = master
+        self.tables[layer] = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.device)
+
+    def reset_stats(self) -> None:
+        self.hits = self.misses = self.h2d_bytes = 0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    def fetch(self, layer: int, experts: list[int]) -> None:
+        """Make `experts` of `layer` resident (len(experts) <= slots)."""
+        needed = {(layer, e) for e in experts}
+        if len(needed) > self.slots:
+            raise RuntimeError(f"{len(needed)} experts needed at once but the cache has {self.slots} slots")
+        for e in experts:
+            key = (layer, e)
+            if key in self.lru:
+                self.hits += 1
+                self.lru.move_to_end(key)
+                continue
+            self.misses += 1
+            slot = self.free.pop() if self.free else self._evict(needed)
+            src, dst = self.masters[layer], self.pool
+            for a, b in ((dst.w_gate, src.w_gate), (dst.w_up, src.w_up), (dst.w_down_t, src.w_down_t)):
+                a[slot].copy_(b[e], non_blocking=True)
+            self.h2d_bytes += self.expert_bytes
+            self.lru[key] = slot
+            self.tables[layer][e] = slot
+
+    def _evict(self, keep: set) -> int:
+        for key in self.lru:
+            if key not in keep:
+                slot = self.lru.pop(key)
+                self.tables[key[0]][key[1]] = -1
+                return slot
+        raise RuntimeError("expert cache: every slot holds an expert the current call needs")
+
+    def slot_ids(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
+        """Fetch what `top_k_index` [T,k] routes to and return the same-shape slot ids (device)."""
+        self.fetch(layer, sorted(set(top_k_index.reshape(-1).tolist())))
+        return self.tables[layer][top_k_index]

@@ -1,0 +1,101 @@
+"""Expert offloading on CPU with a small cache: outputs never change, the cache hits/misses/evicts as LRU should,
+the slot tables stay consistent, stats are reported, and a budget too small for the non-expert part is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import repo_id
+from localmoe import offload
+from localmoe.cli import main
+from localmoe.engine import Engine
+from localmoe.events import GenerationSettings
+from localmoe.experts import ExpertWeights
+
+GiB = 1 << 30
+
+
+def budget_for(model: str, slots: int) -> float:
+    """--vram (GiB) that leaves exactly `slots` expert slots."""
+    probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0).loaded.offload
+    fixed = probe.non_expert_bytes + probe.state_bytes + offload.WORKSPACE_RESERVE
+    return (fixed + slots * probe.expert_bytes + probe.expert_bytes // 2) / GiB
+
+
+def tokens(engine, prompt="Sparse experts skip most neurons.", n=24):
+    return [ev.token_id for ev in engine.generate(engine.encode_raw(prompt), GenerationSettings(max_new_tokens=n))]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("sparsity", [0.0, 0.5])
+def test_greedy_tokens_equal_all_resident(family, sparsity):
+    model = repo_id(family)
+    resident = Engine.load(model, device="cpu", sparsity=sparsity)
+    want = tokens(resident)
+    k = resident.loaded.config.num_experts_per_tok
+    total = sum(m.num_experts for m in resident.loaded.experts)
+    for slots in (k, k + 3, total - 1):
+        e = Engine.load(model, device="cpu", sparsity=sparsity, vram_gib=budget_for(model, slots))
+        assert e.loaded.cache is not None and e.loaded.cache.slots == slots
+        assert tokens(e) == want, slots
+        assert 0.0 <= e.stats.cache_hit_rate <= 1.0 and e.stats.h2d_bytes_per_token >= 0
+
+
+def test_whole_model_fits_means_no_offloading():
+    e = Engine.load(repo_id("olmoe"), device="cpu", sparsity=0.0, vram_gib=64.0)
+    assert not e.loaded.offload.offloading and e.loaded.cache is None
+
+
+def _cache(slots=3, layers=2, E=6, I=4, H=5):
+    cache = offload.ExpertCache(slots, (E, I, H), torch.float32, torch.device("cpu"))
+    masters = {}
+    for layer in range(layers):
+        masters[layer] = ExpertWeights(*(torch.randn(E, I, H) for _ in range(3)))
+        cache.add_layer(layer, masters[layer])
+    return cache, masters
+
+
+def test_cache_hits_misses_eviction_and_slot_table():
+    cache, masters = _cache()
+    cache.fetch(0, [1, 2])
+    assert (cache.hits, cache.misses) == (0, 2)
+    cache.fetch(0, [1])
+    assert (cache.hits, cache.misses) == (1, 2)
+    cache.fetch(1, [4])  # fills the last free slot
+    cache.fetch(1, [5])  # evicts the least recently used: (0, 2)
+    assert (0, 2) not in cache.lru and int(cache.tables[0][2]) == -1
+    assert set(cache.lru) == {(0, 1), (1, 4), (1, 5)}
+    for (layer, e), slot in cache.lru.items():  # slot tables and pool agree with the masters
+        assert int(cache.tables[layer][e]) == slot
+        assert torch.equal(cache.pool.w_up[slot], masters[layer].w_up[e])
+    assert cache.h2d_bytes == 4 * cache.expert_bytes
+    ids = cache.slot_ids(1, torch.tensor([[4, 5]]))
+    assert ids.tolist() == [[cache.lru[(1, 4)], cache.lru[(1, 5)]]]
+
+
+def test_cache_never_evicts_what_the_call_needs():
+    cache, _ = _cache(slots=2)
+    cache.fetch(0, [0, 1])
+    cache.fetch(0, [1, 2])  # must evict 0, not 1
+    assert set(cache.lru) == {(0, 1), (0, 2)}
+    with pytest.raises(RuntimeError):
+        cache.fetch(0, [3, 4, 5])
+
+
+def test_budget_too_small_is_one_line_with_numbers(capsys):
+    code = main(["run", repo_id("qwen3_moe"), "hi", "--vram", "0.01"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("localmoe: error: --vram 0.01 GiB cannot hold the non-expert weights")
+    assert "give at least --vram" in err and err.count("\n") == 1
+
+
+def test_run_json_reports_cache_stats(capsys):
+    vram = budget_for(repo_id("mixtral"), 3)
+    code = main(["run", repo_id("mixtral"), "hi", "--json", "--max-new-tokens", "6", "--vram", f"{vram:.9f}"])
+    cap = capsys.readouterr()
+    stats = json.loads(cap.out.strip().splitlines()[-1])["stats"]
+    assert code == 0 and stats["cache_hit_rate"] is not None and stats["h2d_bytes_per_token"] is not None
+    assert "experts cached on the GPU" in cap.err
