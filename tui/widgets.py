@@ -151,8 +151,15 @@ class LoadingView(Vertical):
 
 def describe_error(exc: BaseException) -> tuple[str, str]:
     """(error text, what to do) for a failure shown in the app instead of a traceback."""
+    from localmoe.errors import LocalmoeError
+
     msg = str(exc).strip()
-    text = msg if msg.startswith("localmoe: error:") else f"localmoe: error: {type(exc).__name__}: {msg}".rstrip(": ")
+    if msg.startswith("localmoe: error:"):
+        text = msg
+    elif isinstance(exc, LocalmoeError):  # already says what is wrong and what to do
+        return f"localmoe: error: {msg}", ""
+    else:
+        text = f"localmoe: error: {type(exc).__name__}: {msg}".rstrip(": ")
     low = f"{type(exc).__name__} {msg}".lower()
     if "out of memory" in low or "outofmemory" in low:
         hint = "The model does not fit in memory: try a smaller model, another dtype, or a higher sparsity."
