@@ -1,0 +1,183 @@
+"""Fused decode kernels in place of transformers modules: ONE table, applied explicitly at load time.
+
+`REPLACEMENTS` maps a transformers class name to the localmoe module that replaces it for decode. `install(model)`
+walks `model.named_modules()` once and, for every module whose class is in the table, puts the localmoe module in
+its parent's slot. The replacement registers the very same Parameter / child-module objects under the same names
+(state_dict keys, `.to()`, tied weights unchanged) and keeps the original module (unregistered) for every call it
+does not fuse. No transformers `forward` is patched; `uninstall(model)` puts the originals back.
+
+It acts only on CUDA models (the kernels are Triton; on CPU transformers' modules stay) unless `force=True`
+(tests, which run the kernels under TRITON_INTERPRET=1).
+
+    transformers class             localmoe module          what one call becomes
+    Qwen3_5MoeRMSNorm              FusedRMSNorm(zero_centred)  1 launch (was ~8 kernels incl. dtype round trips)
+    Qwen3MoeRMSNorm, OlmoeRMSNorm,
+    MixtralRMSNorm, DeepseekV2RMSNorm,
+    GraniteMoeRMSNorm              FusedRMSNorm(standard)      1 launch
+    Qwen3_5MoeGatedDeltaNet        FusedGatedDeltaNet          cached T=1 step: 4 input GEMMs + 1 launch
+                                                               (conv1d update, gates, l2norm, delta rule, gated
+                                                               RMSNorm) + out_proj (was ~60 kernels); prefill and
+                                                               uncached calls run the original module
+
+Shape legend: B batch, T tokens, H hidden, C conv channels, H_v value heads, d_v value head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from localmoe.kernels.delta_rule_step import gated_deltanet_step
+from localmoe.kernels.rmsnorm import rmsnorm
+
+
+class FusedRMSNorm(nn.Module):
+    """transformers' RMSNorm (`kind` standard or zero_centred) in one Triton launch, any number of rows."""
+
+    def __init__(self, hf: nn.Module, kind: str):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)  # the original, unregistered (uninstall puts it back)
+        self.weight = hf.weight  # the same Parameter
+        self.eps = float(getattr(hf, "variance_epsilon", getattr(hf, "eps", 1e-6)))
+        self.variance_epsilon = self.eps
+        self.kind = kind
+
+    @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., N]
+        return rmsnorm(x, self.weight, self.eps, self.kind)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, kind={self.kind}"
+
+
+def _decode_states(cache, layer_idx: int):
+    """(conv_state [B,C,K], recurrent_state [B,H_v,d_k,d_v]) — the cache's own tensors — when this call is a cached
+    single-token step in transformers' sense (the layer has a previous state and does not record the past); else
+    None. Works with the LinearAttention cache layers of transformers 5.17 and 5.2x."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    prev = getattr(layer, "has_previous_state", None)
+    if not isinstance(prev, dict) or not prev.get(0, False) or getattr(layer, "record_past", False):
+        return None
+    try:
+        conv, rec = layer.conv_states[0], layer.recurrent_states[0]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    if not (isinstance(conv, torch.Tensor) and isinstance(rec, torch.Tensor)):
+        return None
+    return conv, rec
+
+
+class FusedGatedDeltaNet(nn.Module):
+    """Qwen3.5 Gated DeltaNet whose cached single-token step is 4 projections + one fused kernel + out_proj."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)  # prefill / uncached calls, and uninstall
+        for name, child in hf.named_children():  # in_proj_qkv/z/b/a, conv1d, norm, out_proj: the same objects
+            self.add_module(name, child)
+        for name, p in hf.named_parameters(recurse=False):  # dt_bias, A_log
+            self.register_parameter(name, p)
+        for attr in ("layer_idx", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
+                     "conv_dim", "conv_kernel_size", "activation", "hidden_size", "layer_type"):
+            if hasattr(hf, attr):
+                setattr(self, attr, getattr(hf, attr))
+        self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, *, cache_params=None,
+                past_key_values=None, **kwargs):  # hidden_states [B, T, H]
+        cache = next((c for c in (cache, cache_params, past_key_values) if c is not None), None)
+        states = None
+        if cache is not None and hidden_states.shape[1] == 1 and self.activation in ("silu", "swish"):
+            states = _decode_states(cache, self.layer_idx)
+        if states is None:  # transformers' own forward (its cache argument is the second positional in 5.17/5.2x)
+            return self._hf(hidden_states, cache, attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None and attention_mask.dim() == 2:  # transformers' apply_mask_to_padding_states
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        self.decode_calls += 1
+        B = hidden_states.shape[0]
+        mixed_qkv = self.in_proj_qkv(hidden_states)[:, 0]  # [B, C]
+        z = self.in_proj_z(hidden_states)[:, 0]  # [B, H_v*d_v]
+        b = self.in_proj_b(hidden_states)[:, 0]  # [B, H_v]
+        a = self.in_proj_a(hidden_states)[:, 0]  # [B, H_v]
+        out = self._step(mixed_qkv, z, a, b, *states)  # [B, H_v*d_v]
+        return self.out_proj(out.view(B, 1, -1))
+
+    @torch.compiler.disable
+    def _step(self, mixed_qkv, z, a, b, conv_state, rec_state):
+        return gated_deltanet_step(
+            mixed_qkv, z, a, b, conv_state=conv_state, conv_weight=self.conv1d.weight.view(self.conv_dim, -1),
+            conv_bias=self.conv1d.bias, A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm.weight,
+            norm_eps=self.norm.variance_epsilon, state=rec_state, num_k_heads=self.num_k_heads,
+            head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim)
+
+
+@dataclass(frozen=True)
+class Replacement:
+    make: Callable[[nn.Module], nn.Module]
+    note: str
+
+
+def _norm(kind: str) -> Callable[[nn.Module], nn.Module]:
+    return lambda hf: FusedRMSNorm(hf, kind)
+
+
+# THE table: transformers class name -> how localmoe replaces it for decode.
+REPLACEMENTS: dict[str, Replacement] = {
+    "Qwen3_5MoeRMSNorm": Replacement(_norm("zero_centred"), "x̂·(1+w), one launch"),
+    "Qwen3_5MoeGatedDeltaNet": Replacement(FusedGatedDeltaNet, "cached T=1 step fused (conv, gates, delta rule, "
+                                                               "gated norm); prefill unchanged"),
+    "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
+    "OlmoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
+    "MixtralRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
+    "DeepseekV2RMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
+    "GraniteMoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
+}
+_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, new)
+
+
+def install(model: nn.Module, device: torch.device | str | None = None, *, force: bool = False) -> dict[str, int]:
+    """Swap every module whose class is in REPLACEMENTS for its fused localmoe module. Returns {class name: count}
+    (empty when nothing was done). Only on CUDA (`device`, else the model's parameters' device) unless `force`."""
+    dev = torch.device(device) if device is not None else _model_device(model)
+    if dev.type != "cuda" and not force:
+        return {}
+    done: dict[str, int] = {}
+    for name, module in list(model.named_modules()):
+        cls = type(module).__name__
+        rep = REPLACEMENTS.get(cls)
+        if rep is None or not name:
+            continue
+        _set_child(model, name, rep.make(module))
+        done[cls] = done.get(cls, 0) + 1
+    return done
+
+
+def uninstall(model: nn.Module) -> int:
+    """Put the original transformers modules back; returns how many were restored."""
+    n = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, _FUSED_TYPES) and name:
+            _set_child(model, name, module._hf)
+            n += 1
+    return n
+
+
+def installed(model: nn.Module) -> int:
+    return sum(isinstance(m, _FUSED_TYPES) for m in model.modules())

@@ -1,0 +1,119 @@
+"""Tests of localmoe/fused.py: the fused modules are exactly equivalent to transformers' on a tiny Qwen3.5-MoE.
+
+Full-model logits with and without `install(..., force=True)` over a prompt (prefill: fused RMSNorms, original
+DeltaNet) and several cached decode steps (the fused DeltaNet step), with a DynamicCache and a StaticCache (the
+engine's CUDA-graph cache). Triton runs under TRITON_INTERPRET=1 on the CPU.
+Shape legend: P prompt tokens, V vocab.
+"""
+
+import copy
+import inspect
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import tiny_models  # noqa: E402
+
+from localmoe import fused  # noqa: E402
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_text_model():
+    from transformers import AutoModelForCausalLM
+
+    full, _ = tiny_models.build("qwen3_5_moe")
+    text = full.config.text_config
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(text).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # non-trivial norm weights and gates (init gives zeros / ones)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if ".linear_attn.norm." in name else 0.0))
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.rand(p.shape, generator=gen))
+    return model
+
+
+def _run(model, cache_kind, prompt, steps=STEPS):
+    """Greedy prefill + `steps` cached decode steps; returns (logits [1+steps, V] fp32, tokens)."""
+    from transformers import DynamicCache, StaticCache
+
+    P = prompt.shape[1]
+    if cache_kind == "static":
+        cache = StaticCache(config=model.config, max_cache_len=P + steps + 1)
+    else:
+        cache = DynamicCache(config=model.config)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=prompt, cache_position=torch.arange(P), use_cache=True, **{kw: cache})
+    logits = [out.logits[0, -1].float()]
+    toks = [int(logits[-1].argmax())]
+    for i in range(steps):
+        ids = torch.tensor([[toks[-1]]])
+        out = model(input_ids=ids, cache_position=torch.tensor([P + i]), use_cache=True, **{kw: cache})
+        logits.append(out.logits[0, -1].float())
+        toks.append(int(logits[-1].argmax()))
+    return torch.stack(logits), toks
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
+    ref_model = copy.deepcopy(tiny_text_model).to(dtype)
+    prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(11))
+    want, want_toks = _run(ref_model, cache_kind, prompt)
+
+    model = copy.deepcopy(ref_model)
+    done = fused.install(model, force=True)
+    cfg = model.config
+    n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
+    assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
+                    "Qwen3_5MoeGatedDeltaNet": n_linear}
+    assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
+    got, toks = _run(model, cache_kind, prompt)
+    steps = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedGatedDeltaNet)]
+    assert steps == [STEPS] * n_linear  # every decode step took the fused path, prefill did not
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert toks == want_toks
+
+    assert fused.uninstall(model) == sum(done.values())
+    assert fused.installed(model) == 0
+    again, _ = _run(model, cache_kind, prompt)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+def test_cpu_model_is_left_alone(tiny_text_model):
+    model = copy.deepcopy(tiny_text_model)
+    assert fused.install(model) == {}
+    assert fused.installed(model) == 0
+
+
+def test_same_parameter_objects(tiny_text_model):
+    model = copy.deepcopy(tiny_text_model)
+    before = dict(model.named_parameters())
+    fused.install(model, force=True)
+    after = dict(model.named_parameters())
+    assert before.keys() == after.keys()
+    assert all(before[k] is after[k] for k in before)
+
+
+def test_other_family_norm_module():
+    """The standard-kind entry matches Qwen3-MoE's RMSNorm module (fp32, bit-close)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    norm = Qwen3MoeRMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    holder = torch.nn.Sequential(norm)
+    assert fused.install(holder, force=True) == {"Qwen3MoeRMSNorm": 1}
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(holder[0](x), norm(x), rtol=1e-6, atol=1e-6)
