@@ -22,6 +22,8 @@ import tiny_models  # noqa: E402
 from localmoe import fused  # noqa: E402
 
 STEPS = 5
+# CPU + interpreter by default (conftest sets TRITON_INTERPRET=1); TRITON_INTERPRET=0 on a GPU runs compiled kernels
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +54,12 @@ def _run(model, cache_kind, prompt, steps=STEPS):
     else:
         cache = DynamicCache(config=model.config)
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=prompt, cache_position=torch.arange(P), use_cache=True, **{kw: cache})
+    out = model(input_ids=prompt, cache_position=torch.arange(P, device=DEV), use_cache=True, **{kw: cache})
     logits = [out.logits[0, -1].float()]
     toks = [int(logits[-1].argmax())]
     for i in range(steps):
-        ids = torch.tensor([[toks[-1]]])
-        out = model(input_ids=ids, cache_position=torch.tensor([P + i]), use_cache=True, **{kw: cache})
+        ids = torch.tensor([[toks[-1]]], device=DEV)
+        out = model(input_ids=ids, cache_position=torch.tensor([P + i], device=DEV), use_cache=True, **{kw: cache})
         logits.append(out.logits[0, -1].float())
         toks.append(int(logits[-1].argmax()))
     return torch.stack(logits), toks
@@ -67,12 +69,12 @@ def _run(model, cache_kind, prompt, steps=STEPS):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
 def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
-    ref_model = copy.deepcopy(tiny_text_model).to(dtype)
-    prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(11))
+    ref_model = copy.deepcopy(tiny_text_model).to(DEV, dtype)
+    prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(11)).to(DEV)
     want, want_toks = _run(ref_model, cache_kind, prompt)
 
     model = copy.deepcopy(ref_model)
-    done = fused.install(model, force=True)
+    done = fused.install(model, DEV, force=True)
     cfg = model.config
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
     assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
