@@ -1,0 +1,367 @@
+"""Sparse decode in ONE launch: dense gate + threshold + up/down over the kept neurons, optionally offload-aware.
+
+Owns `sparse_fused` (Triton launcher), its torch reference `sparse_fused_ref`, the workspace helper
+`fused_workspace`, and one Triton kernel `_sparse_fused_kernel`, grid (T*k, ceil(I / BLOCK_I)):
+
+* program (tj, b) takes neurons [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_ids[tj]: one full-width load
+  of its BLOCK_I x H gate tile (no serial loop over H: a batch-1 step is latency bound), g = silu(x . W_gate),
+  keep n where |g_n| >= tau[e] (no sort, no index list: the mask stays in registers);
+* if nothing is kept (at 85 % sparsity ~0.85^BLOCK_I of the programs) it skips the rest: no up/down loads, no
+  atomics on y. Otherwise it loads W_up and W_down_t rows under the keep mask (a masked-off row issues no memory
+  traffic, so only kept rows are read), h_n = w[tj] * g_n * (x . W_up[e, n]) in fp32, and atomically adds
+  sum_n h_n W_down_t[e, n, :] (one [H] vector) and its kept count;
+* reduction / output, two modes:
+  - default (`accumulate=False`): the atomics go into a self-cleaning fp32 workspace; each program then takes a
+    per-token ticket (acq_rel atomic, as in sparse_gate) and the last program of token t copies the workspace row
+    into y[t] (in y's dtype: fp32, or bf16/fp16 to save the caller a cast), copies the k counts, and zeroes its
+    workspace row and ticket for the next launch. Nobody has to clear y or count: no memset node.
+  - `accumulate=True`: the atomics go straight into the caller's fp32 `out` and int32 `count`, which the caller
+    zeroed (or pre-filled: e.g. out = the shared expert's output, count = a running total). No ticket, no tail.
+
+Offload-aware addressing (optional): with `slot_table` [E] (expert -> slot in a device pool, -1 when absent),
+`pool_gate/pool_up/pool_down_t` [S, I, H] on the device, and w_gate/w_up/w_down_t the host master copies [E, I, H]
+(pinned host memory on CUDA, read through unified addressing), each program picks its base pointer once
+(`tl.where` on two scalar pointers): the pool slot when resident, else the host copy directly, so for an absent
+expert only its gate rows and its kept up/down rows cross PCIe. tau stays indexed by expert id.
+
+One launch, fixed grid and output sizes, no host sync: CUDA-graph capturable (pass `out=`, `count=` and
+`workspace=` to keep every address fixed across replays).
+
+Launch parameters: the BLOCK_I x next_pow2(H) tiles live in registers. sm_90 builds (ptxas, bf16) stay spill-free
+and at >= 127 registers only up to 64 tile elements per thread (BLOCK_I * H_P2 / (32 * num_warps) <= 64), e.g.
+H 2048: BLOCK_I 8 / 8 warps (127 regs), 4 / 8 (64 regs); H 3072: 8 / 16, 4 / 8. BLOCK_I 8 / 4 warps at H 2048
+already needs 248 registers; 16 / 4 spills.
+
+Shape legend: T = tokens, k = experts per token, E = experts, I = expert width (neurons), H = hidden, S = slots.
+Weight layout (expert store contract): [E, I, H] (pools [S, I, H]) with rows contiguous (stride(2) == 1,
+stride(1) == H), any expert stride; w_down_t is W_down transposed (one neuron's down weights contiguous).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional at import time; the launcher needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+    tl = None
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------------------
+def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau):
+    """Reference in fp32 torch. Returns (y [T,H] fp32, count [T,k] int32 kept neurons per routed expert).
+
+    y[t] = sum_j w[t,j] sum_{n: |g_n| >= tau[e]} g_n (x[t] . W_up[e,n]) W_down_t[e,n,:], g = silu(x[t] . W_gate[e]),
+    e = expert_ids[t,j]; every tensor is read at its expert id (the resident layout)."""
+    eid = expert_ids.long()
+    xf = x.float()
+    g = torch.nn.functional.silu(torch.einsum("th,tkih->tki", xf, w_gate[eid].float()))  # [T,k,I]
+    keep = g.abs() >= tau.float()[eid].unsqueeze(-1)
+    u = torch.einsum("th,tkih->tki", xf, w_up[eid].float())
+    h = torch.where(keep, g * u, torch.zeros((), device=x.device)) * weights.float().unsqueeze(-1)
+    y = torch.einsum("tki,tkih->th", h, w_down_t[eid].float())
+    return y, keep.sum(-1).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _sparse_fused_kernel(
+        x_ptr,  # [T, H] any float dtype, row stride stride_xt
+        wg_ptr,  # [E, I, H] resident weights, or the host master copies when OFFLOAD
+        wu_ptr,  # [E, I, H]
+        wd_ptr,  # [E, I, H] (W_down transposed)
+        pg_ptr,  # [S, I, H] device pool (OFFLOAD only; else any valid pointer)
+        pu_ptr,  # [S, I, H]
+        pd_ptr,  # [S, I, H]
+        slot_ptr,  # [E] int32/int64 expert -> slot, -1 absent (OFFLOAD only)
+        eid_ptr,  # [T*k] int32/int64
+        rw_ptr,  # [T*k] routing weights, any float
+        tau_ptr,  # [E] fp32
+        y_ptr,  # [T, H]: FINALIZE: written (any float dtype); else fp32, accumulated into
+        cnt_ptr,  # [T*k] int32: FINALIZE: written; else accumulated into
+        acc_ptr,  # [T, H] fp32 workspace, zero between launches (FINALIZE only)
+        cws_ptr,  # [T*k] int32 workspace, zero between launches (FINALIZE only)
+        tick_ptr,  # [T] int32 tickets, zero between launches (FINALIZE only)
+        I,
+        K,  # experts per token
+        stride_xt,
+        stride_ge,
+        stride_ue,
+        stride_de,
+        stride_pge,
+        stride_pue,
+        stride_pde,
+        H: tl.constexpr,
+        H_P2: tl.constexpr,  # next power of two >= H: one full-width tile per program, no serial H loop
+        BLOCK_I: tl.constexpr,
+        K_P2: tl.constexpr,  # next power of two >= K
+        OFFLOAD: tl.constexpr,
+        FINALIZE: tl.constexpr,
+    ):
+        pid_tj = tl.program_id(0)  # one (token, routed expert) pair
+        pid_i = tl.program_id(1)  # one block of BLOCK_I neurons
+        t = pid_tj // K
+        e = tl.load(eid_ptr + pid_tj).to(tl.int64)
+        # ---- where this expert's rows live: device pool slot, host master copy, or the resident tensors ----
+        if OFFLOAD:
+            s = tl.load(slot_ptr + e).to(tl.int64)
+            res = s >= 0
+            s = tl.maximum(s, 0)
+            g_base = tl.where(res, pg_ptr + s * stride_pge, wg_ptr + e * stride_ge)
+            u_base = tl.where(res, pu_ptr + s * stride_pue, wu_ptr + e * stride_ue)
+            d_base = tl.where(res, pd_ptr + s * stride_pde, wd_ptr + e * stride_de)
+        else:
+            g_base = wg_ptr + e * stride_ge
+            u_base = wu_ptr + e * stride_ue
+            d_base = wd_ptr + e * stride_de
+        rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I]
+        rmask = rows < I
+        cols = tl.arange(0, H_P2)  # [H_P2]
+        cmask = cols < H
+        roff = rows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_I, H_P2]
+        # ---- gate GEMV for BLOCK_I neurons (the only dense read) ----
+        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
+        wg = tl.load(g_base + roff, mask=rmask[:, None] & cmask[None, :], other=0.0)
+        tau = tl.load(tau_ptr + e)
+        rw = tl.load(rw_ptr + pid_tj).to(tl.float32)
+        z = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_I]
+        g = z / (1.0 + tl.exp(-z))  # silu
+        keep = (tl.abs(g) >= tau) & rmask
+        nk = tl.sum(keep.to(tl.int32), axis=0)
+        if FINALIZE:
+            ydst = acc_ptr
+            cdst = cws_ptr
+        else:
+            ydst = y_ptr
+            cdst = cnt_ptr
+        # ---- up/down over the kept rows only; a program with nothing kept does no further traffic ----
+        if nk > 0:
+            mk = keep[:, None] & cmask[None, :]
+            # both tiles issued before any arithmetic: one memory round trip for the kept bytes
+            wu = tl.load(u_base + roff, mask=mk, other=0.0)
+            wd = tl.load(d_base + roff, mask=mk, other=0.0)
+            h = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
+            contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)  # [H_P2]
+            tl.atomic_add(ydst + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
+            tl.atomic_add(cdst + pid_tj, nk, sem="relaxed")
+        if FINALIZE:
+            # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
+            tl.debug_barrier()  # this program's atomics precede the release below
+            done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
+            if done == K * tl.num_programs(1) - 1:
+                arow = acc_ptr + t.to(tl.int64) * H + cols
+                a = tl.load(arow, mask=cmask, other=0.0, cache_modifier=".cg")  # other programs' sums: via L2
+                tl.store(y_ptr + t.to(tl.int64) * H + cols, a.to(y_ptr.dtype.element_ty), mask=cmask)
+                tl.store(arow, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
+                kk = tl.arange(0, K_P2)
+                km = kk < K
+                crow = t.to(tl.int64) * K + kk
+                c = tl.load(cws_ptr + crow, mask=km, other=0, cache_modifier=".cg")
+                tl.store(cnt_ptr + crow, c, mask=km)
+                tl.store(cws_ptr + crow, tl.zeros([K_P2], dtype=tl.int32), mask=km)
+                tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
+
+
+# ----------------------------------------------------------------------------------------------------------
+# workspace
+# ----------------------------------------------------------------------------------------------------------
+_WORKSPACES: dict = {}
+_RETIRED: list = []  # outgrown workspaces stay alive: a captured CUDA graph may still point at them
+
+
+def fused_workspace(device, numel: int = 0) -> torch.Tensor:
+    """Zeroed int32 workspace with >= numel elements, one per (device, stream); kernels leave it zeroed.
+
+    A launch with T tokens, k experts, hidden H uses T*H + T*k + T elements (fp32 sums, counts, tickets).
+    Allocate it before CUDA-graph capture (or pass your own zeroed int32 buffer as `workspace=`): a first
+    allocation during capture lands in the graph's private pool."""
+    device = torch.device(device)
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(numel, 1 << 14), dtype=torch.int32, device=device)
+        _WORKSPACES[key] = buf
+    return buf
+
+
+class _HostPointer:
+    """A pinned host tensor seen by the Triton launcher as a raw pointer (unified virtual addressing)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t  # keeps the memory alive for the launch
+        self.dtype = t.dtype
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------------
+def _check_weight(name, w, n, I, H, dev, allow_host: bool):
+    if w.dim() != 3 or tuple(w.shape) != (n, I, H):
+        raise ValueError(f"{name} must have shape {(n, I, H)}, got {tuple(w.shape)}")
+    if w.stride(2) != 1 or (I > 1 and w.stride(1) != H):
+        raise ValueError(f"{name} rows must be contiguous (stride(2) == 1, stride(1) == H); got strides {w.stride()}")
+    if w.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be bf16/fp16/fp32, got {w.dtype}")
+    if w.device != dev:
+        if not (allow_host and w.device.type == "cpu"):
+            raise ValueError(f"{name} is on {w.device}, x is on {dev}: all inputs must share a device")
+        if dev.type == "cuda" and not w.is_pinned():
+            raise ValueError(f"{name} is a host master copy in pageable memory: the GPU can read only pinned "
+                             f"host memory (torch.empty(..., pin_memory=True))")
+
+
+def sparse_fused(
+    x,
+    w_gate,
+    w_up,
+    w_down_t,
+    expert_ids,
+    weights,
+    tau,
+    out=None,
+    *,
+    count=None,
+    accumulate: bool = False,
+    slot_table=None,
+    pool_gate=None,
+    pool_up=None,
+    pool_down_t=None,
+    workspace=None,
+    BLOCK_I: int = 8,
+    num_warps: int = 8,
+):
+    """Gate + threshold + up/down of the k routed experts of each token, one launch. Returns (y [T,H], count [T,k]).
+
+    x [T,H] (bf16/fp16/fp32, last dim contiguous); w_gate/w_up/w_down_t [E,I,H] (rows contiguous);
+    expert_ids [T,k] int32/int64; weights [T,k] any float (final routing weights, applied after down);
+    tau [E] fp32 (keep neuron n of expert e where |silu(x . W_gate[e,n])| >= tau[e]).
+
+    y[t] = sum_j weights[t,j] sum_{kept n} g_n (x[t] . W_up[e,n]) W_down_t[e,n,:]; count[t,j] = kept neurons.
+
+    * accumulate=False (default): `out` (optional [T,H] bf16/fp16/fp32 contiguous, default fp32) and `count`
+      (optional int32 [T,k]) are overwritten; nothing needs zeroing (self-cleaning `workspace`, see
+      `fused_workspace`).
+    * accumulate=True: `out` (fp32 [T,H]) and `count` (int32 [T,k]) are required and added to; the caller zeroes
+      them (or pre-fills out, e.g. with the shared expert's output).
+    * offload: `slot_table` [E] int32/int64 (slot in the pools, -1 when absent; values must be < S),
+      `pool_gate/pool_up/pool_down_t` [S,I,H] on x's device, each with the dtype of the matching master; then
+      w_gate/w_up/w_down_t are the master copies, on x's device or in host memory (pinned when x is on CUDA).
+      Absent experts are read from the master copies in place (only gate rows and kept rows cross PCIe).
+
+    Fixed grid (T*k, ceil(I/BLOCK_I)), no host sync: CUDA-graph capturable.
+    """
+    if triton is None:
+        raise RuntimeError("sparse_fused needs triton")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"x must be bf16/fp16/fp32 with a contiguous last dim, got {x.dtype} strides {x.stride()}")
+    dev = x.device
+    if w_gate.dim() != 3:
+        raise ValueError(f"w_gate must be [E, I, H], got shape {tuple(w_gate.shape)}")
+    E, I, _ = w_gate.shape
+    offload = slot_table is not None
+    pools = (pool_gate, pool_up, pool_down_t)
+    if offload != all(p is not None for p in pools) or (not offload and any(p is not None for p in pools)):
+        raise ValueError("slot_table, pool_gate, pool_up and pool_down_t must be given together (offload) "
+                         "or not at all")
+    masters = (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t))
+    for name, w in masters:
+        _check_weight(name, w, E, I, H, dev, allow_host=offload)
+    if offload:
+        if slot_table.dim() != 1 or slot_table.shape[0] != E or slot_table.dtype not in _INT_DTYPES:
+            raise ValueError(f"slot_table must be int32/int64 [E] = [{E}], got {slot_table.dtype} "
+                             f"{tuple(slot_table.shape)}")
+        if slot_table.device != dev:
+            raise ValueError(f"slot_table is on {slot_table.device}, x is on {dev}")
+        if pool_gate.dim() != 3:
+            raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pool_gate.shape)}")
+        S = pool_gate.shape[0]
+        if S < 1:
+            raise ValueError("the pools need at least one slot")
+        for (name, w), pname, p in zip(masters, ("pool_gate", "pool_up", "pool_down_t"), pools):
+            _check_weight(pname, p, S, I, H, dev, allow_host=False)
+            if p.dtype != w.dtype:
+                raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a dtype")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
+        raise ValueError(f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} "
+                         f"{tuple(expert_ids.shape)}")
+    k = expert_ids.shape[1]
+    if tuple(weights.shape) != (T, k) or not weights.dtype.is_floating_point:
+        raise ValueError(f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if tau.dim() != 1 or tau.shape[0] != E or tau.dtype != torch.float32:
+        raise ValueError(f"tau must be a float32 [E] = [{E}] tensor, got {tau.dtype} {tuple(tau.shape)}")
+    for name, tns in (("expert_ids", expert_ids), ("weights", weights), ("tau", tau)):
+        if tns.device != dev:
+            raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
+    if accumulate:
+        if out is None or count is None:
+            raise ValueError("accumulate=True needs out= (fp32 [T,H]) and count= (int32 [T,k]) buffers")
+        if out.dtype != torch.float32:
+            raise ValueError(f"accumulate=True needs an fp32 out, got {out.dtype}")
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.float32, device=dev)
+    elif (tuple(out.shape) != (T, H) or out.dtype not in _FLOAT_DTYPES or not out.is_contiguous()
+          or out.device != dev):
+        raise ValueError(f"out must be a contiguous bf16/fp16/fp32 [T, H] = {(T, H)} tensor on {dev}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if count is None:
+        count = torch.empty(T, k, dtype=torch.int32, device=dev)
+    elif (tuple(count.shape) != (T, k) or count.dtype != torch.int32 or not count.is_contiguous()
+          or count.device != dev):
+        raise ValueError(f"count must be a contiguous int32 [T, k] = {(T, k)} tensor on {dev}")
+    if T == 0 or k == 0:
+        if not accumulate:
+            out.zero_()
+            count.zero_()
+        return out, count
+    need = T * H + T * k + T
+    if accumulate:
+        acc, cws, tick = out, count, count  # no workspace: never read by the kernel
+    else:
+        if workspace is None:
+            workspace = fused_workspace(dev, need)
+        elif (workspace.dtype != torch.int32 or workspace.dim() != 1 or workspace.numel() < need
+              or not workspace.is_contiguous() or workspace.device != dev):
+            raise ValueError(f"workspace must be a zeroed contiguous int32 1-D tensor of >= {need} elements on {dev}")
+        acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
+        cws = workspace[T * H: T * H + T * k]
+        tick = workspace[T * H + T * k: need]
+    bi = max(1, min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(I)))
+    cuda = dev.type == "cuda"
+
+    def ptr(w):  # host master copies: the launcher gets their (unified) address
+        return _HostPointer(w) if cuda and w.device.type == "cpu" else w
+
+    wg, wu, wd = (ptr(w) for _, w in masters)
+    if offload:
+        pg, pu, pd, st = pool_gate, pool_up, pool_down_t, slot_table
+        sp = (pool_gate.stride(0), pool_up.stride(0), pool_down_t.stride(0))
+    else:  # dummies, never read
+        pg, pu, pd, st = wg, wu, wd, expert_ids
+        sp = (0, 0, 0)
+    _sparse_fused_kernel[(T * k, triton.cdiv(I, bi))](
+        x, wg, wu, wd, pg, pu, pd, st, expert_ids.contiguous(), weights.contiguous(), tau, out, count,
+        acc, cws, tick, I, k, x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), *sp,
+        H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
+        OFFLOAD=offload, FINALIZE=not accumulate, num_warps=num_warps,
+    )
+    return out, count

@@ -1,0 +1,227 @@
+"""Tests of kernels/sparse_fused.py: the one-launch gate + threshold + up/down kernel vs its torch reference,
+its two output modes (self-cleaning overwrite, caller-zeroed accumulate), and offload-aware addressing.
+
+Runs on CPU under TRITON_INTERPRET=1 (set below before triton is imported when no GPU is present); never
+asserts a time. Shape legend: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden,
+S = pool slots.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from localmoe.kernels.dense_experts import dense_experts_ref  # noqa: E402
+from localmoe.kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# (T, H, I, E, k, BLOCK_I); the real shape is Qwen3.5-35B-A3B's expert (E cut to 16)
+SHAPES = [(1, 72, 40, 5, 3, 8), (3, 72, 40, 5, 3, 16), (1, 2048, 512, 16, 8, 64)]
+SPARSITIES = [0.0, 0.5, 0.9, "all"]
+
+
+def make_inputs(T, H, I, E, k, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype).to(DEV)
+    w = [(torch.randn(E, I, H, generator=gen) * 2.0 / H**0.5).to(dtype).to(DEV) for _ in range(3)]
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32).to(DEV)
+    rw = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype).to(DEV)
+    return x, w[0], w[1], w[2], ids, rw
+
+
+def gate_abs(x, w_gate, ids):
+    return torch.nn.functional.silu(torch.einsum("th,tkih->tki", x.float(), w_gate[ids.long()].float())).abs()
+
+
+def tau_for(g_abs, ids, sparsity, E):
+    """Per-expert thresholds: for each routed expert the midpoint between two adjacent |g| values at the given
+    quantile of its own gate values (so rounding cannot flip a neuron); unrouted experts get 0."""
+    if sparsity == "all":
+        return torch.full((E,), float("inf"), device=DEV)
+    tau = torch.zeros(E)
+    if sparsity == 0.0:
+        return tau.to(DEV)
+    for e in ids.unique().tolist():
+        a = torch.sort(g_abs[ids == e].flatten().cpu()).values
+        m = max(1, int(sparsity * a.numel()))
+        tau[e] = float(a[m - 1] + a[m]) / 2
+    return tau.to(DEV)
+
+
+def rel_err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}_H{}_I{}_E{}_k{}".format(*s[:5]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_fused_matches_reference(shape, dtype):
+    T, H, I, E, k, bi = shape
+    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, dtype, seed=T * 100 + I)
+    ga = gate_abs(x, wg, ids)
+    out = torch.empty(T, H, device=DEV)
+    cnt = torch.empty(T, k, dtype=torch.int32, device=DEV)
+    for s in SPARSITIES:  # the same buffers and workspace every time: each launch must leave it clean
+        tau = tau_for(ga, ids, s, E)
+        y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
+        out.fill_(float("nan"))  # poisoned: the kernel must overwrite every element
+        cnt.fill_(-7)
+        y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau, out, count=cnt, BLOCK_I=bi)
+        assert y is out and c is cnt and y.dtype == torch.float32 and not torch.isnan(y).any()
+        assert torch.equal(c, c_ref), f"sparsity {s}"
+        if s == "all":
+            assert torch.count_nonzero(y) == 0 and torch.count_nonzero(c) == 0
+        else:
+            assert rel_err(y, y_ref) < 1e-5, f"sparsity {s}"
+            if s == 0.0:
+                assert torch.equal(c, torch.full_like(c, I))
+            elif s == 0.9:
+                assert abs(float(c.sum()) / (T * k * I) - 0.1) < 0.05
+
+
+def test_dense_equivalence_and_defaults():
+    # tau = 0 keeps everything: the fused kernel computes the dense SwiGLU experts; default out/count allocated
+    T, H, I, E, k = 3, 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=5)
+    y, c = sparse_fused(x, wg, wu, wd, ids.long(), rw, torch.zeros(E, device=DEV), BLOCK_I=4, num_warps=2)
+    assert y.dtype == torch.float32 and c.dtype == torch.int32 and tuple(c.shape) == (T, k)
+    assert rel_err(y, dense_experts_ref(x, wg, wu, wd, ids, rw)) < 1e-5
+    assert torch.equal(c, torch.full((T, k), I, dtype=torch.int32, device=DEV))
+
+
+def test_low_precision_out():
+    # the last program writes y in out's dtype: a bf16 caller needs no cast kernel
+    T, H, I, E, k = 3, 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.bfloat16, seed=11)
+    tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
+    y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau, out)
+    assert y is out and torch.equal(c, c_ref)
+    assert rel_err(y, y_ref) < 1e-2
+
+
+def test_accumulate_mode():
+    # caller-zeroed (here: pre-filled) out and count are added to, twice
+    T, H, I, E, k = 3, 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=13)
+    tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
+    y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
+    base = torch.randn(T, H, device=DEV)
+    out = base.clone()
+    cnt = torch.full((T, k), 5, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8)
+    assert rel_err(out, base + 2 * y_ref) < 1e-5
+    assert torch.equal(cnt, 5 + 2 * c_ref)
+    # the default mode still works after accumulate launches (its workspace was never touched)
+    y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau)
+    assert rel_err(y, y_ref) < 1e-5 and torch.equal(c, c_ref)
+
+
+def offload_layout(wg, wu, wd, table, S):
+    """Pools [S,I,H] holding the resident experts at their slots (other slots NaN), and master copies whose
+    resident experts are NaN: any read from the wrong side poisons the result."""
+    E = wg.shape[0]
+    pools, masters = [], []
+    for w in (wg, wu, wd):
+        p = torch.full((S,) + tuple(w.shape[1:]), float("nan"), dtype=w.dtype, device=DEV)
+        m = w.clone()
+        for e in range(E):
+            s = int(table[e])
+            if s >= 0:
+                p[s] = w[e]
+                m[e] = float("nan")
+        pools.append(p)
+        masters.append(m if DEV == "cpu" else m.cpu().pin_memory())
+    return pools, masters
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_offload_addressing_equals_resident(T, dtype):
+    H, I, E, k = 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, dtype, seed=17 + T)
+    ga = gate_abs(x, wg, ids)
+    tables = {
+        "mixed": torch.tensor([3, -1, 0, -1, 1]),  # slots permuted, one slot (2) unused
+        "all_absent": torch.full((E,), -1),
+        "all_resident": torch.tensor([4, 2, 0, 1, 3]),
+    }
+    for s in (0.0, 0.5, "all"):
+        tau = tau_for(ga, ids, s, E)
+        y_res, c_res = sparse_fused(x, wg, wu, wd, ids, rw, tau, BLOCK_I=16)
+        for name, table in tables.items():
+            for tdt in (torch.int64, torch.int32):
+                (pg, pu, pd), (mg, mu, md) = offload_layout(wg, wu, wd, table, S=5)
+                y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=table.to(tdt).to(DEV), pool_gate=pg,
+                                    pool_up=pu, pool_down_t=pd, BLOCK_I=16)
+                assert torch.equal(c, c_res), (name, s)
+                assert torch.equal(y, y_res), (name, s)  # same arithmetic in the same order: bit-identical
+
+
+def test_offload_real_shape():
+    T, H, I, E, k = 1, 2048, 512, 16, 8
+    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.bfloat16, seed=23)
+    tau = tau_for(gate_abs(x, wg, ids), ids, 0.85, E)
+    routed = ids[0].tolist()
+    table = torch.full((E,), -1)
+    for j, e in enumerate(routed[::2]):  # half of the routed experts resident, the other half absent
+        table[e] = j
+    y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
+    (pg, pu, pd), (mg, mu, md) = offload_layout(wg, wu, wd, table, S=4)
+    y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=table.to(DEV), pool_gate=pg, pool_up=pu,
+                        pool_down_t=pd, BLOCK_I=64)
+    assert torch.equal(c, c_ref)
+    assert rel_err(y, y_ref) < 1e-5
+
+
+def test_empty_batch():
+    H, I, E = 72, 40, 5
+    x, wg, wu, wd, _, _ = make_inputs(1, H, I, E, 3, torch.float32, seed=1)
+    y, c = sparse_fused(x[:0], wg, wu, wd, torch.zeros(0, 3, dtype=torch.int32, device=DEV),
+                        torch.zeros(0, 3, device=DEV), torch.zeros(E, device=DEV))
+    assert tuple(y.shape) == (0, H) and tuple(c.shape) == (0, 3)
+
+
+def test_validation_errors():
+    T, H, I, E, k = 1, 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=3)
+    tau = torch.zeros(E, device=DEV)
+    pools = [torch.zeros(2, I, H, device=DEV) for _ in range(3)]
+    table = torch.tensor([0, -1, 1, -1, -1], device=DEV)
+    bad = [
+        dict(x=x[0]),  # not 2-D
+        dict(x=x.to(torch.int32)),
+        dict(wg=wg[:, :-1]),  # wrong I
+        dict(wu=wu.transpose(1, 2).contiguous().transpose(1, 2)),  # rows not contiguous
+        dict(wd=wd.to(torch.int8)),
+        dict(ids=ids.float()),
+        dict(ids=ids[:, None]),
+        dict(rw=rw[:, :-1]),
+        dict(tau=tau.double()),
+        dict(tau=tau[:-1]),
+        dict(out=torch.empty(T, H + 1, device=DEV)),
+        dict(out=torch.empty(T, H, dtype=torch.int32, device=DEV)),
+        dict(count=torch.empty(T, k, dtype=torch.int64, device=DEV)),
+        dict(accumulate=True),  # needs out and count
+        dict(accumulate=True, out=torch.zeros(T, H, dtype=torch.bfloat16, device=DEV),
+             count=torch.zeros(T, k, dtype=torch.int32, device=DEV)),
+        dict(slot_table=table),  # pools missing
+        dict(pool_gate=pools[0], pool_up=pools[1], pool_down_t=pools[2]),  # table missing
+        dict(slot_table=table[:-1], pool_gate=pools[0], pool_up=pools[1], pool_down_t=pools[2]),
+        dict(slot_table=table.float(), pool_gate=pools[0], pool_up=pools[1], pool_down_t=pools[2]),
+        dict(slot_table=table, pool_gate=pools[0].bfloat16(), pool_up=pools[1], pool_down_t=pools[2]),
+        dict(slot_table=table, pool_gate=pools[0][:, :, :-1], pool_up=pools[1], pool_down_t=pools[2]),
+        dict(workspace=torch.zeros(10, dtype=torch.int32, device=DEV)),
+        dict(workspace=torch.zeros(4096, dtype=torch.float32, device=DEV)),
+    ]
+    for case in bad:
+        kw = dict(x=x, wg=wg, wu=wu, wd=wd, ids=ids, rw=rw, tau=tau)
+        kw.update(case)
+        args = [kw.pop(n) for n in ("x", "wg", "wu", "wd", "ids", "rw", "tau")]
+        with pytest.raises(ValueError):
+            sparse_fused(*args, **kw)
