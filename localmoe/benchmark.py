@@ -149,7 +149,8 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
 
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
-          graphs: bool = True, compile: bool = False, vram_gib: float | None = None, progress=None) -> dict:
+          graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = False,
+          progress=None) -> dict:
     from localmoe.engine import Engine, pick_device, pick_dtype
 
     dev = pick_device(device)
@@ -158,10 +159,11 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
     note = progress and (lambda s: progress(f"note: {s}", 0, None))
     context = prompt_tokens + decode_tokens + 64
     if shape:
-        engine = Engine.random(shape, device=dev, dtype=dt, vram_gib=vram_gib, context=context, on_notice=note)
+        engine = Engine.random(shape, device=dev, dtype=dt, vram_gib=vram_gib, context=context, on_notice=note,
+                               fused=fused)
     else:
         engine = Engine.load(model, device=device, dtype=dtype, sparsity=0.0, progress=progress, vram_gib=vram_gib,
-                             context=context, on_notice=note)
+                             context=context, on_notice=note, fused=fused)
     default = engine.resolved.default_sparsity
     if dev.type == "cuda":
         torch.cuda.synchronize()

@@ -64,6 +64,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
                    help="GPU memory budget; experts that do not fit are offloaded to host memory behind a GPU cache "
                         "(default: what the card has free minus 1 GiB)")
+    p.add_argument("--fused", action="store_true",
+                   help="experimental: localmoe's fused RMSNorm / Gated DeltaNet decode kernels on CUDA")
     p.add_argument("--context", type=_ranged(int, 16, what="--context"), default=None,
                    help="context length in tokens, prompt + reply (default 8192 or the model's maximum)")
 
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the step before capturing it (experimental)")
     p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
                    help="GPU memory budget (experts beyond it are offloaded)")
+    p.add_argument("--fused", action="store_true", help="experimental: fused RMSNorm / Gated DeltaNet decode kernels")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
@@ -233,7 +236,7 @@ def _load_engine(args, progress=None):
     notice = None if quiet else (lambda text: print(f"localmoe: note: {text}", file=sys.stderr))
     return Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
                        progress=progress or _stderr_progress(), calibration_text=args.calibration_text,
-                       vram_gib=args.vram, context=args.context, on_notice=notice)
+                       vram_gib=args.vram, context=args.context, on_notice=notice, fused=args.fused)
 
 
 def cmd_run(args) -> int:
@@ -365,6 +368,7 @@ def cmd_bench(args) -> int:
         raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")
     result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
                    prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, baseline=args.baseline,
-                   graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, progress=_stderr_progress())
+                   graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, fused=args.fused,
+                   progress=_stderr_progress())
     print(json.dumps(result) if args.json else table(result))
     return 0

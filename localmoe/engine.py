@@ -97,7 +97,7 @@ class Engine:
     @classmethod
     def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
              progress: ProgressFn | None = None, calibration_text: str | None = None, vram_gib: float | None = None,
-             context: int | None = None, on_notice=None) -> "Engine":
+             context: int | None = None, on_notice=None, fused: bool = False) -> "Engine":
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         resolved = hub.resolve(model, progress=progress)
@@ -105,7 +105,7 @@ class Engine:
         budget = vram_budget(dev, vram_gib)
         try:
             loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress, vram_bytes=budget,
-                                context=context or DEFAULT_CONTEXT)
+                                context=context or DEFAULT_CONTEXT, fused=fused)
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
                 f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
@@ -123,7 +123,7 @@ class Engine:
 
     @classmethod
     def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype, vram_gib: float | None = None,
-               context: int | None = None, on_notice=None) -> "Engine":
+               context: int | None = None, on_notice=None, fused: bool = False) -> "Engine":
         """A random-weight engine with a registry model's real config (for `bench --shape`)."""
         from localmoe.benchmark import shape_config
         from localmoe.loader import build_random
@@ -131,7 +131,7 @@ class Engine:
 
         config = shape_config(shape)
         loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
-                              context=context or DEFAULT_CONTEXT)
+                              context=context or DEFAULT_CONTEXT, fused=fused)
         spec = load_registry().get(shape)
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=hub.Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)

@@ -130,7 +130,7 @@ def _plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, con
 
 
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
-               vram_bytes: int | None = None, context: int = 8192) -> LoadedModel:
+               vram_bytes: int | None = None, context: int = 8192, fused: bool = False) -> LoadedModel:
     from accelerate.utils import set_module_tensor_to_device
 
     _, text_config, fam = read_config(path)
@@ -205,10 +205,20 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     model.requires_grad_(False)
     if progress:
         progress("load", total, total)
+    if fused:
+        _install_fused(model, device)
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
         _attach_cache(loaded, dtype, device, pinned[0])
     return loaded
+
+
+def _install_fused(model, device: torch.device) -> None:
+    """localmoe's fused decode modules (RMSNorm, Gated DeltaNet step) replace transformers' on CUDA (experimental,
+    opt-in with --fused until measured on a GPU); after loading, since loading puts new Parameter objects on them."""
+    from localmoe import fused
+
+    fused.install(model, device)
 
 
 def _attach_cache(loaded: LoadedModel, dtype, device, pinned: bool) -> None:
@@ -281,7 +291,7 @@ def _check(prefix, name, got, want):
 
 
 def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 vram_bytes: int | None = None, context: int = 8192) -> LoadedModel:
+                 vram_bytes: int | None = None, context: int = 8192, fused: bool = False) -> LoadedModel:
     """The same model with random weights (for `bench --shape`: measure hardware without a download).
 
     Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise."""
@@ -295,11 +305,12 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
     budget = _plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
     host = budget is not None and budget.offloading
     gen = torch.Generator(device=device).manual_seed(seed)
+    owners = {n: type(m).__name__ for n, m in model.named_modules()}
     for name, p in list(model.named_parameters()):
         t = torch.empty(p.shape, dtype=dtype, device=device)
         if name.endswith("norm.weight") or p.dim() == 1:
-            zero_centred = "Qwen3_5" in type(model).__name__
-            t.fill_(0.0 if zero_centred and name.endswith("norm.weight") else 1.0)
+            zero_centred = owners.get(name.rsplit(".", 1)[0]) == "Qwen3_5MoeRMSNorm"  # weight enters as (1 + w)
+            t.fill_(0.0 if zero_centred else 1.0)
             if name.endswith(("A_log", "dt_bias")):
                 t.uniform_(0.0, 1.0, generator=gen)
         else:
@@ -324,6 +335,8 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
         mod.weights = ExpertWeights(*mats)
     model.eval()
     model.requires_grad_(False)
+    if fused:
+        _install_fused(model, device)
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
         _attach_cache(loaded, dtype, device, pinned)
