@@ -27,6 +27,7 @@ DEFAULT_PARAMS = {
     "gate": {"BLOCK_I": 8, "num_warps": 4},
     "updown": {"BLOCK_N": 4, "num_warps": 4},
     "dense": {"BLOCK_N": 4, "num_warps": 8},
+    "fused": {"BLOCK_I": 8, "num_warps": 8},
 }
 
 

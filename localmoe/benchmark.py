@@ -150,7 +150,7 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
           graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = False,
-          progress=None) -> dict:
+          offload_miss: str = "copy", progress=None) -> dict:
     from localmoe.engine import Engine, pick_device, pick_dtype
 
     dev = pick_device(device)
@@ -160,10 +160,10 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
     context = prompt_tokens + decode_tokens + 64
     if shape:
         engine = Engine.random(shape, device=dev, dtype=dt, vram_gib=vram_gib, context=context, on_notice=note,
-                               fused=fused)
+                               fused=fused, offload_miss=offload_miss)
     else:
         engine = Engine.load(model, device=device, dtype=dtype, sparsity=0.0, progress=progress, vram_gib=vram_gib,
-                             context=context, on_notice=note, fused=fused)
+                             context=context, on_notice=note, fused=fused, offload_miss=offload_miss)
     default = engine.resolved.default_sparsity
     if dev.type == "cuda":
         torch.cuda.synchronize()

@@ -64,6 +64,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
                    help="GPU memory budget; experts that do not fit are offloaded to host memory behind a GPU cache "
                         "(default: what the card has free minus 1 GiB)")
+    p.add_argument("--offload-miss", choices=["copy", "direct"], default="copy",
+                   help="offloaded expert misses: copy into the cache then compute (default), or read the kept rows "
+                        "straight from pinned host memory inside the CUDA graph (experimental)")
     p.add_argument("--fused", action="store_true",
                    help="experimental: localmoe's fused RMSNorm / Gated DeltaNet decode kernels on CUDA")
     p.add_argument("--context", type=_ranged(int, 16, what="--context"), default=None,
@@ -132,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
                    help="GPU memory budget (experts beyond it are offloaded)")
     p.add_argument("--fused", action="store_true", help="experimental: fused RMSNorm / Gated DeltaNet decode kernels")
+    p.add_argument("--offload-miss", choices=["copy", "direct"], default="copy")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
@@ -236,7 +240,8 @@ def _load_engine(args, progress=None):
     notice = None if quiet else (lambda text: print(f"localmoe: note: {text}", file=sys.stderr))
     return Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
                        progress=progress or _stderr_progress(), calibration_text=args.calibration_text,
-                       vram_gib=args.vram, context=args.context, on_notice=notice, fused=args.fused)
+                       vram_gib=args.vram, context=args.context, on_notice=notice, fused=args.fused,
+                       offload_miss=args.offload_miss)
 
 
 def cmd_run(args) -> int:
@@ -369,6 +374,7 @@ def cmd_bench(args) -> int:
     result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
                    prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, baseline=args.baseline,
                    graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, fused=args.fused,
+                   offload_miss=args.offload_miss,
                    progress=_stderr_progress())
     print(json.dumps(result) if args.json else table(result))
     return 0

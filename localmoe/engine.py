@@ -97,7 +97,8 @@ class Engine:
     @classmethod
     def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
              progress: ProgressFn | None = None, calibration_text: str | None = None, vram_gib: float | None = None,
-             context: int | None = None, on_notice=None, fused: bool = False) -> "Engine":
+             context: int | None = None, on_notice=None, fused: bool = False,
+             offload_miss: str = "copy") -> "Engine":
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         resolved = hub.resolve(model, progress=progress)
@@ -105,7 +106,7 @@ class Engine:
         budget = vram_budget(dev, vram_gib)
         try:
             loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress, vram_bytes=budget,
-                                context=context or DEFAULT_CONTEXT, fused=fused)
+                                context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss)
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
                 f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
@@ -123,7 +124,8 @@ class Engine:
 
     @classmethod
     def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype, vram_gib: float | None = None,
-               context: int | None = None, on_notice=None, fused: bool = False) -> "Engine":
+               context: int | None = None, on_notice=None, fused: bool = False,
+               offload_miss: str = "copy") -> "Engine":
         """A random-weight engine with a registry model's real config (for `bench --shape`)."""
         from localmoe.benchmark import shape_config
         from localmoe.loader import build_random
@@ -131,7 +133,7 @@ class Engine:
 
         config = shape_config(shape)
         loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
-                              context=context or DEFAULT_CONTEXT, fused=fused)
+                              context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss)
         spec = load_registry().get(shape)
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=hub.Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)
@@ -144,11 +146,25 @@ class Engine:
         loaded = self.loaded
         if loaded.cache is None:
             return
-        self.use_graphs = False
         pin_failed = self._device.type == "cuda" and not loaded.host_pinned
         self._notice(loaded.offload.summary()
                      + ("; pinning host memory failed, using pageable memory (slower misses)" if pin_failed else ""))
-        self._notice("expert offloading decodes eagerly for now (no CUDA graph)")
+        if loaded.cache.mode == "direct":
+            if pin_failed:
+                raise RuntimeFailure("--offload-miss direct needs pinned host memory, which could not be allocated: "
+                                     "free RAM or use --offload-miss copy")
+            self._notice("expert misses are read straight from pinned host memory (experimental)")
+        else:
+            self.use_graphs = False
+            self._notice("copy-then-compute offloading decodes eagerly (no CUDA graph)")
+
+    def _after_step(self) -> None:
+        """Direct-miss offloading: let the expert cache see what the step routed to (and admit some misses)."""
+        cache = self.loaded.cache
+        if cache is not None and cache.mode == "direct":
+            cache.begin_step()
+            for m in self.loaded.experts:
+                m.observe_step()
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -304,6 +320,7 @@ class Engine:
                 cache, logits = _cache_of(out), out.logits[0, -1]
             token = sample(logits, settings, gen)
             tok = int(token)
+            self._after_step()
         t_end = time.perf_counter()
         if len(generated) > 1:
             stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_decode, 1e-9)

@@ -93,6 +93,8 @@ class LocalExperts(nn.Module):
         self.act_fn = ACT2FN[hidden_act]
         self.weights: ExpertWeights | None = None  # all experts (resident), or the host master copies when offloaded
         self.cache = None  # localmoe.offload.ExpertCache when experts are offloaded
+        self.last_routing = self.last_count = None  # direct-miss mode: what the last decode call routed/kept
+        self._zero_tau: torch.Tensor | None = None
         # sparse path state, set by the engine / sparsity module
         self.tau: torch.Tensor | None = None  # [E] float32 threshold per expert (per-layer τ broadcast)
         self.sparse_enabled = False
@@ -125,6 +127,8 @@ class LocalExperts(nn.Module):
         sparse = few and self.sparse_enabled and self.tau is not None
         if not (sparse or (few and hidden_states.is_cuda and self.hidden_act == "silu")):
             return self._dense(hidden_states, top_k_index, top_k_weights)
+        if self.cache is not None and self.cache.mode == "direct":
+            return self._direct(hidden_states, top_k_index, top_k_weights, sparse)
         w, ids, tau = self.weights, top_k_index, self.tau
         if self.cache is not None:  # offloaded: compute from cache slots (misses copied in first)
             w, ids = self.cache.pool, self.cache.slot_ids(self.layer_idx, top_k_index)
@@ -134,6 +138,31 @@ class LocalExperts(nn.Module):
         if sparse:
             return self._sparse(hidden_states, ids, top_k_weights, w, tau)
         return self._dense_decode(hidden_states, ids, top_k_weights, w)
+
+    @torch.compiler.disable
+    def _direct(self, x, top_k_index, top_k_weights, sparse: bool) -> torch.Tensor:
+        """Offloaded, direct misses: one fused launch reads resident experts from the cache pool and absent ones
+        (gate rows + kept rows only) from the host master copies. Routing and counts are kept for `observe`."""
+        from localmoe.kernels.sparse_fused import sparse_fused
+
+        if self._zero_tau is None or self._zero_tau.device != x.device:
+            self._zero_tau = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device)
+        tau = self.tau if sparse else self._zero_tau
+        c, m = self.cache, self.weights
+        p = self._launch(x, top_k_index.shape[1])["fused"] if x.is_cuda else {}
+        y, count = sparse_fused(x, m.w_gate, m.w_up, m.w_down_t, top_k_index, top_k_weights, tau,
+                                slot_table=c.tables[self.layer_idx], pool_gate=c.pool.w_gate, pool_up=c.pool.w_up,
+                                pool_down_t=c.pool.w_down_t, **p)
+        self.last_routing, self.last_count = top_k_index, count  # graph replays rewrite these tensors in place
+        if sparse:
+            self._count(count.sum(), top_k_index.numel() * self.intermediate_size)
+        return y.to(x.dtype)
+
+    def observe_step(self) -> None:
+        """After a decode step (direct mode): tell the cache what this layer routed to."""
+        if self.last_routing is None:
+            return
+        self.cache.observe(self.layer_idx, self.last_routing.reshape(-1).tolist(), self.last_count.reshape(-1).tolist())
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:
         if self._params is None:

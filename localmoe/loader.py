@@ -130,7 +130,8 @@ def _plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, con
 
 
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
-               vram_bytes: int | None = None, context: int = 8192, fused: bool = False) -> LoadedModel:
+               vram_bytes: int | None = None, context: int = 8192, fused: bool = False,
+               offload_miss: str = "copy") -> LoadedModel:
     from accelerate.utils import set_module_tensor_to_device
 
     _, text_config, fam = read_config(path)
@@ -209,7 +210,7 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
         _install_fused(model, device)
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
-        _attach_cache(loaded, dtype, device, pinned[0])
+        _attach_cache(loaded, dtype, device, pinned[0], offload_miss)
     return loaded
 
 
@@ -221,12 +222,13 @@ def _install_fused(model, device: torch.device) -> None:
     fused.install(model, device)
 
 
-def _attach_cache(loaded: LoadedModel, dtype, device, pinned: bool) -> None:
+def _attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "copy") -> None:
     """Experts' weights are host master copies: put the GPU expert cache in front of them."""
     from localmoe.offload import ExpertCache
 
     m0 = loaded.experts[0]
-    cache = ExpertCache(loaded.offload.slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device)
+    cache = ExpertCache(loaded.offload.slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device,
+                        mode=miss)
     for m in loaded.experts:
         cache.add_layer(m.layer_idx, m.weights)
         m.cache = cache
@@ -291,7 +293,8 @@ def _check(prefix, name, got, want):
 
 
 def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 vram_bytes: int | None = None, context: int = 8192, fused: bool = False) -> LoadedModel:
+                 vram_bytes: int | None = None, context: int = 8192, fused: bool = False,
+               offload_miss: str = "copy") -> LoadedModel:
     """The same model with random weights (for `bench --shape`: measure hardware without a download).
 
     Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise."""
@@ -339,5 +342,5 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
         _install_fused(model, device)
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
-        _attach_cache(loaded, dtype, device, pinned)
+        _attach_cache(loaded, dtype, device, pinned, offload_miss)
     return loaded

@@ -5,8 +5,12 @@ one-line error with the numbers); what is left becomes slots of an expert cache.
 in host memory (pinned when possible, pageable with a notice when pinning fails). The cache is expert-granular
 and shared by all layers, least-recently-used first out, never evicting an expert the current layer call needs.
 Each layer has a slot table on the device (expert → slot, -1 when absent), so the compute kernels read the pool
-through slot ids. A miss is served by copy-then-compute: the expert's three matrices are copied (asynchronously
-from pinned memory) into a slot, then computed from it; outputs are identical to the all-resident model.
+through slot ids. Two ways to serve a miss (MISS_MODES):
+- "copy": copy-then-compute — the expert's three matrices are copied into a slot, then computed from it;
+- "direct" (experimental): the fused sparse kernel reads the gate rows and only the kept up/down rows of an absent
+  expert straight from pinned host memory, inside the CUDA graph; after each step the routing it saw is observed
+  and up to `admit_per_step` missed experts are copied into slots for later hits.
+Either way the outputs are identical to the all-resident model.
 
 Shapes: E = experts per layer, I = expert width, H = hidden, S = cache slots.
 """
@@ -22,6 +26,8 @@ from localmoe.errors import UsageError
 from localmoe.experts import ExpertWeights
 
 GiB = 1 << 30
+MISS_MODES = ("copy", "direct")
+ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (bounds the copy time per token)
 WORKSPACE_RESERVE = 0.5 * GiB  # activations, kernels' workspaces, allocator slack
 
 
@@ -90,8 +96,14 @@ def host_buffer(shape, dtype, pin: bool) -> tuple[torch.Tensor, bool]:
 class ExpertCache:
     """S GPU slots shared by all MoE layers; LRU over (layer, expert); per-layer slot tables on the device."""
 
-    def __init__(self, slots: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
+    def __init__(self, slots: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+                 mode: str = "copy", admit_per_step: int = ADMIT_PER_STEP):
         E, I, H = shape
+        if mode not in MISS_MODES:
+            raise UsageError(f"offload miss mode must be one of {', '.join(MISS_MODES)}, got {mode!r}")
+        self.mode, self.admit_per_step = mode, admit_per_step
+        self.row_bytes = H * (torch.finfo(dtype).bits // 8)
+        self.width = I
         self.slots, self.num_experts = slots, E
         self.pool = ExpertWeights(*(torch.empty((slots, I, H), dtype=dtype, device=device) for _ in range(3)))
         self.expert_bytes = 3 * I * H * (torch.finfo(dtype).bits // 8)
@@ -101,6 +113,7 @@ class ExpertCache:
         self.masters: dict[int, ExpertWeights] = {}
         self.tables: dict[int, torch.Tensor] = {}  # layer -> [E] int64 slot or -1 (device)
         self.hits = self.misses = self.h2d_bytes = 0
+        self._admitted = 0
 
     def add_layer(self, layer: int, master: ExpertWeights) -> None:
         self.masters[layer] = master
@@ -114,9 +127,9 @@ class ExpertCache:
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
 
-    def fetch(self, layer: int, experts: list[int]) -> None:
-        """Make `experts` of `layer` resident (len(experts) <= slots)."""
-        needed = {(layer, e) for e in experts}
+    def fetch(self, layer: int, experts: list[int], keep: set | None = None) -> None:
+        """Make `experts` of `layer` resident (len(experts) <= slots), never evicting `keep` or `experts`."""
+        needed = {(layer, e) for e in experts} | (keep or set())
         if len(needed) > self.slots:
             raise RuntimeError(f"{len(needed)} experts needed at once but the cache has {self.slots} slots")
         for e in experts:
@@ -127,6 +140,7 @@ class ExpertCache:
                 continue
             self.misses += 1
             slot = self.free.pop() if self.free else self._evict(needed)
+            self.tables[layer][e] = -1  # (already) absent while its slot is written: stream order keeps this safe
             src, dst = self.masters[layer], self.pool
             for a, b in ((dst.w_gate, src.w_gate), (dst.w_up, src.w_up), (dst.w_down_t, src.w_down_t)):
                 a[slot].copy_(b[e], non_blocking=True)
@@ -141,6 +155,39 @@ class ExpertCache:
                 self.tables[key[0]][key[1]] = -1
                 return slot
         raise RuntimeError("expert cache: every slot holds an expert the current call needs")
+
+    def observe(self, layer: int, routed: list[int], kept: list[int]) -> None:
+        """Direct mode, after a step: count hits/misses of what `layer` routed to (with each routed expert's kept
+        neuron count), account the host bytes the kernel read for misses, and admit some misses into slots."""
+        seen: set[int] = set()
+        admit: list[int] = []
+        for e, n_kept in zip(routed, kept):
+            key = (layer, e)
+            if key in self.lru:
+                self.hits += 1
+                self.lru.move_to_end(key)
+            else:
+                self.misses += 1
+                self.h2d_bytes += (self.width + 2 * n_kept) * self.row_bytes  # gate rows + kept up/down rows
+                if e not in seen:
+                    admit.append(e)
+            seen.add(e)
+        for e in admit:
+            if self._admitted >= self.admit_per_step:
+                break
+            if not self.free and not any(k[0] != layer or k[1] not in seen for k in self.lru):
+                break
+            self._admitted += 1
+            hits, misses, moved = self.hits, self.misses, self.h2d_bytes
+            try:
+                self.fetch(layer, [e], keep={(layer, x) for x in seen})
+            except RuntimeError:  # every slot holds something this step needs: try again next step
+                break
+            self.hits, self.misses = hits, misses  # admission is not a lookup
+            self.h2d_bytes = moved + self.expert_bytes
+
+    def begin_step(self) -> None:
+        self._admitted = 0
 
     def slot_ids(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
         """Fetch what `top_k_index` [T,k] routes to and return the same-shape slot ids (device)."""

@@ -158,7 +158,7 @@ def crossover_tokens(loaded: LoadedModel, device: torch.device) -> int:
 def sparse_token_limit(loaded: LoadedModel, device: torch.device) -> int:
     """Crossover, capped so one call's experts fit the expert cache when offloading."""
     limit = crossover_tokens(loaded, device)
-    if loaded.cache is not None:
+    if loaded.cache is not None and loaded.cache.mode == "copy":
         k = int(getattr(loaded.config, "num_experts_per_tok", 1))
         limit = max(1, min(limit, loaded.cache.slots // k))
     return limit

@@ -99,3 +99,25 @@ def test_run_json_reports_cache_stats(capsys):
     stats = json.loads(cap.out.strip().splitlines()[-1])["stats"]
     assert code == 0 and stats["cache_hit_rate"] is not None and stats["h2d_bytes_per_token"] is not None
     assert "experts cached on the GPU" in cap.err
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.5])
+def test_direct_misses_equal_all_resident(sparsity):
+    """Direct mode: absent experts are read in place by the fused kernel (Triton interpreter on CPU)."""
+    pytest.importorskip("triton")
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=sparsity)
+    want = tokens(resident, n=12)
+    e = Engine.load(model, device="cpu", sparsity=sparsity, vram_gib=budget_for(model, 3), offload_miss="direct")
+    cache = e.loaded.cache
+    assert cache.mode == "direct" and cache.slots == 3
+    got = tokens(e, n=12)
+    assert got == want
+    assert cache.hits + cache.misses == 2 * len(e.loaded.experts) * (len(got) - 1)  # k=2 per layer per step
+    assert len(cache.lru) == 3  # misses were admitted into the free slots
+    for (layer, ex), slot in cache.lru.items():
+        assert int(cache.tables[layer][ex]) == slot
+        assert torch.equal(cache.pool.w_gate[slot], cache.masters[layer].w_gate[ex])
+    assert e.stats.h2d_bytes_per_token > 0
+    if sparsity:
+        assert abs(e.stats.sparsity_realized - resident.stats.sparsity_realized) < 1e-9
