@@ -147,6 +147,46 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
                     peak_gpu_mem_gb=peak, floor_tok_s=0.0, fraction_of_floor=0.0)
 
 
+def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: float) -> BenchRow:
+    """Stock transformers with accelerate placing what does not fit in `vram_gib` on the CPU (device_map with
+    max_memory): its hooks copy offloaded weights to the GPU on every forward."""
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config._experts_implementation = "grouped_mm"
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    gpu = device.index or 0 if device.type == "cuda" else "cpu"
+    max_memory = {gpu: f"{vram_gib}GiB", "cpu": "1000GiB"} if device.type == "cuda" else {"cpu": "1000GiB"}
+    device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=model._no_split_modules,
+                                       dtype=dtype)
+    from accelerate.utils import set_module_tensor_to_device
+
+    gen = torch.Generator().manual_seed(0)
+    for name, p in list(model.named_parameters()):
+        where = next((d for prefix, d in sorted(device_map.items(), key=lambda kv: -len(kv[0]))
+                      if name == prefix or name.startswith(prefix + ".") or prefix == ""), "cpu")
+        t = torch.empty(p.shape, dtype=dtype)
+        t.fill_(1.0) if p.dim() == 1 else t.normal_(0.0, 0.02, generator=gen)
+        set_module_tensor_to_device(model, name, "cpu" if where == "cpu" else device, value=t)
+    model = dispatch_model(model, device_map=device_map)
+    model.eval()
+    ids = torch.tensor([prompt[:32]], device=device)
+    kw = dict(do_sample=False, min_new_tokens=n_decode, max_new_tokens=n_decode, attention_mask=torch.ones_like(ids))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, **kw)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    on_cpu = sum(1 for d in device_map.values() if d == "cpu")
+    del model
+    gc.collect()
+    return BenchRow(name=f"accelerate offload ({on_cpu} modules on CPU)", sparsity=0.0, prefill_tok_s=0.0,
+                    decode_tok_s=n_decode / dt, peak_gpu_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9
+                    if device.type == "cuda" else 0.0, floor_tok_s=0.0, fraction_of_floor=0.0)
+
+
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
           graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = False,
@@ -186,6 +226,10 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
         torch.cuda.reset_peak_memory_stats(dev)
     if baseline == "transformers":
         rows.append(transformers_baseline(config, dev, dt, prompt, min(decode_tokens, 64), "grouped_mm"))
+    elif baseline == "accelerate":
+        if vram_gib is None:
+            raise UsageError("--baseline accelerate needs --vram (the budget accelerate places the model under)")
+        rows.append(accelerate_baseline(config, dev, dt, prompt, min(decode_tokens, 4), vram_gib))
     return {"model": name, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dt).replace("torch.", ""), "load_s": load_s, "copy_gb_s": bw / 1e9,
             "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "rows": [asdict(r) for r in rows]}

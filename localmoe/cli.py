@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsity", type=_sparsity_list, default=None, help="default: 0 and the model's default")
     p.add_argument("--prompt-tokens", type=_ranged(int, 1, what="--prompt-tokens"), default=512)
     p.add_argument("--decode-tokens", type=_ranged(int, 2, what="--decode-tokens"), default=256)
-    p.add_argument("--baseline", choices=["transformers"], default=None)
+    p.add_argument("--baseline", choices=["transformers", "accelerate"], default=None,
+                   help="stock generate in the same run; 'accelerate' offloads with device_map/max_memory (needs --vram)")
     p.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
     p.add_argument("--compile", action="store_true", help="torch.compile the step before capturing it (experimental)")
     p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",

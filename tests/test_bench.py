@@ -44,3 +44,13 @@ def test_bench_command_json(capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and [r["sparsity"] for r in res["rows"]] == [0.0, 0.5]
     assert all(r["decode_tok_s"] > 0 for r in res["rows"])
+
+
+def test_bench_accelerate_baseline(capsys):
+    code = main(["bench", repo_id("olmoe"), "--baseline", "accelerate", "--prompt-tokens", "16", "--decode-tokens",
+                 "4", "--sparsity", "0", "--json", "--device", "cpu"])
+    assert code == 2 and "needs --vram" in capsys.readouterr().err
+    code = main(["bench", repo_id("olmoe"), "--baseline", "accelerate", "--vram", "8", "--prompt-tokens", "16",
+                 "--decode-tokens", "4", "--sparsity", "0", "--json", "--device", "cpu"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert code == 0 and rows[-1]["name"].startswith("accelerate offload") and rows[-1]["decode_tok_s"] > 0
