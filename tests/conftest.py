@@ -40,6 +40,8 @@ def hub_cache() -> Path:
         tiny_models.place_in_hf_cache(folder, cache, repo_id(fam))
     sharded = tiny_models.save_checkpoint("qwen3_moe", src / "sharded", max_shard_size="20KB")
     tiny_models.place_in_hf_cache(sharded, cache, repo_id("sharded"))
+    sharded35 = tiny_models.save_checkpoint("qwen3_5_moe", src / "sharded35", max_shard_size="40KB")
+    tiny_models.place_in_hf_cache(sharded35, cache, repo_id("sharded35"))
     return cache
 
 

@@ -70,3 +70,15 @@ def test_sharded_checkpoint_and_raw_prompt(hub_cache, capsys):
 def test_local_directory(src_dir, capsys):
     result = run_json(capsys, str(src_dir / "mixtral"), PROMPT, "--sparsity", "0")
     assert result["token_ids"] == reference_tokens(src_dir / "mixtral", prompt_ids(src_dir / "mixtral", raw=False))
+
+
+def test_sharded_multimodal_fused_checkpoint(hub_cache, capsys):
+    """Qwen3.5 as on the hub: multimodal checkpoint, fused experts, several shards."""
+    import pathlib
+
+    path = snapshot(repo_id("sharded35"))
+    index = json.loads((pathlib.Path(path) / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1 and any(k.endswith("mlp.experts.gate_up_proj") for k in index["weight_map"])
+    result = run_json(capsys, repo_id("sharded35"), PROMPT, "--sparsity", "0")
+    assert result["token_ids"] == reference_tokens(path, prompt_ids(path, raw=False))
