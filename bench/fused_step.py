@@ -1,8 +1,10 @@
 """Decode tok/s and kernels per step with and without `localmoe.fused` (run on the H200, not a test).
 
 Random bf16 weights at Qwen3.5-35B-A3B shapes (`Engine.random("qwen3.5-35b")`), CUDA-graph decode on. For each
-sparsity: the stock step (transformers modules), then `fused.install(model)` (same process, same weights),
-then `fused.uninstall(model)` again. Per mode it reports graph decode tok/s (Engine.generate, greedy, prompt 128),
+sparsity and each mode (same process, same weights): "stock" (transformers modules), "fused-no-moe"
+(`fused.install(model, exclude=MoE blocks)`: RMSNorms + Gated DeltaNet step only, the previous --fused), "fused"
+(the whole table: also the MoE block's router and shared expert), each followed by `fused.uninstall(model)`.
+Per mode it reports graph decode tok/s (Engine.generate, greedy, prompt 128),
 kernels per eager step (torch.profiler, CUDA kernel events / step), and checks the fused step against the stock one:
 greedy tokens from the graph decode (common prefix length) and the max logit difference over teacher-forced eager
 steps. Writes fused_step.json under $OUT when set.
@@ -37,6 +39,7 @@ ap.add_argument("--profile-steps", type=int, default=5)
 ap.add_argument("--shape", default="qwen3.5-35b")
 ap.add_argument("--device", default="cuda")  # cpu + --force: a smoke run of this script (Triton interpreter)
 ap.add_argument("--force", action="store_true", help="install the fused modules off CUDA too")
+ap.add_argument("--modes", default="stock,fused-no-moe,fused")
 args = ap.parse_args()
 DEV = torch.device(args.device)
 
@@ -104,14 +107,19 @@ def graph_decode():
     return engine.stats.decode_tok_s, toks, engine._graph is not None
 
 
+MOE_BLOCKS = tuple(k for k in fused.REPLACEMENTS if k.endswith("SparseMoeBlock"))
+MODES = args.modes.split(",")
+assert MODES[0] == "stock", "the first mode is the reference"
+
 rows = []
 for sp in [float(x) for x in args.sparsity.split(",")]:
     engine.set_sparsity(sp)
     res = {}
-    for mode in ("stock", "fused"):
-        if mode == "fused":
-            done = fused.install(model, force=args.force)
-            print(f"installed: {done}", flush=True)
+    for mode in MODES:
+        fused.uninstall(model)
+        if mode != "stock":
+            done = fused.install(model, force=args.force, exclude=MOE_BLOCKS if mode == "fused-no-moe" else ())
+            print(f"{mode} installed: {done}", flush=True)
         ref_forced = res.get("stock", {}).get("eager_toks", [])
         logits, eager_toks = eager_steps(8, ref_forced)
         n_k, dev_us = kernels_per_step(args.profile_steps)
@@ -120,16 +128,18 @@ for sp in [float(x) for x in args.sparsity.split(",")]:
                          logits=logits, eager_toks=eager_toks)
         print(f"sparsity {sp:.0%} {mode}: {tok_s:.1f} tok/s (graph {used_graph}), {n_k:.0f} kernels/eager step, "
               f"{dev_us:.0f} us device/eager step", flush=True)
-    assert fused.uninstall(model) > 0
-    a, b = res["stock"], res["fused"]
-    same = next((i for i, (x, y) in enumerate(zip(a["toks"], b["toks"])) if x != y), min(len(a["toks"]), len(b["toks"])))
-    dl = (a["logits"] - b["logits"]).abs().max().item() / a["logits"].abs().max().item()
-    for mode in ("stock", "fused"):
+    fused.uninstall(model)
+    a = res["stock"]
+    for mode in MODES:
         r = res[mode]
+        same = dl = None
+        if mode != "stock":
+            same = next((i for i, (x, y) in enumerate(zip(a["toks"], r["toks"])) if x != y),
+                        min(len(a["toks"]), len(r["toks"])))
+            dl = (a["logits"] - r["logits"]).abs().max().item() / a["logits"].abs().max().item()
         rows.append(dict(sparsity=sp, mode=mode, tok_s=r["tok_s"], us_step=1e6 / max(r["tok_s"], 1e-9),
                          kernels=r["kernels"], device_us=r["device_us"], graph=r["graph"],
-                         same_prefix=same if mode == "fused" else None, n=len(r["toks"]),
-                         rel_logit_diff=dl if mode == "fused" else None))
+                         same_prefix=same, n=len(r["toks"]), rel_logit_diff=dl))
 
 print("\n| sparsity | mode | decode tok/s | µs/step (graph) | kernels/step (eager) | device µs/step (eager) |"
       " greedy tokens equal | max rel Δlogits (8 forced steps) |")

@@ -18,6 +18,18 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                (conv1d update, gates, l2norm, delta rule, gated
                                                                RMSNorm) + out_proj (was ~60 kernels); prefill and
                                                                uncached calls run the original module
+    Qwen3_5MoeSparseMoeBlock       FusedSparseMoeBlock      one token: router 1 launch (GEMV, softmax, top-k, renorm,
+                                                               casts; was ~6) -> the block's own `experts` (localmoe's
+                                                               LocalExperts, unchanged) -> shared expert 2 launches
+                                                               (gate|up+silu·mul+sigmoid gate; down+scale+add; was ~10)
+    Qwen3MoeSparseMoeBlock,
+    OlmoeSparseMoeBlock            FusedSparseMoeBlock      one token: router 1 launch -> `experts` (no shared expert)
+                                                               more tokens (prefill) run the original block
+
+The MoE block replacement keeps the block's children (`gate`, `experts`, `shared_expert`, `shared_expert_gate`) as
+the very same objects, so localmoe's LocalExperts (sparsity τ, offloading cache, kept-neuron stats) is what runs.
+It does not call the router module, so transformers' `output_router_logits` recorder (a hook on the router class)
+sees nothing on fused decode steps; localmoe never asks for router logits.
 
 Shape legend: B batch, T tokens, H hidden, C conv channels, H_v value heads, d_v value head dim.
 """
@@ -32,6 +44,8 @@ from torch import nn
 
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
 from localmoe.kernels.rmsnorm import rmsnorm
+from localmoe.kernels.router_topk import router_topk
+from localmoe.kernels.shared_expert import shared_expert
 
 
 class FusedRMSNorm(nn.Module):
@@ -117,6 +131,72 @@ class FusedGatedDeltaNet(nn.Module):
             head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim)
 
 
+# router class -> whether it renormalises the top-k weights (None: read the router's `norm_topk_prob`)
+_ROUTERS: dict[str, bool | None] = {"Qwen3_5MoeTopKRouter": True, "Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None}
+
+
+class FusedSparseMoeBlock(nn.Module):
+    """A softmax-top-k MoE block (Qwen3.5 with its sigmoid-gated shared expert; Qwen3-MoE / OLMoE without) whose
+    one-token call is: fused router (1 launch) -> the block's `experts` module, called as transformers calls it ->
+    fused shared expert (2 launches, the add into the routed output included). Other calls run the original block."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)  # prefill / unsupported calls, and uninstall
+        for name, child in hf.named_children():  # gate, experts, [shared_expert, shared_expert_gate]: same objects
+            self.add_module(name, child)
+        for name, p in hf.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        gate = hf.gate
+        norm = _ROUTERS.get(type(gate).__name__, False)
+        self.norm_topk_prob = bool(getattr(gate, "norm_topk_prob", False)) if norm is None else norm
+        self.top_k = int(getattr(gate, "top_k", 0))
+        self._router_ok = type(gate).__name__ in _ROUTERS and isinstance(getattr(gate, "weight", None), torch.Tensor)
+        se, sg = getattr(hf, "shared_expert", None), getattr(hf, "shared_expert_gate", None)
+        self.has_shared = se is not None
+        self._shared_ok = not self.has_shared or (
+            isinstance(sg, nn.Linear) and sg.bias is None and sg.out_features == 1
+            and all(isinstance(getattr(se, n, None), nn.Linear) and getattr(se, n).bias is None
+                    for n in ("gate_proj", "up_proj", "down_proj"))
+            and getattr(getattr(se, "config", None), "hidden_act", None) in ("silu", "swish"))
+        self._tuple_out = False  # the original returned (hidden, router_logits): mirror it
+        w = getattr(gate, "weight", None)
+        self._tickets = torch.zeros(64, dtype=torch.int32, device=w.device if w is not None else "cpu")
+        self.decode_calls = 0  # fused calls taken (eager calls; a CUDA graph replay does not count)
+
+    def _fusable(self, h: torch.Tensor) -> bool:
+        if not (self._router_ok and self._shared_ok) or h.dim() != 3 or h.shape[0] * h.shape[1] != 1:
+            return False
+        return h.dtype == self.gate.weight.dtype and h.device == self.gate.weight.device
+
+    def forward(self, hidden_states: torch.Tensor):  # [B, T, H]
+        if not self._fusable(hidden_states):
+            out = self._hf(hidden_states)
+            self._tuple_out = isinstance(out, tuple)
+            return out
+        self.decode_calls += 1
+        B, T, H = hidden_states.shape
+        x = hidden_states.view(-1, H)
+        logits, top_k_weights, top_k_index = self._route(x)
+        y = self.experts(x, top_k_index, top_k_weights)
+        if self.has_shared:
+            y = self._shared(x, y)
+        y = y.reshape(B, T, H)
+        return (y, logits) if self._tuple_out else y
+
+    @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
+    def _route(self, x):
+        if self._tickets.device != x.device:
+            self._tickets = torch.zeros(64, dtype=torch.int32, device=x.device)
+        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=self._tickets)
+
+    @torch.compiler.disable
+    def _shared(self, x, routed):
+        se = self.shared_expert
+        return shared_expert(x, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                             self.shared_expert_gate.weight, routed.to(x.dtype))
+
+
 @dataclass(frozen=True)
 class Replacement:
     make: Callable[[nn.Module], nn.Module]
@@ -132,13 +212,17 @@ REPLACEMENTS: dict[str, Replacement] = {
     "Qwen3_5MoeRMSNorm": Replacement(_norm("zero_centred"), "x̂·(1+w), one launch"),
     "Qwen3_5MoeGatedDeltaNet": Replacement(FusedGatedDeltaNet, "cached T=1 step fused (conv, gates, delta rule, "
                                                                "gated norm); prefill unchanged"),
+    "Qwen3_5MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged, shared "
+                                                                 "expert + add 2 launches; prefill unchanged"),
+    "Qwen3MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
+    "OlmoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
     "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "OlmoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "MixtralRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "DeepseekV2RMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "GraniteMoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
 }
-_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet)
+_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedSparseMoeBlock)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -152,9 +236,11 @@ def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, attr, new)
 
 
-def install(model: nn.Module, device: torch.device | str | None = None, *, force: bool = False) -> dict[str, int]:
-    """Swap every module whose class is in REPLACEMENTS for its fused localmoe module. Returns {class name: count}
-    (empty when nothing was done). Only on CUDA (`device`, else the model's parameters' device) unless `force`."""
+def install(model: nn.Module, device: torch.device | str | None = None, *, force: bool = False,
+            exclude: tuple[str, ...] = ()) -> dict[str, int]:
+    """Swap every module whose class is in REPLACEMENTS (and not in `exclude`) for its fused localmoe module. Returns
+    {class name: count} (empty when nothing was done). Only on CUDA (`device`, else the model's parameters' device)
+    unless `force`."""
     dev = torch.device(device) if device is not None else _model_device(model)
     if dev.type != "cuda" and not force:
         return {}
@@ -162,7 +248,7 @@ def install(model: nn.Module, device: torch.device | str | None = None, *, force
     for name, module in list(model.named_modules()):
         cls = type(module).__name__
         rep = REPLACEMENTS.get(cls)
-        if rep is None or not name:
+        if rep is None or not name or cls in exclude:
             continue
         _set_child(model, name, rep.make(module))
         done[cls] = done.get(cls, 0) + 1

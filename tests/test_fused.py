@@ -1,8 +1,10 @@
 """Tests of localmoe/fused.py: the fused modules are exactly equivalent to transformers' on a tiny Qwen3.5-MoE.
 
 Full-model logits with and without `install(..., force=True)` over a prompt (prefill: fused RMSNorms, original
-DeltaNet) and several cached decode steps (the fused DeltaNet step), with a DynamicCache and a StaticCache (the
-engine's CUDA-graph cache). Triton runs under TRITON_INTERPRET=1 on the CPU.
+DeltaNet and MoE blocks) and several cached decode steps (the fused DeltaNet step and MoE block: router, experts,
+shared expert), with a DynamicCache and a StaticCache (the engine's CUDA-graph cache); the same with localmoe's
+LocalExperts in every block and the sparse path on (τ set as localmoe.sparsity.apply does). Qwen3-MoE and OLMoE
+blocks (no shared expert; renormalised or not) one token at a time. Triton runs under TRITON_INTERPRET=1 on the CPU.
 Shape legend: P prompt tokens, V vocab.
 """
 
@@ -78,11 +80,13 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
     cfg = model.config
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
     assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
-                    "Qwen3_5MoeGatedDeltaNet": n_linear}
+                    "Qwen3_5MoeGatedDeltaNet": n_linear, "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers}
     assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
     got, toks = _run(model, cache_kind, prompt)
     steps = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedGatedDeltaNet)]
     assert steps == [STEPS] * n_linear  # every decode step took the fused path, prefill did not
+    blocks = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)]
+    assert blocks == [STEPS] * cfg.num_hidden_layers
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got, want, **tol)
     assert toks == want_toks
@@ -119,3 +123,100 @@ def test_other_family_norm_module():
     assert fused.install(holder, force=True) == {"Qwen3MoeRMSNorm": 1}
     x = torch.randn(3, 48)
     torch.testing.assert_close(holder[0](x), norm(x), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MoE block with localmoe's LocalExperts, sparse path on
+# ---------------------------------------------------------------------------------------------------------------
+def _with_local_experts(model, sparsity=0.3):
+    """Swap every block's transformers experts for localmoe's LocalExperts (same weights) and turn the sparse path on
+    the way localmoe.sparsity.apply does (τ per expert: the `sparsity` quantile of |act(x·W_gate)| on random x)."""
+    from localmoe.experts import ExpertWeights, LocalExperts
+
+    cfg = model.config
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        old = layer.mlp.experts
+        E, two_i, H = old.gate_up_proj.shape
+        I = two_i // 2
+        new = LocalExperts(E, H, I, cfg.hidden_act, i)
+        gu = old.gate_up_proj.detach()
+        new.weights = ExpertWeights(w_gate=gu[:, :I].contiguous(), w_up=gu[:, I:].contiguous(),
+                                    w_down_t=old.down_proj.detach().transpose(1, 2).contiguous())
+        xs = torch.randn(64, H, generator=gen).to(gu.dtype)
+        g = new.act_fn(torch.einsum("th,eih->eti", xs, new.weights.w_gate).float()).abs().reshape(E, -1)
+        new.tau = torch.quantile(g, sparsity, dim=1).float()
+        new.kept = torch.zeros((), dtype=torch.int64)
+        new.max_sparse_tokens = 1
+        new.sparse_enabled = True
+        layer.mlp.experts = new
+        out.append(new)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_full_model_local_experts_sparse(tiny_text_model, dtype):
+    ref_model = copy.deepcopy(tiny_text_model).to(DEV, dtype)
+    ref_experts = _with_local_experts(ref_model)
+    prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(12)).to(DEV)
+    want, want_toks = _run(ref_model, "static", prompt)
+    ref_kept = [int(m.kept) for m in ref_experts]
+
+    model = copy.deepcopy(ref_model)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    for m in experts:
+        m.reset_counters()
+    done = fused.install(model, DEV, force=True)
+    assert done["Qwen3_5MoeSparseMoeBlock"] == model.config.num_hidden_layers
+    assert [layer.mlp.experts for layer in model.model.layers] == experts  # the very same LocalExperts objects
+    assert all(isinstance(layer.mlp, fused.FusedSparseMoeBlock) for layer in model.model.layers)
+    got, toks = _run(model, "static", prompt)
+    assert [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)] == \
+        [STEPS] * model.config.num_hidden_layers
+    kept, seen = [int(m.kept) for m in experts], [m.seen for m in experts]
+    assert all(0 < k < s for k, s in zip(kept, seen))  # the sparse path ran on every decode step, and dropped neurons
+    assert kept == ref_kept
+    # fp32: the GEMVs' accumulation order differs from torch's in the last bits; logits are O(1)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert toks == want_toks
+    fused.uninstall(model)
+    assert [layer.mlp.experts for layer in model.model.layers] == experts
+
+
+@pytest.mark.parametrize("family,norm", [("qwen3_moe", True), ("olmoe", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_block_without_shared_expert(family, norm, dtype):
+    """Qwen3-MoE / OLMoE blocks: the fused one-token call equals the original block; more tokens delegate."""
+    model, _ = tiny_models.build(family)
+    cfg = model.config
+    cfg.norm_topk_prob = norm
+    block_cls = type(model.model.layers[0].mlp)
+    torch.manual_seed(3)
+    block = block_cls(cfg).to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    holder = torch.nn.Sequential(block)
+    assert fused.install(holder, force=True) == {block_cls.__name__: 1}
+    fb = holder[0]
+    assert isinstance(fb, fused.FusedSparseMoeBlock) and fb.experts is block.experts and not fb.has_shared
+    assert fb.norm_topk_prob == norm
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for seed in range(4):
+        x = torch.randn(1, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        torch.testing.assert_close(fb(x), block(x), **tol)
+    assert fb.decode_calls == 4
+    x = torch.randn(1, 5, cfg.hidden_size).to(dtype)
+    torch.testing.assert_close(fb(x), block(x), rtol=0, atol=0)  # prefill: the original block
+    assert fb.decode_calls == 4
+
+
+def test_install_exclude(tiny_text_model):
+    model = copy.deepcopy(tiny_text_model)
+    done = fused.install(model, force=True, exclude=("Qwen3_5MoeSparseMoeBlock",))
+    assert "Qwen3_5MoeSparseMoeBlock" not in done and done["Qwen3_5MoeGatedDeltaNet"] > 0
+    assert not any(isinstance(m, fused.FusedSparseMoeBlock) for m in model.modules())

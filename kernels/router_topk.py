@@ -1,0 +1,200 @@
+"""Softmax top-k MoE router for decode in one Triton launch: logits GEMV, fp32 softmax, top-k, renormalise, cast.
+
+Owns `router_topk` (checked launcher), its torch reference `router_topk_ref`, and one Triton kernel
+`_router_topk_kernel`. It computes exactly what transformers' `Qwen3_5MoeTopKRouter` / `Qwen3MoeTopKRouter` /
+`OlmoeTopKRouter` compute for each token row:
+
+    logits = (x · Wᵀ).to(x.dtype)                      [T, E]   (fp32 accumulation, one rounding, as F.linear)
+    probs  = softmax(logits.float())                   [T, E]   fp32
+    w, idx = topk(probs, k)                            [T, k]   descending
+    w      = w / w.sum(-1)          (if norm_topk_prob; Qwen3.5 always renormalises, Qwen3-MoE/OLMoE per config)
+    return logits, w.to(logits.dtype), idx (int64)
+
+Grid (T, cdiv(E, BLOCK_E)): program (t, j) computes logits rows [j·BLOCK_E, (j+1)·BLOCK_E) of token t (BLOCK_E
+rows × H, the H axis in BLOCK_H chunks) and stores them (rounded to x's dtype) into `logits`. It then takes a per-token
+ticket (acq_rel atomic after a CTA barrier, as kernels/sparse_fused.py does); the last program of token t reads the
+token's E logits back through L2, does the softmax, the top-k by k rounds of "max, lowest index among equal maxima,
+mask it out" (no sort), the renormalisation and the casts, writes the outputs and re-zeroes its ticket, so the
+ticket buffer is zero between launches (no memset node; CUDA-graph capturable; keep one ticket buffer per stream).
+
+Selection is on the (rounded) logits, which softmax maps monotonically onto the probabilities torch.topk sees: equal
+logits give equal probabilities and distinct ones distinct probabilities (for any realistic logit range), so the
+selected set is the one torch picks, given a tie rule. Ties: this kernel takes the LOWEST index among equal values,
+which is what torch.topk does on CUDA for the boundary (gatherTopK writes the values > the k-th value, then the
+values == the k-th value in index order; the order inside a run of equal values in the output may differ). torch.topk
+on CPU breaks ties differently (nth_element; e.g. topk([1,3,3,2,3,0,3], 2) -> indices [1, 6]), so CPU tests compare
+with `router_topk_ref` (stable sort, lowest index first) and with torch.topk only on rows without a tie at the k-th
+value. With bf16 logits (8-bit mantissa) at E = 256, a tie at the k-th value occurs in roughly 15% of random rows.
+
+The logits GEMV's accumulation order differs from cuBLAS's, so a logit can land one rounding step away from
+F.linear's (bf16: rarely; fp32: at the ulp level); this is the only numerical difference from transformers.
+
+Shape legend: T tokens, H hidden, E experts, k experts per token.
+  x [T, H] · weight [E, H] · logits [T, E] (x.dtype) · top_k_weights [T, k] (x.dtype) · top_k_index [T, k] int64
+  tickets [>= T] int32, zero between launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional at import time; the launcher needs it.
+    import triton
+    import triton.language as tl
+
+    from localmoe.kernels.rounding import round_to
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch reference (transformers' router, with CUDA's tie rule made explicit)
+# ----------------------------------------------------------------------------------------------------------
+def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None):
+    """(logits [T,E], top_k_weights [T,k] in x.dtype, top_k_index [T,k] int64); ties -> lowest index first."""
+    if logits is None:
+        logits = torch.nn.functional.linear(x, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    order = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices  # ties: lowest index first
+    idx = order[:, :top_k]
+    w = probs.gather(1, idx)
+    if norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return logits, w.to(logits.dtype), idx
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _router_topk_kernel(
+        x_ptr,  # [T, H] row stride stride_x, last dim contiguous
+        w_ptr,  # [E, H] contiguous
+        logits_ptr,  # [T, E] out (x.dtype), contiguous; also the programs' exchange buffer
+        tw_ptr,  # [T, K] out top-k weights (x.dtype)
+        ti_ptr,  # [T, K] out top-k indices (int64)
+        tick_ptr,  # [>= T] int32 tickets, zero between launches
+        H,
+        E,
+        stride_x,
+        K: tl.constexpr,
+        K_P2: tl.constexpr,
+        NORM: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        E_P2: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        pid_e = tl.program_id(1)
+        rows = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        rmask = rows < E
+        cols = tl.arange(0, BLOCK_H)
+        acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+        x_row = x_ptr + t * stride_x
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * H
+        for h0 in range(0, H, BLOCK_H):
+            cm = (h0 + cols) < H
+            xv = tl.load(x_row + h0 + cols, mask=cm, other=0.0).to(tl.float32)
+            wv = tl.load(w_rows + h0 + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
+            acc += wv.to(tl.float32) * xv[None, :]
+        logit = tl.sum(acc, axis=1)  # [BLOCK_E] fp32
+        out_ty = logits_ptr.dtype.element_ty
+        tl.store(logits_ptr + t * E + rows, round_to(logit, out_ty).to(out_ty), mask=rmask)
+
+        # ---- the last program of token t: softmax, top-k, renormalise ----
+        tl.debug_barrier()  # this program's logits stores precede the release below
+        done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(1) - 1:
+            offs = tl.arange(0, E_P2)
+            em = offs < E
+            lg = tl.load(logits_ptr + t * E + offs, mask=em, other=float("-inf"), cache_modifier=".cg")
+            lg = lg.to(tl.float32)
+            mx = tl.max(lg, axis=0)
+            ex = tl.where(em, tl.exp(lg - mx), 0.0)
+            den = tl.sum(ex, axis=0)
+            kk = tl.arange(0, K_P2)
+            vals = tl.zeros([K_P2], dtype=tl.float32)
+            ids = tl.zeros([K_P2], dtype=tl.int32)
+            cand = tl.where(em, lg, float("-inf"))
+            for j in tl.static_range(K):
+                m = tl.max(cand, axis=0)
+                i = tl.min(tl.where((cand == m) & em, offs, E_P2), axis=0)  # lowest index among the maxima
+                p = tl.sum(tl.where(offs == i, ex, 0.0), axis=0) / den  # softmax prob of expert i
+                vals = tl.where(kk == j, p, vals)
+                ids = tl.where(kk == j, i, ids)
+                cand = tl.where(offs == i, float("-inf"), cand)
+                em = em & (offs != i)
+            if NORM:
+                vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
+            km = kk < K
+            w_ty = tw_ptr.dtype.element_ty
+            tl.store(tw_ptr + t * K + kk, round_to(vals, w_ty).to(w_ty), mask=km)
+            tl.store(ti_ptr + t * K + kk, ids.to(tl.int64), mask=km)
+            tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ticket buffers
+# ----------------------------------------------------------------------------------------------------------
+_TICKETS: dict = {}
+_RETIRED: list = []  # outgrown buffers stay alive: a captured CUDA graph may still point at them
+
+
+def router_tickets(device, numel: int = 1) -> torch.Tensor:
+    """Zeroed int32 ticket buffer with >= numel entries, one per (device, stream); the kernel leaves it zeroed.
+    Create it before CUDA-graph capture (or pass your own zeroed buffer as `tickets=`)."""
+    device = torch.device(device)
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(numel, 64), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, *,
+                tickets: torch.Tensor | None = None, block_e: int = 8, block_h: int = 512, num_warps: int = 4):
+    """One-launch softmax top-k router (module docstring). x [T, H] (or [..., H]), weight [E, H], same dtype.
+    Returns (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k] int64), as transformers' router."""
+    if triton is None:
+        raise RuntimeError("router_topk needs triton")
+    H = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {H}")
+    E = weight.shape[0]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k {top_k} out of range for {E} experts")
+    if x.dtype not in _FLOAT_DTYPES or weight.dtype != x.dtype:
+        raise TypeError(f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError("x and weight must be on one device")
+    if block_e & (block_e - 1) or block_h & (block_h - 1):
+        raise ValueError("block_e and block_h must be powers of two")
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    T = x2.shape[0]
+    logits = torch.empty((T, E), dtype=x.dtype, device=x.device)
+    tw = torch.empty((T, top_k), dtype=x.dtype, device=x.device)
+    ti = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    if T == 0:
+        return logits, tw, ti
+    if tickets is None:
+        tickets = router_tickets(x.device, T)
+    elif tickets.dtype != torch.int32 or tickets.numel() < T or tickets.device != x.device:
+        raise ValueError(f"tickets must be a zeroed int32 buffer of >= {T} entries on {x.device}")
+    block_h = min(block_h, triton.next_power_of_2(H))
+    block_e = min(block_e, triton.next_power_of_2(E))
+    grid = (T, triton.cdiv(E, block_e))
+    _router_topk_kernel[grid](x2, weight, logits, tw, ti, tickets, H, E, x2.stride(0), K=top_k,
+                              K_P2=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob), BLOCK_E=block_e,
+                              BLOCK_H=block_h, E_P2=triton.next_power_of_2(E), num_warps=num_warps)
+    return logits, tw, ti

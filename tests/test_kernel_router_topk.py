@@ -1,0 +1,105 @@
+"""Tests of kernels/router_topk.py: the one-launch softmax top-k router vs transformers' router modules.
+
+Runs on CPU under TRITON_INTERPRET=1 (on a GPU with TRITON_INTERPRET=0, compiled). Checks, at Qwen3.5-35B shapes
+(E 256, H 2048, k 8), Qwen3-30B-like (E 128, k 8) and odd sizes, fp32 and bf16, several tokens per launch:
+* logits vs F.linear: fp32 within a few ulp, bf16 equal or one rounding step apart;
+* selection and weights exactly equal to `router_topk_ref` (stable sort: ties -> lowest index) computed from the
+  kernel's own logits: the softmax/top-k/renormalise/cast part is exact;
+* vs transformers' `Qwen3_5MoeTopKRouter` (renormalises) / `OlmoeTopKRouter` (norm_topk_prob False): same indices in
+  the same order on every row without a tie at the k-th value (torch.topk on CPU breaks ties by nth_element, not by
+  index; on CUDA every row is compared), weights close;
+* forced ties: lowest indices win; the ticket buffer is zero after each launch (reusable, graph-capturable).
+Shape legend: T tokens, H hidden, E experts, k top-k.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from localmoe.kernels.router_topk import router_tickets, router_topk, router_topk_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+# T, H, E, k
+SHAPES = [(1, 2048, 256, 8), (4, 2048, 128, 8), (3, 100, 60, 4), (2, 33, 7, 1), (1, 32, 8, 2)]
+
+
+def _hf_router(E, H, k, norm):
+    from transformers import OlmoeConfig, Qwen3_5MoeTextConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
+
+    if norm:
+        return Qwen3_5MoeTopKRouter(Qwen3_5MoeTextConfig(hidden_size=H, num_experts=E, num_experts_per_tok=k))
+    return OlmoeTopKRouter(OlmoeConfig(hidden_size=H, num_experts=E, num_experts_per_tok=k, norm_topk_prob=False))
+
+
+def _tie_at_kth(logits, idx):
+    kth = logits.gather(1, idx[:, -1:])
+    return (logits == kth).sum(1) > 1
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["renorm", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}H{}E{}k{}".format(*s))
+@torch.no_grad()
+def test_matches_transformers_router(shape, dtype, norm):
+    T, H, E, k = shape
+    gen = torch.Generator().manual_seed(T * 1000 + E + k)
+    router = _hf_router(E, H, k, norm).to(DEV, dtype)
+    router.weight.copy_((torch.randn(E, H, generator=gen) / H ** 0.5).to(dtype))
+    x = torch.randn(T, H, generator=gen).to(DEV, dtype)
+    want_logits, want_w, want_i = router(x)
+    logits, w, idx = router_topk(x, router.weight, k, norm)
+    assert logits.dtype == want_logits.dtype and w.dtype == want_w.dtype and idx.dtype == torch.int64
+    assert w.shape == want_w.shape and idx.shape == want_i.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 rounding step at most (accumulation order)
+        torch.testing.assert_close(logits.float(), want_logits.float(), rtol=8e-3, atol=1e-3)
+    # the selection / weights part is exact given the logits
+    _, ref_w, ref_i = router_topk_ref(x, router.weight, k, norm, logits=logits)
+    assert torch.equal(idx, ref_i)
+    exact = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(w, ref_w, **exact)
+    # vs transformers' torch.topk: rows where both saw the same logits and no tie sits at the k-th value
+    rows = (logits == want_logits).all(1)
+    if DEV == "cpu":
+        rows &= ~_tie_at_kth(want_logits.float(), want_i)
+    assert torch.equal(idx[rows], want_i[rows])
+    torch.testing.assert_close(w[rows].float(), want_w[rows].float(), rtol=1e-5 if dtype == torch.float32 else 8e-3,
+                               atol=1e-6 if dtype == torch.float32 else 1e-3)
+    assert int(router_tickets(DEV).abs().sum()) == 0
+
+
+@torch.no_grad()
+def test_ties_take_lowest_index_and_tickets_reset():
+    E, H, k = 16, 8, 3
+    w = torch.zeros(E, H, device=DEV)
+    w[:, 0] = torch.tensor([0.0, 2, 1, 2, 2, 0, 1, 2, 0, 0, 0, 0, 3, 0, 0, 2], device=DEV)
+    x = torch.zeros(1, H, device=DEV)
+    x[0, 0] = 1.0
+    tickets = torch.zeros(4, dtype=torch.int32, device=DEV)
+    for _ in range(2):  # the second launch reuses the (self-cleaned) tickets
+        _, tw, ti = router_topk(x, w, k, True, tickets=tickets, block_e=4)
+        assert ti.tolist() == [[12, 1, 3]]  # 3, then the two lowest of the tied 2s (1, 3, 4, 7, 15)
+        assert int(tickets.abs().sum()) == 0
+    p = torch.softmax(w[:, 0], 0)[[12, 1, 3]]
+    torch.testing.assert_close(tw[0], p / p.sum())
+
+
+@torch.no_grad()
+def test_checks():
+    x = torch.randn(1, 16, device=DEV)
+    with pytest.raises(ValueError):
+        router_topk(x, torch.randn(8, 15, device=DEV), 2)
+    with pytest.raises(ValueError):
+        router_topk(x, torch.randn(8, 16, device=DEV), 9)
+    with pytest.raises(TypeError):
+        router_topk(x, torch.randn(8, 16, device=DEV, dtype=torch.bfloat16), 2)
+    with pytest.raises(ValueError):
+        router_topk(x, torch.randn(8, 16, device=DEV), 2, tickets=torch.zeros(1, dtype=torch.int64, device=DEV))
