@@ -15,22 +15,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from kernel_cases import DEV, SPARSITIES, expert_inputs, rel_err  # noqa: E402
 from localmoe.kernels.dense_experts import dense_experts_ref  # noqa: E402
 from localmoe.kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (T, H, I, E, k, BLOCK_I); the real shape is Qwen3.5-35B-A3B's expert (E cut to 16)
 SHAPES = [(1, 72, 40, 5, 3, 8), (3, 72, 40, 5, 3, 16), (1, 2048, 512, 16, 8, 64)]
-SPARSITIES = [0.0, 0.5, 0.9, "all"]
 
 
-def make_inputs(T, H, I, E, k, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=gen).to(dtype).to(DEV)
-    w = [(torch.randn(E, I, H, generator=gen) * 2.0 / H**0.5).to(dtype).to(DEV) for _ in range(3)]
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32).to(DEV)
-    rw = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype).to(DEV)
-    return x, w[0], w[1], w[2], ids, rw
 
 
 def gate_abs(x, w_gate, ids):
@@ -52,15 +44,13 @@ def tau_for(g_abs, ids, sparsity, E):
     return tau.to(DEV)
 
 
-def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}_H{}_I{}_E{}_k{}".format(*s[:5]))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sparse_fused_matches_reference(shape, dtype):
     T, H, I, E, k, bi = shape
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, dtype, seed=T * 100 + I)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=T * 100 + I)
     ga = gate_abs(x, wg, ids)
     out = torch.empty(T, H, device=DEV)
     cnt = torch.empty(T, k, dtype=torch.int32, device=DEV)
@@ -85,7 +75,7 @@ def test_sparse_fused_matches_reference(shape, dtype):
 def test_dense_equivalence_and_defaults():
     # tau = 0 keeps everything: the fused kernel computes the dense SwiGLU experts; default out/count allocated
     T, H, I, E, k = 3, 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=5)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=5)
     y, c = sparse_fused(x, wg, wu, wd, ids.long(), rw, torch.zeros(E, device=DEV), BLOCK_I=4, num_warps=2)
     assert y.dtype == torch.float32 and c.dtype == torch.int32 and tuple(c.shape) == (T, k)
     assert rel_err(y, dense_experts_ref(x, wg, wu, wd, ids, rw)) < 1e-5
@@ -95,7 +85,7 @@ def test_dense_equivalence_and_defaults():
 def test_low_precision_out():
     # the last program writes y in out's dtype: a bf16 caller needs no cast kernel
     T, H, I, E, k = 3, 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.bfloat16, seed=11)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.bfloat16, seed=11)
     tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
     y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
     out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -107,7 +97,7 @@ def test_low_precision_out():
 def test_accumulate_mode():
     # caller-zeroed (here: pre-filled) out and count are added to, twice
     T, H, I, E, k = 3, 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=13)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=13)
     tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
     y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
     base = torch.randn(T, H, device=DEV)
@@ -144,7 +134,7 @@ def offload_layout(wg, wu, wd, table, S):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_offload_addressing_equals_resident(T, dtype):
     H, I, E, k = 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, dtype, seed=17 + T)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=17 + T)
     ga = gate_abs(x, wg, ids)
     tables = {
         "mixed": torch.tensor([3, -1, 0, -1, 1]),  # slots permuted, one slot (2) unused
@@ -165,7 +155,7 @@ def test_offload_addressing_equals_resident(T, dtype):
 
 def test_offload_real_shape():
     T, H, I, E, k = 1, 2048, 512, 16, 8
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.bfloat16, seed=23)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.bfloat16, seed=23)
     tau = tau_for(gate_abs(x, wg, ids), ids, 0.85, E)
     routed = ids[0].tolist()
     table = torch.full((E,), -1)
@@ -181,7 +171,7 @@ def test_offload_real_shape():
 
 def test_empty_batch():
     H, I, E = 72, 40, 5
-    x, wg, wu, wd, _, _ = make_inputs(1, H, I, E, 3, torch.float32, seed=1)
+    x, wg, wu, wd, _, _ = expert_inputs(1, H, I, E, 3, torch.float32, seed=1)
     y, c = sparse_fused(x[:0], wg, wu, wd, torch.zeros(0, 3, dtype=torch.int32, device=DEV),
                         torch.zeros(0, 3, device=DEV), torch.zeros(E, device=DEV))
     assert tuple(y.shape) == (0, H) and tuple(c.shape) == (0, 3)
@@ -189,7 +179,7 @@ def test_empty_batch():
 
 def test_validation_errors():
     T, H, I, E, k = 1, 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=3)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=3)
     tau = torch.zeros(E, device=DEV)
     pools = [torch.zeros(2, I, H, device=DEV) for _ in range(3)]
     table = torch.tensor([0, -1, 1, -1, -1], device=DEV)

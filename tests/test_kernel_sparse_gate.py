@@ -13,31 +13,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from kernel_cases import DEV, SPARSITIES, expert_inputs, layer_tau  # noqa: E402
 from localmoe.kernels.sparse_gate import sparse_gate, sparse_gate_ref  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (T, H, I, E, k, BLOCK_I): odd shapes, and one real shape (Qwen3.5-35B-A3B widths, few experts)
 SHAPES = [(1, 72, 40, 5, 3, 8), (3, 72, 40, 5, 3, 16), (1, 2048, 512, 16, 8, 64)]
-SPARSITIES = [0.0, 0.5, 0.9, "all"]
 
 
-def make_inputs(T, H, I, E, k, dtype, seed, id_dtype=torch.int32):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=gen).to(dtype).to(DEV)
-    w_gate = (torch.randn(E, I, H, generator=gen) * 2.0 / H**0.5).to(dtype).to(DEV)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(id_dtype).to(DEV)
-    return x, w_gate, ids
 
 
-def tau_for(g_abs, sparsity, E):
-    """Threshold between two neighbouring |g| values, so rounding cannot flip a neuron across it."""
-    if sparsity == "all":
-        return torch.full((E,), float("inf"), device=DEV)
-    if sparsity == 0.0:
-        return torch.zeros(E, device=DEV)
-    a = torch.sort(g_abs.flatten().cpu()).values
-    m = int(sparsity * a.numel())
-    return torch.full((E,), float(a[m - 1] + a[m]) / 2, device=DEV)
 
 
 def check(out, ref, C):
@@ -55,10 +39,10 @@ def check(out, ref, C):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sparse_gate_matches_reference(shape, dtype):
     T, H, I, E, k, bi = shape
-    x, w_gate, ids = make_inputs(T, H, I, E, k, dtype, seed=T * 1000 + H)
+    x, w_gate, _, _, ids, _ = expert_inputs(T, H, I, E, k, dtype, seed=T * 1000 + H)
     g_ref, _, _ = sparse_gate_ref(x, w_gate, ids, torch.zeros(E, device=DEV), I)
     for s in SPARSITIES:
-        tau = tau_for(g_ref.abs(), s, E)
+        tau = layer_tau(g_ref.abs(), s, E)
         ref = sparse_gate_ref(x, w_gate, ids, tau, I)
         # poison the outputs: every element must be written
         out = (torch.full((T, k, I), float("nan"), device=DEV), torch.full((T, k, I), -7, dtype=torch.int32, device=DEV),
@@ -75,7 +59,7 @@ def test_sparse_gate_matches_reference(shape, dtype):
 
 def test_capacity_truncates_and_per_expert_tau():
     T, H, I, E, k = 2, 72, 40, 5, 3
-    x, w_gate, ids = make_inputs(T, H, I, E, k, torch.float32, seed=7, id_dtype=torch.int64)
+    x, w_gate, _, _, ids, _ = expert_inputs(T, H, I, E, k, torch.float32, seed=7, id_dtype=torch.int64)
     tau = torch.tensor([0.0, 0.1, 0.3, float("inf"), 0.05], device=DEV)
     C = 9
     check(sparse_gate(x, w_gate, ids, tau, C, BLOCK_I=8), sparse_gate_ref(x, w_gate, ids, tau, C), C)
@@ -84,7 +68,7 @@ def test_capacity_truncates_and_per_expert_tau():
 def test_repeated_launches_reuse_ticket_workspace():
     # the compaction ticket must be reset by the kernel: a second launch must give the same answer
     T, H, I, E, k = 1, 72, 40, 5, 3
-    x, w_gate, ids = make_inputs(T, H, I, E, k, torch.float32, seed=11)
+    x, w_gate, _, _, ids, _ = expert_inputs(T, H, I, E, k, torch.float32, seed=11)
     tau = torch.full((E,), 0.1, device=DEV)
     ref = sparse_gate_ref(x, w_gate, ids, tau, I)
     for _ in range(2):
@@ -94,7 +78,7 @@ def test_repeated_launches_reuse_ticket_workspace():
 def test_view_of_fused_gate_up_layout():
     # w_gate may be the gate half of a fused [E, 2I, H] tensor (rows contiguous, any expert stride)
     T, H, I, E, k = 1, 72, 40, 5, 3
-    x, _, ids = make_inputs(T, H, I, E, k, torch.float32, seed=3)
+    x, _, _, _, ids, _ = expert_inputs(T, H, I, E, k, torch.float32, seed=3)
     gate_up = torch.randn(E, 2 * I, H, device=DEV) / H**0.5
     tau = torch.full((E,), 0.05, device=DEV)
     check(sparse_gate(x, gate_up[:, :I], ids, tau, I, BLOCK_I=8),
@@ -104,7 +88,7 @@ def test_view_of_fused_gate_up_layout():
 @pytest.mark.parametrize("bad", ["x_rank", "tau_dtype", "tau_len", "ids_dtype", "capacity", "w_stride", "w_shape"])
 def test_rejects_bad_inputs(bad):
     T, H, I, E, k = 1, 72, 40, 5, 3
-    x, w_gate, ids = make_inputs(T, H, I, E, k, torch.float32, seed=1)
+    x, w_gate, _, _, ids, _ = expert_inputs(T, H, I, E, k, torch.float32, seed=1)
     tau = torch.zeros(E, device=DEV)
     cap = I
     if bad == "x_rank":

@@ -13,47 +13,29 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from kernel_cases import DEV, SPARSITIES, expert_inputs, layer_tau, rel_err  # noqa: E402
 from localmoe.kernels.dense_experts import dense_experts_ref  # noqa: E402
 from localmoe.kernels.sparse_gate import sparse_gate, sparse_gate_ref  # noqa: E402
 from localmoe.kernels.sparse_updown import sparse_updown, sparse_updown_ref  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (T, H, I, E, k, BLOCK_N)
 SHAPES = [(1, 72, 40, 5, 3, 4), (3, 72, 40, 5, 3, 8), (1, 2048, 512, 16, 8, 64)]
-SPARSITIES = [0.0, 0.5, 0.9, "all"]
 
 
-def make_inputs(T, H, I, E, k, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=gen).to(dtype).to(DEV)
-    w = [(torch.randn(E, I, H, generator=gen) * 2.0 / H**0.5).to(dtype).to(DEV) for _ in range(3)]
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32).to(DEV)
-    rw = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype).to(DEV)
-    return x, w[0], w[1], w[2], ids, rw
 
 
-def tau_for(g_abs, sparsity, E):
-    if sparsity == "all":
-        return torch.full((E,), float("inf"), device=DEV)
-    if sparsity == 0.0:
-        return torch.zeros(E, device=DEV)
-    a = torch.sort(g_abs.flatten().cpu()).values
-    m = int(sparsity * a.numel())
-    return torch.full((E,), float(a[m - 1] + a[m]) / 2, device=DEV)
 
 
-def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}_H{}_I{}_E{}_k{}".format(*s[:5]))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sparse_updown_matches_reference(shape, dtype):
     T, H, I, E, k, bn = shape
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, dtype, seed=T * 100 + I)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=T * 100 + I)
     g_ref, _, _ = sparse_gate_ref(x, wg, ids, torch.zeros(E, device=DEV), I)
     for s in SPARSITIES:
-        g, idx, cnt = sparse_gate_ref(x, wg, ids, tau_for(g_ref.abs(), s, E), I)
+        g, idx, cnt = sparse_gate_ref(x, wg, ids, layer_tau(g_ref.abs(), s, E), I)
         ref = sparse_updown_ref(x, wu, wd, ids, rw, g, idx, cnt)
         out = torch.full((T, H), float("nan"), device=DEV)  # poisoned: the launcher must clear it
         y = sparse_updown(x, wu, wd, ids, rw, g, idx, cnt, out=out, BLOCK_N=bn)
@@ -68,7 +50,7 @@ def test_sparse_updown_matches_reference(shape, dtype):
 def test_gate_then_updown_dense_equivalence(dtype):
     # sparsity 0: the two kernels together compute the dense SwiGLU experts
     T, H, I, E, k = 3, 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, dtype, seed=5)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=5)
     g, idx, cnt = sparse_gate(x, wg, ids.long(), torch.zeros(E, device=DEV), I, BLOCK_I=16)
     y = sparse_updown(x, wu, wd, ids.long(), rw, g, idx, cnt, BLOCK_N=8)
     assert rel_err(y, dense_experts_ref(x, wg, wu, wd, ids, rw)) < 1e-5
@@ -76,7 +58,7 @@ def test_gate_then_updown_dense_equivalence(dtype):
 
 def test_fused_zeroing_and_accumulate():
     T, H, I, E, k = 2, 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=9)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=9)
     tau = torch.full((E,), 0.05, device=DEV)
     y = torch.full((T, H), float("nan"), device=DEV)
     g, idx, cnt = sparse_gate(x, wg, ids, tau, I, zero_out=y, BLOCK_I=8)
@@ -92,7 +74,7 @@ def test_fused_zeroing_and_accumulate():
 
 def test_truncated_capacity():
     T, H, I, E, k = 1, 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=2)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=2)
     g, idx, cnt = sparse_gate_ref(x, wg, ids, torch.zeros(E, device=DEV), 7)
     y = sparse_updown(x, wu, wd, ids, rw, g, idx, cnt, BLOCK_N=4)
     assert rel_err(y, sparse_updown_ref(x, wu, wd, ids, rw, g, idx, cnt)) < 1e-5
@@ -101,7 +83,7 @@ def test_truncated_capacity():
 @pytest.mark.parametrize("bad", ["g_dtype", "idx_dtype", "count_shape", "w_shape", "weights_shape", "accumulate"])
 def test_rejects_bad_inputs(bad):
     T, H, I, E, k = 1, 72, 40, 5, 3
-    x, wg, wu, wd, ids, rw = make_inputs(T, H, I, E, k, torch.float32, seed=1)
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=1)
     g, idx, cnt = sparse_gate_ref(x, wg, ids, torch.zeros(E, device=DEV), I)
     kw = {}
     if bad == "g_dtype":
