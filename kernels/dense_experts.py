@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.kernels.checks import expert_weights
+
 try:
     import triton
     import triton.language as tl
@@ -108,14 +110,7 @@ def dense_experts(
         raise ValueError(f"w_gate must be [E, I, H], got shape {tuple(w_gate.shape)}")
     E, I, _ = w_gate.shape
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
-        if w.dim() != 3 or tuple(w.shape) != (E, I, H):
-            raise ValueError(f"{name} must have shape [E, I, H] = {(E, I, H)}, got {tuple(w.shape)}")
-        if w.stride(2) != 1 or (I > 1 and w.stride(1) != H):
-            raise ValueError(f"{name} rows must be contiguous (stride(2) == 1, stride(1) == H); got {w.stride()}")
-        if w.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} must be bf16/fp16/fp32, got {w.dtype}")
-        if w.device != x.device:
-            raise ValueError(f"{name} is on {w.device}, x is on {x.device}")
+        expert_weights(name, w, E, I, H, x.device)
     if x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be bf16/fp16/fp32 with a contiguous last dim, got {x.dtype} strides {x.stride()}")
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in (torch.int32, torch.int64):

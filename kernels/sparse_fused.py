@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.kernels.checks import expert_weights
+
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
@@ -211,19 +213,6 @@ class _HostPointer:
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def _check_weight(name, w, n, I, H, dev, allow_host: bool):
-    if w.dim() != 3 or tuple(w.shape) != (n, I, H):
-        raise ValueError(f"{name} must have shape {(n, I, H)}, got {tuple(w.shape)}")
-    if w.stride(2) != 1 or (I > 1 and w.stride(1) != H):
-        raise ValueError(f"{name} rows must be contiguous (stride(2) == 1, stride(1) == H); got strides {w.stride()}")
-    if w.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name} must be bf16/fp16/fp32, got {w.dtype}")
-    if w.device != dev:
-        if not (allow_host and w.device.type == "cpu"):
-            raise ValueError(f"{name} is on {w.device}, x is on {dev}: all inputs must share a device")
-        if dev.type == "cuda" and not w.is_pinned():
-            raise ValueError(f"{name} is a host master copy in pageable memory: the GPU can read only pinned "
-                             f"host memory (torch.empty(..., pin_memory=True))")
 
 
 def sparse_fused(
@@ -284,7 +273,7 @@ def sparse_fused(
                          "or not at all")
     masters = (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t))
     for name, w in masters:
-        _check_weight(name, w, E, I, H, dev, allow_host=offload)
+        expert_weights(name, w, E, I, H, dev, allow_host=offload)
     if offload:
         if slot_table.dim() != 1 or slot_table.shape[0] != E or slot_table.dtype not in _INT_DTYPES:
             raise ValueError(f"slot_table must be int32/int64 [E] = [{E}], got {slot_table.dtype} "
@@ -297,7 +286,7 @@ def sparse_fused(
         if S < 1:
             raise ValueError("the pools need at least one slot")
         for (name, w), pname, p in zip(masters, ("pool_gate", "pool_up", "pool_down_t"), pools):
-            _check_weight(pname, p, S, I, H, dev, allow_host=False)
+            expert_weights(pname, p, S, I, H, dev)
             if p.dtype != w.dtype:
                 raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a dtype")
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:

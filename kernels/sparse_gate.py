@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.kernels.checks import expert_weights
+
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
@@ -140,11 +142,6 @@ def _tickets(device, n: int):
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def _check_rows_contiguous(name, w, E, I, H):
-    if w.dim() != 3 or tuple(w.shape) != (E, I, H):
-        raise ValueError(f"{name} must have shape [E, I, H] = {(E, I, H)}, got {tuple(w.shape)}")
-    if w.stride(2) != 1 or (I > 1 and w.stride(1) != H):
-        raise ValueError(f"{name} rows must be contiguous (stride(2) == 1, stride(1) == H); got strides {w.stride()}")
 
 
 def sparse_gate(
@@ -175,7 +172,7 @@ def sparse_gate(
     if w_gate.dim() != 3:
         raise ValueError(f"w_gate must be [E, I, H], got shape {tuple(w_gate.shape)}")
     E, I, _ = w_gate.shape
-    _check_rows_contiguous("w_gate", w_gate, E, I, H)
+    expert_weights("w_gate", w_gate, E, I, H)
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T:
         raise ValueError(f"expert_ids must be [T, k] with T = {T}, got shape {tuple(expert_ids.shape)}")
     k = expert_ids.shape[1]

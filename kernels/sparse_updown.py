@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.kernels.checks import expert_weights
+
 try:
     import triton
     import triton.language as tl
@@ -107,11 +109,6 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def _check_rows_contiguous(name, w, E, I, H):
-    if w.dim() != 3 or tuple(w.shape) != (E, I, H):
-        raise ValueError(f"{name} must have shape [E, I, H] = {(E, I, H)}, got {tuple(w.shape)}")
-    if w.stride(2) != 1 or (I > 1 and w.stride(1) != H):
-        raise ValueError(f"{name} rows must be contiguous (stride(2) == 1, stride(1) == H); got strides {w.stride()}")
 
 
 def sparse_updown(
@@ -144,8 +141,8 @@ def sparse_updown(
     if w_up.dim() != 3:
         raise ValueError(f"w_up must be [E, I, H], got shape {tuple(w_up.shape)}")
     E, I, _ = w_up.shape
-    _check_rows_contiguous("w_up", w_up, E, I, H)
-    _check_rows_contiguous("w_down_t", w_down_t, E, I, H)
+    expert_weights("w_up", w_up, E, I, H)
+    expert_weights("w_down_t", w_down_t, E, I, H)
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T:
         raise ValueError(f"expert_ids must be [T, k] with T = {T}, got shape {tuple(expert_ids.shape)}")
     k = expert_ids.shape[1]
