@@ -26,7 +26,8 @@ from localmoe.sampling import make_generator, sample
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 UNKNOWN_MODEL_SPARSITY = 0.5
-DEFAULT_CONTEXT = 8192  # tokens of static cache for the CUDA-graph decode (prompt + reply)  # models outside the registry: conservative until `localmoe eval` says more
+DEFAULT_CONTEXT = 8192
+LIVE_STATS_EVERY = 8  # tokens between live updates of realised sparsity / cache hit rate  # tokens of static cache for the CUDA-graph decode (prompt + reply)  # models outside the registry: conservative until `localmoe eval` says more
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -303,6 +304,10 @@ class Engine:
                 if not text.endswith("\ufffd"):
                     delta, emitted = text[len(emitted):], text
             stats.generated_tokens = len(generated)
+            if len(generated) % LIVE_STATS_EVERY == 0:  # live figures for the status bar (a few device reads)
+                stats.sparsity_realized = self.realized_sparsity()
+                if expert_cache is not None:
+                    stats.cache_hit_rate = expert_cache.hit_rate
             now = time.perf_counter()
             if len(generated) > 1:
                 stats.decode_tok_s = (len(generated) - 1) / max(now - t_decode, 1e-9)
