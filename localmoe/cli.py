@@ -64,9 +64,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
                    help="GPU memory budget; experts that do not fit are offloaded to host memory behind a GPU cache "
                         "(default: what the card has free minus 1 GiB)")
-    p.add_argument("--offload-miss", choices=["copy", "direct"], default="copy",
-                   help="offloaded expert misses: copy into the cache then compute (default), or read the kept rows "
-                        "straight from pinned host memory inside the CUDA graph (experimental)")
+    p.add_argument("--offload-miss", choices=["copy", "direct", "cpu"], default="copy",
+                   help="offloaded expert misses: copy into the cache then compute (default); read the kept rows "
+                        "straight from pinned host memory inside the CUDA graph (experimental); or compute them on "
+                        "the CPU")
     p.add_argument("--fused", action="store_true",
                    help="experimental: localmoe's fused RMSNorm / Gated DeltaNet decode kernels on CUDA")
     p.add_argument("--context", type=_ranged(int, 16, what="--context"), default=None,
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
                    help="GPU memory budget (experts beyond it are offloaded)")
     p.add_argument("--fused", action="store_true", help="experimental: fused RMSNorm / Gated DeltaNet decode kernels")
-    p.add_argument("--offload-miss", choices=["copy", "direct"], default="copy")
+    p.add_argument("--offload-miss", choices=["copy", "direct", "cpu"], default="copy")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)

@@ -155,6 +155,9 @@ class Engine:
                 raise RuntimeFailure("--offload-miss direct needs pinned host memory, which could not be allocated: "
                                      "free RAM or use --offload-miss copy")
             self._notice("expert misses are read straight from pinned host memory (experimental)")
+        elif loaded.cache.mode == "cpu":
+            self.use_graphs = False
+            self._notice("expert misses are computed on the CPU; decoding eagerly (no CUDA graph)")
         else:
             self.use_graphs = False
             self._notice("copy-then-compute offloading decodes eagerly (no CUDA graph)")
@@ -162,7 +165,7 @@ class Engine:
     def _after_step(self) -> None:
         """Direct-miss offloading: let the expert cache see what the step routed to (and admit some misses)."""
         cache = self.loaded.cache
-        if cache is not None and cache.mode == "direct":
+        if cache is not None and cache.mode in ("direct", "cpu"):
             cache.begin_step()
             for m in self.loaded.experts:
                 m.observe_step()

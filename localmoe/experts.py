@@ -125,6 +125,8 @@ class LocalExperts(nn.Module):
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
         sparse = few and self.sparse_enabled and self.tau is not None
+        if few and self.cache is not None and self.cache.mode == "cpu":
+            return self._split(hidden_states, top_k_index, top_k_weights, sparse)
         if not (sparse or (few and hidden_states.is_cuda and self.hidden_act == "silu")):
             return self._dense(hidden_states, top_k_index, top_k_weights)
         if self.cache is not None and self.cache.mode == "direct":
@@ -145,9 +147,7 @@ class LocalExperts(nn.Module):
         (gate rows + kept rows only) from the host master copies. Routing and counts are kept for `observe`."""
         from localmoe.kernels.sparse_fused import sparse_fused
 
-        if self._zero_tau is None or self._zero_tau.device != x.device:
-            self._zero_tau = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device)
-        tau = self.tau if sparse else self._zero_tau
+        tau = self.tau if sparse else self._zeros_tau(x.device)
         c, m = self.cache, self.weights
         p = self._launch(x, top_k_index.shape[1])["fused"] if x.is_cuda else {}
         y, count = sparse_fused(x, m.w_gate, m.w_up, m.w_down_t, top_k_index, top_k_weights, tau,
@@ -158,11 +158,44 @@ class LocalExperts(nn.Module):
             self._count(count.sum(), top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
 
+    def _zeros_tau(self, device) -> torch.Tensor:
+        if self._zero_tau is None or self._zero_tau.device != torch.device(device):
+            self._zero_tau = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+        return self._zero_tau
+
+    def _split(self, x, top_k_index, top_k_weights, sparse: bool) -> torch.Tensor:
+        """Offloaded, CPU misses: resident experts run on the device from the cache pool while absent ones are
+        computed on the CPU from the host master copies (x goes down, y comes back; no weights cross PCIe)."""
+        c, layer, I = self.cache, self.layer_idx, self.intermediate_size
+        tau = self.tau if sparse else self._zeros_tau(x.device)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for t, row in enumerate(top_k_index.tolist()):
+            hit = [j for j, e in enumerate(row) if (layer, e) in c.lru]
+            miss = [j for j, e in enumerate(row) if (layer, e) not in c.lru]
+            if hit:
+                j = torch.tensor(hit, device=x.device)
+                experts = top_k_index[t, j]
+                slots = c.tables[layer][experts]
+                pool_tau = torch.zeros(c.slots, dtype=torch.float32, device=x.device)
+                pool_tau[slots] = tau[experts]  # thresholds follow their experts into the slots
+                out[t] += self._sparse(x[t:t + 1], slots[None], top_k_weights[t, j][None], c.pool, pool_tau)[0].float()
+            if miss:
+                j = torch.tensor(miss)
+                experts = top_k_index[t].cpu()[j]
+                y, kept = sparse_reference(x[t:t + 1].cpu(), self.weights, experts[None],
+                                           top_k_weights[t].cpu()[j][None], tau.cpu(), self.act_fn)
+                out[t] += y[0].to(x.device)
+                self._count(kept.to(self.kept.device), len(miss) * I)
+        self.last_routing, self.last_count = top_k_index, None
+        return out.to(x.dtype)
+
     def observe_step(self) -> None:
-        """After a decode step (direct mode): tell the cache what this layer routed to."""
+        """After a decode step (direct or cpu misses): tell the cache what this layer routed to."""
         if self.last_routing is None:
             return
-        self.cache.observe(self.layer_idx, self.last_routing.reshape(-1).tolist(), self.last_count.reshape(-1).tolist())
+        routed = self.last_routing.reshape(-1).tolist()
+        kept = self.last_count.reshape(-1).tolist() if self.last_count is not None else [0] * len(routed)
+        self.cache.observe(self.layer_idx, routed, kept, host_read=self.cache.mode == "direct")
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:
         if self._params is None:

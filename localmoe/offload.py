@@ -9,8 +9,10 @@ through slot ids. Two ways to serve a miss (MISS_MODES):
 - "copy": copy-then-compute — the expert's three matrices are copied into a slot, then computed from it;
 - "direct" (experimental): the fused sparse kernel reads the gate rows and only the kept up/down rows of an absent
   expert straight from pinned host memory, inside the CUDA graph; after each step the routing it saw is observed
-  and up to `admit_per_step` missed experts are copied into slots for later hits.
-Either way the outputs are identical to the all-resident model.
+  and up to `admit_per_step` missed experts are copied into slots for later hits;
+- "cpu": absent experts are computed on the CPU from the host copies (only x and y cross PCIe) while hits run on
+  the GPU; misses are admitted after each step as in "direct".
+Every way the outputs equal the all-resident model (up to float rounding where the CPU computes).
 
 Shapes: E = experts per layer, I = expert width, H = hidden, S = cache slots.
 """
@@ -26,7 +28,7 @@ from localmoe.errors import UsageError
 from localmoe.experts import ExpertWeights
 
 GiB = 1 << 30
-MISS_MODES = ("copy", "direct")
+MISS_MODES = ("copy", "direct", "cpu")
 ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (bounds the copy time per token)
 WORKSPACE_RESERVE = 0.5 * GiB  # activations, kernels' workspaces, allocator slack
 
@@ -156,9 +158,9 @@ class ExpertCache:
                 return slot
         raise RuntimeError("expert cache: every slot holds an expert the current call needs")
 
-    def observe(self, layer: int, routed: list[int], kept: list[int]) -> None:
-        """Direct mode, after a step: count hits/misses of what `layer` routed to (with each routed expert's kept
-        neuron count), account the host bytes the kernel read for misses, and admit some misses into slots."""
+    def observe(self, layer: int, routed: list[int], kept: list[int], host_read: bool = True) -> None:
+        """After a step (direct/cpu misses): count hits/misses of what `layer` routed to (with each routed expert's
+        kept neuron count), account the host bytes a kernel read for misses (`host_read`), admit some misses."""
         seen: set[int] = set()
         admit: list[int] = []
         for e, n_kept in zip(routed, kept):
@@ -168,7 +170,8 @@ class ExpertCache:
                 self.lru.move_to_end(key)
             else:
                 self.misses += 1
-                self.h2d_bytes += (self.width + 2 * n_kept) * self.row_bytes  # gate rows + kept up/down rows
+                if host_read:
+                    self.h2d_bytes += (self.width + 2 * n_kept) * self.row_bytes  # gate rows + kept up/down rows
                 if e not in seen:
                     admit.append(e)
             seen.add(e)

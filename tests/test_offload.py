@@ -121,3 +121,18 @@ def test_direct_misses_equal_all_resident(sparsity):
     assert e.stats.h2d_bytes_per_token > 0
     if sparsity:
         assert abs(e.stats.sparsity_realized - resident.stats.sparsity_realized) < 1e-9
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.5])
+def test_cpu_misses_equal_all_resident(sparsity):
+    """CPU mode: hits run from the cache pool, misses on the CPU from the master copies; then misses are admitted."""
+    model = repo_id("qwen3_5_moe")
+    resident = Engine.load(model, device="cpu", sparsity=sparsity)
+    want = tokens(resident, n=12)
+    e = Engine.load(model, device="cpu", sparsity=sparsity, vram_gib=budget_for(model, 4), offload_miss="cpu")
+    cache = e.loaded.cache
+    assert tokens(e, n=12) == want
+    assert cache.mode == "cpu" and len(cache.lru) == 4 and cache.hits + cache.misses > 0
+    assert e.stats.h2d_bytes_per_token >= 0  # only admissions move weights
+    if sparsity:
+        assert abs(e.stats.sparsity_realized - resident.stats.sparsity_realized) < 1e-9
