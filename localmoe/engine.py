@@ -11,6 +11,7 @@ It knows nothing about terminals: the CLI, the Textual app, bench and eval consu
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 import threading
 import time
 from dataclasses import replace
@@ -136,7 +137,7 @@ class Engine:
         loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
                               context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss)
         spec = load_registry().get(shape)
-        resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=hub.Path("."), spec=spec, revision="random")
+        resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)
         engine.on_notice = on_notice
         engine._offload_notices()
