@@ -47,13 +47,22 @@ def _inputs(B, HK, HV, DK, DV, dtype, seed):
     return q, k, v, g, beta, state
 
 
+def _hf_recurrent(q, k, v, **kw):
+    """transformers' recurrent rule with the key heads repeated to the value heads first (5.17 repeats in the
+    module, later versions inside the function; repeating here is right for both)."""
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return q35.torch_recurrent_gated_delta_rule(q, k, v, **kw)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_delta_rule_step_matches_transformers(shape, dtype):
     B, HK, HV, DK, DV, _ = shape
     q, k, v, g, beta, state = _inputs(B, HK, HV, DK, DV, dtype, seed=DK * 7 + HV)
-    want, want_state = q35.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state.clone(),
-                                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want, want_state = _hf_recurrent(q, k, v, g=g, beta=beta, initial_state=state.clone(),
+                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
     ref, ref_state = delta_rule_step_ref(q, k, v, g, beta, state)
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ref_state, want_state, rtol=1e-5, atol=1e-6)
@@ -73,8 +82,8 @@ def _hf_chain(mixed_qkv, z, a, b, conv_state, conv_w, conv_b, A_log, dt_bias, no
     q, k, v = q.reshape(B, 1, HK, DK), k.reshape(B, 1, HK, DK), v.reshape(B, 1, HV, DV)
     beta = b.unsqueeze(1).sigmoid()
     g = -A_log.float().exp() * F.softplus(a.unsqueeze(1).float() + dt_bias)
-    o, s = q35.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)
+    o, s = _hf_recurrent(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
     state.copy_(s)
     o = norm(o.reshape(-1, DV), z.reshape(-1, DV))
     return o.reshape(B, -1)
