@@ -18,6 +18,7 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
+from localmoe.loader import param_owners, random_value
 
 SHAPES = Path(__file__).with_name("data") / "shapes.json"
 
@@ -116,12 +117,10 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
+    owners = param_owners(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.fill_(0.0 if "Qwen3_5" in type(model).__name__ and name.endswith("norm.weight") else 1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+            p.copy_(random_value(name, p.shape, owners[name], dtype=dtype, device=device, gen=gen))
         for mod in model.modules():  # non-persistent buffers (rotary inv_freq) were left empty by to_empty
             if hasattr(mod, "inv_freq") and hasattr(mod, "rope_init_fn"):
                 inv, _ = mod.rope_init_fn(mod.config, device)
@@ -163,11 +162,11 @@ def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: 
     from accelerate.utils import set_module_tensor_to_device
 
     gen = torch.Generator().manual_seed(0)
+    owners = param_owners(model)
     for name, p in list(model.named_parameters()):
         where = next((d for prefix, d in sorted(device_map.items(), key=lambda kv: -len(kv[0]))
                       if name == prefix or name.startswith(prefix + ".") or prefix == ""), "cpu")
-        t = torch.empty(p.shape, dtype=dtype)
-        t.fill_(1.0) if p.dim() == 1 else t.normal_(0.0, 0.02, generator=gen)
+        t = random_value(name, p.shape, owners[name], dtype=dtype, device=torch.device("cpu"), gen=gen)
         set_module_tensor_to_device(model, name, "cpu" if where == "cpu" else device, value=t)
     model = dispatch_model(model, device_map=device_map)
     model.eval()

@@ -292,6 +292,23 @@ def _check(prefix, name, got, want):
         raise RuntimeFailure(f"{prefix}.{name} has shape {tuple(got)}, config says {tuple(want)}: checkpoint and config disagree")
 
 
+def param_owners(model) -> dict[str, str]:
+    """Parameter name -> class name of the module holding it."""
+    mods = {n: type(m).__name__ for n, m in model.named_modules()}
+    return {n: mods[n.rsplit(".", 1)[0] if "." in n else ""] for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Generator) -> torch.Tensor:
+    """A random weight for benchmarks: matrices ~ N(0, 0.02); norm weights 1, or 0 for Qwen3.5's zero-centred
+    RMSNorm (its weight enters as 1 + w); DeltaNet's A_log and dt_bias uniform in [0, 1); other vectors 1."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if name.endswith(("A_log", "dt_bias")):
+        return t.uniform_(0.0, 1.0, generator=gen)
+    if name.endswith("norm.weight") or len(shape) == 1:
+        return t.fill_(0.0 if owner == "Qwen3_5MoeRMSNorm" else 1.0)
+    return t.normal_(0.0, 0.02, generator=gen)
+
+
 def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  vram_bytes: int | None = None, context: int = 8192, fused: bool = False,
                offload_miss: str = "copy") -> LoadedModel:
@@ -308,16 +325,9 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
     budget = _plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
     host = budget is not None and budget.offloading
     gen = torch.Generator(device=device).manual_seed(seed)
-    owners = {n: type(m).__name__ for n, m in model.named_modules()}
+    owners = param_owners(model)
     for name, p in list(model.named_parameters()):
-        t = torch.empty(p.shape, dtype=dtype, device=device)
-        if name.endswith("norm.weight") or p.dim() == 1:
-            zero_centred = owners.get(name.rsplit(".", 1)[0]) == "Qwen3_5MoeRMSNorm"  # weight enters as (1 + w)
-            t.fill_(0.0 if zero_centred else 1.0)
-            if name.endswith(("A_log", "dt_bias")):
-                t.uniform_(0.0, 1.0, generator=gen)
-        else:
-            t.normal_(0.0, 0.02, generator=gen)
+        t = random_value(name, p.shape, owners[name], dtype=dtype, device=device, gen=gen)
         set_module_tensor_to_device(model, name, device, value=t)
     for name, buf in model.named_buffers():
         if buf.device != device:
