@@ -167,9 +167,7 @@ class Engine:
         """Direct-miss offloading: let the expert cache see what the step routed to (and admit some misses)."""
         cache = self.loaded.cache
         if cache is not None and cache.mode in ("direct", "cpu"):
-            cache.begin_step()
-            for m in self.loaded.experts:
-                m.observe_step()
+            cache.observe_step(self.loaded.experts)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -260,12 +258,11 @@ class Engine:
         if cuda:
             torch.cuda.reset_peak_memory_stats(self._device)
         gen = make_generator(settings, self._device)
-        for m in self.loaded.experts:
-            m.reset_counters()
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self._device)
         generated: list[int] = []
-        emitted = ""
+        detok = _Detokenizer(self.tokenizer)
         graph = self._graph_decoder()
+        self._reset_counters(graph)
         t0 = time.perf_counter()
         try:
             if graph is not None:
@@ -290,8 +287,7 @@ class Engine:
                 self._notice(f"CUDA graph capture failed ({e}); decoding eagerly")
                 out = self.model(input_ids=ids, use_cache=True)  # rebuild a dynamic cache from the prompt
                 cache, graph = _cache_of(out), None
-        for m in self.loaded.experts:  # realised sparsity counts decode steps only
-            m.reset_counters()
+        self._reset_counters(graph)  # realised sparsity counts decode steps only
         expert_cache = self.loaded.cache
         if expert_cache is not None:
             expert_cache.reset_stats()
@@ -302,14 +298,10 @@ class Engine:
                 finish = "stop"
                 break
             generated.append(tok)
-            delta = ""
-            if self.tokenizer is not None:  # None: a random-weight bench engine, ids only
-                text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):
-                    delta, emitted = text[len(emitted):], text
+            delta = detok.push(tok)
             stats.generated_tokens = len(generated)
             if len(generated) % LIVE_STATS_EVERY == 0:  # live figures for the status bar (a few device reads)
-                stats.sparsity_realized = self.realized_sparsity()
+                stats.sparsity_realized = self.realized_sparsity(graph)
                 if expert_cache is not None:
                     stats.cache_hit_rate = expert_cache.hit_rate
             now = time.perf_counter()
@@ -333,23 +325,55 @@ class Engine:
         t_end = time.perf_counter()
         if len(generated) > 1:
             stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_decode, 1e-9)
-        stats.sparsity_realized = self.realized_sparsity()
+        stats.sparsity_realized = self.realized_sparsity(graph)
         if expert_cache is not None:
             stats.cache_hit_rate = expert_cache.hit_rate
             stats.h2d_bytes_per_token = expert_cache.h2d_bytes / max(1, len(generated) - 1)
         if cuda:
             stats.peak_gpu_mem_gb = torch.cuda.max_memory_allocated(self._device) / 1e9
         stats.finish_reason = finish
-        self._last_ids = generated
 
-    def realized_sparsity(self) -> float:
-        seen = sum(m.seen for m in self.loaded.experts)
+    def _reset_counters(self, graph) -> None:
+        for m in self.loaded.experts:
+            m.reset_counters()
+        if graph is not None:
+            graph.steps = 0
+
+    def realized_sparsity(self, graph=None) -> float:
+        """Fraction of routed-expert neurons skipped on the sparse path since the counters were reset (one device
+        read). Captured replays do not run Python, so `graph.steps` adds the neurons they considered."""
+        experts = self.loaded.experts
+        seen = sum(m.seen for m in experts)
+        if graph is not None and graph.steps:
+            seen += graph.steps * graph.k * sum(m.intermediate_size for m in experts if m.sparse_enabled)
         if seen == 0:
             return 0.0
-        kept = sum(int(m.kept) for m in self.loaded.experts)
+        kept = int(torch.stack([m.kept.to(self._device) for m in experts]).sum())
         return 1.0 - kept / seen
 
 
 def _cache_of(out):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+class _Detokenizer:
+    """Incremental text for streaming: decodes only a short window of recent ids per token (not the whole reply),
+    and holds text back while the window ends inside a multi-byte character."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start: ids before it are already emitted
+        self.read = 0  # ids decoded into emitted text
+
+    def push(self, token_id: int) -> str:
+        if self.tok is None:  # a random-weight bench engine: ids only
+            return ""
+        self.ids.append(token_id)
+        done = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]

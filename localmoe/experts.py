@@ -189,14 +189,6 @@ class LocalExperts(nn.Module):
         self.last_routing, self.last_count = top_k_index, None
         return out.to(x.dtype)
 
-    def observe_step(self) -> None:
-        """After a decode step (direct or cpu misses): tell the cache what this layer routed to."""
-        if self.last_routing is None:
-            return
-        routed = self.last_routing.reshape(-1).tolist()
-        kept = self.last_count.reshape(-1).tolist() if self.last_count is not None else [0] * len(routed)
-        self.cache.observe(self.layer_idx, routed, kept, host_read=self.cache.mode == "direct")
-
     def _launch(self, x: torch.Tensor, k: int) -> dict:
         if self._params is None:
             from localmoe.kernels.tuning import launch_params

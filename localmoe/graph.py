@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.events import GenerationSettings
 
 
 class GraphUnavailable(RuntimeError):
@@ -38,6 +37,7 @@ class GraphDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.k = int(getattr(engine.loaded.config, "num_experts_per_tok", 1))
+        self.steps = 0  # replays since the engine last reset its counters
         # optional: inductor fuses the step's many small elementwise ops before capture (slow first call)
         if compile:
             from torch import _dynamo
@@ -82,12 +82,5 @@ class GraphDecoder:
         self.ids.copy_(token.view(1, 1))
         self.pos.fill_(position)
         self.graph.replay()
-        for m in self.engine.loaded.experts:  # replays count kept neurons on the GPU; add what was considered
-            if m.sparse_enabled and m.max_sparse_tokens >= 1:
-                m.seen += self.k * m.intermediate_size
+        self.steps += 1  # replays count kept neurons on the GPU; the engine adds what they considered
         return self.logits
-
-
-def settings_capturable(settings: GenerationSettings) -> bool:
-    """Sampling runs outside the graph on its static logits, so every setting is capturable."""
-    return True

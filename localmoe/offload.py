@@ -189,8 +189,20 @@ class ExpertCache:
             self.hits, self.misses = hits, misses  # admission is not a lookup
             self.h2d_bytes = moved + self.expert_bytes
 
-    def begin_step(self) -> None:
+    def observe_step(self, experts) -> None:
+        """After a decode step: what every layer routed to (and kept), read back in one transfer, then `observe`."""
         self._admitted = 0
+        mods = [m for m in experts if m.last_routing is not None]
+        if not mods:
+            return
+        routed = torch.cat([m.last_routing.reshape(-1) for m in mods]).tolist()
+        direct = self.mode == "direct"
+        kept = torch.cat([m.last_count.reshape(-1) for m in mods]).tolist() if direct else [0] * len(routed)
+        at = 0
+        for m in mods:
+            n = m.last_routing.numel()
+            self.observe(m.layer_idx, routed[at:at + n], kept[at:at + n], host_read=direct)
+            at += n
 
     def slot_ids(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
         """Fetch what `top_k_index` [T,k] routes to and return the same-shape slot ids (device)."""

@@ -181,3 +181,4 @@ def disable(loaded: LoadedModel, *, device: torch.device) -> None:
     for m in loaded.experts:
         m.sparse_enabled = False
         m.max_sparse_tokens = limit
+        m.kept = torch.zeros((), dtype=torch.int64, device=device)

@@ -85,3 +85,11 @@ def test_chat_template_with_system(engine):
     ids = engine.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     text = engine.tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\nbe brief<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_streamed_text_equals_decoding_all_ids():
+    engine = Engine.load("localmoe-tiny", device="cpu")
+    events = list(engine.chat([{"role": "user", "content": "naïve café — 日本語: what is a str?"}],
+                              GenerationSettings(max_new_tokens=60, temperature=1.0, seed=3)))
+    full = engine.tokenizer.decode([ev.token_id for ev in events], skip_special_tokens=True)
+    assert "".join(ev.text for ev in events) == full
