@@ -135,8 +135,7 @@ class LocalExperts(nn.Module):
         if self.cache is not None:  # offloaded: compute from cache slots (misses copied in first)
             w, ids = self.cache.pool, self.cache.slot_ids(self.layer_idx, top_k_index)
             if tau is not None:
-                tau = torch.zeros(self.cache.slots, dtype=tau.dtype, device=tau.device)
-                tau[ids.reshape(-1)] = self.tau[top_k_index.reshape(-1)]  # thresholds follow their experts
+                tau = self.cache.slot_tau(ids, top_k_index, tau)
         if sparse:
             return self._sparse(hidden_states, ids, top_k_weights, w, tau)
         return self._dense_decode(hidden_states, ids, top_k_weights, w)
@@ -176,8 +175,7 @@ class LocalExperts(nn.Module):
                 j = torch.tensor(hit, device=x.device)
                 experts = top_k_index[t, j]
                 slots = c.tables[layer][experts]
-                pool_tau = torch.zeros(c.slots, dtype=torch.float32, device=x.device)
-                pool_tau[slots] = tau[experts]  # thresholds follow their experts into the slots
+                pool_tau = c.slot_tau(slots, experts, tau)
                 out[t] += self._sparse(x[t:t + 1], slots[None], top_k_weights[t, j][None], c.pool, pool_tau)[0].float()
             if miss:
                 j = torch.tensor(miss)

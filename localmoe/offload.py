@@ -204,6 +204,12 @@ class ExpertCache:
             self.observe(m.layer_idx, routed[at:at + n], kept[at:at + n], host_read=direct)
             at += n
 
+    def slot_tau(self, slots: torch.Tensor, experts: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        """Thresholds indexed by slot [S] for kernels that address the pool: each expert's τ follows it."""
+        out = torch.zeros(self.slots, dtype=torch.float32, device=tau.device)
+        out[slots.reshape(-1)] = tau[experts.reshape(-1)]
+        return out
+
     def slot_ids(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
         """Fetch what `top_k_index` [T,k] routes to and return the same-shape slot ids (device)."""
         self.fetch(layer, sorted(set(top_k_index.reshape(-1).tolist())))
