@@ -39,7 +39,8 @@ ap.add_argument("--profile-steps", type=int, default=5)
 ap.add_argument("--shape", default="qwen3.5-35b")
 ap.add_argument("--device", default="cuda")  # cpu + --force: a smoke run of this script (Triton interpreter)
 ap.add_argument("--force", action="store_true", help="install the fused modules off CUDA too")
-ap.add_argument("--modes", default="stock,fused-no-moe,fused")
+ap.add_argument("--modes", default="stock,fused-no-moe,fused",
+                help="of stock, fused-no-moe, fused, each optionally with -compile (torch.compile before capture)")
 args = ap.parse_args()
 DEV = torch.device(args.device)
 
@@ -99,7 +100,8 @@ def kernels_per_step(steps: int) -> tuple[float, float]:
     return n, us
 
 
-def graph_decode():
+def graph_decode(compile: bool = False):
+    engine.compile = compile
     engine.set_context(engine.context)  # drop any captured graph: capture again with the current modules
     s = GenerationSettings(max_new_tokens=args.decode)
     list(engine.generate(prompt, GenerationSettings(max_new_tokens=4)))  # capture + warm
@@ -117,13 +119,13 @@ for sp in [float(x) for x in args.sparsity.split(",")]:
     res = {}
     for mode in MODES:
         fused.uninstall(model)
-        if mode != "stock":
-            done = fused.install(model, force=args.force, exclude=MOE_BLOCKS if mode == "fused-no-moe" else ())
+        if mode not in ("stock", "stock-compile"):
+            done = fused.install(model, force=args.force, exclude=MOE_BLOCKS if mode.startswith("fused-no-moe") else ())
             print(f"{mode} installed: {done}", flush=True)
         ref_forced = res.get("stock", {}).get("eager_toks", [])
         logits, eager_toks = eager_steps(8, ref_forced)
         n_k, dev_us = kernels_per_step(args.profile_steps)
-        tok_s, toks, used_graph = graph_decode()
+        tok_s, toks, used_graph = graph_decode(compile=mode.endswith("-compile"))
         res[mode] = dict(tok_s=tok_s, toks=toks, graph=used_graph, kernels=n_k, device_us=dev_us,
                          logits=logits, eager_toks=eager_toks)
         print(f"sparsity {sp:.0%} {mode}: {tok_s:.1f} tok/s (graph {used_graph}), {n_k:.0f} kernels/eager step, "
