@@ -2,8 +2,10 @@
 decode tok/s (256 tokens) at sparsity 0 and the model's default, peak GPU memory, and the step's byte floor.
 
 `--shape ALIAS` builds random weights with the real config (localmoe/data/shapes.json) when the checkpoint is not
-on disk, so hardware can be measured without a download. `--baseline transformers` adds stock `generate` with the
-same config in the same run. Prints a table, or JSON with `--json`.
+on disk, so hardware can be measured without a download. Random routers spread tokens evenly over the experts, the
+pessimistic case for the expert cache under `--vram`; `--routing skewed` gives each layer a few hot experts as trained
+MoEs have (loader.SKEW_ALPHA). `--baseline transformers` adds stock `generate` with the same config in the same run.
+Prints a table, or JSON with `--json`.
 """
 
 from __future__ import annotations
@@ -189,9 +191,11 @@ def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: 
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
           graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = False,
-          offload_miss: str = "copy", progress=None) -> dict:
+          offload_miss: str = "copy", routing: str = "uniform", progress=None) -> dict:
     from localmoe.engine import Engine, pick_device, pick_dtype
 
+    if routing != "uniform" and not shape:
+        raise UsageError("--routing needs --shape: it sets random weights' routers; a real model routes as trained")
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     t0 = time.perf_counter()
@@ -199,7 +203,7 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
     context = prompt_tokens + decode_tokens + 64
     if shape:
         engine = Engine.random(shape, device=dev, dtype=dt, vram_gib=vram_gib, context=context, on_notice=note,
-                               fused=fused, offload_miss=offload_miss)
+                               fused=fused, offload_miss=offload_miss, routing=routing)
     else:
         engine = Engine.load(model, device=device, dtype=dtype, sparsity=0.0, progress=progress, vram_gib=vram_gib,
                              context=context, on_notice=note, fused=fused, offload_miss=offload_miss)
@@ -231,13 +235,15 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
         rows.append(accelerate_baseline(config, dev, dt, prompt, min(decode_tokens, 4), vram_gib))
     return {"model": name, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dt).replace("torch.", ""), "load_s": load_s, "copy_gb_s": bw / 1e9,
-            "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "rows": [asdict(r) for r in rows]}
+            "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "routing": routing,
+            "rows": [asdict(r) for r in rows]}
 
 
 def table(result: dict) -> str:
     lines = [f"{result['model']} on {result['device']} ({result['dtype']}), load {result['load_s']:.1f} s, "
              f"copy bandwidth {result['copy_gb_s']:.0f} GB/s, prompt {result['prompt_tokens']}, "
-             f"decode {result['decode_tokens']}",
+             f"decode {result['decode_tokens']}"
+             + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else ""),
              f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} "
              f"{'of floor':>8} {'realised':>8} {'peak GB':>8}"]
     for r in result["rows"]:

@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU memory budget (experts beyond it are offloaded)")
     p.add_argument("--fused", action="store_true", help="experimental: fused RMSNorm / Gated DeltaNet decode kernels")
     p.add_argument("--offload-miss", choices=["copy", "direct", "cpu"], default="copy")
+    p.add_argument("--routing", choices=["uniform", "skewed"], default="uniform",
+                   help="random weights: how the router spreads tokens (uniform = pessimistic for the expert cache)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
@@ -376,7 +378,6 @@ def cmd_bench(args) -> int:
     result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
                    prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, baseline=args.baseline,
                    graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, fused=args.fused,
-                   offload_miss=args.offload_miss,
-                   progress=_stderr_progress())
+                   offload_miss=args.offload_miss, routing=args.routing, progress=_stderr_progress())
     print(json.dumps(result) if args.json else table(result))
     return 0

@@ -127,15 +127,17 @@ class Engine:
     @classmethod
     def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype, vram_gib: float | None = None,
                context: int | None = None, on_notice=None, fused: bool = False,
-               offload_miss: str = "copy") -> "Engine":
-        """A random-weight engine with a registry model's real config (for `bench --shape`)."""
+               offload_miss: str = "copy", routing: str = "uniform") -> "Engine":
+        """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
+        `loader.build_random`."""
         from localmoe.benchmark import shape_config
         from localmoe.loader import build_random
         from localmoe.registry import load_registry
 
         config = shape_config(shape)
         loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
-                              context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss)
+                              context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
+                              routing=routing)
         spec = load_registry().get(shape)
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)

@@ -1,18 +1,22 @@
 """`localmoe bench` pieces that run on CPU: real shapes parse into configs, random-weight engines build and decode,
-the byte floor counts what a step reads, and the bench command prints its table (never asserting a time)."""
+skewed routing rescales only the routers and concentrates picks, the byte floor counts what a step reads, and the
+bench command prints its table (never asserting a time)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+import tiny_models
 from conftest import repo_id
-from localmoe.benchmark import shape_config, step_bytes
+from localmoe.benchmark import shape_config, step_bytes, table
 from localmoe.cli import main
 from localmoe.engine import Engine
+from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.loader import build_random
+from localmoe.loader import build_random, router_weight
 
 
 def test_real_shapes():
@@ -42,7 +46,7 @@ def test_bench_command_json(capsys):
     code = main(["bench", repo_id("olmoe"), "--prompt-tokens", "32", "--decode-tokens", "8", "--sparsity", "0,0.5",
                  "--json", "--device", "cpu"])
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and [r["sparsity"] for r in res["rows"]] == [0.0, 0.5]
+    assert code == 0 and [r["sparsity"] for r in res["rows"]] == [0.0, 0.5] and res["routing"] == "uniform"
     assert all(r["decode_tok_s"] > 0 for r in res["rows"])
 
 
@@ -54,3 +58,64 @@ def test_bench_accelerate_baseline(capsys):
                  "--decode-tokens", "4", "--sparsity", "0", "--json", "--device", "cpu"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert code == 0 and rows[-1]["name"].startswith("accelerate offload") and rows[-1]["decode_tok_s"] > 0
+
+
+def _wide_config():
+    """Qwen3.5-35B's routing shape (256 experts, top-8) on a tiny model; the shared expert's gate/up are [256, H]
+    too, so finding the router must skip them."""
+    import transformers as tf
+
+    return tf.Qwen3_5MoeTextConfig(**tiny_models._common(
+        hidden_size=64, head_dim=8, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=8, shared_expert_intermediate_size=256,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4))
+
+
+def _routers(loaded) -> list[torch.Tensor]:  # [E, H] per MoE layer
+    return [router_weight(loaded.model.get_submodule(f"model.layers.{m.layer_idx}.mlp"), m) for m in loaded.experts]
+
+
+def _top20_share(w: torch.Tensor, k: int) -> float:
+    """Share of top-k picks taken by the hottest 20% of experts, on N(0, 1) inputs."""
+    x = torch.randn(4096, w.shape[1], generator=torch.Generator().manual_seed(1))  # [T, H]
+    picks = (x @ w.T).topk(k, dim=-1).indices  # [T, k]
+    counts = torch.bincount(picks.flatten(), minlength=w.shape[0]).sort(descending=True).values  # [E]
+    return (counts[: w.shape[0] // 5].sum() / counts.sum()).item()
+
+
+def test_skewed_routing_rescales_only_routers():
+    cfg, cpu = _wide_config(), torch.device("cpu")
+    uni, skew, again = (build_random(cfg, device=cpu, dtype=torch.float32, routing=r)
+                        for r in ("uniform", "skewed", "skewed"))
+    routers = {id(w) for w in _routers(skew)}
+    p_uni, p_again = dict(uni.model.named_parameters()), dict(again.model.named_parameters())
+    for name, p in skew.model.named_parameters():
+        assert torch.equal(p, p_again[name])  # deterministic
+        if id(p) not in routers:
+            assert torch.equal(p, p_uni[name]), name
+    for a, b in zip(uni.experts, skew.experts):
+        assert all(torch.equal(getattr(a.weights, n), getattr(b.weights, n)) for n in ("w_gate", "w_up", "w_down_t"))
+    scales = [(ws / wu)[:, 0] for wu, ws in zip(_routers(uni), _routers(skew))]  # [E]: one factor per row
+    for wu, ws, s in zip(_routers(uni), _routers(skew), scales):
+        assert torch.allclose(ws, wu * s[:, None], rtol=1e-5) and abs(s.mean().item() - 1) < 1e-4
+    assert scales[0].argmax() != scales[1].argmax()  # each layer has its own hot experts
+    k = cfg.num_experts_per_tok
+    for wu, ws in zip(_routers(uni), _routers(skew)):
+        assert _top20_share(ws, k) > _top20_share(wu, k) + 0.2  # measured: 0.67 vs 0.30 at H = 64
+
+
+def test_routing_flag_errors(capsys):
+    with pytest.raises(UsageError, match="unknown routing"):
+        build_random(_wide_config(), device=torch.device("cpu"), dtype=torch.float32, routing="zipf")
+    assert main(["bench", "--shape", "qwen3.5-35b", "--routing", "zipf"]) == 2
+    assert "invalid choice: 'zipf'" in capsys.readouterr().err
+    assert main(["bench", repo_id("olmoe"), "--routing", "skewed", "--device", "cpu"]) == 2
+    assert "--routing needs --shape" in capsys.readouterr().err
+
+
+def test_table_names_skewed_routing():
+    res = {"model": "m", "device": "cpu", "dtype": "float32", "load_s": 0.0, "copy_gb_s": 0.0, "prompt_tokens": 1,
+           "decode_tokens": 2, "rows": []}
+    assert "routing" not in table({**res, "routing": "uniform"}).splitlines()[0]
+    assert table({**res, "routing": "skewed"}).splitlines()[0].endswith(", skewed routing")
