@@ -119,7 +119,10 @@ for sp in [float(x) for x in args.sparsity.split(",")]:
     res = {}
     for mode in MODES:
         fused.uninstall(model)
-        if mode not in ("stock", "stock-compile"):
+        if mode.startswith("only:"):  # bisect: one replaced class alone
+            done = fused.install(model, force=args.force, exclude=tuple(k for k in fused.REPLACEMENTS if k != mode[5:]))
+            print(f"{mode} installed: {done}", flush=True)
+        elif mode not in ("stock", "stock-compile"):
             done = fused.install(model, force=args.force, exclude=MOE_BLOCKS if mode.startswith("fused-no-moe") else ())
             print(f"{mode} installed: {done}", flush=True)
         ref_forced = res.get("stock", {}).get("eager_toks", [])
@@ -139,6 +142,9 @@ for sp in [float(x) for x in args.sparsity.split(",")]:
             same = next((i for i, (x, y) in enumerate(zip(a["toks"], r["toks"])) if x != y),
                         min(len(a["toks"]), len(r["toks"])))
             dl = (a["logits"] - r["logits"]).abs().max().item() / a["logits"].abs().max().item()
+            per_step = ((a["logits"] - r["logits"]).abs().amax(-1) / a["logits"].abs().amax(-1)).tolist()
+            print(f"sparsity {sp:.0%} {mode}: rel Δlogits per step (0 = prefill) "
+                  + " ".join(f"{v:.1e}" for v in per_step), flush=True)
         rows.append(dict(sparsity=sp, mode=mode, tok_s=r["tok_s"], us_step=1e6 / max(r["tok_s"], 1e-9),
                          kernels=r["kernels"], device_us=r["device_us"], graph=r["graph"],
                          same_prefix=same, n=len(r["toks"]), rel_logit_diff=dl))

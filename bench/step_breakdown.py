@@ -3,7 +3,8 @@
 Builds the random-weight Qwen3.5-35B-A3B-shaped engine, then profiles eager decode steps with torch.profiler;
 module hooks open a profiler range per part (DeltaNet, full attention, router, shared expert, localmoe experts,
 lm_head, sampling), and the table sums the device time of the kernels launched inside each range. Also times the
-captured CUDA graph step for comparison. Usage: python bench/step_breakdown.py [sparsity]
+captured CUDA graph step for comparison. Usage: python bench/step_breakdown.py [sparsity] [--fused]
+(`--fused`: with localmoe.fused's decode-time replacements installed; "moe_block" then is the whole fused block.)
 """
 
 import sys
@@ -16,8 +17,9 @@ from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.sampling import sample
 
-sparsity = float(sys.argv[1]) if len(sys.argv) > 1 else 0.85
-engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16)
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+sparsity = float(args[0]) if args else 0.85
+engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16, fused="--fused" in sys.argv)
 engine.set_sparsity(sparsity)
 engine.set_context(1024)
 model = engine.model
@@ -25,7 +27,7 @@ model = engine.model
 PARTS = {"linear_attn": "deltanet", "self_attn": "attention", "mlp.gate": "router", "mlp.shared_expert": "shared_expert",
          "mlp.shared_expert_gate": "shared_expert", "mlp.experts": "experts", "lm_head": "lm_head",
          "input_layernorm": "norms", "post_attention_layernorm": "norms", "model.norm": "norms",
-         "embed_tokens": "embedding"}
+         "embed_tokens": "embedding", ".mlp": "moe_block (router+shared+experts)"}
 ranges = {}
 
 
@@ -91,4 +93,4 @@ print(f"eager step: device busy {all_kernels:.0f} us over ~{n_kernels:.0f} kerne
 print(f"{'part':<15} {'us/step (device)':>16} {'share':>7}")
 for part, us in sorted(totals.items(), key=lambda kv: -kv[1]):
     print(f"{part:<15} {us:>16.1f} {us / all_kernels:>7.1%}")
-print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))

@@ -150,7 +150,10 @@ def test_offload_addressing_equals_resident(T, dtype):
                 y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=table.to(tdt).to(DEV), pool_gate=pg,
                                     pool_up=pu, pool_down_t=pd, BLOCK_I=16)
                 assert torch.equal(c, c_res), (name, s)
-                assert torch.equal(y, y_res), (name, s)  # same arithmetic in the same order: bit-identical
+                if DEV == "cpu":  # the interpreter runs programs in order: same arithmetic, bit-identical
+                    assert torch.equal(y, y_res), (name, s)
+                else:  # fp32 atomics land in any order on a GPU: equal up to the order of the sums
+                    torch.testing.assert_close(y, y_res, rtol=1e-5, atol=1e-5, msg=f"{name} {s}")
 
 
 def test_offload_real_shape():
