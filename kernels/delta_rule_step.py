@@ -268,7 +268,8 @@ def delta_rule_step(q, k, v, g, beta, state, *, out=None):
 
 
 def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bias, A_log, dt_bias, norm_weight,
-                        norm_eps, state, num_k_heads, head_k_dim, num_v_heads, head_v_dim, out=None):
+                        norm_eps, state, num_k_heads, head_k_dim, num_v_heads, head_v_dim, out=None,
+                        num_warps: int | None = None):
     """One cached decode token of `Qwen3_5MoeGatedDeltaNet` between the input projections and out_proj, one launch.
     mixed_qkv [B, C], z [B, H_v·d_v], a, b [B, H_v] (rows may be strided, last dim contiguous); conv_state
     [B, C, K] and state [B, H_v, d_k, d_v] are updated in place. Returns out [B, H_v·d_v] in mixed_qkv's dtype."""
@@ -305,5 +306,5 @@ def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bia
         state.stride(0), state.stride(1), state.stride(2),
         float(DK ** 0.5), float(norm_eps),
         HK=HK, CONV=True, HAS_BIAS=conv_bias is not None, KS=KS, KS_P2=triton.next_power_of_2(KS), GATES=True,
-        NORM=True, ROUND_PROD=round_prod, DK_P2=dk2, DV_P2=dv2, num_warps=_warps(dk2, dv2))
+        NORM=True, ROUND_PROD=round_prod, DK_P2=dk2, DV_P2=dv2, num_warps=num_warps or _warps(dk2, dv2))
     return out

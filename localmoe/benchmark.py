@@ -163,12 +163,12 @@ def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: 
                                        dtype=dtype)
     from accelerate.utils import set_module_tensor_to_device
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # drawn on the device (fast), then moved where it goes
     owners = param_owners(model)
     for name, p in list(model.named_parameters()):
         where = next((d for prefix, d in sorted(device_map.items(), key=lambda kv: -len(kv[0]))
                       if name == prefix or name.startswith(prefix + ".") or prefix == ""), "cpu")
-        t = random_value(name, p.shape, owners[name], dtype=dtype, device=torch.device("cpu"), gen=gen)
+        t = random_value(name, p.shape, owners[name], dtype=dtype, device=device, gen=gen)
         set_module_tensor_to_device(model, name, "cpu" if where == "cpu" else device, value=t)
     model = dispatch_model(model, device_map=device_map)
     model.eval()
