@@ -6,9 +6,12 @@ One JSON file per device, written by `bench/bench_moe_block.py`:
      "launch_params":   {"H2048_I512_k8": {"gate": {"BLOCK_I": 8, "num_warps": 4},
                                            "updown": {"BLOCK_N": 4, "num_warps": 4},
                                            "dense": {"BLOCK_N": 4, "num_warps": 8}}},
-     "crossover_tokens": {"H2048_I512_E256_k8": 8}}
+     "crossover_tokens": {"H2048_I512_E256_k8": 8},
+     "decode_params":   {"router_topk": {"H2048_E256_k8": {"block_e": 1, ...}}, "shared_expert": {...},
+                         "gated_deltanet_step": {...}}}
 
-The dicts are keyword arguments of `sparse_gate`, `sparse_updown` and `dense_experts`.
+The dicts are keyword arguments of `sparse_gate`, `sparse_updown` and `dense_experts`; `decode_params` (written
+by `bench/tune_decode.py`) holds keyword arguments of the fused decode launchers, looked up by `decode_params`.
 `launch_params(device_name, H, I, k)` returns the entry for that shape (or the defaults);
 `crossover_tokens(device_name, H, I, E, k)` returns the largest token count at which the sparse kernels beat the
 dense grouped path (1 when unmeasured). Device names match `torch.cuda.get_device_name()` case-insensitively.
@@ -75,3 +78,10 @@ def crossover_tokens(device_name: str, H: int, I: int, E: int, k: int) -> int:
     """Largest T at which the sparse path beat the dense path for this shape (1 when unmeasured)."""
     val = _device_table(device_name).get("crossover_tokens", {}).get(f"H{H}_I{I}_E{E}_k{k}")
     return int(val) if isinstance(val, (int, float)) and val >= 1 else 1
+
+
+def decode_params(device_name: str, kernel: str, shape_key: str) -> dict:
+    """Tuned keyword arguments of a fused decode launcher (`router_topk`, `shared_expert`, `gated_deltanet_step`)
+    for one shape key (e.g. "H2048_E256_k8"); {} (the launcher's defaults) when unmeasured."""
+    kw = _device_table(device_name).get("decode_params", {}).get(kernel, {}).get(shape_key, {})
+    return dict(kw) if isinstance(kw, dict) else {}

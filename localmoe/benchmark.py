@@ -190,8 +190,8 @@ def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: 
 
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
-          graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = False,
-          offload_miss: str = "copy", routing: str = "uniform", progress=None) -> dict:
+          graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = True,
+          offload_miss: str = "auto", routing: str = "uniform", progress=None) -> dict:
     from localmoe.engine import Engine, pick_device, pick_dtype
 
     if routing != "uniform" and not shape:

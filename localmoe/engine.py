@@ -99,8 +99,8 @@ class Engine:
     @classmethod
     def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
              progress: ProgressFn | None = None, calibration_text: str | None = None, vram_gib: float | None = None,
-             context: int | None = None, on_notice=None, fused: bool = False,
-             offload_miss: str = "copy") -> "Engine":
+             context: int | None = None, on_notice=None, fused: bool = True,
+             offload_miss: str = "auto") -> "Engine":
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         resolved = hub.resolve(model, progress=progress)
@@ -126,8 +126,8 @@ class Engine:
 
     @classmethod
     def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype, vram_gib: float | None = None,
-               context: int | None = None, on_notice=None, fused: bool = False,
-               offload_miss: str = "copy", routing: str = "uniform") -> "Engine":
+               context: int | None = None, on_notice=None, fused: bool = True,
+               offload_miss: str = "auto", routing: str = "uniform") -> "Engine":
         """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
         `loader.build_random`."""
         from localmoe.benchmark import shape_config
@@ -157,7 +157,7 @@ class Engine:
             if pin_failed:
                 raise RuntimeFailure("--offload-miss direct needs pinned host memory, which could not be allocated: "
                                      "free RAM or use --offload-miss copy")
-            self._notice("expert misses are read straight from pinned host memory (experimental)")
+            self._notice("expert misses are read straight from pinned host memory inside the CUDA graph")
         elif loaded.cache.mode == "cpu":
             self.use_graphs = False
             self._notice("expert misses are computed on the CPU; decoding eagerly (no CUDA graph)")

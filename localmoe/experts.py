@@ -93,7 +93,7 @@ class LocalExperts(nn.Module):
         self.act_fn = ACT2FN[hidden_act]
         self.weights: ExpertWeights | None = None  # all experts (resident), or the host master copies when offloaded
         self.cache = None  # localmoe.offload.ExpertCache when experts are offloaded
-        self.last_routing = self.last_count = None  # direct-miss mode: what the last decode call routed/kept
+        self.last_routing = None  # direct/cpu-miss modes: what the last decode call routed to (for the cache)
         self._zero_tau: torch.Tensor | None = None
         # sparse path state, set by the engine / sparsity module
         self.tau: torch.Tensor | None = None  # [E] float32 threshold per expert (per-layer τ broadcast)
@@ -152,7 +152,9 @@ class LocalExperts(nn.Module):
         y, count = sparse_fused(x, m.w_gate, m.w_up, m.w_down_t, top_k_index, top_k_weights, tau,
                                 slot_table=c.tables[self.layer_idx], pool_gate=c.pool.w_gate, pool_up=c.pool.w_up,
                                 pool_down_t=c.pool.w_down_t, **p)
-        self.last_routing, self.last_count = top_k_index, count  # graph replays rewrite these tensors in place
+        self.last_routing = top_k_index  # graph replays rewrite this tensor in place
+        absent = c.tables[self.layer_idx][top_k_index] < 0  # [T, k]: read from host memory this step
+        c.host_rows.add_((absent * (self.intermediate_size + 2 * count)).sum())  # gate rows + kept up/down rows
         if sparse:
             self._count(count.sum(), top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
@@ -184,7 +186,7 @@ class LocalExperts(nn.Module):
                                            top_k_weights[t].cpu()[j][None], tau.cpu(), self.act_fn)
                 out[t] += y[0].to(x.device)
                 self._count(kept.to(self.kept.device), len(miss) * I)
-        self.last_routing, self.last_count = top_k_index, None
+        self.last_routing = top_k_index
         return out.to(x.dtype)
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:

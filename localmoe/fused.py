@@ -46,6 +46,12 @@ from localmoe.kernels.delta_rule_step import gated_deltanet_step
 from localmoe.kernels.rmsnorm import rmsnorm
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
+from localmoe.kernels.tuning import decode_params
+
+
+def _tuned(x: torch.Tensor, kernel: str, shape_key: str) -> dict:
+    """Tuned launch keywords for this device and shape (kernels/tuned/*.json); {} off CUDA or when unmeasured."""
+    return decode_params(torch.cuda.get_device_name(x.device), kernel, shape_key) if x.is_cuda else {}
 
 
 class FusedRMSNorm(nn.Module):
@@ -102,6 +108,7 @@ class FusedGatedDeltaNet(nn.Module):
             if hasattr(hf, attr):
                 setattr(self, attr, getattr(hf, attr))
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
+        self._launch: dict | None = None  # tuned launch keywords, looked up on the first fused step
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, *, cache_params=None,
                 past_key_values=None, **kwargs):  # hidden_states [B, T, H]
@@ -124,11 +131,14 @@ class FusedGatedDeltaNet(nn.Module):
 
     @torch.compiler.disable
     def _step(self, mixed_qkv, z, a, b, conv_state, rec_state):
+        if self._launch is None:
+            self._launch = _tuned(mixed_qkv, "gated_deltanet_step",
+                                  f"HK{self.num_k_heads}_HV{self.num_v_heads}_D{self.head_v_dim}")
         return gated_deltanet_step(
             mixed_qkv, z, a, b, conv_state=conv_state, conv_weight=self.conv1d.weight.view(self.conv_dim, -1),
             conv_bias=self.conv1d.bias, A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm.weight,
             norm_eps=self.norm.variance_epsilon, state=rec_state, num_k_heads=self.num_k_heads,
-            head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim)
+            head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, **self._launch)
 
 
 # router class -> whether it renormalises the top-k weights (None: read the router's `norm_topk_prob`)
@@ -163,6 +173,7 @@ class FusedSparseMoeBlock(nn.Module):
         w = getattr(gate, "weight", None)
         self._tickets = torch.zeros(64, dtype=torch.int32, device=w.device if w is not None else "cpu")
         self.decode_calls = 0  # fused calls taken (eager calls; a CUDA graph replay does not count)
+        self._launch: tuple[dict, dict] | None = None  # tuned (router, shared expert) keywords, on the first call
 
     def _fusable(self, h: torch.Tensor) -> bool:
         if not (self._router_ok and self._shared_ok) or h.dim() != 3 or h.shape[0] * h.shape[1] != 1:
@@ -188,13 +199,19 @@ class FusedSparseMoeBlock(nn.Module):
     def _route(self, x):
         if self._tickets.device != x.device:
             self._tickets = torch.zeros(64, dtype=torch.int32, device=x.device)
-        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=self._tickets)
+        if self._launch is None:
+            H, E = self.gate.weight.shape[1], self.gate.weight.shape[0]
+            se = self.shared_expert if self.has_shared else None
+            self._launch = (_tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
+                            _tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {})
+        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=self._tickets,
+                           **self._launch[0])
 
     @torch.compiler.disable
     def _shared(self, x, routed):
         se = self.shared_expert
         return shared_expert(x, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                             self.shared_expert_gate.weight, routed.to(x.dtype))
+                             self.shared_expert_gate.weight, routed.to(x.dtype), **self._launch[1])
 
 
 @dataclass(frozen=True)

@@ -130,8 +130,8 @@ def _plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, con
 
 
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
-               vram_bytes: int | None = None, context: int = 8192, fused: bool = False,
-               offload_miss: str = "copy") -> LoadedModel:
+               vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
+               offload_miss: str = "auto") -> LoadedModel:
     from accelerate.utils import set_module_tensor_to_device
 
     _, text_config, fam = read_config(path)
@@ -215,17 +215,21 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
 
 
 def _install_fused(model, device: torch.device) -> None:
-    """localmoe's fused decode modules (RMSNorm, Gated DeltaNet step) replace transformers' on CUDA (experimental,
-    opt-in with --fused until measured on a GPU); after loading, since loading puts new Parameter objects on them."""
+    """localmoe's fused decode modules (localmoe.fused: RMSNorm, Gated DeltaNet step, router + shared expert) replace
+    transformers' on CUDA (default; `--no-fused` opts out); after loading, since loading puts new Parameter objects
+    on them."""
     from localmoe import fused
 
     fused.install(model, device)
 
 
-def _attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "copy") -> None:
-    """Experts' weights are host master copies: put the GPU expert cache in front of them."""
+def _attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto") -> None:
+    """Experts' weights are host master copies: put the GPU expert cache in front of them. Miss mode "auto": direct
+    reads from pinned host memory on CUDA (the fastest measured), else copy-then-compute."""
     from localmoe.offload import ExpertCache
 
+    if miss == "auto":
+        miss = "direct" if torch.device(device).type == "cuda" and pinned else "copy"
     m0 = loaded.experts[0]
     cache = ExpertCache(loaded.offload.slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device,
                         mode=miss)
@@ -343,8 +347,8 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
 
 
 def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 vram_bytes: int | None = None, context: int = 8192, fused: bool = False,
-                 offload_miss: str = "copy", routing: str = "uniform") -> LoadedModel:
+                 vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
+                 offload_miss: str = "auto", routing: str = "uniform") -> LoadedModel:
     """The same model with random weights (for `bench --shape`: measure hardware without a download).
 
     Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise.

@@ -119,8 +119,15 @@ def test_direct_misses_equal_all_resident(sparsity):
         assert int(cache.tables[layer][ex]) == slot
         assert torch.equal(cache.pool.w_gate[slot], cache.masters[layer].w_gate[ex])
     assert e.stats.h2d_bytes_per_token > 0
-    if sparsity:
+    if sparsity:  # the fused direct kernel ran (on CPU, sparsity 0 takes the dense path: copy-then-compute)
+        # host rows read for misses (counted on the device): at least every miss's gate rows, at most whole
+        # experts; the rest of the bytes are whole-expert copies for admissions
+        read = e.stats.h2d_bytes_per_token * (len(got) - 1)
+        admitted = read - int(cache.host_rows) * cache.row_bytes
+        assert admitted >= 0 and admitted % cache.expert_bytes == 0
+        assert cache.misses * cache.width * cache.row_bytes <= int(cache.host_rows) * cache.row_bytes
         assert abs(e.stats.sparsity_realized - resident.stats.sparsity_realized) < 1e-9
+        assert int(cache.host_rows) * cache.row_bytes < cache.misses * cache.expert_bytes  # kept rows only
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.5])
