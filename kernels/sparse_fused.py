@@ -95,6 +95,8 @@ if triton is not None:
         acc_ptr,  # [T, H] fp32 workspace, zero between launches (FINALIZE only)
         cws_ptr,  # [T*k] int32 workspace, zero between launches (FINALIZE only)
         tick_ptr,  # [T] int32 tickets, zero between launches (FINALIZE only)
+        kept_ptr,  # int64 running total of kept neurons (KEPT_TOTAL only)
+        host_ptr,  # int64 running total of weight rows read from host memory (HOST_ROWS only)
         I,
         K,  # experts per token
         stride_xt,
@@ -110,6 +112,8 @@ if triton is not None:
         K_P2: tl.constexpr,  # next power of two >= K
         OFFLOAD: tl.constexpr,
         FINALIZE: tl.constexpr,
+        KEPT_TOTAL: tl.constexpr,
+        HOST_ROWS: tl.constexpr,
     ):
         pid_tj = tl.program_id(0)  # one (token, routed expert) pair
         pid_i = tl.program_id(1)  # one block of BLOCK_I neurons
@@ -173,6 +177,14 @@ if triton is not None:
                 tl.store(cnt_ptr + crow, c, mask=km)
                 tl.store(cws_ptr + crow, tl.zeros([K_P2], dtype=tl.int32), mask=km)
                 tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
+                # ---- running totals for stats, one atomic per token (no extra launch in the step) ----
+                if KEPT_TOTAL:
+                    tl.atomic_add(kept_ptr, tl.sum(c.to(tl.int64), axis=0), sem="relaxed")
+                if HOST_ROWS:  # absent experts: all gate rows + the kept up and down rows crossed PCIe
+                    ee = tl.load(eid_ptr + crow, mask=km, other=0).to(tl.int64)
+                    absent = km & (tl.load(slot_ptr + ee, mask=km, other=0) < 0)
+                    hr = tl.where(absent, I + 2 * c, 0).to(tl.int64)
+                    tl.atomic_add(host_ptr, tl.sum(hr, axis=0), sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,6 +244,8 @@ def sparse_fused(
     pool_up=None,
     pool_down_t=None,
     workspace=None,
+    kept_total=None,
+    host_rows=None,
     BLOCK_I: int = 8,
     num_warps: int = 8,
 ):
@@ -252,6 +266,10 @@ def sparse_fused(
       `pool_gate/pool_up/pool_down_t` [S,I,H] on x's device, each with the dtype of the matching master; then
       w_gate/w_up/w_down_t are the master copies, on x's device or in host memory (pinned when x is on CUDA).
       Absent experts are read from the master copies in place (only gate rows and kept rows cross PCIe).
+
+    * stats (accumulate=False only): `kept_total` (int64 one-element tensor) += the launch's kept neurons;
+      `host_rows` (int64 one-element, offload only) += the weight rows read from host memory (I gate rows + 2 per
+      kept neuron of each absent routed expert). Added in the kernel's tail: no extra launch in a captured step.
 
     Fixed grid (T*k, ceil(I/BLOCK_I)), no host sync: CUDA-graph capturable.
     """
@@ -317,6 +335,15 @@ def sparse_fused(
     elif (tuple(count.shape) != (T, k) or count.dtype != torch.int32 or not count.is_contiguous()
           or count.device != dev):
         raise ValueError(f"count must be a contiguous int32 [T, k] = {(T, k)} tensor on {dev}")
+    for name, tot in (("kept_total", kept_total), ("host_rows", host_rows)):
+        if tot is None:
+            continue
+        if accumulate:
+            raise ValueError(f"{name} is counted in the finalising tail: not with accumulate=True")
+        if tot.dtype != torch.int64 or tot.numel() != 1 or tot.device != dev:
+            raise ValueError(f"{name} must be a one-element int64 tensor on {dev}")
+    if host_rows is not None and not offload:
+        raise ValueError("host_rows counts host reads of offloaded experts: it needs slot_table")
     if T == 0 or k == 0:
         if not accumulate:
             out.zero_()
@@ -349,8 +376,10 @@ def sparse_fused(
         sp = (0, 0, 0)
     _sparse_fused_kernel[(T * k, triton.cdiv(I, bi))](
         x, wg, wu, wd, pg, pu, pd, st, expert_ids.contiguous(), weights.contiguous(), tau, out, count,
-        acc, cws, tick, I, k, x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), *sp,
+        acc, cws, tick, kept_total if kept_total is not None else count,
+        host_rows if host_rows is not None else count, I, k, x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), *sp,
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
-        OFFLOAD=offload, FINALIZE=not accumulate, num_warps=num_warps,
+        OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
+        HOST_ROWS=host_rows is not None, num_warps=num_warps,
     )
     return out, count

@@ -71,6 +71,12 @@ def launch_params(device_name: str, H: int, I: int, k: int) -> dict:
     for kernel, kw in entry.items():
         if kernel in params and isinstance(kw, dict):
             params[kernel].update(kw)
+    if "fused" not in entry:  # untuned: keep sparse_fused's BLOCK_I x H tile at <= 64 elements per thread (no spills)
+        f, h_p2 = params["fused"], 1 << max(0, int(H) - 1).bit_length()
+        while f["BLOCK_I"] * h_p2 > 64 * 32 * f["num_warps"] and f["num_warps"] < 16:
+            f["num_warps"] *= 2
+        while f["BLOCK_I"] * h_p2 > 64 * 32 * f["num_warps"] and f["BLOCK_I"] > 1:
+            f["BLOCK_I"] //= 2
     return params
 
 

@@ -8,8 +8,11 @@ so transformers never loads, moves or saves them.
 Two paths:
 - dense (prefill, many tokens, or sparsity off): per-expert grouped matmuls over the tokens routed to it;
 - sparse (decode, T <= `max_sparse_tokens`): gate computed densely, neurons with |act(x·W_gate)| < τ skipped,
-  only the kept rows of W_up and W_down_t read. On CUDA this calls the Triton kernels in
-  `localmoe.kernels`; elsewhere the torch reference below (same arithmetic, gathers only kept rows).
+  only the kept rows of W_up and W_down_t read. On CUDA this is ONE launch of `localmoe.kernels.sparse_fused`
+  (gate, mask, kept up/down, the kept-neuron count added in its tail; offloaded experts read from the cache pool or
+  host memory by the same kernel); elsewhere the torch reference below (same arithmetic, gathers only kept rows).
+  The two-kernel split (`sparse_gate` + `sparse_updown`) stays in `kernels/` as the benchmarked alternative: its
+  kernels are as fast, but with the count it costs four launches per layer to this path's one.
 
 Shapes: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden.
 """
@@ -113,10 +116,14 @@ class LocalExperts(nn.Module):
         self.kept.zero_()
         self.seen = 0
 
+    def _kept_on(self, device) -> torch.Tensor:
+        """The kept-neuron counter on `device` (moved there on the first decode step, before any graph capture)."""
+        if self.kept.device != torch.device(device):
+            self.kept = self.kept.to(device)
+        return self.kept
+
     def _count(self, kept: torch.Tensor, neurons: int) -> None:
-        if self.kept.device != kept.device:
-            self.kept = self.kept.to(kept.device)
-        self.kept.add_(kept)  # in place: a captured CUDA graph keeps counting on replay
+        self._kept_on(kept.device).add_(kept)  # in place: a captured CUDA graph keeps counting on replay
         self.seen += neurons
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -149,15 +156,14 @@ class LocalExperts(nn.Module):
         tau = self.tau if sparse else self._zeros_tau(x.device)
         c, m = self.cache, self.weights
         p = self._launch(x, top_k_index.shape[1])["fused"] if x.is_cuda else {}
-        y, count = sparse_fused(x, m.w_gate, m.w_up, m.w_down_t, top_k_index, top_k_weights, tau,
-                                slot_table=c.tables[self.layer_idx], pool_gate=c.pool.w_gate, pool_up=c.pool.w_up,
-                                pool_down_t=c.pool.w_down_t, **p)
+        y, _ = sparse_fused(x, m.w_gate, m.w_up, m.w_down_t, top_k_index, top_k_weights, tau,
+                            torch.empty(x.shape, dtype=x.dtype, device=x.device), slot_table=c.tables[self.layer_idx],
+                            pool_gate=c.pool.w_gate, pool_up=c.pool.w_up, pool_down_t=c.pool.w_down_t,
+                            kept_total=self._kept_on(x.device) if sparse else None, host_rows=c.host_rows, **p)
         self.last_routing = top_k_index  # graph replays rewrite this tensor in place
-        absent = c.tables[self.layer_idx][top_k_index] < 0  # [T, k]: read from host memory this step
-        c.host_rows.add_((absent * (self.intermediate_size + 2 * count)).sum())  # gate rows + kept up/down rows
         if sparse:
-            self._count(count.sum(), top_k_index.numel() * self.intermediate_size)
-        return y.to(x.dtype)
+            self.seen += top_k_index.numel() * self.intermediate_size
+        return y
 
     def _zeros_tau(self, device) -> torch.Tensor:
         if self._zero_tau is None or self._zero_tau.device != torch.device(device):
@@ -249,16 +255,16 @@ class LocalExperts(nn.Module):
     # -- sparse: decode ---------------------------------------------------------------------------------
     @torch.compiler.disable
     def _sparse(self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.hidden_act == "silu":
-            from localmoe.kernels.sparse_gate import sparse_gate
-            from localmoe.kernels.sparse_updown import sparse_updown
+        if x.is_cuda and self.hidden_act == "silu":  # one launch: gate, mask, kept up/down, output in x's dtype
+            from localmoe.kernels.sparse_fused import sparse_fused
 
-            p = self._launch(x, top_k_index.shape[1])
-            g, idx, count = sparse_gate(x, w.w_gate, top_k_index, tau, self.intermediate_size, **p["gate"])
-            y = sparse_updown(x, w.w_up, w.w_down_t, top_k_index, top_k_weights, g, idx, count, **p["updown"])
-            kept = count.sum()
-        else:
-            y, kept = sparse_reference(x, w, top_k_index, top_k_weights, tau, self.act_fn)
+            p = self._launch(x, top_k_index.shape[1])["fused"]
+            y, _ = sparse_fused(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, tau,
+                                torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                                kept_total=self._kept_on(x.device), **p)
+            self.seen += top_k_index.numel() * self.intermediate_size
+            return y
+        y, kept = sparse_reference(x, w, top_k_index, top_k_weights, tau, self.act_fn)
         self._count(kept, top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
 

@@ -14,7 +14,8 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
     Qwen3MoeRMSNorm, OlmoeRMSNorm,
     MixtralRMSNorm, DeepseekV2RMSNorm,
     GraniteMoeRMSNorm              FusedRMSNorm(standard)      1 launch
-    Qwen3_5MoeGatedDeltaNet        FusedGatedDeltaNet          cached T=1 step: 4 input GEMMs + 1 launch
+    Qwen3_5MoeGatedDeltaNet        FusedGatedDeltaNet          cached T=1 step: 1 input GEMV (the 4 projections'
+                                                               weights share one buffer) + 1 launch
                                                                (conv1d update, gates, l2norm, delta rule, gated
                                                                RMSNorm) + out_proj (was ~60 kernels); prefill and
                                                                uncached calls run the original module
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
@@ -93,6 +95,23 @@ def _decode_states(cache, layer_idx: int):
     return conv, rec
 
 
+def _concat_rows(linears: list[nn.Module]) -> tuple[torch.Tensor | None, list[int]]:
+    """Bias-free Linears sharing an input: one [ΣN, H] matrix whose row blocks become the Linears' weights (each
+    Parameter object stays, its data now a view: no extra memory, same values), so one GEMV does all of them.
+    (None, []) when they cannot share one (bias, other dtype/device/width, not plain Linears)."""
+    ws = [getattr(lin, "weight", None) for lin in linears]
+    if (not all(isinstance(lin, nn.Linear) and lin.bias is None for lin in linears)
+            or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"):
+        return None, []
+    with torch.no_grad():
+        cat = torch.cat([w.detach() for w in ws], dim=0)  # [ΣN, H]
+        sizes, at = [w.shape[0] for w in ws], 0
+        for w, n in zip(ws, sizes):
+            w.data = cat[at:at + n]
+            at += n
+    return cat, sizes
+
+
 class FusedGatedDeltaNet(nn.Module):
     """Qwen3.5 Gated DeltaNet whose cached single-token step is 4 projections + one fused kernel + out_proj."""
 
@@ -109,6 +128,7 @@ class FusedGatedDeltaNet(nn.Module):
                 setattr(self, attr, getattr(hf, attr))
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
         self._launch: dict | None = None  # tuned launch keywords, looked up on the first fused step
+        self._w_in, self._in_sizes = _concat_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, *, cache_params=None,
                 past_key_values=None, **kwargs):  # hidden_states [B, T, H]
@@ -122,10 +142,15 @@ class FusedGatedDeltaNet(nn.Module):
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         self.decode_calls += 1
         B = hidden_states.shape[0]
-        mixed_qkv = self.in_proj_qkv(hidden_states)[:, 0]  # [B, C]
-        z = self.in_proj_z(hidden_states)[:, 0]  # [B, H_v*d_v]
-        b = self.in_proj_b(hidden_states)[:, 0]  # [B, H_v]
-        a = self.in_proj_a(hidden_states)[:, 0]  # [B, H_v]
+        if self._w_in is not None and self.in_proj_qkv.weight.data_ptr() != self._w_in.data_ptr():
+            self._w_in = None  # the weights were moved or replaced since install: project them one by one
+        if self._w_in is not None:  # the four input projections as one GEMV, split into views (rows strided)
+            mixed_qkv, z, b, a = F.linear(hidden_states[:, 0], self._w_in).split(self._in_sizes, dim=-1)
+        else:
+            mixed_qkv = self.in_proj_qkv(hidden_states)[:, 0]  # [B, C]
+            z = self.in_proj_z(hidden_states)[:, 0]  # [B, H_v*d_v]
+            b = self.in_proj_b(hidden_states)[:, 0]  # [B, H_v]
+            a = self.in_proj_a(hidden_states)[:, 0]  # [B, H_v]
         out = self._step(mixed_qkv, z, a, b, *states)  # [B, H_v*d_v]
         return self.out_proj(out.view(B, 1, -1))
 

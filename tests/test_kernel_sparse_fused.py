@@ -156,6 +156,31 @@ def test_offload_addressing_equals_resident(T, dtype):
                     torch.testing.assert_close(y, y_res, rtol=1e-5, atol=1e-5, msg=f"{name} {s}")
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_running_totals(T):
+    """kept_total / host_rows grow by each launch's kept neurons / host rows (I gate rows + 2 per kept neuron of
+    every absent routed expert), counted in the kernel's tail; two launches add up."""
+    H, I, E, k = 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=41 + T)
+    tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
+    table = torch.tensor([3, -1, 0, -1, 1])
+    (pg, pu, pd), (mg, mu, md) = offload_layout(wg, wu, wd, table, S=5)
+    kept = torch.zeros(1, dtype=torch.int64, device=DEV)
+    host = torch.full((1,), 7, dtype=torch.int64, device=DEV)  # totals run on from any start
+    for launch in (1, 2):
+        y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=table.to(DEV), pool_gate=pg, pool_up=pu,
+                            pool_down_t=pd, kept_total=kept, host_rows=host, BLOCK_I=16)
+        absent = (table.to(DEV)[ids.long()] < 0).long()
+        assert int(kept) == launch * int(c.sum())
+        assert int(host) == 7 + launch * int((absent * (I + 2 * c.long())).sum())
+    y2, c2 = sparse_fused(x, wg, wu, wd, ids, rw, tau, kept_total=kept, BLOCK_I=16)  # resident: kept only
+    assert torch.equal(c2, c) and int(kept) == 3 * int(c.sum())
+    with pytest.raises(ValueError, match="slot_table"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, host_rows=host)
+    with pytest.raises(ValueError, match="int64"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, kept_total=torch.zeros(1, dtype=torch.int32, device=DEV))
+
+
 def test_offload_real_shape():
     T, H, I, E, k = 1, 2048, 512, 16, 8
     x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.bfloat16, seed=23)
