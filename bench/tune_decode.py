@@ -130,15 +130,12 @@ def gd_call(i, kw):
     return gated_deltanet_step(**d, **kw)
 
 
-ref_gd = [gd_call(i, {}) for i in range(N)]
-
-
 def gd_calls(kw):
     return [lambda i=i: gated_deltanet_step(**gd[i], **kw) for i in range(N)]
 
 
-def gd_check(kw):
-    return max(float((gd_call(i, kw).float() - ref_gd[i].float()).abs().max()) for i in range(N))
+def gd_check(kw):  # against the default launch from the same (timed runs advance the states) inputs
+    return max(float((gd_call(i, kw).float() - gd_call(i, {}).float()).abs().max()) for i in range(N))
 
 
 results.append(sweep("gated_deltanet_step", f"HK{HK}_HV{HV}_D{D}", {"num_warps": [2, 4, 8, 16]}, gd_calls, gd_check))

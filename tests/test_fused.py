@@ -116,12 +116,12 @@ def test_other_family_norm_module():
     """The standard-kind entry matches Qwen3-MoE's RMSNorm module (fp32, bit-close)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-    norm = Qwen3MoeRMSNorm(48, eps=1e-6)
+    norm = Qwen3MoeRMSNorm(48, eps=1e-6).to(DEV)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(48))
     holder = torch.nn.Sequential(norm)
     assert fused.install(holder, force=True) == {"Qwen3MoeRMSNorm": 1}
-    x = torch.randn(3, 48)
+    x = torch.randn(3, 48).to(DEV)
     torch.testing.assert_close(holder[0](x), norm(x), rtol=1e-6, atol=1e-6)
 
 
@@ -144,7 +144,7 @@ def _with_local_experts(model, sparsity=0.3):
         gu = old.gate_up_proj.detach()
         new.weights = ExpertWeights(w_gate=gu[:, :I].contiguous(), w_up=gu[:, I:].contiguous(),
                                     w_down_t=old.down_proj.detach().transpose(1, 2).contiguous())
-        xs = torch.randn(64, H, generator=gen).to(gu.dtype)
+        xs = torch.randn(64, H, generator=gen).to(gu.device, gu.dtype)
         g = new.act_fn(torch.einsum("th,eih->eti", xs, new.weights.w_gate).float()).abs().reshape(E, -1)
         new.tau = torch.quantile(g, sparsity, dim=1).float()
         new.kept = torch.zeros((), dtype=torch.int64)
@@ -196,7 +196,7 @@ def test_block_without_shared_expert(family, norm, dtype):
     cfg.norm_topk_prob = norm
     block_cls = type(model.model.layers[0].mlp)
     torch.manual_seed(3)
-    block = block_cls(cfg).to(dtype)
+    block = block_cls(cfg).to(DEV, dtype)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape) * 0.3)
@@ -207,10 +207,10 @@ def test_block_without_shared_expert(family, norm, dtype):
     assert fb.norm_topk_prob == norm
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for seed in range(4):
-        x = torch.randn(1, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        x = torch.randn(1, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)
         torch.testing.assert_close(fb(x), block(x), **tol)
     assert fb.decode_calls == 4
-    x = torch.randn(1, 5, cfg.hidden_size).to(dtype)
+    x = torch.randn(1, 5, cfg.hidden_size).to(DEV, dtype)
     torch.testing.assert_close(fb(x), block(x), rtol=0, atol=0)  # prefill: the original block
     assert fb.decode_calls == 4
 
