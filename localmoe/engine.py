@@ -28,7 +28,8 @@ from localmoe.sampling import make_generator, sample
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 UNKNOWN_MODEL_SPARSITY = 0.5
 DEFAULT_CONTEXT = 8192
-LIVE_STATS_EVERY = 8  # tokens between live updates of realised sparsity / cache hit rate  # tokens of static cache for the CUDA-graph decode (prompt + reply)  # models outside the registry: conservative until `localmoe eval` says more
+LIVE_STATS_EVERY = 8  # tokens between live updates of realised sparsity / cache hit rate
+PREFILL_CHUNK = 2048  # prompt tokens per prefill forward: long prompts are prefilled piece by piece into the cache
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -89,6 +90,10 @@ class Engine:
         # transformers >= 5.2x renamed the forward's `past_key_values` to `cache`; use whichever this one takes
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # prefill and decode need the last position's logits only (a 2048-token prompt's full logits at a 248k vocab
+        # would be 2 GB)
+        self._logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.prefill_chunk = PREFILL_CHUNK
         self.context = min(DEFAULT_CONTEXT, self.max_positions) if self.max_positions else DEFAULT_CONTEXT
         self.use_graphs = device.type == "cuda"  # CUDA-graph decode (falls back to eager with a notice)
         self.compile = False  # torch.compile the decode step before capture (bench --compile; experimental)
@@ -270,8 +275,7 @@ class Engine:
             if graph is not None:
                 cache, logits = None, graph.prefill(ids)
             else:
-                out = self.model(input_ids=ids, use_cache=True)
-                cache, logits = _cache_of(out), out.logits[0, -1]
+                cache, logits = self._prefill(ids)
         except torch.OutOfMemoryError:
             raise RuntimeFailure("out of GPU memory during prefill: shorten the prompt or use --device cpu") from None
         token = sample(logits, settings, gen)
@@ -287,8 +291,8 @@ class Engine:
             except GraphUnavailable as e:
                 self.use_graphs, self._graph = False, None
                 self._notice(f"CUDA graph capture failed ({e}); decoding eagerly")
-                out = self.model(input_ids=ids, use_cache=True)  # rebuild a dynamic cache from the prompt
-                cache, graph = _cache_of(out), None
+                cache, _ = self._prefill(ids)  # rebuild a dynamic cache from the prompt
+                graph = None
         self._reset_counters(graph)  # realised sparsity counts decode steps only
         expert_cache = self.loaded.cache
         if expert_cache is not None:
@@ -319,7 +323,8 @@ class Engine:
             if graph is not None:
                 logits = graph.step(token, position)
             else:
-                out = self.model(input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache})
+                out = self.model(input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache},
+                                 **self._logits_kw)
                 cache, logits = _cache_of(out), out.logits[0, -1]
             token = sample(logits, settings, gen)
             tok = int(token)
@@ -334,6 +339,16 @@ class Engine:
         if cuda:
             stats.peak_gpu_mem_gb = torch.cuda.max_memory_allocated(self._device) / 1e9
         stats.finish_reason = finish
+
+    def _prefill(self, ids: torch.Tensor):
+        """Eager prefill of ids [1, P] in chunks of `prefill_chunk` tokens -> (dynamic cache, last logits [V])."""
+        cache, P = None, ids.shape[1]
+        for start in range(0, P, self.prefill_chunk):
+            kw = {self._cache_kw: cache} if cache is not None else {}
+            out = self.model(input_ids=ids[:, start:start + self.prefill_chunk], use_cache=True, **kw,
+                             **self._logits_kw)
+            cache = _cache_of(out)
+        return cache, out.logits[0, -1]
 
     def _reset_counters(self, graph) -> None:
         for m in self.loaded.experts:

@@ -1,8 +1,9 @@
 """The static decode step: a fixed-size cache allocated once and the whole batch-1 step captured in a CUDA graph.
 
-Prefill runs eager (dense path) into a transformers `StaticCache` sized for the context length; then one decode
-step — embedding, every layer's attention / Gated DeltaNet step, router, shared expert, localmoe's sparse experts,
-norm, lm_head and greedy/sampled token choice — is captured once and replayed per token. Inputs (token id,
+Prefill runs eager (dense path, in chunks of `Engine.prefill_chunk` tokens) into a transformers `StaticCache` sized
+for the context length; then one decode step — embedding, every layer's attention / Gated DeltaNet step, router,
+shared expert, localmoe's sparse experts, norm, lm_head and greedy/sampled token choice — is captured once and
+replayed per token. Inputs (token id,
 position) are copied into static buffers; the only host synchronisation per token is reading the chosen id for
 streaming. Anything that cannot be captured raises `GraphUnavailable`, and the Engine falls back to eager with a
 one-line notice.
@@ -53,13 +54,17 @@ class GraphDecoder:
 
     def _forward(self, ids, pos):
         kw = {self.engine._cache_kw: self.cache}
-        return self.model(input_ids=ids, cache_position=pos, use_cache=True, **kw).logits[0, -1]
+        out = self.model(input_ids=ids, cache_position=pos, use_cache=True, **kw, **self.engine._logits_kw)
+        return out.logits[0, -1]
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
-        """prompt [1, P] -> logits [V] of the last position (eager)."""
+        """prompt [1, P] -> logits [V] of the last position (eager, in chunks of the engine's `prefill_chunk`)."""
         self.cache.reset()
-        P = prompt.shape[1]
-        return self._forward(prompt, torch.arange(P, device=prompt.device))
+        P, step = prompt.shape[1], self.engine.prefill_chunk
+        for start in range(0, P, step):
+            end = min(P, start + step)
+            logits = self._forward(prompt[:, start:end], torch.arange(start, end, device=prompt.device))
+        return logits
 
     def capture(self, position: int) -> None:
         self.pos.fill_(position)
