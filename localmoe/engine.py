@@ -310,6 +310,7 @@ class Engine:
                 stats.sparsity_realized = self.realized_sparsity(graph)
                 if expert_cache is not None:
                     stats.cache_hit_rate = expert_cache.hit_rate
+                    stats.h2d_bytes_per_token = expert_cache.h2d_bytes / (len(generated) - 1)
             now = time.perf_counter()
             if len(generated) > 1:
                 stats.decode_tok_s = (len(generated) - 1) / max(now - t_decode, 1e-9)

@@ -124,9 +124,11 @@ def _plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, con
     E, I, H = mods[0].num_experts, mods[0].intermediate_size, mods[0].hidden_size
     if any((m.num_experts, m.intermediate_size, m.hidden_size) != (E, I, H) for m in mods):
         raise UsageError("expert offloading needs every MoE layer to have the same expert shape")
-    return offload.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
-                        state=offload.state_bytes(text_config, context, dtype), expert_bytes=3 * I * H * el,
-                        total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)))
+    budget = offload.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
+                          state=offload.state_bytes(text_config, context, dtype), expert_bytes=3 * I * H * el,
+                          total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)))
+    offload.check_host_ram(budget, offload.available_ram())
+    return budget
 
 
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,

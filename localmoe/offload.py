@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.errors import UsageError
+from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts import ExpertWeights
 
 GiB = 1 << 30
@@ -84,6 +84,27 @@ def plan(*, budget_bytes: int, non_expert_bytes: int, state: int, expert_bytes: 
             f"{top_k} experts: give at least --vram {need:.2f}, a shorter --context, or --device cpu")
     slots = min(total_experts, int((budget_bytes - fixed) // expert_bytes))
     return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, slots)
+
+
+def available_ram() -> int | None:
+    """Bytes of host memory available to a new allocation (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_ram(plan: OffloadPlan, available: int | None) -> None:
+    """Refuse up front (one line, with the numbers) when the expert master copies cannot fit in host memory."""
+    need = plan.total_experts * plan.expert_bytes
+    if plan.offloading and available is not None and need > available:
+        raise RuntimeFailure(
+            f"offloading needs {need / GiB:.1f} GiB of host RAM for the expert master copies but "
+            f"{available / GiB:.1f} GiB is available: close other programs, or run a smaller model")
 
 
 def host_buffer(shape, dtype, pin: bool) -> tuple[torch.Tensor, bool]:

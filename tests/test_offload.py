@@ -13,6 +13,7 @@ from conftest import repo_id
 from localmoe import offload
 from localmoe.cli import main
 from localmoe.engine import Engine
+from localmoe.errors import RuntimeFailure
 from localmoe.events import GenerationSettings
 from localmoe.experts import ExpertWeights
 
@@ -147,3 +148,28 @@ def test_cpu_misses_equal_all_resident(sparsity):
     assert e.stats.h2d_bytes_per_token >= 0  # only admissions move weights
     if sparsity:
         assert abs(e.stats.sparsity_realized - resident.stats.sparsity_realized) < 1e-9
+
+
+def test_live_stats_carry_cache_figures_while_decoding():
+    """The status bar's figures (hit rate, host→GPU bytes per token) update every few tokens, not only at the end."""
+    from localmoe.engine import LIVE_STATS_EVERY
+
+    model = repo_id("qwen3_moe")
+    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))
+    e.eos_ids = set()
+    seen = []
+    for ev in e.generate(e.encode_raw("Sparse experts skip most neurons."), GenerationSettings(max_new_tokens=20)):
+        if ev.index == LIVE_STATS_EVERY:  # the event after the live update
+            seen.append((e.stats.cache_hit_rate, e.stats.h2d_bytes_per_token))
+    assert seen and seen[0][0] is not None and seen[0][1] is not None and seen[0][1] > 0
+
+
+def test_host_ram_shortage_is_refused_up_front():
+    plan = offload.plan(budget_bytes=4 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=100 << 20,
+                        total_experts=1000, top_k=8)
+    assert plan.offloading
+    offload.check_host_ram(plan, None)  # unknown: no check
+    offload.check_host_ram(plan, 200 << 30)
+    with pytest.raises(RuntimeFailure, match=r"needs 97\.7 GiB of host RAM .* 50\.0 GiB is available"):
+        offload.check_host_ram(plan, 50 << 30)
+    assert offload.available_ram() is None or offload.available_ram() > 0

@@ -330,3 +330,12 @@ def test_snapshot_load_error(snap_compare, tmp_path):
     async def run_before(pilot):
         await wait_for(pilot, lambda: app.query_one("#main").current == "error")
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_status_line_shows_offload_figures():
+    from localmoe.tui.widgets import format_status
+
+    resident = format_status("m", "cuda:0", EngineStats(**{**FIXED_STATS, "cache_hit_rate": None}))
+    assert "cache" not in resident and "MB/tok" not in resident
+    line = format_status("m", "cuda:0", EngineStats(**FIXED_STATS, h2d_bytes_per_token=673.4e6))
+    assert line.endswith("cache 90% · host→GPU 673 MB/tok")

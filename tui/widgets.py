@@ -111,6 +111,8 @@ def format_status(model: str, device: str, stats: EngineStats | None) -> str:
         parts.append(f"GPU {stats.peak_gpu_mem_gb:.1f}G")
         if stats.cache_hit_rate is not None:
             parts.append(f"cache {stats.cache_hit_rate:.0%}")
+        if stats.h2d_bytes_per_token is not None:
+            parts.append(f"host→GPU {stats.h2d_bytes_per_token / 1e6:.0f} MB/tok")
     return " · ".join(p for p in parts if p)
 
 
