@@ -96,6 +96,7 @@ class Engine:
         self.prefill_chunk = PREFILL_CHUNK
         self.context = min(DEFAULT_CONTEXT, self.max_positions) if self.max_positions else DEFAULT_CONTEXT
         self.use_graphs = device.type == "cuda"  # CUDA-graph decode (falls back to eager with a notice)
+        self.pipeline_decode = device.type == "cuda"  # launch step N+1 before streaming token N (see generate)
         self.compile = False  # torch.compile the decode step before capture (bench --compile; experimental)
         self.on_notice = None  # callable(str) for one-line notices (the CLI prints them on stderr)
         self._graph = None
@@ -299,11 +300,34 @@ class Engine:
             expert_cache.reset_stats()
         t_decode = time.perf_counter()
         finish = "length"
+        # pipelined: step N+1 is launched (its input, token N, is already on the device) before token N goes to
+        # the consumer, so detokenising, streaming and stats overlap the GPU's work; not with direct/cpu misses,
+        # whose bookkeeping reads the step's routing back before the next one
+        pipelined = self.pipeline_decode and (expert_cache is None or expert_cache.mode == "copy")
+        host_tok = torch.empty((), dtype=torch.long, pin_memory=True) if cuda and pipelined else None
+        ready = torch.cuda.Event() if host_tok is not None else None
+
+        def launch(token, cache):
+            position = n_prompt + len(generated) - 1
+            if graph is not None:
+                logits = graph.step(token, position)
+            else:
+                out = self.model(input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache},
+                                 **self._logits_kw)
+                cache, logits = _cache_of(out), out.logits[0, -1]
+            return sample(logits, settings, gen), cache
+
         while True:
             if tok in self.eos_ids:
                 finish = "stop"
                 break
             generated.append(tok)
+            ahead = pipelined and len(generated) < max_new and not self._cancel.is_set()
+            if ahead:
+                token, cache = launch(token, cache)
+                if host_tok is not None:
+                    host_tok.copy_(token.reshape(()), non_blocking=True)
+                    ready.record()
             delta = detok.push(tok)
             stats.generated_tokens = len(generated)
             if len(generated) % LIVE_STATS_EVERY == 0:  # live figures for the status bar (a few device reads)
@@ -320,15 +344,11 @@ class Engine:
             if self._cancel.is_set():
                 finish = "cancelled"
                 break
-            position = n_prompt + len(generated) - 1
-            if graph is not None:
-                logits = graph.step(token, position)
-            else:
-                out = self.model(input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache},
-                                 **self._logits_kw)
-                cache, logits = _cache_of(out), out.logits[0, -1]
-            token = sample(logits, settings, gen)
-            tok = int(token)
+            if not ahead:
+                token, cache = launch(token, cache)
+            elif ready is not None:
+                ready.synchronize()  # the token's copy only, not the step launched behind it
+            tok = int(host_tok) if ahead and host_tok is not None else int(token)
             self._after_step()
         t_end = time.perf_counter()
         if len(generated) > 1:
