@@ -2,7 +2,8 @@
 
     Engine.load(MODEL) → resolve (hub) → tokenizer → load (loader: experts into localmoe's store)
                        → sparsity thresholds (sparsity: cached calibration) → ready
-    engine.chat(messages) / engine.generate(ids) → prefill (dense path) → decode loop (sparse path)
+    engine.chat(messages) / engine.generate(ids) → prefill (dense path, 2048-token chunks) → decode loop (sparse
+                       path; on CUDA one captured graph per step, step N+1 launched before token N is streamed)
                        → TokenEvent per token; `stats` updated as it goes; `cancel()` from any thread.
 
 It knows nothing about terminals: the CLI, the Textual app, bench and eval consume its events and stats.
