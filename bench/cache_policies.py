@@ -4,7 +4,7 @@ Runs the bundled localmoe-tiny (trained Qwen3-MoE, 8 layers x 8 experts, top-2) 
 with localmoe, records which experts every layer routed each token to, and replays that trace through one cache
 of (layer, expert) slots shared by all layers, as localmoe's ExpertCache is, at several sizes. Policies: LRU
 (localmoe's), FIFO, LFU (all-time counts), random, static (the most-used experts of the first half pinned, measured
-on the second half), and Belady's MIN (evict the expert used furthest in the future: the upper bound). Every miss
+on the second half), hybrid (half the slots pinned that way, half LRU), and Belady's MIN (evict the expert used furthest in the future: the upper bound). Every miss
 is admitted, the cache never evicts an expert the current layer needs. Prints hit rates per policy and size.
 
 Usage: python bench/cache_policies.py [--tokens 8192] [--fractions 0.25,0.31,0.5,0.75]
@@ -53,12 +53,13 @@ def replay(policy: str, slots: int, start: int = 0) -> float:
     rng = random.Random(0)
     hits = total = 0
     pinned: set = set()
-    if policy == "static":  # the most used (layer, expert) pairs of the first half, measured on the second
+    if policy in ("static", "hybrid"):  # the most used pairs of the first half pinned, measured on the second
         counts: dict = defaultdict(int)
         for tok in requests[: len(requests) // 2]:
             for key in tok:
                 counts[key] += 1
-        pinned = set(sorted(counts, key=counts.get, reverse=True)[:slots])
+        n_pin = slots if policy == "static" else slots // 2  # hybrid: half pinned, half LRU
+        pinned = set(sorted(counts, key=counts.get, reverse=True)[:n_pin])
         start = len(requests) // 2
     future: dict = defaultdict(list)  # MIN: positions of each key's uses, ascending
     flat = [(i, key) for i, tok in enumerate(requests) for key in tok]
@@ -77,18 +78,18 @@ def replay(policy: str, slots: int, start: int = 0) -> float:
                 if i < start:
                     continue
                 total += 1
-                if policy == "static":
+                if policy == "static" or key in pinned:
                     hits += key in pinned
                     continue
                 freq[key] += 1
                 if key in cache:
                     hits += 1
-                    if policy == "lru":
+                    if policy in ("lru", "hybrid"):
                         cache.move_to_end(key)
                     continue
-                if len(cache) >= slots:
+                if len(cache) >= slots - len(pinned):
                     cands = [k for k in cache if k not in need]
-                    if policy in ("lru", "fifo"):
+                    if policy in ("lru", "fifo", "hybrid"):
                         victim = cands[0]
                     elif policy == "lfu":
                         victim = min(cands, key=lambda k: freq[k])
@@ -105,7 +106,7 @@ def replay(policy: str, slots: int, start: int = 0) -> float:
     return hits / max(1, total)
 
 
-policies = ["lru", "fifo", "lfu", "random", "static", "min"]
+policies = ["lru", "fifo", "lfu", "random", "static", "hybrid", "min"]
 fractions = [float(f) for f in args.fractions.split(",")]
 print("\n| cache (share of all experts) | " + " | ".join(policies) + " |")
 print("|---|" + "---:|" * len(policies))
