@@ -192,7 +192,8 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
           graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = True,
           offload_miss: str = "auto", routing: str = "uniform", progress=None) -> dict:
-    from localmoe.engine import Engine, pick_device, pick_dtype
+    from localmoe.devices import pick_device, pick_dtype
+    from localmoe.engine import Engine
 
     if routing != "uniform" and not shape:
         raise UsageError("--routing needs --shape: it sets random weights' routers; a real model routes as trained")

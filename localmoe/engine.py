@@ -21,46 +21,17 @@ from typing import Iterator, Sequence
 import torch
 
 from localmoe import hub
+from localmoe.detokenize import Detokenizer
+from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
 from localmoe.loader import LoadedModel, load_model
 from localmoe.sampling import make_generator, sample
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 UNKNOWN_MODEL_SPARSITY = 0.5
 DEFAULT_CONTEXT = 8192
 LIVE_STATS_EVERY = 8  # tokens between live updates of realised sparsity / cache hit rate
 PREFILL_CHUNK = 2048  # prompt tokens per prefill forward: long prompts are prefilled piece by piece into the cache
-
-
-def pick_device(name: str | None) -> torch.device:
-    if name in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeFailure("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-    if not (name == "cpu" or name.startswith("cuda")):
-        raise UsageError(f"unknown device {name!r}: use cpu or cuda")
-    return torch.device(name)
-
-
-def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name in (None, "", "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise UsageError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def vram_budget(device: torch.device, vram_gib: float | None) -> int | None:
-    """Bytes the model may use on the device: --vram, else what a CUDA card has free minus a 1 GiB margin."""
-    if vram_gib is not None:
-        if vram_gib <= 0:
-            raise UsageError(f"--vram must be positive, got {vram_gib}")
-        return int(vram_gib * (1 << 30))
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(0, free - (1 << 30))
-    return None
 
 
 def load_tokenizer(path):
@@ -269,7 +240,7 @@ class Engine:
         gen = make_generator(settings, self._device)
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self._device)
         generated: list[int] = []
-        detok = _Detokenizer(self.tokenizer)
+        detok = Detokenizer(self.tokenizer)
         graph = self._graph_decoder()
         self._reset_counters(graph)
         t0 = time.perf_counter()
@@ -394,25 +365,3 @@ class Engine:
 def _cache_of(out):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
-
-
-class _Detokenizer:
-    """Incremental text for streaming: decodes only a short window of recent ids per token (not the whole reply),
-    and holds text back while the window ends inside a multi-byte character."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # window start: ids before it are already emitted
-        self.read = 0  # ids decoded into emitted text
-
-    def push(self, token_id: int) -> str:
-        if self.tok is None:  # a random-weight bench engine: ids only
-            return ""
-        self.ids.append(token_id)
-        done = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if len(text) <= len(done) or text.endswith("\ufffd"):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(done):]

@@ -1,0 +1,41 @@
+"""Where a run executes, from the user's flags: the device (`--device`), the dtype (`--dtype`) and the VRAM budget
+(`--vram`, else what the card has free minus a margin)."""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.errors import RuntimeFailure, UsageError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+VRAM_MARGIN = 1 << 30  # bytes left free on the card when --vram is not given
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeFailure("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise UsageError(f"unknown device {name!r}: use cpu or cuda")
+    return torch.device(name)
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise UsageError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def vram_budget(device: torch.device, vram_gib: float | None) -> int | None:
+    """Bytes the model may use on the device: --vram, else what a CUDA card has free minus a 1 GiB margin."""
+    if vram_gib is not None:
+        if vram_gib <= 0:
+            raise UsageError(f"--vram must be positive, got {vram_gib}")
+        return int(vram_gib * (1 << 30))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, free - VRAM_MARGIN)
+    return None
