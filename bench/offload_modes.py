@@ -5,7 +5,7 @@ Builds the Qwen3.5-35B-A3B-shaped random engine once (bf16, `--vram` GiB, fused 
 case on it: `mode:sparsity[:admit]` with mode direct (fused kernel reads misses' gate rows + kept rows from pinned
 host memory inside the CUDA graph; up to `admit` missed experts copied into slots after each step), copy
 (copy-then-compute, eager) or cpu (misses computed on the CPU, eager); `skewed` rescales the routers in place
-(`loader._skew_routers`: a few hot experts per layer) for the cases after it. The accelerate baseline (stock
+(`random_weights.skew_routers`: a few hot experts per layer) for the cases after it. The accelerate baseline (stock
 transformers, `device_map` from `max_memory`) runs first in a child process so its host copy is freed before ours.
 Prints a table row per case as it finishes and writes $OUT/offload_modes.json.
 
@@ -80,7 +80,7 @@ if args.baseline_tokens:
 from localmoe.benchmark import _run, copy_bandwidth  # noqa: E402
 from localmoe.engine import Engine  # noqa: E402
 from localmoe.experts import LocalExperts  # noqa: E402
-from localmoe.loader import _skew_routers  # noqa: E402
+from localmoe.random_weights import skew_routers  # noqa: E402
 
 t0 = time.time()
 engine = Engine.random(args.shape, device=DEV, dtype=torch.bfloat16, vram_gib=args.vram,
@@ -94,7 +94,7 @@ routing = "uniform"
 for case in args.cases.split(","):
     if case == "skewed":
         experts = {n: m for n, m in engine.model.named_modules() if isinstance(m, LocalExperts)}
-        _skew_routers(engine.model, experts, seed=0)
+        skew_routers(engine.model, experts, seed=0)
         routing = "skewed"
         continue
     mode, sp, *rest = case.split(":")

@@ -4,7 +4,7 @@ decode tok/s (256 tokens) at sparsity 0 and the model's default, peak GPU memory
 `--shape ALIAS` builds random weights with the real config (localmoe/data/shapes.json) when the checkpoint is not
 on disk, so hardware can be measured without a download. Random routers spread tokens evenly over the experts, the
 pessimistic case for the expert cache under `--vram`; `--routing skewed` gives each layer a few hot experts as trained
-MoEs have (loader.SKEW_ALPHA). `--baseline transformers` adds stock `generate` with the same config in the same run.
+MoEs have (random_weights.SKEW_ALPHA). `--baseline transformers` adds stock `generate` with the same config in the same run.
 Prints a table, or JSON with `--json`.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.loader import param_owners, random_value
+from localmoe.random_weights import param_owners, random_value
 
 SHAPES = Path(__file__).with_name("data") / "shapes.json"
 

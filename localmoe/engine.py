@@ -107,9 +107,9 @@ class Engine:
                context: int | None = None, on_notice=None, fused: bool = True,
                offload_miss: str = "auto", routing: str = "uniform") -> "Engine":
         """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
-        `loader.build_random`."""
+        `random_weights.build_random`."""
         from localmoe.benchmark import shape_config
-        from localmoe.loader import build_random
+        from localmoe.random_weights import build_random
         from localmoe.registry import load_registry
 
         config = shape_config(shape)

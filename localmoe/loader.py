@@ -74,7 +74,7 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
-def _build_skeleton(text_config, dtype: torch.dtype):
+def build_skeleton(text_config, dtype: torch.dtype):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -83,7 +83,7 @@ def _build_skeleton(text_config, dtype: torch.dtype):
     return model
 
 
-def _swap_experts(model, text_config) -> dict[str, LocalExperts]:
+def swap_experts(model, text_config) -> dict[str, LocalExperts]:
     """Replace each MoE block's `experts`; returns {experts module name: LocalExperts} in layer order."""
     swapped: dict[str, LocalExperts] = {}
     for name, module in list(model.named_modules()):
@@ -115,7 +115,7 @@ def _keep_fp32(model) -> list[str]:
     return keep
 
 
-def _plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int):
+def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int):
     from localmoe import offload
 
     el = torch.finfo(dtype).bits // 8
@@ -137,10 +137,10 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     from accelerate.utils import set_module_tensor_to_device
 
     _, text_config, fam = read_config(path)
-    model = _build_skeleton(text_config, dtype)
-    experts = _swap_experts(model, text_config)
+    model = build_skeleton(text_config, dtype)
+    experts = swap_experts(model, text_config)
     fp32_modules = _keep_fp32(model)
-    budget = _plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
+    budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
     host = budget is not None and budget.offloading
     pinned = [device.type == "cuda"]  # cleared when pinning fails
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -209,14 +209,14 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     if progress:
         progress("load", total, total)
     if fused:
-        _install_fused(model, device)
+        install_fused(model, device)
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
-        _attach_cache(loaded, dtype, device, pinned[0], offload_miss)
+        attach_cache(loaded, dtype, device, pinned[0], offload_miss)
     return loaded
 
 
-def _install_fused(model, device: torch.device) -> None:
+def install_fused(model, device: torch.device) -> None:
     """localmoe's fused decode modules (localmoe.fused: RMSNorm, Gated DeltaNet step, router + shared expert) replace
     transformers' on CUDA (default; `--no-fused` opts out); after loading, since loading puts new Parameter objects
     on them."""
@@ -225,7 +225,7 @@ def _install_fused(model, device: torch.device) -> None:
     fused.install(model, device)
 
 
-def _attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto") -> None:
+def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto") -> None:
     """Experts' weights are host master copies: put the GPU expert cache in front of them. Miss mode "auto": direct
     reads from pinned host memory on CUDA (the fastest measured), else copy-then-compute."""
     from localmoe.offload import ExpertCache
@@ -296,106 +296,3 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
 def _check(prefix, name, got, want):
     if tuple(got) != tuple(want):
         raise RuntimeFailure(f"{prefix}.{name} has shape {tuple(got)}, config says {tuple(want)}: checkpoint and config disagree")
-
-
-def param_owners(model) -> dict[str, str]:
-    """Parameter name -> class name of the module holding it."""
-    mods = {n: type(m).__name__ for n, m in model.named_modules()}
-    return {n: mods[n.rsplit(".", 1)[0] if "." in n else ""] for n, _ in model.named_parameters(remove_duplicate=False)}
-
-
-ROUTINGS = ("uniform", "skewed")  # build_random's router spreads
-# Skewed routing: each MoE layer's router row e is scaled by (rank_e + 1) ** -SKEW_ALPHA, normalised to mean 1, over a
-# random ranking of that layer's experts. Measured at Qwen3.5-35B-A3B shapes (256 experts, top-8, H 2048; router
-# N(0, 0.02), inputs N(0, 1), 8192 tokens, 4 seeds): the hottest 20% of experts take 65-66% of the routed picks
-# (uniform: 22%); on the hidden states of a 4-layer random model at those dims (1024 tokens) 65-67% (uniform 25-36%);
-# at Qwen3-30B-A3B shapes (128 experts) 49%.
-SKEW_ALPHA = 0.3
-
-
-def router_weight(block, experts: LocalExperts) -> torch.Tensor:
-    """A MoE block's router matrix [E, H]: its one 2-D parameter of that shape outside the routed and shared experts
-    (`mlp.gate.weight` in most families, Granite's `block_sparse_moe.router.weight`)."""
-    E, H = experts.num_experts, experts.hidden_size
-    found = [p for n, p in block.named_parameters()
-             if tuple(p.shape) == (E, H) and not n.startswith(("experts.", "shared_expert"))]
-    if len(found) != 1:
-        raise RuntimeFailure(f"{type(block).__name__}: expected one [{E}, {H}] router weight, found {len(found)}")
-    return found[0]
-
-
-def _skew_routers(model, experts: dict[str, LocalExperts], seed: int) -> None:
-    """Scale router rows by a power law over a per-layer random ranking (see SKEW_ALPHA): the hot experts differ per
-    layer. Its own generator, so every other weight equals the uniform build's at the same seed."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for prefix, mod in experts.items():
-            w = router_weight(model.get_submodule(prefix.rsplit(".", 1)[0]), mod)  # [E, H]
-            E = mod.num_experts
-            s = torch.arange(1, E + 1, dtype=torch.float32) ** -SKEW_ALPHA  # [E], by rank
-            s = (s / s.mean())[torch.randperm(E, generator=gen)]  # [E], by expert
-            w.mul_(s.to(device=w.device, dtype=w.dtype)[:, None])
-
-
-def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Generator) -> torch.Tensor:
-    """A random weight for benchmarks: matrices ~ N(0, 0.02); norm weights 1, or 0 for Qwen3.5's zero-centred
-    RMSNorm (its weight enters as 1 + w); DeltaNet's A_log and dt_bias uniform in [0, 1); other vectors 1."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if name.endswith(("A_log", "dt_bias")):
-        return t.uniform_(0.0, 1.0, generator=gen)
-    if name.endswith("norm.weight") or len(shape) == 1:
-        return t.fill_(0.0 if owner == "Qwen3_5MoeRMSNorm" else 1.0)
-    return t.normal_(0.0, 0.02, generator=gen)
-
-
-def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
-                 offload_miss: str = "auto", routing: str = "uniform") -> LoadedModel:
-    """The same model with random weights (for `bench --shape`: measure hardware without a download).
-
-    Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise.
-    Random routers spread tokens evenly over the experts (`routing="uniform"`, the pessimistic case for the expert
-    cache); `routing="skewed"` then rescales the router rows so each layer has a few hot experts (`_skew_routers`)."""
-    from accelerate.utils import set_module_tensor_to_device
-
-    if routing not in ROUTINGS:
-        raise UsageError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
-    fam = family_for_model_type(text_config.model_type)
-    if fam is None or fam.unsupported:
-        raise UsageError(f"no random-weight build for {text_config.model_type!r}; supported: {supported_families()}")
-    model = _build_skeleton(text_config, dtype)
-    experts = _swap_experts(model, text_config)
-    budget = _plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
-    host = budget is not None and budget.offloading
-    gen = torch.Generator(device=device).manual_seed(seed)
-    owners = param_owners(model)
-    for name, p in list(model.named_parameters()):
-        t = random_value(name, p.shape, owners[name], dtype=dtype, device=device, gen=gen)
-        set_module_tensor_to_device(model, name, device, value=t)
-    if routing == "skewed":
-        _skew_routers(model, experts, seed)
-    for name, buf in model.named_buffers():
-        if buf.device != device:
-            set_module_tensor_to_device(model, name, device, value=buf)
-    pinned = device.type == "cuda"
-    for mod in experts.values():
-        shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
-        mats = []
-        for _ in range(3):
-            t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-            if host:  # master copy in host memory (drawn on the device for speed, then moved)
-                from localmoe.offload import host_buffer
-
-                buf, ok = host_buffer(shape, dtype, pin=pinned)
-                pinned = pinned and ok
-                t = buf.copy_(t)
-            mats.append(t)
-        mod.weights = ExpertWeights(*mats)
-    model.eval()
-    model.requires_grad_(False)
-    if fused:
-        _install_fused(model, device)
-    loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
-    if host:
-        _attach_cache(loaded, dtype, device, pinned, offload_miss)
-    return loaded

@@ -16,7 +16,7 @@ from localmoe.cli import main
 from localmoe.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.loader import build_random, router_weight
+from localmoe.random_weights import build_random, router_weight
 
 
 def test_real_shapes():
