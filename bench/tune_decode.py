@@ -1,7 +1,8 @@
 """Launch-parameter sweep of the fused decode kernels at Qwen3.5-35B-A3B shapes (GPU, not a test).
 
 router_topk (H 2048, E 256, k 8), shared_expert (H 2048, I 512) and gated_deltanet_step (H_k 16, H_v 32, d 128,
-conv 4), bf16. Each configuration is checked against the default launch (same outputs up to accumulation order)
+conv 4; its one-program-per-key-head grid, block_v None, against the split grid over value heads and d_v slices),
+bf16. Each configuration is checked against the default launch (same outputs up to accumulation order)
 and timed as a CUDA graph of 12 calls over 12 different weight sets (so L2 does not hold the weights;
 `triton.testing.do_bench` median, µs per call). Prints the table of the best per kernel and writes
 `$OUT/decode_params.json` ({"decode_params": {kernel: {shape: kwargs}}}) to merge into kernels/tuned/<device>.json.
@@ -138,7 +139,8 @@ def gd_check(kw):  # against the default launch from the same (timed runs advanc
     return max(float((gd_call(i, kw).float() - gd_call(i, {}).float()).abs().max()) for i in range(N))
 
 
-results.append(sweep("gated_deltanet_step", f"HK{HK}_HV{HV}_D{D}", {"num_warps": [2, 4, 8, 16]}, gd_calls, gd_check))
+results.append(sweep("gated_deltanet_step", f"HK{HK}_HV{HV}_D{D}",
+                     {"block_v": [None, 16, 32, 64], "num_warps": [2, 4, 8]}, gd_calls, gd_check))
 
 print("\n| kernel | shape | default µs | best µs | best launch | max abs diff vs default |")
 print("|---|---|---:|---:|---|---:|")

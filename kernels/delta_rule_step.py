@@ -11,9 +11,14 @@ Owns one Triton kernel `_gdn_step_kernel` and two checked launchers over it, plu
   updated in place, SiLU), split into q/k/v heads, beta = sigmoid(b), g = -exp(A_log)·softplus(a + dt_bias), the
   delta rule above, and the gated RMSNorm (`Qwen3_5MoeRMSNormGated`) with z. Reference: `gated_deltanet_step_ref`.
 
-Grid (B * H_k,): one program per key head; it owns that head's q/k conv channels and its R = H_v / H_k value heads
+Default grid (B * H_k,): one program per key head; it owns that head's q/k conv channels and its R = H_v / H_k value heads
 (value head h uses key head h // R, transformers' repeat_interleave), so the in-place conv-state update has no
 cross-program race. Each value head's [d_k, d_v] state is one register tile (fp32), read once and written once.
+`gated_deltanet_step(..., block_v=N)` launches `_gdn_split_kernel` instead: grid (B * H_v, d_v / N), one program per
+value head and N-column slice of its state (the delta rule is column-wise independent), 8x the programs at the real
+shape. Two self-cleaning ticket arrays order the shared writes: the last program of a key head writes the q/k
+conv window (after every program of it read the old one), and the last slice of a value head applies the gated
+RMSNorm over the whole d_v row from an fp32 workspace. Which grid is faster is data (`bench/tune_decode.py`).
 Every dtype round trip transformers makes (conv output to the weight dtype, SiLU, the core output to q's dtype,
 the norm's casts) is reproduced with `round_to`.
 
@@ -225,6 +230,118 @@ if triton is not None:
             tl.store(ksp, round_to(knew, cst_ptr.dtype.element_ty).to(cst_ptr.dtype.element_ty), mask=ksm)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _gdn_split_kernel(
+        x_ptr,  # mixed_qkv [B, C] (row stride stride_xb)
+        cst_ptr,  # conv_state [B, C, KS] (strides stride_cb, stride_cc; last dim contiguous)
+        cw_ptr,  # conv weight [C, KS] contiguous
+        cb_ptr,  # HAS_BIAS: conv bias [C]
+        a_ptr, b_ptr,  # [B, H_v] (row strides stride_ab, stride_bb)
+        alog_ptr, dtb_ptr,  # [H_v]
+        z_ptr,  # [B, H_v * d_v] (row stride stride_zb)
+        nw_ptr,  # norm weight [d_v]
+        s_ptr,  # state [B, H_v, d_k, d_v], strides (ss_b, ss_h, ss_k, 1), updated in place
+        o_ptr,  # out [B, H_v, d_v] contiguous
+        ws_ptr,  # fp32 [B, H_v, d_v] workspace: core output before the gated norm (fully rewritten each launch)
+        tk_ptr,  # int32 [B * H_k] tickets (zero between launches): q/k conv-state writers
+        th_ptr,  # int32 [B * H_v] tickets (zero between launches): gated-norm finishers
+        DK, DV, R, NVB,  # NVB = ceil(d_v / BLOCK_V) programs per value head
+        stride_xb, stride_cb, stride_cc, stride_ab, stride_bb, stride_zb,
+        ss_b, ss_h, ss_k,
+        scale_div, norm_eps,
+        HK: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        KS: tl.constexpr,
+        KS_P2: tl.constexpr,
+        ROUND_PROD: tl.constexpr,
+        DK_P2: tl.constexpr,
+        DV_P2: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        pid = tl.program_id(0)  # one (batch row, value head)
+        vb = tl.program_id(1)  # one BLOCK_V slice of that head's d_v columns
+        HV = HK * R
+        bi = (pid // HV).to(tl.int64)
+        h = pid % HV
+        hk = h // R
+        ik = tl.arange(0, DK_P2)
+        km = ik < DK
+        jv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        vm = jv < DV
+        io_dt: tl.constexpr = o_ptr.dtype.element_ty
+        # q, k of the key head: every program of it reads the OLD conv window; the last one writes the new
+        q, qnew, qsp, qsm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, hk * DK, DK, stride_xb, stride_cb,
+                                       stride_cc, HAS_BIAS, KS, KS_P2, DK_P2)
+        k, knew, ksp, ksm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, HK * DK + hk * DK, DK, stride_xb,
+                                       stride_cb, stride_cc, HAS_BIAS, KS, KS_P2, DK_P2)
+        q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q / scale_div
+        # this program's v channels: only it reads them, so it shifts their conv window itself
+        v, vnew, vsp, vsm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, 2 * HK * DK + h * DV + vb * BLOCK_V,
+                                       tl.minimum(DV - vb * BLOCK_V, BLOCK_V), stride_xb, stride_cb, stride_cc,
+                                       HAS_BIAS, KS, KS_P2, BLOCK_V)
+        av = tl.load(a_ptr + bi * stride_ab + h)
+        bv = tl.load(b_ptr + bi * stride_bb + h)
+        beta = round_to(1.0 / (1.0 + tl.exp(-bv.to(tl.float32))), bv.dtype)
+        x = av.to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
+        # the delta rule on this slice of columns: every column's update is independent of the others
+        sp_ = s_ptr + bi * ss_b + h * ss_h + ik[:, None] * ss_k + jv[None, :]
+        sm = km[:, None] & vm[None, :]
+        s = tl.load(sp_, mask=sm, other=0.0).to(tl.float32)  # [DK_P2, BLOCK_V]
+        s = s * tl.exp(g)
+        kv_mem = tl.sum(s * k[:, None], axis=0)
+        delta = (v - kv_mem) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)  # [BLOCK_V]
+        tl.store(sp_, round_to(s, s_ptr.dtype.element_ty).to(s_ptr.dtype.element_ty), mask=sm)
+        row = (bi * HV + h) * DV
+        tl.store(ws_ptr + row + jv, round_to(o, io_dt), mask=vm)  # core_attn_out.to(initial_dtype), kept fp32
+        tl.debug_barrier()  # every lane has read the old conv window and written its slice
+        tl.store(vsp, round_to(vnew, cst_ptr.dtype.element_ty).to(cst_ptr.dtype.element_ty), mask=vsm)
+        done_k = tl.atomic_add(tk_ptr + bi * HK + hk, 1, sem="acq_rel", scope="gpu")
+        if done_k == R * NVB - 1:  # every program of this key head has read the old q/k window
+            tl.store(qsp, round_to(qnew, cst_ptr.dtype.element_ty).to(cst_ptr.dtype.element_ty), mask=qsm)
+            tl.store(ksp, round_to(knew, cst_ptr.dtype.element_ty).to(cst_ptr.dtype.element_ty), mask=ksm)
+            tl.store(tk_ptr + bi * HK + hk, 0)
+        done_h = tl.atomic_add(th_ptr + bi * HV + h, 1, sem="acq_rel", scope="gpu")
+        if done_h == NVB - 1:  # the last slice of this head: the gated RMSNorm over the whole d_v row
+            jf = tl.arange(0, DV_P2)
+            fm = jf < DV
+            of = tl.load(ws_ptr + row + jf, mask=fm, other=0.0, cache_modifier=".cg")
+            hn = of * tl.math.rsqrt(tl.sum(of * of, axis=0) / DV + norm_eps)
+            pr = round_to(hn, io_dt) * tl.load(nw_ptr + jf, mask=fm, other=0.0).to(tl.float32)
+            if ROUND_PROD:
+                pr = round_to(pr, io_dt)
+            zz = tl.load(z_ptr + bi * stride_zb + h * DV + jf, mask=fm, other=0.0).to(tl.float32)
+            tl.store(o_ptr + row + jf, round_to(pr * (zz / (1.0 + tl.exp(-zz))), io_dt).to(io_dt), mask=fm)
+            tl.store(th_ptr + bi * HV + h, 0)
+
+
+_SPLIT_WORKSPACES: dict = {}
+_RETIRED: list = []  # outgrown workspaces stay alive: a captured CUDA graph may still point at them
+
+
+def _split_workspace(device, B: int, HK: int, HV: int, DV: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 [B*H_v*d_v] core outputs, int32 [B*H_k] and [B*H_v] zeroed tickets), one set per (device, stream),
+    grown on demand; the kernel leaves the tickets zeroed. Allocate before CUDA-graph capture (a warm-up call)."""
+    device = torch.device(device)
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    n_out, n_tick = B * HV * DV, B * HK + B * HV
+    buf = _SPLIT_WORKSPACES.get(key)
+    if buf is None or buf[0].numel() < n_out or buf[1].numel() < n_tick:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = (torch.empty(max(n_out, 1), dtype=torch.float32, device=device),
+               torch.zeros(max(n_tick, 1), dtype=torch.int32, device=device))
+        _SPLIT_WORKSPACES[key] = buf
+    return buf[0], buf[1][: B * HK], buf[1][B * HK: n_tick]
+
+
 def _warps(dk_p2: int, dv_p2: int) -> int:
     n = dk_p2 * dv_p2
     return 4 if n <= 4096 else (8 if n <= 16384 else 16)
@@ -269,7 +386,7 @@ def delta_rule_step(q, k, v, g, beta, state, *, out=None):
 
 def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bias, A_log, dt_bias, norm_weight,
                         norm_eps, state, num_k_heads, head_k_dim, num_v_heads, head_v_dim, out=None,
-                        num_warps: int | None = None):
+                        num_warps: int | None = None, block_v: int | None = None):
     """One cached decode token of `Qwen3_5MoeGatedDeltaNet` between the input projections and out_proj, one launch.
     mixed_qkv [B, C], z [B, H_v·d_v], a, b [B, H_v] (rows may be strided, last dim contiguous); conv_state
     [B, C, K] and state [B, H_v, d_k, d_v] are updated in place. Returns out [B, H_v·d_v] in mixed_qkv's dtype."""
@@ -297,6 +414,21 @@ def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bia
     round_prod = torch.promote_types(norm_weight.dtype, dt) == dt and dt != torch.float32
     dk2, dv2 = triton.next_power_of_2(DK), triton.next_power_of_2(DV)
     bias = conv_bias if conv_bias is not None else cw
+    if block_v is not None:  # split grid: (batch x value head, d_v slices), tickets for the shared writes
+        if block_v < 1 or block_v & (block_v - 1):
+            raise ValueError(f"block_v must be a power of two, got {block_v}")
+        bv = min(block_v, dv2)
+        nvb = triton.cdiv(DV, bv)
+        ws, tk, th = _split_workspace(mixed_qkv.device, B, HK, HV, DV)
+        _gdn_split_kernel[(B * HV, nvb)](
+            mixed_qkv, conv_state, cw, bias, a, b, A_log, dt_bias, z, norm_weight, state, out, ws, tk, th,
+            DK, DV, HV // HK, nvb,
+            mixed_qkv.stride(0), conv_state.stride(0), conv_state.stride(1), a.stride(0), b.stride(0), z.stride(0),
+            state.stride(0), state.stride(1), state.stride(2),
+            float(DK ** 0.5), float(norm_eps),
+            HK=HK, HAS_BIAS=conv_bias is not None, KS=KS, KS_P2=triton.next_power_of_2(KS), ROUND_PROD=round_prod,
+            DK_P2=dk2, DV_P2=dv2, BLOCK_V=bv, num_warps=num_warps or 4)
+        return out
     _gdn_step_kernel[(B * HK,)](
         mixed_qkv, mixed_qkv, mixed_qkv, conv_state, cw, bias, a, b, A_log, dt_bias, z, norm_weight, state, out,
         DK, DV, HV // HK,
