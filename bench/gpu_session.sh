@@ -19,7 +19,8 @@ step tests 90 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider tes
 step tune 120 python bench/tune_decode.py                  # includes the split-grid DeltaNet kernel (block_v)
 step engine 200 python bench/gpu_engine_check.py           # tiny families' tokens, then bench vs transformers
 step breakdown 80 python bench/step_breakdown.py 0.85
-step offload 120 python bench/offload_modes.py --cases direct:0.85,skewed,direct:0.85 --baseline-tokens 0
+step offload 150 python bench/offload_modes.py --cases direct:0.85,direct:0.85:16:bg,skewed,direct:0.85,direct:0.85:16:bg \
+    --baseline-tokens 0
 tail -n 3 "$OUT/tests.log"
 grep -A6 "^| kernel" "$OUT/tune.log"
 grep -A7 "^family" "$OUT/engine.log"

@@ -2,8 +2,9 @@
 offload as the baseline, in one run (H200, not a test).
 
 Builds the Qwen3.5-35B-A3B-shaped random engine once (bf16, `--vram` GiB, fused decode modules), then decodes each
-case on it: `mode:sparsity[:admit]` with mode direct (fused kernel reads misses' gate rows + kept rows from pinned
-host memory inside the CUDA graph; up to `admit` missed experts copied into slots after each step), copy
+case on it: `mode:sparsity[:admit[:bg]]` with mode direct (fused kernel reads misses' gate rows + kept rows from pinned
+host memory inside the CUDA graph; up to `admit` missed experts copied into slots after each step, on a side
+stream with `bg`), copy
 (copy-then-compute, eager) or cpu (misses computed on the CPU, eager); `skewed` rescales the routers in place
 (`random_weights.skew_routers`: a few hot experts per layer) for the cases after it. The accelerate baseline (stock
 transformers, `device_map` from `max_memory`) runs first in a child process so its host copy is freed before ours.
@@ -100,6 +101,7 @@ for case in args.cases.split(","):
     mode, sp, *rest = case.split(":")
     cache.mode = mode
     cache.admit_per_step = int(rest[0]) if rest else 16
+    cache.background = "bg" in rest[1:]  # admissions copied on a side stream (ExpertCache.background)
     engine.use_graphs = mode == "direct"  # copy / cpu decode eagerly (their misses need the host in the loop)
     engine._graph = None
     t0 = time.time()
@@ -108,7 +110,7 @@ for case in args.cases.split(","):
     except Exception as e:  # noqa: BLE001 - report and go on to the next case
         print(f"{case}: failed: {type(e).__name__}: {e}", flush=True)
         continue
-    emit(dict(case=f"localmoe {mode} admit {cache.admit_per_step} ({routing})", seconds=time.time() - t0, **{
+    emit(dict(case=f"localmoe {mode} admit {cache.admit_per_step}{' bg' if cache.background else ''} ({routing})", seconds=time.time() - t0, **{
         k: v for k, v in r.__dict__.items() if k != "name"}))
 print(f"slots: {cache.slots} of {cache.num_experts * len(engine.loaded.experts)} experts; "
       f"{engine.loaded.offload.summary()}")

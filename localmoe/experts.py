@@ -177,8 +177,9 @@ class LocalExperts(nn.Module):
         tau = self.tau if sparse else self._zeros_tau(x.device)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for t, row in enumerate(top_k_index.tolist()):
-            hit = [j for j, e in enumerate(row) if (layer, e) in c.lru]
-            miss = [j for j, e in enumerate(row) if (layer, e) not in c.lru]
+            live = [(layer, e) in c.lru and (layer, e) not in c.pending for e in row]  # pending: still copying
+            hit = [j for j, ok in enumerate(live) if ok]
+            miss = [j for j, ok in enumerate(live) if not ok]
             if hit:
                 j = torch.tensor(hit, device=x.device)
                 experts = top_k_index[t, j]

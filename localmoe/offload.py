@@ -121,7 +121,7 @@ class ExpertCache:
     """S GPU slots shared by all MoE layers; LRU over (layer, expert); per-layer slot tables on the device."""
 
     def __init__(self, slots: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-                 mode: str = "copy", admit_per_step: int = ADMIT_PER_STEP):
+                 mode: str = "copy", admit_per_step: int = ADMIT_PER_STEP, background: bool = False):
         E, I, H = shape
         if mode not in MISS_MODES:
             raise UsageError(f"offload miss mode must be one of {', '.join(MISS_MODES)}, got {mode!r}")
@@ -142,6 +142,12 @@ class ExpertCache:
         self.host_rows = torch.zeros((), dtype=torch.int64, device=device)
         self._host_rows_seen = 0
         self._admitted = 0
+        # direct/cpu admissions in the background (experimental, off until measured on a GPU): the copy runs on a
+        # side stream and the slot table flips to the new slot at the first step boundary after it completed, so
+        # the next step is not held up by it; until then the expert is read from host memory (and counts a miss)
+        self.background = background
+        self.pending: dict[tuple[int, int], object] = {}  # key -> its copy's CUDA event (None off CUDA)
+        self._copy_stream = None
 
     def add_layer(self, layer: int, master: ExpertWeights) -> None:
         self.masters[layer] = master
@@ -157,30 +163,69 @@ class ExpertCache:
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
 
-    def fetch(self, layer: int, experts: list[int], keep: set | None = None) -> None:
-        """Make `experts` of `layer` resident (len(experts) <= slots), never evicting `keep` or `experts`."""
+    def fetch(self, layer: int, experts: list[int], keep: set | None = None, background: bool = False) -> None:
+        """Make `experts` of `layer` resident (len(experts) <= slots), never evicting `keep` or `experts`; with
+        `background`, copied on a side stream and live from a later step boundary (`observe_step`)."""
         needed = {(layer, e) for e in experts} | (keep or set())
         if len(needed) > self.slots:
             raise RuntimeError(f"{len(needed)} experts needed at once but the cache has {self.slots} slots")
         for e in experts:
             key = (layer, e)
             if key in self.lru:
+                if key in self.pending:  # a background copy: this call needs it now
+                    self._settle(key, wait=True)
                 self.hits += 1
                 self.lru.move_to_end(key)
                 continue
             self.misses += 1
             slot = self.free.pop() if self.free else self._evict(needed)
             self.tables[layer][e] = -1  # (already) absent while its slot is written: stream order keeps this safe
-            src, dst = self.masters[layer], self.pool
-            for a, b in ((dst.w_gate, src.w_gate), (dst.w_up, src.w_up), (dst.w_down_t, src.w_down_t)):
-                a[slot].copy_(b[e], non_blocking=True)
+            if background:
+                self.pending[key] = self._copy_in_background(layer, e, slot)
+            else:
+                src, dst = self.masters[layer], self.pool
+                for a, b in ((dst.w_gate, src.w_gate), (dst.w_up, src.w_up), (dst.w_down_t, src.w_down_t)):
+                    a[slot].copy_(b[e], non_blocking=True)
+                self.tables[layer][e] = slot
             self.h2d_bytes += self.expert_bytes
             self.lru[key] = slot
-            self.tables[layer][e] = slot
+
+    def _copy_in_background(self, layer: int, e: int, slot: int):
+        """Copy expert e of `layer` into `slot` on a side stream (after everything queued so far); its event."""
+        src, dst = self.masters[layer], self.pool
+        pairs = ((dst.w_gate, src.w_gate), (dst.w_up, src.w_up), (dst.w_down_t, src.w_down_t))
+        if self.pool.w_gate.device.type != "cuda":  # no streams: copy now, the table still flips a step later
+            for a, b in pairs:
+                a[slot].copy_(b[e])
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.pool.w_gate.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.pool.w_gate.device))
+        with torch.cuda.stream(self._copy_stream):
+            for a, b in pairs:
+                a[slot].copy_(b[e], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        return ev
+
+    def _settle(self, key: tuple[int, int], wait: bool) -> bool:
+        """Make a background-copied expert live (its slot in the table) if its copy is done, or after waiting for it
+        on the current stream when `wait`. True when it went live."""
+        ev = self.pending[key]
+        if ev is not None:
+            if wait:
+                torch.cuda.current_stream(self.pool.w_gate.device).wait_event(ev)
+            elif not ev.query():
+                return False
+        del self.pending[key]
+        self.tables[key[0]][key[1]] = self.lru[key]
+        return True
 
     def _evict(self, keep: set) -> int:
         for key in self.lru:
             if key not in keep:
+                if key in self.pending:  # its copy may still be writing the slot: later work waits for it
+                    self._settle(key, wait=True)
                 slot = self.lru.pop(key)
                 self.tables[key[0]][key[1]] = -1
                 return slot
@@ -193,7 +238,10 @@ class ExpertCache:
         for e in routed:
             key = (layer, e)
             if key in self.lru:
-                self.hits += 1
+                if key in self.pending:  # still copying in the background: the kernel read it from host memory
+                    self.misses += 1
+                else:
+                    self.hits += 1
                 self.lru.move_to_end(key)
             else:
                 self.misses += 1
@@ -208,7 +256,7 @@ class ExpertCache:
             self._admitted += 1
             hits, misses, moved = self.hits, self.misses, self.h2d_bytes
             try:
-                self.fetch(layer, [e], keep={(layer, x) for x in seen})
+                self.fetch(layer, [e], keep={(layer, x) for x in seen}, background=self.background)
             except RuntimeError:  # every slot holds something this step needs: try again next step
                 break
             self.hits, self.misses = hits, misses  # admission is not a lookup
@@ -230,6 +278,8 @@ class ExpertCache:
             n = m.last_routing.numel()
             self.observe(m.layer_idx, routed[at:at + n])
             at += n
+        for key in list(self.pending):  # background copies that finished go live for the next step
+            self._settle(key, wait=False)
 
     def slot_tau(self, slots: torch.Tensor, experts: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
         """Thresholds indexed by slot [S] for kernels that address the pool: each expert's τ follows it."""
