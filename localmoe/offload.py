@@ -2,7 +2,8 @@
 
 Placement: the non-expert modules, the KV/recurrent state and a workspace reserve must fit in the budget (else a
 one-line error with the numbers); what is left becomes slots of an expert cache. Every expert's master copy lives
-in host memory (pinned when possible, pageable with a notice when pinning fails). The cache is expert-granular
+in host memory (pinned when possible, pageable with a notice when pinning fails; refused up front, with the GiB
+needed and available, when the host cannot hold them). The cache is expert-granular
 and shared by all layers, least-recently-used first out, never evicting an expert the current layer call needs.
 Each layer has a slot table on the device (expert → slot, -1 when absent), so the compute kernels read the pool
 through slot ids. Three ways to serve a miss (MISS_MODES; the loader's "auto" picks direct on CUDA with pinned
