@@ -129,7 +129,8 @@ def calibrate_ids(engine, sparsity: float, ids: list[int], *, progress: Progress
         m.recorder = r
     try:
         for i, c in enumerate(chunks):
-            engine.model(input_ids=torch.tensor([c], device=engine._device), use_cache=False)
+            engine.model(input_ids=torch.tensor([c], device=engine._device), use_cache=False,
+                         **engine._logits_kw)  # only the experts' gate values are wanted, not every position's logits
             if progress:
                 progress("calibrate", i + 1, len(chunks))
     finally:
