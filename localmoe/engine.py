@@ -86,7 +86,8 @@ class Engine:
         budget = vram_budget(dev, vram_gib)
         try:
             loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress, vram_bytes=budget,
-                                context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss)
+                                context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
+                                on_notice=on_notice)
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
                 f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
@@ -115,7 +116,7 @@ class Engine:
         config = shape_config(shape)
         loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
                               context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
-                              routing=routing)
+                              routing=routing, on_notice=on_notice)
         spec = load_registry().get(shape)
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)

@@ -115,7 +115,7 @@ def _keep_fp32(model) -> list[str]:
     return keep
 
 
-def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int):
+def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None):
     from localmoe import offload
 
     el = torch.finfo(dtype).bits // 8
@@ -127,20 +127,22 @@ def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, cont
     budget = offload.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
                           state=offload.state_bytes(text_config, context, dtype), expert_bytes=3 * I * H * el,
                           total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)))
-    offload.check_host_ram(budget, offload.available_ram())
+    warning = offload.host_ram_notice(budget, offload.available_ram())
+    if warning and on_notice:
+        on_notice(warning)
     return budget
 
 
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
                vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
-               offload_miss: str = "auto") -> LoadedModel:
+               offload_miss: str = "auto", on_notice=None) -> LoadedModel:
     from accelerate.utils import set_module_tensor_to_device
 
     _, text_config, fam = read_config(path)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
     fp32_modules = _keep_fp32(model)
-    budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
+    budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice) if vram_bytes else None
     host = budget is not None and budget.offloading
     pinned = [device.type == "cuda"]  # cleared when pinning fails
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}

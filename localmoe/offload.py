@@ -2,8 +2,8 @@
 
 Placement: the non-expert modules, the KV/recurrent state and a workspace reserve must fit in the budget (else a
 one-line error with the numbers); what is left becomes slots of an expert cache. Every expert's master copy lives
-in host memory (pinned when possible, pageable with a notice when pinning fails; refused up front, with the GiB
-needed and available, when the host cannot hold them). The cache is expert-granular
+in host memory (pinned when possible, pageable with a notice when pinning fails; a notice before the load when they
+look larger than the RAM available). The cache is expert-granular
 and shared by all layers, least-recently-used first out, never evicting an expert the current layer call needs.
 Each layer has a slot table on the device (expert → slot, -1 when absent), so the compute kernels read the pool
 through slot ids. Three ways to serve a miss (MISS_MODES; the loader's "auto" picks direct on CUDA with pinned
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.errors import RuntimeFailure, UsageError
+from localmoe.errors import UsageError
 from localmoe.experts import ExpertWeights
 
 GiB = 1 << 30
@@ -99,13 +99,14 @@ def available_ram() -> int | None:
     return None
 
 
-def check_host_ram(plan: OffloadPlan, available: int | None) -> None:
-    """Refuse up front (one line, with the numbers) when the expert master copies cannot fit in host memory."""
+def host_ram_notice(plan: OffloadPlan, available: int | None) -> str | None:
+    """A one-line warning, before the load, when the expert master copies look larger than the host RAM available
+    now (a warning, not a refusal: VMs whose memory grows on demand report too little up front)."""
     need = plan.total_experts * plan.expert_bytes
-    if plan.offloading and available is not None and need > available:
-        raise RuntimeFailure(
-            f"offloading needs {need / GiB:.1f} GiB of host RAM for the expert master copies but "
-            f"{available / GiB:.1f} GiB is available: close other programs, or run a smaller model")
+    if not plan.offloading or available is None or need <= available:
+        return None
+    return (f"the expert master copies need {need / GiB:.1f} GiB of host RAM and {available / GiB:.1f} GiB is "
+            "available now: if loading fails, close other programs or run a smaller model")
 
 
 def host_buffer(shape, dtype, pin: bool) -> tuple[torch.Tensor, bool]:

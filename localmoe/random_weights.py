@@ -70,7 +70,7 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
 
 def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
-                 offload_miss: str = "auto", routing: str = "uniform") -> LoadedModel:
+                 offload_miss: str = "auto", routing: str = "uniform", on_notice=None) -> LoadedModel:
     """The same model with random weights (for `bench --shape`: measure hardware without a download).
 
     Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise.
@@ -85,7 +85,7 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
         raise UsageError(f"no random-weight build for {text_config.model_type!r}; supported: {supported_families()}")
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
-    budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context) if vram_bytes else None
+    budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice) if vram_bytes else None
     host = budget is not None and budget.offloading
     gen = torch.Generator(device=device).manual_seed(seed)
     owners = param_owners(model)
