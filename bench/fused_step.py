@@ -2,16 +2,15 @@
 
 Random bf16 weights at Qwen3.5-35B-A3B shapes (`Engine.random("qwen3.5-35b")`), CUDA-graph decode on. For each
 sparsity and each mode (same process, same weights): "stock" (transformers modules), "fused-no-moe"
-(`fused.install(model, exclude=MoE blocks)`: RMSNorms + Gated DeltaNet step only, the previous --fused), "fused"
-(the whole table: also the MoE block's router and shared expert), each followed by `fused.uninstall(model)`.
+(`fused.install(model, exclude=MoE blocks)`: RMSNorms + Gated DeltaNet step only), "fused" (the whole table, the
+engine's default on CUDA: also the MoE block's router and shared expert), any of them with "-compile", and
+"only:<class>" (one table entry alone, to bisect); every mode starts from `fused.uninstall(model)`.
 Per mode it reports graph decode tok/s (Engine.generate, greedy, prompt 128),
 kernels per eager step (torch.profiler, CUDA kernel events / step), and checks the fused step against the stock one:
 greedy tokens from the graph decode (common prefix length) and the max logit difference over teacher-forced eager
-steps. Writes fused_step.json under $OUT when set.
-
-Note: `build_random` fills every `*norm.weight` of Qwen3.5 with 0 (right for the zero-centred norms), which also
-zeroes the Gated DeltaNet's gated norm (`linear_attn.norm.weight`, a plain `w * x̂` norm) and so every DeltaNet
-output; this script sets those weights to 1 so the check sees the DeltaNet path.
+steps. Writes fused_step.json under $OUT when set. On random 35B weights those two checks are not a correctness
+test: stock against itself drifts as much (the random network amplifies the summation order of GPU atomics);
+correctness comes from tests/test_fused.py and bench/gpu_engine_check.py on the tiny families.
 
 Usage: PYTHONUNBUFFERED=1 python bench/fused_step.py [--sparsity 0,0.85] [--decode 128] [--prompt 128]
 """
@@ -49,10 +48,6 @@ engine = Engine.random(args.shape, device=DEV, dtype=torch.bfloat16)
 engine.set_context(args.prompt + args.decode + 16)
 engine.eos_ids = set()
 model = engine.model
-with torch.no_grad():
-    for name, p in model.named_parameters():
-        if name.endswith("linear_attn.norm.weight"):
-            p.fill_(1.0)
 print(f"engine ready in {time.time() - t_start:.0f} s", flush=True)
 kw = engine._cache_kw
 V = engine.loaded.config.vocab_size
