@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from localmoe.kernels.workspace import zeroed_int32
+
 try:  # Triton is optional at import time; the launchers need it.
     import triton
     import triton.language as tl
@@ -322,24 +324,13 @@ if triton is not None:
             tl.store(th_ptr + bi * HV + h, 0)
 
 
-_SPLIT_WORKSPACES: dict = {}
-_RETIRED: list = []  # outgrown workspaces stay alive: a captured CUDA graph may still point at them
-
-
 def _split_workspace(device, B: int, HK: int, HV: int, DV: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp32 [B*H_v*d_v] core outputs, int32 [B*H_k] and [B*H_v] zeroed tickets), one set per (device, stream),
-    grown on demand; the kernel leaves the tickets zeroed. Allocate before CUDA-graph capture (a warm-up call)."""
-    device = torch.device(device)
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    n_out, n_tick = B * HV * DV, B * HK + B * HV
-    buf = _SPLIT_WORKSPACES.get(key)
-    if buf is None or buf[0].numel() < n_out or buf[1].numel() < n_tick:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = (torch.empty(max(n_out, 1), dtype=torch.float32, device=device),
-               torch.zeros(max(n_tick, 1), dtype=torch.int32, device=device))
-        _SPLIT_WORKSPACES[key] = buf
-    return buf[0], buf[1][: B * HK], buf[1][B * HK: n_tick]
+    """(fp32 [B*H_v*d_v] core outputs, int32 [B*H_k] and [B*H_v] tickets) per (device, stream). The tickets come
+    from a buffer of their own (the kernel leaves them zeroed); the outputs are rewritten by every launch."""
+    n_tk = B * HK
+    tickets = zeroed_int32("gdn_split_tickets", device, n_tk + B * HV)
+    out = zeroed_int32("gdn_split_out", device, B * HV * DV)[: B * HV * DV].view(torch.float32)
+    return out, tickets[:n_tk], tickets[n_tk:n_tk + B * HV]
 
 
 def _warps(dk_p2: int, dv_p2: int) -> int:

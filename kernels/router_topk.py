@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.kernels.workspace import zeroed_int32
+
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
@@ -141,22 +143,10 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 # ticket buffers
 # ----------------------------------------------------------------------------------------------------------
-_TICKETS: dict = {}
-_RETIRED: list = []  # outgrown buffers stay alive: a captured CUDA graph may still point at them
-
-
 def router_tickets(device, numel: int = 1) -> torch.Tensor:
     """Zeroed int32 ticket buffer with >= numel entries, one per (device, stream); the kernel leaves it zeroed.
     Create it before CUDA-graph capture (or pass your own zeroed buffer as `tickets=`)."""
-    device = torch.device(device)
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    buf = _TICKETS.get(key)
-    if buf is None or buf.numel() < numel:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(numel, 64), dtype=torch.int32, device=device)
-        _TICKETS[key] = buf
-    return buf
+    return zeroed_int32("router_topk", device, numel)
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, *,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from localmoe.kernels.checks import expert_weights
+from localmoe.kernels.workspace import zeroed_int32
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -190,25 +191,13 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 # workspace
 # ----------------------------------------------------------------------------------------------------------
-_WORKSPACES: dict = {}
-_RETIRED: list = []  # outgrown workspaces stay alive: a captured CUDA graph may still point at them
-
-
 def fused_workspace(device, numel: int = 0) -> torch.Tensor:
     """Zeroed int32 workspace with >= numel elements, one per (device, stream); kernels leave it zeroed.
 
     A launch with T tokens, k experts, hidden H uses T*H + T*k + T elements (fp32 sums, counts, tickets).
     Allocate it before CUDA-graph capture (or pass your own zeroed int32 buffer as `workspace=`): a first
     allocation during capture lands in the graph's private pool."""
-    device = torch.device(device)
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(numel, 1 << 14), dtype=torch.int32, device=device)
-        _WORKSPACES[key] = buf
-    return buf
+    return zeroed_int32("sparse_fused", device, numel, minimum=1 << 14)
 
 
 class _HostPointer:
