@@ -3,8 +3,9 @@ offload as the baseline, in one run (H200, not a test).
 
 Builds the Qwen3.5-35B-A3B-shaped random engine once (bf16, `--vram` GiB, fused decode modules), then decodes each
 case on it: `mode:sparsity[:admit[:bg]]` with mode direct (fused kernel reads misses' gate rows + kept rows from pinned
-host memory inside the CUDA graph; up to `admit` missed experts copied into slots after each step, on a side
-stream with `bg`), copy
+host memory inside the CUDA graph, the cache's VRAM holding gates first: `offload.gate_tier_split`; up to `admit`
+missed experts' up/down copied into slots after each step, on a side stream with `bg`), whole (direct misses with
+whole-expert slots, the layout before the gate tier), copy
 (copy-then-compute, eager) or cpu (misses computed on the CPU, eager); `skewed` rescales the routers in place
 (`random_weights.skew_routers`: a few hot experts per layer) for the cases after it. The accelerate baseline (stock
 transformers, `device_map` from `max_memory`) runs first in a child process so its host copy is freed before ours.
@@ -30,8 +31,8 @@ ap.add_argument("--vram", type=float, default=24.0)
 ap.add_argument("--shape", default="qwen3.5-35b")
 ap.add_argument("--prompt", type=int, default=128)
 ap.add_argument("--decode", type=int, default=48)
-ap.add_argument("--cases", default="direct:0,direct:0.85,direct:0.85:64,copy:0.85,cpu:0.85,skewed,direct:0.85,"
-                                   "copy:0.85")
+ap.add_argument("--cases", default="direct:0,direct:0.85,whole:0.85,copy:0.85,cpu:0.85,skewed,direct:0.85,"
+                                   "whole:0.85")
 ap.add_argument("--baseline-tokens", type=int, default=3, help="0: no accelerate baseline")
 ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)  # the child process
 args = ap.parse_args()
@@ -81,6 +82,7 @@ if args.baseline_tokens:
 from localmoe.benchmark import _run, copy_bandwidth  # noqa: E402
 from localmoe.engine import Engine  # noqa: E402
 from localmoe.experts import LocalExperts  # noqa: E402
+from localmoe.loader import attach_cache  # noqa: E402
 from localmoe.random_weights import skew_routers  # noqa: E402
 
 t0 = time.time()
@@ -88,7 +90,6 @@ engine = Engine.random(args.shape, device=DEV, dtype=torch.bfloat16, vram_gib=ar
                        context=args.prompt + args.decode + 64, on_notice=lambda s: print(f"note: {s}", flush=True),
                        fused=True, offload_miss="direct")
 print(f"engine built in {time.time() - t0:.0f} s", flush=True)
-cache = engine.loaded.cache
 prompt = prompt_ids(engine.loaded.config.vocab_size)
 bw = copy_bandwidth(DEV)
 routing = "uniform"
@@ -99,10 +100,16 @@ for case in args.cases.split(","):
         routing = "skewed"
         continue
     mode, sp, *rest = case.split(":")
-    cache.mode = mode
+    miss, tier = ("direct", mode == "direct") if mode in ("direct", "whole") else (mode, False)
+    cache = engine.loaded.cache
+    if (cache.mode, bool(cache.gate_slots)) != (miss, tier):
+        engine._graph = None
+        torch.cuda.empty_cache()
+        attach_cache(engine.loaded, torch.bfloat16, DEV, engine.loaded.host_pinned, miss, gate_tier=tier)
+        cache = engine.loaded.cache
     cache.admit_per_step = int(rest[0]) if rest else 16
     cache.background = "bg" in rest[1:]  # admissions copied on a side stream (ExpertCache.background)
-    engine.use_graphs = mode == "direct"  # copy / cpu decode eagerly (their misses need the host in the loop)
+    engine.use_graphs = miss == "direct"  # copy / cpu decode eagerly (their misses need the host in the loop)
     engine._graph = None
     t0 = time.time()
     try:
@@ -110,7 +117,8 @@ for case in args.cases.split(","):
     except Exception as e:  # noqa: BLE001 - report and go on to the next case
         print(f"{case}: failed: {type(e).__name__}: {e}", flush=True)
         continue
-    emit(dict(case=f"localmoe {mode} admit {cache.admit_per_step}{' bg' if cache.background else ''} ({routing})", seconds=time.time() - t0, **{
+    emit(dict(case=f"localmoe {mode}{' gates ' + str(cache.gate_slots) if cache.gate_slots else ''} admit {cache.admit_per_step}{' bg' if cache.background else ''} ({routing})", seconds=time.time() - t0, **{
         k: v for k, v in r.__dict__.items() if k != "name"}))
-print(f"slots: {cache.slots} of {cache.num_experts * len(engine.loaded.experts)} experts; "
+cache = engine.loaded.cache
+print(f"gate slots {cache.gate_slots}, up/down slots: {cache.slots} of {cache.num_experts * len(engine.loaded.experts)} experts; "
       f"{engine.loaded.offload.summary()}")

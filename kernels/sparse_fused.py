@@ -98,6 +98,8 @@ if triton is not None:
         tick_ptr,  # [T] int32 tickets, zero between launches (FINALIZE only)
         kept_ptr,  # int64 running total of kept neurons (KEPT_TOTAL only)
         host_ptr,  # int64 running total of weight rows read from host memory (HOST_ROWS only)
+        gslot_ptr,  # [E] int32/int64 expert -> gate slot in pg, -1 absent (GATE_TABLE only)
+        rows_ptr,  # int64 running total of weight rows read, device and host (READ_ROWS only)
         I,
         K,  # experts per token
         stride_xt,
@@ -115,6 +117,8 @@ if triton is not None:
         FINALIZE: tl.constexpr,
         KEPT_TOTAL: tl.constexpr,
         HOST_ROWS: tl.constexpr,
+        GATE_TABLE: tl.constexpr,  # gates have their own slot table (and pool size) apart from up/down
+        READ_ROWS: tl.constexpr,
     ):
         pid_tj = tl.program_id(0)  # one (token, routed expert) pair
         pid_i = tl.program_id(1)  # one block of BLOCK_I neurons
@@ -125,7 +129,11 @@ if triton is not None:
             s = tl.load(slot_ptr + e).to(tl.int64)
             res = s >= 0
             s = tl.maximum(s, 0)
-            g_base = tl.where(res, pg_ptr + s * stride_pge, wg_ptr + e * stride_ge)
+            if GATE_TABLE:
+                gs = tl.load(gslot_ptr + e).to(tl.int64)
+                g_base = tl.where(gs >= 0, pg_ptr + tl.maximum(gs, 0) * stride_pge, wg_ptr + e * stride_ge)
+            else:
+                g_base = tl.where(res, pg_ptr + s * stride_pge, wg_ptr + e * stride_ge)
             u_base = tl.where(res, pu_ptr + s * stride_pue, wu_ptr + e * stride_ue)
             d_base = tl.where(res, pd_ptr + s * stride_pde, wd_ptr + e * stride_de)
         else:
@@ -184,8 +192,14 @@ if triton is not None:
                 if HOST_ROWS:  # absent experts: all gate rows + the kept up and down rows crossed PCIe
                     ee = tl.load(eid_ptr + crow, mask=km, other=0).to(tl.int64)
                     absent = km & (tl.load(slot_ptr + ee, mask=km, other=0) < 0)
-                    hr = tl.where(absent, I + 2 * c, 0).to(tl.int64)
+                    if GATE_TABLE:
+                        g_absent = km & (tl.load(gslot_ptr + ee, mask=km, other=0) < 0)
+                        hr = tl.where(g_absent, I, 0).to(tl.int64) + tl.where(absent, 2 * c, 0).to(tl.int64)
+                    else:
+                        hr = tl.where(absent, I + 2 * c, 0).to(tl.int64)
                     tl.atomic_add(host_ptr, tl.sum(hr, axis=0), sem="relaxed")
+                if READ_ROWS:  # every routed expert: I gate rows + 2 per kept neuron, wherever they live
+                    tl.atomic_add(rows_ptr, tl.sum(tl.where(km, I + 2 * c, 0).to(tl.int64), axis=0), sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -235,6 +249,8 @@ def sparse_fused(
     workspace=None,
     kept_total=None,
     host_rows=None,
+    gate_table=None,
+    read_rows=None,
     BLOCK_I: int = 8,
     num_warps: int = 8,
 ):
@@ -255,10 +271,15 @@ def sparse_fused(
       `pool_gate/pool_up/pool_down_t` [S,I,H] on x's device, each with the dtype of the matching master; then
       w_gate/w_up/w_down_t are the master copies, on x's device or in host memory (pinned when x is on CUDA).
       Absent experts are read from the master copies in place (only gate rows and kept rows cross PCIe).
+      With `gate_table` [E] (gate slot in pool_gate, -1 when absent) the gates have their own table and pool_gate
+      its own slot count [Sg,I,H]: a gate can be resident while its expert's up/down rows are not (the gate is
+      read whole for every routed expert, the up/down rows only where kept, so VRAM holds gates first).
 
     * stats (accumulate=False only): `kept_total` (int64 one-element tensor) += the launch's kept neurons;
       `host_rows` (int64 one-element, offload only) += the weight rows read from host memory (I gate rows + 2 per
-      kept neuron of each absent routed expert). Added in the kernel's tail: no extra launch in a captured step.
+      kept neuron of each absent routed expert); `read_rows` (int64 one-element) += all weight rows read (I + 2 per
+      kept neuron of each routed expert, resident or not). Added in the kernel's tail: no extra launch in a
+      captured step.
 
     Fixed grid (T*k, ceil(I/BLOCK_I)), no host sync: CUDA-graph capturable.
     """
@@ -289,11 +310,16 @@ def sparse_fused(
             raise ValueError(f"slot_table is on {slot_table.device}, x is on {dev}")
         if pool_gate.dim() != 3:
             raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pool_gate.shape)}")
-        S = pool_gate.shape[0]
-        if S < 1:
+        S = pool_up.shape[0] if pool_up.dim() == 3 else 0
+        Sg = pool_gate.shape[0] if gate_table is not None else S
+        if S < 1 or Sg < 1:
             raise ValueError("the pools need at least one slot")
-        for (name, w), pname, p in zip(masters, ("pool_gate", "pool_up", "pool_down_t"), pools):
-            expert_weights(pname, p, S, I, H, dev)
+        if gate_table is not None and (gate_table.dim() != 1 or gate_table.shape[0] != E
+                                       or gate_table.dtype not in _INT_DTYPES or gate_table.device != dev):
+            raise ValueError(f"gate_table must be int32/int64 [E] = [{E}] on {dev}, got {gate_table.dtype} "
+                             f"{tuple(gate_table.shape)} on {gate_table.device}")
+        for (name, w), pname, p, n in zip(masters, ("pool_gate", "pool_up", "pool_down_t"), pools, (Sg, S, S)):
+            expert_weights(pname, p, n, I, H, dev)
             if p.dtype != w.dtype:
                 raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a dtype")
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
@@ -333,6 +359,13 @@ def sparse_fused(
             raise ValueError(f"{name} must be a one-element int64 tensor on {dev}")
     if host_rows is not None and not offload:
         raise ValueError("host_rows counts host reads of offloaded experts: it needs slot_table")
+    if gate_table is not None and not offload:
+        raise ValueError("gate_table addresses the gate pool of offloaded experts: it needs slot_table")
+    if read_rows is not None:
+        if accumulate:
+            raise ValueError("read_rows is counted in the finalising tail: not with accumulate=True")
+        if read_rows.dtype != torch.int64 or read_rows.numel() != 1 or read_rows.device != dev:
+            raise ValueError(f"read_rows must be a one-element int64 tensor on {dev}")
     if T == 0 or k == 0:
         if not accumulate:
             out.zero_()
@@ -366,9 +399,11 @@ def sparse_fused(
     _sparse_fused_kernel[(T * k, triton.cdiv(I, bi))](
         x, wg, wu, wd, pg, pu, pd, st, expert_ids.contiguous(), weights.contiguous(), tau, out, count,
         acc, cws, tick, kept_total if kept_total is not None else count,
-        host_rows if host_rows is not None else count, I, k, x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), *sp,
+        host_rows if host_rows is not None else count, gate_table if gate_table is not None else st,
+        read_rows if read_rows is not None else count, I, k, x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), *sp,
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
-        HOST_ROWS=host_rows is not None, num_warps=num_warps,
+        HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
+        num_warps=num_warps,
     )
     return out, count

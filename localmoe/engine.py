@@ -136,7 +136,11 @@ class Engine:
             if pin_failed:
                 raise RuntimeFailure("--offload-miss direct needs pinned host memory, which could not be allocated: "
                                      "free RAM or use --offload-miss copy")
-            self._notice("expert misses are read straight from pinned host memory inside the CUDA graph")
+            cache = loaded.cache
+            tier = (f"; VRAM holds {cache.gate_slots} of {cache.num_experts * len(cache.masters)} experts' gates "
+                    f"and {cache.slots} experts' up/down rows (gates first: read whole for every routed expert)"
+                    if cache.gate_slots else "")
+            self._notice("expert misses are read straight from pinned host memory inside the CUDA graph" + tier)
         elif loaded.cache.mode == "cpu":
             self.use_graphs = False
             self._notice("expert misses are computed on the CPU; decoding eagerly (no CUDA graph)")
@@ -147,7 +151,7 @@ class Engine:
     def _after_step(self) -> None:
         """Direct-miss offloading: let the expert cache see what the step routed to (and admit some misses)."""
         cache = self.loaded.cache
-        if cache is not None and cache.mode in ("direct", "cpu"):
+        if cache is not None and cache.admits:
             cache.observe_step(self.loaded.experts)
 
     def _eos_ids(self) -> set[int]:
@@ -274,9 +278,10 @@ class Engine:
         t_decode = time.perf_counter()
         finish = "length"
         # pipelined: step N+1 is launched (its input, token N, is already on the device) before token N goes to
-        # the consumer, so detokenising, streaming and stats overlap the GPU's work; not with direct/cpu misses,
-        # whose bookkeeping reads the step's routing back before the next one
-        pipelined = self.pipeline_decode and (expert_cache is None or expert_cache.mode == "copy")
+        # the consumer, so detokenising, streaming and stats overlap the GPU's work; not while direct/cpu misses
+        # admit experts, which reads the step's routing back before the next one
+        pipelined = self.pipeline_decode and (expert_cache is None or expert_cache.mode == "copy"
+                                              or not expert_cache.admits)
         host_tok = torch.empty((), dtype=torch.long, pin_memory=True) if cuda and pipelined else None
         ready = torch.cuda.Event() if host_tok is not None else None
 

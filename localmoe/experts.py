@@ -159,7 +159,8 @@ class LocalExperts(nn.Module):
         y, _ = sparse_fused(x, m.w_gate, m.w_up, m.w_down_t, top_k_index, top_k_weights, tau,
                             torch.empty(x.shape, dtype=x.dtype, device=x.device), slot_table=c.tables[self.layer_idx],
                             pool_gate=c.pool.w_gate, pool_up=c.pool.w_up, pool_down_t=c.pool.w_down_t,
-                            kept_total=self._kept_on(x.device) if sparse else None, host_rows=c.host_rows, **p)
+                            gate_table=c.gate_tables.get(self.layer_idx), kept_total=self._kept_on(x.device) if sparse
+                            else None, host_rows=c.host_rows, read_rows=c.read_rows, **p)
         self.last_routing = top_k_index  # graph replays rewrite this tensor in place
         if sparse:
             self.seen += top_k_index.numel() * self.intermediate_size
@@ -215,10 +216,9 @@ class LocalExperts(nn.Module):
     # -- dense: tokens grouped by expert (prefill, calibration, sparsity off) --------------------------
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,H], up [I,H], down_t [I,H]) of expert e, from the cache when offloaded."""
-        w = self.weights
         if self.cache is not None:
-            self.cache.fetch(self.layer_idx, [e])
-            w, e = self.cache.pool, self.cache.lru[(self.layer_idx, e)]
+            return self.cache.expert(self.layer_idx, e)
+        w = self.weights
         return w.w_gate[e], w.w_up[e], w.w_down_t[e]
 
     def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -227,19 +227,25 @@ def install_fused(model, device: torch.device) -> None:
     fused.install(model, device)
 
 
-def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto") -> None:
-    """Experts' weights are host master copies: put the GPU expert cache in front of them. Miss mode "auto": direct
-    reads from pinned host memory on CUDA (the fastest measured), else copy-then-compute."""
-    from localmoe.offload import ExpertCache
+def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto", gate_tier: bool = True) -> None:
+    """Experts' weights are host master copies: put the GPU expert cache in front of them (replacing one attached
+    before). Miss mode "auto": direct reads from pinned host memory on CUDA (the fastest measured), else
+    copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first (`offload.gate_tier_split`)."""
+    from localmoe import offload
 
     if miss == "auto":
         miss = "direct" if torch.device(device).type == "cuda" and pinned else "copy"
     m0 = loaded.experts[0]
-    cache = ExpertCache(loaded.offload.slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device,
-                        mode=miss)
+    for m in loaded.experts:
+        m.cache = None
+    loaded.cache = None  # the old pools go before the new ones are allocated
+    gates, slots = offload.gate_tier_split(loaded.offload) if miss == "direct" and gate_tier else (0, loaded.offload.slots)
+    cache = offload.ExpertCache(slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device,
+                                mode=miss, gate_slots=gates)
     for m in loaded.experts:
         cache.add_layer(m.layer_idx, m.weights)
         m.cache = cache
+    cache.place_gates()
     loaded.cache = cache
     loaded.host_pinned = pinned
 

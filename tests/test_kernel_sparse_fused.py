@@ -181,6 +181,43 @@ def test_running_totals(T):
         sparse_fused(x, wg, wu, wd, ids, rw, tau, kept_total=torch.zeros(1, dtype=torch.int32, device=DEV))
 
 
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_table_addressing_equals_resident(T, dtype):
+    """Gates in their own pool and table (Sg != S): gate resident with up/down absent, the reverse, both, neither;
+    host_rows counts I for each absent gate and 2 per kept neuron of absent up/down; read_rows counts everything."""
+    H, I, E, k = 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=29 + T)
+    ga = gate_abs(x, wg, ids)
+    gtable = torch.tensor([0, 5, -1, 2, -1])  # gate slots, Sg = 6
+    utable = torch.tensor([-1, 1, -1, 0, 2])  # up/down slots, S = 3
+    for s in (0.0, 0.5, "all"):
+        tau = tau_for(ga, ids, s, E)
+        y_res, c_res = sparse_fused(x, wg, wu, wd, ids, rw, tau, BLOCK_I=16)
+        (pg, _, _), (mg, _, _) = offload_layout(wg, wu, wd, gtable, S=6)
+        (_, pu, pd), (_, mu, md) = offload_layout(wg, wu, wd, utable, S=3)
+        host = torch.zeros(1, dtype=torch.int64, device=DEV)
+        rows = torch.zeros(1, dtype=torch.int64, device=DEV)
+        y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=utable.to(DEV), pool_gate=pg, pool_up=pu,
+                            pool_down_t=pd, gate_table=gtable.to(torch.int32).to(DEV), host_rows=host,
+                            read_rows=rows, BLOCK_I=16)
+        assert torch.equal(c, c_res), s
+        if DEV == "cpu":
+            assert torch.equal(y, y_res), s
+        else:
+            torch.testing.assert_close(y, y_res, rtol=1e-5, atol=1e-5)
+        cl = c.long().cpu()
+        g_abs = (gtable[ids.long().cpu()] < 0).long()
+        u_abs = (utable[ids.long().cpu()] < 0).long()
+        assert int(host) == int((g_abs * I + u_abs * 2 * cl).sum()), s
+        assert int(rows) == int((I + 2 * cl).sum()), s
+    with pytest.raises(ValueError, match="gate_table"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, gate_table=gtable.to(DEV))
+    with pytest.raises(ValueError, match="gate_table"):
+        sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=utable.to(DEV), pool_gate=pg, pool_up=pu,
+                     pool_down_t=pd, gate_table=gtable[:-1].to(DEV))
+
+
 def test_offload_real_shape():
     T, H, I, E, k = 1, 2048, 512, 16, 8
     x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.bfloat16, seed=23)

@@ -104,34 +104,62 @@ def test_run_json_reports_cache_stats(capsys):
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.5])
-def test_direct_misses_equal_all_resident(sparsity):
-    """Direct mode: absent experts are read in place by the fused kernel (Triton interpreter on CPU)."""
+@pytest.mark.parametrize("layout", ["whole", "gates", "gates+ud"])
+def test_direct_misses_equal_all_resident(sparsity, layout):
+    """Direct mode: absent experts are read in place by the fused kernel (Triton interpreter on CPU). Layouts:
+    whole-expert slots; a gate tier holding some gates (no up/down slots); every gate plus some up/down slots."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "0":
         pytest.skip("a CPU engine's Triton kernels need the interpreter (on a GPU: bench/gpu_engine_check.py)")
+    from localmoe.loader import attach_cache
+
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=sparsity)
     want = tokens(resident, n=12)
-    e = Engine.load(model, device="cpu", sparsity=sparsity, vram_gib=budget_for(model, 3), offload_miss="direct")
+    total = sum(m.num_experts for m in resident.loaded.experts)
+    whole = total // 3 + 2 if layout == "gates+ud" else 3
+    e = Engine.load(model, device="cpu", sparsity=sparsity, vram_gib=budget_for(model, whole), offload_miss="direct")
+    if layout == "whole":
+        attach_cache(e.loaded, torch.float32, "cpu", False, "direct", gate_tier=False)
     cache = e.loaded.cache
-    assert cache.mode == "direct" and cache.slots == 3
+    gates, ud = {"whole": (0, 3), "gates": (9, 0), "gates+ud": (total, (3 * whole - total) // 2)}[layout]
+    assert cache.mode == "direct" and (cache.gate_slots, cache.slots) == (gates, ud) and ud <= whole
+    assert cache.admits == (ud > 0)
     got = tokens(e, n=12)
     assert got == want
-    assert cache.hits + cache.misses == 2 * len(e.loaded.experts) * (len(got) - 1)  # k=2 per layer per step
-    assert len(cache.lru) == 3  # misses were admitted into the free slots
+    if ud:
+        assert cache.hits + cache.misses == 2 * len(e.loaded.experts) * (len(got) - 1)  # k=2 per layer per step
+        if sparsity or layout == "whole":  # (on CPU, sparsity 0 decodes on the dense path: nothing to admit)
+            assert len(cache.lru) == ud  # misses were admitted into the free slots
     for (layer, ex), slot in cache.lru.items():
         assert int(cache.tables[layer][ex]) == slot
-        assert torch.equal(cache.pool.w_gate[slot], cache.masters[layer].w_gate[ex])
-    assert e.stats.h2d_bytes_per_token > 0
-    if sparsity:  # the fused direct kernel ran (on CPU, sparsity 0 takes the dense path: copy-then-compute)
-        # host rows read for misses (counted on the device): at least every miss's gate rows, at most whole
-        # experts; the rest of the bytes are whole-expert copies for admissions
+        assert torch.equal(cache.pool.w_up[slot], cache.masters[layer].w_up[ex])
+        if not gates:
+            assert torch.equal(cache.pool.w_gate[slot], cache.masters[layer].w_gate[ex])
+    placed = [(layer, ex, int(s)) for layer, t in cache.gate_tables.items() for ex, s in enumerate(t.tolist())
+              if s >= 0]
+    assert len(placed) == gates and len({s for *_, s in placed}) == gates
+    for layer, ex, s in placed:
+        assert torch.equal(cache.pool.w_gate[s], cache.masters[layer].w_gate[ex])
+    assert 0.0 <= e.stats.cache_hit_rate <= 1.0 and e.stats.h2d_bytes_per_token >= 0
+    if sparsity:  # the fused direct kernel ran (on CPU, sparsity 0 takes the dense path from the cache)
+        host, rows = int(cache.host_rows), int(cache.read_rows)
+        # rows read from the host: at most every routed expert's gate and kept rows; the rest are admission copies
+        assert 0 < host < rows and e.stats.cache_hit_rate == pytest.approx(1 - host / rows)
         read = e.stats.h2d_bytes_per_token * (len(got) - 1)
-        admitted = read - int(cache.host_rows) * cache.row_bytes
-        assert admitted >= 0 and admitted % cache.expert_bytes == 0
-        assert cache.misses * cache.width * cache.row_bytes <= int(cache.host_rows) * cache.row_bytes
+        admitted = read - host * cache.row_bytes
+        assert admitted >= 0 and round(admitted) % cache.expert_bytes == 0
         assert abs(e.stats.sparsity_realized - resident.stats.sparsity_realized) < 1e-9
-        assert int(cache.host_rows) * cache.row_bytes < cache.misses * cache.expert_bytes  # kept rows only
+
+
+def test_gate_tier_split_holds_gates_first():
+    plan = offload.plan(budget_bytes=64 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=3 << 20,
+                        total_experts=10_000, top_k=8)
+    assert plan.offloading is False
+    small = offload.OffloadPlan(0, 0, 0, 3 << 20, 10_000, 3000)  # 3000 whole experts' bytes
+    assert offload.gate_tier_split(small) == (9000, 0)
+    big = offload.OffloadPlan(0, 0, 0, 3 << 20, 10_000, 5000)  # 15000 gates' bytes: all gates + 2500 up/down
+    assert offload.gate_tier_split(big) == (10_000, 2500)
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.5])
@@ -183,8 +211,11 @@ def test_background_admissions_go_live_a_step_later(mode):
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=0.5)
     want = tokens(resident, n=12)
-    e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, 3), offload_miss=mode)
+    total = sum(m.num_experts for m in resident.loaded.experts)
+    slots = total // 3 + 2 if mode == "direct" else 3  # direct: every gate resident, and a few up/down slots
+    e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, slots), offload_miss=mode)
     cache = e.loaded.cache
+    assert cache.slots > 0
     cache.background = True
     live_after = []
     orig = cache._settle
@@ -201,4 +232,4 @@ def test_background_admissions_go_live_a_step_later(mode):
     for (layer, ex), slot in cache.lru.items():
         if (layer, ex) not in cache.pending:
             assert int(cache.tables[layer][ex]) == slot
-            assert torch.equal(cache.pool.w_gate[slot], cache.masters[layer].w_gate[ex])
+            assert torch.equal(cache.pool.w_down_t[slot], cache.masters[layer].w_down_t[ex])
