@@ -103,7 +103,7 @@ for case in args.cases.split(","):
     miss, tier = ("direct", mode == "direct") if mode in ("direct", "whole") else (mode, False)
     cache = engine.loaded.cache
     if (cache.mode, bool(cache.gate_slots)) != (miss, tier):
-        engine._graph = None
+        engine._graph = cache = None
         torch.cuda.empty_cache()
         attach_cache(engine.loaded, torch.bfloat16, DEV, engine.loaded.host_pinned, miss, gate_tier=tier)
         cache = engine.loaded.cache

@@ -11,6 +11,10 @@ short, N <= a few thousand). Three variants, selected by `kind`:
 * "gated"       (Qwen3.5 `Qwen3_5MoeRMSNormGated`, norm before gate):
                  y = ((w * (x·rsqrt(mean(x²)+eps)).to(x.dtype)) * silu(z.float())).to(x.dtype)
 
+With `residual` (decoder layers' "h = residual + h; residual = h; h = norm(h)"), the kernel first forms
+s = (x + residual) rounded to x's dtype, writes it to `sum_out` (the next residual) and normalises s: one launch
+instead of an add and a norm.
+
 Every rounding transformers does (to x.dtype, to promote(w, x)) is reproduced by a cast in the kernel, so fp32
 results are bit-close and bf16 results differ only where exp/rsqrt differ by an ulp.
 
@@ -67,12 +71,16 @@ if triton is not None:
         w_ptr,  # [N]
         z_ptr,  # [R, N] gate rows with stride stride_z (KIND == 2 only)
         y_ptr,  # [R, N] out, contiguous; dtype = out_dtype(kind, x, w)
+        r_ptr,  # [R, N] residual rows with stride stride_r, x's dtype (HAS_RES only)
+        s_ptr,  # [R, N] out: x + residual, contiguous, x's dtype (HAS_RES only)
         N,
         stride_x,
         stride_z,
+        stride_r,
         eps,
         KIND: tl.constexpr,  # 0 standard, 1 zero_centred, 2 gated
         ROUND_PROD: tl.constexpr,  # gated: w * x̂ rounds to x's dtype (promote(w, x) == x.dtype != fp32)
+        HAS_RES: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -80,6 +88,10 @@ if triton is not None:
         m = cols < N
         xin = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
         x = xin.to(tl.float32)
+        if HAS_RES:  # s = round(residual + x): the layer's residual add, stored for the next one
+            r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+            x = round_to(x + r, xin.dtype)
+            tl.store(s_ptr + row * N + cols, x.to(xin.dtype), mask=m)
         var = tl.sum(x * x, axis=0) / N
         h = x * tl.math.rsqrt(var + eps)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
@@ -110,8 +122,9 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard", z: torch.Tensor | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """One-launch RMSNorm over the last dim of x (see the module docstring for the three `kind`s)."""
+            out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+    """One-launch RMSNorm over the last dim of x (see the module docstring for the three `kind`s). With `residual`
+    (x's shape and dtype) it normalises s = x + residual and returns (norm(s), s); else norm(x)."""
     if triton is None:
         raise RuntimeError("rmsnorm needs triton")
     if kind not in _KIND_ID:
@@ -127,8 +140,14 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard"
         raise ValueError(f"gate shape {tuple(z.shape)} != input shape {tuple(x.shape)}")
     if w.device != x.device or (z is not None and z.device != x.device):
         raise ValueError("x, w and z must be on one device")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError(f"residual must match x: {tuple(x.shape)} {x.dtype} on {x.device}, got "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
     odt = out_dtype(kind, x.dtype, w.dtype)
     x2 = _rows(x, N)
+    r2 = _rows(residual, N) if residual is not None else x2
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     z2 = _rows(z, N) if z is not None else x2
     w = w if w.stride(0) == 1 else w.contiguous()
     if out is None:
@@ -137,10 +156,11 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard"
         raise ValueError(f"out must be contiguous {tuple(x.shape)} {odt}")
     R = x2.shape[0]
     if R == 0:
-        return out
+        return out if residual is None else (out, total)
     block = triton.next_power_of_2(N)
     round_prod = torch.promote_types(w.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     warps = 4 if block <= 1024 else 8
-    _rmsnorm_kernel[(R,)](x2, w, z2, out, N, x2.stride(0), z2.stride(0), float(eps),
-                          KIND=_KIND_ID[kind], ROUND_PROD=round_prod, BLOCK_N=block, num_warps=warps)
-    return out
+    _rmsnorm_kernel[(R,)](x2, w, z2, out, r2, total if total is not None else out, N, x2.stride(0), z2.stride(0),
+                          r2.stride(0), float(eps), KIND=_KIND_ID[kind], ROUND_PROD=round_prod,
+                          HAS_RES=residual is not None, BLOCK_N=block, num_warps=warps)
+    return out if residual is None else (out, total)

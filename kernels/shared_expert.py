@@ -13,7 +13,8 @@ Two launches (the split follows the data dependence: down needs every intermedia
    gate_proj.weight and up_proj.weight are read in place (no concatenated copy).
 2. `_down_add_kernel`, grid (T, cdiv(H, BLOCK_H)): program (t, j) computes outputs [j·BLOCK_H, ...) of
    s = a·W_downᵀ (rows of down_proj.weight [H, I], contiguous), then out = routed + round(sg·round(s)).
-   `out` may alias `routed` (in place: each element is read, then written, by one program).
+   `out` may alias `routed` (in place: each element is read, then written, by one program). With `residual`,
+   out = residual + round(routed + round(sg·round(s))): the decoder layer's closing residual add, fused.
 
 Every dtype round trip transformers makes (each linear's output, silu, the product, the gate's sigmoid, the scale,
 the add) is reproduced with `round_to`, so the only difference from transformers is the GEMV accumulation order.
@@ -110,10 +111,13 @@ if triton is not None:
         sg_ptr,  # [T]
         r_ptr,  # [T, H] routed experts' output, row stride stride_r
         o_ptr,  # [T, H] out, row stride stride_o (may alias r)
+        res_ptr,  # [T, H] residual, row stride stride_res (HAS_RES only)
         H,
         I,
         stride_r,
         stride_o,
+        stride_res,
+        HAS_RES: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_I: tl.constexpr,
     ):
@@ -134,7 +138,10 @@ if triton is not None:
         sg = tl.load(sg_ptr + t).to(tl.float32)
         s = round_to(sg * s, DT)
         r = tl.load(r_ptr + t * stride_r + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(o_ptr + t * stride_o + rows, round_to(r + s, DT).to(DT), mask=rmask)
+        v = round_to(r + s, DT)
+        if HAS_RES:
+            v = round_to(tl.load(res_ptr + t * stride_res + rows, mask=rmask, other=0.0).to(tl.float32) + v, DT)
+        tl.store(o_ptr + t * stride_o + rows, v.to(DT), mask=rmask)
 
 
 def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
@@ -143,10 +150,12 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                  w_sg: torch.Tensor, routed: torch.Tensor, *, out: torch.Tensor | None = None, block_i: int = 16,
-                  block_h: int = 256, down_block_h: int = 32, down_block_i: int = 128, num_warps: int = 4):
-    """routed + sigmoid(x·w_sgᵀ) · down(silu(x·w_gateᵀ) · x·w_upᵀ) in two launches (module docstring).
-    x, routed [T, H] (or [..., H]); returns out with routed's shape; `out=routed` works in place."""
+                  w_sg: torch.Tensor, routed: torch.Tensor, *, out: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, block_i: int = 16, block_h: int = 256, down_block_h: int = 32,
+                  down_block_i: int = 128, num_warps: int = 4):
+    """routed + sigmoid(x·w_sgᵀ) · down(silu(x·w_gateᵀ) · x·w_upᵀ) in two launches (module docstring), plus
+    `residual` when given (added last, after the sum is rounded). x, routed, residual [T, H] (or [..., H]); returns
+    out with routed's shape; `out=routed` works in place."""
     if triton is None:
         raise RuntimeError("shared_expert needs triton")
     H = x.shape[-1]
@@ -156,10 +165,13 @@ def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
                          f"down {tuple(w_down.shape)}, shared_expert_gate {tuple(w_sg.shape)}")
     if routed.shape != x.shape:
         raise ValueError(f"routed shape {tuple(routed.shape)} != x shape {tuple(x.shape)}")
-    dts = {t.dtype for t in (x, w_gate, w_up, w_down, w_sg, routed)}
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    dts = {t.dtype for t in (x, w_gate, w_up, w_down, w_sg, routed) + ((residual,) if residual is not None else ())}
     if len(dts) != 1 or x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"all tensors must share one float dtype, got {sorted(map(str, dts))}")
-    if len({t.device for t in (x, w_gate, w_up, w_down, w_sg, routed)}) != 1:
+    if len({t.device for t in (x, w_gate, w_up, w_down, w_sg, routed) + ((residual,) if residual is not None
+                                                                          else ())}) != 1:
         raise ValueError("all tensors must be on one device")
     for b in (block_i, block_h, down_block_h, down_block_i):
         if b & (b - 1):
@@ -169,6 +181,7 @@ def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     w_sg = w_sg if w_sg.stride(0) == 1 else w_sg.contiguous()
     x2 = _rows(x, H)
     r2 = _rows(routed, H)
+    res2 = _rows(residual, H) if residual is not None else r2
     if out is None:
         out = torch.empty(routed.shape, dtype=routed.dtype, device=routed.device)
     elif out.shape != routed.shape or out.dtype != routed.dtype:
@@ -187,6 +200,7 @@ def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
                                              BLOCK_H=bh, num_warps=num_warps)
     dbh = min(down_block_h, triton.next_power_of_2(H))
     dbi = min(down_block_i, triton.next_power_of_2(I))
-    _down_add_kernel[(T, triton.cdiv(H, dbh))](a, w_down, sg, r2, o2, H, I, r2.stride(0), o2.stride(0),
-                                               BLOCK_H=dbh, BLOCK_I=dbi, num_warps=num_warps)
+    _down_add_kernel[(T, triton.cdiv(H, dbh))](a, w_down, sg, r2, o2, res2, H, I, r2.stride(0), o2.stride(0),
+                                               res2.stride(0), HAS_RES=residual is not None, BLOCK_H=dbh,
+                                               BLOCK_I=dbi, num_warps=num_warps)
     return out

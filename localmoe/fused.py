@@ -10,6 +10,9 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
 (tests, which run the kernels under TRITON_INTERPRET=1).
 
     transformers class             localmoe module          what one call becomes
+    Qwen3_5MoeDecoderLayer         FusedDecoderLayer        one token: its children's fused calls, with the two
+                                                               residual adds inside the post-attention norm's and
+                                                               the shared expert's kernels (was 2 more launches)
     Qwen3_5MoeRMSNorm              FusedRMSNorm(zero_centred)  1 launch (was ~8 kernels incl. dtype round trips)
     Qwen3MoeRMSNorm, OlmoeRMSNorm,
     MixtralRMSNorm, DeepseekV2RMSNorm,
@@ -37,6 +40,7 @@ Shape legend: B batch, T tokens, H hidden, C conv channels, H_v value heads, d_v
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -210,15 +214,22 @@ class FusedSparseMoeBlock(nn.Module):
             out = self._hf(hidden_states)
             self._tuple_out = isinstance(out, tuple)
             return out
+        y, logits = self.step(hidden_states)
+        return (y, logits) if self._tuple_out else y
+
+    def step(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        """The fused one-token call (`_fusable` holds) -> (y [B, T, H], router logits); with `residual` (only with a
+        shared expert) y = residual + the block's output, the add done in the shared expert's last kernel."""
         self.decode_calls += 1
         B, T, H = hidden_states.shape
         x = hidden_states.view(-1, H)
         logits, top_k_weights, top_k_index = self._route(x)
         y = self.experts(x, top_k_index, top_k_weights)
         if self.has_shared:
-            y = self._shared(x, y)
-        y = y.reshape(B, T, H)
-        return (y, logits) if self._tuple_out else y
+            y = self._shared(x, y, None if residual is None else residual.view(-1, H))
+        elif residual is not None:
+            raise ValueError("a residual is fused into the shared expert's kernel: this block has none")
+        return y.reshape(B, T, H), logits
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
     def _route(self, x):
@@ -233,10 +244,64 @@ class FusedSparseMoeBlock(nn.Module):
                            **self._launch[0])
 
     @torch.compiler.disable
-    def _shared(self, x, routed):
+    def _shared(self, x, routed, residual=None):
         se = self.shared_expert
         return shared_expert(x, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                             self.shared_expert_gate.weight, routed.to(x.dtype), **self._launch[1])
+                             self.shared_expert_gate.weight, routed.to(x.dtype), residual=residual, **self._launch[1])
+
+
+class FusedDecoderLayer(nn.Module):
+    """Qwen3.5-MoE decoder layer whose one-token call fuses both residual adds: the mixer's output + residual into
+    the post-attention RMSNorm's launch, and the MoE output + residual into the shared expert's last kernel (2 fewer
+    launches per layer). Only when its norm and MoE block are localmoe's fused modules and the call is one token on
+    their device; every other call (prefill) runs the original layer, whose children are the original modules."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)
+        for name, child in hf.named_children():  # input/post norms, linear_attn | self_attn, mlp: the same objects
+            self.add_module(name, child)
+        for k, v in vars(hf).items():  # block_type / layer_type, hidden_size, gradient_checkpointing, ...
+            if not k.startswith("_") and isinstance(v, (str, int, float, bool)):
+                setattr(self, k, v)
+        self._sig = inspect.signature(hf.forward)
+        self._cache_kw = "cache" if "cache" in self._sig.parameters else "past_key_values"
+        self._var_kw = next((n for n, p in self._sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        self.decode_calls = 0
+
+    def _fusable(self, h: torch.Tensor) -> bool:
+        return (isinstance(self.post_attention_layernorm, FusedRMSNorm) and isinstance(self.mlp, FusedSparseMoeBlock)
+                and self.mlp.has_shared and self.mlp._fusable(h))
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # [B, T, H]
+        if not self._fusable(hidden_states):
+            return self._hf(hidden_states, *args, **kwargs)
+        a = self._sig.bind(hidden_states, *args, **kwargs).arguments
+        extra = dict(a.pop(self._var_kw, {})) if self._var_kw else {}
+        cache = a.get(self._cache_kw)
+        self.decode_calls += 1
+        h = self.input_layernorm(hidden_states)
+        if getattr(self, "block_type", None) == "linear_attention":
+            h = self.linear_attn(h, cache, attention_mask=a.get("attention_mask"), **extra)
+        else:
+            h, _ = self.self_attn(hidden_states=h, attention_mask=a.get("attention_mask"),
+                                  position_ids=a.get("position_ids"), position_embeddings=a.get("position_embeddings"),
+                                  **{_kw(self.self_attn, "cache", "past_key_values"): cache}, **extra)
+        norm = self.post_attention_layernorm
+        h, residual = _add_norm(h, hidden_states, norm)
+        return self.mlp.step(h, residual)[0]
+
+
+def _kw(module: nn.Module, *names: str) -> str:
+    """The first of `names` that `module.forward` takes (transformers renamed cache arguments between versions)."""
+    params = inspect.signature(module.forward).parameters
+    return next((n for n in names if n in params), names[-1])
+
+
+@torch.compiler.disable
+def _add_norm(h, residual, norm: FusedRMSNorm):
+    """(norm(residual + h), residual + h) in one launch."""
+    return rmsnorm(h, norm.weight, norm.eps, norm.kind, residual=residual)
 
 
 @dataclass(frozen=True)
@@ -251,6 +316,8 @@ def _norm(kind: str) -> Callable[[nn.Module], nn.Module]:
 
 # THE table: transformers class name -> how localmoe replaces it for decode.
 REPLACEMENTS: dict[str, Replacement] = {
+    "Qwen3_5MoeDecoderLayer": Replacement(FusedDecoderLayer, "T=1: residual adds fused into the post-attention norm "
+                                                             "and the shared expert's kernel; prefill unchanged"),
     "Qwen3_5MoeRMSNorm": Replacement(_norm("zero_centred"), "x̂·(1+w), one launch"),
     "Qwen3_5MoeGatedDeltaNet": Replacement(FusedGatedDeltaNet, "cached T=1 step fused (conv, gates, delta rule, "
                                                                "gated norm); prefill unchanged"),
@@ -264,7 +331,7 @@ REPLACEMENTS: dict[str, Replacement] = {
     "DeepseekV2RMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "GraniteMoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
 }
-_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedSparseMoeBlock)
+_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedSparseMoeBlock, FusedDecoderLayer)
 
 
 def _model_device(model: nn.Module) -> torch.device:

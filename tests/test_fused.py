@@ -80,13 +80,16 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
     cfg = model.config
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
     assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
-                    "Qwen3_5MoeGatedDeltaNet": n_linear, "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers}
+                    "Qwen3_5MoeGatedDeltaNet": n_linear, "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers,
+                    "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers}
     assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
     got, toks = _run(model, cache_kind, prompt)
     steps = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedGatedDeltaNet)]
     assert steps == [STEPS] * n_linear  # every decode step took the fused path, prefill did not
     blocks = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)]
     assert blocks == [STEPS] * cfg.num_hidden_layers
+    layers = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedDecoderLayer)]
+    assert layers == [STEPS] * cfg.num_hidden_layers  # both residual adds fused on every decode step
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got, want, **tol)
     assert toks == want_toks

@@ -69,6 +69,29 @@ def test_strided_rows_and_fp32_weight():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["standard", "zero_centred"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [((1, 1), 2048), ((3, 5), 72)], ids=lambda s: "x".join(map(str, (*s[0], s[1]))))
+def test_residual_add_then_norm(kind, dtype, shape):
+    """residual + x (rounded as transformers' add), stored, then normalised: one launch for "h = residual + h;
+    residual = h; h = norm(h)"."""
+    lead, N = shape
+    gen = torch.Generator().manual_seed(N + 1)
+    mod = _hf(kind, N, 1e-6)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(N, generator=gen) * 0.3 + (1.0 if kind == "standard" else 0.0))
+    mod = mod.to(DEV, dtype)
+    x, r = ((torch.randn(*lead, N, generator=gen) * 3).to(DEV, dtype) for _ in range(2))
+    with torch.no_grad():
+        total = r + x
+        want = mod(total)
+    got, got_total = rmsnorm(x, mod.weight, 1e-6, kind, residual=r)
+    assert torch.equal(got_total, total)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    with pytest.raises(ValueError, match="residual"):
+        rmsnorm(x, mod.weight, 1e-6, kind, residual=r.float() if dtype != torch.float32 else r.double())
+
+
 def test_checks():
     x = torch.randn(2, 8, device=DEV)
     with pytest.raises(ValueError):

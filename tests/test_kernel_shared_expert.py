@@ -60,6 +60,24 @@ def test_matches_transformers(shape, dtype, inplace):
         assert (got != want).float().mean() < 0.02
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 2048, 512), (3, 100, 37)], ids=lambda s: "T{}H{}I{}".format(*s))
+@torch.no_grad()
+def test_residual_add_fused(shape, dtype):
+    """residual + (routed + shared): the decoder layer's closing add, with transformers' two roundings."""
+    T, H, I = shape
+    gen = torch.Generator().manual_seed(H + I + 5)
+    mlp, gate = _modules(H, I, dtype, gen)
+    x, routed, residual = (torch.randn(T, H, generator=gen).to(DEV, dtype) for _ in range(3))
+    want = residual + (routed + torch.sigmoid(gate(x)) * mlp(x))
+    got = shared_expert(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, gate.weight, routed,
+                        residual=residual)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    with pytest.raises(ValueError, match="residual"):
+        shared_expert(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, gate.weight, routed,
+                      residual=residual[:, :-1])
+
+
 @torch.no_grad()
 def test_checks():
     H, I = 16, 8

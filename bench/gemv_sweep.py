@@ -1,0 +1,85 @@
+"""Batch-1 GEMV on the GPU: cuBLAS (F.linear) against localmoe's `kernels/gemv.py` over its launch space, at the
+projection shapes of a Qwen3.5-35B-A3B decode step (GPU, not a test).
+
+Shapes (N x K, bf16): lm_head 248320 x 2048, DeltaNet in_proj (4 projections in one buffer) 12352 x 2048, DeltaNet
+out_proj 2048 x 4096 (also the attention o_proj's shape), attention q_proj (gated) 8192 x 2048. Every launch is
+checked against F.linear, then timed as a CUDA graph over rotating weight copies (>= 3 GB in all, so L2 never
+holds them; `triton.testing.do_bench` median, µs per call). Prints µs and GB/s per shape, and writes the best
+launch per shape to `$OUT/gemv_params.json` ({"decode_params": {"gemv": {"N{N}_K{K}": kwargs}}}).
+
+Usage: PYTHONUNBUFFERED=1 python bench/gemv_sweep.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+from localmoe.kernels.gemv import gemv
+
+DEV, DT = torch.device("cuda"), torch.bfloat16
+SHAPES = {"lm_head": (248320, 2048), "deltanet in_proj": (12352, 2048), "deltanet out_proj": (2048, 4096),
+          "attn q_proj": (8192, 2048)}
+SPACE = dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[None, 512], num_warps=[4, 8])
+
+
+def graph_us(calls) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3 / len(calls)
+
+
+best_params, rows = {}, []
+for name, (N, K) in SHAPES.items():
+    nbytes = N * K * 2
+    copies = max(2, min(24, (3 << 30) // nbytes))
+    ws = [torch.randn(N, K, device=DEV, dtype=DT) * K ** -0.5 for _ in range(copies)]
+    x = torch.randn(1, K, device=DEV, dtype=DT)
+    outs = [torch.empty(1, N, device=DEV, dtype=DT) for _ in ws]
+    want = torch.nn.functional.linear(x, ws[0])
+    lin = graph_us([lambda w=w, o=o: torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs)])
+    best = (float("inf"), None)
+    for combo in itertools.product(*SPACE.values()):
+        kw = dict(zip(SPACE, combo))
+        if kw["BLOCK_K"] is not None and kw["BLOCK_K"] >= K:
+            continue
+        try:
+            got = gemv(x, ws[0], **kw)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            if err > 2e-2:
+                print(f"  {name} {kw}: WRONG (rel err {err:.1e})", flush=True)
+                continue
+            us = graph_us([lambda w=w, o=o, kw=kw: gemv(x, w, o, **kw) for w, o in zip(ws, outs)])
+        except Exception as e:  # noqa: BLE001 - a launch that does not compile is skipped
+            print(f"  {name} {kw}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+            continue
+        if us < best[0]:
+            best = (us, kw)
+    rows.append((name, N, K, lin, nbytes / lin / 1e3, best[0], nbytes / best[0] / 1e3, best[1]))
+    best_params[f"N{N}_K{K}"] = {k: v for k, v in best[1].items() if v is not None}
+    print(f"  {name}: F.linear {lin:.1f} us, gemv {best[0]:.1f} us {best[1]}", flush=True)
+    del ws, outs
+    torch.cuda.empty_cache()
+
+print("| shape | N x K | F.linear µs | GB/s | gemv µs | GB/s | best launch |")
+print("|---|---|---:|---:|---:|---:|---|")
+for name, N, K, lin, lbw, us, bw, kw in rows:
+    print(f"| {name} | {N} x {K} | {lin:.1f} | {lbw:.0f} | {us:.1f} | {bw:.0f} | {kw} |")
+if os.environ.get("OUT"):
+    Path(os.environ["OUT"], "gemv_params.json").write_text(json.dumps({"decode_params": {"gemv": best_params}},
+                                                                       indent=1))
