@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Everything bench/README.md lists as "not measured on a GPU yet", in one device call (<= 570 s of steps: fits one 600 s device call).
-# Usage on the device machine, from the repository root:  bash bench/gpu_session.sh
+# The pending GPU measurements (bench/README.md), in device calls of <= 570 s of steps each.
+# Usage on the device machine, from the repository root:  bash bench/gpu_session.sh [a|b|all]
+#   a: GPU kernel/module tests, the engine check (tiny families + bench vs transformers), one step's breakdown
+#   b: offloading under --vram 24 (gate tier vs whole-expert slots, skewed routing), sparse/dense crossover
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/localmoe-gpu}
+PART=${1:-all}
 mkdir -p "$OUT"
 step() {  # name, seconds, command...
     local name=$1 secs=$2
@@ -13,17 +16,21 @@ step() {  # name, seconds, command...
     timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name: exit $? ($(wc -l < "$OUT/$name.log") lines)"
 }
-step tests 70 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider tests/test_kernel_sparse_fused.py \
-    tests/test_kernel_delta_rule_step.py tests/test_kernel_router_topk.py tests/test_kernel_shared_expert.py \
-    tests/test_fused.py
-step tune 100 python bench/tune_decode.py                  # includes the split-grid DeltaNet kernel (block_v)
-step engine 190 python bench/gpu_engine_check.py           # tiny families' tokens, then bench vs transformers
-step breakdown 70 python bench/step_breakdown.py 0.85
-step offload 140 python bench/offload_modes.py --cases direct:0.85,direct:0.85:16:bg,skewed,direct:0.85,direct:0.85:16:bg \
-    --baseline-tokens 0
-tail -n 3 "$OUT/tests.log"
-grep -A6 "^| kernel" "$OUT/tune.log"
-grep -A7 "^family" "$OUT/engine.log"
-grep -A4 "random weights) on" "$OUT/engine.log" | tail -4
-grep -A12 "^sparsity" "$OUT/breakdown.log"
-grep "^|" "$OUT/offload.log"
+if [[ $PART == a || $PART == all ]]; then
+    step tests 170 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_router_topk.py tests/test_kernel_gemv.py tests/test_kernel_rmsnorm.py \
+        tests/test_kernel_shared_expert.py tests/test_fused.py
+    step engine 200 python bench/gpu_engine_check.py       # tiny families' tokens, then bench vs transformers
+    step breakdown 80 python bench/step_breakdown.py 0.85
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -4
+    grep -A12 "^sparsity" "$OUT/breakdown.log"
+fi
+if [[ $PART == b || $PART == all ]]; then
+    step offload 200 python bench/offload_modes.py --cases direct:0.85,whole:0.85,direct:0,skewed,direct:0.85 \
+        --baseline-tokens 2
+    step crossover 150 python bench/bench_moe_block.py --out "$OUT" --only 35B
+    grep "^|\|note" "$OUT/offload.log"
+    grep -i -A12 "crossover" "$OUT/crossover.log" | tail -14
+fi

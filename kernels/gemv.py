@@ -17,6 +17,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -63,14 +65,15 @@ if triton is not None:
                 w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 xv = tl.load(x_ptr + t * stride_xt + kk, mask=kmask, other=0.0).to(tl.float32)
                 acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-            tl.store(y_ptr + t * N + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+            DT = y_ptr.dtype.element_ty
+            tl.store(y_ptr + t * N + rows, round_to(acc, DT).to(DT), mask=rmask)  # RTNE (also interpreted)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, BLOCK_N: int = 8,
-         BLOCK_K: int | None = None, num_warps: int = 8) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, BLOCK_N: int = 2,
+         BLOCK_K: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """y = x W^T. x [T, K] (T <= 8; bf16/fp16/fp32, last dim contiguous); weight [N, K] of x's dtype, last dim
     contiguous. Returns y [T, N] in x's dtype (into `out` when given: contiguous [T, N], x's dtype). BLOCK_K
     defaults to next_pow2(K) capped at 4096 (a whole row per tile for K up to 4096). No host sync: capturable."""

@@ -10,6 +10,8 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
 (tests, which run the kernels under TRITON_INTERPRET=1).
 
     transformers class             localmoe module          what one call becomes
+    Linear (torch.nn, any family)  FusedLinear              one row, no bias: kernels/gemv.py (lm_head 474 -> ~230
+                                                               µs on the H200); more rows: F.linear
     Qwen3_5MoeDecoderLayer         FusedDecoderLayer        one token: its children's fused calls, with the two
                                                                residual adds inside the post-attention norm's and
                                                                the shared expert's kernels (was 2 more launches)
@@ -49,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
+from localmoe.kernels.gemv import gemv
 from localmoe.kernels.rmsnorm import rmsnorm
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
@@ -58,6 +61,40 @@ from localmoe.kernels.tuning import decode_params
 def _tuned(x: torch.Tensor, kernel: str, shape_key: str) -> dict:
     """Tuned launch keywords for this device and shape (kernels/tuned/*.json); {} off CUDA or when unmeasured."""
     return decode_params(torch.cuda.get_device_name(x.device), kernel, shape_key) if x.is_cuda else {}
+
+
+def _one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight.T is a decode GEMV localmoe's kernel takes: one row, same dtype and device, row contiguous."""
+    return (x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.device == weight.device
+            and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dim() == 2)
+
+
+@torch.compiler.disable
+def linear_1(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with one row -> x @ weight.T [..., N] through kernels/gemv.py (launch tuned per shape)."""
+    N, K = weight.shape
+    kw = _tuned(x, "gemv", f"N{N}_K{K}")
+    return gemv(x.reshape(1, K), weight, **kw).view(*x.shape[:-1], N)
+
+
+class FusedLinear(nn.Module):
+    """nn.Linear whose one-row calls (decode: lm_head, attention and DeltaNet projections) run localmoe's GEMV; every
+    other call (prefill, a bias) runs F.linear. cuBLAS's GEMV read Qwen3.5's lm_head at 2.1 TB/s in the engine."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)
+        self.weight = hf.weight  # the same Parameter (tied embeddings stay tied)
+        self.bias = hf.bias
+        self.in_features, self.out_features = hf.in_features, hf.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and _one_row(x, self.weight):
+            return linear_1(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class FusedRMSNorm(nn.Module):
@@ -104,7 +141,7 @@ def _concat_rows(linears: list[nn.Module]) -> tuple[torch.Tensor | None, list[in
     Parameter object stays, its data now a view: no extra memory, same values), so one GEMV does all of them.
     (None, []) when they cannot share one (bias, other dtype/device/width, not plain Linears)."""
     ws = [getattr(lin, "weight", None) for lin in linears]
-    if (not all(isinstance(lin, nn.Linear) and lin.bias is None for lin in linears)
+    if (not all(isinstance(lin, (nn.Linear, FusedLinear)) and lin.bias is None for lin in linears)
             or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"):
         return None, []
     with torch.no_grad():
@@ -149,7 +186,9 @@ class FusedGatedDeltaNet(nn.Module):
         if self._w_in is not None and self.in_proj_qkv.weight.data_ptr() != self._w_in.data_ptr():
             self._w_in = None  # the weights were moved or replaced since install: project them one by one
         if self._w_in is not None:  # the four input projections as one GEMV, split into views (rows strided)
-            mixed_qkv, z, b, a = F.linear(hidden_states[:, 0], self._w_in).split(self._in_sizes, dim=-1)
+            h = hidden_states[:, 0]  # [B, H]
+            proj = linear_1(h, self._w_in) if _one_row(h, self._w_in) else F.linear(h, self._w_in)
+            mixed_qkv, z, b, a = proj.split(self._in_sizes, dim=-1)
         else:
             mixed_qkv = self.in_proj_qkv(hidden_states)[:, 0]  # [B, C]
             z = self.in_proj_z(hidden_states)[:, 0]  # [B, H_v*d_v]
@@ -194,8 +233,8 @@ class FusedSparseMoeBlock(nn.Module):
         se, sg = getattr(hf, "shared_expert", None), getattr(hf, "shared_expert_gate", None)
         self.has_shared = se is not None
         self._shared_ok = not self.has_shared or (
-            isinstance(sg, nn.Linear) and sg.bias is None and sg.out_features == 1
-            and all(isinstance(getattr(se, n, None), nn.Linear) and getattr(se, n).bias is None
+            isinstance(sg, (nn.Linear, FusedLinear)) and sg.bias is None and sg.out_features == 1
+            and all(isinstance(getattr(se, n, None), (nn.Linear, FusedLinear)) and getattr(se, n).bias is None
                     for n in ("gate_proj", "up_proj", "down_proj"))
             and getattr(getattr(se, "config", None), "hidden_act", None) in ("silu", "swish"))
         self._tuple_out = False  # the original returned (hidden, router_logits): mirror it
@@ -325,13 +364,14 @@ REPLACEMENTS: dict[str, Replacement] = {
                                                                  "expert + add 2 launches; prefill unchanged"),
     "Qwen3MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
     "OlmoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
+    "Linear": Replacement(FusedLinear, "one row: localmoe's GEMV (tuned per shape); else F.linear"),
     "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "OlmoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "MixtralRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "DeepseekV2RMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "GraniteMoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
 }
-_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedSparseMoeBlock, FusedDecoderLayer)
+_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedSparseMoeBlock, FusedDecoderLayer, FusedLinear)
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -76,12 +76,14 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
     want, want_toks = _run(ref_model, cache_kind, prompt)
 
     model = copy.deepcopy(ref_model)
+    n_lin = sum(type(m) is torch.nn.Linear for m in model.modules())
     done = fused.install(model, DEV, force=True)
     cfg = model.config
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
     assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
                     "Qwen3_5MoeGatedDeltaNet": n_linear, "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers,
-                    "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers}
+                    "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers, "Linear": n_lin}
+    assert isinstance(model.lm_head, fused.FusedLinear)
     assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
     got, toks = _run(model, cache_kind, prompt)
     steps = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedGatedDeltaNet)]
@@ -90,7 +92,8 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
     assert blocks == [STEPS] * cfg.num_hidden_layers
     layers = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedDecoderLayer)]
     assert layers == [STEPS] * cfg.num_hidden_layers  # both residual adds fused on every decode step
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    # fp32: localmoe's GEMVs (FusedLinear) sum in another order than cuBLAS / torch's CPU kernels; logits are O(1)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got, want, **tol)
     assert toks == want_toks
 

@@ -34,6 +34,8 @@ def test_matches_reference_and_linear(shape, dtype):
     assert y.dtype == dtype and y.shape == (T, N)
     torch.testing.assert_close(y, gemv_ref(x, w), **TOL[dtype])
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w), **TOL[dtype])
+    if dtype == torch.bfloat16:  # one round-to-nearest-even at the end: nearly every element equals the reference
+        assert (y != gemv_ref(x, w)).float().mean() < 0.05
     out = torch.empty(T, N, dtype=dtype, device=DEV)
     assert gemv(x, w, out, **kw) is out and torch.equal(out, y)
 
