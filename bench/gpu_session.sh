@@ -30,7 +30,14 @@ fi
 if [[ $PART == b || $PART == all ]]; then
     step offload 200 python bench/offload_modes.py --cases direct:0.85,whole:0.85,direct:0,skewed,direct:0.85 \
         --baseline-tokens 2
-    step crossover 150 python bench/bench_moe_block.py --out "$OUT" --only 35B
+    # non-expert modules spilled to host memory by accelerate (4.56 GiB of them do not fit beside the rest in 5 GiB)
+    step spill 70 python -m localmoe bench --shape qwen3.5-35b --vram 5 --sparsity 0.85 --prompt-tokens 32 \
+        --decode-tokens 8
+    # decode tok/s against prompt length and decode length (the bench's 512/256 ran slower than 128/129)
+    step probe1 45 python -m localmoe bench --shape qwen3.5-35b --sparsity 0.85 --prompt-tokens 128 --decode-tokens 256
+    step probe2 45 python -m localmoe bench --shape qwen3.5-35b --sparsity 0.85 --prompt-tokens 512 --decode-tokens 64
+    step crossover 130 python bench/bench_moe_block.py --out "$OUT" --only 35B
     grep "^|\|note" "$OUT/offload.log"
-    grep -i -A12 "crossover" "$OUT/crossover.log" | tail -14
+    tail -n 4 "$OUT/spill.log" "$OUT/probe1.log" "$OUT/probe2.log"
+    grep -i "crossover\|copy bandwidth" "$OUT/crossover.log" | tail -6
 fi

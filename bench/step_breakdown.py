@@ -8,7 +8,6 @@ Usage: python bench/step_breakdown.py [sparsity] [--no-fused]
 """
 
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -29,10 +28,10 @@ kw = engine._cache_kw
 # kernel name (lower case) substring -> part; first match wins
 PARTS = [("_sparse_fused", "routed experts"), ("_sparse_gate", "routed experts"), ("_sparse_updown", "routed experts"),
          ("_dense_experts", "routed experts"), ("_router_topk", "router"), ("_gate_up_kernel", "shared expert"),
-         ("_down_add_kernel", "shared expert"), ("_gdn_step", "deltanet step"), ("_rmsnorm", "norms"),
+         ("_down_add_kernel", "shared expert"), ("_gdn_step", "deltanet step"), ("_gdn_split", "deltanet step"), ("_rmsnorm", "norms"),
          ("attention", "attention core"), ("flash", "attention core"), ("fmha", "attention core"),
-         ("softmax", "sampling / softmax"), ("argmax", "sampling / softmax"), ("nvjet", "GEMV (cuBLAS)"),
-         ("gemv", "GEMV (cuBLAS)"), ("gemm", "GEMV (cuBLAS)"), ("cutlass", "GEMV (cuBLAS)")]
+         ("softmax", "sampling / softmax"), ("argmax", "sampling / softmax"), ("nvjet", "GEMV (projections, lm_head)"),
+         ("gemv", "GEMV (projections, lm_head)"), ("gemm", "GEMV (projections, lm_head)"), ("cutlass", "GEMV (projections, lm_head)")]
 
 
 def part_of(name: str) -> str:
@@ -76,7 +75,7 @@ st = engine.stats
 print(f"\nsparsity {sparsity:.0%}, fused {'--no-fused' not in sys.argv}: graph decode {st.decode_tok_s:.1f} tok/s = "
       f"{1e6 / st.decode_tok_s:.0f} µs/step (graph: {engine._graph is not None}); "
       f"eager step: {total:.0f} µs of kernels in {sum(p[1] for p in parts.values()):.0f} launches")
-print(f"| part | µs/step (kernels) | share | kernels/step | largest kernel (µs/step) |")
+print("| part | µs/step (kernels) | share | kernels/step | largest kernel (µs/step) |")
 print("|---|---:|---:|---:|---|")
 for name, (us, n, ks) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
     big = max(ks.items(), key=lambda kv: kv[1])

@@ -132,6 +132,10 @@ class Engine:
         pin_failed = self._device.type == "cuda" and not loaded.host_pinned
         self._notice(loaded.offload.summary()
                      + ("; pinning host memory failed, using pageable memory (slower misses)" if pin_failed else ""))
+        if loaded.offload.spills and self._device.type == "cuda":
+            self.use_graphs = False  # accelerate's hooks copy the host-resident units' weights in on every forward
+            self._notice("non-expert modules that do not fit run through accelerate's offload hooks: decoding eagerly "
+                         "(no CUDA graph, no fused modules); a larger --vram keeps them on the GPU")
         if loaded.cache.mode == "direct":
             if pin_failed:
                 raise RuntimeFailure("--offload-miss direct needs pinned host memory, which could not be allocated: "

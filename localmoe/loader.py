@@ -115,6 +115,22 @@ def _keep_fp32(model) -> list[str]:
     return keep
 
 
+def _units(model) -> dict[str, int]:
+    """Parameter bytes of the units accelerate places whole: modules of the model's no-split classes (decoder
+    layers), and every parameter-holding module outside them (embedding, final norm, lm_head)."""
+    from accelerate.utils import compute_module_sizes
+
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    sizes = compute_module_sizes(model)
+    units: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if any(name.startswith(u + ".") for u in units):
+            continue
+        if type(m).__name__ in no_split or (name and next(m.parameters(recurse=False), None) is not None):
+            units[name] = sizes.get(name, 0)
+    return units
+
+
 def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None):
     from localmoe import offload
 
@@ -124,13 +140,47 @@ def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, cont
     E, I, H = mods[0].num_experts, mods[0].intermediate_size, mods[0].hidden_size
     if any((m.num_experts, m.intermediate_size, m.hidden_size) != (E, I, H) for m in mods):
         raise UsageError("expert offloading needs every MoE layer to have the same expert shape")
+    largest = max(_units(model).values(), default=0)
     budget = offload.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
                           state=offload.state_bytes(text_config, context, dtype), expert_bytes=3 * I * H * el,
-                          total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)))
+                          total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
+                          largest_module_bytes=largest)
     warning = offload.host_ram_notice(budget, offload.available_ram())
     if warning and on_notice:
         on_notice(warning)
     return budget
+
+
+def place_non_experts(model, budget, device: torch.device, dtype) -> dict[str, torch.device]:
+    """Where each non-expert unit lives when the plan spills: accelerate's `infer_auto_device_map` fills the GPU's
+    share of the budget in model order and puts the rest in host memory. {} when nothing spills."""
+    if budget is None or not budget.spills:
+        return {}
+    from accelerate import infer_auto_device_map
+
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    dmap = infer_auto_device_map(model, max_memory={0: budget.non_expert_gpu_bytes, "cpu": 1 << 50},
+                                 no_split_module_classes=no_split, dtype=dtype)
+    return {name: torch.device("cpu") if where in ("cpu", "disk") else device for name, where in dmap.items()}
+
+
+def device_of(name: str, dmap: dict[str, torch.device], device: torch.device) -> torch.device:
+    """The device of parameter/buffer `name` under a device map (its longest matching module prefix)."""
+    best, at = -1, device
+    for prefix, dev in dmap.items():
+        if (prefix == "" or name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+            best, at = len(prefix), dev
+    return at
+
+
+def dispatch_spilled(model, dmap: dict[str, torch.device], device: torch.device) -> None:
+    """Attach accelerate's hooks so the host-resident units run on `device` (their weights copied in per forward)."""
+    if not dmap or device.type == "cpu":
+        return
+    from accelerate import dispatch_model
+
+    dispatch_model(model, device_map={k: ("cpu" if v.type == "cpu" else v) for k, v in dmap.items()},
+                   main_device=device)
 
 
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
@@ -144,6 +194,7 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     fp32_modules = _keep_fp32(model)
     budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice) if vram_bytes else None
     host = budget is not None and budget.offloading
+    dmap = place_non_experts(model, budget, device, dtype)
     pinned = [device.type == "cuda"]  # cleared when pinning fails
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     files = shard_files(path)
@@ -182,7 +233,8 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
             except Exception as e:
                 raise RuntimeFailure(f"{file.name}: cannot read {key} ({e}); the file is corrupt or truncated") from None
             tdtype = torch.float32 if any(m in name for m in fp32_modules) and tensor.is_floating_point() else dtype
-            set_module_tensor_to_device(model, name, device, value=tensor, dtype=tdtype if tensor.is_floating_point() else None)
+            set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=tensor,
+                                        dtype=tdtype if tensor.is_floating_point() else None)
             loaded.add(name)
             done += 1
             if progress and done % 16 == 0:
@@ -204,14 +256,15 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     if missing:
         raise RuntimeFailure(f"checkpoint lacks {len(missing)} tensors (first: {missing[0]}); re-download it with `localmoe pull`")
     for name, buf in model.named_buffers():
-        if buf.device != device:
-            set_module_tensor_to_device(model, name, device, value=buf)
+        if buf.device != device_of(name, dmap, device):
+            set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=buf)
     model.eval()
     model.requires_grad_(False)
     if progress:
         progress("load", total, total)
-    if fused:
+    if fused and not dmap:  # spilled units' weights come and go with accelerate's hooks: transformers' modules
         install_fused(model, device)
+    dispatch_spilled(model, dmap, device)
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
         attach_cache(loaded, dtype, device, pinned[0], offload_miss)

@@ -43,14 +43,22 @@ class OffloadPlan:
     expert_bytes: int  # one expert (gate + up + down)
     total_experts: int
     slots: int  # GPU cache slots (== total_experts: everything resident, no offloading)
+    non_expert_gpu_bytes: int = -1  # < non_expert_bytes: accelerate keeps the rest in host memory (-1: all)
 
     @property
     def offloading(self) -> bool:
         return self.slots < self.total_experts
 
+    @property
+    def spills(self) -> bool:
+        """Whether some non-expert modules live in host memory (placed by accelerate, moved per forward)."""
+        return 0 <= self.non_expert_gpu_bytes < self.non_expert_bytes
+
     def summary(self) -> str:
         gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
-        return (f"VRAM budget {gib(self.budget_bytes)}: non-expert weights {gib(self.non_expert_bytes)}, "
+        spill = (f" (only {gib(self.non_expert_gpu_bytes)} of them on the GPU: accelerate keeps the rest in host "
+                 "memory)" if self.spills else "")
+        return (f"VRAM budget {gib(self.budget_bytes)}: non-expert weights {gib(self.non_expert_bytes)}{spill}, "
                 f"KV/state {gib(self.state_bytes)}, {self.slots} of {self.total_experts} experts cached on the GPU "
                 f"({gib(self.slots * self.expert_bytes)}); host RAM for expert master copies "
                 f"{gib(self.total_experts * self.expert_bytes)}")
@@ -75,16 +83,24 @@ def state_bytes(config, context: int, dtype: torch.dtype) -> int:
 
 
 def plan(*, budget_bytes: int, non_expert_bytes: int, state: int, expert_bytes: int, total_experts: int,
-         top_k: int) -> OffloadPlan:
-    fixed = non_expert_bytes + state + WORKSPACE_RESERVE
-    if budget_bytes < fixed + top_k * expert_bytes:
-        need = (fixed + top_k * expert_bytes) / GiB
+         top_k: int, largest_module_bytes: int = 0) -> OffloadPlan:
+    """Experts' GPU cache slots under the budget. When the non-expert modules do not fit beside KV/state, the
+    workspace and one token's experts, they spill: the GPU keeps what fits (at least the largest module, which
+    accelerate never splits) and the cache gets one token's experts. Below that, a one-line error."""
+    fixed = state + WORKSPACE_RESERVE
+    if budget_bytes >= fixed + non_expert_bytes + top_k * expert_bytes:
+        slots = min(total_experts, int((budget_bytes - fixed - non_expert_bytes) // expert_bytes))
+        return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, slots)
+    room = budget_bytes - fixed - top_k * expert_bytes
+    if room < max(largest_module_bytes, 1):
+        need = (fixed + top_k * expert_bytes + max(largest_module_bytes, 1)) / GiB
         raise UsageError(
-            f"--vram {budget_bytes / GiB:.2f} GiB cannot hold the non-expert weights ({non_expert_bytes / GiB:.2f} GiB), "
-            f"KV/state ({state / GiB:.2f} GiB), workspace ({WORKSPACE_RESERVE / GiB:.2f} GiB) and one token's "
-            f"{top_k} experts: give at least --vram {need:.2f}, a shorter --context, or --device cpu")
-    slots = min(total_experts, int((budget_bytes - fixed) // expert_bytes))
-    return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, slots)
+            f"--vram {budget_bytes / GiB:.2f} GiB cannot hold the non-expert weights' largest module "
+            f"({largest_module_bytes / GiB:.2f} GiB of {non_expert_bytes / GiB:.2f} GiB), KV/state "
+            f"({state / GiB:.2f} GiB), workspace ({WORKSPACE_RESERVE / GiB:.2f} GiB) and one token's {top_k} experts: "
+            f"give at least --vram {need:.2f}, a shorter --context, or --device cpu")
+    return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, min(top_k, total_experts),
+                       non_expert_gpu_bytes=int(room))
 
 
 def gate_tier_split(plan: OffloadPlan) -> tuple[int, int]:

@@ -14,8 +14,8 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts import ExpertWeights, LocalExperts
 from localmoe.families import family_for_model_type, supported_families
-from localmoe.loader import (LoadedModel, attach_cache, build_skeleton, install_fused, plan_offload,
-                             swap_experts)
+from localmoe.loader import (LoadedModel, attach_cache, build_skeleton, device_of, dispatch_spilled, install_fused,
+                             place_non_experts, plan_offload, swap_experts)
 
 
 def param_owners(model) -> dict[str, str]:
@@ -87,16 +87,17 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
     experts = swap_experts(model, text_config)
     budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice) if vram_bytes else None
     host = budget is not None and budget.offloading
+    dmap = place_non_experts(model, budget, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     owners = param_owners(model)
     for name, p in list(model.named_parameters()):
         t = random_value(name, p.shape, owners[name], dtype=dtype, device=device, gen=gen)
-        set_module_tensor_to_device(model, name, device, value=t)
+        set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=t)
     if routing == "skewed":
         skew_routers(model, experts, seed)
     for name, buf in model.named_buffers():
-        if buf.device != device:
-            set_module_tensor_to_device(model, name, device, value=buf)
+        if buf.device != device_of(name, dmap, device):
+            set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=buf)
     pinned = device.type == "cuda"
     for mod in experts.values():
         shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
@@ -113,8 +114,9 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
         mod.weights = ExpertWeights(*mats)
     model.eval()
     model.requires_grad_(False)
-    if fused:
+    if fused and not dmap:
         install_fused(model, device)
+    dispatch_spilled(model, dmap, device)
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
         attach_cache(loaded, dtype, device, pinned, offload_miss)

@@ -89,8 +89,37 @@ def test_cache_never_evicts_what_the_call_needs():
 def test_budget_too_small_is_one_line_with_numbers(capsys):
     code = main(["run", repo_id("qwen3_moe"), "hi", "--vram", "0.01"])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("localmoe: error: --vram 0.01 GiB cannot hold the non-expert weights")
+    assert code == 2 and err.startswith("localmoe: error: --vram 0.01 GiB cannot hold the non-expert weights' "
+                                        "largest module")
     assert "give at least --vram" in err and err.count("\n") == 1
+
+
+def test_non_expert_modules_spill_through_accelerate(capsys):
+    """A budget that holds the largest non-expert module, the state and one token's experts, but not all non-expert
+    weights: accelerate places what fits on the device and the rest in host memory; tokens are unchanged."""
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.0)
+    want = tokens(resident, n=8)
+    probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0).loaded
+    from localmoe.loader import _units
+
+    plan = probe.offload
+    units = _units(probe.model)
+    k = probe.config.num_experts_per_tok
+    gpu_share = 3 * max(units.values())  # accelerate keeps one largest unit free to run host-resident units in
+    vram = (plan.state_bytes + offload.WORKSPACE_RESERVE + k * plan.expert_bytes + gpu_share) / GiB
+    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=vram)
+    p = e.loaded.offload
+    assert p.spills and p.slots == k and 0 < p.non_expert_gpu_bytes < p.non_expert_bytes
+    from localmoe.loader import place_non_experts
+
+    dmap = place_non_experts(probe.model, p, torch.device("cuda", 0), torch.float32)
+    assert {d.type for d in dmap.values()} == {"cuda", "cpu"}  # some units on the device, the rest on the host
+    assert tokens(e, n=8) == want
+    with pytest.raises(Exception, match="largest module"):
+        offload.plan(budget_bytes=int(vram * GiB) - gpu_share, non_expert_bytes=p.non_expert_bytes,
+                     state=p.state_bytes, expert_bytes=p.expert_bytes, total_experts=p.total_experts, top_k=k,
+                     largest_module_bytes=max(units.values()))
 
 
 def test_run_json_reports_cache_stats(capsys):
