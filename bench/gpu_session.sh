@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The pending GPU measurements (bench/README.md), in device calls of <= 570 s of steps each.
-# Usage on the device machine, from the repository root:  bash bench/gpu_session.sh [a|b|all]
+# Usage on the device machine, from the repository root:  bash bench/gpu_session.sh [a|b|c|all]
 #   a: GPU kernel/module tests, the engine check (tiny families + bench vs transformers), one step's breakdown
 #   b: offloading under --vram 24 (gate tier vs whole-expert slots, skewed routing), sparse/dense crossover
+#   c: the decode-attention kernel: its tests, the engine check and breakdown again, bench at the 8192 default context
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -40,4 +41,16 @@ if [[ $PART == b || $PART == all ]]; then
     grep "^|\|note" "$OUT/offload.log"
     tail -n 4 "$OUT/spill.log" "$OUT/probe1.log" "$OUT/probe2.log"
     grep -i "crossover\|copy bandwidth" "$OUT/crossover.log" | tail -6
+fi
+if [[ $PART == c ]]; then
+    step tests 130 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_decode_attention.py tests/test_attention.py tests/test_fused.py
+    step engine 110 python bench/gpu_engine_check.py
+    step breakdown 50 python bench/step_breakdown.py 0.85
+    step ctx8192 50 python -m localmoe bench --shape qwen3.5-35b --sparsity 0.85 --context 8192 --decode-tokens 128
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -4
+    grep -A12 "^sparsity" "$OUT/breakdown.log"
+    tail -n 3 "$OUT/ctx8192.log"
 fi

@@ -201,7 +201,7 @@ def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: 
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
           graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = True,
-          offload_miss: str = "auto", routing: str = "uniform", progress=None) -> dict:
+          offload_miss: str = "auto", routing: str = "uniform", context: int | None = None, progress=None) -> dict:
     from localmoe.devices import pick_device, pick_dtype
     from localmoe.engine import Engine
 
@@ -213,7 +213,10 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
     dt = pick_dtype(dtype, dev)
     t0 = time.perf_counter()
     note = progress and (lambda s: progress(f"note: {s}", 0, None))
-    context = prompt_tokens + decode_tokens + 64
+    context = context or prompt_tokens + decode_tokens + 64
+    if context < prompt_tokens + decode_tokens:
+        raise UsageError(f"--context {context} is shorter than --prompt-tokens + --decode-tokens "
+                         f"({prompt_tokens + decode_tokens})")
     if shape:
         engine = Engine.random(shape, device=dev, dtype=dt, vram_gib=vram_gib, context=context, on_notice=note,
                                fused=fused, offload_miss=offload_miss, routing=routing)
@@ -247,14 +250,14 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
         rows.append(accelerate_baseline(config, dev, dt, prompt, min(decode_tokens, 4), vram_gib))
     return {"model": name, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dt).replace("torch.", ""), "load_s": load_s, "copy_gb_s": bw / 1e9,
-            "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "routing": routing,
+            "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "context": context, "routing": routing,
             "rows": [asdict(r) for r in rows]}
 
 
 def table(result: dict) -> str:
     lines = [f"{result['model']} on {result['device']} ({result['dtype']}), load {result['load_s']:.1f} s, "
              f"copy bandwidth {result['copy_gb_s']:.0f} GB/s, prompt {result['prompt_tokens']}, "
-             f"decode {result['decode_tokens']}"
+             f"decode {result['decode_tokens']}, context {result.get('context', '?')}"
              + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else ""),
              f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} "
              f"{'of floor':>8} {'realised':>8} {'peak GB':>8}"]

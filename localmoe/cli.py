@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsity", type=_sparsity_list, default=None, help="default: 0 and the model's default")
     p.add_argument("--prompt-tokens", type=_ranged(int, 1, what="--prompt-tokens"), default=512)
     p.add_argument("--decode-tokens", type=_ranged(int, 2, what="--decode-tokens"), default=256)
+    p.add_argument("--context", type=_ranged(int, 16, what="--context"), default=None,
+                   help="KV cache length (default: prompt + decode + 64; chat and run default to 8192)")
     p.add_argument("--baseline", choices=["transformers", "accelerate"], default=None,
                    help="stock generate in the same run; 'accelerate' offloads with device_map/max_memory (needs --vram)")
     p.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
@@ -379,7 +381,8 @@ def cmd_bench(args) -> int:
     if not args.model and not args.shape:
         raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")
     result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
-                   prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, baseline=args.baseline,
+                   prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, context=args.context,
+                   baseline=args.baseline,
                    graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, fused=args.fused,
                    offload_miss=args.offload_miss, routing=args.routing, progress=_stderr_progress())
     print(json.dumps(result) if args.json else table(result))

@@ -121,6 +121,8 @@ class Engine:
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)
         engine.on_notice = on_notice
+        if context:
+            engine.set_context(context)
         engine._offload_notices()
         engine.set_sparsity(0.0)
         return engine

@@ -32,6 +32,10 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
     OlmoeSparseMoeBlock            FusedSparseMoeBlock      one token: router 1 launch -> `experts` (no shared expert)
                                                                more tokens (prefill) run the original block
 
+Besides the table, `install` switches models on transformers' "sdpa" attention to localmoe's "localmoe_sdpa"
+(localmoe/attention.py: one-token decode attention whose time follows the tokens so far), registered through
+transformers' AttentionInterface; it reports it as "sdpa attention" and `exclude` takes that name too.
+
 The MoE block replacement keeps the block's children (`gate`, `experts`, `shared_expert`, `shared_expert_gate`) as
 the very same objects, so localmoe's LocalExperts (sparsity τ, offloading cache, kept-neuron stats) is what runs.
 It does not call the router module, so transformers' `output_router_logits` recorder (a hook on the router class)
@@ -50,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localmoe import attention
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
 from localmoe.kernels.gemv import gemv
 from localmoe.kernels.rmsnorm import rmsnorm
@@ -371,6 +376,7 @@ REPLACEMENTS: dict[str, Replacement] = {
     "DeepseekV2RMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "GraniteMoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
 }
+ATTENTION = "sdpa attention"  # `install`'s name for the attention core switch (localmoe.attention), not a class
 _FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedSparseMoeBlock, FusedDecoderLayer, FusedLinear)
 
 
@@ -401,12 +407,14 @@ def install(model: nn.Module, device: torch.device | str | None = None, *, force
             continue
         _set_child(model, name, rep.make(module))
         done[cls] = done.get(cls, 0) + 1
+    if ATTENTION not in exclude and attention.install(model):  # the attention core, by implementation name
+        done[ATTENTION] = 1
     return done
 
 
 def uninstall(model: nn.Module) -> int:
     """Put the original transformers modules back; returns how many were restored."""
-    n = 0
+    n = int(attention.uninstall(model))
     for name, module in list(model.named_modules()):
         if isinstance(module, _FUSED_TYPES) and name:
             _set_child(model, name, module._hf)

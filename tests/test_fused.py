@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 import tiny_models  # noqa: E402
 
-from localmoe import fused  # noqa: E402
+from localmoe import attention, fused  # noqa: E402
 
 STEPS = 5
 # CPU + interpreter by default (conftest sets TRITON_INTERPRET=1); TRITON_INTERPRET=0 on a GPU runs compiled kernels
@@ -82,14 +82,17 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
     assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
                     "Qwen3_5MoeGatedDeltaNet": n_linear, "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers,
-                    "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers, "Linear": n_lin}
+                    "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers, "Linear": n_lin, fused.ATTENTION: 1}
+    assert model.config._attn_implementation == "localmoe_sdpa"
     assert isinstance(model.lm_head, fused.FusedLinear)
     assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
+    calls0 = attention.decode_calls
     got, toks = _run(model, cache_kind, prompt)
     steps = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedGatedDeltaNet)]
     assert steps == [STEPS] * n_linear  # every decode step took the fused path, prefill did not
     blocks = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)]
     assert blocks == [STEPS] * cfg.num_hidden_layers
+    assert attention.decode_calls - calls0 == STEPS * (cfg.num_hidden_layers - n_linear)  # decode attention kernel
     layers = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedDecoderLayer)]
     assert layers == [STEPS] * cfg.num_hidden_layers  # both residual adds fused on every decode step
     # fp32: localmoe's GEMVs (FusedLinear) sum in another order than cuBLAS / torch's CPU kernels; logits are O(1)

@@ -1,0 +1,82 @@
+"""Tests of kernels/decode_attention.py: one query token's attention over a KV cache (split over key chunks, then
+combined) against its torch reference and torch's SDPA, with GQA, Dk != Dv (DeepSeek's MLA), a static-cache mask
+whose unused tail is skipped, no mask, odd sizes, bf16 and fp32. CPU under TRITON_INTERPRET=1; never times.
+
+Shape legend: Hq query heads, Hkv KV heads, L cache length, Dk / Dv key / value head dims.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from localmoe.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+# (Hq, Hkv, L, Dk, Dv, valid keys, chunk): Qwen3.5-35B's full attention (16 q / 2 kv heads, d 256) on a static cache
+# with 300 of 1024 positions used; MHA odd sizes; MLA-like Dk 24 / Dv 16; valid keys spanning several chunks
+SHAPES = [(16, 2, 1024, 256, 256, 300, 256), (3, 3, 50, 40, 40, 50, 16), (4, 1, 70, 24, 16, 33, 16),
+          (8, 2, 200, 64, 64, 200, 32)]
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq{}Hkv{}L{}Dk{}Dv{}n{}".format(*s[:6]))
+def test_matches_reference_and_sdpa(shape, dtype):
+    Hq, Hkv, L, Dk, Dv, n, chunk = shape
+    gen = torch.Generator().manual_seed(Hq + L + Dk)
+    q = torch.randn(Hq, Dk, generator=gen).to(DEV, dtype)
+    k = torch.randn(Hkv, L, Dk, generator=gen).to(DEV, dtype)
+    v = torch.randn(Hkv, L, Dv, generator=gen).to(DEV, dtype)
+    mask = torch.arange(L, device=DEV) < n  # a static cache: the first n positions hold tokens
+    want = decode_attention_ref(q, k, v, mask)
+    if n < L:
+        k[:, n:] = float("nan")  # never read: a chunk past the last token returns before loading
+        v[:, n:] = float("nan")
+    got = decode_attention(q, k, v, mask, chunk=chunk, block_l=16)
+    assert got.dtype == dtype and got.shape == (Hq, Dv) and torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    if Dk == Dv:  # torch's SDPA with the same boolean mask (GQA by repeating KV heads)
+        r = Hq // Hkv
+        kk, vv = k[:, :n].repeat_interleave(r, 0), v[:, :n].repeat_interleave(r, 0)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, None].float(), kk.float(), vv.float())[:, 0]
+        torch.testing.assert_close(got.float(), sdpa, **TOL[dtype])
+
+
+def test_no_mask_scale_and_out():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(4, 32, generator=gen), torch.randn(2, 45, 32, generator=gen), torch.randn(2, 45, 8, generator=gen)
+    q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
+    out = torch.empty(4, 8, device=DEV)
+    got = decode_attention(q, k, v, None, scale=0.3, out=out, chunk=16)
+    assert got is out
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, None, scale=0.3), rtol=1e-4, atol=1e-5)
+
+
+def test_strided_views():
+    """A [B=1, H, L, D] cache's head views and a transposed query, as transformers' attention passes them."""
+    gen = torch.Generator().manual_seed(9)
+    cache_k = torch.randn(1, 2, 64, 16, generator=gen).to(DEV)
+    cache_v = torch.randn(1, 2, 64, 16, generator=gen).to(DEV)
+    q = torch.randn(1, 1, 4, 16, generator=gen).to(DEV).transpose(1, 2)  # [B, H, 1, D], non-contiguous
+    mask = torch.arange(64, device=DEV) < 40
+    got = decode_attention(q[0, :, 0], cache_k[0], cache_v[0], mask, chunk=16)
+    torch.testing.assert_close(got, decode_attention_ref(q[0, :, 0], cache_k[0], cache_v[0], mask),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_launcher_checks():
+    q, k, v = torch.randn(4, 8, device=DEV), torch.randn(3, 10, 8, device=DEV), torch.randn(3, 10, 8, device=DEV)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(q, k, v)
+    k2, v2 = k[:2], v[:2]
+    with pytest.raises(ValueError, match="mask"):
+        decode_attention(q, k2, v2, torch.ones(9, dtype=torch.bool, device=DEV))
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(q, k2.double(), v2)
+    with pytest.raises(ValueError, match="out"):
+        decode_attention(q, k2, v2, out=torch.empty(4, 7, device=DEV))
