@@ -157,11 +157,14 @@ if triton is not None:
 # launcher
 # ----------------------------------------------------------------------------------------------------------
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     scale: float | None = None, out: torch.Tensor | None = None, *, chunk: int = 256,
-                     block_l: int = 32, num_warps: int = 4) -> torch.Tensor:
+                     scale: float | None = None, out: torch.Tensor | None = None, *, chunk: int = 64,
+                     block_l: int = 64, num_warps: int = 4) -> torch.Tensor:
     """One query token's attention over a KV cache (module docstring). q [Hq,Dk]; k [Hkv,L,Dk]; v [Hkv,L,Dv];
     mask [L] bool (True = attend) or None (all L keys); scale default Dk^-0.5. Returns [Hq, Dv] in q's dtype (into
-    `out` when given: [Hq, Dv] of q's dtype, last dim contiguous). No host sync: CUDA-graph capturable."""
+    `out` when given: [Hq, Dv] of q's dtype, last dim contiguous). No host sync: CUDA-graph capturable.
+    Defaults: the best launch of `bench/decode_attention_sweep.py` on the H200 at Qwen3.5-35B heads with 640 of 8192
+    cache positions used, 15.6 µs (SDPA over the masked cache: 22.8); at 140 of 1024 the best launch was chunk 32,
+    block_l 32, 8 warps, 8.7 µs (SDPA 15.7; the defaults were not timed there)."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     if q.dim() != 2 or k.dim() != 3 or v.dim() != 3:
