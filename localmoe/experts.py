@@ -51,9 +51,12 @@ class GateRecorder:
         self.values: list[torch.Tensor] = []
         self.experts: list[torch.Tensor] = []
         self.count = 0
+        self.routed: dict[int, int] = {}  # expert -> calibration tokens routed to it (gate-tier placement)
         self.gen = torch.Generator().manual_seed(seed)
 
     def add(self, g_abs: torch.Tensor, expert: int = 0) -> None:
+        """g_abs [n, I]: |gate activations| of the n tokens routed to `expert`."""
+        self.routed[expert] = self.routed.get(expert, 0) + (g_abs.shape[0] if g_abs.dim() > 1 else 1)
         v = g_abs.detach().flatten().float().cpu()
         self.values.append(v)
         self.experts.append(torch.full((v.numel(),), expert, dtype=torch.int32))

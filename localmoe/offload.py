@@ -200,16 +200,26 @@ class ExpertCache:
 
     def place_gates(self, order: list[tuple[int, int]] | None = None) -> None:
         """Fill the gate tier with the gates of `order` [(layer, expert), most wanted first]; by default every
-        layer's experts in id order, layer by layer interleaved (the same share of each layer resident)."""
+        layer's experts in id order, layer by layer interleaved (the same share of each layer resident). Gates
+        already resident keep their slots (only the newcomers are copied); the tables are rewritten in place."""
         if not self.gate_slots:
             return
         if order is None:
             order = [(layer, e) for e in range(self.num_experts) for layer in sorted(self.masters)]
-        for t in self.gate_tables.values():
-            t.fill_(-1)
-        for slot, (layer, e) in enumerate(order[:self.gate_slots]):
-            self.pool.w_gate[slot].copy_(self.masters[layer].w_gate[e], non_blocking=True)
-            self.gate_tables[layer][e] = slot
+        want = order[:self.gate_slots]
+        now = {(layer, e): s for layer, t in self.gate_tables.items() for e, s in enumerate(t.tolist()) if s >= 0}
+        rows = {layer: [-1] * self.num_experts for layer in self.gate_tables}
+        kept = {k: now[k] for k in want if k in now}
+        free = sorted(set(range(self.gate_slots)) - set(kept.values()), reverse=True)
+        for (layer, e) in want:
+            slot = kept.get((layer, e))
+            if slot is None:
+                slot = free.pop()
+                self.pool.w_gate[slot].copy_(self.masters[layer].w_gate[e], non_blocking=True)
+                self.copied_bytes += self.row_bytes * self.width
+            rows[layer][e] = slot
+        for layer, t in self.gate_tables.items():  # same tensors: a captured CUDA graph keeps reading them
+            t.copy_(torch.tensor(rows[layer], dtype=t.dtype))
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down_t) [I,H] of expert e of `layer` on the device, for the dense grouped path (prefill):

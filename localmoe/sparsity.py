@@ -4,7 +4,9 @@ For a target sparsity S, τ[layer] is the S-quantile of |act(x·W_gate)| over th
 layer, measured by running calibration text through the model (dense path). Results are cached as JSON under
 `$XDG_CACHE_HOME/localmoe/thresholds/` with the metadata that produced them (model, revision, S, calibration
 set and its hash, token count, localmoe version); a file whose metadata does not match is recomputed,
-never used. The default calibration text ships with the package (works offline).
+never used. The default calibration text ships with the package (works offline). The same pass counts the
+tokens routed to each expert (`routing_counts`, kept in the file): an expert cache whose gate tier cannot hold
+every gate gives its slots to the most-routed experts' gates (`apply`).
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = Non
         try:
             saved = json.loads(path.read_text())
             saved_meta = {k: saved.get(k) for k in meta}
-            if saved_meta == meta and len(saved["thresholds"]) == meta["layers"]:
+            # (files from before routing counts were kept are recomputed: the expert cache places gates by them)
+            if saved_meta == meta and len(saved["thresholds"]) == meta["layers"] and "routing_counts" in saved:
                 taus = tuple(tuple(float(x) for x in t) if isinstance(t, list) else float(t) for t in saved["thresholds"])
                 return ThresholdTable(sparsity, taus, saved)
         except (OSError, ValueError, KeyError, TypeError):
@@ -140,7 +143,8 @@ def calibrate_ids(engine, sparsity: float, ids: list[int], *, progress: Progress
         taus = tuple(tuple(r.expert_quantiles(sparsity, m.num_experts)) for r, m in zip(recorders, experts))
     else:
         taus = tuple(r.quantile(sparsity) for r in recorders)
-    return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids)})
+    counts = [[r.routed.get(e, 0) for e in range(m.num_experts)] for r, m in zip(recorders, experts)]
+    return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids), "routing_counts": counts})
 
 
 def crossover_tokens(loaded: LoadedModel, device: torch.device) -> int:
@@ -165,7 +169,27 @@ def sparse_token_limit(loaded: LoadedModel, device: torch.device) -> int:
     return limit
 
 
+def gate_order(loaded: LoadedModel, counts) -> list[tuple[int, int]] | None:
+    """(layer, expert) pairs, most routed first in calibration (`routing_counts`: per MoE module, tokens per
+    expert), for the expert cache's gate tier; ties keep every layer's share even. None when counts do not fit."""
+    if not isinstance(counts, list) or len(counts) != len(loaded.experts):
+        return None
+    ranked = []
+    for m, row in zip(loaded.experts, counts):
+        if not isinstance(row, list) or len(row) != m.num_experts:
+            return None
+        ranked += [(-int(c), e, m.layer_idx) for e, c in enumerate(row)]
+    return [(layer, e) for _, e, layer in sorted(ranked)]
+
+
 def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -> None:
+    """Thresholds into the experts modules; with an expert cache whose gate tier cannot hold every gate, the gates
+    the calibration text routed to most take its slots."""
+    cache = loaded.cache
+    if cache is not None and cache.gate_slots and cache.gate_slots < cache.num_experts * len(cache.masters):
+        order = gate_order(loaded, table.meta.get("routing_counts"))
+        if order is not None:
+            cache.place_gates(order)
     limit = sparse_token_limit(loaded, device)
     for m, tau in zip(loaded.experts, table.taus):
         if isinstance(tau, (tuple, list)):

@@ -262,3 +262,35 @@ def test_background_admissions_go_live_a_step_later(mode):
         if (layer, ex) not in cache.pending:
             assert int(cache.tables[layer][ex]) == slot
             assert torch.equal(cache.pool.w_down_t[slot], cache.masters[layer].w_down_t[ex])
+
+
+def test_gate_tier_follows_calibration_routing():
+    """Gates that do not all fit: after calibration the most-routed experts' gates hold the tier's slots (the counts
+    travel in the cached thresholds file), already-resident gates stay put, and tokens still equal all-resident."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "0":
+        pytest.skip("a CPU engine's Triton kernels need the interpreter")
+    from localmoe import sparsity as sp
+
+    model = repo_id("qwen3_moe")
+    want = tokens(Engine.load(model, device="cpu", sparsity=0.5), n=8)
+    e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, 3), offload_miss="direct")
+    cache = e.loaded.cache
+    assert 0 < cache.gate_slots < cache.num_experts * len(cache.masters)
+    table = sp.thresholds_for(e, 0.5)  # from the file written by the load's calibration
+    counts = table.meta["routing_counts"]
+    assert sum(map(sum, counts)) > 0
+    placed = {(layer, ex) for layer, t in cache.gate_tables.items() for ex, s in enumerate(t.tolist()) if s >= 0}
+    by_layer = {m.layer_idx: row for m, row in zip(e.loaded.experts, counts)}
+    hot = [by_layer[layer][ex] for layer, ex in placed]
+    cold = [c for layer, row in by_layer.items() for ex, c in enumerate(row) if (layer, ex) not in placed]
+    assert len(placed) == cache.gate_slots and min(hot) >= max(cold)
+    for layer, t in cache.gate_tables.items():
+        for ex, s in enumerate(t.tolist()):
+            if s >= 0:
+                assert torch.equal(cache.pool.w_gate[s], cache.masters[layer].w_gate[ex])
+    before = {k: int(cache.gate_tables[k[0]][k[1]]) for k in placed}
+    copied = cache.copied_bytes
+    sp.apply(e.loaded, table, device=torch.device("cpu"))  # the same order again: nothing moves, nothing copied
+    assert {k: int(cache.gate_tables[k[0]][k[1]]) for k in placed} == before and cache.copied_bytes == copied
+    assert tokens(e, n=8) == want
