@@ -3,7 +3,7 @@ offload as the baseline, in one run (H200, not a test).
 
 Builds the Qwen3.5-35B-A3B-shaped random engine once (bf16, `--vram` GiB, fused decode modules), then decodes each
 case on it: `mode:sparsity[:admit[:bg]]` with mode direct (fused kernel reads misses' gate rows + kept rows from pinned
-host memory inside the CUDA graph, the cache's VRAM holding gates first: `offload.gate_tier_split`; up to `admit`
+host memory inside the CUDA graph, the cache's VRAM holding gates first: `placement.gate_tier_split`; up to `admit`
 missed experts' up/down copied into slots after each step, on a side stream with `bg`), whole (direct misses with
 whole-expert slots, the layout before the gate tier), copy
 (copy-then-compute, eager) or cpu (misses computed on the CPU, eager); `skewed` rescales the routers in place

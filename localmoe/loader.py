@@ -31,7 +31,7 @@ class LoadedModel:
     config: object  # the text config
     family: FamilySpec
     experts: list[LocalExperts]  # one per MoE layer, in layer order
-    offload: object = None  # localmoe.offload.OffloadPlan when a VRAM budget was given
+    offload: object = None  # localmoe.placement.OffloadPlan when a VRAM budget was given
     cache: object = None  # localmoe.offload.ExpertCache when experts are offloaded
     host_pinned: bool = False  # expert master copies in pinned host memory
 
@@ -132,7 +132,7 @@ def _units(model) -> dict[str, int]:
 
 
 def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None):
-    from localmoe import offload
+    from localmoe import placement
 
     el = torch.finfo(dtype).bits // 8
     non_expert = sum(p.numel() * el for p in model.parameters())
@@ -141,11 +141,11 @@ def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, cont
     if any((m.num_experts, m.intermediate_size, m.hidden_size) != (E, I, H) for m in mods):
         raise UsageError("expert offloading needs every MoE layer to have the same expert shape")
     largest = max(_units(model).values(), default=0)
-    budget = offload.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
-                          state=offload.state_bytes(text_config, context, dtype), expert_bytes=3 * I * H * el,
+    budget = placement.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
+                          state=placement.state_bytes(text_config, context, dtype), expert_bytes=3 * I * H * el,
                           total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
                           largest_module_bytes=largest)
-    warning = offload.host_ram_notice(budget, offload.available_ram())
+    warning = placement.host_ram_notice(budget, placement.available_ram())
     if warning and on_notice:
         on_notice(warning)
     return budget
@@ -283,8 +283,8 @@ def install_fused(model, device: torch.device) -> None:
 def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto", gate_tier: bool = True) -> None:
     """Experts' weights are host master copies: put the GPU expert cache in front of them (replacing one attached
     before). Miss mode "auto": direct reads from pinned host memory on CUDA (the fastest measured), else
-    copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first (`offload.gate_tier_split`)."""
-    from localmoe import offload
+    copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first (`placement.gate_tier_split`)."""
+    from localmoe import offload, placement
 
     if miss == "auto":
         miss = "direct" if torch.device(device).type == "cuda" and pinned else "copy"
@@ -292,7 +292,7 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     for m in loaded.experts:
         m.cache = None
     loaded.cache = None  # the old pools go before the new ones are allocated
-    gates, slots = offload.gate_tier_split(loaded.offload) if miss == "direct" and gate_tier else (0, loaded.offload.slots)
+    gates, slots = placement.gate_tier_split(loaded.offload) if miss == "direct" and gate_tier else (0, loaded.offload.slots)
     cache = offload.ExpertCache(slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device,
                                 mode=miss, gate_slots=gates)
     for m in loaded.experts:
@@ -308,7 +308,7 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
     E, I, H = mod.num_experts, mod.intermediate_size, mod.hidden_size
     shape = (E, I, H)
     if host:  # offloaded: the master copies live in host memory, pinned when possible
-        from localmoe.offload import host_buffer
+        from localmoe.placement import host_buffer
 
         bufs = []
         for _ in range(3):

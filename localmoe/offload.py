@@ -1,13 +1,12 @@
-"""Expert offloading under a VRAM budget: placement, and the GPU expert cache.
+"""The GPU expert cache in front of the experts' host master copies (the plan it fills: `localmoe.placement`).
 
-Placement: the non-expert modules, the KV/recurrent state and a workspace reserve must fit in the budget (else a
-one-line error with the numbers); what is left becomes slots of an expert cache. Every expert's master copy lives
-in host memory (pinned when possible, pageable with a notice when pinning fails; a notice before the load when they
-look larger than the RAM available). The cache is expert-granular
-and shared by all layers, least-recently-used first out, never evicting an expert the current layer call needs.
-Each layer has a slot table on the device (expert → slot, -1 when absent), so the compute kernels read the pool
-through slot ids. Three ways to serve a miss (MISS_MODES; the loader's "auto" picks direct on CUDA with pinned
-memory, the fastest on the H200: 29.7 tok/s against 8.5 copy and 5.2 cpu at 24 GiB, 85%, Qwen3.5-35B shapes):
+The cache is shared by all layers. Each layer has slot tables on the device (expert → slot, -1 when absent), so
+the compute kernels read the pool through them inside a CUDA graph. Up/down (or whole-expert) slots are
+least-recently-used first out, never evicting an expert the current layer call needs. With direct misses the
+gates have a tier of their own (`gate_slots`), filled once (`place_gates`: by calibration routing counts when
+known). Three ways to serve a miss (MISS_MODES; the loader's "auto" picks direct on CUDA with pinned memory, the
+fastest on the H200: gates first 103.8 tok/s, whole-expert slots 35.7, accelerate 0.13 at 24 GiB, 85%,
+Qwen3.5-35B shapes; copy 8.5 and cpu 5.2 against direct's 29.7 in session 2):
 - "copy": copy-then-compute — the expert's three matrices are copied into a slot, then computed from it;
 - "direct": the fused sparse kernel reads the gate rows and only the kept up/down rows of an absent
   expert straight from pinned host memory, inside the CUDA graph; after each step the routing it saw is observed
@@ -22,127 +21,14 @@ Shapes: E = experts per layer, I = expert width, H = hidden, S = cache slots.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from localmoe.errors import UsageError
 from localmoe.experts import ExpertWeights
 
-GiB = 1 << 30
 MISS_MODES = ("copy", "direct", "cpu")
 ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (bounds the copy time per token)
-WORKSPACE_RESERVE = 0.5 * GiB  # activations, kernels' workspaces, allocator slack
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    budget_bytes: int
-    non_expert_bytes: int
-    state_bytes: int
-    expert_bytes: int  # one expert (gate + up + down)
-    total_experts: int
-    slots: int  # GPU cache slots (== total_experts: everything resident, no offloading)
-    non_expert_gpu_bytes: int = -1  # < non_expert_bytes: accelerate keeps the rest in host memory (-1: all)
-
-    @property
-    def offloading(self) -> bool:
-        return self.slots < self.total_experts
-
-    @property
-    def spills(self) -> bool:
-        """Whether some non-expert modules live in host memory (placed by accelerate, moved per forward)."""
-        return 0 <= self.non_expert_gpu_bytes < self.non_expert_bytes
-
-    def summary(self) -> str:
-        gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
-        spill = (f" (only {gib(self.non_expert_gpu_bytes)} of them on the GPU: accelerate keeps the rest in host "
-                 "memory)" if self.spills else "")
-        return (f"VRAM budget {gib(self.budget_bytes)}: non-expert weights {gib(self.non_expert_bytes)}{spill}, "
-                f"KV/state {gib(self.state_bytes)}, {self.slots} of {self.total_experts} experts cached on the GPU "
-                f"({gib(self.slots * self.expert_bytes)}); host RAM for expert master copies "
-                f"{gib(self.total_experts * self.expert_bytes)}")
-
-
-def state_bytes(config, context: int, dtype: torch.dtype) -> int:
-    """KV cache of full-attention layers for `context` tokens, plus linear-attention states (batch 1)."""
-    el = torch.finfo(dtype).bits // 8
-    layers = int(config.num_hidden_layers)
-    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    full = sum(1 for t in types if t != "linear_attention")
-    linear = layers - full
-    kv = full * 2 * context * heads * head_dim * el
-    lin_state = 0
-    if linear:
-        vh = int(getattr(config, "linear_num_value_heads", 0))
-        kd, vd = int(getattr(config, "linear_key_head_dim", 0)), int(getattr(config, "linear_value_head_dim", 0))
-        lin_state = linear * vh * kd * vd * 4 * 2  # recurrent state (fp32) + conv state, generous
-    return kv + lin_state
-
-
-def plan(*, budget_bytes: int, non_expert_bytes: int, state: int, expert_bytes: int, total_experts: int,
-         top_k: int, largest_module_bytes: int = 0) -> OffloadPlan:
-    """Experts' GPU cache slots under the budget. When the non-expert modules do not fit beside KV/state, the
-    workspace and one token's experts, they spill: the GPU keeps what fits (at least the largest module, which
-    accelerate never splits) and the cache gets one token's experts. Below that, a one-line error."""
-    fixed = state + WORKSPACE_RESERVE
-    if budget_bytes >= fixed + non_expert_bytes + top_k * expert_bytes:
-        slots = min(total_experts, int((budget_bytes - fixed - non_expert_bytes) // expert_bytes))
-        return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, slots)
-    room = budget_bytes - fixed - top_k * expert_bytes
-    if room < max(largest_module_bytes, 1):
-        need = (fixed + top_k * expert_bytes + max(largest_module_bytes, 1)) / GiB
-        raise UsageError(
-            f"--vram {budget_bytes / GiB:.2f} GiB cannot hold the non-expert weights' largest module "
-            f"({largest_module_bytes / GiB:.2f} GiB of {non_expert_bytes / GiB:.2f} GiB), KV/state "
-            f"({state / GiB:.2f} GiB), workspace ({WORKSPACE_RESERVE / GiB:.2f} GiB) and one token's {top_k} experts: "
-            f"give at least --vram {need:.2f}, a shorter --context, or --device cpu")
-    return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, min(top_k, total_experts),
-                       non_expert_gpu_bytes=int(room))
-
-
-def gate_tier_split(plan: OffloadPlan) -> tuple[int, int]:
-    """(gate slots, up/down slots) for direct misses: the cache's bytes hold gates first, every gate if they fit,
-    and up/down pairs with the rest. Routed experts read their whole gate but only kept up/down rows, so a gate
-    byte in VRAM saves 1/(1-s) times the host reads of an up/down byte at sparsity s (6.7x at 85 %) and never less."""
-    cache_bytes = plan.slots * plan.expert_bytes
-    gate_bytes = plan.expert_bytes // 3
-    gates = min(plan.total_experts, cache_bytes // gate_bytes)
-    return gates, int((cache_bytes - gates * gate_bytes) // (2 * gate_bytes))
-
-
-def available_ram() -> int | None:
-    """Bytes of host memory available to a new allocation (Linux MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def host_ram_notice(plan: OffloadPlan, available: int | None) -> str | None:
-    """A one-line warning, before the load, when the expert master copies look larger than the host RAM available
-    now (a warning, not a refusal: VMs whose memory grows on demand report too little up front)."""
-    need = plan.total_experts * plan.expert_bytes
-    if not plan.offloading or available is None or need <= available:
-        return None
-    return (f"the expert master copies need {need / GiB:.1f} GiB of host RAM and {available / GiB:.1f} GiB is "
-            "available now: if loading fails, close other programs or run a smaller model")
-
-
-def host_buffer(shape, dtype, pin: bool) -> tuple[torch.Tensor, bool]:
-    """(tensor, pinned) — pinned host memory when asked and possible, else pageable."""
-    if pin:
-        try:
-            return torch.empty(shape, dtype=dtype, pin_memory=True), True
-        except RuntimeError:
-            pass
-    return torch.empty(shape, dtype=dtype), False
 
 
 class ExpertCache:

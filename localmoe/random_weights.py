@@ -105,7 +105,7 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
         for _ in range(3):
             t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
             if host:  # master copy in host memory (drawn on the device for speed, then moved)
-                from localmoe.offload import host_buffer
+                from localmoe.placement import host_buffer
 
                 buf, ok = host_buffer(shape, dtype, pin=pinned)
                 pinned = pinned and ok

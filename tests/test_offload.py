@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import repo_id
-from localmoe import offload
+from localmoe import offload, placement
 from localmoe.cli import main
 from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
@@ -22,7 +22,7 @@ GiB = 1 << 30
 def budget_for(model: str, slots: int) -> float:
     """--vram (GiB) that leaves exactly `slots` expert slots."""
     probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0).loaded.offload
-    fixed = probe.non_expert_bytes + probe.state_bytes + offload.WORKSPACE_RESERVE
+    fixed = probe.non_expert_bytes + probe.state_bytes + placement.WORKSPACE_RESERVE
     return (fixed + slots * probe.expert_bytes + probe.expert_bytes // 2) / GiB
 
 
@@ -107,7 +107,7 @@ def test_non_expert_modules_spill_through_accelerate(capsys):
     units = _units(probe.model)
     k = probe.config.num_experts_per_tok
     gpu_share = 3 * max(units.values())  # accelerate keeps one largest unit free to run host-resident units in
-    vram = (plan.state_bytes + offload.WORKSPACE_RESERVE + k * plan.expert_bytes + gpu_share) / GiB
+    vram = (plan.state_bytes + placement.WORKSPACE_RESERVE + k * plan.expert_bytes + gpu_share) / GiB
     e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=vram)
     p = e.loaded.offload
     assert p.spills and p.slots == k and 0 < p.non_expert_gpu_bytes < p.non_expert_bytes
@@ -117,7 +117,7 @@ def test_non_expert_modules_spill_through_accelerate(capsys):
     assert {d.type for d in dmap.values()} == {"cuda", "cpu"}  # some units on the device, the rest on the host
     assert tokens(e, n=8) == want
     with pytest.raises(Exception, match="largest module"):
-        offload.plan(budget_bytes=int(vram * GiB) - gpu_share, non_expert_bytes=p.non_expert_bytes,
+        placement.plan(budget_bytes=int(vram * GiB) - gpu_share, non_expert_bytes=p.non_expert_bytes,
                      state=p.state_bytes, expert_bytes=p.expert_bytes, total_experts=p.total_experts, top_k=k,
                      largest_module_bytes=max(units.values()))
 
@@ -182,13 +182,13 @@ def test_direct_misses_equal_all_resident(sparsity, layout):
 
 
 def test_gate_tier_split_holds_gates_first():
-    plan = offload.plan(budget_bytes=64 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=3 << 20,
+    plan = placement.plan(budget_bytes=64 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=3 << 20,
                         total_experts=10_000, top_k=8)
     assert plan.offloading is False
-    small = offload.OffloadPlan(0, 0, 0, 3 << 20, 10_000, 3000)  # 3000 whole experts' bytes
-    assert offload.gate_tier_split(small) == (9000, 0)
-    big = offload.OffloadPlan(0, 0, 0, 3 << 20, 10_000, 5000)  # 15000 gates' bytes: all gates + 2500 up/down
-    assert offload.gate_tier_split(big) == (10_000, 2500)
+    small = placement.OffloadPlan(0, 0, 0, 3 << 20, 10_000, 3000)  # 3000 whole experts' bytes
+    assert placement.gate_tier_split(small) == (9000, 0)
+    big = placement.OffloadPlan(0, 0, 0, 3 << 20, 10_000, 5000)  # 15000 gates' bytes: all gates + 2500 up/down
+    assert placement.gate_tier_split(big) == (10_000, 2500)
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.5])
@@ -221,14 +221,14 @@ def test_live_stats_carry_cache_figures_while_decoding():
 
 
 def test_host_ram_shortage_is_announced_before_the_load():
-    plan = offload.plan(budget_bytes=4 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=100 << 20,
+    plan = placement.plan(budget_bytes=4 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=100 << 20,
                         total_experts=1000, top_k=8)
     assert plan.offloading
-    assert offload.host_ram_notice(plan, None) is None  # unknown: nothing to say
-    assert offload.host_ram_notice(plan, 200 << 30) is None
-    msg = offload.host_ram_notice(plan, 50 << 30)
+    assert placement.host_ram_notice(plan, None) is None  # unknown: nothing to say
+    assert placement.host_ram_notice(plan, 200 << 30) is None
+    msg = placement.host_ram_notice(plan, 50 << 30)
     assert "need 97.7 GiB of host RAM and 50.0 GiB is available now" in msg and "\n" not in msg
-    assert offload.available_ram() is None or offload.available_ram() > 0
+    assert placement.available_ram() is None or placement.available_ram() > 0
 
 
 @pytest.mark.parametrize("mode", ["direct", "cpu"])

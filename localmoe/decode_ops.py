@@ -1,0 +1,74 @@
+"""Small decode-time building blocks of localmoe's fused modules: tuned launch lookup, the one-row GEMV
+(`linear_1`, `FusedLinear`) and the one-launch RMSNorm (`FusedRMSNorm`). `localmoe.fused` holds the replacement
+table; `fused_deltanet` and `fused_moe` build on these.
+
+Shape legend: K input features, N output features, R rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localmoe.kernels.gemv import gemv
+from localmoe.kernels.rmsnorm import rmsnorm
+from localmoe.kernels.tuning import decode_params
+
+
+def tuned(x: torch.Tensor, kernel: str, shape_key: str) -> dict:
+    """Tuned launch keywords for this device and shape (kernels/tuned/*.json); {} off CUDA or when unmeasured."""
+    return decode_params(torch.cuda.get_device_name(x.device), kernel, shape_key) if x.is_cuda else {}
+
+
+def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight.T is a decode GEMV localmoe's kernel takes: one row, same dtype and device, row contiguous."""
+    return (x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.device == weight.device
+            and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dim() == 2)
+
+
+@torch.compiler.disable
+def linear_1(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with one row -> x @ weight.T [..., N] through kernels/gemv.py (launch tuned per shape)."""
+    N, K = weight.shape
+    kw = tuned(x, "gemv", f"N{N}_K{K}")
+    return gemv(x.reshape(1, K), weight, **kw).view(*x.shape[:-1], N)
+
+
+class FusedLinear(nn.Module):
+    """nn.Linear whose one-row calls (decode: lm_head, attention and DeltaNet projections) run localmoe's GEMV; every
+    other call (prefill, a bias) runs F.linear. cuBLAS's GEMV read Qwen3.5's lm_head at 2.1 TB/s in the engine."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)
+        self.weight = hf.weight  # the same Parameter (tied embeddings stay tied)
+        self.bias = hf.bias
+        self.in_features, self.out_features = hf.in_features, hf.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and one_row(x, self.weight):
+            return linear_1(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class FusedRMSNorm(nn.Module):
+    """transformers' RMSNorm (`kind` standard or zero_centred) in one Triton launch, any number of rows."""
+
+    def __init__(self, hf: nn.Module, kind: str):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)  # the original, unregistered (uninstall puts it back)
+        self.weight = hf.weight  # the same Parameter
+        self.eps = float(getattr(hf, "variance_epsilon", getattr(hf, "eps", 1e-6)))
+        self.variance_epsilon = self.eps
+        self.kind = kind
+
+    @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., N]
+        return rmsnorm(x, self.weight, self.eps, self.kind)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, kind={self.kind}"

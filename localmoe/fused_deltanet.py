@@ -1,0 +1,111 @@
+"""Qwen3.5's Gated DeltaNet for a cached one-token decode step: one GEMV for its four input projections (their
+weights share one buffer), one Triton launch (`kernels/delta_rule_step.py`: conv update, gates, l2norm, delta rule,
+gated RMSNorm), then out_proj. Prefill and uncached calls run transformers' module. Installed by `localmoe.fused`.
+
+Shape legend: B batch, T tokens, H hidden, C conv channels, H_v value heads, d_v value head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localmoe.decode_ops import FusedLinear, linear_1, one_row, tuned
+from localmoe.kernels.delta_rule_step import gated_deltanet_step
+
+
+def _decode_states(cache, layer_idx: int):
+    """(conv_state [B,C,K], recurrent_state [B,H_v,d_k,d_v]) — the cache's own tensors — when this call is a cached
+    single-token step in transformers' sense (the layer has a previous state and does not record the past); else
+    None. Works with the LinearAttention cache layers of transformers 5.17 and 5.2x."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    prev = getattr(layer, "has_previous_state", None)
+    if not isinstance(prev, dict) or not prev.get(0, False) or getattr(layer, "record_past", False):
+        return None
+    try:
+        conv, rec = layer.conv_states[0], layer.recurrent_states[0]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    if not (isinstance(conv, torch.Tensor) and isinstance(rec, torch.Tensor)):
+        return None
+    return conv, rec
+
+
+def _concat_rows(linears: list[nn.Module]) -> tuple[torch.Tensor | None, list[int]]:
+    """Bias-free Linears sharing an input: one [ΣN, H] matrix whose row blocks become the Linears' weights (each
+    Parameter object stays, its data now a view: no extra memory, same values), so one GEMV does all of them.
+    (None, []) when they cannot share one (bias, other dtype/device/width, not plain Linears)."""
+    ws = [getattr(lin, "weight", None) for lin in linears]
+    if (not all(isinstance(lin, (nn.Linear, FusedLinear)) and lin.bias is None for lin in linears)
+            or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"):
+        return None, []
+    with torch.no_grad():
+        cat = torch.cat([w.detach() for w in ws], dim=0)  # [ΣN, H]
+        sizes, at = [w.shape[0] for w in ws], 0
+        for w, n in zip(ws, sizes):
+            w.data = cat[at:at + n]
+            at += n
+    return cat, sizes
+
+
+class FusedGatedDeltaNet(nn.Module):
+    """Qwen3.5 Gated DeltaNet whose cached single-token step is 4 projections + one fused kernel + out_proj."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)  # prefill / uncached calls, and uninstall
+        for name, child in hf.named_children():  # in_proj_qkv/z/b/a, conv1d, norm, out_proj: the same objects
+            self.add_module(name, child)
+        for name, p in hf.named_parameters(recurse=False):  # dt_bias, A_log
+            self.register_parameter(name, p)
+        for attr in ("layer_idx", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
+                     "conv_dim", "conv_kernel_size", "activation", "hidden_size", "layer_type"):
+            if hasattr(hf, attr):
+                setattr(self, attr, getattr(hf, attr))
+        self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
+        self._launch: dict | None = None  # tuned launch keywords, looked up on the first fused step
+        self._w_in, self._in_sizes = _concat_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, *, cache_params=None,
+                past_key_values=None, **kwargs):  # hidden_states [B, T, H]
+        cache = next((c for c in (cache, cache_params, past_key_values) if c is not None), None)
+        states = None
+        if cache is not None and hidden_states.shape[1] == 1 and self.activation in ("silu", "swish"):
+            states = _decode_states(cache, self.layer_idx)
+        if states is None:  # transformers' own forward (its cache argument is the second positional in 5.17/5.2x)
+            return self._hf(hidden_states, cache, attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None and attention_mask.dim() == 2:  # transformers' apply_mask_to_padding_states
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        self.decode_calls += 1
+        B = hidden_states.shape[0]
+        if self._w_in is not None and self.in_proj_qkv.weight.data_ptr() != self._w_in.data_ptr():
+            self._w_in = None  # the weights were moved or replaced since install: project them one by one
+        if self._w_in is not None:  # the four input projections as one GEMV, split into views (rows strided)
+            h = hidden_states[:, 0]  # [B, H]
+            proj = linear_1(h, self._w_in) if one_row(h, self._w_in) else F.linear(h, self._w_in)
+            mixed_qkv, z, b, a = proj.split(self._in_sizes, dim=-1)
+        else:
+            mixed_qkv = self.in_proj_qkv(hidden_states)[:, 0]  # [B, C]
+            z = self.in_proj_z(hidden_states)[:, 0]  # [B, H_v*d_v]
+            b = self.in_proj_b(hidden_states)[:, 0]  # [B, H_v]
+            a = self.in_proj_a(hidden_states)[:, 0]  # [B, H_v]
+        out = self._step(mixed_qkv, z, a, b, *states)  # [B, H_v*d_v]
+        return self.out_proj(out.view(B, 1, -1))
+
+    @torch.compiler.disable
+    def _step(self, mixed_qkv, z, a, b, conv_state, rec_state):
+        if self._launch is None:
+            self._launch = tuned(mixed_qkv, "gated_deltanet_step",
+                                  f"HK{self.num_k_heads}_HV{self.num_v_heads}_D{self.head_v_dim}")
+        return gated_deltanet_step(
+            mixed_qkv, z, a, b, conv_state=conv_state, conv_weight=self.conv1d.weight.view(self.conv_dim, -1),
+            conv_bias=self.conv1d.bias, A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm.weight,
+            norm_eps=self.norm.variance_epsilon, state=rec_state, num_k_heads=self.num_k_heads,
+            head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, **self._launch)
+
+
+# router class -> whether it renormalises the top-k weights (None: read the router's `norm_topk_prob`)

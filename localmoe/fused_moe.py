@@ -1,0 +1,151 @@
+"""MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
+expert) and Qwen3.5's decoder layer with both residual adds fused into neighbouring kernels. Installed by
+`localmoe.fused`; prefill and other calls run transformers' modules.
+
+Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from localmoe.decode_ops import FusedLinear, FusedRMSNorm, tuned
+from localmoe.kernels.rmsnorm import rmsnorm
+from localmoe.kernels.router_topk import router_topk
+from localmoe.kernels.shared_expert import shared_expert
+
+
+_ROUTERS: dict[str, bool | None] = {"Qwen3_5MoeTopKRouter": True, "Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None}
+
+
+class FusedSparseMoeBlock(nn.Module):
+    """A softmax-top-k MoE block (Qwen3.5 with its sigmoid-gated shared expert; Qwen3-MoE / OLMoE without) whose
+    one-token call is: fused router (1 launch) -> the block's `experts` module, called as transformers calls it ->
+    fused shared expert (2 launches, the add into the routed output included). Other calls run the original block."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)  # prefill / unsupported calls, and uninstall
+        for name, child in hf.named_children():  # gate, experts, [shared_expert, shared_expert_gate]: same objects
+            self.add_module(name, child)
+        for name, p in hf.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        gate = hf.gate
+        norm = _ROUTERS.get(type(gate).__name__, False)
+        self.norm_topk_prob = bool(getattr(gate, "norm_topk_prob", False)) if norm is None else norm
+        self.top_k = int(getattr(gate, "top_k", 0))
+        self._router_ok = type(gate).__name__ in _ROUTERS and isinstance(getattr(gate, "weight", None), torch.Tensor)
+        se, sg = getattr(hf, "shared_expert", None), getattr(hf, "shared_expert_gate", None)
+        self.has_shared = se is not None
+        self._shared_ok = not self.has_shared or (
+            isinstance(sg, (nn.Linear, FusedLinear)) and sg.bias is None and sg.out_features == 1
+            and all(isinstance(getattr(se, n, None), (nn.Linear, FusedLinear)) and getattr(se, n).bias is None
+                    for n in ("gate_proj", "up_proj", "down_proj"))
+            and getattr(getattr(se, "config", None), "hidden_act", None) in ("silu", "swish"))
+        self._tuple_out = False  # the original returned (hidden, router_logits): mirror it
+        w = getattr(gate, "weight", None)
+        self._tickets = torch.zeros(64, dtype=torch.int32, device=w.device if w is not None else "cpu")
+        self.decode_calls = 0  # fused calls taken (eager calls; a CUDA graph replay does not count)
+        self._launch: tuple[dict, dict] | None = None  # tuned (router, shared expert) keywords, on the first call
+
+    def _fusable(self, h: torch.Tensor) -> bool:
+        if not (self._router_ok and self._shared_ok) or h.dim() != 3 or h.shape[0] * h.shape[1] != 1:
+            return False
+        return h.dtype == self.gate.weight.dtype and h.device == self.gate.weight.device
+
+    def forward(self, hidden_states: torch.Tensor):  # [B, T, H]
+        if not self._fusable(hidden_states):
+            out = self._hf(hidden_states)
+            self._tuple_out = isinstance(out, tuple)
+            return out
+        y, logits = self.step(hidden_states)
+        return (y, logits) if self._tuple_out else y
+
+    def step(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        """The fused one-token call (`_fusable` holds) -> (y [B, T, H], router logits); with `residual` (only with a
+        shared expert) y = residual + the block's output, the add done in the shared expert's last kernel."""
+        self.decode_calls += 1
+        B, T, H = hidden_states.shape
+        x = hidden_states.view(-1, H)
+        logits, top_k_weights, top_k_index = self._route(x)
+        y = self.experts(x, top_k_index, top_k_weights)
+        if self.has_shared:
+            y = self._shared(x, y, None if residual is None else residual.view(-1, H))
+        elif residual is not None:
+            raise ValueError("a residual is fused into the shared expert's kernel: this block has none")
+        return y.reshape(B, T, H), logits
+
+    @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
+    def _route(self, x):
+        if self._tickets.device != x.device:
+            self._tickets = torch.zeros(64, dtype=torch.int32, device=x.device)
+        if self._launch is None:
+            H, E = self.gate.weight.shape[1], self.gate.weight.shape[0]
+            se = self.shared_expert if self.has_shared else None
+            self._launch = (tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
+                            tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {})
+        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=self._tickets,
+                           **self._launch[0])
+
+    @torch.compiler.disable
+    def _shared(self, x, routed, residual=None):
+        se = self.shared_expert
+        return shared_expert(x, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                             self.shared_expert_gate.weight, routed.to(x.dtype), residual=residual, **self._launch[1])
+
+
+class FusedDecoderLayer(nn.Module):
+    """Qwen3.5-MoE decoder layer whose one-token call fuses both residual adds: the mixer's output + residual into
+    the post-attention RMSNorm's launch, and the MoE output + residual into the shared expert's last kernel (2 fewer
+    launches per layer). Only when its norm and MoE block are localmoe's fused modules and the call is one token on
+    their device; every other call (prefill) runs the original layer, whose children are the original modules."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)
+        for name, child in hf.named_children():  # input/post norms, linear_attn | self_attn, mlp: the same objects
+            self.add_module(name, child)
+        for k, v in vars(hf).items():  # block_type / layer_type, hidden_size, gradient_checkpointing, ...
+            if not k.startswith("_") and isinstance(v, (str, int, float, bool)):
+                setattr(self, k, v)
+        self._sig = inspect.signature(hf.forward)
+        self._cache_kw = "cache" if "cache" in self._sig.parameters else "past_key_values"
+        self._var_kw = next((n for n, p in self._sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        self.decode_calls = 0
+
+    def _fusable(self, h: torch.Tensor) -> bool:
+        return (isinstance(self.post_attention_layernorm, FusedRMSNorm) and isinstance(self.mlp, FusedSparseMoeBlock)
+                and self.mlp.has_shared and self.mlp._fusable(h))
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # [B, T, H]
+        if not self._fusable(hidden_states):
+            return self._hf(hidden_states, *args, **kwargs)
+        a = self._sig.bind(hidden_states, *args, **kwargs).arguments
+        extra = dict(a.pop(self._var_kw, {})) if self._var_kw else {}
+        cache = a.get(self._cache_kw)
+        self.decode_calls += 1
+        h = self.input_layernorm(hidden_states)
+        if getattr(self, "block_type", None) == "linear_attention":
+            h = self.linear_attn(h, cache, attention_mask=a.get("attention_mask"), **extra)
+        else:
+            h, _ = self.self_attn(hidden_states=h, attention_mask=a.get("attention_mask"),
+                                  position_ids=a.get("position_ids"), position_embeddings=a.get("position_embeddings"),
+                                  **{_kw(self.self_attn, "cache", "past_key_values"): cache}, **extra)
+        norm = self.post_attention_layernorm
+        h, residual = _add_norm(h, hidden_states, norm)
+        return self.mlp.step(h, residual)[0]
+
+
+def _kw(module: nn.Module, *names: str) -> str:
+    """The first of `names` that `module.forward` takes (transformers renamed cache arguments between versions)."""
+    params = inspect.signature(module.forward).parameters
+    return next((n for n in names if n in params), names[-1])
+
+
+@torch.compiler.disable
+def _add_norm(h, residual, norm: FusedRMSNorm):
+    """(norm(residual + h), residual + h) in one launch."""
+    return rmsnorm(h, norm.weight, norm.eps, norm.kind, residual=residual)
