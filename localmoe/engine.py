@@ -317,8 +317,8 @@ class Engine:
             if len(generated) % LIVE_STATS_EVERY == 0:  # live figures for the status bar (a few device reads)
                 stats.sparsity_realized = self.realized_sparsity(graph)
                 if expert_cache is not None:
-                    stats.cache_hit_rate = expert_cache.hit_rate
-                    stats.h2d_bytes_per_token = expert_cache.h2d_bytes / (len(generated) - 1)
+                    stats.cache_hit_rate, moved = expert_cache.figures()
+                    stats.h2d_bytes_per_token = moved / (len(generated) - 1)
             now = time.perf_counter()
             if len(generated) > 1:
                 stats.decode_tok_s = (len(generated) - 1) / max(now - t_decode, 1e-9)
@@ -339,8 +339,8 @@ class Engine:
             stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_decode, 1e-9)
         stats.sparsity_realized = self.realized_sparsity(graph)
         if expert_cache is not None:
-            stats.cache_hit_rate = expert_cache.hit_rate
-            stats.h2d_bytes_per_token = expert_cache.h2d_bytes / max(1, len(generated) - 1)
+            stats.cache_hit_rate, moved = expert_cache.figures()
+            stats.h2d_bytes_per_token = moved / max(1, len(generated) - 1)
         if cuda:
             stats.peak_gpu_mem_gb = torch.cuda.max_memory_allocated(self._device) / 1e9
         stats.finish_reason = finish

@@ -148,20 +148,27 @@ class ExpertCache:
         host, rows = torch.stack([self.host_rows, self.read_rows]).tolist()
         return host, rows
 
+    def figures(self) -> tuple[float, int]:
+        """(hit rate, host→GPU bytes) since reset_stats, from one readback of the kernels' counters.
+
+        Hit rate: the share of expert weight rows read from VRAM where the fused kernels counted them (direct
+        misses), else the share of expert lookups that found the expert resident. Bytes: admissions' copies plus
+        the rows kernels read in place from host memory."""
+        host, rows = self._rows()
+        if rows:
+            rate = 1.0 - host / rows
+        else:
+            n = self.hits + self.misses
+            rate = self.hits / n if n else 0.0
+        return rate, self.copied_bytes + host * self.row_bytes
+
     @property
     def h2d_bytes(self) -> int:
-        """Bytes moved host→GPU since reset_stats: admissions' copies plus the rows kernels read in place."""
-        return self.copied_bytes + self._rows()[0] * self.row_bytes
+        return self.figures()[1]
 
     @property
     def hit_rate(self) -> float:
-        """Share of expert weight rows read from VRAM where the fused kernels counted them (direct misses), else
-        the share of expert lookups that found the expert resident."""
-        host, rows = self._rows()
-        if rows:
-            return 1.0 - host / rows
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
+        return self.figures()[0]
 
     def fetch(self, layer: int, experts: list[int], keep: set | None = None, background: bool = False) -> None:
         """Make `experts` of `layer` resident (len(experts) <= slots), never evicting `keep` or `experts`; with
