@@ -69,6 +69,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "direct reads the gate rows and kept rows straight from pinned host memory inside the CUDA "
                         "graph (3.5x copy on the H200); copy copies the expert into the cache then computes; cpu "
                         "computes misses on the CPU")
+    p.add_argument("--host-storage", choices=["auto", "pinned", "mmap"], default="auto",
+                   help="offloaded experts' master copies: auto (default) = pinned host memory, or memory-mapped "
+                        "files under the cache dir when the RAM cannot hold them; mmap forces the files")
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                    help="localmoe's fused decode kernels on CUDA (RMSNorm, Gated DeltaNet step, router, shared expert); "
                         "--no-fused keeps transformers' modules")
@@ -250,7 +253,7 @@ def _load_engine(args, progress=None):
     return Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
                        progress=progress or _stderr_progress(), calibration_text=args.calibration_text,
                        vram_gib=args.vram, context=args.context, on_notice=notice, fused=args.fused,
-                       offload_miss=args.offload_miss)
+                       offload_miss=args.offload_miss, host_storage=args.host_storage)
 
 
 def cmd_run(args) -> int:

@@ -78,7 +78,7 @@ class Engine:
     def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
              progress: ProgressFn | None = None, calibration_text: str | None = None, vram_gib: float | None = None,
              context: int | None = None, on_notice=None, fused: bool = True,
-             offload_miss: str = "auto") -> "Engine":
+             offload_miss: str = "auto", host_storage: str = "auto") -> "Engine":
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         resolved = hub.resolve(model, progress=progress)
@@ -87,7 +87,8 @@ class Engine:
         try:
             loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress, vram_bytes=budget,
                                 context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
-                                on_notice=on_notice)
+                                on_notice=on_notice, host_storage=host_storage,
+                                store_key=(resolved.name, resolved.revision))
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
                 f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
@@ -131,7 +132,7 @@ class Engine:
         loaded = self.loaded
         if loaded.cache is None:
             return
-        pin_failed = self._device.type == "cuda" and not loaded.host_pinned
+        pin_failed = self._device.type == "cuda" and not loaded.host_pinned and loaded.host_storage != "mmap"
         self._notice(loaded.offload.summary()
                      + ("; pinning host memory failed, using pageable memory (slower misses)" if pin_failed else ""))
         if loaded.offload.spills and self._device.type == "cuda":
@@ -139,9 +140,11 @@ class Engine:
             self._notice("non-expert modules that do not fit run through accelerate's offload hooks: decoding eagerly "
                          "(no CUDA graph, no fused modules); a larger --vram keeps them on the GPU")
         if loaded.cache.mode == "direct":
-            if pin_failed:
-                raise RuntimeFailure("--offload-miss direct needs pinned host memory, which could not be allocated: "
-                                     "free RAM or use --offload-miss copy")
+            if self._device.type == "cuda" and not loaded.host_pinned:
+                why = ("the expert master copies are memory-mapped files" if loaded.host_storage == "mmap"
+                       else "pinned host memory could not be allocated")
+                raise RuntimeFailure(f"--offload-miss direct needs pinned host memory and {why}: use --offload-miss "
+                                     "copy (or auto), or free RAM")
             cache = loaded.cache
             tier = (f"; VRAM holds {cache.gate_slots} of {cache.num_experts * len(cache.masters)} experts' gates "
                     f"and {cache.slots} experts' up/down rows (gates first: read whole for every routed expert)"

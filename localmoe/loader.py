@@ -34,6 +34,7 @@ class LoadedModel:
     offload: object = None  # localmoe.placement.OffloadPlan when a VRAM budget was given
     cache: object = None  # localmoe.offload.ExpertCache when experts are offloaded
     host_pinned: bool = False  # expert master copies in pinned host memory
+    host_storage: str = ""  # where offloaded experts' master copies live: pinned, pageable or mmap (files)
 
     def expert_bytes(self) -> int:
         return sum(m.weights.nbytes() for m in self.experts)
@@ -185,9 +186,15 @@ def dispatch_spilled(model, dmap: dict[str, torch.device], device: torch.device)
 
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
                vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
-               offload_miss: str = "auto", on_notice=None) -> LoadedModel:
+               offload_miss: str = "auto", on_notice=None, host_storage: str = "auto",
+               store_key: tuple[str, str] | None = None) -> LoadedModel:
+    """Build the model from the checkpoint at `path`. Offloaded experts' master copies go to pinned host memory, or
+    with `host_storage` "mmap" (or "auto" when the RAM cannot hold them) to memory-mapped files (`localmoe.store`,
+    keyed by `store_key` = (model name, revision)) that later loads map without reading the checkpoint."""
     from accelerate.utils import set_module_tensor_to_device
 
+    if host_storage not in HOST_STORAGE:
+        raise UsageError(f"host storage must be one of {', '.join(HOST_STORAGE)}, got {host_storage!r}")
     _, text_config, fam = read_config(path)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
@@ -198,6 +205,9 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     pinned = [device.type == "cuda"]  # cleared when pinning fails
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     files = shard_files(path)
+    files_store = _expert_files(host, host_storage, budget, store_key or (str(path), "local"), files, dtype, on_notice)
+    if files_store is not None:
+        pinned[0] = False
 
     # Where each checkpoint key lives, in the module namespace.
     plan: list[tuple[Path, str, str]] = []  # (file, checkpoint key, module name)
@@ -240,8 +250,16 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
             if progress and done % 16 == 0:
                 progress("load", done, total)
         for prefix, mod in experts.items():
-            mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype,
-                                              host=host, pinned=pinned)
+            if files_store is not None:  # memory-mapped files: written once, then mapped as they are
+                shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
+                into, ready = files_store.open(prefix, shape)
+                if not ready:
+                    _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype, into=into)
+                    files_store.done(prefix, shape)
+                mod.weights = into
+            else:
+                mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype,
+                                                  host=host, pinned=pinned)
             done += mod.num_experts
             if progress:
                 progress("load", done, total)
@@ -268,7 +286,29 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
         attach_cache(loaded, dtype, device, pinned[0], offload_miss)
+        loaded.host_storage = "mmap" if files_store is not None else "pinned" if pinned[0] else "pageable"
     return loaded
+
+
+HOST_STORAGE = ("auto", "pinned", "mmap")
+
+
+def _expert_files(host: bool, storage: str, budget, key: tuple[str, str], files: list[Path], dtype, on_notice):
+    """The memory-mapped expert store when the master copies go to files ("mmap", or "auto" with too little RAM);
+    None for host memory."""
+    if not host or storage == "pinned":
+        return None
+    from localmoe import store
+
+    need = budget.total_experts * budget.expert_bytes
+    if storage == "auto" and not store.needs_files(need, store.total_ram()):
+        return None
+    files_store = store.ExpertStore(key[0], key[1], files, dtype)
+    if on_notice:
+        on_notice(f"expert master copies ({need / (1 << 30):.1f} GiB) are memory-mapped files under "
+                  f"{files_store.dir} (host RAM {'is short' if storage == 'auto' else 'not used: --host-storage mmap'})"
+                  "; the first load writes them, misses are copied in (slower than pinned memory)")
+    return files_store
 
 
 def install_fused(model, device: torch.device) -> None:
@@ -304,10 +344,12 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
 
 
 def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, dtype, *, host: bool = False,
-                        pinned: list | None = None) -> ExpertWeights:
+                        pinned: list | None = None, into: ExpertWeights | None = None) -> ExpertWeights:
     E, I, H = mod.num_experts, mod.intermediate_size, mod.hidden_size
     shape = (E, I, H)
-    if host:  # offloaded: the master copies live in host memory, pinned when possible
+    if into is not None:  # given storage (the memory-mapped files)
+        w = into
+    elif host:  # offloaded: the master copies live in host memory, pinned when possible
         from localmoe.placement import host_buffer
 
         bufs = []

@@ -41,18 +41,24 @@ class ThresholdTable:
     meta: dict
 
 
-def cache_dir() -> Path:
+def cache_root() -> Path:
+    """`$XDG_CACHE_HOME/localmoe` (default `~/.cache/localmoe`): thresholds here, expert files (`store`) too."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "localmoe" / "thresholds"
+    return Path(base) / "localmoe"
 
 
-def _slug(s: str) -> str:
+def cache_dir() -> Path:
+    return cache_root() / "thresholds"
+
+
+def slug(s: str) -> str:
+    """A file-name-safe form of a model name or revision."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")[:80] or "model"
 
 
 def cache_path(model_name: str, revision: str, sparsity: float, mode: str = "layer") -> Path:
     suffix = "" if mode == "layer" else f"-{mode}"
-    return cache_dir() / f"{_slug(model_name)}-{_slug(revision)[:24]}" / f"s{sparsity:.4f}{suffix}.json"
+    return cache_dir() / f"{slug(model_name)}-{slug(revision)[:24]}" / f"s{sparsity:.4f}{suffix}.json"
 
 
 def read_calibration_text(path: str | Path | None) -> tuple[str, str]:

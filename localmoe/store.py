@@ -1,0 +1,85 @@
+"""Expert master copies on disk, memory-mapped: the fallback when host RAM cannot hold them.
+
+An offloaded model keeps every expert's master copy in host memory, pinned (`placement.host_buffer`). Qwen3.5-35B
+needs 60 GiB of it; a desktop with less RAM gets the copies as files in localmoe's layout instead (gate, up and
+transposed down, each [E, I, H] per layer) under `$XDG_CACHE_HOME/localmoe/experts/<model>/`, mapped with
+`torch.from_file(shared=True)`: the OS keeps the pages it has room for and reads the rest from disk on demand. The
+first load writes the files (the checkpoint's experts pass through once); a layer is valid only once its marker
+records the metadata that wrote it (model, revision, source shard sizes, shape, dtype), so later loads map it
+without reading the checkpoint, and an interrupted or stale layer is rewritten. Mapped memory is pageable, so
+misses are served copy-then-compute (the GPU cannot read it in place).
+
+Shape legend: E experts, I expert width, H hidden.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from localmoe.experts import ExpertWeights
+from localmoe.sparsity import cache_root, slug as _slug
+
+PARTS = ("gate", "up", "down_t")
+
+
+def store_root() -> Path:
+    return cache_root() / "experts"
+
+
+class ExpertStore:
+    """The memory-mapped expert files of one model revision (one directory)."""
+
+    def __init__(self, model: str, revision: str, sources: list[Path], dtype: torch.dtype):
+        self.dir = store_root() / _slug(f"{model}@{revision}")
+        self.dtype = dtype
+        self.meta = {"model": model, "revision": revision, "dtype": str(dtype).replace("torch.", ""),
+                     "sources": sorted([p.name, p.stat().st_size] for p in sources)}
+
+    def _marker(self, prefix: str) -> Path:
+        return self.dir / f"{_slug(prefix)}.json"
+
+    def open(self, prefix: str, shape: tuple[int, int, int]) -> tuple[ExpertWeights, bool]:
+        """(mapped [E, I, H] gate / up / down_t of the layer under `prefix`, whether they already hold its weights)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        marker = self._marker(prefix)
+        want = {**self.meta, "shape": list(shape)}
+        try:
+            ready = json.loads(marker.read_text()) == want
+        except (OSError, ValueError):
+            ready = False
+        if not ready:
+            marker.unlink(missing_ok=True)  # being (re)written: not valid until `done`
+        numel = shape[0] * shape[1] * shape[2]
+        parts = []
+        for part in PARTS:
+            path = self.dir / f"{_slug(prefix)}.{part}.bin"
+            parts.append(torch.from_file(str(path), shared=True, size=numel, dtype=self.dtype).view(shape))
+        return ExpertWeights(*parts), ready
+
+    def done(self, prefix: str, shape: tuple[int, int, int]) -> None:
+        """Mark the layer under `prefix` complete (after its weights were written)."""
+        self._marker(prefix).write_text(json.dumps({**self.meta, "shape": list(shape)}))
+
+    def bytes_needed(self, layers: int, shape: tuple[int, int, int]) -> int:
+        return layers * len(PARTS) * shape[0] * shape[1] * shape[2] * (torch.finfo(self.dtype).bits // 8)
+
+
+def total_ram() -> int | None:
+    """Bytes of physical memory (Linux MemTotal), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def needs_files(master_bytes: int, ram: int | None, headroom: int = 8 << 30) -> bool:
+    """Whether expert master copies of `master_bytes` should be memory-mapped files: the machine's RAM (`ram`,
+    physical) cannot hold them with `headroom` to spare for the OS, the model's other weights and the user."""
+    return ram is not None and master_bytes + headroom > ram
