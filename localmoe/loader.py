@@ -299,9 +299,10 @@ def _expert_files(host: bool, storage: str, budget, key: tuple[str, str], files:
     if not host or storage == "pinned":
         return None
     from localmoe import store
+    from localmoe.placement import total_ram
 
     need = budget.total_experts * budget.expert_bytes
-    if storage == "auto" and not store.needs_files(need, store.total_ram()):
+    if storage == "auto" and not store.needs_files(need, total_ram()):
         return None
     files_store = store.ExpertStore(key[0], key[1], files, dtype)
     if on_notice:

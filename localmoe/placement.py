@@ -100,16 +100,26 @@ def gate_tier_split(plan: OffloadPlan) -> tuple[int, int]:
     return gates, int((cache_bytes - gates * gate_bytes) // (2 * gate_bytes))
 
 
-def available_ram() -> int | None:
-    """Bytes of host memory available to a new allocation (Linux MemAvailable), or None where unknown."""
+def _meminfo(field: str) -> int | None:
+    """Bytes of a Linux /proc/meminfo field, or None where unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def available_ram() -> int | None:
+    """Bytes of host memory available to a new allocation (MemAvailable), or None where unknown."""
+    return _meminfo("MemAvailable")
+
+
+def total_ram() -> int | None:
+    """Bytes of physical memory (MemTotal), or None where unknown."""
+    return _meminfo("MemTotal")
 
 
 def host_ram_notice(plan: OffloadPlan, available: int | None) -> str | None:

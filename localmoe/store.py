@@ -67,18 +67,6 @@ class ExpertStore:
         return layers * len(PARTS) * shape[0] * shape[1] * shape[2] * (torch.finfo(self.dtype).bits // 8)
 
 
-def total_ram() -> int | None:
-    """Bytes of physical memory (Linux MemTotal), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def needs_files(master_bytes: int, ram: int | None, headroom: int = 8 << 30) -> bool:
     """Whether expert master copies of `master_bytes` should be memory-mapped files: the machine's RAM (`ram`,
     physical) cannot hold them with `headroom` to spare for the OS, the model's other weights and the user."""

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import repo_id
-from localmoe import store
+from localmoe import placement, store
 from localmoe.engine import Engine
 from test_offload import budget_for, tokens
 
@@ -49,7 +49,7 @@ def test_auto_uses_files_only_when_ram_is_short():
     assert store.needs_files(60 << 30, 64 << 30)  # 60 GiB of experts on a 64 GiB desktop
     assert not store.needs_files(60 << 30, 128 << 30)
     assert not store.needs_files(60 << 30, None)  # unknown RAM: host memory, as before
-    assert store.total_ram() is None or store.total_ram() > 0
+    assert placement.total_ram() is None or placement.total_ram() > 0
     e = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0, vram_gib=budget_for(repo_id("qwen3_moe"), 3))
     assert e.loaded.host_storage == "pageable"  # a tiny model fits in RAM: no files
 
