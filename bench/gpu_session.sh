@@ -5,7 +5,7 @@
 #   b: offloading under --vram 24 (gate tier vs whole-expert slots, skewed routing), sparse/dense crossover
 #   c: the decode-attention kernel: its tests, the engine check and breakdown again, bench at the 8192 default context
 #   next: pending for the next session (bench/README.md): breakdown with the decode-attention defaults, gate tier
-#         placed by calibration routing where gates do not all fit (Qwen3.5-122B shapes, 24 GiB, skewed routing)
+#         placed by calibration routing where gates do not all fit (Qwen3.5-35B shapes at 12 GiB, skewed routing)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -60,9 +60,9 @@ if [[ $PART == next ]]; then
     step tests 150 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
         tests/test_kernel_decode_attention.py tests/test_attention.py tests/test_kernel_sparse_fused.py
     step breakdown 60 python bench/step_breakdown.py 0.85
-    step offload122 300 python bench/offload_modes.py --shape qwen3.5-122b --cases direct:0.85,skewed,direct:0.85 \
+    step offload12 240 python bench/offload_modes.py --vram 12 --cases direct:0.85,skewed,direct:0.85 \
         --baseline-tokens 0
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     grep -A12 "^sparsity" "$OUT/breakdown.log"
-    grep "^|\|note" "$OUT/offload122.log"
+    grep "^|\|note" "$OUT/offload12.log"
 fi
