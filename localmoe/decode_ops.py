@@ -7,6 +7,8 @@ Shape legend: K input features, N output features, R rows.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,8 +19,14 @@ from localmoe.kernels.tuning import decode_params
 
 
 def tuned(x: torch.Tensor, kernel: str, shape_key: str) -> dict:
-    """Tuned launch keywords for this device and shape (kernels/tuned/*.json); {} off CUDA or when unmeasured."""
-    return decode_params(torch.cuda.get_device_name(x.device), kernel, shape_key) if x.is_cuda else {}
+    """Tuned launch keywords for this device and shape (kernels/tuned/*.json); {} off CUDA or when unmeasured.
+    Looked up once per (device, kernel, shape): `linear_1` asks on every eager decode call. Read-only."""
+    return _tuned_on(x.device.index or 0, kernel, shape_key) if x.is_cuda else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_on(device_index: int, kernel: str, shape_key: str) -> dict:
+    return decode_params(torch.cuda.get_device_name(device_index), kernel, shape_key)
 
 
 def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
