@@ -15,29 +15,13 @@ import os
 from pathlib import Path
 
 import torch
-import triton
 
+from graph_timing import graph_us
 from localmoe.kernels.decode_attention import decode_attention
 
 DEV, DT, N = torch.device("cuda"), torch.bfloat16, 10
 HQ, HKV, D = 16, 2, 256
 SPACE = dict(chunk=[32, 64, 128, 256], block_l=[16, 32, 64], num_warps=[4, 8])
-
-
-def graph_us(calls) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=10, rep=50, return_mode="median") * 1e3 / len(calls)
 
 
 rows, best_all = [], {}
@@ -51,7 +35,7 @@ for L, n in ((1024, 140), (8192, 640)):
     want = torch.nn.functional.scaled_dot_product_attention(q4, ks[0][None], vs[0][None], attn_mask=m4,
                                                             enable_gqa=True)[0, :, 0]
     sdpa = graph_us([lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
-        q4, k[None], v[None], attn_mask=m4, enable_gqa=True) for k, v in zip(ks, vs)])
+        q4, k[None], v[None], attn_mask=m4, enable_gqa=True) for k, v in zip(ks, vs)], warmup=10, rep=50)
     best = (float("inf"), None)
     for combo in itertools.product(*SPACE.values()):
         kw = dict(zip(SPACE, combo))
@@ -62,7 +46,8 @@ for L, n in ((1024, 140), (8192, 640)):
         if err > 3e-2:
             print(f"  L={L} {kw}: WRONG ({err:.1e})", flush=True)
             continue
-        us = graph_us([lambda k=k, v=v, kw=kw: decode_attention(q, k, v, mask, **kw) for k, v in zip(ks, vs)])
+        us = graph_us([lambda k=k, v=v, kw=kw: decode_attention(q, k, v, mask, **kw) for k, v in zip(ks, vs)],
+                      warmup=10, rep=50)
         if us < best[0]:
             best = (us, kw)
     rows.append((L, n, sdpa, *best))

@@ -18,30 +18,14 @@ import os
 from pathlib import Path
 
 import torch
-import triton
 
+from graph_timing import graph_us
 from localmoe.kernels.gemv import gemv
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
 SHAPES = {"lm_head": (248320, 2048), "deltanet in_proj": (12352, 2048), "deltanet out_proj": (2048, 4096),
           "attn q_proj": (8192, 2048)}
 SPACE = dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[None, 512], num_warps=[4, 8])
-
-
-def graph_us(calls) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3 / len(calls)
 
 
 best_params, rows = {}, []
@@ -52,7 +36,7 @@ for name, (N, K) in SHAPES.items():
     x = torch.randn(1, K, device=DEV, dtype=DT)
     outs = [torch.empty(1, N, device=DEV, dtype=DT) for _ in ws]
     want = torch.nn.functional.linear(x, ws[0])
-    lin = graph_us([lambda w=w, o=o: torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs)])
+    lin = graph_us([lambda w=w, o=o: torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs)], warmup=10, rep=60)
     best = (float("inf"), None)
     for combo in itertools.product(*SPACE.values()):
         kw = dict(zip(SPACE, combo))
@@ -64,7 +48,8 @@ for name, (N, K) in SHAPES.items():
             if err > 2e-2:
                 print(f"  {name} {kw}: WRONG (rel err {err:.1e})", flush=True)
                 continue
-            us = graph_us([lambda w=w, o=o, kw=kw: gemv(x, w, o, **kw) for w, o in zip(ws, outs)])
+            us = graph_us([lambda w=w, o=o, kw=kw: gemv(x, w, o, **kw) for w, o in zip(ws, outs)],
+                          warmup=10, rep=60)
         except Exception as e:  # noqa: BLE001 - a launch that does not compile is skipped
             print(f"  {name} {kw}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
             continue

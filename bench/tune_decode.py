@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 
 import torch
-import triton
 
+from graph_timing import graph_us
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
@@ -33,23 +33,6 @@ g = torch.Generator(device=DEV).manual_seed(0)
 
 def rnd(*shape, scale=0.02):
     return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).mul_(scale).to(DT)
-
-
-def graph_us(calls) -> float:
-    """Median µs per call of a CUDA graph replaying `calls` (list of zero-arg callables) in order."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm-up / compile outside the graph
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3 / len(calls)
 
 
 def sweep(name, shape_key, space, make_calls, check):
