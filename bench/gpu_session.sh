@@ -6,6 +6,8 @@
 #   c: the decode-attention kernel: its tests, the engine check and breakdown again, bench at the 8192 default context
 #   next: pending for the next session (bench/README.md): breakdown with the decode-attention defaults, gate tier
 #         placed by calibration routing where gates do not all fit (Qwen3.5-35B shapes at 12 GiB, skewed routing)
+#   pdl:  programmatic dependent launch (kernels/pdl.py): every kernel test on the GPU, the tiny families' tokens,
+#         then bench at 35B shapes with LOCALMOE_PDL=0 and =1 (same machine, back to back) and the step breakdown
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -65,4 +67,16 @@ if [[ $PART == next ]]; then
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     grep -A12 "^sparsity" "$OUT/breakdown.log"
     grep "^|\|note" "$OUT/offload12.log"
+fi
+if [[ $PART == pdl ]]; then
+    step tests 200 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_*.py \
+        tests/test_fused.py tests/test_attention.py tests/test_pdl.py
+    step engine 100 python bench/gpu_engine_check.py --skip-bench
+    step bench_nopdl 90 env LOCALMOE_PDL=0 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
+    step bench_pdl 90 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
+    step breakdown 60 python bench/step_breakdown.py 0.85
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    tail -n 6 "$OUT/bench_nopdl.log" "$OUT/bench_pdl.log"
+    grep -A12 "^sparsity" "$OUT/breakdown.log"
 fi

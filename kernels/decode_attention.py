@@ -30,6 +30,7 @@ try:
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
@@ -83,7 +84,11 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCK_L: tl.constexpr,
         HAS_MASK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
+            gdc_wait()
+            gdc_launch_dependents()
         h = tl.program_id(0)
         s = tl.program_id(1)
         kvh = (h // GROUP).to(tl.int64)
@@ -136,7 +141,11 @@ if triton is not None:
         DV: tl.constexpr,
         DV_P2: tl.constexpr,
         NS_P2: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
+            gdc_wait()
+            gdc_launch_dependents()
         h = tl.program_id(0).to(tl.int64)
         sp = tl.arange(0, NS_P2)
         sm = sp < NS
@@ -205,7 +214,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     _split_kernel[(Hq, ns)](q, k, v, mask if mask is not None else q, part, L, ns, Hq // Hkv, scale, q.stride(0),
                             k.stride(0), k.stride(1), v.stride(0), v.stride(1), DK=Dk, DV=Dv,
                             DK_P2=triton.next_power_of_2(Dk), DV_P2=triton.next_power_of_2(Dv), CHUNK=chunk,
-                            BLOCK_L=bl, HAS_MASK=mask is not None, num_warps=num_warps)
+                            BLOCK_L=bl, HAS_MASK=mask is not None, num_warps=num_warps, **pdl_kw(q))
     _combine_kernel[(Hq,)](part, out, ns, out.stride(0), DV=Dv, DV_P2=triton.next_power_of_2(Dv),
-                           NS_P2=triton.next_power_of_2(ns), num_warps=num_warps)
+                           NS_P2=triton.next_power_of_2(ns), num_warps=num_warps, **pdl_kw(q))
     return out

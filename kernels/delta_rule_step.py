@@ -39,6 +39,7 @@ try:  # Triton is optional at import time; the launchers need it.
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
@@ -165,7 +166,11 @@ if triton is not None:
         ROUND_PROD: tl.constexpr,  # NORM: norm_weight * x̂ rounds to the core output dtype
         DK_P2: tl.constexpr,
         DV_P2: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         bi = (pid // HK).to(tl.int64)
         hk = pid % HK
@@ -261,7 +266,11 @@ if triton is not None:
         DK_P2: tl.constexpr,
         DV_P2: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)  # one (batch row, value head)
         vb = tl.program_id(1)  # one BLOCK_V slice of that head's d_v columns
         HV = HK * R
@@ -371,7 +380,7 @@ def delta_rule_step(q, k, v, g, beta, state, *, out=None):
         state.stride(0), state.stride(1), state.stride(2),
         float(DK ** 0.5), 0.0,
         HK=HK, CONV=False, HAS_BIAS=False, KS=1, KS_P2=1, GATES=False, NORM=False, ROUND_PROD=False,
-        DK_P2=dk2, DV_P2=dv2, num_warps=_warps(dk2, dv2))
+        DK_P2=dk2, DV_P2=dv2, num_warps=_warps(dk2, dv2), **pdl_kw(q))
     return out
 
 
@@ -418,7 +427,8 @@ def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bia
             state.stride(0), state.stride(1), state.stride(2),
             float(DK ** 0.5), float(norm_eps),
             HK=HK, HAS_BIAS=conv_bias is not None, KS=KS, KS_P2=triton.next_power_of_2(KS), ROUND_PROD=round_prod,
-            DK_P2=dk2, DV_P2=dv2, BLOCK_V=bv, num_warps=num_warps or 4)
+            DK_P2=dk2, DV_P2=dv2, BLOCK_V=bv, num_warps=num_warps or 4,
+            **pdl_kw(mixed_qkv))
         return out
     _gdn_step_kernel[(B * HK,)](
         mixed_qkv, mixed_qkv, mixed_qkv, conv_state, cw, bias, a, b, A_log, dt_bias, z, norm_weight, state, out,
@@ -429,5 +439,6 @@ def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bia
         state.stride(0), state.stride(1), state.stride(2),
         float(DK ** 0.5), float(norm_eps),
         HK=HK, CONV=True, HAS_BIAS=conv_bias is not None, KS=KS, KS_P2=triton.next_power_of_2(KS), GATES=True,
-        NORM=True, ROUND_PROD=round_prod, DK_P2=dk2, DV_P2=dv2, num_warps=num_warps or _warps(dk2, dv2))
+        NORM=True, ROUND_PROD=round_prod, DK_P2=dk2, DV_P2=dv2, num_warps=num_warps or _warps(dk2, dv2),
+        **pdl_kw(mixed_qkv))
     return out

@@ -24,6 +24,8 @@ from localmoe.kernels.checks import expert_weights
 try:
     import triton
     import triton.language as tl
+
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -61,7 +63,11 @@ if triton is not None:
         H: tl.constexpr,
         H_P2: tl.constexpr,  # next power of two >= H: full-width tiles, no serial H loop
         BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
+            gdc_wait()
+            gdc_launch_dependents()
         pid_tj = tl.program_id(0)
         pid_n = tl.program_id(1)
         t = pid_tj // K
@@ -131,6 +137,6 @@ def dense_experts(
     _dense_experts_kernel[(T * k, triton.cdiv(I, bn))](
         x, w_gate, w_up, w_down_t, expert_ids.contiguous(), weights.contiguous(), out, I, k, x.stride(0),
         w_gate.stride(0), w_up.stride(0), w_down_t.stride(0),
-        H=H, H_P2=triton.next_power_of_2(H), BLOCK_N=bn, num_warps=num_warps,
+        H=H, H_P2=triton.next_power_of_2(H), BLOCK_N=bn, num_warps=num_warps, **pdl_kw(x),
     )
     return out

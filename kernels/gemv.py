@@ -18,6 +18,7 @@ try:
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
@@ -51,22 +52,38 @@ if triton is not None:
         T: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        ONE_TILE: tl.constexpr,  # BLOCK_K >= K: the whole [BLOCK_N, K] tile in one load, issued before the PDL wait
+        PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         rmask = rows < N
         cols = tl.arange(0, BLOCK_K)  # [BLOCK_K]
         wrow = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-        for t in tl.static_range(T):
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + cols
-                kmask = kk < K
-                w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                xv = tl.load(x_ptr + t * stride_xt + kk, mask=kmask, other=0.0).to(tl.float32)
-                acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-            DT = y_ptr.dtype.element_ty
-            tl.store(y_ptr + t * N + rows, round_to(acc, DT).to(DT), mask=rmask)  # RTNE (also interpreted)
+        DT = y_ptr.dtype.element_ty
+        if ONE_TILE:
+            kmask = cols < K
+            w = tl.load(wrow + cols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if PDL:  # the weights are constants of the step: loaded while the kernel before finishes
+                gdc_wait()
+                gdc_launch_dependents()
+            for t in tl.static_range(T):
+                xv = tl.load(x_ptr + t * stride_xt + cols, mask=kmask, other=0.0).to(tl.float32)
+                acc = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+                tl.store(y_ptr + t * N + rows, round_to(acc, DT).to(DT), mask=rmask)  # RTNE (also interpreted)
+        else:
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+            for t in tl.static_range(T):
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + cols
+                    kmask = kk < K
+                    w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    xv = tl.load(x_ptr + t * stride_xt + kk, mask=kmask, other=0.0).to(tl.float32)
+                    acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+                tl.store(y_ptr + t * N + rows, round_to(acc, DT).to(DT), mask=rmask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -99,5 +116,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"out must be a contiguous {x.dtype} [T, N] = {(T, N)} tensor on {x.device}")
     bk = BLOCK_K or min(4096, triton.next_power_of_2(K))
     _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](x, weight, out, N, K, x.stride(0), weight.stride(0), T=T,
-                                             BLOCK_N=BLOCK_N, BLOCK_K=bk, num_warps=num_warps)
+                                             BLOCK_N=BLOCK_N, BLOCK_K=bk, ONE_TILE=bk >= K, num_warps=num_warps,
+                                             **pdl_kw(x))
     return out

@@ -30,6 +30,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
@@ -82,10 +83,15 @@ if triton is not None:
         ROUND_PROD: tl.constexpr,  # gated: w * x̂ rounds to x's dtype (promote(w, x) == x.dtype != fp32)
         HAS_RES: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): w is read before the wait
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_N)
         m = cols < N
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         xin = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
         x = xin.to(tl.float32)
         if HAS_RES:  # s = round(residual + x): the layer's residual add, stored for the next one
@@ -94,7 +100,6 @@ if triton is not None:
             tl.store(s_ptr + row * N + cols, x.to(xin.dtype), mask=m)
         var = tl.sum(x * x, axis=0) / N
         h = x * tl.math.rsqrt(var + eps)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         if KIND == 0:
             y = round_to(h, xin.dtype) * w  # w * x̂.to(x.dtype), rounded once to the output dtype below
         elif KIND == 1:
@@ -162,5 +167,5 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard"
     warps = 4 if block <= 1024 else 8
     _rmsnorm_kernel[(R,)](x2, w, z2, out, r2, total if total is not None else out, N, x2.stride(0), z2.stride(0),
                           r2.stride(0), float(eps), KIND=_KIND_ID[kind], ROUND_PROD=round_prod,
-                          HAS_RES=residual is not None, BLOCK_N=block, num_warps=warps)
+                          HAS_RES=residual is not None, BLOCK_N=block, num_warps=warps, **pdl_kw(x))
     return out if residual is None else (out, total)

@@ -44,6 +44,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
@@ -90,6 +91,7 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
         BLOCK_H: tl.constexpr,
         E_P2: tl.constexpr,
+        PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     ):
         t = tl.program_id(0).to(tl.int64)
         pid_e = tl.program_id(1)
@@ -99,7 +101,14 @@ if triton is not None:
         acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
         x_row = x_ptr + t * stride_x
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * H
-        for h0 in range(0, H, BLOCK_H):
+        cm = cols < H
+        wv = tl.load(w_rows + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)  # first tile: weights,
+        if PDL:  # loaded before the PDL wait
+            gdc_wait()
+            gdc_launch_dependents()
+        xv = tl.load(x_row + cols, mask=cm, other=0.0).to(tl.float32)
+        acc += wv.to(tl.float32) * xv[None, :]
+        for h0 in range(BLOCK_H, H, BLOCK_H):
             cm = (h0 + cols) < H
             xv = tl.load(x_row + h0 + cols, mask=cm, other=0.0).to(tl.float32)
             wv = tl.load(w_rows + h0 + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
@@ -186,5 +195,6 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_pro
     grid = (T, triton.cdiv(E, block_e))
     _router_topk_kernel[grid](x2, weight, logits, tw, ti, tickets, H, E, x2.stride(0), K=top_k,
                               K_P2=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob), BLOCK_E=block_e,
-                              BLOCK_H=block_h, E_P2=triton.next_power_of_2(E), num_warps=num_warps)
+                              BLOCK_H=block_h, E_P2=triton.next_power_of_2(E), num_warps=num_warps,
+                              **pdl_kw(x))
     return logits, tw, ti

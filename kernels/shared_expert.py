@@ -36,6 +36,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
@@ -71,6 +72,7 @@ if triton is not None:
         stride_x,
         BLOCK_I: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     ):
         t = tl.program_id(0).to(tl.int64)
         pid = tl.program_id(1)
@@ -82,17 +84,26 @@ if triton is not None:
         acc_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
         acc_s = tl.zeros([BLOCK_H], dtype=tl.float32)
+        cm = cols < H
+        m2 = rmask[:, None] & cm[None, :]
+        wg = tl.load(wg_ptr + roff + cols[None, :], mask=m2, other=0.0)  # the first tile's weights: before the wait
+        wu = tl.load(wu_ptr + roff + cols[None, :], mask=m2, other=0.0)
+        first = (tl.zeros([BLOCK_H], dtype=tl.int32) + pid) == 0  # program 0 also computes the sigmoid gate
+        ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         for h0 in range(0, H, BLOCK_H):
-            cm = (h0 + cols) < H
-            xin = tl.load(x_row + h0 + cols, mask=cm, other=0.0)
-            xv = xin.to(tl.float32)
-            m2 = rmask[:, None] & cm[None, :]
-            wg = tl.load(wg_ptr + roff + h0 + cols[None, :], mask=m2, other=0.0)
-            wu = tl.load(wu_ptr + roff + h0 + cols[None, :], mask=m2, other=0.0)
+            if h0 > 0:
+                cm = (h0 + cols) < H
+                m2 = rmask[:, None] & cm[None, :]
+                wg = tl.load(wg_ptr + roff + h0 + cols[None, :], mask=m2, other=0.0)
+                wu = tl.load(wu_ptr + roff + h0 + cols[None, :], mask=m2, other=0.0)
+                ws = tl.load(wsg_ptr + h0 + cols, mask=cm & first, other=0.0).to(tl.float32)
+            xv = tl.load(x_row + h0 + cols, mask=cm, other=0.0).to(tl.float32)
             acc_g += wg.to(tl.float32) * xv[None, :]
             acc_u += wu.to(tl.float32) * xv[None, :]
-            if pid == 0:
-                acc_s += tl.load(wsg_ptr + h0 + cols, mask=cm, other=0.0).to(tl.float32) * xv
+            acc_s += ws * xv
         DT = a_ptr.dtype.element_ty
         g = round_to(tl.sum(acc_g, axis=1), DT)
         u = round_to(tl.sum(acc_u, axis=1), DT)
@@ -120,6 +131,7 @@ if triton is not None:
         HAS_RES: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_I: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         pid = tl.program_id(1)
@@ -128,10 +140,16 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_I)
         roff = rows.to(tl.int64)[:, None] * I
         acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+        cm = cols < I
+        wd = tl.load(wd_ptr + roff + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)  # before the wait
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         for i0 in range(0, I, BLOCK_I):
-            cm = (i0 + cols) < I
+            if i0 > 0:
+                cm = (i0 + cols) < I
+                wd = tl.load(wd_ptr + roff + i0 + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
             av = tl.load(a_ptr + t * I + i0 + cols, mask=cm, other=0.0).to(tl.float32)
-            wd = tl.load(wd_ptr + roff + i0 + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
             acc += wd.to(tl.float32) * av[None, :]
         DT = o_ptr.dtype.element_ty
         s = round_to(tl.sum(acc, axis=1), DT)
@@ -197,10 +215,10 @@ def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     bi = min(block_i, triton.next_power_of_2(I))
     bh = min(block_h, triton.next_power_of_2(H))
     _gate_up_kernel[(T, triton.cdiv(I, bi))](x2, w_gate, w_up, w_sg, a, sg, H, I, x2.stride(0), BLOCK_I=bi,
-                                             BLOCK_H=bh, num_warps=num_warps)
+                                             BLOCK_H=bh, num_warps=num_warps, **pdl_kw(x))
     dbh = min(down_block_h, triton.next_power_of_2(H))
     dbi = min(down_block_i, triton.next_power_of_2(I))
     _down_add_kernel[(T, triton.cdiv(H, dbh))](a, w_down, sg, r2, o2, res2, H, I, r2.stride(0), o2.stride(0),
                                                res2.stride(0), HAS_RES=residual is not None, BLOCK_H=dbh,
-                                               BLOCK_I=dbi, num_warps=num_warps)
+                                               BLOCK_I=dbi, num_warps=num_warps, **pdl_kw(x))
     return out

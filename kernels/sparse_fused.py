@@ -47,6 +47,8 @@ from localmoe.kernels.workspace import zeroed_int32
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
+
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
     tl = None
@@ -119,7 +121,11 @@ if triton is not None:
         HOST_ROWS: tl.constexpr,
         GATE_TABLE: tl.constexpr,  # gates have their own slot table (and pool size) apart from up/down
         READ_ROWS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
+            gdc_wait()
+            gdc_launch_dependents()
         pid_tj = tl.program_id(0)  # one (token, routed expert) pair
         pid_i = tl.program_id(1)  # one block of BLOCK_I neurons
         t = pid_tj // K
@@ -404,6 +410,6 @@ def sparse_fused(
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
         HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_kw(x),
     )
     return out, count
