@@ -1,6 +1,7 @@
 """Small decode-time building blocks of localmoe's fused modules: tuned launch lookup, the one-row GEMV
-(`linear_1`, `FusedLinear`) and the one-launch RMSNorm (`FusedRMSNorm`). `localmoe.fused` holds the replacement
-table; `fused_deltanet` and `fused_moe` build on these.
+(`linear_1`, `FusedLinear`), one weight buffer for projections sharing an input (`concat_rows`) and the one-launch
+RMSNorm (`FusedRMSNorm`). `localmoe.fused` holds the replacement table; `fused_deltanet` and `fused_moe`
+build on these.
 
 Shape legend: K input features, N output features, R rows.
 """
@@ -61,6 +62,23 @@ class FusedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def concat_rows(linears: list[nn.Module]) -> tuple[torch.Tensor | None, list[int]]:
+    """Bias-free Linears sharing an input: one [ΣN, H] matrix whose row blocks become the Linears' weights (each
+    Parameter object stays, its data now a view: no extra memory, same values), so one GEMV does all of them.
+    (None, []) when they cannot share one (bias, other dtype/device/width, not plain Linears)."""
+    ws = [getattr(lin, "weight", None) for lin in linears]
+    if (not all(isinstance(lin, (nn.Linear, FusedLinear)) and lin.bias is None for lin in linears)
+            or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"):
+        return None, []
+    with torch.no_grad():
+        cat = torch.cat([w.detach() for w in ws], dim=0)  # [ΣN, H]
+        sizes, at = [w.shape[0] for w in ws], 0
+        for w, n in zip(ws, sizes):
+            w.data = cat[at:at + n]
+            at += n
+    return cat, sizes
 
 
 class FusedRMSNorm(nn.Module):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localmoe.decode_ops import FusedLinear, linear_1, one_row, tuned
+from localmoe.decode_ops import concat_rows, linear_1, one_row, tuned
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
 
 
@@ -35,23 +35,6 @@ def _decode_states(cache, layer_idx: int):
     return conv, rec
 
 
-def _concat_rows(linears: list[nn.Module]) -> tuple[torch.Tensor | None, list[int]]:
-    """Bias-free Linears sharing an input: one [ΣN, H] matrix whose row blocks become the Linears' weights (each
-    Parameter object stays, its data now a view: no extra memory, same values), so one GEMV does all of them.
-    (None, []) when they cannot share one (bias, other dtype/device/width, not plain Linears)."""
-    ws = [getattr(lin, "weight", None) for lin in linears]
-    if (not all(isinstance(lin, (nn.Linear, FusedLinear)) and lin.bias is None for lin in linears)
-            or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"):
-        return None, []
-    with torch.no_grad():
-        cat = torch.cat([w.detach() for w in ws], dim=0)  # [ΣN, H]
-        sizes, at = [w.shape[0] for w in ws], 0
-        for w, n in zip(ws, sizes):
-            w.data = cat[at:at + n]
-            at += n
-    return cat, sizes
-
-
 class FusedGatedDeltaNet(nn.Module):
     """Qwen3.5 Gated DeltaNet whose cached single-token step is 4 projections + one fused kernel + out_proj."""
 
@@ -68,7 +51,7 @@ class FusedGatedDeltaNet(nn.Module):
                 setattr(self, attr, getattr(hf, attr))
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
         self._launch: dict | None = None  # tuned launch keywords, looked up on the first fused step
-        self._w_in, self._in_sizes = _concat_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self._w_in, self._in_sizes = concat_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, *, cache_params=None,
                 past_key_values=None, **kwargs):  # hidden_states [B, T, H]
