@@ -1,0 +1,210 @@
+"""Per-head q/k RMSNorm + rotary embedding of one decode token in one launch: the step between an attention layer's
+q|k|v projection (one GEMV) and its cache update.
+
+Owns `qk_norm_rope` (checked Triton launcher), its torch reference `qk_norm_rope_ref`, and one Triton kernel
+`_qk_norm_rope_kernel`, grid (Hq + Hkv,): one program per query or key head, one full-width load of the head (no
+loop: head_dim <= a few hundred). Each program normalises its head over D (fp32, the norm's `kind`), rotates its
+first ROT dims by (cos, sin) in transformers' rotate_half convention (partial rotary: ROT < D leaves the rest
+as normed), and writes the head; the query programs of a gated layer (Qwen3.5: q_proj gives each head's query and
+output gate interleaved, [q_h | gate_h]) also copy the gate out, de-interleaved. Value heads need no work: they
+are returned as a view of the projection.
+
+Norm kinds (transformers' `*RMSNorm` modules, x̂ = x·rsqrt(mean(x²)+eps) in fp32):
+* "zero_centred" (Qwen3.5 `Qwen3_5MoeRMSNorm`):  y = (x̂ · (1 + w.float())).to(x.dtype)
+* "standard"     (Qwen3-MoE & co.):              y = w * x̂.to(x.dtype)          (promote(w, x) must be x's dtype)
+RoPE (transformers' `apply_rotary_pos_emb`, in x's dtype): y_rot = y·cos + rotate_half(y)·sin, each product and the
+sum rounded to x's dtype as torch's elementwise ops round them (`round_to`: RTNE, also under the interpreter), so
+bf16 results equal transformers' except where rsqrt differs by an ulp.
+
+Shape legend: Hq query heads, Hkv key/value heads, D head dim, ROT rotary dims (even, <= D), QW = 2D (gated:
+[q_h | gate_h] per head) or D. qkv [Hq*QW + Hkv*D + Hkv*D] one token's q|k|v projection; cos, sin [ROT].
+Out: q [Hq, D], k [Hkv, D], v [Hkv, D] (view of qkv), gate [Hq*D] (gated) — q, k, gate views of one new buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional at import time; the launcher needs it.
+    import triton
+    import triton.language as tl
+
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
+    from localmoe.kernels.rounding import round_to
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+KINDS = ("standard", "zero_centred")
+_KIND_ID = {k: i for i, k in enumerate(KINDS)}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch reference (transformers' formulas, written out)
+# ----------------------------------------------------------------------------------------------------------
+def _norm_ref(x, w, eps, kind):
+    dt = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "zero_centred":
+        return (h * (1.0 + w.float())).type_as(x)
+    if kind == "standard":
+        return w * h.to(dt)
+    raise ValueError(kind)
+
+
+def _rope_ref(x, cos, sin):
+    """apply_rotary_pos_emb on one tensor: x [..., D], cos/sin [ROT] (partial rotary when ROT < D)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    return torch.cat([x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass], dim=-1)
+
+
+def qk_norm_rope_ref(qkv, q_weight, k_weight, cos, sin, eps, num_q_heads, num_kv_heads, kind="zero_centred",
+                     gated=True):
+    """Same arguments and results as `qk_norm_rope`: (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None)."""
+    D, Hq, Hkv = q_weight.shape[0], num_q_heads, num_kv_heads
+    QW = 2 * D if gated else D
+    flat = qkv.reshape(-1)
+    q_all = flat[:Hq * QW].view(Hq, QW)
+    k = flat[Hq * QW:Hq * QW + Hkv * D].view(Hkv, D)
+    v = flat[Hq * QW + Hkv * D:].view(Hkv, D)
+    cos, sin = cos.reshape(-1), sin.reshape(-1)
+    q = _rope_ref(_norm_ref(q_all[:, :D], q_weight, eps, kind), cos, sin)
+    k = _rope_ref(_norm_ref(k, k_weight, eps, kind), cos, sin)
+    return q, k, v, (q_all[:, D:].reshape(-1) if gated else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _normed(h, w, KIND: tl.constexpr, DT: tl.constexpr):
+        """x̂ -> the norm's output, rounded to DT (exact in fp32 from here on)."""
+        if KIND == 0:
+            return round_to(round_to(h, DT) * w, DT)
+        else:
+            return round_to(h * (1.0 + w), DT)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        qkv_ptr,  # [Hq*QW + 2*Hkv*D] one token's q|k|v projection, contiguous
+        wq_ptr,  # [D] q norm weight
+        wk_ptr,  # [D] k norm weight, wq's dtype
+        cos_ptr,  # [ROT] qkv's dtype
+        sin_ptr,  # [ROT]
+        out_ptr,  # [(Hq + Hkv)*D (+ Hq*D gated)] out, qkv's dtype: q heads, then k heads, then the gate
+        HQ,
+        HKV,
+        eps,
+        D: tl.constexpr,
+        ROT: tl.constexpr,
+        KIND: tl.constexpr,  # 0 standard, 1 zero_centred
+        GATED: tl.constexpr,  # q heads are [q_h | gate_h] (QW = 2D); else [q_h] (QW = D)
+        BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): the norm weights are read before the wait
+    ):
+        head = tl.program_id(0)  # 0 .. Hq-1: query heads; Hq .. Hq+Hkv-1: key heads
+        QW: tl.constexpr = 2 * D if GATED else D
+        HALF: tl.constexpr = ROT // 2
+        cols = tl.arange(0, BLOCK_D)
+        m = cols < D
+        rot = cols < ROT
+        partner = tl.where(cols < HALF, cols + HALF, cols - HALF)  # rotate_half's source of each rotary column
+        pm = m & rot
+        if head < HQ:
+            src = qkv_ptr + head * QW
+            w_ptr = wq_ptr
+        else:
+            src = qkv_ptr + HQ * QW + (head - HQ) * D
+            w_ptr = wk_ptr
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=pm, other=0.0).to(tl.float32)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        DT = out_ptr.dtype.element_ty
+        x = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner, mask=pm, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        y = _normed(x * rstd, w, KIND, DT)
+        yp = _normed(xp * rstd, wp, KIND, DT)
+        c = tl.load(cos_ptr + cols, mask=pm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cols, mask=pm, other=0.0).to(tl.float32)
+        sign = tl.where(cols < HALF, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
+        r = round_to(round_to(y * c, DT) + round_to((sign * yp) * s, DT), DT)
+        tl.store(out_ptr + head * D + cols, tl.where(rot, r, y).to(DT), mask=m)
+        if GATED:
+            if head < HQ:  # de-interleave the output gate: [q_h | gate_h] -> gate[h*D : (h+1)*D]
+                g = tl.load(src + D + cols, mask=m, other=0.0)
+                tl.store(out_ptr + (HQ + HKV) * D + head * D + cols, g, mask=m)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------------
+def _one_row(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A tensor holding one row (numel == last dim, last dim contiguous) as a flat view."""
+    if t.numel() != t.shape[-1] or t.stride(-1) != 1:
+        raise ValueError(f"{name} must hold one token's row with a contiguous last dim, got shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+    return t.view(-1)
+
+
+def _check_weights(q_weight, k_weight, kind, x_dtype, device) -> int:
+    D = q_weight.shape[0] if q_weight.dim() == 1 else -1
+    if D < 1 or tuple(k_weight.shape) != (D,):
+        raise ValueError(f"q_weight and k_weight must both be [D], got {tuple(q_weight.shape)} and "
+                         f"{tuple(k_weight.shape)}")
+    if q_weight.dtype not in _FLOAT_DTYPES or k_weight.dtype != q_weight.dtype:
+        raise ValueError(f"norm weights must share a float dtype, got {q_weight.dtype} and {k_weight.dtype}")
+    if kind == "standard" and torch.promote_types(q_weight.dtype, x_dtype) != x_dtype:
+        raise ValueError(f"standard norm: a {q_weight.dtype} weight would promote {x_dtype} activations")
+    if q_weight.device != device or k_weight.device != device:
+        raise ValueError(f"norm weights are on {q_weight.device} / {k_weight.device}, qkv is on {device}")
+    if q_weight.stride(0) != 1 or k_weight.stride(0) != 1:
+        raise ValueError("norm weights must be contiguous")
+    return D
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float, *, num_q_heads: int, num_kv_heads: int, kind: str = "zero_centred",
+                 gated: bool = True):
+    """One token's q|k|v projection -> (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None): q and k normed (per
+    head, `kind`) and rotated by cos/sin [ROT] (one token's, qkv's dtype; ROT even, <= D), v a view of qkv, the gate
+    (gated layers) de-interleaved and contiguous. D = the norm weights' length. No host sync: capturable."""
+    if triton is None:
+        raise RuntimeError("qk_norm_rope needs triton")
+    if kind not in _KIND_ID:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if num_q_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"head counts must be positive, got {num_q_heads} query and {num_kv_heads} key/value heads")
+    x = _one_row("qkv", qkv)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"qkv must be bf16/fp16/fp32, got {x.dtype}")
+    D = _check_weights(q_weight, k_weight, kind, x.dtype, x.device)
+    Hq, Hkv = num_q_heads, num_kv_heads
+    QW = 2 * D if gated else D
+    if x.numel() != Hq * QW + 2 * Hkv * D:
+        raise ValueError(f"qkv has {x.numel()} features; {Hq} query heads ({'gated, ' if gated else ''}{QW} each) + "
+                         f"2 x {Hkv} key/value heads of {D} need {Hq * QW + 2 * Hkv * D}")
+    c, s = _one_row("cos", cos), _one_row("sin", sin)
+    ROT = c.numel()
+    if s.numel() != ROT or ROT % 2 or not 2 <= ROT <= D:
+        raise ValueError(f"cos and sin must be one token's [ROT] angles, ROT even and <= head dim {D}; got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if c.dtype != x.dtype or s.dtype != x.dtype or c.device != x.device or s.device != x.device:
+        raise ValueError(f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on "
+                         f"{c.device}/{s.device}")
+    out = torch.empty((Hq + Hkv + (Hq if gated else 0)) * D, dtype=x.dtype, device=x.device)
+    _qk_norm_rope_kernel[(Hq + Hkv,)](x, q_weight, k_weight, c, s, out, Hq, Hkv, float(eps), D=D, ROT=ROT,
+                                      KIND=_KIND_ID[kind], GATED=gated, BLOCK_D=triton.next_power_of_2(D),
+                                      num_warps=1 if D <= 128 else 2, **pdl_kw(x))
+    q, k = out[:Hq * D].view(Hq, D), out[Hq * D:(Hq + Hkv) * D].view(Hkv, D)
+    gate = out[(Hq + Hkv) * D:] if gated else None
+    v = x[Hq * QW + Hkv * D:].view(Hkv, D)
+    return q, k, v, gate

@@ -1,0 +1,103 @@
+"""Tests of kernels/qk_norm_rope.py: one launch for the per-head q/k RMSNorm + (partial) RoPE of a decode token vs its
+torch reference, and the reference vs transformers' own Qwen3.5 modules (`Qwen3_5MoeRMSNorm`, `apply_rotary_pos_emb`).
+
+Runs on CPU under TRITON_INTERPRET=1. bf16: bit-equal (every product and sum is rounded as torch rounds it); fp32:
+within a few ulp (the mean of squares sums in another order).
+Shape legend: Hq query heads, Hkv key/value heads, D head dim, ROT rotary dims; qkv [Hq*QW + 2*Hkv*D], QW = 2D
+(gated) or D.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from localmoe.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Hq, Hkv, D, ROT: Qwen3.5-35B-A3B full attention (partial_rotary_factor 0.25), full rotary, odd small heads
+SHAPES = [(16, 2, 256, 64), (4, 4, 128, 128), (3, 1, 24, 8), (5, 1, 6, 2)]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0, atol=0)}
+
+
+def _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=0):
+    """(qkv [1, 1, N], q/k norm weights [D], cos/sin [1, 1, ROT]) as the attention layer sees them."""
+    gen = torch.Generator().manual_seed(seed + D + ROT)
+    N = Hq * D * (2 if gated else 1) + 2 * Hkv * D
+    qkv = (torch.randn(1, 1, N, generator=gen) * 3).to(DEV, dtype)
+    wq, wk = ((torch.randn(D, generator=gen) * 0.3).to(DEV, dtype) for _ in range(2))
+    ang = torch.rand(ROT // 2, generator=gen) * 40.0  # rotary angles: position x inverse frequencies, both halves
+    ang = torch.cat([ang, ang]).view(1, 1, ROT)
+    return qkv, wq, wk, ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+
+
+def _run(kernel_or_ref, qkv, wq, wk, cos, sin, Hq, Hkv, kind, gated):
+    if kernel_or_ref is qk_norm_rope:
+        return qk_norm_rope(qkv, wq, wk, cos, sin, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated)
+    return qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated)
+
+
+@pytest.mark.parametrize("kind,gated", [("zero_centred", True), ("standard", False), ("standard", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq{}_Hkv{}_D{}_rot{}".format(*s))
+def test_matches_reference(shape, dtype, kind, gated):
+    Hq, Hkv, D, ROT = shape
+    args = _inputs(Hq, Hkv, D, ROT, gated, dtype)
+    q, k, v, gate = _run(qk_norm_rope, *args, Hq, Hkv, kind, gated)
+    rq, rk, rv, rgate = _run(qk_norm_rope_ref, *args, Hq, Hkv, kind, gated)
+    assert q.shape == (Hq, D) and k.shape == (Hkv, D) and v.shape == (Hkv, D)
+    assert q.dtype == k.dtype == dtype
+    torch.testing.assert_close(q, rq, **TOL[dtype])
+    torch.testing.assert_close(k, rk, **TOL[dtype])
+    assert torch.equal(v, rv) and v.data_ptr() == rv.data_ptr()  # value heads: a view of the projection
+    if gated:
+        assert gate.is_contiguous() and gate.shape == (Hq * D,) and torch.equal(gate, rgate)
+    else:
+        assert gate is None and rgate is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_reference_is_transformers_qwen3_5(dtype):
+    """The reference equals what Qwen3_5MoeAttention does to q_proj/k_proj/v_proj outputs, bit for bit."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
+
+    Hq, Hkv, D, ROT = 16, 2, 256, 64
+    qkv, wq, wk, cos, sin = _inputs(Hq, Hkv, D, ROT, True, dtype, seed=1)
+    q_norm, k_norm = q35.Qwen3_5MoeRMSNorm(D, eps=1e-6), q35.Qwen3_5MoeRMSNorm(D, eps=1e-6)
+    q_norm.weight.data, k_norm.weight.data = wq.clone(), wk.clone()
+    q_out, k_out, v_out = qkv.split([Hq * 2 * D, Hkv * D, Hkv * D], dim=-1)
+    query, gate = torch.chunk(q_out.view(1, 1, -1, 2 * D), 2, dim=-1)
+    query = q_norm(query.view(1, 1, -1, D)).transpose(1, 2)
+    key = k_norm(k_out.view(1, 1, -1, D)).transpose(1, 2)
+    query, key = q35.apply_rotary_pos_emb(query, key, cos, sin)
+    rq, rk, rv, rgate = qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv)
+    assert torch.equal(rq, query[0, :, 0]) and torch.equal(rk, key[0, :, 0])
+    assert torch.equal(rv, v_out.view(Hkv, D)) and torch.equal(rgate, gate.reshape(-1))
+
+
+def test_checks():
+    qkv, wq, wk, cos, sin = _inputs(4, 2, 8, 4, True, torch.float32)
+    call = dict(num_q_heads=4, num_kv_heads=2)
+
+    def raises(match, *a, **kw):
+        with pytest.raises(ValueError, match=match):
+            qk_norm_rope(*a, **{**call, **kw})
+
+    raises("kind", qkv, wq, wk, cos, sin, 1e-6, kind="gated")
+    raises("features", qkv, wq, wk, cos, sin, 1e-6, num_q_heads=3)
+    raises("features", qkv, wq, wk, cos, sin, 1e-6, gated=False)
+    raises("one token", torch.cat([qkv, qkv], 1), wq, wk, cos, sin, 1e-6)
+    raises("one token", qkv[..., ::2], wq, wk, cos, sin, 1e-6)
+    raises(r"\[D\]", qkv, wq, wk[:4], cos, sin, 1e-6)
+    raises("dtype", qkv, wq, wk.double(), cos, sin, 1e-6)
+    raises("promote", qkv.bfloat16(), wq, wk, cos.bfloat16(), sin.bfloat16(), 1e-6, kind="standard")
+    raises("ROT", qkv, wq, wk, cos[..., :3], sin[..., :3], 1e-6)
+    raises("ROT", qkv, wq, wk, torch.ones(1, 1, 10), torch.ones(1, 1, 10), 1e-6)
+    raises("cos/sin", qkv, wq, wk, cos.bfloat16(), sin.bfloat16(), 1e-6)
+    raises("positive", qkv, wq, wk, cos, sin, 1e-6, num_kv_heads=0)
+    raises("bf16/fp16/fp32", qkv.double(), wq, wk, cos, sin, 1e-6)
