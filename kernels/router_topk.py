@@ -75,6 +75,42 @@ def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None):
 if triton is not None:
 
     @triton.jit
+    def topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, t, E, programs, K: tl.constexpr, K_P2: tl.constexpr,
+                  NORM: tl.constexpr, E_P2: tl.constexpr):
+        """Called by every program of token t after storing its logits: the last one to take the token's ticket
+        reads the E logits back through L2, does softmax, top-k (max, lowest index among equal maxima, mask it
+        out; k rounds, no sort), the renormalisation and the casts, stores the outputs and re-zeroes the ticket."""
+        tl.debug_barrier()  # this program's logits stores precede the release below
+        done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
+        if done == programs - 1:
+            offs = tl.arange(0, E_P2)
+            em = offs < E
+            lg = tl.load(logits_ptr + t * E + offs, mask=em, other=float("-inf"), cache_modifier=".cg")
+            lg = lg.to(tl.float32)
+            mx = tl.max(lg, axis=0)
+            ex = tl.where(em, tl.exp(lg - mx), 0.0)
+            den = tl.sum(ex, axis=0)
+            kk = tl.arange(0, K_P2)
+            vals = tl.zeros([K_P2], dtype=tl.float32)
+            ids = tl.zeros([K_P2], dtype=tl.int32)
+            cand = tl.where(em, lg, float("-inf"))
+            for j in tl.static_range(K):
+                m = tl.max(cand, axis=0)
+                i = tl.min(tl.where((cand == m) & em, offs, E_P2), axis=0)  # lowest index among the maxima
+                p = tl.sum(tl.where(offs == i, ex, 0.0), axis=0) / den  # softmax prob of expert i
+                vals = tl.where(kk == j, p, vals)
+                ids = tl.where(kk == j, i, ids)
+                cand = tl.where(offs == i, float("-inf"), cand)
+                em = em & (offs != i)
+            if NORM:
+                vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
+            km = kk < K
+            w_ty = tw_ptr.dtype.element_ty
+            tl.store(tw_ptr + t * K + kk, round_to(vals, w_ty).to(w_ty), mask=km)
+            tl.store(ti_ptr + t * K + kk, ids.to(tl.int64), mask=km)
+            tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
+
+    @triton.jit
     def _router_topk_kernel(
         x_ptr,  # [T, H] row stride stride_x, last dim contiguous
         w_ptr,  # [E, H] contiguous
@@ -118,35 +154,8 @@ if triton is not None:
         tl.store(logits_ptr + t * E + rows, round_to(logit, out_ty).to(out_ty), mask=rmask)
 
         # ---- the last program of token t: softmax, top-k, renormalise ----
-        tl.debug_barrier()  # this program's logits stores precede the release below
-        done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(1) - 1:
-            offs = tl.arange(0, E_P2)
-            em = offs < E
-            lg = tl.load(logits_ptr + t * E + offs, mask=em, other=float("-inf"), cache_modifier=".cg")
-            lg = lg.to(tl.float32)
-            mx = tl.max(lg, axis=0)
-            ex = tl.where(em, tl.exp(lg - mx), 0.0)
-            den = tl.sum(ex, axis=0)
-            kk = tl.arange(0, K_P2)
-            vals = tl.zeros([K_P2], dtype=tl.float32)
-            ids = tl.zeros([K_P2], dtype=tl.int32)
-            cand = tl.where(em, lg, float("-inf"))
-            for j in tl.static_range(K):
-                m = tl.max(cand, axis=0)
-                i = tl.min(tl.where((cand == m) & em, offs, E_P2), axis=0)  # lowest index among the maxima
-                p = tl.sum(tl.where(offs == i, ex, 0.0), axis=0) / den  # softmax prob of expert i
-                vals = tl.where(kk == j, p, vals)
-                ids = tl.where(kk == j, i, ids)
-                cand = tl.where(offs == i, float("-inf"), cand)
-                em = em & (offs != i)
-            if NORM:
-                vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
-            km = kk < K
-            w_ty = tw_ptr.dtype.element_ty
-            tl.store(tw_ptr + t * K + kk, round_to(vals, w_ty).to(w_ty), mask=km)
-            tl.store(ti_ptr + t * K + kk, ids.to(tl.int64), mask=km)
-            tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
+        topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, t, E, tl.num_programs(1), K=K, K_P2=K_P2, NORM=NORM,
+                  E_P2=E_P2)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ Offload-aware addressing (optional): with `slot_table` [E] (expert -> slot in a 
 (`tl.where` on two scalar pointers): the pool slot when resident, else the host copy directly, so for an absent
 expert only its gate rows and its kept up/down rows cross PCIe. tau stays indexed by expert id.
 
+Decoder-layer tail (optional, default mode only): with `shared=SharedExpert(...)` T more programs per neuron
+block run a dense expert added to every token (Qwen3.5's shared expert: threshold 0, its weight the sigmoid gate
+from kernels/moe_front.py) beside the routed ones, and with `residual=` the tail writes y = residual + moe output:
+the shared expert's two launches and the residual add go into this one.
+
 One launch, fixed grid and output sizes, no host sync: CUDA-graph capturable (pass `out=`, `count=` and
 `workspace=` to keep every address fixed across replays).
 
@@ -39,6 +44,8 @@ stride(1) == H), any expert stride; w_down_t is W_down transposed (one neuron's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from localmoe.kernels.checks import expert_weights
@@ -49,6 +56,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
+    from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
     tl = None
@@ -57,9 +65,36 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
+@dataclass(frozen=True)
+class SharedExpert:
+    """A dense expert every token goes through, run by extra programs of the same launch. w_gate, w_up, w_down_t
+    [I_s, H] in x's dtype with rows contiguous (w_down_t: W_down transposed); weight [T] any float (Qwen3.5: the
+    sigmoid gate), applied after down like a routing weight."""
+
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down_t: torch.Tensor
+    weight: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Tail:
+    """What a decoder layer hands its experts for one decode step: `sparse_fused(..., shared=, residual=)`."""
+
+    shared: SharedExpert | None
+    residual: torch.Tensor | None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
+def shared_expert_term(x, shared: SharedExpert) -> torch.Tensor:
+    """fp32 [T, H]: weight[t] * silu(x . W_gate_s) * (x . W_up_s) @ W_down_t_s (what `shared=` adds)."""
+    xf = x.float()
+    a = torch.nn.functional.silu(xf @ shared.w_gate.float().T) * (xf @ shared.w_up.float().T)
+    return shared.weight.float().reshape(-1, 1) * (a @ shared.w_down_t.float())
+
+
 def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau):
     """Reference in fp32 torch. Returns (y [T,H] fp32, count [T,k] int32 kept neurons per routed expert).
 
@@ -102,7 +137,14 @@ if triton is not None:
         host_ptr,  # int64 running total of weight rows read from host memory (HOST_ROWS only)
         gslot_ptr,  # [E] int32/int64 expert -> gate slot in pg, -1 absent (GATE_TABLE only)
         rows_ptr,  # int64 running total of weight rows read, device and host (READ_ROWS only)
+        swg_ptr,  # [I_S, H] shared expert gate (SHARED only)
+        swu_ptr,  # [I_S, H] shared expert up
+        swd_ptr,  # [I_S, H] shared expert down, transposed
+        sw_ptr,  # [T] shared expert weight (sigmoid gate), any float
+        res_ptr,  # [T, H] residual, contiguous, y's dtype (HAS_RES only)
         I,
+        I_S,  # shared expert width (SHARED only)
+        TK,  # T * k: programs pid_tj >= TK are the shared expert's (one per token)
         K,  # experts per token
         stride_xt,
         stride_ge,
@@ -121,15 +163,23 @@ if triton is not None:
         HOST_ROWS: tl.constexpr,
         GATE_TABLE: tl.constexpr,  # gates have their own slot table (and pool size) apart from up/down
         READ_ROWS: tl.constexpr,
+        SHARED: tl.constexpr,
+        HAS_RES: tl.constexpr,
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
             gdc_wait()
             gdc_launch_dependents()
-        pid_tj = tl.program_id(0)  # one (token, routed expert) pair
+        pid_tj = tl.program_id(0)  # one (token, routed expert) pair; SHARED: then one shared expert per token
         pid_i = tl.program_id(1)  # one block of BLOCK_I neurons
-        t = pid_tj // K
-        e = tl.load(eid_ptr + pid_tj).to(tl.int64)
+        if SHARED:
+            is_sh = pid_tj >= TK
+            tj = tl.minimum(pid_tj, TK - 1)  # shared programs read a valid (unused) routed slot
+            t = tl.where(is_sh, pid_tj - TK, pid_tj // K)
+        else:
+            tj = pid_tj
+            t = pid_tj // K
+        e = tl.load(eid_ptr + tj).to(tl.int64)
         # ---- where this expert's rows live: device pool slot, host master copy, or the resident tensors ----
         if OFFLOAD:
             s = tl.load(slot_ptr + e).to(tl.int64)
@@ -147,7 +197,13 @@ if triton is not None:
             u_base = wu_ptr + e * stride_ue
             d_base = wd_ptr + e * stride_de
         rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I]
-        rmask = rows < I
+        if SHARED:
+            g_base = tl.where(is_sh, swg_ptr, g_base)
+            u_base = tl.where(is_sh, swu_ptr, u_base)
+            d_base = tl.where(is_sh, swd_ptr, d_base)
+            rmask = rows < tl.where(is_sh, I_S, I)
+        else:
+            rmask = rows < I
         cols = tl.arange(0, H_P2)  # [H_P2]
         cmask = cols < H
         roff = rows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_I, H_P2]
@@ -155,7 +211,10 @@ if triton is not None:
         xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
         wg = tl.load(g_base + roff, mask=rmask[:, None] & cmask[None, :], other=0.0)
         tau = tl.load(tau_ptr + e)
-        rw = tl.load(rw_ptr + pid_tj).to(tl.float32)
+        rw = tl.load(rw_ptr + tj).to(tl.float32)
+        if SHARED:  # the shared expert is dense (threshold 0) and weighted by its gate
+            tau = tl.where(is_sh, 0.0, tau)
+            rw = tl.where(is_sh, tl.load(sw_ptr + t).to(tl.float32), rw)
         z = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_I]
         g = z / (1.0 + tl.exp(-z))  # silu
         keep = (tl.abs(g) >= tau) & rmask
@@ -175,15 +234,24 @@ if triton is not None:
             h = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
             contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)  # [H_P2]
             tl.atomic_add(ydst + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
-            tl.atomic_add(cdst + pid_tj, nk, sem="relaxed")
+            if SHARED:
+                nk = tl.where(is_sh, 0, nk)  # kept counts are the routed experts'
+            tl.atomic_add(cdst + tj, nk, sem="relaxed")
         if FINALIZE:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
             tl.debug_barrier()  # this program's atomics precede the release below
             done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
-            if done == K * tl.num_programs(1) - 1:
+            progs = K * tl.num_programs(1)  # this token's programs
+            if SHARED:
+                progs += tl.num_programs(1)
+            if done == progs - 1:
                 arow = acc_ptr + t.to(tl.int64) * H + cols
                 a = tl.load(arow, mask=cmask, other=0.0, cache_modifier=".cg")  # other programs' sums: via L2
-                tl.store(y_ptr + t.to(tl.int64) * H + cols, a.to(y_ptr.dtype.element_ty), mask=cmask)
+                YT = y_ptr.dtype.element_ty
+                if HAS_RES:  # y = residual + the block's output, each rounded as transformers' adds round
+                    rv = tl.load(res_ptr + t.to(tl.int64) * H + cols, mask=cmask, other=0.0).to(tl.float32)
+                    a = round_to(rv + round_to(a, YT), YT)
+                tl.store(y_ptr + t.to(tl.int64) * H + cols, a.to(YT), mask=cmask)
                 tl.store(arow, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
                 kk = tl.arange(0, K_P2)
                 km = kk < K
@@ -257,6 +325,8 @@ def sparse_fused(
     host_rows=None,
     gate_table=None,
     read_rows=None,
+    shared: SharedExpert | None = None,
+    residual=None,
     BLOCK_I: int = 8,
     num_warps: int = 8,
 ):
@@ -287,7 +357,10 @@ def sparse_fused(
       kept neuron of each routed expert, resident or not). Added in the kernel's tail: no extra launch in a
       captured step.
 
-    Fixed grid (T*k, ceil(I/BLOCK_I)), no host sync: CUDA-graph capturable.
+    * decoder-layer tail (accumulate=False only): `shared` (SharedExpert) adds a dense expert to every token, run
+      by T more programs; `residual` ([T,H] in out's dtype, contiguous) makes y = residual + the block's output.
+
+    Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable.
     """
     if triton is None:
         raise RuntimeError("sparse_fused needs triton")
@@ -372,7 +445,10 @@ def sparse_fused(
             raise ValueError("read_rows is counted in the finalising tail: not with accumulate=True")
         if read_rows.dtype != torch.int64 or read_rows.numel() != 1 or read_rows.device != dev:
             raise ValueError(f"read_rows must be a one-element int64 tensor on {dev}")
+    I_s = _check_tail(shared, residual, accumulate, T, H, x, out)
     if T == 0 or k == 0:
+        if shared is not None or residual is not None:
+            raise ValueError("shared= and residual= need at least one token and one routed expert")
         if not accumulate:
             out.zero_()
             count.zero_()
@@ -389,7 +465,7 @@ def sparse_fused(
         acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
         cws = workspace[T * H: T * H + T * k]
         tick = workspace[T * H + T * k: need]
-    bi = max(1, min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(I)))
+    bi = max(1, min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(max(I, I_s))))
     cuda = dev.type == "cuda"
 
     def ptr(w):  # host master copies: the launcher gets their (unified) address
@@ -402,14 +478,43 @@ def sparse_fused(
     else:  # dummies, never read
         pg, pu, pd, st = wg, wu, wd, expert_ids
         sp = (0, 0, 0)
-    _sparse_fused_kernel[(T * k, triton.cdiv(I, bi))](
+    sh = shared if shared is not None else SharedExpert(wg, wu, wd, weights)  # dummies, never read
+    _sparse_fused_kernel[(T * k + (T if shared is not None else 0), triton.cdiv(max(I, I_s), bi))](
         x, wg, wu, wd, pg, pu, pd, st, expert_ids.contiguous(), weights.contiguous(), tau, out, count,
         acc, cws, tick, kept_total if kept_total is not None else count,
         host_rows if host_rows is not None else count, gate_table if gate_table is not None else st,
-        read_rows if read_rows is not None else count, I, k, x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), *sp,
+        read_rows if read_rows is not None else count, sh.w_gate, sh.w_up, sh.w_down_t, sh.weight,
+        residual if residual is not None else out, I, I_s, T * k, k, x.stride(0), w_gate.stride(0), w_up.stride(0),
+        w_down_t.stride(0), *sp,
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
         HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
-        num_warps=num_warps, **pdl_kw(x),
+        SHARED=shared is not None, HAS_RES=residual is not None, num_warps=num_warps, **pdl_kw(x),
     )
     return out, count
+
+
+def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:
+    """Checks `shared` and `residual`; returns the shared expert's width (0 without one)."""
+    if (shared is not None or residual is not None) and accumulate:
+        raise ValueError("shared= and residual= belong to the finalising tail: not with accumulate=True")
+    if residual is not None:
+        dt = out.dtype if out is not None else torch.float32
+        if (tuple(residual.shape) != (T, H) or residual.dtype != dt or not residual.is_contiguous()
+                or residual.device != x.device):
+            raise ValueError(f"residual must be a contiguous {dt} [T, H] = {(T, H)} tensor on {x.device} "
+                             f"(the output's dtype)")
+    if shared is None:
+        return 0
+    I_s = shared.w_gate.shape[0] if shared.w_gate.dim() == 2 else -1
+    for name in ("w_gate", "w_up", "w_down_t"):
+        w = getattr(shared, name)
+        if w.dim() != 2 or tuple(w.shape) != (I_s, H) or w.stride(1) != 1 or w.stride(0) != H:
+            raise ValueError(f"shared.{name} must be a contiguous [I_s, H] = [{I_s}, {H}] tensor, got "
+                             f"{tuple(w.shape)} strides {w.stride()}")
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"shared.{name} must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
+    wt = shared.weight
+    if wt.numel() != T or not wt.dtype.is_floating_point or wt.device != x.device or not wt.is_contiguous():
+        raise ValueError(f"shared.weight must be a contiguous float tensor of T = {T} values on {x.device}")
+    return I_s

@@ -108,6 +108,7 @@ class LocalExperts(nn.Module):
         self.mask_all_tokens = False  # evaluation: apply the sparse mask on the grouped path too (same function)
         self.recorder: GateRecorder | None = None
         self._params: dict | None = None  # tuned launch parameters (CUDA), looked up once
+        self.kernel_on_cpu = False  # tests: take the Triton path on CPU tensors too (TRITON_INTERPRET=1)
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons on the sparse path (updated in place)
         self.seen = 0  # neurons considered on the sparse path (host int; a CUDA graph's replays add theirs)
 
@@ -129,9 +130,27 @@ class LocalExperts(nn.Module):
         self._kept_on(kept.device).add_(kept)  # in place: a captured CUDA graph keeps counting on replay
         self.seen += neurons
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def takes_tail(self, hidden_states: torch.Tensor) -> bool:
+        """Whether a call on these tokens runs `sparse_fused` (sparse, or offloaded with direct misses), so it can
+        take `tail=` (the shared expert and the residual add in the same launch)."""
+        T = hidden_states.shape[0]
+        few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
+        if not (few and self.weights is not None and self.hidden_act == "silu"
+                and (hidden_states.is_cuda or self.kernel_on_cpu)):
+            return False
+        sparse = self.sparse_enabled and self.tau is not None
+        if self.cache is None:
+            return sparse
+        return self.cache.mode == "direct" or (self.cache.mode == "copy" and sparse)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                tail=None):
+        """transformers' experts call; `tail` (a `kernels.sparse_fused.Tail`, only where `takes_tail` holds) adds
+        the shared expert and the residual inside the same launch."""
         if self.weights is None:
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
+        if tail is not None and not self.takes_tail(hidden_states):
+            raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
         sparse = few and self.sparse_enabled and self.tau is not None
@@ -140,18 +159,18 @@ class LocalExperts(nn.Module):
         if not (sparse or (few and hidden_states.is_cuda and self.hidden_act == "silu")):
             return self._dense(hidden_states, top_k_index, top_k_weights)
         if self.cache is not None and self.cache.mode == "direct":
-            return self._direct(hidden_states, top_k_index, top_k_weights, sparse)
+            return self._direct(hidden_states, top_k_index, top_k_weights, sparse, tail)
         w, ids, tau = self.weights, top_k_index, self.tau
         if self.cache is not None:  # offloaded: compute from cache slots (misses copied in first)
             w, ids = self.cache.pool, self.cache.slot_ids(self.layer_idx, top_k_index)
             if tau is not None:
                 tau = self.cache.slot_tau(ids, top_k_index, tau)
         if sparse:
-            return self._sparse(hidden_states, ids, top_k_weights, w, tau)
+            return self._sparse(hidden_states, ids, top_k_weights, w, tau, tail)
         return self._dense_decode(hidden_states, ids, top_k_weights, w)
 
     @torch.compiler.disable
-    def _direct(self, x, top_k_index, top_k_weights, sparse: bool) -> torch.Tensor:
+    def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None) -> torch.Tensor:
         """Offloaded, direct misses: one fused launch reads resident experts from the cache pool and absent ones
         (gate rows + kept rows only) from the host master copies. Routing and counts are kept for `observe`."""
         from localmoe.kernels.sparse_fused import sparse_fused
@@ -163,7 +182,7 @@ class LocalExperts(nn.Module):
                             torch.empty(x.shape, dtype=x.dtype, device=x.device), slot_table=c.tables[self.layer_idx],
                             pool_gate=c.pool.w_gate, pool_up=c.pool.w_up, pool_down_t=c.pool.w_down_t,
                             gate_table=c.gate_tables.get(self.layer_idx), kept_total=self._kept_on(x.device) if sparse
-                            else None, host_rows=c.host_rows, read_rows=c.read_rows, **p)
+                            else None, host_rows=c.host_rows, read_rows=c.read_rows, **_tail_kw(tail), **p)
         self.last_routing = top_k_index  # graph replays rewrite this tensor in place
         if sparse:
             self.seen += top_k_index.numel() * self.intermediate_size
@@ -201,6 +220,8 @@ class LocalExperts(nn.Module):
         return out.to(x.dtype)
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:
+        if not x.is_cuda:
+            return {"fused": {}, "dense": {}}
         if self._params is None:
             from localmoe.kernels.tuning import launch_params
 
@@ -258,19 +279,23 @@ class LocalExperts(nn.Module):
 
     # -- sparse: decode ---------------------------------------------------------------------------------
     @torch.compiler.disable
-    def _sparse(self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.hidden_act == "silu":  # one launch: gate, mask, kept up/down, output in x's dtype
+    def _sparse(self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor, tail=None) -> torch.Tensor:
+        if (x.is_cuda or self.kernel_on_cpu) and self.hidden_act == "silu":  # one launch, output in x's dtype
             from localmoe.kernels.sparse_fused import sparse_fused
 
             p = self._launch(x, top_k_index.shape[1])["fused"]
             y, _ = sparse_fused(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, tau,
                                 torch.empty(x.shape, dtype=x.dtype, device=x.device),
-                                kept_total=self._kept_on(x.device), **p)
+                                kept_total=self._kept_on(x.device), **_tail_kw(tail), **p)
             self.seen += top_k_index.numel() * self.intermediate_size
             return y
         y, kept = sparse_reference(x, w, top_k_index, top_k_weights, tau, self.act_fn)
         self._count(kept, top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
+
+
+def _tail_kw(tail) -> dict:
+    return {} if tail is None else {"shared": tail.shared, "residual": tail.residual}
 
 
 def sparse_reference(x, w: ExpertWeights, top_k_index, top_k_weights, tau, act_fn):

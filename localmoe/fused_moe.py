@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from localmoe.decode_ops import FusedLinear, FusedRMSNorm, tuned
+from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
+from localmoe.kernels.sparse_fused import SharedExpert, Tail
 
 
 _ROUTERS: dict[str, bool | None] = {"Qwen3_5MoeTopKRouter": True, "Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None}
@@ -49,7 +51,10 @@ class FusedSparseMoeBlock(nn.Module):
         w = getattr(gate, "weight", None)
         self._tickets = torch.zeros(64, dtype=torch.int32, device=w.device if w is not None else "cpu")
         self.decode_calls = 0  # fused calls taken (eager calls; a CUDA graph replay does not count)
+        self.front_calls = 0  # of which through `step_front` (moe_front + sparse_fused's tail)
         self._launch: tuple[dict, dict] | None = None  # tuned (router, shared expert) keywords, on the first call
+        self._front: dict | None = None  # tuned moe_front keywords, on the first call
+        self._down_t: tuple[int, torch.Tensor] | None = None  # (source data_ptr, shared down_proj weight [I, H])
 
     def _fusable(self, h: torch.Tensor) -> bool:
         if not (self._router_ok and self._shared_ok) or h.dim() != 3 or h.shape[0] * h.shape[1] != 1:
@@ -78,16 +83,52 @@ class FusedSparseMoeBlock(nn.Module):
             raise ValueError("a residual is fused into the shared expert's kernel: this block has none")
         return y.reshape(B, T, H), logits
 
+    def takes_front(self, h: torch.Tensor) -> bool:
+        """Whether `step_front` can run this one-token call: the fused call holds, the block has a shared expert
+        and its experts run `sparse_fused` (which then takes the shared expert and the residual add)."""
+        takes = getattr(self.experts, "takes_tail", None)
+        return self.has_shared and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
+
+    @torch.compiler.disable
+    def step_front(self, mixed: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) -> torch.Tensor:
+        """The decoder layer from the mixer's output on, two launches (`takes_front` holds): moe_front (residual
+        add, post-attention norm, router top-k, shared-expert gate), then the experts' `sparse_fused` with the
+        shared expert and the residual add in its tail. mixed, residual [B, T, H] -> the layer's output."""
+        self.decode_calls += 1
+        self.front_calls += 1
+        B, T, H = mixed.shape
+        se = self.shared_expert
+        if self._front is None:
+            self._front = tuned(mixed, "moe_front", f"H{H}_E{self.gate.weight.shape[0]}_k{self.top_k}")
+        s, h, _, tw, ti, sg = moe_front(mixed, residual, norm.weight, norm.eps, norm.kind, self.gate.weight,
+                                        self.top_k, self.norm_topk_prob, self.shared_expert_gate.weight,
+                                        tickets=self._tickets_on(mixed.device), **self._front)
+        shared = SharedExpert(se.gate_proj.weight, se.up_proj.weight, self._shared_down_t(), sg)
+        y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H)))
+        return y.view(B, T, H)
+
+    def _shared_down_t(self) -> torch.Tensor:
+        """The shared expert's W_down transposed, [I, H] contiguous (a neuron's output row contiguous, as the routed
+        experts store it): a copy of down_proj.weight made on the first call, remade if that weight is replaced."""
+        w = self.shared_expert.down_proj.weight
+        if self._down_t is None or self._down_t[0] != w.data_ptr():
+            self._down_t = (w.data_ptr(), w.detach().t().contiguous())
+        return self._down_t[1]
+
+    def _tickets_on(self, device) -> torch.Tensor:
+        if self._tickets.device != device:
+            self._tickets = torch.zeros(64, dtype=torch.int32, device=device)
+        return self._tickets
+
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
     def _route(self, x):
-        if self._tickets.device != x.device:
-            self._tickets = torch.zeros(64, dtype=torch.int32, device=x.device)
+        tickets = self._tickets_on(x.device)
         if self._launch is None:
             H, E = self.gate.weight.shape[1], self.gate.weight.shape[0]
             se = self.shared_expert if self.has_shared else None
             self._launch = (tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
                             tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {})
-        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=self._tickets,
+        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=tickets,
                            **self._launch[0])
 
     @torch.compiler.disable
@@ -135,6 +176,8 @@ class FusedDecoderLayer(nn.Module):
                                   position_ids=a.get("position_ids"), position_embeddings=a.get("position_embeddings"),
                                   **{_kw(self.self_attn, "cache", "past_key_values"): cache}, **extra)
         norm = self.post_attention_layernorm
+        if self.mlp.takes_front(h):  # sparse decode: 2 launches from here
+            return self.mlp.step_front(h, hidden_states, norm)
         h, residual = _add_norm(h, hidden_states, norm)
         return self.mlp.step(h, residual)[0]
 

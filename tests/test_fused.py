@@ -82,7 +82,8 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
     assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
                     "Qwen3_5MoeGatedDeltaNet": n_linear, "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers,
-                    "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers, "Linear": n_lin, fused.ATTENTION: 1}
+                    "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers, "Linear": n_lin, fused.ATTENTION: 1,
+                    "Qwen3_5MoeAttention": cfg.num_hidden_layers - n_linear}
     assert model.config._attn_implementation == "localmoe_sdpa"
     assert isinstance(model.lm_head, fused.FusedLinear)
     assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
@@ -193,6 +194,32 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
     assert toks == want_toks
     fused.uninstall(model)
     assert [layer.mlp.experts for layer in model.model.layers] == experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_full_model_front_and_tail(tiny_text_model, dtype):
+    """Qwen3.5 decoder layers on the sparse path run two launches from the mixer's output on: moe_front (residual
+    add, norm, router, shared gate) and sparse_fused with the shared expert and the residual in its tail."""
+    ref_model = copy.deepcopy(tiny_text_model).to(DEV, dtype)
+    _with_local_experts(ref_model)
+    prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(12)).to(DEV)
+    want, want_toks = _run(ref_model, "static", prompt)
+    model = copy.deepcopy(ref_model)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    for m in experts:
+        m.reset_counters()
+        m.kernel_on_cpu = DEV == "cpu"  # the Triton path under the interpreter, as on a GPU
+    fused.install(model, DEV, force=True)
+    got, toks = _run(model, "static", prompt)
+    blocks = [m for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)]
+    assert [b.front_calls for b in blocks] == [STEPS] * model.config.num_hidden_layers
+    assert all(0 < int(m.kept) < m.seen for m in experts)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:  # bf16: the shared expert runs in fp32 inside the kernel (transformers rounds it 4 times): a few logits
+        assert float((got - want).norm() / want.norm()) < 2e-2  # move by a rounding step of a bf16 logit
+    assert toks == want_toks
 
 
 @pytest.mark.parametrize("family,norm", [("qwen3_moe", True), ("olmoe", False)])

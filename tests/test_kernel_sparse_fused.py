@@ -280,3 +280,64 @@ def test_validation_errors():
         args = [kw.pop(n) for n in ("x", "wg", "wu", "wd", "ids", "rw", "tau")]
         with pytest.raises(ValueError):
             sparse_fused(*args, **kw)
+
+
+# (T, H, I, E, k, I_s, BLOCK_I): shared expert narrower, wider and as wide as the routed ones; the last is 35B's
+TAIL_SHAPES = [(1, 72, 40, 5, 3, 24, 8), (2, 72, 40, 5, 3, 56, 16), (1, 2048, 512, 16, 8, 512, 8)]
+
+
+TAIL_CASES = [(s, o) for s in TAIL_SHAPES for o in (False, True) if not (o and s[1] > 100)]  # interpreter time
+
+
+@pytest.mark.parametrize("shape,offload", TAIL_CASES,
+                         ids=lambda c: "T{}_H{}_I{}_Is{}".format(c[0], c[1], c[2], c[5]) if isinstance(c, tuple)
+                         else ("offload" if c else "resident"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_shared_expert_and_residual_tail(shape, dtype, offload):
+    """shared= runs a dense expert beside the routed ones (counts stay the routed experts'); residual= adds the
+    residual stream in the tail: y = residual + (routed + shared), in the output dtype."""
+    from localmoe.kernels.sparse_fused import SharedExpert, shared_expert_term
+
+    T, H, I, E, k, I_s, bi = shape
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=17 + I_s)
+    gen = torch.Generator().manual_seed(I_s)
+    sw = [(torch.randn(I_s, H, generator=gen) * 2.0 / H ** 0.5).to(DEV, dtype) for _ in range(3)]
+    shared = SharedExpert(*sw, weight=torch.rand(T, generator=gen).to(DEV, dtype))
+    res = torch.randn(T, H, generator=gen).to(DEV, dtype)
+    tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
+    kw = {}
+    if offload:  # half the experts in pool slots, the rest read from the master copies
+        S = E // 2
+        table = torch.full((E,), -1, dtype=torch.int32, device=DEV)
+        table[:S] = torch.arange(S, dtype=torch.int32, device=DEV)
+        kw = dict(slot_table=table, pool_gate=wg[:S].clone(), pool_up=wu[:S].clone(), pool_down_t=wd[:S].clone())
+    y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
+    want = (res.float() + (y_ref + shared_expert_term(x, shared)).to(dtype).float()).to(dtype)
+    for _ in range(2):  # the workspace is clean again after each launch
+        out = torch.full((T, H), float("nan"), dtype=dtype, device=DEV)
+        y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau, out, shared=shared, residual=res, BLOCK_I=bi, **kw)
+        assert torch.equal(c, c_ref)
+        assert rel_err(y.float() - res.float(), want.float() - res.float()) < (1e-5 if dtype == torch.float32
+                                                                               else 2e-2)
+    y2, _ = sparse_fused(x, wg, wu, wd, ids, rw, tau, torch.empty(T, H, dtype=dtype, device=DEV), shared=shared,
+                         BLOCK_I=bi, **kw)  # shared expert without the residual
+    assert rel_err(y2.float(), (y_ref + shared_expert_term(x, shared)).float()) < (1e-5 if dtype == torch.float32
+                                                                                   else 2e-2)
+
+
+def test_tail_validation():
+    from localmoe.kernels.sparse_fused import SharedExpert
+
+    T, H, I, E, k = 1, 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=3)
+    tau = torch.zeros(E, device=DEV)
+    good = SharedExpert(wg[0], wu[0], wd[0], torch.ones(T, device=DEV))
+    with pytest.raises(ValueError, match="accumulate"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, torch.zeros(T, H, device=DEV), accumulate=True,
+                     count=torch.zeros(T, k, dtype=torch.int32, device=DEV), shared=good)
+    with pytest.raises(ValueError, match="shared.w_up"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, shared=SharedExpert(wg[0], wu[0][:, :8], wd[0], good.weight))
+    with pytest.raises(ValueError, match="shared.weight"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, shared=SharedExpert(wg[0], wu[0], wd[0], torch.ones(2)))
+    with pytest.raises(ValueError, match="residual"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, residual=torch.zeros(T, H, dtype=torch.bfloat16, device=DEV))

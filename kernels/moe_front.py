@@ -1,0 +1,186 @@
+"""The front of a decoder layer's MoE block for one decode token, in one launch: residual add, post-attention
+RMSNorm, router (logits, softmax, top-k, renormalise) and the shared expert's sigmoid gate.
+
+Owns `moe_front` (checked launcher), its torch reference `moe_front_ref`, and one Triton kernel
+`_moe_front_kernel`, grid (cdiv(E, BLOCK_E),). What it computes is what transformers computes between the
+attention / DeltaNet output and the experts of a Qwen3.5-MoE decoder layer (router as kernels/router_topk.py):
+
+    s      = (x + residual).to(dtype)                             [H]  the residual stream after the mixer
+    h      = RMSNorm(s)                                           [H]  zero_centred x̂·(1+w) or standard w·x̂
+    logits = (h · Wᵀ).to(dtype); w, idx = top-k of softmax(logits)     [E], [k], [k]
+    sg     = sigmoid((h · w_sg).to(dtype)).to(dtype)              [1]  the shared expert's gate (optional)
+
+Every program loads its BLOCK_E router rows first (weights: before the PDL wait, kernels/pdl.py), then the two
+[H] activation vectors, and recomputes s and the norm itself (2 x H elements from L2: cheaper than a launch and a
+grid-wide wait); program 0 stores s, h and sg. The last program to take the ticket does the top-k
+(`topk_tail` of kernels/router_topk.py). One token (decode); no host sync; CUDA-graph capturable with a fixed
+ticket buffer. Replaces three launches (norm, router, shared-expert gate inside the shared expert's first kernel)
+and the waits between them.
+
+Shape legend: H hidden, E experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.kernels.router_topk import router_topk_ref, router_tickets
+
+try:  # Triton is optional at import time; the launcher needs it.
+    import triton
+    import triton.language as tl
+
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
+    from localmoe.kernels.rounding import round_to
+    from localmoe.kernels.router_topk import topk_tail
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KINDS = {"standard": 0, "zero_centred": 1}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch reference (transformers' formulas, written out)
+# ----------------------------------------------------------------------------------------------------------
+def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, norm_topk_prob=True, w_sg=None):
+    """x, residual [H] (or [1, H]) -> (s [H], h [H], logits [E], top-k weights [k], top-k ids [k], sg [1] | None)."""
+    dt = x.dtype
+    s = (x.reshape(-1).float() + residual.reshape(-1).float()).to(dt)
+    v = s.float()
+    n = v * torch.rsqrt(v.pow(2).mean() + eps)
+    w = norm_weight.float()
+    h = (n * (1.0 + w)).to(dt) if kind == "zero_centred" else (w * n.to(dt).float()).to(dt)
+    logits, tw, ti = router_topk_ref(h[None], router_weight, top_k, norm_topk_prob)
+    sg = None
+    if w_sg is not None:
+        sg = torch.sigmoid((h.float() @ w_sg.reshape(-1).float()).to(dt).float()).to(dt).reshape(1)
+    return s, h, logits[0], tw[0], ti[0], sg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _moe_front_kernel(
+        x_ptr,  # [H] the mixer's output
+        r_ptr,  # [H] the residual stream before the mixer
+        nw_ptr,  # [H] post-attention RMSNorm weight
+        w_ptr,  # [E, H] router weight, contiguous
+        wsg_ptr,  # [H] shared expert gate weight (SHARED_GATE only)
+        s_ptr,  # [H] out: x + residual (x's dtype)
+        h_ptr,  # [H] out: RMSNorm(s) (x's dtype)
+        logits_ptr,  # [E] out (x's dtype); also the programs' exchange buffer
+        tw_ptr,  # [k] out top-k weights (x's dtype)
+        ti_ptr,  # [k] out top-k ids (int64)
+        sg_ptr,  # [1] out sigmoid gate (SHARED_GATE only)
+        tick_ptr,  # [1] int32 ticket, zero between launches
+        E,
+        eps,
+        H: tl.constexpr,
+        H_P2: tl.constexpr,
+        KIND: tl.constexpr,  # 0 standard, 1 zero_centred
+        K: tl.constexpr,
+        K_P2: tl.constexpr,
+        NORM: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        E_P2: tl.constexpr,
+        SHARED_GATE: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] router rows
+        rmask = rows < E
+        cols = tl.arange(0, H_P2)
+        cm = cols < H
+        # ---- weights, before the wait ----
+        wv = tl.load(w_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=rmask[:, None] & cm[None, :],
+                     other=0.0)
+        nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        first = (tl.zeros([H_P2], dtype=tl.int32) + pid) == 0
+        if SHARED_GATE:
+            ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        # ---- residual add and RMSNorm, in every program ----
+        xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
+        DT = xin.dtype
+        s = round_to(xin.to(tl.float32) + tl.load(r_ptr + cols, mask=cm, other=0.0).to(tl.float32), DT)
+        n = s * tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+        if KIND == 1:
+            h = round_to(n * (1.0 + nw), DT)
+        else:
+            h = round_to(round_to(n, DT) * nw, DT)
+        tl.store(s_ptr + cols, s.to(DT), mask=cm & first)
+        tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
+        # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
+        logit = tl.sum(wv.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_E]
+        tl.store(logits_ptr + rows, round_to(logit, DT).to(DT), mask=rmask)
+        if SHARED_GATE:
+            if pid == 0:
+                z = round_to(tl.sum(ws * h, axis=0), DT)
+                tl.store(sg_ptr, round_to(1.0 / (1.0 + tl.exp(-z)), DT).to(DT))
+        topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, tl.num_programs(0), K=K, K_P2=K_P2, NORM=NORM,
+                  E_P2=E_P2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------------
+def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, kind: str,
+              router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, w_sg: torch.Tensor | None = None,
+              *, tickets: torch.Tensor | None = None, block_e: int = 1, num_warps: int = 4):
+    """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
+    dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
+    dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None).
+    """
+    if triton is None:
+        raise RuntimeError("moe_front needs triton")
+    H = x.shape[-1]
+    if x.numel() != H or residual.numel() != H:
+        raise ValueError(f"moe_front is for one token: x and residual must hold H = {H} values, got "
+                         f"{x.numel()} and {residual.numel()}")
+    if x.dtype not in _FLOAT_DTYPES or residual.dtype != x.dtype or router_weight.dtype != x.dtype:
+        raise TypeError(f"x, residual and router_weight must share a float dtype, got {x.dtype}, {residual.dtype}, "
+                        f"{router_weight.dtype}")
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
+    if router_weight.dim() != 2 or router_weight.shape[1] != H or norm_weight.numel() != H:
+        raise ValueError(f"router_weight must be [E, {H}] and norm_weight [{H}], got {tuple(router_weight.shape)} "
+                         f"and {tuple(norm_weight.shape)}")
+    E = router_weight.shape[0]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k {top_k} out of range for {E} experts")
+    if w_sg is not None and (w_sg.numel() != H or w_sg.dtype != x.dtype):
+        raise ValueError(f"w_sg must hold H = {H} values of {x.dtype}")
+    tensors = [residual, norm_weight, router_weight] + ([w_sg] if w_sg is not None else [])
+    if any(t.device != x.device for t in tensors):
+        raise ValueError("every tensor must be on x's device")
+    if block_e < 1 or block_e & (block_e - 1):
+        raise ValueError(f"block_e must be a power of two, got {block_e}")
+    x1, r1 = x.reshape(H), residual.reshape(H)
+    if x1.stride(0) != 1 or r1.stride(0) != 1:
+        raise ValueError("x and residual need a contiguous last dim")
+    nw = norm_weight.reshape(H).contiguous()
+    w = router_weight if router_weight.is_contiguous() else router_weight.contiguous()
+    dev, dt = x.device, x.dtype
+    s, h = torch.empty(H, dtype=dt, device=dev), torch.empty(H, dtype=dt, device=dev)
+    logits = torch.empty((1, E), dtype=dt, device=dev)
+    tw = torch.empty((1, top_k), dtype=dt, device=dev)
+    ti = torch.empty((1, top_k), dtype=torch.int64, device=dev)
+    sg = torch.empty(1, dtype=dt, device=dev) if w_sg is not None else None
+    if tickets is None:
+        tickets = router_tickets(dev, 1)
+    elif tickets.dtype != torch.int32 or tickets.numel() < 1 or tickets.device != dev:
+        raise ValueError(f"tickets must be a zeroed int32 buffer on {dev}")
+    be = min(block_e, triton.next_power_of_2(E))
+    _moe_front_kernel[(triton.cdiv(E, be),)](
+        x1, r1, nw, w, w_sg.reshape(H) if w_sg is not None else nw, s, h, logits, tw, ti,
+        sg if sg is not None else s, tickets, E, float(eps), H=H, H_P2=triton.next_power_of_2(H),
+        KIND=_KINDS[kind], K=top_k, K_P2=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob), BLOCK_E=be,
+        E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None, num_warps=num_warps, **pdl_kw(x))
+    return s, h, logits, tw, ti, sg

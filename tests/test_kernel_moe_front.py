@@ -1,0 +1,102 @@
+"""Tests of kernels/moe_front.py: residual add + RMSNorm + router top-k + shared-expert gate in one launch, against
+its torch reference and against transformers' own modules (Qwen3_5MoeRMSNorm, Qwen3_5MoeTopKRouter).
+
+Runs on CPU under TRITON_INTERPRET=1 (on a GPU with TRITON_INTERPRET=0, compiled). Shapes: Qwen3.5-35B-A3B
+(H 2048, E 256, k 8), Qwen3-30B-like (E 128) and odd sizes; fp32 and bf16; both norm kinds; with and without the
+shared-expert gate; block_e 1 and 4. Shape legend: H hidden, E experts, k top-k.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from localmoe.kernels.moe_front import moe_front, moe_front_ref  # noqa: E402
+from localmoe.kernels.router_topk import router_tickets, router_topk_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+SHAPES = [(2048, 256, 8), (2048, 128, 8), (100, 60, 4), (33, 7, 1)]  # H, E, k
+
+
+def _inputs(H, E, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, H, generator=gen).to(DEV, dtype)
+    r = (torch.randn(1, 1, H, generator=gen) * 2).to(DEV, dtype)
+    nw = (torch.randn(H, generator=gen) * 0.1).to(DEV, dtype)
+    w = (torch.randn(E, H, generator=gen) / H ** 0.5).to(DEV, dtype)
+    sg = (torch.randn(1, H, generator=gen) / H ** 0.5).to(DEV, dtype)
+    return x, r, nw, w, sg
+
+
+@pytest.mark.parametrize("block_e", [1, 4])
+@pytest.mark.parametrize("kind", ["zero_centred", "standard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}E{}k{}".format(*s))
+@torch.no_grad()
+def test_matches_reference(shape, dtype, kind, block_e):
+    H, E, k = shape
+    x, r, nw, w, sg = _inputs(H, E, dtype, seed=H + E + k)
+    with_gate = H != 33
+    got = moe_front(x, r, nw, 1e-6, kind, w, k, True, sg if with_gate else None, block_e=block_e)
+    want = moe_front_ref(x, r, nw, 1e-6, kind, w, k, True, sg if with_gate else None)
+    s, h, logits, tw, ti, g = got
+    torch.testing.assert_close(s, want[0], rtol=0, atol=0)  # one rounding of x + residual
+    one_step = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(h, want[1], **one_step)
+    torch.testing.assert_close(logits[0], want[2], **one_step)
+    # selection and weights exactly as the reference computes them from the kernel's own logits
+    _, rw, ri = router_topk_ref(h[None], w, k, True, logits=logits)
+    assert torch.equal(ti, ri)
+    torch.testing.assert_close(tw, rw, rtol=1e-6, atol=1e-7)  # fp32: softmax sums in another order; bf16: equal
+    if with_gate:
+        torch.testing.assert_close(g, want[5], **one_step)
+    else:
+        assert g is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_matches_transformers_modules(dtype):
+    """s, h and routing against Qwen3.5's RMSNorm and router modules; tickets are zero again afterwards."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm, Qwen3_5MoeTopKRouter
+
+    H, E, k = 64, 16, 4
+    cfg = Qwen3_5MoeTextConfig(hidden_size=H, num_experts=E, num_experts_per_tok=k)
+    x, r, nw, w, sg = _inputs(H, E, dtype, seed=7)
+    norm = Qwen3_5MoeRMSNorm(H, eps=1e-6).to(DEV, dtype)
+    norm.weight.copy_(nw)
+    router = Qwen3_5MoeTopKRouter(cfg).to(DEV, dtype)
+    router.weight.copy_(w)
+    tickets = router_tickets(DEV, 1)
+    s, h, logits, tw, ti, g = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg, tickets=tickets)
+    want_s = x + r
+    want_h = norm(want_s)
+    torch.testing.assert_close(s, want_s.reshape(-1), rtol=0, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(h, want_h.reshape(-1), **tol)
+    _, want_w, want_i = router(h[None])
+    assert set(ti[0].tolist()) == set(want_i[0].tolist())
+    torch.testing.assert_close(tw, want_w, **tol)
+    torch.testing.assert_close(g, torch.sigmoid(torch.nn.functional.linear(h[None], sg)).reshape(1), **tol)
+    assert int(tickets.abs().sum()) == 0
+
+
+def test_launcher_checks():
+    x, r, nw, w, sg = _inputs(32, 8, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="one token"):
+        moe_front(torch.cat([x, x], 1), r, nw, 1e-6, "standard", w, 2)
+    with pytest.raises(TypeError, match="dtype"):
+        moe_front(x, r.double(), nw, 1e-6, "standard", w, 2)
+    with pytest.raises(ValueError, match="kind"):
+        moe_front(x, r, nw, 1e-6, "gated", w, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 9)
+    with pytest.raises(ValueError, match="router_weight"):
+        moe_front(x, r, nw, 1e-6, "standard", w[:, :16], 2)
+    with pytest.raises(ValueError, match="block_e"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, block_e=3)
