@@ -37,11 +37,21 @@ def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @torch.compiler.disable
-def linear_1(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] with one row -> x @ weight.T [..., N] through kernels/gemv.py (launch tuned per shape)."""
+def linear_1(x: torch.Tensor, weight: torch.Tensor, norm: "FusedRMSNorm | None" = None) -> torch.Tensor:
+    """x [..., K] with one row -> x @ weight.T [..., N] through kernels/gemv.py (launch tuned per shape); with
+    `norm` (see `takes_norm`), norm(x) @ weight.T, the norm computed inside the GEMV (one launch fewer)."""
     N, K = weight.shape
     kw = tuned(x, "gemv", f"N{N}_K{K}")
+    if norm is not None:
+        kw = dict(kw, norm_weight=norm.weight, eps=norm.eps, norm_kind=norm.kind)
     return gemv(x.reshape(1, K), weight, **kw).view(*x.shape[:-1], N)
+
+
+def takes_norm(norm, x: torch.Tensor) -> bool:
+    """Whether `linear_1(x, w, norm)` can fold this norm module into its GEMV (a FusedRMSNorm of x's width, K up to
+    one 4096-wide tile)."""
+    return (isinstance(norm, FusedRMSNorm) and norm.kind in ("standard", "zero_centred")
+            and norm.weight.numel() == x.shape[-1] <= 4096 and norm.weight.device == x.device)
 
 
 class FusedLinear(nn.Module):

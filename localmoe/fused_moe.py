@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from localmoe.decode_ops import FusedLinear, FusedRMSNorm, tuned
+from localmoe.fused_deltanet import FusedGatedDeltaNet
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
 from localmoe.kernels.router_topk import router_topk
@@ -168,10 +169,14 @@ class FusedDecoderLayer(nn.Module):
         extra = dict(a.pop(self._var_kw, {})) if self._var_kw else {}
         cache = a.get(self._cache_kw)
         self.decode_calls += 1
-        h = self.input_layernorm(hidden_states)
-        if getattr(self, "block_type", None) == "linear_attention":
-            h = self.linear_attn(h, cache, attention_mask=a.get("attention_mask"), **extra)
+        if isinstance(getattr(self, "linear_attn", None), FusedGatedDeltaNet):  # the input norm inside its GEMV
+            h = self.linear_attn(hidden_states, cache, attention_mask=a.get("attention_mask"),
+                                 input_norm=self.input_layernorm, **extra)
+        elif getattr(self, "block_type", None) == "linear_attention":
+            h = self.linear_attn(self.input_layernorm(hidden_states), cache, attention_mask=a.get("attention_mask"),
+                                 **extra)
         else:
+            h = self.input_layernorm(hidden_states)
             h, _ = self.self_attn(hidden_states=h, attention_mask=a.get("attention_mask"),
                                   position_ids=a.get("position_ids"), position_embeddings=a.get("position_embeddings"),
                                   **{_kw(self.self_attn, "cache", "past_key_values"): cache}, **extra)

@@ -62,3 +62,28 @@ def test_launcher_checks():
         gemv(x, torch.randn(16, 8, device=DEV).T)
     with pytest.raises(ValueError, match="out"):
         gemv(x, w, torch.empty(1, 7, device=DEV))
+
+
+@pytest.mark.parametrize("kind", ["zero_centred", "standard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 72, 37), (2, 2048, 300)], ids=lambda s: "T{}K{}N{}".format(*s))
+def test_input_norm_inside(shape, dtype, kind):
+    """norm_weight=: y = RMSNorm(x) W^T, the norm computed by every program; equals the norm module then F.linear."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    T, K, N = shape
+    gen = torch.Generator().manual_seed(K + N + len(kind))
+    x = (torch.randn(T, K, generator=gen) * 3).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEV, dtype)
+    module = (Qwen3_5MoeRMSNorm if kind == "zero_centred" else Qwen3MoeRMSNorm)(K, eps=1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(K, generator=gen) * 0.2 + (0.0 if kind == "zero_centred" else 1.0))
+        want = torch.nn.functional.linear(module(x), w)
+    y = gemv(x, w, norm_weight=module.weight, eps=1e-6, norm_kind=kind)
+    torch.testing.assert_close(y, gemv_ref(x, w, module.weight, 1e-6, kind), **TOL[dtype])
+    torch.testing.assert_close(y, want, **TOL[dtype])
+    with pytest.raises(ValueError, match="norm_kind"):
+        gemv(x, w, norm_weight=module.weight, norm_kind="gated")
+    with pytest.raises(ValueError, match="one tile"):
+        gemv(x, w, norm_weight=module.weight, BLOCK_K=16)
