@@ -8,6 +8,8 @@
 #         placed by calibration routing where gates do not all fit (Qwen3.5-35B shapes at 12 GiB, skewed routing)
 #   pdl:  programmatic dependent launch (kernels/pdl.py): every kernel test on the GPU, the tiny families' tokens,
 #         then bench at 35B shapes with LOCALMOE_PDL=0 and =1 (same machine, back to back) and the step breakdown
+#   s4:   session 4's decode changes (MoE block in two launches, input norms inside GEMVs, fused attention): their
+#         GPU tests, the tiny families' tokens, bench 0/85%, the step breakdown, the new kernels' launch sweeps
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -79,4 +81,18 @@ if [[ $PART == pdl ]]; then
     grep -A7 "^family" "$OUT/engine.log"
     tail -n 6 "$OUT/bench_nopdl.log" "$OUT/bench_pdl.log"
     grep -A12 "^sparsity" "$OUT/breakdown.log"
+fi
+if [[ $PART == s4 ]]; then
+    step tests 170 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_moe_front.py tests/test_kernel_gemv.py tests/test_kernel_sparse_fused.py \
+        tests/test_kernel_qk_norm_rope.py tests/test_fused.py tests/test_fused_attention.py tests/test_attention.py
+    step engine 100 python bench/gpu_engine_check.py --skip-bench
+    step bench 90 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
+    step breakdown 60 python bench/step_breakdown.py 0.85
+    step tune 100 python bench/tune_decode.py --only moe_front,sparse_tail
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    tail -n 4 "$OUT/bench.log"
+    grep -A12 "^sparsity" "$OUT/breakdown.log"
+    grep -A6 "^| kernel" "$OUT/tune.log"
 fi

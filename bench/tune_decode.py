@@ -7,7 +7,12 @@ and timed as a CUDA graph of 12 calls over 12 different weight sets (so L2 does 
 `triton.testing.do_bench` median, µs per call). Prints the table of the best per kernel and writes
 `$OUT/decode_params.json` ({"decode_params": {kernel: {shape: kwargs}}}) to merge into kernels/tuned/<device>.json.
 
-Usage: PYTHONUNBUFFERED=1 python bench/tune_decode.py
+Also moe_front (residual add + norm + router top-k + shared gate, one launch) and the experts' `sparse_fused` with
+the shared expert and the residual in its tail (the decoder layer's two launches on the sparse path; thresholds at
+85%, its best launch goes to `launch_params` "fused" by hand).
+
+Usage: PYTHONUNBUFFERED=1 python bench/tune_decode.py [--only router_topk,shared_expert,gated_deltanet_step,
+       moe_front,sparse_tail]
 """
 
 from __future__ import annotations
@@ -15,14 +20,17 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from graph_timing import graph_us
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
+from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
+from localmoe.kernels.sparse_fused import SharedExpert, sparse_fused
 
 DEV, DT, N = torch.device("cuda"), torch.bfloat16, 12
 H, E, K, I = 2048, 256, 8, 512
@@ -35,7 +43,12 @@ def rnd(*shape, scale=0.02):
     return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).mul_(scale).to(DT)
 
 
+ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
+
+
 def sweep(name, shape_key, space, make_calls, check):
+    if ONLY is not None and name not in ONLY:
+        return name, shape_key, 0.0, []
     default_us = graph_us(make_calls({}))
     print(f"  {name} default launch: {default_us:.2f} us", flush=True)
     rows = []
@@ -124,6 +137,60 @@ def gd_check(kw):  # against the default launch from the same (timed runs advanc
 
 results.append(sweep("gated_deltanet_step", f"HK{HK}_HV{HV}_D{D}",
                      {"block_v": [None, 16, 32, 64], "num_warps": [2, 4, 8]}, gd_calls, gd_check))
+
+# -- MoE front ------------------------------------------------------------------------------------------------------
+res = [rnd(1, H, scale=1.0) for _ in range(N)]
+nw = [rnd(H, scale=0.1) for _ in range(N)]
+wsg = [rnd(1, H) for _ in range(N)]
+ref_front = [moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i]) for i in range(N)]
+
+
+def front_calls(kw):
+    return [lambda i=i: moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i], tickets=tick,
+                                  **kw) for i in range(N)]
+
+
+def front_check(kw):
+    err = 0.0
+    for i in range(N):
+        got = moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i], tickets=tick, **kw)
+        err = max(err, float((got[2].float() - ref_front[i][2].float()).abs().max()))
+        if not torch.equal(got[4].sort(1).values, ref_front[i][4].sort(1).values):
+            err = max(err, 1.0)
+    return err
+
+
+results.append(sweep("moe_front", f"H{H}_E{E}_k{K}", {"block_e": [1, 2, 4, 8], "num_warps": [2, 4, 8]},
+                     front_calls, front_check))
+# -- sparse_fused with the shared expert and the residual (85%) -------------------------------------------------------
+EX = 64  # experts per weight set (the routed 8 are drawn from them; 12 sets do not fit L2)
+ew = [(rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05)) for _ in range(N)]
+ids = [torch.randperm(EX, device=DEV)[:K].view(1, K) for _ in range(N)]
+rws = [torch.softmax(torch.randn(1, K, device=DEV), -1).to(DT) for _ in range(N)]
+sh = [SharedExpert(rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), rnd(I, H, scale=0.05),
+                   torch.rand(1, device=DEV).to(DT)) for _ in range(N)]
+taus = []
+for i in range(N):
+    gate = torch.nn.functional.silu(torch.einsum("h,eih->ei", xs[i][0].float(), ew[i][0].float())).abs()
+    taus.append(torch.full((EX,), float(torch.quantile(gate.flatten()[:1 << 20], 0.85)), device=DEV))
+outs = [torch.empty(1, H, device=DEV, dtype=DT) for _ in range(N)]
+ref_tail = [sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i], residual=res[i])[0]
+            for i in range(N)]
+
+
+def tail_calls(kw):
+    return [lambda i=i: sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i], shared=sh[i], residual=res[i],
+                                     **kw) for i in range(N)]
+
+
+def tail_check(kw):
+    return max(float((sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i],
+                                   residual=res[i], **kw)[0].float() - ref_tail[i].float()).abs().max())
+               for i in range(N))
+
+
+results.append(sweep("sparse_tail", f"H{H}_I{I}_k{K}", {"BLOCK_I": [4, 8, 16], "num_warps": [4, 8, 16]},
+                     tail_calls, tail_check))
 
 print("\n| kernel | shape | default µs | best µs | best launch | max abs diff vs default |")
 print("|---|---|---:|---:|---|---:|")
