@@ -8,7 +8,8 @@ Owns `decode_attention` (Triton launcher), its torch reference `decode_attention
    size. Otherwise it walks the chunk in BLOCK_L tiles with an online softmax (fp32 running max m, sum l and
    accumulator acc[Dv]) and writes (m, l, acc) of its chunk.
 2. `_combine_kernel`, grid (Hq,): rescales the NS partial results to their common max and writes
-   out[h] = Σ acc / Σ l in the query's dtype.
+   out[h] = Σ acc / Σ l in the query's dtype; with `gate` (Qwen3.5's gated attention output) it writes
+   out[h] · sigmoid(gate[h]) instead, rounded as transformers' `attn_output * torch.sigmoid(gate)` rounds.
 
 Why: transformers' SDPA path on a static cache reads every one of its max_cache_len keys for each decode token
 (the mask hides the unused ones but the kernel still streams them): at the default 8192-token context that
@@ -42,9 +43,11 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ----------------------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
-def decode_attention_ref(q, k, v, mask=None, scale=None):
+def decode_attention_ref(q, k, v, mask=None, scale=None, gate=None):
     """softmax(q kᵀ · scale, masked) v per query head, fp32 math. q [Hq,Dk], k [Hkv,L,Dk], v [Hkv,L,Dv],
-    mask [L] bool (True = attend) or None -> [Hq, Dv] in q's dtype."""
+    mask [L] bool (True = attend) or None -> [Hq, Dv] in q's dtype; times sigmoid(gate [Hq, Dv]) with `gate`."""
+    if gate is not None:
+        return decode_attention_ref(q, k, v, mask, scale) * torch.sigmoid(gate)
     Hq, Dk = q.shape
     Hkv = k.shape[0]
     scale = Dk ** -0.5 if scale is None else scale
@@ -136,11 +139,14 @@ if triton is not None:
     def _combine_kernel(
         part_ptr,  # [Hq, NS, 2 + Dv] fp32
         o_ptr,  # [Hq, Dv] out (q's dtype), row stride stride_oh
+        g_ptr,  # [Hq, Dv] output gate (q's dtype), row stride stride_gh (HAS_GATE only)
         NS,
         stride_oh,
+        stride_gh,
         DV: tl.constexpr,
         DV_P2: tl.constexpr,
         NS_P2: tl.constexpr,
+        HAS_GATE: tl.constexpr,
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
@@ -159,18 +165,23 @@ if triton is not None:
         acc = tl.load(row[:, None] + 2 + dv[None, :], mask=sm[:, None] & dvm[None, :], other=0.0)
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         DT = o_ptr.dtype.element_ty
-        tl.store(o_ptr + h * stride_oh + dv, round_to(o, DT).to(DT), mask=dvm)
+        o = round_to(o, DT)
+        if HAS_GATE:  # (attn.to(DT) * sigmoid(gate).to(DT)).to(DT), as torch computes it on DT tensors
+            gv = tl.load(g_ptr + h * stride_gh + dv, mask=dvm, other=0.0).to(tl.float32)
+            o = round_to(o * round_to(1.0 / (1.0 + tl.exp(-gv)), DT), DT)
+        tl.store(o_ptr + h * stride_oh + dv, o.to(DT), mask=dvm)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     scale: float | None = None, out: torch.Tensor | None = None, *, chunk: int = 64,
-                     block_l: int = 64, num_warps: int = 4) -> torch.Tensor:
+                     scale: float | None = None, out: torch.Tensor | None = None, *, gate: torch.Tensor | None = None,
+                     chunk: int = 64, block_l: int = 64, num_warps: int = 4) -> torch.Tensor:
     """One query token's attention over a KV cache (module docstring). q [Hq,Dk]; k [Hkv,L,Dk]; v [Hkv,L,Dv];
     mask [L] bool (True = attend) or None (all L keys); scale default Dk^-0.5. Returns [Hq, Dv] in q's dtype (into
-    `out` when given: [Hq, Dv] of q's dtype, last dim contiguous). No host sync: CUDA-graph capturable.
+    `out` when given: [Hq, Dv] of q's dtype, last dim contiguous); with `gate` [Hq, Dv] (q's dtype, last dim
+    contiguous) the output is multiplied by sigmoid(gate) in the same launch. No host sync: CUDA-graph capturable.
     Defaults: the best launch of `bench/decode_attention_sweep.py` on the H200 at Qwen3.5-35B heads with 640 of 8192
     cache positions used, 15.6 µs (SDPA over the masked cache: 22.8); at 140 of 1024 the best launch was chunk 32,
     block_l 32, 8 warps, 8.7 µs (SDPA 15.7; the defaults were not timed there)."""
@@ -202,6 +213,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         out = torch.empty(Hq, Dv, dtype=q.dtype, device=q.device)
     elif tuple(out.shape) != (Hq, Dv) or out.dtype != q.dtype or out.stride(1) != 1 or out.device != q.device:
         raise ValueError(f"out must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
+    if gate is not None and (tuple(gate.shape) != (Hq, Dv) or gate.dtype != q.dtype or gate.stride(1) != 1
+                             or gate.device != q.device):
+        raise ValueError(f"gate must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
     if L == 0:
         return out.zero_()
     chunk = max(16, triton.next_power_of_2(chunk))
@@ -215,6 +229,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                             k.stride(0), k.stride(1), v.stride(0), v.stride(1), DK=Dk, DV=Dv,
                             DK_P2=triton.next_power_of_2(Dk), DV_P2=triton.next_power_of_2(Dv), CHUNK=chunk,
                             BLOCK_L=bl, HAS_MASK=mask is not None, num_warps=num_warps, **pdl_kw(q))
-    _combine_kernel[(Hq,)](part, out, ns, out.stride(0), DV=Dv, DV_P2=triton.next_power_of_2(Dv),
-                           NS_P2=triton.next_power_of_2(ns), num_warps=num_warps, **pdl_kw(q))
+    g = gate if gate is not None else out
+    _combine_kernel[(Hq,)](part, out, g, ns, out.stride(0), g.stride(0), DV=Dv, DV_P2=triton.next_power_of_2(Dv),
+                           NS_P2=triton.next_power_of_2(ns), HAS_GATE=gate is not None, num_warps=num_warps,
+                           **pdl_kw(q))
     return out

@@ -80,3 +80,23 @@ def test_launcher_checks():
         decode_attention(q, k2.double(), v2)
     with pytest.raises(ValueError, match="out"):
         decode_attention(q, k2, v2, out=torch.empty(4, 7, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_output_gate(dtype):
+    """gate=: out · sigmoid(gate) in the combine kernel, as Qwen3.5's attention does after the core (bf16: equal to
+    the torch ops on bf16 tensors but for rare one-step differences of the core's own rounding)."""
+    gen = torch.Generator().manual_seed(11)
+    Hq, Hkv, L, D = 16, 2, 70, 32
+    q = torch.randn(Hq, D, generator=gen).to(DEV, dtype)
+    k, v = (torch.randn(Hkv, L, D, generator=gen).to(DEV, dtype) for _ in range(2))
+    mask = torch.arange(L, device=DEV) < 53
+    gate = (torch.randn(Hq * 2, D, generator=gen) * 2).to(DEV, dtype)[::2]  # a strided row view, as de-interleaved
+    got = decode_attention(q, k, v, mask, gate=gate, chunk=16)
+    want = decode_attention(q, k, v, mask, chunk=16) * torch.sigmoid(gate)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, mask, gate=gate),
+                               **(tol if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)))
+    with pytest.raises(ValueError, match="gate"):
+        decode_attention(q, k, v, mask, gate=gate[:, :8])
