@@ -109,6 +109,9 @@ class LocalExperts(nn.Module):
         self.recorder: GateRecorder | None = None
         self._params: dict | None = None  # tuned launch parameters (CUDA), looked up once
         self.kernel_on_cpu = False  # tests: take the Triton path on CPU tensors too (TRITON_INTERPRET=1)
+        # sparsity off, one decode token with a tail offered: sparse_fused at threshold 0 (the dense math) so the
+        # shared expert and the residual add ride in its launch; False: dense_experts, the tail done by the caller
+        self.dense_tail = True
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons on the sparse path (updated in place)
         self.seen = 0  # neurons considered on the sparse path (host int; a CUDA graph's replays add theirs)
 
@@ -140,8 +143,8 @@ class LocalExperts(nn.Module):
             return False
         sparse = self.sparse_enabled and self.tau is not None
         if self.cache is None:
-            return sparse
-        return self.cache.mode == "direct" or (self.cache.mode == "copy" and sparse)
+            return sparse or self.dense_tail
+        return self.cache.mode == "direct" or (self.cache.mode == "copy" and (sparse or self.dense_tail))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                 tail=None):
@@ -149,8 +152,8 @@ class LocalExperts(nn.Module):
         the shared expert and the residual inside the same launch."""
         if self.weights is None:
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
-        if tail is not None and not self.takes_tail(hidden_states):
-            raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
+        if tail is not None:
+            return self._with_tail(hidden_states, top_k_index, top_k_weights, tail)
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
         sparse = few and self.sparse_enabled and self.tau is not None
@@ -166,8 +169,25 @@ class LocalExperts(nn.Module):
             if tau is not None:
                 tau = self.cache.slot_tau(ids, top_k_index, tau)
         if sparse:
-            return self._sparse(hidden_states, ids, top_k_weights, w, tau, tail)
+            return self._sparse(hidden_states, ids, top_k_weights, w, tau)
         return self._dense_decode(hidden_states, ids, top_k_weights, w)
+
+    def _with_tail(self, x, top_k_index, top_k_weights, tail) -> torch.Tensor:
+        """One decode token through `sparse_fused` with the caller's tail (shared expert, residual add)."""
+        if not self.takes_tail(x):
+            raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
+        sparse = self.sparse_enabled and self.tau is not None
+        if self.cache is not None and self.cache.mode == "direct":
+            return self._direct(x, top_k_index, top_k_weights, sparse, tail)
+        w, ids, tau = self.weights, top_k_index, self.tau
+        if self.cache is not None:  # copy mode: misses copied into slots first
+            w, ids = self.cache.pool, self.cache.slot_ids(self.layer_idx, top_k_index)
+            tau = self.cache.slot_tau(ids, top_k_index, tau) if sparse else None
+        if sparse:
+            return self._sparse(x, ids, top_k_weights, w, tau, tail)
+        # sparsity off: the dense math in the same kernel, threshold 0 keeps every neuron; not counted as sparse
+        zeros = self._zeros_tau(x.device, w.w_gate.shape[0])  # [experts or pool slots]
+        return self._sparse(x, ids, top_k_weights, w, zeros, tail, count=False)
 
     @torch.compiler.disable
     def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None) -> torch.Tensor:
@@ -188,10 +208,11 @@ class LocalExperts(nn.Module):
             self.seen += top_k_index.numel() * self.intermediate_size
         return y
 
-    def _zeros_tau(self, device) -> torch.Tensor:
-        if self._zero_tau is None or self._zero_tau.device != torch.device(device):
-            self._zero_tau = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
-        return self._zero_tau
+    def _zeros_tau(self, device, n: int | None = None) -> torch.Tensor:
+        n = self.num_experts if n is None else n
+        if self._zero_tau is None or self._zero_tau.device != torch.device(device) or self._zero_tau.numel() < n:
+            self._zero_tau = torch.zeros(n, dtype=torch.float32, device=device)
+        return self._zero_tau[:n]
 
     def _split(self, x, top_k_index, top_k_weights, sparse: bool) -> torch.Tensor:
         """Offloaded, CPU misses: resident experts run on the device from the cache pool while absent ones are
@@ -279,15 +300,18 @@ class LocalExperts(nn.Module):
 
     # -- sparse: decode ---------------------------------------------------------------------------------
     @torch.compiler.disable
-    def _sparse(self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor, tail=None) -> torch.Tensor:
+    def _sparse(self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor, tail=None,
+                count: bool = True) -> torch.Tensor:
+        """`count`: add the kept neurons to the sparsity stats (False: threshold 0, the dense path with a tail)."""
         if (x.is_cuda or self.kernel_on_cpu) and self.hidden_act == "silu":  # one launch, output in x's dtype
             from localmoe.kernels.sparse_fused import sparse_fused
 
             p = self._launch(x, top_k_index.shape[1])["fused"]
             y, _ = sparse_fused(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, tau,
                                 torch.empty(x.shape, dtype=x.dtype, device=x.device),
-                                kept_total=self._kept_on(x.device), **_tail_kw(tail), **p)
-            self.seen += top_k_index.numel() * self.intermediate_size
+                                kept_total=self._kept_on(x.device) if count else None, **_tail_kw(tail), **p)
+            if count:
+                self.seen += top_k_index.numel() * self.intermediate_size
             return y
         y, kept = sparse_reference(x, w, top_k_index, top_k_weights, tau, self.act_fn)
         self._count(kept, top_k_index.numel() * self.intermediate_size)
