@@ -1,7 +1,8 @@
 """Fused decode kernels in place of transformers modules: ONE table, applied explicitly at load time.
 
-The modules live in `decode_ops` (FusedLinear, FusedRMSNorm), `fused_deltanet` (FusedGatedDeltaNet) and `fused_moe`
-(FusedSparseMoeBlock, FusedDecoderLayer); this module owns the table and `install` / `uninstall`.
+The modules live in `decode_ops` (FusedLinear, FusedRMSNorm), `fused_deltanet` (FusedGatedDeltaNet),
+`fused_attention` (FusedAttention) and `fused_moe` (FusedSparseMoeBlock, FusedDecoderLayer); this module owns the table
+and `install` / `uninstall`.
 
 `REPLACEMENTS` maps a transformers class name to the localmoe module that replaces it for decode. `install(model)`
 walks `model.named_modules()` once and, for every module whose class is in the table, puts the localmoe module in
@@ -27,6 +28,12 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                (conv1d update, gates, l2norm, delta rule, gated
                                                                RMSNorm) + out_proj (was ~60 kernels); prefill and
                                                                uncached calls run the original module
+    Qwen3_5MoeAttention            FusedAttention           cached T=1 step: 1 q|k|v GEMV (one weight buffer) + 1
+                                                               launch (q/k norms, partial RoPE, gate de-interleave)
+                                                               + cache update (5) + attention core (2) + sigmoid
+                                                               gate (2) + o_proj: 12 launches (was 28 with the
+                                                               fused Linears and norms); prefill and uncached
+                                                               calls run the original module
     Qwen3_5MoeSparseMoeBlock       FusedSparseMoeBlock      one token: router 1 launch (GEMV, softmax, top-k, renorm,
                                                                casts; was ~6) -> the block's own `experts` (localmoe's
                                                                LocalExperts, unchanged) -> shared expert 2 launches
@@ -57,6 +64,7 @@ from torch import nn
 
 from localmoe import attention
 from localmoe.decode_ops import FusedLinear, FusedRMSNorm
+from localmoe.fused_attention import FusedAttention
 from localmoe.fused_deltanet import FusedGatedDeltaNet
 from localmoe.fused_moe import FusedDecoderLayer, FusedSparseMoeBlock
 
@@ -78,6 +86,8 @@ REPLACEMENTS: dict[str, Replacement] = {
     "Qwen3_5MoeRMSNorm": Replacement(_norm("zero_centred"), "x̂·(1+w), one launch"),
     "Qwen3_5MoeGatedDeltaNet": Replacement(FusedGatedDeltaNet, "cached T=1 step fused (conv, gates, delta rule, "
                                                                "gated norm); prefill unchanged"),
+    "Qwen3_5MoeAttention": Replacement(FusedAttention, "cached T=1 step: q|k|v 1 GEMV, norms + RoPE 1 launch; "
+                                                       "prefill unchanged"),
     "Qwen3_5MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged, shared "
                                                                  "expert + add 2 launches; prefill unchanged"),
     "Qwen3MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
@@ -90,7 +100,7 @@ REPLACEMENTS: dict[str, Replacement] = {
     "GraniteMoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
 }
 ATTENTION = "sdpa attention"  # `install`'s name for the attention core switch (localmoe.attention), not a class
-_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedSparseMoeBlock, FusedDecoderLayer, FusedLinear)
+_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedAttention, FusedSparseMoeBlock, FusedDecoderLayer, FusedLinear)
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -1,0 +1,138 @@
+"""Qwen3.5-MoE's gated full attention for a cached one-token decode step: one GEMV for q|k|v (the three projections'
+weights share one buffer), one Triton launch for the per-head q/k RMSNorm + partial RoPE + output-gate
+de-interleave (`kernels/qk_norm_rope.py`), then transformers' own cache update and attention core (localmoe_sdpa's
+decode kernel), the sigmoid gate and o_proj. Prefill and every other call run transformers' module. Installed by
+`localmoe.fused`.
+
+Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter): transformers'
+module with localmoe's GEMV and RMSNorm children 28 — q/k/v projections 3, the gate's copy 1, norms 2, RoPE 12
+(products, rotate_half's neg and cat, sums, the partial-rotary cat), cache update 5, core 2, sigmoid 1, multiply 1,
+o_proj 1; here 12: the projections, gate copy, norms and RoPE are 2 launches.
+
+Shape legend: B batch, T tokens, H hidden, Hq / Hkv query / key-value heads, D head dim, ROT rotary dims,
+L cache length.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from localmoe.decode_ops import FusedRMSNorm, concat_rows, linear_1, one_row
+from localmoe.kernels.qk_norm_rope import qk_norm_rope
+
+_NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred"}  # transformers' q/k norm class -> qk_norm_rope's kind
+_CORES = ("localmoe_sdpa", "sdpa")  # attention implementations the fused step calls (others: the original module)
+
+
+def _norm_kind(norm: nn.Module) -> str | None:
+    if isinstance(norm, FusedRMSNorm):
+        return norm.kind if norm.kind in ("zero_centred", "standard") else None
+    return _NORM_KINDS.get(type(norm).__name__)
+
+
+def _norm_eps(norm: nn.Module) -> float | None:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if eps is None else float(eps)
+
+
+def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int) -> bool:
+    """(cos, sin) of one token in h's dtype and device: [..., ROT] rows, ROT even and <= head_dim."""
+    if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
+        return False
+    cos, sin = position_embeddings
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.shape != sin.shape:
+        return False
+    rot = cos.shape[-1] if cos.dim() else 0
+    return (cos.numel() == rot and 2 <= rot <= head_dim and rot % 2 == 0 and cos.stride(-1) == 1
+            and sin.stride(-1) == 1 and cos.dtype == sin.dtype == h.dtype and cos.device == sin.device == h.device)
+
+
+class FusedAttention(nn.Module):
+    """Qwen3.5-MoE full attention whose cached one-token call is: q|k|v GEMV -> qk_norm_rope (1 launch) -> the cache's
+    update -> the attention core (transformers' AttentionInterface) -> · sigmoid(gate) -> o_proj. Other calls
+    (prefill, no cache, batch > 1, biases, other dtypes/devices or attention implementations, training) run the
+    original module, kept unregistered as `_hf`."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_hf", hf)  # prefill / unsupported calls, and uninstall
+        for name, child in hf.named_children():  # q/k/v/o_proj, q_norm, k_norm: the same objects
+            self.add_module(name, child)
+        for name, p in hf.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for k, v in vars(hf).items():  # layer_idx, head_dim, num_key_value_groups, scaling, is_causal, ...
+            if not k.startswith("_") and k != "training" and isinstance(v, (str, int, float, bool)):
+                setattr(self, k, v)
+        self.training = hf.training  # (a new Module starts in training mode; its children are the original's)
+        self.config = hf.config  # read by the attention core, as for the original
+        params = inspect.signature(hf.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.2x / 5.17
+        self.num_heads = int(hf.config.num_attention_heads)
+        self.num_kv_heads = int(hf.config.num_key_value_heads)
+        self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
+        self._kind, self._eps = self._norms(hf)
+        self._w_qkv, sizes = concat_rows([self.q_proj, self.k_proj, self.v_proj])  # [Hq*2D + 2*Hkv*D, H]
+        D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        if self._w_qkv is not None and sizes != [Hq * 2 * D, Hkv * D, Hkv * D]:
+            self._w_qkv = None  # not Qwen3.5's gated layout: the original module does every call
+
+    @staticmethod
+    def _norms(hf: nn.Module) -> tuple[str | None, float | None]:
+        """(kind, eps) shared by q_norm and k_norm, or (None, None) when the fused kernel cannot do them."""
+        kind, eps = _norm_kind(hf.q_norm), _norm_eps(hf.q_norm)
+        if kind is None or _norm_kind(hf.k_norm) != kind or eps is None or _norm_eps(hf.k_norm) != eps:
+            return None, None
+        return kind, eps
+
+    def _fusable(self, h: torch.Tensor, position_embeddings, cache) -> bool:
+        w = self._w_qkv
+        if w is None or self._kind is None or cache is None or self.training:
+            return False
+        if h.dim() != 3 or h.shape[0] != 1 or h.shape[1] != 1 or h.dtype != w.dtype or h.device != w.device:
+            return False
+        if self.q_proj.weight.data_ptr() != w.data_ptr():  # weights moved or replaced since install
+            self._w_qkv = None
+            return False
+        if torch.is_grad_enabled() and (h.requires_grad or self.q_proj.weight.requires_grad):
+            return False  # the Triton kernels have no backward
+        qn, kn = self.q_norm.weight, self.k_norm.weight
+        if qn.device != h.device or kn.device != h.device or qn.dtype != kn.dtype:
+            return False
+        if self._kind == "standard" and torch.promote_types(qn.dtype, h.dtype) != h.dtype:
+            return False
+        impl = getattr(self.config, "_attn_implementation", None)
+        return impl in _CORES and _angles_ok(position_embeddings, h, self.head_dim)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, *,
+                past_key_values=None, **kwargs):  # hidden_states [B, T, H] -> ([B, T, H], attn weights | None)
+        cache = cache if cache is not None else past_key_values
+        if not self._fusable(hidden_states, position_embeddings, cache):
+            return self._hf(hidden_states, position_embeddings, attention_mask, **{self._cache_kw: cache}, **kwargs)
+        self.decode_calls += 1
+        input_shape = hidden_states.shape[:-1]  # (1, 1)
+        D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = (linear_1(hidden_states, self._w_qkv) if one_row(hidden_states, self._w_qkv)
+               else F.linear(hidden_states, self._w_qkv))  # [1, 1, Hq*2D + 2*Hkv*D]
+        q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D]
+        query = q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D], as transformers' query_states
+        key = k.view(1, 1, Hkv, D).transpose(1, 2)  # [1, Hkv, 1, D]
+        value = v.view(1, 1, Hkv, D).transpose(1, 2)
+        if self._cache_kw == "cache":  # exactly as the original calls it (transformers 5.2x / 5.17)
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)  # [1, Hkv, L, D]
+        else:
+            key, value = cache.update(key, value, self.layer_idx)
+        core = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        out, weights = core(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        out = out.reshape(*input_shape, -1).contiguous()  # [1, 1, Hq*D]
+        out = out * torch.sigmoid(gate.view(*input_shape, -1))
+        return self.o_proj(out), weights
+
+    @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
+    def _norm_rope(self, qkv, cos, sin):
+        return qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self._eps,
+                            num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, kind=self._kind, gated=True)
