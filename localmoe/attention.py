@@ -32,7 +32,7 @@ def _register() -> None:
     _registered = True
 
 
-def _takes(query, key, value, attention_mask, dropout, kwargs) -> bool:
+def takes(query, key, value, attention_mask, dropout, kwargs) -> bool:
     """One query token of one sequence, plain softmax attention, a boolean mask over the cache (or none)."""
     if query.shape[0] != 1 or query.shape[2] != 1 or dropout or key.shape[0] != 1:
         return False
@@ -54,22 +54,24 @@ def localmoe_attention(module, query, key, value, attention_mask, dropout: float
                        is_causal=None, **kwargs):
     """AttentionInterface function: query [B,Hq,q,Dk], key [B,Hkv,L,Dk], value [B,Hkv,L,Dv], mask [B,1,q,L] bool
     or None -> (out [B,q,Hq,Dv], None), as `sdpa_attention_forward` returns."""
-    if not _takes(query, key, value, attention_mask, dropout, kwargs):
+    if not takes(query, key, value, attention_mask, dropout, kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    return _decode(query, key, value, attention_mask, scaling), None
+    return decode(query, key, value, attention_mask, scaling), None
 
 
 @torch.compiler.disable
-def _decode(query, key, value, attention_mask, scaling):
+def decode(query, key, value, attention_mask, scaling, gate=None):
+    """The one-token call `takes` accepted -> out [1, 1, Hq, Dv]; with `gate` [Hq, Dv] (Qwen3.5's output gate) the
+    result is out · sigmoid(gate), in the same launches (localmoe.fused_attention)."""
     from localmoe.kernels.decode_attention import decode_attention
 
     global decode_calls
     decode_calls += 1
     mask = None if attention_mask is None else attention_mask[0, 0, 0]  # [L]
-    out = decode_attention(query[0, :, 0], key[0], value[0], mask, scaling)  # [Hq, Dv]
+    out = decode_attention(query[0, :, 0], key[0], value[0], mask, scaling, gate=gate)  # [Hq, Dv]
     return out.view(1, 1, *out.shape)
 
 

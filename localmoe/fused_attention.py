@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from localmoe.decode_ops import FusedRMSNorm, concat_rows, linear_1, one_row
+from localmoe import attention
+from localmoe.decode_ops import FusedRMSNorm, concat_rows, linear_1, one_row, takes_norm
 from localmoe.kernels.qk_norm_rope import qk_norm_rope
 
 _NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred"}  # transformers' q/k norm class -> qk_norm_rope's kind
@@ -109,14 +110,21 @@ class FusedAttention(nn.Module):
         return impl in _CORES and _angles_ok(position_embeddings, h, self.head_dim)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, *,
-                past_key_values=None, **kwargs):  # hidden_states [B, T, H] -> ([B, T, H], attn weights | None)
+                past_key_values=None, input_norm=None, **kwargs):
+        """hidden_states [B, T, H] -> ([B, T, H], attn weights | None), as transformers' module. `input_norm` (the
+        decoder layer's input RMSNorm; localmoe's FusedDecoderLayer only) is applied to hidden_states first: inside
+        the q|k|v GEMV on the fused step, else as its own module call."""
         cache = cache if cache is not None else past_key_values
-        if not self._fusable(hidden_states, position_embeddings, cache):
+        fusable = self._fusable(hidden_states, position_embeddings, cache)
+        if input_norm is not None and not (fusable and one_row(hidden_states, self._w_qkv)
+                                           and takes_norm(input_norm, hidden_states)):
+            hidden_states, input_norm = input_norm(hidden_states), None
+        if not fusable:
             return self._hf(hidden_states, position_embeddings, attention_mask, **{self._cache_kw: cache}, **kwargs)
         self.decode_calls += 1
         input_shape = hidden_states.shape[:-1]  # (1, 1)
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = (linear_1(hidden_states, self._w_qkv) if one_row(hidden_states, self._w_qkv)
+        qkv = (linear_1(hidden_states, self._w_qkv, input_norm) if one_row(hidden_states, self._w_qkv)
                else F.linear(hidden_states, self._w_qkv))  # [1, 1, Hq*2D + 2*Hkv*D]
         q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D]
         query = q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D], as transformers' query_states
@@ -126,7 +134,11 @@ class FusedAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)  # [1, Hkv, L, D]
         else:
             key, value = cache.update(key, value, self.layer_idx)
-        core = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        impl = self.config._attn_implementation
+        if impl == attention.NAME and attention.takes(query, key, value, attention_mask, 0.0, kwargs):
+            out = attention.decode(query, key, value, attention_mask, self.scaling, gate=gate.view(Hq, D))
+            return self.o_proj(out.reshape(*input_shape, -1)), None  # the gate applied in the core's launch
+        core = ALL_ATTENTION_FUNCTIONS[impl]
         out, weights = core(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         out = out.reshape(*input_shape, -1).contiguous()  # [1, 1, Hq*D]
         out = out * torch.sigmoid(gate.view(*input_shape, -1))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from localmoe.decode_ops import FusedLinear, FusedRMSNorm, tuned
+from localmoe.fused_attention import FusedAttention
 from localmoe.fused_deltanet import FusedGatedDeltaNet
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
@@ -176,10 +177,13 @@ class FusedDecoderLayer(nn.Module):
             h = self.linear_attn(self.input_layernorm(hidden_states), cache, attention_mask=a.get("attention_mask"),
                                  **extra)
         else:
-            h = self.input_layernorm(hidden_states)
-            h, _ = self.self_attn(hidden_states=h, attention_mask=a.get("attention_mask"),
-                                  position_ids=a.get("position_ids"), position_embeddings=a.get("position_embeddings"),
-                                  **{_kw(self.self_attn, "cache", "past_key_values"): cache}, **extra)
+            attn, h = self.self_attn, hidden_states
+            norm_kw = {"input_norm": self.input_layernorm} if isinstance(attn, FusedAttention) else {}
+            if not norm_kw:
+                h = self.input_layernorm(hidden_states)
+            h, _ = attn(hidden_states=h, attention_mask=a.get("attention_mask"), position_ids=a.get("position_ids"),
+                        position_embeddings=a.get("position_embeddings"),
+                        **{_kw(attn, "cache", "past_key_values"): cache}, **norm_kw, **extra)
         norm = self.post_attention_layernorm
         if self.mlp.takes_front(h):  # sparse decode: 2 launches from here
             return self.mlp.step_front(h, hidden_states, norm)
