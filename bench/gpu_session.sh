@@ -83,16 +83,19 @@ if [[ $PART == pdl ]]; then
     grep -A12 "^sparsity" "$OUT/breakdown.log"
 fi
 if [[ $PART == s4 ]]; then
-    step tests 170 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+    step tests 120 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
         tests/test_kernel_moe_front.py tests/test_kernel_gemv.py tests/test_kernel_sparse_fused.py \
-        tests/test_kernel_qk_norm_rope.py tests/test_fused.py tests/test_fused_attention.py tests/test_attention.py
-    step engine 100 python bench/gpu_engine_check.py --skip-bench
-    step bench 90 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
-    step breakdown 60 python bench/step_breakdown.py 0.85
-    step tune 100 python bench/tune_decode.py --only moe_front,sparse_tail
+        tests/test_kernel_qk_norm_rope.py tests/test_kernel_decode_attention.py tests/test_fused.py \
+        tests/test_fused_attention.py
+    step engine 80 python bench/gpu_engine_check.py --skip-bench
+    step bench 80 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
+    step breakdown 50 python bench/step_breakdown.py 0.85
+    step breakdown0 45 python bench/step_breakdown.py 0
+    step breakdown0k 45 python bench/step_breakdown.py 0 --dense-kernel
+    step tune 90 python bench/tune_decode.py --only moe_front,sparse_tail
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     grep -A7 "^family" "$OUT/engine.log"
     tail -n 4 "$OUT/bench.log"
-    grep -A12 "^sparsity" "$OUT/breakdown.log"
+    for b in breakdown breakdown0 breakdown0k; do grep -A14 "^sparsity" "$OUT/$b.log"; done
     grep -A6 "^| kernel" "$OUT/tune.log"
 fi
