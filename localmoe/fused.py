@@ -16,9 +16,14 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
     transformers class             localmoe module          what one call becomes
     Linear (torch.nn, any family)  FusedLinear              one row, no bias: kernels/gemv.py (lm_head 474 -> ~230
                                                                µs on the H200); more rows: F.linear
-    Qwen3_5MoeDecoderLayer         FusedDecoderLayer        one token: its children's fused calls, with the two
-                                                               residual adds inside the post-attention norm's and
-                                                               the shared expert's kernels (was 2 more launches)
+    Qwen3_5MoeDecoderLayer         FusedDecoderLayer        one token: input norm inside the mixer's input GEMV;
+                                                               mixer; then, when the experts run sparse_fused (the
+                                                               sparse path, and sparsity 0 at threshold 0), 2
+                                                               launches: kernels/moe_front.py (residual add, norm,
+                                                               router top-k, shared gate) and sparse_fused with the
+                                                               shared expert and the residual add in its tail (was
+                                                               norm + router + experts + shared expert's 2 = 5);
+                                                               else the norm with the residual add, then the block
     Qwen3_5MoeRMSNorm              FusedRMSNorm(zero_centred)  1 launch (was ~8 kernels incl. dtype round trips)
     Qwen3MoeRMSNorm, OlmoeRMSNorm,
     MixtralRMSNorm, DeepseekV2RMSNorm,
@@ -30,10 +35,10 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                uncached calls run the original module
     Qwen3_5MoeAttention            FusedAttention           cached T=1 step: 1 q|k|v GEMV (one weight buffer) + 1
                                                                launch (q/k norms, partial RoPE, gate de-interleave)
-                                                               + cache update (5) + attention core (2) + sigmoid
-                                                               gate (2) + o_proj: 12 launches (was 28 with the
-                                                               fused Linears and norms); prefill and uncached
-                                                               calls run the original module
+                                                               + cache update (5) + attention core (2, the sigmoid
+                                                               gate in its combine kernel) + o_proj: 10 launches
+                                                               (was 28 with the fused Linears and norms); prefill
+                                                               and uncached calls run the original module
     Qwen3_5MoeSparseMoeBlock       FusedSparseMoeBlock      one token: router 1 launch (GEMV, softmax, top-k, renorm,
                                                                casts; was ~6) -> the block's own `experts` (localmoe's
                                                                LocalExperts, unchanged) -> shared expert 2 launches
