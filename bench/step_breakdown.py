@@ -21,12 +21,12 @@ sparsity = float(args[0]) if args else 0.85
 engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16,
                        fused="--no-fused" not in sys.argv)
 engine.set_sparsity(sparsity)
-if "--dense-kernel" in sys.argv:  # sparsity 0 through dense_experts + the shared-expert kernels, not sparse_fused
+if "--dense-tail" in sys.argv:  # sparsity 0 through sparse_fused at threshold 0 with the tail, not dense_experts
     from localmoe.experts import LocalExperts
 
     for m in engine.model.modules():
         if isinstance(m, LocalExperts):
-            m.dense_tail = False
+            m.dense_tail = True
 engine.set_context(1024)
 model = engine.model
 kw = engine._cache_kw
