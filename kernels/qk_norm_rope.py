@@ -16,6 +16,11 @@ RoPE (transformers' `apply_rotary_pos_emb`, in x's dtype): y_rot = y·cos + rota
 sum rounded to x's dtype as torch's elementwise ops round them (`round_to`: RTNE, also under the interpreter), so
 bf16 results equal transformers' except where rsqrt differs by an ulp.
 
+With `kv_cache=(keys, values, position)` (a static cache layer's [Hkv, L, D] tensors and its int position tensor)
+the key programs also write their key and value heads at that position: the cache update in the same launch
+(transformers' StaticLayer.update is 5 launches: arange, add, the position's add_, two index_copy_; the caller
+keeps the position's add_).
+
 Shape legend: Hq query heads, Hkv key/value heads, D head dim, ROT rotary dims (even, <= D), QW = 2D (gated:
 [q_h | gate_h] per head) or D. qkv [Hq*QW + Hkv*D + Hkv*D] one token's q|k|v projection; cos, sin [ROT].
 Out: q [Hq, D], k [Hkv, D], v [Hkv, D] (view of qkv), gate [Hq*D] (gated) — q, k, gate views of one new buffer.
@@ -98,13 +103,22 @@ if triton is not None:
         cos_ptr,  # [ROT] qkv's dtype
         sin_ptr,  # [ROT]
         out_ptr,  # [(Hq + Hkv)*D (+ Hq*D gated)] out, qkv's dtype: q heads, then k heads, then the gate
+        kc_ptr,  # [Hkv, L, D] key cache, strides (stride_kh, stride_kl, 1) (CACHE only)
+        vc_ptr,  # [Hkv, L, D] value cache, strides (stride_vh, stride_vl, 1)
+        pos_ptr,  # [] int: the position written (CACHE only)
         HQ,
         HKV,
         eps,
+        L,
+        stride_kh,
+        stride_kl,
+        stride_vh,
+        stride_vl,
         D: tl.constexpr,
         ROT: tl.constexpr,
         KIND: tl.constexpr,  # 0 standard, 1 zero_centred
         GATED: tl.constexpr,  # q heads are [q_h | gate_h] (QW = 2D); else [q_h] (QW = D)
+        CACHE: tl.constexpr,
         BLOCK_D: tl.constexpr,
         PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): the norm weights are read before the wait
     ):
@@ -137,7 +151,16 @@ if triton is not None:
         s = tl.load(sin_ptr + cols, mask=pm, other=0.0).to(tl.float32)
         sign = tl.where(cols < HALF, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
         r = round_to(round_to(y * c, DT) + round_to((sign * yp) * s, DT), DT)
-        tl.store(out_ptr + head * D + cols, tl.where(rot, r, y).to(DT), mask=m)
+        res = tl.where(rot, r, y).to(DT)
+        tl.store(out_ptr + head * D + cols, res, mask=m)
+        if CACHE:
+            if head >= HQ:  # key head j: its key and value at the cache position
+                j = (head - HQ).to(tl.int64)
+                pos = tl.load(pos_ptr).to(tl.int64)
+                cm = m & ((cols * 0 + pos) < L)  # (a tensor: the interpreter masks with tensors only)
+                tl.store(kc_ptr + j * stride_kh + pos * stride_kl + cols, res, mask=cm)
+                vv = tl.load(qkv_ptr + HQ * QW + HKV * D + j * D + cols, mask=m, other=0.0)
+                tl.store(vc_ptr + j * stride_vh + pos * stride_vl + cols, vv.to(vc_ptr.dtype.element_ty), mask=cm)
         if GATED:
             if head < HQ:  # de-interleave the output gate: [q_h | gate_h] -> gate[h*D : (h+1)*D]
                 g = tl.load(src + D + cols, mask=m, other=0.0)
@@ -173,10 +196,12 @@ def _check_weights(q_weight, k_weight, kind, x_dtype, device) -> int:
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, eps: float, *, num_q_heads: int, num_kv_heads: int, kind: str = "zero_centred",
-                 gated: bool = True):
+                 gated: bool = True, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """One token's q|k|v projection -> (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None): q and k normed (per
     head, `kind`) and rotated by cos/sin [ROT] (one token's, qkv's dtype; ROT even, <= D), v a view of qkv, the gate
-    (gated layers) de-interleaved and contiguous. D = the norm weights' length. No host sync: capturable."""
+    (gated layers) de-interleaved and contiguous. D = the norm weights' length. With `kv_cache` (keys [Hkv, L, D],
+    values [Hkv, L, D] of qkv's dtype, last dim contiguous; position: a one-element int tensor) k and v are also
+    written at the position (not advanced; a position >= L writes nothing). No host sync: capturable."""
     if triton is None:
         raise RuntimeError("qk_norm_rope needs triton")
     if kind not in _KIND_ID:
@@ -200,11 +225,31 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     if c.dtype != x.dtype or s.dtype != x.dtype or c.device != x.device or s.device != x.device:
         raise ValueError(f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on "
                          f"{c.device}/{s.device}")
+    kc, vc, pos = _check_cache(kv_cache, Hkv, D, x)
     out = torch.empty((Hq + Hkv + (Hq if gated else 0)) * D, dtype=x.dtype, device=x.device)
-    _qk_norm_rope_kernel[(Hq + Hkv,)](x, q_weight, k_weight, c, s, out, Hq, Hkv, float(eps), D=D, ROT=ROT,
-                                      KIND=_KIND_ID[kind], GATED=gated, BLOCK_D=triton.next_power_of_2(D),
-                                      num_warps=1 if D <= 128 else 2, **pdl_kw(x))
+    _qk_norm_rope_kernel[(Hq + Hkv,)](x, q_weight, k_weight, c, s, out, kc, vc, pos, Hq, Hkv, float(eps), kc.shape[1],
+                                      kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), D=D, ROT=ROT,
+                                      KIND=_KIND_ID[kind], GATED=gated, CACHE=kv_cache is not None,
+                                      BLOCK_D=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 2, **pdl_kw(x))
     q, k = out[:Hq * D].view(Hq, D), out[Hq * D:(Hq + Hkv) * D].view(Hkv, D)
     gate = out[(Hq + Hkv) * D:] if gated else None
     v = x[Hq * QW + Hkv * D:].view(Hkv, D)
     return q, k, v, gate
+
+
+def _check_cache(kv_cache, Hkv: int, D: int, x: torch.Tensor):
+    """(keys, values, position) to launch with; dummies (never written) without a cache."""
+    if kv_cache is None:
+        return x.view(1, 1, -1), x.view(1, 1, -1), x
+    keys, values, pos = kv_cache
+    for name, t in (("keys", keys), ("values", values)):
+        if t.dim() != 3 or t.shape[0] != Hkv or t.shape[2] != D or t.stride(2) != 1:
+            raise ValueError(f"kv_cache {name} must be [Hkv, L, D] = [{Hkv}, L, {D}] with a contiguous last dim, got "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"kv_cache {name} must be {x.dtype} on {x.device}, got {t.dtype} on {t.device}")
+    if values.shape[1] != keys.shape[1]:
+        raise ValueError("kv_cache keys and values must have one length L")
+    if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64) or pos.device != x.device:
+        raise ValueError(f"kv_cache position must be a one-element int32/int64 tensor on {x.device}")
+    return keys, values, pos

@@ -7,7 +7,9 @@ decode kernel), the sigmoid gate and o_proj. Prefill and every other call run tr
 Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter): transformers'
 module with localmoe's GEMV and RMSNorm children 28 — q/k/v projections 3, the gate's copy 1, norms 2, RoPE 12
 (products, rotate_half's neg and cat, sums, the partial-rotary cat), cache update 5, core 2, sigmoid 1, multiply 1,
-o_proj 1; here 12: the projections, gate copy, norms and RoPE are 2 launches.
+o_proj 1; here 6: q|k|v GEMV (with the decoder layer's input norm inside), qk_norm_rope (which also writes k and v
+into a StaticLayer's tensors), the position's add_, the core's 2 (the sigmoid gate in its combine kernel), o_proj.
+Other caches go through `cache.update` (5 launches), other cores through transformers' gate ops (2).
 
 Shape legend: B batch, T tokens, H hidden, Hq / Hkv query / key-value heads, D head dim, ROT rotary dims,
 L cache length.
@@ -126,14 +128,21 @@ class FusedAttention(nn.Module):
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
         qkv = (linear_1(hidden_states, self._w_qkv, input_norm) if one_row(hidden_states, self._w_qkv)
                else F.linear(hidden_states, self._w_qkv))  # [1, 1, Hq*2D + 2*Hkv*D]
-        q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D]
-        query = q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D], as transformers' query_states
-        key = k.view(1, 1, Hkv, D).transpose(1, 2)  # [1, Hkv, 1, D]
-        value = v.view(1, 1, Hkv, D).transpose(1, 2)
-        if self._cache_kw == "cache":  # exactly as the original calls it (transformers 5.2x / 5.17)
-            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)  # [1, Hkv, L, D]
+        static = _static_layer(cache, self.layer_idx, Hkv, D, hidden_states)
+        if static is not None:  # k and v written into the static cache by the same launch
+            q, k, v, gate = self._norm_rope(qkv, *position_embeddings, kv_cache=(static.keys[0], static.values[0],
+                                                                                 static.cumulative_length))
+            static.cumulative_length.add_(1)  # what StaticLayer.update does besides the two writes
+            key, value = static.keys, static.values  # [1, Hkv, L, D]
         else:
-            key, value = cache.update(key, value, self.layer_idx)
+            q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D]
+            key = k.view(1, 1, Hkv, D).transpose(1, 2)  # [1, Hkv, 1, D], as transformers' key_states
+            value = v.view(1, 1, Hkv, D).transpose(1, 2)
+            if self._cache_kw == "cache":  # exactly as the original calls it (transformers 5.2x / 5.17)
+                key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)  # [1, Hkv, L, D]
+            else:
+                key, value = cache.update(key, value, self.layer_idx)
+        query = q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D], as transformers' query_states
         impl = self.config._attn_implementation
         if impl == attention.NAME and attention.takes(query, key, value, attention_mask, 0.0, kwargs):
             out = attention.decode(query, key, value, attention_mask, self.scaling, gate=gate.view(Hq, D))
@@ -145,6 +154,25 @@ class FusedAttention(nn.Module):
         return self.o_proj(out), weights
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
-    def _norm_rope(self, qkv, cos, sin):
+    def _norm_rope(self, qkv, cos, sin, kv_cache=None):
         return qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self._eps,
-                            num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, kind=self._kind, gated=True)
+                            num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, kind=self._kind, gated=True,
+                            kv_cache=kv_cache)
+
+
+def _static_layer(cache, layer_idx: int, Hkv: int, D: int, h: torch.Tensor):
+    """The cache's layer when it is a plain, initialised transformers StaticLayer of this shape on h's device (one
+    sequence, [1, Hkv, L, D] keys/values of h's dtype, a tensor position): then localmoe writes the token's k and v
+    itself, as StaticLayer.update would (transformers 5.17 and 5.2x). Else None: call cache.update."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers) or type(layers[layer_idx]).__name__ != "StaticLayer":
+        return None
+    layer = layers[layer_idx]
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    pos = getattr(layer, "cumulative_length", None)
+    if not (getattr(layer, "is_initialized", False) and isinstance(keys, torch.Tensor)
+            and isinstance(values, torch.Tensor) and isinstance(pos, torch.Tensor)):
+        return None
+    ok = all(t.dim() == 4 and t.shape[0] == 1 and t.shape[1] == Hkv and t.shape[3] == D and t.stride(3) == 1
+             and t.dtype == h.dtype and t.device == h.device for t in (keys, values))
+    return layer if ok and pos.numel() == 1 and pos.device == h.device and not pos.is_floating_point() else None

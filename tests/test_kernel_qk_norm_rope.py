@@ -101,3 +101,30 @@ def test_checks():
     raises("cos/sin", qkv, wq, wk, cos.bfloat16(), sin.bfloat16(), 1e-6)
     raises("positive", qkv, wq, wk, cos, sin, 1e-6, num_kv_heads=0)
     raises("bf16/fp16/fp32", qkv.double(), wq, wk, cos, sin, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(16, 2, 256, 64), (3, 1, 24, 8)], ids=lambda s: "Hq{}_Hkv{}_D{}_rot{}".format(*s))
+def test_kv_cache_write(shape, dtype):
+    """kv_cache=: the key programs also write k and v at the position of a static cache layer's [1, Hkv, L, D]
+    tensors (viewed [Hkv, L, D]); nothing else in the cache changes; a position past the end writes nothing."""
+    Hq, Hkv, D, ROT = shape
+    args = _inputs(Hq, Hkv, D, ROT, True, dtype, seed=4)
+    L = 9
+    keys, values = (torch.randn(1, Hkv, L, D).to(DEV, dtype) for _ in range(2))
+    before_k, before_v = keys.clone(), values.clone()
+    pos = torch.tensor(5, device=DEV)
+    q, k, v, gate = qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], pos))
+    rq, rk, rv, _ = qk_norm_rope_ref(*args, 1e-6, Hq, Hkv, "zero_centred", True)
+    torch.testing.assert_close(k, rk, **TOL[dtype])
+    assert torch.equal(keys[0, :, 5], k) and torch.equal(values[0, :, 5], v)
+    others = [i for i in range(L) if i != 5]
+    assert torch.equal(keys[:, :, others], before_k[:, :, others])
+    assert torch.equal(values[:, :, others], before_v[:, :, others])
+    after_k = keys.clone()
+    qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], torch.tensor(L)))
+    assert torch.equal(keys, after_k)
+    with pytest.raises(ValueError, match="kv_cache keys"):
+        qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0, :, :, :8], values[0], pos))
+    with pytest.raises(ValueError, match="position"):
+        qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], pos.float()))
