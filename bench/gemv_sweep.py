@@ -1,13 +1,14 @@
 """Batch-1 GEMV on the GPU: cuBLAS (F.linear) against localmoe's `kernels/gemv.py` over its launch space, at the
 projection shapes of a Qwen3.5-35B-A3B decode step (GPU, not a test).
 
-Shapes (N x K, bf16): lm_head 248320 x 2048, DeltaNet in_proj (4 projections in one buffer) 12352 x 2048, DeltaNet
-out_proj 2048 x 4096 (also the attention o_proj's shape), attention q_proj (gated) 8192 x 2048. Every launch is
+Shapes (N x K, bf16): lm_head 248320 x 2048, DeltaNet in_proj (4 projections in one buffer, the layer's input
+RMSNorm inside as the engine calls it) 12352 x 2048, DeltaNet out_proj 2048 x 4096 (also the attention o_proj's
+shape), attention q|k|v (gated q, one buffer, input norm inside) 9216 x 2048. Every launch is
 checked against F.linear, then timed as a CUDA graph over rotating weight copies (>= 3 GB in all, so L2 never
 holds them; `triton.testing.do_bench` median, µs per call). Prints µs and GB/s per shape, and writes the best
 launch per shape to `$OUT/gemv_params.json` ({"decode_params": {"gemv": {"N{N}_K{K}": kwargs}}}).
 
-Usage: PYTHONUNBUFFERED=1 python bench/gemv_sweep.py
+Usage: PYTHONUNBUFFERED=1 python bench/gemv_sweep.py [--skip lm_head]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -23,32 +25,37 @@ from graph_timing import graph_us
 from localmoe.kernels.gemv import gemv
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
-SHAPES = {"lm_head": (248320, 2048), "deltanet in_proj": (12352, 2048), "deltanet out_proj": (2048, 4096),
-          "attn q_proj": (8192, 2048)}
-SPACE = dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[None, 512], num_warps=[4, 8])
+SHAPES = {"lm_head": (248320, 2048, False), "deltanet in_proj": (12352, 2048, True),
+          "deltanet out_proj": (2048, 4096, False), "attn q|k|v": (9216, 2048, True)}  # name: (N, K, input norm)
+SPACE = dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[None, 512], num_warps=[2, 4, 8])
+SKIP = sys.argv[sys.argv.index("--skip") + 1].split(",") if "--skip" in sys.argv else []
 
 
 best_params, rows = {}, []
-for name, (N, K) in SHAPES.items():
+for name, (N, K, with_norm) in SHAPES.items():
+    if name in SKIP:
+        continue
     nbytes = N * K * 2
     copies = max(2, min(24, (3 << 30) // nbytes))
     ws = [torch.randn(N, K, device=DEV, dtype=DT) * K ** -0.5 for _ in range(copies)]
     x = torch.randn(1, K, device=DEV, dtype=DT)
     outs = [torch.empty(1, N, device=DEV, dtype=DT) for _ in ws]
-    want = torch.nn.functional.linear(x, ws[0])
+    nw = (torch.randn(K, device=DEV) * 0.1).to(DT) if with_norm else None
+    norm = {"norm_weight": nw, "eps": 1e-6} if with_norm else {}
+    want = gemv(x, ws[0], **norm, BLOCK_N=2)
     lin = graph_us([lambda w=w, o=o: torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs)], warmup=10, rep=60)
     best = (float("inf"), None)
     for combo in itertools.product(*SPACE.values()):
         kw = dict(zip(SPACE, combo))
-        if kw["BLOCK_K"] is not None and kw["BLOCK_K"] >= K:
+        if kw["BLOCK_K"] is not None and (kw["BLOCK_K"] >= K or with_norm):
             continue
         try:
-            got = gemv(x, ws[0], **kw)
+            got = gemv(x, ws[0], **norm, **kw)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             if err > 2e-2:
                 print(f"  {name} {kw}: WRONG (rel err {err:.1e})", flush=True)
                 continue
-            us = graph_us([lambda w=w, o=o, kw=kw: gemv(x, w, o, **kw) for w, o in zip(ws, outs)],
+            us = graph_us([lambda w=w, o=o, kw=kw: gemv(x, w, o, **norm, **kw) for w, o in zip(ws, outs)],
                           warmup=10, rep=60)
         except Exception as e:  # noqa: BLE001 - a launch that does not compile is skipped
             print(f"  {name} {kw}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
