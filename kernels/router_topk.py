@@ -93,15 +93,20 @@ if triton is not None:
             kk = tl.arange(0, K_P2)
             vals = tl.zeros([K_P2], dtype=tl.float32)
             ids = tl.zeros([K_P2], dtype=tl.int32)
-            cand = tl.where(em, lg, float("-inf"))
+            # one max per round: (logit as an order-preserving int32, then E_P2-1-index) packed in an int64, so the
+            # max is the largest logit and, among equal ones, the lowest index
+            bits = tl.where(em, lg, float("-inf")).to(tl.int32, bitcast=True)
+            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+            cand = (key << 32) | (E_P2 - 1 - offs).to(tl.int64)
             for j in tl.static_range(K):
-                m = tl.max(cand, axis=0)
-                i = tl.min(tl.where((cand == m) & em, offs, E_P2), axis=0)  # lowest index among the maxima
-                p = tl.sum(tl.where(offs == i, ex, 0.0), axis=0) / den  # softmax prob of expert i
+                best = tl.max(cand, axis=0)
+                i = (E_P2 - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+                kb = (best >> 32).to(tl.int32)
+                lv = tl.where(kb >= 0, kb, kb ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)  # the logit back
+                p = tl.exp(lv - mx) / den  # softmax prob of expert i (the same value as ex[i] / den)
                 vals = tl.where(kk == j, p, vals)
                 ids = tl.where(kk == j, i, ids)
-                cand = tl.where(offs == i, float("-inf"), cand)
-                em = em & (offs != i)
+                cand = tl.where(offs == i, -9223372036854775807 - 1, cand)
             if NORM:
                 vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
             km = kk < K
