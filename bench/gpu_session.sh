@@ -10,6 +10,8 @@
 #         then bench at 35B shapes with LOCALMOE_PDL=0 and =1 (same machine, back to back) and the step breakdown
 #   s4:   session 4's decode changes (MoE block in two launches, input norms inside GEMVs, fused attention): their
 #         GPU tests, the tiny families' tokens, bench 0/85%, the step breakdown, the new kernels' launch sweeps
+#   s4b:  after the step's launch count came down: GPU tests of the changed kernels, the engine check with the bench
+#         against transformers (the #6 table), the breakdown, the GEMV sweep at the engine's shapes, the MoE block
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -98,4 +100,19 @@ if [[ $PART == s4 ]]; then
     tail -n 4 "$OUT/bench.log"
     for b in breakdown breakdown0 breakdown0k; do grep -A14 "^sparsity" "$OUT/$b.log"; done
     grep -A6 "^| kernel" "$OUT/tune.log"
+fi
+if [[ $PART == s4b ]]; then
+    step tests 90 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_router_topk.py tests/test_kernel_moe_front.py tests/test_kernel_qk_norm_rope.py \
+        tests/test_fused_attention.py tests/test_fused.py
+    step engine 200 python bench/gpu_engine_check.py    # tiny families' tokens, then bench vs transformers
+    step breakdown 50 python bench/step_breakdown.py 0.85
+    step gemv 80 python bench/gemv_sweep.py --skip lm_head
+    step moe 110 python bench/bench_moe_block.py --out "$OUT" --only 35B --no-cross --no-tune --no-offload
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A5 "random weights) on" "$OUT/engine.log" | tail -5
+    grep -A14 "^sparsity" "$OUT/breakdown.log"
+    grep -A6 "^| shape" "$OUT/gemv.log"
+    grep -i -B2 -A14 "experts only\|experts-only" "$OUT/moe.log" | head -60
 fi
