@@ -114,5 +114,5 @@ if [[ $PART == s4b ]]; then
     grep -A5 "random weights) on" "$OUT/engine.log" | tail -5
     grep -A14 "^sparsity" "$OUT/breakdown.log"
     grep -A6 "^| shape" "$OUT/gemv.log"
-    grep -i -B2 -A14 "experts only\|experts-only" "$OUT/moe.log" | head -60
+    grep -A16 "| path | whole" "$OUT/moe.log"; grep "fused 85% experts" "$OUT/moe.log"
 fi
