@@ -122,7 +122,8 @@ def test_kv_cache_write(shape, dtype):
     assert torch.equal(keys[:, :, others], before_k[:, :, others])
     assert torch.equal(values[:, :, others], before_v[:, :, others])
     after_k = keys.clone()
-    qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], torch.tensor(L)))
+    end = torch.tensor(L, device=DEV)  # past the cache: nothing written
+    qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], end))
     assert torch.equal(keys, after_k)
     with pytest.raises(ValueError, match="kv_cache keys"):
         qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0, :, :, :8], values[0], pos))
