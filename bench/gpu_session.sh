@@ -12,6 +12,9 @@
 #         GPU tests, the tiny families' tokens, bench 0/85%, the step breakdown, the new kernels' launch sweeps
 #   s4b:  after the step's launch count came down: GPU tests of the changed kernels, the engine check with the bench
 #         against transformers (the #6 table), the breakdown, the GEMV sweep at the engine's shapes, the MoE block
+#   s4c:  the closing figures: GPU tests, engine check + bench vs transformers, breakdown, MoE block (tuned in-run)
+#   s4d:  offloading with this session's decoder tail: 24 GiB (gates all fit but 6%) and 12 GiB (gates placed by
+#         calibration routing counts), uniform and skewed routing
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -115,4 +118,24 @@ if [[ $PART == s4b ]]; then
     grep -A14 "^sparsity" "$OUT/breakdown.log"
     grep -A6 "^| shape" "$OUT/gemv.log"
     grep -A16 "| path | whole" "$OUT/moe.log"; grep "fused 85% experts" "$OUT/moe.log"
+fi
+if [[ $PART == s4c ]]; then
+    step tests 100 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_qk_norm_rope.py tests/test_kernel_gemv.py tests/test_fused_attention.py tests/test_fused.py
+    step engine 200 python bench/gpu_engine_check.py    # tiny families' tokens, then bench vs transformers
+    step breakdown 50 python bench/step_breakdown.py 0.85
+    step moe 170 python bench/bench_moe_block.py --out "$OUT" --only 35B --no-cross --no-offload
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A5 "random weights) on" "$OUT/engine.log" | tail -5
+    grep -A14 "^sparsity" "$OUT/breakdown.log"
+    grep "copy bandwidth" "$OUT/moe.log" | head -2; grep -A16 "| path | whole" "$OUT/moe.log"
+    grep "fused 85% experts\|tuned" "$OUT/moe.log"
+fi
+if [[ $PART == s4d ]]; then
+    step offload24 110 python bench/offload_modes.py --vram 24 --cases direct:0.85,skewed,direct:0.85 \
+        --baseline-tokens 0
+    step offload12 120 python bench/offload_modes.py --vram 12 --cases direct:0.85,skewed,direct:0.85 \
+        --baseline-tokens 0
+    grep "^|\|note" "$OUT/offload24.log" "$OUT/offload12.log"
 fi
