@@ -15,6 +15,7 @@
 #   s4c:  the closing figures: GPU tests, engine check + bench vs transformers, breakdown, MoE block (tuned in-run)
 #   s4d:  offloading with this session's decoder tail: 24 GiB (gates all fit but 6%) and 12 GiB (gates placed by
 #         calibration routing counts), uniform and skewed routing
+#   s4e:  the final code with PDL off and on (back to back), and at the chat's default 8192-token context
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -138,4 +139,10 @@ if [[ $PART == s4d ]]; then
     step offload12 120 python bench/offload_modes.py --vram 12 --cases direct:0.85,skewed,direct:0.85 \
         --baseline-tokens 0
     grep "^|\|note" "$OUT/offload24.log" "$OUT/offload12.log"
+fi
+if [[ $PART == s4e ]]; then
+    step nopdl 70 env LOCALMOE_PDL=0 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
+    step pdl 70 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
+    step ctx8192 70 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
+    tail -n 3 "$OUT/nopdl.log" "$OUT/pdl.log" "$OUT/ctx8192.log"
 fi
