@@ -268,9 +268,6 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
-            gdc_wait()
-            gdc_launch_dependents()
         pid = tl.program_id(0)  # one (batch row, value head)
         vb = tl.program_id(1)  # one BLOCK_V slice of that head's d_v columns
         HV = HK * R
@@ -282,6 +279,14 @@ if triton is not None:
         jv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         vm = jv < DV
         io_dt: tl.constexpr = o_ptr.dtype.element_ty
+        # this program's slice of the recurrent state, read before the PDL wait: only this kernel writes it, one
+        # decode step earlier, and every kernel since has completed by the time this one is launched
+        sp_ = s_ptr + bi * ss_b + h * ss_h + ik[:, None] * ss_k + jv[None, :]
+        sm = km[:, None] & vm[None, :]
+        s = tl.load(sp_, mask=sm, other=0.0).to(tl.float32)  # [DK_P2, BLOCK_V]
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): the projections are read after the wait
+            gdc_wait()
+            gdc_launch_dependents()
         # q, k of the key head: every program of it reads the OLD conv window; the last one writes the new
         q, qnew, qsp, qsm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, hk * DK, DK, stride_xb, stride_cb,
                                        stride_cc, HAS_BIAS, KS, KS_P2, DK_P2)
@@ -301,9 +306,6 @@ if triton is not None:
         sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
         # the delta rule on this slice of columns: every column's update is independent of the others
-        sp_ = s_ptr + bi * ss_b + h * ss_h + ik[:, None] * ss_k + jv[None, :]
-        sm = km[:, None] & vm[None, :]
-        s = tl.load(sp_, mask=sm, other=0.0).to(tl.float32)  # [DK_P2, BLOCK_V]
         s = s * tl.exp(g)
         kv_mem = tl.sum(s * k[:, None], axis=0)
         delta = (v - kv_mem) * beta

@@ -17,9 +17,9 @@ sum rounded to x's dtype as torch's elementwise ops round them (`round_to`: RTNE
 bf16 results equal transformers' except where rsqrt differs by an ulp.
 
 With `kv_cache=(keys, values, position)` (a static cache layer's [Hkv, L, D] tensors and its int position tensor)
-the key programs also write their key and value heads at that position: the cache update in the same launch
-(transformers' StaticLayer.update is 5 launches: arange, add, the position's add_, two index_copy_; the caller
-keeps the position's add_).
+the key programs also write their key and value heads at that position and the last of them (a ticket) advances
+the position by one: transformers' StaticLayer.update (5 launches: arange, add, the position's add_, two
+index_copy_) in the same launch.
 
 Shape legend: Hq query heads, Hkv key/value heads, D head dim, ROT rotary dims (even, <= D), QW = 2D (gated:
 [q_h | gate_h] per head) or D. qkv [Hq*QW + Hkv*D + Hkv*D] one token's q|k|v projection; cos, sin [ROT].
@@ -29,6 +29,8 @@ Out: q [Hq, D], k [Hkv, D], v [Hkv, D] (view of qkv), gate [Hq*D] (gated) — q,
 from __future__ import annotations
 
 import torch
+
+from localmoe.kernels.workspace import zeroed_int32
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -105,7 +107,8 @@ if triton is not None:
         out_ptr,  # [(Hq + Hkv)*D (+ Hq*D gated)] out, qkv's dtype: q heads, then k heads, then the gate
         kc_ptr,  # [Hkv, L, D] key cache, strides (stride_kh, stride_kl, 1) (CACHE only)
         vc_ptr,  # [Hkv, L, D] value cache, strides (stride_vh, stride_vl, 1)
-        pos_ptr,  # [] int: the position written (CACHE only)
+        pos_ptr,  # [] int: the position written, advanced by one (CACHE only)
+        tick_ptr,  # [1] int32 ticket of the key programs, zero between launches (CACHE only)
         HQ,
         HKV,
         eps,
@@ -161,6 +164,10 @@ if triton is not None:
                 tl.store(kc_ptr + j * stride_kh + pos * stride_kl + cols, res, mask=cm)
                 vv = tl.load(qkv_ptr + HQ * QW + HKV * D + j * D + cols, mask=m, other=0.0)
                 tl.store(vc_ptr + j * stride_vh + pos * stride_vl + cols, vv.to(vc_ptr.dtype.element_ty), mask=cm)
+                tl.debug_barrier()  # this program has read the position before the release below
+                if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == HKV - 1:  # every key program has read it
+                    tl.store(pos_ptr, (pos + 1).to(pos_ptr.dtype.element_ty))
+                    tl.store(tick_ptr, 0)
         if GATED:
             if head < HQ:  # de-interleave the output gate: [q_h | gate_h] -> gate[h*D : (h+1)*D]
                 g = tl.load(src + D + cols, mask=m, other=0.0)
@@ -201,7 +208,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     head, `kind`) and rotated by cos/sin [ROT] (one token's, qkv's dtype; ROT even, <= D), v a view of qkv, the gate
     (gated layers) de-interleaved and contiguous. D = the norm weights' length. With `kv_cache` (keys [Hkv, L, D],
     values [Hkv, L, D] of qkv's dtype, last dim contiguous; position: a one-element int tensor) k and v are also
-    written at the position (not advanced; a position >= L writes nothing). No host sync: capturable."""
+    written at the position, which is then advanced by one (a position >= L writes nothing but still advances).
+    No host sync: capturable."""
     if triton is None:
         raise RuntimeError("qk_norm_rope needs triton")
     if kind not in _KIND_ID:
@@ -226,8 +234,10 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         raise ValueError(f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on "
                          f"{c.device}/{s.device}")
     kc, vc, pos = _check_cache(kv_cache, Hkv, D, x)
+    tick = zeroed_int32("qk_norm_rope", x.device, 1) if kv_cache is not None else pos
     out = torch.empty((Hq + Hkv + (Hq if gated else 0)) * D, dtype=x.dtype, device=x.device)
-    _qk_norm_rope_kernel[(Hq + Hkv,)](x, q_weight, k_weight, c, s, out, kc, vc, pos, Hq, Hkv, float(eps), kc.shape[1],
+    _qk_norm_rope_kernel[(Hq + Hkv,)](x, q_weight, k_weight, c, s, out, kc, vc, pos, tick, Hq, Hkv, float(eps),
+                                      kc.shape[1],
                                       kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), D=D, ROT=ROT,
                                       KIND=_KIND_ID[kind], GATED=gated, CACHE=kv_cache is not None,
                                       BLOCK_D=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 2, **pdl_kw(x))

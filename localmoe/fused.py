@@ -35,9 +35,9 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                uncached calls run the original module
     Qwen3_5MoeAttention            FusedAttention           cached T=1 step: 1 q|k|v GEMV (one weight buffer) + 1
                                                                launch (q/k norms, partial RoPE, gate de-interleave)
-                                                               and the k/v write into a static cache) + the cache
-                                                               position's add_ + attention core (2, the sigmoid
-                                                               gate in its combine kernel) + o_proj: 6 launches
+                                                               and the k/v write into a static cache) + attention
+                                                               core (2, the sigmoid gate in its combine kernel) +
+                                                               o_proj: 5 launches
                                                                (was 28 with the fused Linears and norms); prefill
                                                                and uncached calls run the original module
     Qwen3_5MoeSparseMoeBlock       FusedSparseMoeBlock      one token: router 1 launch (GEMV, softmax, top-k, renorm,

@@ -7,8 +7,9 @@ decode kernel), the sigmoid gate and o_proj. Prefill and every other call run tr
 Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter): transformers'
 module with localmoe's GEMV and RMSNorm children 28 — q/k/v projections 3, the gate's copy 1, norms 2, RoPE 12
 (products, rotate_half's neg and cat, sums, the partial-rotary cat), cache update 5, core 2, sigmoid 1, multiply 1,
-o_proj 1; here 6: q|k|v GEMV (with the decoder layer's input norm inside), qk_norm_rope (which also writes k and v
-into a StaticLayer's tensors), the position's add_, the core's 2 (the sigmoid gate in its combine kernel), o_proj.
+o_proj 1; here 5: q|k|v GEMV (with the decoder layer's input norm inside), qk_norm_rope (which also writes k and v
+into a StaticLayer's tensors and advances its position), the core's 2 (the sigmoid gate in its combine kernel),
+o_proj.
 Other caches go through `cache.update` (5 launches), other cores through transformers' gate ops (2).
 
 Shape legend: B batch, T tokens, H hidden, Hq / Hkv query / key-value heads, D head dim, ROT rotary dims,
@@ -132,8 +133,7 @@ class FusedAttention(nn.Module):
         if static is not None:  # k and v written into the static cache by the same launch
             q, k, v, gate = self._norm_rope(qkv, *position_embeddings, kv_cache=(static.keys[0], static.values[0],
                                                                                  static.cumulative_length))
-            static.cumulative_length.add_(1)  # what StaticLayer.update does besides the two writes
-            key, value = static.keys, static.values  # [1, Hkv, L, D]
+            key, value = static.keys, static.values  # [1, Hkv, L, D]; the position advanced by the same launch
         else:
             q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D]
             key = k.view(1, 1, Hkv, D).transpose(1, 2)  # [1, Hkv, 1, D], as transformers' key_states

@@ -107,7 +107,8 @@ def test_checks():
 @pytest.mark.parametrize("shape", [(16, 2, 256, 64), (3, 1, 24, 8)], ids=lambda s: "Hq{}_Hkv{}_D{}_rot{}".format(*s))
 def test_kv_cache_write(shape, dtype):
     """kv_cache=: the key programs also write k and v at the position of a static cache layer's [1, Hkv, L, D]
-    tensors (viewed [Hkv, L, D]); nothing else in the cache changes; a position past the end writes nothing."""
+    tensors (viewed [Hkv, L, D]) and advance the position by one; nothing else in the cache changes; a position past
+    the end writes nothing."""
     Hq, Hkv, D, ROT = shape
     args = _inputs(Hq, Hkv, D, ROT, True, dtype, seed=4)
     L = 9
@@ -118,13 +119,14 @@ def test_kv_cache_write(shape, dtype):
     rq, rk, rv, _ = qk_norm_rope_ref(*args, 1e-6, Hq, Hkv, "zero_centred", True)
     torch.testing.assert_close(k, rk, **TOL[dtype])
     assert torch.equal(keys[0, :, 5], k) and torch.equal(values[0, :, 5], v)
+    assert int(pos) == 6  # advanced once, by the last key program
     others = [i for i in range(L) if i != 5]
     assert torch.equal(keys[:, :, others], before_k[:, :, others])
     assert torch.equal(values[:, :, others], before_v[:, :, others])
     after_k = keys.clone()
     end = torch.tensor(L, device=DEV)  # past the cache: nothing written
     qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], end))
-    assert torch.equal(keys, after_k)
+    assert torch.equal(keys, after_k) and int(end) == L + 1
     with pytest.raises(ValueError, match="kv_cache keys"):
         qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0, :, :, :8], values[0], pos))
     with pytest.raises(ValueError, match="position"):
