@@ -16,6 +16,8 @@
 #   s4d:  offloading with this session's decoder tail: 24 GiB (gates all fit but 6%) and 12 GiB (gates placed by
 #         calibration routing counts), uniform and skewed routing
 #   s4e:  the final code with PDL off and on (back to back), and at the chat's default 8192-token context
+#   s4f:  the last two kernel changes (cache position in qk_norm_rope, DeltaNet state read before the wait): their
+#         GPU tests, the tiny families' tokens, bench 0/85%
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -145,4 +147,13 @@ if [[ $PART == s4e ]]; then
     step pdl 70 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
     step ctx8192 70 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
     tail -n 3 "$OUT/nopdl.log" "$OUT/pdl.log" "$OUT/ctx8192.log"
+fi
+if [[ $PART == s4f ]]; then
+    step tests 60 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_qk_norm_rope.py tests/test_kernel_delta_rule_step.py tests/test_fused_attention.py
+    step engine 60 python bench/gpu_engine_check.py --skip-bench
+    step bench 65 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    tail -n 3 "$OUT/bench.log"
 fi
