@@ -1,6 +1,7 @@
 """MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
-expert) and Qwen3.5's decoder layer with both residual adds fused into neighbouring kernels. Installed by
-`localmoe.fused`; prefill and other calls run transformers' modules.
+expert; or, from a Qwen3.5 decoder layer on the sparse path, `moe_front` + the experts' `sparse_fused` with the shared
+expert and the residual add in its tail) and Qwen3.5's decoder layer, whose norms and residual adds ride in
+neighbouring kernels. Installed by `localmoe.fused`; prefill and other calls run transformers' modules.
 
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
 """
@@ -141,10 +142,13 @@ class FusedSparseMoeBlock(nn.Module):
 
 
 class FusedDecoderLayer(nn.Module):
-    """Qwen3.5-MoE decoder layer whose one-token call fuses both residual adds: the mixer's output + residual into
-    the post-attention RMSNorm's launch, and the MoE output + residual into the shared expert's last kernel (2 fewer
-    launches per layer). Only when its norm and MoE block are localmoe's fused modules and the call is one token on
-    their device; every other call (prefill) runs the original layer, whose children are the original modules."""
+    """Qwen3.5-MoE decoder layer whose one-token call has no launch of its own: the input RMSNorm goes into the
+    mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when the experts run `sparse_fused`
+    (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` + `sparse_fused` with the shared expert and the
+    residual in its tail; else the mixer's output + residual go into the post-attention RMSNorm's launch and the MoE
+    output + residual into the shared expert's last kernel. Only when its norm and MoE block are localmoe's fused
+    modules and the call is one token on their device; every other call (prefill) runs the original layer, whose
+    children are the original modules."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
