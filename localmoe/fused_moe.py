@@ -147,8 +147,8 @@ class FusedDecoderLayer(nn.Module):
     (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` + `sparse_fused` with the shared expert and the
     residual in its tail; else the mixer's output + residual go into the post-attention RMSNorm's launch and the MoE
     output + residual into the shared expert's last kernel. Only when its norm and MoE block are localmoe's fused
-    modules and the call is one token on their device; every other call (prefill) runs the original layer, whose
-    children are the original modules."""
+    modules and the call is one token on their device; other one-token calls run transformers' layer arithmetic with
+    this layer's (fused) children, and more tokens (prefill) the original layer, whose children are the originals."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -168,8 +168,8 @@ class FusedDecoderLayer(nn.Module):
                 and self.mlp.has_shared and self.mlp._fusable(h))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # [B, T, H]
-        if not self._fusable(hidden_states):
-            return self._hf(hidden_states, *args, **kwargs)
+        if hidden_states.dim() != 3 or hidden_states.shape[0] * hidden_states.shape[1] != 1:
+            return self._hf(hidden_states, *args, **kwargs)  # prefill: the original layer
         a = self._sig.bind(hidden_states, *args, **kwargs).arguments
         extra = dict(a.pop(self._var_kw, {})) if self._var_kw else {}
         cache = a.get(self._cache_kw)
@@ -189,6 +189,10 @@ class FusedDecoderLayer(nn.Module):
                         position_embeddings=a.get("position_embeddings"),
                         **{_kw(attn, "cache", "past_key_values"): cache}, **norm_kw, **extra)
         norm = self.post_attention_layernorm
+        if not self._fusable(hidden_states):  # e.g. the MoE block left out of the table: transformers' layer's
+            s = hidden_states + h  # arithmetic, with this layer's children (fused where they are)
+            m = self.mlp(norm(s))
+            return s + (m[0] if isinstance(m, tuple) else m)
         if self.mlp.takes_front(h):  # sparse decode: 2 launches from here
             return self.mlp.step_front(h, hidden_states, norm)
         h, residual = _add_norm(h, hidden_states, norm)
