@@ -153,14 +153,14 @@ class LocalExperts(nn.Module):
         the shared expert and the residual inside the same launch."""
         if self.weights is None:
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
-        if tail is not None:
-            return self._with_tail(hidden_states, top_k_index, top_k_weights, tail)
+        if tail is not None and not self.takes_tail(hidden_states):
+            raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
         sparse = few and self.sparse_enabled and self.tau is not None
-        if few and self.cache is not None and self.cache.mode == "cpu":
+        if tail is None and few and self.cache is not None and self.cache.mode == "cpu":
             return self._split(hidden_states, top_k_index, top_k_weights, sparse)
-        if not (sparse or (few and hidden_states.is_cuda and self.hidden_act == "silu")):
+        if tail is None and not (sparse or (few and hidden_states.is_cuda and self.hidden_act == "silu")):
             return self._dense(hidden_states, top_k_index, top_k_weights)
         if self.cache is not None and self.cache.mode == "direct":
             return self._direct(hidden_states, top_k_index, top_k_weights, sparse, tail)
@@ -170,25 +170,11 @@ class LocalExperts(nn.Module):
             if tau is not None:
                 tau = self.cache.slot_tau(ids, top_k_index, tau)
         if sparse:
-            return self._sparse(hidden_states, ids, top_k_weights, w, tau)
+            return self._sparse(hidden_states, ids, top_k_weights, w, tau, tail)
+        if tail is not None:  # sparsity off: the dense math in the tail-taking kernel, threshold 0 keeps every neuron
+            zeros = self._zeros_tau(hidden_states.device, w.w_gate.shape[0])  # [experts or pool slots]
+            return self._sparse(hidden_states, ids, top_k_weights, w, zeros, tail, count=False)
         return self._dense_decode(hidden_states, ids, top_k_weights, w)
-
-    def _with_tail(self, x, top_k_index, top_k_weights, tail) -> torch.Tensor:
-        """One decode token through `sparse_fused` with the caller's tail (shared expert, residual add)."""
-        if not self.takes_tail(x):
-            raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
-        sparse = self.sparse_enabled and self.tau is not None
-        if self.cache is not None and self.cache.mode == "direct":
-            return self._direct(x, top_k_index, top_k_weights, sparse, tail)
-        w, ids, tau = self.weights, top_k_index, self.tau
-        if self.cache is not None:  # copy mode: misses copied into slots first
-            w, ids = self.cache.pool, self.cache.slot_ids(self.layer_idx, top_k_index)
-            tau = self.cache.slot_tau(ids, top_k_index, tau) if sparse else None
-        if sparse:
-            return self._sparse(x, ids, top_k_weights, w, tau, tail)
-        # sparsity off: the dense math in the same kernel, threshold 0 keeps every neuron; not counted as sparse
-        zeros = self._zeros_tau(x.device, w.w_gate.shape[0])  # [experts or pool slots]
-        return self._sparse(x, ids, top_k_weights, w, zeros, tail, count=False)
 
     @torch.compiler.disable
     def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None) -> torch.Tensor:
