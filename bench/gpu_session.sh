@@ -18,6 +18,8 @@
 #   s4e:  the final code with PDL off and on (back to back), and at the chat's default 8192-token context
 #   s4f:  the last two kernel changes (cache position in qk_norm_rope, DeltaNet state read before the wait): their
 #         GPU tests, the tiny families' tokens, bench 0/85%
+#   s5a:  session 5's expert-launch experiments (bench/sparse_variants.py: neuron-block loop, shared expert first and
+#         prefetched, atomics and gate pass alone), the step breakdown as this machine's baseline
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -156,4 +158,10 @@ if [[ $PART == s4f ]]; then
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     grep -A7 "^family" "$OUT/engine.log"
     tail -n 3 "$OUT/bench.log"
+fi
+if [[ $PART == s5a ]]; then
+    step variants 330 python bench/sparse_variants.py
+    step breakdown 90 python bench/step_breakdown.py 0.85
+    grep -A60 "^moe_front alone" "$OUT/variants.log" | tail -62
+    grep -A14 "^sparsity" "$OUT/breakdown.log"
 fi
