@@ -20,6 +20,8 @@
 #         GPU tests, the tiny families' tokens, bench 0/85%
 #   s5a:  session 5's expert-launch experiments (bench/sparse_variants.py: neuron-block loop, shared expert first and
 #         prefetched, atomics and gate pass alone), the step breakdown as this machine's baseline
+#   s5b:  register caps for the expert launch (sparse_variants.py), L2 prefetch during latency-bound kernels
+#         (prefetch_try.py, kernels/l2_prefetch.py)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -164,4 +166,10 @@ if [[ $PART == s5a ]]; then
     step breakdown 90 python bench/step_breakdown.py 0.85
     grep -A60 "^moe_front alone" "$OUT/variants.log" | tail -62
     grep -A14 "^sparsity" "$OUT/breakdown.log"
+fi
+if [[ $PART == s5b ]]; then
+    step variants 300 python bench/sparse_variants.py
+    step prefetch 200 python bench/prefetch_try.py
+    grep -A50 "^moe_front alone" "$OUT/variants.log" | tail -52
+    grep -A40 "^| chain" "$OUT/prefetch.log"
 fi

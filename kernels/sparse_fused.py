@@ -329,6 +329,7 @@ def sparse_fused(
     residual=None,
     BLOCK_I: int = 8,
     num_warps: int = 8,
+    maxnreg: int | None = None,
 ):
     """Gate + threshold + up/down of the k routed experts of each token, one launch. Returns (y [T,H], count [T,k]).
 
@@ -360,7 +361,8 @@ def sparse_fused(
     * decoder-layer tail (accumulate=False only): `shared` (SharedExpert) adds a dense expert to every token, run
       by T more programs; `residual` ([T,H] in out's dtype, contiguous) makes y = residual + the block's output.
 
-    Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable.
+    Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable. `maxnreg` caps the
+    registers per thread (more programs resident per SM; a tuned launch parameter like BLOCK_I and num_warps).
     """
     if triton is None:
         raise RuntimeError("sparse_fused needs triton")
@@ -490,6 +492,7 @@ def sparse_fused(
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
         HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
         SHARED=shared is not None, HAS_RES=residual is not None, num_warps=num_warps, **pdl_kw(x),
+        **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     return out, count
 
