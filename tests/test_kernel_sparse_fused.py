@@ -341,3 +341,63 @@ def test_tail_validation():
         sparse_fused(x, wg, wu, wd, ids, rw, tau, shared=SharedExpert(wg[0], wu[0], wd[0], torch.ones(2)))
     with pytest.raises(ValueError, match="residual"):
         sparse_fused(x, wg, wu, wd, ids, rw, tau, residual=torch.zeros(T, H, dtype=torch.bfloat16, device=DEV))
+
+
+# (T, H, I, E, k, norm_topk_prob, BLOCK_I): E not a power of two, k = E, one token and two; the last is 35B's router
+ROUTE_SHAPES = [(1, 72, 40, 12, 3, True, 8), (2, 72, 40, 5, 5, False, 16), (1, 72, 40, 256, 8, True, 8)]
+
+
+@pytest.mark.parametrize("shape", ROUTE_SHAPES, ids=lambda s: "T{}_E{}_k{}_norm{}".format(s[0], s[3], s[4], s[5]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_routing_from_logits(shape, dtype, offload):
+    """router_logits=: each routed program makes the router's pick for its slot (softmax, top-k, lowest index among
+    equal logits, renormalised or not); expert_ids / weights come back filled with router_topk_ref's picks and y
+    equals the launch given those picks."""
+    from localmoe.kernels.router_topk import router_topk_ref
+    from localmoe.kernels.sparse_fused import SharedExpert
+
+    T, H, I, E, k, norm, bi = shape
+    x, wg, wu, wd, _, _ = expert_inputs(T, H, I, E, k, dtype, seed=5 + E)
+    gen = torch.Generator().manual_seed(E)
+    logits = torch.randn(T, E, generator=gen).to(DEV, dtype)
+    logits[0, 2] = logits[0, 7 % E]  # a tie (equal logits: the lower index goes first)
+    logits[0, 1] = logits[0].max()  # a tie at the top
+    _, tw_ref, ti_ref = router_topk_ref(None, None, k, norm, logits=logits)
+    tau = tau_for(gate_abs(x, wg, ti_ref), ti_ref, 0.5, E)
+    shared = SharedExpert(*[(torch.randn(24, H, generator=gen) / H ** 0.5).to(DEV, dtype) for _ in range(3)],
+                          weight=torch.rand(T, generator=gen).to(DEV, dtype))
+    res = torch.randn(T, H, generator=gen).to(DEV, dtype)
+    kw = dict(shared=shared, residual=res, BLOCK_I=bi)
+    if offload:
+        S = E // 2
+        table = torch.full((E,), -1, dtype=torch.int32, device=DEV)
+        table[:S] = torch.arange(S, dtype=torch.int32, device=DEV)
+        kw.update(slot_table=table, pool_gate=wg[:S].clone(), pool_up=wu[:S].clone(), pool_down_t=wd[:S].clone())
+    want, c_want = sparse_fused(x, wg, wu, wd, ti_ref, tw_ref, tau, torch.empty(T, H, dtype=dtype, device=DEV), **kw)
+    for _ in range(2):
+        ids = torch.full((T, k), -1, dtype=torch.int64, device=DEV)
+        w = torch.full((T, k), float("nan"), dtype=dtype, device=DEV)
+        y, c = sparse_fused(x, wg, wu, wd, ids, w, tau, torch.empty(T, H, dtype=dtype, device=DEV),
+                            router_logits=logits, norm_topk_prob=norm, **kw)
+        assert torch.equal(ids, ti_ref)
+        assert torch.allclose(w.float(), tw_ref.float(), rtol=1e-6, atol=0)
+        assert torch.equal(c, c_want)
+        assert rel_err(y.float() - res.float(), want.float() - res.float()) < (1e-6 if dtype == torch.float32
+                                                                               else 1e-2)
+
+
+def test_routing_validation():
+    T, H, I, E, k = 1, 72, 40, 5, 3
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=3)
+    tau = torch.zeros(E, device=DEV)
+    with pytest.raises(ValueError, match="router_logits"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, router_logits=torch.zeros(T, 2, device=DEV))  # fewer than k
+    with pytest.raises(ValueError, match="router_logits"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, router_logits=torch.zeros(2, E, device=DEV))
+    with pytest.raises(ValueError, match="outputs"):
+        sparse_fused(x, wg, wu, wd, torch.zeros(T, 2 * k, dtype=torch.int64, device=DEV)[:, ::2], rw, tau,
+                     router_logits=torch.zeros(T, E, device=DEV))
+    with pytest.raises(ValueError, match="accumulate"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, torch.zeros(T, H, device=DEV), accumulate=True,
+                     count=torch.zeros(T, k, dtype=torch.int32, device=DEV), router_logits=torch.zeros(T, E, device=DEV))

@@ -1,0 +1,135 @@
+"""A/B of launch settings on the whole CUDA-graph decode step (GPU, not a test).
+
+Kernel benches time a launch alone or in a short chain; what counts is the step, where each kernel overlaps its
+neighbours (PDL) and shares the SMs with them. This builds the random-weight Qwen3.5-35B-A3B engine once (85 %,
+context 1024) and, for each case, applies a setting, captures the graph again and decodes 129 tokens after a
+128-token prompt; the cases run in rounds (A B C A B C ...) so drift between machines' minutes shows as spread.
+
+Cases (comma-separated):
+  base                          the tuned defaults
+  pdl0                          programmatic dependent launch off
+  fused:K=V[;K=V]               sparse_fused launch keywords for every layer, e.g. fused:maxnreg=64;BLOCK_I=4
+  attr:CLASS.NAME=V             an attribute of every module of that class, e.g.
+                                attr:FusedSparseMoeBlock.route_in_experts=0 (the top-k back in moe_front)
+  unfuse:CLASS                  the modules of that localmoe class put back to transformers' (e.g. FusedTextModel)
+  table:KERNEL:SHAPE:K=V[;K=V]  a decode_params entry of kernels/tuned/<device>.json replaced for this case, e.g.
+                                table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or table:moe_front:H2048_E256_k8:block_e=2
+Usage: PYTHONUNBUFFERED=1 python bench/step_ab.py CASE[,CASE...] [--rounds 3] [--sparsity 0.85]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+from localmoe import decode_ops
+from localmoe.engine import Engine
+from localmoe.events import GenerationSettings
+from localmoe.experts import LocalExperts
+from localmoe.kernels import pdl, tuning
+
+
+def _kv(spec: str) -> dict:
+    out = {}
+    for item in filter(None, spec.split(";")):
+        k, v = item.split("=")
+        out[k] = int(v) if v.lstrip("-").isdigit() else v
+    return out
+
+
+def undo() -> None:
+    """Holds what the previous case changed in the model (modules swapped out, attributes set)."""
+
+
+def _set(model, name: str, module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def apply(engine, case: str) -> None:
+    pdl.set_enabled(None)
+    decode_ops._tuned_on.cache_clear()
+    table = tuning._device_table(torch.cuda.get_device_name())
+    table.setdefault("decode_params", {})
+    saved = apply.__dict__.setdefault("saved", {})
+    for (kern, shape), kw in saved.items():  # undo the previous case's table edits
+        if kw is None:
+            table["decode_params"].get(kern, {}).pop(shape, None)
+        else:
+            table["decode_params"][kern][shape] = kw
+    saved.clear()
+    for name, m in undo.__dict__.setdefault("modules", {}).items():  # modules unfused by the previous case
+        _set(engine.model, name, m)
+    undo.modules.clear()
+    for (m, attr), v in undo.__dict__.setdefault("attrs", {}).items():
+        setattr(m, attr, v)
+    undo.attrs.clear()
+    for m in engine.model.modules():
+        for attr in ("_front", "_launch"):  # per-module launch caches: looked up again at the next call
+            if attr in m.__dict__ and not isinstance(m, LocalExperts):
+                m.__dict__[attr] = None
+        if isinstance(m, LocalExperts):
+            m._params = None
+    if case == "base":
+        pass
+    elif case == "pdl0":
+        pdl.set_enabled(False)
+    elif case.startswith("fused:"):
+        kw = _kv(case[len("fused:"):])
+        for m in engine.model.modules():
+            if isinstance(m, LocalExperts):
+                m._launch(torch.empty(1, device="cuda"), engine.loaded.config.num_experts_per_tok)["fused"].update(kw)
+    elif case.startswith("attr:"):
+        cls, rest = case[len("attr:"):].split(".", 1)
+        attr, v = rest.split("=")
+        for m in engine.model.modules():
+            if type(m).__name__ == cls:
+                undo.attrs[(m, attr)] = getattr(m, attr)
+                setattr(m, attr, type(getattr(m, attr))(int(v)) if v.lstrip("-").isdigit() else v)
+    elif case.startswith("unfuse:"):
+        cls = case[len("unfuse:"):]
+        for name, m in list(engine.model.named_modules()):
+            if type(m).__name__ == cls:
+                undo.modules[name] = m
+                _set(engine.model, name, m._hf)
+    elif case.startswith("table:"):
+        _, kern, shape, spec = case.split(":", 3)
+        entry = table["decode_params"].setdefault(kern, {})
+        saved[(kern, shape)] = entry.get(shape)
+        entry[shape] = _kv(spec)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    engine.set_context(1024)  # drops the captured graph: the next generate captures with this case's settings
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    cases = args[0].split(",") if args else ["base"]
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    sparsity = float(sys.argv[sys.argv.index("--sparsity") + 1]) if "--sparsity" in sys.argv else 0.85
+    engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16)
+    engine.set_sparsity(sparsity)
+    engine.eos_ids = set()
+    prompt = torch.randint(0, engine.loaded.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
+    results: dict[str, list[float]] = {c: [] for c in cases}
+    for r in range(rounds):
+        for case in cases:
+            apply(engine, case)
+            list(engine.generate(prompt.tolist(), GenerationSettings(max_new_tokens=4)))  # capture
+            list(engine.generate(prompt.tolist(), GenerationSettings(max_new_tokens=129)))
+            tok_s = engine.stats.decode_tok_s
+            results[case].append(tok_s)
+            print(f"  round {r} {case}: {tok_s:.1f} tok/s ({1e6 / tok_s:.0f} µs/step)", flush=True)
+    base = statistics.median(results[cases[0]])
+    print(f"\nsparsity {sparsity:.0%}, context 1024, {rounds} rounds (median; spread = max - min)")
+    print("| case | decode tok/s | µs/step | spread tok/s | vs first |")
+    print("|---|---:|---:|---:|---:|")
+    for case, v in results.items():
+        med = statistics.median(v)
+        print(f"| {case} | {med:.1f} | {1e6 / med:.0f} | {max(v) - min(v):.1f} | {med / base - 1:+.1%} |")
+
+
+if __name__ == "__main__":
+    main()
