@@ -22,6 +22,10 @@
 #         prefetched, atomics and gate pass alone), the step breakdown as this machine's baseline
 #   s5b:  register caps for the expert launch (sparse_variants.py), L2 prefetch during latency-bound kernels
 #         (prefetch_try.py, kernels/l2_prefetch.py)
+#   s5c:  routing inside the experts' launch and the text model's glue in 4 launches: their GPU tests, the tiny
+#         families' tokens, then A/B on the whole step (step_ab.py: base, top-k back in moe_front, glue unfused,
+#         sparse_fused maxnreg 64)
+#   s5d:  L2 prefetch from many programs after the kernel before (prefetch_try.py), in the DeltaNet layer's chain
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -171,5 +175,19 @@ if [[ $PART == s5b ]]; then
     step variants 300 python bench/sparse_variants.py
     step prefetch 200 python bench/prefetch_try.py
     grep -A50 "^moe_front alone" "$OUT/variants.log" | tail -52
+    grep -A40 "^| chain" "$OUT/prefetch.log"
+fi
+if [[ $PART == s5c ]]; then
+    step tests 210 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_sparse_fused.py tests/test_kernel_moe_front.py tests/test_kernel_router_topk.py \
+        tests/test_fused.py tests/test_fused_model.py
+    step engine 80 python bench/gpu_engine_check.py --skip-bench
+    step ab 240 python bench/step_ab.py base,attr:FusedSparseMoeBlock.route_in_experts=0,unfuse:FusedTextModel,fused:maxnreg=64
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -B2 -A8 "^| case" "$OUT/ab.log"
+fi
+if [[ $PART == s5d ]]; then
+    step prefetch 200 python bench/prefetch_try.py
     grep -A40 "^| chain" "$OUT/prefetch.log"
 fi

@@ -65,14 +65,18 @@ for i in range(N):
 outs = [torch.empty(1, H, device=DEV, dtype=DT) for _ in range(N)]
 
 
+p_gd = tuned(x_out[0], "gated_deltanet_step", f"HK{HK}_HV{HV}_D{D}")
+
+
 def delta(i):
-    gated_deltanet_step(**gd[i])
+    gated_deltanet_step(**gd[i], **p_gd)
 
 
-def moe(i):
-    s, h, _, tw, ti, _ = moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i],
-                                   tickets=ticks[i])
-    sparse_fused(h.view(1, H), *ew[i], ti, tw, taus[i], outs[i], shared=sh[i], residual=s.view(1, H))
+def moe(i):  # as the decoder layer runs them: the experts' launch makes the router's picks from the logits
+    s, h, lg, tw, ti, _ = moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i],
+                                    tickets=ticks[i], topk=False)
+    sparse_fused(h.view(1, H), *ew[i], ti, tw, taus[i], outs[i], shared=sh[i], residual=s.view(1, H),
+                 router_logits=lg)
 
 
 def chain(i, parts):
@@ -103,24 +107,19 @@ def pf(w, mb=None, last=False):
 measure("out_proj GEMV", [g_out])
 measure("prefetch -> out_proj GEMV", [pf(w_out), g_out])
 measure("in_proj GEMV", [g_in])
-measure("delta step", [delta])
 measure("delta step -> out_proj", [delta, g_out])
 measure("prefetch out_proj -> delta step -> out_proj", [pf(w_out), delta, g_out])
-measure("prefetch out_proj (evict_last) -> delta step -> out_proj", [pf(w_out, last=True), delta, g_out])
-measure("moe_front -> sparse_fused", [moe])
 measure("moe_front -> sparse_fused -> in_proj", [moe, g_in])
-for mb in (8, 16, 24, 32):
-    measure(f"prefetch {mb} MB of in_proj -> moe -> in_proj", [pf(w_in, mb), moe, g_in])
-    measure(f"prefetch {mb} MB of in_proj (evict_last) -> moe -> in_proj", [pf(w_in, mb, True), moe, g_in])
 # the whole DeltaNet decoder layer (in_proj -> step -> out_proj -> front -> experts), prefetches placed in it
 nxt = lambda mb, last=False: (lambda i: l2_prefetch(w_in[(i + 1) % N], int(mb * 2 ** 20), evict_last=last))  # noqa
 measure("layer", [g_in, delta, g_out, moe])
-measure("layer, out_proj prefetched before the step", [g_in, pf(w_out), delta, g_out, moe])
-measure("layer, out_proj prefetched before the step (evict_last)", [g_in, pf(w_out, last=True), delta, g_out, moe])
-for mb in (8, 16, 24):
-    measure(f"layer, + next in_proj {mb} MB before the front", [g_in, pf(w_out), delta, g_out, nxt(mb), moe])
-    measure(f"layer, + next in_proj {mb} MB before the front (evict_last)",
-            [g_in, pf(w_out, last=True), delta, g_out, nxt(mb, True), moe])
+measure("layer, out_proj prefetched during the step", [g_in, pf(w_out), delta, g_out, moe])
+measure("layer, out_proj prefetched during the step (evict_last)", [g_in, pf(w_out, last=True), delta, g_out, moe])
+for mb in (8, 16, 24, 32):
+    measure(f"layer, next in_proj {mb} MB during front+experts", [g_in, delta, g_out, nxt(mb), moe])
+    measure(f"layer, next in_proj {mb} MB during front+experts (evict_last)", [g_in, delta, g_out, nxt(mb, True), moe])
+measure("layer, both (16 MB, evict_last)", [g_in, pf(w_out, last=True), delta, g_out, nxt(16, True), moe])
+measure("layer (again)", [g_in, delta, g_out, moe])
 print("\n| chain | µs |\n|---|---:|")
 for name, us in rows:
     print(f"| {name} | {us:.2f} |")
