@@ -83,7 +83,7 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
     assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
                     "Qwen3_5MoeGatedDeltaNet": n_linear, "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers,
                     "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers, "Linear": n_lin, fused.ATTENTION: 1,
-                    "Qwen3_5MoeAttention": cfg.num_hidden_layers - n_linear}
+                    "Qwen3_5MoeAttention": cfg.num_hidden_layers - n_linear, "Qwen3_5MoeTextModel": 1}
     assert model.config._attn_implementation == "localmoe_sdpa"
     assert isinstance(model.lm_head, fused.FusedLinear)
     assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
