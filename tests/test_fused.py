@@ -276,12 +276,12 @@ def test_block_without_shared_expert(family, norm, dtype):
 def test_install_exclude(tiny_text_model):
     """With the MoE block left out, decode still runs the layer's fused children (the decoder layer does
     transformers' arithmetic around them), and the logits equal the unfused model's."""
-    model = copy.deepcopy(tiny_text_model)
-    done = fused.install(model, force=True, exclude=("Qwen3_5MoeSparseMoeBlock",))
+    model = copy.deepcopy(tiny_text_model).to(DEV)
+    done = fused.install(model, DEV, force=True, exclude=("Qwen3_5MoeSparseMoeBlock",))
     assert "Qwen3_5MoeSparseMoeBlock" not in done and done["Qwen3_5MoeGatedDeltaNet"] > 0
     assert not any(isinstance(m, fused.FusedSparseMoeBlock) for m in model.modules())
-    prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
-    want, want_toks = _run(copy.deepcopy(tiny_text_model), "static", prompt, steps=2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4)).to(DEV)
+    want, want_toks = _run(copy.deepcopy(tiny_text_model).to(DEV), "static", prompt, steps=2)
     got, toks = _run(model, "static", prompt, steps=2)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert toks == want_toks
