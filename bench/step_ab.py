@@ -10,7 +10,7 @@ Cases (comma-separated):
   pdl0                          programmatic dependent launch off
   fused:K=V[;K=V]               sparse_fused launch keywords for every layer, e.g. fused:maxnreg=64;BLOCK_I=4
   attr:CLASS.NAME=V             an attribute of every module of that class, e.g.
-                                attr:FusedSparseMoeBlock.route_in_experts=0 (the top-k back in moe_front)
+                                attr:LocalExperts.dense_tail=1 (sparsity 0 through sparse_fused's tail)
   unfuse:CLASS                  the modules of that localmoe class put back to transformers' (e.g. FusedTextModel)
   table:KERNEL:SHAPE:K=V[;K=V]  a decode_params entry of kernels/tuned/<device>.json replaced for this case, e.g.
                                 table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or table:moe_front:H2048_E256_k8:block_e=2

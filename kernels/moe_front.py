@@ -13,8 +13,7 @@ attention / DeltaNet output and the experts of a Qwen3.5-MoE decoder layer (rout
 Every program loads its BLOCK_E router rows first (weights: before the PDL wait, kernels/pdl.py), then the two
 [H] activation vectors, and recomputes s and the norm itself (2 x H elements from L2: cheaper than a launch and a
 grid-wide wait); program 0 stores s, h and sg. The last program to take the ticket does the top-k
-(`topk_tail` of kernels/router_topk.py), unless `topk=False`: then the logits are the output and the experts'
-launch makes the picks (kernels/sparse_fused.py, `router_logits=`). One token (decode); no host sync; CUDA-graph capturable with a fixed
+(`topk_tail` of kernels/router_topk.py). One token (decode); no host sync; CUDA-graph capturable with a fixed
 ticket buffer. Replaces three launches (norm, router, shared-expert gate inside the shared expert's first kernel)
 and the waits between them.
 
@@ -90,7 +89,6 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
         E_P2: tl.constexpr,
         SHARED_GATE: tl.constexpr,
-        TOPK: tl.constexpr,  # False: logits only (the experts' launch picks from them: sparse_fused(router_logits=))
         PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -126,9 +124,8 @@ if triton is not None:
             if pid == 0:
                 z = round_to(tl.sum(ws * h, axis=0), DT)
                 tl.store(sg_ptr, round_to(1.0 / (1.0 + tl.exp(-z)), DT).to(DT))
-        if TOPK:
-            topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, tl.num_programs(0), K=K, K_P2=K_P2, NORM=NORM,
-                      E_P2=E_P2)
+        topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, tl.num_programs(0), K=K, K_P2=K_P2, NORM=NORM,
+                  E_P2=E_P2)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -136,12 +133,10 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, kind: str,
               router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, w_sg: torch.Tensor | None = None,
-              *, tickets: torch.Tensor | None = None, topk: bool = True, block_e: int = 1, num_warps: int = 4):
+              *, tickets: torch.Tensor | None = None, block_e: int = 1, num_warps: int = 4):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
     dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None).
-    topk=False: no ticket and no top-k; the weights and ids come back unwritten, as buffers for the experts'
-    launch to fill (`sparse_fused(..., router_logits=logits)` picks the experts itself).
     """
     if triton is None:
         raise RuntimeError("moe_front needs triton")
@@ -187,6 +182,5 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
         x1, r1, nw, w, w_sg.reshape(H) if w_sg is not None else nw, s, h, logits, tw, ti,
         sg if sg is not None else s, tickets, E, float(eps), H=H, H_P2=triton.next_power_of_2(H),
         KIND=_KINDS[kind], K=top_k, K_P2=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob), BLOCK_E=be,
-        E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None, TOPK=bool(topk), num_warps=num_warps,
-        **pdl_kw(x))
+        E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None, num_warps=num_warps, **pdl_kw(x))
     return s, h, logits, tw, ti, sg

@@ -116,39 +116,6 @@ if triton is not None:
             tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
 
     @triton.jit
-    def _order_key(lg):
-        """fp32 -> int32 whose signed order is lg's order (-inf below every finite value)."""
-        bits = lg.to(tl.int32, bitcast=True)
-        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-
-    @triton.jit
-    def topk_slot(row_ptr, j, E, K, NORM: tl.constexpr, E_P2: tl.constexpr, RC: tl.constexpr):
-        """The j-th pick of the router from one token's E logits at row_ptr (as topk_tail picks: largest first,
-        lowest index among equal values): returns (expert id int32, its weight fp32: softmax probability, divided
-        by the sum over the k picks when NORM). No ticket, no other program: every program that needs slot j of a
-        token computes it (kernels/sparse_fused.py's routed programs). The rank of each expert, the number of experts
-        before it, is counted against RC logits at a time ([E_P2, RC] comparisons per round, E_P2 / RC rounds)."""
-        offs = tl.arange(0, E_P2)
-        em = offs < E
-        lg = tl.load(row_ptr + offs, mask=em, other=float("-inf")).to(tl.float32)
-        key = _order_key(lg)
-        rank = tl.zeros([E_P2], dtype=tl.int32)
-        for c in tl.static_range(0, E_P2, RC):
-            co = c + tl.arange(0, RC)
-            kc = _order_key(tl.load(row_ptr + co, mask=co < E, other=float("-inf")).to(tl.float32))
-            before = (kc[None, :] > key[:, None]) | ((kc[None, :] == key[:, None]) & (co[None, :] < offs[:, None]))
-            rank += tl.sum(before.to(tl.int32), axis=1)
-        mx = tl.max(lg, axis=0)
-        p = tl.where(em, tl.exp(lg - mx), 0.0)
-        p = p / tl.sum(p, axis=0)
-        pick = em & (rank == j)
-        e = tl.sum(tl.where(pick, offs, 0), axis=0)
-        w = tl.sum(tl.where(pick, p, 0.0), axis=0)
-        if NORM:
-            w = w / tl.sum(tl.where(em & (rank < K), p, 0.0), axis=0)
-        return e, w
-
-    @triton.jit
     def _router_topk_kernel(
         x_ptr,  # [T, H] row stride stride_x, last dim contiguous
         w_ptr,  # [E, H] contiguous

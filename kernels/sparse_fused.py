@@ -57,7 +57,6 @@ try:  # Triton is optional at import time; the launcher needs it.
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
-    from localmoe.kernels.router_topk import topk_slot
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
     tl = None
@@ -80,20 +79,10 @@ class SharedExpert:
 
 @dataclass(frozen=True)
 class Tail:
-    """What a decoder layer hands its experts for one decode step: `sparse_fused(..., shared=, residual=)`, and
-    with `router_logits` the routing too (`sparse_fused(..., router_logits=, norm_topk_prob=)`: the experts' call
-    then gets top_k_index / top_k_weights as buffers that the launch fills)."""
+    """What a decoder layer hands its experts for one decode step: `sparse_fused(..., shared=, residual=)`."""
 
     shared: SharedExpert | None
     residual: torch.Tensor | None
-    router_logits: torch.Tensor | None = None
-    norm_topk_prob: bool = True
-
-    def kwargs(self) -> dict:
-        kw = {"shared": self.shared, "residual": self.residual}
-        if self.router_logits is not None:
-            kw.update(router_logits=self.router_logits, norm_topk_prob=self.norm_topk_prob)
-        return kw
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -153,8 +142,6 @@ if triton is not None:
         swd_ptr,  # [I_S, H] shared expert down, transposed
         sw_ptr,  # [T] shared expert weight (sigmoid gate), any float
         res_ptr,  # [T, H] residual, contiguous, y's dtype (HAS_RES only)
-        lg_ptr,  # [T, E_R] router logits, contiguous (ROUTE only: then eid_ptr / rw_ptr are written, not read)
-        E_R,  # router experts (ROUTE only)
         I,
         I_S,  # shared expert width (SHARED only)
         TK,  # T * k: programs pid_tj >= TK are the shared expert's (one per token)
@@ -178,10 +165,6 @@ if triton is not None:
         READ_ROWS: tl.constexpr,
         SHARED: tl.constexpr,
         HAS_RES: tl.constexpr,
-        ROUTE: tl.constexpr,  # each routed program picks its expert from the logits (no router ticket before it)
-        NORM_TOPK: tl.constexpr,  # ROUTE: renormalise the k weights
-        E_P2: tl.constexpr,  # ROUTE: next power of two >= E_R
-        RC: tl.constexpr,  # ROUTE: logits compared per round of the rank count
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
@@ -196,17 +179,7 @@ if triton is not None:
         else:
             tj = pid_tj
             t = pid_tj // K
-        if ROUTE:  # the router's pick for slot tj % K of token t, as kernels/router_topk.py's tail would make it
-            e32, wsel = topk_slot(lg_ptr + t.to(tl.int64) * E_R, tj % K, E_R, K, NORM=NORM_TOPK, E_P2=E_P2, RC=RC)
-            e = e32.to(tl.int64)
-            RW_DT = rw_ptr.dtype.element_ty
-            rw_routed = round_to(wsel, RW_DT)  # the weight as the caller's [T, k] buffer holds it
-            if pid_i == 0:
-                if pid_tj < TK:  # one program per (token, slot) publishes the routing
-                    tl.store(eid_ptr + tj, e.to(eid_ptr.dtype.element_ty))
-                    tl.store(rw_ptr + tj, rw_routed.to(RW_DT))
-        else:
-            e = tl.load(eid_ptr + tj).to(tl.int64)
+        e = tl.load(eid_ptr + tj).to(tl.int64)
         # ---- where this expert's rows live: device pool slot, host master copy, or the resident tensors ----
         if OFFLOAD:
             s = tl.load(slot_ptr + e).to(tl.int64)
@@ -238,10 +211,7 @@ if triton is not None:
         xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
         wg = tl.load(g_base + roff, mask=rmask[:, None] & cmask[None, :], other=0.0)
         tau = tl.load(tau_ptr + e)
-        if ROUTE:
-            rw = rw_routed
-        else:
-            rw = tl.load(rw_ptr + tj).to(tl.float32)
+        rw = tl.load(rw_ptr + tj).to(tl.float32)
         if SHARED:  # the shared expert is dense (threshold 0) and weighted by its gate
             tau = tl.where(is_sh, 0.0, tau)
             rw = tl.where(is_sh, tl.load(sw_ptr + t).to(tl.float32), rw)
@@ -357,8 +327,6 @@ def sparse_fused(
     read_rows=None,
     shared: SharedExpert | None = None,
     residual=None,
-    router_logits=None,
-    norm_topk_prob: bool = True,
     BLOCK_I: int = 8,
     num_warps: int = 8,
     maxnreg: int | None = None,
@@ -392,13 +360,6 @@ def sparse_fused(
 
     * decoder-layer tail (accumulate=False only): `shared` (SharedExpert) adds a dense expert to every token, run
       by T more programs; `residual` ([T,H] in out's dtype, contiguous) makes y = residual + the block's output.
-
-    * routing inside (accumulate=False only): with `router_logits` [T, E_r] (contiguous float, e.g. from
-      kernels/moe_front.py with topk=False) each routed program makes the router's pick for its slot itself
-      (kernels/router_topk.py's `topk_slot`: softmax, top-k, lowest index among equal logits, renormalised when
-      `norm_topk_prob`), and `expert_ids` / `weights` become OUTPUTS (contiguous [T, k]) holding what the
-      router picked (weights rounded to their dtype, as the kernel uses them). The router's ticket and tail, and
-      the round trip of the picks through memory before this launch, drop off the step's critical path.
 
     Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable. `maxnreg` caps the
     registers per thread (more programs resident per SM; a tuned launch parameter like BLOCK_I and num_warps).
@@ -487,8 +448,6 @@ def sparse_fused(
         if read_rows.dtype != torch.int64 or read_rows.numel() != 1 or read_rows.device != dev:
             raise ValueError(f"read_rows must be a one-element int64 tensor on {dev}")
     I_s = _check_tail(shared, residual, accumulate, T, H, x, out)
-    route = router_logits is not None
-    E_r = _check_route(router_logits, expert_ids, weights, accumulate, T, k, dev) if route else 1
     if T == 0 or k == 0:
         if shared is not None or residual is not None:
             raise ValueError("shared= and residual= need at least one token and one routed expert")
@@ -522,39 +481,20 @@ def sparse_fused(
         pg, pu, pd, st = wg, wu, wd, expert_ids
         sp = (0, 0, 0)
     sh = shared if shared is not None else SharedExpert(wg, wu, wd, weights)  # dummies, never read
-    ids_arg, w_arg = (expert_ids, weights) if route else (expert_ids.contiguous(), weights.contiguous())
-    e_p2 = triton.next_power_of_2(E_r)
     _sparse_fused_kernel[(T * k + (T if shared is not None else 0), triton.cdiv(max(I, I_s), bi))](
-        x, wg, wu, wd, pg, pu, pd, st, ids_arg, w_arg, tau, out, count,
+        x, wg, wu, wd, pg, pu, pd, st, expert_ids.contiguous(), weights.contiguous(), tau, out, count,
         acc, cws, tick, kept_total if kept_total is not None else count,
         host_rows if host_rows is not None else count, gate_table if gate_table is not None else st,
         read_rows if read_rows is not None else count, sh.w_gate, sh.w_up, sh.w_down_t, sh.weight,
-        residual if residual is not None else out, router_logits if route else x, E_r, I, I_s, T * k, k, x.stride(0),
-        w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), *sp,
+        residual if residual is not None else out, I, I_s, T * k, k, x.stride(0), w_gate.stride(0), w_up.stride(0),
+        w_down_t.stride(0), *sp,
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
         HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
-        SHARED=shared is not None, HAS_RES=residual is not None, ROUTE=route, NORM_TOPK=bool(norm_topk_prob),
-        E_P2=e_p2, RC=min(32, e_p2), num_warps=num_warps, **pdl_kw(x),
+        SHARED=shared is not None, HAS_RES=residual is not None, num_warps=num_warps, **pdl_kw(x),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     return out, count
-
-
-def _check_route(router_logits, expert_ids, weights, accumulate: bool, T: int, k: int, dev) -> int:
-    """Checks `router_logits` and the [T, k] output buffers it makes of expert_ids / weights; returns E_r."""
-    if accumulate:
-        raise ValueError("router_logits= belongs to the finalising mode: not with accumulate=True")
-    lg = router_logits
-    if (lg.dim() != 2 or lg.shape[0] != T or not lg.dtype.is_floating_point or not lg.is_contiguous()
-            or lg.device != dev):
-        raise ValueError(f"router_logits must be a contiguous float [T, E] tensor with T = {T} on {dev}, got "
-                         f"{lg.dtype} {tuple(lg.shape)} on {lg.device}")
-    if lg.shape[1] < k:
-        raise ValueError(f"router_logits has {lg.shape[1]} experts, fewer than k = {k}")
-    if not (expert_ids.is_contiguous() and weights.is_contiguous()):
-        raise ValueError("with router_logits, expert_ids and weights are outputs: they must be contiguous")
-    return int(lg.shape[1])
 
 
 def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:

@@ -147,24 +147,14 @@ class LocalExperts(nn.Module):
             return sparse or self.dense_tail
         return self.cache.mode == "direct" or (self.cache.mode == "copy" and (sparse or self.dense_tail))
 
-    def takes_routing(self, hidden_states: torch.Tensor) -> bool:
-        """Whether a call can take a tail with `router_logits` (the launch picks the experts itself): it runs
-        sparse_fused (`takes_tail`) and nothing before the launch needs the ids (resident, or direct misses)."""
-        return self.takes_tail(hidden_states) and (self.cache is None or self.cache.mode == "direct")
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                 tail=None):
         """transformers' experts call; `tail` (a `kernels.sparse_fused.Tail`, only where `takes_tail` holds) adds
-        the shared expert and the residual inside the same launch. A tail with `router_logits` (only where
-        `takes_routing` holds) makes top_k_index / top_k_weights [T, k] buffers that the launch fills with the
-        router's picks."""
+        the shared expert and the residual inside the same launch."""
         if self.weights is None:
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
         if tail is not None and not self.takes_tail(hidden_states):
             raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
-        if tail is not None and tail.router_logits is not None and not self.takes_routing(hidden_states):
-            raise ValueError(f"layer {self.layer_idx}: this call needs the expert ids before its launch (offload "
-                             f"mode {self.cache.mode if self.cache else None}): it cannot route from logits")
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
         sparse = few and self.sparse_enabled and self.tau is not None
@@ -316,7 +306,7 @@ class LocalExperts(nn.Module):
 
 
 def _tail_kw(tail) -> dict:
-    return {} if tail is None else tail.kwargs()
+    return {} if tail is None else {"shared": tail.shared, "residual": tail.residual}
 
 
 def sparse_reference(x, w: ExpertWeights, top_k_index, top_k_weights, tau, act_fn):

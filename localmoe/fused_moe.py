@@ -58,9 +58,6 @@ class FusedSparseMoeBlock(nn.Module):
         self._launch: tuple[dict, dict] | None = None  # tuned (router, shared expert) keywords, on the first call
         self._front: dict | None = None  # tuned moe_front keywords, on the first call
         self._down_t: tuple[int, torch.Tensor] | None = None  # (source data_ptr, shared down_proj weight [I, H])
-        # step_front: the experts' launch makes the router's picks from the logits (no top-k tail in moe_front)
-        # where they can (`LocalExperts.takes_routing`); False keeps the picks in moe_front (bench A/B)
-        self.route_in_experts = True
 
     def _fusable(self, h: torch.Tensor) -> bool:
         if not (self._router_ok and self._shared_ok) or h.dim() != 3 or h.shape[0] * h.shape[1] != 1:
@@ -98,23 +95,19 @@ class FusedSparseMoeBlock(nn.Module):
     @torch.compiler.disable
     def step_front(self, mixed: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) -> torch.Tensor:
         """The decoder layer from the mixer's output on, two launches (`takes_front` holds): moe_front (residual
-        add, post-attention norm, router logits, shared-expert gate), then the experts' `sparse_fused` with the
-        shared expert and the residual add in its tail. The router's top-k is made by each routed program of the
-        experts' launch from the logits where the experts take that (`takes_routing`: resident, or direct misses),
-        else by moe_front's last program. mixed, residual [B, T, H] -> the layer's output."""
+        add, post-attention norm, router top-k, shared-expert gate), then the experts' `sparse_fused` with the
+        shared expert and the residual add in its tail. mixed, residual [B, T, H] -> the layer's output."""
         self.decode_calls += 1
         self.front_calls += 1
         B, T, H = mixed.shape
         se = self.shared_expert
         if self._front is None:
             self._front = tuned(mixed, "moe_front", f"H{H}_E{self.gate.weight.shape[0]}_k{self.top_k}")
-        route = self.route_in_experts and self.experts.takes_routing(mixed.view(1, H))
-        s, h, logits, tw, ti, sg = moe_front(mixed, residual, norm.weight, norm.eps, norm.kind, self.gate.weight,
-                                             self.top_k, self.norm_topk_prob, self.shared_expert_gate.weight,
-                                             tickets=self._tickets_on(mixed.device), topk=not route, **self._front)
+        s, h, _, tw, ti, sg = moe_front(mixed, residual, norm.weight, norm.eps, norm.kind, self.gate.weight,
+                                        self.top_k, self.norm_topk_prob, self.shared_expert_gate.weight,
+                                        tickets=self._tickets_on(mixed.device), **self._front)
         shared = SharedExpert(se.gate_proj.weight, se.up_proj.weight, self._shared_down_t(), sg)
-        tail = Tail(shared, s.view(1, H), logits if route else None, self.norm_topk_prob)
-        y = self.experts(h.view(1, H), ti, tw, tail=tail)  # route: ti / tw are filled by the experts' launch
+        y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H)))
         return y.view(B, T, H)
 
     def _shared_down_t(self) -> torch.Tensor:

@@ -100,18 +100,3 @@ def test_launcher_checks():
         moe_front(x, r, nw, 1e-6, "standard", w[:, :16], 2)
     with pytest.raises(ValueError, match="block_e"):
         moe_front(x, r, nw, 1e-6, "standard", w, 2, block_e=3)
-
-
-@torch.no_grad()
-def test_logits_only():
-    """topk=False: the same s, h, logits and gate, no ticket taken (the experts' launch makes the picks)."""
-    H, E, k = 100, 60, 4
-    x, r, nw, w, sg = _inputs(H, E, torch.float32, seed=3)
-    tickets = router_tickets(DEV, 1)
-    tickets[0] = 7  # a ticket is neither taken nor reset
-    full = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg)
-    got = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg, tickets=tickets, topk=False)
-    for a, b in zip(got[:3] + got[5:], full[:3] + full[5:]):
-        assert torch.equal(a, b)
-    assert got[3].shape == (1, k) and got[4].shape == (1, k) and got[4].dtype == torch.int64
-    assert int(tickets[0]) == 7
