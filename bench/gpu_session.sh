@@ -26,6 +26,7 @@
 #         families' tokens, then A/B on the whole step (step_ab.py: base, top-k back in moe_front, glue unfused,
 #         sparse_fused maxnreg 64)
 #   s5d:  L2 prefetch from many programs after the kernel before (prefetch_try.py), in the DeltaNet layer's chain
+#   s5e:  launch parameters tuned in the whole step (step_ab.py): GEMV shapes, moe_front, sparse_fused, DeltaNet
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -190,4 +191,8 @@ fi
 if [[ $PART == s5d ]]; then
     step prefetch 200 python bench/prefetch_try.py
     grep -A40 "^| chain" "$OUT/prefetch.log"
+fi
+if [[ $PART == s5e ]]; then
+    step ab 560 python bench/step_ab.py 'base,table:gemv:N12352_K2048:BLOCK_N=4;num_warps=2,table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4,table:gemv:N12352_K2048:BLOCK_N=16;num_warps=4,table:gemv:N12352_K2048:BLOCK_N=8;num_warps=4,table:gemv:N2048_K4096:BLOCK_N=2;num_warps=8,table:gemv:N2048_K4096:BLOCK_N=1;num_warps=4,table:gemv:N2048_K4096:BLOCK_N=2;num_warps=4,table:gemv:N9216_K2048:BLOCK_N=4;num_warps=4,table:gemv:N9216_K2048:BLOCK_N=8;num_warps=2,table:gemv:N248320_K2048:BLOCK_N=4;num_warps=4,table:gemv:N248320_K2048:BLOCK_N=1;num_warps=4,base,table:moe_front:H2048_E256_k8:block_e=2;num_warps=2,table:moe_front:H2048_E256_k8:block_e=1;num_warps=4,table:moe_front:H2048_E256_k8:block_e=4;num_warps=4,fused:BLOCK_I=4;num_warps=8,fused:BLOCK_I=4;num_warps=4,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=4,table:gated_deltanet_step:HK16_HV32_D128:block_v=64;num_warps=4,table:gated_deltanet_step:HK16_HV32_D128:block_v=32;num_warps=8' --rounds 2
+    grep -B2 -A30 "^| case" "$OUT/ab.log"
 fi
