@@ -27,6 +27,7 @@
 #         sparse_fused maxnreg 64)
 #   s5d:  L2 prefetch from many programs after the kernel before (prefetch_try.py), in the DeltaNet layer's chain
 #   s5e:  launch parameters tuned in the whole step (step_ab.py): GEMV shapes, moe_front, sparse_fused, DeltaNet
+#   s5f:  the best of s5e together against the tuned table, 4 rounds
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -195,4 +196,8 @@ fi
 if [[ $PART == s5e ]]; then
     step ab 560 python bench/step_ab.py 'base,table:gemv:N12352_K2048:BLOCK_N=4;num_warps=2,table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4,table:gemv:N12352_K2048:BLOCK_N=16;num_warps=4,table:gemv:N12352_K2048:BLOCK_N=8;num_warps=4,table:gemv:N2048_K4096:BLOCK_N=2;num_warps=8,table:gemv:N2048_K4096:BLOCK_N=1;num_warps=4,table:gemv:N2048_K4096:BLOCK_N=2;num_warps=4,table:gemv:N9216_K2048:BLOCK_N=4;num_warps=4,table:gemv:N9216_K2048:BLOCK_N=8;num_warps=2,table:gemv:N248320_K2048:BLOCK_N=4;num_warps=4,table:gemv:N248320_K2048:BLOCK_N=1;num_warps=4,base,table:moe_front:H2048_E256_k8:block_e=2;num_warps=2,table:moe_front:H2048_E256_k8:block_e=1;num_warps=4,table:moe_front:H2048_E256_k8:block_e=4;num_warps=4,fused:BLOCK_I=4;num_warps=8,fused:BLOCK_I=4;num_warps=4,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=4,table:gated_deltanet_step:HK16_HV32_D128:block_v=64;num_warps=4,table:gated_deltanet_step:HK16_HV32_D128:block_v=32;num_warps=8' --rounds 2
     grep -B2 -A30 "^| case" "$OUT/ab.log"
+fi
+if [[ $PART == s5f ]]; then
+    step ab 300 python bench/step_ab.py 'base,table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4+table:gemv:N2048_K4096:BLOCK_N=1;num_warps=4+table:gemv:N9216_K2048:BLOCK_N=4;num_warps=4+table:moe_front:H2048_E256_k8:block_e=4;num_warps=4,table:gemv:N9216_K2048:BLOCK_N=4;num_warps=4+table:moe_front:H2048_E256_k8:block_e=4;num_warps=4,table:moe_front:H2048_E256_k8:block_e=4;num_warps=4' --rounds 4
+    grep -B2 -A8 "^| case" "$OUT/ab.log"
 fi

@@ -5,7 +5,7 @@ neighbours (PDL) and shares the SMs with them. This builds the random-weight Qwe
 context 1024) and, for each case, applies a setting, captures the graph again and decodes 129 tokens after a
 128-token prompt; the cases run in rounds (A B C A B C ...) so drift between machines' minutes shows as spread.
 
-Cases (comma-separated):
+Cases (comma-separated; settings joined by "+" apply together):
   base                          the tuned defaults
   pdl0                          programmatic dependent launch off
   fused:K=V[;K=V]               sparse_fused launch keywords for every layer, e.g. fused:maxnreg=64;BLOCK_I=4
@@ -49,6 +49,14 @@ def _set(model, name: str, module) -> None:
 
 
 def apply(engine, case: str) -> None:
+    """Undoes the previous case, then applies this one: settings joined by "+" apply together."""
+    reset(engine)
+    for part in case.split("+"):
+        _apply_one(engine, part)
+    engine.set_context(1024)  # drops the captured graph: the next generate captures with this case's settings
+
+
+def reset(engine) -> None:
     pdl.set_enabled(None)
     decode_ops._tuned_on.cache_clear()
     table = tuning._device_table(torch.cuda.get_device_name())
@@ -72,6 +80,11 @@ def apply(engine, case: str) -> None:
                 m.__dict__[attr] = None
         if isinstance(m, LocalExperts):
             m._params = None
+
+
+def _apply_one(engine, case: str) -> None:
+    table = tuning._device_table(torch.cuda.get_device_name())
+    saved = apply.__dict__.setdefault("saved", {})
     if case == "base":
         pass
     elif case == "pdl0":
@@ -101,7 +114,6 @@ def apply(engine, case: str) -> None:
         entry[shape] = _kv(spec)
     else:
         raise SystemExit(f"unknown case {case!r}")
-    engine.set_context(1024)  # drops the captured graph: the next generate captures with this case's settings
 
 
 def main() -> None:
