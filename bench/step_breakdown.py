@@ -36,8 +36,7 @@ PARTS = [("_sparse_fused", "routed (+ shared) experts, residual add"), ("_moe_fr
          ("_qk_norm_rope", "attention q/k norm + RoPE"), ("_sparse_gate", "routed experts"), ("_sparse_updown", "routed experts"),
          ("_dense_experts", "routed experts"), ("_router_topk", "router"), ("_gate_up_kernel", "shared expert"),
          ("_down_add_kernel", "shared expert"), ("_gdn_step", "deltanet step"), ("_gdn_split", "deltanet step"), ("_rmsnorm", "norms"),
-         ("attention", "attention core"), ("_split_kernel", "attention core"),
-         ("_combine_kernel", "attention core"), ("flash", "attention core"), ("fmha", "attention core"),
+         ("attention", "attention core"), ("_split_kernel", "attention core"), ("flash", "attention core"), ("fmha", "attention core"),
          ("softmax", "sampling / softmax"), ("argmax", "sampling / softmax"), ("nvjet", "GEMV (projections, lm_head)"),
          ("gemv", "GEMV (projections, lm_head)"), ("gemm", "GEMV (projections, lm_head)"), ("cutlass", "GEMV (projections, lm_head)")]
 
