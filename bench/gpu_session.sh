@@ -28,6 +28,8 @@
 #   s5d:  L2 prefetch from many programs after the kernel before (prefetch_try.py), in the DeltaNet layer's chain
 #   s5e:  launch parameters tuned in the whole step (step_ab.py): GEMV shapes, moe_front, sparse_fused, DeltaNet
 #   s5f:  the best of s5e together against the tuned table, 4 rounds
+#   s5g:  the closing figures: GPU tests of the changed kernels and modules, engine check + bench vs transformers,
+#         the step breakdown
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -200,4 +202,15 @@ fi
 if [[ $PART == s5f ]]; then
     step ab 300 python bench/step_ab.py 'base,table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4+table:gemv:N2048_K4096:BLOCK_N=1;num_warps=4+table:gemv:N9216_K2048:BLOCK_N=4;num_warps=4+table:moe_front:H2048_E256_k8:block_e=4;num_warps=4,table:gemv:N9216_K2048:BLOCK_N=4;num_warps=4+table:moe_front:H2048_E256_k8:block_e=4;num_warps=4,table:moe_front:H2048_E256_k8:block_e=4;num_warps=4' --rounds 4
     grep -B2 -A8 "^| case" "$OUT/ab.log"
+fi
+if [[ $PART == s5g ]]; then
+    step tests 200 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_decode_attention.py tests/test_attention.py tests/test_fused_attention.py \
+        tests/test_fused_model.py tests/test_fused.py tests/test_kernel_moe_front.py tests/test_kernel_gemv.py
+    step engine 230 python bench/gpu_engine_check.py
+    step breakdown 90 python bench/step_breakdown.py 0.85
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A5 "random weights) on" "$OUT/engine.log" | tail -5
+    grep -A14 "^sparsity" "$OUT/breakdown.log"
 fi
