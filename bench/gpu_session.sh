@@ -30,6 +30,8 @@
 #   s5f:  the best of s5e together against the tuned table, 4 rounds
 #   s5g:  the closing figures: GPU tests of the changed kernels and modules, engine check + bench vs transformers,
 #         the step breakdown
+#   s5h:  prefill with and without FusedTextModel (512-token prompt; the closing bench's 85% prefill read 251 against
+#         335 in session 4), and the bench at the chat's default 8192-token context
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -213,4 +215,10 @@ if [[ $PART == s5g ]]; then
     grep -A7 "^family" "$OUT/engine.log"
     grep -A5 "random weights) on" "$OUT/engine.log" | tail -5
     grep -A14 "^sparsity" "$OUT/breakdown.log"
+fi
+if [[ $PART == s5h ]]; then
+    step ab 150 python bench/step_ab.py base,unfuse:FusedTextModel --rounds 3 --prompt 512
+    step ctx8192 100 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
+    grep -B2 -A5 "^| case" "$OUT/ab.log"
+    tail -n 4 "$OUT/ctx8192.log"
 fi

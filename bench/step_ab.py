@@ -14,7 +14,7 @@ Cases (comma-separated; settings joined by "+" apply together):
   unfuse:CLASS                  the modules of that localmoe class put back to transformers' (e.g. FusedTextModel)
   table:KERNEL:SHAPE:K=V[;K=V]  a decode_params entry of kernels/tuned/<device>.json replaced for this case, e.g.
                                 table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or table:moe_front:H2048_E256_k8:block_e=2
-Usage: PYTHONUNBUFFERED=1 python bench/step_ab.py CASE[,CASE...] [--rounds 3] [--sparsity 0.85]
+Usage: PYTHONUNBUFFERED=1 python bench/step_ab.py CASE[,CASE...] [--rounds 3] [--sparsity 0.85] [--prompt 128]
 """
 
 from __future__ import annotations
@@ -121,11 +121,13 @@ def main() -> None:
     cases = args[0].split(",") if args else ["base"]
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
     sparsity = float(sys.argv[sys.argv.index("--sparsity") + 1]) if "--sparsity" in sys.argv else 0.85
+    n_prompt = int(sys.argv[sys.argv.index("--prompt") + 1]) if "--prompt" in sys.argv else 128
     engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16)
     engine.set_sparsity(sparsity)
     engine.eos_ids = set()
-    prompt = torch.randint(0, engine.loaded.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, engine.loaded.config.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(0))
     results: dict[str, list[float]] = {c: [] for c in cases}
+    prefill: dict[str, list[float]] = {c: [] for c in cases}
     for r in range(rounds):
         for case in cases:
             apply(engine, case)
@@ -133,14 +135,17 @@ def main() -> None:
             list(engine.generate(prompt.tolist(), GenerationSettings(max_new_tokens=129)))
             tok_s = engine.stats.decode_tok_s
             results[case].append(tok_s)
-            print(f"  round {r} {case}: {tok_s:.1f} tok/s ({1e6 / tok_s:.0f} µs/step)", flush=True)
+            prefill[case].append(engine.stats.prefill_tok_s)
+            print(f"  round {r} {case}: {tok_s:.1f} tok/s ({1e6 / tok_s:.0f} µs/step), prefill "
+                  f"{engine.stats.prefill_tok_s:.1f} tok/s", flush=True)
     base = statistics.median(results[cases[0]])
-    print(f"\nsparsity {sparsity:.0%}, context 1024, {rounds} rounds (median; spread = max - min)")
-    print("| case | decode tok/s | µs/step | spread tok/s | vs first |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"\nsparsity {sparsity:.0%}, context 1024, prompt {n_prompt}, {rounds} rounds (median; spread = max - min)")
+    print("| case | decode tok/s | µs/step | spread tok/s | vs first | prefill tok/s |")
+    print("|---|---:|---:|---:|---:|---:|")
     for case, v in results.items():
         med = statistics.median(v)
-        print(f"| {case} | {med:.1f} | {1e6 / med:.0f} | {max(v) - min(v):.1f} | {med / base - 1:+.1%} |")
+        print(f"| {case} | {med:.1f} | {1e6 / med:.0f} | {max(v) - min(v):.1f} | {med / base - 1:+.1%} | "
+              f"{statistics.median(prefill[case]):.1f} |")
 
 
 if __name__ == "__main__":
