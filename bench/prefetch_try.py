@@ -28,8 +28,9 @@ from localmoe.kernels.delta_rule_step import gated_deltanet_step
 from localmoe.kernels.gemv import gemv
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-from localmoe.kernels.sparse_fused import SharedExpert, sparse_fused
+from localmoe.kernels.sparse_fused import sparse_fused
 from localmoe.decode_ops import tuned
+from moe_inputs import moe_block_inputs, random_bf16
 
 
 @triton.jit
@@ -99,11 +100,7 @@ H, I, K, EX = 2048, 512, 8, 64
 HK, HV, D, KS = 16, 32, 128, 4
 C = 2 * HK * D + HV * D
 g = torch.Generator(device=DEV).manual_seed(0)
-
-
-def rnd(*shape, scale=0.02):
-    return torch.randn(shape, device=DEV, dtype=torch.float32, generator=g).mul_(scale).to(DT)
-
+rnd = random_bf16(g, DEV, DT)
 
 w_out = [rnd(H, HV * D) for _ in range(N)]
 x_out = [rnd(1, HV * D, scale=1.0) for _ in range(N)]
@@ -119,21 +116,8 @@ gd = [dict(mixed_qkv=rnd(1, C, scale=1.0), z=rnd(1, HV * D, scale=1.0), a=rnd(1,
            norm_weight=torch.ones(D, device=DEV, dtype=DT), norm_eps=1e-6,
            state=torch.randn(1, HV, D, D, device=DEV, generator=g) * 0.1,
            num_k_heads=HK, head_k_dim=D, num_v_heads=HV, head_v_dim=D) for _ in range(N)]
-xs = [rnd(1, H, scale=1.0) for _ in range(N)]
-res = [rnd(1, H, scale=1.0) for _ in range(N)]
-nw = [rnd(H, scale=0.1) for _ in range(N)]
-wr = [rnd(EX, H) for _ in range(N)]
-wsg = [rnd(1, H) for _ in range(N)]
-ew = [(rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05)) for _ in range(N)]
-ticks = torch.zeros(N, 64, dtype=torch.int32, device=DEV)
-front = [moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i], tickets=ticks[i])
-         for i in range(N)]
-sh = [SharedExpert(rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), front[i][5])
-      for i in range(N)]
-taus = []
-for i in range(N):
-    gate = torch.nn.functional.silu(torch.einsum("h,eih->ei", front[i][1].float(), ew[i][0].float())).abs()
-    taus.append(torch.full((EX,), float(torch.quantile(gate.flatten()[:1 << 20], 0.85)), device=DEV))
+m = moe_block_inputs(rnd, N, H, I, K, EX, device=DEV, dtype=DT)
+xs, res, nw, wr, wsg, ew, ticks, sh, taus = m.x, m.res, m.nw, m.wr, m.wsg, m.ew, m.ticks, m.sh, m.taus
 outs = [torch.empty(1, H, device=DEV, dtype=DT) for _ in range(N)]
 
 

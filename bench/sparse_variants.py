@@ -30,7 +30,8 @@ from graph_timing import graph_us
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
 from localmoe.kernels.rounding import round_to
-from localmoe.kernels.sparse_fused import SharedExpert, fused_workspace, sparse_fused
+from localmoe.kernels.sparse_fused import fused_workspace, sparse_fused
+from moe_inputs import moe_block_inputs, random_bf16
 
 
 @triton.jit
@@ -145,28 +146,10 @@ def main():
     quick = "--quick" in sys.argv
     dev, dt, N = torch.device("cuda"), torch.bfloat16, 12
     H, I, K, EX = 2048, 512, 8, 64
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def rnd(*shape, scale=0.02):
-        return torch.randn(shape, device=dev, dtype=torch.float32, generator=g).mul_(scale).to(dt)
-
-    xs = [rnd(1, H, scale=1.0) for _ in range(N)]
-    res = [rnd(1, H, scale=1.0) for _ in range(N)]
-    nw = [rnd(H, scale=0.1) for _ in range(N)]
-    wr = [rnd(EX, H) for _ in range(N)]
-    wsg = [rnd(1, H) for _ in range(N)]
-    ew = [(rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05)) for _ in range(N)]
-    ticks = torch.zeros(N, 64, dtype=torch.int32, device=dev)
-    front = [moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i], tickets=ticks[i])
-             for i in range(N)]
-    s_, h_ = [f[0].view(1, H) for f in front], [f[1].view(1, H) for f in front]
-    tw_, ti_, sg_ = [f[3] for f in front], [f[4] for f in front], [f[5] for f in front]
-    sh = [SharedExpert(rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), sg_[i])
-          for i in range(N)]
-    taus = []
-    for i in range(N):
-        gate = torch.nn.functional.silu(torch.einsum("h,eih->ei", h_[i][0].float(), ew[i][0].float())).abs()
-        taus.append(torch.full((EX,), float(torch.quantile(gate.flatten()[:1 << 20], 0.85)), device=dev))
+    rnd = random_bf16(torch.Generator(device=dev).manual_seed(0), dev, dt)
+    m = moe_block_inputs(rnd, N, H, I, K, EX, device=dev, dtype=dt)
+    xs, res, nw, wr, wsg, ew, ticks, sh, taus = m.x, m.res, m.nw, m.wr, m.wsg, m.ew, m.ticks, m.sh, m.taus
+    s_, h_, tw_, ti_ = m.s, m.h, m.tw, m.ti
     outs = [torch.empty(1, H, device=dev, dtype=dt) for _ in range(N)]
     cnts = [torch.empty(1, K, device=dev, dtype=torch.int32) for _ in range(N)]
     ws = [torch.zeros(H + 2 * K + 64, dtype=torch.int32, device=dev) for _ in range(N)]
