@@ -95,7 +95,8 @@ def _run(engine, sparsity, prompt, n_decode, name, bw, progress) -> BenchRow:
     eos = engine.eos_ids
     engine.eos_ids = set()  # decode the full length
     try:
-        for _ in engine.generate(prompt[:64], GenerationSettings(max_new_tokens=8)):  # warm-up, graph capture
+        # warm-up at the measured prompt length (first-call costs of the prefill's shapes) and graph capture
+        for _ in engine.generate(prompt, GenerationSettings(max_new_tokens=8)):
             pass
         for _ in engine.generate(prompt, settings):
             pass
@@ -141,6 +142,7 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
     ids = torch.tensor([prompt], device=device)
     kw = dict(do_sample=False, min_new_tokens=n_decode, max_new_tokens=n_decode, attention_mask=torch.ones_like(ids))
     model.generate(ids[:, :16], **{**kw, "min_new_tokens": 4, "max_new_tokens": 4, "attention_mask": torch.ones_like(ids[:, :16])})
+    model(input_ids=ids)  # warm-up at the measured prompt length, as localmoe's rows
     torch.cuda.synchronize() if device.type == "cuda" else None
     t0 = time.perf_counter()
     model(input_ids=ids)
