@@ -32,6 +32,8 @@
 #         the step breakdown
 #   s5h:  prefill with and without FusedTextModel (512-token prompt; the closing bench's 85% prefill read 251 against
 #         335 in session 4), and the bench at the chat's default 8192-token context
+#   s5i:  what one kernel boundary costs (boundary_cost.py): empty kernels chained with and without PDL, and
+#         chained on a flag set by the kernel before's last program
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -221,4 +223,8 @@ if [[ $PART == s5h ]]; then
     step ctx8192 100 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
     grep -B2 -A5 "^| case" "$OUT/ab.log"
     tail -n 4 "$OUT/ctx8192.log"
+fi
+if [[ $PART == s5i ]]; then
+    step boundary 120 python bench/boundary_cost.py
+    cat "$OUT/boundary.log" | tail -12
 fi
