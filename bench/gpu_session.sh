@@ -34,6 +34,7 @@
 #         335 in session 4), and the bench at the chat's default 8192-token context
 #   s5i:  what one kernel boundary costs (boundary_cost.py): empty kernels chained with and without PDL, and
 #         chained on a flag set by the kernel before's last program
+#   s5j:  more launch parameters in the whole step, around session 5's tuned table
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -227,4 +228,8 @@ fi
 if [[ $PART == s5i ]]; then
     step boundary 120 python bench/boundary_cost.py
     cat "$OUT/boundary.log" | tail -12
+fi
+if [[ $PART == s5j ]]; then
+    step ab 200 python bench/step_ab.py 'base,table:moe_front:H2048_E256_k8:block_e=8;num_warps=4,table:moe_front:H2048_E256_k8:block_e=4;num_warps=8,table:gemv:N248320_K2048:BLOCK_N=2;num_warps=8,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2,table:gemv:N12352_K2048:BLOCK_N=2;num_warps=4,table:gemv:N9216_K2048:BLOCK_N=2;num_warps=4' --rounds 3
+    grep -B2 -A10 "^| case" "$OUT/ab.log"
 fi
