@@ -1,9 +1,10 @@
 """Where one batch-1 decode step's GPU time goes (run on the GPU, not a test).
 
 Builds the random-weight Qwen3.5-35B-A3B-shaped engine (the engine's defaults: fused decode modules on), profiles
-eager decode steps with torch.profiler and sorts every CUDA kernel of a step into a part by its name (projection
-GEMVs, lm_head, routed experts, router, shared expert, DeltaNet step, attention core, norms, glue), then times the
-captured CUDA-graph step. Kernel time per part is exact; the graph step also pays ~1 µs between kernels.
+eager decode steps on a StaticCache (what the graph step runs) with programmatic dependent launch off (so a kernel's
+time is its own, not its wait for the one before) with torch.profiler, sorts every CUDA kernel of a step into a part
+by its name (projection GEMVs, lm_head, routed experts, router, shared expert, DeltaNet step, attention core, norms,
+glue), then times the captured CUDA-graph step (PDL as configured). Kernel time per part is exact; the graph step also pays ~1 µs between kernels.
 Usage: python bench/step_breakdown.py [sparsity] [--no-fused]
 """
 
@@ -49,19 +50,33 @@ def part_of(name: str) -> str:
 prompt = torch.randint(0, engine.loaded.config.vocab_size, (1, 128), device="cuda")
 settings = GenerationSettings()
 steps = 10
+# the profiled steps run what the graph step runs: a StaticCache (the text model's fused call takes only that), with
+# programmatic dependent launch OFF so that each kernel's time is its own (with PDL it includes its wait for the one
+# before); the graph step below is timed with PDL as configured
+from transformers import StaticCache  # noqa: E402
+
+from localmoe.kernels import pdl  # noqa: E402
+
+cache = StaticCache(config=engine.loaded.config, max_cache_len=1024)
+pos = torch.arange(prompt.shape[1], device="cuda")
+step_kw = {kw: cache, **engine._logits_kw}
+pdl.set_enabled(False)
 with torch.inference_mode():
-    out = model(input_ids=prompt, use_cache=True)
-    cache = out.past_key_values
+    out = model(input_ids=prompt, cache_position=pos, use_cache=True, **step_kw)
     tok = sample(out.logits[0, -1], settings, None)
-    for _ in range(3):  # warm-up
-        out = model(input_ids=tok.view(1, 1), use_cache=True, **{kw: cache})
+    p0 = prompt.shape[1]
+    for i in range(3):  # warm-up
+        out = model(input_ids=tok.view(1, 1), cache_position=torch.tensor([p0 + i], device="cuda"), use_cache=True,
+                    **step_kw)
         tok = sample(out.logits[0, -1], settings, None)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            out = model(input_ids=tok.view(1, 1), use_cache=True, **{kw: cache})
+        for i in range(steps):
+            out = model(input_ids=tok.view(1, 1), cache_position=torch.tensor([p0 + 3 + i], device="cuda"),
+                        use_cache=True, **step_kw)
             tok = sample(out.logits[0, -1], settings, None)
         torch.cuda.synchronize()
+pdl.set_enabled(None)
 
 parts: dict[str, list] = {}
 for ev in prof.key_averages():
@@ -81,7 +96,8 @@ list(engine.generate(p, GenerationSettings(max_new_tokens=129)))
 st = engine.stats
 print(f"\nsparsity {sparsity:.0%}, fused {'--no-fused' not in sys.argv}: graph decode {st.decode_tok_s:.1f} tok/s = "
       f"{1e6 / st.decode_tok_s:.0f} µs/step (graph: {engine._graph is not None}); "
-      f"eager step: {total:.0f} µs of kernels in {sum(p[1] for p in parts.values()):.0f} launches")
+      f"eager step (StaticCache, PDL off): {total:.0f} µs of kernels in {sum(p[1] for p in parts.values()):.0f} "
+      f"launches")
 print("| part | µs/step (kernels) | share | kernels/step | largest kernel (µs/step) |")
 print("|---|---:|---:|---:|---|")
 for name, (us, n, ks) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
