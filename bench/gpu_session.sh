@@ -35,6 +35,8 @@
 #   s5i:  what one kernel boundary costs (boundary_cost.py): empty kernels chained with and without PDL, and
 #         chained on a flag set by the kernel before's last program
 #   s5j:  more launch parameters in the whole step, around session 5's tuned table
+#   s6:   pending for the next session: the step breakdown as now written (StaticCache, PDL off: each kernel's own
+#         time), the DeltaNet step at block_v 16 / 2 warps against the table (s5j: +1.1%, inside the spread), 5 rounds
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -232,4 +234,10 @@ fi
 if [[ $PART == s5j ]]; then
     step ab 200 python bench/step_ab.py 'base,table:moe_front:H2048_E256_k8:block_e=8;num_warps=4,table:moe_front:H2048_E256_k8:block_e=4;num_warps=8,table:gemv:N248320_K2048:BLOCK_N=2;num_warps=8,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2,table:gemv:N12352_K2048:BLOCK_N=2;num_warps=4,table:gemv:N9216_K2048:BLOCK_N=2;num_warps=4' --rounds 3
     grep -B2 -A10 "^| case" "$OUT/ab.log"
+fi
+if [[ $PART == s6 ]]; then
+    step breakdown 90 python bench/step_breakdown.py 0.85
+    step ab 200 python bench/step_ab.py 'base,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2' --rounds 5
+    grep -A14 "^sparsity" "$OUT/breakdown.log"
+    grep -B2 -A5 "^| case" "$OUT/ab.log"
 fi
