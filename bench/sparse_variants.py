@@ -9,11 +9,13 @@ Knobs of `_variant_kernel` (grid (T*k + T, cdiv(I, BLOCK_I * NB))):
   SH_PRE    the shared expert's programs load their first gate tile before the PDL wait (weights are constants)
   ATOM      0 atomics (correct); 1 plain stores instead (wrong sums: measures what the atomics cost)
   GATE_ONLY no up/down at all (wrong sums: measures the gate pass alone)
+  TICKET    0 the per-token ticket as the product kernel (acq_rel); 1 release, the last program acquires; 2 no ticket
+            and no finalising program (wrong output: what the 576 same-address atomics of a token cost)
 
 Timed as CUDA graphs over 12 weight sets (L2 cannot hold them), `graph_timing.graph_us`, two ways: the expert launch
 alone (12 in a row) and the pair moe_front -> experts as the decoder layer runs them (PDL edges between them).
 
-Usage: PYTHONUNBUFFERED=1 python bench/sparse_variants.py [--quick] [--variants]
+Usage: PYTHONUNBUFFERED=1 python bench/sparse_variants.py [--quick] [--variants] [--tickets]
   default: the product kernel's launch sweep with register caps (`maxnreg`); --variants: the knobs above too
 """
 
@@ -39,7 +41,7 @@ def _variant_kernel(x_ptr, wg_ptr, wu_ptr, wd_ptr, eid_ptr, rw_ptr, tau_ptr, y_p
                     tick_ptr, swg_ptr, swu_ptr, swd_ptr, sw_ptr, res_ptr, I, I_S, T, TK, K, stride_xt, stride_ge,
                     stride_ue, stride_de, H: tl.constexpr, H_P2: tl.constexpr, BLOCK_I: tl.constexpr,
                     NB: tl.constexpr, K_P2: tl.constexpr, SH_FIRST: tl.constexpr, SH_PRE: tl.constexpr,
-                    ATOM: tl.constexpr, GATE_ONLY: tl.constexpr, PDL: tl.constexpr):
+                    ATOM: tl.constexpr, GATE_ONLY: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr):
     pid_tj = tl.program_id(0)
     pid_i = tl.program_id(1)
     if SH_FIRST:
@@ -105,8 +107,15 @@ def _variant_kernel(x_ptr, wg_ptr, wu_ptr, wd_ptr, eid_ptr, rw_ptr, tau_ptr, y_p
                 tl.store(acc_ptr + t.to(tl.int64) * H + cols, acc, mask=cmask)
     tl.atomic_add(cws_ptr + tj, tl.where(is_sh, 0, nkt), sem="relaxed")
     tl.debug_barrier()
-    done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
     progs = (K + 1) * tl.num_programs(1)
+    if TICKET == 0:
+        done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
+    elif TICKET == 1:  # release only; the last program acquires with a second atomic
+        done = tl.atomic_add(tick_ptr + t, 1, sem="release", scope="gpu")
+        if done == progs - 1:
+            tl.atomic_add(tick_ptr + t, 0, sem="acquire", scope="gpu")
+    else:  # no ticket and no finalising program (wrong output: what the ticket costs)
+        done = -1
     if done == progs - 1:
         arow = acc_ptr + t.to(tl.int64) * H + cols
         a = tl.load(arow, mask=cmask, other=0.0, cache_modifier=".cg")
@@ -125,7 +134,7 @@ def _variant_kernel(x_ptr, wg_ptr, wu_ptr, wd_ptr, eid_ptr, rw_ptr, tau_ptr, y_p
 
 
 def variant(x, w_gate, w_up, w_down_t, ids, weights, tau, out, count, shared, residual, ws, *, BLOCK_I=8, NB=1,
-            num_warps=8, SH_FIRST=False, SH_PRE=False, ATOM=0, GATE_ONLY=False):
+            num_warps=8, SH_FIRST=False, SH_PRE=False, ATOM=0, GATE_ONLY=False, TICKET=0):
     T, H = x.shape
     k = ids.shape[1]
     I = w_gate.shape[1]
@@ -137,7 +146,8 @@ def variant(x, w_gate, w_up, w_down_t, ids, weights, tau, out, count, shared, re
                           shared.w_up, shared.w_down_t, shared.weight, residual, I, shared.w_gate.shape[0], T, T * k,
                           k, x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), H=H,
                           H_P2=triton.next_power_of_2(H), BLOCK_I=BLOCK_I, NB=NB, K_P2=triton.next_power_of_2(k),
-                          SH_FIRST=SH_FIRST, SH_PRE=SH_PRE, ATOM=ATOM, GATE_ONLY=GATE_ONLY, num_warps=num_warps,
+                          SH_FIRST=SH_FIRST, SH_PRE=SH_PRE, ATOM=ATOM, GATE_ONLY=GATE_ONLY, TICKET=TICKET,
+                          num_warps=num_warps,
                           **pdl_kw(x))
     return out, count
 
@@ -193,6 +203,11 @@ def main():
     front_us = graph_us([lambda i=i: fr(i) for i in range(N)])
     print(f"moe_front alone: {front_us:.2f} µs", flush=True)
     measure("product", product, {})
+    if "--tickets" in sys.argv:  # what the per-token ticket costs (576 programs, one address)
+        base = {"BLOCK_I": 8, "NB": 1, "num_warps": 8}
+        measure("variant", var, base)
+        measure("variant", var, {**base, "TICKET": 1})
+        measure("no-ticket", var, {**base, "TICKET": 2}, checked=False)
     if "--variants" in sys.argv:  # session 5, first run: none beat the product kernel (bench/RESULTS.md)
         base = {"BLOCK_I": 8, "NB": 1, "num_warps": 8}
         measure("gate-only", var, {**base, "GATE_ONLY": True}, checked=False)
