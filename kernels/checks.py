@@ -10,6 +10,16 @@ import torch
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def tokens_and_experts(x: torch.Tensor, w: torch.Tensor, name: str = "w_gate") -> tuple[int, int, int, int]:
+    """x must be [T, H] and the expert stack `name` [E, I, H] (checked in full by `expert_weights`); returns
+    (T, H, E, I)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"{name} must be [E, I, H], got shape {tuple(w.shape)}")
+    return x.shape[0], x.shape[1], w.shape[0], w.shape[1]
+
+
 def expert_weights(name: str, w: torch.Tensor, n: int, I: int, H: int, device: torch.device | None = None,
                    *, allow_host: bool = False) -> None:
     """w must be [n, I, H], bf16/fp16/fp32, rows contiguous (any expert stride), on `device` — or, with

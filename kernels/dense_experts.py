@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.checks import expert_weights
+from localmoe.kernels.checks import expert_weights, tokens_and_experts
 
 try:
     import triton
@@ -109,12 +109,7 @@ def dense_experts(
     """
     if triton is None:
         raise RuntimeError("dense_experts needs triton")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape
-    if w_gate.dim() != 3:
-        raise ValueError(f"w_gate must be [E, I, H], got shape {tuple(w_gate.shape)}")
-    E, I, _ = w_gate.shape
+    T, H, E, I = tokens_and_experts(x, w_gate)
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
         expert_weights(name, w, E, I, H, x.device)
     if x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:

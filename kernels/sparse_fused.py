@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.kernels.checks import expert_weights
+from localmoe.kernels.checks import expert_weights, tokens_and_experts
 from localmoe.kernels.workspace import zeroed_int32
 
 try:  # Triton is optional at import time; the launcher needs it.
@@ -366,15 +366,10 @@ def sparse_fused(
     """
     if triton is None:
         raise RuntimeError("sparse_fused needs triton")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape
+    T, H, E, I = tokens_and_experts(x, w_gate)
     if x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be bf16/fp16/fp32 with a contiguous last dim, got {x.dtype} strides {x.stride()}")
     dev = x.device
-    if w_gate.dim() != 3:
-        raise ValueError(f"w_gate must be [E, I, H], got shape {tuple(w_gate.shape)}")
-    E, I, _ = w_gate.shape
     offload = slot_table is not None
     pools = (pool_gate, pool_up, pool_down_t)
     if offload != all(p is not None for p in pools) or (not offload and any(p is not None for p in pools)):

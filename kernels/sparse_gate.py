@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.checks import expert_weights
+from localmoe.kernels.checks import expert_weights, tokens_and_experts
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -43,7 +43,6 @@ def sparse_gate_ref(x, w_gate, expert_ids, tau, capacity):
     """Reference in fp32 torch. Returns (g [T,k,I] fp32, idx [T,k,C] int32, count [T,k] int32)."""
     # x [T,H], w_gate [E,I,H], expert_ids [T,k], tau [E]
     T, k = expert_ids.shape
-    I = w_gate.shape[1]
     C = int(capacity)
     eid = expert_ids.long()
     w = w_gate[eid].float()  # [T,k,I,H]
@@ -166,12 +165,7 @@ def sparse_gate(
     """
     if triton is None:
         raise RuntimeError("sparse_gate needs triton")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape
-    if w_gate.dim() != 3:
-        raise ValueError(f"w_gate must be [E, I, H], got shape {tuple(w_gate.shape)}")
-    E, I, _ = w_gate.shape
+    T, H, E, I = tokens_and_experts(x, w_gate)
     expert_weights("w_gate", w_gate, E, I, H)
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T:
         raise ValueError(f"expert_ids must be [T, k] with T = {T}, got shape {tuple(expert_ids.shape)}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.checks import expert_weights
+from localmoe.kernels.checks import expert_weights, tokens_and_experts
 
 try:
     import triton
@@ -135,12 +135,7 @@ def sparse_updown(
     """
     if triton is None:
         raise RuntimeError("sparse_updown needs triton")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape
-    if w_up.dim() != 3:
-        raise ValueError(f"w_up must be [E, I, H], got shape {tuple(w_up.shape)}")
-    E, I, _ = w_up.shape
+    T, H, E, I = tokens_and_experts(x, w_up, "w_up")
     expert_weights("w_up", w_up, E, I, H)
     expert_weights("w_down_t", w_down_t, E, I, H)
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T:
