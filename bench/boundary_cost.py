@@ -1,7 +1,9 @@
 """What one kernel boundary of the decode step costs (GPU, not a test): a CUDA graph of kernels that do nothing but
 the step's pattern (load, `gdc_wait()`, `gdc_launch_dependents()`, one store), timed per kernel, with and without
 programmatic dependent launch, at grids of 1, 132 (one per SM on the H200) and 1056 programs; and a chain whose
-kernels start on a flag the kernel before's last program sets (ticket) instead of on its grid's retirement.
+kernels start on a flag the kernel before's last program sets (ticket) instead of on its grid's retirement: polled
+with volatile loads then one acquire atomic per program (session 5: 11-13 µs at 132-1056 programs), or with
+ld.acquire and a release-only ticket (no atomic per program but the ticket).
 
 The decode step is ~225 launches in a chain; the time a kernel with no work takes in that chain is what each
 boundary costs however fast the kernels themselves are.
@@ -25,6 +27,33 @@ def _empty_kernel(x_ptr, y_ptr, PDL: tl.constexpr):
         gdc_wait()
         gdc_launch_dependents()
     tl.store(y_ptr + tl.program_id(0), v + 1.0)
+
+
+@triton.jit
+def _ld_acquire(ptr):
+    """One ld.acquire.gpu of an int32 flag (no read-modify-write: pollers do not serialise on the address)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr.to(tl.int64, bitcast=True)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _flag_kernel_lean(x_ptr, y_ptr, prev_flag, flag, tick_ptr, PROGS: tl.constexpr):
+    """As _flag_kernel, with the flag polled by ld.acquire (no atomic per program) and a release-only ticket whose
+    last taker acquires once."""
+    v = tl.load(x_ptr + tl.program_id(0))
+    gdc_launch_dependents()
+    f = _ld_acquire(prev_flag)
+    while f == 0:
+        f = _ld_acquire(prev_flag)
+    tl.store(y_ptr + tl.program_id(0), v + 1.0)
+    tl.debug_barrier()
+    done = tl.atomic_add(tick_ptr, 1, sem="release", scope="gpu")
+    if done == PROGS - 1:
+        tl.atomic_add(tick_ptr, 0, sem="acquire", scope="gpu")
+        tl.store(tick_ptr, 0)
+        tl.store(prev_flag, 0)
+        tl.atomic_xchg(flag, 1, sem="release", scope="gpu")
+    gdc_wait()
 
 
 @triton.jit
@@ -62,13 +91,14 @@ def main() -> None:
     n = 48
     flags = torch.zeros(n + 1, dtype=torch.int32, device="cuda")
     ticks = torch.zeros(n, dtype=torch.int32, device="cuda")
-    for progs in (1, 132, 1056):
-        calls = [lambda: flags[0].fill_(1)]
-        calls += [lambda i=i: _flag_kernel[(progs,)](x, ys[i % 12], flags[i], flags[i + 1], ticks[i], PROGS=progs,
-                                                      num_warps=4, launch_pdl=True) for i in range(n)]
-        calls += [lambda: flags[n].fill_(0)]
-        us = graph_us(calls) * len(calls) / n
-        print(f"| {progs} | flag | {us:.2f} |", flush=True)
+    for kern, label in ((_flag_kernel, "flag"), (_flag_kernel_lean, "flag, ld.acquire poll")):
+        for progs in (1, 132, 1056):
+            calls = [lambda: flags[0].fill_(1)]
+            calls += [lambda i=i: kern[(progs,)](x, ys[i % 12], flags[i], flags[i + 1], ticks[i], PROGS=progs,
+                                                 num_warps=4, launch_pdl=True) for i in range(n)]
+            calls += [lambda: flags[n].fill_(0)]
+            us = graph_us(calls) * len(calls) / n
+            print(f"| {progs} | {label} | {us:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
