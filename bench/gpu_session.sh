@@ -37,7 +37,8 @@
 #   s5j:  more launch parameters in the whole step, around session 5's tuned table
 #   s6:   pending for the next session: the step breakdown as now written (StaticCache, PDL off: each kernel's own
 #         time), the DeltaNet step at block_v 16 / 2 warps against the table (s5j: +1.1%, inside the spread), 5 rounds,
-#         and what the expert launch's per-token ticket costs (sparse_variants.py --tickets), and flag-started chains
+#         and what the expert launch's per-token ticket costs (sparse_variants.py --tickets; in the whole step:
+#         sparse_fused ticket_levels=2), and flag-started chains
 #         polled with ld.acquire (boundary_cost.py)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
@@ -239,7 +240,7 @@ if [[ $PART == s5j ]]; then
 fi
 if [[ $PART == s6 ]]; then
     step breakdown 90 python bench/step_breakdown.py 0.85
-    step ab 200 python bench/step_ab.py 'base,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2' --rounds 5
+    step ab 240 python bench/step_ab.py 'base,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2,fused:ticket_levels=2' --rounds 5
     step tickets 150 python bench/sparse_variants.py --quick --tickets
     step boundary 120 python bench/boundary_cost.py
     grep -A14 "^sparsity" "$OUT/breakdown.log"

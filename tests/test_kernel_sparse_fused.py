@@ -341,3 +341,28 @@ def test_tail_validation():
         sparse_fused(x, wg, wu, wd, ids, rw, tau, shared=SharedExpert(wg[0], wu[0], wd[0], torch.ones(2)))
     with pytest.raises(ValueError, match="residual"):
         sparse_fused(x, wg, wu, wd, ids, rw, tau, residual=torch.zeros(T, H, dtype=torch.bfloat16, device=DEV))
+
+
+@pytest.mark.parametrize("T,shared", [(1, True), (3, False), (2, True)])
+def test_two_level_ticket(T, shared):
+    """ticket_levels=2 (a ticket per neuron block, then per token) gives the one-level launch's output and leaves
+    its workspace zeroed for the next launch."""
+    from localmoe.kernels.sparse_fused import SharedExpert
+
+    H, I, E, k, bi = 72, 40, 6, 3, 8
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=21 + T)
+    tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
+    gen = torch.Generator().manual_seed(T)
+    kw = {"BLOCK_I": bi}
+    if shared:
+        kw["shared"] = SharedExpert(*[(torch.randn(56, H, generator=gen) / H ** 0.5).to(DEV) for _ in range(3)],
+                                    weight=torch.rand(T, generator=gen).to(DEV))
+    want, c_want = sparse_fused(x, wg, wu, wd, ids, rw, tau, **kw)
+    ws = torch.zeros(T * H + T * k + T + T * 8, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau, workspace=ws, ticket_levels=2, **kw)
+        assert torch.equal(c, c_want)
+        assert rel_err(y, want) < 1e-6
+        assert int(ws.abs().sum()) == 0
+    with pytest.raises(ValueError, match="ticket_levels"):
+        sparse_fused(x, wg, wu, wd, ids, rw, tau, ticket_levels=3)
