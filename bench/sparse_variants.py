@@ -32,8 +32,7 @@ import triton.language as tl
 from graph_timing import graph_us
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-from localmoe.kernels.rounding import round_to
-from localmoe.kernels.sparse_fused import fused_workspace, sparse_fused
+from localmoe.kernels.sparse_fused import fused_workspace, last_of_token, publish_token, sparse_fused
 from moe_inputs import moe_block_inputs, random_bf16
 
 
@@ -108,39 +107,18 @@ def _variant_kernel(x_ptr, wg_ptr, wu_ptr, wd_ptr, eid_ptr, rw_ptr, tau_ptr, y_p
                 tl.store(acc_ptr + t.to(tl.int64) * H + cols, acc, mask=cmask)
     tl.atomic_add(cws_ptr + tj, tl.where(is_sh, 0, nkt), sem="relaxed")
     tl.debug_barrier()
-    progs = (K + 1) * tl.num_programs(1)
-    if TICKET == 0:
-        done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
-    elif TICKET == 1:  # release only; the last program acquires with a second atomic
-        done = tl.atomic_add(tick_ptr + t, 1, sem="release", scope="gpu")
-        if done == progs - 1:
+    if TICKET == 1:  # release only; the last program acquires with a second atomic
+        progs = (K + 1) * tl.num_programs(1)
+        last = tl.atomic_add(tick_ptr + t, 1, sem="release", scope="gpu") == progs - 1
+        if last:
             tl.atomic_add(tick_ptr + t, 0, sem="acquire", scope="gpu")
-    elif TICKET == 3:  # two levels: a ticket per (token, neuron block) of K + 1 programs, then the token's of blocks
-        npi = tl.num_programs(1)
-        gt = gtick_ptr + t.to(tl.int64) * npi + pid_i
-        done = tl.full([], -1, tl.int32)
-        if tl.atomic_add(gt, 1, sem="acq_rel", scope="gpu") == K:
-            tl.store(gt, 0)
-            d2 = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
-            done = tl.where(d2 == npi - 1, progs - 1, -1)
-    else:  # no ticket and no finalising program (wrong output: what the ticket costs)
-        done = -1
-    if done == progs - 1:
-        arow = acc_ptr + t.to(tl.int64) * H + cols
-        a = tl.load(arow, mask=cmask, other=0.0, cache_modifier=".cg")
-        YT = y_ptr.dtype.element_ty
-        rv = tl.load(res_ptr + t.to(tl.int64) * H + cols, mask=cmask, other=0.0).to(tl.float32)
-        a = round_to(rv + round_to(a, YT), YT)
-        tl.store(y_ptr + t.to(tl.int64) * H + cols, a.to(YT), mask=cmask)
-        tl.store(arow, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
-        kk = tl.arange(0, K_P2)
-        km = kk < K
-        crow = t.to(tl.int64) * K + kk
-        c = tl.load(cws_ptr + crow, mask=km, other=0, cache_modifier=".cg")
-        tl.store(cnt_ptr + crow, c, mask=km)
-        tl.store(cws_ptr + crow, tl.zeros([K_P2], dtype=tl.int32), mask=km)
-        tl.store(tick_ptr + t, 0)
-
+    elif TICKET == 2:  # no ticket and no finalising program (wrong output: what the ticket costs)
+        last = False
+    else:  # 0: the product kernel's token ticket; 3: its two-level ticket
+        last = last_of_token(tick_ptr, gtick_ptr, t, pid_i, K + 1, TWO=TICKET == 3)
+    if last:
+        publish_token(acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H=H, H_P2=H_P2,
+                      K_P2=K_P2, HAS_RES=True)
 
 def variant(x, w_gate, w_up, w_down_t, ids, weights, tau, out, count, shared, residual, ws, *, BLOCK_I=8, NB=1,
             num_warps=8, SH_FIRST=False, SH_PRE=False, ATOM=0, GATE_ONLY=False, TICKET=0):

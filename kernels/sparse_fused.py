@@ -117,6 +117,45 @@ def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau):
 if triton is not None:
 
     @triton.jit
+    def last_of_token(tick_ptr, gtick_ptr, t, pid_i, group, TWO: tl.constexpr):
+        """Whether this program is the last of token t's group * num_programs(1) programs to finish (acq_rel
+        tickets: everything the others wrote before their ticket is visible to it). TWO: a ticket per (token,
+        neuron block) of `group` programs first, whose last taker takes the token's, so no address takes every
+        program's atomic. Tickets are re-zeroed for the next launch (the token's by `publish_token`)."""
+        npi = tl.num_programs(1)
+        if TWO:
+            gt = gtick_ptr + t.to(tl.int64) * npi + pid_i
+            last = tl.full([], 0, tl.int1)
+            if tl.atomic_add(gt, 1, sem="acq_rel", scope="gpu") == group - 1:
+                tl.store(gt, 0)  # ready for the next launch / graph replay
+                last = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu") == npi - 1
+        else:
+            last = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu") == group * npi - 1
+        return last
+
+    @triton.jit
+    def publish_token(acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H: tl.constexpr,
+                      H_P2: tl.constexpr, K_P2: tl.constexpr, HAS_RES: tl.constexpr):
+        """The last program of token t: y[t] (+ residual) from the fp32 workspace row, the k kept counts, and the
+        workspace row, counts and ticket zeroed for the next launch. Returns the counts [K_P2] (0 past K)."""
+        arow = acc_ptr + t.to(tl.int64) * H + cols
+        a = tl.load(arow, mask=cmask, other=0.0, cache_modifier=".cg")  # other programs' sums: via L2
+        YT = y_ptr.dtype.element_ty
+        if HAS_RES:  # y = residual + the block's output, each rounded as transformers' adds round
+            rv = tl.load(res_ptr + t.to(tl.int64) * H + cols, mask=cmask, other=0.0).to(tl.float32)
+            a = round_to(rv + round_to(a, YT), YT)
+        tl.store(y_ptr + t.to(tl.int64) * H + cols, a.to(YT), mask=cmask)
+        tl.store(arow, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
+        kk = tl.arange(0, K_P2)
+        km = kk < K
+        crow = t.to(tl.int64) * K + kk
+        c = tl.load(cws_ptr + crow, mask=km, other=0, cache_modifier=".cg")
+        tl.store(cnt_ptr + crow, c, mask=km)
+        tl.store(cws_ptr + crow, tl.zeros([K_P2], dtype=tl.int32), mask=km)
+        tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
+        return c
+
+    @triton.jit
     def _sparse_fused_kernel(
         x_ptr,  # [T, H] any float dtype, row stride stride_xt
         wg_ptr,  # [E, I, H] resident weights, or the host master copies when OFFLOAD
@@ -244,32 +283,12 @@ if triton is not None:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
             tl.debug_barrier()  # this program's atomics precede the release below
             group = K + 1 if SHARED else K  # programs of token t per neuron block
-            progs = group * tl.num_programs(1)  # this token's programs
-            if TICKET2:  # a ticket per (token, neuron block), whose last taker takes the token's: fewer per address
-                gt = gtick_ptr + t.to(tl.int64) * tl.num_programs(1) + pid_i
-                done = tl.full([], -1, tl.int32)
-                if tl.atomic_add(gt, 1, sem="acq_rel", scope="gpu") == group - 1:
-                    tl.store(gt, 0)  # ready for the next launch / graph replay
-                    d2 = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
-                    done = tl.where(d2 == tl.num_programs(1) - 1, progs - 1, -1)
-            else:
-                done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
-            if done == progs - 1:
-                arow = acc_ptr + t.to(tl.int64) * H + cols
-                a = tl.load(arow, mask=cmask, other=0.0, cache_modifier=".cg")  # other programs' sums: via L2
-                YT = y_ptr.dtype.element_ty
-                if HAS_RES:  # y = residual + the block's output, each rounded as transformers' adds round
-                    rv = tl.load(res_ptr + t.to(tl.int64) * H + cols, mask=cmask, other=0.0).to(tl.float32)
-                    a = round_to(rv + round_to(a, YT), YT)
-                tl.store(y_ptr + t.to(tl.int64) * H + cols, a.to(YT), mask=cmask)
-                tl.store(arow, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
+            if last_of_token(tick_ptr, gtick_ptr, t, pid_i, group, TWO=TICKET2):
+                c = publish_token(acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H=H,
+                                  H_P2=H_P2, K_P2=K_P2, HAS_RES=HAS_RES)
                 kk = tl.arange(0, K_P2)
                 km = kk < K
                 crow = t.to(tl.int64) * K + kk
-                c = tl.load(cws_ptr + crow, mask=km, other=0, cache_modifier=".cg")
-                tl.store(cnt_ptr + crow, c, mask=km)
-                tl.store(cws_ptr + crow, tl.zeros([K_P2], dtype=tl.int32), mask=km)
-                tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
                 # ---- running totals for stats, one atomic per token (no extra launch in the step) ----
                 if KEPT_TOTAL:
                     tl.atomic_add(kept_ptr, tl.sum(c.to(tl.int64), axis=0), sem="relaxed")
