@@ -39,8 +39,9 @@ def _kv(spec: str) -> dict:
     return out
 
 
-def undo() -> None:
-    """Holds what the previous case changed in the model (modules swapped out, attributes set)."""
+# what the current case changed, undone before the next: table entries (None: absent before), modules swapped out,
+# attributes set
+_UNDO: dict[str, dict] = {"table": {}, "modules": {}, "attrs": {}}
 
 
 def _set(model, name: str, module) -> None:
@@ -61,19 +62,17 @@ def reset(engine) -> None:
     decode_ops._tuned_on.cache_clear()
     table = tuning._device_table(torch.cuda.get_device_name())
     table.setdefault("decode_params", {})
-    saved = apply.__dict__.setdefault("saved", {})
-    for (kern, shape), kw in saved.items():  # undo the previous case's table edits
+    for (kern, shape), kw in _UNDO["table"].items():
         if kw is None:
             table["decode_params"].get(kern, {}).pop(shape, None)
         else:
             table["decode_params"][kern][shape] = kw
-    saved.clear()
-    for name, m in undo.__dict__.setdefault("modules", {}).items():  # modules unfused by the previous case
+    for name, m in _UNDO["modules"].items():
         _set(engine.model, name, m)
-    undo.modules.clear()
-    for (m, attr), v in undo.__dict__.setdefault("attrs", {}).items():
+    for (m, attr), v in _UNDO["attrs"].items():
         setattr(m, attr, v)
-    undo.attrs.clear()
+    for d in _UNDO.values():
+        d.clear()
     for m in engine.model.modules():
         for attr in ("_front", "_launch"):  # per-module launch caches: looked up again at the next call
             if attr in m.__dict__ and not isinstance(m, LocalExperts):
@@ -84,7 +83,6 @@ def reset(engine) -> None:
 
 def _apply_one(engine, case: str) -> None:
     table = tuning._device_table(torch.cuda.get_device_name())
-    saved = apply.__dict__.setdefault("saved", {})
     if case == "base":
         pass
     elif case == "pdl0":
@@ -99,18 +97,18 @@ def _apply_one(engine, case: str) -> None:
         attr, v = rest.split("=")
         for m in engine.model.modules():
             if type(m).__name__ == cls:
-                undo.attrs[(m, attr)] = getattr(m, attr)
+                _UNDO["attrs"].setdefault((m, attr), getattr(m, attr))
                 setattr(m, attr, type(getattr(m, attr))(int(v)) if v.lstrip("-").isdigit() else v)
     elif case.startswith("unfuse:"):
         cls = case[len("unfuse:"):]
         for name, m in list(engine.model.named_modules()):
             if type(m).__name__ == cls:
-                undo.modules[name] = m
+                _UNDO["modules"][name] = m
                 _set(engine.model, name, m._hf)
     elif case.startswith("table:"):
         _, kern, shape, spec = case.split(":", 3)
         entry = table["decode_params"].setdefault(kern, {})
-        saved[(kern, shape)] = entry.get(shape)
+        _UNDO["table"].setdefault((kern, shape), entry.get(shape))
         entry[shape] = _kv(spec)
     else:
         raise SystemExit(f"unknown case {case!r}")
