@@ -35,8 +35,9 @@
 #   s5i:  what one kernel boundary costs (boundary_cost.py): empty kernels chained with and without PDL, and
 #         chained on a flag set by the kernel before's last program
 #   s5j:  more launch parameters in the whole step, around session 5's tuned table
-#   s6:   pending for the next session: the step breakdown as now written (StaticCache, PDL off: each kernel's own
-#         time), the DeltaNet step at block_v 16 / 2 warps against the table (s5j: +1.1%, inside the spread), 5 rounds,
+#   s6:   GPU tests of sparse_fused (its jit-helper refactor) and the graph, the tiny families' graph tokens (graph
+#         captured on the warm-up stream, 2 steps in flight), then the step breakdown as now written (StaticCache, PDL off: each kernel's own
+#         time), in the whole step: decode 1 step ahead against 2, the DeltaNet step at block_v 16 / 2 warps,
 #         and what the expert launch's per-token ticket costs (sparse_variants.py --tickets; in the whole step:
 #         sparse_fused ticket_levels=2), and flag-started chains
 #         polled with ld.acquire (boundary_cost.py)
@@ -239,12 +240,17 @@ if [[ $PART == s5j ]]; then
     grep -B2 -A10 "^| case" "$OUT/ab.log"
 fi
 if [[ $PART == s6 ]]; then
-    step breakdown 90 python bench/step_breakdown.py 0.85
-    step ab 240 python bench/step_ab.py 'base,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2,fused:ticket_levels=2' --rounds 5
-    step tickets 150 python bench/sparse_variants.py --quick --tickets
-    step boundary 120 python bench/boundary_cost.py
-    grep -A14 "^sparsity" "$OUT/breakdown.log"
-    grep -B2 -A5 "^| case" "$OUT/ab.log"
+    step tests 75 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_sparse_fused.py tests/test_kernel_delta_rule_step.py
+    step tiny 70 python bench/gpu_engine_check.py --skip-bench
+    step ab 190 python bench/step_ab.py 'base,depth:1,fused:ticket_levels=2,table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2' --rounds 4
+    step tickets 90 python bench/sparse_variants.py --quick --tickets
+    step boundary 75 python bench/boundary_cost.py
+    step breakdown 75 python bench/step_breakdown.py 0.85
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/tiny.log"
+    grep -B2 -A6 "^| case" "$OUT/ab.log"
     grep -A12 "^| kernel" "$OUT/tickets.log"
     tail -n 14 "$OUT/boundary.log"
+    grep -A14 "^sparsity" "$OUT/breakdown.log"
 fi

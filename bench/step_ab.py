@@ -11,6 +11,7 @@ Cases (comma-separated; settings joined by "+" apply together):
   fused:K=V[;K=V]               sparse_fused launch keywords for every layer, e.g. fused:maxnreg=64;BLOCK_I=4
   attr:CLASS.NAME=V             an attribute of every module of that class, e.g.
                                 attr:LocalExperts.dense_tail=1 (sparsity 0 through sparse_fused's tail)
+  depth:N                       decode steps launched ahead of the host's token read (Engine.pipeline_depth)
   unfuse:CLASS                  the modules of that localmoe class put back to transformers' (e.g. FusedTextModel)
   table:KERNEL:SHAPE:K=V[;K=V]  a decode_params entry of kernels/tuned/<device>.json replaced for this case, e.g.
                                 table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or table:moe_front:H2048_E256_k8:block_e=2
@@ -92,6 +93,9 @@ def _apply_one(engine, case: str) -> None:
         for m in engine.model.modules():
             if isinstance(m, LocalExperts):
                 m._launch(torch.empty(1, device="cuda"), engine.loaded.config.num_experts_per_tok)["fused"].update(kw)
+    elif case.startswith("depth:"):
+        _UNDO["attrs"].setdefault((engine, "pipeline_depth"), engine.pipeline_depth)
+        engine.pipeline_depth = int(case[len("depth:"):])
     elif case.startswith("attr:"):
         cls, rest = case[len("attr:"):].split(".", 1)
         attr, v = rest.split("=")

@@ -3,7 +3,7 @@
     Engine.load(MODEL) → resolve (hub) → tokenizer → load (loader: experts into localmoe's store)
                        → sparsity thresholds (sparsity: cached calibration) → ready
     engine.chat(messages) / engine.generate(ids) → prefill (dense path, 2048-token chunks) → decode loop (sparse
-                       path; on CUDA one captured graph per step, step N+1 launched before token N is streamed)
+                       path; on CUDA one captured graph per step, steps N+1, N+2 launched before token N is streamed)
                        → TokenEvent per token; `stats` updated as it goes; `cancel()` from any thread.
 
 It knows nothing about terminals: the CLI, the Textual app, bench and eval consume its events and stats.
@@ -31,6 +31,7 @@ from localmoe.sampling import make_generator, sample
 UNKNOWN_MODEL_SPARSITY = 0.5
 DEFAULT_CONTEXT = 8192
 LIVE_STATS_EVERY = 8  # tokens between live updates of realised sparsity / cache hit rate
+PIPELINE_DEPTH = 2  # CUDA decode steps in flight ahead of the host: the GPU never waits for Python between steps
 PREFILL_CHUNK = 2048  # prompt tokens per prefill forward: long prompts are prefilled piece by piece into the cache
 
 
@@ -68,7 +69,8 @@ class Engine:
         self.prefill_chunk = PREFILL_CHUNK
         self.context = min(DEFAULT_CONTEXT, self.max_positions) if self.max_positions else DEFAULT_CONTEXT
         self.use_graphs = device.type == "cuda"  # CUDA-graph decode (falls back to eager with a notice)
-        self.pipeline_decode = device.type == "cuda"  # launch step N+1 before streaming token N (see generate)
+        # decode steps launched ahead of the token the host reads (see generate): 0 = one step at a time
+        self.pipeline_depth = PIPELINE_DEPTH if device.type == "cuda" else 0
         self.compile = False  # torch.compile the decode step before capture (bench --compile; experimental)
         self.on_notice = None  # callable(str) for one-line notices (the CLI prints them on stderr)
         self._graph = None
@@ -286,16 +288,19 @@ class Engine:
             expert_cache.reset_stats()
         t_decode = time.perf_counter()
         finish = "length"
-        # pipelined: step N+1 is launched (its input, token N, is already on the device) before token N goes to
-        # the consumer, so detokenising, streaming and stats overlap the GPU's work; not while direct/cpu misses
-        # admit experts, which reads the step's routing back before the next one
-        pipelined = self.pipeline_decode and (expert_cache is None or expert_cache.mode == "copy"
-                                              or not expert_cache.admits)
-        host_tok = torch.empty((), dtype=torch.long, pin_memory=True) if cuda and pipelined else None
-        ready = torch.cuda.Event() if host_tok is not None else None
+        # pipelined: up to `pipeline_depth` steps are launched ahead (each one's input, the token before, is already
+        # on the device) before the host reads their tokens, so detokenising, streaming, stats and the launches
+        # themselves overlap the GPU's work and the GPU never waits for the host between steps; not while
+        # direct/cpu misses admit experts, which reads each step's routing back before the next one. A step
+        # launched past an EOS the host has not read yet is thrown away: the next turn prefills its prompt again.
+        depth = self.pipeline_depth if (expert_cache is None or expert_cache.mode == "copy"
+                                        or not expert_cache.admits) else 0
+        if depth and cuda:  # a pinned host slot and an event per step in flight, reused round-robin
+            slots = [(torch.empty((), dtype=torch.long, pin_memory=True), torch.cuda.Event()) for _ in range(depth)]
+        inflight: list[tuple[torch.Tensor, int]] = []  # (device token, slot) of steps launched, not yet read
+        launched = 0
 
-        def launch(token, cache):
-            position = n_prompt + len(generated) - 1
+        def launch(token, cache, position):
             if graph is not None:
                 logits = graph.step(token, position)
             else:
@@ -309,12 +314,18 @@ class Engine:
                 finish = "stop"
                 break
             generated.append(tok)
-            ahead = pipelined and len(generated) < max_new and not self._cancel.is_set()
-            if ahead:
-                token, cache = launch(token, cache)
-                if host_tok is not None:
-                    host_tok.copy_(token.reshape(()), non_blocking=True)
-                    ready.record()
+            # launch ahead: the step producing token index len(generated) + len(inflight), input at that minus one
+            while (len(inflight) < depth and len(generated) + len(inflight) < max_new
+                   and not self._cancel.is_set()):
+                src = inflight[-1][0] if inflight else token
+                nxt, cache = launch(src, cache, n_prompt + len(generated) + len(inflight) - 1)
+                slot = launched % depth
+                if cuda:
+                    host, done = slots[slot]
+                    host.copy_(nxt.reshape(()), non_blocking=True)
+                    done.record()
+                inflight.append((nxt, slot))
+                launched += 1
             delta = detok.push(tok)
             stats.generated_tokens = len(generated)
             if len(generated) % LIVE_STATS_EVERY == 0:  # live figures for the status bar (a few device reads)
@@ -331,11 +342,17 @@ class Engine:
             if self._cancel.is_set():
                 finish = "cancelled"
                 break
-            if not ahead:
-                token, cache = launch(token, cache)
-            elif ready is not None:
-                ready.synchronize()  # the token's copy only, not the step launched behind it
-            tok = int(host_tok) if ahead and host_tok is not None else int(token)
+            if inflight:
+                token, slot = inflight.pop(0)
+                if cuda:
+                    host, done = slots[slot]
+                    done.synchronize()  # that token's copy only, not the steps launched behind it
+                    tok = int(host)
+                else:
+                    tok = int(token)
+            else:
+                token, cache = launch(token, cache, n_prompt + len(generated) - 1)
+                tok = int(token)
             self._after_step()
         t_end = time.perf_counter()
         if len(generated) > 1:

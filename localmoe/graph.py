@@ -76,7 +76,9 @@ class GraphDecoder:
                     self._step_fn(self.ids, self.pos)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # captured on the warm-up's stream: the kernels' per-stream zeroed workspaces (tickets, accumulators)
+            # were made there, so the graph holds no allocation and no memset node
+            with torch.cuda.graph(graph, stream=stream):
                 self.logits = self._step_fn(self.ids, self.pos)
         except Exception as e:  # noqa: BLE001
             raise GraphUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

@@ -110,24 +110,25 @@ def test_chunked_prefill_equals_one_piece(family):
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
 def test_pipelined_decode_equals_step_by_step(family):
-    """Launching step N+1 before streaming token N (the CUDA default) changes nothing a user sees: same greedy and
-    seeded-sampled tokens, exact max_new_tokens, EOS and cancel (here on the CPU's eager step, same loop)."""
+    """Launching steps N+1.. before streaming token N (the CUDA default: 2 ahead) changes nothing a user sees: same
+    greedy and seeded-sampled tokens, exact max_new_tokens, EOS and cancel (here on the CPU's eager step, same loop)."""
     e = Engine.load(repo_id(family), device="cpu", sparsity=0.0)
     e.eos_ids = set()
     ids = e.encode_raw("pipelined decoding")
     runs = {}
-    for pipelined in (False, True):
-        e.pipeline_decode = pipelined
+    for depth in (0, 1, 2, 3):
+        e.pipeline_depth = depth
         greedy = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=9))]
         sampled = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=9, temperature=1.0,
                                                                              seed=5))]
         assert len(greedy) == len(sampled) == 9 and e.stats.finish_reason == "length"
-        runs[pipelined] = (greedy, sampled)
-    assert runs[True] == runs[False]
-    stop_at = runs[True][0][4]
+        runs[depth] = (greedy, sampled)
+    assert runs[0] == runs[1] == runs[2] == runs[3]
+    e.pipeline_depth = 2
+    stop_at = runs[2][0][4]
     e.eos_ids = {stop_at}
-    first = runs[True][0].index(stop_at)
-    assert [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=9))] == runs[True][0][:first]
+    first = runs[2][0].index(stop_at)
+    assert [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=9))] == runs[2][0][:first]
     assert e.stats.finish_reason == "stop"
     e.eos_ids = set()
     stream = e.generate(ids, GenerationSettings(max_new_tokens=400))
