@@ -7,10 +7,14 @@ ld.acquire and a release-only ticket (no atomic per program but the ticket).
 
 The decode step is ~225 launches in a chain; the time a kernel with no work takes in that chain is what each
 boundary costs however fast the kernels themselves are.
-Usage: PYTHONUNBUFFERED=1 python bench/boundary_cost.py
+Last, one launch of many phases with an in-kernel grid barrier between them (release add, ld.acquire poll; the
+building block of a persistent decoder-layer kernel): the µs one such barrier costs.
+Usage: PYTHONUNBUFFERED=1 python bench/boundary_cost.py [--barrier]   (--barrier: the last table only)
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
@@ -77,7 +81,40 @@ def _flag_kernel(x_ptr, y_ptr, prev_flag, flag, tick_ptr, PROGS: tl.constexpr):
     gdc_wait()
 
 
+@triton.jit
+def _barrier_kernel(x_ptr, y_ptr, cnt_ptr, PHASES: tl.constexpr, PROGS: tl.constexpr):
+    """PHASES phases in one launch, each ended by a grid-wide barrier: a release add on one counter, then an
+    ld.acquire poll until every program of the phase has added (all PROGS programs must be co-resident). The counter
+    is zeroed before each launch; the slope over PHASES is what one in-kernel barrier costs."""
+    v = tl.load(x_ptr + tl.program_id(0))
+    for p in tl.static_range(PHASES):
+        tl.store(y_ptr + tl.program_id(0), v + p)
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+        f = _ld_acquire(cnt_ptr)
+        while f < (p + 1) * PROGS:
+            f = _ld_acquire(cnt_ptr)
+
+
+def barrier_slope() -> None:
+    """µs per in-kernel grid barrier (programs all resident): PHASES 33 against 1, in the same kind of graph."""
+    x = torch.zeros(4096, device="cuda")
+    y = torch.zeros(4096, device="cuda")
+    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
+    print("\n| programs | in-kernel barrier µs (slope over 32 phases) |\n|---:|---:|")
+    for progs in (32, 132, 264):
+        t = {}
+        for phases in (1, 33):
+            calls = [lambda: cnt.zero_(),
+                     lambda ph=phases: _barrier_kernel[(progs,)](x, y, cnt, PHASES=ph, PROGS=progs, num_warps=4)]
+            t[phases] = graph_us(calls * 4) * 2  # per (zero + launch)
+        print(f"| {progs} | {(t[33] - t[1]) / 32:.2f} |", flush=True)
+
+
 def main() -> None:
+    if "--barrier" in sys.argv:
+        barrier_slope()
+        return
     x = torch.zeros(4096, device="cuda")
     ys = [torch.zeros(4096, device="cuda") for _ in range(12)]
     print("| programs | PDL | µs per kernel |\n|---:|---|---:|")
@@ -99,6 +136,7 @@ def main() -> None:
             calls += [lambda: flags[n].fill_(0)]
             us = graph_us(calls) * len(calls) / n
             print(f"| {progs} | {label} | {us:.2f} |", flush=True)
+    barrier_slope()
 
 
 if __name__ == "__main__":
