@@ -41,6 +41,8 @@
 #         and what the expert launch's per-token ticket costs (sparse_variants.py --tickets; in the whole step:
 #         sparse_fused ticket_levels=2), and flag-started chains
 #         polled with ld.acquire (boundary_cost.py)
+#   s6b:  the decode attention's chunk loaded before the PDL wait (prefetch): its GPU tests, the tiny families' tokens,
+#         then launch settings in the whole step at the bench's 512-token prompt (step_ab.py, 3 rounds)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -253,4 +255,14 @@ if [[ $PART == s6 ]]; then
     grep -A12 "^| kernel" "$OUT/tickets.log"
     tail -n 14 "$OUT/boundary.log"
     grep -A14 "^sparsity" "$OUT/breakdown.log"
+fi
+if [[ $PART == s6b ]]; then
+    step tests 80 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_decode_attention.py tests/test_fused_attention.py tests/test_attention.py
+    step tiny 70 python bench/gpu_engine_check.py --skip-bench
+    A=table:decode_attention:Hq16_Hkv2_D256
+    step ab 300 python bench/step_ab.py "base,$A:chunk=64;block_l=64;num_warps=4;prefetch=0,$A:chunk=64;block_l=64;num_warps=8,$A:chunk=32;block_l=32;num_warps=8,$A:chunk=32;block_l=32;num_warps=4,$A:chunk=16;block_l=16;num_warps=4,$A:chunk=32;block_l=32;num_warps=8;prefetch=0" --rounds 3 --prompt 512
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/tiny.log"
+    grep -B2 -A9 "^| case" "$OUT/ab.log"
 fi

@@ -7,7 +7,9 @@ Owns `decode_attention` (Triton launcher), its torch reference `decode_attention
    first loads the chunk's mask; a chunk with no key kept (the unused tail of a static cache sized for the whole
    context) skips the keys, so the time follows the tokens so far, not the cache size. Otherwise it walks the
    chunk in BLOCK_L tiles with an online softmax (fp32 running max m, sum l and accumulator acc[Dv]) and writes
-   (m, l, acc) of its chunk.
+   (m, l, acc) of its chunk. With one tile per chunk (PREFETCH, the default when BLOCK_L == CHUNK) the mask and
+   the chunk's keys and values are loaded before the PDL wait, overlapping the kernel before; after it only q and
+   the newest kept key/value row (this step's token, written by that kernel) are read.
 2. then it takes head h's ticket (acq_rel atomic, as kernels/sparse_fused.py does); the last of the head's NS
    programs combines (`_combine_head`): rescales the NS partial results to their common max and writes
    out[h] = Σ acc / Σ l in the query's dtype; with `gate` (Qwen3.5's gated attention output) it writes
@@ -99,53 +101,87 @@ if triton is not None:
         BLOCK_L: tl.constexpr,
         HAS_MASK: tl.constexpr,
         HAS_GATE: tl.constexpr,
+        PREFETCH: tl.constexpr,  # CHUNK == BLOCK_L: the chunk's mask and keys/values are loaded before the PDL wait
         PDL: tl.constexpr,
     ):
-        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
-            gdc_wait()
-            gdc_launch_dependents()
         h = tl.program_id(0)
         s = tl.program_id(1)
         kvh = (h // GROUP).to(tl.int64)
         base = s * CHUNK
         out = part_ptr + (h.to(tl.int64) * NS + s) * (2 + DV)
+        dk = tl.arange(0, DK_P2)
+        dkm = dk < DK
         dv = tl.arange(0, DV_P2)
         dvm = dv < DV
         m_i = tl.full([], float("-inf"), tl.float32)  # running max, sum and accumulator of this chunk
         l_i = tl.zeros([], dtype=tl.float32)
         acc = tl.zeros([DV_P2], dtype=tl.float32)
-        # ---- a chunk whose keys are all masked (the unused tail of a static cache) does no further work ----
-        if HAS_MASK:
-            cl = base + tl.arange(0, CHUNK)
-            live = tl.max(tl.load(m_ptr + cl, mask=cl < L, other=0).to(tl.int32), axis=0)
-        else:
-            live = 1
-        if live != 0:
-            dk = tl.arange(0, DK_P2)
-            dkm = dk < DK
-            q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
-            for t0 in range(0, CHUNK, BLOCK_L):
-                rows = base + t0 + tl.arange(0, BLOCK_L)  # [BLOCK_L] key positions
-                ok = rows < L
-                if HAS_MASK:
-                    ok = ok & (tl.load(m_ptr + rows, mask=rows < L, other=0) != 0)
-                r64 = rows.to(tl.int64)
-                kt = tl.load(k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
-                             mask=ok[:, None] & dkm[None, :], other=0.0)
-                sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK_L]
+        if PREFETCH:
+            # The mask (made at the start of the step) and every cached key/value but the newest were written two
+            # or more kernels back, which have completed when this kernel is launched (each kernel lets its
+            # dependents launch only after its own wait): load the chunk now, while the kernel before runs. Only
+            # the newest kept row may be this step's token, written by the kernel just before: re-read after the wait.
+            rows = base + tl.arange(0, CHUNK)  # [CHUNK] key positions
+            ok = rows < L
+            if HAS_MASK:
+                ok = ok & (tl.load(m_ptr + rows, mask=ok, other=0) != 0)
+            r64 = rows.to(tl.int64)
+            kt = tl.load(k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
+                         mask=ok[:, None] & dkm[None, :], other=0.0)  # masked rows are not fetched
+            vt = tl.load(v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
+                         mask=ok[:, None] & dvm[None, :], other=0.0)
+            newest = tl.max(tl.where(ok, rows, -1), axis=0)
+            live = newest >= 0
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): q and the newest key/value follow the wait
+            gdc_wait()
+            gdc_launch_dependents()
+        if PREFETCH:
+            if live:
+                q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
+                n64 = newest.to(tl.int64)
+                kn = tl.load(k_ptr + kvh * stride_kh + n64 * stride_kl + dk, mask=dkm, other=0.0)
+                vn = tl.load(v_ptr + kvh * stride_vh + n64 * stride_vl + dv, mask=dvm, other=0.0)
+                is_new = (rows == newest)[:, None]
+                kt = tl.where(is_new, kn[None, :], kt)
+                vt = tl.where(is_new, vn[None, :], vt)
+                sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [CHUNK]
                 sc = tl.where(ok, sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept so far: no NaN
-                p = tl.exp(sc - m_safe)  # masked keys: exp(-inf) = 0
-                alpha = tl.exp(m_i - m_safe)
-                vt = tl.load(v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
-                             mask=ok[:, None] & dvm[None, :], other=0.0)
-                acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), axis=0)
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                m_i = m_new
+                m_i = tl.max(sc, axis=0)
+                p = tl.exp(sc - m_i)  # masked keys: exp(-inf) = 0
+                l_i = tl.sum(p, axis=0)
+                acc = tl.sum(p[:, None] * vt.to(tl.float32), axis=0)
+        else:
+            # ---- a chunk whose keys are all masked (the unused tail of a static cache) does no further work ----
+            if HAS_MASK:
+                cl = base + tl.arange(0, CHUNK)
+                live = tl.max(tl.load(m_ptr + cl, mask=cl < L, other=0).to(tl.int32), axis=0)
+            else:
+                live = 1
+            if live != 0:
+                q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
+                for t0 in range(0, CHUNK, BLOCK_L):
+                    rows = base + t0 + tl.arange(0, BLOCK_L)  # [BLOCK_L] key positions
+                    ok = rows < L
+                    if HAS_MASK:
+                        ok = ok & (tl.load(m_ptr + rows, mask=rows < L, other=0) != 0)
+                    r64 = rows.to(tl.int64)
+                    kt = tl.load(k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
+                                 mask=ok[:, None] & dkm[None, :], other=0.0)
+                    sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK_L]
+                    sc = tl.where(ok, sc, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept so far: no NaN
+                    p = tl.exp(sc - m_safe)  # masked keys: exp(-inf) = 0
+                    alpha = tl.exp(m_i - m_safe)
+                    vt = tl.load(v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
+                                 mask=ok[:, None] & dvm[None, :], other=0.0)
+                    acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), axis=0)
+                    l_i = l_i * alpha + tl.sum(p, axis=0)
+                    m_i = m_new
         tl.store(out, m_i)
         tl.store(out + 1, l_i)
-        tl.store(out + 2 + dv, acc, mask=dvm)
+        if live != 0:  # a chunk with nothing kept writes no accumulator: m = -inf says it all
+            tl.store(out + 2 + dv, acc, mask=dvm)
         # ---- the last of head h's programs combines the head's NS partial results ----
         tl.debug_barrier()  # this program's stores precede the release below
         done = tl.atomic_add(tick_ptr + h, 1, sem="acq_rel", scope="gpu")
@@ -167,7 +203,8 @@ if triton is not None:
         w = tl.exp(m - tl.where(M == float("-inf"), 0.0, M))  # splits with nothing kept weigh 0
         dv = tl.arange(0, DV_P2)
         dvm = dv < DV
-        acc = tl.load(row[:, None] + 2 + dv[None, :], mask=sm[:, None] & dvm[None, :], other=0.0,
+        kept = sm & (m > float("-inf"))  # splits with nothing kept wrote no accumulator
+        acc = tl.load(row[:, None] + 2 + dv[None, :], mask=kept[:, None] & dvm[None, :], other=0.0,
                       cache_modifier=".cg")
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         DT = o_ptr.dtype.element_ty
@@ -183,14 +220,17 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      scale: float | None = None, out: torch.Tensor | None = None, *, gate: torch.Tensor | None = None,
-                     chunk: int = 64, block_l: int = 64, num_warps: int = 4) -> torch.Tensor:
+                     chunk: int = 64, block_l: int = 64, num_warps: int = 4,
+                     prefetch: bool | None = None) -> torch.Tensor:
     """One query token's attention over a KV cache (module docstring). q [Hq,Dk]; k [Hkv,L,Dk]; v [Hkv,L,Dv];
     mask [L] bool (True = attend) or None (all L keys); scale default Dk^-0.5. Returns [Hq, Dv] in q's dtype (into
     `out` when given: [Hq, Dv] of q's dtype, last dim contiguous); with `gate` [Hq, Dv] (q's dtype, last dim
     contiguous) the output is multiplied by sigmoid(gate) in the same launch. No host sync: CUDA-graph capturable.
     Defaults: the best launch of `bench/decode_attention_sweep.py` on the H200 at Qwen3.5-35B heads with 640 of 8192
     cache positions used, 15.6 µs (SDPA over the masked cache: 22.8); at 140 of 1024 the best launch was chunk 32,
-    block_l 32, 8 warps, 8.7 µs (SDPA 15.7; the defaults were not timed there)."""
+    block_l 32, 8 warps, 8.7 µs (SDPA 15.7; the defaults were not timed there). `prefetch` (default: whenever
+    chunk == block_l) loads the chunk's mask, keys and values before the PDL wait and re-reads only the newest kept
+    row after it: the caller's cache rows other than the newest must not be written by the kernel just before."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     if q.dim() != 2 or k.dim() != 3 or v.dim() != 3:
@@ -226,6 +266,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         return out.zero_()
     chunk = max(16, triton.next_power_of_2(chunk))
     bl = min(triton.next_power_of_2(block_l), chunk)
+    prefetch = bl == chunk if prefetch is None else bool(prefetch)
+    if prefetch and bl != chunk:
+        raise ValueError(f"prefetch needs block_l == chunk (one tile per program), got {block_l}, {chunk}")
     ns = triton.cdiv(L, chunk)
     part = torch.empty(Hq, ns, 2 + Dv, dtype=torch.float32, device=q.device)
     scale = Dk ** -0.5 if scale is None else float(scale)
@@ -237,6 +280,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                             q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                             g.stride(0), DK=Dk, DV=Dv, DK_P2=triton.next_power_of_2(Dk),
                             DV_P2=triton.next_power_of_2(Dv), NS_P2=triton.next_power_of_2(ns), CHUNK=chunk,
-                            BLOCK_L=bl, HAS_MASK=mask is not None, HAS_GATE=gate is not None, num_warps=num_warps,
+                            BLOCK_L=bl, HAS_MASK=mask is not None, HAS_GATE=gate is not None, PREFETCH=prefetch,
+                            num_warps=num_warps,
                             **pdl_kw(q))
     return out

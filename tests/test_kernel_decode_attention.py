@@ -24,9 +24,11 @@ SHAPES = [(16, 2, 1024, 256, 256, 300, 256), (3, 3, 50, 40, 40, 50, 16), (4, 1, 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
+@pytest.mark.parametrize("tile", ["loop", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq{}Hkv{}L{}Dk{}Dv{}n{}".format(*s[:6]))
-def test_matches_reference_and_sdpa(shape, dtype):
+def test_matches_reference_and_sdpa(shape, dtype, tile):
+    """"loop": 16-key tiles walked after the wait; "prefetch": one tile per chunk, loaded before the wait."""
     Hq, Hkv, L, Dk, Dv, n, chunk = shape
     gen = torch.Generator().manual_seed(Hq + L + Dk)
     q = torch.randn(Hq, Dk, generator=gen).to(DEV, dtype)
@@ -37,7 +39,10 @@ def test_matches_reference_and_sdpa(shape, dtype):
     if n < L:
         k[:, n:] = float("nan")  # never read: a chunk past the last token returns before loading
         v[:, n:] = float("nan")
-    got = decode_attention(q, k, v, mask, chunk=chunk, block_l=16)
+    if tile == "loop":
+        got = decode_attention(q, k, v, mask, chunk=chunk, block_l=16, prefetch=False)
+    else:
+        got = decode_attention(q, k, v, mask, chunk=min(chunk, 64), block_l=min(chunk, 64), prefetch=True)
     assert got.dtype == dtype and got.shape == (Hq, Dv) and torch.isfinite(got.float()).all()
     torch.testing.assert_close(got, want, **TOL[dtype])
     if Dk == Dv:  # torch's SDPA with the same boolean mask (GQA by repeating KV heads)
@@ -45,6 +50,25 @@ def test_matches_reference_and_sdpa(shape, dtype):
         kk, vv = k[:, :n].repeat_interleave(r, 0), v[:, :n].repeat_interleave(r, 0)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, None].float(), kk.float(), vv.float())[:, 0]
         torch.testing.assert_close(got.float(), sdpa, **TOL[dtype])
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_holes_in_the_mask(prefetch):
+    """A mask with holes (sliding window, padding): masked keys are never read, on both paths; a chunk with nothing
+    kept contributes nothing."""
+    gen = torch.Generator().manual_seed(7)
+    Hq, Hkv, L, D = 8, 2, 96, 32
+    q = torch.randn(Hq, D, generator=gen).to(DEV)
+    k = torch.randn(Hkv, L, D, generator=gen).to(DEV)
+    v = torch.randn(Hkv, L, D, generator=gen).to(DEV)
+    mask = (torch.rand(L, generator=gen) < 0.4).to(DEV)
+    mask[32:48] = False  # one whole chunk of 16 masked
+    mask[70] = True
+    want = decode_attention_ref(q, k, v, mask)
+    k[:, ~mask] = float("nan")
+    v[:, ~mask] = float("nan")
+    got = decode_attention(q, k, v, mask, chunk=16, block_l=16 if prefetch else 8, prefetch=prefetch)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_no_mask_scale_and_out():
@@ -80,6 +104,8 @@ def test_launcher_checks():
         decode_attention(q, k2.double(), v2)
     with pytest.raises(ValueError, match="out"):
         decode_attention(q, k2, v2, out=torch.empty(4, 7, device=DEV))
+    with pytest.raises(ValueError, match="prefetch"):
+        decode_attention(q, k2, v2, chunk=32, block_l=16, prefetch=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
