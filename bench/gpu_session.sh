@@ -43,6 +43,9 @@
 #         polled with ld.acquire (boundary_cost.py)
 #   s6b:  the decode attention's chunk loaded before the PDL wait (prefetch): its GPU tests, the tiny families' tokens,
 #         then launch settings in the whole step at the bench's 512-token prompt (step_ab.py, 3 rounds)
+#   s6c:  the closing figures with session 6's code (moe_front's residual, qk_norm_rope's cos/sin and the DeltaNet
+#         step's conv windows loaded before the PDL wait; their GPU tests first): engine check + bench vs transformers (the #6 table), bench at
+#         the chat's default 8192-token context, the step breakdown at a 512-token prompt, the in-kernel barrier
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -265,4 +268,18 @@ if [[ $PART == s6b ]]; then
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     grep -A7 "^family" "$OUT/tiny.log"
     grep -B2 -A9 "^| case" "$OUT/ab.log"
+fi
+if [[ $PART == s6c ]]; then
+    step tests 80 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_moe_front.py tests/test_kernel_qk_norm_rope.py tests/test_kernel_delta_rule_step.py \
+        tests/test_fused.py tests/test_pdl.py
+    step engine 230 python bench/gpu_engine_check.py
+    step ctx8192 100 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
+    step breakdown 90 python bench/step_breakdown.py 0.85 --prompt 512
+    step barrier 40 python bench/boundary_cost.py --barrier
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on\|copy bandwidth" "$OUT/engine.log" | tail -5
+    tail -n 4 "$OUT/ctx8192.log"
+    grep -A14 "^sparsity" "$OUT/breakdown.log"
+    tail -n 5 "$OUT/barrier.log"
 fi

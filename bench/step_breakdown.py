@@ -5,7 +5,7 @@ eager decode steps on a StaticCache (what the graph step runs) with programmatic
 time is its own, not its wait for the one before) with torch.profiler, sorts every CUDA kernel of a step into a part
 by its name (projection GEMVs, lm_head, routed experts, router, shared expert, DeltaNet step, attention core, norms,
 glue), then times the captured CUDA-graph step (PDL as configured). Kernel time per part is exact; the graph step also pays ~1 µs between kernels.
-Usage: python bench/step_breakdown.py [sparsity] [--no-fused]
+Usage: python bench/step_breakdown.py [sparsity] [--no-fused] [--dense-tail] [--prompt 128]
 """
 
 import sys
@@ -17,7 +17,7 @@ from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.sampling import sample
 
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
+args = [a for a in sys.argv[1:] if not a.startswith("--") and sys.argv[sys.argv.index(a) - 1] != "--prompt"]
 sparsity = float(args[0]) if args else 0.85
 engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16,
                        fused="--no-fused" not in sys.argv)
@@ -47,7 +47,8 @@ def part_of(name: str) -> str:
     return next((p for key, p in PARTS if key in low), "glue (copies, adds, casts, cat, …)")
 
 
-prompt = torch.randint(0, engine.loaded.config.vocab_size, (1, 128), device="cuda")
+n_prompt = int(sys.argv[sys.argv.index("--prompt") + 1]) if "--prompt" in sys.argv else 128
+prompt = torch.randint(0, engine.loaded.config.vocab_size, (1, n_prompt), device="cuda")
 settings = GenerationSettings()
 steps = 10
 # the profiled steps run what the graph step runs: a StaticCache (the text model's fused call takes only that), with
@@ -90,7 +91,7 @@ total = sum(p[0] for p in parts.values())
 
 eos = engine.eos_ids
 engine.eos_ids = set()
-p = torch.randint(0, engine.loaded.config.vocab_size, (128,)).tolist()
+p = torch.randint(0, engine.loaded.config.vocab_size, (n_prompt,)).tolist()
 list(engine.generate(p, GenerationSettings(max_new_tokens=4)))
 list(engine.generate(p, GenerationSettings(max_new_tokens=129)))
 st = engine.stats

@@ -103,32 +103,54 @@ def gated_deltanet_step_ref(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv
 if triton is not None:
 
     @triton.jit
-    def _conv_silu(x_ptr, st_ptr, w_ptr, bias_ptr, bi, c0, n, stride_xb, stride_sb, stride_sc,
-                   HAS_BIAS: tl.constexpr, KS: tl.constexpr, KS_P2: tl.constexpr, N_P2: tl.constexpr):
-        """Causal conv1d update + SiLU for channels [c0, c0+n) of batch row bi. Returns (fp32 values rounded like
-        transformers, i.e. conv in the weight dtype, SiLU in the weight dtype, cast to x's dtype; the new state
-        tail [N_P2, KS_P2] to store; its pointers; its mask). Stores nothing (the caller stores after a barrier)."""
+    def _conv_window(st_ptr, w_ptr, bias_ptr, bi, c0, n, stride_sb, stride_sc, HAS_BIAS: tl.constexpr,
+                     KS: tl.constexpr, KS_P2: tl.constexpr, N_P2: tl.constexpr):
+        """What the conv update of channels [c0, c0+n) of batch row bi needs besides the new input: the state's last
+        KS-1 columns shifted left by one ([N_P2, KS_P2] fp32, column KS-1 zero), the weights [N_P2, KS_P2] and the
+        bias [N_P2] (fp32). Nothing here is written by the projection before: loadable before the PDL wait."""
+        c = c0 + tl.arange(0, N_P2)
+        cm = tl.arange(0, N_P2) < n
+        j = tl.arange(0, KS_P2)
+        # new[c, j] = cat(state, x)[c, j + 1], j < KS: the conv window and the next state
+        nxt = tl.load(st_ptr + bi * stride_sb + c[:, None].to(tl.int64) * stride_sc + (j[None, :] + 1),
+                      mask=cm[:, None] & (j[None, :] + 1 < KS), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c[:, None] * KS + j[None, :], mask=cm[:, None] & (j[None, :] < KS),
+                    other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros([N_P2], dtype=tl.float32)
+        return nxt, w, bias
+
+    @triton.jit
+    def _conv_apply(x_ptr, st_ptr, w_dtype: tl.constexpr, nxt, w, bias, bi, c0, n, stride_xb, stride_sb, stride_sc,
+                    KS: tl.constexpr, KS_P2: tl.constexpr, N_P2: tl.constexpr):
+        """Causal conv1d update + SiLU of channels [c0, c0+n) from `_conv_window`'s pieces and the new input. Returns
+        (fp32 values rounded like transformers, i.e. conv in the weight dtype, SiLU in the weight dtype, cast to x's
+        dtype; the new state tail [N_P2, KS_P2] to store; its pointers; its mask). Stores nothing (the caller stores
+        after a barrier)."""
         c = c0 + tl.arange(0, N_P2)
         cm = tl.arange(0, N_P2) < n
         j = tl.arange(0, KS_P2)
         xv = tl.load(x_ptr + bi * stride_xb + c, mask=cm, other=0.0)
-        wdt: tl.constexpr = w_ptr.dtype.element_ty
-        # new[c, j] = cat(state, x)[c, j + 1], j < KS: the conv window and the next state
-        nxt = tl.load(st_ptr + bi * stride_sb + c[:, None].to(tl.int64) * stride_sc + (j[None, :] + 1),
-                      mask=cm[:, None] & (j[None, :] + 1 < KS), other=0.0).to(tl.float32)
         new = tl.where(j[None, :] == KS - 1, xv.to(tl.float32)[:, None], nxt)
-        new = round_to(new, wdt)  # torch.cat(...).to(weight.dtype)
-        w = tl.load(w_ptr + c[:, None] * KS + j[None, :], mask=cm[:, None] & (j[None, :] < KS),
-                    other=0.0).to(tl.float32)
-        acc = tl.sum(new * w, axis=1)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        acc = round_to(acc, wdt)  # conv output in the weight dtype
-        y = round_to(acc / (1.0 + tl.exp(-acc)), wdt)  # SiLU in the weight dtype
+        new = round_to(new, w_dtype)  # torch.cat(...).to(weight.dtype)
+        acc = tl.sum(new * w, axis=1) + bias
+        acc = round_to(acc, w_dtype)  # conv output in the weight dtype
+        y = round_to(acc / (1.0 + tl.exp(-acc)), w_dtype)  # SiLU in the weight dtype
         y = round_to(y, xv.dtype)  # .to(hidden_states.dtype)
         sptr = st_ptr + bi * stride_sb + c[:, None].to(tl.int64) * stride_sc + j[None, :]
         smask = cm[:, None] & (j[None, :] < KS)
         return y, new, sptr, smask
+
+    @triton.jit
+    def _conv_silu(x_ptr, st_ptr, w_ptr, bias_ptr, bi, c0, n, stride_xb, stride_sb, stride_sc,
+                   HAS_BIAS: tl.constexpr, KS: tl.constexpr, KS_P2: tl.constexpr, N_P2: tl.constexpr):
+        """`_conv_window` then `_conv_apply`: the conv update of channels [c0, c0+n) in one go."""
+        nxt, w, bias = _conv_window(st_ptr, w_ptr, bias_ptr, bi, c0, n, stride_sb, stride_sc, HAS_BIAS, KS, KS_P2,
+                                    N_P2)
+        return _conv_apply(x_ptr, st_ptr, w_ptr.dtype.element_ty, nxt, w, bias, bi, c0, n, stride_xb, stride_sb,
+                           stride_sc, KS, KS_P2, N_P2)
 
     @triton.jit
     def _gdn_step_kernel(
@@ -284,27 +306,38 @@ if triton is not None:
         sp_ = s_ptr + bi * ss_b + h * ss_h + ik[:, None] * ss_k + jv[None, :]
         sm = km[:, None] & vm[None, :]
         s = tl.load(sp_, mask=sm, other=0.0).to(tl.float32)  # [DK_P2, BLOCK_V]
+        # likewise the conv windows (this kernel wrote them one step earlier), the conv weights and the gate constants
+        vc0 = 2 * HK * DK + h * DV + vb * BLOCK_V
+        vn = tl.minimum(DV - vb * BLOCK_V, BLOCK_V)
+        qwin, qw, qb = _conv_window(cst_ptr, cw_ptr, cb_ptr, bi, hk * DK, DK, stride_cb, stride_cc, HAS_BIAS, KS,
+                                    KS_P2, DK_P2)
+        kwin, kw, kb = _conv_window(cst_ptr, cw_ptr, cb_ptr, bi, HK * DK + hk * DK, DK, stride_cb, stride_cc,
+                                    HAS_BIAS, KS, KS_P2, DK_P2)
+        vwin, vw, vbias = _conv_window(cst_ptr, cw_ptr, cb_ptr, bi, vc0, vn, stride_cb, stride_cc, HAS_BIAS, KS,
+                                       KS_P2, BLOCK_V)
+        dtb = tl.load(dtb_ptr + h).to(tl.float32)
+        a_log = tl.load(alog_ptr + h).to(tl.float32)
         if PDL:  # programmatic dependent launch (kernels/pdl.py): the projections are read after the wait
             gdc_wait()
             gdc_launch_dependents()
+        wdt: tl.constexpr = cw_ptr.dtype.element_ty
         # q, k of the key head: every program of it reads the OLD conv window; the last one writes the new
-        q, qnew, qsp, qsm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, hk * DK, DK, stride_xb, stride_cb,
-                                       stride_cc, HAS_BIAS, KS, KS_P2, DK_P2)
-        k, knew, ksp, ksm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, HK * DK + hk * DK, DK, stride_xb,
-                                       stride_cb, stride_cc, HAS_BIAS, KS, KS_P2, DK_P2)
+        q, qnew, qsp, qsm = _conv_apply(x_ptr, cst_ptr, wdt, qwin, qw, qb, bi, hk * DK, DK, stride_xb, stride_cb,
+                                        stride_cc, KS, KS_P2, DK_P2)
+        k, knew, ksp, ksm = _conv_apply(x_ptr, cst_ptr, wdt, kwin, kw, kb, bi, HK * DK + hk * DK, DK, stride_xb,
+                                        stride_cb, stride_cc, KS, KS_P2, DK_P2)
         q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
         k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q / scale_div
         # this program's v channels: only it reads them, so it shifts their conv window itself
-        v, vnew, vsp, vsm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, 2 * HK * DK + h * DV + vb * BLOCK_V,
-                                       tl.minimum(DV - vb * BLOCK_V, BLOCK_V), stride_xb, stride_cb, stride_cc,
-                                       HAS_BIAS, KS, KS_P2, BLOCK_V)
+        v, vnew, vsp, vsm = _conv_apply(x_ptr, cst_ptr, wdt, vwin, vw, vbias, bi, vc0, vn, stride_xb, stride_cb,
+                                        stride_cc, KS, KS_P2, BLOCK_V)
         av = tl.load(a_ptr + bi * stride_ab + h)
         bv = tl.load(b_ptr + bi * stride_bb + h)
         beta = round_to(1.0 / (1.0 + tl.exp(-bv.to(tl.float32))), bv.dtype)
-        x = av.to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        x = av.to(tl.float32) + dtb
         sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
+        g = -tl.exp(a_log) * sp
         # the delta rule on this slice of columns: every column's update is independent of the others
         s = s * tl.exp(g)
         kv_mem = tl.sum(s * k[:, None], axis=0)

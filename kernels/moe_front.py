@@ -89,6 +89,7 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
         E_P2: tl.constexpr,
         SHARED_GATE: tl.constexpr,
+        EARLY_RES: tl.constexpr,  # load the residual before the PDL wait
         PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -103,13 +104,17 @@ if triton is not None:
         first = (tl.zeros([H_P2], dtype=tl.int32) + pid) == 0
         if SHARED_GATE:
             ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
+        if EARLY_RES:  # the residual was written two or more kernels back: complete when this one launches
+            rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         # ---- residual add and RMSNorm, in every program ----
         xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
         DT = xin.dtype
-        s = round_to(xin.to(tl.float32) + tl.load(r_ptr + cols, mask=cm, other=0.0).to(tl.float32), DT)
+        if not EARLY_RES:
+            rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
+        s = round_to(xin.to(tl.float32) + rv.to(tl.float32), DT)
         n = s * tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
         if KIND == 1:
             h = round_to(n * (1.0 + nw), DT)
@@ -133,10 +138,13 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, kind: str,
               router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, w_sg: torch.Tensor | None = None,
-              *, tickets: torch.Tensor | None = None, block_e: int = 1, num_warps: int = 4):
+              *, tickets: torch.Tensor | None = None, block_e: int = 1, num_warps: int = 4,
+              residual_early: bool = False):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
     dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None).
+    `residual_early`: the residual was not written by the kernel just before this launch (a decoder layer's input,
+    with the mixer's kernels between), so it is loaded before the PDL wait, overlapping that kernel.
     """
     if triton is None:
         raise RuntimeError("moe_front needs triton")
@@ -182,5 +190,6 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
         x1, r1, nw, w, w_sg.reshape(H) if w_sg is not None else nw, s, h, logits, tw, ti,
         sg if sg is not None else s, tickets, E, float(eps), H=H, H_P2=triton.next_power_of_2(H),
         KIND=_KINDS[kind], K=top_k, K_P2=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob), BLOCK_E=be,
-        E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None, num_warps=num_warps, **pdl_kw(x))
+        E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None, EARLY_RES=bool(residual_early),
+        num_warps=num_warps, **pdl_kw(x))
     return s, h, logits, tw, ti, sg

@@ -141,6 +141,9 @@ if triton is not None:
             w_ptr = wk_ptr
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=pm, other=0.0).to(tl.float32)
+        # cos, sin: made at the start of the step, with the q|k|v projection's kernel at least between: complete
+        c = tl.load(cos_ptr + cols, mask=pm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + cols, mask=pm, other=0.0).to(tl.float32)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -150,8 +153,6 @@ if triton is not None:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         y = _normed(x * rstd, w, KIND, DT)
         yp = _normed(xp * rstd, wp, KIND, DT)
-        c = tl.load(cos_ptr + cols, mask=pm, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + cols, mask=pm, other=0.0).to(tl.float32)
         sign = tl.where(cols < HALF, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
         r = round_to(round_to(y * c, DT) + round_to((sign * yp) * s, DT), DT)
         res = tl.where(rot, r, y).to(DT)
@@ -209,7 +210,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     (gated layers) de-interleaved and contiguous. D = the norm weights' length. With `kv_cache` (keys [Hkv, L, D],
     values [Hkv, L, D] of qkv's dtype, last dim contiguous; position: a one-element int tensor) k and v are also
     written at the position, which is then advanced by one (a position >= L writes nothing but still advances).
-    No host sync: capturable."""
+    No host sync: capturable. With PDL, cos and sin are read before the wait: they must not come from the kernel just
+    before this launch (the decode step makes them before its layers; the projection's GEMV runs between)."""
     if triton is None:
         raise RuntimeError("qk_norm_rope needs triton")
     if kind not in _KIND_ID:

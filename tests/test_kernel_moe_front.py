@@ -41,7 +41,8 @@ def test_matches_reference(shape, dtype, kind, block_e):
     H, E, k = shape
     x, r, nw, w, sg = _inputs(H, E, dtype, seed=H + E + k)
     with_gate = H != 33
-    got = moe_front(x, r, nw, 1e-6, kind, w, k, True, sg if with_gate else None, block_e=block_e)
+    got = moe_front(x, r, nw, 1e-6, kind, w, k, True, sg if with_gate else None, block_e=block_e,
+                    residual_early=block_e == 4)  # the residual loaded before the PDL wait: same results
     want = moe_front_ref(x, r, nw, 1e-6, kind, w, k, True, sg if with_gate else None)
     s, h, logits, tw, ti, g = got
     torch.testing.assert_close(s, want[0], rtol=0, atol=0)  # one rounding of x + residual
