@@ -277,6 +277,7 @@ if [[ $PART == s6c ]]; then
     step ctx8192 100 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
     step breakdown 90 python bench/step_breakdown.py 0.85 --prompt 512
     step barrier 40 python bench/boundary_cost.py --barrier
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on\|copy bandwidth" "$OUT/engine.log" | tail -5
     tail -n 4 "$OUT/ctx8192.log"
