@@ -48,6 +48,8 @@
 #         the chat's default 8192-token context, the step breakdown at a 512-token prompt, the in-kernel barrier
 #   s6d:  s6c's GPU tests with time to finish, and the bench again at context 832 and 8192 (s6c's 85% row lost 9% at
 #         8192 where the dense row lost 1%: run-to-run spread or the long static cache)
+#   s6e:  decode attention with at most 16 programs per head (each walks chunks p, p + NP, ...): its GPU tests, the
+#         tiny families' tokens, A/B at the chat's 8192-token context (step_ab.py --context 8192), the bench at 832/8192
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -295,4 +297,18 @@ if [[ $PART == s6d ]]; then
     step bench832b 100 python -m localmoe bench --shape qwen3.5-35b --sparsity 0.85,0
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     tail -n 4 "$OUT/bench832.log" "$OUT/ctx8192.log" "$OUT/bench832b.log"
+fi
+if [[ $PART == s6e ]]; then
+    step tests 120 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_decode_attention.py tests/test_fused_attention.py tests/test_attention.py
+    step tiny 70 python bench/gpu_engine_check.py --skip-bench
+    A=table:decode_attention:Hq16_Hkv2_D256
+    step ab 200 python bench/step_ab.py "base,$A:max_splits=128,$A:chunk=32;block_l=32;num_warps=4,$A:max_splits=32" \
+        --rounds 3 --prompt 512 --context 8192
+    step bench832 80 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85
+    step ctx8192 80 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -A7 "^family" "$OUT/tiny.log"
+    grep -B2 -A6 "^| case" "$OUT/ab.log"
+    tail -n 3 "$OUT/bench832.log" "$OUT/ctx8192.log"
 fi

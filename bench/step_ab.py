@@ -2,8 +2,9 @@
 
 Kernel benches time a launch alone or in a short chain; what counts is the step, where each kernel overlaps its
 neighbours (PDL) and shares the SMs with them. This builds the random-weight Qwen3.5-35B-A3B engine once (85 %,
-context 1024) and, for each case, applies a setting, captures the graph again and decodes 129 tokens after a
-128-token prompt; the cases run in rounds (A B C A B C ...) so drift between machines' minutes shows as spread.
+context 1024 unless --context) and, for each case, applies a setting, captures the graph again and decodes 129
+tokens after a 128-token prompt; the cases run in rounds (A B C A B C ...) so drift between machines' minutes
+shows as spread.
 
 Cases (comma-separated; settings joined by "+" apply together):
   base                          the tuned defaults
@@ -16,6 +17,7 @@ Cases (comma-separated; settings joined by "+" apply together):
   table:KERNEL:SHAPE:K=V[;K=V]  a decode_params entry of kernels/tuned/<device>.json replaced for this case, e.g.
                                 table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or table:moe_front:H2048_E256_k8:block_e=2
 Usage: PYTHONUNBUFFERED=1 python bench/step_ab.py CASE[,CASE...] [--rounds 3] [--sparsity 0.85] [--prompt 128]
+       [--context 1024]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def _kv(spec: str) -> dict:
 # what the current case changed, undone before the next: table entries (None: absent before), modules swapped out,
 # attributes set
 _UNDO: dict[str, dict] = {"table": {}, "modules": {}, "attrs": {}}
+CONTEXT = 1024  # the static cache's length (--context)
 
 
 def _set(model, name: str, module) -> None:
@@ -55,7 +58,7 @@ def apply(engine, case: str) -> None:
     reset(engine)
     for part in case.split("+"):
         _apply_one(engine, part)
-    engine.set_context(1024)  # drops the captured graph: the next generate captures with this case's settings
+    engine.set_context(CONTEXT)  # drops the captured graph: the next generate captures with this case's settings
 
 
 def reset(engine) -> None:
@@ -124,6 +127,8 @@ def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
     sparsity = float(sys.argv[sys.argv.index("--sparsity") + 1]) if "--sparsity" in sys.argv else 0.85
     n_prompt = int(sys.argv[sys.argv.index("--prompt") + 1]) if "--prompt" in sys.argv else 128
+    global CONTEXT
+    CONTEXT = int(sys.argv[sys.argv.index("--context") + 1]) if "--context" in sys.argv else 1024
     engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16)
     engine.set_sparsity(sparsity)
     engine.eos_ids = set()
@@ -141,7 +146,8 @@ def main() -> None:
             print(f"  round {r} {case}: {tok_s:.1f} tok/s ({1e6 / tok_s:.0f} µs/step), prefill "
                   f"{engine.stats.prefill_tok_s:.1f} tok/s", flush=True)
     base = statistics.median(results[cases[0]])
-    print(f"\nsparsity {sparsity:.0%}, context 1024, prompt {n_prompt}, {rounds} rounds (median; spread = max - min)")
+    print(f"\nsparsity {sparsity:.0%}, context {CONTEXT}, prompt {n_prompt}, {rounds} rounds "
+          "(median; spread = max - min)")
     print("| case | decode tok/s | µs/step | spread tok/s | vs first | prefill tok/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for case, v in results.items():

@@ -1,21 +1,24 @@
 """Attention for ONE query token over a KV cache, in time proportional to the keys the mask keeps (flash decoding).
 
 Owns `decode_attention` (Triton launcher), its torch reference `decode_attention_ref`, and one kernel
-`_split_kernel`, grid (Hq, NS), with the combine in its tail:
+`_split_kernel`, grid (Hq, NP), with the combine in its tail:
 
-1. program (h, s) takes keys [s*CHUNK, (s+1)*CHUNK) of query head h's KV head (GQA: kv = h // (Hq / Hkv)). It
-   first loads the chunk's mask; a chunk with no key kept (the unused tail of a static cache sized for the whole
-   context) skips the keys, so the time follows the tokens so far, not the cache size. Otherwise it walks the
-   chunk in BLOCK_L tiles with an online softmax (fp32 running max m, sum l and accumulator acc[Dv]) and writes
-   (m, l, acc) of its chunk. With one tile per chunk (PREFETCH, the default when BLOCK_L == CHUNK) the mask and
-   the chunk's keys and values are loaded before the PDL wait, overlapping the kernel before; after it only q and
-   the newest kept key/value row (this step's token, written by that kernel) are read.
-2. then it takes head h's ticket (acq_rel atomic, as kernels/sparse_fused.py does); the last of the head's NS
-   programs combines (`_combine_head`): rescales the NS partial results to their common max and writes
+1. program (h, p) takes chunks p, p + NP, p + 2 NP, ... of CHUNK keys of query head h's KV head (GQA: kv = h //
+   (Hq / Hkv)); NP = min(NS, max_splits), so a long static cache's unused tail does not grow the grid (at the
+   default 8192-token context 16 programs per head, not 128). A chunk with no key kept (that unused tail) is
+   skipped after its mask is read, so the time follows the tokens so far, not the cache size. Kept chunks are
+   walked in BLOCK_L tiles with an online softmax (fp32 running max m, sum l and accumulator acc[Dv]); the program
+   writes (m, l, acc) of its chunks. With one tile per chunk (PREFETCH, the default when BLOCK_L == CHUNK) every
+   chunk's mask and the first chunk's keys and values are loaded before the PDL wait, overlapping the kernel
+   before; after it q and the newest kept key/value row (this step's token, written by that kernel) are read, and
+   any later kept chunk (contexts past NP chunks).
+2. then it takes head h's ticket (acq_rel atomic, as kernels/sparse_fused.py does); the last of the head's NP
+   programs combines (`_combine_head`): rescales the NP partial results to their common max and writes
    out[h] = Σ acc / Σ l in the query's dtype; with `gate` (Qwen3.5's gated attention output) it writes
    out[h] · sigmoid(gate[h]) instead, rounded as transformers' `attn_output * torch.sigmoid(gate)` rounds; and
    re-zeroes the ticket (no memset node, CUDA-graph capturable). One launch instead of two: one grid-wide wait
-   fewer per attention layer in the decode step.
+   fewer per attention layer in the decode step. A program with nothing kept writes no accumulator, and the
+   combine reads none for it.
 
 Why: transformers' SDPA path on a static cache reads every one of its max_cache_len keys for each decode token
 (the mask hides the unused ones but the kernel still streams them): at the default 8192-token context that
@@ -23,8 +26,8 @@ was ~1.4 ms of a ~5 ms Qwen3.5-35B step on the H200. Semantics equal SDPA with a
 no mask (attend to all L keys, as SDPA does with is_causal=False for one query).
 
 Shape legend: Hq query heads, Hkv KV heads, L cache length (keys), Dk query/key head dim, Dv value head dim,
-NS = ceil(L / CHUNK) splits. q [Hq, Dk]; k [Hkv, L, Dk]; v [Hkv, L, Dv] (any strides, last dim contiguous);
-mask [L] bool or None; out [Hq, Dv]; tickets [Hq] int32, zero between launches.
+NS = ceil(L / CHUNK) chunks, NP programs per head. q [Hq, Dk]; k [Hkv, L, Dk]; v [Hkv, L, Dv] (any strides, last dim
+contiguous); mask [L] bool or None; out [Hq, Dv]; tickets [Hq] int32, zero between launches.
 """
 
 from __future__ import annotations
@@ -77,12 +80,13 @@ if triton is not None:
         k_ptr,  # [Hkv, L, Dk], strides stride_kh, stride_kl
         v_ptr,  # [Hkv, L, Dv], strides stride_vh, stride_vl
         m_ptr,  # [L] int8 (1 = attend) (HAS_MASK only)
-        part_ptr,  # [Hq, NS, 2 + Dv] fp32: m, l, acc
+        part_ptr,  # [Hq, NP, 2 + Dv] fp32: m, l, acc of each program
         o_ptr,  # [Hq, Dv] out (q's dtype), row stride stride_oh
         g_ptr,  # [Hq, Dv] output gate (q's dtype), row stride stride_gh (HAS_GATE only)
         tick_ptr,  # [Hq] int32 tickets, zero between launches
         L,
-        NS,
+        NS,  # chunks of CHUNK keys
+        NP,  # programs per head: program p takes chunks p, p + NP, p + 2 NP, ... (at most NCH of them)
         GROUP,  # Hq // Hkv
         scale,
         stride_qh,
@@ -96,32 +100,34 @@ if triton is not None:
         DV: tl.constexpr,
         DK_P2: tl.constexpr,
         DV_P2: tl.constexpr,
-        NS_P2: tl.constexpr,
+        NP_P2: tl.constexpr,
+        NCH: tl.constexpr,  # chunks per program, a power of two >= cdiv(NS, NP)
         CHUNK: tl.constexpr,
         BLOCK_L: tl.constexpr,
         HAS_MASK: tl.constexpr,
         HAS_GATE: tl.constexpr,
-        PREFETCH: tl.constexpr,  # CHUNK == BLOCK_L: the chunk's mask and keys/values are loaded before the PDL wait
+        PREFETCH: tl.constexpr,  # CHUNK == BLOCK_L: the first chunk's keys/values, every chunk's mask before the wait
         PDL: tl.constexpr,
     ):
         h = tl.program_id(0)
-        s = tl.program_id(1)
+        p = tl.program_id(1)
         kvh = (h // GROUP).to(tl.int64)
-        base = s * CHUNK
-        out = part_ptr + (h.to(tl.int64) * NS + s) * (2 + DV)
+        out = part_ptr + (h.to(tl.int64) * NP + p) * (2 + DV)
         dk = tl.arange(0, DK_P2)
         dkm = dk < DK
         dv = tl.arange(0, DV_P2)
         dvm = dv < DV
-        m_i = tl.full([], float("-inf"), tl.float32)  # running max, sum and accumulator of this chunk
+        m_i = tl.full([], float("-inf"), tl.float32)  # running max, sum and accumulator of this program's keys
         l_i = tl.zeros([], dtype=tl.float32)
         acc = tl.zeros([DV_P2], dtype=tl.float32)
+        ci = tl.arange(0, NCH)  # this program's chunks: p + ci * NP
         if PREFETCH:
             # The mask (made at the start of the step) and every cached key/value but the newest were written two
             # or more kernels back, which have completed when this kernel is launched (each kernel lets its
-            # dependents launch only after its own wait): load the chunk now, while the kernel before runs. Only
-            # the newest kept row may be this step's token, written by the kernel just before: re-read after the wait.
-            rows = base + tl.arange(0, CHUNK)  # [CHUNK] key positions
+            # dependents launch only after its own wait): load the first chunk now, while the kernel before runs.
+            # Only the newest kept row may be this step's token, written by the kernel just before: re-read after
+            # the wait.
+            rows = p * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] key positions
             ok = rows < L
             if HAS_MASK:
                 ok = ok & (tl.load(m_ptr + rows, mask=ok, other=0) != 0)
@@ -131,13 +137,21 @@ if triton is not None:
             vt = tl.load(v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
                          mask=ok[:, None] & dvm[None, :], other=0.0)
             newest = tl.max(tl.where(ok, rows, -1), axis=0)
-            live = newest >= 0
+            later = tl.zeros([NCH], dtype=tl.int32)  # which of the later chunks keep any key (a static cache's
+            if NCH > 1:  # unused tail does not)
+                cs = p + ci * NP
+                crow = cs[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [NCH, CHUNK]
+                cin = (ci[:, None] >= 1) & (cs[:, None] < NS) & (crow < L)
+                if HAS_MASK:
+                    later = tl.max(tl.load(m_ptr + crow, mask=cin, other=0).to(tl.int32), axis=1)  # [NCH]
+                else:
+                    later = tl.max(cin.to(tl.int32), axis=1)
         if PDL:  # programmatic dependent launch (kernels/pdl.py): q and the newest key/value follow the wait
             gdc_wait()
             gdc_launch_dependents()
+        q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
         if PREFETCH:
-            if live:
-                q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
+            if newest >= 0:
                 n64 = newest.to(tl.int64)
                 kn = tl.load(k_ptr + kvh * stride_kh + n64 * stride_kl + dk, mask=dkm, other=0.0)
                 vn = tl.load(v_ptr + kvh * stride_vh + n64 * stride_vl + dv, mask=dvm, other=0.0)
@@ -147,48 +161,67 @@ if triton is not None:
                 sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [CHUNK]
                 sc = tl.where(ok, sc, float("-inf"))
                 m_i = tl.max(sc, axis=0)
-                p = tl.exp(sc - m_i)  # masked keys: exp(-inf) = 0
-                l_i = tl.sum(p, axis=0)
-                acc = tl.sum(p[:, None] * vt.to(tl.float32), axis=0)
+                pr = tl.exp(sc - m_i)  # masked keys: exp(-inf) = 0
+                l_i = tl.sum(pr, axis=0)
+                acc = tl.sum(pr[:, None] * vt.to(tl.float32), axis=0)
+            for j in range(1, NCH):  # later chunks (contexts past NP chunks), read after the wait
+                if tl.max(tl.where(ci == j, later, 0), axis=0) != 0:
+                    m_i, l_i, acc = _chunk(q, k_ptr, v_ptr, m_ptr, kvh, (p + j * NP) * CHUNK, L, scale, m_i, l_i,
+                                           acc, stride_kh, stride_kl, stride_vh, stride_vl, DK, DV, DK_P2, DV_P2,
+                                           CHUNK, BLOCK_L, HAS_MASK)
         else:
-            # ---- a chunk whose keys are all masked (the unused tail of a static cache) does no further work ----
-            if HAS_MASK:
-                cl = base + tl.arange(0, CHUNK)
-                live = tl.max(tl.load(m_ptr + cl, mask=cl < L, other=0).to(tl.int32), axis=0)
-            else:
-                live = 1
-            if live != 0:
-                q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
-                for t0 in range(0, CHUNK, BLOCK_L):
-                    rows = base + t0 + tl.arange(0, BLOCK_L)  # [BLOCK_L] key positions
-                    ok = rows < L
-                    if HAS_MASK:
-                        ok = ok & (tl.load(m_ptr + rows, mask=rows < L, other=0) != 0)
-                    r64 = rows.to(tl.int64)
-                    kt = tl.load(k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
-                                 mask=ok[:, None] & dkm[None, :], other=0.0)
-                    sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK_L]
-                    sc = tl.where(ok, sc, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept so far: no NaN
-                    p = tl.exp(sc - m_safe)  # masked keys: exp(-inf) = 0
-                    alpha = tl.exp(m_i - m_safe)
-                    vt = tl.load(v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
-                                 mask=ok[:, None] & dvm[None, :], other=0.0)
-                    acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), axis=0)
-                    l_i = l_i * alpha + tl.sum(p, axis=0)
-                    m_i = m_new
+            for j in range(0, NCH):
+                base = (p + j * NP) * CHUNK
+                if HAS_MASK:  # a chunk whose keys are all masked (a static cache's unused tail): no further work
+                    cl = base + tl.arange(0, CHUNK)
+                    live = tl.max(tl.load(m_ptr + cl, mask=cl < L, other=0).to(tl.int32), axis=0)
+                else:
+                    live = (base < L).to(tl.int32)
+                if live != 0:
+                    m_i, l_i, acc = _chunk(q, k_ptr, v_ptr, m_ptr, kvh, base, L, scale, m_i, l_i, acc, stride_kh,
+                                           stride_kl, stride_vh, stride_vl, DK, DV, DK_P2, DV_P2, CHUNK, BLOCK_L,
+                                           HAS_MASK)
         tl.store(out, m_i)
         tl.store(out + 1, l_i)
-        if live != 0:  # a chunk with nothing kept writes no accumulator: m = -inf says it all
+        if m_i > float("-inf"):  # a program with nothing kept writes no accumulator: m = -inf says it all
             tl.store(out + 2 + dv, acc, mask=dvm)
-        # ---- the last of head h's programs combines the head's NS partial results ----
+        # ---- the last of head h's programs combines the head's NP partial results ----
         tl.debug_barrier()  # this program's stores precede the release below
         done = tl.atomic_add(tick_ptr + h, 1, sem="acq_rel", scope="gpu")
-        if done == NS - 1:
-            _combine_head(part_ptr, o_ptr, g_ptr, h.to(tl.int64), NS, stride_oh, stride_gh, DV=DV, DV_P2=DV_P2,
-                          NS_P2=NS_P2, HAS_GATE=HAS_GATE)
+        if done == NP - 1:
+            _combine_head(part_ptr, o_ptr, g_ptr, h.to(tl.int64), NP, stride_oh, stride_gh, DV=DV, DV_P2=DV_P2,
+                          NS_P2=NP_P2, HAS_GATE=HAS_GATE)
             tl.store(tick_ptr + h, 0)  # ready for the next launch / graph replay
+
+    @triton.jit
+    def _chunk(q, k_ptr, v_ptr, m_ptr, kvh, base, L, scale, m_i, l_i, acc, stride_kh, stride_kl, stride_vh,
+               stride_vl, DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr,
+               CHUNK: tl.constexpr, BLOCK_L: tl.constexpr, HAS_MASK: tl.constexpr):
+        """Keys [base, base + CHUNK) in BLOCK_L tiles, folded into the running (m, l, acc) by the online softmax."""
+        dk = tl.arange(0, DK_P2)
+        dkm = dk < DK
+        dv = tl.arange(0, DV_P2)
+        dvm = dv < DV
+        for t0 in range(0, CHUNK, BLOCK_L):
+            rows = base + t0 + tl.arange(0, BLOCK_L)  # [BLOCK_L] key positions
+            ok = rows < L
+            if HAS_MASK:
+                ok = ok & (tl.load(m_ptr + rows, mask=rows < L, other=0) != 0)
+            r64 = rows.to(tl.int64)
+            kt = tl.load(k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
+                         mask=ok[:, None] & dkm[None, :], other=0.0)
+            sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK_L]
+            sc = tl.where(ok, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept so far: no NaN
+            pr = tl.exp(sc - m_safe)  # masked keys: exp(-inf) = 0
+            alpha = tl.exp(m_i - m_safe)
+            vt = tl.load(v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
+                         mask=ok[:, None] & dvm[None, :], other=0.0)
+            acc = acc * alpha + tl.sum(pr[:, None] * vt.to(tl.float32), axis=0)
+            l_i = l_i * alpha + tl.sum(pr, axis=0)
+            m_i = m_new
+        return m_i, l_i, acc
 
     @triton.jit
     def _combine_head(part_ptr, o_ptr, g_ptr, h, NS, stride_oh, stride_gh, DV: tl.constexpr, DV_P2: tl.constexpr,
@@ -221,7 +254,7 @@ if triton is not None:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      scale: float | None = None, out: torch.Tensor | None = None, *, gate: torch.Tensor | None = None,
                      chunk: int = 64, block_l: int = 64, num_warps: int = 4,
-                     prefetch: bool | None = None) -> torch.Tensor:
+                     prefetch: bool | None = None, max_splits: int = 16) -> torch.Tensor:
     """One query token's attention over a KV cache (module docstring). q [Hq,Dk]; k [Hkv,L,Dk]; v [Hkv,L,Dv];
     mask [L] bool (True = attend) or None (all L keys); scale default Dk^-0.5. Returns [Hq, Dv] in q's dtype (into
     `out` when given: [Hq, Dv] of q's dtype, last dim contiguous); with `gate` [Hq, Dv] (q's dtype, last dim
@@ -267,20 +300,25 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     chunk = max(16, triton.next_power_of_2(chunk))
     bl = min(triton.next_power_of_2(block_l), chunk)
     prefetch = bl == chunk if prefetch is None else bool(prefetch)
+    if max_splits < 1:
+        raise ValueError(f"max_splits must be >= 1, got {max_splits}")
     if prefetch and bl != chunk:
         raise ValueError(f"prefetch needs block_l == chunk (one tile per program), got {block_l}, {chunk}")
     ns = triton.cdiv(L, chunk)
-    part = torch.empty(Hq, ns, 2 + Dv, dtype=torch.float32, device=q.device)
+    # programs per head: at most max_splits (more only past 16 chunks each, which bounds the mask tile a program
+    # loads), so the grid does not grow with a long static cache's unused tail
+    npg = min(ns, max(int(max_splits), triton.cdiv(ns, 16)))
+    nch = triton.next_power_of_2(triton.cdiv(ns, npg))
+    part = torch.empty(Hq, npg, 2 + Dv, dtype=torch.float32, device=q.device)
     scale = Dk ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     g = gate if gate is not None else out
     tickets = zeroed_int32("decode_attention", q.device, Hq)  # self-cleaning: the combining program re-zeroes
-    _split_kernel[(Hq, ns)](q, k, v, mask if mask is not None else q, part, out, g, tickets, L, ns, Hq // Hkv, scale,
-                            q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-                            g.stride(0), DK=Dk, DV=Dv, DK_P2=triton.next_power_of_2(Dk),
-                            DV_P2=triton.next_power_of_2(Dv), NS_P2=triton.next_power_of_2(ns), CHUNK=chunk,
-                            BLOCK_L=bl, HAS_MASK=mask is not None, HAS_GATE=gate is not None, PREFETCH=prefetch,
-                            num_warps=num_warps,
-                            **pdl_kw(q))
+    _split_kernel[(Hq, npg)](q, k, v, mask if mask is not None else q, part, out, g, tickets, L, ns, npg, Hq // Hkv,
+                             scale, q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+                             g.stride(0), DK=Dk, DV=Dv, DK_P2=triton.next_power_of_2(Dk),
+                             DV_P2=triton.next_power_of_2(Dv), NP_P2=triton.next_power_of_2(npg), NCH=nch,
+                             CHUNK=chunk, BLOCK_L=bl, HAS_MASK=mask is not None, HAS_GATE=gate is not None,
+                             PREFETCH=prefetch, num_warps=num_warps, **pdl_kw(q))
     return out

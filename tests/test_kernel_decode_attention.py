@@ -71,6 +71,32 @@ def test_holes_in_the_mask(prefetch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("max_splits", [1, 3, 4, 64])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
+def test_programs_walk_several_chunks(max_splits, prefetch, masked):
+    """Fewer programs than chunks (a long static cache): program p takes chunks p, p + NP, ...; kept keys in the
+    later chunks (a long context), a chunk with nothing kept among them, and the ragged last chunk all count."""
+    gen = torch.Generator().manual_seed(max_splits)
+    Hq, Hkv, L, D = 4, 2, 200, 32  # 13 chunks of 16
+    q = torch.randn(Hq, D, generator=gen).to(DEV)
+    k = torch.randn(Hkv, L, D, generator=gen).to(DEV)
+    v = torch.randn(Hkv, L, D, generator=gen).to(DEV)
+    mask = None
+    if masked:
+        mask = torch.arange(L) < 150
+        mask[64:80] = False  # chunk 4: nothing kept
+        mask[100:110] = False
+        mask = mask.to(DEV)
+    want = decode_attention_ref(q, k, v, mask)
+    if masked:
+        k[:, ~mask] = float("nan")  # never read
+        v[:, ~mask] = float("nan")
+    got = decode_attention(q, k, v, mask, chunk=16, block_l=16 if prefetch else 8, prefetch=prefetch,
+                           max_splits=max_splits)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_no_mask_scale_and_out():
     gen = torch.Generator().manual_seed(5)
     q, k, v = torch.randn(4, 32, generator=gen), torch.randn(2, 45, 32, generator=gen), torch.randn(2, 45, 8, generator=gen)
@@ -104,6 +130,8 @@ def test_launcher_checks():
         decode_attention(q, k2.double(), v2)
     with pytest.raises(ValueError, match="out"):
         decode_attention(q, k2, v2, out=torch.empty(4, 7, device=DEV))
+    with pytest.raises(ValueError, match="max_splits"):
+        decode_attention(q, k2, v2, max_splits=0)
     with pytest.raises(ValueError, match="prefetch"):
         decode_attention(q, k2, v2, chunk=32, block_l=16, prefetch=True)
 
