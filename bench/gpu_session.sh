@@ -50,6 +50,7 @@
 #         8192 where the dense row lost 1%: run-to-run spread or the long static cache)
 #   s6e:  decode attention with at most 16 programs per head (each walks chunks p, p + NP, ...): its GPU tests, the
 #         tiny families' tokens, A/B at the chat's 8192-token context (step_ab.py --context 8192), the bench at 832/8192
+#   s6f:  sparse_fused's two-level ticket against the one-level default in the whole step, 5 rounds at prompt 512
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -311,4 +312,9 @@ if [[ $PART == s6e ]]; then
     grep -A7 "^family" "$OUT/tiny.log"
     grep -B2 -A6 "^| case" "$OUT/ab.log"
     tail -n 3 "$OUT/bench832.log" "$OUT/ctx8192.log"
+fi
+if [[ $PART == s6f ]]; then
+    step ab 240 python bench/step_ab.py "base,fused:ticket_levels=2" --rounds 6 --prompt 512
+    grep -B2 -A4 "^| case" "$OUT/ab.log"
+    grep round "$OUT/ab.log"
 fi
