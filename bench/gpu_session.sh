@@ -51,6 +51,7 @@
 #   s6e:  decode attention with at most 16 programs per head (each walks chunks p, p + NP, ...): its GPU tests, the
 #         tiny families' tokens, A/B at the chat's 8192-token context (step_ab.py --context 8192), the bench at 832/8192
 #   s6f:  sparse_fused's two-level ticket against the one-level default in the whole step, 5 rounds at prompt 512
+#   s6g:  the closing figures with the final code: engine check + bench vs transformers
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -317,4 +318,9 @@ if [[ $PART == s6f ]]; then
     step ab 240 python bench/step_ab.py "base,fused:ticket_levels=2" --rounds 6 --prompt 512
     grep -B2 -A4 "^| case" "$OUT/ab.log"
     grep round "$OUT/ab.log"
+fi
+if [[ $PART == s6g ]]; then
+    step engine 200 python bench/gpu_engine_check.py
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
 fi
