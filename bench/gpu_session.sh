@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The pending GPU measurements (bench/README.md), in device calls of <= 570 s of steps each.
 # Usage on the device machine, from the repository root:  bash bench/gpu_session.sh [a|b|c|all]
+# Parts of earlier sessions stay as the record of what was run; some name options removed since (e.g. s6's and s6f's
+# `fused:ticket_levels=2`, a two-level expert ticket that measured no faster and left the kernel).
 #   a: GPU kernel/module tests, the engine check (tiny families + bench vs transformers), one step's breakdown
 #   b: offloading under --vram 24 (gate tier vs whole-expert slots, skewed routing), sparse/dense crossover
 #   c: the decode-attention kernel: its tests, the engine check and breakdown again, bench at the 8192 default context

@@ -10,8 +10,8 @@ Knobs of `_variant_kernel` (grid (T*k + T, cdiv(I, BLOCK_I * NB))):
   ATOM      0 atomics (correct); 1 plain stores instead (wrong sums: measures what the atomics cost)
   GATE_ONLY no up/down at all (wrong sums: measures the gate pass alone)
   TICKET    0 the per-token ticket as the product kernel (acq_rel); 1 release, the last program acquires; 2 no ticket
-            and no finalising program (wrong output: what the 576 same-address atomics of a token cost); 3 two levels
-            (a ticket per neuron block of K + 1 programs, then the token's over the blocks)
+            and no finalising program (wrong output: what the 576 same-address atomics of a token cost). A two-level
+            ticket (per neuron block, then per token) measured no faster (session 6) and left the product kernel
 
 Timed as CUDA graphs over 12 weight sets (L2 cannot hold them), `graph_timing.graph_us`, two ways: the expert launch
 alone (12 in a row) and the pair moe_front -> experts as the decoder layer runs them (PDL edges between them).
@@ -38,7 +38,7 @@ from moe_inputs import moe_block_inputs, random_bf16
 
 @triton.jit
 def _variant_kernel(x_ptr, wg_ptr, wu_ptr, wd_ptr, eid_ptr, rw_ptr, tau_ptr, y_ptr, cnt_ptr, acc_ptr, cws_ptr,
-                    tick_ptr, gtick_ptr, swg_ptr, swu_ptr, swd_ptr, sw_ptr, res_ptr, I, I_S, T, TK, K, stride_xt, stride_ge,
+                    tick_ptr, swg_ptr, swu_ptr, swd_ptr, sw_ptr, res_ptr, I, I_S, T, TK, K, stride_xt, stride_ge,
                     stride_ue, stride_de, H: tl.constexpr, H_P2: tl.constexpr, BLOCK_I: tl.constexpr,
                     NB: tl.constexpr, K_P2: tl.constexpr, SH_FIRST: tl.constexpr, SH_PRE: tl.constexpr,
                     ATOM: tl.constexpr, GATE_ONLY: tl.constexpr, TICKET: tl.constexpr, PDL: tl.constexpr):
@@ -114,8 +114,8 @@ def _variant_kernel(x_ptr, wg_ptr, wu_ptr, wd_ptr, eid_ptr, rw_ptr, tau_ptr, y_p
             tl.atomic_add(tick_ptr + t, 0, sem="acquire", scope="gpu")
     elif TICKET == 2:  # no ticket and no finalising program (wrong output: what the ticket costs)
         last = False
-    else:  # 0: the product kernel's token ticket; 3: its two-level ticket
-        last = last_of_token(tick_ptr, gtick_ptr, t, pid_i, K + 1, TWO=TICKET == 3)
+    else:  # 0: the product kernel's token ticket
+        last = last_of_token(tick_ptr, t, (K + 1) * tl.num_programs(1))
     if last:
         publish_token(acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H=H, H_P2=H_P2,
                       K_P2=K_P2, HAS_RES=True)
@@ -128,9 +128,8 @@ def variant(x, w_gate, w_up, w_down_t, ids, weights, tau, out, count, shared, re
     acc = ws[: T * H].view(torch.float32)
     cws = ws[T * H: T * H + T * k]
     tick = ws[T * H + T * k: T * H + T * k + T]
-    gtick = ws[T * H + T * k + T:]  # TICKET 3: T * cdiv(I, BLOCK_I * NB) more
     grid = (T * k + T, triton.cdiv(I, BLOCK_I * NB))
-    _variant_kernel[grid](x, w_gate, w_up, w_down_t, ids, weights, tau, out, count, acc, cws, tick, gtick, shared.w_gate,
+    _variant_kernel[grid](x, w_gate, w_up, w_down_t, ids, weights, tau, out, count, acc, cws, tick, shared.w_gate,
                           shared.w_up, shared.w_down_t, shared.weight, residual, I, shared.w_gate.shape[0], T, T * k,
                           k, x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), H=H,
                           H_P2=triton.next_power_of_2(H), BLOCK_I=BLOCK_I, NB=NB, K_P2=triton.next_power_of_2(k),
@@ -195,7 +194,6 @@ def main():
         base = {"BLOCK_I": 8, "NB": 1, "num_warps": 8}
         measure("variant", var, base)
         measure("variant", var, {**base, "TICKET": 1})
-        measure("variant", var, {**base, "TICKET": 3})
         measure("no-ticket", var, {**base, "TICKET": 2}, checked=False)
     if "--variants" in sys.argv:  # session 5, first run: none beat the product kernel (bench/RESULTS.md)
         base = {"BLOCK_I": 8, "NB": 1, "num_warps": 8}

@@ -12,8 +12,7 @@ Owns `sparse_fused` (Triton launcher), its torch reference `sparse_fused_ref`, t
   sum_n h_n W_down_t[e, n, :] (one [H] vector) and its kept count;
 * reduction / output, two modes:
   - default (`accumulate=False`): the atomics go into a self-cleaning fp32 workspace; each program then takes a
-    per-token ticket (acq_rel atomic, as in sparse_gate; `ticket_levels=2`: first a ticket per neuron block, whose
-    last taker takes the token's) and the last program of token t copies the workspace row
+    per-token ticket (acq_rel atomic, as in sparse_gate) and the last program of token t copies the workspace row
     into y[t] (in y's dtype: fp32, or bf16/fp16 to save the caller a cast), copies the k counts, and zeroes its
     workspace row and ticket for the next launch. Nobody has to clear y or count: no memset node.
   - `accumulate=True`: the atomics go straight into the caller's fp32 `out` and int32 `count`, which the caller
@@ -117,21 +116,11 @@ def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau):
 if triton is not None:
 
     @triton.jit
-    def last_of_token(tick_ptr, gtick_ptr, t, pid_i, group, TWO: tl.constexpr):
-        """Whether this program is the last of token t's group * num_programs(1) programs to finish (acq_rel
-        tickets: everything the others wrote before their ticket is visible to it). TWO: a ticket per (token,
-        neuron block) of `group` programs first, whose last taker takes the token's, so no address takes every
-        program's atomic. Tickets are re-zeroed for the next launch (the token's by `publish_token`)."""
-        npi = tl.num_programs(1)
-        if TWO:
-            gt = gtick_ptr + t.to(tl.int64) * npi + pid_i
-            last = tl.full([], 0, tl.int1)
-            if tl.atomic_add(gt, 1, sem="acq_rel", scope="gpu") == group - 1:
-                tl.store(gt, 0)  # ready for the next launch / graph replay
-                last = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu") == npi - 1
-        else:
-            last = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu") == group * npi - 1
-        return last
+    def last_of_token(tick_ptr, t, n_programs):
+        """Whether this program is the last of token t's n_programs to finish (acq_rel ticket: everything the others
+        wrote before their ticket is visible to it). `publish_token` re-zeroes the ticket for the next launch. (A
+        two-level ticket, per neuron block then per token, measured no faster in the decode step: sessions 5-6.)"""
+        return tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu") == n_programs - 1
 
     @triton.jit
     def publish_token(acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H: tl.constexpr,
@@ -173,7 +162,6 @@ if triton is not None:
         acc_ptr,  # [T, H] fp32 workspace, zero between launches (FINALIZE only)
         cws_ptr,  # [T*k] int32 workspace, zero between launches (FINALIZE only)
         tick_ptr,  # [T] int32 tickets, zero between launches (FINALIZE only)
-        gtick_ptr,  # [T, ceil(I / BLOCK_I)] int32 tickets per neuron block, zero between launches (TICKET2 only)
         kept_ptr,  # int64 running total of kept neurons (KEPT_TOTAL only)
         host_ptr,  # int64 running total of weight rows read from host memory (HOST_ROWS only)
         gslot_ptr,  # [E] int32/int64 expert -> gate slot in pg, -1 absent (GATE_TABLE only)
@@ -206,7 +194,6 @@ if triton is not None:
         READ_ROWS: tl.constexpr,
         SHARED: tl.constexpr,
         HAS_RES: tl.constexpr,
-        TICKET2: tl.constexpr,  # FINALIZE: two-level ticket (per neuron block, then per token)
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
@@ -283,7 +270,7 @@ if triton is not None:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
             tl.debug_barrier()  # this program's atomics precede the release below
             group = K + 1 if SHARED else K  # programs of token t per neuron block
-            if last_of_token(tick_ptr, gtick_ptr, t, pid_i, group, TWO=TICKET2):
+            if last_of_token(tick_ptr, t, group * tl.num_programs(1)):
                 c = publish_token(acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H=H,
                                   H_P2=H_P2, K_P2=K_P2, HAS_RES=HAS_RES)
                 kk = tl.arange(0, K_P2)
@@ -311,8 +298,7 @@ if triton is not None:
 def fused_workspace(device, numel: int = 0) -> torch.Tensor:
     """Zeroed int32 workspace with >= numel elements, one per (device, stream); kernels leave it zeroed.
 
-    A launch with T tokens, k experts, hidden H uses T*H + T*k + T elements (fp32 sums, counts, tickets), and
-    T * ceil(max(I, I_s) / BLOCK_I) more with ticket_levels=2.
+    A launch with T tokens, k experts, hidden H uses T*H + T*k + T elements (fp32 sums, counts, tickets).
     Allocate it before CUDA-graph capture (or pass your own zeroed int32 buffer as `workspace=`): a first
     allocation during capture lands in the graph's private pool."""
     return zeroed_int32("sparse_fused", device, numel, minimum=1 << 14)
@@ -360,7 +346,6 @@ def sparse_fused(
     BLOCK_I: int = 8,
     num_warps: int = 8,
     maxnreg: int | None = None,
-    ticket_levels: int = 1,
 ):
     """Gate + threshold + up/down of the k routed experts of each token, one launch. Returns (y [T,H], count [T,k]).
 
@@ -394,8 +379,6 @@ def sparse_fused(
 
     Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable. `maxnreg` caps the
     registers per thread (more programs resident per SM; a tuned launch parameter like BLOCK_I and num_warps).
-    `ticket_levels` 2: the finalising ticket in two levels (one per neuron block over its k [+ 1] programs, whose
-    last taker takes the token's), so no address takes all T*k programs' atomics; a launch parameter too.
     """
     if triton is None:
         raise RuntimeError("sparse_fused needs triton")
@@ -483,14 +466,11 @@ def sparse_fused(
             out.zero_()
             count.zero_()
         return out, count
-    if ticket_levels not in (1, 2):
-        raise ValueError(f"ticket_levels must be 1 or 2, got {ticket_levels}")
     bi = max(1, min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(max(I, I_s))))
     npi = triton.cdiv(max(I, I_s), bi)  # neuron blocks: the grid's second dimension
-    two = ticket_levels == 2 and not accumulate
-    need = T * H + T * k + T + (T * npi if two else 0)
+    need = T * H + T * k + T
     if accumulate:
-        acc, cws, tick, gtick = out, count, count, count  # no workspace: never read by the kernel
+        acc, cws, tick = out, count, count  # no workspace: never read by the kernel
     else:
         if workspace is None:
             workspace = fused_workspace(dev, need)
@@ -499,8 +479,7 @@ def sparse_fused(
             raise ValueError(f"workspace must be a zeroed contiguous int32 1-D tensor of >= {need} elements on {dev}")
         acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
         cws = workspace[T * H: T * H + T * k]
-        tick = workspace[T * H + T * k: T * H + T * k + T]
-        gtick = workspace[T * H + T * k + T: need] if two else tick
+        tick = workspace[T * H + T * k: need]
     cuda = dev.type == "cuda"
 
     def ptr(w):  # host master copies: the launcher gets their (unified) address
@@ -516,7 +495,7 @@ def sparse_fused(
     sh = shared if shared is not None else SharedExpert(wg, wu, wd, weights)  # dummies, never read
     _sparse_fused_kernel[(T * k + (T if shared is not None else 0), npi)](
         x, wg, wu, wd, pg, pu, pd, st, expert_ids.contiguous(), weights.contiguous(), tau, out, count,
-        acc, cws, tick, gtick, kept_total if kept_total is not None else count,
+        acc, cws, tick, kept_total if kept_total is not None else count,
         host_rows if host_rows is not None else count, gate_table if gate_table is not None else st,
         read_rows if read_rows is not None else count, sh.w_gate, sh.w_up, sh.w_down_t, sh.weight,
         residual if residual is not None else out, I, I_s, T * k, k, x.stride(0), w_gate.stride(0), w_up.stride(0),
@@ -524,7 +503,7 @@ def sparse_fused(
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
         HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
-        SHARED=shared is not None, HAS_RES=residual is not None, TICKET2=two, num_warps=num_warps, **pdl_kw(x),
+        SHARED=shared is not None, HAS_RES=residual is not None, num_warps=num_warps, **pdl_kw(x),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     return out, count
