@@ -54,6 +54,8 @@
 #         tiny families' tokens, A/B at the chat's 8192-token context (step_ab.py --context 8192), the bench at 832/8192
 #   s6f:  sparse_fused's two-level ticket against the one-level default in the whole step, 5 rounds at prompt 512
 #   s6g:  the closing figures with the final code: engine check + bench vs transformers
+#   s7a:  pending for the next session: what a publish-free expert tail saves and costs (publish_free.py), then the
+#         step A/B it would need
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -325,4 +327,8 @@ if [[ $PART == s6g ]]; then
     step engine 200 python bench/gpu_engine_check.py
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+fi
+if [[ $PART == s7a ]]; then
+    step publish 150 python bench/publish_free.py
+    tail -n 10 "$OUT/publish.log"
 fi
