@@ -99,11 +99,12 @@ class FusedSparseMoeBlock(nn.Module):
         shared expert and the residual add in its tail. mixed, residual [B, T, H] -> the layer's output."""
         self.decode_calls += 1
         self.front_calls += 1
-        # residual: the layer's input, written before the mixer's kernels (so loaded before moe_front's PDL wait)
         B, T, H = mixed.shape
         se = self.shared_expert
         if self._front is None:
             self._front = tuned(mixed, "moe_front", f"H{H}_E{self.gate.weight.shape[0]}_k{self.top_k}")
+        # residual_early: the residual is the layer's input, written before the mixer's kernels, so moe_front may
+        # load it before its PDL wait
         s, h, _, tw, ti, sg = moe_front(mixed, residual, norm.weight, norm.eps, norm.kind, self.gate.weight,
                                         self.top_k, self.norm_topk_prob, self.shared_expert_gate.weight,
                                         tickets=self._tickets_on(mixed.device), residual_early=True, **self._front)
