@@ -54,8 +54,8 @@
 #         tiny families' tokens, A/B at the chat's 8192-token context (step_ab.py --context 8192), the bench at 832/8192
 #   s6f:  sparse_fused's two-level ticket against the one-level default in the whole step, 5 rounds at prompt 512
 #   s6g:  the closing figures with the final code: engine check + bench vs transformers
-#   s7a:  pending for the next session: what a publish-free expert tail saves and costs (publish_free.py), then the
-#         step A/B it would need
+#   s7a:  what a publish-free expert tail saves and costs (publish_free.py)
+#   s7b:  the shared expert in moe_front's launch (GPU tests; step A/B at 85 % and at 0 % with the dense paths)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -331,4 +331,16 @@ fi
 if [[ $PART == s7a ]]; then
     step publish 150 python bench/publish_free.py
     tail -n 10 "$OUT/publish.log"
+fi
+if [[ $PART == s7b ]]; then
+    step tests 120 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_moe_front.py tests/test_fused.py
+    F="table:moe_front:H2048_E256_k8:block_e=4;num_warps=4"
+    step ab85 230 python bench/step_ab.py \
+        "base,attr:FusedSparseMoeBlock.shared_in_front=0,$F;shared_block=4,$F;shared_block=1" --rounds 3 --prompt 512
+    step ab0 170 python bench/step_ab.py \
+        "base,attr:LocalExperts.dense_tail=1,attr:LocalExperts.dense_tail=1+attr:FusedSparseMoeBlock.shared_in_front=0" \
+        --sparsity 0 --rounds 3 --prompt 512
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    grep -B2 -A6 "^| case" "$OUT/ab85.log" "$OUT/ab0.log"
 fi

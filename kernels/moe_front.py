@@ -2,13 +2,14 @@
 RMSNorm, router (logits, softmax, top-k, renormalise) and the shared expert's sigmoid gate.
 
 Owns `moe_front` (checked launcher), its torch reference `moe_front_ref`, and one Triton kernel
-`_moe_front_kernel`, grid (cdiv(E, BLOCK_E),). What it computes is what transformers computes between the
+`_moe_front_kernel`, grid (cdiv(E, BLOCK_E) [+ cdiv(I_s, BLOCK_S)],). What it computes is what transformers computes between the
 attention / DeltaNet output and the experts of a Qwen3.5-MoE decoder layer (router as kernels/router_topk.py):
 
     s      = (x + residual).to(dtype)                             [H]  the residual stream after the mixer
     h      = RMSNorm(s)                                           [H]  zero_centred x̂·(1+w) or standard w·x̂
     logits = (h · Wᵀ).to(dtype); w, idx = top-k of softmax(logits)     [E], [k], [k]
     sg     = sigmoid((h · w_sg).to(dtype)).to(dtype)              [1]  the shared expert's gate (optional)
+    acc   += sg · (silu(h · W_gateᵀ) ⊙ (h · W_upᵀ)) · W_down_t        [H]  the shared expert (optional, fp32)
 
 Every program loads its BLOCK_E router rows first (weights: before the PDL wait, kernels/pdl.py), then the two
 [H] activation vectors, and recomputes s and the norm itself (2 x H elements from L2: cheaper than a launch and a
@@ -17,7 +18,13 @@ grid-wide wait); program 0 stores s, h and sg. The last program to take the tick
 ticket buffer. Replaces three launches (norm, router, shared-expert gate inside the shared expert's first kernel)
 and the waits between them.
 
-Shape legend: H hidden, E experts, k experts per token.
+With `shared_expert=`, cdiv(I_s, BLOCK_S) more programs run the shared expert: it needs no routing, so its weights
+load before the PDL wait (overlapping the kernel before) and its output goes, fp32 and unrounded as
+kernels/sparse_fused.py's shared programs compute it, into the experts' workspace row by atomics; the experts'
+launch then adds the routed experts and publishes y = residual + the sum. That takes the shared expert off the
+path after the router.
+
+Shape legend: H hidden, E experts, k experts per token, I_s shared expert width.
 """
 
 from __future__ import annotations
@@ -65,6 +72,18 @@ def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, nor
 if triton is not None:
 
     @triton.jit
+    def _residual_norm(xin, rv, nw, eps, H: tl.constexpr, KIND: tl.constexpr):
+        """(s, h) in fp32, each rounded to x's dtype: s = x + residual, h = RMSNorm(s) (module docstring)."""
+        DT = xin.dtype
+        s = round_to(xin.to(tl.float32) + rv.to(tl.float32), DT)
+        n = s * tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+        if KIND == 1:
+            h = round_to(n * (1.0 + nw), DT)
+        else:
+            h = round_to(round_to(n, DT) * nw, DT)
+        return s, h
+
+    @triton.jit
     def _moe_front_kernel(
         x_ptr,  # [H] the mixer's output
         r_ptr,  # [H] the residual stream before the mixer
@@ -78,7 +97,13 @@ if triton is not None:
         ti_ptr,  # [k] out top-k ids (int64)
         sg_ptr,  # [1] out sigmoid gate (SHARED_GATE only)
         tick_ptr,  # [1] int32 ticket, zero between launches
+        seg_ptr,  # [I_S, H] shared expert W_gate (SHARED_EXPERT only)
+        seu_ptr,  # [I_S, H] shared expert W_up
+        sed_ptr,  # [I_S, H] shared expert W_down transposed
+        acc_ptr,  # [H] fp32, added into: sg * the shared expert's output (SHARED_EXPERT only)
         E,
+        NR,  # router programs (cdiv(E, BLOCK_E)); programs NR.. run the shared expert
+        I_S,
         eps,
         H: tl.constexpr,
         H_P2: tl.constexpr,
@@ -89,48 +114,68 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
         E_P2: tl.constexpr,
         SHARED_GATE: tl.constexpr,
+        SHARED_EXPERT: tl.constexpr,
+        BLOCK_S: tl.constexpr,  # shared expert neurons per program
         EARLY_RES: tl.constexpr,  # load the residual before the PDL wait
         PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        rows = pid * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] router rows
-        rmask = rows < E
+        DT = x_ptr.dtype.element_ty
         cols = tl.arange(0, H_P2)
         cm = cols < H
-        # ---- weights, before the wait ----
-        wv = tl.load(w_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=rmask[:, None] & cm[None, :],
-                     other=0.0)
         nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        first = (tl.zeros([H_P2], dtype=tl.int32) + pid) == 0
-        if SHARED_GATE:
-            ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
         if EARLY_RES:  # the residual was written two or more kernels back: complete when this one launches
             rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        # ---- residual add and RMSNorm, in every program ----
-        xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
-        DT = xin.dtype
-        if not EARLY_RES:
-            rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
-        s = round_to(xin.to(tl.float32) + rv.to(tl.float32), DT)
-        n = s * tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
-        if KIND == 1:
-            h = round_to(n * (1.0 + nw), DT)
-        else:
-            h = round_to(round_to(n, DT) * nw, DT)
-        tl.store(s_ptr + cols, s.to(DT), mask=cm & first)
-        tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
-        # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
-        logit = tl.sum(wv.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_E]
-        tl.store(logits_ptr + rows, round_to(logit, DT).to(DT), mask=rmask)
-        if SHARED_GATE:
-            if pid == 0:
-                z = round_to(tl.sum(ws * h, axis=0), DT)
-                tl.store(sg_ptr, round_to(1.0 / (1.0 + tl.exp(-z)), DT).to(DT))
-        topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, tl.num_programs(0), K=K, K_P2=K_P2, NORM=NORM,
-                  E_P2=E_P2)
+        if pid < NR:
+            rows = pid * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] router rows
+            rmask = rows < E
+            # ---- weights, before the wait ----
+            wv = tl.load(w_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=rmask[:, None] & cm[None, :],
+                         other=0.0)
+            first = (tl.zeros([H_P2], dtype=tl.int32) + pid) == 0
+            if SHARED_GATE:
+                ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+            # ---- residual add and RMSNorm, in every program ----
+            xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
+            if not EARLY_RES:
+                rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
+            s, h = _residual_norm(xin, rv, nw, eps, H, KIND)
+            tl.store(s_ptr + cols, s.to(DT), mask=cm & first)
+            tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
+            # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
+            logit = tl.sum(wv.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_E]
+            tl.store(logits_ptr + rows, round_to(logit, DT).to(DT), mask=rmask)
+            if SHARED_GATE:
+                if pid == 0:
+                    z = round_to(tl.sum(ws * h, axis=0), DT)
+                    tl.store(sg_ptr, round_to(1.0 / (1.0 + tl.exp(-z)), DT).to(DT))
+            topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, NR, K=K, K_P2=K_P2, NORM=NORM, E_P2=E_P2)
+        elif SHARED_EXPERT:
+            # ---- the shared expert (needs no routing): BLOCK_S neurons' gate, up and down rows before the wait ----
+            srows = (pid - NR) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] (names apart from the router's:
+            m2 = (srows < I_S)[:, None] & cm[None, :]  # the two branches' common names must share types)
+            roff = srows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_S, H_P2]
+            wg = tl.load(seg_ptr + roff, mask=m2, other=0.0)
+            wu = tl.load(seu_ptr + roff, mask=m2, other=0.0)
+            wd = tl.load(sed_ptr + roff, mask=m2, other=0.0)
+            ws = tl.load(wsg_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+            xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
+            if not EARLY_RES:
+                rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
+            _, h = _residual_norm(xin, rv, nw, eps, H, KIND)
+            z = round_to(tl.sum(ws * h, axis=0), DT)
+            sg = round_to(1.0 / (1.0 + tl.exp(-z)), DT)  # the value program 0 stores
+            # as kernels/sparse_fused.py's shared programs: silu(h . W_gate) * (h . W_up) * sg, then down
+            zg = tl.sum(wg.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_S]
+            a = zg / (1.0 + tl.exp(-zg)) * tl.sum(wu.to(tl.float32) * h[None, :], axis=1) * sg
+            contrib = tl.sum(wd.to(tl.float32) * a[:, None], axis=0)  # [H_P2]
+            tl.atomic_add(acc_ptr + cols, contrib, mask=cm, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -139,12 +184,18 @@ if triton is not None:
 def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, kind: str,
               router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, w_sg: torch.Tensor | None = None,
               *, tickets: torch.Tensor | None = None, block_e: int = 1, num_warps: int = 4,
-              residual_early: bool = False):
+              residual_early: bool = False, shared_expert: tuple | None = None, acc: torch.Tensor | None = None,
+              shared_block: int = 4):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
     dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None).
     `residual_early`: the residual was not written by the kernel just before this launch (a decoder layer's input,
     with the mixer's kernels between), so it is loaded before the PDL wait, overlapping that kernel.
+    `shared_expert` = (w_gate, w_up, w_down_t), each [I_s, H] contiguous in x's dtype (w_down_t: W_down
+    transposed), with w_sg and `acc` (fp32, H elements, contiguous): cdiv(I_s, shared_block) more programs add
+    sg * silu(h . W_gate) * (h . W_up) @ W_down_t into acc (atomics), their weights loaded before the PDL wait: the
+    shared expert needs no routing, so it overlaps the kernel before instead of following the router. acc is then
+    the experts' workspace row (kernels/sparse_fused.py adds the routed experts and publishes the sum).
     """
     if triton is None:
         raise RuntimeError("moe_front needs triton")
@@ -168,6 +219,24 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
     tensors = [residual, norm_weight, router_weight] + ([w_sg] if w_sg is not None else [])
     if any(t.device != x.device for t in tensors):
         raise ValueError("every tensor must be on x's device")
+    I_s = 0
+    if shared_expert is not None:
+        if w_sg is None or acc is None:
+            raise ValueError("shared_expert= needs w_sg (its sigmoid gate) and acc= (the fp32 [H] row it adds into)")
+        if acc.dtype != torch.float32 or acc.numel() != H or not acc.is_contiguous() or acc.device != x.device:
+            raise ValueError(f"acc must be a contiguous fp32 tensor of H = {H} values on {x.device}")
+        I_s = shared_expert[0].shape[0] if shared_expert[0].dim() == 2 else -1
+        for name, sw in zip(("w_gate", "w_up", "w_down_t"), shared_expert):
+            if sw.dim() != 2 or tuple(sw.shape) != (I_s, H) or not sw.is_contiguous():
+                raise ValueError(f"shared_expert {name} must be a contiguous [I_s, H] = [{I_s}, {H}] tensor, got "
+                                 f"{tuple(sw.shape)}")
+            if sw.dtype != x.dtype or sw.device != x.device:
+                raise ValueError(f"shared_expert {name} must be {x.dtype} on {x.device}, got {sw.dtype} on "
+                                 f"{sw.device}")
+        if shared_block < 1 or shared_block & (shared_block - 1):
+            raise ValueError(f"shared_block must be a power of two, got {shared_block}")
+    elif acc is not None:
+        raise ValueError("acc= is what shared_expert= adds into: give both or neither")
     if block_e < 1 or block_e & (block_e - 1):
         raise ValueError(f"block_e must be a power of two, got {block_e}")
     x1, r1 = x.reshape(H), residual.reshape(H)
@@ -186,10 +255,15 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
     elif tickets.dtype != torch.int32 or tickets.numel() < 1 or tickets.device != dev:
         raise ValueError(f"tickets must be a zeroed int32 buffer on {dev}")
     be = min(block_e, triton.next_power_of_2(E))
-    _moe_front_kernel[(triton.cdiv(E, be),)](
+    nr = triton.cdiv(E, be)
+    bs = min(shared_block, triton.next_power_of_2(max(I_s, 1)))
+    ns = triton.cdiv(I_s, bs) if shared_expert is not None else 0
+    se = shared_expert if shared_expert is not None else (w, w, w)  # dummies, never read
+    _moe_front_kernel[(nr + ns,)](
         x1, r1, nw, w, w_sg.reshape(H) if w_sg is not None else nw, s, h, logits, tw, ti,
-        sg if sg is not None else s, tickets, E, float(eps), H=H, H_P2=triton.next_power_of_2(H),
-        KIND=_KINDS[kind], K=top_k, K_P2=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob), BLOCK_E=be,
-        E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None, EARLY_RES=bool(residual_early),
-        num_warps=num_warps, **pdl_kw(x))
+        sg if sg is not None else s, tickets, *se, acc if acc is not None else nw, E, nr, I_s, float(eps), H=H,
+        H_P2=triton.next_power_of_2(H), KIND=_KINDS[kind], K=top_k, K_P2=triton.next_power_of_2(top_k),
+        NORM=bool(norm_topk_prob), BLOCK_E=be, E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None,
+        SHARED_EXPERT=shared_expert is not None, BLOCK_S=bs, EARLY_RES=bool(residual_early), num_warps=num_warps,
+        **pdl_kw(x))
     return s, h, logits, tw, ti, sg

@@ -11,10 +11,11 @@ Owns `sparse_fused` (Triton launcher), its torch reference `sparse_fused_ref`, t
   traffic, so only kept rows are read), h_n = w[tj] * g_n * (x . W_up[e, n]) in fp32, and atomically adds
   sum_n h_n W_down_t[e, n, :] (one [H] vector) and its kept count;
 * reduction / output, two modes:
-  - default (`accumulate=False`): the atomics go into a self-cleaning fp32 workspace; each program then takes a
-    per-token ticket (acq_rel atomic, as in sparse_gate) and the last program of token t copies the workspace row
-    into y[t] (in y's dtype: fp32, or bf16/fp16 to save the caller a cast), copies the k counts, and zeroes its
-    workspace row and ticket for the next launch. Nobody has to clear y or count: no memset node.
+  - default (`accumulate=False`): the atomics go into a self-cleaning fp32 workspace (the launch before may have
+    added into its sums row: moe_front's shared expert does); each program then takes a per-token ticket (acq_rel
+    atomic, as in sparse_gate) and the last program of token t copies the workspace row into y[t] (in y's dtype:
+    fp32, or bf16/fp16 to save the caller a cast), copies the k counts, and zeroes its workspace row and ticket
+    for the next launch. Nobody has to clear y or count: no memset node.
   - `accumulate=True`: the atomics go straight into the caller's fp32 `out` and int32 `count`, which the caller
     zeroed (or pre-filled: e.g. out = the shared expert's output, count = a running total). No ticket, no tail.
 
@@ -79,10 +80,13 @@ class SharedExpert:
 
 @dataclass(frozen=True)
 class Tail:
-    """What a decoder layer hands its experts for one decode step: `sparse_fused(..., shared=, residual=)`."""
+    """What a decoder layer hands its experts for one decode step: `sparse_fused(..., shared=, residual=,
+    workspace=)`. A `workspace` whose sums row already holds the shared expert (kernels/moe_front.py
+    `shared_expert=`, the launch just before) comes with shared=None."""
 
     shared: SharedExpert | None
     residual: torch.Tensor | None
+    workspace: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,7 +163,7 @@ if triton is not None:
         tau_ptr,  # [E] fp32
         y_ptr,  # [T, H]: FINALIZE: written (any float dtype); else fp32, accumulated into
         cnt_ptr,  # [T*k] int32: FINALIZE: written; else accumulated into
-        acc_ptr,  # [T, H] fp32 workspace, zero between launches (FINALIZE only)
+        acc_ptr,  # [T, H] fp32 workspace, zero (or pre-added into) between launches (FINALIZE only)
         cws_ptr,  # [T*k] int32 workspace, zero between launches (FINALIZE only)
         tick_ptr,  # [T] int32 tickets, zero between launches (FINALIZE only)
         kept_ptr,  # int64 running total of kept neurons (KEPT_TOTAL only)

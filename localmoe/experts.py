@@ -306,7 +306,10 @@ class LocalExperts(nn.Module):
 
 
 def _tail_kw(tail) -> dict:
-    return {} if tail is None else {"shared": tail.shared, "residual": tail.residual}
+    if tail is None:
+        return {}
+    kw = {"shared": tail.shared, "residual": tail.residual}
+    return kw if tail.workspace is None else {**kw, "workspace": tail.workspace}
 
 
 def sparse_reference(x, w: ExpertWeights, top_k_index, top_k_weights, tau, act_fn):

@@ -20,7 +20,7 @@ from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
-from localmoe.kernels.sparse_fused import SharedExpert, Tail
+from localmoe.kernels.sparse_fused import SharedExpert, Tail, fused_workspace
 
 
 _ROUTERS: dict[str, bool | None] = {"Qwen3_5MoeTopKRouter": True, "Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None}
@@ -57,6 +57,9 @@ class FusedSparseMoeBlock(nn.Module):
         self.front_calls = 0  # of which through `step_front` (moe_front + sparse_fused's tail)
         self._launch: tuple[dict, dict] | None = None  # tuned (router, shared expert) keywords, on the first call
         self._front: dict | None = None  # tuned moe_front keywords, on the first call
+        # step_front: the shared expert in moe_front's launch (its weights load before the PDL wait, off the path
+        # after the router); False: in sparse_fused's, after the router (sessions 4-6)
+        self.shared_in_front = True
         self._down_t: tuple[int, torch.Tensor] | None = None  # (source data_ptr, shared down_proj weight [I, H])
 
     def _fusable(self, h: torch.Tensor) -> bool:
@@ -105,11 +108,18 @@ class FusedSparseMoeBlock(nn.Module):
             self._front = tuned(mixed, "moe_front", f"H{H}_E{self.gate.weight.shape[0]}_k{self.top_k}")
         # residual_early: the residual is the layer's input, written before the mixer's kernels, so moe_front may
         # load it before its PDL wait
+        weights = (se.gate_proj.weight, se.up_proj.weight, self._shared_down_t())
+        if self.shared_in_front:  # the shared expert in moe_front's launch, added into the experts' workspace row
+            ws = fused_workspace(mixed.device, H + self.top_k + 1)
+            front = {"shared_expert": weights, "acc": ws[:H].view(torch.float32)}
+        else:
+            ws, front = None, {}
         s, h, _, tw, ti, sg = moe_front(mixed, residual, norm.weight, norm.eps, norm.kind, self.gate.weight,
                                         self.top_k, self.norm_topk_prob, self.shared_expert_gate.weight,
-                                        tickets=self._tickets_on(mixed.device), residual_early=True, **self._front)
-        shared = SharedExpert(se.gate_proj.weight, se.up_proj.weight, self._shared_down_t(), sg)
-        y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H)))
+                                        tickets=self._tickets_on(mixed.device), residual_early=True, **front,
+                                        **self._front)
+        shared = None if self.shared_in_front else SharedExpert(*weights, sg)
+        y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws))
         return y.view(B, T, H)
 
     def _shared_down_t(self) -> torch.Tensor:

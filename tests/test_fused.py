@@ -198,12 +198,16 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
     assert [layer.mlp.experts for layer in model.model.layers] == experts
 
 
-@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sparse,dtype,in_front", [
+    (True, torch.float32, True), (False, torch.float32, True), (True, torch.bfloat16, True),
+    (False, torch.bfloat16, True), (True, torch.float32, False), (True, torch.bfloat16, False)],
+    ids=["sparse-fp32", "dense-fp32", "sparse-bf16", "dense-bf16", "sparse-fp32-shared-in-tail",
+         "sparse-bf16-shared-in-tail"])
 @torch.no_grad()
-def test_full_model_front_and_tail(tiny_text_model, dtype, sparse):
+def test_full_model_front_and_tail(tiny_text_model, dtype, sparse, in_front):
     """Qwen3.5 decoder layers run two launches from the mixer's output on: moe_front (residual add, norm, router,
-    shared gate) and sparse_fused with the shared expert and the residual in its tail (sparsity off: threshold 0)."""
+    shared gate, and the shared expert into the experts' workspace) and sparse_fused with the residual in its tail
+    (sparsity off: threshold 0); `shared_in_front=False`: the shared expert in sparse_fused's launch instead."""
     ref_model = copy.deepcopy(tiny_text_model).to(DEV, dtype)
     for m in _with_local_experts(ref_model):
         m.sparse_enabled = sparse
@@ -216,8 +220,10 @@ def test_full_model_front_and_tail(tiny_text_model, dtype, sparse):
         m.kernel_on_cpu = DEV == "cpu"  # the Triton path under the interpreter, as on a GPU
         m.dense_tail = True  # sparsity off: threshold 0 in the same kernel (not the default dense_experts)
     fused.install(model, DEV, force=True)
-    got, toks = _run(model, "static", prompt)
     blocks = [m for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)]
+    for b in blocks:
+        b.shared_in_front = in_front
+    got, toks = _run(model, "static", prompt)
     assert [b.front_calls for b in blocks] == [STEPS] * model.config.num_hidden_layers
     if sparse:
         assert all(0 < int(m.kept) < m.seen for m in experts)

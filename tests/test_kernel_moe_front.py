@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from localmoe.kernels.moe_front import moe_front, moe_front_ref  # noqa: E402
 from localmoe.kernels.router_topk import router_tickets, router_topk_ref  # noqa: E402
+from localmoe.kernels.sparse_fused import SharedExpert, shared_expert_term  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 SHAPES = [(2048, 256, 8), (2048, 128, 8), (100, 60, 4), (33, 7, 1)]  # H, E, k
@@ -87,6 +88,33 @@ def test_matches_transformers_modules(dtype):
     assert int(tickets.abs().sum()) == 0
 
 
+def _shared_weights(I_s, H, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(I_s, H, generator=gen) / H ** 0.5).to(DEV, dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("block_s,num_warps", [(4, 4), (1, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2048, 256, 8, 512), (100, 60, 4, 37)], ids=lambda s: "H{}E{}k{}Is{}".format(*s))
+@torch.no_grad()
+def test_shared_expert_into_acc(shape, dtype, block_s, num_warps):
+    """shared_expert=: acc += sg * the shared expert's output (fp32, as sparse_fused's shared programs), added to
+    what acc held; the routing outputs are those of the launch without it."""
+    H, E, k, I_s = shape
+    x, r, nw, w, sg = _inputs(H, E, dtype, seed=H + I_s)
+    sw = _shared_weights(I_s, H, dtype, seed=I_s)
+    acc = torch.randn(H, generator=torch.Generator().manual_seed(1)).to(DEV)
+    before = acc.clone()
+    got = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg, block_e=4, num_warps=num_warps,
+                    residual_early=True, shared_expert=sw, acc=acc, shared_block=block_s)
+    plain = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg, block_e=4, num_warps=num_warps)
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    s, h, logits, tw, ti, g = got
+    want = shared_expert_term(h[None], SharedExpert(*sw, g))[0]
+    torch.testing.assert_close(acc - before, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
 def test_launcher_checks():
     x, r, nw, w, sg = _inputs(32, 8, torch.float32, seed=1)
     with pytest.raises(ValueError, match="one token"):
@@ -101,3 +129,15 @@ def test_launcher_checks():
         moe_front(x, r, nw, 1e-6, "standard", w[:, :16], 2)
     with pytest.raises(ValueError, match="block_e"):
         moe_front(x, r, nw, 1e-6, "standard", w, 2, block_e=3)
+    sw = _shared_weights(16, 32, torch.float32, seed=2)
+    acc = torch.zeros(32, device=DEV)
+    with pytest.raises(ValueError, match="w_sg"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, shared_expert=sw, acc=acc)
+    with pytest.raises(ValueError, match="acc"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, True, sg, shared_expert=sw, acc=acc[:16])
+    with pytest.raises(ValueError, match="give both"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, True, sg, acc=acc)
+    with pytest.raises(ValueError, match="shared_expert w_up"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, True, sg, shared_expert=(sw[0], sw[1][:, :16], sw[2]), acc=acc)
+    with pytest.raises(ValueError, match="shared_block"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, True, sg, shared_expert=sw, acc=acc, shared_block=3)
