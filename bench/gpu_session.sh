@@ -56,6 +56,8 @@
 #   s6g:  the closing figures with the final code: engine check + bench vs transformers
 #   s7a:  what a publish-free expert tail saves and costs (publish_free.py)
 #   s7b:  the shared expert in moe_front's launch (GPU tests; step A/B at 85 % and at 0 % with the dense paths)
+#   s7c:  moe_front's parts (moe_front_parts.py); the engine check and bench with the shared expert in moe_front and
+#         sparse_fused at threshold 0 as the dense path (both new defaults); the bench again, sparsities reversed
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -343,4 +345,13 @@ if [[ $PART == s7b ]]; then
         --sparsity 0 --rounds 3 --prompt 512
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     grep -B2 -A6 "^| case" "$OUT/ab85.log" "$OUT/ab0.log"
+fi
+if [[ $PART == s7c ]]; then
+    step parts 120 python bench/moe_front_parts.py
+    step engine 220 python bench/gpu_engine_check.py
+    step bench0 100 python -m localmoe bench --shape qwen3.5-35b --sparsity 0.85,0
+    cat "$OUT/parts.log" | tail -n 12
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+    tail -n 4 "$OUT/bench0.log"
 fi

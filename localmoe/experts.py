@@ -109,10 +109,11 @@ class LocalExperts(nn.Module):
         self.recorder: GateRecorder | None = None
         self._params: dict | None = None  # tuned launch parameters (CUDA), looked up once
         self.kernel_on_cpu = False  # tests: take the Triton path on CPU tensors too (TRITON_INTERPRET=1)
-        # sparsity off, one decode token: True runs sparse_fused at threshold 0 (the dense math) so the shared expert
-        # and the residual add ride in its launch; False (default): dense_experts, the caller does the shared expert.
-        # On the H200 at Qwen3.5-35B shapes the False path was faster: 3022 against 3065 µs per step.
-        self.dense_tail = False
+        # sparsity off, one decode token: True (default) runs sparse_fused at threshold 0 (the dense math) where the
+        # caller hands a tail (Qwen3.5: moe_front before it with the shared expert, the residual add in its tail);
+        # False: dense_experts, the caller does the shared expert. H200, Qwen3.5-35B shapes, whole step at 0 %
+        # (bench/step_ab.py, session 7): 2392 µs against 2558 (session 4, before PDL early loads: 3065 against 3022).
+        self.dense_tail = True
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons on the sparse path (updated in place)
         self.seen = 0  # neurons considered on the sparse path (host int; a CUDA graph's replays add theirs)
 

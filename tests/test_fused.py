@@ -218,7 +218,7 @@ def test_full_model_front_and_tail(tiny_text_model, dtype, sparse, in_front):
     for m in experts:
         m.reset_counters()
         m.kernel_on_cpu = DEV == "cpu"  # the Triton path under the interpreter, as on a GPU
-        m.dense_tail = True  # sparsity off: threshold 0 in the same kernel (not the default dense_experts)
+        assert m.dense_tail  # sparsity off: threshold 0 in the same kernel (the default; not dense_experts)
     fused.install(model, DEV, force=True)
     blocks = [m for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)]
     for b in blocks:
