@@ -58,6 +58,8 @@
 #   s7b:  the shared expert in moe_front's launch (GPU tests; step A/B at 85 % and at 0 % with the dense paths)
 #   s7c:  moe_front's parts (moe_front_parts.py); the engine check and bench with the shared expert in moe_front and
 #         sparse_fused at threshold 0 as the dense path (both new defaults); the bench again, sparsities reversed
+#   s7d:  the top-k by ranks (router_topk.topk_tail): GPU tests, moe_front_parts.py, moe_front launch A/B in the step,
+#         the engine check and bench
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -354,4 +356,17 @@ if [[ $PART == s7c ]]; then
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
     tail -n 4 "$OUT/bench0.log"
+fi
+if [[ $PART == s7d ]]; then
+    step tests 120 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_router_topk.py tests/test_kernel_moe_front.py tests/test_fused.py
+    step parts 120 python bench/moe_front_parts.py
+    F="table:moe_front:H2048_E256_k8"
+    step ab 200 python bench/step_ab.py "base,$F:block_e=8;num_warps=4,$F:block_e=4;num_warps=2" --rounds 3 --prompt 512
+    step engine 220 python bench/gpu_engine_check.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    cat "$OUT/parts.log" | tail -n 12
+    grep -B2 -A5 "^| case" "$OUT/ab.log"
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
 fi
