@@ -60,6 +60,8 @@
 #         sparse_fused at threshold 0 as the dense path (both new defaults); the bench again, sparsities reversed
 #   s7d:  the top-k by ranks (router_topk.topk_tail): GPU tests, moe_front_parts.py, moe_front launch A/B in the step,
 #         the engine check and bench
+#   s7e:  the top-k rounds on int32 keys (16-bit logits), the probabilities gathered after them (the ranks of s7d
+#         were slower and left): GPU tests, moe_front_parts.py, the engine check and bench
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -367,6 +369,16 @@ if [[ $PART == s7d ]]; then
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     cat "$OUT/parts.log" | tail -n 12
     grep -B2 -A5 "^| case" "$OUT/ab.log"
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+fi
+if [[ $PART == s7e ]]; then
+    step tests 150 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_router_topk.py tests/test_kernel_moe_front.py tests/test_fused.py
+    step parts 120 python bench/moe_front_parts.py
+    step engine 220 python bench/gpu_engine_check.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    cat "$OUT/parts.log" | tail -n 12
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
 fi

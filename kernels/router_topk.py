@@ -75,17 +75,11 @@ def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None):
 if triton is not None:
 
     @triton.jit
-    def _order_key(v, valid):
-        """int32 keys whose integer order is v's float order (fp32 bits, negatives flipped); -inf where not valid."""
-        bits = tl.where(valid, v, float("-inf")).to(tl.int32, bitcast=True)
-        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-
-    @triton.jit
     def topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, t, E, programs, K: tl.constexpr, K_P2: tl.constexpr,
                   NORM: tl.constexpr, E_P2: tl.constexpr):
         """Called by every program of token t after storing its logits: the last one to take the token's ticket
-        reads the E logits back through L2, does softmax, top-k (each logit's rank among all, ties to the lowest
-        index; no sort), the renormalisation and the casts, stores the outputs and re-zeroes the ticket."""
+        reads the E logits back through L2, does softmax, top-k (max, lowest index among equal maxima, mask it
+        out; k rounds, no sort), the renormalisation and the casts, stores the outputs and re-zeroes the ticket."""
         tl.debug_barrier()  # this program's logits stores precede the release below
         done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
         if done == programs - 1:
@@ -96,24 +90,32 @@ if triton is not None:
             mx = tl.max(lg, axis=0)
             ex = tl.where(em, tl.exp(lg - mx), 0.0)
             den = tl.sum(ex, axis=0)
-            # rank of each logit = how many others beat it (a larger logit, or an equal one at a lower index): all
-            # at once, compared against chunks of C logits re-read from L2, so no chain of k dependent block-wide
-            # maxima (k rounds cost ~0.26 µs each on the H200, session 7); ranks < k are the top-k in order
-            key = _order_key(lg, em)  # [E_P2]
-            C: tl.constexpr = 32 if E_P2 > 32 else E_P2
-            beats = tl.zeros([E_P2, C], dtype=tl.int32)
-            for c in tl.static_range(0, E_P2, C):
-                oc = c + tl.arange(0, C)
-                lc = tl.load(logits_ptr + t * E + oc, mask=oc < E, other=float("-inf"), cache_modifier=".cg")
-                kc = _order_key(lc.to(tl.float32), oc < E)  # [C]
-                win = (kc[None, :] > key[:, None]) | ((kc[None, :] == key[:, None]) & (oc[None, :] < offs[:, None]))
-                beats += win.to(tl.int32)
-            rank = tl.sum(beats, axis=1)  # [E_P2]
             kk = tl.arange(0, K_P2)
-            at = (rank[:, None] == kk[None, :]) & em[:, None]  # [E_P2, K_P2]: logit i is the j-th largest
-            # one term per column: exact sums (p = ex / den, the softmax prob of the j-th pick)
-            vals = tl.sum(tl.where(at, (ex / den)[:, None], 0.0), axis=0)  # [K_P2]
-            ids = tl.sum(tl.where(at, offs[:, None], 0), axis=0)  # [K_P2]
+            ids = tl.zeros([K_P2], dtype=tl.int32)
+            # one max per round over (the logit as an order-preserving integer, then E_P2-1-index), so the max is the
+            # largest logit and, among equal ones, the lowest index. 16-bit logits pack into an int32 (half the
+            # shuffle traffic of an int64 per round); the probabilities are gathered after the rounds, off their chain
+            LT = logits_ptr.dtype.element_ty
+            if LT == tl.float32:
+                bits = tl.where(em, lg, float("-inf")).to(tl.int32, bitcast=True)
+                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+                cand = (key << 32) | (E_P2 - 1 - offs).to(tl.int64)
+                low = 0xFFFFFFFF
+                least = -9223372036854775807 - 1
+            else:
+                tl.static_assert(E_P2 <= 65536, "the index takes the key's low 16 bits")
+                b16 = tl.where(em, lg, float("-inf")).to(LT).to(tl.int16, bitcast=True).to(tl.int32)
+                key = tl.where(b16 >= 0, b16, b16 ^ 0x7FFF)
+                cand = (key << 16) | (E_P2 - 1 - offs)
+                low = 0xFFFF
+                least = -2147483647 - 1
+            for j in tl.static_range(K):
+                best = tl.max(cand, axis=0)
+                i = (E_P2 - 1 - (best & low)).to(tl.int32)
+                ids = tl.where(kk == j, i, ids)
+                cand = tl.where(offs == i, least, cand)
+            # one term per column: exact (the softmax prob of the j-th pick, ex[i] / den)
+            vals = tl.sum(tl.where(offs[:, None] == ids[None, :], (ex / den)[:, None], 0.0), axis=0)  # [K_P2]
             if NORM:
                 vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
             km = kk < K
