@@ -62,6 +62,8 @@
 #         the engine check and bench
 #   s7e:  the top-k rounds on int32 keys (16-bit logits), the probabilities gathered after them (the ranks of s7d
 #         were slower and left): GPU tests, moe_front_parts.py, the engine check and bench
+#   s7f:  moe_front stores no gate when the shared expert is inside; the whole block (block_chain.py) for #3; the
+#         closing engine check and bench
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -379,6 +381,16 @@ if [[ $PART == s7e ]]; then
     step engine 220 python bench/gpu_engine_check.py
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     cat "$OUT/parts.log" | tail -n 12
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+fi
+if [[ $PART == s7f ]]; then
+    step tests 150 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_moe_front.py tests/test_fused.py
+    step block 150 python bench/block_chain.py
+    step engine 220 python bench/gpu_engine_check.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    tail -n 12 "$OUT/block.log"
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
 fi

@@ -89,13 +89,13 @@ if triton is not None:
         r_ptr,  # [H] the residual stream before the mixer
         nw_ptr,  # [H] post-attention RMSNorm weight
         w_ptr,  # [E, H] router weight, contiguous
-        wsg_ptr,  # [H] shared expert gate weight (SHARED_GATE only)
+        wsg_ptr,  # [H] shared expert gate weight (SHARED_GATE / SHARED_EXPERT)
         s_ptr,  # [H] out: x + residual (x's dtype)
         h_ptr,  # [H] out: RMSNorm(s) (x's dtype)
         logits_ptr,  # [E] out (x's dtype); also the programs' exchange buffer
         tw_ptr,  # [k] out top-k weights (x's dtype)
         ti_ptr,  # [k] out top-k ids (int64)
-        sg_ptr,  # [1] out sigmoid gate (SHARED_GATE only)
+        sg_ptr,  # [1] out sigmoid gate (SHARED_GATE without SHARED_EXPERT)
         tick_ptr,  # [1] int32 ticket, zero between launches
         seg_ptr,  # [I_S, H] shared expert W_gate (SHARED_EXPERT only)
         seu_ptr,  # [I_S, H] shared expert W_up
@@ -133,7 +133,8 @@ if triton is not None:
             wv = tl.load(w_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=rmask[:, None] & cm[None, :],
                          other=0.0)
             first = (tl.zeros([H_P2], dtype=tl.int32) + pid) == 0
-            if SHARED_GATE:
+            STORE_SG: tl.constexpr = SHARED_GATE and not SHARED_EXPERT  # else applied by the shared programs
+            if STORE_SG:
                 ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
             if PDL:
                 gdc_wait()
@@ -148,7 +149,7 @@ if triton is not None:
             # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
             logit = tl.sum(wv.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_E]
             tl.store(logits_ptr + rows, round_to(logit, DT).to(DT), mask=rmask)
-            if SHARED_GATE:
+            if STORE_SG:
                 if pid == 0:
                     z = round_to(tl.sum(ws * h, axis=0), DT)
                     tl.store(sg_ptr, round_to(1.0 / (1.0 + tl.exp(-z)), DT).to(DT))
@@ -188,7 +189,8 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
               shared_block: int = 4):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
-    dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None).
+    dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None);
+    sg is None without w_sg, and with `shared_expert` (the gate is applied inside, nobody else needs it).
     `residual_early`: the residual was not written by the kernel just before this launch (a decoder layer's input,
     with the mixer's kernels between), so it is loaded before the PDL wait, overlapping that kernel.
     `shared_expert` = (w_gate, w_up, w_down_t), each [I_s, H] contiguous in x's dtype (w_down_t: W_down
@@ -249,7 +251,7 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
     logits = torch.empty((1, E), dtype=dt, device=dev)
     tw = torch.empty((1, top_k), dtype=dt, device=dev)
     ti = torch.empty((1, top_k), dtype=torch.int64, device=dev)
-    sg = torch.empty(1, dtype=dt, device=dev) if w_sg is not None else None
+    sg = torch.empty(1, dtype=dt, device=dev) if w_sg is not None and shared_expert is None else None
     if tickets is None:
         tickets = router_tickets(dev, 1)
     elif tickets.dtype != torch.int32 or tickets.numel() < 1 or tickets.device != dev:

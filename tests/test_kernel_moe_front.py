@@ -108,9 +108,10 @@ def test_shared_expert_into_acc(shape, dtype, block_s, num_warps):
     got = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg, block_e=4, num_warps=num_warps,
                     residual_early=True, shared_expert=sw, acc=acc, shared_block=block_s)
     plain = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg, block_e=4, num_warps=num_warps)
-    for a, b in zip(got, plain):
+    for a, b in zip(got[:5], plain[:5]):
         assert torch.equal(a, b)
-    s, h, logits, tw, ti, g = got
+    assert got[5] is None  # the gate is applied inside: not returned
+    h, g = plain[1], plain[5]
     want = shared_expert_term(h[None], SharedExpert(*sw, g))[0]
     torch.testing.assert_close(acc - before, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
