@@ -64,6 +64,8 @@
 #         were slower and left): GPU tests, moe_front_parts.py, the engine check and bench
 #   s7f:  moe_front stores no gate when the shared expert is inside; the whole block (block_chain.py) for #3; the
 #         closing engine check and bench
+#   s7g:  launch A/B in the step now that the experts launch has no shared programs (sparse_fused tiles, register cap;
+#         moe_front tiles); block_chain.py with the bench's copy bandwidth
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -393,4 +395,12 @@ if [[ $PART == s7f ]]; then
     tail -n 12 "$OUT/block.log"
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+fi
+if [[ $PART == s7g ]]; then
+    F="table:moe_front:H2048_E256_k8"
+    step ab 260 python bench/step_ab.py "base,fused:BLOCK_I=4;num_warps=8,fused:BLOCK_I=16;num_warps=16,fused:maxnreg=128,$F:block_e=8;num_warps=4,$F:block_e=4;num_warps=8" \
+        --rounds 3 --prompt 512
+    step block 150 python bench/block_chain.py
+    grep -B2 -A8 "^| case" "$OUT/ab.log"
+    tail -n 12 "$OUT/block.log"
 fi
