@@ -66,6 +66,7 @@
 #         closing engine check and bench
 #   s7g:  launch A/B in the step now that the experts launch has no shared programs (sparse_fused tiles, register cap;
 #         moe_front tiles); block_chain.py with the bench's copy bandwidth
+#   s7h:  the closing code at the chat's default context (8192)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -403,4 +404,8 @@ if [[ $PART == s7g ]]; then
     step block 150 python bench/block_chain.py
     grep -B2 -A8 "^| case" "$OUT/ab.log"
     tail -n 12 "$OUT/block.log"
+fi
+if [[ $PART == s7h ]]; then
+    step ctx8192 150 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
+    tail -n 4 "$OUT/ctx8192.log"
 fi
