@@ -45,7 +45,7 @@ def main() -> None:
             ("k 8, block_e 4, 2 warps", chain(8, block_e=4, num_warps=2)),
             ("k 8, block_e 4, 8 warps", chain(8, block_e=4, num_warps=8)),
             ("k 8, block_e 8, 4 warps", chain(8, block_e=8, num_warps=4)),
-            ("k 8 + shared expert (block 2), 4 warps", chain(8, se=True, block_e=4, num_warps=4)),
+            ("k 8 + shared expert (block 2), 4 warps", chain(8, se=True, block_e=4, num_warps=4, shared_block=2)),
             ("k 8 + shared expert (block 4), 4 warps", chain(8, se=True, block_e=4, num_warps=4, shared_block=4))]
     print("| moe_front chain (12 weight sets, bf16) | µs per launch |\n|---|---:|")
     for name, calls in rows:

@@ -2,8 +2,9 @@
 RMSNorm, router (logits, softmax, top-k, renormalise) and the shared expert's sigmoid gate.
 
 Owns `moe_front` (checked launcher), its torch reference `moe_front_ref`, and one Triton kernel
-`_moe_front_kernel`, grid (cdiv(E, BLOCK_E) [+ cdiv(I_s, BLOCK_S)],). What it computes is what transformers computes between the
-attention / DeltaNet output and the experts of a Qwen3.5-MoE decoder layer (router as kernels/router_topk.py):
+`_moe_front_kernel`, grid (cdiv(E, BLOCK_E) [+ cdiv(I_s, BLOCK_S)],). What it computes is what transformers
+computes between the attention / DeltaNet output and the experts of a Qwen3.5-MoE decoder layer (router as
+kernels/router_topk.py):
 
     s      = (x + residual).to(dtype)                             [H]  the residual stream after the mixer
     h      = RMSNorm(s)                                           [H]  zero_centred x̂·(1+w) or standard w·x̂
@@ -18,7 +19,8 @@ grid-wide wait); program 0 stores s, h and sg. The last program to take the tick
 ticket buffer. Replaces three launches (norm, router, shared-expert gate inside the shared expert's first kernel)
 and the waits between them.
 
-With `shared_expert=`, cdiv(I_s, BLOCK_S) more programs run the shared expert: it needs no routing, so its weights
+With `shared_expert=`, cdiv(I_s, BLOCK_S) more programs run the shared expert (BLOCK_S 4 / 4 warps: 255 registers
+for sm_90, spill-free; 1 neuron per program measured 7.5% slower in the step): it needs no routing, so its weights
 load before the PDL wait (overlapping the kernel before) and its output goes, fp32 and unrounded as
 kernels/sparse_fused.py's shared programs compute it, into the experts' workspace row by atomics; the experts'
 launch then adds the routed experts and publishes y = residual + the sum. That takes the shared expert off the
