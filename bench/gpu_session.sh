@@ -67,6 +67,7 @@
 #   s7g:  launch A/B in the step now that the experts launch has no shared programs (sparse_fused tiles, register cap;
 #         moe_front tiles); block_chain.py with the bench's copy bandwidth
 #   s7h:  the closing code at the chat's default context (8192)
+#   s7i:  where the step goes now, at 85 % (step_breakdown.py, prompt 512)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -408,4 +409,8 @@ fi
 if [[ $PART == s7h ]]; then
     step ctx8192 150 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
     tail -n 4 "$OUT/ctx8192.log"
+fi
+if [[ $PART == s7i ]]; then
+    step breakdown 110 python bench/step_breakdown.py 0.85 --prompt 512
+    tail -n 16 "$OUT/breakdown.log"
 fi
