@@ -66,9 +66,9 @@ def main() -> None:
     gate, updown, shared_b, router = K * I * H * 2, 2 * K * I * H * 2, 3 * I * H * 2, (E + 1) * H * 2
     floors = {"85": (gate + updown * frac + shared_b + router) / bw / 1e3,
               "0": (gate + updown + shared_b + router) / bw / 1e3}
+    sparse_mb, dense_mb = (gate + updown * frac + shared_b + router) / mb, (gate + updown + shared_b + router) / mb
     print(f"copy bandwidth {bw:.0f} GB/s; kept fraction at the 85 % threshold {frac:.3f}; whole-block bytes "
-          f"{(gate + updown * frac + shared_b + router) / mb:.1f} MB at 85 %, {(gate + updown + shared_b + router) / mb:.1f}"
-          f" MB at 0 %")
+          f"{sparse_mb:.1f} MB at 85 %, {dense_mb:.1f} MB at 0 %")
     rows = [("whole block, 85 % (moe_front with the shared expert -> sparse_fused)",
              [lambda i=i: block(i) for i in range(N)], floors["85"]),
             ("whole block, threshold 0 (localmoe's dense decode path)",
@@ -81,7 +81,8 @@ def main() -> None:
              (gate + updown * frac) / bw / 1e3),
             ("routed experts alone, threshold 0", [lambda i=i: experts(i, dense=True) for i in range(N)],
              (gate + updown) / bw / 1e3)]
-    print("\n| Qwen3.5-35B-A3B shapes, bf16, batch 1 | µs per block | byte floor µs | × floor |\n|---|---:|---:|---:|")
+    print("\n| Qwen3.5-35B-A3B shapes, bf16, batch 1 | µs per block | byte floor µs | × floor |")
+    print("|---|---:|---:|---:|")
     res = {}
     for name, calls, floor in rows:
         us = graph_us(calls)

@@ -265,9 +265,12 @@ def table(result: dict) -> str:
              f"{'of floor':>8} {'realised':>8} {'peak GB':>8}"]
     for r in result["rows"]:
         name = r["name"] + (" [graph]" if r.get("graph") else "")
+        floor = (f"{r['floor_tok_s']:>11.0f} {r['fraction_of_floor']:>8.1%} " if r["floor_tok_s"] > 0
+                 else f"{'–':>11} {'–':>8} ")  # baselines and CPU rows have no byte floor
         lines.append(f"{name:<34} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
-                     f"{r['floor_tok_s']:>11.0f} {r['fraction_of_floor']:>8.1%} {r['sparsity_realized']:>8.1%} "
-                     f"{r['peak_gpu_mem_gb']:>8.1f}"
+                     + floor
+                     + (f"{r['sparsity_realized']:>8.1%} " if r["name"] == "localmoe" else f"{'–':>8} ")
+                     + f"{r['peak_gpu_mem_gb']:>8.1f}"
                      + (f"  cache {r['cache_hit_rate']:.0%} hits, {r['h2d_mb_per_token']:.0f} MB/token H2D"
                         if r.get("cache_hit_rate") is not None else ""))
     return "\n".join(lines)

@@ -119,3 +119,17 @@ def test_table_names_skewed_routing():
            "decode_tokens": 2, "rows": []}
     assert "routing" not in table({**res, "routing": "uniform"}).splitlines()[0]
     assert table({**res, "routing": "skewed"}).splitlines()[0].endswith(", skewed routing")
+
+
+def test_table_marks_what_a_baseline_does_not_measure():
+    """A baseline row (and a CPU row) has no byte floor, and only localmoe's rows have a realised sparsity: "–"."""
+    res = {"model": "m", "device": "cuda", "dtype": "bfloat16", "load_s": 0.0, "copy_gb_s": 4200.0,
+           "prompt_tokens": 1, "decode_tokens": 2}
+    row = {"sparsity": 0.0, "prefill_tok_s": 10.0, "decode_tok_s": 5.0, "peak_gpu_mem_gb": 1.0}
+    rows = [{**row, "name": "localmoe", "graph": True, "floor_tok_s": 10.0, "fraction_of_floor": 0.5,
+             "sparsity_realized": 0.85},
+            {**row, "name": "transformers generate (grouped_mm)", "floor_tok_s": 0.0, "fraction_of_floor": 0.0,
+             "sparsity_realized": 0.0}]
+    local, base = table({**res, "rows": rows}).splitlines()[2:]
+    assert "50.0%" in local and "85.0%" in local and "–" not in local
+    assert base.split()[-4:] == ["–", "–", "–", "1.0"]
