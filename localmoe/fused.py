@@ -26,9 +26,9 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                mixer; then, when the experts run sparse_fused (the
                                                                sparse path, and sparsity 0 at threshold 0), 2
                                                                launches: kernels/moe_front.py (residual add, norm,
-                                                               router top-k, shared gate) and sparse_fused with the
-                                                               shared expert and the residual add in its tail (was
-                                                               norm + router + experts + shared expert's 2 = 5);
+                                                               router top-k, the shared expert) and sparse_fused
+                                                               (routed experts) with the residual add in its tail
+                                                               (was norm + router + experts + shared expert's 2 = 5);
                                                                else the norm with the residual add, then the block
     Qwen3_5MoeRMSNorm              FusedRMSNorm(zero_centred)  1 launch (was ~8 kernels incl. dtype round trips)
     Qwen3MoeRMSNorm, OlmoeRMSNorm,
