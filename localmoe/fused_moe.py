@@ -1,6 +1,6 @@
 """MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
-expert; or, from a Qwen3.5 decoder layer on the sparse path, `moe_front` + the experts' `sparse_fused` with the shared
-expert and the residual add in its tail) and Qwen3.5's decoder layer, whose norms and residual adds ride in
+expert; or, from a Qwen3.5 decoder layer, `moe_front` with the shared expert + the experts' `sparse_fused` with the
+residual add in its tail) and Qwen3.5's decoder layer, whose norms and residual adds ride in
 neighbouring kernels. Installed by `localmoe.fused`; prefill and other calls run transformers' modules.
 
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
@@ -91,15 +91,16 @@ class FusedSparseMoeBlock(nn.Module):
 
     def takes_front(self, h: torch.Tensor) -> bool:
         """Whether `step_front` can run this one-token call: the fused call holds, the block has a shared expert
-        and its experts run `sparse_fused` (which then takes the shared expert and the residual add)."""
+        and its experts run `sparse_fused` (which then takes the residual add, and the shared expert's sum)."""
         takes = getattr(self.experts, "takes_tail", None)
         return self.has_shared and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
     @torch.compiler.disable
     def step_front(self, mixed: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) -> torch.Tensor:
         """The decoder layer from the mixer's output on, two launches (`takes_front` holds): moe_front (residual
-        add, post-attention norm, router top-k, shared-expert gate), then the experts' `sparse_fused` with the
-        shared expert and the residual add in its tail. mixed, residual [B, T, H] -> the layer's output."""
+        add, post-attention norm, router top-k, the shared expert into the experts' workspace row), then the
+        experts' `sparse_fused` with the residual add in its tail (`shared_in_front=False`: the shared expert in
+        sparse_fused's launch). mixed, residual [B, T, H] -> the layer's output."""
         self.decode_calls += 1
         self.front_calls += 1
         B, T, H = mixed.shape
@@ -156,8 +157,8 @@ class FusedSparseMoeBlock(nn.Module):
 class FusedDecoderLayer(nn.Module):
     """Qwen3.5-MoE decoder layer whose one-token call has no launch of its own: the input RMSNorm goes into the
     mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when the experts run `sparse_fused`
-    (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` + `sparse_fused` with the shared expert and the
-    residual in its tail; else the mixer's output + residual go into the post-attention RMSNorm's launch and the MoE
+    (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` (with the shared expert) + `sparse_fused` (with the
+    residual in its tail); else the mixer's output + residual go into the post-attention RMSNorm's launch and the MoE
     output + residual into the shared expert's last kernel. Only when its norm and MoE block are localmoe's fused
     modules and the call is one token on their device; other one-token calls run transformers' layer arithmetic with
     this layer's (fused) children, and more tokens (prefill) the original layer, whose children are the originals."""
