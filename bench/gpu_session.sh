@@ -68,6 +68,8 @@
 #         moe_front tiles); block_chain.py with the bench's copy bandwidth
 #   s7h:  the closing code at the chat's default context (8192)
 #   s7i:  where the step goes now, at 85 % (step_breakdown.py, prompt 512)
+#   s8a:  pending for the next session: the engine check and bench first (figures move by machine), then the shared
+#         expert's neurons per moe_front program (2 and 8 against the default 4) in the step
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -413,4 +415,12 @@ fi
 if [[ $PART == s7i ]]; then
     step breakdown 110 python bench/step_breakdown.py 0.85 --prompt 512
     tail -n 16 "$OUT/breakdown.log"
+fi
+if [[ $PART == s8a ]]; then
+    step engine 220 python bench/gpu_engine_check.py
+    F="table:moe_front:H2048_E256_k8:block_e=4;num_warps=4"
+    step ab 200 python bench/step_ab.py "base,$F;shared_block=2,$F;shared_block=8" --rounds 3 --prompt 512
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+    grep -B2 -A5 "^| case" "$OUT/ab.log"
 fi
