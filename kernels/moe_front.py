@@ -74,8 +74,16 @@ def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, nor
 if triton is not None:
 
     @triton.jit
-    def _residual_norm(xin, rv, nw, eps, H: tl.constexpr, KIND: tl.constexpr):
-        """(s, h) in fp32, each rounded to x's dtype: s = x + residual, h = RMSNorm(s) (module docstring)."""
+    def _wait_residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H: tl.constexpr, KIND: tl.constexpr,
+                            EARLY_RES: tl.constexpr, PDL: tl.constexpr):
+        """After a program's weight loads: the PDL wait, then (s, h) in fp32, each rounded to x's dtype: s = x +
+        residual, h = RMSNorm(s) (module docstring). rv is the residual when EARLY_RES loaded it before the wait."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
+        if not EARLY_RES:
+            rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
         DT = xin.dtype
         s = round_to(xin.to(tl.float32) + rv.to(tl.float32), DT)
         n = s * tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
@@ -84,6 +92,12 @@ if triton is not None:
         else:
             h = round_to(round_to(n, DT) * nw, DT)
         return s, h
+
+    @triton.jit
+    def _shared_gate(ws, h, DT: tl.constexpr):
+        """sg = sigmoid((h . w_sg) rounded to DT), rounded to DT (fp32 value)."""
+        z = round_to(tl.sum(ws * h, axis=0), DT)
+        return round_to(1.0 / (1.0 + tl.exp(-z)), DT)
 
     @triton.jit
     def _moe_front_kernel(
@@ -128,6 +142,8 @@ if triton is not None:
         nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
         if EARLY_RES:  # the residual was written two or more kernels back: complete when this one launches
             rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
+        else:
+            rv = nw  # a placeholder: _wait_residual_norm loads the residual after the wait
         if pid < NR:
             rows = pid * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] router rows
             rmask = rows < E
@@ -138,14 +154,8 @@ if triton is not None:
             STORE_SG: tl.constexpr = SHARED_GATE and not SHARED_EXPERT  # else applied by the shared programs
             if STORE_SG:
                 ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
-            if PDL:
-                gdc_wait()
-                gdc_launch_dependents()
             # ---- residual add and RMSNorm, in every program ----
-            xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
-            if not EARLY_RES:
-                rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
-            s, h = _residual_norm(xin, rv, nw, eps, H, KIND)
+            s, h = _wait_residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES, PDL)
             tl.store(s_ptr + cols, s.to(DT), mask=cm & first)
             tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
             # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
@@ -153,8 +163,7 @@ if triton is not None:
             tl.store(logits_ptr + rows, round_to(logit, DT).to(DT), mask=rmask)
             if STORE_SG:
                 if pid == 0:
-                    z = round_to(tl.sum(ws * h, axis=0), DT)
-                    tl.store(sg_ptr, round_to(1.0 / (1.0 + tl.exp(-z)), DT).to(DT))
+                    tl.store(sg_ptr, _shared_gate(ws, h, DT).to(DT))
             topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, NR, K=K, K_P2=K_P2, NORM=NORM, E_P2=E_P2)
         elif SHARED_EXPERT:
             # ---- the shared expert (needs no routing): BLOCK_S neurons' gate, up and down rows before the wait ----
@@ -165,15 +174,8 @@ if triton is not None:
             wu = tl.load(seu_ptr + roff, mask=m2, other=0.0)
             wd = tl.load(sed_ptr + roff, mask=m2, other=0.0)
             ws = tl.load(wsg_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            if PDL:
-                gdc_wait()
-                gdc_launch_dependents()
-            xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
-            if not EARLY_RES:
-                rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
-            _, h = _residual_norm(xin, rv, nw, eps, H, KIND)
-            z = round_to(tl.sum(ws * h, axis=0), DT)
-            sg = round_to(1.0 / (1.0 + tl.exp(-z)), DT)  # the value program 0 stores
+            _, h = _wait_residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES, PDL)
+            sg = _shared_gate(ws, h, DT)
             # as kernels/sparse_fused.py's shared programs: silu(h . W_gate) * (h . W_up) * sg, then down
             zg = tl.sum(wg.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_S]
             a = zg / (1.0 + tl.exp(-zg)) * tl.sum(wu.to(tl.float32) * h[None, :], axis=1) * sg

@@ -107,14 +107,14 @@ class FusedSparseMoeBlock(nn.Module):
         se = self.shared_expert
         if self._front is None:
             self._front = tuned(mixed, "moe_front", f"H{H}_E{self.gate.weight.shape[0]}_k{self.top_k}")
-        # residual_early: the residual is the layer's input, written before the mixer's kernels, so moe_front may
-        # load it before its PDL wait
         weights = (se.gate_proj.weight, se.up_proj.weight, self._shared_down_t())
         if self.shared_in_front:  # the shared expert in moe_front's launch, added into the experts' workspace row
             ws = fused_workspace(mixed.device, H + self.top_k + 1)
             front = {"shared_expert": weights, "acc": ws[:H].view(torch.float32)}
         else:
             ws, front = None, {}
+        # residual_early: the residual is the layer's input, written before the mixer's kernels, so moe_front may
+        # load it before its PDL wait
         s, h, _, tw, ti, sg = moe_front(mixed, residual, norm.weight, norm.eps, norm.kind, self.gate.weight,
                                         self.top_k, self.norm_topk_prob, self.shared_expert_gate.weight,
                                         tickets=self._tickets_on(mixed.device), residual_early=True, **front,
