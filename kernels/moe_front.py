@@ -74,13 +74,10 @@ def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, nor
 if triton is not None:
 
     @triton.jit
-    def _wait_residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H: tl.constexpr, KIND: tl.constexpr,
-                            EARLY_RES: tl.constexpr, PDL: tl.constexpr):
-        """After a program's weight loads: the PDL wait, then (s, h) in fp32, each rounded to x's dtype: s = x +
-        residual, h = RMSNorm(s) (module docstring). rv is the residual when EARLY_RES loaded it before the wait."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+    def _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H: tl.constexpr, KIND: tl.constexpr,
+                       EARLY_RES: tl.constexpr):
+        """After a program's PDL wait: (s, h) in fp32, each rounded to x's dtype: s = x + residual, h = RMSNorm(s)
+        (module docstring). rv is the residual when EARLY_RES loaded it before the wait."""
         xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
         if not EARLY_RES:
             rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
@@ -143,7 +140,7 @@ if triton is not None:
         if EARLY_RES:  # the residual was written two or more kernels back: complete when this one launches
             rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
         else:
-            rv = nw  # a placeholder: _wait_residual_norm loads the residual after the wait
+            rv = nw  # a placeholder: _residual_norm loads the residual after the wait
         if pid < NR:
             rows = pid * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] router rows
             rmask = rows < E
@@ -154,8 +151,11 @@ if triton is not None:
             STORE_SG: tl.constexpr = SHARED_GATE and not SHARED_EXPERT  # else applied by the shared programs
             if STORE_SG:
                 ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
             # ---- residual add and RMSNorm, in every program ----
-            s, h = _wait_residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES, PDL)
+            s, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES)
             tl.store(s_ptr + cols, s.to(DT), mask=cm & first)
             tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
             # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
@@ -174,7 +174,10 @@ if triton is not None:
             wu = tl.load(seu_ptr + roff, mask=m2, other=0.0)
             wd = tl.load(sed_ptr + roff, mask=m2, other=0.0)
             ws = tl.load(wsg_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            _, h = _wait_residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES, PDL)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+            _, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES)
             sg = _shared_gate(ws, h, DT)
             # as kernels/sparse_fused.py's shared programs: silu(h . W_gate) * (h . W_up) * sg, then down
             zg = tl.sum(wg.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_S]
