@@ -417,6 +417,9 @@ if [[ $PART == s7i ]]; then
     tail -n 16 "$OUT/breakdown.log"
 fi
 if [[ $PART == s8a ]]; then
+    step tests 110 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_moe_front.py tests/test_fused.py tests/test_pdl.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
     step engine 220 python bench/gpu_engine_check.py
     F="table:moe_front:H2048_E256_k8:block_e=4;num_warps=4"
     step ab 200 python bench/step_ab.py "base,$F;shared_block=2,$F;shared_block=8" --rounds 3 --prompt 512
