@@ -13,6 +13,8 @@ Cases (comma-separated; settings joined by "+" apply together):
   attr:CLASS.NAME=V             an attribute of every module of that class, e.g.
                                 attr:LocalExperts.dense_tail=1 (sparsity 0 through sparse_fused's tail)
   depth:N                       decode steps launched ahead of the host's token read (Engine.pipeline_depth)
+  choice0                       greedy token chosen outside the graph (torch argmax, copies between replays), as
+                                before session 8 (Engine.graph_greedy)
   unfuse:CLASS                  the modules of that localmoe class put back to transformers' (e.g. FusedTextModel)
   table:KERNEL:SHAPE:K=V[;K=V]  a decode_params entry of kernels/tuned/<device>.json replaced for this case, e.g.
                                 table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or table:moe_front:H2048_E256_k8:block_e=2
@@ -99,6 +101,9 @@ def _apply_one(engine, case: str) -> None:
     elif case.startswith("depth:"):
         _UNDO["attrs"].setdefault((engine, "pipeline_depth"), engine.pipeline_depth)
         engine.pipeline_depth = int(case[len("depth:"):])
+    elif case == "choice0":
+        _UNDO["attrs"].setdefault((engine, "graph_greedy"), engine.graph_greedy)
+        engine.graph_greedy = False
     elif case.startswith("attr:"):
         cls, rest = case[len("attr:"):].split(".", 1)
         attr, v = rest.split("=")

@@ -71,6 +71,7 @@ class Engine:
         self.use_graphs = device.type == "cuda"  # CUDA-graph decode (falls back to eager with a notice)
         # decode steps launched ahead of the token the host reads (see generate): 0 = one step at a time
         self.pipeline_depth = PIPELINE_DEPTH if device.type == "cuda" else 0
+        self.graph_greedy = True  # greedy decode chooses its token inside the CUDA graph (graph.py step_greedy)
         self.compile = False  # torch.compile the decode step before capture (bench --compile; experimental)
         self.on_notice = None  # callable(str) for one-line notices (the CLI prints them on stderr)
         self._graph = None
@@ -297,17 +298,22 @@ class Engine:
                                         or not expert_cache.admits) else 0
         if depth and cuda:  # a pinned host slot and an event per step in flight, reused round-robin
             slots = [(torch.empty((), dtype=torch.long, pin_memory=True), torch.cuda.Event()) for _ in range(depth)]
-        inflight: list[tuple[torch.Tensor, int]] = []  # (device token, slot) of steps launched, not yet read
+        inflight: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []  # (device token, slot, host token)
         launched = 0
+        # greedy with a graph: the token is chosen inside the graph, which also writes it to the host (graph.py)
+        greedy_graph = graph is not None and graph.chooses and self.graph_greedy and settings.temperature <= 0
 
         def launch(token, cache, position):
+            """-> (device token, the same on the host once the step is done or None, cache)."""
+            if greedy_graph:
+                return *graph.step_greedy(token, position), cache
             if graph is not None:
                 logits = graph.step(token, position)
             else:
                 out = self.model(input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache},
                                  **self._logits_kw)
                 cache, logits = _cache_of(out), out.logits[0, -1]
-            return sample(logits, settings, gen), cache
+            return sample(logits, settings, gen), None, cache
 
         while True:
             if tok in self.eos_ids:
@@ -318,13 +324,14 @@ class Engine:
             while (len(inflight) < depth and len(generated) + len(inflight) < max_new
                    and not self._cancel.is_set()):
                 src = inflight[-1][0] if inflight else token
-                nxt, cache = launch(src, cache, n_prompt + len(generated) + len(inflight) - 1)
+                nxt, on_host, cache = launch(src, cache, n_prompt + len(generated) + len(inflight) - 1)
                 slot = launched % depth
                 if cuda:
                     host, done = slots[slot]
-                    host.copy_(nxt.reshape(()), non_blocking=True)
+                    if on_host is None:
+                        host.copy_(nxt.reshape(()), non_blocking=True)
                     done.record()
-                inflight.append((nxt, slot))
+                inflight.append((nxt, slot, on_host))
                 launched += 1
             delta = detok.push(tok)
             stats.generated_tokens = len(generated)
@@ -343,15 +350,15 @@ class Engine:
                 finish = "cancelled"
                 break
             if inflight:
-                token, slot = inflight.pop(0)
+                token, slot, on_host = inflight.pop(0)
                 if cuda:
                     host, done = slots[slot]
-                    done.synchronize()  # that token's copy only, not the steps launched behind it
-                    tok = int(host)
+                    done.synchronize()  # that token's step (or copy) only, not the steps launched behind it
+                    tok = int(host if on_host is None else on_host)
                 else:
                     tok = int(token)
             else:
-                token, cache = launch(token, cache, n_prompt + len(generated) - 1)
+                token, _, cache = launch(token, cache, n_prompt + len(generated) - 1)
                 tok = int(token)
             self._after_step()
         t_end = time.perf_counter()

@@ -2,17 +2,20 @@
 
 Prefill runs eager (dense path, in chunks of `Engine.prefill_chunk` tokens) into a transformers `StaticCache` sized
 for the context length; then one decode step — embedding, every layer's attention / Gated DeltaNet step, router,
-shared expert, localmoe's sparse experts, norm, lm_head and greedy/sampled token choice — is captured once and
-replayed per token. Inputs (token id,
-position) are copied into static buffers; the only host synchronisation per token is reading the chosen id for
-streaming. Anything that cannot be captured raises `GraphUnavailable`, and the Engine falls back to eager with a
-one-line notice.
+shared expert, localmoe's sparse experts, norm, lm_head and the greedy token (kernels/argmax.py) — is captured once
+and replayed per token. `step` copies a token id and position into the static inputs and returns the logits, for
+sampling outside the graph. `step_greedy` chains greedy steps with nothing between replays: the captured argmax
+writes the next input id, advances the position and puts the token in a device ring and a pinned host ring, which
+the host reads after the step's event, without a copy on the stream. The only host synchronisation per token is
+that read, for streaming. Anything that cannot be captured raises `GraphUnavailable`, and the Engine falls back to
+eager with a one-line notice.
 """
 
 from __future__ import annotations
 
 import torch
 
+RING = 8  # greedy tokens kept on the device and the host: more than the steps the engine launches ahead
 
 
 class GraphUnavailable(RuntimeError):
@@ -38,6 +41,14 @@ class GraphDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.k = int(getattr(engine.loaded.config, "num_experts_per_tok", 1))
+        # greedy chain: written by the captured argmax (kernels/argmax.py); `chooses` is False if it cannot run
+        self.ring = torch.zeros(RING, dtype=torch.long, device=dev)
+        self.host_ring = torch.zeros(RING, dtype=torch.long, pin_memory=True)
+        self.count = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.chooses = True
+        self._last: torch.Tensor | None = None  # the ring slot step_greedy returned last (the next step's input)
+        self._next_pos = -1
+        self._n = 0  # greedy replays since the chain began (= the device count)
         self.steps = 0  # replays since the engine last reset its counters
         # optional: inductor fuses the step's many small elementwise ops before capture (slow first call)
         if compile:
@@ -60,6 +71,7 @@ class GraphDecoder:
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """prompt [1, P] -> logits [V] of the last position (eager, in chunks of the engine's `prefill_chunk`)."""
         self.cache.reset()
+        self._last = None
         P, step = prompt.shape[1], self.engine.prefill_chunk
         for start in range(0, P, step):
             end = min(P, start + step)
@@ -73,21 +85,53 @@ class GraphDecoder:
         try:
             with torch.cuda.stream(stream):
                 for _ in range(3):  # warm-up: kernels compiled, workspaces allocated (same position is rewritten)
-                    self._step_fn(self.ids, self.pos)
+                    self._choose(self._step_fn(self.ids, self.pos))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # captured on the warm-up's stream: the kernels' per-stream zeroed workspaces (tickets, accumulators)
             # were made there, so the graph holds no allocation and no memset node
             with torch.cuda.graph(graph, stream=stream):
                 self.logits = self._step_fn(self.ids, self.pos)
+                self._choose(self.logits)
         except Exception as e:  # noqa: BLE001
             raise GraphUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         self.graph = graph
+
+    def _choose(self, logits: torch.Tensor) -> None:
+        if not self.chooses:
+            return
+        from localmoe.kernels.argmax import argmax_next
+
+        try:
+            argmax_next(logits, ids=self.ids.view(-1), pos=self.pos, ring=self.ring, host=self.host_ring,
+                        count=self.count)
+        except (ValueError, RuntimeError):  # logits this kernel does not take: greedy steps sample outside
+            self.chooses = False
 
     def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """Run one captured step for `token` at `position`; returns the static logits [V] (valid until next step)."""
         self.ids.copy_(token.view(1, 1))
         self.pos.fill_(position)
+        self._last = None
         self.graph.replay()
         self.steps += 1  # replays count kept neurons on the GPU; the engine adds what they considered
         return self.logits
+
+    def step_greedy(self, token: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One captured step choosing its token greedily in the graph -> (token on the device, the same on the host:
+        valid once the work queued so far has finished, until RING more steps). Passing back the device token of the
+        previous call with the next position copies nothing before the replay; anything else starts a new chain."""
+        if not self.chooses:
+            raise GraphUnavailable("the captured step has no greedy choice")
+        if token is not self._last or position != self._next_pos:
+            self.ids.copy_(token.view(1, 1))
+            self.pos.fill_(position)
+            self.count.zero_()
+            self._n = 0
+        self.graph.replay()
+        self.steps += 1
+        i = self._n % RING
+        self._n += 1
+        self._next_pos = position + 1
+        self._last = self.ring[i]
+        return self._last, self.host_ring[i]

@@ -1,0 +1,46 @@
+"""The CUDA-graph decode step (GPU only): greedy tokens chosen inside the graph (graph.py `step_greedy`) equal the
+tokens chosen outside it and eager decoding, across generate calls; sampling still runs outside the graph."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("CUDA graphs need a GPU (and compiled Triton kernels)", allow_module_level=True)
+
+from conftest import repo_id  # noqa: E402
+from localmoe.engine import Engine  # noqa: E402
+from localmoe.events import GenerationSettings  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("depth", [0, 2])
+def test_greedy_in_graph_equals_outside_and_eager(hub_cache, family, depth):
+    e = Engine.load(repo_id(family), device="cuda", dtype="float32", sparsity=0.0)
+    e.eos_ids = set()
+    e.pipeline_depth = depth
+    s = GenerationSettings(max_new_tokens=20)
+    ids = e.encode_raw("Sparse experts skip most neurons.")
+    inside = [ev.token_id for ev in e.generate(ids, s)]
+    assert e._graph is not None and e._graph.chooses
+    again = [ev.token_id for ev in e.generate(ids[:-2], s)]  # a new chain: the copies run again
+    inside2 = [ev.token_id for ev in e.generate(ids, s)]
+    e.graph_greedy = False
+    outside = [ev.token_id for ev in e.generate(ids, s)]
+    outside_again = [ev.token_id for ev in e.generate(ids[:-2], s)]
+    e.graph_greedy, e.use_graphs, e._graph = True, False, None
+    eager = [ev.token_id for ev in e.generate(ids, s)]
+    assert inside == inside2 == outside == eager and len(inside) == 20
+    assert again == outside_again
+
+
+def test_sampling_with_a_graph_is_seeded(hub_cache):
+    e = Engine.load(repo_id("qwen3_moe"), device="cuda", dtype="float32", sparsity=0.0)
+    s = GenerationSettings(max_new_tokens=12, temperature=1.0, top_k=20, seed=5)
+    ids = e.encode_raw("abc")
+    a = [ev.token_id for ev in e.generate(ids, s)]
+    b = [ev.token_id for ev in e.generate(ids, s)]
+    assert e._graph is not None and a == b
