@@ -70,6 +70,8 @@
 #   s7i:  where the step goes now, at 85 % (step_breakdown.py, prompt 512)
 #   s8a:  pending for the next session: the engine check and bench first (figures move by machine), then the shared
 #         expert's neurons per moe_front program (2 and 8 against the default 4) in the step
+#   s8b:  the greedy token chosen inside the graph (kernels/argmax.py) and the DeltaNet step's single ticket: GPU
+#         tests, then both A/B'd in the step (choice0, one_ticket=0), then the engine check and bench
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -426,4 +428,15 @@ if [[ $PART == s8a ]]; then
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
     grep -B2 -A5 "^| case" "$OUT/ab.log"
+fi
+if [[ $PART == s8b ]]; then
+    step tests 150 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_argmax.py tests/test_graph.py tests/test_kernel_delta_rule_step.py tests/test_pdl.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    G="table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2"
+    step ab 200 python bench/step_ab.py "base,choice0,$G;one_ticket=0" --rounds 4 --prompt 512
+    step engine 220 python bench/gpu_engine_check.py
+    grep -B2 -A5 "^| case" "$OUT/ab.log"
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
 fi

@@ -18,7 +18,9 @@ cross-program race. Each value head's [d_k, d_v] state is one register tile (fp3
 value head and N-column slice of its state (the delta rule is column-wise independent), 8x the programs at the real
 shape. Two self-cleaning ticket arrays order the shared writes: the last program of a key head writes the q/k
 conv window (after every program of it read the old one), and the last slice of a value head applies the gated
-RMSNorm over the whole d_v row from an fp32 workspace. Which grid is faster is data (`bench/tune_decode.py`).
+RMSNorm over the whole d_v row from an fp32 workspace. By default (`one_ticket`) both counts live in one int64 word
+per key head (a field for the key head's programs, one per value head of it), so each program takes one atomic, not
+two; the key head's last program re-zeroes the word. Which grid is faster is data (`bench/tune_decode.py`).
 Every dtype round trip transformers makes (conv output to the weight dtype, SiLU, the core output to q's dtype,
 the norm's casts) is reproduced with `round_to`.
 
@@ -274,8 +276,8 @@ if triton is not None:
         s_ptr,  # state [B, H_v, d_k, d_v], strides (ss_b, ss_h, ss_k, 1), updated in place
         o_ptr,  # out [B, H_v, d_v] contiguous
         ws_ptr,  # fp32 [B, H_v, d_v] workspace: core output before the gated norm (fully rewritten each launch)
-        tk_ptr,  # int32 [B * H_k] tickets (zero between launches): q/k conv-state writers
-        th_ptr,  # int32 [B * H_v] tickets (zero between launches): gated-norm finishers
+        tk_ptr,  # int32 [B * H_k] tickets (zero between launches): q/k conv-state writers; ONE_TICKET: int64
+        th_ptr,  # int32 [B * H_v] tickets (zero between launches): gated-norm finishers (unused with ONE_TICKET)
         DK, DV, R, NVB,  # NVB = ceil(d_v / BLOCK_V) programs per value head
         stride_xb, stride_cb, stride_cc, stride_ab, stride_bb, stride_zb,
         ss_b, ss_h, ss_k,
@@ -288,6 +290,8 @@ if triton is not None:
         DK_P2: tl.constexpr,
         DV_P2: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        ONE_TICKET: tl.constexpr,  # W > 0: both tickets in one int64 word per key head, W bits per count
+        W: tl.constexpr,
         PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)  # one (batch row, value head)
@@ -349,12 +353,20 @@ if triton is not None:
         tl.store(ws_ptr + row + jv, round_to(o, io_dt), mask=vm)  # core_attn_out.to(initial_dtype), kept fp32
         tl.debug_barrier()  # every lane has read the old conv window and written its slice
         tl.store(vsp, round_to(vnew, cst_ptr.dtype.element_ty).to(cst_ptr.dtype.element_ty), mask=vsm)
-        done_k = tl.atomic_add(tk_ptr + bi * HK + hk, 1, sem="acq_rel", scope="gpu")
+        if ONE_TICKET:  # one atomic: field 0 counts the key head's programs, field 1 + r its value head r's
+            shift = (W * (1 + h % R)).to(tl.int64)
+            old = tl.atomic_add(tk_ptr + bi * HK + hk, 1 + (tl.full([], 1, tl.int64) << shift), sem="acq_rel",
+                                scope="gpu")
+            done_k = old & ((1 << W) - 1)
+            done_h = (old >> shift) & ((1 << W) - 1)
+        else:
+            done_k = tl.atomic_add(tk_ptr + bi * HK + hk, 1, sem="acq_rel", scope="gpu")
         if done_k == R * NVB - 1:  # every program of this key head has read the old q/k window
             tl.store(qsp, round_to(qnew, cst_ptr.dtype.element_ty).to(cst_ptr.dtype.element_ty), mask=qsm)
             tl.store(ksp, round_to(knew, cst_ptr.dtype.element_ty).to(cst_ptr.dtype.element_ty), mask=ksm)
-            tl.store(tk_ptr + bi * HK + hk, 0)
-        done_h = tl.atomic_add(th_ptr + bi * HV + h, 1, sem="acq_rel", scope="gpu")
+            tl.store(tk_ptr + bi * HK + hk, 0)  # with ONE_TICKET every program of the key head has counted
+        if not ONE_TICKET:
+            done_h = tl.atomic_add(th_ptr + bi * HV + h, 1, sem="acq_rel", scope="gpu")
         if done_h == NVB - 1:  # the last slice of this head: the gated RMSNorm over the whole d_v row
             jf = tl.arange(0, DV_P2)
             fm = jf < DV
@@ -365,7 +377,8 @@ if triton is not None:
                 pr = round_to(pr, io_dt)
             zz = tl.load(z_ptr + bi * stride_zb + h * DV + jf, mask=fm, other=0.0).to(tl.float32)
             tl.store(o_ptr + row + jf, round_to(pr * (zz / (1.0 + tl.exp(-zz))), io_dt).to(io_dt), mask=fm)
-            tl.store(th_ptr + bi * HV + h, 0)
+            if not ONE_TICKET:
+                tl.store(th_ptr + bi * HV + h, 0)
 
 
 def _split_workspace(device, B: int, HK: int, HV: int, DV: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -375,6 +388,12 @@ def _split_workspace(device, B: int, HK: int, HV: int, DV: int) -> tuple[torch.T
     tickets = zeroed_int32("gdn_split_tickets", device, n_tk + B * HV)
     out = zeroed_int32("gdn_split_out", device, B * HV * DV)[: B * HV * DV].view(torch.float32)
     return out, tickets[:n_tk], tickets[n_tk:n_tk + B * HV]
+
+
+def _one_ticket_width(R: int, nvb: int) -> int:
+    """Bits per count when a key head's R + 1 tickets share one int64 word (0: they do not fit, use two atomics)."""
+    w = (R * nvb).bit_length()
+    return w if w * (R + 1) <= 62 else 0
 
 
 def _warps(dk_p2: int, dv_p2: int) -> int:
@@ -421,7 +440,7 @@ def delta_rule_step(q, k, v, g, beta, state, *, out=None):
 
 def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bias, A_log, dt_bias, norm_weight,
                         norm_eps, state, num_k_heads, head_k_dim, num_v_heads, head_v_dim, out=None,
-                        num_warps: int | None = None, block_v: int | None = None):
+                        num_warps: int | None = None, block_v: int | None = None, one_ticket: bool = True):
     """One cached decode token of `Qwen3_5MoeGatedDeltaNet` between the input projections and out_proj, one launch.
     mixed_qkv [B, C], z [B, H_v·d_v], a, b [B, H_v] (rows may be strided, last dim contiguous); conv_state
     [B, C, K] and state [B, H_v, d_k, d_v] are updated in place. Returns out [B, H_v·d_v] in mixed_qkv's dtype."""
@@ -455,6 +474,9 @@ def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bia
         bv = min(block_v, dv2)
         nvb = triton.cdiv(DV, bv)
         ws, tk, th = _split_workspace(mixed_qkv.device, B, HK, HV, DV)
+        width = _one_ticket_width(HV // HK, nvb) if one_ticket else 0
+        if width:  # one int64 word per key head instead of two int32 tickets (one atomic per program, not two)
+            tk = zeroed_int32("gdn_split_ticket64", mixed_qkv.device, 2 * B * HK)[:2 * B * HK].view(torch.int64)
         _gdn_split_kernel[(B * HV, nvb)](
             mixed_qkv, conv_state, cw, bias, a, b, A_log, dt_bias, z, norm_weight, state, out, ws, tk, th,
             DK, DV, HV // HK, nvb,
@@ -462,7 +484,7 @@ def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bia
             state.stride(0), state.stride(1), state.stride(2),
             float(DK ** 0.5), float(norm_eps),
             HK=HK, HAS_BIAS=conv_bias is not None, KS=KS, KS_P2=triton.next_power_of_2(KS), ROUND_PROD=round_prod,
-            DK_P2=dk2, DV_P2=dv2, BLOCK_V=bv, num_warps=num_warps or 4,
+            DK_P2=dk2, DV_P2=dv2, BLOCK_V=bv, ONE_TICKET=width > 0, W=width, num_warps=num_warps or 4,
             **pdl_kw(mixed_qkv))
         return out
     _gdn_step_kernel[(B * HK,)](

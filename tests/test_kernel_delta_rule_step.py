@@ -91,13 +91,16 @@ def _hf_chain(mixed_qkv, z, a, b, conv_state, conv_w, conv_b, A_log, dt_bias, no
 
 # grids: one program per key head (None), or split over value heads and d_v slices (4-column slices only on the
 # small shapes: 1024 programs of the real one are slow under the interpreter, 32 covers it)
-GRIDS = [(sh, bv) for sh in zip(SHAPES, IDS) for bv in (None, 4, 32) if not (bv == 4 and sh[0][4] > 64)]
+# split grids take their tickets in one int64 word per key head (one_ticket, the default) or two int32 arrays
+GRIDS = [(sh, bv, one) for sh in zip(SHAPES, IDS) for bv in (None, 4, 32) for one in (True, False)
+         if not (bv == 4 and sh[0][4] > 64) and (one or bv == 32)]
 
 
-@pytest.mark.parametrize("shape,block_v", [(sh, bv) for (sh, _), bv in GRIDS],
-                         ids=[f"{name}-{'head_grid' if bv is None else f'split{bv}'}" for (_, name), bv in GRIDS])
+@pytest.mark.parametrize("shape,block_v,one_ticket", [(sh, bv, one) for (sh, _), bv, one in GRIDS],
+                         ids=[f"{name}-{'head_grid' if bv is None else f'split{bv}'}{'' if one else '-two_tickets'}"
+                              for (_, name), bv, one in GRIDS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gated_deltanet_step_matches_transformers(shape, dtype, block_v):
+def test_gated_deltanet_step_matches_transformers(shape, dtype, block_v, one_ticket):
     B, HK, HV, DK, DV, KS = shape
     C = 2 * HK * DK + HV * DV
     gen = torch.Generator().manual_seed(C)
@@ -122,12 +125,15 @@ def test_gated_deltanet_step_matches_transformers(shape, dtype, block_v):
     ref = gated_deltanet_step_ref(mixed_qkv, z, a, b, conv_state=cs_ref, state=st_ref, **kw)
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-6)
     cs_got, st_got = conv_state.clone(), state.clone()
-    got = gated_deltanet_step(mixed_qkv, z, a, b, conv_state=cs_got, state=st_got, block_v=block_v, **kw)
+    got = gated_deltanet_step(mixed_qkv, z, a, b, conv_state=cs_got, state=st_got, block_v=block_v,
+                              one_ticket=one_ticket, **kw)
     if block_v is not None:  # the split grid's tickets are left zeroed for the next launch (graph replays)
         from localmoe.kernels.delta_rule_step import _split_workspace
+        from localmoe.kernels.workspace import zeroed_int32
 
         _, tk, th = _split_workspace(DEV, B, HK, HV, DV)
-        assert int(tk.abs().sum()) == 0 and int(th.abs().sum()) == 0
+        tk64 = zeroed_int32("gdn_split_ticket64", DEV, 2 * B * HK)
+        assert int(tk.abs().sum()) == 0 and int(th.abs().sum()) == 0 and int(tk64.abs().sum()) == 0
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.equal(cs_got, cs_want)  # the conv window shift is exact
     torch.testing.assert_close(st_got, st_want, **_tol(dtype))
