@@ -85,7 +85,10 @@ def test_checks():
     with pytest.raises(ValueError, match="go together"):
         argmax_next(x, ring=out["ring"])
     with pytest.raises(ValueError, match="same slots"):
-        argmax_next(x, ring=out["ring"], host=out["host"][:2].clone(), count=out["count"])
+        argmax_next(x, ring=out["ring"], host=_outputs(R=2)["host"], count=out["count"])
+    if DEV == "cuda":
+        with pytest.raises(ValueError, match="pinned"):
+            argmax_next(x, host=torch.zeros(4, dtype=torch.long), count=out["count"])
     with pytest.raises(ValueError, match="count must be int32"):
         argmax_next(x, ring=out["ring"], count=out["count"].long())
     with pytest.raises(ValueError, match="power of two"):
