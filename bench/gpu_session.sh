@@ -72,6 +72,8 @@
 #         expert's neurons per moe_front program (2 and 8 against the default 4) in the step
 #   s8b:  the greedy token chosen inside the graph (kernels/argmax.py) and the DeltaNet step's single ticket: GPU
 #         tests, then both A/B'd in the step (choice0, one_ticket=0), then the engine check and bench
+#   s8c:  the gate pass with TMA-pipelined loads (bench/gate_tma.py, a lead), s8b's two changes off together in the
+#         step, the step breakdown and the bench at the chat's 8192-token context with the final code
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -439,4 +441,17 @@ if [[ $PART == s8b ]]; then
     grep -B2 -A5 "^| case" "$OUT/ab.log"
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+fi
+if [[ $PART == s8c ]]; then
+    step tests 60 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_argmax.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
+    step gate 150 python bench/gate_tma.py
+    G="table:gated_deltanet_step:HK16_HV32_D128:block_v=16;num_warps=2"
+    step ab 130 python bench/step_ab.py "base,choice0+$G;one_ticket=0" --rounds 3 --prompt 512
+    step breakdown 100 python bench/step_breakdown.py 0.85 --prompt 512
+    step ctx8192 110 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
+    cat "$OUT/gate.log" | grep -v Warning | tail -n 16
+    grep -B2 -A4 "^| case" "$OUT/ab.log"
+    tail -n 16 "$OUT/breakdown.log"
+    tail -n 5 "$OUT/ctx8192.log"
 fi
