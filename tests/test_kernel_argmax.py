@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from localmoe.kernels.argmax import argmax_next, argmax_next_ref
-from tests.kernel_cases import DEV
+from kernel_cases import DEV
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
