@@ -74,6 +74,7 @@
 #         tests, then both A/B'd in the step (choice0, one_ticket=0), then the engine check and bench
 #   s8c:  the gate pass with TMA-pipelined loads (bench/gate_tma.py, a lead), s8b's two changes off together in the
 #         step, the step breakdown and the bench at the chat's 8192-token context with the final code
+#   s8d:  #3's figures in this session: the whole MoE block chain, and the MoE-block bench at the three shapes
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -454,4 +455,10 @@ if [[ $PART == s8c ]]; then
     grep -B2 -A4 "^| case" "$OUT/ab.log"
     tail -n 16 "$OUT/breakdown.log"
     tail -n 5 "$OUT/ctx8192.log"
+fi
+if [[ $PART == s8d ]]; then
+    step chain 150 python bench/block_chain.py
+    step moe 250 python bench/bench_moe_block.py --out "$OUT" --no-cross --no-tune --no-offload
+    grep -v Warning "$OUT/chain.log" | tail -n 12
+    grep -A40 "| path | whole" "$OUT/moe.log" | head -60
 fi
