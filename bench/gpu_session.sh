@@ -75,6 +75,7 @@
 #   s8c:  the gate pass with TMA-pipelined loads (bench/gate_tma.py, a lead), s8b's two changes off together in the
 #         step, the step breakdown and the bench at the chat's 8192-token context with the final code
 #   s8d:  #3's figures in this session: the whole MoE block chain, and the MoE-block bench at the three shapes
+#   s8e:  what a decode step costs beyond its graph: the engine's greedy decode against back-to-back replays
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -461,4 +462,8 @@ if [[ $PART == s8d ]]; then
     step moe 250 python bench/bench_moe_block.py --out "$OUT" --no-cross --no-tune --no-offload
     grep -v Warning "$OUT/chain.log" | tail -n 12
     grep -A40 "| path | whole" "$OUT/moe.log" | head -60
+fi
+if [[ $PART == s8e ]]; then
+    step gap 200 python bench/replay_gap.py --rounds 4
+    grep -v Warning "$OUT/gap.log" | tail -n 12
 fi
