@@ -76,6 +76,8 @@
 #         step, the step breakdown and the bench at the chat's 8192-token context with the final code
 #   s8d:  #3's figures in this session: the whole MoE block chain, and the MoE-block bench at the three shapes
 #   s8e:  what a decode step costs beyond its graph: the engine's greedy decode against back-to-back replays
+#   s8f:  the attention layer's position advanced by the decode attention (no ticket in qk_norm_rope): GPU tests,
+#         then A/B in the step with the replay column (choice0 is the control: the same graph)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -466,4 +468,13 @@ fi
 if [[ $PART == s8e ]]; then
     step gap 200 python bench/replay_gap.py --rounds 4
     grep -v Warning "$OUT/gap.log" | tail -n 12
+fi
+if [[ $PART == s8f ]]; then
+    step tests 170 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
+        tests/test_kernel_qk_norm_rope.py tests/test_kernel_decode_attention.py tests/test_fused_attention.py \
+        tests/test_fused_model.py tests/test_graph.py tests/test_pdl.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
+    step ab 260 python bench/step_ab.py "base,attr:FusedAttention.defer_advance=0,choice0" --rounds 3 --prompt 512
+    grep "round" "$OUT/ab.log"
+    grep -B2 -A5 "^| case" "$OUT/ab.log"
 fi
