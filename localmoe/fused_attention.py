@@ -137,7 +137,7 @@ class FusedAttention(nn.Module):
         impl = self.config._attn_implementation
         # localmoe's core will take this call (decided from shapes alone, before the query exists): then it, not
         # qk_norm_rope, advances the static cache's position, after its wait, so qk_norm_rope needs no ticket
-        query_like = qkv.new_empty(0).as_strided((1, Hq, 1, D), (0, 0, 0, 0))
+        query_like = qkv.view(-1)[:1].expand(1, Hq, 1, D)  # the query's shape, dtype and device; no allocation
         defer = (static is not None and self.defer_advance and impl == attention.NAME
                  and attention.takes(query_like, static.keys, static.values, attention_mask, 0.0, kwargs))
         if static is not None:  # k and v written into the static cache by the same launch
