@@ -84,7 +84,6 @@ if triton is not None:
         o_ptr,  # [Hq, Dv] out (q's dtype), row stride stride_oh
         g_ptr,  # [Hq, Dv] output gate (q's dtype), row stride stride_gh (HAS_GATE only)
         tick_ptr,  # [Hq] int32 tickets, zero between launches
-        adv_ptr,  # [1] int: a position the program (0, 0) advances by one after the wait (ADVANCE only)
         L,
         NS,  # chunks of CHUNK keys
         NP,  # programs per head: program p takes chunks p, p + NP, p + 2 NP, ... (at most NCH of them)
@@ -108,7 +107,6 @@ if triton is not None:
         HAS_MASK: tl.constexpr,
         HAS_GATE: tl.constexpr,
         PREFETCH: tl.constexpr,  # CHUNK == BLOCK_L: the first chunk's keys/values, every chunk's mask before the wait
-        ADVANCE: tl.constexpr,
         PDL: tl.constexpr,
     ):
         h = tl.program_id(0)
@@ -151,9 +149,6 @@ if triton is not None:
         if PDL:  # programmatic dependent launch (kernels/pdl.py): q and the newest key/value follow the wait
             gdc_wait()
             gdc_launch_dependents()
-        if ADVANCE:  # the cache's position, read by the kernel before (which wrote this token's row): +1
-            if (h == 0) & (p == 0):
-                tl.store(adv_ptr, tl.load(adv_ptr) + 1)
         q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
         if PREFETCH:
             if newest >= 0:
@@ -259,8 +254,7 @@ if triton is not None:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      scale: float | None = None, out: torch.Tensor | None = None, *, gate: torch.Tensor | None = None,
                      chunk: int = 64, block_l: int = 64, num_warps: int = 4,
-                     prefetch: bool | None = None, max_splits: int = 16,
-                     advance: torch.Tensor | None = None) -> torch.Tensor:
+                     prefetch: bool | None = None, max_splits: int = 16) -> torch.Tensor:
     """One query token's attention over a KV cache (module docstring). q [Hq,Dk]; k [Hkv,L,Dk]; v [Hkv,L,Dv];
     mask [L] bool (True = attend) or None (all L keys); scale default Dk^-0.5. Returns [Hq, Dv] in q's dtype (into
     `out` when given: [Hq, Dv] of q's dtype, last dim contiguous); with `gate` [Hq, Dv] (q's dtype, last dim
@@ -269,9 +263,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     cache positions used, 15.6 µs (SDPA over the masked cache: 22.8); at 140 of 1024 the best launch was chunk 32,
     block_l 32, 8 warps, 8.7 µs (SDPA 15.7; the defaults were not timed there). `prefetch` (default: whenever
     chunk == block_l) loads the chunk's mask, keys and values before the PDL wait and re-reads only the newest kept
-    row after it: the caller's cache rows other than the newest must not be written by the kernel just before.
-    `advance` (a one-element int tensor, e.g. the static cache's position that `qk_norm_rope(advance=False)` wrote
-    at) is incremented by one in the same launch, after the wait: the kernel before needs no ticket for it."""
+    row after it: the caller's cache rows other than the newest must not be written by the kernel just before."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     if q.dim() != 2 or k.dim() != 3 or v.dim() != 3:
@@ -303,12 +295,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if gate is not None and (tuple(gate.shape) != (Hq, Dv) or gate.dtype != q.dtype or gate.stride(1) != 1
                              or gate.device != q.device):
         raise ValueError(f"gate must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
-    if advance is not None and (advance.numel() != 1 or advance.dtype not in (torch.int32, torch.int64)
-                                or advance.device != q.device):
-        raise ValueError(f"advance must be a one-element int32/int64 tensor on {q.device}")
     if L == 0:
-        if advance is not None:
-            advance.add_(1)
         return out.zero_()
     chunk = max(16, triton.next_power_of_2(chunk))
     bl = min(triton.next_power_of_2(block_l), chunk)
@@ -328,11 +315,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         raise ValueError(f"scale must be finite, got {scale}")
     g = gate if gate is not None else out
     tickets = zeroed_int32("decode_attention", q.device, Hq)  # self-cleaning: the combining program re-zeroes
-    _split_kernel[(Hq, npg)](q, k, v, mask if mask is not None else q, part, out, g, tickets,
-                             advance if advance is not None else tickets, L, ns, npg, Hq // Hkv,
+    _split_kernel[(Hq, npg)](q, k, v, mask if mask is not None else q, part, out, g, tickets, L, ns, npg, Hq // Hkv,
                              scale, q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                              g.stride(0), DK=Dk, DV=Dv, DK_P2=triton.next_power_of_2(Dk),
                              DV_P2=triton.next_power_of_2(Dv), NP_P2=triton.next_power_of_2(npg), NCH=nch,
                              CHUNK=chunk, BLOCK_L=bl, HAS_MASK=mask is not None, HAS_GATE=gate is not None,
-                             PREFETCH=prefetch, ADVANCE=advance is not None, num_warps=num_warps, **pdl_kw(q))
+                             PREFETCH=prefetch, num_warps=num_warps, **pdl_kw(q))
     return out

@@ -122,7 +122,6 @@ if triton is not None:
         KIND: tl.constexpr,  # 0 standard, 1 zero_centred
         GATED: tl.constexpr,  # q heads are [q_h | gate_h] (QW = 2D); else [q_h] (QW = D)
         CACHE: tl.constexpr,
-        ADVANCE: tl.constexpr,  # CACHE: the key programs' ticket advances the position (else the caller does)
         BLOCK_D: tl.constexpr,
         PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): the norm weights are read before the wait
     ):
@@ -166,11 +165,10 @@ if triton is not None:
                 tl.store(kc_ptr + j * stride_kh + pos * stride_kl + cols, res, mask=cm)
                 vv = tl.load(qkv_ptr + HQ * QW + HKV * D + j * D + cols, mask=m, other=0.0)
                 tl.store(vc_ptr + j * stride_vh + pos * stride_vl + cols, vv.to(vc_ptr.dtype.element_ty), mask=cm)
-                if ADVANCE:
-                    tl.debug_barrier()  # this program has read the position before the release below
-                    if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == HKV - 1:  # every key program read it
-                        tl.store(pos_ptr, (pos + 1).to(pos_ptr.dtype.element_ty))
-                        tl.store(tick_ptr, 0)
+                tl.debug_barrier()  # this program has read the position before the release below
+                if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == HKV - 1:  # every key program has read it
+                    tl.store(pos_ptr, (pos + 1).to(pos_ptr.dtype.element_ty))
+                    tl.store(tick_ptr, 0)
         if GATED:
             if head < HQ:  # de-interleave the output gate: [q_h | gate_h] -> gate[h*D : (h+1)*D]
                 g = tl.load(src + D + cols, mask=m, other=0.0)
@@ -206,14 +204,12 @@ def _check_weights(q_weight, k_weight, kind, x_dtype, device) -> int:
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, eps: float, *, num_q_heads: int, num_kv_heads: int, kind: str = "zero_centred",
-                 gated: bool = True, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 advance: bool = True):
+                 gated: bool = True, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """One token's q|k|v projection -> (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None): q and k normed (per
     head, `kind`) and rotated by cos/sin [ROT] (one token's, qkv's dtype; ROT even, <= D), v a view of qkv, the gate
     (gated layers) de-interleaved and contiguous. D = the norm weights' length. With `kv_cache` (keys [Hkv, L, D],
     values [Hkv, L, D] of qkv's dtype, last dim contiguous; position: a one-element int tensor) k and v are also
-    written at the position, which is then advanced by one (a position >= L writes nothing but still advances);
-    `advance=False` leaves the position to the caller (no ticket: the decode attention after it advances it).
+    written at the position, which is then advanced by one (a position >= L writes nothing but still advances).
     No host sync: capturable. With PDL, cos and sin are read before the wait: they must not come from the kernel just
     before this launch (the decode step makes them before its layers; the projection's GEMV runs between)."""
     if triton is None:
@@ -246,7 +242,6 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
                                       kc.shape[1],
                                       kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), D=D, ROT=ROT,
                                       KIND=_KIND_ID[kind], GATED=gated, CACHE=kv_cache is not None,
-                                      ADVANCE=bool(advance),
                                       BLOCK_D=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 2, **pdl_kw(x))
     q, k = out[:Hq * D].view(Hq, D), out[Hq * D:(Hq + Hkv) * D].view(Hkv, D)
     gate = out[(Hq + Hkv) * D:] if gated else None

@@ -63,10 +63,9 @@ def localmoe_attention(module, query, key, value, attention_mask, dropout: float
 
 
 @torch.compiler.disable
-def decode(query, key, value, attention_mask, scaling, gate=None, advance=None):
+def decode(query, key, value, attention_mask, scaling, gate=None):
     """The one-token call `takes` accepted -> out [1, 1, Hq, Dv]; with `gate` [Hq, Dv] (Qwen3.5's output gate) the
-    result is out · sigmoid(gate), in the same launches; `advance` (a static cache's position) is incremented in the
-    same launch (localmoe.fused_attention)."""
+    result is out · sigmoid(gate), in the same launches (localmoe.fused_attention)."""
     from localmoe.decode_ops import tuned
     from localmoe.kernels.decode_attention import decode_attention
 
@@ -75,7 +74,7 @@ def decode(query, key, value, attention_mask, scaling, gate=None, advance=None):
     mask = None if attention_mask is None else attention_mask[0, 0, 0]  # [L]
     _, Hq, _, Dk = query.shape
     kw = tuned(query, "decode_attention", f"Hq{Hq}_Hkv{key.shape[1]}_D{Dk}")  # chunk, block_l, num_warps, prefetch
-    out = decode_attention(query[0, :, 0], key[0], value[0], mask, scaling, gate=gate, advance=advance, **kw)
+    out = decode_attention(query[0, :, 0], key[0], value[0], mask, scaling, gate=gate, **kw)  # [Hq, Dv]
     return out.view(1, 1, *out.shape)
 
 

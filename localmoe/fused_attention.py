@@ -62,10 +62,6 @@ class FusedAttention(nn.Module):
     (prefill, no cache, batch > 1, biases, other dtypes/devices or attention implementations, training) run the
     original module, kept unregistered as `_hf`."""
 
-    # a static cache's position is advanced by localmoe's attention core after its wait, when that core takes the
-    # call, instead of by a ticket among qk_norm_rope's key programs (False: qk_norm_rope advances it, for A/B)
-    defer_advance = True
-
     def __init__(self, hf: nn.Module):
         super().__init__()
         object.__setattr__(self, "_hf", hf)  # prefill / unsupported calls, and uninstall
@@ -134,16 +130,9 @@ class FusedAttention(nn.Module):
         qkv = (linear_1(hidden_states, self._w_qkv, input_norm) if one_row(hidden_states, self._w_qkv)
                else F.linear(hidden_states, self._w_qkv))  # [1, 1, Hq*2D + 2*Hkv*D]
         static = _static_layer(cache, self.layer_idx, Hkv, D, hidden_states)
-        impl = self.config._attn_implementation
-        # localmoe's core will take this call (decided from shapes alone, before the query exists): then it, not
-        # qk_norm_rope, advances the static cache's position, after its wait, so qk_norm_rope needs no ticket
-        query_like = qkv.view(-1)[:1].expand(1, Hq, 1, D)  # the query's shape, dtype and device; no allocation
-        defer = (static is not None and self.defer_advance and impl == attention.NAME
-                 and attention.takes(query_like, static.keys, static.values, attention_mask, 0.0, kwargs))
         if static is not None:  # k and v written into the static cache by the same launch
             q, k, v, gate = self._norm_rope(qkv, *position_embeddings, kv_cache=(static.keys[0], static.values[0],
-                                                                                 static.cumulative_length),
-                                            advance=not defer)
+                                                                                 static.cumulative_length))
             key, value = static.keys, static.values  # [1, Hkv, L, D]; the position advanced by the same launch
         else:
             q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D]
@@ -154,9 +143,9 @@ class FusedAttention(nn.Module):
             else:
                 key, value = cache.update(key, value, self.layer_idx)
         query = q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D], as transformers' query_states
-        if defer or (impl == attention.NAME and attention.takes(query, key, value, attention_mask, 0.0, kwargs)):
-            out = attention.decode(query, key, value, attention_mask, self.scaling, gate=gate.view(Hq, D),
-                                   advance=static.cumulative_length if defer else None)
+        impl = self.config._attn_implementation
+        if impl == attention.NAME and attention.takes(query, key, value, attention_mask, 0.0, kwargs):
+            out = attention.decode(query, key, value, attention_mask, self.scaling, gate=gate.view(Hq, D))
             return self.o_proj(out.reshape(*input_shape, -1)), None  # the gate applied in the core's launch
         core = ALL_ATTENTION_FUNCTIONS[impl]
         out, weights = core(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
@@ -165,10 +154,10 @@ class FusedAttention(nn.Module):
         return self.o_proj(out), weights
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
-    def _norm_rope(self, qkv, cos, sin, kv_cache=None, advance=True):
+    def _norm_rope(self, qkv, cos, sin, kv_cache=None):
         return qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self._eps,
                             num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, kind=self._kind, gated=True,
-                            kv_cache=kv_cache, advance=advance)
+                            kv_cache=kv_cache)
 
 
 def _static_layer(cache, layer_idx: int, Hkv: int, D: int, h: torch.Tensor):

@@ -107,23 +107,6 @@ def test_no_mask_scale_and_out():
     torch.testing.assert_close(got, decode_attention_ref(q, k, v, None, scale=0.3), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("pdtype", [torch.int32, torch.int64])
-def test_advance_position(pdtype):
-    """advance=: one position tensor incremented by exactly one per launch, whatever the grid; the output unchanged."""
-    gen = torch.Generator().manual_seed(11)
-    q, k, v = torch.randn(4, 16, generator=gen), torch.randn(2, 100, 16, generator=gen), torch.randn(2, 100, 8, generator=gen)
-    q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
-    mask = torch.arange(100, device=DEV) < 70
-    pos = torch.tensor([69], dtype=pdtype, device=DEV)
-    want = decode_attention(q, k, v, mask, chunk=16)
-    for n in range(1, 3):
-        got = decode_attention(q, k, v, mask, chunk=16, advance=pos)
-        assert torch.equal(got, want) and int(pos) == 69 + n
-    assert int(decode_attention(q, k[:, :0], v[:, :0], None, advance=pos).abs().sum()) == 0 and int(pos) == 72
-    with pytest.raises(ValueError, match="advance"):
-        decode_attention(q, k, v, mask, advance=pos.float())
-
-
 def test_strided_views():
     """A [B=1, H, L, D] cache's head views and a transposed query, as transformers' attention passes them."""
     gen = torch.Generator().manual_seed(9)

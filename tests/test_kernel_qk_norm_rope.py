@@ -127,12 +127,6 @@ def test_kv_cache_write(shape, dtype):
     end = torch.tensor(L, device=DEV)  # past the cache: nothing written
     qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], end))
     assert torch.equal(keys, after_k) and int(end) == L + 1
-    # advance=False: the same writes, the position left to the caller (the decode attention advances it)
-    pos3 = torch.tensor(3, device=DEV)
-    q3, k3, v3, _ = qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], pos3),
-                                 advance=False)
-    assert torch.equal(keys[0, :, 3], k3) and torch.equal(values[0, :, 3], v3) and torch.equal(k3, k)
-    assert int(pos3) == 3
     with pytest.raises(ValueError, match="kv_cache keys"):
         qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0, :, :, :8], values[0], pos))
     with pytest.raises(ValueError, match="position"):
