@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from step_ab import replay_us
+
 from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 
@@ -34,15 +36,7 @@ def main() -> None:
     for r in range(rounds):
         list(engine.generate(prompt.tolist(), GenerationSettings(max_new_tokens=129)))
         gen_us.append(1e6 / engine.stats.decode_tok_s)
-        graph = engine._graph  # the chain left by that generate: position 512 + 128, room for n < 384 more
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.graph.replay()  # one step to settle
-        start.record()
-        for _ in range(n):
-            graph.graph.replay()
-        end.record()
-        end.synchronize()
-        rep_us.append(start.elapsed_time(end) * 1e3 / n)
+        rep_us.append(replay_us(engine, n))  # the chain that generate left: position 640, room for n < 384 more
         print(f"  round {r}: engine decode {gen_us[-1]:.0f} µs/step, graph replays back to back {rep_us[-1]:.0f} "
               f"µs/step", flush=True)
     g, p = statistics.median(gen_us), statistics.median(rep_us)

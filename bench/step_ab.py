@@ -150,7 +150,7 @@ def main() -> None:
             tok_s = engine.stats.decode_tok_s
             results[case].append(tok_s)
             prefill[case].append(engine.stats.prefill_tok_s)
-            replays[case].append(_replay_us(engine, min(200, CONTEXT - n_prompt - 130)))
+            replays[case].append(replay_us(engine, min(200, CONTEXT - n_prompt - 130)))
             print(f"  round {r} {case}: {tok_s:.1f} tok/s ({1e6 / tok_s:.0f} µs/step), replays "
                   f"{replays[case][-1]:.1f} µs/step, prefill {engine.stats.prefill_tok_s:.1f} tok/s", flush=True)
     base = statistics.median(results[cases[0]])
@@ -169,7 +169,7 @@ def main() -> None:
               f"{statistics.median(prefill[case]):.1f} |")
 
 
-def _replay_us(engine, n: int) -> float:
+def replay_us(engine, n: int) -> float:
     """µs per replay of the captured step, back to back (bench/replay_gap.py): the greedy chain the last generate
     left continues inside the graph, with no host work between steps. 0 when there is no such graph or no room."""
     graph = engine._graph
