@@ -5,8 +5,7 @@ experts' workspace row) -> `sparse_fused` (the k routed experts, the residual ad
 chained by PDL. Timed as CUDA graphs of 12 blocks over 12 weight sets of all 256 experts each (~19 GB: L2 holds
 none of it between blocks), Qwen3.5-35B-A3B shapes, bf16, per-set thresholds at 85 % of the gate activations of
 the routed experts, against the same block at threshold 0 (every neuron kept: localmoe's dense decode path) and
-the session-6 block (the shared expert in `sparse_fused`'s launch) and the session-9 block (the MoE sum left open for
-the next block to add: no ticket, no publishing tail). Also the experts' launch alone (12 in a row).
+the session-6 block (the shared expert in `sparse_fused`'s launch). Also the experts' launch alone (12 in a row).
 Byte floors from the copy bandwidth measured in the same run. Usage: PYTHONUNBUFFERED=1 python bench/block_chain.py
 """
 
@@ -50,20 +49,6 @@ def main() -> None:
         sparse_fused(h.view(1, H), *m["ew"], ti, tw, m["zero"] if dense else m["tau"], m["out"], count=m["cnt"],
                      workspace=ws, shared=shared, residual=s.view(1, H), kept_total=None if dense else kept)
 
-    sums = torch.zeros(2, 1, H, dtype=torch.float32, device=dev)  # the blocks' open MoE sums, alternating
-
-    def block_open(i, dense=False):
-        """The session-9 block: the MoE sum left open (no ticket, no tail); the next block's moe_front adds it to its
-        residual (after its wait: the sum is the launch just before's, not two back as in the step) and its
-        sparse_fused zeroes it. Cyclic over the N blocks (N even), so every replay is alike."""
-        m = sets[i]
-        into, prev = sums[i % 2], sums[(i - 1) % 2]
-        s, h, _, tw, ti, sg = moe_front(m["x"], m["res"], m["nw"], 1e-6, "zero_centred", m["wr"], K, True, m["wsg"],
-                                        tickets=ticks[i], block_e=4, num_warps=4, shared_expert=m["sh"],
-                                        acc=into.view(H), moe_sum=prev)
-        sparse_fused(h.view(1, H), *m["ew"], ti, tw, m["zero"] if dense else m["tau"], into, accumulate=True,
-                     clear=prev)
-
     def experts(i, dense=False):
         m = sets[i]
         h = m["x"]  # any [1, H] input: the routing below is fixed per set
@@ -88,10 +73,6 @@ def main() -> None:
              [lambda i=i: block(i) for i in range(N)], floors["85"]),
             ("whole block, threshold 0 (localmoe's dense decode path)",
              [lambda i=i: block(i, dense=True) for i in range(N)], floors["0"]),
-            ("whole block, 85 %, MoE sum left open (session 9: no tail; the next block adds it)",
-             [lambda i=i: block_open(i) for i in range(N)], floors["85"]),
-            ("whole block, threshold 0, MoE sum left open",
-             [lambda i=i: block_open(i, dense=True) for i in range(N)], floors["0"]),
             ("whole block, 85 %, shared expert in sparse_fused (session 6)",
              [lambda i=i: block(i, in_front=False) for i in range(N)], floors["85"]),
             ("whole block, threshold 0, shared expert in sparse_fused",
@@ -108,8 +89,8 @@ def main() -> None:
         res[name] = us
         print(f"| {name} | {us:.2f} | {floor:.2f} | {us / floor:.2f} |", flush=True)
     names = list(res)
-    print(f"\nsparse / dense: whole block {res[names[1]] / res[names[0]]:.2f}x, open sum "
-          f"{res[names[3]] / res[names[2]]:.2f}x, routed experts alone {res[names[7]] / res[names[6]]:.2f}x")
+    print(f"\nsparse / dense: whole block {res[names[1]] / res[names[0]]:.2f}x, routed experts alone "
+          f"{res[names[5]] / res[names[4]]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -79,9 +79,6 @@
 #   s8f:  the attention layer's position advanced by the decode attention (no ticket in qk_norm_rope): GPU tests,
 #         then A/B in the step with the replay column (choice0 is the control: the same graph). Measured no
 #         difference (-0.06% in the replays, inside choice0's 0.3%): reverted, so this part's attr case is gone
-#   s9a:  open MoE sums (no ticket and no publishing tail in the experts' launch; the next layer's first kernels add
-#         the sum): GPU tests, A/B in the step (open_sums=0 is the session-8 step), the block chain for #3
-#   s9b:  the closing engine check and bench, the step breakdown and the bench at the chat's 8192-token context
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -481,24 +478,4 @@ if [[ $PART == s8f ]]; then
     step ab 260 python bench/step_ab.py "base,attr:FusedAttention.defer_advance=0,choice0" --rounds 3 --prompt 512
     grep "round" "$OUT/ab.log"
     grep -B2 -A5 "^| case" "$OUT/ab.log"
-fi
-if [[ $PART == s9a ]]; then
-    step tests 170 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short \
-        tests/test_kernel_gemv.py tests/test_kernel_rmsnorm.py tests/test_kernel_moe_front.py \
-        tests/test_kernel_sparse_fused.py tests/test_fused_model.py tests/test_graph.py tests/test_pdl.py
-    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -20
-    step ab 200 python bench/step_ab.py "base,attr:FusedTextModel.open_sums=0" --rounds 4 --prompt 512
-    step chain 100 python bench/block_chain.py
-    grep "round" "$OUT/ab.log"
-    grep -B2 -A4 "^| case" "$OUT/ab.log"
-    grep -v Warning "$OUT/chain.log" | tail -n 14
-fi
-if [[ $PART == s9b ]]; then
-    step engine 220 python bench/gpu_engine_check.py
-    step breakdown 100 python bench/step_breakdown.py 0.85 --prompt 512
-    step ctx8192 120 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
-    grep -A7 "^family" "$OUT/engine.log"
-    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
-    tail -n 16 "$OUT/breakdown.log"
-    tail -n 5 "$OUT/ctx8192.log"
 fi

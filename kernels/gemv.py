@@ -19,7 +19,7 @@ try:
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-    from localmoe.kernels.rounding import add_moe_sum, round_to
+    from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -32,12 +32,9 @@ _NORM_KINDS = {"standard": 1, "zero_centred": 2}
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-             norm_kind: str = "zero_centred", moe_sum: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K], weight [N, K] -> y [T, N] in x's dtype (fp32 accumulation); with `moe_sum` [T, K] fp32, x is first
-    x + moe_sum, each add rounded to x's dtype (kernels/rounding.py add_moe_sum); with `norm_weight` [K], x is then
+             norm_kind: str = "zero_centred") -> torch.Tensor:
+    """x [T, K], weight [N, K] -> y [T, N] in x's dtype (fp32 accumulation); with `norm_weight` [K], x is first
     RMS-normalised per row as transformers' RMSNorm does (zero_centred x̂·(1+w), or standard w·x̂)."""
-    if moe_sum is not None:
-        x = (x.float() + moe_sum.to(x.dtype).float()).to(x.dtype)
     if norm_weight is not None:
         v = x.float()
         n = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
@@ -57,7 +54,6 @@ if triton is not None:
         w_ptr,  # [N, K], row stride stride_wn, last dim contiguous
         y_ptr,  # [T, N] contiguous
         nw_ptr,  # [K] RMSNorm weight applied to x first (NORM > 0 only)
-        a_ptr,  # [T, K] fp32 MoE sum added to x first, contiguous (MOE_SUM only)
         N,
         K,
         stride_xt,
@@ -68,7 +64,6 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         ONE_TILE: tl.constexpr,  # BLOCK_K >= K: the whole [BLOCK_N, K] tile in one load, issued before the PDL wait
         NORM: tl.constexpr,  # 0 none, 1 standard, 2 zero_centred RMSNorm of x first (ONE_TILE only)
-        MOE_SUM: tl.constexpr,  # x = add_moe_sum(x, a): the layer before's MoE output, left open by its experts
         PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -85,12 +80,10 @@ if triton is not None:
             if PDL:  # the weights are constants of the step: loaded while the kernel before finishes
                 gdc_wait()
                 gdc_launch_dependents()
-            XT = x_ptr.dtype.element_ty
             for t in tl.static_range(T):
                 xv = tl.load(x_ptr + t * stride_xt + cols, mask=kmask, other=0.0).to(tl.float32)
-                if MOE_SUM:
-                    xv = add_moe_sum(xv, tl.load(a_ptr + t * K + cols, mask=kmask, other=0.0), XT)
                 if NORM > 0:  # every program normalises the row itself: K values from L2, no extra launch
+                    XT = x_ptr.dtype.element_ty
                     n = xv * tl.math.rsqrt(tl.sum(xv * xv, axis=0) / K + eps)
                     if NORM == 2:
                         xv = round_to(n * (1.0 + nw), XT)
@@ -109,9 +102,6 @@ if triton is not None:
                     kmask = kk < K
                     w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                     xv = tl.load(x_ptr + t * stride_xt + kk, mask=kmask, other=0.0).to(tl.float32)
-                    if MOE_SUM:
-                        xv = add_moe_sum(xv, tl.load(a_ptr + t * K + kk, mask=kmask, other=0.0),
-                                         x_ptr.dtype.element_ty)
                     acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
                 tl.store(y_ptr + t * N + rows, round_to(acc, DT).to(DT), mask=rmask)
 
@@ -120,15 +110,13 @@ if triton is not None:
 # launcher
 # ----------------------------------------------------------------------------------------------------------
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, norm_weight=None,
-         eps: float = 1e-6, norm_kind: str = "zero_centred", moe_sum: torch.Tensor | None = None, BLOCK_N: int = 2,
-         BLOCK_K: int | None = None, num_warps: int = 4) -> torch.Tensor:
+         eps: float = 1e-6, norm_kind: str = "zero_centred", BLOCK_N: int = 2, BLOCK_K: int | None = None,
+         num_warps: int = 4) -> torch.Tensor:
     """y = x W^T. x [T, K] (T <= 8; bf16/fp16/fp32, last dim contiguous); weight [N, K] of x's dtype, last dim
     contiguous. Returns y [T, N] in x's dtype (into `out` when given: contiguous [T, N], x's dtype). BLOCK_K
     defaults to next_pow2(K) capped at 4096 (a whole row per tile for K up to 4096). No host sync: capturable.
     With `norm_weight` [K] (any float dtype), y = RMSNorm(x) W^T: the decoder layer's input norm inside the GEMV
-    (norm_kind "zero_centred" x̂·(1+w) or "standard" w·x̂, rounded to x's dtype as the module does; K <= 4096).
-    With `moe_sum` (fp32 [T, K] contiguous: the layer before's MoE block output, which its experts' launch left
-    unadded), x + moe_sum (each add rounded to x's dtype) is the input, before the norm; moe_sum is only read."""
+    (norm_kind "zero_centred" x̂·(1+w) or "standard" w·x̂, rounded to x's dtype as the module does; K <= 4096)."""
     if triton is None:
         raise RuntimeError("gemv needs triton")
     if x.dim() != 2 or weight.dim() != 2:
@@ -155,12 +143,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"norm_kind must be one of {sorted(_NORM_KINDS)}, got {norm_kind!r}")
     if norm and (bk < K or norm_weight.numel() != K or norm_weight.device != x.device):
         raise ValueError(f"norm_weight must hold K = {K} values on {x.device}, with K <= 4096 (one tile per row)")
-    if moe_sum is not None and (tuple(moe_sum.shape) != (T, K) or moe_sum.dtype != torch.float32
-                                or not moe_sum.is_contiguous() or moe_sum.device != x.device):
-        raise ValueError(f"moe_sum must be a contiguous fp32 [T, K] = {(T, K)} tensor on {x.device}")
     nw = norm_weight.reshape(K).contiguous() if norm else x
-    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](x, weight, out, nw, moe_sum if moe_sum is not None else x, N, K,
-                                             x.stride(0), weight.stride(0), float(eps), T=T, BLOCK_N=BLOCK_N,
-                                             BLOCK_K=bk, ONE_TILE=bk >= K, NORM=norm, MOE_SUM=moe_sum is not None,
+    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](x, weight, out, nw, N, K, x.stride(0), weight.stride(0), float(eps),
+                                             T=T, BLOCK_N=BLOCK_N, BLOCK_K=bk, ONE_TILE=bk >= K, NORM=norm,
                                              num_warps=num_warps, **pdl_kw(x))
     return out

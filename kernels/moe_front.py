@@ -6,8 +6,7 @@ Owns `moe_front` (checked launcher), its torch reference `moe_front_ref`, and on
 computes between the attention / DeltaNet output and the experts of a Qwen3.5-MoE decoder layer (router as
 kernels/router_topk.py):
 
-    r      = residual, or (residual + moe_sum.to(dtype)).to(dtype)  [H]  moe_sum: the layer before's open MoE sum
-    s      = (x + r).to(dtype)                                    [H]  the residual stream after the mixer
+    s      = (x + residual).to(dtype)                             [H]  the residual stream after the mixer
     h      = RMSNorm(s)                                           [H]  zero_centred x̂·(1+w) or standard w·x̂
     logits = (h · Wᵀ).to(dtype); w, idx = top-k of softmax(logits)     [E], [k], [k]
     sg     = sigmoid((h · w_sg).to(dtype)).to(dtype)              [1]  the shared expert's gate (optional)
@@ -41,7 +40,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-    from localmoe.kernels.rounding import add_moe_sum, round_to
+    from localmoe.kernels.rounding import round_to
     from localmoe.kernels.router_topk import topk_tail
 except ImportError:  # pragma: no cover
     triton = None
@@ -54,12 +53,9 @@ _KINDS = {"standard": 0, "zero_centred": 1}
 # ----------------------------------------------------------------------------------------------------------
 # torch reference (transformers' formulas, written out)
 # ----------------------------------------------------------------------------------------------------------
-def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, norm_topk_prob=True, w_sg=None,
-                  moe_sum=None):
+def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, norm_topk_prob=True, w_sg=None):
     """x, residual [H] (or [1, H]) -> (s [H], h [H], logits [E], top-k weights [k], top-k ids [k], sg [1] | None)."""
     dt = x.dtype
-    if moe_sum is not None:
-        residual = (residual.reshape(-1).float() + moe_sum.reshape(-1).to(dt).float()).to(dt)
     s = (x.reshape(-1).float() + residual.reshape(-1).float()).to(dt)
     v = s.float()
     n = v * torch.rsqrt(v.pow(2).mean() + eps)
@@ -78,22 +74,13 @@ def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, nor
 if triton is not None:
 
     @triton.jit
-    def _residual(r_ptr, a_ptr, cols, cm, DT: tl.constexpr, MOE_SUM: tl.constexpr):
-        """The residual stream before the mixer (fp32 value): r, or add_moe_sum(r, a) when the layer before left
-        its MoE sum a open."""
-        rv = tl.load(r_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        if MOE_SUM:
-            rv = add_moe_sum(rv, tl.load(a_ptr + cols, mask=cm, other=0.0), DT)
-        return rv
-
-    @triton.jit
-    def _residual_norm(x_ptr, r_ptr, a_ptr, rv, nw, cols, cm, eps, H: tl.constexpr, KIND: tl.constexpr,
-                       EARLY_RES: tl.constexpr, MOE_SUM: tl.constexpr):
+    def _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H: tl.constexpr, KIND: tl.constexpr,
+                       EARLY_RES: tl.constexpr):
         """After a program's PDL wait: (s, h) in fp32, each rounded to x's dtype: s = x + residual, h = RMSNorm(s)
         (module docstring). rv is the residual when EARLY_RES loaded it before the wait."""
         xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
         if not EARLY_RES:
-            rv = _residual(r_ptr, a_ptr, cols, cm, xin.dtype, MOE_SUM)
+            rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
         DT = xin.dtype
         s = round_to(xin.to(tl.float32) + rv.to(tl.float32), DT)
         n = s * tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
@@ -127,7 +114,6 @@ if triton is not None:
         seu_ptr,  # [I_S, H] shared expert W_up
         sed_ptr,  # [I_S, H] shared expert W_down transposed
         acc_ptr,  # [H] fp32, added into: sg * the shared expert's output (SHARED_EXPERT only)
-        a_ptr,  # [H] fp32 the layer before's open MoE sum, added to the residual first (MOE_SUM only)
         E,
         NR,  # router programs (cdiv(E, BLOCK_E)); programs NR.. run the shared expert
         I_S,
@@ -144,7 +130,6 @@ if triton is not None:
         SHARED_EXPERT: tl.constexpr,
         BLOCK_S: tl.constexpr,  # shared expert neurons per program
         EARLY_RES: tl.constexpr,  # load the residual before the PDL wait
-        MOE_SUM: tl.constexpr,
         PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -152,8 +137,8 @@ if triton is not None:
         cols = tl.arange(0, H_P2)
         cm = cols < H
         nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        if EARLY_RES:  # the residual (and open sum) were written two or more kernels back: complete at launch
-            rv = _residual(r_ptr, a_ptr, cols, cm, DT, MOE_SUM)
+        if EARLY_RES:  # the residual was written two or more kernels back: complete when this one launches
+            rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
         else:
             rv = nw  # a placeholder: _residual_norm loads the residual after the wait
         if pid < NR:
@@ -170,8 +155,7 @@ if triton is not None:
                 gdc_wait()
                 gdc_launch_dependents()
             # ---- residual add and RMSNorm, in every program ----
-            s, h = _residual_norm(x_ptr, r_ptr, a_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES,
-                                  MOE_SUM)
+            s, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES)
             tl.store(s_ptr + cols, s.to(DT), mask=cm & first)
             tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
             # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
@@ -193,8 +177,7 @@ if triton is not None:
             if PDL:
                 gdc_wait()
                 gdc_launch_dependents()
-            _, h = _residual_norm(x_ptr, r_ptr, a_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES,
-                                  MOE_SUM)
+            _, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES)
             sg = _shared_gate(ws, h, DT)
             # as kernels/sparse_fused.py's shared programs: silu(h . W_gate) * (h . W_up) * sg, then down
             zg = tl.sum(wg.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_S]
@@ -210,7 +193,7 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
               router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, w_sg: torch.Tensor | None = None,
               *, tickets: torch.Tensor | None = None, block_e: int = 1, num_warps: int = 4,
               residual_early: bool = False, shared_expert: tuple | None = None, acc: torch.Tensor | None = None,
-              shared_block: int = 4, moe_sum: torch.Tensor | None = None):
+              shared_block: int = 4):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
     dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None);
@@ -221,10 +204,7 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
     transposed), with w_sg and `acc` (fp32, H elements, contiguous): cdiv(I_s, shared_block) more programs add
     sg * silu(h . W_gate) * (h . W_up) @ W_down_t into acc (atomics), their weights loaded before the PDL wait: the
     shared expert needs no routing, so it overlaps the kernel before instead of following the router. acc is then
-    the experts' workspace row (kernels/sparse_fused.py adds the routed experts and publishes the sum), or the
-    layer's open sum (sparse_fused `accumulate=True`: the next layer's first kernels add it to s).
-    `moe_sum` (fp32, H elements, contiguous; not `acc`): the layer before left its MoE sum open, so the residual
-    stream is residual + moe_sum (each add rounded to x's dtype, kernels/rounding.py add_moe_sum); only read.
+    the experts' workspace row (kernels/sparse_fused.py adds the routed experts and publishes the sum).
     """
     if triton is None:
         raise RuntimeError("moe_front needs triton")
@@ -266,11 +246,6 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
             raise ValueError(f"shared_block must be a power of two, got {shared_block}")
     elif acc is not None:
         raise ValueError("acc= is what shared_expert= adds into: give both or neither")
-    if moe_sum is not None and (moe_sum.dtype != torch.float32 or moe_sum.numel() != H or not moe_sum.is_contiguous()
-                                or moe_sum.device != x.device):
-        raise ValueError(f"moe_sum must be a contiguous fp32 tensor of H = {H} values on {x.device}")
-    if moe_sum is not None and acc is not None and moe_sum.data_ptr() == acc.data_ptr():
-        raise ValueError("moe_sum (the layer before's open sum) and acc (this layer's) must be different buffers")
     if block_e < 1 or block_e & (block_e - 1):
         raise ValueError(f"block_e must be a power of two, got {block_e}")
     x1, r1 = x.reshape(H), residual.reshape(H)
@@ -295,10 +270,9 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
     se = shared_expert if shared_expert is not None else (w, w, w)  # dummies, never read
     _moe_front_kernel[(nr + ns,)](
         x1, r1, nw, w, w_sg.reshape(H) if w_sg is not None else nw, s, h, logits, tw, ti,
-        sg if sg is not None else s, tickets, *se, acc if acc is not None else nw,
-        moe_sum.reshape(H) if moe_sum is not None else nw, E, nr, I_s, float(eps), H=H,
+        sg if sg is not None else s, tickets, *se, acc if acc is not None else nw, E, nr, I_s, float(eps), H=H,
         H_P2=triton.next_power_of_2(H), KIND=_KINDS[kind], K=top_k, K_P2=triton.next_power_of_2(top_k),
         NORM=bool(norm_topk_prob), BLOCK_E=be, E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None,
-        SHARED_EXPERT=shared_expert is not None, BLOCK_S=bs, EARLY_RES=bool(residual_early),
-        MOE_SUM=moe_sum is not None, num_warps=num_warps, **pdl_kw(x))
+        SHARED_EXPERT=shared_expert is not None, BLOCK_S=bs, EARLY_RES=bool(residual_early), num_warps=num_warps,
+        **pdl_kw(x))
     return s, h, logits, tw, ti, sg

@@ -15,10 +15,6 @@ With `residual` (decoder layers' "h = residual + h; residual = h; h = norm(h)"),
 s = (x + residual) rounded to x's dtype, writes it to `sum_out` (the next residual) and normalises s: one launch
 instead of an add and a norm.
 
-With `moe_sum` (fp32 rows: the last decoder layer's MoE output, left open by its experts' launch), the input is
-x + moe_sum, each add rounded to x's dtype (kernels/rounding.py add_moe_sum), and the kernel zeroes moe_sum's row
-after reading it (one program per row reads it, so nothing else needs clearing it for the next step).
-
 Every rounding transformers does (to x.dtype, to promote(w, x)) is reproduced by a cast in the kernel, so fp32
 results are bit-close and bf16 results differ only where exp/rsqrt differ by an ulp.
 
@@ -35,7 +31,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-    from localmoe.kernels.rounding import add_moe_sum, round_to
+    from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -78,7 +74,6 @@ if triton is not None:
         y_ptr,  # [R, N] out, contiguous; dtype = out_dtype(kind, x, w)
         r_ptr,  # [R, N] residual rows with stride stride_r, x's dtype (HAS_RES only)
         s_ptr,  # [R, N] out: x + residual, contiguous, x's dtype (HAS_RES only)
-        a_ptr,  # [R, N] fp32 MoE sum added to x first, contiguous; zeroed after the read (MOE_SUM only)
         N,
         stride_x,
         stride_z,
@@ -87,7 +82,6 @@ if triton is not None:
         KIND: tl.constexpr,  # 0 standard, 1 zero_centred, 2 gated
         ROUND_PROD: tl.constexpr,  # gated: w * x̂ rounds to x's dtype (promote(w, x) == x.dtype != fp32)
         HAS_RES: tl.constexpr,
-        MOE_SUM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): w is read before the wait
     ):
@@ -100,10 +94,6 @@ if triton is not None:
             gdc_launch_dependents()
         xin = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
         x = xin.to(tl.float32)
-        if MOE_SUM:  # the open MoE sum: added (as the experts' tail would), then cleared for the next step
-            a = tl.load(a_ptr + row * N + cols, mask=m, other=0.0)
-            x = add_moe_sum(x, a, xin.dtype)
-            tl.store(a_ptr + row * N + cols, tl.zeros([BLOCK_N], dtype=tl.float32), mask=m)
         if HAS_RES:  # s = round(residual + x): the layer's residual add, stored for the next one
             r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
             x = round_to(x + r, xin.dtype)
@@ -137,12 +127,9 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard", z: torch.Tensor | None = None,
-            out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-            moe_sum: torch.Tensor | None = None):
+            out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
     """One-launch RMSNorm over the last dim of x (see the module docstring for the three `kind`s). With `residual`
-    (x's shape and dtype) it normalises s = x + residual and returns (norm(s), s); else norm(x). With `moe_sum`
-    (fp32, x's shape, contiguous) the input is first x + moe_sum (rounded as the experts' tail rounds) and moe_sum
-    is zeroed."""
+    (x's shape and dtype) it normalises s = x + residual and returns (norm(s), s); else norm(x)."""
     if triton is None:
         raise RuntimeError("rmsnorm needs triton")
     if kind not in _KIND_ID:
@@ -162,9 +149,6 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard"
                                  or residual.device != x.device):
         raise ValueError(f"residual must match x: {tuple(x.shape)} {x.dtype} on {x.device}, got "
                          f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
-    if moe_sum is not None and (moe_sum.shape != x.shape or moe_sum.dtype != torch.float32
-                                or not moe_sum.is_contiguous() or moe_sum.device != x.device):
-        raise ValueError(f"moe_sum must be a contiguous fp32 {tuple(x.shape)} tensor on {x.device}")
     odt = out_dtype(kind, x.dtype, w.dtype)
     x2 = _rows(x, N)
     r2 = _rows(residual, N) if residual is not None else x2
@@ -181,8 +165,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard"
     block = triton.next_power_of_2(N)
     round_prod = torch.promote_types(w.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     warps = 4 if block <= 1024 else 8
-    _rmsnorm_kernel[(R,)](x2, w, z2, out, r2, total if total is not None else out,
-                          moe_sum if moe_sum is not None else w, N, x2.stride(0), z2.stride(0), r2.stride(0),
-                          float(eps), KIND=_KIND_ID[kind], ROUND_PROD=round_prod, HAS_RES=residual is not None,
-                          MOE_SUM=moe_sum is not None, BLOCK_N=block, num_warps=warps, **pdl_kw(x))
+    _rmsnorm_kernel[(R,)](x2, w, z2, out, r2, total if total is not None else out, N, x2.stride(0), z2.stride(0),
+                          r2.stride(0), float(eps), KIND=_KIND_ID[kind], ROUND_PROD=round_prod,
+                          HAS_RES=residual is not None, BLOCK_N=block, num_warps=warps, **pdl_kw(x))
     return out if residual is None else (out, total)

@@ -16,12 +16,8 @@ Owns `sparse_fused` (Triton launcher), its torch reference `sparse_fused_ref`, t
     atomic, as in sparse_gate) and the last program of token t copies the workspace row into y[t] (in y's dtype:
     fp32, or bf16/fp16 to save the caller a cast), copies the k counts, and zeroes its workspace row and ticket
     for the next launch. Nobody has to clear y or count: no memset node.
-  - `accumulate=True`: the atomics go straight into the caller's fp32 `out` and int32 `count` (optional), which
-    the caller zeroed (or pre-filled: e.g. out = the shared expert's output, count = a running total). No ticket,
-    no tail: a decoder layer's MoE sum left open (kernels/rounding.py add_moe_sum: the next layer's first kernels
-    add it to the residual stream as they load it). `clear=` zeroes another fp32 buffer after the PDL wait (the
-    layer before's open sum, read for the last time by the launch just before), so it is clean for the next step.
-    Measured in session 6 (`sparse_variants.py --tickets`): the ticket and publishing tail cost ~2.2 µs per layer.
+  - `accumulate=True`: the atomics go straight into the caller's fp32 `out` and int32 `count`, which the caller
+    zeroed (or pre-filled: e.g. out = the shared expert's output, count = a running total). No ticket, no tail.
 
 Offload-aware addressing (optional): with `slot_table` [E] (expert -> slot in a device pool, -1 when absent),
 `pool_gate/pool_up/pool_down_t` [S, I, H] on the device, and w_gate/w_up/w_down_t the host master copies [E, I, H]
@@ -61,7 +57,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-    from localmoe.kernels.rounding import add_moe_sum
+    from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
     tl = None
@@ -86,15 +82,11 @@ class SharedExpert:
 class Tail:
     """What a decoder layer hands its experts for one decode step: `sparse_fused(..., shared=, residual=,
     workspace=)`. A `workspace` whose sums row already holds the shared expert (kernels/moe_front.py
-    `shared_expert=`, the launch just before) comes with shared=None. With `into` (fp32 [T, H] already holding the
-    shared expert; shared, residual and workspace None) the routed experts are added into it and the layer's sum
-    is left open (`accumulate=True`), and `clear` (the layer before's open sum, or None) is zeroed."""
+    `shared_expert=`, the launch just before) comes with shared=None."""
 
     shared: SharedExpert | None
     residual: torch.Tensor | None
     workspace: torch.Tensor | None = None
-    into: torch.Tensor | None = None
-    clear: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -144,7 +136,7 @@ if triton is not None:
         YT = y_ptr.dtype.element_ty
         if HAS_RES:  # y = residual + the block's output, each rounded as transformers' adds round
             rv = tl.load(res_ptr + t.to(tl.int64) * H + cols, mask=cmask, other=0.0).to(tl.float32)
-            a = add_moe_sum(rv, a, YT)
+            a = round_to(rv + round_to(a, YT), YT)
         tl.store(y_ptr + t.to(tl.int64) * H + cols, a.to(YT), mask=cmask)
         tl.store(arow, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
         kk = tl.arange(0, K_P2)
@@ -183,7 +175,6 @@ if triton is not None:
         swd_ptr,  # [I_S, H] shared expert down, transposed
         sw_ptr,  # [T] shared expert weight (sigmoid gate), any float
         res_ptr,  # [T, H] residual, contiguous, y's dtype (HAS_RES only)
-        clr_ptr,  # [T, H] fp32 zeroed by program (0, 0) after the wait (CLEAR only)
         I,
         I_S,  # shared expert width (SHARED only)
         TK,  # T * k: programs pid_tj >= TK are the shared expert's (one per token)
@@ -207,8 +198,6 @@ if triton is not None:
         READ_ROWS: tl.constexpr,
         SHARED: tl.constexpr,
         HAS_RES: tl.constexpr,
-        COUNT: tl.constexpr,  # kept counts into cnt_ptr (accumulate mode: optional)
-        CLEAR: tl.constexpr,
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
@@ -241,12 +230,6 @@ if triton is not None:
             u_base = wu_ptr + e * stride_ue
             d_base = wd_ptr + e * stride_de
         rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I]
-        cols = tl.arange(0, H_P2)  # [H_P2]
-        cmask = cols < H
-        if CLEAR:  # the layer before's open sum: its last reader (the launch before) has finished
-            if (pid_tj == 0) & (pid_i == 0):
-                for tc in range(0, TK // K):
-                    tl.store(clr_ptr + tc * H + cols, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
         if SHARED:
             g_base = tl.where(is_sh, swg_ptr, g_base)
             u_base = tl.where(is_sh, swu_ptr, u_base)
@@ -254,6 +237,8 @@ if triton is not None:
             rmask = rows < tl.where(is_sh, I_S, I)
         else:
             rmask = rows < I
+        cols = tl.arange(0, H_P2)  # [H_P2]
+        cmask = cols < H
         roff = rows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_I, H_P2]
         # ---- gate GEMV for BLOCK_I neurons (the only dense read) ----
         xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -282,10 +267,9 @@ if triton is not None:
             h = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
             contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)  # [H_P2]
             tl.atomic_add(ydst + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
-            if COUNT:
-                if SHARED:
-                    nk = tl.where(is_sh, 0, nk)  # kept counts are the routed experts'
-                tl.atomic_add(cdst + tj, nk, sem="relaxed")
+            if SHARED:
+                nk = tl.where(is_sh, 0, nk)  # kept counts are the routed experts'
+            tl.atomic_add(cdst + tj, nk, sem="relaxed")
         if FINALIZE:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
             tl.debug_barrier()  # this program's atomics precede the release below
@@ -363,7 +347,6 @@ def sparse_fused(
     read_rows=None,
     shared: SharedExpert | None = None,
     residual=None,
-    clear=None,
     BLOCK_I: int = 8,
     num_warps: int = 8,
     maxnreg: int | None = None,
@@ -379,11 +362,8 @@ def sparse_fused(
     * accumulate=False (default): `out` (optional [T,H] bf16/fp16/fp32 contiguous, default fp32) and `count`
       (optional int32 [T,k]) are overwritten; nothing needs zeroing (self-cleaning `workspace`, see
       `fused_workspace`).
-    * accumulate=True: `out` (fp32 [T,H]) is required and added to, and `count` (int32 [T,k]) when given; the
-      caller zeroes them (or pre-fills out, e.g. with the shared expert's output; count may be a running total).
-      Returns (out, count or None).
-    * `clear` (fp32 [T,H] contiguous, not out; either mode) is zeroed after the PDL wait: the decoder layer
-      before's open MoE sum, whose last reader is the launch just before this one.
+    * accumulate=True: `out` (fp32 [T,H]) and `count` (int32 [T,k]) are required and added to; the caller zeroes
+      them (or pre-fills out, e.g. with the shared expert's output).
     * offload: `slot_table` [E] int32/int64 (slot in the pools, -1 when absent; values must be < S),
       `pool_gate/pool_up/pool_down_t` [S,I,H] on x's device, each with the dtype of the matching master; then
       w_gate/w_up/w_down_t are the master copies, on x's device or in host memory (pinned when x is on CUDA).
@@ -451,25 +431,20 @@ def sparse_fused(
         if tns.device != dev:
             raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
     if accumulate:
-        if out is None:
-            raise ValueError("accumulate=True needs an out= buffer (fp32 [T,H])")
+        if out is None or count is None:
+            raise ValueError("accumulate=True needs out= (fp32 [T,H]) and count= (int32 [T,k]) buffers")
         if out.dtype != torch.float32:
             raise ValueError(f"accumulate=True needs an fp32 out, got {out.dtype}")
-    if clear is not None:
-        if (tuple(clear.shape) != (T, H) or clear.dtype != torch.float32 or not clear.is_contiguous()
-                or clear.device != dev or (out is not None and clear.data_ptr() == out.data_ptr())):
-            raise ValueError(f"clear must be a contiguous fp32 [T, H] = {(T, H)} tensor on {dev}, not out")
     if out is None:
         out = torch.empty(T, H, dtype=torch.float32, device=dev)
     elif (tuple(out.shape) != (T, H) or out.dtype not in _FLOAT_DTYPES or not out.is_contiguous()
           or out.device != dev):
         raise ValueError(f"out must be a contiguous bf16/fp16/fp32 [T, H] = {(T, H)} tensor on {dev}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
-    counted = count is not None or not accumulate
-    if count is None and not accumulate:
+    if count is None:
         count = torch.empty(T, k, dtype=torch.int32, device=dev)
-    elif count is not None and (tuple(count.shape) != (T, k) or count.dtype != torch.int32
-                                or not count.is_contiguous() or count.device != dev):
+    elif (tuple(count.shape) != (T, k) or count.dtype != torch.int32 or not count.is_contiguous()
+          or count.device != dev):
         raise ValueError(f"count must be a contiguous int32 [T, k] = {(T, k)} tensor on {dev}")
     for name, tot in (("kept_total", kept_total), ("host_rows", host_rows)):
         if tot is None:
@@ -494,14 +469,10 @@ def sparse_fused(
         if not accumulate:
             out.zero_()
             count.zero_()
-        if clear is not None:
-            clear.zero_()
         return out, count
     bi = max(1, min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(max(I, I_s))))
     npi = triton.cdiv(max(I, I_s), bi)  # neuron blocks: the grid's second dimension
     need = T * H + T * k + T
-    if count is None:
-        count = out  # a dummy, never read (COUNT off)
     if accumulate:
         acc, cws, tick = out, count, count  # no workspace: never read by the kernel
     else:
@@ -531,16 +502,15 @@ def sparse_fused(
         acc, cws, tick, kept_total if kept_total is not None else count,
         host_rows if host_rows is not None else count, gate_table if gate_table is not None else st,
         read_rows if read_rows is not None else count, sh.w_gate, sh.w_up, sh.w_down_t, sh.weight,
-        residual if residual is not None else out, clear if clear is not None else out, I, I_s, T * k, k,
-        x.stride(0), w_gate.stride(0), w_up.stride(0), w_down_t.stride(0), *sp,
+        residual if residual is not None else out, I, I_s, T * k, k, x.stride(0), w_gate.stride(0), w_up.stride(0),
+        w_down_t.stride(0), *sp,
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
         HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
-        SHARED=shared is not None, HAS_RES=residual is not None, COUNT=counted, CLEAR=clear is not None,
-        num_warps=num_warps, **pdl_kw(x),
+        SHARED=shared is not None, HAS_RES=residual is not None, num_warps=num_warps, **pdl_kw(x),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
-    return out, (count if counted else None)
+    return out, count
 
 
 def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:

@@ -1,13 +1,7 @@
 """Small decode-time building blocks of localmoe's fused modules: tuned launch lookup, the one-row GEMV
 (`linear_1`, `FusedLinear`), one weight buffer for projections sharing an input (`concat_rows`) and the one-launch
-RMSNorm (`FusedRMSNorm`), and `close_sum` for a decoder layer's open MoE sum. `localmoe.fused` holds the replacement
-table; `fused_deltanet`, `fused_attention` and `fused_moe` build on these.
-
-An open MoE sum (`moe_sum`, fp32 [..., H]): on the fused decode step a Qwen3.5 decoder layer's experts leave the
-block's output in an fp32 buffer instead of adding it to the residual stream (no ticket, no tail: ~2 µs per layer);
-the layer's output is then (x, moe_sum) and the next kernels that read it apply round(x + round(moe_sum)) as they
-load it (the GEMV with the input norm, moe_front's residual, the final norm). `close_sum` is the same in torch, for
-the calls that cannot take it.
+RMSNorm (`FusedRMSNorm`). `localmoe.fused` holds the replacement table; `fused_deltanet`, `fused_attention` and
+`fused_moe` build on these.
 
 Shape legend: K input features, N output features, R rows.
 """
@@ -42,33 +36,14 @@ def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dim() == 2)
 
 
-def close_sum(x: torch.Tensor, moe_sum: torch.Tensor) -> torch.Tensor:
-    """x + moe_sum in x's dtype, each add rounded as the experts' tail rounds them (kernels/rounding.py add_moe_sum):
-    the decoder layer's output. moe_sum (fp32, x's numel) is only read."""
-    return (x.float() + moe_sum.view(x.shape).to(x.dtype).float()).to(x.dtype)
-
-
-def close_and_clear(x: torch.Tensor, moe_sum: torch.Tensor | None) -> torch.Tensor:
-    """close_sum(x, moe_sum), and moe_sum zeroed (the caller was its last reader); x itself when there is none."""
-    if moe_sum is None:
-        return x
-    x = close_sum(x, moe_sum)
-    moe_sum.zero_()
-    return x
-
-
 @torch.compiler.disable
-def linear_1(x: torch.Tensor, weight: torch.Tensor, norm: "FusedRMSNorm | None" = None,
-             moe_sum: torch.Tensor | None = None) -> torch.Tensor:
+def linear_1(x: torch.Tensor, weight: torch.Tensor, norm: "FusedRMSNorm | None" = None) -> torch.Tensor:
     """x [..., K] with one row -> x @ weight.T [..., N] through kernels/gemv.py (launch tuned per shape); with
-    `norm` (see `takes_norm`), norm(x) @ weight.T, the norm computed inside the GEMV (one launch fewer); with
-    `moe_sum` (fp32, K values: the layer before's open MoE sum), x is close_sum(x, moe_sum) first, in the GEMV."""
+    `norm` (see `takes_norm`), norm(x) @ weight.T, the norm computed inside the GEMV (one launch fewer)."""
     N, K = weight.shape
     kw = tuned(x, "gemv", f"N{N}_K{K}")
     if norm is not None:
         kw = dict(kw, norm_weight=norm.weight, eps=norm.eps, norm_kind=norm.kind)
-    if moe_sum is not None:
-        kw = dict(kw, moe_sum=moe_sum.view(1, K))
     return gemv(x.reshape(1, K), weight, **kw).view(*x.shape[:-1], N)
 
 
@@ -128,10 +103,8 @@ class FusedRMSNorm(nn.Module):
         self.kind = kind
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
-    def forward(self, x: torch.Tensor, moe_sum: torch.Tensor | None = None) -> torch.Tensor:  # x [..., N]
-        """norm(x); with `moe_sum` (fp32, x's shape: the last decoder layer's open MoE sum) norm(close_sum(x,
-        moe_sum)) in the same launch, which zeroes moe_sum."""
-        return rmsnorm(x, self.weight, self.eps, self.kind, moe_sum=moe_sum)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., N]
+        return rmsnorm(x, self.weight, self.eps, self.kind)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, kind={self.kind}"

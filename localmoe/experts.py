@@ -114,57 +114,26 @@ class LocalExperts(nn.Module):
         # False: dense_experts, the caller does the shared expert. H200, Qwen3.5-35B shapes, whole step at 0 %
         # (bench/step_ab.py, session 7): 2392 µs against 2558 (session 4, before PDL early loads: 3065 against 3022).
         self.dense_tail = True
-        self._kept = torch.zeros((), dtype=torch.int64)  # kept neurons on the sparse path (updated in place)
-        self._open_kept: torch.Tensor | None = None  # [T, k] int32 running counts of the open-sum launches
+        self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons on the sparse path (updated in place)
         self.seen = 0  # neurons considered on the sparse path (host int; a CUDA graph's replays add theirs)
 
     def extra_repr(self) -> str:
         return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, act={self.hidden_act}, "
                 f"sparse={self.sparse_enabled}")
 
-    @property
-    def kept(self) -> torch.Tensor:
-        """Kept neurons on the sparse path since the last reset (0-d int64): the finalising launches' total plus the
-        open-sum launches' running counts (`Tail.into`)."""
-        if self._open_kept is None:
-            return self._kept
-        return self._kept + self._open_kept.sum().to(self._kept.device)
-
-    @kept.setter
-    def kept(self, value: torch.Tensor) -> None:
-        self._kept = value
-        self._open_kept = None
-
     def reset_counters(self) -> None:
-        self._kept.zero_()
-        if self._open_kept is not None:
-            self._open_kept.zero_()
+        self.kept.zero_()
         self.seen = 0
 
     def _kept_on(self, device) -> torch.Tensor:
         """The kept-neuron counter on `device` (moved there on the first decode step, before any graph capture)."""
-        if self._kept.device != torch.device(device):
-            self._kept = self._kept.to(device)
-        return self._kept
-
-    def _open_kept_on(self, device, T: int, k: int) -> torch.Tensor:
-        """[T, k] int32 running kept counts for open-sum launches (made on the first such eager step, before any
-        graph capture: the engine warms up eagerly; zeroed by `reset_counters`). int32 holds 4M steps of I 512."""
-        t = self._open_kept
-        if t is None or t.device != torch.device(device) or tuple(t.shape) != (T, k):
-            if t is not None:  # another shape or device: fold its counts into the total first
-                self._kept_on(device).add_(t.sum().to(device))
-            self._open_kept = t = torch.zeros(T, k, dtype=torch.int32, device=device)
-        return t
+        if self.kept.device != torch.device(device):
+            self.kept = self.kept.to(device)
+        return self.kept
 
     def _count(self, kept: torch.Tensor, neurons: int) -> None:
         self._kept_on(kept.device).add_(kept)  # in place: a captured CUDA graph keeps counting on replay
         self.seen += neurons
-
-    def takes_open(self, hidden_states: torch.Tensor) -> bool:
-        """Whether a call on these tokens can leave its sum open (`Tail.into`): `takes_tail`, and not offloaded in
-        direct mode (whose host-read stats are counted in the finalising tail)."""
-        return self.takes_tail(hidden_states) and (self.cache is None or self.cache.mode != "direct")
 
     def takes_tail(self, hidden_states: torch.Tensor) -> bool:
         """Whether a call on these tokens runs `sparse_fused` (sparse, or offloaded with direct misses), so it can
@@ -187,8 +156,6 @@ class LocalExperts(nn.Module):
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
         if tail is not None and not self.takes_tail(hidden_states):
             raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
-        if tail is not None and tail.into is not None and not self.takes_open(hidden_states):
-            raise ValueError(f"layer {self.layer_idx}: this call cannot leave its sum open (offloaded, direct mode)")
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
         sparse = few and self.sparse_enabled and self.tau is not None
@@ -327,16 +294,10 @@ class LocalExperts(nn.Module):
         if (x.is_cuda or self.kernel_on_cpu) and self.hidden_act == "silu":  # one launch, output in x's dtype
             from localmoe.kernels.sparse_fused import sparse_fused
 
-            T, k = top_k_index.shape
-            p = self._launch(x, k)["fused"]
-            if tail is not None and tail.into is not None:  # the sum left open: no tail, the next layer adds it
-                y, _ = sparse_fused(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, tau, tail.into,
-                                    accumulate=True, clear=tail.clear,
-                                    count=self._open_kept_on(x.device, T, k) if count else None, **p)
-            else:
-                y, _ = sparse_fused(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, tau,
-                                    torch.empty(x.shape, dtype=x.dtype, device=x.device),
-                                    kept_total=self._kept_on(x.device) if count else None, **_tail_kw(tail), **p)
+            p = self._launch(x, top_k_index.shape[1])["fused"]
+            y, _ = sparse_fused(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, tau,
+                                torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                                kept_total=self._kept_on(x.device) if count else None, **_tail_kw(tail), **p)
             if count:
                 self.seen += top_k_index.numel() * self.intermediate_size
             return y
@@ -349,8 +310,6 @@ def _tail_kw(tail) -> dict:
     if tail is None:
         return {}
     kw = {"shared": tail.shared, "residual": tail.residual}
-    if tail.clear is not None:
-        kw["clear"] = tail.clear
     return kw if tail.workspace is None else {**kw, "workspace": tail.workspace}
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from localmoe import attention
-from localmoe.decode_ops import FusedRMSNorm, close_sum, concat_rows, linear_1, one_row, takes_norm
+from localmoe.decode_ops import FusedRMSNorm, concat_rows, linear_1, one_row, takes_norm
 from localmoe.kernels.qk_norm_rope import qk_norm_rope
 
 _NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred"}  # transformers' q/k norm class -> qk_norm_rope's kind
@@ -113,25 +113,21 @@ class FusedAttention(nn.Module):
         return impl in _CORES and _angles_ok(position_embeddings, h, self.head_dim)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, *,
-                past_key_values=None, input_norm=None, moe_sum=None, **kwargs):
+                past_key_values=None, input_norm=None, **kwargs):
         """hidden_states [B, T, H] -> ([B, T, H], attn weights | None), as transformers' module. `input_norm` (the
         decoder layer's input RMSNorm; localmoe's FusedDecoderLayer only) is applied to hidden_states first: inside
-        the q|k|v GEMV on the fused step, else as its own module call. `moe_sum` (FusedDecoderLayer only: the layer
-        before's open MoE sum, decode_ops) is added before anything: inside the same GEMV, else by `close_sum`."""
+        the q|k|v GEMV on the fused step, else as its own module call."""
         cache = cache if cache is not None else past_key_values
         fusable = self._fusable(hidden_states, position_embeddings, cache)
-        fold = (fusable and one_row(hidden_states, self._w_qkv) and input_norm is not None
-                and takes_norm(input_norm, hidden_states))
-        if moe_sum is not None and not fold:
-            hidden_states, moe_sum = close_sum(hidden_states, moe_sum), None
-        if input_norm is not None and not fold:
+        if input_norm is not None and not (fusable and one_row(hidden_states, self._w_qkv)
+                                           and takes_norm(input_norm, hidden_states)):
             hidden_states, input_norm = input_norm(hidden_states), None
         if not fusable:
             return self._hf(hidden_states, position_embeddings, attention_mask, **{self._cache_kw: cache}, **kwargs)
         self.decode_calls += 1
         input_shape = hidden_states.shape[:-1]  # (1, 1)
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = (linear_1(hidden_states, self._w_qkv, input_norm, moe_sum) if one_row(hidden_states, self._w_qkv)
+        qkv = (linear_1(hidden_states, self._w_qkv, input_norm) if one_row(hidden_states, self._w_qkv)
                else F.linear(hidden_states, self._w_qkv))  # [1, 1, Hq*2D + 2*Hkv*D]
         static = _static_layer(cache, self.layer_idx, Hkv, D, hidden_states)
         if static is not None:  # k and v written into the static cache by the same launch

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localmoe.decode_ops import close_sum, concat_rows, linear_1, one_row, takes_norm, tuned
+from localmoe.decode_ops import concat_rows, linear_1, one_row, takes_norm, tuned
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
 
 
@@ -54,11 +54,9 @@ class FusedGatedDeltaNet(nn.Module):
         self._w_in, self._in_sizes = concat_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, *, cache_params=None,
-                past_key_values=None, input_norm=None, moe_sum=None, **kwargs):  # hidden_states [B, T, H]
+                past_key_values=None, input_norm=None, **kwargs):  # hidden_states [B, T, H]
         """transformers' call; `input_norm` (the decoder layer's input RMSNorm, localmoe's FusedDecoderLayer only)
-        is applied to hidden_states first: inside the input GEMV on the fused step, else as its own module call.
-        `moe_sum` (FusedDecoderLayer only: the layer before's open MoE sum, decode_ops) is added to hidden_states
-        before anything: inside the same GEMV, else by `close_sum`; it is only read."""
+        is applied to hidden_states first: inside the input GEMV on the fused step, else as its own module call."""
         cache = next((c for c in (cache, cache_params, past_key_values) if c is not None), None)
         states = None
         if cache is not None and hidden_states.shape[1] == 1 and self.activation in ("silu", "swish"):
@@ -66,8 +64,6 @@ class FusedGatedDeltaNet(nn.Module):
         fold = (input_norm is not None and states is not None and attention_mask is None and self._w_in is not None
                 and self.in_proj_qkv.weight.data_ptr() == self._w_in.data_ptr()
                 and one_row(hidden_states[:, 0], self._w_in) and takes_norm(input_norm, hidden_states))
-        if moe_sum is not None and not fold:
-            hidden_states, moe_sum = close_sum(hidden_states, moe_sum), None
         if input_norm is not None and not fold:
             hidden_states, input_norm = input_norm(hidden_states), None
         if states is None:  # transformers' own forward (its cache argument is the second positional in 5.17/5.2x)
@@ -80,8 +76,7 @@ class FusedGatedDeltaNet(nn.Module):
             self._w_in = None  # the weights were moved or replaced since install: project them one by one
         if self._w_in is not None:  # the four input projections as one GEMV, split into views (rows strided)
             h = hidden_states[:, 0]  # [B, H]
-            proj = (linear_1(h, self._w_in, input_norm, moe_sum) if one_row(h, self._w_in)
-                    else F.linear(h, self._w_in))
+            proj = linear_1(h, self._w_in, input_norm) if one_row(h, self._w_in) else F.linear(h, self._w_in)
             mixed_qkv, z, b, a = proj.split(self._in_sizes, dim=-1)
         else:
             mixed_qkv = self.in_proj_qkv(hidden_states)[:, 0]  # [B, C]

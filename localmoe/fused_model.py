@@ -39,7 +39,6 @@ import sys
 import torch
 from torch import nn
 
-from localmoe.decode_ops import FusedRMSNorm, close_and_clear
 from localmoe.fused_moe import FusedDecoderLayer
 
 _CORES = ("sdpa", "localmoe_sdpa")  # attention implementations whose mask is transformers' boolean sdpa_mask
@@ -86,11 +85,6 @@ class FusedTextModel(nn.Module):
         self._full = types.index("full_attention") if ok and "full_attention" in types else None
         self._table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (key, [2, L, ROT] cos|sin, arange(L))
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
-        # the decoder layers leave their MoE sums open (decode_ops): the experts' launch has no ticket and no
-        # publishing tail, the next layer's first kernels add the sum as they load their input
-        self.open_sums = True
-        self.open_sums_on_cpu = False  # tests: the same on CPU tensors (Triton under TRITON_INTERPRET=1)
-        self._sums: tuple[tuple, torch.Tensor] | None = None
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
@@ -156,38 +150,11 @@ class FusedTextModel(nn.Module):
         masks = {"full_attention": (kv <= pos).view(1, 1, 1, L),  # [B, 1, T, L] bool: 1 launch
                  "linear_attention": None}
         types = self.config.layer_types
-        sums = self._open_sums(h)  # [2, 1, 1, H] fp32 zeros: the layers' open MoE sums, alternating; or None
-        pending = None  # the layer before's open sum (decode_ops), or None
-        try:
-            for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-                kw = dict(position_embeddings=rope, attention_mask=masks[types[i]], position_ids=pos.view(1, 1),
-                          **{self._cache_kw: cache}, use_cache=True, **extra)
-                if sums is None:
-                    h = layer(h, **kw)
-                else:
-                    h, pending = layer(h, moe_sum=pending, moe_into=sums[i % 2], **kw)
-            if pending is not None and not isinstance(self.norm, FusedRMSNorm):
-                h, pending = close_and_clear(h, pending), None
-            h = self.norm(h) if pending is None else self.norm(h, moe_sum=pending)  # 1 launch; zeroes the sum
-        except BaseException:
-            if sums is not None:
-                sums.zero_()  # a step cut short leaves no open sum behind for the next one
-            raise
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            h = layer(h, position_embeddings=rope, attention_mask=masks[types[i]], position_ids=pos.view(1, 1),
+                      **{self._cache_kw: cache}, use_cache=True, **extra)
+        h = self.norm(h)  # 1 launch (FusedRMSNorm)
         return self._out(last_hidden_state=h, **{self._out_cache: cache})
-
-    def _open_sums(self, h: torch.Tensor) -> torch.Tensor | None:
-        """Two zeroed fp32 [1, 1, H] buffers for the layers' open MoE sums (layer i adds into buffer i % 2; the next
-        layer's experts, or the final norm, zero it after its last read), made on the first eager step of this
-        device and width: never inside a CUDA graph capture (the engine warms up eagerly first), where a new buffer
-        would be a memset node of the graph. None when `open_sums` is off, on the CPU, or first met in a capture."""
-        if not self.open_sums or (not h.is_cuda and not self.open_sums_on_cpu):
-            return None
-        key = (h.device, h.shape[-1])
-        if self._sums is None or self._sums[0] != key:
-            if h.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            self._sums = (key, torch.zeros(2, 1, 1, h.shape[-1], dtype=torch.float32, device=h.device))
-        return self._sums[1]
 
     @torch.compiler.disable  # built eagerly, outside any compiled or captured region's steady state
     def _angles(self, h: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:

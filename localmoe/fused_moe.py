@@ -13,7 +13,7 @@ import inspect
 import torch
 from torch import nn
 
-from localmoe.decode_ops import FusedLinear, FusedRMSNorm, close_and_clear, tuned
+from localmoe.decode_ops import FusedLinear, FusedRMSNorm, tuned
 from localmoe.fused_attention import FusedAttention
 from localmoe.fused_deltanet import FusedGatedDeltaNet
 from localmoe.kernels.moe_front import moe_front
@@ -95,23 +95,12 @@ class FusedSparseMoeBlock(nn.Module):
         takes = getattr(self.experts, "takes_tail", None)
         return self.has_shared and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
-    def takes_open(self, h: torch.Tensor) -> bool:
-        """Whether `step_front` can leave this call's MoE sum open (`into=`): `takes_front`, the shared expert in
-        moe_front's launch, and experts that can (not offloaded in direct mode)."""
-        return (self.takes_front(h) and self.shared_in_front
-                and self.experts.takes_open(h.view(-1, h.shape[-1])))
-
     @torch.compiler.disable
-    def step_front(self, mixed: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm,
-                   moe_sum: torch.Tensor | None = None, into: torch.Tensor | None = None):
+    def step_front(self, mixed: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) -> torch.Tensor:
         """The decoder layer from the mixer's output on, two launches (`takes_front` holds): moe_front (residual
         add, post-attention norm, router top-k, the shared expert into the experts' workspace row), then the
         experts' `sparse_fused` with the residual add in its tail (`shared_in_front=False`: the shared expert in
-        sparse_fused's launch). mixed, residual [B, T, H] -> the layer's output.
-        `moe_sum` (fp32 [B, T, H]): the layer before's open MoE sum, added to the residual inside moe_front, then
-        zeroed by sparse_fused (its last reader was moe_front). `into` (fp32 [B, T, H] zeros; `takes_open`): the
-        shared and routed experts are added into it and left open -> (s, into): the layer's output is
-        close_sum(s, into), applied by the next kernels that read it (decode_ops)."""
+        sparse_fused's launch). mixed, residual [B, T, H] -> the layer's output."""
         self.decode_calls += 1
         self.front_calls += 1
         B, T, H = mixed.shape
@@ -119,27 +108,19 @@ class FusedSparseMoeBlock(nn.Module):
         if self._front is None:
             self._front = tuned(mixed, "moe_front", f"H{H}_E{self.gate.weight.shape[0]}_k{self.top_k}")
         weights = (se.gate_proj.weight, se.up_proj.weight, self._shared_down_t())
-        if into is not None:  # the shared expert added into the open sum
-            if not self.shared_in_front:
-                raise ValueError("an open MoE sum needs the shared expert in moe_front (shared_in_front)")
-            ws, front = None, {"shared_expert": weights, "acc": into.view(H)}
-        elif self.shared_in_front:  # the shared expert in moe_front's launch, added into the experts' workspace row
+        if self.shared_in_front:  # the shared expert in moe_front's launch, added into the experts' workspace row
             ws = fused_workspace(mixed.device, H + self.top_k + 1)
             front = {"shared_expert": weights, "acc": ws[:H].view(torch.float32)}
         else:
             ws, front = None, {}
-        # residual_early: the residual (and the open sum) are the layer's input, written before the mixer's
-        # kernels, so moe_front may load them before its PDL wait
+        # residual_early: the residual is the layer's input, written before the mixer's kernels, so moe_front may
+        # load it before its PDL wait
         s, h, _, tw, ti, sg = moe_front(mixed, residual, norm.weight, norm.eps, norm.kind, self.gate.weight,
                                         self.top_k, self.norm_topk_prob, self.shared_expert_gate.weight,
-                                        tickets=self._tickets_on(mixed.device), residual_early=True,
-                                        moe_sum=moe_sum, **front, **self._front)
-        clear = None if moe_sum is None else moe_sum.view(1, H)
-        if into is not None:
-            self.experts(h.view(1, H), ti, tw, tail=Tail(None, None, into=into.view(1, H), clear=clear))
-            return s.view(B, T, H), into
+                                        tickets=self._tickets_on(mixed.device), residual_early=True, **front,
+                                        **self._front)
         shared = None if self.shared_in_front else SharedExpert(*weights, sg)
-        y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws, clear=clear))
+        y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws))
         return y.view(B, T, H)
 
     def _shared_down_t(self) -> torch.Tensor:
@@ -199,54 +180,36 @@ class FusedDecoderLayer(nn.Module):
         return (isinstance(self.post_attention_layernorm, FusedRMSNorm) and isinstance(self.mlp, FusedSparseMoeBlock)
                 and self.mlp.has_shared and self.mlp._fusable(h))
 
-    def forward(self, hidden_states: torch.Tensor, *args, moe_sum: torch.Tensor | None = None,
-                moe_into: torch.Tensor | None = None, **kwargs):  # [B, T, H]
-        """transformers' call -> the layer's output [B, T, H]. Open MoE sums (decode_ops; FusedTextModel's step
-        only): `moe_sum` (fp32 [B, T, H]) is the layer before's, so the input is close_sum(hidden_states, moe_sum),
-        and this call zeroes moe_sum once its last reader ran; with `moe_into` (fp32 [B, T, H] zeros) the call
-        returns (x, open sum or None): its own MoE sum left open in moe_into where the block can (`takes_open`)."""
-        out = self._forward(hidden_states, moe_sum, moe_into, *args, **kwargs)
-        if moe_into is None:
-            return out[0] if out[1] is None else close_and_clear(*out)
-        return out
-
-    def _forward(self, hidden_states, moe_sum, moe_into, *args, **kwargs):
-        if hidden_states.dim() != 3 or hidden_states.shape[0] * hidden_states.shape[1] != 1:  # prefill: the original
-            return self._hf(close_and_clear(hidden_states, moe_sum), *args, **kwargs), None
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # [B, T, H]
+        if hidden_states.dim() != 3 or hidden_states.shape[0] * hidden_states.shape[1] != 1:
+            return self._hf(hidden_states, *args, **kwargs)  # prefill: the original layer
         a = self._sig.bind(hidden_states, *args, **kwargs).arguments
         extra = dict(a.pop(self._var_kw, {})) if self._var_kw else {}
         cache = a.get(self._cache_kw)
         self.decode_calls += 1
-        lin, attn = getattr(self, "linear_attn", None), getattr(self, "self_attn", None)
-        mixer = lin if lin is not None else attn
-        if moe_sum is not None and not isinstance(mixer, (FusedGatedDeltaNet, FusedAttention)):
-            hidden_states, moe_sum = close_and_clear(hidden_states, moe_sum), None  # a mixer that cannot add it
-        if isinstance(lin, FusedGatedDeltaNet):  # the input norm (and the open sum) inside its GEMV
-            h = lin(hidden_states, cache, attention_mask=a.get("attention_mask"), input_norm=self.input_layernorm,
-                    moe_sum=moe_sum, **extra)
+        if isinstance(getattr(self, "linear_attn", None), FusedGatedDeltaNet):  # the input norm inside its GEMV
+            h = self.linear_attn(hidden_states, cache, attention_mask=a.get("attention_mask"),
+                                 input_norm=self.input_layernorm, **extra)
         elif getattr(self, "block_type", None) == "linear_attention":
-            h = lin(self.input_layernorm(hidden_states), cache, attention_mask=a.get("attention_mask"), **extra)
+            h = self.linear_attn(self.input_layernorm(hidden_states), cache, attention_mask=a.get("attention_mask"),
+                                 **extra)
         else:
-            h = hidden_states
-            norm_kw = {"input_norm": self.input_layernorm, "moe_sum": moe_sum} if isinstance(attn, FusedAttention) \
-                else {}
+            attn, h = self.self_attn, hidden_states
+            norm_kw = {"input_norm": self.input_layernorm} if isinstance(attn, FusedAttention) else {}
             if not norm_kw:
                 h = self.input_layernorm(hidden_states)
             h, _ = attn(hidden_states=h, attention_mask=a.get("attention_mask"), position_ids=a.get("position_ids"),
                         position_embeddings=a.get("position_embeddings"),
                         **{_kw(attn, "cache", "past_key_values"): cache}, **norm_kw, **extra)
         norm = self.post_attention_layernorm
-        if self._fusable(hidden_states) and self.mlp.takes_front(h):  # sparse decode: 2 launches from here
-            into = moe_into if moe_into is not None and self.mlp.takes_open(h) else None
-            y = self.mlp.step_front(h, hidden_states, norm, moe_sum, into)
-            return y if into is not None else (y, None)
-        hidden_states = close_and_clear(hidden_states, moe_sum)  # the mixer has read the open sum: now it may go
         if not self._fusable(hidden_states):  # e.g. the MoE block left out of the table: transformers' layer's
             s = hidden_states + h  # arithmetic, with this layer's children (fused where they are)
             m = self.mlp(norm(s))
-            return s + (m[0] if isinstance(m, tuple) else m), None
+            return s + (m[0] if isinstance(m, tuple) else m)
+        if self.mlp.takes_front(h):  # sparse decode: 2 launches from here
+            return self.mlp.step_front(h, hidden_states, norm)
         h, residual = _add_norm(h, hidden_states, norm)
-        return self.mlp.step(h, residual)[0], None
+        return self.mlp.step(h, residual)[0]
 
 
 def _kw(module: nn.Module, *names: str) -> str:

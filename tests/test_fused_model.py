@@ -167,62 +167,6 @@ def test_fallbacks_run_the_original(tiny_text_model):
     assert unfused.model.decode_calls == 0
 
 
-@pytest.mark.parametrize("sparse,dtype,mixed", [(True, torch.float32, False), (False, torch.float32, False),
-                                                (True, torch.bfloat16, False), (True, torch.float32, True)],
-                         ids=["sparse-fp32", "dense-fp32", "sparse-bf16", "sparse-fp32-one-layer-closed"])
-@torch.no_grad()
-def test_open_sums_equal_closed(tiny_text_model, sparse, dtype, mixed, monkeypatch):
-    """Open MoE sums (decode_ops): each decoder layer's experts leave the block's output in an fp32 buffer (no
-    publishing tail) and the next layer's GEMV / moe_front, or the final norm, add it as they load their input. The
-    logits and tokens equal the closed step's bit for bit, the kept-neuron counts too, and no sum is left behind;
-    `mixed`: one layer whose block cannot leave its sum open (the shared expert in the experts' launch) takes the
-    open input and hands on a closed output."""
-    ref = copy.deepcopy(tiny_text_model).to(DEV, dtype)
-    for m in test_fused._with_local_experts(ref):
-        m.sparse_enabled = sparse
-        m.kernel_on_cpu = DEV == "cpu"  # the Triton path under the interpreter, as on a GPU
-    prompt = _prompt(ref, seed=21)
-    steps = 3 if dtype == torch.float32 else 2
-    from localmoe.kernels import sparse_fused as sf
-
-    modes, launch = [], sf.sparse_fused
-
-    def spy(*args, **kw):  # calls through: records which output mode each experts' launch took
-        modes.append(bool(kw.get("accumulate")))
-        return launch(*args, **kw)
-
-    monkeypatch.setattr(sf, "sparse_fused", spy)
-    runs = []
-    for open_sums in (False, True):
-        modes.clear()
-        model, _ = _installed(ref)
-        model.model.open_sums, model.model.open_sums_on_cpu = open_sums, open_sums
-        blocks = [layer.mlp for layer in model.model.layers]
-        if mixed:
-            blocks[1].shared_in_front = False
-        experts = [b.experts for b in blocks]
-        for m in experts:
-            m.reset_counters()
-        logits, toks = _run(model, "static", prompt, steps)
-        assert [b.front_calls for b in blocks] == [steps] * len(blocks)
-        opened = [m._open_kept is not None for m in experts]
-        runs.append((logits, toks, [int(m.kept) for m in experts], opened, model))
-        L = len(blocks)
-        want_modes = [open_sums and not (mixed and i == 1) for i in range(L)] * steps
-        assert modes == want_modes
-    (want, want_toks, want_kept, closed_opened, _), (got, toks, kept, opened, model) = runs
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert toks == want_toks and kept == want_kept
-    assert not any(closed_opened)
-    if sparse:  # the open launches count kept neurons in their running per-slot counters
-        assert opened == [not (mixed and i == 1) for i in range(len(opened))]
-        assert all(0 < k for k in kept)
-    else:
-        assert kept == [0] * len(kept)
-    sums = model.model._sums[1]
-    assert sums.shape == (2, 1, 1, ref.config.hidden_size) and not sums.any()  # every open sum was cleared
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # launches around the decoder layers
 # ---------------------------------------------------------------------------------------------------------------

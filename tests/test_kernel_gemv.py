@@ -87,26 +87,3 @@ def test_input_norm_inside(shape, dtype, kind):
         gemv(x, w, norm_weight=module.weight, norm_kind="gated")
     with pytest.raises(ValueError, match="one tile"):
         gemv(x, w, norm_weight=module.weight, BLOCK_K=16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape,kw,norm", [((1, 72, 37), {}, True), ((2, 2048, 300), {}, True),
-                                           ((1, 72, 37), {}, False), ((3, 100, 50), dict(BLOCK_K=32), False)],
-                         ids=["T1K72-norm", "T2K2048-norm", "T1K72", "T3K100-chunked"])
-def test_open_moe_sum(shape, kw, dtype, norm):
-    """moe_sum=: the input is x + moe_sum (the layer before's MoE output, fp32, left open by its experts), each add
-    rounded to x's dtype, then the norm; equals the closed input's GEMV exactly, and moe_sum is only read."""
-    T, K, N = shape
-    gen = torch.Generator().manual_seed(K + N + 5)
-    x = (torch.randn(T, K, generator=gen) * 2).to(DEV, dtype)
-    a = (torch.randn(T, K, generator=gen) * 0.7).to(DEV)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEV, dtype)
-    nkw = dict(norm_weight=(torch.randn(K, generator=gen) * 0.2).to(DEV, dtype), eps=1e-6) if norm else {}
-    closed = (x.float() + a.to(dtype).float()).to(dtype)
-    keep = a.clone()
-    y = gemv(x, w, moe_sum=a, **nkw, **kw)
-    assert torch.equal(a, keep)
-    torch.testing.assert_close(y, gemv(closed, w, **nkw, **kw), rtol=0, atol=0)
-    torch.testing.assert_close(y, gemv_ref(x, w, moe_sum=a, **nkw), **TOL[dtype])
-    with pytest.raises(ValueError, match="moe_sum"):
-        gemv(x, w, moe_sum=a.to(dtype) if dtype != torch.float32 else a[:, :-1], **kw)

@@ -92,26 +92,6 @@ def test_residual_add_then_norm(kind, dtype, shape):
         rmsnorm(x, mod.weight, 1e-6, kind, residual=r.float() if dtype != torch.float32 else r.double())
 
 
-@pytest.mark.parametrize("kind", ["standard", "zero_centred"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [((1, 1), 2048), ((3, 5), 72)], ids=lambda s: "x".join(map(str, (*s[0], s[1]))))
-def test_open_moe_sum_then_norm(kind, dtype, shape):
-    """moe_sum=: the final norm of the last layer's open MoE sum: norm(x + moe_sum), each add rounded to x's dtype,
-    equals the norm of the closed input exactly; moe_sum is zeroed (ready for the next step)."""
-    lead, N = shape
-    gen = torch.Generator().manual_seed(N + 9)
-    x = (torch.randn(*lead, N, generator=gen) * 2).to(DEV, dtype)
-    a = (torch.randn(*lead, N, generator=gen) * 0.5).to(DEV)
-    w = (torch.randn(N, generator=gen) * 0.2 + (1.0 if kind == "standard" else 0.0)).to(DEV, dtype)
-    closed = (x.float() + a.to(dtype).float()).to(dtype)
-    want = rmsnorm(closed, w, 1e-6, kind)
-    got = rmsnorm(x, w, 1e-6, kind, moe_sum=a)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert not a.any()
-    with pytest.raises(ValueError, match="moe_sum"):
-        rmsnorm(x, w, 1e-6, kind, moe_sum=a.to(dtype) if dtype != torch.float32 else a[..., :-1])
-
-
 def test_checks():
     x = torch.randn(2, 8, device=DEV)
     with pytest.raises(ValueError):
