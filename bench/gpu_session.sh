@@ -79,6 +79,11 @@
 #   s8f:  the attention layer's position advanced by the decode attention (no ticket in qk_norm_rope): GPU tests,
 #         then A/B in the step with the replay column (choice0 is the control: the same graph). Measured no
 #         difference (-0.06% in the replays, inside choice0's 0.3%): reverted, so this part's attr case is gone
+#   s9a:  open MoE sums (no ticket and no publishing tail in the experts' launch; the next layer's first kernels
+#         added the sum): GPU tests, A/B in the step, the block chain for #3. Measured no gain in the step (-0.2%):
+#         reverted (commit 6258a3f holds the variant), so this part's commands are gone
+#   s9b:  the dense path as torch's grouped GEMM (prefill): GPU test, prefill A/B against the per-expert loop at
+#         512 and 2048 prompt tokens, then the closing engine check and bench, and the bench at the chat's context
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -478,4 +483,16 @@ if [[ $PART == s8f ]]; then
     step ab 260 python bench/step_ab.py "base,attr:FusedAttention.defer_advance=0,choice0" --rounds 3 --prompt 512
     grep "round" "$OUT/ab.log"
     grep -B2 -A5 "^| case" "$OUT/ab.log"
+fi
+if [[ $PART == s9b ]]; then
+    step tests 60 python -m pytest -q -p no:cacheprovider --tb=short tests/test_experts.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
+    step ab 150 python bench/step_ab.py "base,attr:LocalExperts.grouped=0" --rounds 2 --prompt 512
+    step p2048 90 python -m localmoe bench --shape qwen3.5-35b --sparsity 0.85 --prompt-tokens 2048 \
+        --decode-tokens 64
+    step engine 220 python bench/gpu_engine_check.py
+    grep -B2 -A4 "^| case" "$OUT/ab.log"
+    tail -n 4 "$OUT/p2048.log"
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
 fi

@@ -6,7 +6,9 @@ Weights live in an `ExpertWeights` owned by the expert store (filled by the load
 so transformers never loads, moves or saves them.
 
 Two paths:
-- dense (prefill, many tokens, or sparsity off): per-expert grouped matmuls over the tokens routed to it;
+- dense (prefill, many tokens, or sparsity off): the tokens grouped by expert, three grouped GEMMs (torch's
+  grouped_mm) for all experts at once; a loop of per-expert matmuls where torch has no grouped GEMM for the
+  device / dtype, or the experts are offloaded;
 - sparse (decode, T <= `max_sparse_tokens`): gate computed densely, neurons with |act(x·W_gate)| < τ skipped,
   only the kept rows of W_up and W_down_t read. On CUDA this is ONE launch of `localmoe.kernels.sparse_fused`
   (gate, mask, kept up/down, the kept-neuron count added in its tail; offloaded experts read from the cache pool or
@@ -24,6 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
+
+# torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
+_GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 @dataclass
@@ -114,6 +120,7 @@ class LocalExperts(nn.Module):
         # False: dense_experts, the caller does the shared expert. H200, Qwen3.5-35B shapes, whole step at 0 %
         # (bench/step_ab.py, session 7): 2392 µs against 2558 (session 4, before PDL early loads: 3065 against 3022).
         self.dense_tail = True
+        self.grouped = True  # dense calls through torch's grouped GEMM where it can (`_groups`); False: the loop
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons on the sparse path (updated in place)
         self.seen = 0  # neurons considered on the sparse path (host int; a CUDA graph's replays add theirs)
 
@@ -255,8 +262,10 @@ class LocalExperts(nn.Module):
         return w.w_gate[e], w.w_up[e], w.w_down_t[e]
 
     def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
         masked = self.mask_all_tokens and self.sparse_enabled and self.tau is not None and self.recorder is None
+        if self._groups(x):
+            return self._grouped(x, top_k_index, top_k_weights, masked)
+        out = torch.zeros_like(x)
         kept = torch.zeros((), dtype=torch.int64, device=x.device)
         flat = top_k_index.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)
@@ -285,6 +294,47 @@ class LocalExperts(nn.Module):
         if masked:
             self._count(kept, top_k_index.numel() * self.intermediate_size)
         return out
+
+    def _groups(self, x: torch.Tensor) -> bool:
+        """Whether `_grouped` runs this dense call: torch has a grouped GEMM for this device and dtype (CUDA: bf16
+        on sm80+; CPU: any float dtype from torch 2.11, whose CPU kernel needs no 16-byte alignment) and every
+        expert is resident on x's device (offloaded experts are fetched one by one: the loop)."""
+        if not self.grouped or _GROUPED_MM is None or self.cache is not None or self.weights is None:
+            return False
+        w = self.weights.w_gate
+        if w.device != x.device or w.dtype != x.dtype:
+            return False
+        if x.is_cuda:
+            return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        return x.device.type == "cpu" and x.dtype.is_floating_point and _TORCH >= (2, 11)
+
+    def _grouped(self, x, top_k_index, top_k_weights, masked: bool) -> torch.Tensor:
+        """The dense path as three grouped GEMMs (torch's grouped_mm: one launch per projection for all experts)
+        over the (token, expert) slots sorted by expert: no Python loop and no host sync, the same arithmetic and
+        roundings as the per-expert loop (and transformers' experts). Calibration's recorder reads each expert's
+        gate activations (one host copy per expert, as in the loop)."""
+        T, k = top_k_index.shape
+        w, I = self.weights, self.intermediate_size
+        flat = top_k_index.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # slots sorted by expert
+        tok = order // k  # [T*k] token of each sorted slot
+        ends = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)  # [E] group ends
+        xs = x[tok]  # [T*k, H]
+        g = self.act_fn(_GROUPED_MM(xs, w.w_gate.transpose(1, 2), offs=ends))  # [T*k, I]
+        if self.recorder is not None:
+            start = 0
+            for e, end in enumerate(ends.tolist()):
+                if end > start:
+                    self.recorder.add(g[start:end].abs(), e)
+                start = end
+        if masked:
+            keep = g.abs() >= self.tau[flat[order]].unsqueeze(1)  # [T*k, I]
+            g = g * keep
+            self._count(keep.sum(), T * k * I)
+        h = g * _GROUPED_MM(xs, w.w_up.transpose(1, 2), offs=ends)  # [T*k, I]
+        y = _GROUPED_MM(h, w.w_down_t, offs=ends)  # [T*k, H]
+        y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
 
     # -- sparse: decode ---------------------------------------------------------------------------------
     @torch.compiler.disable
