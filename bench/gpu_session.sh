@@ -84,6 +84,8 @@
 #         reverted (commit 6258a3f holds the variant), so this part's commands are gone
 #   s9b:  the dense path as torch's grouped GEMM (prefill): GPU test, prefill A/B against the per-expert loop at
 #         512 and 2048 prompt tokens, then the closing engine check and bench, and the bench at the chat's context
+#   s9c:  the GPU test again (bf16 masked check by relative norm), the bench at the chat's 8192-token context, an
+#         8000-token prompt (prefill in 2048-token chunks), and where the step goes (step_breakdown.py)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -495,4 +497,15 @@ if [[ $PART == s9b ]]; then
     tail -n 4 "$OUT/p2048.log"
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+fi
+if [[ $PART == s9c ]]; then
+    step tests 60 python -m pytest -q -p no:cacheprovider --tb=short tests/test_experts.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
+    step ctx8192 130 python -m localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --context 8192
+    step p8000 120 python -m localmoe bench --shape qwen3.5-35b --sparsity 0.85 --prompt-tokens 8000 \
+        --decode-tokens 64 --context 8192
+    step breakdown 100 python bench/step_breakdown.py 0.85 --prompt 512
+    tail -n 5 "$OUT/ctx8192.log"
+    tail -n 3 "$OUT/p8000.log"
+    tail -n 16 "$OUT/breakdown.log"
 fi

@@ -67,6 +67,21 @@ class GateRecorder:
         self.values.append(v)
         self.experts.append(torch.full((v.numel(),), expert, dtype=torch.int32))
         self.count += v.numel()
+        self._bound()
+
+    def add_rows(self, g_abs: torch.Tensor, experts: torch.Tensor) -> None:
+        """g_abs [n, I] with its rows' experts [n] in ascending order: the same record as `add` per expert in that
+        order (one host copy instead of one per expert)."""
+        e = experts.to(torch.int64)
+        for ex, c in zip(*(t.tolist() for t in torch.unique_consecutive(e, return_counts=True))):
+            self.routed[ex] = self.routed.get(ex, 0) + c
+        v = g_abs.detach().flatten().float().cpu()
+        self.values.append(v)
+        self.experts.append(e.repeat_interleave(g_abs.shape[1]).to(torch.int32).cpu())
+        self.count += v.numel()
+        self._bound()
+
+    def _bound(self) -> None:
         if sum(c.numel() for c in self.values) > 2 * self.max_samples:
             allv, alle = torch.cat(self.values), torch.cat(self.experts)
             keep = torch.randperm(allv.numel(), generator=self.gen)[: self.max_samples]
@@ -311,8 +326,8 @@ class LocalExperts(nn.Module):
     def _grouped(self, x, top_k_index, top_k_weights, masked: bool) -> torch.Tensor:
         """The dense path as three grouped GEMMs (torch's grouped_mm: one launch per projection for all experts)
         over the (token, expert) slots sorted by expert: no Python loop and no host sync, the same arithmetic and
-        roundings as the per-expert loop (and transformers' experts). Calibration's recorder reads each expert's
-        gate activations (one host copy per expert, as in the loop)."""
+        roundings as the per-expert loop (and transformers' experts). Calibration's recorder takes all the gate
+        activations in one host copy (the loop: one per expert)."""
         T, k = top_k_index.shape
         w, I = self.weights, self.intermediate_size
         flat = top_k_index.reshape(-1)  # [T*k]
@@ -322,11 +337,7 @@ class LocalExperts(nn.Module):
         xs = x[tok]  # [T*k, H]
         g = self.act_fn(_GROUPED_MM(xs, w.w_gate.transpose(1, 2), offs=ends))  # [T*k, I]
         if self.recorder is not None:
-            start = 0
-            for e, end in enumerate(ends.tolist()):
-                if end > start:
-                    self.recorder.add(g[start:end].abs(), e)
-                start = end
+            self.recorder.add_rows(g.abs(), flat[order])
         if masked:
             keep = g.abs() >= self.tau[flat[order]].unsqueeze(1)  # [T*k, I]
             g = g * keep
