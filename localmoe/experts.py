@@ -314,7 +314,8 @@ class LocalExperts(nn.Module):
         """Whether `_grouped` runs this dense call: torch has a grouped GEMM for this device and dtype (CUDA: bf16
         on sm80+; CPU: any float dtype from torch 2.11, whose CPU kernel needs no 16-byte alignment) and every
         expert is resident on x's device (offloaded experts are fetched one by one: the loop)."""
-        if not self.grouped or _GROUPED_MM is None or self.cache is not None or self.weights is None:
+        if (not self.grouped or _GROUPED_MM is None or self.cache is not None or self.weights is None
+                or x.shape[0] == 0):
             return False
         w = self.weights.w_gate
         if w.device != x.device or w.dtype != x.dtype:

@@ -104,5 +104,7 @@ def test_loop_where_no_grouped_gemm():
     m = _experts(4, 8, 16, dt)
     x = torch.randn(3, 16).to(DEV, dt)
     assert m._groups(x) and not m._groups(x.double())
+    idx = torch.zeros(0, 2, dtype=torch.long, device=DEV)
+    assert not m._groups(x[:0]) and m(x[:0], idx, idx.to(dt)).shape == (0, 16)  # no tokens: the loop, no GEMM
     m.cache = object()  # any expert cache
     assert not m._groups(x)
