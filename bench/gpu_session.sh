@@ -86,6 +86,8 @@
 #         512 and 2048 prompt tokens, then the closing engine check and bench, and the bench at the chat's context
 #   s9c:  the GPU test again (bf16 masked check by relative norm), the bench at the chat's 8192-token context, an
 #         8000-token prompt (prefill in 2048-token chunks), and where the step goes (step_breakdown.py)
+#   s9d:  prefill with the experts offloaded (the 24 GB card: --vram 24, direct misses, gates first; the dense path
+#         takes the per-expert loop there): 512- and 2048-token prompts
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -508,4 +510,12 @@ if [[ $PART == s9c ]]; then
     tail -n 5 "$OUT/ctx8192.log"
     tail -n 3 "$OUT/p8000.log"
     tail -n 16 "$OUT/breakdown.log"
+fi
+if [[ $PART == s9d ]]; then
+    step v512 240 python -m localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85 --prompt-tokens 512 \
+        --decode-tokens 32
+    step v2048 240 python -m localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85 --prompt-tokens 2048 \
+        --decode-tokens 32
+    tail -n 6 "$OUT/v512.log"
+    tail -n 6 "$OUT/v2048.log"
 fi
