@@ -88,6 +88,9 @@
 #         8000-token prompt (prefill in 2048-token chunks), and where the step goes (step_breakdown.py)
 #   s9d:  prefill with the experts offloaded (the 24 GB card: --vram 24, direct misses, gates first; the dense path
 #         takes the per-expert loop there): 512- and 2048-token prompts
+#   s10a: prompt reuse across chat turns (localmoe/prefix.py): the tiny families' graph tokens (engine check without
+#         the bench), a 3-turn chat per family with and without reuse, then time to first token per turn at
+#         Qwen3.5-35B shapes resident and at --vram 24 (bench/chat_turns.py)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -518,4 +521,13 @@ if [[ $PART == s9d ]]; then
         --decode-tokens 32
     tail -n 6 "$OUT/v512.log"
     tail -n 6 "$OUT/v2048.log"
+fi
+if [[ $PART == s10a ]]; then
+    step engine 150 python bench/gpu_engine_check.py --skip-bench
+    step turns 200 python bench/chat_turns.py
+    step turns24 230 python bench/chat_turns.py --skip-tiny --vram 24
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A7 "^family" "$OUT/turns.log"
+    grep -A10 "^chat turns" "$OUT/turns.log"
+    grep -A10 "^chat turns" "$OUT/turns24.log"
 fi

@@ -2,7 +2,8 @@
 
     Engine.load(MODEL) → resolve (hub) → tokenizer → load (loader: experts into localmoe's store)
                        → sparsity thresholds (sparsity: cached calibration) → ready
-    engine.chat(messages) / engine.generate(ids) → prefill (dense path, 2048-token chunks) → decode loop (sparse
+    engine.chat(messages) / engine.generate(ids) → prefill (dense path, 2048-token chunks; a chat's history the
+                       cache already holds is not prefilled again: prefix.py) → decode loop (sparse
                        path; on CUDA one captured graph per step, steps N+1, N+2 launched before token N is streamed)
                        → TokenEvent per token; `stats` updated as it goes; `cancel()` from any thread.
 
@@ -26,6 +27,7 @@ from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
 from localmoe.loader import LoadedModel, load_model
+from localmoe.prefix import PromptReuse, prefill
 from localmoe.sampling import make_generator, sample
 
 UNKNOWN_MODEL_SPARSITY = 0.5
@@ -75,6 +77,9 @@ class Engine:
         self.compile = False  # torch.compile the decode step before capture (bench --compile; experimental)
         self.on_notice = None  # callable(str) for one-line notices (the CLI prints them on stderr)
         self._graph = None
+        self.reuse_prompts = True  # rewind the cache to the prompt prefix it holds (a chat's history) instead of
+        self._eager_cache = None   # prefilling it again; eager decoding keeps its dynamic cache here between turns
+        self._eager_reuse = PromptReuse()
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -190,6 +195,7 @@ class Engine:
             sp.apply(self.loaded, table, device=self._device)
         self.sparsity = sparsity
         self._graph = None  # captured against the old thresholds / path: capture again
+        self._forget_prompt()
         self._stats = replace(self._stats, sparsity_target=sparsity)
 
     # -- prompts ----------------------------------------------------------------------------------------
@@ -203,7 +209,20 @@ class Engine:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def chat(self, messages: Sequence[Message], settings: GenerationSettings) -> Iterator[TokenEvent]:
-        return self.generate(self.encode_chat(messages), settings)
+        ids = self.encode_chat(messages)
+        return self.generate(ids, settings, stable=self._history_tokens(messages, ids))
+
+    def _history_tokens(self, messages: Sequence[Message], ids: list[int]) -> int:
+        """How many of the prompt's first tokens the next turn's prompt repeats: the conversation rendered without the
+        generation header, when it is a prefix of the prompt (0 when the template renders it otherwise)."""
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=False, tokenize=False)
+            hist = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception:  # noqa: BLE001 - a template that needs the generation prompt: no reuse, nothing else changes
+            return 0
+        # the last token of the history may merge with the header in the full prompt's tokenization: keep it out
+        n = len(hist) - 1
+        return n if 0 < n < len(ids) and hist[:n] == ids[:n] else 0
 
     def set_context(self, tokens: int) -> None:
         if tokens < 16:
@@ -212,6 +231,13 @@ class Engine:
             raise UsageError(f"--context {tokens} is more than {self.model_name} supports ({self.max_positions})")
         self.context = tokens
         self._graph = None
+        self._forget_prompt()
+
+    def _forget_prompt(self) -> None:
+        """The next prompt is prefilled whole (a short prompt's prefill can take the sparse path: a cache filled
+        under other settings is not reused)."""
+        self._eager_cache = None
+        self._eager_reuse.forget()
 
     def _notice(self, text: str) -> None:
         if self.on_notice is not None:
@@ -238,7 +264,10 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int], settings: GenerationSettings) -> Iterator[TokenEvent]:
+    def generate(self, prompt_ids: Sequence[int], settings: GenerationSettings, *,
+                 stable: int = 0) -> Iterator[TokenEvent]:
+        """Stream the reply to prompt_ids. `stable`: how many of its first tokens the next prompt will repeat (a chat's
+        history): the cache state there is kept, and a later prompt starting with them prefills only the rest."""
         if not prompt_ids:
             raise UsageError("the prompt is empty: give some text")
         n_prompt = len(prompt_ids)
@@ -263,25 +292,27 @@ class Engine:
         t0 = time.perf_counter()
         try:
             if graph is not None:
-                cache, logits = None, graph.prefill(ids)
+                cache, logits = None, graph.prefill(ids, stable)
+                reused = graph.reused
             else:
-                cache, logits = self._prefill(ids)
+                cache, logits, reused = self._prefill(ids, stable)
         except torch.OutOfMemoryError:
             raise RuntimeFailure("out of GPU memory during prefill: shorten the prompt or use --device cpu") from None
         token = sample(logits, settings, gen)
         tok = int(token)  # synchronises: prefill done
         t1 = time.perf_counter()
-        stats.prefill_tok_s = n_prompt / max(t1 - t0, 1e-9)
+        stats.reused_prompt_tokens = reused
+        stats.prefill_tok_s = (n_prompt - reused) / max(t1 - t0, 1e-9)  # tokens computed, not those reused
         if graph is not None and graph.graph is None:
             from localmoe.graph import GraphUnavailable
 
             try:
                 graph.capture(n_prompt)
-                graph.prefill(ids)  # capture's warm-up steps advanced recurrent (DeltaNet) state: redo the prompt
+                graph.prefill(ids, stable)  # capture's warm-up steps advanced recurrent state: redo the prompt
             except GraphUnavailable as e:
                 self.use_graphs, self._graph = False, None
                 self._notice(f"CUDA graph capture failed ({e}); decoding eagerly")
-                cache, _ = self._prefill(ids)  # rebuild a dynamic cache from the prompt
+                cache, _, _ = self._prefill(ids, stable)  # rebuild a dynamic cache from the prompt
                 graph = None
         self._reset_counters(graph)  # realised sparsity counts decode steps only
         expert_cache = self.loaded.cache
@@ -372,15 +403,20 @@ class Engine:
             stats.peak_gpu_mem_gb = torch.cuda.max_memory_allocated(self._device) / 1e9
         stats.finish_reason = finish
 
-    def _prefill(self, ids: torch.Tensor):
-        """Eager prefill of ids [1, P] in chunks of `prefill_chunk` tokens -> (dynamic cache, last logits [V])."""
-        cache, P = None, ids.shape[1]
-        for start in range(0, P, self.prefill_chunk):
+    def _prefill(self, ids: torch.Tensor, stable: int = 0):
+        """Eager prefill of ids [1, P] in chunks of `prefill_chunk` tokens into a dynamic cache, the last turn's
+        rewound where the prompt repeats it -> (cache, last logits [V], prompt tokens reused)."""
+
+        def forward(piece, start, cache):
             kw = {self._cache_kw: cache} if cache is not None else {}
-            out = self.model(input_ids=ids[:, start:start + self.prefill_chunk], use_cache=True, **kw,
-                             **self._logits_kw)
-            cache = _cache_of(out)
-        return cache, out.logits[0, -1]
+            out = self.model(input_ids=piece, use_cache=True, **kw, **self._logits_kw)
+            return _cache_of(out), out.logits[0, -1]
+
+        reuse = self._eager_reuse if self.reuse_prompts else None
+        cache, logits, reused = prefill(forward, self._eager_cache, ids, stable=stable, chunk=self.prefill_chunk,
+                                        reuse=reuse, fresh=lambda cache: None)
+        self._eager_cache = cache if self.reuse_prompts else None  # decoding goes on in this same object
+        return cache, logits, reused
 
     def _reset_counters(self, graph) -> None:
         for m in self.loaded.experts:

@@ -34,6 +34,7 @@ class EngineStats:
     """Figures for the reply in flight (updated per token) or the last finished one."""
 
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # of prompt_tokens, those the cache held from the turn before (not prefilled)
     generated_tokens: int = 0
     prefill_tok_s: float = 0.0
     decode_tok_s: float = 0.0

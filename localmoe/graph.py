@@ -1,7 +1,8 @@
 """The static decode step: a fixed-size cache allocated once and the whole batch-1 step captured in a CUDA graph.
 
 Prefill runs eager (dense path, in chunks of `Engine.prefill_chunk` tokens) into a transformers `StaticCache` sized
-for the context length; then one decode step — embedding, every layer's attention / Gated DeltaNet step, router,
+for the context length, from where the cache can be rewound to when the prompt repeats a chat's history (prefix.py);
+then one decode step — embedding, every layer's attention / Gated DeltaNet step, router,
 shared expert, localmoe's sparse experts, norm, lm_head and the greedy token (kernels/argmax.py) — is captured once
 and replayed per token. `step` copies a token id and position into the static inputs and returns the logits, for
 sampling outside the graph. `step_greedy` chains greedy steps with nothing between replays: the captured argmax
@@ -14,6 +15,8 @@ eager with a one-line notice.
 from __future__ import annotations
 
 import torch
+
+from localmoe.prefix import PromptReuse, prefill
 
 RING = 8  # greedy tokens kept on the device and the host: more than the steps the engine launches ahead
 
@@ -50,6 +53,10 @@ class GraphDecoder:
         self._next_pos = -1
         self._n = 0  # greedy replays since the chain began (= the device count)
         self.steps = 0  # replays since the engine last reset its counters
+        # the prompt prefix the static cache can be rewound to (a chat's history); its state copy in host memory
+        # when experts are offloaded (the VRAM budget is theirs)
+        self.prompt_reuse = PromptReuse(host_copy=engine.loaded.cache is not None)
+        self.reused = 0
         # optional: inductor fuses the step's many small elementwise ops before capture (slow first call)
         if compile:
             from torch import _dynamo
@@ -68,14 +75,20 @@ class GraphDecoder:
         out = self.model(input_ids=ids, cache_position=pos, use_cache=True, **kw, **self.engine._logits_kw)
         return out.logits[0, -1]
 
-    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
-        """prompt [1, P] -> logits [V] of the last position (eager, in chunks of the engine's `prefill_chunk`)."""
-        self.cache.reset()
+    def prefill(self, prompt: torch.Tensor, stable: int = 0) -> torch.Tensor:
+        """prompt [1, P] -> logits [V] of the last position (eager, in chunks of the engine's `prefill_chunk`). The
+        prompt's first tokens that the cache already holds (`prefix.PromptReuse`, kept at `stable`) are not run
+        again; `reused` says how many."""
         self._last = None
-        P, step = prompt.shape[1], self.engine.prefill_chunk
-        for start in range(0, P, step):
-            end = min(P, start + step)
-            logits = self._forward(prompt[:, start:end], torch.arange(start, end, device=prompt.device))
+
+        def forward(piece, start, cache):
+            return cache, self._forward(piece, torch.arange(start, start + piece.shape[1], device=piece.device))
+
+        reuse = self.prompt_reuse if self.engine.reuse_prompts else None
+        if reuse is None:
+            self.prompt_reuse.forget()  # the whole cache is about to be rewritten
+        _, logits, self.reused = prefill(forward, self.cache, prompt, stable=stable, chunk=self.engine.prefill_chunk,
+                                         reuse=reuse)
         return logits
 
     def capture(self, position: int) -> None:

@@ -106,7 +106,8 @@ def format_status(model: str, device: str, stats: EngineStats | None) -> str:
     parts = [model, device]
     if stats is not None:
         parts.append(f"{stats.decode_tok_s:.1f} tok/s")
-        parts.append(f"{stats.prompt_tokens} in / {stats.generated_tokens} out")
+        cached = f" ({stats.reused_prompt_tokens} cached)" if stats.reused_prompt_tokens else ""
+        parts.append(f"{stats.prompt_tokens} in{cached} / {stats.generated_tokens} out")
         parts.append(f"sparsity {stats.sparsity_realized:.0%}/{stats.sparsity_target:.0%}")
         parts.append(f"GPU {stats.peak_gpu_mem_gb:.1f}G")
         if stats.cache_hit_rate is not None:

@@ -1,0 +1,141 @@
+"""Prompt reuse across chat turns on the GPU (not a test; run on the H200): correctness, then time to first token.
+
+1. Tiny random checkpoints of each family (float32 on CUDA, the CUDA-graph decoder and its StaticCache): a three-turn
+   chat through `Engine.chat`, once with prompt reuse and once without: the same greedy tokens, and how many prompt
+   tokens each turn took from the cache.
+2. `--shape qwen3.5-35b` (random bf16 weights at the real shapes, `Engine.random`), sparsity 0.85, optionally
+   `--vram 24`: a chat whose history grows each turn (token ids built directly: random weights have no tokenizer;
+   the assistant's turns in the history are fixed ids, so both runs send the same prompts). Per turn: prompt tokens,
+   tokens reused, time to first token with and without reuse, and whether the first tokens agree.
+
+Usage: PYTHONUNBUFFERED=1 python bench/chat_turns.py [--skip-tiny] [--skip-shape] [--vram GIB] [--turns N]
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+root = Path(tempfile.mkdtemp())
+os.environ.update(HF_HUB_CACHE=str(root / "hub"), HF_HUB_OFFLINE="1", XDG_CACHE_HOME=str(root / "xdg"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import torch  # noqa: E402
+
+from localmoe.engine import Engine  # noqa: E402
+from localmoe.events import GenerationSettings  # noqa: E402
+
+FAMILIES = ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "granitemoe"]
+
+
+def chat3(e):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a mixture of experts?"}]
+    out = []
+    for follow in ("and sparsity?", "thanks", None):
+        ids = [ev.token_id for ev in e.chat(msgs, GenerationSettings(max_new_tokens=12))]
+        out.append((ids, e.stats.prompt_tokens, e.stats.reused_prompt_tokens))
+        if follow:
+            msgs = msgs + [{"role": "assistant", "content": e.tokenizer.decode(ids, skip_special_tokens=True)},
+                           {"role": "user", "content": follow}]
+    return out
+
+
+def tiny():
+    import tiny_models
+
+    print("family        graph  tokens equal  reused per turn (with) / (without)")
+    for fam in FAMILIES:
+        repo = f"{tiny_models.ORG}/tiny-{fam}"
+        try:
+            folder = tiny_models.save_checkpoint(fam, root / "src" / fam)
+            tiny_models.place_in_hf_cache(folder, root / "hub", repo)
+            e = Engine.load(repo, device="cuda", dtype="float32", sparsity=0.0)
+            e.eos_ids = set()
+            a = chat3(e)
+            graph = e._graph is not None
+            e.reuse_prompts = False
+            e._graph = None
+            b = chat3(e)
+            print(f"{fam:<13} {str(graph):<6} {str([x[0] for x in a] == [x[0] for x in b]):<13} "
+                  f"{[x[2] for x in a]} / {[x[2] for x in b]}  (prompts {[x[1] for x in a]})", flush=True)
+        except Exception as ex:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            print(f"{fam:<13} ERROR {type(ex).__name__}: {ex}"[:160], flush=True)
+
+
+def conversation(turns: int, first: int, user: int, reply: int, vocab: int, seed: int = 0):
+    """[(prompt ids, stable)] for a chat whose history grows by a reply and a user message each turn."""
+    g = torch.Generator().manual_seed(seed)
+
+    lo = min(100, vocab // 4)  # clear of the special tokens at either end
+
+    def rand(n):
+        return torch.randint(lo, vocab - lo, (n,), generator=g).tolist()
+
+    header = rand(3)  # "<|im_start|>assistant\n"
+    end = rand(2)  # "<|im_end|>\n"
+    history = rand(first)
+    out = []
+    for _ in range(turns):
+        out.append((history + header, len(history)))
+        history = history + header + rand(reply) + end + rand(user)
+    return out
+
+
+def ttft(e, ids, stable, n_decode):
+    t0 = time.perf_counter()
+    first, toks = None, []
+    for ev in e.generate(ids, GenerationSettings(max_new_tokens=n_decode), stable=stable):
+        if first is None:
+            first = time.perf_counter() - t0
+        toks.append(ev.token_id)
+    return first, toks, e.stats
+
+
+def shape(args):
+    dev = torch.device("cuda")
+    t = time.perf_counter()
+    e = Engine.random("qwen3.5-35b", device=dev, dtype=torch.bfloat16, vram_gib=args.vram, context=8192)
+    print(f"built in {time.perf_counter() - t:.1f} s", flush=True)
+    e.set_sparsity(0.85)
+    e.eos_ids = set()
+    vocab = int(e.loaded.config.vocab_size)
+    turns = conversation(args.turns, args.first, args.user, args.reply, vocab)
+    ttft(e, turns[0][0], 0, 8)  # warm-up: graph capture, the prefill's first-call costs
+    rows = {}
+    for reuse in (True, False):
+        e.reuse_prompts = reuse
+        e._forget_prompt()
+        for i, (ids, stable) in enumerate(turns):
+            t, toks, st = ttft(e, ids, stable, args.decode)
+            rows.setdefault(i, {})[reuse] = (t, toks, st.reused_prompt_tokens, st.prefill_tok_s, st.decode_tok_s)
+    where = f"--vram {args.vram:g}" if args.vram else "resident"
+    print(f"\nchat turns, qwen3.5-35b shapes (random bf16), sparsity 0.85, {where}, decode {args.decode} per turn")
+    print("| turn | prompt tokens | reused | TTFT with reuse (s) | TTFT without (s) | speed-up | tokens equal | "
+          "decode tok/s (with / without) |")
+    print("|---:|---:|---:|---:|---:|---:|---|---|")
+    for i, (ids, _) in enumerate(turns):
+        w, wo = rows[i][True], rows[i][False]
+        print(f"| {i + 1} | {len(ids)} | {w[2]} | {w[0]:.3f} | {wo[0]:.3f} | {wo[0] / w[0]:.1f}x | {w[1] == wo[1]} | "
+              f"{w[4]:.1f} / {wo[4]:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument("--skip-shape", action="store_true")
+    p.add_argument("--vram", type=float, default=None)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--first", type=int, default=1500, help="history tokens at the first turn")
+    p.add_argument("--user", type=int, default=300, help="tokens of each new user message")
+    p.add_argument("--reply", type=int, default=120, help="tokens of each assistant reply in the history")
+    p.add_argument("--decode", type=int, default=16)
+    a = p.parse_args()
+    if not a.skip_tiny:
+        tiny()
+    if not a.skip_shape:
+        shape(a)

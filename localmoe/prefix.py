@@ -1,0 +1,157 @@
+"""Prompt reuse across a chat's turns: the part of a prompt the cache already holds is not prefilled again.
+
+A chat's next prompt repeats the conversation so far. Attention layers store keys and values by position, so the
+positions below what two prompts share stay valid in the cache. A recurrent layer (Gated DeltaNet: conv and
+recurrent state) keeps ONE state, which the rest of the prefill and the decoding move past that point. So
+`PromptReuse` keeps a copy of the recurrent layers' state at a point the engine names, `stable` (for a chat: the
+history up to the last user message without the generation header, which the next turn's prompt repeats token for
+token), and when a prompt starts with exactly those tokens it rewinds the cache there: attention layers back to that
+length, recurrent layers to the copy. Only the rest of the prompt is prefilled.
+
+Caches: transformers' StaticCache (the CUDA-graph decoder's; rewound in place, so the captured graph keeps its
+addresses) and DynamicCache (eager decoding). A cache with a layer it does not know (sliding window, quantized, ...)
+is never rewound: its prompt is prefilled whole.
+
+Shape legend: P = prompt tokens, L = tokens reused from the cache, S = `stable`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+# a recurrent layer's state (transformers 5.17 and 5.2x LinearAttention layers): tensors or dicts of tensors / flags
+_STATE_ATTRS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                "is_recurrent_states_initialized")
+_UNSUPPORTED = ("Sliding", "Quantized", "Indexed", "Dummy", "Offloaded")
+
+
+def _kinds(layer) -> set[str] | None:
+    """{"recurrent", "static", "dynamic"} parts of a cache layer, or None for a layer that cannot be rewound."""
+    names = {c.__name__ for c in type(layer).__mro__}
+    if any(u in n for n in names for u in _UNSUPPORTED):
+        return None
+    kinds = set()
+    if hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states"):
+        if getattr(layer, "record_past", False):  # conv states that grow until cropped: not a fixed state
+            return None
+        kinds.add("recurrent")
+    if "StaticLayer" in names:
+        if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            return None
+        kinds.add("static")
+    elif "DynamicLayer" in names:
+        kinds.add("dynamic")
+    return kinds or None
+
+
+def _copy(v, device):
+    if isinstance(v, torch.Tensor):
+        return v.detach().to(device if device is not None else v.device, copy=True)
+    if isinstance(v, dict):
+        return {k: _copy(x, device) for k, x in v.items()}
+    return v
+
+
+def _put(live, saved, home):
+    """saved into live: in place where the tensor exists with the same shape (captured graphs keep its address),
+    else a copy on `home` (the device the live state is on)."""
+    if isinstance(saved, torch.Tensor):
+        if isinstance(live, torch.Tensor) and live.shape == saved.shape and live.dtype == saved.dtype:
+            live.copy_(saved)
+            return live
+        return saved.to(home if home is not None else saved.device, copy=True)
+    if isinstance(saved, dict):
+        out = live if isinstance(live, dict) else {}
+        for k in [k for k in out if k not in saved]:
+            del out[k]
+        for k, x in saved.items():
+            out[k] = _put(out.get(k), x, home)
+        return out
+    return saved
+
+
+class PromptReuse:
+    """The prompt prefix a cache can be rewound to, and the recurrent state there. One per cache object."""
+
+    def __init__(self, host_copy: bool = False):
+        self.host_copy = host_copy  # keep the state copy in host memory (offloading: VRAM is the experts')
+        self.tokens: tuple[int, ...] = ()  # the S prompt tokens the copy follows
+        self._cache = None  # the cache object the copy belongs to
+        self._states: list[dict | None] = []  # per cache layer: its recurrent attributes at S, or None
+        self.reused = 0  # tokens the last prefill took from the cache
+
+    def forget(self) -> None:
+        self.tokens, self._cache, self._states = (), None, []
+
+    def reusable(self, cache, ids: Sequence[int]) -> int:
+        """L, the prompt tokens `cache` can be rewound to (0: prefill the whole prompt). At least one prompt token is
+        always left to prefill (its logits choose the first reply token)."""
+        L = len(self.tokens)
+        if not L or cache is None or cache is not self._cache or len(ids) <= L or tuple(ids[:L]) != self.tokens:
+            return 0
+        layers = getattr(cache, "layers", None)
+        if not layers or len(layers) != len(self._states):
+            return 0
+        for layer in layers:
+            kinds = _kinds(layer)
+            if kinds is None:
+                return 0
+            if "dynamic" in kinds and (getattr(layer, "keys", None) is None or layer.keys.shape[-2] < L):
+                return 0
+            if "static" in kinds and int(layer.cumulative_length) < L:
+                return 0
+        return L
+
+    def rewind(self, cache, L: int) -> None:
+        """Put `cache` back to the state after the first L = len(self.tokens) prompt tokens (`reusable` said so)."""
+        for layer, saved in zip(cache.layers, self._states):
+            kinds = _kinds(layer)
+            if "static" in kinds:
+                layer.cumulative_length.fill_(L)  # positions >= L are overwritten by the prefill that follows
+            if "dynamic" in kinds:
+                layer.keys = layer.keys[..., :L, :]
+                layer.values = layer.values[..., :L, :]
+            if saved is not None:
+                home = getattr(layer, "device", None)
+                for name, v in saved.items():
+                    setattr(layer, name, _put(getattr(layer, name, None), v, home))
+
+    def save(self, cache, tokens: Sequence[int]) -> None:
+        """Remember `cache` as it is after `tokens` (the prefill stands exactly there)."""
+        layers = getattr(cache, "layers", None)
+        if not layers or any(_kinds(layer) is None for layer in layers):
+            self.forget()
+            return
+        dev = torch.device("cpu") if self.host_copy else None
+        self._states = [{n: _copy(getattr(layer, n), dev) for n in _STATE_ATTRS if hasattr(layer, n)}
+                        if "recurrent" in _kinds(layer) else None for layer in layers]
+        self.tokens, self._cache = tuple(tokens), cache
+
+
+def prefill(forward: Callable, cache, ids: torch.Tensor, *, stable: int, chunk: int, reuse: PromptReuse | None,
+            fresh: Callable = lambda cache: cache.reset() or cache):
+    """Prefill ids [1, P] into `cache` in pieces of at most `chunk` tokens, starting where `reuse` can rewind it to
+    (elsewise from `fresh(cache)`: the same cache reset in place by default). `forward(piece [1, n], start, cache) ->
+    (cache, logits)` runs one piece at positions start..start+n-1 (cache None: it makes one). With `reuse`, the state
+    after the first S = `stable` tokens is kept for the next prompt. -> (cache, logits [V] of the last position, L)."""
+    P = ids.shape[1]
+    tokens = ids[0].tolist() if reuse is not None else []
+    L = reuse.reusable(cache, tokens) if reuse is not None else 0
+    if L:
+        reuse.rewind(cache, L)
+    else:
+        if reuse is not None:
+            reuse.forget()  # the positions its copy follows are about to be overwritten
+        if cache is not None:
+            cache = fresh(cache)
+    cuts = sorted({*range(L, P, chunk), P} | ({stable} if reuse is not None and L < stable < P else set()))
+    logits = None
+    for a, b in zip(cuts, cuts[1:]):
+        cache, logits = forward(ids[:, a:b], a, cache)
+        if reuse is not None and b == stable:
+            reuse.save(cache, tokens[:stable])
+    if reuse is not None:
+        reuse.reused = L
+    return cache, logits, L
