@@ -5,8 +5,10 @@
    tokens each turn took from the cache.
 2. `--shape qwen3.5-35b` (random bf16 weights at the real shapes, `Engine.random`), sparsity 0.85, optionally
    `--vram 24`: a chat whose history grows each turn (token ids built directly: random weights have no tokenizer;
-   the assistant's turns in the history are fixed ids, so both runs send the same prompts). Per turn: prompt tokens,
-   tokens reused, time to first token with and without reuse, and whether the first tokens agree.
+   the assistant's turns in the history are fixed ids, so every run sends the same prompts). Per turn: prompt
+   tokens, then time to first token and tokens reused with the state kept at the prompt's end, at the history's end,
+   and without reuse; then the last turn's logits rewound against prefilled whole (random weights have near-tied
+   logits, so bf16 tokens are compared through the logits, with a different prefill piece size as the scale).
 
 Usage: PYTHONUNBUFFERED=1 python bench/chat_turns.py [--skip-tiny] [--skip-shape] [--vram GIB] [--turns N]
 """
@@ -68,9 +70,8 @@ def tiny():
 
 
 def conversation(turns: int, first: int, user: int, reply: int, vocab: int, seed: int = 0):
-    """[(prompt ids, stable)] for a chat whose history grows by a reply and a user message each turn."""
+    """[(prompt ids, history length)] for a chat whose history grows by a reply and a user message each turn."""
     g = torch.Generator().manual_seed(seed)
-
     lo = min(100, vocab // 4)  # clear of the special tokens at either end
 
     def rand(n):
@@ -96,32 +97,71 @@ def ttft(e, ids, stable, n_decode):
     return first, toks, e.stats
 
 
+# where the engine keeps the state for the next turn: the prompt's end (a ChatML-style template renders the next turn
+# after the whole prompt), the history without the generation header (thinking templates: one more prefill piece),
+# or nowhere (every prompt prefilled whole)
+MODES = {"prompt end": lambda ids, hist: len(ids), "history": lambda ids, hist: hist, "none": None}
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def logits_check(e, turns):
+    """Last turn's first-token logits: rewound + rest prefilled against prefilled whole; and, for scale, prefilled
+    whole in 1024-token pieces against 2048."""
+    g = e._graph_decoder()
+    if g is None:
+        return "no graph"
+    prev, last = turns[-2][0], turns[-1][0]
+    t = lambda ids: torch.tensor([ids], device="cuda")  # noqa: E731
+    e.reuse_prompts = True
+    g.prefill(t(prev), len(prev))
+    reused = g.prefill(t(last), len(last)).float().clone()
+    n = g.reused
+    e.reuse_prompts = False
+    whole = g.prefill(t(last)).float().clone()
+    e.prefill_chunk = 1024
+    pieces = g.prefill(t(last)).float().clone()
+    e.prefill_chunk = 2048
+    return (f"last turn's logits, rewound ({n} reused) vs whole: rel. diff {rel(reused, whole):.2e}, argmax equal "
+            f"{int(reused.argmax()) == int(whole.argmax())}; 1024- vs 2048-token pieces (no reuse): rel. diff "
+            f"{rel(pieces, whole):.2e}, argmax equal {int(pieces.argmax()) == int(whole.argmax())}")
+
+
 def shape(args):
     dev = torch.device("cuda")
     t = time.perf_counter()
     e = Engine.random("qwen3.5-35b", device=dev, dtype=torch.bfloat16, vram_gib=args.vram, context=8192)
     print(f"built in {time.perf_counter() - t:.1f} s", flush=True)
     e.set_sparsity(0.85)
+    run_turns(e, args, f"--vram {args.vram:g}" if args.vram else "resident")
+
+
+def run_turns(e, args, where):
     e.eos_ids = set()
     vocab = int(e.loaded.config.vocab_size)
     turns = conversation(args.turns, args.first, args.user, args.reply, vocab)
-    ttft(e, turns[0][0], 0, 8)  # warm-up: graph capture, the prefill's first-call costs
     rows = {}
-    for reuse in (True, False):
-        e.reuse_prompts = reuse
+    for mode in ["warm-up", *MODES]:  # warm-up: graph capture and every piece length's first-call costs
+        keep = MODES.get(mode, MODES["history"])
+        e.reuse_prompts = keep is not None
         e._forget_prompt()
-        for i, (ids, stable) in enumerate(turns):
-            t, toks, st = ttft(e, ids, stable, args.decode)
-            rows.setdefault(i, {})[reuse] = (t, toks, st.reused_prompt_tokens, st.prefill_tok_s, st.decode_tok_s)
-    where = f"--vram {args.vram:g}" if args.vram else "resident"
-    print(f"\nchat turns, qwen3.5-35b shapes (random bf16), sparsity 0.85, {where}, decode {args.decode} per turn")
-    print("| turn | prompt tokens | reused | TTFT with reuse (s) | TTFT without (s) | speed-up | tokens equal | "
-          "decode tok/s (with / without) |")
-    print("|---:|---:|---:|---:|---:|---:|---|---|")
+        for i, (ids, hist) in enumerate(turns):
+            t, toks, st = ttft(e, ids, keep(ids, hist) if keep else 0, args.decode)
+            rows.setdefault(i, {})[mode] = (t, st.reused_prompt_tokens, st.decode_tok_s)
+        print(f"{mode}: done", flush=True)
+    check = logits_check(e, turns)
+    print(f"\nchat turns, qwen3.5-35b shapes (random bf16), sparsity 0.85, {where}, decode {args.decode} per turn; "
+          "time to first token (s) [tokens reused] by where the state is kept")
+    print("| turn | prompt tokens | prompt end | history | none (prefill whole) | speed-up | decode tok/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for i, (ids, _) in enumerate(turns):
-        w, wo = rows[i][True], rows[i][False]
-        print(f"| {i + 1} | {len(ids)} | {w[2]} | {w[0]:.3f} | {wo[0]:.3f} | {wo[0] / w[0]:.1f}x | {w[1] == wo[1]} | "
-              f"{w[4]:.1f} / {wo[4]:.1f} |", flush=True)
+        r = rows[i]
+        pe, hi, no = r["prompt end"], r["history"], r["none"]
+        print(f"| {i + 1} | {len(ids)} | {pe[0]:.3f} [{pe[1]}] | {hi[0]:.3f} [{hi[1]}] | {no[0]:.3f} | "
+              f"{no[0] / pe[0]:.1f}x | {pe[2]:.1f} / {no[2]:.1f} |", flush=True)
+    print(check)
 
 
 if __name__ == "__main__":

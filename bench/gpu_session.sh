@@ -91,6 +91,9 @@
 #   s10a: prompt reuse across chat turns (localmoe/prefix.py): the tiny families' graph tokens (engine check without
 #         the bench), a 3-turn chat per family with and without reuse, then time to first token per turn at
 #         Qwen3.5-35B shapes resident and at --vram 24 (bench/chat_turns.py)
+#   s10b: prompt reuse with the state kept at the prompt's end (and its logits: the same prompt again runs nothing):
+#         the tiny families' 3-turn chats, then time to first token per turn at Qwen3.5-35B shapes resident and at
+#         --vram 24 with the state kept at the prompt's end, at the history's end, and without reuse; logits check
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -528,6 +531,13 @@ if [[ $PART == s10a ]]; then
     step turns24 230 python bench/chat_turns.py --skip-tiny --vram 24
     grep -A7 "^family" "$OUT/engine.log"
     grep -A7 "^family" "$OUT/turns.log"
+    grep -A10 "^chat turns" "$OUT/turns.log"
+    grep -A10 "^chat turns" "$OUT/turns24.log"
+fi
+if [[ $PART == s10b ]]; then
+    step turns 200 python bench/chat_turns.py
+    step turns24 300 python bench/chat_turns.py --skip-tiny --vram 24
+    grep -v "Writing\|falling" "$OUT/turns.log" | grep -A6 "^family"
     grep -A10 "^chat turns" "$OUT/turns.log"
     grep -A10 "^chat turns" "$OUT/turns24.log"
 fi

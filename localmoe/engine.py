@@ -213,14 +213,24 @@ class Engine:
         return self.generate(ids, settings, stable=self._history_tokens(messages, ids))
 
     def _history_tokens(self, messages: Sequence[Message], ids: list[int]) -> int:
-        """How many of the prompt's first tokens the next turn's prompt repeats: the conversation rendered without the
-        generation header, when it is a prefix of the prompt (0 when the template renders it otherwise)."""
+        """How many of the prompt's first tokens the next turn's prompt will repeat. The whole prompt when the template
+        renders the next turn (this reply, then a user message) after exactly these tokens: the cache state at the
+        prompt's end is kept, nothing extra to run. Else the conversation without the generation header (thinking
+        templates render a past reply without the header's opening): the prefill stops there once to keep it.
+        0 when neither is a prefix of the prompt."""
+        def render(msgs, header):
+            text = self.tokenizer.apply_chat_template(list(msgs), add_generation_prompt=header, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=False, tokenize=False)
-            hist = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        except Exception:  # noqa: BLE001 - a template that needs the generation prompt: no reuse, nothing else changes
+            after = render([*messages, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And?"}],
+                           False)
+            if after[:len(ids)] == ids:
+                return len(ids)
+            hist = render(messages, False)
+        except Exception:  # noqa: BLE001 - a template that cannot render these: no reuse, nothing else changes
             return 0
-        # the last token of the history may merge with the header in the full prompt's tokenization: keep it out
+        # the history's last token may merge with the header in the prompt's tokenization: keep it out
         n = len(hist) - 1
         return n if 0 < n < len(ids) and hist[:n] == ids[:n] else 0
 

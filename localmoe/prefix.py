@@ -80,16 +80,19 @@ class PromptReuse:
         self.tokens: tuple[int, ...] = ()  # the S prompt tokens the copy follows
         self._cache = None  # the cache object the copy belongs to
         self._states: list[dict | None] = []  # per cache layer: its recurrent attributes at S, or None
+        self._logits: torch.Tensor | None = None  # [V] of position S - 1 when S was the whole prompt (regenerating)
         self.reused = 0  # tokens the last prefill took from the cache
 
     def forget(self) -> None:
-        self.tokens, self._cache, self._states = (), None, []
+        self.tokens, self._cache, self._states, self._logits = (), None, [], None
 
     def reusable(self, cache, ids: Sequence[int]) -> int:
-        """L, the prompt tokens `cache` can be rewound to (0: prefill the whole prompt). At least one prompt token is
-        always left to prefill (its logits choose the first reply token)."""
+        """L, the prompt tokens `cache` can be rewound to (0: prefill the whole prompt). L < P, or L = P when the
+        copy kept the last position's logits (the same prompt again: nothing to prefill)."""
         L = len(self.tokens)
-        if not L or cache is None or cache is not self._cache or len(ids) <= L or tuple(ids[:L]) != self.tokens:
+        if not L or cache is None or cache is not self._cache or len(ids) < L or tuple(ids[:L]) != self.tokens:
+            return 0
+        if len(ids) == L and self._logits is None:
             return 0
         layers = getattr(cache, "layers", None)
         if not layers or len(layers) != len(self._states):
@@ -118,8 +121,9 @@ class PromptReuse:
                 for name, v in saved.items():
                     setattr(layer, name, _put(getattr(layer, name, None), v, home))
 
-    def save(self, cache, tokens: Sequence[int]) -> None:
-        """Remember `cache` as it is after `tokens` (the prefill stands exactly there)."""
+    def save(self, cache, tokens: Sequence[int], logits: torch.Tensor | None = None) -> None:
+        """Remember `cache` as it is after `tokens` (the prefill stands exactly there), and `logits` [V] of the last
+        of them if given."""
         layers = getattr(cache, "layers", None)
         if not layers or any(_kinds(layer) is None for layer in layers):
             self.forget()
@@ -128,6 +132,7 @@ class PromptReuse:
         self._states = [{n: _copy(getattr(layer, n), dev) for n in _STATE_ATTRS if hasattr(layer, n)}
                         if "recurrent" in _kinds(layer) else None for layer in layers]
         self.tokens, self._cache = tuple(tokens), cache
+        self._logits = None if logits is None else _copy(logits, None)
 
 
 def prefill(forward: Callable, cache, ids: torch.Tensor, *, stable: int, chunk: int, reuse: PromptReuse | None,
@@ -146,12 +151,13 @@ def prefill(forward: Callable, cache, ids: torch.Tensor, *, stable: int, chunk: 
             reuse.forget()  # the positions its copy follows are about to be overwritten
         if cache is not None:
             cache = fresh(cache)
+    if L == P:  # the same prompt as the copy's: its logits, nothing to run
+        logits = reuse._logits.clone()
     cuts = sorted({*range(L, P, chunk), P} | ({stable} if reuse is not None and L < stable < P else set()))
-    logits = None
     for a, b in zip(cuts, cuts[1:]):
         cache, logits = forward(ids[:, a:b], a, cache)
         if reuse is not None and b == stable:
-            reuse.save(cache, tokens[:stable])
+            reuse.save(cache, tokens[:stable], logits if b == P else None)
     if reuse is not None:
         reuse.reused = L
     return cache, logits, L

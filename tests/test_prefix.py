@@ -43,11 +43,8 @@ def test_chat_turns_reuse_the_history_and_reply_the_same(family):
     assert [t[0] for t in with_reuse] == [t[0] for t in without]
     assert [t[1] for t in with_reuse] == [t[1] for t in without]
     assert with_reuse[0][2] == 0 and all(t[2] == 0 for t in without)
-    one = [{"role": "user", "content": "x"}]
-    header = len(e.encode_chat(one)) - len(e.tokenizer(e.tokenizer.apply_chat_template(
-        one, add_generation_prompt=False, tokenize=False), add_special_tokens=False)["input_ids"])
     for (_, prompt, reused), (_, before, _) in zip(with_reuse[1:], with_reuse):
-        assert reused == before - header - 1  # the turn before's prompt less its generation header (and one token)
+        assert reused == before  # the whole prompt of the turn before (ChatML: the next turn renders after it)
 
 
 def test_regenerate_and_edit_history(hub_cache):
@@ -59,8 +56,8 @@ def test_regenerate_and_edit_history(hub_cache):
     msgs2 = msgs + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "second"}]
     a = reply(e, msgs2)
     assert e.stats.reused_prompt_tokens > 0
-    again = reply(e, msgs2)  # regenerate: rewound to the same history
-    assert again == a and e.stats.reused_prompt_tokens > 0
+    again = reply(e, msgs2)  # regenerate: the same prompt, rewound to its end, nothing prefilled
+    assert again == a and e.stats.reused_prompt_tokens == e.stats.prompt_tokens
     edited = [{"role": "user", "content": "First question"}] + msgs2[1:]
     b = reply(e, edited)
     assert e.stats.reused_prompt_tokens == 0
@@ -132,11 +129,21 @@ def test_static_cache_rewinds_in_place(family):
     for p in range(27, 31):  # decode steps past the history, as a reply would
         forward(torch.randint(5, 90, (1, 1)), p, cache)
     addresses = tensor_addresses(cache)
-    _, got, L = prefill(forward, cache, turn2, stable=0, chunk=10, reuse=reuse)
+    _, got, L = prefill(forward, cache, turn2, stable=32, chunk=10, reuse=reuse)  # kept at its end, with logits
     assert L == 23 and reuse.reused == 23
     assert tensor_addresses(cache) == addresses
     _, want, _ = prefill(forward, StaticCache(config=e.loaded.config, max_cache_len=64), turn2, stable=0, chunk=10,
                          reuse=None)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    forward(torch.randint(5, 90, (1, 1)), 32, cache)
+    _, again, L = prefill(forward, cache, turn2, stable=32, chunk=10, reuse=reuse)  # the same prompt: nothing to run
+    assert L == 32
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    turn3 = torch.cat([turn2, torch.randint(5, 90, (1, 5))], 1)
+    _, got, L = prefill(forward, cache, turn3, stable=0, chunk=10, reuse=reuse)
+    _, want, _ = prefill(forward, StaticCache(config=e.loaded.config, max_cache_len=64), turn3, stable=0, chunk=10,
+                         reuse=None)
+    assert L == 32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # a prompt that does not start with the history: reset, prefilled whole, the copy forgotten
     other = torch.randint(5, 90, (1, 30))
@@ -157,3 +164,25 @@ def test_unknown_cache_layers_are_never_rewound():
     reuse = PromptReuse()
     reuse.save(Cache(), [1, 2, 3])
     assert reuse.tokens == () and reuse.reusable(Cache(), [1, 2, 3, 4]) == 0
+
+
+THINKING = (  # the generation header opens a thinking block that past replies are rendered without (Qwen3-style)
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_thinking_template_reuses_the_history_without_the_header(family):
+    e = Engine.load(repo_id(family), device="cpu", sparsity=0.0)
+    e.tokenizer.chat_template = THINKING
+    e.eos_ids = set()
+    with_reuse = conversation(e)
+    e.reuse_prompts = False
+    e._forget_prompt()
+    assert [t[0] for t in conversation(e)] == [t[0] for t in with_reuse]
+    one = [{"role": "user", "content": "x"}]
+    header = len(e.encode_chat(one)) - len(e.tokenizer(e.tokenizer.apply_chat_template(
+        one, add_generation_prompt=False, tokenize=False), add_special_tokens=False)["input_ids"])
+    for (_, prompt, reused), (_, before, _) in zip(with_reuse[1:], with_reuse):
+        assert reused == before - header - 1  # the turn before's prompt less its header (and the last history token)
