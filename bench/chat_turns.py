@@ -107,6 +107,7 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@torch.inference_mode()  # as Engine.generate: the cache's tensors were made in inference mode
 def logits_check(e, turns):
     """Last turn's first-token logits: rewound + rest prefilled against prefilled whole; and, for scale, prefilled
     whole in 1024-token pieces against 2048."""
@@ -151,7 +152,6 @@ def run_turns(e, args, where):
             t, toks, st = ttft(e, ids, keep(ids, hist) if keep else 0, args.decode)
             rows.setdefault(i, {})[mode] = (t, st.reused_prompt_tokens, st.decode_tok_s)
         print(f"{mode}: done", flush=True)
-    check = logits_check(e, turns)
     print(f"\nchat turns, qwen3.5-35b shapes (random bf16), sparsity 0.85, {where}, decode {args.decode} per turn; "
           "time to first token (s) [tokens reused] by where the state is kept")
     print("| turn | prompt tokens | prompt end | history | none (prefill whole) | speed-up | decode tok/s |")
@@ -161,7 +161,7 @@ def run_turns(e, args, where):
         pe, hi, no = r["prompt end"], r["history"], r["none"]
         print(f"| {i + 1} | {len(ids)} | {pe[0]:.3f} [{pe[1]}] | {hi[0]:.3f} [{hi[1]}] | {no[0]:.3f} | "
               f"{no[0] / pe[0]:.1f}x | {pe[2]:.1f} / {no[2]:.1f} |", flush=True)
-    print(check)
+    print(logits_check(e, turns))
 
 
 if __name__ == "__main__":

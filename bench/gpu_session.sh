@@ -527,7 +527,7 @@ if [[ $PART == s9d ]]; then
 fi
 if [[ $PART == s10a ]]; then
     step engine 150 python bench/gpu_engine_check.py --skip-bench
-    step turns 200 python bench/chat_turns.py
+    step turns 200 python bench/chat_turns.py --skip-tiny
     step turns24 230 python bench/chat_turns.py --skip-tiny --vram 24
     grep -A7 "^family" "$OUT/engine.log"
     grep -A7 "^family" "$OUT/turns.log"
@@ -535,7 +535,7 @@ if [[ $PART == s10a ]]; then
     grep -A10 "^chat turns" "$OUT/turns24.log"
 fi
 if [[ $PART == s10b ]]; then
-    step turns 200 python bench/chat_turns.py
+    step turns 200 python bench/chat_turns.py --skip-tiny
     step turns24 300 python bench/chat_turns.py --skip-tiny --vram 24
     grep -v "Writing\|falling" "$OUT/turns.log" | grep -A6 "^family"
     grep -A10 "^chat turns" "$OUT/turns.log"
