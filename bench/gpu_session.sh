@@ -94,6 +94,8 @@
 #   s10b: prompt reuse with the state kept at the prompt's end (and its logits: the same prompt again runs nothing):
 #         the tiny families' 3-turn chats, then time to first token per turn at Qwen3.5-35B shapes resident and at
 #         --vram 24 with the state kept at the prompt's end, at the history's end, and without reuse; logits check
+#   s10c: a chat turn's prefill offloaded (--vram 24): n new tokens after a rewound history, sparse path (direct
+#         misses) against the dense path's per-expert fetches (bench/offload_prefill.py)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -540,4 +542,9 @@ if [[ $PART == s10b ]]; then
     grep -v "Writing\|falling" "$OUT/turns.log" | grep -A6 "^family"
     grep -A10 "^chat turns" "$OUT/turns.log"
     grep -A10 "^chat turns" "$OUT/turns24.log"
+fi
+if [[ $PART == s10c ]]; then
+    step oprefill 300 python bench/offload_prefill.py --vram 24 --sizes 16,64,128,256,512,1024
+    grep -A12 "^prefill of n" "$OUT/oprefill.log"
+    grep -E "Error|error" "$OUT/oprefill.log" | head -5
 fi
