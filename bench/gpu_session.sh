@@ -96,6 +96,8 @@
 #         --vram 24 with the state kept at the prompt's end, at the history's end, and without reuse; logits check
 #   s10c: a chat turn's prefill offloaded (--vram 24): n new tokens after a rewound history, sparse path (direct
 #         misses) against the dense path's per-expert fetches (bench/offload_prefill.py)
+#   s10d: the offloaded sparse-piece limit from host bytes (sparsity.sparse_token_limit, ~178 tokens at 24 GiB):
+#         offload_prefill.py around it, then chat turns at --vram 24 whose new tokens fit under it
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -547,4 +549,12 @@ if [[ $PART == s10c ]]; then
     step oprefill 300 python bench/offload_prefill.py --vram 24 --sizes 16,64,128,256,512,1024
     grep -A12 "^prefill of n" "$OUT/oprefill.log"
     grep -E "Error|error" "$OUT/oprefill.log" | head -5
+fi
+
+if [[ $PART == s10d ]]; then
+    step oprefill 200 python bench/offload_prefill.py --vram 24 --sizes 96,160,192,320
+    step turns24 250 python bench/chat_turns.py --skip-tiny --vram 24 --reply 60 --user 60
+    grep -A10 "^prefill of n" "$OUT/oprefill.log"
+    grep -A10 "^chat turns" "$OUT/turns24.log"
+    grep -E "Error|error" "$OUT/oprefill.log" "$OUT/turns24.log" | head -5
 fi

@@ -148,6 +148,23 @@ class ExpertCache:
         host, rows = torch.stack([self.host_rows, self.read_rows]).tolist()
         return host, rows
 
+    def sparse_piece_tokens(self, k: int, sparsity: float) -> int:
+        """Direct misses: the longest prefill piece for which the sparse path moves fewer host bytes than the dense
+        one. Sparse, per token: every routed expert's gate (where absent) and kept up/down rows (where absent) read
+        from host memory. Dense, per piece: nearly every absent expert's up/down rows copied in once (a piece of a few
+        hundred tokens routes to most of them). Both are PCIe bound on a desktop card. Qwen3.5-35B shapes at 24 GiB,
+        85%: 0.23 GB per token against 41 GB per piece, ~178 tokens; the H200's times cross near 470
+        (bench/offload_prefill.py, `s10c`: its zero-copy reads run faster than the piece's copies)."""
+        layers, E = len(self.masters), self.num_experts
+        total = max(layers * E, 1)
+        gates = self.gate_slots if self.gate_slots else self.slots
+        gate_absent = 1.0 - min(gates, total) / total
+        absent = max(total - self.slots, 0)
+        matrix = self.width * self.row_bytes
+        per_token = layers * k * matrix * (gate_absent + 2.0 * (1.0 - sparsity) * absent / total)
+        per_piece = absent * matrix * (2 if self.gate_slots else 3)
+        return int(per_piece / per_token) if per_token > 0 else 1 << 30
+
     def figures(self) -> tuple[float, int]:
         """(hit rate, host→GPU bytes) since reset_stats, from one readback of the kernels' counters.
 

@@ -294,3 +294,23 @@ def test_gate_tier_follows_calibration_routing():
     sp.apply(e.loaded, table, device=torch.device("cpu"))  # the same order again: nothing moves, nothing copied
     assert {k: int(cache.gate_tables[k[0]][k[1]]) for k in placed} == before and cache.copied_bytes == copied
     assert tokens(e, n=8) == want
+
+
+def test_sparse_piece_tokens_follow_host_bytes():
+    """Direct misses: the longest prefill piece for the sparse path is where its per-token host reads (absent gates,
+    kept rows of absent up/down) reach the dense path's per-piece copies (every absent expert's up/down)."""
+    E, I, H, layers, k = 16, 4, 8, 4, 2
+
+    def piece(slots, gate_slots, sparsity):
+        cache = offload.ExpertCache(slots, (E, I, H), torch.float32, torch.device("cpu"), mode="direct",
+                                    gate_slots=gate_slots)
+        for layer in range(layers):
+            cache.add_layer(layer, ExpertWeights(*(torch.zeros(E, I, H) for _ in range(3))))
+        return cache.sparse_piece_tokens(k, sparsity)
+
+    total = layers * E
+    # gates all resident, no up/down slot: per token k kept fractions of up+down per layer, per piece all up/down
+    assert piece(0, total, 0.85) == int(total * 2 / (layers * k * 2 * 0.15))
+    assert piece(0, total, 0.85) > piece(0, total, 0.5) > piece(0, total, 0.0)
+    assert piece(0, total // 2, 0.85) < piece(0, total, 0.85)  # absent gates are read whole for every token
+    assert piece(total, total, 0.85) >= 1 << 20  # everything resident: no host bytes either way, no limit by them
