@@ -27,7 +27,7 @@ from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
 from localmoe.loader import LoadedModel, load_model
-from localmoe.prefix import PromptReuse, prefill
+from localmoe.prefix import PromptReuse, prefill, repeated_prefix
 from localmoe.sampling import make_generator, sample
 
 UNKNOWN_MODEL_SPARSITY = 0.5
@@ -210,29 +210,7 @@ class Engine:
 
     def chat(self, messages: Sequence[Message], settings: GenerationSettings) -> Iterator[TokenEvent]:
         ids = self.encode_chat(messages)
-        return self.generate(ids, settings, stable=self._history_tokens(messages, ids))
-
-    def _history_tokens(self, messages: Sequence[Message], ids: list[int]) -> int:
-        """How many of the prompt's first tokens the next turn's prompt will repeat. The whole prompt when the template
-        renders the next turn (this reply, then a user message) after exactly these tokens: the cache state at the
-        prompt's end is kept, nothing extra to run. Else the conversation without the generation header (thinking
-        templates render a past reply without the header's opening): the prefill stops there once to keep it.
-        0 when neither is a prefix of the prompt."""
-        def render(msgs, header):
-            text = self.tokenizer.apply_chat_template(list(msgs), add_generation_prompt=header, tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-        try:
-            after = render([*messages, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And?"}],
-                           False)
-            if after[:len(ids)] == ids:
-                return len(ids)
-            hist = render(messages, False)
-        except Exception:  # noqa: BLE001 - a template that cannot render these: no reuse, nothing else changes
-            return 0
-        # the history's last token may merge with the header in the prompt's tokenization: keep it out
-        n = len(hist) - 1
-        return n if 0 < n < len(ids) and hist[:n] == ids[:n] else 0
+        return self.generate(ids, settings, stable=repeated_prefix(self.tokenizer, messages, ids))
 
     def set_context(self, tokens: int) -> None:
         if tokens < 16:

@@ -3,10 +3,11 @@
 A chat's next prompt repeats the conversation so far. Attention layers store keys and values by position, so the
 positions below what two prompts share stay valid in the cache. A recurrent layer (Gated DeltaNet: conv and
 recurrent state) keeps ONE state, which the rest of the prefill and the decoding move past that point. So
-`PromptReuse` keeps a copy of the recurrent layers' state at a point the engine names, `stable` (for a chat: the
-history up to the last user message without the generation header, which the next turn's prompt repeats token for
-token), and when a prompt starts with exactly those tokens it rewinds the cache there: attention layers back to that
-length, recurrent layers to the copy. Only the rest of the prompt is prefilled.
+`PromptReuse` keeps a copy of the recurrent layers' state at a point the engine names, `stable` (`repeated_prefix`:
+for a chat, the whole prompt when the template renders the next turn right after it, else the history without the
+generation header), and when a prompt starts with exactly those tokens it rewinds the cache there: attention layers
+back to that length, recurrent layers to the copy. Only the rest of the prompt is prefilled; with the copy at the
+prompt's end its logits are kept too, so the same prompt again (regenerate) runs nothing.
 
 Caches: transformers' StaticCache (the CUDA-graph decoder's; rewound in place, so the captured graph keeps its
 addresses) and DynamicCache (eager decoding). A cache with a layer it does not know (sliding window, quantized, ...)
@@ -133,6 +134,29 @@ class PromptReuse:
                         if "recurrent" in _kinds(layer) else None for layer in layers]
         self.tokens, self._cache = tuple(tokens), cache
         self._logits = None if logits is None else _copy(logits, None)
+
+
+def repeated_prefix(tokenizer, messages: Sequence[dict], ids: list[int]) -> int:
+    """S for a chat prompt `ids` (messages rendered with the generation header): how many of its first tokens the next
+    turn's prompt will repeat. The whole prompt when the template renders the next turn (a reply, then a user
+    message) right after exactly these tokens: the state at the prompt's end is kept, nothing extra to run. Else the
+    conversation without the generation header (thinking templates render a past reply without the header's
+    opening): the prefill stops there once to keep it. 0 when neither is a prefix of the prompt."""
+    def render(msgs, header):
+        text = tokenizer.apply_chat_template(list(msgs), add_generation_prompt=header, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    try:
+        after = render([*messages, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And?"}],
+                       False)
+        if after[:len(ids)] == ids:
+            return len(ids)
+        hist = render(messages, False)
+    except Exception:  # noqa: BLE001 - a template that cannot render these: no reuse, nothing else changes
+        return 0
+    # the history's last token may merge with the header in the prompt's tokenization: keep it out
+    n = len(hist) - 1
+    return n if 0 < n < len(ids) and hist[:n] == ids[:n] else 0
 
 
 def prefill(forward: Callable, cache, ids: torch.Tensor, *, stable: int, chunk: int, reuse: PromptReuse | None,
