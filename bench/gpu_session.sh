@@ -98,6 +98,7 @@
 #         misses) against the dense path's per-expert fetches (bench/offload_prefill.py)
 #   s10d: the offloaded sparse-piece limit from host bytes (sparsity.sparse_token_limit, ~178 tokens at 24 GiB):
 #         offload_prefill.py around it, then chat turns at --vram 24 whose new tokens fit under it
+#   s10e: the final code: the GPU-only graph tests, and the tiny families' chats with and without reuse
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -557,4 +558,10 @@ if [[ $PART == s10d ]]; then
     grep -A10 "^prefill of n" "$OUT/oprefill.log"
     grep -A10 "^chat turns" "$OUT/turns24.log"
     grep -E "Error|error" "$OUT/oprefill.log" "$OUT/turns24.log" | head -5
+fi
+if [[ $PART == s10e ]]; then
+    step tests 200 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short tests/test_graph.py
+    step turns 150 python bench/chat_turns.py --skip-shape
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
+    grep -v "Writing\|falling" "$OUT/turns.log" | grep -A6 "^family"
 fi
