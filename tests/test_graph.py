@@ -44,3 +44,17 @@ def test_sampling_with_a_graph_is_seeded(hub_cache):
     a = [ev.token_id for ev in e.generate(ids, s)]
     b = [ev.token_id for ev in e.generate(ids, s)]
     assert e._graph is not None and a == b
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_chat_turns_reuse_the_static_cache(hub_cache, family):
+    """Prompt reuse with the CUDA-graph decoder: its StaticCache rewound in place between turns (the graph replays
+    against the same addresses) gives the tokens of prefilling every turn whole."""
+    from test_prefix import conversation
+
+    e = Engine.load(repo_id(family), device="cuda", dtype="float32", sparsity=0.0)
+    e.eos_ids = set()
+    with_reuse = conversation(e)
+    assert e._graph is not None and [t[2] for t in with_reuse][1:] == [t[1] for t in with_reuse][:-1]
+    e.reuse_prompts = False
+    assert [t[0] for t in conversation(e)] == [t[0] for t in with_reuse]
