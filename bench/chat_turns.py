@@ -70,7 +70,8 @@ def tiny():
 
 
 def conversation(turns: int, first: int, user: int, reply: int, vocab: int, seed: int = 0):
-    """[(prompt ids, history length)] for a chat whose history grows by a reply and a user message each turn."""
+    """[(prompt ids, history length, the next prompt's start: history + header + reply + end)] for a chat whose
+    history grows by a reply and a user message each turn."""
     g = torch.Generator().manual_seed(seed)
     lo = min(100, vocab // 4)  # clear of the special tokens at either end
 
@@ -82,8 +83,9 @@ def conversation(turns: int, first: int, user: int, reply: int, vocab: int, seed
     history = rand(first)
     out = []
     for _ in range(turns):
-        out.append((history + header, len(history)))
-        history = history + header + rand(reply) + end + rand(user)
+        answered = history + header + rand(reply) + end
+        out.append((history + header, len(history), answered))
+        history = answered + rand(user)
     return out
 
 
@@ -100,7 +102,24 @@ def ttft(e, ids, stable, n_decode):
 # where the engine keeps the state for the next turn: the prompt's end (a ChatML-style template renders the next turn
 # after the whole prompt), the history without the generation header (thinking templates: one more prefill piece),
 # or nowhere (every prompt prefilled whole)
-MODES = {"prompt end": lambda ids, hist: len(ids), "history": lambda ids, hist: hist, "none": None}
+MODES = {"prompt end": lambda ids, hist: len(ids), "history": lambda ids, hist: hist, "none": None,
+         "+ reply": lambda ids, hist: len(ids)}  # as "prompt end", then the reply prefilled (prepare_next_turn)
+
+
+@torch.inference_mode()
+def take_reply(e, answered):
+    """What Engine.prepare_next_turn does after a reply (ids instead of messages: random weights have no
+    tokenizer) -> seconds."""
+    t0 = time.perf_counter()
+    x = torch.tensor([answered], device=e._device)
+    with e._busy:
+        if e._graph is not None:
+            e._graph.prefill(x, len(answered))
+        else:
+            e._prefill(x, len(answered))
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def rel(a, b):
@@ -148,19 +167,21 @@ def run_turns(e, args, where):
         keep = MODES.get(mode, MODES["history"])
         e.reuse_prompts = keep is not None
         e._forget_prompt()
-        for i, (ids, hist) in enumerate(turns):
+        for i, (ids, hist, answered) in enumerate(turns):
             t, toks, st = ttft(e, ids, keep(ids, hist) if keep else 0, args.decode)
-            rows.setdefault(i, {})[mode] = (t, st.reused_prompt_tokens, st.decode_tok_s)
+            rows.setdefault(i, {})[mode] = (t, st.reused_prompt_tokens, st.decode_tok_s,
+                                            take_reply(e, answered) if mode == "+ reply" else 0.0)
         print(f"{mode}: done", flush=True)
     print(f"\nchat turns, qwen3.5-35b shapes (random bf16), sparsity 0.85, {where}, decode {args.decode} per turn; "
           "time to first token (s) [tokens reused] by where the state is kept")
-    print("| turn | prompt tokens | prompt end | history | none (prefill whole) | speed-up | decode tok/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for i, (ids, _) in enumerate(turns):
+    print("| turn | prompt tokens | prompt end + reply (reply prefill s) | prompt end | history | none (prefill "
+          "whole) | speed-up | decode tok/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for i, (ids, _, _) in enumerate(turns):
         r = rows[i]
-        pe, hi, no = r["prompt end"], r["history"], r["none"]
-        print(f"| {i + 1} | {len(ids)} | {pe[0]:.3f} [{pe[1]}] | {hi[0]:.3f} [{hi[1]}] | {no[0]:.3f} | "
-              f"{no[0] / pe[0]:.1f}x | {pe[2]:.1f} / {no[2]:.1f} |", flush=True)
+        pr, pe, hi, no = r["+ reply"], r["prompt end"], r["history"], r["none"]
+        print(f"| {i + 1} | {len(ids)} | {pr[0]:.3f} [{pr[1]}] ({pr[3]:.3f}) | {pe[0]:.3f} [{pe[1]}] | "
+              f"{hi[0]:.3f} [{hi[1]}] | {no[0]:.3f} | {no[0] / pr[0]:.1f}x | {pr[2]:.1f} / {no[2]:.1f} |", flush=True)
     print(logits_check(e, turns))
 
 

@@ -99,6 +99,8 @@
 #   s10d: the offloaded sparse-piece limit from host bytes (sparsity.sparse_token_limit, ~178 tokens at 24 GiB):
 #         offload_prefill.py around it, then chat turns at --vram 24 whose new tokens fit under it
 #   s10e: the final code: the GPU-only graph tests, and the tiny families' chats with and without reuse
+#   s10f: the reply prefilled after its turn (Engine.prepare_next_turn, called by the chat app while the user
+#         types): GPU graph tests, then chat turns resident and at --vram 24 (4 turns each)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -564,4 +566,13 @@ if [[ $PART == s10e ]]; then
     step turns 150 python bench/chat_turns.py --skip-shape
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
     grep -v "Writing\|falling" "$OUT/turns.log" | grep -A6 "^family"
+fi
+if [[ $PART == s10f ]]; then
+    step tests 150 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short tests/test_graph.py
+    step turns 130 python bench/chat_turns.py --skip-tiny --turns 4
+    step turns24 200 python bench/chat_turns.py --skip-tiny --vram 24 --reply 60 --user 60 --turns 4
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
+    grep -A8 "^chat turns" "$OUT/turns.log"
+    grep -A8 "^chat turns" "$OUT/turns24.log"
+    grep -E "Error" "$OUT/turns.log" "$OUT/turns24.log" | head -5
 fi

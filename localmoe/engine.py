@@ -27,7 +27,7 @@ from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
 from localmoe.loader import LoadedModel, load_model
-from localmoe.prefix import PromptReuse, prefill, repeated_prefix
+from localmoe.prefix import PromptReuse, prefill, repeated_prefix, reply_prefix
 from localmoe.sampling import make_generator, sample
 
 UNKNOWN_MODEL_SPARSITY = 0.5
@@ -80,6 +80,7 @@ class Engine:
         self.reuse_prompts = True  # rewind the cache to the prompt prefix it holds (a chat's history) instead of
         self._eager_cache = None   # prefilling it again; eager decoding keeps its dynamic cache here between turns
         self._eager_reuse = PromptReuse()
+        self._busy = threading.RLock()  # one prefill or reply at a time (prepare_next_turn runs beside the app)
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -184,10 +185,14 @@ class Engine:
 
     # -- sparsity -------------------------------------------------------------------------------------
     def set_sparsity(self, sparsity: float, progress: ProgressFn | None = None, calibration_text: str | None = None):
-        from localmoe import sparsity as sp
-
         if not 0.0 <= sparsity < 1.0:
             raise UsageError(f"sparsity must be in [0, 1), got {sparsity}")
+        with self._busy:  # not while a reply or the next turn's prefill runs in another thread
+            self._set_sparsity(sparsity, progress, calibration_text)
+
+    def _set_sparsity(self, sparsity: float, progress: ProgressFn | None, calibration_text: str | None) -> None:
+        from localmoe import sparsity as sp
+
         if sparsity == 0.0:
             sp.disable(self.loaded, device=self._device)
         else:
@@ -211,6 +216,29 @@ class Engine:
     def chat(self, messages: Sequence[Message], settings: GenerationSettings) -> Iterator[TokenEvent]:
         ids = self.encode_chat(messages)
         return self.generate(ids, settings, stable=repeated_prefix(self.tokenizer, messages, ids))
+
+    @torch.inference_mode()
+    def prepare_next_turn(self, messages: Sequence[Message]) -> int:
+        """After a reply, while the user writes the next message: prefill the conversation (its last message the
+        reply) up to where any next prompt continues, so that turn prefills only its new message. The cache already
+        holds the prompt before the reply; this adds the reply (its decode steps ran past it, so the recurrent state
+        is recomputed from the turn's prompt end). -> tokens prefilled (0: nothing to do)."""
+        if not self.reuse_prompts or not getattr(self.tokenizer, "chat_template", None):
+            return 0
+        ids = reply_prefix(self.tokenizer, messages)
+        if not ids or len(ids) >= self.context:
+            return 0
+        with self._busy:
+            graph = self._graph if self.use_graphs else None
+            if self.use_graphs and (graph is None or graph.graph is None):
+                return 0  # no captured decoder (settings changed since the reply): its cache is gone
+            x = torch.tensor([ids], dtype=torch.long, device=self._device)
+            if graph is not None:
+                graph.prefill(x, len(ids))
+                reused = graph.reused
+            else:
+                _, _, reused = self._prefill(x, len(ids))
+        return len(ids) - reused
 
     def set_context(self, tokens: int) -> None:
         if tokens < 16:
@@ -265,6 +293,10 @@ class Engine:
             raise UsageError(f"the prompt has {n_prompt} tokens but the context is {self.context}: "
                              "shorten the prompt or raise --context")
         max_new = min(settings.max_new_tokens, self.context - n_prompt)
+        with self._busy:
+            yield from self._generate(prompt_ids, settings, stable, n_prompt, max_new)
+
+    def _generate(self, prompt_ids, settings, stable, n_prompt, max_new) -> Iterator[TokenEvent]:
         self._cancel.clear()
         stats = EngineStats(prompt_tokens=n_prompt, sparsity_target=self.sparsity)
         self._stats = stats

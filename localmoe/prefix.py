@@ -18,6 +18,7 @@ Shape legend: P = prompt tokens, L = tokens reused from the cache, S = `stable`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -73,30 +74,52 @@ def _put(live, saved, home):
     return saved
 
 
+@dataclass
+class _Copy:
+    tokens: tuple[int, ...]  # the S prompt tokens the cache held when the copy was taken
+    states: list[dict | None]  # per cache layer: its recurrent attributes after them, or None
+    logits: torch.Tensor | None  # [V] of position S - 1 when S ended a prefill (the same prompt again)
+
+
 class PromptReuse:
-    """The prompt prefix a cache can be rewound to, and the recurrent state there. One per cache object."""
+    """The prompt prefixes a cache can be rewound to, and the recurrent state after each. One per cache object.
+
+    Invariant: every copy's tokens are a prefix of what the cache last prefilled (positions below stay as written);
+    a prefill drops the copies its prompt does not start with. At most MAX_COPIES (the longest kept)."""
+
+    MAX_COPIES = 2  # a turn's prompt end, and the same conversation with its reply (`Engine.prepare_next_turn`)
 
     def __init__(self, host_copy: bool = False):
-        self.host_copy = host_copy  # keep the state copy in host memory (offloading: VRAM is the experts')
-        self.tokens: tuple[int, ...] = ()  # the S prompt tokens the copy follows
-        self._cache = None  # the cache object the copy belongs to
-        self._states: list[dict | None] = []  # per cache layer: its recurrent attributes at S, or None
-        self._logits: torch.Tensor | None = None  # [V] of position S - 1 when S was the whole prompt (regenerating)
+        self.host_copy = host_copy  # keep the state copies in host memory (offloading: VRAM is the experts')
+        self._cache = None  # the cache object the copies belong to
+        self._copies: list[_Copy] = []  # shortest first
         self.reused = 0  # tokens the last prefill took from the cache
 
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The longest prefix kept (() when none)."""
+        return self._copies[-1].tokens if self._copies else ()
+
     def forget(self) -> None:
-        self.tokens, self._cache, self._states, self._logits = (), None, [], None
+        self._cache, self._copies = None, []
+
+    def _match(self, ids: Sequence[int]) -> _Copy | None:
+        """The longest copy `ids` starts with, leaving a token to prefill or holding the logits."""
+        for c in reversed(self._copies):
+            L = len(c.tokens)
+            if (len(ids) > L or (len(ids) == L and c.logits is not None)) and tuple(ids[:L]) == c.tokens:
+                return c
+        return None
 
     def reusable(self, cache, ids: Sequence[int]) -> int:
-        """L, the prompt tokens `cache` can be rewound to (0: prefill the whole prompt). L < P, or L = P when the
+        """L, the prompt tokens `cache` can be rewound to (0: prefill the whole prompt). L < P, or L = P when that
         copy kept the last position's logits (the same prompt again: nothing to prefill)."""
-        L = len(self.tokens)
-        if not L or cache is None or cache is not self._cache or len(ids) < L or tuple(ids[:L]) != self.tokens:
+        c = self._match(ids) if cache is not None and cache is self._cache else None
+        if c is None:
             return 0
-        if len(ids) == L and self._logits is None:
-            return 0
+        L = len(c.tokens)
         layers = getattr(cache, "layers", None)
-        if not layers or len(layers) != len(self._states):
+        if not layers or len(layers) != len(c.states):
             return 0
         for layer in layers:
             kinds = _kinds(layer)
@@ -108,9 +131,12 @@ class PromptReuse:
                 return 0
         return L
 
-    def rewind(self, cache, L: int) -> None:
-        """Put `cache` back to the state after the first L = len(self.tokens) prompt tokens (`reusable` said so)."""
-        for layer, saved in zip(cache.layers, self._states):
+    def rewind(self, cache, ids: Sequence[int]) -> tuple[int, torch.Tensor | None]:
+        """Put `cache` back to the state after the longest kept prefix of `ids` (`reusable` said there is one) and
+        drop the copies `ids` does not start with -> (L, that copy's logits or None)."""
+        c = self._match(ids)
+        L = len(c.tokens)
+        for layer, saved in zip(cache.layers, c.states):
             kinds = _kinds(layer)
             if "static" in kinds:
                 layer.cumulative_length.fill_(L)  # positions >= L are overwritten by the prefill that follows
@@ -121,6 +147,8 @@ class PromptReuse:
                 home = getattr(layer, "device", None)
                 for name, v in saved.items():
                     setattr(layer, name, _put(getattr(layer, name, None), v, home))
+        self._copies = [x for x in self._copies if tuple(ids[:len(x.tokens)]) == x.tokens]
+        return L, c.logits
 
     def save(self, cache, tokens: Sequence[int], logits: torch.Tensor | None = None) -> None:
         """Remember `cache` as it is after `tokens` (the prefill stands exactly there), and `logits` [V] of the last
@@ -129,11 +157,16 @@ class PromptReuse:
         if not layers or any(_kinds(layer) is None for layer in layers):
             self.forget()
             return
+        if cache is not self._cache:
+            self._copies = []
         dev = torch.device("cpu") if self.host_copy else None
-        self._states = [{n: _copy(getattr(layer, n), dev) for n in _STATE_ATTRS if hasattr(layer, n)}
-                        if "recurrent" in _kinds(layer) else None for layer in layers]
-        self.tokens, self._cache = tuple(tokens), cache
-        self._logits = None if logits is None else _copy(logits, None)
+        states = [{n: _copy(getattr(layer, n), dev) for n in _STATE_ATTRS if hasattr(layer, n)}
+                  if "recurrent" in _kinds(layer) else None for layer in layers]
+        tokens = tuple(tokens)
+        keep = [x for x in self._copies if len(x.tokens) < len(tokens)]
+        self._copies = (keep + [_Copy(tokens, states, None if logits is None else _copy(logits, None))])
+        self._copies = self._copies[-self.MAX_COPIES:]
+        self._cache = cache
 
 
 def repeated_prefix(tokenizer, messages: Sequence[dict], ids: list[int]) -> int:
@@ -159,6 +192,23 @@ def repeated_prefix(tokenizer, messages: Sequence[dict], ids: list[int]) -> int:
     return n if 0 < n < len(ids) and hist[:n] == ids[:n] else 0
 
 
+def reply_prefix(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The tokens every next prompt of a conversation starts with, its last message the reply: the conversation
+    rendered with any following user message, up to where that message's text begins (less one token, which may
+    merge with it). [] when the template cannot tell."""
+    def render(text):
+        msgs = [*messages, {"role": "user", "content": text}]
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(out, add_special_tokens=False)["input_ids"])
+
+    try:
+        a, b = render("Yes."), render("No!")
+    except Exception:  # noqa: BLE001 - a template that cannot render these: nothing to prepare
+        return []
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[:max(n - 1, 0)]
+
+
 def prefill(forward: Callable, cache, ids: torch.Tensor, *, stable: int, chunk: int, reuse: PromptReuse | None,
             fresh: Callable = lambda cache: cache.reset() or cache):
     """Prefill ids [1, P] into `cache` in pieces of at most `chunk` tokens, starting where `reuse` can rewind it to
@@ -169,14 +219,14 @@ def prefill(forward: Callable, cache, ids: torch.Tensor, *, stable: int, chunk: 
     tokens = ids[0].tolist() if reuse is not None else []
     L = reuse.reusable(cache, tokens) if reuse is not None else 0
     if L:
-        reuse.rewind(cache, L)
+        L, kept_logits = reuse.rewind(cache, tokens)
     else:
         if reuse is not None:
             reuse.forget()  # the positions its copy follows are about to be overwritten
         if cache is not None:
             cache = fresh(cache)
     if L == P:  # the same prompt as the copy's: its logits, nothing to run
-        logits = reuse._logits.clone()
+        logits = kept_logits.clone()
     cuts = sorted({*range(L, P, chunk), P} | ({stable} if reuse is not None and L < stable < P else set()))
     for a, b in zip(cuts, cuts[1:]):
         cache, logits = forward(ids[:, a:b], a, cache)

@@ -58,3 +58,24 @@ def test_chat_turns_reuse_the_static_cache(hub_cache, family):
     assert e._graph is not None and [t[2] for t in with_reuse][1:] == [t[1] for t in with_reuse][:-1]
     e.reuse_prompts = False
     assert [t[0] for t in conversation(e)] == [t[0] for t in with_reuse]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_prepare_next_turn_with_the_graph(hub_cache, family):
+    """The reply prefilled after its turn (the chat app's prepare_next_turn) into the graph decoder's StaticCache: the
+    next turn prefills only its new message and gives the tokens of prefilling whole."""
+    from test_prefix import reply
+
+    e = Engine.load(repo_id(family), device="cuda", dtype="float32", sparsity=0.0)
+    e.eos_ids = set()
+    msgs = [{"role": "user", "content": "what is a mixture of experts?"}]
+    first = reply(e, msgs)
+    p1 = e.stats.prompt_tokens
+    msgs = msgs + [{"role": "assistant", "content": e.tokenizer.decode(first, skip_special_tokens=True)}]
+    added = e.prepare_next_turn(msgs)
+    assert added > 0
+    turn2 = msgs + [{"role": "user", "content": "and sparsity?"}]
+    got = reply(e, turn2)
+    assert e.stats.reused_prompt_tokens == p1 + added
+    e.reuse_prompts = False
+    assert reply(e, turn2) == got

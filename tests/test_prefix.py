@@ -186,3 +186,27 @@ def test_thinking_template_reuses_the_history_without_the_header(family):
         one, add_generation_prompt=False, tokenize=False), add_special_tokens=False)["input_ids"])
     for (_, prompt, reused), (_, before, _) in zip(with_reuse[1:], with_reuse):
         assert reused == before - header - 1  # the turn before's prompt less its header (and the last history token)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_prepare_next_turn_adds_the_reply(family):
+    """After a reply (as the chat app does while the user types) the cache takes the reply in, so the next turn
+    prefills only its new message; tokens equal prefilling whole; the turn's own prompt still regenerates from cache."""
+    e = Engine.load(repo_id(family), device="cpu", sparsity=0.0)
+    e.eos_ids = set()
+    msgs = [{"role": "user", "content": "what is a mixture of experts?"}]
+    first = reply(e, msgs)
+    p1 = e.stats.prompt_tokens
+    msgs = msgs + [{"role": "assistant", "content": e.tokenizer.decode(first, skip_special_tokens=True)}]
+    assert e.prepare_next_turn(msgs) > 0
+    assert reply(e, msgs[:1]) == first and e.stats.reused_prompt_tokens == p1  # regenerate: from the prompt's end
+    added = e.prepare_next_turn(msgs)  # the new reply (here the same) taken in again
+    assert added > 0
+    turn2 = msgs + [{"role": "user", "content": "and sparsity?"}]
+    got = reply(e, turn2)
+    assert e.stats.reused_prompt_tokens == p1 + added
+    assert e.stats.prompt_tokens - e.stats.reused_prompt_tokens < len("and sparsity?") + 16  # message + headers
+    e.reuse_prompts = False
+    e._forget_prompt()
+    assert reply(e, turn2) == got
+    assert e.prepare_next_turn(msgs) == 0  # reuse off: nothing prepared

@@ -24,3 +24,32 @@ def test_chat_with_real_tiny_model(tmp_path):
     msgs = store.messages(store.last_session().id)
     store.close()
     assert [m.role for m in msgs] == ["user", "assistant"] and msgs[0].content == "hello experts"
+
+
+def test_second_turn_prefills_only_the_new_message(tmp_path):
+    """While the user types, the app lets the engine take the reply into its cache: the second turn's prompt is all
+    cached but its new message, and the reply is what prefilling the whole conversation gives."""
+    from test_tui import SIZE, replies, type_and_send, wait_for
+
+    from localmoe.tui.app import ChatApp
+
+    engine = Engine.load(repo_id("qwen3_5_moe"), device="cpu", sparsity=0.0)
+
+    async def two_turns():
+        app = ChatApp(engine=engine, db_path=tmp_path / "chats.sqlite3")
+        async with app.run_test(size=SIZE) as pilot:
+            await type_and_send(pilot, "hello experts")
+            await wait_for(pilot, lambda: app.reply is None and replies(app), 120.0)
+            first = replies(app)[-1].content
+            # the app's prepare_next_turn (its decode thread, after the reply) has kept the conversation with it
+            await wait_for(pilot, lambda: len(engine._eager_reuse.tokens) > engine.stats.prompt_tokens, 120.0)
+            await type_and_send(pilot, "and sparsity?")
+            await wait_for(pilot, lambda: app.reply is None and len(replies(app)) == 2, 120.0)
+            return first, replies(app)[-1].content, engine.stats
+
+    first, second, stats = asyncio.run(two_turns())
+    assert stats.prompt_tokens - stats.reused_prompt_tokens < len("and sparsity?") + 16
+    fresh = Engine.load(repo_id("qwen3_5_moe"), device="cpu", sparsity=0.0)
+    msgs = [{"role": "user", "content": "hello experts"}, {"role": "assistant", "content": first},
+            {"role": "user", "content": "and sparsity?"}]
+    assert second.strip() == "".join(ev.text for ev in fresh.chat(msgs, GenerationSettings())).strip()

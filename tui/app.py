@@ -245,7 +245,16 @@ class ChatApp(CommandsMixin, App[int]):
             reason = self.engine.stats.finish_reason
         except Exception as exc:
             reason, error = "error", describe_error(exc)[0].removeprefix("localmoe: error: ")
-        self._post(ReplyDone(reply_id, "".join(parts), reason, error))
+        text = "".join(parts)
+        self._post(ReplyDone(reply_id, text, reason, error))
+        # while the user reads and types: the engine adds this reply to its cache, so the next turn prefills only
+        # the new message (an engine without it, or a failure here, just prefills more next turn)
+        prepare = getattr(self.engine, "prepare_next_turn", None)
+        if prepare is not None and reason in ("stop", "length") and text.strip():
+            try:
+                prepare([*messages, {"role": "assistant", "content": text}])
+            except Exception:  # noqa: BLE001
+                pass
 
     async def on_reply_chunk(self, msg: ReplyChunk) -> None:
         if self.reply is not None and self.reply.id == msg.reply_id:
