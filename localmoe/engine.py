@@ -27,7 +27,7 @@ from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
 from localmoe.loader import LoadedModel, load_model
-from localmoe.prefix import PromptReuse, prefill, repeated_prefix, reply_prefix
+from localmoe.prefix import PromptReuse, prefill, render_chat, repeated_prefix, reply_prefix
 from localmoe.sampling import make_generator, sample
 
 UNKNOWN_MODEL_SPARSITY = 0.5
@@ -207,8 +207,7 @@ class Engine:
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise UsageError(f"{self.model_name} has no chat template: use --raw to send the prompt as is")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return render_chat(self.tokenizer, messages, True)
 
     def encode_raw(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])

@@ -169,22 +169,24 @@ class PromptReuse:
         self._cache = cache
 
 
+def render_chat(tokenizer, messages: Sequence[dict], header: bool) -> list[int]:
+    """Token ids of `messages` through the chat template (`header`: with the generation header)."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=header, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def repeated_prefix(tokenizer, messages: Sequence[dict], ids: list[int]) -> int:
     """S for a chat prompt `ids` (messages rendered with the generation header): how many of its first tokens the next
     turn's prompt will repeat. The whole prompt when the template renders the next turn (a reply, then a user
     message) right after exactly these tokens: the state at the prompt's end is kept, nothing extra to run. Else the
     conversation without the generation header (thinking templates render a past reply without the header's
     opening): the prefill stops there once to keep it. 0 when neither is a prefix of the prompt."""
-    def render(msgs, header):
-        text = tokenizer.apply_chat_template(list(msgs), add_generation_prompt=header, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
     try:
-        after = render([*messages, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And?"}],
-                       False)
+        after = render_chat(tokenizer, [*messages, {"role": "assistant", "content": "Yes."},
+                                        {"role": "user", "content": "And?"}], False)
         if after[:len(ids)] == ids:
             return len(ids)
-        hist = render(messages, False)
+        hist = render_chat(tokenizer, messages, False)
     except Exception:  # noqa: BLE001 - a template that cannot render these: no reuse, nothing else changes
         return 0
     # the history's last token may merge with the header in the prompt's tokenization: keep it out
@@ -196,13 +198,8 @@ def reply_prefix(tokenizer, messages: Sequence[dict]) -> list[int]:
     """The tokens every next prompt of a conversation starts with, its last message the reply: the conversation
     rendered with any following user message, up to where that message's text begins (less one token, which may
     merge with it). [] when the template cannot tell."""
-    def render(text):
-        msgs = [*messages, {"role": "user", "content": text}]
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(out, add_special_tokens=False)["input_ids"])
-
     try:
-        a, b = render("Yes."), render("No!")
+        a, b = (render_chat(tokenizer, [*messages, {"role": "user", "content": t}], True) for t in ("Yes.", "No!"))
     except Exception:  # noqa: BLE001 - a template that cannot render these: nothing to prepare
         return []
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
