@@ -203,7 +203,8 @@ def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: 
 def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
           graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = True,
-          offload_miss: str = "auto", routing: str = "uniform", context: int | None = None, progress=None) -> dict:
+          offload_miss: str = "auto", routing: str = "uniform", context: int | None = None, progress=None,
+          experts: str = "full") -> dict:
     from localmoe.devices import pick_device, pick_dtype
     from localmoe.engine import Engine
 
@@ -221,10 +222,10 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
                          f"({prompt_tokens + decode_tokens})")
     if shape:
         engine = Engine.random(shape, device=dev, dtype=dt, vram_gib=vram_gib, context=context, on_notice=note,
-                               fused=fused, offload_miss=offload_miss, routing=routing)
+                               fused=fused, offload_miss=offload_miss, routing=routing, experts=experts)
     else:
         engine = Engine.load(model, device=device, dtype=dtype, sparsity=0.0, progress=progress, vram_gib=vram_gib,
-                             context=context, on_notice=note, fused=fused, offload_miss=offload_miss)
+                             context=context, on_notice=note, fused=fused, offload_miss=offload_miss, experts=experts)
     default = engine.resolved.default_sparsity
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -240,6 +241,7 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
     rows = [_run(engine, s, prompt, decode_tokens, "localmoe", bw, progress) for s in sparsities]
     config = engine.loaded.config
     name = engine.model_name
+    experts_format = engine.experts_format
     del engine
     gc.collect()
     if dev.type == "cuda":
@@ -253,14 +255,15 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
     return {"model": name, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dt).replace("torch.", ""), "load_s": load_s, "copy_gb_s": bw / 1e9,
             "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "context": context, "routing": routing,
-            "rows": [asdict(r) for r in rows]}
+            "experts": experts_format, "rows": [asdict(r) for r in rows]}
 
 
 def table(result: dict) -> str:
     lines = [f"{result['model']} on {result['device']} ({result['dtype']}), load {result['load_s']:.1f} s, "
              f"copy bandwidth {result['copy_gb_s']:.0f} GB/s, prompt {result['prompt_tokens']}, "
              f"decode {result['decode_tokens']}, context {result.get('context', '?')}"
-             + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else ""),
+             + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else "")
+             + (f", {result['experts']} experts" if result.get("experts", "full") != "full" else ""),
              f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} "
              f"{'of floor':>8} {'realised':>8} {'peak GB':>8}"]
     for r in result["rows"]:

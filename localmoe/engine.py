@@ -26,7 +26,7 @@ from localmoe.detokenize import Detokenizer
 from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
-from localmoe.loader import LoadedModel, load_model
+from localmoe.loader import LoadedModel, int4_hint, load_model
 from localmoe.prefix import PromptReuse, prefill, render_chat, repeated_prefix, reply_prefix
 from localmoe.sampling import make_generator, sample
 
@@ -56,6 +56,7 @@ class Engine:
         self._device = device
         self.dtype = dtype
         self.model_name = resolved.name
+        self.experts_format = "int4" if loaded.experts and loaded.experts[0].weights.int4 else "full"
         self.sparsity = 0.0
         self.threshold_mode = "layer"
         self._cancel = threading.Event()
@@ -87,7 +88,7 @@ class Engine:
     def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
              progress: ProgressFn | None = None, calibration_text: str | None = None, vram_gib: float | None = None,
              context: int | None = None, on_notice=None, fused: bool = True,
-             offload_miss: str = "auto", host_storage: str = "auto") -> "Engine":
+             offload_miss: str = "auto", host_storage: str = "auto", experts: str = "full") -> "Engine":
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         resolved = hub.resolve(model, progress=progress)
@@ -97,7 +98,7 @@ class Engine:
             loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress, vram_bytes=budget,
                                 context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
                                 on_notice=on_notice, host_storage=host_storage,
-                                store_key=(resolved.name, resolved.revision))
+                                store_key=(resolved.name, resolved.revision), experts_format=experts)
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
                 f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
@@ -116,7 +117,7 @@ class Engine:
     @classmethod
     def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype, vram_gib: float | None = None,
                context: int | None = None, on_notice=None, fused: bool = True,
-               offload_miss: str = "auto", routing: str = "uniform") -> "Engine":
+               offload_miss: str = "auto", routing: str = "uniform", experts: str = "full") -> "Engine":
         """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
         `random_weights.build_random`."""
         from localmoe.benchmark import shape_config
@@ -126,7 +127,7 @@ class Engine:
         config = shape_config(shape)
         loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
                               context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
-                              routing=routing, on_notice=on_notice)
+                              routing=routing, on_notice=on_notice, experts_format=experts)
         spec = load_registry().get(shape)
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)
@@ -144,6 +145,9 @@ class Engine:
         pin_failed = self._device.type == "cuda" and not loaded.host_pinned and loaded.host_storage != "mmap"
         self._notice(loaded.offload.summary()
                      + ("; pinning host memory failed, using pageable memory (slower misses)" if pin_failed else ""))
+        hint = int4_hint(loaded)
+        if hint:
+            self._notice(hint)
         if loaded.offload.spills and self._device.type == "cuda":
             self.use_graphs = False  # accelerate's hooks copy the host-resident units' weights in on every forward
             self._notice("non-expert modules that do not fit run through accelerate's offload hooks: decoding eagerly "

@@ -27,25 +27,42 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from localmoe.quantize import Int4Tensor, quantize
+
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+DEQUANT_BYTES = 256 << 20  # int4 experts' dense path: dequantized weights per span of grouped GEMMs
 
 
 @dataclass
 class ExpertWeights:
-    """One MoE layer's routed experts; every tensor [E, I, H], a neuron's weights contiguous in each."""
+    """One MoE layer's routed experts; every tensor [E, I, H], a neuron's weights contiguous in each. With
+    `--experts int4` each is an `Int4Tensor` (localmoe/quantize.py): indexing it dequantizes."""
 
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down_t: torch.Tensor  # W_down transposed: row n is neuron n's output vector
+    w_gate: torch.Tensor | Int4Tensor
+    w_up: torch.Tensor | Int4Tensor
+    w_down_t: torch.Tensor | Int4Tensor  # W_down transposed: row n is neuron n's output vector
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.w_gate.shape)  # (E, I, H)
 
+    @property
+    def int4(self) -> bool:
+        return isinstance(self.w_gate, Int4Tensor)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down_t))
+        return sum(t.nbytes() if isinstance(t, Int4Tensor) else t.numel() * t.element_size()
+                   for t in (self.w_gate, self.w_up, self.w_down_t))
+
+    def to_int4(self) -> "ExpertWeights":
+        """The same experts in the 4-bit format (quantized on their device)."""
+        return ExpertWeights(*(quantize(t) for t in (self.w_gate, self.w_up, self.w_down_t)))
+
+    def dequantized(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down_t) of experts [a, b) as plain tensors [b - a, I, H] (a view when not quantized)."""
+        return tuple(t[a:b] for t in (self.w_gate, self.w_up, self.w_down_t))
 
 
 class GateRecorder:
@@ -262,7 +279,11 @@ class LocalExperts(nn.Module):
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (graph break; the CUDA graph still holds them)
     def _dense_decode(self, x, top_k_index, top_k_weights, w: ExpertWeights):
-        """Few tokens, sparsity off, CUDA: localmoe's dense decode kernel (no host sync)."""
+        """Few tokens, sparsity off, CUDA: localmoe's dense decode kernel (no host sync); int4 experts take the fused
+        sparse kernel at threshold 0 (the dense kernel reads full-precision weights only)."""
+        if w.int4:
+            zeros = self._zeros_tau(x.device, w.w_gate.shape[0])
+            return self._sparse(x, top_k_index, top_k_weights, w, zeros, count=False)
         from localmoe.kernels.dense_experts import dense_experts
 
         p = self._launch(x, top_k_index.shape[1])["dense"]
@@ -328,25 +349,51 @@ class LocalExperts(nn.Module):
         """The dense path as three grouped GEMMs (torch's grouped_mm: one launch per projection for all experts)
         over the (token, expert) slots sorted by expert: no Python loop and no host sync, the same arithmetic and
         roundings as the per-expert loop (and transformers' experts). Calibration's recorder takes all the gate
-        activations in one host copy (the loop: one per expert)."""
+        activations in one host copy (the loop: one per expert). int4 experts are dequantized a span of experts at a
+        time (`_spans`), three grouped GEMMs per span."""
         T, k = top_k_index.shape
         w, I = self.weights, self.intermediate_size
         flat = top_k_index.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # slots sorted by expert
         tok = order // k  # [T*k] token of each sorted slot
+        ids = flat[order]  # [T*k] expert of each sorted slot
         ends = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)  # [E] group ends
         xs = x[tok]  # [T*k, H]
-        g = self.act_fn(_GROUPED_MM(xs, w.w_gate.transpose(1, 2), offs=ends))  # [T*k, I]
-        if self.recorder is not None:
-            self.recorder.add_rows(g.abs(), flat[order])
+        ys, kept = [], 0
+        for a, b, s0, s1 in self._spans(ends, T * k):
+            w_gate, w_up, w_down_t = w.dequantized(a, b)  # [b - a, I, H]
+            offs = ends[a:b] - s0 if s0 else ends[a:b]
+            xc = xs[s0:s1]
+            g = self.act_fn(_GROUPED_MM(xc, w_gate.transpose(1, 2), offs=offs))  # [n, I]
+            if self.recorder is not None:
+                self.recorder.add_rows(g.abs(), ids[s0:s1])
+            if masked:
+                keep = g.abs() >= self.tau[ids[s0:s1]].unsqueeze(1)  # [n, I]
+                g = g * keep
+                kept = kept + keep.sum()
+            h = g * _GROUPED_MM(xc, w_up.transpose(1, 2), offs=offs)  # [n, I]
+            ys.append(_GROUPED_MM(h, w_down_t, offs=offs))  # [n, H]
         if masked:
-            keep = g.abs() >= self.tau[flat[order]].unsqueeze(1)  # [T*k, I]
-            g = g * keep
-            self._count(keep.sum(), T * k * I)
-        h = g * _GROUPED_MM(xs, w.w_up.transpose(1, 2), offs=ends)  # [T*k, I]
-        y = _GROUPED_MM(h, w.w_down_t, offs=ends)  # [T*k, H]
+            self._count(kept, T * k * I)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)  # [T*k, H]
         y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+    def _spans(self, ends: torch.Tensor, slots: int) -> list[tuple[int, int, int, int]]:
+        """(first expert, end expert, first slot, end slot) of each grouped GEMM call: all experts at once, or for
+        int4 experts spans of ~DEQUANT_BYTES of dequantized weights with at least one routed slot (one host sync)."""
+        E = self.num_experts
+        if not self.weights.int4:
+            return [(0, E, 0, slots)]
+        per = max(1, DEQUANT_BYTES // (3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize))
+        end = ends.tolist()
+        spans = []
+        for a in range(0, E, per):
+            b = min(E, a + per)
+            s0 = end[a - 1] if a else 0
+            if end[b - 1] > s0:
+                spans.append((a, b, s0, end[b - 1]))
+        return spans
 
     # -- sparse: decode ---------------------------------------------------------------------------------
     @torch.compiler.disable

@@ -132,8 +132,11 @@ def _units(model) -> dict[str, int]:
     return units
 
 
-def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None):
+def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None,
+                 fmt: str = "full"):
+    """The VRAM plan for `vram_bytes`; `fmt` "int4" (4-bit experts) must fit whole: a UsageError otherwise."""
     from localmoe import placement
+    from localmoe.quantize import expert_bytes as int4_expert_bytes
 
     el = torch.finfo(dtype).bits // 8
     non_expert = sum(p.numel() * el for p in model.parameters())
@@ -141,15 +144,44 @@ def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, cont
     E, I, H = mods[0].num_experts, mods[0].intermediate_size, mods[0].hidden_size
     if any((m.num_experts, m.intermediate_size, m.hidden_size) != (E, I, H) for m in mods):
         raise UsageError("expert offloading needs every MoE layer to have the same expert shape")
+    expert_bytes = 3 * I * H * el
+    if fmt == "int4":
+        try:
+            expert_bytes = int4_expert_bytes(I, H)
+        except ValueError as e:
+            raise UsageError(f"{e}; use --experts full") from None
     largest = max(_units(model).values(), default=0)
     budget = placement.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
-                          state=placement.state_bytes(text_config, context, dtype), expert_bytes=3 * I * H * el,
+                          state=placement.state_bytes(text_config, context, dtype), expert_bytes=expert_bytes,
                           total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
                           largest_module_bytes=largest)
+    if fmt == "int4" and budget.offloading:
+        need = budget.total_experts * expert_bytes + non_expert + budget.state_bytes + placement.WORKSPACE_RESERVE
+        raise UsageError(f"int4 experts are not offloaded and need {need / 2**30:.2f} GiB of VRAM, the budget is "
+                         f"{vram_bytes / 2**30:.2f} GiB: raise --vram, or use --experts full (offloads them)")
     warning = placement.host_ram_notice(budget, placement.available_ram())
     if warning and on_notice:
         on_notice(warning)
     return budget
+
+
+def int4_hint(loaded: LoadedModel) -> str | None:
+    """For offloaded full-precision experts that would all fit the budget in 4 bits: the notice naming the flag."""
+    from localmoe.placement import WORKSPACE_RESERVE
+    from localmoe.quantize import expert_bytes
+
+    plan, m = loaded.offload, loaded.experts[0]
+    if plan is None or not plan.offloading:
+        return None
+    try:
+        need = (plan.non_expert_bytes + plan.state_bytes + WORKSPACE_RESERVE
+                + plan.total_experts * expert_bytes(m.intermediate_size, m.hidden_size))
+    except ValueError:  # no 4-bit format for this hidden size
+        return None
+    if need > plan.budget_bytes:
+        return None
+    return (f"--experts int4 would keep every expert in VRAM ({need / 2**30:.1f} GiB of the {plan.budget_bytes / 2**30:.1f}"
+            " GiB budget; 4-bit weights, a small accuracy cost)")
 
 
 def place_non_experts(model, budget, device: torch.device, dtype) -> dict[str, torch.device]:
@@ -187,19 +219,22 @@ def dispatch_spilled(model, dmap: dict[str, torch.device], device: torch.device)
 def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
                vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
                offload_miss: str = "auto", on_notice=None, host_storage: str = "auto",
-               store_key: tuple[str, str] | None = None) -> LoadedModel:
+               store_key: tuple[str, str] | None = None, experts_format: str = "full") -> LoadedModel:
     """Build the model from the checkpoint at `path`. Offloaded experts' master copies go to pinned host memory, or
     with `host_storage` "mmap" (or "auto" when the RAM cannot hold them) to memory-mapped files (`localmoe.store`,
-    keyed by `store_key` = (model name, revision)) that later loads map without reading the checkpoint."""
+    keyed by `store_key` = (model name, revision)) that later loads map without reading the checkpoint.
+    `experts_format` "int4": each layer's routed experts are quantized on the device as they load (never offloaded)."""
     from accelerate.utils import set_module_tensor_to_device
 
     if host_storage not in HOST_STORAGE:
         raise UsageError(f"host storage must be one of {', '.join(HOST_STORAGE)}, got {host_storage!r}")
+    check_format(experts_format)
     _, text_config, fam = read_config(path)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
     fp32_modules = _keep_fp32(model)
-    budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice) if vram_bytes else None
+    budget = (plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice, experts_format)
+              if vram_bytes else None)
     host = budget is not None and budget.offloading
     dmap = place_non_experts(model, budget, device, dtype)
     pinned = [device.type == "cuda"]  # cleared when pinning fails
@@ -260,6 +295,8 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
             else:
                 mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype,
                                                   host=host, pinned=pinned)
+                if experts_format == "int4":  # the layer in the model dtype is freed once quantized
+                    mod.weights = mod.weights.to_int4()
             done += mod.num_experts
             if progress:
                 progress("load", done, total)
@@ -291,6 +328,13 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
 
 
 HOST_STORAGE = ("auto", "pinned", "mmap")
+
+
+def check_format(experts_format: str) -> None:
+    from localmoe.quantize import EXPERT_FORMATS
+
+    if experts_format not in EXPERT_FORMATS:
+        raise UsageError(f"--experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts_format!r}")
 
 
 def _expert_files(host: bool, storage: str, budget, key: tuple[str, str], files: list[Path], dtype, on_notice):

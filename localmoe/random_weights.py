@@ -14,8 +14,8 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts import ExpertWeights, LocalExperts
 from localmoe.families import family_for_model_type, supported_families
-from localmoe.loader import (LoadedModel, attach_cache, build_skeleton, device_of, dispatch_spilled, install_fused,
-                             place_non_experts, plan_offload, swap_experts)
+from localmoe.loader import (LoadedModel, attach_cache, build_skeleton, check_format, device_of, dispatch_spilled,
+                             install_fused, place_non_experts, plan_offload, swap_experts)
 
 
 def param_owners(model) -> dict[str, str]:
@@ -70,7 +70,8 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
 
 def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
-                 offload_miss: str = "auto", routing: str = "uniform", on_notice=None) -> LoadedModel:
+                 offload_miss: str = "auto", routing: str = "uniform", on_notice=None,
+                 experts_format: str = "full") -> LoadedModel:
     """The same model with random weights (for `bench --shape`: measure hardware without a download).
 
     Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise.
@@ -83,9 +84,11 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
     fam = family_for_model_type(text_config.model_type)
     if fam is None or fam.unsupported:
         raise UsageError(f"no random-weight build for {text_config.model_type!r}; supported: {supported_families()}")
+    check_format(experts_format)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
-    budget = plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice) if vram_bytes else None
+    budget = (plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice, experts_format)
+              if vram_bytes else None)
     host = budget is not None and budget.offloading
     dmap = place_non_experts(model, budget, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -112,6 +115,8 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
                 t = buf.copy_(t)
             mats.append(t)
         mod.weights = ExpertWeights(*mats)
+        if experts_format == "int4":
+            mod.weights = mod.weights.to_int4()
     model.eval()
     model.requires_grad_(False)
     if fused and not dmap:

@@ -56,8 +56,9 @@ def slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")[:80] or "model"
 
 
-def cache_path(model_name: str, revision: str, sparsity: float, mode: str = "layer") -> Path:
-    suffix = "" if mode == "layer" else f"-{mode}"
+def cache_path(model_name: str, revision: str, sparsity: float, mode: str = "layer", experts: str = "full") -> Path:
+    """int4 experts have their own thresholds (their gates' activations differ slightly)."""
+    suffix = ("" if mode == "layer" else f"-{mode}") + ("" if experts == "full" else f"-{experts}")
     return cache_dir() / f"{slug(model_name)}-{slug(revision)[:24]}" / f"s{sparsity:.4f}{suffix}.json"
 
 
@@ -86,6 +87,7 @@ def _meta(engine, sparsity: float, text: str, name: str, tokens: int, mode: str)
         "mode": mode,
         "layers": len(engine.loaded.experts),
         "localmoe_version": __version__,
+        **({} if engine.experts_format == "full" else {"experts": engine.experts_format}),
     }
 
 
@@ -101,7 +103,7 @@ def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = Non
         return calibrate_ids(engine, sparsity, ids, progress=progress, meta={"calibration_set": "random ids", "mode": mode})
     body, name = read_calibration_text(text)
     meta = _meta(engine, sparsity, body, name, tokens, mode)
-    path = cache_path(engine.model_name, engine.resolved.revision, sparsity, mode)
+    path = cache_path(engine.model_name, engine.resolved.revision, sparsity, mode, engine.experts_format)
     if not force and path.is_file():
         try:
             saved = json.loads(path.read_text())

@@ -43,6 +43,11 @@ def test_streams_text_and_stats_line(capsys):
     assert out2 == out and err2 == ""
 
 
+def test_int4_experts_run(capsys):
+    code, out, err = run(capsys, "run", MODEL, "hi", "--json", "--max-new-tokens", "4", "--experts", "int4")
+    assert code == 0 and len(json.loads(out.strip().splitlines()[-1])["token_ids"]) > 0
+
+
 def test_prompt_from_stdin(monkeypatch, capsys):
     import io
 
@@ -69,6 +74,7 @@ def test_prompt_from_stdin(monkeypatch, capsys):
         (["run", repo_id("gpt_oss"), "hi"], 2, "GPT-OSS is not yet supported"),
         (["run", repo_id("qwen3_dense"), "hi"], 2, "supported: Qwen3.5-MoE"),
         (["run", "someorg/not-downloaded", "hi"], 1, "localmoe pull"),
+        (["run", MODEL, "hi", "--experts", "int8"], 2, "--experts"),
     ],
 )
 def test_bad_input_one_line(capsys, args, code, needle):

@@ -1,0 +1,154 @@
+"""4-bit routed experts (localmoe/quantize.py, `--experts int4`): the format's arithmetic, the experts module's paths
+on it (grouped GEMMs a span at a time, the loop, the sparse reference), and whole engines: int4 gives the same tokens
+as the model whose experts are the dequantized weights, with its own thresholds file. CPU; never a time.
+
+Shape legend: E experts, I expert width, H hidden, T tokens, k experts per token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import repo_id
+from localmoe import experts as experts_mod
+from localmoe import sparsity as sp
+from localmoe.engine import Engine
+from localmoe.errors import UsageError
+from localmoe.events import GenerationSettings
+from localmoe.experts import ExpertWeights, LocalExperts
+from localmoe.quantize import Int4Tensor, dequantize, group_for, quantize
+
+
+def test_group_size():
+    assert [group_for(h) for h in (2048, 3072, 96, 80, 32)] == [128, 128, 32, 16, 32]
+    with pytest.raises(ValueError, match="divisible by 16"):
+        group_for(100)
+
+
+def test_layout_and_dequantize():
+    """Byte j of a row: q[2j] in the low nibble, q[2j+1] in the high; w = q * scale + minimum per group."""
+    packed = torch.tensor([[[0x21, 0xF0]]], dtype=torch.uint8)  # q = 1, 2, 0, 15
+    scale = torch.tensor([[[0.5, 2.0]]], dtype=torch.bfloat16)  # group 2
+    minimum = torch.tensor([[[-1.0, 3.0]]], dtype=torch.bfloat16)
+    w = Int4Tensor(packed, scale, minimum, torch.float32)
+    assert w.shape == (1, 1, 4) and w.group == 2
+    assert w[0].tolist() == [[-0.5, 0.0, 3.0, 33.0]]
+
+
+@pytest.mark.parametrize("H", [96, 256])
+def test_quantize_error_bound(H):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 7, H, generator=gen) * 0.02
+    w[1, 2, :32] = 0.25  # a constant group
+    q = quantize(w, chunk=2)
+    G = q.group
+    assert q.packed.shape == (5, 7, H // 2) and q.scale.shape == (5, 7, H // G) and q.packed.dtype == torch.uint8
+    d = q.dequantize(torch.float32)
+    half_step = (q.scale.float() / 2).repeat_interleave(G, dim=-1)
+    assert ((d - w).abs() <= half_step + 2e-3 * w.abs() + 1e-6).all()  # + the bf16 rounding of scale and minimum
+    torch.testing.assert_close(d[1, 2, :32], w[1, 2, :32], rtol=4e-3, atol=0)
+    torch.testing.assert_close(q[torch.tensor([3, 1])].float(), d[[3, 1]])
+    assert q.nbytes() == 5 * 7 * (H // 2 + 4 * H // G)
+
+
+def _int4_experts(E, I, H, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    m = LocalExperts(E, H, I, "silu", 0)
+    m.weights = ExpertWeights(*(torch.randn(E, I, H, generator=gen) / H ** 0.5 for _ in range(3))).to_int4()
+    plain = LocalExperts(E, H, I, "silu", 0)
+    plain.weights = ExpertWeights(*(t.dequantize(torch.float32) for t in
+                                    (m.weights.w_gate, m.weights.w_up, m.weights.w_down_t)))
+    return m, plain
+
+
+def test_int4_dense_paths_span_by_span(monkeypatch):
+    """Grouped GEMMs over spans of dequantized experts (forced small here: several spans, an unrouted one skipped)
+    equal the loop and the model with the dequantized weights, with the evaluation mask and its kept count."""
+    T, k, E, I, H = 23, 2, 9, 16, 64
+    m, plain = _int4_experts(E, I, H)
+    assert m.weights.int4 and m.weights.nbytes() < plain.weights.nbytes() / 5
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=gen)
+    idx = torch.stack([torch.randperm(E - 2, generator=gen)[:k] for _ in range(T)])  # experts 7, 8 never routed
+    wts = torch.rand(T, k, generator=gen)
+    monkeypatch.setattr(experts_mod, "DEQUANT_BYTES", 3 * I * H * 4 * 2)  # two experts a span
+    spans = m._spans(torch.cumsum(torch.bincount(idx.reshape(-1), minlength=E), 0), T * k)
+    assert len(spans) == 4 and spans[-1][1] == 8  # experts 8's span has no slot
+    tau = torch.full((E,), 0.1)
+    for mod in (m, plain):
+        mod.tau, mod.sparse_enabled, mod.mask_all_tokens = tau, True, True
+    outs, kept = [], []
+    for mod, grouped in ((m, True), (m, False), (plain, True)):
+        mod.grouped = grouped
+        mod.reset_counters()
+        outs.append(mod(x, idx, wts))
+        kept.append(int(mod.kept))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0], outs[2], rtol=1e-5, atol=1e-5)
+    assert kept[0] == kept[1] == kept[2] > 0
+
+
+def test_int4_sparse_reference():
+    """One token on the sparse path (CPU: the torch reference) reads the int4 experts as the dequantized model."""
+    m, plain = _int4_experts(6, 24, 32, seed=2)
+    x = torch.randn(1, 32)
+    idx, wts = torch.tensor([[4, 1]]), torch.tensor([[0.7, 0.3]])
+    tau = torch.full((6,), 0.05)
+    ys = []
+    for mod in (m, plain):
+        mod.tau, mod.sparse_enabled = tau, True
+        ys.append(mod(x, idx, wts))
+    torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-6)
+    assert int(m.kept) == int(plain.kept) and 0 < int(m.kept) < 48
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_engine_int4_equals_dequantized_model(family):
+    """`--experts int4`: ~4x smaller experts; greedy tokens at sparsity 0 and 0.5 equal those of the same model with
+    the dequantized experts, whose thresholds (calibrated on the same values) are cached apart."""
+    e4 = Engine.load(repo_id(family), device="cpu", sparsity=0.0, experts="int4")
+    ref = Engine.load(repo_id(family), device="cpu", sparsity=0.0)
+    assert e4.experts_format == "int4" and ref.experts_format == "full"
+    assert e4.loaded.expert_bytes() < ref.loaded.expert_bytes() / 3
+    for a, b in zip(e4.loaded.experts, ref.loaded.experts):
+        w = a.weights
+        b.weights = ExpertWeights(*(t.dequantize(torch.float32) for t in (w.w_gate, w.w_up, w.w_down_t)))
+    ids = e4.encode_raw("four bits per weight")
+    s = GenerationSettings(max_new_tokens=10)
+    for sparsity in (0.0, 0.5):
+        e4.set_sparsity(sparsity)
+        ref.set_sparsity(sparsity)
+        got = [ev.token_id for ev in e4.generate(ids, s)]
+        assert got == [ev.token_id for ev in ref.generate(ids, s)]
+    rev = e4.resolved.revision
+    assert sp.cache_path(e4.model_name, rev, 0.5, experts="int4").is_file()
+    assert sp.cache_path(e4.model_name, rev, 0.5).is_file()
+    assert e4.stats.sparsity_realized > 0.2
+
+
+def test_int4_is_never_offloaded(hub_cache):
+    """A budget that would offload experts is refused with the VRAM int4 needs and the fix."""
+    from localmoe.loader import int4_hint, load_model
+    from localmoe.placement import WORKSPACE_RESERVE, state_bytes
+
+    e4 = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0, experts="int4")
+    non_expert = sum(p.numel() * 4 for p in e4.model.parameters())
+    fits = int(WORKSPACE_RESERVE) + non_expert + state_bytes(e4.loaded.config, 8192, torch.float32)
+    with pytest.raises(UsageError, match=r"int4 experts are not offloaded.*--experts full"):
+        load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int4",
+                   vram_bytes=fits + e4.loaded.expert_bytes() // 2)
+    load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int4",
+               vram_bytes=fits + e4.loaded.expert_bytes())
+    # the same budget offloads full-precision experts, with the hint that int4 would keep them all
+    full = load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32,
+                      vram_bytes=fits + e4.loaded.expert_bytes())
+    assert full.offload.offloading and "--experts int4 would keep every expert in VRAM" in int4_hint(full)
+    assert int4_hint(e4.loaded) is None
+    with pytest.raises(UsageError, match="--experts must be one of full, int4"):
+        load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int8")
+
+
+def test_dequantize_matches_indexing():
+    w = quantize(torch.randn(3, 4, 32))
+    torch.testing.assert_close(dequantize(w.packed[2], w.scale[2], w.minimum[2], torch.float32), w[2])
