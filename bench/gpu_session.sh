@@ -101,6 +101,8 @@
 #   s10e: the final code: the GPU-only graph tests, and the tiny families' chats with and without reuse
 #   s10f: the reply prefilled after its turn (Engine.prepare_next_turn, called by the chat app while the user
 #         types): GPU graph tests, then chat turns resident and at --vram 24 (4 turns each)
+#   s11a: --experts int4: the tiny families' graph tokens against the dequantized model, bench at 35B shapes resident
+#         (0 and 85%), then int4 and full at 85% under --vram 24 (int4 all in VRAM, full offloaded)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -575,4 +577,12 @@ if [[ $PART == s10f ]]; then
     grep -A8 "^chat turns" "$OUT/turns.log"
     grep -A8 "^chat turns" "$OUT/turns24.log"
     grep -E "Error" "$OUT/turns.log" "$OUT/turns24.log" | head -5
+fi
+if [[ $PART == s11a ]]; then
+    step tiny 110 python bench/int4_check.py
+    step resident 200 python bench/int4_check.py --skip-tiny --bench resident
+    step vram24 260 python bench/int4_check.py --skip-tiny --bench vram24
+    grep -A7 "^family" "$OUT/tiny.log"
+    grep -E "Error|error" "$OUT/tiny.log" "$OUT/resident.log" "$OUT/vram24.log" | head -5
+    grep -E "note: VRAM|note: --experts|^engine|^localmoe|^qwen" "$OUT/resident.log" "$OUT/vram24.log"
 fi

@@ -30,17 +30,29 @@ block run a dense expert added to every token (Qwen3.5's shared expert: threshol
 from kernels/moe_front.py) beside the routed ones, and with `residual=` the tail writes y = residual + moe output:
 the shared expert's two launches and the residual add go into this one.
 
+int4 experts (optional, `QUANT`): w_gate, w_up and w_down_t given as `Int4Tensor`s (localmoe/quantize.py: packed
+[E, I, H/2] uint8, two 4-bit q per byte, and per-group bf16 scale / minimum [E, I, H/G], w = q * scale + minimum).
+The program reads its BLOCK_I packed gate rows (one full-width load) and their scales; z_n = sum_g scale[n,g]
+(sum_{j in g} q x) + minimum[n,g] (sum_{j in g} x), so the gate has no per-element scale multiply. Kept up rows the
+same way; kept down rows are dequantized per element, weighted by h and summed into y as in the bf16 path (masked-off
+rows still issue no loads). Resident only (no slot_table / pools / gate_table) and no `shared=` (the caller runs the
+shared expert in kernels/moe_front.py); every other mode (accumulate, workspace, residual, stats) is the same.
+
 One launch, fixed grid and output sizes, no host sync: CUDA-graph capturable (pass `out=`, `count=` and
 `workspace=` to keep every address fixed across replays).
 
 Launch parameters: the BLOCK_I x next_pow2(H) tiles live in registers. sm_90 builds (ptxas, bf16) stay spill-free
 and at >= 127 registers only up to 64 tile elements per thread (BLOCK_I * H_P2 / (32 * num_warps) <= 64), e.g.
 H 2048: BLOCK_I 8 / 8 warps (127 regs), 4 / 8 (64 regs); H 3072: 8 / 16, 4 / 8. BLOCK_I 8 / 4 warps at H 2048
-already needs 248 registers; 16 / 4 spills.
+already needs 248 registers; 16 / 4 spills. int4 tiles hold as many elements (NG_P2 * G = H_P2 per row) but need
+more registers (H200, Triton 3.6, H 2048: 8 / 8 warps 128 vs 64 for bf16, 4 / 8 64; 16 / 8 spills), so int4
+wants its own tuned BLOCK_I / num_warps.
 
-Shape legend: T = tokens, k = experts per token, E = experts, I = expert width (neurons), H = hidden, S = slots.
+Shape legend: T = tokens, k = experts per token, E = experts, I = expert width (neurons), H = hidden, S = slots,
+G = int4 group size along H, NG = H / G groups per row, NG_P2 = next_pow2(NG).
 Weight layout (expert store contract): [E, I, H] (pools [S, I, H]) with rows contiguous (stride(2) == 1,
-stride(1) == H), any expert stride; w_down_t is W_down transposed (one neuron's down weights contiguous).
+stride(1) == H), any expert stride; w_down_t is W_down transposed (one neuron's down weights contiguous). int4: packed
+[E, I, H/2] and scale / minimum [E, I, NG], each with contiguous rows, any expert stride.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ import torch
 
 from localmoe.kernels.checks import expert_weights, tokens_and_experts
 from localmoe.kernels.workspace import zeroed_int32
+from localmoe.quantize import Int4Tensor, dequantize
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -99,18 +112,26 @@ def shared_expert_term(x, shared: SharedExpert) -> torch.Tensor:
     return shared.weight.float().reshape(-1, 1) * (a @ shared.w_down_t.float())
 
 
+def _routed_fp32(w, eid) -> torch.Tensor:
+    """w[eid] in fp32 [T,k,I,H]; an Int4Tensor dequantized exactly (w[eid] would round to its logical dtype)."""
+    if isinstance(w, Int4Tensor):
+        return dequantize(w.packed[eid], w.scale[eid], w.minimum[eid], torch.float32)
+    return w[eid].float()
+
+
 def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau):
     """Reference in fp32 torch. Returns (y [T,H] fp32, count [T,k] int32 kept neurons per routed expert).
 
     y[t] = sum_j w[t,j] sum_{n: |g_n| >= tau[e]} g_n (x[t] . W_up[e,n]) W_down_t[e,n,:], g = silu(x[t] . W_gate[e]),
-    e = expert_ids[t,j]; every tensor is read at its expert id (the resident layout)."""
+    e = expert_ids[t,j]; every tensor is read at its expert id (the resident layout). The weights are [E,I,H] tensors
+    or Int4Tensors (dequantized to fp32: q * scale + minimum, what the kernel's QUANT mode computes with)."""
     eid = expert_ids.long()
     xf = x.float()
-    g = torch.nn.functional.silu(torch.einsum("th,tkih->tki", xf, w_gate[eid].float()))  # [T,k,I]
+    g = torch.nn.functional.silu(torch.einsum("th,tkih->tki", xf, _routed_fp32(w_gate, eid)))  # [T,k,I]
     keep = g.abs() >= tau.float()[eid].unsqueeze(-1)
-    u = torch.einsum("th,tkih->tki", xf, w_up[eid].float())
+    u = torch.einsum("th,tkih->tki", xf, _routed_fp32(w_up, eid))
     h = torch.where(keep, g * u, torch.zeros((), device=x.device)) * weights.float().unsqueeze(-1)
-    y = torch.einsum("tki,tkih->th", h, w_down_t[eid].float())
+    y = torch.einsum("tki,tkih->th", h, _routed_fp32(w_down_t, eid))
     return y, keep.sum(-1).to(torch.int32)
 
 
@@ -149,9 +170,28 @@ if triton is not None:
         return c
 
     @triton.jit
+    def int4_group_dots(p, xe, xo):
+        """Packed rows p [R, NG_P2, G/2] uint8 against x's even / odd elements xe, xo [NG_P2, G/2] (any float): the
+        per-group sums of q * x, [R, NG_P2] fp32 (scale and minimum are applied per group by the caller)."""
+        lo = (p & 15).to(tl.float32)  # q[2j]
+        hi = (p >> 4).to(tl.float32)  # q[2j + 1]
+        return tl.sum(lo * xe[None, :, :].to(tl.float32) + hi * xo[None, :, :].to(tl.float32), axis=2)
+
+    @triton.jit
+    def int4_weighted_rows(p, sc, mn, h):
+        """sum_n h_n W[n] over packed rows p [R, NG_P2, G/2] uint8, W = q * scale + minimum per element (sc, mn
+        [R, NG_P2] fp32, broadcast over each group): the even and odd halves of the [H] sum, each [NG_P2, G/2]."""
+        s3 = sc[:, :, None]
+        m3 = mn[:, :, None]
+        h3 = h[:, None, None]
+        even = tl.sum(((p & 15).to(tl.float32) * s3 + m3) * h3, axis=0)
+        odd = tl.sum(((p >> 4).to(tl.float32) * s3 + m3) * h3, axis=0)
+        return even, odd
+
+    @triton.jit
     def _sparse_fused_kernel(
         x_ptr,  # [T, H] any float dtype, row stride stride_xt
-        wg_ptr,  # [E, I, H] resident weights, or the host master copies when OFFLOAD
+        wg_ptr,  # [E, I, H] resident weights, or the host master copies when OFFLOAD; QUANT: packed [E, I, H/2] uint8
         wu_ptr,  # [E, I, H]
         wd_ptr,  # [E, I, H] (W_down transposed)
         pg_ptr,  # [S, I, H] device pool (OFFLOAD only; else any valid pointer)
@@ -175,6 +215,12 @@ if triton is not None:
         swd_ptr,  # [I_S, H] shared expert down, transposed
         sw_ptr,  # [T] shared expert weight (sigmoid gate), any float
         res_ptr,  # [T, H] residual, contiguous, y's dtype (HAS_RES only)
+        gsc_ptr,  # [E, I, NG] gate scales, rows contiguous (QUANT only; wg/wu/wd are then packed [E, I, H/2] uint8)
+        gmn_ptr,  # [E, I, NG] gate minimums
+        usc_ptr,  # [E, I, NG] up scales
+        umn_ptr,  # [E, I, NG] up minimums
+        dsc_ptr,  # [E, I, NG] down_t scales
+        dmn_ptr,  # [E, I, NG] down_t minimums
         I,
         I_S,  # shared expert width (SHARED only)
         TK,  # T * k: programs pid_tj >= TK are the shared expert's (one per token)
@@ -186,6 +232,12 @@ if triton is not None:
         stride_pge,
         stride_pue,
         stride_pde,
+        stride_gsc,  # expert strides of the six scale / minimum tensors (QUANT only)
+        stride_gmn,
+        stride_usc,
+        stride_umn,
+        stride_dsc,
+        stride_dmn,
         H: tl.constexpr,
         H_P2: tl.constexpr,  # next power of two >= H: one full-width tile per program, no serial H loop
         BLOCK_I: tl.constexpr,
@@ -198,6 +250,9 @@ if triton is not None:
         READ_ROWS: tl.constexpr,
         SHARED: tl.constexpr,
         HAS_RES: tl.constexpr,
+        QUANT: tl.constexpr,  # int4 weights: packed [E, I, H/2] bytes + per-group scale / minimum (no OFFLOAD/SHARED)
+        G: tl.constexpr,  # QUANT: group size along H, a power of two
+        NG_P2: tl.constexpr,  # QUANT: next power of two >= NG = H / G
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
@@ -239,16 +294,38 @@ if triton is not None:
             rmask = rows < I
         cols = tl.arange(0, H_P2)  # [H_P2]
         cmask = cols < H
-        roff = rows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_I, H_P2]
-        # ---- gate GEMV for BLOCK_I neurons (the only dense read) ----
-        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
-        wg = tl.load(g_base + roff, mask=rmask[:, None] & cmask[None, :], other=0.0)
+        if QUANT:
+            tl.static_assert(not (OFFLOAD or SHARED), "int4 weights: no offload, no shared expert")
+            NG = H // G  # groups per row (constexpr)
+            gi = tl.arange(0, NG_P2)  # [NG_P2] group
+            ji = tl.arange(0, G // 2)  # [G/2] byte within the group
+            gm = gi < NG
+            gcol = gi[:, None] * G + tl.arange(0, G)[None, :]  # [NG_P2, G]: column h = g * G + i of x and y
+            # byte (n, g, j) of a packed row: n * H/2 + g * G/2 + j  [BLOCK_I, NG_P2, G/2]
+            poff = rows.to(tl.int64)[:, None, None] * (H // 2) + (gi[None, :, None] * (G // 2) + ji[None, None, :])
+            soff = rows.to(tl.int64)[:, None] * NG + gi[None, :]  # [BLOCK_I, NG_P2] (scale, minimum)
+            # ---- gate GEMV for BLOCK_I neurons (the only dense read): packed bytes + per-group scale / min ----
+            xg = tl.load(x_ptr + t.to(tl.int64) * stride_xt + gcol, mask=gm[:, None], other=0.0)  # [NG_P2, G]
+            xe, xo = tl.split(tl.reshape(xg, [NG_P2, G // 2, 2]))  # x[2j], x[2j + 1] of each group: [NG_P2, G/2]
+            pg = tl.load(g_base + poff, mask=rmask[:, None, None] & gm[None, :, None], other=0)
+            sm = rmask[:, None] & gm[None, :]
+            sg = tl.load(gsc_ptr + e * stride_gsc + soff, mask=sm, other=0.0)
+            mg = tl.load(gmn_ptr + e * stride_gmn + soff, mask=sm, other=0.0)
+        else:
+            roff = rows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_I, H_P2]
+            # ---- gate GEMV for BLOCK_I neurons (the only dense read) ----
+            xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
+            wg = tl.load(g_base + roff, mask=rmask[:, None] & cmask[None, :], other=0.0)
         tau = tl.load(tau_ptr + e)
         rw = tl.load(rw_ptr + tj).to(tl.float32)
         if SHARED:  # the shared expert is dense (threshold 0) and weighted by its gate
             tau = tl.where(is_sh, 0.0, tau)
             rw = tl.where(is_sh, tl.load(sw_ptr + t).to(tl.float32), rw)
-        z = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_I]
+        if QUANT:  # z_n = sum_g scale[n,g] (sum_{j in g} q x) + minimum[n,g] (sum_{j in g} x)
+            xs = tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1)  # [NG_P2] sum of x over each group
+            z = tl.sum(sg.to(tl.float32) * int4_group_dots(pg, xe, xo) + mg.to(tl.float32) * xs[None, :], axis=1)
+        else:
+            z = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_I]
         g = z / (1.0 + tl.exp(-z))  # silu
         keep = (tl.abs(g) >= tau) & rmask
         nk = tl.sum(keep.to(tl.int32), axis=0)
@@ -260,13 +337,31 @@ if triton is not None:
             cdst = cnt_ptr
         # ---- up/down over the kept rows only; a program with nothing kept does no further traffic ----
         if nk > 0:
-            mk = keep[:, None] & cmask[None, :]
-            # both tiles issued before any arithmetic: one memory round trip for the kept bytes
-            wu = tl.load(u_base + roff, mask=mk, other=0.0)
-            wd = tl.load(d_base + roff, mask=mk, other=0.0)
-            h = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
-            contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)  # [H_P2]
-            tl.atomic_add(ydst + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
+            if QUANT:
+                mk = keep[:, None, None] & gm[None, :, None]
+                ks = keep[:, None] & gm[None, :]
+                # every tile issued before any arithmetic: one memory round trip for the kept bytes and scales
+                pu = tl.load(u_base + poff, mask=mk, other=0)
+                pd = tl.load(d_base + poff, mask=mk, other=0)
+                su = tl.load(usc_ptr + e * stride_usc + soff, mask=ks, other=0.0)
+                mu = tl.load(umn_ptr + e * stride_umn + soff, mask=ks, other=0.0)
+                sd = tl.load(dsc_ptr + e * stride_dsc + soff, mask=ks, other=0.0)
+                md = tl.load(dmn_ptr + e * stride_dmn + soff, mask=ks, other=0.0)
+                h = tl.sum(su.to(tl.float32) * int4_group_dots(pu, xe, xo) + mu.to(tl.float32) * xs[None, :],
+                           axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
+                ce, co = int4_weighted_rows(pd, sd.to(tl.float32), md.to(tl.float32), h)  # [NG_P2, G/2] each
+                # columns 2j and 2j + 1 interleaved back into [NG_P2, G]: contiguous, so the atomics vectorize as
+                # the bf16 path's do (two stride-2 atomic_adds measured 2-4x slower on an H200)
+                contrib = tl.reshape(tl.join(ce, co), [NG_P2, G])
+                tl.atomic_add(ydst + t.to(tl.int64) * H + gcol, contrib, mask=gm[:, None], sem="relaxed")
+            else:
+                mk = keep[:, None] & cmask[None, :]
+                # both tiles issued before any arithmetic: one memory round trip for the kept bytes
+                wu = tl.load(u_base + roff, mask=mk, other=0.0)
+                wd = tl.load(d_base + roff, mask=mk, other=0.0)
+                h = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
+                contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)  # [H_P2]
+                tl.atomic_add(ydst + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
             if SHARED:
                 nk = tl.where(is_sh, 0, nk)  # kept counts are the routed experts'
             tl.atomic_add(cdst + tj, nk, sem="relaxed")
@@ -381,12 +476,17 @@ def sparse_fused(
     * decoder-layer tail (accumulate=False only): `shared` (SharedExpert) adds a dense expert to every token, run
       by T more programs; `residual` ([T,H] in out's dtype, contiguous) makes y = residual + the block's output.
 
+    * int4 experts: w_gate, w_up and w_down_t all `Int4Tensor` (logically [E,I,H]; packed [E,I,H/2] uint8 and
+      scale / minimum [E,I,H/G] float, rows contiguous, one power-of-two G for the three) on x's device. Not with
+      offload (slot_table / pools / gate_table / host_rows) nor `shared=`; everything else as above.
+
     Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable. `maxnreg` caps the
     registers per thread (more programs resident per SM; a tuned launch parameter like BLOCK_I and num_warps).
     """
     if triton is None:
         raise RuntimeError("sparse_fused needs triton")
-    T, H, E, I = tokens_and_experts(x, w_gate)
+    quant = _int4_mode(w_gate, w_up, w_down_t)
+    T, H, E, I = tokens_and_experts(x, w_gate.packed if quant else w_gate)
     if x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be bf16/fp16/fp32 with a contiguous last dim, got {x.dtype} strides {x.stride()}")
     dev = x.device
@@ -396,8 +496,20 @@ def sparse_fused(
         raise ValueError("slot_table, pool_gate, pool_up and pool_down_t must be given together (offload) "
                          "or not at all")
     masters = (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t))
-    for name, w in masters:
-        expert_weights(name, w, E, I, H, dev, allow_host=offload)
+    if quant:
+        if offload:
+            raise ValueError("int4 experts (Int4Tensor weights) are read resident only: not with slot_table / pools")
+        if shared is not None:
+            raise ValueError("int4 experts (Int4Tensor weights): not with shared= (run the shared expert in "
+                             "moe_front, its sums go into the workspace)")
+        for name, w in masters:
+            _check_int4(name, w, E, I, H, dev)
+        if len({w.group for _, w in masters}) != 1:
+            raise ValueError(f"w_gate, w_up and w_down_t must share one group size, got "
+                             f"{[w.group for _, w in masters]}")
+    else:
+        for name, w in masters:
+            expert_weights(name, w, E, I, H, dev, allow_host=offload)
     if offload:
         if slot_table.dim() != 1 or slot_table.shape[0] != E or slot_table.dtype not in _INT_DTYPES:
             raise ValueError(f"slot_table must be int32/int64 [E] = [{E}], got {slot_table.dtype} "
@@ -489,7 +601,17 @@ def sparse_fused(
     def ptr(w):  # host master copies: the launcher gets their (unified) address
         return _HostPointer(w) if cuda and w.device.type == "cpu" else w
 
-    wg, wu, wd = (ptr(w) for _, w in masters)
+    if quant:  # the packed bytes take the weights' place; scale / minimum pointers and expert strides beside them
+        wg, wu, wd = (w.packed for _, w in masters)
+        es = [w.packed.stride(0) for _, w in masters]
+        qt = [t for _, w in masters for t in (w.scale, w.minimum)]
+        qs = [t.stride(0) for t in qt]
+        G = w_gate.group
+        ng_p2 = triton.next_power_of_2(H // G)
+    else:
+        wg, wu, wd = (ptr(w) for _, w in masters)
+        es = [w.stride(0) for _, w in masters]
+        qt, qs, G, ng_p2 = [wg, wg, wu, wu, wd, wd], [0] * 6, 2, 1  # dummies, never read
     if offload:
         pg, pu, pd, st = pool_gate, pool_up, pool_down_t, slot_table
         sp = (pool_gate.stride(0), pool_up.stride(0), pool_down_t.stride(0))
@@ -502,15 +624,52 @@ def sparse_fused(
         acc, cws, tick, kept_total if kept_total is not None else count,
         host_rows if host_rows is not None else count, gate_table if gate_table is not None else st,
         read_rows if read_rows is not None else count, sh.w_gate, sh.w_up, sh.w_down_t, sh.weight,
-        residual if residual is not None else out, I, I_s, T * k, k, x.stride(0), w_gate.stride(0), w_up.stride(0),
-        w_down_t.stride(0), *sp,
+        residual if residual is not None else out, *qt, I, I_s, T * k, k, x.stride(0), *es, *sp, *qs,
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
         HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
-        SHARED=shared is not None, HAS_RES=residual is not None, num_warps=num_warps, **pdl_kw(x),
+        SHARED=shared is not None, HAS_RES=residual is not None, QUANT=quant, G=G, NG_P2=ng_p2,
+        num_warps=num_warps, **pdl_kw(x),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     return out, count
+
+
+def _int4_mode(w_gate, w_up, w_down_t) -> bool:
+    """Whether the experts are int4 (Int4Tensor): all three projections or none."""
+    q = [isinstance(w, Int4Tensor) for w in (w_gate, w_up, w_down_t)]
+    if any(q) and not all(q):
+        raise ValueError(f"w_gate, w_up and w_down_t must all be Int4Tensors or all plain tensors, got "
+                         f"{['Int4Tensor' if b else 'tensor' for b in q]}")
+    return all(q)
+
+
+def _check_int4(name: str, w: Int4Tensor, E: int, I: int, H: int, device) -> None:
+    """w must be logically [E, I, H]: packed [E, I, H/2] uint8 with contiguous rows, scale and minimum [E, I, NG]
+    float with contiguous rows (any expert strides), NG = H / G for a power-of-two group G; all on `device`."""
+    p = w.packed
+    if p.dim() != 3 or H % 2 or tuple(p.shape) != (E, I, H // 2):
+        raise ValueError(f"{name}.packed must have shape {(E, I, H // 2)} (logical [E, I, H] = {(E, I, H)}), got "
+                         f"{tuple(p.shape)}")
+    if p.dtype != torch.uint8:
+        raise ValueError(f"{name}.packed must be uint8, got {p.dtype}")
+    if p.stride(2) != 1 or (I > 1 and p.stride(1) != H // 2):
+        raise ValueError(f"{name}.packed rows must be contiguous (stride(2) == 1, stride(1) == H/2); got strides "
+                         f"{p.stride()}")
+    ng = w.scale.shape[-1] if w.scale.dim() == 3 else 0
+    G = H // ng if ng else 0
+    if not ng or G * ng != H or G < 2 or G & (G - 1):
+        raise ValueError(f"{name}.scale must be [E, I, H/G] with G a power of two dividing H = {H}, got shape "
+                         f"{tuple(w.scale.shape)}")
+    for part, s in (("scale", w.scale), ("minimum", w.minimum)):
+        if tuple(s.shape) != (E, I, ng) or s.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name}.{part} must be a float {(E, I, ng)} tensor, got {s.dtype} {tuple(s.shape)}")
+        if s.stride(2) != 1 or (I > 1 and s.stride(1) != ng):
+            raise ValueError(f"{name}.{part} rows must be contiguous (stride(2) == 1, stride(1) == H/G); got strides "
+                             f"{s.stride()}")
+    for part, t in (("packed", p), ("scale", w.scale), ("minimum", w.minimum)):
+        if t.device != device:
+            raise ValueError(f"{name}.{part} is on {t.device}, x is on {device}: all inputs must share a device")
 
 
 def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:

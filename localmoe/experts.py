@@ -274,7 +274,7 @@ class LocalExperts(nn.Module):
             from localmoe.kernels.tuning import launch_params
 
             self._params = launch_params(torch.cuda.get_device_name(x.device), self.hidden_size,
-                                         self.intermediate_size, k)
+                                         self.intermediate_size, k, int4=self.weights.int4)
         return self._params
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (graph break; the CUDA graph still holds them)

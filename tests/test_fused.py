@@ -236,6 +236,30 @@ def test_full_model_front_and_tail(tiny_text_model, dtype, sparse, in_front):
         _bf16_close(got, want, toks, want_toks)
 
 
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+@torch.no_grad()
+def test_full_model_front_and_tail_int4(tiny_text_model, sparse):
+    """int4 experts (`--experts int4`) in the fused decoder layer: sparse_fused's 4-bit mode (the Triton kernel, on
+    the CPU under the interpreter) gives the logits of the torch path on the same dequantized weights."""
+    ref_model = copy.deepcopy(tiny_text_model).to(DEV, torch.float32)
+    for m in _with_local_experts(ref_model):
+        m.weights = m.weights.to_int4()
+        m.sparse_enabled = sparse
+    prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(13)).to(DEV)
+    want, want_toks = _run(ref_model, "static", prompt)
+    model = copy.deepcopy(ref_model)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    for m in experts:
+        m.reset_counters()
+        m.kernel_on_cpu = DEV == "cpu"
+    fused.install(model, DEV, force=True)
+    got, toks = _run(model, "static", prompt)
+    assert all(b.front_calls == STEPS for b in model.modules() if isinstance(b, fused.FusedSparseMoeBlock))
+    assert all((0 < int(m.kept) < m.seen) if sparse else m.seen == 0 for m in experts)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert toks == want_toks
+
+
 def _bf16_close(got, want, toks, want_toks):
     """bf16 decode against transformers: the kernels keep g·u and the shared expert in fp32 where transformers
     rounds to bf16 four times, and the random tiny model amplifies that step after step. The prefill and first

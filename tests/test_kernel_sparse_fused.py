@@ -1,9 +1,10 @@
 """Tests of kernels/sparse_fused.py: the one-launch gate + threshold + up/down kernel vs its torch reference,
-its two output modes (self-cleaning overwrite, caller-zeroed accumulate), and offload-aware addressing.
+its two output modes (self-cleaning overwrite, caller-zeroed accumulate), offload-aware addressing, and int4
+experts (Int4Tensor weights from localmoe/quantize.py).
 
 Runs on CPU under TRITON_INTERPRET=1 (set below before triton is imported when no GPU is present); never
 asserts a time. Shape legend: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden,
-S = pool slots.
+S = pool slots, G = int4 group size.
 """
 
 import os
@@ -18,6 +19,7 @@ pytest.importorskip("triton")
 from kernel_cases import DEV, SPARSITIES, expert_inputs, rel_err  # noqa: E402
 from localmoe.kernels.dense_experts import dense_experts_ref  # noqa: E402
 from localmoe.kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
+from localmoe.quantize import Int4Tensor, quantize  # noqa: E402
 
 # (T, H, I, E, k, BLOCK_I); the real shape is Qwen3.5-35B-A3B's expert (E cut to 16)
 SHAPES = [(1, 72, 40, 5, 3, 8), (3, 72, 40, 5, 3, 16), (1, 2048, 512, 16, 8, 64)]
@@ -364,3 +366,136 @@ def test_caller_workspace_left_zeroed(T, shared):
         assert torch.equal(c, c_want)
         assert rel_err(y, want) < 1e-6
         assert int(ws.abs().sum()) == 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# int4 experts
+# ----------------------------------------------------------------------------------------------------------
+# (T, H, I, E, k, G, BLOCK_I): NG = H / G = 3 and 5 groups (not powers of two), I = 37 (a partial neuron block);
+# the last is Qwen3.5-35B-A3B's expert (E cut to 10) at its group size
+INT4_SHAPES = [(1, 96, 37, 5, 3, 32, 8), (3, 80, 37, 5, 3, 16, 16), (1, 2048, 512, 10, 8, 128, 64)]
+
+
+def int4_inputs(T, H, I, E, k, G, dtype, seed):
+    """(x [T,H] in dtype, int4 w_gate, w_up, w_down_t (Int4Tensor [E,I,H], group G), ids [T,k], weights [T,k])."""
+    x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=seed)
+    return (x, *(quantize(w, group=G) for w in (wg, wu, wd)), ids, rw)
+
+
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "T{}_H{}_I{}_E{}_k{}_G{}".format(*s[:6]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_matches_reference(shape, dtype):
+    """Packed rows + per-group scales vs the reference on the exactly dequantized weights: dense (tau 0), ~20 %
+    kept, nothing kept; the same poisoned buffers and workspace every launch."""
+    T, H, I, E, k, G, bi = shape
+    x, qg, qu, qd, ids, rw = int4_inputs(T, H, I, E, k, G, dtype, seed=T * 100 + I)
+    exact = [w.dequantize(torch.float32) for w in (qg, qu, qd)]
+    ga = gate_abs(x, exact[0], ids)
+    out = torch.empty(T, H, device=DEV)
+    cnt = torch.empty(T, k, dtype=torch.int32, device=DEV)
+    for s in (0.0, 0.8, "all"):
+        tau = tau_for(ga, ids, s, E)
+        y_ref, c_ref = sparse_fused_ref(x, qg, qu, qd, ids, rw, tau)
+        if s == 0.0:  # the reference reads the int4 weights in fp32 exactly (not rounded to their dtype)
+            assert torch.equal(y_ref, sparse_fused_ref(x, *exact, ids, rw, tau)[0])
+        out.fill_(float("nan"))
+        cnt.fill_(-7)
+        y, c = sparse_fused(x, qg, qu, qd, ids, rw, tau, out, count=cnt, BLOCK_I=bi)
+        assert y is out and c is cnt and not torch.isnan(y).any()
+        assert torch.equal(c, c_ref), f"sparsity {s}"
+        if s == "all":
+            assert torch.count_nonzero(y) == 0 and torch.count_nonzero(c) == 0
+        else:
+            assert rel_err(y, y_ref) < 1e-5, f"sparsity {s}"
+            if s == 0.0:
+                assert torch.equal(c, torch.full_like(c, I))
+            else:
+                assert 0.15 <= float(c.sum()) / (T * k * I) <= 0.3
+
+
+def test_int4_modes():
+    """fp16 x through accumulate=True (pre-filled, twice), then the finalising tail with residual= into a bf16 out,
+    a caller workspace (left zeroed), kept_total and read_rows."""
+    T, H, I, E, k, G = 3, 96, 37, 5, 3, 32
+    x, qg, qu, qd, ids, rw = int4_inputs(T, H, I, E, k, G, torch.float16, seed=31)
+    tau = tau_for(gate_abs(x, qg.dequantize(torch.float32), ids), ids, 0.7, E)
+    y_ref, c_ref = sparse_fused_ref(x, qg, qu, qd, ids, rw, tau)
+    base = torch.randn(T, H, device=DEV)
+    out = base.clone()
+    cnt = torch.full((T, k), 5, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        sparse_fused(x, qg, qu, qd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8)
+    assert rel_err(out, base + 2 * y_ref) < 1e-5
+    assert torch.equal(cnt, 5 + 2 * c_ref)
+    res = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+    want = (res.float() + y_ref.to(torch.bfloat16).float()).to(torch.bfloat16)
+    ws = torch.zeros(T * H + T * k + T, dtype=torch.int32, device=DEV)
+    kept = torch.zeros(1, dtype=torch.int64, device=DEV)
+    rows = torch.zeros(1, dtype=torch.int64, device=DEV)
+    for launch in (1, 2):
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+        y, c = sparse_fused(x, qg, qu, qd, ids, rw, tau, out, residual=res, workspace=ws, kept_total=kept,
+                            read_rows=rows, BLOCK_I=16, num_warps=4)
+        assert y is out and torch.equal(c, c_ref)
+        assert rel_err(y.float() - res.float(), want.float() - res.float()) < 2e-2
+        assert int(ws.abs().sum()) == 0
+        assert int(kept) == launch * int(c_ref.sum())
+        assert int(rows) == launch * int((I + 2 * c_ref.long()).sum())
+
+
+def test_int4_reads_only_kept_rows():
+    """Scales and minimums of every row the reference drops set to NaN (all rows of unrouted experts, the gates'
+    too): a masked-off row must issue no load, or the NaN reaches y."""
+    T, H, I, E, k, G = 1, 80, 37, 5, 3, 16
+    x, qg, qu, qd, ids, rw = int4_inputs(T, H, I, E, k, G, torch.bfloat16, seed=37)
+    ga = gate_abs(x, qg.dequantize(torch.float32), ids)
+    tau = tau_for(ga, ids, 0.75, E)
+    y_ref, c_ref = sparse_fused_ref(x, qg, qu, qd, ids, rw, tau)
+    keep = ga >= tau[ids.long()].unsqueeze(-1)  # [T, k, I]
+    dropped = torch.ones(E, I, dtype=torch.bool, device=DEV)
+    dropped[ids[0].long()] = ~keep[0]
+    routed = torch.zeros(E, dtype=torch.bool, device=DEV)
+    routed[ids[0].long()] = True
+    for w, rows in ((qg, ~routed[:, None].expand(E, I)), (qu, dropped), (qd, dropped)):
+        w.scale[rows] = float("nan")
+        w.minimum[rows] = float("nan")
+    y, c = sparse_fused(x, qg, qu, qd, ids, rw, tau, BLOCK_I=8)
+    assert torch.equal(c, c_ref) and 0 < int(c.sum()) < k * I
+    assert not torch.isnan(y).any() and rel_err(y, y_ref) < 1e-5
+
+
+def test_int4_validation():
+    from localmoe.kernels.sparse_fused import SharedExpert
+
+    T, H, I, E, k, G = 1, 96, 37, 5, 3, 32
+    x, qg, qu, qd, ids, rw = int4_inputs(T, H, I, E, k, G, torch.float32, seed=3)
+    tau = torch.zeros(E, device=DEV)
+    plain = qu.dequantize()
+    with pytest.raises(ValueError, match="Int4Tensors"):
+        sparse_fused(x, qg, plain, qd, ids, rw, tau)
+    with pytest.raises(ValueError, match="Int4Tensors"):
+        sparse_fused(x, plain, plain, qd, ids, rw, tau)
+    with pytest.raises(ValueError, match="group"):
+        sparse_fused(x, qg, quantize(plain, group=16), qd, ids, rw, tau)
+    pools = [quantize(w.dequantize()[:2], group=G) for w in (qg, qu, qd)]
+    with pytest.raises(ValueError, match="slot_table"):
+        sparse_fused(x, qg, qu, qd, ids, rw, tau, slot_table=torch.tensor([0, -1, 1, -1, -1], device=DEV),
+                     pool_gate=pools[0], pool_up=pools[1], pool_down_t=pools[2])
+    shared = SharedExpert(plain[0], plain[0], plain[0], torch.ones(T, device=DEV))
+    with pytest.raises(ValueError, match="shared"):
+        sparse_fused(x, qg, qu, qd, ids, rw, tau, shared=shared)
+    wide = torch.zeros(E, I, H, dtype=torch.uint8, device=DEV)
+    bad = [
+        Int4Tensor(qg.packed.to(torch.int16), qg.scale, qg.minimum, qg.dtype),  # not uint8
+        Int4Tensor(wide[:, :, : H // 2], qg.scale, qg.minimum, qg.dtype),  # rows not contiguous
+        Int4Tensor(qg.packed[:, :-1], qg.scale, qg.minimum, qg.dtype),  # wrong I
+        Int4Tensor(qg.packed, qg.scale[:, :, :-1], qg.minimum[:, :, :-1], qg.dtype),  # G = 48: not a power of two
+        Int4Tensor(qg.packed, qg.scale, qg.minimum[:, :, :1], qg.dtype),  # minimum's shape is not scale's
+        Int4Tensor(qg.packed, qg.scale.transpose(1, 2).contiguous().transpose(1, 2), qg.minimum, qg.dtype),
+        Int4Tensor(qg.packed, qg.scale.to(torch.int32), qg.minimum, qg.dtype),
+    ]
+    for w in bad:
+        with pytest.raises(ValueError, match="w_gate"):
+            sparse_fused(x, w, qu, qd, ids, rw, tau)
+    with pytest.raises(ValueError, match="packed"):  # x's H is not the weights'
+        sparse_fused(x[:, :-2], qg, qu, qd, ids, rw, tau)
