@@ -103,6 +103,8 @@
 #         types): GPU graph tests, then chat turns resident and at --vram 24 (4 turns each)
 #   s11a: --experts int4: the tiny families' graph tokens against the dequantized model, bench at 35B shapes resident
 #         (0 and 85%), then int4 and full at 85% under --vram 24 (int4 all in VRAM, full offloaded)
+#   s11b: the dense path's dequantization as one Triton kernel (kernels/dequant_int4.py): its GPU tests and the int4
+#         module paths on CUDA, then the int4 bench again (prefill)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -585,4 +587,11 @@ if [[ $PART == s11a ]]; then
     grep -A7 "^family" "$OUT/tiny.log"
     grep -E "Error|error" "$OUT/tiny.log" "$OUT/resident.log" "$OUT/vram24.log" | head -5
     grep -E "note: VRAM|note: --experts|^engine|^localmoe|^qwen" "$OUT/resident.log" "$OUT/vram24.log"
+fi
+if [[ $PART == s11b ]]; then
+    step tests 150 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_dequant_int4.py tests/test_experts.py tests/test_quantize.py
+    step resident 200 python bench/int4_check.py --skip-tiny --bench resident
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
+    grep -E "Error|error" "$OUT/resident.log" | head -5
+    grep -E "^engine|^localmoe|^qwen" "$OUT/resident.log"
 fi

@@ -74,10 +74,19 @@ class Int4Tensor:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.minimum))
 
     def __getitem__(self, index) -> torch.Tensor:
-        return dequantize(self.packed[index], self.scale[index], self.minimum[index], self.dtype)
+        return _dequantize(self.packed[index], self.scale[index], self.minimum[index], self.dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.packed, self.scale, self.minimum, dtype or self.dtype)
+        return _dequantize(self.packed, self.scale, self.minimum, dtype or self.dtype)
+
+
+def _dequantize(packed, scale, minimum, dtype) -> torch.Tensor:
+    """`dequantize`, in one Triton launch on CUDA (kernels/dequant_int4.py: no fp32 temporaries of the span's size)."""
+    if packed.is_cuda:
+        from localmoe.kernels.dequant_int4 import dequant_int4
+
+        return dequant_int4(packed.contiguous(), scale.contiguous(), minimum.contiguous(), dtype)
+    return dequantize(packed, scale, minimum, dtype)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

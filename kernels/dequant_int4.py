@@ -1,0 +1,103 @@
+"""int4 experts back to the model's dtype on the device, for the dense (prefill, calibration) path.
+
+Owns `dequant_int4(packed, scale, minimum, dtype)` (Triton launcher), its torch reference `dequant_int4_ref`
+(= `localmoe.quantize.dequantize`, the format's definition) and the kernel `_dequant_kernel`. The dense path runs
+torch's grouped GEMMs on spans of dequantized experts (localmoe/experts.py `_grouped`); in torch the unpacking goes
+through several fp32 temporaries of the span's size, this kernel reads each byte and scale once and writes the
+output once. Grid: cdiv(R, BLOCK_R) programs over the R = n * I rows; each unpacks BLOCK_R rows of H/2 bytes into
+w[2j] = lo * scale + minimum, w[2j+1] = hi * scale + minimum (fp32, rounded once to `dtype`, as the reference).
+
+Shape legend: n experts, I expert width, H hidden, G group size, NG = H / G. packed [n, I, H/2] uint8, scale and
+minimum [n, I, NG] bf16 (any float), each contiguous -> [n, I, H] in `dtype`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.quantize import dequantize as dequant_int4_ref
+
+try:  # Triton is optional at import time; the launcher needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+    tl = None
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+__all__ = ["dequant_int4", "dequant_int4_ref"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel (the torch reference is imported above: localmoe.quantize.dequantize)
+# ----------------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _dequant_kernel(
+        p_ptr,  # [R, H/2] uint8, contiguous
+        s_ptr,  # [R, NG] scales, contiguous
+        m_ptr,  # [R, NG] minimums
+        o_ptr,  # [R, H] output, contiguous
+        R,
+        H2: tl.constexpr,  # H / 2 bytes per row
+        NG: tl.constexpr,
+        HALF_G: tl.constexpr,  # G / 2 bytes per group
+        BLOCK_R: tl.constexpr,
+        BLOCK_J: tl.constexpr,  # next power of two >= H2
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        j = tl.arange(0, BLOCK_J)  # [BLOCK_J] byte index in a row
+        rmask = rows < R
+        mask = rmask[:, None] & (j < H2)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        p = tl.load(p_ptr + r64 * H2 + j[None, :], mask=mask, other=0)
+        grp = r64 * NG + (j // HALF_G)[None, :]  # the group of bytes j (and of weights 2j, 2j+1)
+        s = tl.load(s_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+        lo = (p & 15).to(tl.float32) * s + m  # w[2j]
+        hi = (p >> 4).to(tl.float32) * s + m  # w[2j + 1]
+        w = tl.reshape(tl.join(lo, hi), [BLOCK_R, 2 * BLOCK_J])  # interleaved back: [.., 2j], [.., 2j + 1]
+        cols = tl.arange(0, 2 * BLOCK_J)
+        omask = rmask[:, None] & (cols < 2 * H2)[None, :]
+        tl.store(o_ptr + r64 * (2 * H2) + cols[None, :], w.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------------
+def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
+                 out: torch.Tensor | None = None, BLOCK_R: int = 4, num_warps: int = 4) -> torch.Tensor:
+    """[..., H/2] uint8 + [..., NG] scale / minimum -> [..., H] in `dtype` (bf16/fp16/fp32), one launch; `out`
+    (contiguous, that shape and dtype) to reuse a buffer."""
+    if triton is None:
+        raise RuntimeError("dequant_int4 needs triton")
+    if packed.dtype != torch.uint8 or packed.dim() < 1:
+        raise ValueError(f"packed must be uint8 [..., H/2], got {packed.dtype} {tuple(packed.shape)}")
+    lead, H2 = tuple(packed.shape[:-1]), packed.shape[-1]
+    NG = scale.shape[-1] if scale.dim() else 0
+    for name, t in (("scale", scale), ("minimum", minimum)):
+        if tuple(t.shape[:-1]) != lead or t.shape[-1] != NG or t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float {lead + (NG,)}, got {t.dtype} {tuple(t.shape)}")
+    if NG < 1 or (2 * H2) % NG or ((2 * H2 // NG) & (2 * H2 // NG - 1)) or 2 * H2 // NG < 2:
+        raise ValueError(f"H = {2 * H2} must split into {NG} groups of a power-of-two size >= 2")
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be bf16/fp16/fp32, got {dtype}")
+    tensors = (packed, scale, minimum)
+    if any(t.device != packed.device for t in tensors):
+        raise ValueError("packed, scale and minimum must share a device")
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("packed, scale and minimum must be contiguous")
+    shape = lead + (2 * H2,)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=packed.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device != packed.device:
+        raise ValueError(f"out must be contiguous {dtype} {shape} on {packed.device}")
+    R = packed.numel() // H2 if H2 else 0
+    if R == 0:
+        return out
+    BLOCK_J = triton.next_power_of_2(H2)
+    grid = (triton.cdiv(R, BLOCK_R),)
+    _dequant_kernel[grid](packed, scale, minimum, out, R, H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R,
+                          BLOCK_J=BLOCK_J, num_warps=num_warps)
+    return out
