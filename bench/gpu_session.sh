@@ -105,6 +105,8 @@
 #         (0 and 85%), then int4 and full at 85% under --vram 24 (int4 all in VRAM, full offloaded)
 #   s11b: the dense path's dequantization as one Triton kernel (kernels/dequant_int4.py): its GPU tests and the int4
 #         module paths on CUDA, then the int4 bench again (prefill)
+#   s11c: the closing figures with session 11's code: GPU tests of sparse_fused and the graph, the engine check + the
+#         bench vs transformers (the #6 table)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -594,4 +596,11 @@ if [[ $PART == s11b ]]; then
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
     grep -E "Error|error" "$OUT/resident.log" | head -5
     grep -E "^engine|^localmoe|^qwen" "$OUT/resident.log"
+fi
+if [[ $PART == s11c ]]; then
+    step tests 200 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_sparse_fused.py tests/test_graph.py
+    step engine 250 python bench/gpu_engine_check.py
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
+    grep -A7 "^family" "$OUT/engine.log"
+    grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
 fi

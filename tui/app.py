@@ -180,6 +180,8 @@ class ChatApp(CommandsMixin, App[int]):
             await self.show_session(last.id)
         else:
             device = f" on {self.engine.device}" if self.engine is not None and self.engine.device else ""
+            if getattr(self.engine, "experts_format", "full") == "int4":
+                device += " with 4-bit experts"
             await self.add_note(f"Chatting with `{self.model_label}`{device}. Type `/help` for commands.")
             if self.system:
                 await self.add_note(f"System prompt: {self.system}", role="system")
