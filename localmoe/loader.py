@@ -23,6 +23,7 @@ from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts import ExpertWeights, LocalExperts
 from localmoe.families import FAMILIES, PER_EXPERT_NAMES, FamilySpec, family_for_model_type, supported_families
+from localmoe.quantize import Int4Tensor
 
 
 @dataclass
@@ -292,6 +293,10 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
                     _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype, into=into)
                     files_store.done(prefix, shape)
                 mod.weights = into
+            elif experts_format == "int4":  # quantized expert by expert as read: VRAM never holds the layer in bf16
+                shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
+                into = ExpertWeights(*(Int4Tensor.empty(shape, dtype, device) for _ in range(3)))
+                mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype, into=into)
             else:
                 mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype,
                                                   host=host, pinned=pinned)
@@ -418,11 +423,11 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
         for e in range(E):
             gu = read(keys["gate_up_proj"], e)
             _check(prefix, "gate_up_proj", gu.shape, (2 * I, H))
-            w.w_gate[e].copy_(gu[:I])
-            w.w_up[e].copy_(gu[I:])
+            _put(w.w_gate, e, gu[:I])
+            _put(w.w_up, e, gu[I:])
             dn = read(keys["down_proj"], e)
             _check(prefix, "down_proj", dn.shape, (H, I))
-            w.w_down_t[e].copy_(dn.T)
+            _put(w.w_down_t, e, dn.T)
         return w
     for names in PER_EXPERT_NAMES.values():
         g_name, u_name, d_name = (f"0.{n}.weight" for n in names)
@@ -435,10 +440,18 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
                         raise RuntimeFailure(f"checkpoint lacks {prefix}.{e}.{n}.weight; re-download it with `localmoe pull`")
                     t = read(kf)
                     _check(prefix, f"{e}.{n}", t.shape, want)
-                    dst[e].copy_(t.T if transpose else t)
+                    _put(dst, e, t.T if transpose else t)
             return w
     found = ", ".join(sorted(keys)[:4]) or "nothing"
     raise RuntimeFailure(f"unrecognised expert layout under {prefix} (found {found}); this checkpoint layout is not supported")
+
+
+def _put(dst, e: int, rows: torch.Tensor) -> None:
+    """Expert e's [I, H] rows into a layer's stack: copied, or quantized into an Int4Tensor."""
+    if isinstance(dst, Int4Tensor):
+        dst.put(e, rows)
+    else:
+        dst[e].copy_(rows)
 
 
 def _check(prefix, name, got, want):

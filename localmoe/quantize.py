@@ -73,6 +73,22 @@ class Int4Tensor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.minimum))
 
+    @classmethod
+    def empty(cls, shape: tuple[int, int, int], dtype: torch.dtype, device) -> "Int4Tensor":
+        """Uninitialised storage for logical [E, I, H] weights (fill it with `put`)."""
+        E, I, H = shape
+        G = group_for(H)
+        scale = torch.empty((E, I, H // G), dtype=torch.bfloat16, device=device)
+        return cls(torch.empty((E, I, H // 2), dtype=torch.uint8, device=device), scale, torch.empty_like(scale), dtype)
+
+    def put(self, e: int, w: torch.Tensor) -> None:
+        """Quantize expert e's weights w [I, H] (any device) into place: a layer loads expert by expert without
+        holding it in the model's dtype."""
+        q = quantize(w.unsqueeze(0), group=self.group, device=self.device)
+        self.packed[e].copy_(q.packed[0])
+        self.scale[e].copy_(q.scale[0])
+        self.minimum[e].copy_(q.minimum[0])
+
     def __getitem__(self, index) -> torch.Tensor:
         return _dequantize(self.packed[index], self.scale[index], self.minimum[index], self.dtype)
 
@@ -100,18 +116,20 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     return w.flatten(-2).to(dtype)
 
 
-def quantize(w: torch.Tensor, group: int | None = None, chunk: int = 16) -> Int4Tensor:
-    """[E, I, H] float -> Int4Tensor (on w's device, `chunk` experts at a time to bound the fp32 temporaries)."""
+def quantize(w: torch.Tensor, group: int | None = None, chunk: int = 16, device=None) -> Int4Tensor:
+    """[E, I, H] float -> Int4Tensor on `device` (default w's), `chunk` experts at a time: the fp32 temporaries stay
+    small, and a layer staged in host memory crosses to the device a chunk at a time."""
     E, I, H = w.shape
     G = group or group_for(H)
     if H % G or G % 2:
         raise ValueError(f"group {G} does not divide hidden {H}")
-    packed = torch.empty((E, I, H // 2), dtype=torch.uint8, device=w.device)
-    scale = torch.empty((E, I, H // G), dtype=torch.bfloat16, device=w.device)
+    device = w.device if device is None else torch.device(device)
+    packed = torch.empty((E, I, H // 2), dtype=torch.uint8, device=device)
+    scale = torch.empty((E, I, H // G), dtype=torch.bfloat16, device=device)
     minimum = torch.empty_like(scale)
     for a in range(0, E, chunk):
         b = min(E, a + chunk)
-        x = w[a:b].float().unflatten(-1, (H // G, G))  # [n, I, NG, G]
+        x = w[a:b].to(device).float().unflatten(-1, (H // G, G))  # [n, I, NG, G]
         lo = x.amin(-1)
         m = lo.to(torch.bfloat16)
         s = ((x.amax(-1) - m.float()) / 15).to(torch.bfloat16)

@@ -103,7 +103,7 @@ def test_int4_sparse_reference():
     assert int(m.kept) == int(plain.kept) and 0 < int(m.kept) < 48
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "mixtral", "deepseek_v2"])
 def test_engine_int4_equals_dequantized_model(family):
     """`--experts int4`: ~4x smaller experts; greedy tokens at sparsity 0 and 0.5 equal those of the same model with
     the dequantized experts, whose thresholds (calibrated on the same values) are cached apart."""
@@ -147,6 +147,16 @@ def test_int4_is_never_offloaded(hub_cache):
     assert int4_hint(e4.loaded) is None
     with pytest.raises(UsageError, match="--experts must be one of full, int4"):
         load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int8")
+
+
+def test_put_quantizes_one_expert_in_place():
+    w = torch.randn(3, 4, 64)
+    dst = Int4Tensor.empty((3, 4, 64), torch.float32, "cpu")
+    for e in range(3):
+        dst.put(e, w[e])
+    ref = quantize(w)
+    assert torch.equal(dst.packed, ref.packed) and torch.equal(dst.scale, ref.scale)
+    assert torch.equal(dst.minimum, ref.minimum)
 
 
 def test_dequantize_matches_indexing():
