@@ -107,6 +107,8 @@
 #         module paths on CUDA, then the int4 bench again (prefill)
 #   s11c: the closing figures with session 11's code: GPU tests of sparse_fused and the graph, the engine check + the
 #         bench vs transformers (the #6 table)
+#   s11d: int4 loaded expert by expert (Int4Tensor.put): the tiny families' tokens again, and a 4-layer checkpoint at
+#         35B widths loaded int4 and full (time, VRAM peak during the load)
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -603,4 +605,11 @@ if [[ $PART == s11c ]]; then
     grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
     grep -A7 "^family" "$OUT/engine.log"
     grep -A4 "random weights) on" "$OUT/engine.log" | tail -5
+fi
+if [[ $PART == s11d ]]; then
+    step tiny 110 python bench/int4_check.py
+    step load 300 python bench/int4_load.py
+    grep -A7 "^family" "$OUT/tiny.log"
+    grep -E "Error|error" "$OUT/tiny.log" "$OUT/load.log" | head -5
+    grep -E "^saved|^int4|^full" "$OUT/load.log"
 fi
