@@ -109,6 +109,8 @@
 #         bench vs transformers (the #6 table)
 #   s11d: int4 loaded expert by expert (Int4Tensor.put): the tiny families' tokens again, and a 4-layer checkpoint at
 #         35B widths loaded int4 and full (time, VRAM peak during the load)
+#   s11e: int4 experts offloaded (int4 slots, int4 pinned master copies, the kernel's int4 direct reads): GPU kernel
+#         tests, the tiny families (offloaded int4 = resident int4), then int4 and full at 85% under --vram 16
 # Each step has its own time limit and log under $OUT; the last lines printed are the summary tables.
 ln -sfn ../kernels localmoe/kernels
 ln -sfn ../tui localmoe/tui
@@ -612,4 +614,13 @@ if [[ $PART == s11d ]]; then
     grep -A7 "^family" "$OUT/tiny.log"
     grep -E "Error|error" "$OUT/tiny.log" "$OUT/load.log" | head -5
     grep -E "^saved|^int4|^full" "$OUT/load.log"
+fi
+if [[ $PART == s11e ]]; then
+    step tiny 120 python bench/int4_check.py
+    step vram16 220 python bench/int4_check.py --skip-tiny --bench vram16
+    step tests 90 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider --tb=short tests/test_kernel_sparse_fused.py -k int4
+    grep -A7 "^family" "$OUT/tiny.log"
+    grep -E "Error|error" "$OUT/tiny.log" "$OUT/vram16.log" | head -5
+    grep -E "note: VRAM|^engine|^localmoe|^qwen" "$OUT/vram16.log"
+    grep -E "FAILED|passed|failed|^E " "$OUT/tests.log" | head -10
 fi

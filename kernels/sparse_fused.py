@@ -35,8 +35,11 @@ int4 experts (optional, `QUANT`): w_gate, w_up and w_down_t given as `Int4Tensor
 The program reads its BLOCK_I packed gate rows (one full-width load) and their scales; z_n = sum_g scale[n,g]
 (sum_{j in g} q x) + minimum[n,g] (sum_{j in g} x), so the gate has no per-element scale multiply. Kept up rows the
 same way; kept down rows are dequantized per element, weighted by h and summed into y as in the bf16 path (masked-off
-rows still issue no loads). Resident only (no slot_table / pools / gate_table) and no `shared=` (the caller runs the
-shared expert in kernels/moe_front.py); every other mode (accumulate, workspace, residual, stats) is the same.
+rows still issue no loads). Offload works as above with Int4Tensor pools beside Int4Tensor master copies: each program
+picks the packed base, the scale base and the minimum base of each projection together (pool slot or host master;
+the gate table for gates), each tensor with its own expert stride, so an absent expert's gate bytes + scales and its
+kept rows' bytes + scales cross PCIe. No `shared=` (the caller runs the shared expert in kernels/moe_front.py);
+every other mode (accumulate, workspace, residual, stats) is the same.
 
 One launch, fixed grid and output sizes, no host sync: CUDA-graph capturable (pass `out=`, `count=` and
 `workspace=` to keep every address fixed across replays).
@@ -52,7 +55,8 @@ Shape legend: T = tokens, k = experts per token, E = experts, I = expert width (
 G = int4 group size along H, NG = H / G groups per row, NG_P2 = next_pow2(NG).
 Weight layout (expert store contract): [E, I, H] (pools [S, I, H]) with rows contiguous (stride(2) == 1,
 stride(1) == H), any expert stride; w_down_t is W_down transposed (one neuron's down weights contiguous). int4: packed
-[E, I, H/2] and scale / minimum [E, I, NG], each with contiguous rows, any expert stride.
+[E, I, H/2] and scale / minimum [E, I, NG] (pools [S, I, H/2], [S, I, NG]), each with contiguous rows, any expert
+stride.
 """
 
 from __future__ import annotations
@@ -194,7 +198,7 @@ if triton is not None:
         wg_ptr,  # [E, I, H] resident weights, or the host master copies when OFFLOAD; QUANT: packed [E, I, H/2] uint8
         wu_ptr,  # [E, I, H]
         wd_ptr,  # [E, I, H] (W_down transposed)
-        pg_ptr,  # [S, I, H] device pool (OFFLOAD only; else any valid pointer)
+        pg_ptr,  # [S, I, H] device pool (OFFLOAD only; else any valid pointer); QUANT: packed [S, I, H/2] uint8
         pu_ptr,  # [S, I, H]
         pd_ptr,  # [S, I, H]
         slot_ptr,  # [E] int32/int64 expert -> slot, -1 absent (OFFLOAD only)
@@ -215,12 +219,19 @@ if triton is not None:
         swd_ptr,  # [I_S, H] shared expert down, transposed
         sw_ptr,  # [T] shared expert weight (sigmoid gate), any float
         res_ptr,  # [T, H] residual, contiguous, y's dtype (HAS_RES only)
-        gsc_ptr,  # [E, I, NG] gate scales, rows contiguous (QUANT only; wg/wu/wd are then packed [E, I, H/2] uint8)
+        gsc_ptr,  # [E, I, NG] gate scales, rows contiguous (QUANT only; wg/wu/wd are then packed [E, I, H/2] uint8;
+        #           OFFLOAD: the host masters' scales, like wg)
         gmn_ptr,  # [E, I, NG] gate minimums
         usc_ptr,  # [E, I, NG] up scales
         umn_ptr,  # [E, I, NG] up minimums
         dsc_ptr,  # [E, I, NG] down_t scales
         dmn_ptr,  # [E, I, NG] down_t minimums
+        pgsc_ptr,  # [Sg, I, NG] gate pool scales, rows contiguous (QUANT and OFFLOAD only; pg is then packed)
+        pgmn_ptr,  # [Sg, I, NG] gate pool minimums
+        pusc_ptr,  # [S, I, NG] up pool scales
+        pumn_ptr,  # [S, I, NG] up pool minimums
+        pdsc_ptr,  # [S, I, NG] down_t pool scales
+        pdmn_ptr,  # [S, I, NG] down_t pool minimums
         I,
         I_S,  # shared expert width (SHARED only)
         TK,  # T * k: programs pid_tj >= TK are the shared expert's (one per token)
@@ -238,6 +249,12 @@ if triton is not None:
         stride_umn,
         stride_dsc,
         stride_dmn,
+        stride_pgsc,  # expert (slot) strides of the six pool scale / minimum tensors (QUANT and OFFLOAD only)
+        stride_pgmn,
+        stride_pusc,
+        stride_pumn,
+        stride_pdsc,
+        stride_pdmn,
         H: tl.constexpr,
         H_P2: tl.constexpr,  # next power of two >= H: one full-width tile per program, no serial H loop
         BLOCK_I: tl.constexpr,
@@ -250,7 +267,7 @@ if triton is not None:
         READ_ROWS: tl.constexpr,
         SHARED: tl.constexpr,
         HAS_RES: tl.constexpr,
-        QUANT: tl.constexpr,  # int4 weights: packed [E, I, H/2] bytes + per-group scale / minimum (no OFFLOAD/SHARED)
+        QUANT: tl.constexpr,  # int4 weights: packed [E, I, H/2] bytes + per-group scale / minimum (no SHARED)
         G: tl.constexpr,  # QUANT: group size along H, a power of two
         NG_P2: tl.constexpr,  # QUANT: next power of two >= NG = H / G
         PDL: tl.constexpr,
@@ -280,6 +297,19 @@ if triton is not None:
                 g_base = tl.where(res, pg_ptr + s * stride_pge, wg_ptr + e * stride_ge)
             u_base = tl.where(res, pu_ptr + s * stride_pue, wu_ptr + e * stride_ue)
             d_base = tl.where(res, pd_ptr + s * stride_pde, wd_ptr + e * stride_de)
+            if QUANT:  # int4: each row's scales and minimums live where its packed bytes do (same slot choice)
+                if GATE_TABLE:
+                    g_res = gs >= 0
+                    g_s = tl.maximum(gs, 0)
+                else:
+                    g_res = res
+                    g_s = s
+                g_sc = tl.where(g_res, pgsc_ptr + g_s * stride_pgsc, gsc_ptr + e * stride_gsc)
+                g_mn = tl.where(g_res, pgmn_ptr + g_s * stride_pgmn, gmn_ptr + e * stride_gmn)
+                u_sc = tl.where(res, pusc_ptr + s * stride_pusc, usc_ptr + e * stride_usc)
+                u_mn = tl.where(res, pumn_ptr + s * stride_pumn, umn_ptr + e * stride_umn)
+                d_sc = tl.where(res, pdsc_ptr + s * stride_pdsc, dsc_ptr + e * stride_dsc)
+                d_mn = tl.where(res, pdmn_ptr + s * stride_pdmn, dmn_ptr + e * stride_dmn)
         else:
             g_base = wg_ptr + e * stride_ge
             u_base = wu_ptr + e * stride_ue
@@ -295,7 +325,7 @@ if triton is not None:
         cols = tl.arange(0, H_P2)  # [H_P2]
         cmask = cols < H
         if QUANT:
-            tl.static_assert(not (OFFLOAD or SHARED), "int4 weights: no offload, no shared expert")
+            tl.static_assert(not SHARED, "int4 weights: no shared expert")
             NG = H // G  # groups per row (constexpr)
             gi = tl.arange(0, NG_P2)  # [NG_P2] group
             ji = tl.arange(0, G // 2)  # [G/2] byte within the group
@@ -309,8 +339,10 @@ if triton is not None:
             xe, xo = tl.split(tl.reshape(xg, [NG_P2, G // 2, 2]))  # x[2j], x[2j + 1] of each group: [NG_P2, G/2]
             pg = tl.load(g_base + poff, mask=rmask[:, None, None] & gm[None, :, None], other=0)
             sm = rmask[:, None] & gm[None, :]
-            sg = tl.load(gsc_ptr + e * stride_gsc + soff, mask=sm, other=0.0)
-            mg = tl.load(gmn_ptr + e * stride_gmn + soff, mask=sm, other=0.0)
+            # scale / minimum bases: OFFLOAD's per-program choice above, else the resident tensors at e (a constexpr
+            # choice: only the taken side is compiled)
+            sg = tl.load((g_sc if OFFLOAD else gsc_ptr + e * stride_gsc) + soff, mask=sm, other=0.0)
+            mg = tl.load((g_mn if OFFLOAD else gmn_ptr + e * stride_gmn) + soff, mask=sm, other=0.0)
         else:
             roff = rows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_I, H_P2]
             # ---- gate GEMV for BLOCK_I neurons (the only dense read) ----
@@ -343,10 +375,10 @@ if triton is not None:
                 # every tile issued before any arithmetic: one memory round trip for the kept bytes and scales
                 pu = tl.load(u_base + poff, mask=mk, other=0)
                 pd = tl.load(d_base + poff, mask=mk, other=0)
-                su = tl.load(usc_ptr + e * stride_usc + soff, mask=ks, other=0.0)
-                mu = tl.load(umn_ptr + e * stride_umn + soff, mask=ks, other=0.0)
-                sd = tl.load(dsc_ptr + e * stride_dsc + soff, mask=ks, other=0.0)
-                md = tl.load(dmn_ptr + e * stride_dmn + soff, mask=ks, other=0.0)
+                su = tl.load((u_sc if OFFLOAD else usc_ptr + e * stride_usc) + soff, mask=ks, other=0.0)
+                mu = tl.load((u_mn if OFFLOAD else umn_ptr + e * stride_umn) + soff, mask=ks, other=0.0)
+                sd = tl.load((d_sc if OFFLOAD else dsc_ptr + e * stride_dsc) + soff, mask=ks, other=0.0)
+                md = tl.load((d_mn if OFFLOAD else dmn_ptr + e * stride_dmn) + soff, mask=ks, other=0.0)
                 h = tl.sum(su.to(tl.float32) * int4_group_dots(pu, xe, xo) + mu.to(tl.float32) * xs[None, :],
                            axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
                 ce, co = int4_weighted_rows(pd, sd.to(tl.float32), md.to(tl.float32), h)  # [NG_P2, G/2] each
@@ -477,8 +509,11 @@ def sparse_fused(
       by T more programs; `residual` ([T,H] in out's dtype, contiguous) makes y = residual + the block's output.
 
     * int4 experts: w_gate, w_up and w_down_t all `Int4Tensor` (logically [E,I,H]; packed [E,I,H/2] uint8 and
-      scale / minimum [E,I,H/G] float, rows contiguous, one power-of-two G for the three) on x's device. Not with
-      offload (slot_table / pools / gate_table / host_rows) nor `shared=`; everything else as above.
+      scale / minimum [E,I,H/G] float, rows contiguous, one power-of-two G for the three) on x's device. With
+      offload the pools are Int4Tensors too (logically [S,I,H], pool_gate [Sg,I,H] with gate_table) on x's device,
+      with their masters' group size and scale / minimum dtypes, any expert stride per part; the masters (each part)
+      on x's device or in host memory (pinned when x is on CUDA). host_rows still counts rows (an int4 row: H/2
+      bytes + its H/G scales and H/G minimums). Not with `shared=`; everything else as above.
 
     Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable. `maxnreg` caps the
     registers per thread (more programs resident per SM; a tuned launch parameter like BLOCK_I and num_warps).
@@ -497,13 +532,11 @@ def sparse_fused(
                          "or not at all")
     masters = (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t))
     if quant:
-        if offload:
-            raise ValueError("int4 experts (Int4Tensor weights) are read resident only: not with slot_table / pools")
         if shared is not None:
             raise ValueError("int4 experts (Int4Tensor weights): not with shared= (run the shared expert in "
                              "moe_front, its sums go into the workspace)")
         for name, w in masters:
-            _check_int4(name, w, E, I, H, dev)
+            _check_int4(name, w, E, I, H, dev, allow_host=offload)
         if len({w.group for _, w in masters}) != 1:
             raise ValueError(f"w_gate, w_up and w_down_t must share one group size, got "
                              f"{[w.group for _, w in masters]}")
@@ -516,20 +549,39 @@ def sparse_fused(
                              f"{tuple(slot_table.shape)}")
         if slot_table.device != dev:
             raise ValueError(f"slot_table is on {slot_table.device}, x is on {dev}")
-        if pool_gate.dim() != 3:
-            raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pool_gate.shape)}")
-        S = pool_up.shape[0] if pool_up.dim() == 3 else 0
-        Sg = pool_gate.shape[0] if gate_table is not None else S
+        pool_names = ("pool_gate", "pool_up", "pool_down_t")
+        for pname, p in zip(pool_names, pools):
+            if isinstance(p, Int4Tensor) != quant:
+                raise ValueError(f"{pname} is {'an Int4Tensor' if not quant else 'a plain tensor'} but the master "
+                                 f"copies are {'Int4Tensors' if quant else 'plain tensors'}: pools and masters "
+                                 f"must share one format (int4 or not)")
+        pt = [p.packed if quant else p for p in pools]  # int4: the packed bytes carry the [S, I, H/2] shape
+        if pt[0].dim() != 3:
+            raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pt[0].shape)}")
+        S = pt[1].shape[0] if pt[1].dim() == 3 else 0
+        Sg = pt[0].shape[0] if gate_table is not None else S
         if S < 1 or Sg < 1:
             raise ValueError("the pools need at least one slot")
         if gate_table is not None and (gate_table.dim() != 1 or gate_table.shape[0] != E
                                        or gate_table.dtype not in _INT_DTYPES or gate_table.device != dev):
             raise ValueError(f"gate_table must be int32/int64 [E] = [{E}] on {dev}, got {gate_table.dtype} "
                              f"{tuple(gate_table.shape)} on {gate_table.device}")
-        for (name, w), pname, p, n in zip(masters, ("pool_gate", "pool_up", "pool_down_t"), pools, (Sg, S, S)):
-            expert_weights(pname, p, n, I, H, dev)
-            if p.dtype != w.dtype:
-                raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a dtype")
+        for (name, w), pname, p, n in zip(masters, pool_names, pools, (Sg, S, S)):
+            if not quant:
+                expert_weights(pname, p, n, I, H, dev)
+                if p.dtype != w.dtype:
+                    raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a "
+                                     f"dtype")
+                continue
+            _check_int4(pname, p, n, I, H, dev)  # the pools live on x's device
+            if p.group != w.group:
+                raise ValueError(f"{pname} has group size {p.group}, its master copy {name} {w.group}: they must "
+                                 f"share one")
+            for part in ("scale", "minimum"):  # the kernel picks pool or master per program: one element type
+                pdt, mdt = getattr(p, part).dtype, getattr(w, part).dtype
+                if pdt != mdt:
+                    raise ValueError(f"{pname}.{part} ({pdt}) and its master copy {name}.{part} ({mdt}) must share a "
+                                     f"dtype")
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
         raise ValueError(f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} "
                          f"{tuple(expert_ids.shape)}")
@@ -602,10 +654,10 @@ def sparse_fused(
         return _HostPointer(w) if cuda and w.device.type == "cpu" else w
 
     if quant:  # the packed bytes take the weights' place; scale / minimum pointers and expert strides beside them
-        wg, wu, wd = (w.packed for _, w in masters)
+        wg, wu, wd = (ptr(w.packed) for _, w in masters)
         es = [w.packed.stride(0) for _, w in masters]
-        qt = [t for _, w in masters for t in (w.scale, w.minimum)]
-        qs = [t.stride(0) for t in qt]
+        qt = [ptr(t) for _, w in masters for t in (w.scale, w.minimum)]
+        qs = [t.stride(0) for _, w in masters for t in (w.scale, w.minimum)]
         G = w_gate.group
         ng_p2 = triton.next_power_of_2(H // G)
     else:
@@ -613,18 +665,24 @@ def sparse_fused(
         es = [w.stride(0) for _, w in masters]
         qt, qs, G, ng_p2 = [wg, wg, wu, wu, wd, wd], [0] * 6, 2, 1  # dummies, never read
     if offload:
-        pg, pu, pd, st = pool_gate, pool_up, pool_down_t, slot_table
-        sp = (pool_gate.stride(0), pool_up.stride(0), pool_down_t.stride(0))
+        pg, pu, pd = pt
+        st = slot_table
+        sp = [p.stride(0) for p in pt]
     else:  # dummies, never read
         pg, pu, pd, st = wg, wu, wd, expert_ids
         sp = (0, 0, 0)
+    if quant and offload:  # the pools' scale / minimum pointers and slot strides
+        pqt = [t for p in pools for t in (p.scale, p.minimum)]
+        pqs = [t.stride(0) for t in pqt]
+    else:  # dummies, never read
+        pqt, pqs = qt, [0] * 6
     sh = shared if shared is not None else SharedExpert(wg, wu, wd, weights)  # dummies, never read
     _sparse_fused_kernel[(T * k + (T if shared is not None else 0), npi)](
         x, wg, wu, wd, pg, pu, pd, st, expert_ids.contiguous(), weights.contiguous(), tau, out, count,
         acc, cws, tick, kept_total if kept_total is not None else count,
         host_rows if host_rows is not None else count, gate_table if gate_table is not None else st,
         read_rows if read_rows is not None else count, sh.w_gate, sh.w_up, sh.w_down_t, sh.weight,
-        residual if residual is not None else out, *qt, I, I_s, T * k, k, x.stride(0), *es, *sp, *qs,
+        residual if residual is not None else out, *qt, *pqt, I, I_s, T * k, k, x.stride(0), *es, *sp, *qs, *pqs,
         H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
         HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
@@ -644,9 +702,11 @@ def _int4_mode(w_gate, w_up, w_down_t) -> bool:
     return all(q)
 
 
-def _check_int4(name: str, w: Int4Tensor, E: int, I: int, H: int, device) -> None:
+def _check_int4(name: str, w: Int4Tensor, E: int, I: int, H: int, device, *, allow_host: bool = False) -> None:
     """w must be logically [E, I, H]: packed [E, I, H/2] uint8 with contiguous rows, scale and minimum [E, I, NG]
-    float with contiguous rows (any expert strides), NG = H / G for a power-of-two group G; all on `device`."""
+    float with contiguous rows (any expert strides), NG = H / G for a power-of-two group G; all on `device` — or,
+    with `allow_host` (offload master copies), in host memory, pinned when `device` is CUDA (the rule of
+    kernels/checks.py `expert_weights`)."""
     p = w.packed
     if p.dim() != 3 or H % 2 or tuple(p.shape) != (E, I, H // 2):
         raise ValueError(f"{name}.packed must have shape {(E, I, H // 2)} (logical [E, I, H] = {(E, I, H)}), got "
@@ -668,8 +728,13 @@ def _check_int4(name: str, w: Int4Tensor, E: int, I: int, H: int, device) -> Non
             raise ValueError(f"{name}.{part} rows must be contiguous (stride(2) == 1, stride(1) == H/G); got strides "
                              f"{s.stride()}")
     for part, t in (("packed", p), ("scale", w.scale), ("minimum", w.minimum)):
-        if t.device != device:
+        if t.device == device:
+            continue
+        if not (allow_host and t.device.type == "cpu"):
             raise ValueError(f"{name}.{part} is on {t.device}, x is on {device}: all inputs must share a device")
+        if device.type == "cuda" and not t.is_pinned():
+            raise ValueError(f"{name}.{part} is a host master copy in pageable memory: the GPU can read only pinned "
+                             f"host memory (torch.empty(..., pin_memory=True))")
 
 
 def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:

@@ -135,7 +135,7 @@ def _units(model) -> dict[str, int]:
 
 def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None,
                  fmt: str = "full"):
-    """The VRAM plan for `vram_bytes`; `fmt` "int4" (4-bit experts) must fit whole: a UsageError otherwise."""
+    """The VRAM plan for `vram_bytes`, with experts of format `fmt` ("full" or "int4")."""
     from localmoe import placement
     from localmoe.quantize import expert_bytes as int4_expert_bytes
 
@@ -156,10 +156,6 @@ def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, cont
                           state=placement.state_bytes(text_config, context, dtype), expert_bytes=expert_bytes,
                           total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
                           largest_module_bytes=largest)
-    if fmt == "int4" and budget.offloading:
-        need = budget.total_experts * expert_bytes + non_expert + budget.state_bytes + placement.WORKSPACE_RESERVE
-        raise UsageError(f"int4 experts are not offloaded and need {need / 2**30:.2f} GiB of VRAM, the budget is "
-                         f"{vram_bytes / 2**30:.2f} GiB: raise --vram, or use --experts full (offloads them)")
     warning = placement.host_ram_notice(budget, placement.available_ram())
     if warning and on_notice:
         on_notice(warning)
@@ -172,7 +168,7 @@ def int4_hint(loaded: LoadedModel) -> str | None:
     from localmoe.quantize import expert_bytes
 
     plan, m = loaded.offload, loaded.experts[0]
-    if plan is None or not plan.offloading:
+    if plan is None or not plan.offloading or m.weights.int4:
         return None
     try:
         need = (plan.non_expert_bytes + plan.state_bytes + WORKSPACE_RESERVE
@@ -224,7 +220,7 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     """Build the model from the checkpoint at `path`. Offloaded experts' master copies go to pinned host memory, or
     with `host_storage` "mmap" (or "auto" when the RAM cannot hold them) to memory-mapped files (`localmoe.store`,
     keyed by `store_key` = (model name, revision)) that later loads map without reading the checkpoint.
-    `experts_format` "int4": each layer's routed experts are quantized on the device as they load (never offloaded)."""
+    `experts_format` "int4": each layer's routed experts are quantized on the device as they load."""
     from accelerate.utils import set_module_tensor_to_device
 
     if host_storage not in HOST_STORAGE:
@@ -241,7 +237,11 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     pinned = [device.type == "cuda"]  # cleared when pinning fails
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     files = shard_files(path)
-    files_store = _expert_files(host, host_storage, budget, store_key or (str(path), "local"), files, dtype, on_notice)
+    if experts_format == "int4" and host and host_storage == "mmap":
+        raise UsageError("--host-storage mmap keeps full-precision experts; int4 master copies live in host memory: "
+                         "drop --host-storage mmap (or use --experts full)")
+    files_store = (None if experts_format == "int4" else
+                   _expert_files(host, host_storage, budget, store_key or (str(path), "local"), files, dtype, on_notice))
     if files_store is not None:
         pinned[0] = False
 
@@ -293,15 +293,14 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
                     _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype, into=into)
                     files_store.done(prefix, shape)
                 mod.weights = into
-            elif experts_format == "int4":  # quantized expert by expert as read: VRAM never holds the layer in bf16
+            elif experts_format == "int4":  # quantized on the device expert by expert as read (VRAM never holds
+                # the layer in bf16), kept there or, offloaded, in host memory (pinned when possible)
                 shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
-                into = ExpertWeights(*(Int4Tensor.empty(shape, dtype, device) for _ in range(3)))
+                into = ExpertWeights(*(_int4_storage(shape, dtype, device, host, pinned) for _ in range(3)))
                 mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype, into=into)
             else:
                 mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype,
                                                   host=host, pinned=pinned)
-                if experts_format == "int4":  # the layer in the model dtype is freed once quantized
-                    mod.weights = mod.weights.to_int4()
             done += mod.num_experts
             if progress:
                 progress("load", done, total)
@@ -384,7 +383,7 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     loaded.cache = None  # the old pools go before the new ones are allocated
     gates, slots = placement.gate_tier_split(loaded.offload) if miss == "direct" and gate_tier else (0, loaded.offload.slots)
     cache = offload.ExpertCache(slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device,
-                                mode=miss, gate_slots=gates)
+                                mode=miss, gate_slots=gates, int4=m0.weights.int4)
     for m in loaded.experts:
         cache.add_layer(m.layer_idx, m.weights)
         m.cache = cache
@@ -423,11 +422,11 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
         for e in range(E):
             gu = read(keys["gate_up_proj"], e)
             _check(prefix, "gate_up_proj", gu.shape, (2 * I, H))
-            _put(w.w_gate, e, gu[:I])
-            _put(w.w_up, e, gu[I:])
+            _put(w.w_gate, e, gu[:I], device)
+            _put(w.w_up, e, gu[I:], device)
             dn = read(keys["down_proj"], e)
             _check(prefix, "down_proj", dn.shape, (H, I))
-            _put(w.w_down_t, e, dn.T)
+            _put(w.w_down_t, e, dn.T, device)
         return w
     for names in PER_EXPERT_NAMES.values():
         g_name, u_name, d_name = (f"0.{n}.weight" for n in names)
@@ -440,18 +439,32 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
                         raise RuntimeFailure(f"checkpoint lacks {prefix}.{e}.{n}.weight; re-download it with `localmoe pull`")
                     t = read(kf)
                     _check(prefix, f"{e}.{n}", t.shape, want)
-                    _put(dst, e, t.T if transpose else t)
+                    _put(dst, e, t.T if transpose else t, device)
             return w
     found = ", ".join(sorted(keys)[:4]) or "nothing"
     raise RuntimeFailure(f"unrecognised expert layout under {prefix} (found {found}); this checkpoint layout is not supported")
 
 
-def _put(dst, e: int, rows: torch.Tensor) -> None:
-    """Expert e's [I, H] rows into a layer's stack: copied, or quantized into an Int4Tensor."""
+def _put(dst, e: int, rows: torch.Tensor, device) -> None:
+    """Expert e's [I, H] rows into a layer's stack: copied, or quantized on `device` into an Int4Tensor."""
     if isinstance(dst, Int4Tensor):
-        dst.put(e, rows)
+        dst.put(e, rows, work_device=device)
     else:
         dst[e].copy_(rows)
+
+
+def _int4_storage(shape, dtype, device, host: bool, pinned: list) -> Int4Tensor:
+    """An empty int4 stack [E, I, H] on the device, or offloaded in host memory (pinned while pinning works)."""
+    if not host:
+        return Int4Tensor.empty(shape, dtype, device)
+    from localmoe.placement import host_buffer
+
+    def alloc(part_shape, part_dtype):
+        t, ok = host_buffer(part_shape, part_dtype, pin=pinned[0])
+        pinned[0] = pinned[0] and ok
+        return t
+
+    return Int4Tensor.empty(shape, dtype, "cpu", alloc=alloc)
 
 
 def _check(prefix, name, got, want):

@@ -26,6 +26,7 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.experts import ExpertWeights
+from localmoe.quantize import Int4Tensor, copy_expert, row_bytes
 
 MISS_MODES = ("copy", "direct", "cpu")
 ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (bounds the copy time per token)
@@ -36,7 +37,7 @@ class ExpertCache:
 
     def __init__(self, slots: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
                  mode: str = "copy", admit_per_step: int = ADMIT_PER_STEP, background: bool = False,
-                 gate_slots: int = 0):
+                 gate_slots: int = 0, int4: bool = False):
         E, I, H = shape
         if mode not in MISS_MODES:
             raise UsageError(f"offload miss mode must be one of {', '.join(MISS_MODES)}, got {mode!r}")
@@ -44,7 +45,7 @@ class ExpertCache:
             raise ValueError("a separate gate tier needs direct misses (the fused kernel reads gates and up/down "
                              "from different places)")
         self.mode, self.admit_per_step = mode, admit_per_step
-        self.row_bytes = H * (torch.finfo(dtype).bits // 8)
+        self.row_bytes = row_bytes(H, dtype, int4)  # one neuron's row of one projection
         self.width = I
         self.slots, self.num_experts = slots, E
         # gate tier (direct mode): `gate_slots` gates live in their own pool, placed once (`place_gates`), and the
@@ -53,10 +54,10 @@ class ExpertCache:
         self.gate_slots = gate_slots
         parts = 2 if gate_slots else 3
         n = max(slots, 1)  # the fused kernel needs a pool to point at even when every up/down row is on the host
-        self.pool = ExpertWeights(
-            torch.empty((gate_slots if gate_slots else n, I, H), dtype=dtype, device=device),
-            torch.empty((n, I, H), dtype=dtype, device=device), torch.empty((n, I, H), dtype=dtype, device=device))
-        self.expert_bytes = parts * I * H * (torch.finfo(dtype).bits // 8)  # one admission
+        make = ((lambda m: Int4Tensor.empty((m, I, H), dtype, device)) if int4  # int4 experts: int4 slots
+                else (lambda m: torch.empty((m, I, H), dtype=dtype, device=device)))
+        self.pool = ExpertWeights(make(gate_slots if gate_slots else n), make(n), make(n))
+        self.expert_bytes = parts * I * self.row_bytes  # one admission
         self.device = device
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
         self.free = list(range(slots - 1, -1, -1))
@@ -101,7 +102,7 @@ class ExpertCache:
             slot = kept.get((layer, e))
             if slot is None:
                 slot = free.pop()
-                self.pool.w_gate[slot].copy_(self.masters[layer].w_gate[e], non_blocking=True)
+                copy_expert(self.pool.w_gate, slot, self.masters[layer].w_gate, e, non_blocking=True)
                 self.copied_bytes += self.row_bytes * self.width
             rows[layer][e] = slot
         for layer, t in self.gate_tables.items():  # same tensors: a captured CUDA graph keeps reading them
@@ -121,6 +122,8 @@ class ExpertCache:
             if slot >= 0:
                 return pool[slot]
             self.copied_bytes += self.row_bytes * self.width
+            if isinstance(master, Int4Tensor):
+                return master.expert_on(e, self.device)
             return master[e].to(self.device, non_blocking=True)
 
         key = (layer, e)
@@ -209,7 +212,7 @@ class ExpertCache:
             else:
                 src, dst = self.masters[layer], self.pool
                 for name in self._parts():
-                    getattr(dst, name)[slot].copy_(getattr(src, name)[e], non_blocking=True)
+                    copy_expert(getattr(dst, name), slot, getattr(src, name), e, non_blocking=True)
                 self.tables[layer][e] = slot
             self.copied_bytes += self.expert_bytes
             self.lru[key] = slot
@@ -220,14 +223,14 @@ class ExpertCache:
         pairs = [(getattr(dst, name), getattr(src, name)) for name in self._parts()]
         if self.pool.w_gate.device.type != "cuda":  # no streams: copy now, the table still flips a step later
             for a, b in pairs:
-                a[slot].copy_(b[e])
+                copy_expert(a, slot, b, e)
             return None
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.pool.w_gate.device)
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.pool.w_gate.device))
         with torch.cuda.stream(self._copy_stream):
             for a, b in pairs:
-                a[slot].copy_(b[e], non_blocking=True)
+                copy_expert(a, slot, b, e, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
         return ev

@@ -40,7 +40,7 @@ def group_for(hidden: int) -> int:
 
 def expert_bytes(intermediate: int, hidden: int) -> int:
     """Bytes of one expert (gate, up, down) in this format."""
-    return 3 * intermediate * (hidden // 2 + 4 * (hidden // group_for(hidden)))
+    return 3 * intermediate * row_bytes(hidden, torch.uint8, True)
 
 
 @dataclass(frozen=True)
@@ -74,26 +74,49 @@ class Int4Tensor:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.minimum))
 
     @classmethod
-    def empty(cls, shape: tuple[int, int, int], dtype: torch.dtype, device) -> "Int4Tensor":
-        """Uninitialised storage for logical [E, I, H] weights (fill it with `put`)."""
+    def empty(cls, shape: tuple[int, int, int], dtype: torch.dtype, device, alloc=None) -> "Int4Tensor":
+        """Uninitialised storage for logical [E, I, H] weights (fill it with `put`); `alloc(shape, dtype)` makes
+        each part instead of torch.empty on `device` (e.g. pinned host memory)."""
         E, I, H = shape
-        G = group_for(H)
-        scale = torch.empty((E, I, H // G), dtype=torch.bfloat16, device=device)
-        return cls(torch.empty((E, I, H // 2), dtype=torch.uint8, device=device), scale, torch.empty_like(scale), dtype)
+        NG = H // group_for(H)
+        alloc = alloc or (lambda s, dt: torch.empty(s, dtype=dt, device=device))
+        return cls(alloc((E, I, H // 2), torch.uint8), alloc((E, I, NG), torch.bfloat16),
+                   alloc((E, I, NG), torch.bfloat16), dtype)
 
-    def put(self, e: int, w: torch.Tensor) -> None:
-        """Quantize expert e's weights w [I, H] (any device) into place: a layer loads expert by expert without
-        holding it in the model's dtype."""
-        q = quantize(w.unsqueeze(0), group=self.group, device=self.device)
-        self.packed[e].copy_(q.packed[0])
-        self.scale[e].copy_(q.scale[0])
-        self.minimum[e].copy_(q.minimum[0])
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.packed, self.scale, self.minimum
+
+    def put(self, e: int, w: torch.Tensor, work_device=None) -> None:
+        """Quantize expert e's weights w [I, H] (any device) into place, on `work_device` (default: where this
+        lives): a layer loads expert by expert without holding it in the model's dtype."""
+        q = quantize(w.unsqueeze(0), group=self.group, device=work_device or self.device)
+        for dst, src in zip(self.parts(), q.parts()):
+            dst[e].copy_(src[0])
+
+    def expert_on(self, e: int, device) -> torch.Tensor:
+        """Expert e dequantized [I, H] on `device` (the packed bytes cross, not the model-dtype weights)."""
+        return _dequantize(*(t[e].to(device, non_blocking=True) for t in self.parts()), self.dtype)
 
     def __getitem__(self, index) -> torch.Tensor:
         return _dequantize(self.packed[index], self.scale[index], self.minimum[index], self.dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return _dequantize(self.packed, self.scale, self.minimum, dtype or self.dtype)
+
+
+def copy_expert(dst, i: int, src, j: int, non_blocking: bool = False) -> None:
+    """dst[i] = src[j] for weight stacks of one format: plain tensors, or Int4Tensors part by part (indexing an
+    Int4Tensor dequantizes, so a copy must not go through it)."""
+    if isinstance(dst, Int4Tensor):
+        for d, s in zip(dst.parts(), src.parts()):
+            d[i].copy_(s[j], non_blocking=non_blocking)
+    else:
+        dst[i].copy_(src[j], non_blocking=non_blocking)
+
+
+def row_bytes(hidden: int, dtype: torch.dtype, int4: bool) -> int:
+    """Bytes of one neuron's row of one projection (scales included for int4)."""
+    return hidden // 2 + 4 * (hidden // group_for(hidden)) if int4 else hidden * (torch.finfo(dtype).bits // 8)
 
 
 def _dequantize(packed, scale, minimum, dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts import ExpertWeights, LocalExperts
 from localmoe.families import family_for_model_type, supported_families
+from localmoe.quantize import Int4Tensor, quantize
 from localmoe.loader import (LoadedModel, attach_cache, build_skeleton, check_format, device_of, dispatch_spilled,
                              install_fused, place_non_experts, plan_offload, swap_experts)
 
@@ -68,6 +69,23 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
     return t.normal_(0.0, 0.02, generator=gen)
 
 
+def _host_copy(t, pinned: list):
+    """A master copy of t (a tensor or an Int4Tensor) in host memory, pinned while pinning works."""
+    from localmoe.placement import host_buffer
+
+    def alloc(shape, dtype):
+        buf, ok = host_buffer(shape, dtype, pin=pinned[0])
+        pinned[0] = pinned[0] and ok
+        return buf
+
+    if isinstance(t, Int4Tensor):
+        h = Int4Tensor.empty(t.shape, t.dtype, "cpu", alloc=alloc)
+        for dst, src in zip(h.parts(), t.parts()):
+            dst.copy_(src)
+        return h
+    return alloc(tuple(t.shape), t.dtype).copy_(t)
+
+
 def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
                  offload_miss: str = "auto", routing: str = "uniform", on_notice=None,
@@ -101,22 +119,16 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
     for name, buf in model.named_buffers():
         if buf.device != device_of(name, dmap, device):
             set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=buf)
-    pinned = device.type == "cuda"
+    pinned = [device.type == "cuda"]
     for mod in experts.values():
         shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
         mats = []
         for _ in range(3):
             t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-            if host:  # master copy in host memory (drawn on the device for speed, then moved)
-                from localmoe.placement import host_buffer
-
-                buf, ok = host_buffer(shape, dtype, pin=pinned)
-                pinned = pinned and ok
-                t = buf.copy_(t)
-            mats.append(t)
+            if experts_format == "int4":  # quantized on the device
+                t = quantize(t)
+            mats.append(_host_copy(t, pinned) if host else t)  # offloaded: drawn on the device, then moved
         mod.weights = ExpertWeights(*mats)
-        if experts_format == "int4":
-            mod.weights = mod.weights.to_int4()
     model.eval()
     model.requires_grad_(False)
     if fused and not dmap:
@@ -124,5 +136,5 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
     dispatch_spilled(model, dmap, device)
     loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
     if host:
-        attach_cache(loaded, dtype, device, pinned, offload_miss)
+        attach_cache(loaded, dtype, device, pinned[0], offload_miss)
     return loaded

@@ -127,24 +127,67 @@ def test_engine_int4_equals_dequantized_model(family):
     assert e4.stats.sparsity_realized > 0.2
 
 
-def test_int4_is_never_offloaded(hub_cache):
-    """A budget that would offload experts is refused with the VRAM int4 needs and the fix."""
+def _budget(model: str, slots: int) -> float:
+    """--vram (GiB) that leaves exactly `slots` int4 expert slots."""
+    from localmoe.placement import WORKSPACE_RESERVE
+
+    probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0, experts="int4").loaded.offload
+    fixed = probe.non_expert_bytes + probe.state_bytes + WORKSPACE_RESERVE
+    return (fixed + slots * probe.expert_bytes + probe.expert_bytes // 2) / 2**30
+
+
+def _tokens(e, n=12):
+    return [ev.token_id for ev in e.generate(e.encode_raw("Sparse experts skip most neurons."),
+                                             GenerationSettings(max_new_tokens=n))]
+
+
+@pytest.mark.parametrize("mode,slots", [("copy", 5), ("cpu", 5), ("direct", 5), ("direct", 10)])
+def test_int4_offloaded_equals_resident(mode, slots):
+    """int4 experts offloaded behind the expert cache (int4 slots, int4 master copies in host memory): the resident
+    int4 model's tokens with every miss mode; admitted slots hold the masters' packed bytes and scales."""
+    if mode == "direct":
+        pytest.importorskip("triton")
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.5, experts="int4")
+    want = _tokens(resident)
+    e = Engine.load(model, device="cpu", sparsity=0.5, experts="int4", vram_gib=_budget(model, slots),
+                    offload_miss=mode)
+    cache = e.loaded.cache
+    assert cache is not None and cache.mode == mode and e.experts_format == "int4"
+    assert isinstance(cache.pool.w_up, Int4Tensor) and cache.row_bytes == 32 // 2 + 4
+    assert _tokens(e) == want
+    assert e.stats.h2d_bytes_per_token > 0
+    if mode == "direct":  # the kernel read absent int4 rows in place; gates first, then up/down slots if any
+        assert 0 < int(cache.host_rows) < int(cache.read_rows) and cache.gate_slots > 0
+        assert (cache.slots > 0) == (slots == 10) and len(cache.lru) == cache.slots
+    else:
+        assert cache.hits + cache.misses > 0
+    for (layer, ex), slot in cache.lru.items():
+        master = cache.masters[layer]
+        for name in ("w_up", "w_down_t") + (() if cache.gate_slots else ("w_gate",)):
+            pool, src = getattr(cache.pool, name), getattr(master, name)
+            assert all(torch.equal(p[slot], m[ex]) for p, m in zip(pool.parts(), src.parts()))
+    assert e.stats.sparsity_realized == pytest.approx(resident.stats.sparsity_realized)
+
+
+def test_int4_offload_notes_and_refusals(hub_cache):
+    """A full-precision load that offloads where int4 would fit says so; int4 master copies are never mmapped."""
     from localmoe.loader import int4_hint, load_model
     from localmoe.placement import WORKSPACE_RESERVE, state_bytes
 
     e4 = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0, experts="int4")
     non_expert = sum(p.numel() * 4 for p in e4.model.parameters())
     fits = int(WORKSPACE_RESERVE) + non_expert + state_bytes(e4.loaded.config, 8192, torch.float32)
-    with pytest.raises(UsageError, match=r"int4 experts are not offloaded.*--experts full"):
-        load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int4",
-                   vram_bytes=fits + e4.loaded.expert_bytes() // 2)
-    load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int4",
-               vram_bytes=fits + e4.loaded.expert_bytes())
-    # the same budget offloads full-precision experts, with the hint that int4 would keep them all
     full = load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32,
                       vram_bytes=fits + e4.loaded.expert_bytes())
     assert full.offload.offloading and "--experts int4 would keep every expert in VRAM" in int4_hint(full)
     assert int4_hint(e4.loaded) is None
+    half = load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int4",
+                      vram_bytes=fits + e4.loaded.expert_bytes() // 2)
+    assert half.offload.offloading and int4_hint(half) is None
+    with pytest.raises(UsageError, match="--host-storage mmap keeps full-precision experts"):
+        load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int4",
+                   vram_bytes=fits + e4.loaded.expert_bytes() // 2, host_storage="mmap")
     with pytest.raises(UsageError, match="--experts must be one of full, int4"):
         load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int8")
 
