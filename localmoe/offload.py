@@ -14,6 +14,8 @@ Qwen3.5-35B shapes; copy 8.5 and cpu 5.2 against direct's 29.7 in session 2):
 - "cpu": absent experts are computed on the CPU from the host copies (only x and y cross PCIe) while hits run on
   the GPU; misses are admitted after each step as in "direct".
 Every way the outputs equal the all-resident model (up to float rounding where the CPU computes).
+int4 experts (`--experts int4`): slots and master copies are Int4Tensors (localmoe/quantize.py), copied part by part;
+a row's bytes (`row_bytes`) include its scales.
 
 Shapes: E = experts per layer, I = expert width, H = hidden, S = cache slots.
 """

@@ -10,6 +10,9 @@ Format (one `Int4Tensor` per projection of a layer: gate, up, transposed down, e
   first, then picks q against the rounded values, so dequantizing is exact arithmetic on what is stored);
 * two weights per byte: byte j of a row holds q[2j] in its low nibble and q[2j + 1] in its high nibble.
 
+Offloaded (budgets that cannot hold even int4), the expert cache's slots and the host master copies are Int4Tensors
+too, copied part by part (`copy_expert`).
+
 Bytes per weight: 0.5 + 4 / G (0.531 at G = 128). The decode kernel (`kernels/sparse_fused.py`, given Int4Tensors)
 reads the packed rows and their scales; every other path dequantizes (`Int4Tensor[...]`) and runs the model dtype's
 math.
