@@ -1,4 +1,4 @@
-"""Argument checks the expert kernels' launchers share: expert weight stacks [n, I, H] with contiguous rows.
+"""Argument checks the expert kernels' launchers share: expert weight stacks [n, I, H] (plain or int4).
 
 Each launcher still checks its own inputs top to bottom; this is only the part that is the same in all of them.
 """
@@ -30,10 +30,44 @@ def expert_weights(name: str, w: torch.Tensor, n: int, I: int, H: int, device: t
         raise ValueError(f"{name} rows must be contiguous (stride(2) == 1, stride(1) == H); got strides {w.stride()}")
     if w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be bf16/fp16/fp32, got {w.dtype}")
-    if device is None or w.device == device:
+    _on_device(name, w, device, allow_host)
+
+
+def _on_device(name: str, t: torch.Tensor, device: torch.device | None, allow_host: bool) -> None:
+    """t on `device`, or with `allow_host` a host copy (pinned when `device` is CUDA: read through unified
+    addressing)."""
+    if device is None or t.device == device:
         return
-    if not (allow_host and w.device.type == "cpu"):
-        raise ValueError(f"{name} is on {w.device}, x is on {device}: all inputs must share a device")
-    if device.type == "cuda" and not w.is_pinned():
+    if not (allow_host and t.device.type == "cpu"):
+        raise ValueError(f"{name} is on {t.device}, x is on {device}: all inputs must share a device")
+    if device.type == "cuda" and not t.is_pinned():
         raise ValueError(f"{name} is a host master copy in pageable memory: the GPU can read only pinned "
                          f"host memory (torch.empty(..., pin_memory=True))")
+
+
+def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_host: bool = False) -> None:
+    """An int4 stack w (localmoe.quantize.Int4Tensor) must be logically [E, I, H]: packed [E, I, H/2] uint8 with
+    contiguous rows, scale and minimum [E, I, NG] float with contiguous rows (any expert strides), NG = H / G for a
+    power-of-two group G; on `device`, or with `allow_host` host copies as `expert_weights` allows."""
+    p = w.packed
+    if p.dim() != 3 or H % 2 or tuple(p.shape) != (E, I, H // 2):
+        raise ValueError(f"{name}.packed must have shape {(E, I, H // 2)} (logical [E, I, H] = {(E, I, H)}), got "
+                         f"{tuple(p.shape)}")
+    if p.dtype != torch.uint8:
+        raise ValueError(f"{name}.packed must be uint8, got {p.dtype}")
+    if p.stride(2) != 1 or (I > 1 and p.stride(1) != H // 2):
+        raise ValueError(f"{name}.packed rows must be contiguous (stride(2) == 1, stride(1) == H/2); got strides "
+                         f"{p.stride()}")
+    ng = w.scale.shape[-1] if w.scale.dim() == 3 else 0
+    G = H // ng if ng else 0
+    if not ng or G * ng != H or G < 2 or G & (G - 1):
+        raise ValueError(f"{name}.scale must be [E, I, H/G] with G a power of two dividing H = {H}, got shape "
+                         f"{tuple(w.scale.shape)}")
+    for part, s in (("scale", w.scale), ("minimum", w.minimum)):
+        if tuple(s.shape) != (E, I, ng) or s.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}.{part} must be a float {(E, I, ng)} tensor, got {s.dtype} {tuple(s.shape)}")
+        if s.stride(2) != 1 or (I > 1 and s.stride(1) != ng):
+            raise ValueError(f"{name}.{part} rows must be contiguous (stride(2) == 1, stride(1) == H/G); got strides "
+                             f"{s.stride()}")
+    for part, t in (("packed", p), ("scale", w.scale), ("minimum", w.minimum)):
+        _on_device(f"{name}.{part}", t, device, allow_host)

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.kernels.checks import expert_weights, tokens_and_experts
+from localmoe.kernels.checks import expert_weights, int4_expert_weights, tokens_and_experts
 from localmoe.kernels.workspace import zeroed_int32
 from localmoe.quantize import Int4Tensor, dequantize
 
@@ -536,7 +536,7 @@ def sparse_fused(
             raise ValueError("int4 experts (Int4Tensor weights): not with shared= (run the shared expert in "
                              "moe_front, its sums go into the workspace)")
         for name, w in masters:
-            _check_int4(name, w, E, I, H, dev, allow_host=offload)
+            int4_expert_weights(name, w, E, I, H, dev, allow_host=offload)
         if len({w.group for _, w in masters}) != 1:
             raise ValueError(f"w_gate, w_up and w_down_t must share one group size, got "
                              f"{[w.group for _, w in masters]}")
@@ -573,7 +573,7 @@ def sparse_fused(
                     raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a "
                                      f"dtype")
                 continue
-            _check_int4(pname, p, n, I, H, dev)  # the pools live on x's device
+            int4_expert_weights(pname, p, n, I, H, dev)  # the pools live on x's device
             if p.group != w.group:
                 raise ValueError(f"{pname} has group size {p.group}, its master copy {name} {w.group}: they must "
                                  f"share one")
@@ -700,41 +700,6 @@ def _int4_mode(w_gate, w_up, w_down_t) -> bool:
         raise ValueError(f"w_gate, w_up and w_down_t must all be Int4Tensors or all plain tensors, got "
                          f"{['Int4Tensor' if b else 'tensor' for b in q]}")
     return all(q)
-
-
-def _check_int4(name: str, w: Int4Tensor, E: int, I: int, H: int, device, *, allow_host: bool = False) -> None:
-    """w must be logically [E, I, H]: packed [E, I, H/2] uint8 with contiguous rows, scale and minimum [E, I, NG]
-    float with contiguous rows (any expert strides), NG = H / G for a power-of-two group G; all on `device` — or,
-    with `allow_host` (offload master copies), in host memory, pinned when `device` is CUDA (the rule of
-    kernels/checks.py `expert_weights`)."""
-    p = w.packed
-    if p.dim() != 3 or H % 2 or tuple(p.shape) != (E, I, H // 2):
-        raise ValueError(f"{name}.packed must have shape {(E, I, H // 2)} (logical [E, I, H] = {(E, I, H)}), got "
-                         f"{tuple(p.shape)}")
-    if p.dtype != torch.uint8:
-        raise ValueError(f"{name}.packed must be uint8, got {p.dtype}")
-    if p.stride(2) != 1 or (I > 1 and p.stride(1) != H // 2):
-        raise ValueError(f"{name}.packed rows must be contiguous (stride(2) == 1, stride(1) == H/2); got strides "
-                         f"{p.stride()}")
-    ng = w.scale.shape[-1] if w.scale.dim() == 3 else 0
-    G = H // ng if ng else 0
-    if not ng or G * ng != H or G < 2 or G & (G - 1):
-        raise ValueError(f"{name}.scale must be [E, I, H/G] with G a power of two dividing H = {H}, got shape "
-                         f"{tuple(w.scale.shape)}")
-    for part, s in (("scale", w.scale), ("minimum", w.minimum)):
-        if tuple(s.shape) != (E, I, ng) or s.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name}.{part} must be a float {(E, I, ng)} tensor, got {s.dtype} {tuple(s.shape)}")
-        if s.stride(2) != 1 or (I > 1 and s.stride(1) != ng):
-            raise ValueError(f"{name}.{part} rows must be contiguous (stride(2) == 1, stride(1) == H/G); got strides "
-                             f"{s.stride()}")
-    for part, t in (("packed", p), ("scale", w.scale), ("minimum", w.minimum)):
-        if t.device == device:
-            continue
-        if not (allow_host and t.device.type == "cpu"):
-            raise ValueError(f"{name}.{part} is on {t.device}, x is on {device}: all inputs must share a device")
-        if device.type == "cuda" and not t.is_pinned():
-            raise ValueError(f"{name}.{part} is a host master copy in pageable memory: the GPU can read only pinned "
-                             f"host memory (torch.empty(..., pin_memory=True))")
 
 
 def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:
