@@ -385,7 +385,8 @@ class LocalExperts(nn.Module):
         E = self.num_experts
         if not self.weights.int4:
             return [(0, E, 0, slots)]
-        per = max(1, DEQUANT_BYTES // (3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize))
+        expert = 3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize  # dequantized
+        per = max(1, DEQUANT_BYTES // expert)
         end = ends.tolist()
         spans = []
         for a in range(0, E, per):

@@ -177,8 +177,8 @@ def int4_hint(loaded: LoadedModel) -> str | None:
         return None
     if need > plan.budget_bytes:
         return None
-    return (f"--experts int4 would keep every expert in VRAM ({need / 2**30:.1f} GiB of the {plan.budget_bytes / 2**30:.1f}"
-            " GiB budget; 4-bit weights, a small accuracy cost)")
+    return (f"--experts int4 would keep every expert in VRAM ({need / 2**30:.1f} GiB of the "
+            f"{plan.budget_bytes / 2**30:.1f} GiB budget; 4-bit weights, a small accuracy cost)")
 
 
 def place_non_experts(model, budget, device: torch.device, dtype) -> dict[str, torch.device]:
@@ -240,8 +240,9 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     if experts_format == "int4" and host and host_storage == "mmap":
         raise UsageError("--host-storage mmap keeps full-precision experts; int4 master copies live in host memory: "
                          "drop --host-storage mmap (or use --experts full)")
-    files_store = (None if experts_format == "int4" else
-                   _expert_files(host, host_storage, budget, store_key or (str(path), "local"), files, dtype, on_notice))
+    key = store_key or (str(path), "local")
+    files_store = None if experts_format == "int4" else _expert_files(host, host_storage, budget, key, files, dtype,
+                                                                      on_notice)
     if files_store is not None:
         pinned[0] = False
 
