@@ -544,44 +544,7 @@ def sparse_fused(
         for name, w in masters:
             expert_weights(name, w, E, I, H, dev, allow_host=offload)
     if offload:
-        if slot_table.dim() != 1 or slot_table.shape[0] != E or slot_table.dtype not in _INT_DTYPES:
-            raise ValueError(f"slot_table must be int32/int64 [E] = [{E}], got {slot_table.dtype} "
-                             f"{tuple(slot_table.shape)}")
-        if slot_table.device != dev:
-            raise ValueError(f"slot_table is on {slot_table.device}, x is on {dev}")
-        pool_names = ("pool_gate", "pool_up", "pool_down_t")
-        for pname, p in zip(pool_names, pools):
-            if isinstance(p, Int4Tensor) != quant:
-                raise ValueError(f"{pname} is {'an Int4Tensor' if not quant else 'a plain tensor'} but the master "
-                                 f"copies are {'Int4Tensors' if quant else 'plain tensors'}: pools and masters "
-                                 f"must share one format (int4 or not)")
-        pt = [p.packed if quant else p for p in pools]  # int4: the packed bytes carry the [S, I, H/2] shape
-        if pt[0].dim() != 3:
-            raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pt[0].shape)}")
-        S = pt[1].shape[0] if pt[1].dim() == 3 else 0
-        Sg = pt[0].shape[0] if gate_table is not None else S
-        if S < 1 or Sg < 1:
-            raise ValueError("the pools need at least one slot")
-        if gate_table is not None and (gate_table.dim() != 1 or gate_table.shape[0] != E
-                                       or gate_table.dtype not in _INT_DTYPES or gate_table.device != dev):
-            raise ValueError(f"gate_table must be int32/int64 [E] = [{E}] on {dev}, got {gate_table.dtype} "
-                             f"{tuple(gate_table.shape)} on {gate_table.device}")
-        for (name, w), pname, p, n in zip(masters, pool_names, pools, (Sg, S, S)):
-            if not quant:
-                expert_weights(pname, p, n, I, H, dev)
-                if p.dtype != w.dtype:
-                    raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a "
-                                     f"dtype")
-                continue
-            int4_expert_weights(pname, p, n, I, H, dev)  # the pools live on x's device
-            if p.group != w.group:
-                raise ValueError(f"{pname} has group size {p.group}, its master copy {name} {w.group}: they must "
-                                 f"share one")
-            for part in ("scale", "minimum"):  # the kernel picks pool or master per program: one element type
-                pdt, mdt = getattr(p, part).dtype, getattr(w, part).dtype
-                if pdt != mdt:
-                    raise ValueError(f"{pname}.{part} ({pdt}) and its master copy {name}.{part} ({mdt}) must share a "
-                                     f"dtype")
+        pt = _check_offload(masters, pools, slot_table, gate_table, quant, E, I, H, dev)  # the pools' base tensors
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
         raise ValueError(f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} "
                          f"{tuple(expert_ids.shape)}")
@@ -700,6 +663,50 @@ def _int4_mode(w_gate, w_up, w_down_t) -> bool:
         raise ValueError(f"w_gate, w_up and w_down_t must all be Int4Tensors or all plain tensors, got "
                          f"{['Int4Tensor' if b else 'tensor' for b in q]}")
     return all(q)
+
+
+def _check_offload(masters, pools, slot_table, gate_table, quant: bool, E: int, I: int, H: int, dev) -> list:
+    """Checks the offload arguments (slot tables; pools in the masters' format, plain or int4, on x's device) and
+    returns the pools' base tensors (int4: the packed bytes)."""
+    if slot_table.dim() != 1 or slot_table.shape[0] != E or slot_table.dtype not in _INT_DTYPES:
+        raise ValueError(f"slot_table must be int32/int64 [E] = [{E}], got {slot_table.dtype} "
+                         f"{tuple(slot_table.shape)}")
+    if slot_table.device != dev:
+        raise ValueError(f"slot_table is on {slot_table.device}, x is on {dev}")
+    pool_names = ("pool_gate", "pool_up", "pool_down_t")
+    for pname, p in zip(pool_names, pools):
+        if isinstance(p, Int4Tensor) != quant:
+            raise ValueError(f"{pname} is {'an Int4Tensor' if not quant else 'a plain tensor'} but the master "
+                             f"copies are {'Int4Tensors' if quant else 'plain tensors'}: pools and masters "
+                             f"must share one format (int4 or not)")
+    pt = [p.packed if quant else p for p in pools]  # int4: the packed bytes carry the [S, I, H/2] shape
+    if pt[0].dim() != 3:
+        raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pt[0].shape)}")
+    S = pt[1].shape[0] if pt[1].dim() == 3 else 0
+    Sg = pt[0].shape[0] if gate_table is not None else S
+    if S < 1 or Sg < 1:
+        raise ValueError("the pools need at least one slot")
+    if gate_table is not None and (gate_table.dim() != 1 or gate_table.shape[0] != E
+                                   or gate_table.dtype not in _INT_DTYPES or gate_table.device != dev):
+        raise ValueError(f"gate_table must be int32/int64 [E] = [{E}] on {dev}, got {gate_table.dtype} "
+                         f"{tuple(gate_table.shape)} on {gate_table.device}")
+    for (name, w), pname, p, n in zip(masters, pool_names, pools, (Sg, S, S)):
+        if not quant:
+            expert_weights(pname, p, n, I, H, dev)
+            if p.dtype != w.dtype:
+                raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a "
+                                 f"dtype")
+            continue
+        int4_expert_weights(pname, p, n, I, H, dev)  # the pools live on x's device
+        if p.group != w.group:
+            raise ValueError(f"{pname} has group size {p.group}, its master copy {name} {w.group}: they must "
+                             f"share one")
+        for part in ("scale", "minimum"):  # the kernel picks pool or master per program: one element type
+            pdt, mdt = getattr(p, part).dtype, getattr(w, part).dtype
+            if pdt != mdt:
+                raise ValueError(f"{pname}.{part} ({pdt}) and its master copy {name}.{part} ({mdt}) must share a "
+                                 f"dtype")
+    return pt
 
 
 def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:
