@@ -400,14 +400,10 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
     if into is not None:  # given storage (the memory-mapped files)
         w = into
     elif host:  # offloaded: the master copies live in host memory, pinned when possible
-        from localmoe.placement import host_buffer
+        from localmoe.placement import host_allocator
 
-        bufs = []
-        for _ in range(3):
-            t, ok = host_buffer(shape, dtype, pin=pinned[0])
-            pinned[0] = pinned[0] and ok
-            bufs.append(t)
-        w = ExpertWeights(*bufs)
+        alloc = host_allocator(pinned)
+        w = ExpertWeights(*(alloc(shape, dtype) for _ in range(3)))
     else:
         w = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(3)))
 
@@ -458,14 +454,9 @@ def _int4_storage(shape, dtype, device, host: bool, pinned: list) -> Int4Tensor:
     """An empty int4 stack [E, I, H] on the device, or offloaded in host memory (pinned while pinning works)."""
     if not host:
         return Int4Tensor.empty(shape, dtype, device)
-    from localmoe.placement import host_buffer
+    from localmoe.placement import host_allocator
 
-    def alloc(part_shape, part_dtype):
-        t, ok = host_buffer(part_shape, part_dtype, pin=pinned[0])
-        pinned[0] = pinned[0] and ok
-        return t
-
-    return Int4Tensor.empty(shape, dtype, "cpu", alloc=alloc)
+    return Int4Tensor.empty(shape, dtype, "cpu", alloc=host_allocator(pinned))
 
 
 def _check(prefix, name, got, want):

@@ -132,6 +132,18 @@ def host_ram_notice(plan: OffloadPlan, available: int | None) -> str | None:
             "available now: if loading fails, close other programs or run a smaller model")
 
 
+def host_allocator(pinned: list):
+    """alloc(shape, dtype) -> a host buffer, pinned while pinning works; `pinned[0]` is cleared at the first failure
+    (the caller reads it: direct misses need every master copy pinned)."""
+
+    def alloc(shape, dtype) -> torch.Tensor:
+        t, ok = host_buffer(shape, dtype, pin=pinned[0])
+        pinned[0] = pinned[0] and ok
+        return t
+
+    return alloc
+
+
 def host_buffer(shape, dtype, pin: bool) -> tuple[torch.Tensor, bool]:
     """(tensor, pinned) — pinned host memory when asked and possible, else pageable."""
     if pin:

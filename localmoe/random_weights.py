@@ -71,13 +71,9 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
 
 def _host_copy(t, pinned: list):
     """A master copy of t (a tensor or an Int4Tensor) in host memory, pinned while pinning works."""
-    from localmoe.placement import host_buffer
+    from localmoe.placement import host_allocator
 
-    def alloc(shape, dtype):
-        buf, ok = host_buffer(shape, dtype, pin=pinned[0])
-        pinned[0] = pinned[0] and ok
-        return buf
-
+    alloc = host_allocator(pinned)
     if isinstance(t, Int4Tensor):
         h = Int4Tensor.empty(t.shape, t.dtype, "cpu", alloc=alloc)
         for dst, src in zip(h.parts(), t.parts()):
