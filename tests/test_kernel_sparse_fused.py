@@ -96,19 +96,27 @@ def test_low_precision_out():
     assert rel_err(y, y_ref) < 1e-2
 
 
+def accumulates_twice(launch, y_ref, c_ref):
+    """accumulate=True: `launch(out, count)` twice into a pre-filled fp32 out and int32 count adds y_ref and c_ref
+    twice (the caller owns and pre-fills both)."""
+    T, H = y_ref.shape
+    base = torch.randn(T, H, device=DEV)
+    out = base.clone()
+    cnt = torch.full(tuple(c_ref.shape), 5, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        launch(out, cnt)
+    assert rel_err(out, base + 2 * y_ref) < 1e-5
+    assert torch.equal(cnt, 5 + 2 * c_ref)
+
+
 def test_accumulate_mode():
     # caller-zeroed (here: pre-filled) out and count are added to, twice
     T, H, I, E, k = 3, 72, 40, 5, 3
     x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=13)
     tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
     y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
-    base = torch.randn(T, H, device=DEV)
-    out = base.clone()
-    cnt = torch.full((T, k), 5, dtype=torch.int32, device=DEV)
-    for _ in range(2):
-        sparse_fused(x, wg, wu, wd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8)
-    assert rel_err(out, base + 2 * y_ref) < 1e-5
-    assert torch.equal(cnt, 5 + 2 * c_ref)
+    accumulates_twice(lambda out, cnt: sparse_fused(x, wg, wu, wd, ids, rw, tau, out, count=cnt, accumulate=True,
+                                                     BLOCK_I=8), y_ref, c_ref)
     # the default mode still works after accumulate launches (its workspace was never touched)
     y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau)
     assert rel_err(y, y_ref) < 1e-5 and torch.equal(c, c_ref)
@@ -420,13 +428,8 @@ def test_int4_modes():
     x, qg, qu, qd, ids, rw = int4_inputs(T, H, I, E, k, G, torch.float16, seed=31)
     tau = tau_for(gate_abs(x, qg.dequantize(torch.float32), ids), ids, 0.7, E)
     y_ref, c_ref = sparse_fused_ref(x, qg, qu, qd, ids, rw, tau)
-    base = torch.randn(T, H, device=DEV)
-    out = base.clone()
-    cnt = torch.full((T, k), 5, dtype=torch.int32, device=DEV)
-    for _ in range(2):
-        sparse_fused(x, qg, qu, qd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8)
-    assert rel_err(out, base + 2 * y_ref) < 1e-5
-    assert torch.equal(cnt, 5 + 2 * c_ref)
+    accumulates_twice(lambda out, cnt: sparse_fused(x, qg, qu, qd, ids, rw, tau, out, count=cnt, accumulate=True,
+                                                     BLOCK_I=8), y_ref, c_ref)
     res = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
     want = (res.float() + y_ref.to(torch.bfloat16).float()).to(torch.bfloat16)
     ws = torch.zeros(T * H + T * k + T, dtype=torch.int32, device=DEV)
@@ -612,13 +615,8 @@ def test_int4_offload_modes():
     (_, pu, pd), (_, mu, md) = int4_offload_layout((qg, qu, qd), utable, S=3)
     (pg, _, _), (mg, _, _) = int4_offload_layout((qg, qu, qd), gtable, S=2)
     kw = dict(slot_table=utable.to(DEV), pool_gate=pg, pool_up=pu, pool_down_t=pd, gate_table=gtable.to(DEV))
-    base = torch.randn(T, H, device=DEV)
-    out = base.clone()
-    cnt = torch.full((T, k), 5, dtype=torch.int32, device=DEV)
-    for _ in range(2):
-        sparse_fused(x, mg, mu, md, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8, **kw)
-    assert rel_err(out, base + 2 * y_ref) < 1e-5
-    assert torch.equal(cnt, 5 + 2 * c_ref)
+    accumulates_twice(lambda out, cnt: sparse_fused(x, mg, mu, md, ids, rw, tau, out, count=cnt, accumulate=True,
+                                                     BLOCK_I=8, **kw), y_ref, c_ref)
     res = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
     want = (res.float() + y_ref.to(torch.bfloat16).float()).to(torch.bfloat16)
     ws = torch.zeros(T * H + T * k + T, dtype=torch.int32, device=DEV)
