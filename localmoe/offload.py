@@ -28,7 +28,7 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.experts import ExpertWeights
-from localmoe.quantize import Int4Tensor, copy_expert, row_bytes
+from localmoe.quantize import Int4Tensor, copy_expert, row_bytes as int4_row_bytes
 
 MISS_MODES = ("copy", "direct", "cpu")
 ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (bounds the copy time per token)
@@ -47,7 +47,7 @@ class ExpertCache:
             raise ValueError("a separate gate tier needs direct misses (the fused kernel reads gates and up/down "
                              "from different places)")
         self.mode, self.admit_per_step = mode, admit_per_step
-        self.row_bytes = row_bytes(H, dtype, int4)  # one neuron's row of one projection
+        self.row_bytes = int4_row_bytes(H) if int4 else H * (torch.finfo(dtype).bits // 8)  # a neuron's row
         self.width = I
         self.slots, self.num_experts = slots, E
         # gate tier (direct mode): `gate_slots` gates live in their own pool, placed once (`place_gates`), and the

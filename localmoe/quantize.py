@@ -43,7 +43,7 @@ def group_for(hidden: int) -> int:
 
 def expert_bytes(intermediate: int, hidden: int) -> int:
     """Bytes of one expert (gate, up, down) in this format."""
-    return 3 * intermediate * row_bytes(hidden, torch.uint8, True)
+    return 3 * intermediate * row_bytes(hidden)
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,9 @@ def copy_expert(dst, i: int, src, j: int, non_blocking: bool = False) -> None:
         dst[i].copy_(src[j], non_blocking=non_blocking)
 
 
-def row_bytes(hidden: int, dtype: torch.dtype, int4: bool) -> int:
-    """Bytes of one neuron's row of one projection (scales included for int4)."""
-    return hidden // 2 + 4 * (hidden // group_for(hidden)) if int4 else hidden * (torch.finfo(dtype).bits // 8)
+def row_bytes(hidden: int) -> int:
+    """Bytes of one neuron's int4 row of one projection, its scales and minimums included."""
+    return hidden // 2 + 4 * (hidden // group_for(hidden))
 
 
 def _dequantize(packed, scale, minimum, dtype) -> torch.Tensor:
