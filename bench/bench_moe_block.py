@@ -3,10 +3,10 @@
 Owns the measurement behind `bench/RESULTS.md` and the tuned data in `kernels/tuned/`:
   * device-copy bandwidth (the byte-floor ceiling), measured in the same run;
   * correctness of every path vs the fp32 torch references (max rel err printed before any timing);
-  * launch-parameter sweep of the three Triton kernels per shape (H, I, k);
+  * launch-parameter sweep of localmoe's two expert kernels per shape (H, I, k): `dense_experts`, `sparse_fused`;
   * whole block (router + shared expert where the family has one + experts) and experts-only times for
-    transformers `batched_mm`, `grouped_mm`, localmoe dense, localmoe sparse (two launches: sparse_gate +
-    sparse_updown) and localmoe fused (one launch: sparse_fused) at 0/50/70/85/90 % sparsity;
+    transformers `batched_mm`, `grouped_mm`, localmoe dense (`dense_experts`) and localmoe fused (`sparse_fused`,
+    what the engine's decode runs) at 0/50/70/85/90 % sparsity;
   * at 85 %: fused variants (bf16 out; caller-zeroed accumulate with one memset node) and offload rows: the
     fused kernel with a slot table where half of each token's routed experts are absent from the device pool
     and read in place from pinned host memory, the same with all routed experts resident through the table,
@@ -38,8 +38,6 @@ sys.path.insert(0, str(REPO))
 
 from kernels.dense_experts import dense_experts, dense_experts_ref  # noqa: E402
 from kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
-from kernels.sparse_gate import sparse_gate, sparse_gate_ref  # noqa: E402
-from kernels.sparse_updown import sparse_updown, sparse_updown_ref  # noqa: E402
 
 # name, H, I, E, k, shared I (0 = none), transformers family
 FAMILIES = [
@@ -50,8 +48,6 @@ FAMILIES = [
 SMOKE_FAMILIES = [("smoke-shared", 64, 32, 8, 2, 32, "qwen3_5_moe"), ("smoke-noshared", 64, 48, 8, 2, 0, "qwen3_moe")]
 SPARSITIES = [0.0, 0.5, 0.7, 0.85, 0.9]
 CROSS_T = [1, 2, 4, 8, 16, 32, 64, 128]
-GATE_SWEEP = [dict(BLOCK_I=bi, num_warps=w) for bi in (2, 4, 8, 16) for w in (2, 4, 8)]
-UPDOWN_SWEEP = [dict(BLOCK_N=bn, num_warps=w) for bn in (1, 2, 4, 8, 16) for w in (2, 4, 8)]
 DENSE_SWEEP = [dict(BLOCK_N=bn, num_warps=w) for bn in (2, 4, 8, 16) for w in (4, 8)]
 # fused: the whole BLOCK_I x H_P2 tile lives in registers; sm_90 builds (ptxas, bf16, H_P2 2048/4096) spill or
 # drop to <= 2 blocks/SM above 64 tile elements per thread, so only configs with 16..64 elements per thread run
@@ -202,13 +198,11 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
     nin = R * nsets
     xs = [torch.randn(1, H, device=dev, dtype=torch.bfloat16) for _ in range(nin)]
     routes = [route(blocks[i % nsets][1], xs[i]) for i in range(nin)]
-    C = I
     taus = {s: calibrate(blocks[0][1], blocks[0][2], H, s, args.calib, dev) for s in SPARSITIES}
     tau_t = {s: torch.full((E,), taus[s], device=dev, dtype=torch.float32) for s in SPARSITIES}
     print("  tau per sparsity:", {s: round(v, 4) for s, v in taus.items()})
     key = f"H{H}_I{I}_k{k}"
-    P = {"gate": dict(BLOCK_I=8, num_warps=4), "updown": dict(BLOCK_N=4, num_warps=4),
-         "dense": dict(BLOCK_N=4, num_warps=8), "fused": dict(BLOCK_I=8, num_warps=8)}
+    P = {"dense": dict(BLOCK_N=4, num_warps=8), "fused": dict(BLOCK_I=8, num_warps=8)}
     # one zeroed workspace for every fused launch of this family, allocated before any graph capture
     # (launches in one graph run in order on one stream and each leaves it zeroed)
     cuda_run = dev == "cuda"
@@ -224,21 +218,6 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
         set_impl(impl)
         errs[impl] = rel(blk0.experts(x, ids, rw), yref)
     errs["localmoe_dense"] = rel(dense_experts(x, lw0["w_gate"], lw0["w_up"], lw0["w_down_t"], ids, rw), yref)
-    g, idx, cnt = sparse_gate(x, lw0["w_gate"], ids, tau_t[0.0], C)
-    errs["sparse_0"] = rel(sparse_updown(x, lw0["w_up"], lw0["w_down_t"], ids, rw, g, idx, cnt), yref)
-    gr, idxr, cntr = sparse_gate_ref(x, lw0["w_gate"], ids, tau_t[0.85], C)
-    g, idx, cnt = sparse_gate(x, lw0["w_gate"], ids, tau_t[0.85], C)
-    # indices may differ only where |g| sits on the threshold within rounding; compare outputs of each
-    # path on its own mask, and on the reference mask
-    y85 = sparse_updown(x, lw0["w_up"], lw0["w_down_t"], ids, rw, gr, idxr, cntr)
-    errs["sparse_85_updown"] = rel(y85, sparse_updown_ref(x, lw0["w_up"], lw0["w_down_t"], ids, rw, gr, idxr, cntr))
-    errs["sparse_85_g"] = rel(g, gr)
-    yp = torch.full((3, H), float("nan"), device=dev)
-    for _ in range(2):  # twice: the compaction tickets must have been reset by the first launch
-        g, idx, cnt = sparse_gate(x, lw0["w_gate"], ids, tau_t[0.85], C, zero_out=yp)
-        sparse_updown(x, lw0["w_up"], lw0["w_down_t"], ids, rw, g, idx, cnt, out=yp, accumulate=True)
-    errs["sparse_85_pipeline"] = rel(yp, sparse_updown_ref(x, lw0["w_up"], lw0["w_down_t"], ids, rw, gr, idxr, cntr))
-    errs["sparse_85_idx_mismatch"] = float((cnt != cntr).sum())
     yf, cf = sparse_fused(x, lw0["w_gate"], lw0["w_up"], lw0["w_down_t"], ids, rw, tau_t[0.0], workspace=ws)
     errs["fused_0"] = rel(yf, yref)
     yfr, cfr = sparse_fused_ref(x, lw0["w_gate"], lw0["w_up"], lw0["w_down_t"], ids, rw, tau_t[0.85])
@@ -246,60 +225,10 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
         yf, cf = sparse_fused(x, lw0["w_gate"], lw0["w_up"], lw0["w_down_t"], ids, rw, tau_t[0.85], workspace=ws)
     errs["fused_85"] = rel(yf, yfr)
     errs["fused_85_count_mismatch"] = float((cf != cfr).sum())
-    errs["fused_85_vs_two_kernel_count_mismatch"] = float((cf != cntr).sum())
     print("  max rel err vs fp32 reference:", {a: f"{b:.2e}" for a, b in errs.items()})
     results.setdefault("correctness", {})[name] = errs
 
     # ---- tuning (experts-only, 85 % sparsity, rotating sets) ----
-    def sparse_experts_fn(tau, pg, pu, T_inputs=None, fused=True):
-        routes_ = T_inputs[1] if T_inputs else routes
-        xs_ = T_inputs[0] if T_inputs else xs
-        n = len(xs_)
-        outs = []
-        bufs = []
-        for i in range(n):
-            T = xs_[i].shape[0]
-            bufs.append((torch.empty(T, k, I, device=dev), torch.empty(T, k, C, device=dev, dtype=torch.int32),
-                         torch.empty(T, k, device=dev, dtype=torch.int32), torch.empty(T, H, device=dev)))
-
-        def fn():
-            for i in range(n):
-                lw = blocks[i % nsets][2]
-                ids_, rw_ = routes_[i]
-                gb, ib, cb, yb = bufs[i]
-                if fused:  # the gate launch clears y: no memset node
-                    sparse_gate(xs_[i], lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), zero_out=yb, **pg)
-                    sparse_updown(xs_[i], lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb,
-                                  accumulate=True, **pu)
-                else:
-                    sparse_gate(xs_[i], lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), **pg)
-                    sparse_updown(xs_[i], lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb, **pu)
-            return outs
-        return fn
-
-    def gate_only_fn(tau, pg):
-        bufs = [(torch.empty(1, k, I, device=dev), torch.empty(1, k, C, device=dev, dtype=torch.int32),
-                 torch.empty(1, k, device=dev, dtype=torch.int32)) for _ in range(nin)]
-
-        def fn():
-            for i in range(nin):
-                sparse_gate(xs[i], blocks[i % nsets][2]["w_gate"], routes[i][0], tau, C, out=bufs[i], **pg)
-        return fn
-
-    def updown_only_fn(tau, pu):
-        bufs = []
-        for i in range(nin):
-            bufs.append(sparse_gate(xs[i], blocks[i % nsets][2]["w_gate"], routes[i][0], tau, C) +
-                        (torch.zeros(1, H, device=dev),))
-
-        def fn():
-            for i in range(nin):
-                lw = blocks[i % nsets][2]
-                gb, ib, cb, yb = bufs[i]
-                sparse_updown(xs[i], lw["w_up"], lw["w_down_t"], *routes[i], gb, ib, cb, out=yb, accumulate=True,
-                              **pu)
-        return fn
-
     def dense_experts_fn(pd, T_inputs=None):
         routes_ = T_inputs[1] if T_inputs else routes
         xs_ = T_inputs[0] if T_inputs else xs
@@ -400,20 +329,6 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
     if not args.no_tune:
         t0 = time.time()
         best = None
-        for pg in GATE_SWEEP:
-            us, _ = timer(gate_only_fn(tau_t[0.85], pg), nin)
-            if best is None or us < best[0]:
-                best = (us, pg)
-        P["gate"] = best[1]
-        print(f"  tuned gate {best[1]}: {best[0]:.2f} us")
-        best = None
-        for pu in UPDOWN_SWEEP:
-            us, _ = timer(sparse_experts_fn(tau_t[0.85], P["gate"], pu), nin)
-            if best is None or us < best[0]:
-                best = (us, pu)
-        P["updown"] = best[1]
-        print(f"  tuned updown {best[1]}: sparse experts {best[0]:.2f} us")
-        best = None
         for pd in DENSE_SWEEP:
             us, _ = timer(dense_experts_fn(pd), nin)
             if best is None or us < best[0]:
@@ -432,8 +347,7 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
 
     # ---- main table ----
     def whole_fn(kind, tau=None):
-        bufs = [(torch.empty(1, k, I, device=dev), torch.empty(1, k, C, device=dev, dtype=torch.int32),
-                 torch.empty(1, k, device=dev, dtype=torch.int32), torch.empty(1, H, device=dev)) for _ in range(nin)]
+        bufs = [(torch.empty(1, k, device=dev, dtype=torch.int32), torch.empty(1, H, device=dev)) for _ in range(nin)]
 
         def fn():
             if kind in ("batched_mm", "grouped_mm"):
@@ -446,23 +360,19 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
                 x_ = xs[i]
                 sh = shared_part(blk, x_)
                 ids_, rw_ = route(blk, x_)
-                gb, ib, cb, yb = bufs[i]
+                cb, yb = bufs[i]
                 if kind == "dense":
                     y = dense_experts(x_, lw["w_gate"], lw["w_up"], lw["w_down_t"], ids_, rw_, out=yb, **P["dense"])
-                elif kind == "fused":
+                else:
                     y, _ = sparse_fused(x_, lw["w_gate"], lw["w_up"], lw["w_down_t"], ids_, rw_, tau, yb, count=cb,
                                         workspace=ws, **P["fused"])
-                else:
-                    sparse_gate(x_, lw["w_gate"], ids_, tau, C, out=(gb, ib, cb), zero_out=yb, **P["gate"])
-                    y = sparse_updown(x_, lw["w_up"], lw["w_down_t"], ids_, rw_, gb, ib, cb, out=yb,
-                                      accumulate=True, **P["updown"])
                 y = y if sh is None else y + sh
                 y.to(torch.bfloat16)
         return fn
 
     ebytes = 2 * H * I  # bytes of one neuron-matrix of one expert (bf16)
     other = E * H * 2 + ((3 * SI * H + H) * 2 if SI else 0)  # router + shared expert + its gate
-    rows = []
+    rows, kept_frac = [], {}
 
     def add_row(path, whole_us, exp_us, exp_bytes, mode, host_bytes=0.0):
         rows.append(dict(path=path, whole_us=whole_us, experts_us=exp_us, experts_MB=exp_bytes / 1e6,
@@ -476,28 +386,13 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
     w_us, m1 = timer(whole_fn("dense"), nin)
     e_us, _ = timer(dense_experts_fn(P["dense"]), nin)
     add_row("localmoe dense", w_us, e_us, dense_bytes, m1)
-    kept_frac = {}
     for s in SPARSITIES:
-        # kept fraction measured on this run's inputs
-        kept = []
+        kept = []  # kept fraction measured on this run's inputs
         for i in range(nin):
-            _, _, c = sparse_gate(xs[i], blocks[i % nsets][2]["w_gate"], routes[i][0], tau_t[s], C)
+            lw = blocks[i % nsets][2]
+            _, c = sparse_fused(xs[i], lw["w_gate"], lw["w_up"], lw["w_down_t"], *routes[i], tau_t[s], workspace=ws)
             kept.append(c.float().mean() / I)
-        kf = float(torch.stack(kept).mean())
-        kept_frac[s] = kf
-        w_us, m1 = timer(whole_fn("sparse", tau_t[s]), nin)
-        e_us, _ = timer(sparse_experts_fn(tau_t[s], P["gate"], P["updown"]), nin)
-        add_row(f"localmoe sparse {int(round(s * 100))}% (kept {kf:.3f})", w_us, e_us,
-                k * ebytes * (1 + 2 * kf), m1)
-        if s == 0.85:
-            e2, _ = timer(sparse_experts_fn(tau_t[s], P["gate"], P["updown"], fused=False), nin)
-            u2, _ = timer(updown_only_fn(tau_t[s], P["updown"]), nin)
-            g2, _ = timer(gate_only_fn(tau_t[s], P["gate"]), nin)
-            split = dict(experts_with_memset_node=e2, gate_only=g2, updown_only_accumulate=u2)
-            results.setdefault("split85", {})[name] = split
-            print("  85% split (us):", {a: round(b, 2) for a, b in split.items()})
-    for s in SPARSITIES:
-        kf = kept_frac[s]
+        kf = kept_frac[s] = float(torch.stack(kept).mean())
         w_us, m1 = timer(whole_fn("fused", tau_t[s]), nin)
         e_us, _ = timer(fused_experts_fn(tau_t[s], P["fused"]), nin)
         add_row(f"localmoe fused {int(round(s * 100))}% (kept {kf:.3f})", w_us, e_us, k * ebytes * (1 + 2 * kf), m1)
@@ -562,31 +457,25 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
     # ---- crossover (experts-only, 85 % sparsity) ----
     if not args.no_cross:
         cross = {}
-        last_win = last_win_f = 0
+        last_win = 0
         for T in CROSS_T:
             n = 2 * nsets if T <= 32 else nsets
             xT = [torch.randn(T, H, device=dev, dtype=torch.bfloat16) for _ in range(n)]
             rT = [route(blocks[i % nsets][1], xT[i]) for i in range(n)]
             ti = (xT, rT)
-            sp, _ = timer(sparse_experts_fn(tau_t[0.85], P["gate"], P["updown"], ti), n)
             fu, _ = timer(fused_experts_fn(tau_t[0.85], P["fused"], ti), n)
             de, _ = timer(dense_experts_fn(P["dense"], ti), n)
             bm, _ = timer(hf_experts_fn("batched_mm", ti), n)
             gm, _ = timer(hf_experts_fn("grouped_mm", ti), n)
             bestd = min(de, bm, gm)
-            cross[T] = dict(sparse85=sp, fused85=fu, localmoe_dense=de, batched_mm=bm, grouped_mm=gm)
-            print(f"  T={T:2d}: sparse85 {sp:7.1f}  fused85 {fu:7.1f}  dense {de:7.1f}  batched_mm {bm:7.1f}  "
+            cross[T] = dict(fused85=fu, localmoe_dense=de, batched_mm=bm, grouped_mm=gm)
+            print(f"  T={T:2d}: fused85 {fu:7.1f}  dense {de:7.1f}  batched_mm {bm:7.1f}  "
                   f"grouped_mm {gm:7.1f} us")
-            if fu < bestd and last_win_f == (CROSS_T[CROSS_T.index(T) - 1] if T != CROSS_T[0] else 0):
-                last_win_f = T
-            if sp < bestd and last_win == (CROSS_T[CROSS_T.index(T) - 1] if T != CROSS_T[0] else 0):
-                last_win = T
-        # the tuned file keeps the one-launch sparse_fused path's crossover (what the engine runs for T > 1 too);
-        # the two-kernel path's is reported
-        tuned["crossover_tokens"][f"H{H}_I{I}_E{E}_k{k}"] = max(last_win_f, 1)
-        results.setdefault("crossover", {})[name] = dict(times=cross, crossover_tokens=max(last_win, 1),
-                                                         crossover_tokens_fused=max(last_win_f, 1))
-        print(f"  crossover tokens: {max(last_win, 1)} (two-kernel sparse), {max(last_win_f, 1)} (fused)")
+            if fu < bestd and last_win == (CROSS_T[CROSS_T.index(T) - 1] if T != CROSS_T[0] else 0):
+                last_win = T  # the largest T up to which sparse_fused won at every T
+        tuned["crossover_tokens"][f"H{H}_I{I}_E{E}_k{k}"] = max(last_win, 1)
+        results.setdefault("crossover", {})[name] = dict(times=cross, crossover_tokens=max(last_win, 1))
+        print(f"  crossover tokens (sparse_fused 85% vs the best dense path): {max(last_win, 1)}")
     del blocks
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -607,8 +496,8 @@ def main():
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda" if cuda else "cpu"
     if args.smoke:
-        global GATE_SWEEP, UPDOWN_SWEEP, DENSE_SWEEP, FUSED_SWEEP, CROSS_T
-        GATE_SWEEP, UPDOWN_SWEEP, DENSE_SWEEP, CROSS_T = GATE_SWEEP[:2], UPDOWN_SWEEP[:2], DENSE_SWEEP[:2], [1, 2]
+        global DENSE_SWEEP, FUSED_SWEEP, CROSS_T
+        DENSE_SWEEP, CROSS_T = DENSE_SWEEP[:2], [1, 2]
         FUSED_SWEEP = FUSED_CANDIDATES[5:7]
         args.sets, args.reps, args.calib = 2, 1, 64
     torch.manual_seed(0)

@@ -14,10 +14,16 @@ from __future__ import annotations
 import torch
 
 from graph_timing import graph_us
-from moe_inputs import random_bf16
 from localmoe.benchmark import copy_bandwidth
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.sparse_fused import SharedExpert, fused_workspace, sparse_fused
+
+
+def random_bf16(gen: torch.Generator, device, dtype=torch.bfloat16):
+    """rnd(*shape, scale=0.02): normal values times scale, in dtype, from one generator."""
+    def rnd(*shape, scale=0.02):
+        return torch.randn(shape, device=device, dtype=torch.float32, generator=gen).mul_(scale).to(dtype)
+    return rnd
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ kw = engine._cache_kw
 
 # kernel name (lower case) substring -> part; first match wins
 PARTS = [("_sparse_fused", "routed (+ shared) experts, residual add"), ("_moe_front", "MoE front (add, norm, router)"),
-         ("_qk_norm_rope", "attention q/k norm + RoPE"), ("_sparse_gate", "routed experts"), ("_sparse_updown", "routed experts"),
+         ("_qk_norm_rope", "attention q/k norm + RoPE"),
          ("_dense_experts", "routed experts"), ("_router_topk", "router"), ("_gate_up_kernel", "shared expert"),
          ("_down_add_kernel", "shared expert"), ("_gdn_step", "deltanet step"), ("_gdn_split", "deltanet step"), ("_rmsnorm", "norms"),
          ("attention", "attention core"), ("_split_kernel", "attention core"), ("flash", "attention core"), ("fmha", "attention core"),

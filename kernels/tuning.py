@@ -3,14 +3,13 @@
 One JSON file per device, written by `bench/bench_moe_block.py`:
 
     {"device": "NVIDIA H200",
-     "launch_params":   {"H2048_I512_k8": {"gate": {"BLOCK_I": 8, "num_warps": 4},
-                                           "updown": {"BLOCK_N": 4, "num_warps": 4},
-                                           "dense": {"BLOCK_N": 4, "num_warps": 8}}},
+     "launch_params":   {"H2048_I512_k8": {"dense": {"BLOCK_N": 4, "num_warps": 8},
+                                           "fused": {"BLOCK_I": 8, "num_warps": 8}}},
      "crossover_tokens": {"H2048_I512_E256_k8": 8},
      "decode_params":   {"router_topk": {"H2048_E256_k8": {"block_e": 1, ...}}, "shared_expert": {...},
                          "gated_deltanet_step": {...}}}
 
-The dicts are keyword arguments of `sparse_gate`, `sparse_updown` and `dense_experts`; `decode_params` (written
+The dicts are keyword arguments of `dense_experts` and `sparse_fused`; `decode_params` (written
 by `bench/tune_decode.py`) holds keyword arguments of the fused decode launchers, looked up by `decode_params`.
 `launch_params(device_name, H, I, k)` returns the entry for that shape (or the defaults);
 `crossover_tokens(device_name, H, I, E, k)` returns the largest token count at which the sparse kernels beat the
@@ -27,8 +26,6 @@ from pathlib import Path
 _TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 
 DEFAULT_PARAMS = {
-    "gate": {"BLOCK_I": 8, "num_warps": 4},
-    "updown": {"BLOCK_N": 4, "num_warps": 4},
     "dense": {"BLOCK_N": 4, "num_warps": 8},
     "fused": {"BLOCK_I": 8, "num_warps": 8},
 }
@@ -66,7 +63,7 @@ def _device_table(device_name: str) -> dict:
 
 
 def launch_params(device_name: str, H: int, I: int, k: int, int4: bool = False) -> dict:
-    """Launch parameters {"gate": {...}, "updown": {...}, "dense": {...}, "fused": {...}} for one shape on one device.
+    """Launch parameters {"dense": {...}, "fused": {...}} for one shape on one device.
 
     int4 experts: sparse_fused's unpacked tiles need about twice the registers per element, so its untuned rule
     allows 32 tile elements per thread instead of 64 (H 2048: BLOCK_I 4 / 8 warps; on the H200 at ~20% kept 14.2 µs

@@ -1,5 +1,5 @@
-"""Shared inputs for the sparse-expert kernel tests: random routed-expert problems, thresholds hitting a target
-sparsity, and the relative error used to compare kernels with their torch references.
+"""Shared inputs for the sparse-expert kernel tests: random routed-expert problems, the sparsities swept, and the
+relative error used to compare kernels with their torch references.
 
 Shape legend: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden.
 """
@@ -24,18 +24,6 @@ def expert_inputs(T, H, I, E, k, dtype, seed, id_dtype=torch.int32):
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(id_dtype).to(DEV)
     rw = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype).to(DEV)
     return x, w[0], w[1], w[2], ids, rw
-
-
-def layer_tau(g_abs, sparsity, E):
-    """One threshold for all experts, midway between two neighbouring |g| values at the target quantile, so
-    rounding cannot flip a neuron across it; "all" masks everything."""
-    if sparsity == "all":
-        return torch.full((E,), float("inf"), device=DEV)
-    if sparsity == 0.0:
-        return torch.zeros(E, device=DEV)
-    a = torch.sort(g_abs.flatten().cpu()).values
-    m = int(sparsity * a.numel())
-    return torch.full((E,), float(a[m - 1] + a[m]) / 2, device=DEV)
 
 
 def rel_err(a, b) -> float:
