@@ -385,7 +385,10 @@ if triton is not None:
                 # columns 2j and 2j + 1 interleaved back into [NG_P2, G]: contiguous, so the atomics vectorize as
                 # the bf16 path's do (two stride-2 atomic_adds measured 2-4x slower on an H200)
                 contrib = tl.reshape(tl.join(ce, co), [NG_P2, G])
-                tl.atomic_add(ydst + t.to(tl.int64) * H + gcol, contrib, mask=gm[:, None], sem="relaxed")
+                # the mask spelled out at full [NG_P2, G] shape (gcol < H <=> gm): Triton 3.8's interpreter
+                # (TRITON_INTERPRET=1) applies a broadcast one-element mask to the first element only, so with
+                # one group per row (NG_P2 = 1: H <= 128) gm[:, None] dropped all of a row but its column 0
+                tl.atomic_add(ydst + t.to(tl.int64) * H + gcol, contrib, mask=gcol < H, sem="relaxed")
             else:
                 mk = keep[:, None] & cmask[None, :]
                 # both tiles issued before any arithmetic: one memory round trip for the kept bytes

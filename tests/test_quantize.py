@@ -127,6 +127,27 @@ def test_engine_int4_equals_dequantized_model(family):
     assert e4.stats.sparsity_realized > 0.2
 
 
+@pytest.mark.parametrize("H,G", [(32, 32), (64, 64), (64, 32)], ids=["H32_G32", "H64_G64", "H64_G32"])
+def test_int4_kernel_one_group_per_row(H, G):
+    """sparse_fused's int4 mode where a row is one group (NG = 1: every hidden size <= 128, the tiny test models)
+    and where it is two: the reference's output. Triton 3.8's interpreter drops all but the first element under a
+    broadcast one-element atomic mask, which once lost every column but 0 of the NG = 1 rows."""
+    pytest.importorskip("triton")
+    from localmoe.kernels.sparse_fused import sparse_fused, sparse_fused_ref
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(H + G)
+    E, I, k = 6, 16, 2
+    x = torch.randn(1, H, generator=gen).to(dev)
+    ws = [quantize(torch.randn(E, I, H, generator=gen) / H ** 0.5, group=G, device=dev) for _ in range(3)]
+    ids, rw = torch.tensor([[4, 1]], device=dev), torch.tensor([[0.7, 0.3]], device=dev)
+    for tau in (torch.zeros(E, device=dev), torch.full((E,), 0.05, device=dev)):
+        want, want_cnt = sparse_fused_ref(x, *ws, ids, rw, tau)
+        got, cnt = sparse_fused(x, *ws, ids, rw, tau)
+        assert torch.equal(cnt, want_cnt)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _budget(model: str, slots: int) -> float:
     """--vram (GiB) that leaves exactly `slots` int4 expert slots."""
     from localmoe.placement import WORKSPACE_RESERVE
