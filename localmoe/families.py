@@ -92,3 +92,17 @@ PER_EXPERT_NAMES = {
     "proj": ("gate_proj", "up_proj", "down_proj"),  # Qwen3-MoE, OLMoE, DeepSeek
     "w": ("w1", "w3", "w2"),  # Mixtral
 }
+
+
+# Config keys for the number of routed experts and their width, by family (the first present is the one).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen/OLMoE, Mixtral/Granite, DeepSeek
+EXPERT_WIDTH_KEYS = ("moe_intermediate_size",)  # Qwen, DeepSeek (the others use intermediate_size)
+
+
+def expert_count(config) -> int | None:
+    """The number of routed experts of a text config (whichever key its family uses), or None when none is set."""
+    for key in EXPERT_COUNT_KEYS:
+        value = getattr(config, key, None)  # transformers maps the other families' keys onto these (attribute_map)
+        if value is not None:
+            return value
+    return None

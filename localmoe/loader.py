@@ -13,6 +13,7 @@ Handles fused (`experts.gate_up_proj`/`down_proj`), per-expert (`experts.{e}.gat
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,10 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts import ExpertWeights, LocalExperts
-from localmoe.families import FAMILIES, PER_EXPERT_NAMES, FamilySpec, family_for_model_type, supported_families
+from localmoe.families import EXPERT_COUNT_KEYS, EXPERT_WIDTH_KEYS, FAMILIES, PER_EXPERT_NAMES, FamilySpec
+from localmoe.families import expert_count, family_for_model_type, supported_families
 from localmoe.quantize import Int4Tensor
+from localmoe.safe_text import for_line
 
 
 @dataclass
@@ -45,34 +48,107 @@ def read_config(path: Path):
     from transformers import AutoConfig
 
     try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: transformers' configs were not validated dataclasses
+        StrictDataclassError = ValueError
+    where = f"{for_line(path)}/config.json"
+    try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except StrictDataclassError as e:  # a field of the wrong type (transformers >= 5 validates them)
+        why = str(e).strip().splitlines()[-1].strip().removeprefix("TypeError: ").removeprefix("ValueError: ")
+        raise UsageError(f"{where}: {for_line(why)}: fix config.json (or re-download the checkpoint)") from None
     except ValueError as e:  # unknown model_type, remote code needed
-        raise UsageError(f"cannot read {path}/config.json: {str(e).splitlines()[0]}; supported: {supported_families()}") from None
+        raise UsageError(f"cannot read {where}: {for_line(str(e).splitlines()[0])}; supported: {supported_families()}") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise RuntimeFailure(f"cannot read {path}/config.json: {e}") from None
+        raise RuntimeFailure(f"cannot read {where}: {for_line(e)}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     fam = family_for_model_type(config.model_type) or family_for_model_type(text.model_type)
     if fam is None:
         raise UsageError(
-            f"architecture {config.model_type!r} is not a supported MoE family; supported: {supported_families()}"
+            f"architecture {for_line(repr(config.model_type))} is not a supported MoE family; supported: {supported_families()}"
         )
     if fam.unsupported:
         raise UsageError(fam.unsupported)
+    check_sizes(text, where + ("" if text is config else " (text_config)"))
     return config, text, fam
 
 
+# Sizes a config may carry that must be positive integers when present (transformers builds tensors of negative
+# size, or a model with no experts, without complaint). Zero is refused too: no supported family has a zero here.
+POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                  "head_dim", "intermediate_size", "max_position_embeddings", *EXPERT_COUNT_KEYS,
+                  *EXPERT_WIDTH_KEYS, "num_experts_per_tok")
+
+
+def check_sizes(text_config, where: str) -> None:
+    """UsageError naming the field when a size in the text config is not a positive integer, or when a token is
+    routed to more experts (`num_experts_per_tok`) than the model has."""
+    aliases = dict(getattr(text_config, "attribute_map", None) or {})  # e.g. num_experts -> num_local_experts
+    for key in POSITIVE_SIZES:
+        value = getattr(text_config, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            stored = aliases.get(key, key)  # config.json may spell it either way
+            names = sorted({key, stored} | {a for a, k in aliases.items() if k == stored})
+            raise UsageError(f"{where}: {' / '.join(names)} is {for_line(repr(value))}, it must be a positive "
+                             "integer: fix config.json (or re-download the checkpoint)")
+    experts = expert_count(text_config)
+    k = getattr(text_config, "num_experts_per_tok", None)
+    if experts is not None and k is not None and k > experts:
+        raise UsageError(f"{where}: num_experts_per_tok is {k} but the model has {experts} routed experts: a token "
+                         "cannot be routed to more experts than exist; fix config.json")
+
+
+# A checkpoint needs its tokenizer: without these transformers builds an empty one (every text is 0 tokens).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_tokenizer(path: Path) -> None:
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise UsageError(f"no tokenizer in {for_line(path)}: it has none of {', '.join(TOKENIZER_FILES[:3])}; copy "
+                         "the tokenizer files of the model's hub repo into it")
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _index_map(index: Path) -> dict:
+    """The index's `weight_map` {tensor: shard file name}, each name a plain .safetensors file name: shards resolve
+    inside the checkpoint folder only (by name: an HF cache snapshot's files are symlinks into ../../blobs, which
+    is fine; a name with a path separator, `..` or an absolute path is refused)."""
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError("weight_map is not a non-empty object")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        why = "no weight_map" if isinstance(e, (KeyError, TypeError)) else getattr(e, "strerror", None) or e
+        raise RuntimeFailure(f"{for_line(index)} is not a valid safetensors index ({for_line(why)}): re-download the "
+                             "checkpoint (`localmoe pull`) or save it again") from None
+    for tensor, name in weight_map.items():
+        if not _plain_shard_name(name):
+            raise UsageError(f"{for_line(index)}: weight_map entry {for_line(json.dumps(tensor))} points to "
+                             f"{for_line(json.dumps(name))}, not a .safetensors file of the checkpoint folder (shards are "
+                             "plain file names: no folders, '..' or absolute paths); fix the index")
+    return weight_map
+
+
+def _plain_shard_name(name) -> bool:
+    return (isinstance(name, str) and name.endswith(".safetensors") and name != ".safetensors"
+            and not any(c in name for c in "/\\\0") and not os.path.isabs(name))
+
+
 def shard_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
+        files = sorted({path / f for f in _index_map(index).values()})
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise RuntimeFailure(f"{path} has no .safetensors weights (localmoe never loads pickle weights)")
+        raise RuntimeFailure(f"{for_line(path)} has no .safetensors weights (localmoe never loads pickle weights)")
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise RuntimeFailure(f"checkpoint is incomplete, missing {missing}: run `localmoe pull` again")
+        raise RuntimeFailure(f"checkpoint is incomplete, missing {for_line(missing)}: run `localmoe pull` again")
     return files
 
 
@@ -227,6 +303,7 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
         raise UsageError(f"host storage must be one of {', '.join(HOST_STORAGE)}, got {host_storage!r}")
     check_format(experts_format)
     _, text_config, fam = read_config(path)
+    check_tokenizer(path)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
     fp32_modules = _keep_fp32(model)
@@ -278,7 +355,9 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
             try:
                 tensor = handle(file).get_tensor(key)
             except Exception as e:
-                raise RuntimeFailure(f"{file.name}: cannot read {key} ({e}); the file is corrupt or truncated") from None
+                raise RuntimeFailure(f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is "
+                                     "corrupt or truncated") from None
+            _check_dense(file, key, tensor, model.get_parameter(name))
             tdtype = torch.float32 if any(m in name for m in fp32_modules) and tensor.is_floating_point() else dtype
             set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=tensor,
                                         dtype=tdtype if tensor.is_floating_point() else None)
@@ -407,15 +486,38 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
     else:
         w = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(3)))
 
+    def corrupt(file, key, e):
+        return RuntimeFailure(f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is "
+                              "corrupt or truncated")
+
     def read(key_file, index=None):
+        """The tensor (or its expert `index`), its dtype checked from the header first."""
         file, key = key_file
         try:
             sl = handle(file).get_slice(key)
+            dt = sl.get_dtype()
+        except Exception as e:
+            raise corrupt(file, key, e) from None
+        _check_dtype(file, key, dt)
+        try:
             return sl[index] if index is not None else sl[:]
         except Exception as e:
-            raise RuntimeFailure(f"{file.name}: cannot read {key} ({e}); the file is corrupt or truncated") from None
+            raise corrupt(file, key, e) from None
+
+    def whole_shape(key_file, want):
+        """A fused tensor's shape [E, ...] from its header, before expert e of it is read."""
+        file, key = key_file
+        try:
+            got = tuple(handle(file).get_slice(key).get_shape())
+        except Exception as e:
+            raise corrupt(file, key, e) from None
+        if got != tuple(want):
+            raise RuntimeFailure(f"{for_line(file.name)}: expert tensor {for_line(key)} has shape {list(got)}, "
+                                 f"config.json says {list(want)}: checkpoint and config disagree")
 
     if "gate_up_proj" in keys and "down_proj" in keys:  # fused: [E, 2I, H] and [E, H, I]
+        whole_shape(keys["gate_up_proj"], (E, 2 * I, H))
+        whole_shape(keys["down_proj"], (E, H, I))
         for e in range(E):
             gu = read(keys["gate_up_proj"], e)
             _check(prefix, "gate_up_proj", gu.shape, (2 * I, H))
@@ -459,6 +561,38 @@ def _int4_storage(shape, dtype, device, host: bool, pinned: list) -> Int4Tensor:
     return Int4Tensor.empty(shape, dtype, "cpu", alloc=host_allocator(pinned))
 
 
+# Weights localmoe converts to the run's dtype as it reads them; anything else (int8, fp8, packed 4-bit) is a
+# quantized checkpoint whose values mean something only with its scales, which localmoe does not read.
+FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_QUANTIZED_HINT = ("localmoe loads float16/bfloat16/float32 checkpoints only (quantized ones are not supported; "
+                   "--experts int4 quantizes a bf16 checkpoint itself): use the model's bf16 checkpoint")
+
+
+_NAMES = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
+          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # safetensors dtype names as torch spells them
+
+
+def _check_dtype(file: Path, key: str, dtype) -> None:
+    """`dtype`: a safetensors dtype name ("BF16", "I8", ...) or a torch dtype."""
+    if dtype in FLOAT_DTYPES or dtype in FLOAT_DTYPES.values():
+        return
+    name = _NAMES.get(dtype, dtype) if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    raise RuntimeFailure(f"{for_line(file.name)}: tensor {for_line(key)} is {for_line(name)}; {_QUANTIZED_HINT}")
+
+
+def _check_dense(file: Path, key: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
+    """A non-expert tensor (attention, router, norms, embeddings) must have the shape the config gives its parameter
+    (accelerate would only say "this looks incorrect", naming no tensor) and a float dtype (an int8 tensor would be
+    cast to the run's dtype as if it held weights)."""
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise RuntimeFailure(f"{for_line(file.name)}: tensor {for_line(key)} has shape {list(tensor.shape)}, "
+                             f"config.json says {list(param.shape)}: checkpoint and config disagree; re-download the "
+                             "checkpoint or fix config.json")
+    if param.is_floating_point():
+        _check_dtype(file, key, tensor.dtype)
+
+
 def _check(prefix, name, got, want):
     if tuple(got) != tuple(want):
-        raise RuntimeFailure(f"{prefix}.{name} has shape {tuple(got)}, config says {tuple(want)}: checkpoint and config disagree")
+        raise RuntimeFailure(f"expert tensor {for_line(prefix)}.{for_line(name)} has shape {list(got)}, config.json "
+                             f"says {list(want)}: checkpoint and config disagree")

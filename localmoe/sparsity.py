@@ -2,20 +2,27 @@
 
 For a target sparsity S, τ[layer] is the S-quantile of |act(x·W_gate)| over the routed experts of that
 layer, measured by running calibration text through the model (dense path). Results are cached as JSON under
-`$XDG_CACHE_HOME/localmoe/thresholds/` with the metadata that produced them (model, revision, S, calibration
-set and its hash, token count, localmoe version); a file whose metadata does not match is recomputed,
-never used. The default calibration text ships with the package (works offline). The same pass counts the
-tokens routed to each expert (`routing_counts`, kept in the file): an expert cache whose gate tier cannot hold
-every gate gives its slots to the most-routed experts' gates (`apply`).
+`$XDG_CACHE_HOME/localmoe/thresholds/` with the metadata that produced them (model, revision, a fingerprint of the
+checkpoint's files, S, calibration set and its hash, token count, localmoe version). A cache file is validated in
+full before use (an object with every key, metadata matching, one finite threshold in [0, MAX_TAU] per layer or
+per expert, routing counts of the model's shape); anything else is recomputed and overwritten, with a notice
+(`engine.on_notice`). Files are written atomically; a cache that cannot be written leaves the thresholds in
+memory for the run, with a notice. The default calibration text ships with the package (works offline). The
+same pass counts the tokens routed to each expert (`routing_counts`, kept in the file): an expert cache whose gate
+tier cannot hold every gate gives its slots to the most-routed experts' gates (`apply`).
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import hashlib
 import json
+import math
 import os
 import re
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +32,7 @@ from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts import GateRecorder
 from localmoe.loader import LoadedModel
+from localmoe.safe_text import for_line
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "calibration.txt"
 DEFAULT_TOKENS = 4096
@@ -39,6 +47,7 @@ class ThresholdTable:
     sparsity: float
     taus: tuple  # per MoE layer in layer order: a float (mode "layer") or a tuple of E floats (mode "expert")
     meta: dict
+    path: Path | None = None  # the cache file holding it (None: calibrated for this run only, or random ids)
 
 
 def cache_root() -> Path:
@@ -63,23 +72,55 @@ def cache_path(model_name: str, revision: str, sparsity: float, mode: str = "lay
 
 
 def read_calibration_text(path: str | Path | None) -> tuple[str, str]:
-    """(text, name) of the calibration set."""
+    """(text, name) of the calibration set: UTF-8 text; a binary file (NUL bytes) or another encoding is refused."""
     p = Path(path) if path else DEFAULT_TEXT
     try:
-        text = p.read_text(encoding="utf-8")
+        data = p.read_bytes()
     except OSError as e:
         if path:
-            raise UsageError(f"cannot read calibration text {path}: {e.strerror}") from None
-        raise RuntimeFailure(f"the bundled calibration text is missing ({p}); reinstall localmoe") from None
+            raise UsageError(f"cannot read calibration text {for_line(path)}: {e.strerror}") from None
+        raise RuntimeFailure(f"the bundled calibration text is missing ({for_line(p)}); reinstall localmoe") from None
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise UsageError(f"calibration text {for_line(p)} is UTF-16 (or UTF-32) text, not UTF-8: convert it, e.g. "
+                         "`iconv -f utf-16 -t utf-8`")
+    if b"\0" in data:
+        raise UsageError(f"calibration text {for_line(p)} is a binary file (it holds NUL bytes): give a UTF-8 text "
+                         "file of the kind of text the model will see")
+    try:
+        text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is dropped
+    except UnicodeDecodeError as e:
+        raise UsageError(f"calibration text {for_line(p)} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                         f"{e.start}): convert it to UTF-8, e.g. `iconv -t utf-8`") from None
     if not text.strip():
-        raise UsageError(f"calibration text {p} is empty")
+        raise UsageError(f"calibration text {for_line(p)} is empty")
     return text, ("default" if not path else p.name)
+
+
+# The fingerprint of a checkpoint folder's weights kept in a cache file's metadata: a checkpoint rewritten in place
+# (same names and sizes, other values) gets new modification times, so its old thresholds are not reused whatever
+# the revision the cache is keyed on (hub.py) makes of it: a hub snapshot's is its commit, whose blobs can be
+# replaced by hand, and an engine keeps the revision it resolved at load.
+FINGERPRINTED = ("config.json", "model.safetensors.index.json")
+
+
+def checkpoint_fingerprint(path: Path) -> str:
+    """A hash of the name, size and mtime_ns of every *.safetensors file, config.json and the index in `path`
+    (stat only: cheap for any model; HF cache snapshots' symlinks are followed to their blobs)."""
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")) + [path / n for n in FINGERPRINTED]:
+        try:
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        except OSError:
+            h.update(f"{f.name}:-\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _meta(engine, sparsity: float, text: str, name: str, tokens: int, mode: str) -> dict:
     return {
         "model": engine.model_name,
         "revision": engine.resolved.revision,
+        "checkpoint": checkpoint_fingerprint(Path(engine.resolved.path)),
         "sparsity": round(float(sparsity), 6),
         "calibration_set": name,
         "calibration_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
@@ -91,9 +132,145 @@ def _meta(engine, sparsity: float, text: str, name: str, tokens: int, mode: str)
     }
 
 
+# The largest threshold a cache file may hold. τ is an S-quantile (S < 1) of |act(x·W_gate)| over the tokens routed
+# to a layer's experts, x being the RMS-normalised hidden state, so it is below the largest gate activation
+# calibration saw, which is O(1): measured on 2048 tokens, localmoe-tiny's largest layer τ is 0.18 at 30%, 0.97 at
+# 90% and 2.6 at 99%; the random-weight test checkpoints' 4.2 at 99%. 1e4 leaves three orders of magnitude above
+# that while catching what breaks the sparse path: a huge τ skips every neuron (100% realised sparsity, garbage).
+MAX_TAU = 1e4
+MAX_CACHE_BYTES = 16 << 20  # a cache file is KBs (expert mode, 60 layers x 512 experts: ~0.5 MB); larger is not one
+# Metadata that names the file (cache_path) or the model's shape: a mismatch means the file is not what it should be.
+# Other metadata (calibration set, tokens, localmoe version, checkpoint fingerprint) only makes it stale.
+_IDENTITY = ("model", "revision", "sparsity", "mode", "experts", "layers")
+
+
+def _number_problem(x) -> str | None:
+    """Why `x` is not a usable threshold, or None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return f"is {type(x).__name__}, not a number"
+    if isinstance(x, float) and not math.isfinite(x):
+        return f"is {x}"
+    shown = f"{x:g}" if abs(x) < 1e300 else f"a {len(str(abs(x)))}-digit number"  # JSON integers can be huge
+    if x < 0:
+        return f"{shown} is negative"
+    if x > MAX_TAU:
+        return f"{shown} is above {MAX_TAU:g}, far beyond any calibrated threshold"
+    return None
+
+
+def check_thresholds(taus, mode: str, experts: list[int]) -> str | None:
+    """Why `taus` (per MoE layer: a number, or in mode "expert" a list of one per expert) cannot be applied to a
+    model whose MoE layers have `experts` experts each, or None when it can."""
+    if not isinstance(taus, (list, tuple)):
+        return f"thresholds are {type(taus).__name__}, not a list"
+    if len(taus) != len(experts):
+        return f"{len(taus)} layers of thresholds for a model with {len(experts)} MoE layers"
+    for i, (t, n) in enumerate(zip(taus, experts)):
+        if mode == "expert":
+            if not isinstance(t, (list, tuple)):
+                return f"layer {i} has {type(t).__name__}, not a list of {n} per-expert thresholds"
+            if len(t) != n:
+                return f"layer {i} has {len(t)} per-expert thresholds for {n} experts"
+            for e, x in enumerate(t):
+                if (why := _number_problem(x)) is not None:
+                    return f"layer {i} expert {e} threshold {why}"
+        elif (why := _number_problem(t)) is not None:
+            return f"layer {i} threshold {why}"
+    return None
+
+
+def _check_counts(counts, experts: list[int]) -> str | None:
+    if not isinstance(counts, list) or len(counts) != len(experts):
+        return f"routing_counts is not a list of {len(experts)} layers"
+    for i, (row, n) in enumerate(zip(counts, experts)):
+        if not isinstance(row, list) or len(row) != n:
+            return f"routing_counts of layer {i} is not a list of {n} experts"
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in row):
+            return f"routing_counts of layer {i} holds something other than token counts"
+    return None
+
+
+def _cache_problem(saved, meta: dict, experts: list[int]) -> tuple[str, str] | None:
+    """(kind, reason) when a parsed cache file cannot be used for `meta` (kind "invalid" or "stale"), else None."""
+    if not isinstance(saved, dict):
+        return "invalid", f"a JSON {type(saved).__name__}, not an object"
+    for key in (*meta, "thresholds", "routing_counts", "tokens"):
+        if key not in saved:
+            if key in ("checkpoint", "routing_counts"):  # files of older localmoe versions
+                return "stale", f"made by an older localmoe: no {key!r}"
+            return "invalid", f"no {key!r}"
+    for key in _IDENTITY:
+        default = "full" if key == "experts" else None  # full-precision experts' files carry no "experts" key
+        got, want = saved.get(key, default), meta.get(key, default)
+        if got != want:
+            return "invalid", f"{key} is {for_line(repr(got))}, expected {for_line(repr(want))}"
+    if saved["checkpoint"] != meta["checkpoint"]:
+        return "stale", "the checkpoint's files changed since calibration"
+    for key, want in meta.items():
+        if saved[key] != want:
+            return "stale", f"made with {key} {for_line(repr(saved[key]))}, this run has {for_line(repr(want))}"
+    why = check_thresholds(saved["thresholds"], meta["mode"], experts) or _check_counts(saved["routing_counts"], experts)
+    if why is None and (isinstance(saved["tokens"], bool) or not isinstance(saved["tokens"], int) or saved["tokens"] < 0):
+        why = "tokens is not a token count"
+    return None if why is None else ("invalid", why)
+
+
+def _read_cache(path: Path, meta: dict, experts: list[int]) -> tuple[dict | None, str]:
+    """(the saved table, "") when the cache file at `path` is valid for `meta`; (None, notice) when it exists but
+    cannot be used; (None, "") when there is none."""
+    try:
+        if not path.exists():
+            return None, ""
+        if path.stat().st_size > MAX_CACHE_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, not a threshold file")
+        saved = json.loads(path.read_bytes())
+        problem = _cache_problem(saved, meta, experts)
+    except OSError as e:
+        problem = ("invalid", f"unreadable: {e.strerror or e}")
+    except UnicodeDecodeError:
+        problem = ("invalid", "not UTF-8 text")
+    except json.JSONDecodeError as e:
+        problem = ("invalid", f"not JSON, truncated or corrupt: {e.msg} at offset {e.pos}")
+    except RecursionError:
+        problem = ("invalid", "JSON nested too deeply")
+    except ValueError as e:  # a number too long to convert, a file too large
+        problem = ("invalid", str(e) or "not JSON")
+    if problem is None:
+        return saved, ""
+    kind, why = problem
+    were = "were invalid" if kind == "invalid" else "were stale"
+    return None, f"cached thresholds at {for_line(path)} {were} ({for_line(why)}); recalibrated"
+
+
+def _write_cache(path: Path, table: ThresholdTable) -> str | None:
+    """Write `table` to `path` atomically (a temporary file in the same folder, then os.replace: a crash leaves the
+    old file or the new one, never half of one). None when written, else why not."""
+    body = json.dumps({**table.meta, "thresholds": [list(t) if isinstance(t, tuple) else t for t in table.taus]},
+                      allow_nan=False)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = None, text: str | Path | None = None,
                    tokens: int = DEFAULT_TOKENS, force: bool = False, mode: str = "layer") -> ThresholdTable:
-    """Cached thresholds for (model, revision, S, calibration set, mode); calibrates when absent or stale."""
+    """Cached thresholds for (model, revision, S, calibration set, mode); calibrates when absent, stale or invalid
+    (the file is validated in full: every value finite, non-negative, at most MAX_TAU, the shapes the model's) and
+    overwrites the file, saying why through `engine.on_notice`. When the file cannot be written the thresholds
+    serve this run only (a notice says so; the returned table's `path` is None)."""
     if mode not in MODES:
         raise UsageError(f"threshold mode must be one of {', '.join(MODES)}, got {mode!r}")
     if engine.tokenizer is None:  # random-weight bench engine: random ids, nothing cached
@@ -101,30 +278,34 @@ def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = Non
         n = min(tokens, 1024)  # random weights: a rough quantile is all a benchmark needs
         ids = torch.randint(0, engine.loaded.config.vocab_size, (n,), generator=gen).tolist()
         return calibrate_ids(engine, sparsity, ids, progress=progress, meta={"calibration_set": "random ids", "mode": mode})
+    notice = getattr(engine, "on_notice", None) or (lambda _text: None)
     body, name = read_calibration_text(text)
     meta = _meta(engine, sparsity, body, name, tokens, mode)
     path = cache_path(engine.model_name, engine.resolved.revision, sparsity, mode, engine.experts_format)
-    if not force and path.is_file():
-        try:
-            saved = json.loads(path.read_text())
-            saved_meta = {k: saved.get(k) for k in meta}
-            # (files from before routing counts were kept are recomputed: the expert cache places gates by them)
-            if saved_meta == meta and len(saved["thresholds"]) == meta["layers"] and "routing_counts" in saved:
-                taus = tuple(tuple(float(x) for x in t) if isinstance(t, list) else float(t) for t in saved["thresholds"])
-                return ThresholdTable(sparsity, taus, saved)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable or stale: recompute
+    experts = [m.num_experts for m in engine.loaded.experts]
+    why = ""
+    if not force:
+        saved, why = _read_cache(path, meta, experts)
+        if saved is not None:
+            taus = tuple(tuple(float(x) for x in t) if isinstance(t, list) else float(t) for t in saved["thresholds"])
+            return ThresholdTable(sparsity, taus, saved, path)
     table = calibrate(engine, sparsity, body, tokens=tokens, progress=progress, meta=meta)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**table.meta, "thresholds": [list(t) if isinstance(t, tuple) else t for t in table.taus]}))
-    tmp.replace(path)
+    if why:
+        notice(why)
+    failed = _write_cache(path, table)
+    if failed is None:
+        return replace(table, path=path)
+    notice(f"could not save thresholds to {for_line(path)} ({for_line(failed)}); using them for this run only")
     return table
 
 
 @torch.inference_mode()
 def calibrate(engine, sparsity: float, text: str, *, tokens: int, progress: ProgressFn | None, meta: dict) -> ThresholdTable:
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    if not ids and text.strip():  # transformers builds an empty tokenizer for a folder without tokenizer files
+        where = for_line(getattr(engine.resolved, "path", engine.model_name))
+        raise UsageError(f"no tokenizer in {where}: its tokenizer encodes the calibration text as 0 tokens; copy "
+                         "the model's tokenizer files (tokenizer.json, tokenizer_config.json) into it")
     return calibrate_ids(engine, sparsity, ids, progress=progress, meta=meta)
 
 
@@ -151,6 +332,12 @@ def calibrate_ids(engine, sparsity: float, ids: list[int], *, progress: Progress
         taus = tuple(tuple(r.expert_quantiles(sparsity, m.num_experts)) for r, m in zip(recorders, experts))
     else:
         taus = tuple(r.quantile(sparsity) for r in recorders)
+    bad = check_thresholds(taus, "expert" if meta.get("mode") == "expert" else "layer",
+                           [m.num_experts for m in experts])
+    if bad is not None:  # NaN or inf gate activations: the weights are broken, not the calibration
+        raise RuntimeFailure(f"calibrating {for_line(engine.model_name)} gave unusable thresholds ({bad}): the "
+                             "checkpoint's expert weights hold NaN/inf or absurd values; re-download it, or run dense "
+                             "with --sparsity 0")
     counts = [[r.routed.get(e, 0) for e in range(m.num_experts)] for r, m in zip(recorders, experts)]
     return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids), "routing_counts": counts})
 

@@ -1,0 +1,466 @@
+"""Faults at load time, one table per area, each row a case the suite names:
+
+- CACHE_CASES: threshold cache files that are corrupt, invalid or stale are validated in full, recalibrated and
+  overwritten with a notice (never applied: a NaN or huge τ used to give 100% realised sparsity silently);
+- SAVE_CASES: a cache that cannot be written keeps the finished calibration in memory for the run, with a notice;
+- SHARD_CASES: a safetensors index resolves shards inside the checkpoint folder only (by name: the HF cache's
+  symlinked snapshots still load);
+- LOAD_CASES: broken checkpoints (wrong shapes, bad config sizes, no tokenizer, quantized tensors, NaN weights) and
+  calibration texts fail with one line naming the file, tensor or field.
+
+Real tiny checkpoints (tests/tiny_models.py) copied and edited on disk; nothing mocked. CPU, offline."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import repo_id
+from localmoe import sparsity as sp
+from localmoe.engine import Engine
+from localmoe.errors import RuntimeFailure, UsageError
+from localmoe.loader import load_model
+
+TOKENS = 256  # calibration tokens: enough for a tiny model's quantiles, quick on the CPU
+
+
+# -- threshold cache ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(hub_cache):
+    return Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0)
+
+
+def _edit(fn):
+    """A case that edits the saved JSON object in place with `fn(saved)` and writes it back."""
+    def write(path: Path):
+        saved = json.loads(path.read_text())
+        fn(saved)
+        path.write_text(json.dumps(saved))  # json.dumps writes NaN / Infinity as given
+    return write
+
+
+def _raw(data: bytes):
+    return lambda path: path.write_bytes(data)
+
+
+def _set(key, value):
+    return _edit(lambda s: s.__setitem__(key, value))
+
+
+def _tau(i, value):
+    return _edit(lambda s: s["thresholds"].__setitem__(i, value))
+
+
+def _raw_tau(literal: bytes):
+    """Layer 0's threshold replaced by a JSON number literal as written (beyond what json.dumps makes of a float)."""
+    def write(path: Path):
+        saved = json.loads(path.read_text())
+        saved["thresholds"][0] = "@TAU@"
+        path.write_bytes(json.dumps(saved).encode().replace(b'"@TAU@"', literal))
+    return write
+
+
+def _expert_tau(i, e, value):
+    return _edit(lambda s: s["thresholds"][i].__setitem__(e, value))
+
+
+# (id, mode, edit of the valid file, what the notice's reason says)
+CACHE_CASES = [
+    ("json-list-not-object", "layer", _raw(b"[0.1, 0.2]"), "not an object"),
+    ("json-number-not-object", "layer", _raw(b"0.5"), "not an object"),
+    ("json-null", "layer", _raw(b"null"), "not an object"),
+    ("empty-file", "layer", _raw(b""), "not JSON"),
+    ("truncated", "layer", lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "not JSON"),
+    ("binary-garbage", "layer", _raw(bytes(range(256)) * 4), "not"),
+    ("deeply-nested", "layer", _raw(b"[" * 100_000 + b"]" * 100_000), "JSON nested too deeply"),
+    ("nan-threshold", "layer", _tau(0, math.nan), "layer 0 threshold is nan"),
+    ("inf-threshold", "layer", _tau(1, math.inf), "layer 1 threshold is inf"),
+    ("huge-threshold", "layer", _tau(0, 1e30), "layer 0 threshold 1e+30 is above"),
+    ("negative-threshold", "layer", _tau(1, -0.25), "layer 1 threshold -0.25 is negative"),
+    ("huge-integer-threshold", "layer", _raw_tau(b"1" + b"0" * 400), "layer 0 threshold a 401-digit number is above"),
+    ("negative-huge-integer", "layer", _raw_tau(b"-" + b"9" * 400), "layer 0 threshold a 400-digit number is negative"),
+    ("oversized-file", "layer", _raw(b" " * (sp.MAX_CACHE_BYTES + 1)), "bytes, not a threshold file"),
+    ("string-threshold", "layer", _tau(0, "0.3"), "layer 0 threshold is str"),
+    ("bool-threshold", "layer", _tau(0, True), "layer 0 threshold is bool"),
+    ("list-in-layer-mode", "layer", _tau(0, [0.1] * 8), "layer 0 threshold is list"),
+    ("too-few-layers", "layer", _edit(lambda s: s["thresholds"].pop()), "1 layers of thresholds for a model with 2"),
+    ("too-many-layers", "layer", _edit(lambda s: s["thresholds"].append(0.1)), "3 layers of thresholds"),
+    ("wrong-layer-count-meta", "layer", _set("layers", 3), "layers is 3, expected 2"),
+    ("thresholds-not-list", "layer", _set("thresholds", {"0": 0.1}), "thresholds are dict"),
+    ("no-thresholds", "layer", _edit(lambda s: s.pop("thresholds")), "no 'thresholds'"),
+    ("no-model", "layer", _edit(lambda s: s.pop("model")), "no 'model'"),
+    ("other-model", "layer", _set("model", "someone/else"), "model is 'someone/else'"),
+    ("other-sparsity", "layer", _set("sparsity", 0.9), "sparsity is 0.9, expected 0.6"),
+    ("other-mode", "layer", _set("mode", "expert"), "mode is 'expert'"),
+    ("other-experts-format", "layer", _set("experts", "int4"), "experts is 'int4', expected 'full'"),
+    ("routing-counts-wrong-shape", "layer", _edit(lambda s: s["routing_counts"][0].pop()),
+     "routing_counts of layer 0 is not a list of 8"),
+    ("routing-counts-negative", "layer", _edit(lambda s: s["routing_counts"][1].__setitem__(0, -5)),
+     "routing_counts of layer 1"),
+    ("tokens-not-count", "layer", _set("tokens", "many"), "tokens is not a token count"),
+    ("expert-list-too-short", "expert", _edit(lambda s: s["thresholds"][0].pop()),
+     "layer 0 has 7 per-expert thresholds for 8 experts"),
+    ("expert-list-too-long", "expert", _edit(lambda s: s["thresholds"][1].append(0.1)),
+     "layer 1 has 9 per-expert thresholds"),
+    ("expert-number-not-list", "expert", _tau(0, 0.2), "layer 0 has float, not a list of 8"),
+    ("expert-nan", "expert", _expert_tau(1, 3, math.nan), "layer 1 expert 3 threshold is nan"),
+    ("expert-huge", "expert", _expert_tau(0, 0, 5e4), "layer 0 expert 0 threshold 50000 is above"),
+    ("expert-negative", "expert", _expert_tau(0, 7, -1), "layer 0 expert 7 threshold -1 is negative"),
+]
+
+
+@pytest.mark.parametrize(("mode", "corrupt", "reason"), [c[1:] for c in CACHE_CASES], ids=[c[0] for c in CACHE_CASES])
+def test_invalid_threshold_cache_is_recalibrated(engine, mode, corrupt, reason):
+    notes: list[str] = []
+    engine.on_notice = notes.append
+    try:
+        fresh = sp.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode)
+        path = sp.cache_path(engine.model_name, engine.resolved.revision, 0.6, mode)
+        assert fresh.path == path and path.is_file() and notes == []
+        corrupt(path)
+        again = sp.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode)
+        assert again.taus == fresh.taus and again.path == path  # recalibrated: never the file's values
+        assert len(notes) == 1, notes
+        assert notes[0].startswith(f"cached thresholds at {path} were invalid (") and notes[0].endswith(
+            "); recalibrated"), notes[0]
+        assert reason in notes[0], notes[0]
+        # overwritten with a valid file: the next run reads it as is
+        assert sp.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode).taus == fresh.taus and len(notes) == 1
+        assert not list(path.parent.glob("*.tmp"))
+    finally:
+        engine.on_notice = None
+
+
+def test_stale_cache_is_recalibrated_with_a_notice(engine):
+    notes: list[str] = []
+    engine.on_notice = notes.append
+    try:
+        fresh = sp.thresholds_for(engine, 0.6, tokens=TOKENS)
+        _set("localmoe_version", "0.0.1")(fresh.path)
+        assert sp.thresholds_for(engine, 0.6, tokens=TOKENS).taus == fresh.taus
+        assert notes == [f"cached thresholds at {fresh.path} were stale (made with localmoe_version '0.0.1', this run "
+                         f"has {sp.__version__!r}); recalibrated"]
+    finally:
+        engine.on_notice = None
+
+
+def _local_copy(src_dir, tmp_path, family="qwen3_moe") -> Path:
+    d = tmp_path / "ckpt"
+    shutil.copytree(src_dir / family, d)
+    return d
+
+
+def _rewrite_in_place(folder: Path, scale: float) -> None:
+    """The checkpoint's weights rewritten in place: same names, shapes and file size, other values, a new mtime."""
+    f = folder / "model.safetensors"
+    before = f.stat()
+    tensors = load_file(f)
+    for k in tensors:
+        if ".experts." in k:
+            tensors[k] = tensors[k] * scale
+    save_file(tensors, f, metadata={"format": "pt"})
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns + 5_000_000_000))
+    assert f.stat().st_size == before.st_size
+
+
+def test_checkpoint_rewritten_in_place_recalibrates(src_dir, tmp_path, monkeypatch):
+    """A local checkpoint rewritten in place at the same size: its old thresholds are not reused (7% realised sparsity
+    against a 50% target, before), whatever the revision localmoe derives for the folder."""
+    folder = _local_copy(src_dir, tmp_path)
+    first = Engine.load(str(folder), device="cpu", sparsity=0.5)
+    old = sp.thresholds_for(first, 0.5)
+    _rewrite_in_place(folder, 3.0)
+    notes: list[str] = []
+    second = Engine.load(str(folder), device="cpu", sparsity=0.5, on_notice=notes.append)
+    new = sp.thresholds_for(second, 0.5)
+    assert new.meta["checkpoint"] != old.meta["checkpoint"] and new.taus != old.taus
+    if second.resolved.revision == first.resolved.revision:  # same cache file: replaced, and said so
+        assert any("the checkpoint's files changed since calibration); recalibrated" in n for n in notes), notes
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))  # the new weights calibrated from scratch
+    assert sp.thresholds_for(second, 0.5).taus == new.taus
+
+
+def test_fingerprint_change_alone_recalibrates(src_dir, tmp_path):
+    """The fingerprint is checked even when the revision the file is keyed on is unchanged (an engine whose files
+    were rewritten under it: same values here, new mtimes)."""
+    folder = _local_copy(src_dir, tmp_path)
+    notes: list[str] = []
+    engine = Engine.load(str(folder), device="cpu", sparsity=0.0, on_notice=notes.append)
+    before = sp.thresholds_for(engine, 0.5, tokens=TOKENS)
+    _rewrite_in_place(folder, 1.0)
+    after = sp.thresholds_for(engine, 0.5, tokens=TOKENS)
+    assert after.taus == before.taus and after.meta["checkpoint"] != before.meta["checkpoint"]
+    assert notes == [f"cached thresholds at {before.path} were stale (the checkpoint's files changed since "
+                     "calibration); recalibrated"]
+
+
+# -- a cache that cannot be written --------------------------------------------------------------------------------
+
+def _block_dir(root: Path) -> None:  # the thresholds folder is a file: mkdir fails
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "thresholds").write_text("not a folder")
+
+
+def _block_file(root: Path) -> None:  # the cache file's path is a folder: reading and replacing it fail
+    sp.cache_path(repo_id("qwen3_moe"), _revision(), 0.6).mkdir(parents=True)
+
+
+def _read_only(root: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    d = sp.cache_path(repo_id("qwen3_moe"), _revision(), 0.6).parent
+    d.mkdir(parents=True)
+    d.chmod(0o555)
+
+
+def _cache_home_is_file(root: Path) -> None:  # XDG_CACHE_HOME itself is a file
+    shutil.rmtree(root.parent, ignore_errors=True)
+    root.parent.write_text("")
+
+
+def _revision() -> str:
+    from localmoe import hub
+
+    return hub.resolve(repo_id("qwen3_moe"), download_missing=False).revision
+
+
+SAVE_CASES = [
+    ("thresholds-dir-is-a-file", _block_dir, "Not a directory"),
+    ("cache-file-is-a-folder", _block_file, "Is a directory"),
+    ("read-only-cache-dir", _read_only, "Permission denied"),
+    ("cache-home-is-a-file", _cache_home_is_file, "Not a directory"),
+]
+
+
+@pytest.mark.parametrize(("block", "reason"), [c[1:] for c in SAVE_CASES], ids=[c[0] for c in SAVE_CASES])
+def test_unwritable_cache_keeps_thresholds_for_the_run(block, reason):
+    block(sp.cache_root())
+    notes: list[str] = []
+    engine = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.6, on_notice=notes.append)
+    path = sp.cache_path(engine.model_name, engine.resolved.revision, 0.6)
+    saved = [n for n in notes if n.startswith("could not save thresholds")]
+    assert saved == [f"could not save thresholds to {path} ({reason}); using them for this run only"], notes
+    assert engine.sparsity == 0.6 and all(m.sparse_enabled and m.tau is not None for m in engine.loaded.experts)
+    table = sp.thresholds_for(engine, 0.6)
+    assert table.path is None and all(0 < t < sp.MAX_TAU for t in table.taus)
+    assert not path.is_file()
+    if path.parent.is_dir():
+        assert not list(path.parent.glob("*.tmp"))  # no temporary file left behind
+
+
+# -- checkpoint files resolve inside the checkpoint folder ---------------------------------------------------------
+
+def _index_entry(name, *, outside: bool = False, link: bool = False):
+    """Point the sharded checkpoint's first weight_map entry at `name` (with a real shard placed outside the folder
+    when `outside`, and a `link` folder symlinked to it when `link`)."""
+    def edit(folder: Path) -> str:
+        index = folder / "model.safetensors.index.json"
+        data = json.loads(index.read_text())
+        tensor = next(iter(data["weight_map"]))
+        first = folder / data["weight_map"][tensor]
+        if outside:
+            other = folder.parent / "other"
+            other.mkdir()
+            shutil.copyfile(first, other / "model.safetensors")
+        if link:
+            (folder / "link").symlink_to(folder.parent / "other", target_is_directory=True)
+        data["weight_map"][tensor] = name
+        index.write_text(json.dumps(data))
+        return tensor
+    return edit
+
+
+# (id, edit -> tensor whose entry is bad (or None), error type, what the message says)
+SHARD_CASES = [
+    ("dotdot-relative", _index_entry("../other/model.safetensors", outside=True), UsageError,
+     '"../other/model.safetensors"'),
+    ("absolute-etc-passwd", _index_entry("/etc/passwd"), UsageError, '"/etc/passwd"'),
+    ("absolute-real-shard", None, UsageError, "not a .safetensors file of the checkpoint folder"),
+    ("through-symlinked-folder", _index_entry("link/model.safetensors", outside=True, link=True), UsageError,
+     '"link/model.safetensors"'),
+    ("backslash-dotdot", _index_entry("..\\other\\model.safetensors"), UsageError, "other"),
+    ("dot-slash", _index_entry("./model-00001-of-00010.safetensors"), UsageError, '"./model-00001-of-00010'),
+    ("pickle-file", _index_entry("pytorch_model.bin"), UsageError, '"pytorch_model.bin"'),
+    ("not-a-string", _index_entry(7), UsageError, "points to 7"),
+    ("null", _index_entry(None), UsageError, "points to null"),
+    ("empty-name", _index_entry(""), UsageError, 'points to ""'),
+    ("index-not-json", lambda f: (f / "model.safetensors.index.json").write_text("{\"weight_map\": {"),
+     RuntimeFailure, "is not a valid safetensors index"),
+    ("index-no-weight-map", lambda f: (f / "model.safetensors.index.json").write_text("{\"metadata\": {}}"),
+     RuntimeFailure, "(no weight_map)"),
+    ("index-weight-map-list", lambda f: (f / "model.safetensors.index.json").write_text("{\"weight_map\": []}"),
+     RuntimeFailure, "weight_map is not a non-empty object"),
+]
+
+
+def _absolute_real_shard(folder: Path) -> str:
+    return _index_entry(str(folder / "model-00001-of-00010.safetensors"))(folder)
+
+
+@pytest.mark.parametrize(("edit", "error", "says"), [c[1:] for c in SHARD_CASES], ids=[c[0] for c in SHARD_CASES])
+def test_index_entries_stay_inside_the_checkpoint(src_dir, tmp_path, edit, error, says):
+    folder = _local_copy(src_dir, tmp_path, "sharded")
+    tensor = (edit or _absolute_real_shard)(folder)
+    with pytest.raises(error) as info:
+        Engine.load(str(folder), device="cpu", sparsity=0.0)
+    msg = str(info.value)
+    assert says in msg and "model.safetensors.index.json" in msg and "\n" not in msg, msg
+    if isinstance(tensor, str) and error is UsageError:
+        assert f"weight_map entry {json.dumps(tensor)}" in msg, msg
+
+
+def test_symlinked_shards_still_load(src_dir, tmp_path):
+    """Names are checked, not link targets: the HF cache's snapshot files are symlinks into ../../blobs, and a local
+    folder whose shards are symlinks to files elsewhere loads too."""
+    cached = Engine.load(repo_id("sharded"), device="cpu", sparsity=0.0)
+    assert any(p.is_symlink() for p in cached.resolved.path.glob("*.safetensors"))
+    folder = tmp_path / "linked"
+    folder.mkdir()
+    for f in (src_dir / "sharded").iterdir():
+        (folder / f.name).symlink_to(f)
+    Engine.load(str(folder), device="cpu", sparsity=0.0)
+
+
+# -- load errors name what is wrong ---------------------------------------------------------------------------------
+
+def _config(**changes):
+    def edit(folder: Path):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(changes)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _text_config(**changes):
+    def edit(folder: Path):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["text_config"].update(changes)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _tensor(key, fn, file="model.safetensors"):
+    def edit(folder: Path):
+        tensors = load_file(folder / file)
+        tensors[key] = fn(tensors[key])
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+    return edit
+
+
+def _remove(*names):
+    def edit(folder: Path):
+        for n in names:
+            (folder / n).unlink()
+    return edit
+
+
+QWEN35_GATE_UP = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+# (id, family, edit, error type, what the one-line message says)
+LOAD_CASES = [
+    ("attention-wrong-shape", "qwen3_moe", _tensor("model.layers.0.self_attn.q_proj.weight", lambda t: t[:16]),
+     RuntimeFailure, "tensor model.layers.0.self_attn.q_proj.weight has shape [16, 32], config.json says [32, 32]"),
+    ("router-wrong-shape", "qwen3_moe", _tensor("model.layers.1.mlp.gate.weight", lambda t: t[:6]),
+     RuntimeFailure, "tensor model.layers.1.mlp.gate.weight has shape [6, 32], config.json says [8, 32]"),
+    ("router-wrong-shape-mixtral", "mixtral", _tensor("model.layers.0.block_sparse_moe.gate.weight",
+                                                      lambda t: t.repeat(2, 1)),
+     RuntimeFailure, "tensor model.layers.0.block_sparse_moe.gate.weight has shape [8, 32], config.json says [4, 32]"),
+    ("expert-wrong-shape", "qwen3_moe", _tensor("model.layers.0.mlp.experts.3.up_proj.weight", lambda t: t[:, :8].contiguous()),
+     RuntimeFailure, "model.layers.0.mlp.experts.3.up_proj has shape [16, 8], config.json says [16, 32]"),
+    ("fused-experts-too-few", "qwen3_5_moe", _tensor(QWEN35_GATE_UP, lambda t: t[:6]),
+     RuntimeFailure, f"expert tensor {QWEN35_GATE_UP} has shape [6, 32, 32], config.json says [8, 32, 32]"),
+    ("top-k-above-experts", "qwen3_moe", _config(num_experts_per_tok=9), UsageError,
+     "num_experts_per_tok is 9 but the model has 8 routed experts"),
+    ("top-k-above-experts-mixtral", "mixtral", _config(num_experts_per_tok=5), UsageError,
+     "num_experts_per_tok is 5 but the model has 4 routed experts"),
+    ("top-k-zero", "qwen3_moe", _config(num_experts_per_tok=0), UsageError, "num_experts_per_tok is 0, it must be"),
+    ("hidden-size-negative", "qwen3_moe", _config(hidden_size=-32), UsageError, "hidden_size is -32, it must be a"),
+    ("hidden-size-zero", "olmoe", _config(hidden_size=0), UsageError, "hidden_size is 0, it must be a positive"),
+    ("layers-zero", "qwen3_moe", _config(num_hidden_layers=0), UsageError, "num_hidden_layers is 0"),
+    ("layers-negative", "granitemoe", _config(num_hidden_layers=-2), UsageError, "num_hidden_layers is -2"),
+    ("experts-zero", "qwen3_moe", _config(num_local_experts=0), UsageError, "num_experts / num_local_experts is 0"),
+    ("experts-negative-deepseek", "deepseek_v2", _config(n_routed_experts=-8), UsageError, "is -8, it must be"),
+    ("expert-width-negative", "qwen3_moe", _config(moe_intermediate_size=-16), UsageError,
+     "moe_intermediate_size is -16"),
+    ("expert-width-zero-mixtral", "mixtral", _config(intermediate_size=0), UsageError, "intermediate_size is 0"),
+    ("heads-negative", "qwen3_moe", _config(num_attention_heads=-4), UsageError, "num_attention_heads is -4"),
+    ("vocab-zero", "qwen3_moe", _config(vocab_size=0), UsageError, "vocab_size is 0"),
+    ("text-config-negative", "qwen3_5_moe", _text_config(moe_intermediate_size=-1), UsageError,
+     "config.json (text_config): moe_intermediate_size is -1"),
+    ("no-tokenizer-files", "qwen3_moe", _remove("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"),
+     UsageError, "no tokenizer in "),
+    ("int8-expert", "qwen3_moe", _tensor("model.layers.1.mlp.experts.5.gate_proj.weight",
+                                         lambda t: (t * 100).to(torch.int8)),
+     RuntimeFailure, "tensor model.layers.1.mlp.experts.5.gate_proj.weight is int8; localmoe loads float16"),
+    ("int8-fused-experts", "qwen3_5_moe", _tensor(QWEN35_GATE_UP, lambda t: (t * 100).to(torch.int8)),
+     RuntimeFailure, f"tensor {QWEN35_GATE_UP} is int8"),
+    ("fp8-expert", "mixtral", _tensor("model.layers.0.block_sparse_moe.experts.0.w2.weight",
+                                      lambda t: t.to(torch.float8_e4m3fn)),
+     RuntimeFailure, "experts.0.w2.weight is float8_e4m3fn"),
+    ("int8-attention", "qwen3_moe", _tensor("model.layers.0.self_attn.o_proj.weight", lambda t: (t * 100).to(torch.int8)),
+     RuntimeFailure, "tensor model.layers.0.self_attn.o_proj.weight is int8"),
+    ("int32-embedding", "olmoe", _tensor("model.embed_tokens.weight", lambda t: t.to(torch.int32)),
+     RuntimeFailure, "tensor model.embed_tokens.weight is int32"),
+    ("nan-expert-weights", "qwen3_moe", _tensor("model.layers.0.mlp.experts.0.gate_proj.weight",
+                                                lambda t: torch.full_like(t, math.nan)),
+     RuntimeFailure, "gave unusable thresholds (layer"),
+]
+
+
+@pytest.mark.parametrize(("family", "edit", "error", "says"), [c[1:] for c in LOAD_CASES],
+                         ids=[c[0] for c in LOAD_CASES])
+def test_broken_checkpoint_fails_with_the_cause(src_dir, tmp_path, family, edit, error, says):
+    folder = _local_copy(src_dir, tmp_path, family)
+    edit(folder)
+    with pytest.raises(error) as info:
+        # sparsity 0.99: the NaN gate's quantile is NaN whatever the share of NaN activations
+        Engine.load(str(folder), device="cpu", sparsity=0.99 if "unusable" in says else 0.0)
+    msg = str(info.value)
+    assert says in msg and "\n" not in msg, msg
+
+
+def test_config_field_of_the_wrong_type(src_dir, tmp_path):
+    """transformers' own validation error, as one line naming the field (the loader's check, beneath the engine)."""
+    folder = _local_copy(src_dir, tmp_path)
+    _config(hidden_size="32")(folder)
+    with pytest.raises(UsageError, match=r"config\.json: Field 'hidden_size' expected int, got str \(value: '32'\): fix"):
+        load_model(folder, device=torch.device("cpu"), dtype=torch.float32)
+
+
+# (id, file content, what the message says)
+CALIBRATION_TEXT_CASES = [
+    ("nul-bytes", b"Sparse experts skip neurons.\x00\x01\x02" * 50, "is a binary file (it holds NUL bytes)"),
+    ("latin-1", "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9. ".encode("latin-1") * 40,
+     "is not UTF-8 text (byte 0xe9 at offset 3)"),
+    ("png-header", b"\x89PNG\r\n\x1a\n" + bytes(range(1, 200)) * 8, "is not UTF-8 text (byte 0x89 at offset 0)"),
+    ("utf16", "Sparse experts skip most neurons. ".encode("utf-16") * 20, "is UTF-16 (or UTF-32) text, not UTF-8"),
+    ("utf16-no-bom", "Sparse experts skip most neurons. ".encode("utf-16-le") * 20, "is a binary file"),
+    ("empty", b"  \n\n", "is empty"),
+    ("folder", None, "cannot read calibration text"),
+]
+
+
+@pytest.mark.parametrize(("content", "says"), [c[1:] for c in CALIBRATION_TEXT_CASES],
+                         ids=[c[0] for c in CALIBRATION_TEXT_CASES])
+def test_bad_calibration_text_is_refused(engine, tmp_path, content, says):
+    path = tmp_path / "calibration.txt"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(UsageError) as info:
+        sp.thresholds_for(engine, 0.6, text=path, tokens=TOKENS)
+    assert says in str(info.value) and str(path) in str(info.value), str(info.value)
+
+
+def test_utf8_calibration_text_is_used(engine, tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("Les experts clairsem\u00e9s sautent la plupart des neurones. " * 20, encoding="utf-8")
+    assert sp.thresholds_for(engine, 0.6, text=path, tokens=TOKENS).meta["calibration_set"] == "notes.txt"
