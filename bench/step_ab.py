@@ -170,7 +170,7 @@ def main() -> None:
 
 
 def replay_us(engine, n: int) -> float:
-    """µs per replay of the captured step, back to back (bench/replay_gap.py): the greedy chain the last generate
+    """µs per replay of the captured step, back to back: the greedy chain the last generate
     left continues inside the graph, with no host work between steps. 0 when there is no such graph or no room."""
     graph = engine._graph
     if graph is None or graph.graph is None or not graph.chooses or n < 20:
