@@ -7,7 +7,9 @@ import sqlite3
 
 import pytest
 
-from localmoe.tui.history import SCHEMA_VERSION, HistoryError, HistoryStore, default_db_path
+from localmoe.safe_text import is_clean
+from localmoe.tui.history import (SCHEMA_VERSION, HistoryError, HistoryStore, close_fence, default_db_path,
+                                    open_fence)
 
 V1_SCHEMA = """
 CREATE TABLE sessions (id INTEGER PRIMARY KEY, title TEXT NOT NULL DEFAULT '', model TEXT NOT NULL DEFAULT '',
@@ -103,3 +105,46 @@ def test_unwritable_location_is_a_history_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(HistoryError):
         HistoryStore(blocker / "chats.sqlite3")
+
+
+def test_streamed_reply_is_updated_in_place_and_exported_interrupted(tmp_path):
+    """The reply in flight is one row, rewritten as it grows; found still 'streaming' it exports as interrupted,
+    with the code block it was cut off in closed before the marker."""
+    store = HistoryStore(tmp_path / "c.sqlite3")
+    sid = store.new_session("m")
+    store.add_message(sid, "user", "code please")
+    mid = store.add_message(sid, "assistant", "", "streaming")
+    store.update_message(mid, "```python\nprint(", "streaming")
+    other = HistoryStore(tmp_path / "c.sqlite3")  # as after kill -9
+    assert [(m.content, m.status) for m in other.messages(sid)][-1] == ("```python\nprint(", "streaming")
+    md = other.export_markdown(sid)
+    assert "## Assistant\n\n```python\nprint(\n```\n\n*[interrupted]*\n" in md
+    other.close()
+    store.close()
+
+
+def test_export_is_safe_to_cat(tmp_path):
+    store = HistoryStore(tmp_path / "c.sqlite3")
+    sid = store.new_session("m\x1b]0;title\x07", system="s\x1b[2J")
+    store.add_message(sid, "user", "hi\x1b]0;pwned\x07 [b]")
+    store.add_message(sid, "assistant", "\x9b31mred\u202e")
+    md = store.export_markdown(sid)
+    assert md.startswith("# hi [b]\n") and "`m`" in md and "## System\n\ns\n" in md and "\nred\n" in md
+    assert is_clean(md) and "\x1b" not in md
+    store.close()
+
+
+FENCES = {
+    "none": ("text", "", "text"),
+    "backticks-open": ("```py\nx", "```", "```py\nx\n```"),
+    "longer-fence-needs-as-long": ("````\n```\nx\n", "````", "````\n```\nx\n````"),
+    "tildes-open": ("~~~\nx", "~~~", "~~~\nx\n~~~"),
+    "closed": ("```\nx\n```", "", "```\nx\n```"),
+    "inline-backticks-not-a-fence": ("``` `x` ```", "", "``` `x` ```"),
+    "indented-four-is-code-not-fence": ("    ```\nx", "", "    ```\nx"),
+}
+
+
+@pytest.mark.parametrize("text,fence,closed", list(FENCES.values()), ids=list(FENCES))
+def test_open_fence(text, fence, closed):
+    assert open_fence(text) == fence and close_fence(text) == closed

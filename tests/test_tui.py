@@ -147,13 +147,31 @@ async def test_escape_cancels_hanging_stream_and_keeps_partial(tmp_path):
         await type_and_send(pilot, "count")
         await wait_for(pilot, lambda: app.reply is not None and app.reply.view.content == "one two ")
         assert "generating" in str(app.query_one("#hint").render())
-        # the user message is committed before the reply ends
-        assert stored(tmp_path) == [("user", "count", "ok")]
+        # the user message is committed before the reply ends, and the reply's row from its start
+        rows = stored(tmp_path)
+        assert rows[0] == ("user", "count", "ok") and (rows[1][0], rows[1][2]) == ("assistant", "streaming")
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.reply is None)
         reply = replies(app)[0]
         assert reply.status == "cancelled" and "[cancelled]" in reply.markdown.source
     assert stored(tmp_path)[-1] == ("assistant", "one two ", "cancelled")
+
+
+@sync
+async def test_text_typed_during_a_reply_stays_in_the_input(tmp_path):
+    engine = ScriptedEngine("one two three", hang_after=1)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "first")
+        await wait_for(pilot, lambda: app.reply is not None and app.reply.view.content)
+        await type_and_send(pilot, "typed meanwhile")
+        assert app.query_one(ChatInput).text == "typed meanwhile"  # refused for now, not lost
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.reply is None)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(engine.calls) == 2)
+        assert engine.calls[-1][-1] == {"role": "user", "content": "typed meanwhile"}
+        engine.cancel()
 
 
 @sync

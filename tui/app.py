@@ -4,10 +4,21 @@ Owns the chat flow: loading the engine behind the loading view, sending a prompt
 streaming the reply from a worker thread into a Markdown view, cancelling with Esc,
 committing every message to the history store, and the slash commands. The engine is
 any `ChatEngine` (localmoe.events); tests pass a scripted one as `engine=`.
+
+Nothing shown is lost: each message is committed when it is shown, and the reply in flight
+is stored as it streams (status 'streaming', its text updated at most once per SAVE_INTERVAL
+and at its end). When the database cannot be written (read-only, disk full, corrupt) the
+conversation stays in memory, one warning is shown, the status bar says so, and every later
+write retries what is missing, in order. SIGTERM and SIGHUP (run_chat) save the partial reply
+and end the app normally, which restores the terminal. A conversation longer than the model's
+context is sent without its oldest turns (fit_to_context).
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -21,11 +32,68 @@ from textual.message import Message
 from textual.widgets import ContentSwitcher, Label
 
 from localmoe.events import ChatEngine, GenerationSettings, ProgressFn
+from localmoe.safe_text import for_line, for_terminal
 from localmoe.tui.commands import ChatCommands, CommandError, CommandsMixin, parse_command
 from localmoe.tui.history import HistoryError, HistoryStore, default_db_path
 from localmoe.tui.widgets import INPUT_HINT, ChatInput, ErrorView, LoadingView, MessageView, StatusBar, describe_error
 
 LoadFn = Callable[[ProgressFn], ChatEngine]
+SAVE_INTERVAL = 1.0  # seconds between writes of the reply in flight (a kill -9 loses at most this much)
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # end the app normally: partial reply saved, terminal restored
+
+
+def _reopen_after(exc: BaseException) -> bool:
+    """Whether a write failure may be gone with a new connection: SQLite keeps a file it opened read-only so for
+    good, and a journal it could not create or an I/O error may have been fixed since (a full disk has not; the
+    connection retries as it is)."""
+    code = getattr(exc.__cause__, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR)
+
+
+def context_limit(engine: object) -> int:
+    """Tokens a prompt and its reply may take together: the engine's context, capped by the model's positions
+    (0 when the engine does not say)."""
+    limit = int(getattr(engine, "context", 0) or 0)
+    positions = int(getattr(engine, "max_positions", 0) or 0)
+    if positions:
+        limit = min(limit, positions) if limit else positions
+    return limit
+
+
+def fit_to_context(engine: object, messages: Sequence[dict], max_new_tokens: int) -> tuple[list[dict], int]:
+    """`messages` without their oldest turns, so that the prompt leaves room for a reply within the context:
+    the system prompt and the newest messages are kept, the last (new user) message always; what is kept starts
+    at a user message (templates want user/assistant turns in order). Room for the reply: max_new_tokens, at most
+    a quarter of the context. Returns (messages to send, how many were left out); an engine without
+    `encode_chat` or a context size is given everything."""
+    messages = list(messages)
+    encode = getattr(engine, "encode_chat", None)
+    limit = context_limit(engine)
+    if encode is None or limit <= 0 or not messages:
+        return messages, 0
+    budget = limit - max(1, min(int(max_new_tokens), limit // 4))
+    head = messages[:1] if messages[0].get("role") == "system" else []
+    history = messages[len(head):]
+
+    def fits(start: int) -> bool:
+        return len(encode(head + history[start:])) <= budget
+
+    try:
+        if fits(0):
+            return messages, 0
+        starts = [i for i, m in enumerate(history) if i > 0 and m.get("role") == "user"]
+        if not starts:
+            return messages, 0
+        lo, hi = 0, len(starts) - 1
+        while lo < hi:  # the fewest messages left out: fits() only gets truer as the start moves on
+            mid = (lo + hi) // 2
+            if fits(starts[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+    except Exception:  # noqa: BLE001
+        return messages, 0  # (no chat template, ...): the engine reports it when asked to chat
+    return head + history[starts[lo]:], starts[lo]
 
 
 class Progress(Message):
@@ -52,23 +120,32 @@ class ReplyDone(Message):
         self.reply_id, self.text, self.reason, self.error = reply_id, text, reason, error
 
 
+class ContextTrimmed(Message):
+    def __init__(self, reply_id: int, dropped: int) -> None:
+        super().__init__()
+        self.reply_id, self.dropped = reply_id, dropped
+
+
 @dataclass
 class Turn:
-    """A persisted message of the current session and the view showing it."""
+    """A message of the current session and the view showing it. id 0: not in the database yet; saved: the
+    database holds this content and status."""
 
     id: int
     role: str
     content: str
     status: str
     view: MessageView | None = None
+    saved: bool = False
 
 
 @dataclass
 class Reply:
-    """The reply in flight."""
+    """The reply in flight (its turn is the last of ChatApp.turns, status 'streaming')."""
 
     id: int
     view: MessageView
+    turn: Turn
     cancel_requested: bool = False
 
 
@@ -82,7 +159,8 @@ class ChatApp(CommandsMixin, App[int]):
 
     def __init__(self, *, engine: ChatEngine | None = None, load: LoadFn | None = None, model_label: str = "",
                  settings: GenerationSettings | None = None, sparsity: float | None = None,
-                 system: str | None = None, continue_last: bool = False, db_path: Path | str | None = None) -> None:
+                 system: str | None = None, continue_last: bool = False, db_path: Path | str | None = None,
+                 handle_signals: bool = False) -> None:
         super().__init__()
         if engine is None and load is None:
             raise ValueError("ChatApp needs engine= or load=")
@@ -101,6 +179,15 @@ class ChatApp(CommandsMixin, App[int]):
         self.busy = ""  # e.g. "calibrating 3/8" while /sparsity runs
         self.load_error = ""
         self._reply_counter = 0
+        self._handle_signals = handle_signals
+        self.history_error = ""  # why the history is not saved now ("" when all is saved or retried fine)
+        self._pending_deletes: list[int] = []  # messages to delete (a regenerated reply) once the database allows
+        self._system_dirty = False  # the session's system prompt changed and is not saved yet
+        self._last_save = 0.0
+        self._drop_confirmed = False  # an unsaved conversation may be dropped (/new, /sessions, quit asked twice)
+        self.dropped_for_context = 0  # oldest messages left out of the last prompt
+        self._trim_noticed = False
+        self.notices: list[str] = []  # every notification shown, as shown
 
     def compose(self) -> ComposeResult:
         needs_loading = self._load is not None or self._initial_sparsity is not None
@@ -116,11 +203,11 @@ class ChatApp(CommandsMixin, App[int]):
     # startup ---------------------------------------------------------------------------------
 
     async def on_mount(self) -> None:
-        try:
-            self.store = HistoryStore(self._db_path)
-        except HistoryError as exc:
-            self.store = HistoryStore(":memory:")
-            self.notify(f"{exc}; this conversation will not be saved", severity="warning", timeout=10)
+        if self._handle_signals:
+            loop = asyncio.get_running_loop()
+            for signum in EXIT_SIGNALS:
+                loop.add_signal_handler(signum, self.exit_on_signal, signum)
+        self._open_store()
         self.refresh_status()
         if self.query_one("#main", ContentSwitcher).current == "loading":
             self.start_loading()
@@ -176,13 +263,20 @@ class ChatApp(CommandsMixin, App[int]):
     async def enter_chat(self) -> None:
         self.query_one("#main", ContentSwitcher).current = "chat"
         self.query_one("#conversation", VerticalScroll).anchor()
-        if self._continue_last and self.store is not None and (last := self.store.last_session()):
+        last = None
+        if self._continue_last and self.store is not None:
+            try:
+                last = self.store.last_session()
+            except HistoryError as exc:
+                self._history_failed(exc)
+        if last is not None:
             await self.show_session(last.id)
         else:
             device = f" on {self.engine.device}" if self.engine is not None and self.engine.device else ""
             if getattr(self.engine, "experts_format", "full") == "int4":
                 device += " with 4-bit experts"
-            await self.add_note(f"Chatting with `{self.model_label}`{device}. Type `/help` for commands.")
+            label = for_line(self.model_label).replace("`", "'")
+            await self.add_note(f"Chatting with `{label}`{for_line(device)}. Type `/help` for commands.")
             if self.system:
                 await self.add_note(f"System prompt: {self.system}", role="system")
         self.refresh_status()
@@ -197,6 +291,8 @@ class ChatApp(CommandsMixin, App[int]):
         except CommandError as exc:
             self.notify(str(exc), severity="error")
             return
+        if parsed is None and not self.can_start():
+            return  # the typed text stays in the input
         self.query_one(ChatInput).clear()
         if parsed is not None:
             await self.run_command(parsed)
@@ -216,18 +312,24 @@ class ChatApp(CommandsMixin, App[int]):
             return
         view = MessageView("user", text)
         await self.query_one("#conversation").mount(view)
-        self.turns.append(Turn(self._save("user", text), "user", text, "ok", view))
+        self.turns.append(Turn(0, "user", text, "ok", view))
+        self._drop_confirmed = False
+        self._sync()
         await self.start_reply()
 
     async def start_reply(self) -> None:
         self._reply_counter += 1
+        messages = self.context()
         view = MessageView("assistant")
         await self.query_one("#conversation").mount(view)
         view.start_stream()
-        self.reply = Reply(self._reply_counter, view)
+        turn = Turn(0, "assistant", "", "streaming", view)
+        self.turns.append(turn)
+        self.reply = Reply(self._reply_counter, view, turn)
+        self._sync()  # the reply's row exists from its start: what streams is saved as it comes
         self.query_one("#conversation", VerticalScroll).anchor()
         self.refresh_status()
-        self._spawn(self._decode_thread, self._reply_counter, self.context(), self.settings)
+        self._spawn(self._decode_thread, self._reply_counter, messages, self.settings)
 
     def context(self) -> list[dict]:
         """The messages for the engine: system prompt, then user/assistant turns with content."""
@@ -240,6 +342,9 @@ class ChatApp(CommandsMixin, App[int]):
         reason, error = "", ""
         try:
             assert self.engine is not None
+            messages, dropped = fit_to_context(self.engine, messages, settings.max_new_tokens)
+            if dropped:
+                self._post(ContextTrimmed(reply_id, dropped))
             for event in self.engine.chat(messages, settings):
                 if event.text:
                     parts.append(event.text)
@@ -259,9 +364,20 @@ class ChatApp(CommandsMixin, App[int]):
                 pass
 
     async def on_reply_chunk(self, msg: ReplyChunk) -> None:
-        if self.reply is not None and self.reply.id == msg.reply_id:
-            await self.reply.view.write(msg.text)
+        reply = self.reply
+        if reply is not None and reply.id == msg.reply_id:
+            await reply.view.write(msg.text)
+            reply.turn.content, reply.turn.saved = reply.view.content, False
+            if time.monotonic() - self._last_save >= SAVE_INTERVAL:
+                self._sync()
             self.refresh_status()
+
+    def on_context_trimmed(self, msg: ContextTrimmed) -> None:
+        self.dropped_for_context = msg.dropped
+        if not self._trim_noticed:
+            self._trim_noticed = True
+            self.notify(f"Oldest {msg.dropped} messages left out to fit the context "
+                        f"({context_limit(self.engine)} tokens).", timeout=8)
 
     async def on_reply_done(self, msg: ReplyDone) -> None:
         reply = self.reply
@@ -272,7 +388,8 @@ class ChatApp(CommandsMixin, App[int]):
         status = "error" if msg.error else "cancelled" if cancelled else "ok"
         text = msg.text if len(msg.text) >= len(reply.view.content) else reply.view.content
         await reply.view.finish(status, msg.error)
-        self.turns.append(Turn(self._save("assistant", text, status), "assistant", text, status, reply.view))
+        reply.turn.content, reply.turn.status, reply.turn.saved = text, status, False
+        self._sync()
         self.refresh_status()
 
     def action_cancel_reply(self) -> None:
@@ -287,27 +404,107 @@ class ChatApp(CommandsMixin, App[int]):
         return True
 
     async def action_quit(self) -> None:
-        """Quit; a reply in flight is cancelled and its partial text saved first."""
+        """Quit; a reply in flight is cancelled and its partial text saved first. With messages the history could
+        not save, the first ctrl+q only warns (/export keeps them)."""
+        self._stop_reply("cancelled")
+        if not self.may_drop_conversation("ctrl+q"):
+            return
+        self._close_store()
+        self.exit(return_code=1 if self.load_error else 0)
+
+    def exit_on_signal(self, signum: int) -> None:
+        """SIGTERM/SIGHUP: save the partial reply and end the app normally (Textual restores the terminal).
+        Exit status 128 + signum, as a process ended by that signal reports it in a shell."""
+        self._stop_reply("interrupted")
+        self._sync()
+        self._close_store()
+        self.exit(return_code=128 + int(signum))
+
+    def _stop_reply(self, status: str) -> None:
+        """End the reply in flight now (the engine is told to stop) and save what it has shown, as `status`."""
         reply = self.reply
-        if reply is not None:
-            self.reply = None
-            if self.engine is not None:
-                self.engine.cancel()
-            self._save("assistant", reply.view.content, "cancelled")
+        if reply is None:
+            return
+        self.reply = None
+        if self.engine is not None:
+            self.engine.cancel()
+        reply.turn.content, reply.turn.status, reply.turn.saved = reply.view.content, status, False
+        self._sync()
+
+    def _close_store(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
-        self.exit(return_code=1 if self.load_error else 0)
+
+    # history ---------------------------------------------------------------------------------
+
+    def _open_store(self) -> bool:
+        try:
+            self.store = HistoryStore(self._db_path)
+        except HistoryError as exc:
+            self.store = None
+            self._history_failed(exc)
+            return False
+        return True
+
+    def _sync(self) -> bool:
+        """Write to the history what it lacks, oldest first: pending deletions, the session, its system prompt,
+        then each message not saved (new ones appended, changed ones updated). Stops at the first failure and keeps
+        everything in memory for the next try. True when the history holds the whole conversation."""
+        self._last_save = time.monotonic()
+        unsaved = [t for t in self.turns if not t.saved]
+        if not unsaved and not self._pending_deletes and not self._system_dirty:
+            return True
+        if self.store is None and not self._open_store():
+            return False
+        store = self.store
+        try:
+            while self._pending_deletes:
+                store.delete_message(self._pending_deletes[0])
+                self._pending_deletes.pop(0)
+            if unsaved and self.session_id is None:
+                self.session_id = store.new_session(self.model_label, self.system)
+                self._system_dirty = False
+            if self._system_dirty and self.session_id is not None:
+                store.set_system(self.session_id, self.system)
+                self._system_dirty = False
+            for turn in unsaved:
+                if turn.id:
+                    store.update_message(turn.id, turn.content, turn.status)
+                else:
+                    turn.id = store.add_message(self.session_id, turn.role, turn.content, turn.status)
+                turn.saved = True
+        except HistoryError as exc:
+            if _reopen_after(exc):  # a fresh connection sees permissions or files fixed since
+                self._close_store()
+            self._history_failed(exc)
+            return False
+        if self.history_error:
+            self.history_error = ""
+            self.notify("Chat history saved again.")
+            self.refresh_status()
+        return True
+
+    def _history_failed(self, exc: BaseException) -> None:
+        """The history cannot be read or written: warn once (until it works again), mark the status bar."""
+        first = not self.history_error
+        self.history_error = "history not saved"
+        if first:
+            self.notify(f"{exc}. This conversation is kept in memory and saved when the history can be written "
+                        "again; /export FILE writes it out.", severity="warning", timeout=12)
+        self.refresh_status()
+
+    def may_drop_conversation(self, again: str) -> bool:
+        """True unless this conversation has messages the history could not save; then warn the first time (asking
+        for `again` to confirm)."""
+        if all(t.saved for t in self.turns) or self._sync() or self._drop_confirmed:
+            return True
+        self._drop_confirmed = True
+        self.notify(f"This conversation is not saved: /export FILE keeps it; {again} again drops it.",
+                    severity="warning", timeout=10)
+        return False
 
     # helpers ---------------------------------------------------------------------------------
-
-    def _save(self, role: str, content: str, status: str = "ok") -> int:
-        """Commit one message, creating the session on its first message; returns its id (0 if unsaved)."""
-        if self.store is None:
-            return 0
-        if self.session_id is None:
-            self.session_id = self.store.new_session(self.model_label, self.system)
-        return self.store.add_message(self.session_id, role, content, status)
 
     def _post(self, message: Message) -> None:
         """post_message from a worker thread; silently dropped once the app has gone."""
@@ -330,14 +527,16 @@ class ChatApp(CommandsMixin, App[int]):
         stats = self.engine.stats if self.engine is not None else None
         device = self.engine.device if self.engine is not None else ""
         for bar in self.query(StatusBar):  # none while the app is shutting down
-            bar.show(self.model_label, device, stats)
+            bar.show(self.model_label, device, stats, self.history_error)
         for hint in self.query("#hint").results(Label):
             hint.update(state or INPUT_HINT)
             hint.set_class(bool(state), "busy")
 
-    def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
-        """Notifications carry user and error text: no markup unless asked for."""
-        super().notify(message, markup=markup, **kwargs)
+    def notify(self, message: str, *, markup: bool = False, title: str = "", **kwargs) -> None:
+        """Notifications carry user, model and error text: control sequences removed, no markup unless asked for."""
+        message, title = for_terminal(str(message)), for_line(title)
+        self.notices.append(message)
+        super().notify(message, markup=markup, title=title, **kwargs)
 
     async def add_note(self, markdown: str, role: str = "note") -> None:
         await self.query_one("#conversation").mount(MessageView(role, markdown))
@@ -347,10 +546,10 @@ def run_chat(load: LoadFn, *, model_label: str, settings: GenerationSettings, sp
              system: str | None, continue_last: bool, db_path: Path | None = None) -> int:
     """Run `localmoe chat`: load the engine behind the loading view, then chat. Returns the exit code."""
     app = ChatApp(load=load, model_label=model_label, settings=settings, sparsity=sparsity,
-                  system=system, continue_last=continue_last, db_path=db_path)
+                  system=system, continue_last=continue_last, db_path=db_path, handle_signals=True)
     try:
         app.run()
     except Exception as exc:  # a UI failure must still end with a message, not a traceback
-        print(describe_error(exc)[0])
+        print(for_line(describe_error(exc)[0]))
         return 1
     return app.return_code or 0

@@ -7,13 +7,17 @@ itself (sending, streaming, saving) stays in app.py.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
+from localmoe.tui.history import HistoryError, render_markdown, title_of
 from localmoe.tui.widgets import ChatInput, MessageView, SessionPicker, describe_error
+
+FORCE_FLAG = "--force"
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,8 @@ COMMANDS: list[CommandSpec] = [
     CommandSpec("sparsity", "S", "Set the decode sparsity target, 0 = dense (may calibrate)", "required"),
     CommandSpec("temp", "T", "Set the sampling temperature, 0 = greedy", "required"),
     CommandSpec("regenerate", "", "Drop the last reply and generate it again"),
-    CommandSpec("export", "[FILE]", "Write this conversation to a Markdown file", "optional"),
+    CommandSpec("export", "[FILE] [--force]",
+                "Write this conversation to a Markdown file (an existing FILE is kept unless --force)", "optional"),
     CommandSpec("sessions", "[ID]", "List saved conversations and resume one", "optional"),
     CommandSpec("stats", "", "Show the engine figures for the last reply"),
     CommandSpec("quit", "", "Quit (ctrl+q)"),
@@ -140,7 +145,7 @@ class CommandsMixin:
         await self.add_note(help_markdown())
 
     async def cmd_new(self, cmd: ParsedCommand) -> None:
-        if self.reply is None:
+        if self.reply is None and self.may_drop_conversation("/new"):
             await self.clear_conversation()
             self.notify("New conversation")
 
@@ -149,8 +154,9 @@ class CommandsMixin:
             await self.add_note(f"System prompt: {self.system}" if self.system else "No system prompt set.")
             return
         self.system = None if cmd.arg.lower() == "off" else cmd.arg
-        if self.session_id is not None and self.store is not None:
-            self.store.set_system(self.session_id, self.system)
+        if self.session_id is not None:
+            self._system_dirty = True
+            self._sync()
         await self.add_note(f"System prompt: {self.system}" if self.system else "System prompt cleared.", "system")
 
     async def cmd_temp(self, cmd: ParsedCommand) -> None:
@@ -190,8 +196,8 @@ class CommandsMixin:
             return
         if self.turns and self.turns[-1].role == "assistant":
             last = self.turns.pop()
-            if self.store is not None and last.id:
-                self.store.delete_message(last.id)
+            if last.id:
+                self._pending_deletes.append(last.id)  # deleted at the next write (start_reply's)
             if last.view is not None:
                 await last.view.remove()
         if not self.turns or self.turns[-1].role != "user":
@@ -199,26 +205,58 @@ class CommandsMixin:
             return
         await self.start_reply()
 
+    def export_text(self) -> str:
+        """The conversation as shown (from memory: what the history could not save is in it too), as Markdown safe
+        to print in a terminal."""
+        turns = [t for t in self.turns if t.role in ("user", "assistant")]
+        first_user = next((t.content for t in turns if t.role == "user"), "")
+        return render_markdown(title_of(first_user), self.model_label, time.time(), self.system,
+                               ((t.role, t.content, t.status) for t in turns))
+
     async def cmd_export(self, cmd: ParsedCommand) -> None:
-        if self.session_id is None or self.store is None:
+        """`/export [FILE] [--force]`: never overwrites an existing file unless --force; without FILE, the first
+        free name of localmoe-chat-ID.md, localmoe-chat-ID-2.md, ..."""
+        if not self.turns:
             self.notify("Nothing to export yet.", severity="warning")
             return
-        path = Path(cmd.arg).expanduser() if cmd.arg else Path(f"localmoe-chat-{self.session_id}.md")
-        path.write_text(self.store.export_markdown(self.session_id), encoding="utf-8")
+        words = cmd.arg.split()
+        force = FORCE_FLAG in words
+        name = " ".join(w for w in words if w != FORCE_FLAG) if force else cmd.arg
+        if name:
+            path = Path(name).expanduser()
+        else:
+            stem = f"localmoe-chat-{self.session_id or 'unsaved'}"
+            path = next(p for n in range(1, 10_000)
+                        if not (p := Path(f"{stem}.md" if n == 1 else f"{stem}-{n}.md")).exists())
+        try:
+            with open(path, "w" if force else "x", encoding="utf-8") as out:
+                out.write(self.export_text())
+        except FileExistsError:
+            self.notify(f"{path} exists: give another name, or /export {name} {FORCE_FLAG} to overwrite it.",
+                        severity="warning", timeout=10)
+            return
         self.notify(f"Exported to {path}")
 
     async def cmd_sessions(self, cmd: ParsedCommand) -> None:
-        if self.reply is not None or self.store is None:
+        if self.reply is not None:
             return
+        if self.store is None and not self._open_store():
+            return  # _open_store has said why
         if cmd.number is not None:
-            await self.show_session(int(cmd.number))
+            if self.may_drop_conversation(f"/sessions {int(cmd.number)}"):
+                await self.show_session(int(cmd.number))
+            return
+        try:
+            sessions = self.store.sessions()
+        except HistoryError as exc:
+            self._history_failed(exc)
             return
 
         async def chosen(session_id: int | None) -> None:
-            if session_id:
+            if session_id and self.may_drop_conversation("/sessions"):
                 await self.show_session(session_id)
 
-        self.push_screen(SessionPicker(self.store.sessions()), chosen)
+        self.push_screen(SessionPicker(sessions), chosen)
 
     async def cmd_stats(self, cmd: ParsedCommand) -> None:
         if self.engine is None:
@@ -233,19 +271,31 @@ class CommandsMixin:
     async def clear_conversation(self) -> None:
         await self.query_one("#conversation").remove_children()
         self.session_id, self.turns = None, []
+        self._system_dirty = self._drop_confirmed = self._trim_noticed = False
+        self.dropped_for_context = 0
 
     async def show_session(self, session_id: int) -> None:
-        """Resume a saved conversation: its system prompt and messages become the current ones."""
-        info = self.store.session(session_id) if self.store is not None else None
+        """Resume a saved conversation: its system prompt and messages become the current ones. A reply stored
+        as 'streaming' was cut off (its process killed): it is shown, and saved, as interrupted."""
+        from localmoe.tui.app import Turn
+
+        try:
+            info = self.store.session(session_id) if self.store is not None else None
+            stored = self.store.messages(info.id) if info is not None else []
+        except HistoryError as exc:
+            self._history_failed(exc)
+            return
         if info is None:
             self.notify(f"No saved conversation #{session_id}.", severity="error")
             return
         await self.clear_conversation()
-        from localmoe.tui.app import Turn
-
         self.session_id, self.system = info.id, info.system
-        self.turns = [Turn(m.id, m.role, m.content, m.status, MessageView(m.role, m.content, m.status))
-                      for m in self.store.messages(info.id)]
+        self.turns = []
+        for m in stored:
+            status = "interrupted" if m.status == "streaming" else m.status
+            self.turns.append(Turn(m.id, m.role, m.content, status, MessageView(m.role, m.content, status),
+                                   saved=status == m.status))
+        self._sync()
         notes = [MessageView("system", f"System prompt: {info.system}")] if info.system else []
         await self.query_one("#conversation").mount_all(notes + [t.view for t in self.turns])
         self.query_one("#conversation").scroll_end(animate=False)

@@ -3,16 +3,25 @@
 Owns the database file (`$XDG_DATA_HOME/localmoe/chats.sqlite3`), its schema and the
 migrations between schema versions (tracked in `PRAGMA user_version`), and the Markdown
 export of a session. Every write is committed at once, so a killed process keeps all
-that was written. Pure stdlib; no Textual here.
+that was written. A reply is stored while it streams (status 'streaming', its text updated
+as it grows); a row still 'streaming' when read back by a later process was cut off by a
+crash or kill and is shown as interrupted. Every database failure is raised as
+HistoryError (the app keeps the conversation in memory and retries). Exports pass all
+text through `localmoe.safe_text`, so the file is safe to `cat`. Pure stdlib; no Textual here.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
+
+from localmoe.safe_text import for_line, for_terminal
 
 # MIGRATIONS[i] takes a database from schema version i to i + 1. Append, never edit.
 MIGRATIONS: list[list[str]] = [
@@ -38,11 +47,81 @@ MIGRATIONS: list[list[str]] = [
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
-STATUS_MARKERS = {"cancelled": "*[cancelled]*", "error": "*[error]*"}
+# Message status: "ok", "cancelled" (Esc, ctrl+q), "error", "interrupted" (SIGTERM/SIGHUP, or found 'streaming' by
+# a later process: the one writing it was killed), "streaming" (the reply in flight). No migration: a free-text column.
+STATUS_MARKERS = {"cancelled": "*[cancelled]*", "error": "*[error]*", "interrupted": "*[interrupted]*",
+                  "streaming": "*[interrupted]*"}
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 
 
 class HistoryError(RuntimeError):
-    """The history database cannot be opened or upgraded."""
+    """The history database cannot be opened, upgraded, read or written (the cause is chained)."""
+
+
+def _db_call(method):
+    """Any sqlite3 failure inside `method` is raised as HistoryError (the transaction, if any, rolled back)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise HistoryError(f"chat history {self.path}: {exc}") from exc
+
+    return wrapper
+
+
+def open_fence(markdown: str) -> str:
+    """The fence (e.g. "```") that closes a code block left open at the end of `markdown`; "" when none is open."""
+    opened = ""
+    for line in markdown.split("\n"):
+        m = _FENCE.match(line)
+        if m is None:
+            continue
+        fence, rest = m.groups()
+        if not opened:
+            if not (fence[0] == "`" and "`" in rest):  # a backtick fence's info string holds no backtick
+                opened = fence
+        elif fence[0] == opened[0] and len(fence) >= len(opened) and not rest.strip():
+            opened = ""
+    return opened
+
+
+def close_fence(markdown: str) -> str:
+    """`markdown` with a code block left open at its end closed (a reply cut off inside a fence)."""
+    fence = open_fence(markdown)
+    if not fence:
+        return markdown
+    return f"{markdown}{'' if markdown.endswith(chr(10)) else chr(10)}{fence}"
+
+
+def with_marker(content: str, status: str) -> str:
+    """A message's Markdown as shown and exported: an open fence closed, then the status marker if any."""
+    marker = STATUS_MARKERS.get(status)
+    if marker is None:
+        return content
+    return f"{close_fence(content)}\n\n{marker}" if content.strip() else marker
+
+
+def render_markdown(title: str, model: str, updated_at: float, system: str | None,
+                    messages: Iterable[tuple[str, str, str]]) -> str:
+    """A conversation as Markdown, every text made safe for a terminal: (role, content, status) per message."""
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(updated_at))
+    model = for_line(model).replace("`", "'")
+    out = [f"# {for_line(title) or 'Chat'}", "", f"*localmoe chat with `{model}`, {stamp}*", ""]
+    if system:
+        out += ["## System", "", close_fence(for_terminal(system)), ""]
+    for role, content, status in messages:
+        out += [f"## {for_line(role).capitalize()}", "", close_fence(with_marker(for_terminal(content), status))]
+        out.append("")
+    return "\n".join(out)
+
+
+def title_of(content: str) -> str:
+    """A session's title: its first user message on one line, at most 60 characters."""
+    return " ".join(content.split())[:60]
 
 
 def default_db_path() -> Path:
@@ -77,14 +156,28 @@ class HistoryStore:
 
     def __init__(self, path: Path | str) -> None:
         self.path = path
+        self._db: sqlite3.Connection | None = None
         try:
             if str(path) != ":memory:":
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(path), isolation_level=None, timeout=5.0)
             self._db.execute("PRAGMA foreign_keys = ON")
             self.migrate()
+        except HistoryError:
+            self.close()
+            raise
         except (OSError, sqlite3.Error) as exc:
+            self.close()
             raise HistoryError(f"cannot open chat history {path}: {exc}") from exc
+
+    def _rollback(self) -> None:
+        """End a failed transaction. SQLite may have rolled it back itself (disk full, I/O error): no second failure."""
+        if self._db is None or not self._db.in_transaction:
+            return
+        try:
+            self._db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
 
     @property
     def schema_version(self) -> int:
@@ -106,14 +199,19 @@ class HistoryStore:
                 self._db.execute(f"PRAGMA user_version = {step + 1}")
                 self._db.execute("COMMIT")
             except sqlite3.Error:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def close(self) -> None:
-        self._db.close()
+        if self._db is not None:
+            try:
+                self._db.close()
+            except sqlite3.Error:
+                pass
 
     # sessions -----------------------------------------------------------------------------
 
+    @_db_call
     def new_session(self, model: str, system: str | None = None) -> int:
         now = time.time()
         cur = self._db.execute(
@@ -122,9 +220,11 @@ class HistoryStore:
         )
         return int(cur.lastrowid)
 
+    @_db_call
     def set_system(self, session_id: int, system: str | None) -> None:
         self._db.execute("UPDATE sessions SET system = ? WHERE id = ?", (system, session_id))
 
+    @_db_call
     def sessions(self, limit: int = 100) -> list[SessionInfo]:
         """Most recently used first."""
         rows = self._db.execute(
@@ -144,6 +244,7 @@ class HistoryStore:
 
     # messages -----------------------------------------------------------------------------
 
+    @_db_call
     def add_message(self, session_id: int, role: str, content: str, status: str = "ok") -> int:
         """Append one message (committed on return); the first user message titles the session."""
         now = time.time()
@@ -155,17 +256,33 @@ class HistoryStore:
             )
             self._db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (now, session_id))
             if role == "user":
-                title = " ".join(content.split())[:60]
-                self._db.execute("UPDATE sessions SET title = ? WHERE id = ? AND title = ''", (title, session_id))
+                self._db.execute("UPDATE sessions SET title = ? WHERE id = ? AND title = ''",
+                                 (title_of(content), session_id))
             self._db.execute("COMMIT")
         except sqlite3.Error:
-            self._db.execute("ROLLBACK")
+            self._rollback()
             raise
         return int(cur.lastrowid)
 
+    @_db_call
+    def update_message(self, message_id: int, content: str, status: str) -> None:
+        """Replace a message's text and status (the reply in flight as it grows, then its outcome)."""
+        now = time.time()
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("UPDATE messages SET content = ?, status = ? WHERE id = ?", (content, status, message_id))
+            self._db.execute("UPDATE sessions SET updated_at = ? WHERE id = (SELECT session_id FROM messages "
+                             "WHERE id = ?)", (now, message_id))
+            self._db.execute("COMMIT")
+        except sqlite3.Error:
+            self._rollback()
+            raise
+
+    @_db_call
     def delete_message(self, message_id: int) -> None:
         self._db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
 
+    @_db_call
     def messages(self, session_id: int) -> list[StoredMessage]:
         rows = self._db.execute(
             "SELECT id, role, content, status FROM messages WHERE session_id = ? ORDER BY id", (session_id,)
@@ -175,17 +292,10 @@ class HistoryStore:
     # export -------------------------------------------------------------------------------
 
     def export_markdown(self, session_id: int) -> str:
-        """The session as a Markdown document: a heading per message, cancelled/failed replies marked."""
+        """The session as a Markdown document: a heading per message, cancelled/failed/interrupted replies marked,
+        code blocks left open closed, control sequences removed (safe to `cat`)."""
         info = self.session(session_id)
         if info is None:
             raise HistoryError(f"no chat session {session_id}")
-        stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.updated_at))
-        out = [f"# {info.title or 'Chat'}", "", f"*localmoe chat with `{info.model}`, {stamp}*", ""]
-        if info.system:
-            out += ["## System", "", info.system, ""]
-        for msg in self.messages(session_id):
-            out += [f"## {msg.role.capitalize()}", "", msg.content]
-            if msg.status in STATUS_MARKERS:
-                out += ["", STATUS_MARKERS[msg.status]]
-            out.append("")
-        return "\n".join(out)
+        return render_markdown(info.title, info.model, info.updated_at, info.system,
+                               ((m.role, m.content, m.status) for m in self.messages(session_id)))

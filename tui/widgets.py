@@ -1,10 +1,14 @@
 """Widgets of `localmoe chat`: the multi-line prompt input, one view per chat message (streamed
 Markdown), the status bar, the loading and error views, and the session picker.
 
-They hold no engine or database state: the app feeds them text and figures.
+They hold no engine or database state: the app feeds them text and figures. Every text they show
+passes through `localmoe.safe_text` (no control sequence from model output, prompts, history or
+paths reaches the terminal) and is shown as plain text, never parsed as Textual/Rich markup.
 """
 
 from __future__ import annotations
+
+import re
 
 from textual import events
 from textual.app import ComposeResult
@@ -17,10 +21,18 @@ from textual.widgets.markdown import MarkdownStream
 from textual.widgets.option_list import Option
 
 from localmoe.events import EngineStats
-from localmoe.tui.history import STATUS_MARKERS, SessionInfo
+from localmoe.safe_text import for_line, for_terminal
+from localmoe.tui.history import STATUS_MARKERS, SessionInfo, open_fence, with_marker
 
 INPUT_HINT = "Enter send · ctrl+j newline · Esc cancel · /help · ctrl+p palette · ctrl+q quit"
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
+# Where a control sequence may start: ESC and the C1 introducers (CSI, OSC, DCS, SOS, PM, APC).
+_INTRODUCERS = re.compile("[\x1b\x9b\x9d\x90\x98\x9e\x9f]")
+
+
+def plain(text: str) -> Content:
+    """One line of untrusted text as a widget label: control sequences removed, markup not parsed."""
+    return Content(for_line(text))
 
 
 class ChatInput(TextArea):
@@ -45,32 +57,43 @@ class ChatInput(TextArea):
             return
         await super()._on_key(event)
 
+    async def _on_paste(self, event: events.Paste) -> None:
+        """Pasted text goes in without control sequences (the prompt shows what will be sent)."""
+        clean = for_terminal(event.text)
+        if clean != event.text:
+            event.stop()
+            event.prevent_default()
+            await super()._on_paste(events.Paste(clean))
+            return
+        await super()._on_paste(event)
+
 
 class MessageView(Vertical):
-    """One chat message: a role label and a Markdown body that can be streamed into."""
+    """One chat message: a role label and a Markdown body that can be streamed into.
+
+    `content` is the exact text (what is stored and sent to the model); what is shown is that text through
+    `for_terminal`. While streaming, a fragment ending in a control sequence that may continue in the next
+    fragment is held back until it is complete (it shows nothing either way)."""
 
     ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System", "note": "localmoe"}
 
     def __init__(self, role: str, content: str = "", status: str = "ok", label: str | None = None) -> None:
-        super().__init__(classes=f"message {role}")
+        super().__init__(classes=f"message {role}" + (f" {status}" if status != "ok" else ""))
         self.role = role
         self.content = content
         self.status = status
         self._label = label or self.ROLE_LABELS.get(role, role)
         self._stream: MarkdownStream | None = None
+        self._held = ""  # raw tail not shown yet: a control sequence that may go on in the next fragment
+        self.shown = ""  # the Markdown source streamed so far (safe text)
 
     def compose(self) -> ComposeResult:
-        yield Label(Content(self._label), classes="role")
-        # a typed newline is a line break, not a Markdown soft break
-        shown = self.content.replace("\n", "  \n") if self.role == "user" else self.content
-        yield Markdown(self._with_marker(shown, self.status))
-
-    @staticmethod
-    def _with_marker(content: str, status: str) -> str:
-        marker = STATUS_MARKERS.get(status)
-        if marker is None:
-            return content
-        return f"{content}\n\n{marker}" if content.strip() else marker
+        yield Label(plain(self._label), classes="role")
+        shown = for_terminal(self.content)
+        if self.role == "user":  # a typed newline is a line break, not a Markdown soft break
+            shown = shown.replace("\n", "  \n")
+        self.shown = shown
+        yield Markdown(with_marker(shown, self.status))
 
     @property
     def markdown(self) -> Markdown:
@@ -80,30 +103,52 @@ class MessageView(Vertical):
         self.add_class("streaming")
         self._stream = Markdown.get_stream(self.markdown)
 
+    @staticmethod
+    def split_safe(pending: str) -> tuple[str, str]:
+        """(safe text to show now, raw tail to hold back): the tail from the last sequence introducer when it
+        shows nothing yet (an escape sequence a later fragment may complete)."""
+        starts = [m.start() for m in _INTRODUCERS.finditer(pending)]
+        if starts and not for_terminal(pending[starts[-1]:]):
+            return for_terminal(pending[:starts[-1]]), pending[starts[-1]:]
+        return for_terminal(pending), ""
+
     async def write(self, text: str) -> None:
         """Append a fragment of the reply; only the last Markdown block is re-parsed."""
         self.content += text
-        if self._stream is not None:
-            await self._stream.write(text)
+        safe, self._held = self.split_safe(self._held + text)
+        self.shown += safe
+        if self._stream is not None and safe:
+            await self._stream.write(safe)
 
     async def finish(self, status: str, error: str = "") -> None:
-        """Close the stream and mark a cancelled or failed reply."""
+        """Close the stream and mark a cancelled, failed or interrupted reply (closing a code block left open)."""
+        if self._held:
+            safe, self._held = for_terminal(self._held), ""
+            self.shown += safe
+            if self._stream is not None and safe:
+                await self._stream.write(safe)
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        self.remove_class("streaming")
+        self.remove_class("streaming", self.status)
         self.status = status
         if status != "ok":
             self.add_class(status)
-            tail = self._with_marker("", status)
+            tail = ""
+            fence = open_fence(self.shown)
+            if fence:
+                tail += ("" if self.shown.endswith("\n") else "\n") + fence
+            if self.shown.strip():
+                tail += "\n\n"
+            tail += STATUS_MARKERS.get(status, f"*[{status}]*")
             if error:
-                tail += f" `{error}`"
-            await self.markdown.append(("\n\n" if self.content.strip() else "") + tail)
+                tail += " `" + for_line(error).replace("`", "'") + "`"
+            await self.markdown.append(tail)
 
 
 def format_status(model: str, device: str, stats: EngineStats | None) -> str:
-    """One line of figures for the status bar."""
-    parts = [model, device]
+    """One line of figures for the status bar (model and device names made safe)."""
+    parts = [for_line(model), for_line(device)]
     if stats is not None:
         parts.append(f"{stats.decode_tok_s:.1f} tok/s")
         cached = f" ({stats.reused_prompt_tokens} cached)" if stats.reused_prompt_tokens else ""
@@ -118,10 +163,14 @@ def format_status(model: str, device: str, stats: EngineStats | None) -> str:
 
 
 class StatusBar(Static):
-    """The live status line under the conversation."""
+    """The live status line under the conversation; a warning (e.g. history not saved) leads it."""
 
-    def show(self, model: str, device: str, stats: EngineStats | None) -> None:
-        self.update(Content(format_status(model, device, stats)))
+    def show(self, model: str, device: str, stats: EngineStats | None, warning: str = "") -> None:
+        line = format_status(model, device, stats)
+        if warning:
+            line = f"⚠ {for_line(warning)} · {line}"
+        self.set_class(bool(warning), "warning")
+        self.update(Content(line))
 
 
 class LoadingView(Vertical):
@@ -136,7 +185,7 @@ class LoadingView(Vertical):
         self._finished: list[str] = []
 
     def compose(self) -> ComposeResult:
-        yield Label(Content(f"Starting {self.model_label}"), classes="title")
+        yield Label(plain(f"Starting {self.model_label}"), classes="title")
         yield Static("", id="done-stages")
         yield Label("Preparing…", id="stage")
         yield ProgressBar(total=None, show_eta=False, id="progress")
@@ -147,7 +196,7 @@ class LoadingView(Vertical):
                 self._finished.append(f"✓ {self.STAGE_TITLES.get(self.stage, self.stage)}")
                 self.query_one("#done-stages", Static).update("\n".join(self._finished))
             self.stage = stage
-            self.query_one("#stage", Label).update(self.STAGE_TITLES.get(stage, stage.capitalize()) + "…")
+            self.query_one("#stage", Label).update(plain(self.STAGE_TITLES.get(stage, stage.capitalize()) + "…"))
         bar = self.query_one("#progress", ProgressBar)
         bar.update(total=total, progress=done)
 
@@ -156,7 +205,7 @@ def describe_error(exc: BaseException) -> tuple[str, str]:
     """(error text, what to do) for a failure shown in the app instead of a traceback."""
     from localmoe.errors import LocalmoeError
 
-    msg = str(exc).strip()
+    msg = for_terminal(str(exc)).strip()
     if msg.startswith("localmoe: error:"):
         text = msg
     elif isinstance(exc, LocalmoeError):  # already says what is wrong and what to do
@@ -187,8 +236,8 @@ class ErrorView(Vertical, can_focus=True):
         yield Label("r retry · q quit", classes="keys")
 
     def show(self, text: str, hint: str) -> None:
-        self.query_one("#error-text", Static).update(Content(text))
-        self.query_one("#error-hint", Static).update(Content(hint))
+        self.query_one("#error-text", Static).update(Content(for_terminal(text)))
+        self.query_one("#error-hint", Static).update(Content(for_terminal(hint)))
 
 
 class SessionPicker(ModalScreen[int | None]):
@@ -204,7 +253,7 @@ class SessionPicker(ModalScreen[int | None]):
         with Vertical(id="picker"):
             yield Label("Saved conversations — Enter resumes, Esc goes back", classes="title")
             options = [
-                Option(Content(f"#{s.id}  {s.title or '(empty)'}  · {s.message_count} msgs · {s.model}"), id=str(s.id))
+                Option(plain(f"#{s.id}  {s.title or '(empty)'}  · {s.message_count} msgs · {s.model}"), id=str(s.id))
                 for s in self.sessions
             ]
             yield OptionList(*options) if options else Label("No saved conversations yet.")
