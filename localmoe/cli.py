@@ -2,18 +2,35 @@
 subcommands. Heavy imports (torch, transformers) happen inside the subcommands, so `--help` and `models` stay fast.
 
 Errors a user can meet print one line, `localmoe: error: ...`, on stderr: exit 2 for bad input, 1 for runtime
-failures; `--debug` shows the traceback instead.
+failures; `--debug` shows the traceback instead. ctrl+c exits 130 (`localmoe: interrupted`) and SIGTERM 143
+(`localmoe: terminated`), one line and no traceback; a reader that closes the pipe early (`| head`) ends the
+command quietly with 141 (128 + SIGPIPE, as `cat` or `yes` would be killed).
+
+What reaches a terminal is made safe first (`localmoe.safe_text`): run's reply when stdout is a terminal (streamed
+through `detokenize.TerminalStream`), the stats line, notes, progress and every error line. Piped or redirected
+stdout keeps the model's exact text (a file or another program gets what the model wrote), and `--json` keeps it
+exactly too, escaped by JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from pathlib import Path
 
 from localmoe import __version__
-from localmoe.errors import LocalmoeError, UsageError
+from localmoe.errors import LocalmoeError, Terminated, UsageError
+from localmoe.safe_text import for_line, for_terminal
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+SEED_MAX = (1 << 64) - 1  # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; localmoe takes the unsigned range
+CONTEXT_MAX = 1 << 24  # tokens
+VRAM_MAX_GIB = 65536.0
 
 
 def _sparsity(value: str) -> float:
@@ -41,6 +58,8 @@ def _ranged(kind, lo=None, hi=None, lo_open=False, what="value"):
             v = kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {value!r}") from None
+        if kind is float and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number, got {value}")
         if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and v > hi:
             bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
             raise argparse.ArgumentTypeError(f"{what} must be {bound}, got {value}")
@@ -69,9 +88,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--calibration-text", metavar="FILE", default=None, help="text to calibrate thresholds on")
-    p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
-                   help="GPU memory budget; experts that do not fit are offloaded to host memory behind a GPU cache "
-                        "(default: what the card has free minus 1 GiB)")
+    p.add_argument("--vram", type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"), default=None,
+                   metavar="GiB", help="GPU memory budget; experts that do not fit are offloaded to host memory behind "
+                                       "a GPU cache (default: what the card has free minus 1 GiB)")
     p.add_argument("--offload-miss", choices=["auto", "copy", "direct", "cpu"], default="auto",
                    help="offloaded expert misses: auto (default) = direct on CUDA with pinned memory, else copy; "
                         "direct reads the gate rows and kept rows straight from pinned host memory inside the CUDA "
@@ -83,7 +102,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                    help="localmoe's fused decode kernels on CUDA (RMSNorm, Gated DeltaNet step, router, shared expert); "
                         "--no-fused keeps transformers' modules")
-    p.add_argument("--context", type=_ranged(int, 16, what="--context"), default=None,
+    p.add_argument("--context", type=_ranged(int, 16, CONTEXT_MAX, what="--context"), default=None,
                    help="context length in tokens, prompt + reply (default 8192 or the model's maximum)")
 
 
@@ -93,8 +112,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="0 = greedy (default)")
     p.add_argument("--top-p", type=_ranged(float, 0.0, 1.0, lo_open=True, what="--top-p"), default=1.0)
     p.add_argument("--top-k", type=_ranged(int, 0, what="--top-k"), default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--system", metavar="TEXT", default=None, help="system prompt")
+    p.add_argument("--seed", type=_ranged(int, 0, SEED_MAX, what="--seed"), default=None,
+                   help=f"sampling seed in [0, {SEED_MAX}]")
+    p.add_argument("--system", metavar="TEXT", default=None, help="system prompt (not with --raw)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,8 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", metavar="PROMPT", nargs="?", default="-", help="the prompt; '-' or absent reads stdin")
     _add_engine_flags(p)
     _add_sampling_flags(p)
-    p.add_argument("--raw", action="store_true", help="encode the prompt as is, without the chat template")
-    p.add_argument("--json", action="store_true", help="end stdout with one JSON object (text, token ids, stats)")
+    p.add_argument("--raw", action="store_true",
+                   help="encode the prompt as is, without the chat template (so no --system)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (exact text, token ids, stats) instead of streaming the text")
     p.add_argument("--quiet", action="store_true", help="no stats line on stderr")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
@@ -130,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold-mode", choices=["layer", "expert"], default="layer",
                    help="one threshold per layer (default) or per expert")
     p.add_argument("--tasks", default=None, help="lm-eval tasks (needs the optional lm-eval extra)")
-    p.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
+    p.add_argument("--limit", type=_ranged(int, 1, what="--limit"), default=None, help="lm-eval: examples per task")
     p.add_argument("--include-path", default=None, help="lm-eval: folder with extra task YAMLs")
     _add_experts_flag(p)
     p.add_argument("--json", action="store_true")
@@ -145,14 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsity", type=_sparsity_list, default=None, help="default: 0 and the model's default")
     p.add_argument("--prompt-tokens", type=_ranged(int, 1, what="--prompt-tokens"), default=512)
     p.add_argument("--decode-tokens", type=_ranged(int, 2, what="--decode-tokens"), default=256)
-    p.add_argument("--context", type=_ranged(int, 16, what="--context"), default=None,
+    p.add_argument("--context", type=_ranged(int, 16, CONTEXT_MAX, what="--context"), default=None,
                    help="KV cache length (default: prompt + decode + 64; chat and run default to 8192)")
     p.add_argument("--baseline", choices=["transformers", "accelerate"], default=None,
                    help="stock generate in the same run; 'accelerate' offloads with device_map/max_memory (needs --vram)")
     p.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
     p.add_argument("--compile", action="store_true", help="torch.compile the step before capturing it (experimental)")
-    p.add_argument("--vram", type=_ranged(float, 0.0, lo_open=True, what="--vram"), default=None, metavar="GiB",
-                   help="GPU memory budget (experts beyond it are offloaded)")
+    p.add_argument("--vram", type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"), default=None,
+                   metavar="GiB", help="GPU memory budget (experts beyond it are offloaded)")
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                    help="fused decode kernels on CUDA (default on; --no-fused: transformers' modules)")
     p.add_argument("--offload-miss", choices=["auto", "copy", "direct", "cpu"], default="auto")
@@ -186,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    restore_sigterm = None
     try:
         args = build_parser().parse_args(argv)
         if args.command is None:
@@ -193,27 +216,103 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if not debug:
             _quiet_libraries()
+        if args.command != "chat":  # the chat app restores the terminal on SIGTERM itself
+            restore_sigterm = _raise_on_sigterm()
         handler = {"run": cmd_run, "chat": cmd_chat, "models": cmd_models, "pull": cmd_pull,
                    "calibrate": cmd_calibrate, "eval": cmd_eval,
                    "bench": cmd_bench}[args.command]
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a reader gone away shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:  # stdout's reader closed the pipe (`| head`): stop quietly, as SIGPIPE would
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
     except LocalmoeError as e:
         if debug:
             raise
-        print(f"localmoe: error: {e}", file=sys.stderr)
+        _say(f"localmoe: error: {e}")
         return e.exit_code
+    except Terminated:
+        _abandon_piped_stdout()
+        _say("localmoe: terminated")
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
-        print("localmoe: interrupted", file=sys.stderr)
-        return 130
+        _abandon_piped_stdout()
+        _say("localmoe: interrupted")
+        return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - last resort: one line unless --debug
         if debug:
             raise
         if type(e).__name__ == "OutOfMemoryError":
-            print("localmoe: error: out of GPU memory: use --device cpu or a smaller model", file=sys.stderr)
+            _say("localmoe: error: out of GPU memory: use --device cpu or a smaller model")
             return 1
         first = str(e).splitlines()[0] if str(e) else ""
-        print(f"localmoe: error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        _say(f"localmoe: error: {type(e).__name__}: {first} (rerun with --debug for the traceback)")
         return 1
+    finally:
+        if restore_sigterm is not None:
+            restore_sigterm()
+
+
+def _say(line: str) -> None:
+    """One line on stderr, made safe for a terminal (it may carry paths, model names or the user's input)."""
+    try:
+        print(for_line(line), file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr closed or gone: nowhere left to say it
+        pass
+
+
+def _stdout_to_devnull() -> None:
+    """After EPIPE: point stdout's descriptor at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(fd, sys.stdout.fileno())
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, AttributeError):  # not a real file (tests capture stdout)
+        pass
+
+
+def _abandon_piped_stdout() -> None:
+    """Interrupted: text still buffered for a pipe whose reader has stopped reading would block the interpreter's
+    final flush forever, so a pipe's leftovers are dropped (every token was flushed as it came: at most the one
+    being written is lost). A terminal or a file is left alone."""
+    import stat
+
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):
+        return
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        _stdout_to_devnull()
+
+
+def _raise_on_sigterm():
+    """SIGTERM raises `Terminated` in the main thread, so the command unwinds like ctrl+c and exits 143 with one
+    line; a second SIGTERM while unwinding ends the process at once. -> a function restoring the old handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):
+        return None
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def _quiet_libraries() -> None:
@@ -225,28 +324,55 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # retry chatter: the failure is one line of ours
 
 
 # -- subcommands -------------------------------------------------------------------------------------------
-def _stderr_progress():
-    """A ProgressFn drawing one updating line per stage on stderr (only on a terminal)."""
-    state = {"stage": None}
-    tty = sys.stderr.isatty()
+class _Progress:
+    """A ProgressFn drawing one updating line per stage on stderr (only on a terminal). Each stage ends as one line:
+    a final update repeated without updates between (the loader reports its last layer and then the end of the
+    load, both done == total) draws nothing."""
 
-    def progress(stage: str, done: int, total: int | None) -> None:
-        if stage == "download" or not tty:
+    def __init__(self):
+        self.tty = _isatty(sys.stderr)
+        self.open: str | None = None  # the stage whose line is drawn and not yet ended
+        self.ended: tuple | None = None  # (stage, total) of the line ended last
+
+    def __call__(self, stage: str, done: int, total: int | None) -> None:
+        if stage.startswith("note: "):  # bench's notices come this way
+            self.end_line()
+            _say(f"localmoe: {stage}")
+            return
+        if stage == "download" or not self.tty:
             return  # huggingface_hub draws its own bars
-        if state["stage"] not in (None, stage):
-            sys.stderr.write("\n")
-        state["stage"] = stage
+        final = bool(total) and done >= total
+        if final and self.open is None and self.ended == (stage, total):
+            return
+        if self.open not in (None, stage):
+            self.end_line()
+        self.open, self.ended = stage, None
         frac = f"{done}/{total}" if total else str(done)
-        sys.stderr.write(f"\r{stage:>10}: {frac}")
-        if total and done >= total:
-            sys.stderr.write("\n")
-            state["stage"] = None
-        sys.stderr.flush()
+        try:
+            sys.stderr.write(f"\r{for_line(stage):>10}: {frac}")
+            if final:
+                self.end_line()
+                self.ended = (stage, total)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            self.tty = False
 
-    return progress
+    def end_line(self) -> None:
+        """End the line being drawn (before a notice or the next stage)."""
+        if self.open is not None:
+            self.open = None
+            try:
+                sys.stderr.write("\n")
+            except (OSError, ValueError):
+                pass
+
+
+def _stderr_progress() -> _Progress:
+    return _Progress()
 
 
 def _settings(args):
@@ -260,42 +386,117 @@ def _load_engine(args, progress=None):
     from localmoe.engine import Engine
 
     quiet = progress is not None or getattr(args, "quiet", False)
-    notice = None if quiet else (lambda text: print(f"localmoe: note: {text}", file=sys.stderr))
+    bar = progress or _stderr_progress()
+
+    def notice(text: str) -> None:
+        if isinstance(bar, _Progress):
+            bar.end_line()
+        _say(f"localmoe: note: {text}")
+
     return Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
-                       progress=progress or _stderr_progress(), calibration_text=args.calibration_text,
-                       vram_gib=args.vram, context=args.context, on_notice=notice, fused=args.fused,
+                       progress=bar, calibration_text=args.calibration_text,
+                       vram_gib=args.vram, context=args.context, on_notice=None if quiet else notice, fused=args.fused,
                        offload_miss=args.offload_miss, host_storage=args.host_storage, experts=args.experts)
 
 
+def _utf8(data: bytes | str, what: str) -> str:
+    """`data` as text, or a UsageError naming the first byte that is not UTF-8. A str may carry the bytes the
+    locale could not decode (argv, a surrogateescape'd stream) as lone surrogates: they are checked the same way."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+            return data
+        except UnicodeEncodeError:
+            try:
+                data = data.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                data = data.encode("utf-8", "surrogatepass")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): "
+                         "convert it to UTF-8 first (e.g. `iconv -f LATIN1 -t UTF-8`)") from None
+
+
+def _read_prompt(prompt: str) -> str:
+    """PROMPT, or stdin when it is '-' (read as bytes and decoded as UTF-8; a leading BOM dropped)."""
+    if prompt != "-":
+        return _utf8(prompt, "PROMPT")
+    if sys.stdin is None or _isatty(sys.stdin):
+        raise UsageError("no prompt: pass PROMPT or pipe it on stdin")
+    raw = getattr(sys.stdin, "buffer", None)
+    text = _utf8(raw.read() if raw is not None else sys.stdin.read(), "stdin")
+    return text.removeprefix("\ufeff").replace("\r\n", "\n")
+
+
+def _text_file(path: str | None, flag: str) -> None:
+    """A text file flag (--calibration-text, --text): readable UTF-8 with some text, checked before the load."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    try:
+        data = p.read_bytes()
+    except IsADirectoryError:
+        raise UsageError(f"{flag} {path} is a directory: give a text file") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {flag} {path}: {e.strerror or e}") from None
+    if not _utf8(data, f"{flag} {path}").strip():
+        raise UsageError(f"{flag} {path} is empty: give a file with some text")
+
+
+def _system_prompt(args) -> str | None:
+    if args.system is None:
+        return None
+    if getattr(args, "raw", False):
+        raise UsageError("--raw sends the prompt without the chat template, which is what places --system: "
+                         "put the system text in PROMPT, or drop --raw")
+    system = _utf8(args.system, "--system")
+    if not system.strip():
+        raise UsageError("--system is empty: give the system prompt's text, or leave --system out")
+    return system
+
+
 def cmd_run(args) -> int:
-    prompt = args.prompt
-    if prompt == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            raise UsageError("no prompt: pass PROMPT or pipe it on stdin")
-        prompt = sys.stdin.read()
+    from localmoe.detokenize import TerminalStream
+
+    system = _system_prompt(args)
+    prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("the prompt is empty: give some text")
+    _text_file(args.calibration_text, "--calibration-text")
     engine = _load_engine(args)
     if args.raw:
         ids = engine.encode_raw(prompt)
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = ([{"role": "system", "content": system}] if system is not None else [])
         ids = engine.encode_chat(messages + [{"role": "user", "content": prompt}])
+    # a terminal gets the text without control sequences; a pipe or a file gets it exactly
+    screen = TerminalStream() if not args.json and _isatty(sys.stdout) else None
     text, token_ids = [], []
-    for ev in engine.generate(ids, _settings(args)):
-        token_ids.append(ev.token_id)
-        text.append(ev.text)
-        if not args.json:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
+    try:
+        for ev in engine.generate(ids, _settings(args)):
+            token_ids.append(ev.token_id)
+            text.append(ev.text)
+            if not args.json:
+                sys.stdout.write(screen.push(ev.text) if screen else ev.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:  # ctrl+c or SIGTERM: end the partial reply's line before the one-line notice
+        if text and screen is not None:
+            try:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
+        raise
     stats = engine.stats
     if args.json:
         sys.stdout.write(json.dumps({"model": engine.model_name, "text": "".join(text), "token_ids": token_ids,
                                      "stats": _stats_json(stats)}) + "\n")
     else:
-        sys.stdout.write("\n")
+        sys.stdout.write((screen.flush() if screen else "") + "\n")
+        sys.stdout.flush()
         if not args.quiet:
-            print(_stats_line(stats, engine), file=sys.stderr)
+            _say(_stats_line(stats, engine))
     sys.stdout.flush()
     return 0
 
@@ -321,23 +522,32 @@ def cmd_models(args) -> int:
     from localmoe.registry import load_registry
 
     reg = load_registry()
-    rows = [(s.alias + (" (default)" if s.alias == reg.default else ""), s.repo, f"{s.bf16_gb:g} GB",
-             f"{s.sparsity:.1%}", "yes" if is_downloaded(s) else "no") for s in reg.models.values()]
-    if args.json:
-        print(json.dumps([dict(zip(("alias", "repo", "bf16_size", "default_sparsity", "downloaded"), r)) for r in rows]))
+    specs = list(reg.models.values())
+    if args.json:  # numbers as numbers, sparsity as a fraction, sizes in GB
+        print(json.dumps([{"alias": s.alias, "repo": s.repo, "family": s.family, "params_b": s.params_b,
+                           "bf16_gb": s.bf16_gb, "default_sparsity": s.sparsity, "vram": s.vram,
+                           "default": s.alias == reg.default, "downloaded": is_downloaded(s),
+                           "supported": not s.unsupported, "unsupported_reason": s.unsupported or None}
+                          for s in specs]))
         return 0
-    head = ("ALIAS", "REPO", "BF16 SIZE", "SPARSITY", "DOWNLOADED")
+    rows = [(s.alias + (" (default)" if s.alias == reg.default else ""), s.repo, f"{s.bf16_gb:g} GB",
+             f"{s.sparsity:.1%}", "yes" if is_downloaded(s) else "no", "no" if s.unsupported else "yes")
+            for s in specs]
+    head = ("ALIAS", "REPO", "BF16 SIZE", "SPARSITY", "DOWNLOADED", "SUPPORTED")
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for r in (head, *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
+        print(for_line("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()))
+    for s in specs:
+        if s.unsupported:
+            print(for_line(f"{s.alias}: not supported: {s.unsupported}"))
     return 0
 
 
 def cmd_pull(args) -> int:
     from localmoe import hub
 
-    resolved = hub.resolve(args.model, download_missing=True)
-    print(f"{resolved.name}: {resolved.path}")
+    resolved = hub.resolve(args.model, download_missing=True, pulling=True)
+    print(for_line(f"{resolved.name}: {resolved.path}"))
     return 0
 
 
@@ -347,15 +557,26 @@ def cmd_calibrate(args) -> int:
 
     if args.sparsity == 0.0:
         raise UsageError("--sparsity 0 is the dense path and needs no calibration")
+    _text_file(args.text, "--text")
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=_stderr_progress(),
                          experts=args.experts)
     table = sp.thresholds_for(engine, args.sparsity, progress=_stderr_progress(), text=args.text,
                               tokens=args.tokens or sp.DEFAULT_TOKENS, force=True, mode=args.threshold_mode)
     path = sp.cache_path(engine.model_name, engine.resolved.revision, args.sparsity, args.threshold_mode,
                          engine.experts_format)
-    print(f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} tokens "
-          f"of {table.meta['calibration_set']}: thresholds saved to {path}")
+    print(for_line(f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
+                   f"tokens of {table.meta['calibration_set']}: thresholds saved to {path}"))
     return 0
+
+
+def _refuse_unsupported(model: str) -> None:
+    """A registry model (alias or repo id) localmoe cannot run: refused before anything loads or downloads."""
+    from localmoe.registry import load_registry, unsupported_model_error
+
+    reg = load_registry()
+    spec = reg.get(model.strip()) or reg.by_repo(model.strip())
+    if spec is not None and spec.unsupported:
+        raise unsupported_model_error(spec, reg)
 
 
 def cmd_chat(args) -> int:
@@ -365,15 +586,20 @@ def cmd_chat(args) -> int:
     if not model:
         raise UsageError("no default model: pass MODEL (see `localmoe models`)")
     args.model = model
+    system = _system_prompt(args)
+    _refuse_unsupported(model)  # here, not once the chat app is up and loading
+    _text_file(args.calibration_text, "--calibration-text")
     from localmoe.tui.app import run_chat
 
     return run_chat(lambda progress: _load_engine(args, progress), model_label=model, settings=_settings(args),
-                    sparsity=args.sparsity, system=args.system, continue_last=args.continue_last)
+                    sparsity=args.sparsity, system=system, continue_last=args.continue_last)
 
 
 def cmd_eval(args) -> int:
     from localmoe.engine import Engine
 
+    if not args.tasks:
+        _text_file(args.text, "--text")
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=_stderr_progress(),
                          experts=args.experts)
     engine.threshold_mode = args.threshold_mode
@@ -382,13 +608,13 @@ def cmd_eval(args) -> int:
 
         results = run_tasks(engine, args.tasks.split(","), args.sparsity, limit=args.limit,
                             include_path=args.include_path, progress=_stderr_progress())
-        print(json.dumps(results) if args.json else results["table"])
+        print(json.dumps(results) if args.json else for_terminal(results["table"]))
         return 0
     from localmoe.evaluate import evaluate
 
     report = evaluate(engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window,
                       progress=_stderr_progress())
-    print(json.dumps(report.as_json()) if args.json else report.table())
+    print(json.dumps(report.as_json()) if args.json else for_terminal(report.table()))
     return 0
 
 
@@ -397,11 +623,13 @@ def cmd_bench(args) -> int:
 
     if not args.model and not args.shape:
         raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")
+    if args.shape:
+        _refuse_unsupported(args.shape)
     result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
                    prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, context=args.context,
                    baseline=args.baseline,
                    graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, fused=args.fused,
                    offload_miss=args.offload_miss, routing=args.routing, experts=args.experts,
                    progress=_stderr_progress())
-    print(json.dumps(result) if args.json else table(result))
+    print(json.dumps(result) if args.json else for_terminal(table(result)))
     return 0

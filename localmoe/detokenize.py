@@ -1,6 +1,11 @@
-"""Incremental detokenisation for streaming replies (the Engine's TokenEvent text)."""
+"""Incremental detokenisation for streaming replies (the Engine's TokenEvent text), and the streamed text made
+safe for a terminal."""
 
 from __future__ import annotations
+
+import re
+
+from localmoe.safe_text import for_terminal
 
 
 class Detokenizer:
@@ -23,3 +28,34 @@ class Detokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(done):]
+
+
+class TerminalStream:
+    """`safe_text.for_terminal` over streamed chunks (run's stdout on a terminal): an escape sequence that a chunk
+    leaves unfinished is held back until it ends, so it is dropped whole rather than showing its tail as text.
+
+    A held sequence is given up on (dropped, as for_terminal drops an unterminated one) once it passes `max_hold`
+    characters, so text after an OSC that never ends still shows. `flush()` at the end of the reply."""
+
+    # An escape sequence still open at the end of the text: a string sequence (OSC/DCS/SOS/PM/APC) with no BEL/ST yet
+    # (perhaps the ESC of its ST), a CSI with no final byte, or an ESC with no final byte.
+    _OPEN = re.compile(r"(?:(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*\x1b?"
+                       r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*|\x1b[ -/]*)\Z")
+
+    def __init__(self, max_hold: int = 1024):
+        self.max_hold = max_hold
+        self.held = ""
+
+    def push(self, text: str) -> str:
+        text = self.held + text
+        self.held = ""
+        if text.endswith("\r"):  # maybe the first half of \r\n, which for_terminal keeps as \n
+            self.held, text = "\r", text[:-1]
+        m = self._OPEN.search(text)
+        if m is not None and len(text) - m.start() <= self.max_hold:
+            self.held, text = text[m.start():] + self.held, text[:m.start()]
+        return for_terminal(text)
+
+    def flush(self) -> str:
+        text, self.held = self.held, ""
+        return for_terminal(text)

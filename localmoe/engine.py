@@ -211,9 +211,12 @@ class Engine:
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise UsageError(f"{self.model_name} has no chat template: use --raw to send the prompt as is")
+        for m in messages:
+            _check_unicode(m.get("content"), f"the {m.get('role', 'message')} message")
         return render_chat(self.tokenizer, messages, True)
 
     def encode_raw(self, prompt: str) -> list[int]:
+        _check_unicode(prompt, "the prompt")
         return list(self.tokenizer(prompt)["input_ids"])
 
     def chat(self, messages: Sequence[Message], settings: GenerationSettings) -> Iterator[TokenEvent]:
@@ -458,6 +461,18 @@ class Engine:
             return 0.0
         kept = int(torch.stack([m.kept.to(self._device) for m in experts]).sum())
         return 1.0 - kept / seen
+
+
+def _check_unicode(text, what: str) -> None:
+    """Text a tokenizer can take: a str without lone surrogates (undecodable bytes smuggled in by surrogateescape),
+    which tokenizers reject with a TypeError."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what} is not valid text (an undecodable byte or lone surrogate at character {e.start}): "
+                         "give UTF-8 text") from None
 
 
 def _cache_of(out):

@@ -22,3 +22,8 @@ class UsageError(LocalmoeError):
 
 class RuntimeFailure(LocalmoeError):
     exit_code = 1
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by the CLI's handler so that a command unwinds (and its `finally` blocks
+    run) as on ctrl+c; the CLI exits 143 (128 + SIGTERM) with one line."""

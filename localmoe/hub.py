@@ -2,12 +2,15 @@
 
 Hub models go through huggingface_hub into the standard HF cache, fetching only what localmoe reads
 (config, tokenizer, safetensors). Offline (`HF_HUB_OFFLINE=1` or no network) cached models still work and
-uncached ones fail with a message naming `localmoe pull`. Imports no torch.
+uncached ones fail with a message naming `localmoe pull`. A model localmoe cannot run is refused before anything
+is downloaded: a registry model by its family, a hub repo by its config.json (fetched alone first). A cached
+snapshot counts only when it holds config.json and every weight file. Imports no torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -15,7 +18,8 @@ from pathlib import Path
 
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
-from localmoe.registry import ModelSpec, Registry, load_registry, unknown_model_error
+from localmoe.families import family_for_model_type, supported_families
+from localmoe.registry import ModelSpec, Registry, load_registry, unknown_model_error, unsupported_model_error
 
 # What a checkpoint folder needs; never pickle weights (*.bin, *.pt) and never remote code (*.py).
 ALLOW_PATTERNS = [
@@ -52,10 +56,13 @@ def _offline() -> bool:
 
 
 def _local_revision(path: Path) -> str:
+    """A local folder's revision: name, size and modification time (ns) of each JSON and weight file, plus the small
+    JSON files' contents. A checkpoint rewritten in place, even at the same size, gets a new revision, so thresholds
+    calibrated on the old weights (cached by revision) are not reused."""
     h = hashlib.sha256()
     for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
         st = f.stat()
-        h.update(f"{f.name}:{st.st_size}".encode())
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
         if f.suffix == ".json" and st.st_size < 1 << 22:
             h.update(f.read_bytes())
     return "local-" + h.hexdigest()[:16]
@@ -74,28 +81,113 @@ def _progress_tqdm(progress: ProgressFn):
     return _Report
 
 
-def download(repo_id: str, *, local_only: bool, progress: ProgressFn | None = None) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+def _unreachable(e: BaseException) -> bool:
+    """A connection failure (DNS, refused, timeout, proxy) rather than an answer from the hub."""
+    names = {k.__name__ for k in type(e).__mro__}
+    return isinstance(e, ConnectionError) or bool(names & {"ConnectionError", "ConnectError", "Timeout",
+                                                           "TimeoutException", "ProxyError", "SSLError"})
 
+
+def _cause(e: BaseException) -> str:
+    """The innermost reason in an exception chain, one line (e.g. 'Name or service not known')."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text[-120:]
+
+
+def _check_family_first(repo_id: str, label: str) -> None:
+    """Fetch config.json alone and refuse a model localmoe cannot run before its weights are downloaded."""
+    from huggingface_hub import snapshot_download
+
+    # snapshot_download asks the hub for the file list once (no retries: an unreachable hub fails at once) and
+    # fetches config.json alone
+    folder = Path(snapshot_download(repo_id, allow_patterns=["config.json"]))
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{label} has no config.json on the hub: it is not a transformers checkpoint") from None
+    except (OSError, ValueError):
+        return  # unreadable or not JSON: the loader says so with the file's path
+    if not isinstance(config, dict):
+        return
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    types = [t for t in (config.get("model_type"), text.get("model_type")) if isinstance(t, str)]
+    if not types:
+        return
+    fam = next((f for f in map(family_for_model_type, types) if f is not None), None)
+    if fam is None:
+        raise UsageError(f"{label} is a {types[0]!r} model, not a MoE family localmoe runs (supported: "
+                         f"{supported_families()}); nothing else was downloaded")
+    if fam.unsupported:
+        raise UsageError(f"{label}: {fam.unsupported}; nothing else was downloaded")
+
+
+def download(repo_id: str, *, local_only: bool, progress: ProgressFn | None = None, label: str | None = None,
+             pulling: bool = False) -> Path:
+    """The snapshot folder of `repo_id` in the HF cache, downloaded first unless `local_only`. `label`: the name the
+    user typed (alias or repo id), for messages."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    label = label or repo_id
     kwargs = {"allow_patterns": ALLOW_PATTERNS}
     if progress is not None:
         kwargs["tqdm_class"] = _progress_tqdm(progress)
     try:
-        return Path(snapshot_download(repo_id, local_files_only=local_only, **kwargs))
-    except RepositoryNotFoundError:
-        raise UsageError(f"no model {repo_id!r} on the Hugging Face hub (or it is private: run `hf auth login`)") from None
+        if local_only:
+            folder = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
+            if not complete_snapshot(folder):
+                raise LocalEntryNotFoundError(f"{folder} lacks config.json or weight files")
+            return folder
+        _check_family_first(repo_id, label)
+        return Path(snapshot_download(repo_id, local_files_only=False, **kwargs))
     except GatedRepoError:
         raise RuntimeFailure(f"{repo_id} is gated: accept its licence on the hub, then `hf auth login`") from None
-    except LocalEntryNotFoundError:
-        if local_only:
-            raise RuntimeFailure(
-                f"{repo_id} is not downloaded and the hub cannot be reached (offline): "
-                f"run `localmoe pull {repo_id}` on a machine with network access"
-            ) from None
-        raise
-    except OSError as e:  # connection errors and the like
-        raise RuntimeFailure(f"could not download {repo_id}: {e}; check the network, then `localmoe pull {repo_id}`") from None
+    except RepositoryNotFoundError:
+        raise UsageError(f"no model {repo_id!r} on the Hugging Face hub (or it is private: run `hf auth login`)") \
+            from None
+    except RevisionNotFoundError:
+        raise UsageError(f"{repo_id} has no such revision on the hub") from None
+    except LocalEntryNotFoundError as e:  # not cached, and (when downloading) the hub could not be reached
+        if not local_only:
+            raise _unreachable_error(label, pulling, _cause(e)) from None
+        if _offline():
+            raise _unreachable_error(label, pulling, "HF_HUB_OFFLINE is set") from None
+        raise RuntimeFailure(f"{label} is not downloaded: run `localmoe pull {label}`") from None
+    except HfHubHTTPError as e:
+        raise RuntimeFailure(f"the hub refused {repo_id} ({_cause(e)}): try again later, then "
+                             f"`localmoe pull {label}`") from None
+    except OSError as e:  # connection errors, a full disk and the like
+        if _unreachable(e):
+            raise _unreachable_error(label, pulling, _cause(e)) from None
+        raise RuntimeFailure(f"could not download {label}: {_cause(e)}; fix that, then `localmoe pull {label}`") \
+            from None
+
+
+def _unreachable_error(label: str, pulling: bool, cause: str) -> RuntimeFailure:
+    if pulling and cause == "HF_HUB_OFFLINE is set":
+        return RuntimeFailure(f"cannot download {label}: HF_HUB_OFFLINE is set; unset it, then `localmoe pull {label}`")
+    if pulling:
+        return RuntimeFailure(f"cannot download {label}: the hub cannot be reached ({cause}); check the network, "
+                              f"then run `localmoe pull {label}` again")
+    return RuntimeFailure(f"{label} is not downloaded and the hub cannot be reached ({cause}): "
+                          f"run `localmoe pull {label}` when online")
+
+
+def complete_snapshot(folder: Path) -> bool:
+    """A cached snapshot localmoe can load: config.json and weights, every file a sharded index names present."""
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        return False
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            return True  # a broken index: the loader reports it by name
+        return all(isinstance(n, str) and (folder / n).is_file() for n in names)
+    return True
 
 
 def resolve(
@@ -104,8 +196,10 @@ def resolve(
     download_missing: bool = True,
     progress: ProgressFn | None = None,
     registry: Registry | None = None,
+    pulling: bool = False,
 ) -> ResolvedModel:
-    """Resolve MODEL. Downloads hub models that are not cached unless offline or `download_missing` is False."""
+    """Resolve MODEL. Downloads hub models that are not cached unless offline or `download_missing` is False.
+    `pulling`: for `localmoe pull`, whose messages say to run it again rather than to run it when online."""
     registry = registry or load_registry()
     name = name.strip()
     if not name:
@@ -129,13 +223,16 @@ def resolve(
         if not _REPO_RE.match(name):
             raise unknown_model_error(name, registry)
         spec = registry.by_repo(name)
+    if spec is not None and spec.unsupported:  # before any download
+        raise unsupported_model_error(spec, registry)
     cached = None
     try:
-        cached = download(repo_id, local_only=True)
+        cached = download(repo_id, local_only=True, label=name, pulling=pulling)
     except RuntimeFailure:
         if _offline() or not download_missing:
             raise
-    path = cached if cached is not None else download(repo_id, local_only=False, progress=progress)
+    path = cached if cached is not None else download(repo_id, local_only=False, progress=progress, label=name,
+                                                      pulling=pulling)
     return ResolvedModel(name=spec.alias if spec else repo_id, path=path, spec=spec, revision=path.name)
 
 
@@ -147,5 +244,4 @@ def is_downloaded(spec: ModelSpec) -> bool:
     cfg = try_to_load_from_cache(spec.repo, "config.json")
     if not isinstance(cfg, str):
         return False
-    folder = Path(cfg).parent
-    return any(folder.glob("*.safetensors"))
+    return complete_snapshot(Path(cfg).parent)

@@ -6,6 +6,7 @@ Imports no torch (used by `localmoe models` and `--help`).
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -16,6 +17,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from localmoe.errors import UsageError
+from localmoe.families import family_for_model_type, supported_families
 
 REGISTRY_PATH = Path(__file__).with_name("models.toml")
 PACKAGE_PREFIX = "package:"
@@ -32,6 +34,15 @@ class ModelSpec:
     bf16_gb: float
     vram: str = ""
     description: str = ""
+
+    @property
+    def unsupported(self) -> str:
+        """Why localmoe cannot run this model yet ('' when it can): its family (families.py) is marked unsupported,
+        or is no MoE family localmoe knows. Known before anything is downloaded."""
+        fam = family_for_model_type(self.family)
+        if fam is None:
+            return f"its family {self.family!r} is not one localmoe runs (supported: {supported_families()})"
+        return fam.unsupported
 
     @property
     def packaged_dir(self) -> Path | None:
@@ -53,6 +64,14 @@ class Registry:
             if spec.repo.lower() == repo.lower():
                 return spec
         return None
+
+    def alternative(self, spec: ModelSpec) -> ModelSpec | None:
+        """The supported hub model closest in size to `spec` (what to use instead of an unsupported one)."""
+        options = [m for m in self.models.values()
+                   if not m.unsupported and m.packaged_dir is None and m.bf16_gb > 0 and m.alias != spec.alias]
+        if not options or spec.bf16_gb <= 0:
+            return None
+        return min(options, key=lambda m: abs(math.log(m.bf16_gb / spec.bf16_gb)))
 
     def suggestions(self, name: str) -> list[str]:
         names = list(self.models) + [m.repo for m in self.models.values() if "/" in m.repo]
@@ -126,3 +145,11 @@ def unknown_model_error(name: str, registry: Registry) -> UsageError:
         f"unknown model {name!r}: {hint}give an alias from `localmoe models`, a hub repo id (org/name), "
         "or a local directory"
     )
+
+
+def unsupported_model_error(spec: ModelSpec, registry: Registry) -> UsageError:
+    """The one-line refusal of a registry model localmoe cannot run, raised before anything is downloaded."""
+    alt = registry.alternative(spec)
+    instead = f"e.g. {alt.alias} ({alt.bf16_gb:g} GB), " if alt else ""
+    return UsageError(f"{spec.alias} ({spec.repo}) cannot run: {spec.unsupported}. Use a supported model instead: "
+                      f"{instead}see `localmoe models`")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -131,3 +132,285 @@ def test_import_kernels_is_not_this_repo(tmp_path):
     assert lines[0] == "None" or repo not in lines[0]  # Hugging Face's `kernels`, if installed, never ours
     assert lines[1] == "None"
     assert lines[2] == "localmoe.kernels localmoe.tui"
+
+
+# -- output safety: what reaches a terminal carries no control sequences; pipes and --json keep the exact text ------
+ESC_TOKEN = "title:\x1b]0;pwn\x07done"  # the checkpoint's greedy reply, token after token: an OSC that retitles
+ESC_DIR = "esc\x1b]0;dir\x07"  # the checkpoint folder's name, shown in the stats line as the model's name
+
+
+@pytest.fixture(scope="module")
+def escape_model(tmp_path_factory) -> str:
+    import tiny_models
+
+    return str(tiny_models.save_repeating_checkpoint(tmp_path_factory.mktemp("safety") / ESC_DIR, ESC_TOKEN))
+
+
+def _on_terminal(argv: list[str]) -> tuple[int, bytes]:
+    """Run the CLI with stdout and stderr on a pseudo-terminal, as a user at a terminal would: (status, what the
+    terminal received)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "localmoe", *argv], stdin=subprocess.DEVNULL, stdout=follower,
+                            stderr=follower, env=dict(os.environ))
+    os.close(follower)
+    received = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            received += chunk
+    finally:
+        os.close(leader)
+    return proc.wait(timeout=120), received
+
+
+def _safety_piped(model, capsys):
+    code, out, err = run(capsys, "run", model, "hi", "--max-new-tokens", "2", "--sparsity", "0")
+    assert code == 0 and out == ESC_TOKEN * 2 + "\n"  # a pipe or a file gets the exact text
+    assert err.startswith("[esc on cpu] prompt") and err.count("\n") == 1
+    return err
+
+
+def _safety_json(model, capsys):
+    code, out, err = run(capsys, "run", model, "hi", "--max-new-tokens", "2", "--sparsity", "0", "--json")
+    obj = json.loads(out)
+    assert code == 0 and err == "" and obj["text"] == ESC_TOKEN * 2 and obj["model"] == ESC_DIR
+    assert "\\u001b]0;pwn\\u0007" in out  # escaped by JSON
+    return out
+
+
+def _safety_error_line(model, capsys):
+    code, out, err = run(capsys, "run", model, "hi", "--calibration-text", f"/nonexistent/{ESC_DIR}.txt")
+    assert code == 2 and "cannot read --calibration-text /nonexistent/esc.txt" in err and err.count("\n") == 1
+    return err
+
+
+def _safety_terminal(model, capsys):
+    code, seen = _on_terminal(["run", model, "hi", "--max-new-tokens", "3", "--sparsity", "0"])
+    text = seen.decode()
+    assert code == 0 and "title:done" * 3 + "\r\n" in text and "[esc on cpu] prompt" in text
+    import re
+
+    assert len(re.findall(r"load: (\d+)/\1\b", text)) == 1  # the load stage ends as one line
+    return text
+
+
+def _safety_terminal_json(model, capsys):
+    code, seen = _on_terminal(["run", model, "hi", "--max-new-tokens", "2", "--sparsity", "0", "--json", "--quiet"])
+    text = seen.decode()
+    assert code == 0 and json.loads(text.splitlines()[-1])["text"] == ESC_TOKEN * 2
+    return text
+
+
+def _safety_terminal_error(model, capsys):
+    code, seen = _on_terminal(["run", model, "hi", "--system", " ", "--calibration-text", ESC_DIR])
+    assert code == 2 and seen.decode().startswith("localmoe: error: --system is empty")
+    first = seen.decode()
+    code, seen = _on_terminal(["pull", f"./{ESC_DIR}-missing"])
+    assert code == 2 and b"does not exist" in seen and b"\\x1b]0;dir\\x07" in seen  # shown as inert text (repr)
+    return first + seen.decode()
+
+
+SAFETY = [
+    ("run-piped-exact-stats-line-clean", _safety_piped),
+    ("run-json-exact", _safety_json),
+    ("error-line-path", _safety_error_line),
+    ("run-on-terminal", _safety_terminal),
+    ("run-json-on-terminal", _safety_terminal_json),
+    ("errors-on-terminal", _safety_terminal_error),
+]
+
+
+@pytest.mark.parametrize("check", [c[1] for c in SAFETY], ids=[c[0] for c in SAFETY])
+def test_output_safety(escape_model, capsys, check):
+    shown = check(escape_model, capsys)
+    assert "\x1b" not in shown and "\x07" not in shown  # JSON escapes them; everything else drops them
+
+
+STREAMS = [  # (id, text): streamed in pieces, it shows exactly what safe_text.for_terminal shows for the whole
+    ("osc-title-bel", "title:\x1b]0;pwn\x07done"),
+    ("osc-hyperlink-st", "x\x1b]8;;http://e\x1b\\link\x1b]8;;\x1b\\y"),
+    ("csi-colour", "a\x1b[31mred\x1b[0m b"),
+    ("csi-clear-screen", "\x1b[2J\x1b[Hhome"),
+    ("dcs", "p\x1bPq#0\x1b\\z"),
+    ("c1-forms", "\x9b31mC1\x9d0;t\x9c!"),
+    ("esc-save-restore", "\x1b7save\x1b8"),
+    ("osc-unterminated", "end\x1b]0;open"),
+    ("lone-esc", "\x1b"),
+    ("csi-unfinished", "q\x1b["),
+    ("carriage-returns", "a\r\nb\rc"),
+    ("bidi-override", "\u202eevil\u202c"),
+]
+
+
+@pytest.mark.parametrize("text", [c[1] for c in STREAMS], ids=[c[0] for c in STREAMS])
+def test_terminal_stream_pieces(text):
+    from localmoe.detokenize import TerminalStream
+    from localmoe.safe_text import for_terminal
+
+    want = for_terminal(text)
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    for pieces in splits:
+        stream = TerminalStream()
+        assert "".join(stream.push(p) for p in pieces) + stream.flush() == want, pieces
+
+
+def test_terminal_stream_gives_up_on_a_sequence_that_never_ends():
+    from localmoe.detokenize import TerminalStream
+
+    stream = TerminalStream(max_hold=16)
+    assert stream.push("a\x1b]0;") == "a"
+    assert stream.push("x" * 32) == ""  # held too long: dropped whole, as for_terminal drops an unterminated one
+    assert stream.push("after") == "after"
+
+
+# -- progress on a terminal: one line per stage ------------------------------------------------------------------
+class _TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+PROGRESS = [  # (id, calls, what stderr shows)
+    ("load-final-reported-twice", [("load", 16, 37), ("load", 37, 37), ("load", 37, 37)],
+     "\r      load: 16/37\r      load: 37/37\n"),
+    ("load-then-calibrate", [("load", 37, 37), ("load", 37, 37), ("calibrate", 1, 2), ("calibrate", 2, 2)],
+     "\r      load: 37/37\n\r calibrate: 1/2\r calibrate: 2/2\n"),
+    ("stage-cut-short", [("load", 1, 9), ("calibrate", 2, 2)], "\r      load: 1/9\n\r calibrate: 2/2\n"),
+    ("same-stage-again", [("ppl 0%", 2, 2), ("ppl 0%", 1, 2), ("ppl 0%", 2, 2)],
+     "\r    ppl 0%: 2/2\n\r    ppl 0%: 1/2\r    ppl 0%: 2/2\n"),
+    ("stage-name-escapes", [("\x1b]0;x\x07load", 1, 1)], "\r      load: 1/1\n"),
+    ("download-left-to-the-hub", [("download", 10, 100)], ""),
+]
+
+
+@pytest.mark.parametrize("calls, shown", [c[1:] for c in PROGRESS], ids=[c[0] for c in PROGRESS])
+def test_progress_one_line_per_stage(monkeypatch, calls, shown):
+    from localmoe.cli import _stderr_progress
+
+    err = _TTY()
+    monkeypatch.setattr(sys, "stderr", err)
+    progress = _stderr_progress()
+    for call in calls:
+        progress(*call)
+    assert err.getvalue() == shown
+
+
+# -- the hub and the registry -------------------------------------------------------------------------------------
+def test_models_json_types(capsys):
+    code, out, _ = run(capsys, "models", "--json")
+    rows = {r["alias"]: r for r in json.loads(out)}
+    assert code == 0 and "localmoe-tiny" in rows and not any("(" in a for a in rows)
+    for r in rows.values():
+        assert isinstance(r["bf16_gb"], float) and isinstance(r["params_b"], float)
+        assert isinstance(r["default_sparsity"], float) and 0 <= r["default_sparsity"] < 1
+        assert all(isinstance(r[k], bool) for k in ("default", "downloaded", "supported"))
+        assert (r["unsupported_reason"] is None) == r["supported"]
+    assert [a for a, r in rows.items() if r["default"]] == ["localmoe-tiny"]
+    assert rows["qwen3.5-35b"]["bf16_gb"] == 69.4 and rows["qwen3.5-35b"]["default_sparsity"] == 0.85
+    assert [a for a, r in rows.items() if not r["supported"]] == ["gpt-oss-20b"]
+    assert "MXFP4" in rows["gpt-oss-20b"]["unsupported_reason"]
+
+
+def test_models_table_marks_unsupported(capsys):
+    code, out, _ = run(capsys, "models")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[-1] == "SUPPORTED"
+    assert [ln.split()[0] for ln in lines[1:] if ln.split()[-1] == "no" and "/" in ln] == ["gpt-oss-20b"]
+    assert lines[-1].startswith("gpt-oss-20b: not supported: GPT-OSS is not yet supported")
+
+
+# Unsupported registry models are refused before any download, by every command that would fetch them. The tests
+# run offline with nothing of gpt-oss cached: a refusal after a download attempt would say "not downloaded" (1).
+REFUSED = [
+    ("run", ["run", "gpt-oss-20b", "hi"]),
+    ("run-repo-id", ["run", "openai/gpt-oss-20b", "hi"]),
+    ("chat", ["chat", "gpt-oss-20b"]),
+    ("pull", ["pull", "gpt-oss-20b"]),
+    ("pull-repo-id", ["pull", "openai/gpt-oss-20b"]),
+    ("eval", ["eval", "gpt-oss-20b"]),
+    ("bench", ["bench", "gpt-oss-20b"]),
+    ("bench-shape", ["bench", "--shape", "gpt-oss-20b"]),
+    ("calibrate", ["calibrate", "gpt-oss-20b", "--sparsity", "0.5"]),
+]
+
+
+@pytest.mark.parametrize("argv", [c[1] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_unsupported_refused_before_download(capsys, argv):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("localmoe: error: gpt-oss-20b (openai/gpt-oss-20b) cannot run: GPT-OSS is not yet supported")
+    assert "Use a supported model instead: e.g. " in err
+
+
+def _cli_unreachable_hub(*argv) -> subprocess.CompletedProcess:
+    """The CLI as a user without network runs it: HF_HUB_OFFLINE unset, and the hub's address refuses connections."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    return subprocess.run([sys.executable, "-m", "localmoe", *argv], env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+
+
+NO_NETWORK = [  # (id, argv, exit code, the error line, or None for success)
+    ("run-uncached-repo", ["run", "someorg/uncached", "hi"], 1,
+     "localmoe: error: someorg/uncached is not downloaded and the hub cannot be reached (",
+     "run `localmoe pull someorg/uncached` when online"),
+    ("pull-uncached-repo", ["pull", "someorg/uncached"], 1,
+     "localmoe: error: cannot download someorg/uncached: the hub cannot be reached (",
+     "then run `localmoe pull someorg/uncached` again"),
+    ("pull-uncached-alias", ["pull", "olmoe"], 1, "localmoe: error: cannot download olmoe: the hub cannot be reached",
+     "`localmoe pull olmoe` again"),
+    ("pull-unsupported-alias", ["pull", "gpt-oss-20b"], 2,
+     "localmoe: error: gpt-oss-20b (openai/gpt-oss-20b) cannot run",
+     "see `localmoe models`"),
+    ("pull-cached-repo", ["pull", MODEL], 0, None, None),
+]
+
+
+@pytest.mark.parametrize("argv, code, starts, ends", [c[1:] for c in NO_NETWORK], ids=[c[0] for c in NO_NETWORK])
+def test_without_network(hub_cache, argv, code, starts, ends):
+    r = _cli_unreachable_hub(*argv)
+    assert r.returncode == code, r.stderr
+    if starts is None:
+        assert r.stderr == "" and r.stdout.startswith(f"{MODEL}: ")
+    else:
+        assert r.stderr.startswith(starts) and r.stderr.rstrip("\n").endswith(ends) and r.stderr.count("\n") == 1
+
+
+def test_partial_snapshot_is_not_downloaded(hub_cache, src_dir, tmp_path, capsys):
+    """A download cut short (config.json cached, no weights) counts as not downloaded, not as a broken model."""
+    import tiny_models
+
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    shutil.copyfile(src_dir / "qwen3_moe" / "config.json", folder / "config.json")
+    tiny_models.place_in_hf_cache(folder, hub_cache, "localmoe-test/partial")
+    code, _, err = run(capsys, "run", "localmoe-test/partial", "hi")
+    assert code == 1 and "localmoe-test/partial is not downloaded" in err and "localmoe pull" in err
+
+
+def test_local_revision_follows_rewrites(src_dir, tmp_path):
+    """A local checkpoint rewritten in place (same size) gets a new revision, so its cached thresholds are not
+    reused; left alone, its revision is stable."""
+    from localmoe import hub
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(src_dir / "qwen3_moe", folder)
+    first = hub.resolve(str(folder)).revision
+    assert hub.resolve(str(folder)).revision == first
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # same size, other content
+    st = weights.stat()
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    second = hub.resolve(str(folder)).revision
+    assert second != first
+    config = folder / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1_000_000_000))
+    assert hub.resolve(str(folder)).revision not in {first, second}

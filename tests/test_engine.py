@@ -136,3 +136,21 @@ def test_pipelined_decode_equals_step_by_step(family):
     e.cancel()
     got.extend(stream)
     assert len(got) == 1 and e.stats.finish_reason == "cancelled"
+
+
+UNDECODABLE = [  # (id, how the engine is given the text)
+    ("raw-undecodable-byte", lambda e: e.encode_raw("caf\udce9")),
+    ("raw-lone-surrogate", lambda e: e.encode_raw("a\ud800b")),
+    ("chat-user", lambda e: e.encode_chat([{"role": "user", "content": "\udcff"}])),
+    ("chat-system", lambda e: e.encode_chat([{"role": "system", "content": "\udcff"},
+                                             {"role": "user", "content": "hi"}])),
+]
+
+
+@pytest.mark.parametrize("encode", [c[1] for c in UNDECODABLE], ids=[c[0] for c in UNDECODABLE])
+def test_undecodable_text_is_a_usage_error(engine, encode):
+    """Lone surrogates (bytes the locale could not decode) are a UsageError, not the tokenizer's TypeError."""
+    from localmoe.errors import UsageError
+
+    with pytest.raises(UsageError, match="not valid text"):
+        encode(engine)

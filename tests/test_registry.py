@@ -52,3 +52,29 @@ def test_parses_good_entry_and_suggests():
     reg = parse_registry(GOOD)
     assert reg.get("a").repo == "o/a" and reg.by_repo("O/A").alias == "a"
     assert load_registry().suggestions("qwen35-35b")[0] == "qwen3.5-35b"
+
+
+SUPPORT = [  # (id, family in models.toml, supported, a piece of the reason)
+    ("qwen3-moe", "qwen3_moe", True, ""),
+    ("qwen3.5-moe", "qwen3_5_moe", True, ""),
+    ("gpt-oss", "gpt_oss", False, "GPT-OSS is not yet supported"),
+    ("unknown-family", "llama", False, "its family 'llama' is not one localmoe runs (supported: "),
+]
+
+
+@pytest.mark.parametrize("family, supported, reason", [c[1:] for c in SUPPORT], ids=[c[0] for c in SUPPORT])
+def test_support_follows_the_family_table(family, supported, reason):
+    spec = parse_registry(GOOD.replace('"olmoe"', f'"{family}"')).get("a")
+    assert (spec.unsupported == "") == supported and reason in spec.unsupported
+
+
+def test_shipped_registry_support_and_alternative():
+    from localmoe.registry import unsupported_model_error
+
+    reg = load_registry()
+    assert [a for a, s in reg.models.items() if s.unsupported] == ["gpt-oss-20b"]
+    alt = reg.alternative(reg.get("gpt-oss-20b"))
+    assert alt is not None and not alt.unsupported and alt.packaged_dir is None
+    message = str(unsupported_model_error(reg.get("gpt-oss-20b"), reg))
+    assert message.startswith("gpt-oss-20b (openai/gpt-oss-20b) cannot run: GPT-OSS is not yet supported")
+    assert f"e.g. {alt.alias} (" in message and "\n" not in message

@@ -124,3 +124,40 @@ def place_in_hf_cache(src: Path, hub_cache: Path, repo_id: str) -> Path:
     (repo_dir / "refs").mkdir(exist_ok=True)
     (repo_dir / "refs" / "main").write_text(commit)
     return snap
+
+
+def repeating_tokenizer(token_text: str):
+    """The character-level tokenizer with id 0 decoding to `token_text` (never produced by encoding: the
+    pre-tokenizer splits single characters); `<unk>` moves to the last id, the other specials keep theirs."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    chars += [chr(0x3B1 + i) for i in range(VOCAB - len(SPECIALS) - len(chars))]
+    vocab = {tok: i for i, tok in enumerate([token_text] + SPECIALS[1:] + chars[:-1] + [SPECIALS[0]])}
+    assert len(vocab) == VOCAB and vocab[token_text] == 0
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   bos_token=None, pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_repeating_checkpoint(folder: Path, token_text: str) -> Path:
+    """A tiny Qwen3-MoE checkpoint whose greedy reply is `token_text` over and over: its lm_head is zero, so every
+    logit is 0 and greedy decoding (argmax: the first of equal values) picks id 0, which decodes to `token_text`,
+    at every step until --max-new-tokens or the context ends it. For output-safety tests (a `token_text` carrying
+    terminal control sequences) and signal tests (a long `token_text` fills a pipe within a few tokens)."""
+    import torch
+
+    model, kwargs = build("qwen3_moe")
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    model.save_pretrained(folder, **kwargs)
+    repeating_tokenizer(token_text).save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "bos_token_id": 1,
+                                                               "pad_token_id": 1}))
+    return folder
