@@ -8,8 +8,8 @@ import sqlite3
 import pytest
 
 from localmoe.safe_text import is_clean
-from localmoe.tui.history import (SCHEMA_VERSION, HistoryError, HistoryStore, close_fence, default_db_path,
-                                    open_fence)
+from localmoe.tui.history import (SCHEMA_VERSION, HistoryError, HistoryStore, StoredMessage, close_fence,
+                                    default_db_path, open_fence)
 
 V1_SCHEMA = """
 CREATE TABLE sessions (id INTEGER PRIMARY KEY, title TEXT NOT NULL DEFAULT '', model TEXT NOT NULL DEFAULT '',
@@ -148,3 +148,60 @@ FENCES = {
 @pytest.mark.parametrize("text,fence,closed", list(FENCES.values()), ids=list(FENCES))
 def test_open_fence(text, fence, closed):
     assert open_fence(text) == fence and close_fence(text) == closed
+
+
+V2_SCHEMA = V1_SCHEMA.replace("PRAGMA user_version = 1;", """
+ALTER TABLE sessions ADD COLUMN system TEXT;
+ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'ok';
+PRAGMA user_version = 2;
+""")
+
+
+def test_v2_database_gains_a_reasoning_column(tmp_path):
+    path = tmp_path / "v2.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(V2_SCHEMA)
+    db.execute("INSERT INTO sessions (id, title, model, created_at, updated_at) VALUES (1, 'old', 'm', 1.0, 2.0)")
+    db.execute("INSERT INTO messages (session_id, role, content, status, created_at) "
+               "VALUES (1, 'assistant', 'hi', 'cancelled', 1.0)")
+    db.commit()
+    db.close()
+    store = HistoryStore(path)
+    assert store.schema_version == SCHEMA_VERSION == 3
+    assert store.messages(1) == [StoredMessage(1, "assistant", "hi", "cancelled", None)]
+    store.close()
+
+
+def test_reasoning_is_stored_apart_sent_back_and_exported_apart(tmp_path):
+    store = HistoryStore(tmp_path / "c.sqlite3")
+    sid = store.new_session("thinker")
+    store.add_message(sid, "user", "2+2?")
+    mid = store.add_message(sid, "assistant", "", "streaming", reasoning="Two and")
+    store.update_message(mid, "4", "ok", "Two and two\x1b]0;x\x07 make four.\n```\nopen")
+    store.update_message(mid, "4.", "ok")  # reasoning None: kept as it is
+    msgs = store.messages(sid)
+    assert (msgs[-1].content, msgs[-1].reasoning) == ("4.", "Two and two\x1b]0;x\x07 make four.\n```\nopen")
+    assert msgs[-1].as_chat() == {"role": "assistant", "content": "4.", "reasoning_content": msgs[-1].reasoning}
+    assert msgs[0].as_chat() == {"role": "user", "content": "2+2?"}
+    md = store.export_markdown(sid)
+    assert ("## Assistant\n\n<details><summary>Reasoning</summary>\n\nTwo and two make four.\n```\nopen\n```\n\n"
+            "</details>\n\n4.\n") in md and is_clean(md)
+    store.close()
+
+
+def test_sessions_are_renamed_deleted_and_switch_models(tmp_path):
+    store = HistoryStore(tmp_path / "c.sqlite3")
+    a = store.new_session("m1")
+    store.add_message(a, "user", "first   question\nhere")
+    b = store.new_session("m1")
+    store.add_message(b, "user", "other")
+    assert store.rename_session(a, "  My\ttalk\x1b[2J  ") == "My talk\x1b[2J"
+    assert store.session(a).title == "My talk\x1b[2J"  # one line; shown through safe_text where it is shown
+    assert store.rename_session(a, "x" * 80) == "x" * 60
+    assert store.rename_session(a, "   ") == "first question here"  # empty: back to the first message's
+    store.set_model(a, "m2")
+    assert store.session(a).model == "m2"
+    assert store.delete_session(a) is True and store.session(a) is None and store.messages(a) == []
+    assert store.delete_session(a) is False
+    assert [s.id for s in store.sessions()] == [b]
+    store.close()

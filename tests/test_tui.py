@@ -158,19 +158,19 @@ async def test_escape_cancels_hanging_stream_and_keeps_partial(tmp_path):
 
 
 @sync
-async def test_text_typed_during_a_reply_stays_in_the_input(tmp_path):
+async def test_text_sent_during_a_reply_is_queued_then_sent(tmp_path):
     engine = ScriptedEngine("one two three", hang_after=1)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         await type_and_send(pilot, "first")
         await wait_for(pilot, lambda: app.reply is not None and app.reply.view.content)
         await type_and_send(pilot, "typed meanwhile")
-        assert app.query_one(ChatInput).text == "typed meanwhile"  # refused for now, not lost
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: app.reply is None)
-        await pilot.press("enter")
+        assert [q.text for q in app.queue] == ["typed meanwhile"] and app.queue[0].view.status == "queued"
+        assert "1 queued" in str(app.query_one("#hint").render())
+        await pilot.press("ctrl+c")  # cancels the reply; the queued message goes next
         await wait_for(pilot, lambda: len(engine.calls) == 2)
         assert engine.calls[-1][-1] == {"role": "user", "content": "typed meanwhile"}
+        assert not app.queue
         engine.cancel()
 
 
@@ -294,8 +294,10 @@ async def test_loading_progress_then_chat(tmp_path):
 
     app = ChatApp(load=load, model_label="tiny", sparsity=0.25, db_path=tmp_path / "c.sqlite3")
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.focused, ChatInput))
-        assert seen == ["loaded"] and app.engine.sparsity_calls == [0.25]
+        assert isinstance(app.focused, ChatInput)  # the input is live from the first frame
+        await wait_for(pilot, lambda: app.query(MessageView))  # the intro note: the chat is shown
+        await pilot.pause()
+        assert app.query_one("#main").current == "chat" and seen == ["loaded"] and app.engine.sparsity_calls == [0.25]
 
 
 @sync
@@ -307,7 +309,9 @@ async def test_load_error_is_shown_not_raised(tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.query_one("#main").current == "error")
         assert app.load_error.startswith("localmoe: error: unknown model 'nope'")
-        await pilot.press("q")
+        await pilot.press("q")  # a letter never quits: it goes into the input
+        assert app.query_one(ChatInput).text == "q" and app.is_running
+        await pilot.press("ctrl+q")
     assert app.return_code == 1
 
 

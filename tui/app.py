@@ -1,99 +1,49 @@
 """The `localmoe chat` Textual app and its CLI entry point `run_chat`.
 
-Owns the chat flow: loading the engine behind the loading view, sending a prompt,
-streaming the reply from a worker thread into a Markdown view, cancelling with Esc,
-committing every message to the history store, and the slash commands. The engine is
-any `ChatEngine` (localmoe.events); tests pass a scripted one as `engine=`.
+Owns the app: its layout, loading the engine behind the loading view (the input below it live from the first
+frame), switching models (`/model`), the keys and the status line. The conversation flow (sending, queueing,
+streaming, cancelling) is in replies.py, the history in store_sync.py, the slash commands in handlers.py. The engine is any `ChatEngine` (localmoe.events): give `engine=` (ready)
+or `load=`, called in a thread as `load(progress)` and, to switch models, `load(progress, model=NAME)`.
 
-Nothing shown is lost: each message is committed when it is shown, and the reply in flight
-is stored as it streams (status 'streaming', its text updated at most once per SAVE_INTERVAL
-and at its end). When the database cannot be written (read-only, disk full, corrupt) the
-conversation stays in memory, one warning is shown, the status bar says so, and every later
-write retries what is missing, in order. SIGTERM and SIGHUP (run_chat) save the partial reply
-and end the app normally, which restores the terminal. A conversation longer than the model's
-context is sent without its oldest turns (fit_to_context).
+Keys: Enter sends (queues while the model loads or replies); Esc takes the last queued message back when the
+input is empty, else cancels the reply in flight; ctrl+c cancels the reply (or says how to quit); only ctrl+q
+and /quit quit. The history (store_sync.py) keeps every message and the reply in flight as it streams; SIGTERM and
+SIGHUP (run_chat) save the partial reply and end the app normally, which restores the terminal. A conversation
+longer than the model's context is sent without its oldest turns (prompts.fit_to_context).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
-import sqlite3
+import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
 from textual.message import Message
-from textual.widgets import ContentSwitcher, Label
+from textual.widgets import ContentSwitcher, Label, Static
 
-from localmoe.events import ChatEngine, GenerationSettings, ProgressFn
+from localmoe.events import ChatEngine, GenerationSettings
 from localmoe.safe_text import for_line, for_terminal
-from localmoe.tui.commands import ChatCommands, CommandError, CommandsMixin, parse_command
-from localmoe.tui.history import HistoryError, HistoryStore, default_db_path
+from localmoe.tui import prompts
+from localmoe.tui.commands import ChatCommands
+from localmoe.tui.handlers import CommandsMixin
+from localmoe.tui.history import default_db_path
+from localmoe.tui.prompts import context_limit, fit_to_context  # noqa: F401  (imported from here by tests)
+from localmoe.tui.replies import ContextTrimmed, Queued, RepliesMixin, Reply, ReplyChunk, ReplyDone  # noqa: F401
+from localmoe.tui.store_sync import SAVE_INTERVAL, StoreSyncMixin, Turn  # noqa: F401
 from localmoe.tui.widgets import INPUT_HINT, ChatInput, ErrorView, LoadingView, MessageView, StatusBar, describe_error
 
-LoadFn = Callable[[ProgressFn], ChatEngine]
-SAVE_INTERVAL = 1.0  # seconds between writes of the reply in flight (a kill -9 loses at most this much)
+LoadFn = Callable[..., ChatEngine]  # load(progress) -> engine; load(progress, model=NAME) for /model NAME
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # end the app normally: partial reply saved, terminal restored
-
-
-def _reopen_after(exc: BaseException) -> bool:
-    """Whether a write failure may be gone with a new connection: SQLite keeps a file it opened read-only so for
-    good, and a journal it could not create or an I/O error may have been fixed since (a full disk has not; the
-    connection retries as it is)."""
-    code = getattr(exc.__cause__, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR)
-
-
-def context_limit(engine: object) -> int:
-    """Tokens a prompt and its reply may take together: the engine's context, capped by the model's positions
-    (0 when the engine does not say)."""
-    limit = int(getattr(engine, "context", 0) or 0)
-    positions = int(getattr(engine, "max_positions", 0) or 0)
-    if positions:
-        limit = min(limit, positions) if limit else positions
-    return limit
-
-
-def fit_to_context(engine: object, messages: Sequence[dict], max_new_tokens: int) -> tuple[list[dict], int]:
-    """`messages` without their oldest turns, so that the prompt leaves room for a reply within the context:
-    the system prompt and the newest messages are kept, the last (new user) message always; what is kept starts
-    at a user message (templates want user/assistant turns in order). Room for the reply: max_new_tokens, at most
-    a quarter of the context. Returns (messages to send, how many were left out); an engine without
-    `encode_chat` or a context size is given everything."""
-    messages = list(messages)
-    encode = getattr(engine, "encode_chat", None)
-    limit = context_limit(engine)
-    if encode is None or limit <= 0 or not messages:
-        return messages, 0
-    budget = limit - max(1, min(int(max_new_tokens), limit // 4))
-    head = messages[:1] if messages[0].get("role") == "system" else []
-    history = messages[len(head):]
-
-    def fits(start: int) -> bool:
-        return len(encode(head + history[start:])) <= budget
-
-    try:
-        if fits(0):
-            return messages, 0
-        starts = [i for i, m in enumerate(history) if i > 0 and m.get("role") == "user"]
-        if not starts:
-            return messages, 0
-        lo, hi = 0, len(starts) - 1
-        while lo < hi:  # the fewest messages left out: fits() only gets truer as the start moves on
-            mid = (lo + hi) // 2
-            if fits(starts[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-    except Exception:  # noqa: BLE001
-        return messages, 0  # (no chat template, ...): the engine reports it when asked to chat
-    return head + history[starts[lo]:], starts[lo]
+QUIT_HINT = "Press ctrl+q to quit."
 
 
 class Progress(Message):
@@ -103,64 +53,34 @@ class Progress(Message):
 
 
 class Loaded(Message):
-    def __init__(self, engine: ChatEngine | None, error: str = "", hint: str = "") -> None:
+    def __init__(self, engine: ChatEngine | None, error: str = "", hint: str = "", model: str | None = None) -> None:
         super().__init__()
-        self.engine, self.error, self.hint = engine, error, hint
+        self.engine, self.error, self.hint, self.model = engine, error, hint, model
 
 
-class ReplyChunk(Message):
-    def __init__(self, reply_id: int, text: str) -> None:
-        super().__init__()
-        self.reply_id, self.text = reply_id, text
+def free_engine(holder: list) -> None:
+    """Drop the last reference the app holds to an engine and give its memory back (GPU memory to the driver)."""
+    holder.clear()
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-class ReplyDone(Message):
-    def __init__(self, reply_id: int, text: str, reason: str, error: str) -> None:
-        super().__init__()
-        self.reply_id, self.text, self.reason, self.error = reply_id, text, reason, error
-
-
-class ContextTrimmed(Message):
-    def __init__(self, reply_id: int, dropped: int) -> None:
-        super().__init__()
-        self.reply_id, self.dropped = reply_id, dropped
-
-
-@dataclass
-class Turn:
-    """A message of the current session and the view showing it. id 0: not in the database yet; saved: the
-    database holds this content and status."""
-
-    id: int
-    role: str
-    content: str
-    status: str
-    view: MessageView | None = None
-    saved: bool = False
-
-
-@dataclass
-class Reply:
-    """The reply in flight (its turn is the last of ChatApp.turns, status 'streaming')."""
-
-    id: int
-    view: MessageView
-    turn: Turn
-    cancel_requested: bool = False
-
-
-class ChatApp(CommandsMixin, App[int]):
+class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
     """Terminal chat over a ChatEngine. Give `engine=` (ready) or `load=` (called in a thread)."""
 
     CSS_PATH = "app.tcss"
     TITLE = "localmoe chat"
     COMMANDS = App.COMMANDS | {ChatCommands}
-    BINDINGS = [Binding("escape", "cancel_reply", "Cancel reply", priority=True, show=False)]
+    BINDINGS = [Binding("escape", "escape", "Cancel", priority=True, show=False),
+                Binding("ctrl+c", "interrupt", "Cancel reply", priority=True, show=False),
+                Binding("ctrl+r", "retry_load", "Retry", priority=True, show=False)]
 
     def __init__(self, *, engine: ChatEngine | None = None, load: LoadFn | None = None, model_label: str = "",
                  settings: GenerationSettings | None = None, sparsity: float | None = None,
                  system: str | None = None, continue_last: bool = False, db_path: Path | str | None = None,
-                 handle_signals: bool = False) -> None:
+                 handle_signals: bool = False, think: bool | None = None) -> None:
         super().__init__()
         if engine is None and load is None:
             raise ValueError("ChatApp needs engine= or load=")
@@ -168,26 +88,35 @@ class ChatApp(CommandsMixin, App[int]):
         self._load = load
         self.model_label = model_label or (engine.model_name if engine is not None else "model")
         self.settings = settings or GenerationSettings()
+        self.think = think if think is not None else getattr(self.settings, "think", None)  # None: template default
         self._initial_sparsity = sparsity
         self.system = system or None
         self._continue_last = continue_last
         self._db_path = db_path if db_path is not None else default_db_path()
-        self.store: HistoryStore | None = None
+        self.store = None
         self.session_id: int | None = None
         self.turns: list[Turn] = []
+        self.queue: list[Queued] = []
         self.reply: Reply | None = None
-        self.busy = ""  # e.g. "calibrating 3/8" while /sparsity runs
+        self.busy = ""  # e.g. "calibrate 3/8" while /sparsity runs
+        self.loading = False  # a load (the first, a retry, or /model's) runs
         self.load_error = ""
+        self._switch_to: str | None = None  # the model /model asked for (a retry loads it again)
+        self._entered = False  # the chat has been shown once (intro note, --continue)
         self._reply_counter = 0
+        self._decode_worker: threading.Thread | None = None
         self._handle_signals = handle_signals
         self.history_error = ""  # why the history is not saved now ("" when all is saved or retried fine)
         self._pending_deletes: list[int] = []  # messages to delete (a regenerated reply) once the database allows
         self._system_dirty = False  # the session's system prompt changed and is not saved yet
+        self._model_dirty = False  # the session's model changed (/model) and is not saved yet
         self._last_save = 0.0
         self._drop_confirmed = False  # an unsaved conversation may be dropped (/new, /sessions, quit asked twice)
+        self._queue_drop_confirmed = False
         self.dropped_for_context = 0  # oldest messages left out of the last prompt
         self._trim_noticed = False
         self.notices: list[str] = []  # every notification shown, as shown
+        self.event_lines: list[str] = []  # every system line added to the conversation (add_event)
 
     def compose(self) -> ComposeResult:
         needs_loading = self._load is not None or self._initial_sparsity is not None
@@ -196,17 +125,18 @@ class ChatApp(CommandsMixin, App[int]):
             yield ErrorView(id="error")
             with Vertical(id="chat"):
                 yield VerticalScroll(id="conversation")
-                yield ChatInput(id="prompt", placeholder="Type a message — Enter sends, /help lists commands")
-                yield Label(INPUT_HINT, id="hint")
+        yield ChatInput(id="prompt", placeholder="Type a message — Enter sends, /help lists commands")
+        yield Label(INPUT_HINT, id="hint")
         yield StatusBar(id="status")
 
-    # startup ---------------------------------------------------------------------------------
+    # startup and model loading ---------------------------------------------------------------
 
     async def on_mount(self) -> None:
         if self._handle_signals:
             loop = asyncio.get_running_loop()
             for signum in EXIT_SIGNALS:
                 loop.add_signal_handler(signum, self.exit_on_signal, signum)
+        self.query_one(ChatInput).focus()  # typing works from the first frame, during the load too
         self._open_store()
         self.refresh_status()
         if self.query_one("#main", ContentSwitcher).current == "loading":
@@ -214,17 +144,20 @@ class ChatApp(CommandsMixin, App[int]):
         else:
             await self.enter_chat()
 
-    def start_loading(self) -> None:
+    def start_loading(self, model: str | None = None, old: list | None = None) -> None:
+        self.loading = True
         self.query_one("#main", ContentSwitcher).current = "loading"
         load = self._load or (lambda progress: self.engine)
-        self._spawn(self._load_thread, load, self._initial_sparsity)
+        sparsity = self._initial_sparsity if model is None else None
+        self._spawn(self._load_thread, load, sparsity, model, old or [])
+        self.refresh_status()
 
     def action_retry_load(self) -> None:
-        if self.load_error:
+        if self.load_error and not self.loading:
             self.load_error = ""
-            self.start_loading()
+            self.start_loading(self._switch_to)
 
-    def _load_thread(self, load: LoadFn, sparsity: float | None) -> None:
+    def _load_thread(self, load: LoadFn, sparsity: float | None, model: str | None, old: list) -> None:
         last = {"stage": "", "at": 0.0}
 
         def progress(stage: str, done: int, total: int | None) -> None:
@@ -234,13 +167,18 @@ class ChatApp(CommandsMixin, App[int]):
                 self._post(Progress(stage, done, total))
 
         try:
-            engine = load(progress)
+            if old:  # /model: the old engine goes first (its reply and next-turn prefill are over), then the new
+                worker = self._decode_worker
+                if worker is not None and worker is not threading.current_thread():
+                    worker.join(timeout=60)
+                free_engine(old)
+            engine = load(progress) if model is None else load(progress, model=model)
             if sparsity is not None:
                 engine.set_sparsity(sparsity, progress)
         except (Exception, SystemExit) as exc:
-            self._post(Loaded(None, *describe_error(exc)))
+            self._post(Loaded(None, *describe_error(exc), model=model))
         else:
-            self._post(Loaded(engine))
+            self._post(Loaded(engine, model=model))
 
     def on_progress(self, msg: Progress) -> None:
         if self.query_one("#main", ContentSwitcher).current == "loading":
@@ -250,162 +188,119 @@ class ChatApp(CommandsMixin, App[int]):
             self.refresh_status()
 
     async def on_loaded(self, msg: Loaded) -> None:
+        self.loading = False
         if msg.engine is None:
             self.load_error = msg.error
             self.query_one(ErrorView).show(msg.error, msg.hint)
             self.query_one("#main", ContentSwitcher).current = "error"
-            self.query_one(ErrorView).focus()
+            self.refresh_status()
             return
         self.engine, self.load_error = msg.engine, ""
         self.model_label = self.engine.model_name or self.model_label
-        await self.enter_chat()
+        if not self._entered:
+            await self.enter_chat()
+        else:
+            await self.after_switch()
+        await self.dispatch_queue()
 
     async def enter_chat(self) -> None:
+        self._entered = True
         self.query_one("#main", ContentSwitcher).current = "chat"
         self.query_one("#conversation", VerticalScroll).anchor()
         last = None
         if self._continue_last and self.store is not None:
             try:
                 last = self.store.last_session()
-            except HistoryError as exc:
+            except Exception as exc:  # noqa: BLE001  (HistoryError)
                 self._history_failed(exc)
         if last is not None:
             await self.show_session(last.id)
         else:
-            device = f" on {self.engine.device}" if self.engine is not None and self.engine.device else ""
-            if getattr(self.engine, "experts_format", "full") == "int4":
-                device += " with 4-bit experts"
             label = for_line(self.model_label).replace("`", "'")
-            await self.add_note(f"Chatting with `{label}`{for_line(device)}. Type `/help` for commands.")
+            await self.add_note(f"Chatting with `{label}`{for_line(self._where())}. Type `/help` for commands."
+                                + self._thinking_note())
             if self.system:
                 await self.add_note(f"System prompt: {self.system}", role="system")
         self.refresh_status()
         self.query_one(ChatInput).focus()
 
-    # sending and streaming -------------------------------------------------------------------
+    def _where(self) -> str:
+        where = f" on {self.engine.device}" if self.engine is not None and self.engine.device else ""
+        if getattr(self.engine, "experts_format", "full") == "int4":
+            where += " with 4-bit experts"
+        return where
 
-    async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
-        text = event.text.strip()
-        try:
-            parsed = parse_command(text)
-        except CommandError as exc:
-            self.notify(str(exc), severity="error")
-            return
-        if parsed is None and not self.can_start():
-            return  # the typed text stays in the input
-        self.query_one(ChatInput).clear()
-        if parsed is not None:
-            await self.run_command(parsed)
+    def _thinking_note(self) -> str:
+        if not prompts.supports_thinking(self.engine):
+            return ""
+        state = {None: "by default", True: "on", False: "off"}[self.think]
+        return f" It can think before it answers (thinking {state}; `/think on|off`)."
+
+    async def switch_model(self, name: str) -> None:
+        """`/model NAME`: free this engine, load NAME behind the loading view; the conversation stays and the new
+        model prefills it with the next message."""
+        old = [self.engine] if self.engine is not None else []
+        self.engine = None
+        self._switch_to = name
+        self.model_label = name
+        self.dropped_for_context, self._trim_noticed = 0, False
+        await self.add_event(f"Switching to {name}…")
+        self.query_one(LoadingView).reset(f"Switching to {name}")
+        self.start_loading(name, old)
+
+    async def after_switch(self) -> None:
+        self.query_one("#main", ContentSwitcher).current = "chat"
+        if self.session_id is not None:
+            self._model_dirty = True
+            self._sync()
+        n = len([t for t in self.turns if t.role in ("user", "assistant")])
+        kept = f" The conversation ({n} messages) stays: the new model reads it with your next message." if n else ""
+        await self.add_event(f"Now chatting with {self.model_label}{self._where()}.{kept}{self._thinking_note()}")
+        self.refresh_status()
+        self.query_one(ChatInput).focus()
+
+    # keys ------------------------------------------------------------------------------------
+
+    async def action_escape(self) -> None:
+        """Esc: the last queued message back into an empty input, else cancel the reply in flight."""
+        if self.queue and not self.query_one(ChatInput).text.strip():
+            await self.unqueue_last()
+        elif self.reply is not None:
+            self.action_cancel_reply()
+
+    def action_interrupt(self) -> None:
+        """ctrl+c: copy a selection in the input; else cancel the reply in flight; else say how to quit."""
+        prompt = self.query_one(ChatInput)
+        if self.focused is prompt and prompt.selected_text:
+            prompt.action_copy()
+        elif self.reply is not None:
+            self.action_cancel_reply()
         else:
-            await self.send(text[1:] if text.startswith("//") else text)
+            self.notify(QUIT_HINT, timeout=4)
 
-    def can_start(self) -> bool:
-        if self.engine is None:
-            return False
-        if self.reply is not None or self.busy:
-            self.notify("Wait for the reply to finish (Esc cancels it).", severity="warning")
-            return False
-        return True
-
-    async def send(self, text: str) -> None:
-        if not self.can_start():
-            return
-        view = MessageView("user", text)
-        await self.query_one("#conversation").mount(view)
-        self.turns.append(Turn(0, "user", text, "ok", view))
-        self._drop_confirmed = False
-        self._sync()
-        await self.start_reply()
-
-    async def start_reply(self) -> None:
-        self._reply_counter += 1
-        messages = self.context()
-        view = MessageView("assistant")
-        await self.query_one("#conversation").mount(view)
-        view.start_stream()
-        turn = Turn(0, "assistant", "", "streaming", view)
-        self.turns.append(turn)
-        self.reply = Reply(self._reply_counter, view, turn)
-        self._sync()  # the reply's row exists from its start: what streams is saved as it comes
-        self.query_one("#conversation", VerticalScroll).anchor()
-        self.refresh_status()
-        self._spawn(self._decode_thread, self._reply_counter, messages, self.settings)
-
-    def context(self) -> list[dict]:
-        """The messages for the engine: system prompt, then user/assistant turns with content."""
-        msgs = [{"role": "system", "content": self.system}] if self.system else []
-        return msgs + [{"role": t.role, "content": t.content} for t in self.turns
-                       if t.role == "user" or (t.role == "assistant" and t.content.strip())]
-
-    def _decode_thread(self, reply_id: int, messages: Sequence[dict], settings: GenerationSettings) -> None:
-        parts: list[str] = []
-        reason, error = "", ""
-        try:
-            assert self.engine is not None
-            messages, dropped = fit_to_context(self.engine, messages, settings.max_new_tokens)
-            if dropped:
-                self._post(ContextTrimmed(reply_id, dropped))
-            for event in self.engine.chat(messages, settings):
-                if event.text:
-                    parts.append(event.text)
-                    self._post(ReplyChunk(reply_id, event.text))
-            reason = self.engine.stats.finish_reason
-        except Exception as exc:
-            reason, error = "error", describe_error(exc)[0].removeprefix("localmoe: error: ")
-        text = "".join(parts)
-        self._post(ReplyDone(reply_id, text, reason, error))
-        # while the user reads and types: the engine adds this reply to its cache, so the next turn prefills only
-        # the new message (an engine without it, or a failure here, just prefills more next turn)
-        prepare = getattr(self.engine, "prepare_next_turn", None)
-        if prepare is not None and reason in ("stop", "length") and text.strip():
-            try:
-                prepare([*messages, {"role": "assistant", "content": text}])
-            except Exception:  # noqa: BLE001
-                pass
-
-    async def on_reply_chunk(self, msg: ReplyChunk) -> None:
-        reply = self.reply
-        if reply is not None and reply.id == msg.reply_id:
-            await reply.view.write(msg.text)
-            reply.turn.content, reply.turn.saved = reply.view.content, False
-            if time.monotonic() - self._last_save >= SAVE_INTERVAL:
-                self._sync()
-            self.refresh_status()
-
-    def on_context_trimmed(self, msg: ContextTrimmed) -> None:
-        self.dropped_for_context = msg.dropped
-        if not self._trim_noticed:
-            self._trim_noticed = True
-            self.notify(f"Oldest {msg.dropped} messages left out to fit the context "
-                        f"({context_limit(self.engine)} tokens).", timeout=8)
-
-    async def on_reply_done(self, msg: ReplyDone) -> None:
-        reply = self.reply
-        if reply is None or reply.id != msg.reply_id:
-            return
-        self.reply = None
-        cancelled = reply.cancel_requested or msg.reason == "cancelled"
-        status = "error" if msg.error else "cancelled" if cancelled else "ok"
-        text = msg.text if len(msg.text) >= len(reply.view.content) else reply.view.content
-        await reply.view.finish(status, msg.error)
-        reply.turn.content, reply.turn.status, reply.turn.saved = text, status, False
-        self._sync()
-        self.refresh_status()
-
-    def action_cancel_reply(self) -> None:
-        if self.reply is not None and self.engine is not None:
-            self.reply.cancel_requested = True
-            self.engine.cancel()
-            self.refresh_status()
+    def action_help_quit(self) -> None:
+        self.notify(QUIT_HINT, timeout=4)  # Textual's own says it with markup; this is plain text
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "cancel_reply":  # let Esc through to dialogs and the palette unless a reply runs
-            return self.reply is not None and len(self.screen_stack) == 1
+        if action == "escape":  # let Esc through to dialogs, the palette and the input unless it has work here
+            if len(self.screen_stack) != 1:
+                return False
+            return self.reply is not None or bool(self.queue and not self.query_one(ChatInput).text.strip())
+        if action == "interrupt":
+            return len(self.screen_stack) == 1
+        if action == "retry_load":
+            return bool(self.load_error) and not self.loading
         return True
 
     async def action_quit(self) -> None:
-        """Quit; a reply in flight is cancelled and its partial text saved first. With messages the history could
-        not save, the first ctrl+q only warns (/export keeps them)."""
+        """Quit; a reply in flight is cancelled and its partial text saved first. With messages still queued, or
+        messages the history could not save, the first ctrl+q only warns (/export keeps the conversation)."""
+        if self.queue and not self._queue_drop_confirmed:
+            self._queue_drop_confirmed = True
+            n = len(self.queue)
+            self.notify(f"{n} queued message{'s' if n != 1 else ''} not sent yet: ctrl+q again quits without "
+                        f"{'them' if n != 1 else 'it'}.", severity="warning", timeout=10)
+            return
         self._stop_reply("cancelled")
         if not self.may_drop_conversation("ctrl+q"):
             return
@@ -420,90 +315,6 @@ class ChatApp(CommandsMixin, App[int]):
         self._close_store()
         self.exit(return_code=128 + int(signum))
 
-    def _stop_reply(self, status: str) -> None:
-        """End the reply in flight now (the engine is told to stop) and save what it has shown, as `status`."""
-        reply = self.reply
-        if reply is None:
-            return
-        self.reply = None
-        if self.engine is not None:
-            self.engine.cancel()
-        reply.turn.content, reply.turn.status, reply.turn.saved = reply.view.content, status, False
-        self._sync()
-
-    def _close_store(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-
-    # history ---------------------------------------------------------------------------------
-
-    def _open_store(self) -> bool:
-        try:
-            self.store = HistoryStore(self._db_path)
-        except HistoryError as exc:
-            self.store = None
-            self._history_failed(exc)
-            return False
-        return True
-
-    def _sync(self) -> bool:
-        """Write to the history what it lacks, oldest first: pending deletions, the session, its system prompt,
-        then each message not saved (new ones appended, changed ones updated). Stops at the first failure and keeps
-        everything in memory for the next try. True when the history holds the whole conversation."""
-        self._last_save = time.monotonic()
-        unsaved = [t for t in self.turns if not t.saved]
-        if not unsaved and not self._pending_deletes and not self._system_dirty:
-            return True
-        if self.store is None and not self._open_store():
-            return False
-        store = self.store
-        try:
-            while self._pending_deletes:
-                store.delete_message(self._pending_deletes[0])
-                self._pending_deletes.pop(0)
-            if unsaved and self.session_id is None:
-                self.session_id = store.new_session(self.model_label, self.system)
-                self._system_dirty = False
-            if self._system_dirty and self.session_id is not None:
-                store.set_system(self.session_id, self.system)
-                self._system_dirty = False
-            for turn in unsaved:
-                if turn.id:
-                    store.update_message(turn.id, turn.content, turn.status)
-                else:
-                    turn.id = store.add_message(self.session_id, turn.role, turn.content, turn.status)
-                turn.saved = True
-        except HistoryError as exc:
-            if _reopen_after(exc):  # a fresh connection sees permissions or files fixed since
-                self._close_store()
-            self._history_failed(exc)
-            return False
-        if self.history_error:
-            self.history_error = ""
-            self.notify("Chat history saved again.")
-            self.refresh_status()
-        return True
-
-    def _history_failed(self, exc: BaseException) -> None:
-        """The history cannot be read or written: warn once (until it works again), mark the status bar."""
-        first = not self.history_error
-        self.history_error = "history not saved"
-        if first:
-            self.notify(f"{exc}. This conversation is kept in memory and saved when the history can be written "
-                        "again; /export FILE writes it out.", severity="warning", timeout=12)
-        self.refresh_status()
-
-    def may_drop_conversation(self, again: str) -> bool:
-        """True unless this conversation has messages the history could not save; then warn the first time (asking
-        for `again` to confirm)."""
-        if all(t.saved for t in self.turns) or self._sync() or self._drop_confirmed:
-            return True
-        self._drop_confirmed = True
-        self.notify(f"This conversation is not saved: /export FILE keeps it; {again} again drops it.",
-                    severity="warning", timeout=10)
-        return False
-
     # helpers ---------------------------------------------------------------------------------
 
     def _post(self, message: Message) -> None:
@@ -514,22 +325,39 @@ class ChatApp(CommandsMixin, App[int]):
             pass
 
     @staticmethod
-    def _spawn(target: Callable, *args: object) -> None:
+    def _spawn(target: Callable, *args: object) -> threading.Thread:
         # Daemon threads: a load or decode still running cannot hold the process open after quit.
-        threading.Thread(target=target, args=args, daemon=True, name=f"localmoe-{target.__name__}").start()
+        thread = threading.Thread(target=target, args=args, daemon=True, name=f"localmoe-{target.__name__}")
+        thread.start()
+        return thread
+
+    def _state(self) -> str:
+        """What is running, and how to stop it, for the hint line ("" when idle); at most 76 cells (80 columns)."""
+        n = len(self.queue)
+        queued = f"{n} queued (Esc on an empty input takes it back)" if n else ""
+        if self.loading:
+            return f"● loading the model… {n} queued, sent when it is ready · Esc takes it back" if n else \
+                "● loading the model… Enter queues a message · ctrl+q quits"
+        if self.load_error:
+            return "● the model did not load: ctrl+r retries · /model NAME · ctrl+q quits"
+        if self.reply is not None:
+            if self.reply.cancel_requested:
+                return "● cancelling…"
+            doing = "thinking" if self.reply.thinking else "generating"
+            return f"● {doing}… Esc cancels · {queued or 'Enter queues a message'}"
+        if self.busy:
+            return f"● {self.busy}" + (f" · {queued}" if queued else "")
+        return ""
 
     def refresh_status(self) -> None:
         """Figures in the status bar; what is running (and how to stop it) in the hint line."""
-        if self.reply is not None:
-            state = "● cancelling…" if self.reply.cancel_requested else "● generating… Esc cancels the reply"
-        else:
-            state = f"● {self.busy}" if self.busy else ""
+        state = self._state()
         stats = self.engine.stats if self.engine is not None else None
         device = self.engine.device if self.engine is not None else ""
         for bar in self.query(StatusBar):  # none while the app is shutting down
             bar.show(self.model_label, device, stats, self.history_error)
         for hint in self.query("#hint").results(Label):
-            hint.update(state or INPUT_HINT)
+            hint.update(Content(state or INPUT_HINT))
             hint.set_class(bool(state), "busy")
 
     def notify(self, message: str, *, markup: bool = False, title: str = "", **kwargs) -> None:
@@ -538,15 +366,28 @@ class ChatApp(CommandsMixin, App[int]):
         self.notices.append(message)
         super().notify(message, markup=markup, title=title, **kwargs)
 
+    async def _mount_message(self, widget) -> None:
+        """Add to the conversation, before the queued messages (they stay last until sent)."""
+        conversation = self.query_one("#conversation")
+        first_queued = next((q.view for q in self.queue if q.view is not None and q.view.parent is conversation),
+                            None)
+        await conversation.mount(widget, before=first_queued)
+
     async def add_note(self, markdown: str, role: str = "note") -> None:
-        await self.query_one("#conversation").mount(MessageView(role, markdown))
+        await self._mount_message(MessageView(role, markdown))
+
+    async def add_event(self, text: str) -> None:
+        """A one-line system line in the conversation: what a command did (plain text, never markup)."""
+        self.event_lines.append(text)
+        await self._mount_message(Static(Content("· " + for_line(text)), classes="event"))
 
 
 def run_chat(load: LoadFn, *, model_label: str, settings: GenerationSettings, sparsity: float | None,
-             system: str | None, continue_last: bool, db_path: Path | None = None) -> int:
-    """Run `localmoe chat`: load the engine behind the loading view, then chat. Returns the exit code."""
+             system: str | None, continue_last: bool, db_path: Path | None = None, think: bool | None = None) -> int:
+    """Run `localmoe chat`: load the engine behind the loading view, then chat. `load(progress)` gives the engine
+    named at start; `load(progress, model=NAME)` another (`/model NAME`). Returns the exit code."""
     app = ChatApp(load=load, model_label=model_label, settings=settings, sparsity=sparsity,
-                  system=system, continue_last=continue_last, db_path=db_path, handle_signals=True)
+                  system=system, continue_last=continue_last, db_path=db_path, handle_signals=True, think=think)
     try:
         app.run()
     except Exception as exc:  # a UI failure must still end with a message, not a traceback

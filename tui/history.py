@@ -2,7 +2,8 @@
 
 Owns the database file (`$XDG_DATA_HOME/localmoe/chats.sqlite3`), its schema and the
 migrations between schema versions (tracked in `PRAGMA user_version`), and the Markdown
-export of a session. Every write is committed at once, so a killed process keeps all
+export of a session (a reply's reasoning marked apart from its answer). Sessions can be renamed and
+deleted. Every write is committed at once, so a killed process keeps all
 that was written. A reply is stored while it streams (status 'streaming', its text updated
 as it grows); a row still 'streaming' when read back by a later process was cut off by a
 crash or kill and is shown as interrupted. Every database failure is raised as
@@ -43,6 +44,9 @@ MIGRATIONS: list[list[str]] = [
     [  # v2: per-session system prompt, per-message outcome (ok / cancelled / error)
         "ALTER TABLE sessions ADD COLUMN system TEXT",
         "ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'ok'",
+    ],
+    [  # v3: a reply's reasoning (a thinking model's <think> block), kept apart from its answer; NULL when none
+        "ALTER TABLE messages ADD COLUMN reasoning TEXT",
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -105,16 +109,28 @@ def with_marker(content: str, status: str) -> str:
     return f"{close_fence(content)}\n\n{marker}" if content.strip() else marker
 
 
+def reasoning_block(reasoning: str) -> list[str]:
+    """A reply's reasoning as exported: a collapsed HTML <details> block (GitHub and most Markdown viewers fold it;
+    as plain text it still reads apart from the answer), its own code blocks closed."""
+    text = close_fence(for_terminal(reasoning).strip()).replace("</details>", "&lt;/details&gt;")
+    return ["<details><summary>Reasoning</summary>", "", text, "", "</details>", ""]
+
+
 def render_markdown(title: str, model: str, updated_at: float, system: str | None,
-                    messages: Iterable[tuple[str, str, str]]) -> str:
-    """A conversation as Markdown, every text made safe for a terminal: (role, content, status) per message."""
+                    messages: Iterable[tuple]) -> str:
+    """A conversation as Markdown, every text made safe for a terminal: (role, content, status[, reasoning]) per
+    message; a reply's reasoning goes before its answer, marked apart (reasoning_block)."""
     stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(updated_at))
     model = for_line(model).replace("`", "'")
     out = [f"# {for_line(title) or 'Chat'}", "", f"*localmoe chat with `{model}`, {stamp}*", ""]
     if system:
         out += ["## System", "", close_fence(for_terminal(system)), ""]
-    for role, content, status in messages:
-        out += [f"## {for_line(role).capitalize()}", "", close_fence(with_marker(for_terminal(content), status))]
+    for role, content, status, *rest in messages:
+        reasoning = rest[0] if rest else None
+        out += [f"## {for_line(role).capitalize()}", ""]
+        if reasoning and reasoning.strip():
+            out += reasoning_block(reasoning)
+        out.append(close_fence(with_marker(for_terminal(content), status)))
         out.append("")
     return "\n".join(out)
 
@@ -136,9 +152,13 @@ class StoredMessage:
     role: str
     content: str
     status: str = "ok"
+    reasoning: str | None = None  # a thinking model's reasoning before this reply's answer
 
     def as_chat(self) -> dict:
-        return {"role": self.role, "content": self.content}
+        msg = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning  # the chat template decides where past reasoning goes
+        return msg
 
 
 @dataclass(frozen=True)
@@ -225,6 +245,36 @@ class HistoryStore:
         self._db.execute("UPDATE sessions SET system = ? WHERE id = ?", (system, session_id))
 
     @_db_call
+    def set_model(self, session_id: int, model: str) -> None:
+        """The model the session continues with (`/model` switched it)."""
+        self._db.execute("UPDATE sessions SET model = ?, updated_at = ? WHERE id = ?", (model, time.time(), session_id))
+
+    @_db_call
+    def rename_session(self, session_id: int, title: str) -> str:
+        """Give the session a title (one line, at most 60 characters; an empty title goes back to the first user
+        message's). Returns the title stored."""
+        title = title_of(title)
+        if not title:
+            first = self._db.execute("SELECT content FROM messages WHERE session_id = ? AND role = 'user' "
+                                     "ORDER BY id LIMIT 1", (session_id,)).fetchone()
+            title = title_of(first[0]) if first else ""
+        self._db.execute("UPDATE sessions SET title = ? WHERE id = ?", (title, session_id))
+        return title
+
+    @_db_call
+    def delete_session(self, session_id: int) -> bool:
+        """Delete the session and its messages (one transaction). False when there was no such session."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("DELETE FROM messages WHERE session_id = ?", (session_id,))
+            cur = self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+            self._db.execute("COMMIT")
+        except sqlite3.Error:
+            self._rollback()
+            raise
+        return cur.rowcount > 0
+
+    @_db_call
     def sessions(self, limit: int = 100) -> list[SessionInfo]:
         """Most recently used first."""
         rows = self._db.execute(
@@ -245,14 +295,16 @@ class HistoryStore:
     # messages -----------------------------------------------------------------------------
 
     @_db_call
-    def add_message(self, session_id: int, role: str, content: str, status: str = "ok") -> int:
+    def add_message(self, session_id: int, role: str, content: str, status: str = "ok",
+                    reasoning: str | None = None) -> int:
         """Append one message (committed on return); the first user message titles the session."""
         now = time.time()
         self._db.execute("BEGIN IMMEDIATE")
         try:
             cur = self._db.execute(
-                "INSERT INTO messages (session_id, role, content, status, created_at) VALUES (?, ?, ?, ?, ?)",
-                (session_id, role, content, status, now),
+                "INSERT INTO messages (session_id, role, content, status, reasoning, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (session_id, role, content, status, reasoning, now),
             )
             self._db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (now, session_id))
             if role == "user":
@@ -265,12 +317,14 @@ class HistoryStore:
         return int(cur.lastrowid)
 
     @_db_call
-    def update_message(self, message_id: int, content: str, status: str) -> None:
-        """Replace a message's text and status (the reply in flight as it grows, then its outcome)."""
+    def update_message(self, message_id: int, content: str, status: str, reasoning: str | None = None) -> None:
+        """Replace a message's text and status (the reply in flight as it grows, then its outcome), and its
+        reasoning unless `reasoning` is None."""
         now = time.time()
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute("UPDATE messages SET content = ?, status = ? WHERE id = ?", (content, status, message_id))
+            self._db.execute("UPDATE messages SET content = ?, status = ?, reasoning = COALESCE(?, reasoning) "
+                             "WHERE id = ?", (content, status, reasoning, message_id))
             self._db.execute("UPDATE sessions SET updated_at = ? WHERE id = (SELECT session_id FROM messages "
                              "WHERE id = ?)", (now, message_id))
             self._db.execute("COMMIT")
@@ -285,7 +339,8 @@ class HistoryStore:
     @_db_call
     def messages(self, session_id: int) -> list[StoredMessage]:
         rows = self._db.execute(
-            "SELECT id, role, content, status FROM messages WHERE session_id = ? ORDER BY id", (session_id,)
+            "SELECT id, role, content, status, reasoning FROM messages WHERE session_id = ? ORDER BY id",
+            (session_id,)
         ).fetchall()
         return [StoredMessage(*row) for row in rows]
 
@@ -298,4 +353,4 @@ class HistoryStore:
         if info is None:
             raise HistoryError(f"no chat session {session_id}")
         return render_markdown(info.title, info.model, info.updated_at, info.system,
-                               ((m.role, m.content, m.status) for m in self.messages(session_id)))
+                               ((m.role, m.content, m.status, m.reasoning) for m in self.messages(session_id)))

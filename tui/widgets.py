@@ -1,5 +1,7 @@
 """Widgets of `localmoe chat`: the multi-line prompt input, one view per chat message (streamed
-Markdown), the status bar, the loading and error views, and the session picker.
+Markdown, a thinking model's reasoning collapsed above the answer: reasoning_view.py), the status bar (wrapped
+onto a second line, never cut, when the terminal is narrow), the loading and error views. The session picker is
+in sessions.py.
 
 They hold no engine or database state: the app feeds them text and figures. Every text they show
 passes through `localmoe.safe_text` (no control sequence from model output, prompts, history or
@@ -15,16 +17,18 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
 from textual.message import Message
-from textual.screen import ModalScreen
-from textual.widgets import Label, Markdown, OptionList, ProgressBar, Static, TextArea
+from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
-from textual.widgets.option_list import Option
 
 from localmoe.events import EngineStats
 from localmoe.safe_text import for_line, for_terminal
-from localmoe.tui.history import STATUS_MARKERS, SessionInfo, open_fence, with_marker
+from localmoe.tui.history import STATUS_MARKERS, open_fence, with_marker
+from localmoe.tui.reasoning_view import ReasoningView
+from localmoe.tui.sessions import SessionPicker  # noqa: F401  (its home before sessions.py)
 
-INPUT_HINT = "Enter send · ctrl+j newline · Esc cancel · /help · ctrl+p palette · ctrl+q quit"
+INPUT_HINT = "Enter send · ctrl+j newline · Esc cancel · /help · ctrl+q quit"
+QUEUED_LABEL = "You · queued (Esc on an empty input takes it back)"
+MODEL_LABEL_MAX = 32  # a local checkpoint's path in the status bar: its end, with an ellipsis
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
 # Where a control sequence may start: ESC and the C1 introducers (CSI, OSC, DCS, SOS, PM, APC).
 _INTRODUCERS = re.compile("[\x1b\x9b\x9d\x90\x98\x9e\x9f]")
@@ -69,7 +73,9 @@ class ChatInput(TextArea):
 
 
 class MessageView(Vertical):
-    """One chat message: a role label and a Markdown body that can be streamed into.
+    """One chat message: a role label and a Markdown body that can be streamed into; a reply of a thinking model
+    has its reasoning above the answer (a ReasoningView, collapsed). A user message sent while the model loads or
+    replies waits with status 'queued' until it is sent (mark_sent).
 
     `content` is the exact text (what is stored and sent to the model); what is shown is that text through
     `for_terminal`. While streaming, a fragment ending in a control sequence that may continue in the next
@@ -77,18 +83,22 @@ class MessageView(Vertical):
 
     ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System", "note": "localmoe"}
 
-    def __init__(self, role: str, content: str = "", status: str = "ok", label: str | None = None) -> None:
+    def __init__(self, role: str, content: str = "", status: str = "ok", label: str | None = None,
+                 reasoning: str = "") -> None:
         super().__init__(classes=f"message {role}" + (f" {status}" if status != "ok" else ""))
         self.role = role
         self.content = content
+        self.reasoning = reasoning
         self.status = status
-        self._label = label or self.ROLE_LABELS.get(role, role)
+        self._label = label or (QUEUED_LABEL if status == "queued" else self.ROLE_LABELS.get(role, role))
         self._stream: MarkdownStream | None = None
         self._held = ""  # raw tail not shown yet: a control sequence that may go on in the next fragment
         self.shown = ""  # the Markdown source streamed so far (safe text)
 
     def compose(self) -> ComposeResult:
         yield Label(plain(self._label), classes="role")
+        if self.reasoning:
+            yield ReasoningView(self.reasoning)
         shown = for_terminal(self.content)
         if self.role == "user":  # a typed newline is a line break, not a Markdown soft break
             shown = shown.replace("\n", "  \n")
@@ -97,7 +107,28 @@ class MessageView(Vertical):
 
     @property
     def markdown(self) -> Markdown:
-        return self.query_one(Markdown)
+        return self.query_one("MessageView > Markdown", Markdown)
+
+    @property
+    def reasoning_view(self) -> ReasoningView | None:
+        found = self.query(ReasoningView)
+        return found.first() if found else None
+
+    def mark_sent(self) -> None:
+        """A queued message is being sent now."""
+        self.remove_class("queued")
+        self.status = "ok"
+        self._label = self.ROLE_LABELS["user"]
+        self.query_one(".role", Label).update(plain(self._label))
+
+    async def write_reasoning(self, text: str) -> None:
+        """Append a fragment of the reply's reasoning (the block is made on its first fragment)."""
+        self.reasoning += text
+        view = self.reasoning_view
+        if view is None:
+            view = ReasoningView(streaming=True)
+            await self.mount(view, before=self.markdown)
+        await view.write(text)
 
     def start_stream(self) -> None:
         self.add_class("streaming")
@@ -113,7 +144,10 @@ class MessageView(Vertical):
         return for_terminal(pending), ""
 
     async def write(self, text: str) -> None:
-        """Append a fragment of the reply; only the last Markdown block is re-parsed."""
+        """Append a fragment of the reply's answer; only the last Markdown block is re-parsed."""
+        view = self.reasoning_view
+        if view is not None and view.streaming:
+            await view.finish()
         self.content += text
         safe, self._held = self.split_safe(self._held + text)
         self.shown += safe
@@ -130,6 +164,8 @@ class MessageView(Vertical):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+        if self.reasoning_view is not None:
+            await self.reasoning_view.finish()
         self.remove_class("streaming", self.status)
         self.status = status
         if status != "ok":
@@ -146,31 +182,81 @@ class MessageView(Vertical):
             await self.markdown.append(tail)
 
 
-def format_status(model: str, device: str, stats: EngineStats | None) -> str:
-    """One line of figures for the status bar (model and device names made safe)."""
-    parts = [for_line(model), for_line(device)]
+def short_model(model: str) -> str:
+    """A model label for the status bar: a long path keeps its end."""
+    model = for_line(model)
+    return model if len(model) <= MODEL_LABEL_MAX else "…" + model[-(MODEL_LABEL_MAX - 1):]
+
+
+def status_parts(model: str, device: str, stats: EngineStats | None) -> list[str]:
+    """The status bar's figures, most important first (model and device names made safe). Figures of a reply
+    appear once there has been one."""
+    parts = [short_model(model), for_line(device)]
     if stats is not None:
-        parts.append(f"{stats.decode_tok_s:.1f} tok/s")
-        cached = f" ({stats.reused_prompt_tokens} cached)" if stats.reused_prompt_tokens else ""
-        parts.append(f"{stats.prompt_tokens} in{cached} / {stats.generated_tokens} out")
-        parts.append(f"sparsity {stats.sparsity_realized:.0%}/{stats.sparsity_target:.0%}")
-        parts.append(f"GPU {stats.peak_gpu_mem_gb:.1f}G")
+        if stats.decode_tok_s:
+            parts.append(f"{stats.decode_tok_s:.1f} tok/s")
+        if stats.prompt_tokens or stats.generated_tokens:
+            cached = f" ({stats.reused_prompt_tokens} cached)" if stats.reused_prompt_tokens else ""
+            parts.append(f"{stats.prompt_tokens} in{cached} / {stats.generated_tokens} out")
+            parts.append(f"sparsity {stats.sparsity_realized:.0%}/{stats.sparsity_target:.0%}")
+        else:
+            parts.append(f"sparsity {stats.sparsity_target:.0%}")
+        if stats.peak_gpu_mem_gb:
+            parts.append(f"GPU {stats.peak_gpu_mem_gb:.1f}G")
         if stats.cache_hit_rate is not None:
             parts.append(f"cache {stats.cache_hit_rate:.0%}")
         if stats.h2d_bytes_per_token is not None:
             parts.append(f"host→GPU {stats.h2d_bytes_per_token / 1e6:.0f} MB/tok")
-    return " · ".join(p for p in parts if p)
+    return [p for p in parts if p]
+
+
+def format_status(model: str, device: str, stats: EngineStats | None) -> str:
+    """The status bar's figures on one line."""
+    return " · ".join(status_parts(model, device, stats))
+
+
+def wrap_parts(parts: list[str], width: int, max_lines: int = 2, sep: str = " · ") -> list[str]:
+    """`parts` joined with `sep` into lines of at most `width` cells, breaking only between parts; what does not
+    fit in `max_lines` is left out from the end (the least important figures), a part longer than a line cut."""
+    lines: list[str] = []
+    for part in parts:
+        part = part if len(part) <= width else part[:max(1, width - 1)] + "…"
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        elif len(lines) < max_lines:
+            lines.append(part)
+        else:
+            break
+    return lines
 
 
 class StatusBar(Static):
-    """The live status line under the conversation; a warning (e.g. history not saved) leads it."""
+    """The live status under the conversation; a warning (e.g. history not saved) leads it. When the figures do
+    not fit the width, they go on a second line (breaking between figures); past two lines the last are left
+    out."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.parts: list[str] = []
 
     def show(self, model: str, device: str, stats: EngineStats | None, warning: str = "") -> None:
-        line = format_status(model, device, stats)
+        parts = status_parts(model, device, stats)
         if warning:
-            line = f"⚠ {for_line(warning)} · {line}"
+            parts.insert(0, f"⚠ {for_line(warning)}")
         self.set_class(bool(warning), "warning")
-        self.update(Content(line))
+        self.parts = parts
+        self._lay_out()
+
+    @property
+    def line(self) -> str:
+        return " · ".join(self.parts)
+
+    def _lay_out(self) -> None:
+        width = self.content_size.width or (self.app.size.width - 2 if self.is_attached else 0) or 78
+        self.update(Content("\n".join(wrap_parts(self.parts, max(10, width)))))
+
+    def on_resize(self) -> None:
+        self._lay_out()
 
 
 class LoadingView(Vertical):
@@ -181,14 +267,31 @@ class LoadingView(Vertical):
     def __init__(self, model_label: str, **kwargs) -> None:
         super().__init__(**kwargs)
         self.model_label = model_label
+        self.heading = f"Starting {model_label}"
         self.stage = ""
         self._finished: list[str] = []
 
     def compose(self) -> ComposeResult:
-        yield Label(plain(f"Starting {self.model_label}"), classes="title")
+        yield Label(plain(self.heading), classes="title")
         yield Static("", id="done-stages")
         yield Label("Preparing…", id="stage")
         yield ProgressBar(total=None, show_eta=False, id="progress")
+        yield Static("", id="queued")
+
+    def reset(self, title: str) -> None:
+        """Show a new load from its start (e.g. `/model` switching models)."""
+        self.heading, self.stage, self._finished = title, "", []
+        self.query_one(".title", Label).update(plain(title))
+        self.query_one("#done-stages", Static).update("")
+        self.query_one("#stage", Label).update("Preparing…")
+        self.query_one("#progress", ProgressBar).update(total=None, progress=0)
+
+    def show_queued(self, texts: list[str]) -> None:
+        """The messages typed meanwhile, sent once the model is ready."""
+        lines = [f"Queued: {for_line(t)}" for t in texts]
+        if lines:
+            lines.append("(sent when the model is ready; Esc on an empty input takes the last back)")
+        self.query_one("#queued", Static).update(Content("\n".join(lines)))
 
     def update_progress(self, stage: str, done: int, total: int | None) -> None:
         if stage != self.stage:
@@ -224,42 +327,18 @@ def describe_error(exc: BaseException) -> tuple[str, str]:
     return text, hint
 
 
-class ErrorView(Vertical, can_focus=True):
-    """A failure the user must act on: the error text and what to do about it."""
+class ErrorView(Vertical):
+    """A failure the user must act on: the error text and what to do about it. Its keys are the app's (the input
+    stays live below it, so letters typed here go there: no single letter quits)."""
 
-    BINDINGS = [("r", "app.retry_load", "Retry"), ("q", "app.quit", "Quit")]
+    KEYS = "ctrl+r retry · /model NAME loads another model · ctrl+q quit"
 
     def compose(self) -> ComposeResult:
         yield Label("localmoe could not start the chat", classes="title")
         yield Static("", id="error-text")
         yield Static("", id="error-hint")
-        yield Label("r retry · q quit", classes="keys")
+        yield Label(self.KEYS, classes="keys")
 
     def show(self, text: str, hint: str) -> None:
         self.query_one("#error-text", Static).update(Content(for_terminal(text)))
         self.query_one("#error-hint", Static).update(Content(for_terminal(hint)))
-
-
-class SessionPicker(ModalScreen[int | None]):
-    """Pick a saved conversation to resume (Enter), or Esc to go back."""
-
-    BINDINGS = [("escape", "dismiss_none", "Back")]
-
-    def __init__(self, sessions: list[SessionInfo]) -> None:
-        super().__init__()
-        self.sessions = sessions
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="picker"):
-            yield Label("Saved conversations — Enter resumes, Esc goes back", classes="title")
-            options = [
-                Option(plain(f"#{s.id}  {s.title or '(empty)'}  · {s.message_count} msgs · {s.model}"), id=str(s.id))
-                for s in self.sessions
-            ]
-            yield OptionList(*options) if options else Label("No saved conversations yet.")
-
-    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(int(event.option.id or 0))
-
-    def action_dismiss_none(self) -> None:
-        self.dismiss(None)
