@@ -19,6 +19,8 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from textual.app import App, ComposeResult
+from textual.widgets import Markdown
 
 from conftest import repo_id
 from localmoe.engine import Engine
@@ -27,7 +29,7 @@ from localmoe.tui.app import ChatApp
 from localmoe.tui.history import HistoryStore
 from localmoe.tui.reasoning_view import ReasoningHeader, ReasoningView
 from localmoe.tui.sessions import SessionPicker
-from localmoe.tui.stats_view import seconds
+from localmoe.tui.stats_view import measured, seconds
 from localmoe.tui.widgets import INPUT_HINT, ChatInput, LoadingView, MessageView, StatusBar, wrap_parts
 from test_tui import replies, sync, type_and_send, wait_for
 
@@ -199,8 +201,9 @@ async def test_stats_are_written_for_people(engine, tmp_path):
     for name in ("load_s", "ttft_s", "wall_s"):  # the engine's figures when it has them, else "—"
         value = getattr(stats, name, None)
         label = {"load_s": "Load time", "ttft_s": "Time to first token", "wall_s": "Reply time"}[name]
-        assert rows[label] == f"**{seconds(value)}**"
+        assert rows[label] == f"**{measured(value)}**"
     assert [seconds(v) for v in (None, 0.38, 2.44, 31.2, 72)] == ["—", "380 ms", "2.4 s", "31 s", "1 min 12 s"]
+    assert measured(0.0) == measured(None) == "—"  # not measured
 
 
 # 3. commands confirm in the conversation -------------------------------------------------------------------------
@@ -448,3 +451,42 @@ async def test_resumed_reasoning_is_collapsed_expandable_sent_back_and_exported_
     exported = (tmp_path / "chat.md").read_text()
     assert ("## Assistant\n\n<details><summary>Reasoning</summary>\n\nThe user greets me.\n\nI should answer "
             "**briefly**:\n\n```\nhi\n```\n\n</details>\n\nHello! How can I help?") in exported
+
+
+class _OneReply(App):
+    def compose(self) -> ComposeResult:
+        yield MessageView("assistant")
+
+
+@sync
+async def test_streaming_reasoning_shows_a_live_thinking_line_then_collapses():
+    """The view a reply streams into: reasoning fragments make a collapsed block whose header counts the words as
+    they come ("thinking… N words") above one live line with the newest text; the first answer fragment ends it
+    ("Reasoning · N words", live line gone) and the answer is the reply's Markdown. Control sequences and markup
+    in the reasoning are shown as text, never run."""
+    app = _OneReply()
+    async with app.run_test(size=SMALL) as pilot:
+        view = app.query_one(MessageView)
+        view.start_stream()
+        for fragment in ["Let me ", "think [b]hard[/b]\x1b]0;x\x07.\n", "Second line ", "of thought"]:
+            await view.write_reasoning(fragment)
+        await pilot.pause()
+        block = view.query_one(ReasoningView)
+        header, live = block.query_one(ReasoningHeader), block.query_one("#live")
+        assert block.streaming and block.collapsed and live.display
+        assert str(header.render()) == "▶ thinking… 8 words"
+        assert str(live.render()) == "Second line of thought"
+        assert "thinking" in screen_text(app) and "Second line of thought" in screen_text(app)
+        await pilot.click(ReasoningHeader)  # expanded while it streams: the body follows it
+        await view.write_reasoning(" still")
+        assert "think [b]hard[/b]." in block.query_one(Markdown).source and "still" in block.query_one(Markdown).source
+        await pilot.click(ReasoningHeader)
+        await view.write("The answer")
+        await view.write(" is 4.")
+        await view.finish("ok")
+        await pilot.pause()
+        assert not block.streaming and not live.display and block.collapsed
+        assert str(header.render()) == "▶ Reasoning · 9 words"
+        assert view.markdown.source == "The answer is 4." and view.content == "The answer is 4."
+        assert view.reasoning == "Let me think [b]hard[/b]\x1b]0;x\x07.\nSecond line of thought still"  # exact text
+        assert "\x1b" not in screen_text(app)

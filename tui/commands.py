@@ -76,7 +76,7 @@ KEYS_HELP = [
     ("ctrl+j / shift+enter", "new line"),
     ("Esc", "take the last queued message back (input empty), else cancel the reply"),
     ("ctrl+c", "cancel the reply (copies a selection in the input)"),
-    ("Tab on a reasoning block, Enter", "expand or collapse it (or click it)"),
+    ("click “▶ Reasoning” (or Tab to it, Enter)", "show or hide a reply's reasoning"),
     ("ctrl+p", "command palette"),
     ("ctrl+q", "quit (the only key that quits)"),
 ]

@@ -1,7 +1,7 @@
 """`/stats` of `localmoe chat`: the engine's figures and the chat's settings, written for people.
 
 No raw keys and no `None`: each figure has a label and a unit, and a figure the engine does not report (an
-older engine, or nothing measured yet) reads "—". The engine's timings `load_s`, `ttft_s` and `wall_s` are read
+older engine, or nothing measured yet: 0) reads "—". The engine's timings `load_s`, `ttft_s` and `wall_s` are read
 with getattr, so engines without them still work.
 """
 
@@ -29,6 +29,11 @@ def seconds(value: object) -> str:
         return f"{value:.0f} s"
     minutes, rest = divmod(round(value), 60)
     return f"{minutes} min {rest} s"
+
+
+def measured(value: object) -> str:
+    """A timing the engine reports: "—" when it does not, or has not measured it (0)."""
+    return seconds(value) if isinstance(value, (int, float)) and value > 0 else DASH
 
 
 def sampling_line(settings: GenerationSettings) -> str:
@@ -66,14 +71,14 @@ def stats_rows(engine: object, settings: GenerationSettings, *, model: str, thin
     if getattr(engine, "experts_format", "full") == "int4":
         where += ", 4-bit experts"
     rows = [("Model", f"{for_line(model)}{where}"),
-            ("Load time", seconds(getattr(stats, "load_s", None)))]
+            ("Load time", measured(getattr(stats, "load_s", None)))]
     if stats.generated_tokens or stats.prompt_tokens:
         reused = getattr(stats, "reused_prompt_tokens", 0)
         prompt = f"{stats.prompt_tokens} tokens" + (f" ({reused} already in the cache)" if reused else "")
         rows += [
             ("Last reply", f"{stats.generated_tokens} tokens, {FINISH.get(stats.finish_reason, stats.finish_reason)}"),
-            ("Time to first token", seconds(getattr(stats, "ttft_s", None))),
-            ("Reply time", seconds(getattr(stats, "wall_s", None))),
+            ("Time to first token", measured(getattr(stats, "ttft_s", None))),
+            ("Reply time", measured(getattr(stats, "wall_s", None))),
             ("Prompt", prompt),
             ("Speed", f"prefill {stats.prefill_tok_s:.0f} tok/s · decode {stats.decode_tok_s:.1f} tok/s"),
             ("Sparsity", f"{stats.sparsity_realized:.0%} of neurons skipped (target {stats.sparsity_target:.0%})"
