@@ -168,6 +168,9 @@ async def test_only_ctrl_q_quits(engine, tmp_path):
         await pilot.press("q", "Q", "escape", "ctrl+c")
         assert app.is_running and app.query_one(ChatInput).text == "qQ"
         assert app.notices == ["Press ctrl+q to quit."]  # plain text: Textual's own hint carries [b] markup
+        app.query_one(ChatInput).select_all()
+        await pilot.press("ctrl+c")  # with a selection in the input: copy, as in any editor
+        assert app.clipboard == "qQ" and len(app.notices) == 1
         await pilot.press("ctrl+q")
     assert app.return_code == 0
 
@@ -490,3 +493,112 @@ async def test_streaming_reasoning_shows_a_live_thinking_line_then_collapses():
         assert view.markdown.source == "The answer is 4." and view.content == "The answer is 4."
         assert view.reasoning == "Let me think [b]hard[/b]\x1b]0;x\x07.\nSecond line of thought still"  # exact text
         assert "\x1b" not in screen_text(app)
+
+
+# A thinking model on the real engine: the tiny Qwen3-MoE with a Qwen3-style template whose `enable_thinking`
+# switch opens a reasoning block in the generation prompt (on, the default) or closes an empty one (off). The
+# random model never closes the block itself, so with thinking on its whole reply is reasoning, and off all answer.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and m.reasoning_content is defined and m.reasoning_content %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def think_engine(src_dir, tmp_path_factory) -> Engine:
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("think") / "tiny-think"
+    shutil.copytree(src_dir / "qwen3_moe", folder)
+    (folder / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = Engine.load(str(folder), device="cpu", sparsity=0.0)
+    if not getattr(engine, "supports_thinking", False):
+        pytest.skip("this engine has no thinking switch yet (Engine.supports_thinking)")
+    return engine
+
+
+def direct(engine: Engine, messages: list[dict], settings: GenerationSettings, think: bool | None):
+    """(reasoning, answer) the engine streams for `messages`, outside the app."""
+    from localmoe.tui import prompts
+
+    parts = {"reasoning": "", "answer": ""}
+    for ev in prompts.chat(engine, messages, settings, think):
+        parts[getattr(ev, "channel", "answer")] += ev.text
+    return parts["reasoning"], parts["answer"]
+
+
+@sync
+async def test_thinking_model_reasoning_streams_apart_and_think_switches_it(think_engine, tmp_path):
+    engine = think_engine
+    app = ChatApp(engine=engine, settings=LONG, db_path=db(tmp_path))
+    async with app.run_test(size=SMALL) as pilot:
+        await pilot.pause()
+        assert "It can think before it answers (thinking by default; `/think on|off`)" in \
+            app.query(MessageView).first().markdown.source
+        await type_and_send(pilot, "hello")
+        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.view.reasoning) > 3, 60)
+        assert "thinking…" in hint(app) and app.reply.view.content == ""
+        block = app.reply.view.query_one(ReasoningView)
+        assert block.streaming and block.collapsed and "thinking…" in str(block.query_one(ReasoningHeader).render())
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.reply is None)
+        cancelled = app.turns[-1]
+        assert cancelled.status == "cancelled" and cancelled.reasoning and not block.streaming
+        await type_and_send(pilot, "/new")
+        app.settings = SHORT
+        await type_and_send(pilot, "hello")
+        await wait_for(pilot, lambda: app.reply is None and len(app.turns) == 2, 60)
+        thought = app.turns[-1]
+        assert thought.status == "ok" and thought.reasoning and thought.content == ""
+        header = str(thought.view.query_one(ReasoningHeader).render())
+        assert header.startswith("▶ Reasoning · ")
+        assert app.context() == [{"role": "user", "content": "hello"}]  # a reply with no answer is not sent back
+        await type_and_send(pilot, "/think")
+        assert app.event_lines[-1] == "Thinking: the model's default. /think on|off changes it."
+        await type_and_send(pilot, "/think off")
+        assert app.think is False and app.event_lines[-1].startswith("Thinking off")
+        await type_and_send(pilot, "hello again")
+        await wait_for(pilot, lambda: app.reply is None and len(app.turns) == 4, 60)
+        plain_reply = app.turns[-1]
+        assert plain_reply.content and not plain_reply.reasoning and not plain_reply.view.query(ReasoningView)
+        await type_and_send(pilot, "/help")
+        assert "`/think [on|off]`" in app.query(MessageView).last().markdown.source
+        await type_and_send(pilot, "/stats")
+        assert "- Thinking: **off**" in app.query(MessageView).last().markdown.source
+        await type_and_send(pilot, f"/export {tmp_path / 'think.md'}")
+        session = app.session_id
+    # what the app showed is what the engine streams on each channel for the same prompts
+    assert direct(engine, [{"role": "user", "content": "hello"}], SHORT, None) == (thought.reasoning, "")
+    second = [{"role": "user", "content": "hello"}, {"role": "user", "content": "hello again"}]
+    assert direct(engine, second, SHORT, False) == ("", plain_reply.content)  # thinking off: all answer
+    store = HistoryStore(db(tmp_path))
+    rows = [(m.role, m.reasoning) for m in store.messages(session)]
+    store.close()
+    assert rows[1] == ("assistant", thought.reasoning) and rows[3] == ("assistant", None)
+    exported = (tmp_path / "think.md").read_text()
+    assert "<details><summary>Reasoning</summary>" in exported and exported.count("<details>") == 1
+
+
+@sync
+async def test_past_reasoning_reaches_the_template_as_reasoning_content(think_engine, tmp_path):
+    seed_reasoning(db(tmp_path))
+    app = ChatApp(engine=think_engine, settings=SHORT, db_path=db(tmp_path), continue_last=True)
+    async with app.run_test(size=SMALL) as pilot:
+        await pilot.pause()
+        sent = [*app.context(), {"role": "user", "content": "and then?"}]
+        await type_and_send(pilot, "and then?")
+        await wait_for(pilot, lambda: app.reply is None and len(app.turns) == 4, 60)
+        assert app.turns[-1].status == "ok"
+    assert sent[1] == {"role": "assistant", "content": "Hello! How can I help?", "reasoning_content": REASONING}
+    prompt = think_engine.tokenizer.decode(think_engine.encode_chat(sent))
+    at = [prompt.index(part) for part in ("<think>", "The user greets me.", "I should answer **briefly**:", "</think>",
+                                          "Hello! How can I help?", "and then?")]
+    assert at == sorted(at)  # the template put the past reasoning in its block, before that reply's answer
