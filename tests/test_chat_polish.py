@@ -35,7 +35,7 @@ from test_tui import replies, sync, type_and_send, wait_for
 
 SMALL = (80, 24)
 SHORT = GenerationSettings(max_new_tokens=8)
-LONG = GenerationSettings(max_new_tokens=400)  # ~8 s on a loaded CPU: long enough to act while it streams
+LONG = GenerationSettings(max_new_tokens=3000)  # with long_engine: 9 s or more on a CPU, time to act while it streams
 QWEN = repo_id("qwen3_moe")
 OLMOE = repo_id("olmoe")
 
@@ -43,6 +43,24 @@ OLMOE = repo_id("olmoe")
 @pytest.fixture(scope="module")
 def engine(hub_cache) -> Engine:
     return Engine.load(QWEN, device="cpu", sparsity=0.0)
+
+
+def long_copy(src: Path, folder: Path) -> Path:
+    """The checkpoint at `src` with 4096 positions (same weights): replies long enough to act on while they stream."""
+    import json
+    import shutil
+
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def long_engine(src_dir, tmp_path_factory) -> Engine:
+    folder = long_copy(src_dir / "qwen3_moe", tmp_path_factory.mktemp("long") / "tiny-long")
+    return Engine.load(str(folder), device="cpu", sparsity=0.0)
 
 
 class Loader:
@@ -121,8 +139,8 @@ async def test_typing_during_the_load_is_kept_and_queued_until_ready(tmp_path):
 
 
 @sync
-async def test_enter_during_a_reply_queues_esc_takes_back_ctrl_c_cancels(engine, tmp_path):
-    app = ChatApp(engine=engine, settings=LONG, db_path=db(tmp_path))
+async def test_enter_during_a_reply_queues_esc_takes_back_ctrl_c_cancels(long_engine, tmp_path):
+    app = ChatApp(engine=long_engine, settings=LONG, db_path=db(tmp_path))
     async with app.run_test(size=SMALL) as pilot:
         await type_and_send(pilot, "hello")
         await streaming(pilot, app)
@@ -369,8 +387,8 @@ def test_status_figures_wrap_between_figures_never_cut():
 
 
 @sync
-async def test_layout_at_80x24_is_not_cut(engine, tmp_path):
-    app = ChatApp(engine=engine, settings=LONG, db_path=db(tmp_path))
+async def test_layout_at_80x24_is_not_cut(long_engine, tmp_path):
+    app = ChatApp(engine=long_engine, settings=LONG, db_path=db(tmp_path))
     async with app.run_test(size=SMALL) as pilot:
         await pilot.pause()
         rows = screen_text(app).splitlines()
@@ -511,10 +529,8 @@ THINK_TEMPLATE = (
 @pytest.fixture(scope="module")
 def think_engine(src_dir, tmp_path_factory) -> Engine:
     import json
-    import shutil
 
-    folder = tmp_path_factory.mktemp("think") / "tiny-think"
-    shutil.copytree(src_dir / "qwen3_moe", folder)
+    folder = long_copy(src_dir / "qwen3_moe", tmp_path_factory.mktemp("think") / "tiny-think")
     (folder / "chat_template.jinja").write_text(THINK_TEMPLATE)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
@@ -602,3 +618,40 @@ async def test_past_reasoning_reaches_the_template_as_reasoning_content(think_en
     at = [prompt.index(part) for part in ("<think>", "The user greets me.", "I should answer **briefly**:", "</think>",
                                           "Hello! How can I help?", "and then?")]
     assert at == sorted(at)  # the template put the past reasoning in its block, before that reply's answer
+
+
+@sync
+async def test_scripted_thinking_model_reasoning_and_answer_in_one_reply(hub_cache, tmp_path):
+    """tiny_models' tiny-think (a reply scripted through its weights: "<think>Why?</think>\\n\\nOK" with thinking on,
+    "OK" with it off), loaded through the loader callback: the reasoning and the answer of one reply go apart, in
+    the view, the history, the next prompt and the export."""
+    import tiny_models
+
+    repo = getattr(tiny_models, "THINK_REPO", None)
+    if repo is None:
+        pytest.skip("tests/tiny_models.py has no thinking checkpoint yet")
+    app = ChatApp(load=lambda progress, model=None: Engine.load(model or repo, device="cpu", progress=progress),
+                  model_label="tiny-think", settings=GenerationSettings(max_new_tokens=16), db_path=db(tmp_path))
+    async with app.run_test(size=SMALL) as pilot:
+        await ready(pilot, app)
+        await type_and_send(pilot, "hi")
+        await wait_for(pilot, lambda: app.reply is None and len(app.turns) == 2, 60)
+        reply = app.turns[-1]
+        assert (reply.status, reply.reasoning, reply.content) == ("ok", tiny_models.THINK_REASONING,
+                                                                  tiny_models.THINK_ANSWER)
+        assert reply.view.markdown.source == "OK"
+        assert str(reply.view.query_one(ReasoningHeader).render()) == "▶ Reasoning · 1 word"
+        assert app.context()[-1] == {"role": "assistant", "content": "OK", "reasoning_content": "Why?"}
+        await type_and_send(pilot, "/think off")
+        await type_and_send(pilot, "again")
+        await wait_for(pilot, lambda: app.reply is None and len(app.turns) == 4, 60)
+        assert (app.turns[-1].reasoning, app.turns[-1].content) == ("", "OK")
+        assert not app.turns[-1].view.query(ReasoningView)
+        await type_and_send(pilot, f"/export {tmp_path / 'think.md'}")
+        session = app.session_id
+    store = HistoryStore(db(tmp_path))
+    assert [(m.content, m.reasoning) for m in store.messages(session)] == [
+        ("hi", None), ("OK", "Why?"), ("again", None), ("OK", None)]
+    store.close()
+    exported = (tmp_path / "think.md").read_text()
+    assert "## Assistant\n\n<details><summary>Reasoning</summary>\n\nWhy?\n\n</details>\n\nOK\n" in exported

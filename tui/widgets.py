@@ -198,6 +198,9 @@ def status_parts(model: str, device: str, stats: EngineStats | None) -> list[str
         if stats.prompt_tokens or stats.generated_tokens:
             cached = f" ({stats.reused_prompt_tokens} cached)" if stats.reused_prompt_tokens else ""
             parts.append(f"{stats.prompt_tokens} in{cached} / {stats.generated_tokens} out")
+        if not stats.sparsity_target:
+            parts.append("dense")
+        elif stats.generated_tokens:
             parts.append(f"sparsity {stats.sparsity_realized:.0%}/{stats.sparsity_target:.0%}")
         else:
             parts.append(f"sparsity {stats.sparsity_target:.0%}")
