@@ -160,9 +160,9 @@ async def test_enter_during_a_reply_queues_esc_takes_back_ctrl_c_cancels(long_en
         assert [q.text for q in app.queue] == ["next one"]
         first = app.reply
         await pilot.press("ctrl+c")  # cancels the reply; the queued message is sent next
-        await wait_for(pilot, lambda: first.turn.status == "cancelled" and app.reply is not None
-                       and app.turns[-2].content == "next one", 60)
-        sent = app.turns[-2].view
+        await wait_for(pilot, lambda: first.turn.status == "cancelled" and len(app.turns) == 4, 60)
+        assert app.turns[2].content == "next one"  # sent as soon as the reply before it ended
+        sent = app.turns[2].view
         assert sent.status == "ok" and str(sent.query_one(".role").render()) == "You"
         await type_and_send(pilot, "/cancel")
         await wait_for(pilot, lambda: app.reply is None)
@@ -279,6 +279,7 @@ async def test_model_switch_keeps_the_conversation_and_frees_the_old_engine(tmp_
         await type_and_send(pilot, "hello experts")
         await wait_for(pilot, lambda: app.reply is None and replies(app), 60)
         old = weakref.ref(app.engine)
+        await type_and_send(pilot, "/topk 5")  # a setting changed in the chat stays with the next model
         loader.gate = threading.Event()
         await type_and_send(pilot, f"/model {OLMOE}")
         await wait_for(pilot, lambda: app.query_one("#main").current == "loading")
@@ -290,6 +291,7 @@ async def test_model_switch_keeps_the_conversation_and_frees_the_old_engine(tmp_
         gc.collect()
         assert old() is None  # the first engine was let go before the second loaded
         assert OLMOE in app.engine.model_name and loader.calls == [None, OLMOE]
+        assert (app.settings.top_k, app.settings.max_new_tokens) == (5, 8)
         assert any(line.startswith(f"Now chatting with {OLMOE} on cpu. The conversation (2 messages) stays")
                    for line in app.event_lines)
         stats = app.engine.stats  # the new model read the whole conversation: nothing of it was cached
@@ -634,6 +636,11 @@ async def test_scripted_thinking_model_reasoning_and_answer_in_one_reply(hub_cac
                   model_label="tiny-think", settings=GenerationSettings(max_new_tokens=16), db_path=db(tmp_path))
     async with app.run_test(size=SMALL) as pilot:
         await ready(pilot, app)
+        if hasattr(app.engine, "default_settings"):  # the checkpoint's sampling (Qwen3's), under what was given
+            s = app.settings
+            assert (s.temperature, s.top_k, s.top_p, s.max_new_tokens) == (0.6, 20, 0.95, 16)
+        if getattr(app.engine, "plan_line", ""):  # the load's notes, the VRAM plan first, in the conversation
+            assert app.event_lines[0] == app.engine.plan_line
         await type_and_send(pilot, "hi")
         await wait_for(pilot, lambda: app.reply is None and len(app.turns) == 2, 60)
         reply = app.turns[-1]

@@ -15,6 +15,7 @@ longer than the model's context is sent without its oldest turns (prompts.fit_to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import signal
 import sys
@@ -88,6 +89,11 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
         self._load = load
         self.model_label = model_label or (engine.model_name if engine is not None else "model")
         self.settings = settings or GenerationSettings()
+        # what the caller's settings set (fields off GenerationSettings' defaults) and what slash commands set: kept
+        # over each engine's own defaults (its generation config: adopt_defaults)
+        self._given = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
+                       if getattr(self.settings, f.name) != getattr(GenerationSettings(), f.name, None)}
+        self.chat_overrides: dict = {}
         self.think = think if think is not None else getattr(self.settings, "think", None)  # None: template default
         self._initial_sparsity = sparsity
         self.system = system or None
@@ -142,6 +148,7 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
         if self.query_one("#main", ContentSwitcher).current == "loading":
             self.start_loading()
         else:
+            self.adopt_defaults()
             await self.enter_chat()
 
     def start_loading(self, model: str | None = None, old: list | None = None) -> None:
@@ -197,11 +204,33 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
             return
         self.engine, self.load_error = msg.engine, ""
         self.model_label = self.engine.model_name or self.model_label
+        self.adopt_defaults()
         if not self._entered:
             await self.enter_chat()
         else:
             await self.after_switch()
+        await self.show_load_notes()
         await self.dispatch_queue()
+
+    def adopt_defaults(self) -> None:
+        """The engine's sampling defaults (the checkpoint's generation config; the CLI's loader has put the flags
+        given over them), under what this app was given and what the slash commands set. An engine without
+        `default_settings` keeps the settings as they are."""
+        defaults = getattr(self.engine, "default_settings", None)
+        if not callable(defaults):
+            return
+        try:
+            base = defaults()
+            known = {f.name for f in dataclasses.fields(base)}
+            self.settings = dataclasses.replace(
+                base, **{k: v for k, v in {**self._given, **self.chat_overrides}.items() if k in known})
+        except Exception:  # noqa: BLE001  (an engine's defaults that do not fit: keep ours)
+            return
+
+    async def show_load_notes(self) -> None:
+        """What the engine noted while loading (the VRAM plan line first), as lines of the conversation."""
+        for note in getattr(self.engine, "notes", None) or []:
+            await self.add_event(str(note))
 
     async def enter_chat(self) -> None:
         self._entered = True

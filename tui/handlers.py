@@ -82,6 +82,7 @@ class CommandsMixin:
             return
         before, _ = self._sampling_value(cmd.name)
         self.settings = replace(self.settings, **{spec.field: spec.kind(cmd.number)})
+        self.chat_overrides[spec.field] = spec.kind(cmd.number)  # kept when /model loads another model
         value, meaning = self._sampling_value(cmd.name)
         note = f"{spec.label} {value}{meaning}, was {before}."
         if cmd.name in ("topp", "topk") and self.settings.temperature == 0 and cmd.number != spec.off:
