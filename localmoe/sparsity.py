@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts import GateRecorder
 from localmoe.loader import LoadedModel
+from localmoe.paths import cache_root, slug
 from localmoe.safe_text import for_line
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "calibration.txt"
@@ -50,19 +50,8 @@ class ThresholdTable:
     path: Path | None = None  # the cache file holding it (None: calibrated for this run only, or random ids)
 
 
-def cache_root() -> Path:
-    """`$XDG_CACHE_HOME/localmoe` (default `~/.cache/localmoe`): thresholds here, expert files (`store`) too."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "localmoe"
-
-
 def cache_dir() -> Path:
     return cache_root() / "thresholds"
-
-
-def slug(s: str) -> str:
-    """A file-name-safe form of a model name or revision."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")[:80] or "model"
 
 
 def cache_path(model_name: str, revision: str, sparsity: float, mode: str = "layer", experts: str = "full") -> Path:

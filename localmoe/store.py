@@ -25,7 +25,7 @@ import torch
 from localmoe.errors import RuntimeFailure
 from localmoe.experts import ExpertWeights
 from localmoe.safe_text import for_line
-from localmoe.sparsity import cache_root, slug as _slug
+from localmoe.paths import cache_root, slug as _slug
 
 PARTS = ("gate", "up", "down_t")
 

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import repo_id
+from localmoe import paths
 from localmoe import sparsity as sp
 from localmoe.engine import Engine
 from localmoe.errors import RuntimeFailure, UsageError
@@ -242,7 +243,7 @@ SAVE_CASES = [
 
 @pytest.mark.parametrize(("block", "reason"), [c[1:] for c in SAVE_CASES], ids=[c[0] for c in SAVE_CASES])
 def test_unwritable_cache_keeps_thresholds_for_the_run(block, reason):
-    block(sp.cache_root())
+    block(paths.cache_root())
     notes: list[str] = []
     engine = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.6, on_notice=notes.append)
     path = sp.cache_path(engine.model_name, engine.resolved.revision, 0.6)

@@ -14,7 +14,6 @@ text through `localmoe.safe_text`, so the file is safe to `cat`. Pure stdlib; no
 from __future__ import annotations
 
 import functools
-import os
 import re
 import sqlite3
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from localmoe.paths import data_root
 from localmoe.safe_text import for_line, for_terminal
 
 # MIGRATIONS[i] takes a database from schema version i to i + 1. Append, never edit.
@@ -142,8 +142,7 @@ def title_of(content: str) -> str:
 
 def default_db_path() -> Path:
     """`$XDG_DATA_HOME/localmoe/chats.sqlite3`, defaulting to `~/.local/share/localmoe/`."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "localmoe" / "chats.sqlite3"
+    return data_root() / "chats.sqlite3"
 
 
 @dataclass(frozen=True)
