@@ -38,19 +38,13 @@ from localmoe.tui.commands import ChatCommands
 from localmoe.tui.handlers import CommandsMixin
 from localmoe.tui.history import default_db_path
 from localmoe.tui.prompts import context_limit, fit_to_context  # noqa: F401  (imported from here by tests)
-from localmoe.tui.replies import ContextTrimmed, Queued, RepliesMixin, Reply, ReplyChunk, ReplyDone  # noqa: F401
+from localmoe.tui.replies import ContextTrimmed, Progress, Queued, RepliesMixin, Reply, ReplyChunk, ReplyDone  # noqa: F401
 from localmoe.tui.store_sync import SAVE_INTERVAL, StoreSyncMixin, Turn  # noqa: F401
 from localmoe.tui.widgets import INPUT_HINT, ChatInput, ErrorView, LoadingView, MessageView, StatusBar, describe_error
 
 LoadFn = Callable[..., ChatEngine]  # load(progress) -> engine; load(progress, model=NAME) for /model NAME
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # end the app normally: partial reply saved, terminal restored
 QUIT_HINT = "Press ctrl+q to quit."
-
-
-class Progress(Message):
-    def __init__(self, stage: str, done: int, total: int | None) -> None:
-        super().__init__()
-        self.stage, self.done, self.total = stage, done, total
 
 
 class Loaded(Message):

@@ -15,6 +15,7 @@ from pathlib import Path
 from localmoe.safe_text import for_line
 from localmoe.tui.commands import BY_NAME, SAMPLING, CommandSpec, ParsedCommand, help_markdown
 from localmoe.tui.history import HistoryError, render_markdown, title_of
+from localmoe.tui.replies import Progress
 from localmoe.tui.prompts import accepts, context_limit, supports_thinking
 from localmoe.tui.sessions import SessionPicker
 from localmoe.tui.stats_view import stats_markdown, stats_rows
@@ -126,8 +127,6 @@ class CommandsMixin:
         self._spawn(self._sparsity_thread, cmd.number)
 
     def _sparsity_thread(self, sparsity: float) -> None:
-        from localmoe.tui.app import Progress  # app.py imports this module
-
         def progress(stage: str, done: int, total: int | None) -> None:
             self._post(Progress(stage, done, total))
 

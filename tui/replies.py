@@ -25,6 +25,14 @@ from localmoe.tui.store_sync import SAVE_INTERVAL, Turn
 from localmoe.tui.widgets import ChatInput, LoadingView, MessageView, describe_error
 
 
+class Progress(Message):
+    """A stage of long work (the load, a recalibration) advanced: posted from worker threads."""
+
+    def __init__(self, stage: str, done: int, total: int | None) -> None:
+        super().__init__()
+        self.stage, self.done, self.total = stage, done, total
+
+
 class ReplyChunk(Message):
     def __init__(self, reply_id: int, text: str, channel: str = "answer") -> None:
         super().__init__()
