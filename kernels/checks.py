@@ -46,7 +46,7 @@ def _on_device(name: str, t: torch.Tensor, device: torch.device | None, allow_ho
 
 
 def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_host: bool = False) -> None:
-    """An int4 stack w (localmoe.quantize.Int4Tensor) must be logically [E, I, H]: packed [E, I, H/2] uint8 with
+    """An int4 stack w (localmoe.kernels.int4.Int4Tensor) must be logically [E, I, H]: packed [E, I, H/2] uint8 with
     contiguous rows, scale and minimum [E, I, NG] float with contiguous rows (any expert strides), NG = H / G for a
     power-of-two group G; on `device`, or with `allow_host` host copies as `expert_weights` allows."""
     p = w.packed

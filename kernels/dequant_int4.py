@@ -1,7 +1,7 @@
 """int4 experts back to the model's dtype on the device, for the dense (prefill, calibration) path.
 
 Owns `dequant_int4(packed, scale, minimum, dtype)` (Triton launcher), its torch reference `dequant_int4_ref`
-(= `localmoe.quantize.dequantize`, the format's definition) and the kernel `_dequant_kernel`. The dense path runs
+(the int4 format's definition; `localmoe.kernels.int4` holds the format) and the kernel `_dequant_kernel`. The dense path runs
 torch's grouped GEMMs on spans of dequantized experts (localmoe/experts.py `_grouped`); in torch the unpacking goes
 through several fp32 temporaries of the span's size, this kernel reads each byte and scale once and writes the
 output once. Grid: cdiv(R, BLOCK_R) programs over the R = n * I rows; each unpacks BLOCK_R rows of H/2 bytes into
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.quantize import dequantize as dequant_int4_ref
-
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
@@ -29,7 +27,22 @@ __all__ = ["dequant_int4", "dequant_int4_ref"]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Triton kernel (the torch reference is imported above: localmoe.quantize.dequantize)
+# torch reference
+# ----------------------------------------------------------------------------------------------------------
+def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The torch reference and the int4 format's definition: [..., H/2] uint8 + [..., NG] scales -> [..., H] in
+    `dtype` (computed in fp32, rounded once)."""
+    lo = (packed & 15).float()
+    hi = (packed >> 4).float()
+    q = torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., H]: q[2j] low nibble, q[2j+1] high
+    NG = scale.shape[-1]
+    q = q.unflatten(-1, (NG, -1))  # [..., NG, G]
+    w = q * scale.float().unsqueeze(-1) + minimum.float().unsqueeze(-1)
+    return w.flatten(-2).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
 # ----------------------------------------------------------------------------------------------------------
 if triton is not None:
 

@@ -30,7 +30,7 @@ block run a dense expert added to every token (Qwen3.5's shared expert: threshol
 from kernels/moe_front.py) beside the routed ones, and with `residual=` the tail writes y = residual + moe output:
 the shared expert's two launches and the residual add go into this one.
 
-int4 experts (optional, `QUANT`): w_gate, w_up and w_down_t given as `Int4Tensor`s (localmoe/quantize.py: packed
+int4 experts (optional, `QUANT`): w_gate, w_up and w_down_t given as `Int4Tensor`s (kernels/int4.py: packed
 [E, I, H/2] uint8, two 4-bit q per byte, and per-group bf16 scale / minimum [E, I, H/G], w = q * scale + minimum).
 The program reads its BLOCK_I packed gate rows (one full-width load) and their scales; z_n = sum_g scale[n,g]
 (sum_{j in g} q x) + minimum[n,g] (sum_{j in g} x), so the gate has no per-element scale multiply. Kept up rows the
@@ -67,7 +67,8 @@ import torch
 
 from localmoe.kernels.checks import expert_weights, int4_expert_weights, tokens_and_experts
 from localmoe.kernels.workspace import zeroed_int32
-from localmoe.quantize import Int4Tensor, dequantize
+from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
+from localmoe.kernels.int4 import Int4Tensor
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
