@@ -381,7 +381,7 @@ def test_caller_workspace_left_zeroed(T, shared):
 # ----------------------------------------------------------------------------------------------------------
 # (T, H, I, E, k, G, BLOCK_I): NG = H / G = 3 and 5 groups (not powers of two), I = 37 (a partial neuron block);
 # the last is Qwen3.5-35B-A3B's expert (E cut to 10) at its group size
-INT4_SHAPES = [(1, 96, 37, 5, 3, 32, 8), (3, 80, 37, 5, 3, 16, 16), (1, 2048, 512, 10, 8, 128, 64)]
+INT4_SHAPES = [(1, 96, 37, 5, 3, 32, 8), (1, 32, 16, 8, 2, 32, 16), (3, 80, 37, 5, 3, 16, 16), (1, 2048, 512, 10, 8, 128, 64)]
 
 
 def int4_inputs(T, H, I, E, k, G, dtype, seed):
