@@ -2,7 +2,8 @@
 decode tok/s (256 tokens) at sparsity 0 and the model's default, peak GPU memory, and the step's byte floor.
 
 `--shape ALIAS` builds random weights with the real config (localmoe/data/shapes.json) when the checkpoint is not
-on disk, so hardware can be measured without a download. Random routers spread tokens evenly over the experts, the
+on disk, so hardware can be measured without a download. `--repeat-penalty P` adds, for each sparsity, a row
+decoding with the repetition penalty P after the row without it (same engine, same captured graph). Random routers spread tokens evenly over the experts, the
 pessimistic case for the expert cache under `--vram`; `--routing skewed` gives each layer a few hot experts as trained
 MoEs have (random_weights.SKEW_ALPHA). `--baseline transformers` adds stock `generate` with the same config in the same run.
 Prints a table, or JSON with `--json`.
@@ -20,6 +21,7 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
+from localmoe.families import family_for_model_type, supported_families
 from localmoe.random_weights import param_owners, random_value
 
 SHAPES = Path(__file__).with_name("data") / "shapes.json"
@@ -38,6 +40,7 @@ class BenchRow:  # one engine configuration's figures
     graph: bool = False
     cache_hit_rate: float | None = None
     h2d_mb_per_token: float | None = None
+    repetition_penalty: float = 1.0
 
 
 def shape_config(alias: str):
@@ -48,6 +51,11 @@ def shape_config(alias: str):
         known = ", ".join(k for k in shapes if not k.startswith("_"))
         raise UsageError(f"no shape for {alias!r}; known shapes: {known}")
     entry = shapes[alias]
+    fam = family_for_model_type(entry["model_type"])
+    if fam is None or fam.unsupported:
+        raise UsageError(f"the shape {alias!r} is a {entry['model_type']!r} model: "
+                         + (fam.unsupported if fam is not None else f"not a family localmoe runs (supported: "
+                                                                    f"{supported_families()})"))
     kwargs = {k: v for k, v in entry["config"].items() if not k.startswith("_")}
     return AutoConfig.for_model(entry["model_type"], **kwargs)
 
@@ -72,31 +80,26 @@ def copy_bandwidth(device) -> float:
 
 
 def step_bytes(engine, sparsity: float) -> float:
-    """Bytes one decode step must read: every non-expert weight except the embedding table (one row), plus the
-    k routed experts' gate rows (dense) and their kept up/down rows per MoE layer."""
-    model, cfg = engine.model, engine.loaded.config
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name:
-            total += p.shape[-1] * p.element_size()
-        else:
-            total += p.numel() * p.element_size()
-    k = int(getattr(cfg, "num_experts_per_tok", 1))
-    for m in engine.loaded.experts:
-        E, I, H = m.weights.shape
-        el = m.weights.w_gate.element_size()
-        total += k * I * H * el * (1 + 2 * (1 - sparsity))
-    return float(total)
+    """Bytes one decode step must read: every non-expert weight except the embedding table (one row; all of it when
+    lm_head shares it), plus the k routed experts' gate rows (dense) and their kept up/down rows per MoE layer
+    (plan.step_floor, as `localmoe show` reports it)."""
+    from localmoe import plan
+
+    f = plan.facts(engine.model, engine.loaded.config, engine.loaded.experts)
+    m = engine.loaded.experts[0]
+    E, I, H = m.weights.shape
+    return plan.step_floor(f, I * H * m.weights.w_gate.element_size(), sparsity)
 
 
-def _run(engine, sparsity, prompt, n_decode, name, bw, progress) -> BenchRow:
-    engine.set_sparsity(sparsity, progress)
-    settings = GenerationSettings(max_new_tokens=n_decode)
+def _run(engine, sparsity, prompt, n_decode, name, bw, progress, penalty: float = 1.0) -> BenchRow:
+    if engine.sparsity != sparsity or engine._graph is None:
+        engine.set_sparsity(sparsity, progress)
+    settings = GenerationSettings(max_new_tokens=n_decode, repetition_penalty=penalty)
     eos = engine.eos_ids
     engine.eos_ids = set()  # decode the full length
     try:
         # warm-up at the measured prompt length (first-call costs of the prefill's shapes) and graph capture
-        for _ in engine.generate(prompt, GenerationSettings(max_new_tokens=8)):
+        for _ in engine.generate(prompt, GenerationSettings(max_new_tokens=8, repetition_penalty=penalty)):
             pass
         for _ in engine.generate(prompt, settings):
             pass
@@ -109,7 +112,8 @@ def _run(engine, sparsity, prompt, n_decode, name, bw, progress) -> BenchRow:
                     fraction_of_floor=(st.decode_tok_s / floor) if floor else 0.0,
                     sparsity_realized=st.sparsity_realized, graph=engine._graph is not None,
                     cache_hit_rate=st.cache_hit_rate,
-                    h2d_mb_per_token=None if st.h2d_bytes_per_token is None else st.h2d_bytes_per_token / 1e6)
+                    h2d_mb_per_token=None if st.h2d_bytes_per_token is None else st.h2d_bytes_per_token / 1e6,
+                    repetition_penalty=penalty)
 
 
 def _empty_host_cache() -> None:
@@ -204,7 +208,7 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
           dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
           graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = True,
           offload_miss: str = "auto", routing: str = "uniform", context: int | None = None, progress=None,
-          experts: str = "full") -> dict:
+          experts: str = "full", repetition_penalty: float | None = None) -> dict:
     from localmoe.devices import pick_device, pick_dtype
     from localmoe.engine import Engine
 
@@ -238,7 +242,8 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
     vocab = engine.loaded.config.vocab_size
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
     bw = copy_bandwidth(dev)
-    rows = [_run(engine, s, prompt, decode_tokens, "localmoe", bw, progress) for s in sparsities]
+    penalties = [1.0] + ([repetition_penalty] if repetition_penalty not in (None, 1.0) else [])
+    rows = [_run(engine, s, prompt, decode_tokens, "localmoe", bw, progress, p) for s in sparsities for p in penalties]
     config = engine.loaded.config
     name = engine.model_name
     experts_format = engine.experts_format
@@ -267,7 +272,8 @@ def table(result: dict) -> str:
              f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} "
              f"{'of floor':>8} {'realised':>8} {'peak GB':>8}"]
     for r in result["rows"]:
-        name = r["name"] + (" [graph]" if r.get("graph") else "")
+        name = (r["name"] + (" [graph]" if r.get("graph") else "")
+                + (f" rep.pen. {r['repetition_penalty']:g}" if r.get("repetition_penalty", 1.0) != 1.0 else ""))
         floor = (f"{r['floor_tok_s']:>11.0f} {r['fraction_of_floor']:>8.1%} " if r["floor_tok_s"] > 0
                  else f"{'–':>11} {'–':>8} ")  # baselines and CPU rows have no byte floor
         lines.append(f"{name:<34} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "

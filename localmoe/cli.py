@@ -1,5 +1,6 @@
-"""The `localmoe` command line: argument parsing, error reporting, and the `run`/`models`/`pull`/`calibrate`/`chat`
-subcommands. Heavy imports (torch, transformers) happen inside the subcommands, so `--help` and `models` stay fast.
+"""The `localmoe` command line: argument parsing, error reporting, and the `run`/`show`/`models`/`pull`/`calibrate`/
+`chat` subcommands. Heavy imports (torch, transformers) happen inside the subcommands, so `--help` and `models` stay
+fast.
 
 Errors a user can meet print one line, `localmoe: error: ...`, on stderr: exit 2 for bad input, 1 for runtime
 failures; `--debug` shows the traceback instead. ctrl+c exits 130 (`localmoe: interrupted`) and SIGTERM 143
@@ -10,6 +11,12 @@ What reaches a terminal is made safe first (`localmoe.safe_text`): run's reply w
 through `detokenize.TerminalStream`), the stats line, notes, progress and every error line. Piped or redirected
 stdout keeps the model's exact text (a file or another program gets what the model wrote), and `--json` keeps it
 exactly too, escaped by JSON.
+
+Sampling: the model's generation_config.json gives the defaults (`Engine.default_settings`); a sampling flag
+overrides only itself (its argparse default is None), `--temperature 0` is greedy. A thinking model's reasoning is
+left out of run's stdout: `--show-reasoning` streams it on stderr (dimmed, each line marked with a bar, when stderr is
+a terminal; exact otherwise); `--json` carries `text` (the answer) and `reasoning`. The plan line (`localmoe show`'s)
+is a load notice shown when stderr is a terminal (as the load progress is); `--json` and `--quiet` leave it out.
 """
 
 from __future__ import annotations
@@ -108,13 +115,24 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_ranged(int, 1, what="--max-new-tokens"), default=512)
-    p.add_argument("--temperature", type=_ranged(float, 0.0, 10.0, what="--temperature"), default=0.0,
-                   help="0 = greedy (default)")
-    p.add_argument("--top-p", type=_ranged(float, 0.0, 1.0, lo_open=True, what="--top-p"), default=1.0)
-    p.add_argument("--top-k", type=_ranged(int, 0, what="--top-k"), default=0, help="0 = off")
+    p.add_argument("--temperature", type=_ranged(float, 0.0, 10.0, what="--temperature"), default=None,
+                   help="0 = greedy (default: the model's generation_config.json; greedy when it does not sample)")
+    p.add_argument("--top-p", type=_ranged(float, 0.0, 1.0, lo_open=True, what="--top-p"), default=None,
+                   help="default: the model's (else 1 = off)")
+    p.add_argument("--top-k", type=_ranged(int, 0, what="--top-k"), default=None,
+                   help="0 = off (default: the model's)")
+    p.add_argument("--repeat-penalty", dest="repeat_penalty", metavar="P",
+                   type=_ranged(float, 0.0, 10.0, lo_open=True, what="--repeat-penalty"), default=None,
+                   help="repetition penalty over the prompt and reply so far, as transformers' (1 = off; default: "
+                        "the model's)")
+    p.add_argument("--stop", metavar="STRING", action="append", default=None,
+                   help="end the reply at this text (not printed); repeat for several")
     p.add_argument("--seed", type=_ranged(int, 0, SEED_MAX, what="--seed"), default=None,
                    help=f"sampling seed in [0, {SEED_MAX}]")
     p.add_argument("--system", metavar="TEXT", default=None, help="system prompt (not with --raw)")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="a thinking model's reasoning before the answer: --think / --no-think set the chat "
+                        "template's enable_thinking (default: the template's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,9 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(p)
     p.add_argument("--raw", action="store_true",
                    help="encode the prompt as is, without the chat template (so no --system)")
+    p.add_argument("--show-reasoning", action="store_true",
+                   help="stream a thinking model's reasoning on stderr (stdout gets the answer only)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (exact text, token ids, stats) instead of streaming the text")
-    p.add_argument("--quiet", action="store_true", help="no stats line on stderr")
+                   help="print one JSON object (exact text and reasoning, token ids, stats) instead of streaming")
+    p.add_argument("--quiet", action="store_true", help="no plan line or stats line on stderr")
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    p = sub.add_parser("show", help="what a model needs, from its config alone (no weights downloaded)")
+    p.add_argument("model", metavar="MODEL", help="alias (localmoe models), hub repo id, or local directory")
+    p.add_argument("--vram", type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"), default=None,
+                   metavar="GiB", help="the GPU budget to plan for (default: what this machine's card has free minus "
+                                       "1 GiB; none without a GPU)")
+    _add_experts_flag(p)
+    p.add_argument("--context", type=_ranged(int, 16, CONTEXT_MAX, what="--context"), default=None,
+                   help="context to size the KV/state for (default 8192 or the model's maximum)")
+    p.add_argument("--json", action="store_true", help="one JSON object, numbers as numbers (bytes, parameters)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     p = sub.add_parser("chat", help="open the terminal chat")
@@ -180,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-miss", choices=["auto", "copy", "direct", "cpu"], default="auto")
     p.add_argument("--routing", choices=["uniform", "skewed"], default="uniform",
                    help="random weights: how the router spreads tokens (uniform = pessimistic for the expert cache)")
+    p.add_argument("--repeat-penalty", dest="repeat_penalty", metavar="P",
+                   type=_ranged(float, 0.0, 10.0, lo_open=True, what="--repeat-penalty"), default=None,
+                   help="also decode with this repetition penalty: a row with it after each row without (same run)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
@@ -218,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             _quiet_libraries()
         if args.command != "chat":  # the chat app restores the terminal on SIGTERM itself
             restore_sigterm = _raise_on_sigterm()
-        handler = {"run": cmd_run, "chat": cmd_chat, "models": cmd_models, "pull": cmd_pull,
+        handler = {"run": cmd_run, "show": cmd_show, "chat": cmd_chat, "models": cmd_models, "pull": cmd_pull,
                    "calibrate": cmd_calibrate, "eval": cmd_eval,
                    "bench": cmd_bench}[args.command]
         code = handler(args)
@@ -375,14 +409,40 @@ def _stderr_progress() -> _Progress:
     return _Progress()
 
 
-def _settings(args):
+# sampling flags -> GenerationSettings fields; a flag left out (None) keeps the model's default
+_SAMPLING_FLAGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "repeat_penalty": "repetition_penalty"}
+
+
+def _given_sampling(args) -> dict:
+    """The sampling settings the command line gives: only the flags the user passed, plus the ones always set."""
+    given = {field: getattr(args, flag) for flag, field in _SAMPLING_FLAGS.items() if getattr(args, flag) is not None}
+    given.update(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=_stops(args))
+    return given
+
+
+def _stops(args) -> tuple[str, ...]:
+    stops = []
+    for s in args.stop or []:
+        text = _utf8(s, "--stop")
+        if not text:
+            raise UsageError("--stop is empty: give the text that ends the reply")
+        stops.append(text)
+    return tuple(stops)
+
+
+def _settings(args, engine=None):
+    """The reply's settings: the flags given, over the engine's defaults (the model's generation config) or, with no
+    engine, GenerationSettings' defaults."""
+    from dataclasses import replace
+
     from localmoe.events import GenerationSettings
 
-    return GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed)
+    base = engine.default_settings() if engine is not None else GenerationSettings()
+    return replace(base, **_given_sampling(args))
 
 
-def _load_engine(args, progress=None):
+def _load_engine(args, progress=None, model: str | None = None):
     from localmoe.engine import Engine
 
     quiet = progress is not None or getattr(args, "quiet", False)
@@ -393,10 +453,11 @@ def _load_engine(args, progress=None):
             bar.end_line()
         _say(f"localmoe: note: {text}")
 
-    return Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
+    return Engine.load(model or args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
                        progress=bar, calibration_text=args.calibration_text,
                        vram_gib=args.vram, context=args.context, on_notice=None if quiet else notice, fused=args.fused,
-                       offload_miss=args.offload_miss, host_storage=args.host_storage, experts=args.experts)
+                       offload_miss=args.offload_miss, host_storage=args.host_storage, experts=args.experts,
+                       show_plan=not getattr(args, "json", False) and _isatty(sys.stderr))
 
 
 def _utf8(data: bytes | str, what: str) -> str:
@@ -456,31 +517,100 @@ def _system_prompt(args) -> str | None:
     return system
 
 
+class _ReasoningOut:
+    """--show-reasoning: the reasoning streamed on stderr. On a terminal it is made safe, dimmed, and each line begins
+    with a bar, ended by a newline before the answer; elsewhere it is the exact text."""
+
+    BAR = "\u2502 "
+
+    def __init__(self):
+        from localmoe.detokenize import TerminalStream
+
+        self.tty = _isatty(sys.stderr)
+        self.screen = TerminalStream() if self.tty else None
+        self.line_start = True
+        self.open = False  # reasoning written and its line not ended
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        if self.screen is not None:
+            out = []
+            for ch in self.screen.push(text):
+                if self.line_start:
+                    out.append(self.BAR)
+                out.append(ch)
+                self.line_start = ch == "\n"
+            text = ("" if self.open else "\x1b[2m") + "".join(out) if out else ""
+        else:
+            self.line_start = text.endswith("\n")
+        if not text:
+            return
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            return
+        self.open = True
+
+    def end(self) -> None:
+        """The reasoning is over (the answer begins, or the reply ended): dimming off, its line ended."""
+        if self.open:
+            tail = (self.screen.flush() + "\x1b[22m" if self.screen is not None else "")
+            try:
+                sys.stderr.write(tail + ("" if self.line_start else "\n"))
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+        self.open, self.line_start = False, True
+
+
 def cmd_run(args) -> int:
     from localmoe.detokenize import TerminalStream
 
     system = _system_prompt(args)
+    if args.raw and args.think is not None:
+        flag = "--think" if args.think else "--no-think"
+        raise UsageError(f"--raw sends the prompt without the chat template, which is what {flag} sets: drop one of "
+                         "them")
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("the prompt is empty: give some text")
+    _stops(args)  # checked before the load
     _text_file(args.calibration_text, "--calibration-text")
     engine = _load_engine(args)
+    settings = _settings(args, engine)
     if args.raw:
         ids = engine.encode_raw(prompt)
     else:
+        if args.think is not None and not engine.supports_thinking and not args.quiet:
+            _say(f"localmoe: note: {engine.model_name}'s chat template has no thinking switch: "
+                 f"--{'' if args.think else 'no-'}think does nothing")
         messages = ([{"role": "system", "content": system}] if system is not None else [])
-        ids = engine.encode_chat(messages + [{"role": "user", "content": prompt}])
+        ids = engine.encode_chat(messages + [{"role": "user", "content": prompt}], think=args.think)
     # a terminal gets the text without control sequences; a pipe or a file gets it exactly
     screen = TerminalStream() if not args.json and _isatty(sys.stdout) else None
-    text, token_ids = [], []
+    thoughts = _ReasoningOut() if args.show_reasoning and not args.json else None
+    text, reasoning, token_ids, reasoning_tokens = [], [], [], set()
     try:
-        for ev in engine.generate(ids, _settings(args)):
-            token_ids.append(ev.token_id)
+        for ev in engine.generate(ids, settings):
+            if ev.index == len(token_ids):
+                token_ids.append(ev.token_id)
+            if ev.channel == "reasoning":
+                reasoning.append(ev.text)
+                reasoning_tokens.add(ev.index)
+                if thoughts is not None:
+                    thoughts.write(ev.text)
+                continue
             text.append(ev.text)
-            if not args.json:
+            if not args.json and ev.text:
+                if thoughts is not None:
+                    thoughts.end()
                 sys.stdout.write(screen.push(ev.text) if screen else ev.text)
                 sys.stdout.flush()
     except KeyboardInterrupt:  # ctrl+c or SIGTERM: end the partial reply's line before the one-line notice
+        if thoughts is not None:
+            thoughts.end()
         if text and screen is not None:
             try:
                 sys.stdout.write("\n")
@@ -488,33 +618,50 @@ def cmd_run(args) -> int:
             except (OSError, ValueError):
                 pass
         raise
+    if thoughts is not None:
+        thoughts.end()
     stats = engine.stats
     if args.json:
-        sys.stdout.write(json.dumps({"model": engine.model_name, "text": "".join(text), "token_ids": token_ids,
-                                     "stats": _stats_json(stats)}) + "\n")
+        sys.stdout.write(json.dumps({"model": engine.model_name, "text": "".join(text), "reasoning": "".join(reasoning),
+                                     "token_ids": token_ids, "stats": _stats_json(stats)}) + "\n")
     else:
         sys.stdout.write((screen.flush() if screen else "") + "\n")
         sys.stdout.flush()
         if not args.quiet:
-            _say(_stats_line(stats, engine))
+            hidden = len(reasoning_tokens) if reasoning_tokens and thoughts is None else 0
+            _say(_stats_line(stats, engine) + (f" | reasoning {hidden} tok not shown (--show-reasoning)"
+                                               if hidden else ""))
     sys.stdout.flush()
     return 0
 
 
 def _stats_json(stats) -> dict:
     keys = ("prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "sparsity_target",
-            "sparsity_realized", "peak_gpu_mem_gb", "cache_hit_rate", "h2d_bytes_per_token", "finish_reason")
+            "sparsity_realized", "peak_gpu_mem_gb", "cache_hit_rate", "h2d_bytes_per_token", "finish_reason",
+            "load_s", "ttft_s", "wall_s")
     d = stats.as_json()
     return {k: d.get(k) for k in keys}
 
 
 def _stats_line(stats, engine) -> str:
-    return (f"[{engine.model_name} on {engine.device}] prompt {stats.prompt_tokens} tok, "
-            f"{stats.prefill_tok_s:.1f} tok/s prefill | {stats.generated_tokens} tok, {stats.decode_tok_s:.1f} tok/s decode"
+    return (f"[{engine.model_name} on {engine.device}] load {stats.load_s:.1f} s | prompt {stats.prompt_tokens} tok, "
+            f"{stats.prefill_tok_s:.1f} tok/s prefill, first token {stats.ttft_s:.2f} s | "
+            f"{stats.generated_tokens} tok, {stats.decode_tok_s:.1f} tok/s decode, {stats.wall_s:.2f} s"
             f" | sparsity {stats.sparsity_target:.0%} target, {stats.sparsity_realized:.1%} realised"
             + (f" | peak GPU {stats.peak_gpu_mem_gb:.2f} GB" if stats.peak_gpu_mem_gb else "")
             + (f" | expert cache {stats.cache_hit_rate:.0%} hits, {stats.h2d_bytes_per_token / 1e6:.1f} MB/token copied"
                if stats.cache_hit_rate is not None else ""))
+
+
+def cmd_show(args) -> int:
+    from localmoe import plan
+
+    result = plan.show(args.model, vram_gib=args.vram, experts_format=args.experts, context=args.context)
+    if args.json:
+        print(json.dumps(result.as_json()))
+    else:
+        print(for_terminal(result.text()))
+    return 0
 
 
 def cmd_models(args) -> int:
@@ -558,14 +705,23 @@ def cmd_calibrate(args) -> int:
     if args.sparsity == 0.0:
         raise UsageError("--sparsity 0 is the dense path and needs no calibration")
     _text_file(args.text, "--text")
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=_stderr_progress(),
-                         experts=args.experts)
-    table = sp.thresholds_for(engine, args.sparsity, progress=_stderr_progress(), text=args.text,
+    bar = _stderr_progress()
+
+    def notice(text: str) -> None:
+        bar.end_line()
+        _say(f"localmoe: note: {text}")
+
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=bar,
+                         experts=args.experts, on_notice=notice, show_plan=False)
+    table = sp.thresholds_for(engine, args.sparsity, progress=bar, text=args.text,
                               tokens=args.tokens or sp.DEFAULT_TOKENS, force=True, mode=args.threshold_mode)
-    path = sp.cache_path(engine.model_name, engine.resolved.revision, args.sparsity, args.threshold_mode,
-                         engine.experts_format)
-    print(for_line(f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
-                   f"tokens of {table.meta['calibration_set']}: thresholds saved to {path}"))
+    done = (f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
+            f"tokens of {table.meta['calibration_set']}")
+    if table.path is None:
+        print(for_line(f"{done}; the thresholds were not saved (see the note above): every run calibrates again "
+                       "until the cache folder is writable"))
+    else:
+        print(for_line(f"{done}: thresholds saved to {table.path}"))
     return 0
 
 
@@ -589,10 +745,21 @@ def cmd_chat(args) -> int:
     system = _system_prompt(args)
     _refuse_unsupported(model)  # here, not once the chat app is up and loading
     _text_file(args.calibration_text, "--calibration-text")
+    given = _given_sampling(args)  # checked (--stop) before the app starts
     from localmoe.tui.app import run_chat
 
-    return run_chat(lambda progress: _load_engine(args, progress), model_label=model, settings=_settings(args),
-                    sparsity=args.sparsity, system=system, continue_last=args.continue_last)
+    def load(progress, model: str | None = None):
+        """The chat's loader: the model given on the command line, or `model` (`/model ALIAS`). The engine's
+        default_settings() are the model's generation config under the sampling flags given."""
+        if model is not None:
+            _refuse_unsupported(model)
+        engine = _load_engine(args, progress, model=model)
+        engine.override_defaults(**given)
+        return engine
+
+    kwargs = {"think": args.think} if args.think is not None else {}
+    return run_chat(load, model_label=model, settings=_settings(args), sparsity=args.sparsity, system=system,
+                    continue_last=args.continue_last, **kwargs)
 
 
 def cmd_eval(args) -> int:
@@ -630,6 +797,6 @@ def cmd_bench(args) -> int:
                    baseline=args.baseline,
                    graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, fused=args.fused,
                    offload_miss=args.offload_miss, routing=args.routing, experts=args.experts,
-                   progress=_stderr_progress())
+                   progress=_stderr_progress(), repetition_penalty=args.repeat_penalty)
     print(json.dumps(result) if args.json else for_terminal(table(result)))
     return 0

@@ -1,5 +1,5 @@
-"""Incremental detokenisation for streaming replies (the Engine's TokenEvent text), and the streamed text made
-safe for a terminal."""
+"""Incremental detokenisation for streaming replies (the Engine's TokenEvent text), stop strings found in the stream
+(`StopStrings`), and the streamed text made safe for a terminal."""
 
 from __future__ import annotations
 
@@ -28,6 +28,38 @@ class Detokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(done):]
+
+
+class StopStrings:
+    """The reply's text ended at the first stop string, streamed: `push(text)` -> the text that can be shown now.
+    Text that may be the start of a stop string (a stop string spanning tokens) is held back until the next text
+    shows it is not; once a stop string is complete, what comes before it is given back and `stopped` is True (the
+    stop string and everything after it are dropped). `flush()` gives back what is held when the reply ends
+    otherwise."""
+
+    def __init__(self, stops=()):
+        self.stops = tuple(dict.fromkeys(s for s in stops if s))
+        self.held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        buf = self.held + text
+        ends = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if ends:
+            self.held, self.stopped = "", True
+            return buf[:min(ends)]
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
+                    if buf.endswith(s[:k])), default=0)  # the longest tail that begins a stop string
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        text, self.held = self.held, ""
+        return text
 
 
 class TerminalStream:

@@ -7,12 +7,19 @@
                        path; on CUDA one captured graph per step, steps N+1, N+2 launched before token N is streamed)
                        → TokenEvent per token; `stats` updated as it goes; `cancel()` from any thread.
 
+Sampling: `default_settings()` is the checkpoint's generation_config.json; the repetition penalty keeps a seen-token
+mask on the device (sampling.Seen), read and updated inside the CUDA graph's greedy step. A reply's text passes
+stop strings (detokenize.StopStrings) and, for a thinking model, the reasoning splitter (reasoning.py): events carry
+their channel, "reasoning" or "answer".
+
 It knows nothing about terminals: the CLI, the Textual app, bench and eval consume its events and stats.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import math
 from pathlib import Path
 import threading
 import time
@@ -22,19 +29,76 @@ from typing import Iterator, Sequence
 import torch
 
 from localmoe import hub
-from localmoe.detokenize import Detokenizer
+from localmoe.detokenize import Detokenizer, StopStrings
 from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
-from localmoe.loader import LoadedModel, int4_hint, load_model
+from localmoe.loader import LoadedModel, check_tokenizer, int4_hint, load_model, read_config
 from localmoe.prefix import PromptReuse, prefill, render_chat, repeated_prefix, reply_prefix
-from localmoe.sampling import make_generator, sample
+from localmoe.reasoning import CLOSE, OPEN, ReasoningSplitter, opens_reasoning
+from localmoe.safe_text import for_line
+from localmoe.sampling import Seen, make_generator, sample
 
 UNKNOWN_MODEL_SPARSITY = 0.5
 DEFAULT_CONTEXT = 8192
 LIVE_STATS_EVERY = 8  # tokens between live updates of realised sparsity / cache hit rate
 PIPELINE_DEPTH = 2  # CUDA decode steps in flight ahead of the host: the GPU never waits for Python between steps
 PREFILL_CHUNK = 2048  # prompt tokens per prefill forward: long prompts are prefilled piece by piece into the cache
+
+
+# generation_config.json keys localmoe takes as the model's sampling defaults, with the range each must be in
+GENERATION_KEYS = {"temperature": (0.0, 10.0), "top_p": (0.0, 1.0), "top_k": (0, 1 << 30),
+                   "repetition_penalty": (0.0, 10.0)}
+
+
+def generation_defaults(path, on_notice=None) -> GenerationSettings:
+    """The checkpoint's sampling defaults from `path`/generation_config.json, as transformers' generate would use
+    them: temperature, top_k, top_p and repetition_penalty where set; do_sample false or absent means greedy (the
+    penalty still applies). What the file does not set, or sets out of range (said through `on_notice`), keeps
+    GenerationSettings' default. No file (or an unreadable one): GenerationSettings()."""
+    try:
+        data = json.loads((Path(path) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return GenerationSettings()
+    if not isinstance(data, dict):
+        return GenerationSettings()
+    got: dict = {}
+    for key, (lo, hi) in GENERATION_KEYS.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if key == "top_k":
+            ok = ok and float(value).is_integer()
+        ok = ok and (lo <= value <= hi if key in ("temperature", "top_k") else lo < value <= hi)
+        if not ok:
+            if on_notice is not None:
+                on_notice(f"generation_config.json: {key} {for_line(json.dumps(value))} is out of range; "
+                          "using localmoe's default")
+            continue
+        got[key] = int(value) if key == "top_k" else float(value)
+    if data.get("do_sample") is not True:
+        got["temperature"] = 0.0
+    else:
+        got.setdefault("temperature", 1.0)
+    return replace(GenerationSettings(), **got)
+
+
+class _TemplateArgs:
+    """A tokenizer whose apply_chat_template gets extra template variables (enable_thinking), so that prefix.py's
+    renders (the prompt, the next turn's, the reply's) all see the same thinking switch."""
+
+    def __init__(self, tokenizer, **kwargs):
+        self._tokenizer, self._kwargs = tokenizer, kwargs
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
 
 
 def load_tokenizer(path):
@@ -82,36 +146,64 @@ class Engine:
         self._eager_cache = None   # prefilling it again; eager decoding keeps its dynamic cache here between turns
         self._eager_reuse = PromptReuse()
         self._busy = threading.RLock()  # one prefill or reply at a time (prepare_next_turn runs beside the app)
+        self._seen: Seen | None = None  # the repetition penalty's seen-token mask (made at the first reply)
+        self.load_s = 0.0
+        self.notes: list[str] = []  # every notice of the load, in order (the plan line first); the chat can show them
+        self.plan_line = ""  # the one-line plan (plan.py), also the load's first notice
+        self._plan_shown = False
+        self._defaults = generation_defaults(resolved.path) if tokenizer is not None else GenerationSettings()
+        template = getattr(tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else " ".join(template.values()) \
+            if isinstance(template, dict) else ""
+        self.supports_thinking = "enable_thinking" in template
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        # a thinking model: its replies are split into reasoning and answer (reasoning.py)
+        self.reasoning_tags = (OPEN, CLOSE) if (OPEN in vocab and CLOSE in vocab) or CLOSE in template else None
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
              progress: ProgressFn | None = None, calibration_text: str | None = None, vram_gib: float | None = None,
              context: int | None = None, on_notice=None, fused: bool = True,
-             offload_miss: str = "auto", host_storage: str = "auto", experts: str = "full") -> "Engine":
+             offload_miss: str = "auto", host_storage: str = "auto", experts: str = "full",
+             show_plan: bool = False) -> "Engine":
+        """Resolve, load and calibrate MODEL. Notices go to `on_notice` and `engine.notes`; the plan line
+        (`plan_line`, `localmoe show`'s one-line plan) is the first of `notes`, and goes to `on_notice` too with
+        `show_plan` (the CLI's run on a terminal)."""
+        t0 = time.perf_counter()
+        notes: list[str] = []
+        notice = _recording(notes, on_notice)
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         resolved = hub.resolve(model, progress=progress)
+        read_config(resolved.path)  # a bad config.json or a folder without a tokenizer: the loader's own messages
+        check_tokenizer(resolved.path)
         tokenizer = load_tokenizer(resolved.path)
         budget = vram_budget(dev, vram_gib)
         try:
             loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress, vram_bytes=budget,
                                 context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
-                                on_notice=on_notice, host_storage=host_storage,
+                                on_notice=notice, host_storage=host_storage,
                                 store_key=(resolved.name, resolved.revision), experts_format=experts)
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
                 f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
             ) from None
         engine = cls(resolved, loaded, tokenizer, dev, dt)
-        engine.on_notice = on_notice
+        engine.on_notice = notice
+        engine.notes = notes
         if context:
             engine.set_context(context)
-        engine._offload_notices()
         if sparsity is None:
             d = resolved.default_sparsity
             sparsity = UNKNOWN_MODEL_SPARSITY if d is None else d
+        engine._plan_notice(sparsity, show_plan)
+        engine._defaults = generation_defaults(resolved.path, notice)
+        engine._offload_notices()
         engine.set_sparsity(sparsity, progress, calibration_text=calibration_text)
+        engine.on_notice = on_notice  # later notices (recalibration, graph fallbacks) go to the caller only
+        engine.load_s = time.perf_counter() - t0
+        engine._stats = replace(engine._stats, load_s=engine.load_s)
         return engine
 
     @classmethod
@@ -124,6 +216,7 @@ class Engine:
         from localmoe.random_weights import build_random
         from localmoe.registry import load_registry
 
+        t0 = time.perf_counter()
         config = shape_config(shape)
         loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
                               context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
@@ -136,15 +229,34 @@ class Engine:
             engine.set_context(context)
         engine._offload_notices()
         engine.set_sparsity(0.0)
+        engine.load_s = time.perf_counter() - t0
+        engine._stats = replace(engine._stats, load_s=engine.load_s)
         return engine
+
+    def _plan_notice(self, sparsity: float, show: bool = True) -> None:
+        """The one-line plan (`localmoe show`'s), as the load's first notice (only recorded in `notes` unless
+        `show`)."""
+        from localmoe import plan
+
+        try:
+            self.plan_line = plan.engine_plan(self, sparsity).line()
+        except Exception:  # noqa: BLE001 - a plan it cannot describe is no reason to fail a load that worked
+            return
+        if show:
+            self._notice(self.plan_line)
+            self._plan_shown = True
+        else:
+            self.notes.append(self.plan_line)
 
     def _offload_notices(self) -> None:
         loaded = self.loaded
         if loaded.cache is None:
             return
         pin_failed = self._device.type == "cuda" and not loaded.host_pinned and loaded.host_storage != "mmap"
-        self._notice(loaded.offload.summary()
-                     + ("; pinning host memory failed, using pageable memory (slower misses)" if pin_failed else ""))
+        if not self._plan_shown:  # else the plan line has said what the VRAM holds
+            self._notice(loaded.offload.summary())
+        if pin_failed:
+            self._notice("pinning host memory failed, using pageable memory (slower misses)")
         hint = int4_hint(loaded)
         if hint:
             self._notice(hint)
@@ -208,30 +320,53 @@ class Engine:
         self._stats = replace(self._stats, sparsity_target=sparsity)
 
     # -- prompts ----------------------------------------------------------------------------------------
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+    def default_settings(self) -> GenerationSettings:
+        """The checkpoint's sampling defaults (generation_config.json: temperature, top_k, top_p,
+        repetition_penalty; do_sample false or absent = greedy), GenerationSettings' defaults for the rest."""
+        return self._defaults
+
+    def override_defaults(self, **fields) -> GenerationSettings:
+        """Fields (a front end's sampling flags) over the checkpoint's defaults: `default_settings()` returns the
+        result from now on. Unknown fields are a TypeError, as GenerationSettings' own."""
+        self._defaults = replace(self._defaults, **fields)
+        return self._defaults
+
+    def _template(self, think: bool | None):
+        """The tokenizer, rendering with `enable_thinking=think` when given and the template has the switch."""
+        if think is None or not self.supports_thinking:
+            return self.tokenizer
+        return _TemplateArgs(self.tokenizer, enable_thinking=bool(think))
+
+    def encode_chat(self, messages: Sequence[Message], think: bool | None = None) -> list[int]:
+        """The prompt for `messages` through the chat template, with its generation header. `think`: the template's
+        thinking switch (`enable_thinking`), None = the template's default. An assistant message may carry its
+        reasoning as `reasoning_content`: the template renders it where (and if) it wants it."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UsageError(f"{self.model_name} has no chat template: use --raw to send the prompt as is")
         for m in messages:
             _check_unicode(m.get("content"), f"the {m.get('role', 'message')} message")
-        return render_chat(self.tokenizer, messages, True)
+            _check_unicode(m.get("reasoning_content"), f"the {m.get('role', 'message')} message's reasoning")
+        return render_chat(self._template(think), messages, True)
 
     def encode_raw(self, prompt: str) -> list[int]:
         _check_unicode(prompt, "the prompt")
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def chat(self, messages: Sequence[Message], settings: GenerationSettings) -> Iterator[TokenEvent]:
-        ids = self.encode_chat(messages)
-        return self.generate(ids, settings, stable=repeated_prefix(self.tokenizer, messages, ids))
+    def chat(self, messages: Sequence[Message], settings: GenerationSettings,
+             think: bool | None = None) -> Iterator[TokenEvent]:
+        ids = self.encode_chat(messages, think)
+        return self.generate(ids, settings, stable=repeated_prefix(self._template(think), messages, ids))
 
     @torch.inference_mode()
-    def prepare_next_turn(self, messages: Sequence[Message]) -> int:
+    def prepare_next_turn(self, messages: Sequence[Message], think: bool | None = None) -> int:
         """After a reply, while the user writes the next message: prefill the conversation (its last message the
         reply) up to where any next prompt continues, so that turn prefills only its new message. The cache already
         holds the prompt before the reply; this adds the reply (its decode steps ran past it, so the recurrent state
-        is recomputed from the turn's prompt end). -> tokens prefilled (0: nothing to do)."""
+        is recomputed from the turn's prompt end). `think` as the next turn's encode_chat will have it.
+        -> tokens prefilled (0: nothing to do)."""
         if not self.reuse_prompts or not getattr(self.tokenizer, "chat_template", None):
             return 0
-        ids = reply_prefix(self.tokenizer, messages)
+        ids = reply_prefix(self._template(think), messages)
         if not ids or len(ids) >= self.context:
             return 0
         with self._busy:
@@ -290,6 +425,7 @@ class Engine:
                  stable: int = 0) -> Iterator[TokenEvent]:
         """Stream the reply to prompt_ids. `stable`: how many of its first tokens the next prompt will repeat (a chat's
         history): the cache state there is kept, and a later prompt starting with them prefills only the rest."""
+        t_call = time.perf_counter()
         if not prompt_ids:
             raise UsageError("the prompt is empty: give some text")
         n_prompt = len(prompt_ids)
@@ -298,13 +434,24 @@ class Engine:
         if n_prompt >= self.context:
             raise UsageError(f"the prompt has {n_prompt} tokens but the context is {self.context}: "
                              "shorten the prompt or raise --context")
+        if not (settings.repetition_penalty > 0 and math.isfinite(settings.repetition_penalty)):
+            raise UsageError(f"the repetition penalty must be a positive number, got {settings.repetition_penalty}")
         max_new = min(settings.max_new_tokens, self.context - n_prompt)
         with self._busy:
-            yield from self._generate(prompt_ids, settings, stable, n_prompt, max_new)
+            yield from self._generate(prompt_ids, settings, stable, n_prompt, max_new, t_call)
 
-    def _generate(self, prompt_ids, settings, stable, n_prompt, max_new) -> Iterator[TokenEvent]:
+    def _splitter(self, prompt_ids) -> ReasoningSplitter | None:
+        """A thinking model's reasoning splitter, starting inside the block when the prompt leaves one open."""
+        if self.reasoning_tags is None or self.tokenizer is None:
+            return None
+        tail = self.tokenizer.decode(list(prompt_ids[-64:]), skip_special_tokens=False)
+        open_tag, close_tag = self.reasoning_tags
+        return ReasoningSplitter(in_reasoning=opens_reasoning(tail, open_tag, close_tag), open_tag=open_tag,
+                                 close_tag=close_tag)
+
+    def _generate(self, prompt_ids, settings, stable, n_prompt, max_new, t_call) -> Iterator[TokenEvent]:
         self._cancel.clear()
-        stats = EngineStats(prompt_tokens=n_prompt, sparsity_target=self.sparsity)
+        stats = EngineStats(prompt_tokens=n_prompt, sparsity_target=self.sparsity, load_s=self.load_s)
         self._stats = stats
         cuda = self._device.type == "cuda"
         if cuda:
@@ -313,6 +460,8 @@ class Engine:
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self._device)
         generated: list[int] = []
         detok = Detokenizer(self.tokenizer)
+        stopper = StopStrings(settings.stop)
+        splitter = self._splitter(prompt_ids)
         graph = self._graph_decoder()
         self._reset_counters(graph)
         t0 = time.perf_counter()
@@ -324,7 +473,11 @@ class Engine:
                 cache, logits, reused = self._prefill(ids, stable)
         except torch.OutOfMemoryError:
             raise RuntimeFailure("out of GPU memory during prefill: shorten the prompt or use --device cpu") from None
-        token = sample(logits, settings, gen)
+        if self._seen is None:  # made before the first capture: the graph's argmax reads and marks it
+            self._seen = Seen(logits.numel(), self._device)
+        seen = self._seen
+        seen.start(prompt_ids, settings.repetition_penalty)
+        token = sample(logits, settings, gen, seen)
         tok = int(token)  # synchronises: prefill done
         t1 = time.perf_counter()
         stats.reused_prompt_tokens = reused
@@ -357,8 +510,12 @@ class Engine:
             slots = [(torch.empty((), dtype=torch.long, pin_memory=True), torch.cuda.Event()) for _ in range(depth)]
         inflight: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []  # (device token, slot, host token)
         launched = 0
-        # greedy with a graph: the token is chosen inside the graph, which also writes it to the host (graph.py)
-        greedy_graph = graph is not None and graph.chooses and self.graph_greedy and settings.temperature <= 0
+        # greedy with a graph: the token is chosen inside the graph (repetition penalty included: its argmax reads
+        # and marks the seen mask), which also writes it to the host (graph.py)
+        greedy_graph = (graph is not None and graph.chooses and self.graph_greedy and settings.temperature <= 0
+                        and (graph.penalizes or not seen.active))
+        if graph is not None:  # the captured argmax applies the penalty only when it chooses the token
+            graph.set_penalty(seen.value if greedy_graph else 1.0)
 
         def launch(token, cache, position):
             """-> (device token, the same on the host once the step is done or None, cache)."""
@@ -370,7 +527,15 @@ class Engine:
                 out = self.model(input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache},
                                  **self._logits_kw)
                 cache, logits = _cache_of(out), out.logits[0, -1]
-            return sample(logits, settings, gen), None, cache
+            return sample(logits, settings, gen, seen), None, cache
+
+        def events(text: str, tok: int, index: int) -> list[TokenEvent]:
+            """The token's events: its text by channel (one event, maybe empty, when it shows nothing now)."""
+            if splitter is None:
+                return [TokenEvent(token_id=tok, text=text, index=index)]
+            parts = splitter.push(text)
+            return [TokenEvent(token_id=tok, text=t, index=index, channel=c) for c, t in parts] or \
+                [TokenEvent(token_id=tok, text="", index=index, channel=splitter.channel)]
 
         while True:
             if tok in self.eos_ids:
@@ -390,7 +555,7 @@ class Engine:
                     done.record()
                 inflight.append((nxt, slot, on_host))
                 launched += 1
-            delta = detok.push(tok)
+            delta = stopper.push(detok.push(tok))
             stats.generated_tokens = len(generated)
             if len(generated) % LIVE_STATS_EVERY == 0:  # live figures for the status bar (a few device reads)
                 stats.sparsity_realized = self.realized_sparsity(graph)
@@ -400,7 +565,14 @@ class Engine:
             now = time.perf_counter()
             if len(generated) > 1:
                 stats.decode_tok_s = (len(generated) - 1) / max(now - t_decode, 1e-9)
-            yield TokenEvent(token_id=tok, text=delta, index=len(generated) - 1)
+            else:
+                stats.ttft_s = now - t_call
+            stats.wall_s = now - t_call
+            for ev in events(delta, tok, len(generated) - 1):
+                yield ev
+            if stopper.stopped:
+                finish = "stop"
+                break
             if len(generated) >= max_new:
                 break
             if self._cancel.is_set():
@@ -418,6 +590,13 @@ class Engine:
                 token, _, cache = launch(token, cache, n_prompt + len(generated) - 1)
                 tok = int(token)
             self._after_step()
+        if generated:  # text held back (a possible stop string or tag that never completed) ends the reply
+            last, index = generated[-1], len(generated) - 1
+            held = stopper.flush()
+            parts = (splitter.push(held) + splitter.flush()) if splitter is not None else [("answer", held)]
+            for channel, text in parts:
+                if text:
+                    yield TokenEvent(token_id=last, text=text, index=index, channel=channel)
         t_end = time.perf_counter()
         if len(generated) > 1:
             stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_decode, 1e-9)
@@ -427,6 +606,7 @@ class Engine:
             stats.h2d_bytes_per_token = moved / max(1, len(generated) - 1)
         if cuda:
             stats.peak_gpu_mem_gb = torch.cuda.max_memory_allocated(self._device) / 1e9
+        stats.wall_s = time.perf_counter() - t_call
         stats.finish_reason = finish
 
     def _prefill(self, ids: torch.Tensor, stable: int = 0):
@@ -461,6 +641,17 @@ class Engine:
             return 0.0
         kept = int(torch.stack([m.kept.to(self._device) for m in experts]).sum())
         return 1.0 - kept / seen
+
+
+def _recording(notes: list[str], on_notice):
+    """on_notice that also keeps each notice in `notes`."""
+
+    def notice(text: str) -> None:
+        notes.append(text)
+        if on_notice is not None:
+            on_notice(text)
+
+    return notice
 
 
 def _check_unicode(text, what: str) -> None:

@@ -11,22 +11,36 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """Sampling and stopping for one reply. temperature 0 means greedy."""
+    """Sampling and stopping for one reply. temperature 0 means greedy.
+
+    `repetition_penalty` as transformers' RepetitionPenaltyLogitsProcessor: every token of the prompt and the reply so
+    far has its logit divided by it when positive, multiplied when not (1.0 = off); applied before temperature, top-k
+    and top-p, greedy included. `stop`: strings that end the reply (finish_reason "stop"); the stop string and what
+    follows it are not part of the reply's text. `Engine.default_settings()` gives the checkpoint's own values."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token: its id, the text it adds to the reply (may be empty mid-codepoint), its index."""
+    """One generated token: its id, the text it adds to the reply (may be empty mid-codepoint, inside a tag or while
+    it may begin a stop string), its index, and the channel that text belongs to: "reasoning" inside a thinking
+    model's `<think>…</think>` block (the tags themselves are never in `text`), else "answer".
+
+    Every token gives at least one event. A token whose text falls in both channels gives one event per channel, and
+    text held back to the end of the reply comes in a last event; those extra events repeat the token's id and index,
+    so count tokens by index."""
 
     token_id: int
     text: str
     index: int
+    channel: str = "answer"
 
 
 @dataclass
@@ -43,7 +57,10 @@ class EngineStats:
     peak_gpu_mem_gb: float = 0.0
     cache_hit_rate: float | None = None  # None until expert offloading is active
     h2d_bytes_per_token: float | None = None
-    finish_reason: str = ""  # "stop" (EOS), "length", "cancelled", or "" while running
+    finish_reason: str = ""  # "stop" (EOS or a stop string), "length", "cancelled", or "" while running
+    load_s: float = 0.0  # seconds the engine took to load (resolve, weights, thresholds)
+    ttft_s: float = 0.0  # the last reply's time to first token: from the generate call to its first token
+    wall_s: float = 0.0  # the last reply's wall time, from the generate call to its end (so far, while running)
     extra: dict = field(default_factory=dict)
 
     def as_json(self) -> dict:

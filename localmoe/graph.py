@@ -5,11 +5,14 @@ for the context length, from where the cache can be rewound to when the prompt r
 then one decode step — embedding, every layer's attention / Gated DeltaNet step, router,
 shared expert, localmoe's sparse experts, norm, lm_head and the greedy token (kernels/argmax.py) — is captured once
 and replayed per token. `step` copies a token id and position into the static inputs and returns the logits, for
-sampling outside the graph. `step_greedy` chains greedy steps with nothing between replays: the captured argmax
+sampling outside the graph (on the device, the repetition penalty included: sampling.py). `step_greedy` chains greedy steps with nothing between replays: the captured argmax
 writes the next input id, advances the position and puts the token in a device ring and a pinned host ring, which
-the host reads after the step's event, without a copy on the stream. The only host synchronisation per token is
-that read, for streaming. Anything that cannot be captured raises `GraphUnavailable`, and the Engine falls back to
-eager with a one-line notice.
+the host reads after the step's event, without a copy on the stream. With a repetition penalty the captured argmax
+also reads the engine's seen-token mask (sampling.Seen), penalises the logits of the tokens in it and marks the token
+it chose, so penalised greedy steps chain the same way; the penalty is a device scalar read at replay time
+(`set_penalty`; 1.0 = off, nothing read or marked), so one capture serves both. The only host synchronisation per
+token is the token's read, for streaming. Anything that cannot be captured raises `GraphUnavailable`, and the Engine
+falls back to eager with a one-line notice.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class GraphDecoder:
         self.host_ring = torch.zeros(RING, dtype=torch.long, pin_memory=True)
         self.count = torch.zeros(1, dtype=torch.int32, device=dev)
         self.chooses = True
+        self.penalty = torch.ones(1, dtype=torch.float32, device=dev)  # what the captured argmax penalises with
+        self.penalizes = False  # the captured argmax has the seen mask (the engine's, made before the capture)
         self._last: torch.Tensor | None = None  # the ring slot step_greedy returned last (the next step's input)
         self._next_pos = -1
         self._n = 0  # greedy replays since the chain began (= the device count)
@@ -91,8 +96,13 @@ class GraphDecoder:
                                          reuse=reuse)
         return logits
 
+    def set_penalty(self, value: float) -> None:
+        """The repetition penalty the captured greedy choice applies from the next replay on (1.0: off)."""
+        self.penalty.fill_(value)
+
     def capture(self, position: int) -> None:
         self.pos.fill_(position)
+        self.penalty.fill_(1.0)  # the warm-up steps' choices must not mark the seen mask
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         try:
@@ -115,11 +125,15 @@ class GraphDecoder:
             return
         from localmoe.kernels.argmax import argmax_next
 
+        seen = getattr(self.engine, "_seen", None)
+        penalty = {"seen": seen.mask, "penalty": self.penalty} if seen is not None else {}
         try:
             argmax_next(logits, ids=self.ids.view(-1), pos=self.pos, ring=self.ring, host=self.host_ring,
-                        count=self.count)
+                        count=self.count, **penalty)
         except (ValueError, RuntimeError):  # logits this kernel does not take: greedy steps sample outside
             self.chooses = False
+            return
+        self.penalizes = bool(penalty)
 
     def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """Run one captured step for `token` at `position`; returns the static logits [V] (valid until next step)."""

@@ -182,11 +182,15 @@ def complete_snapshot(folder: Path) -> bool:
         return False
     index = folder / "model.safetensors.index.json"
     if index.is_file():
+        from localmoe.loader import _plain_shard_name
+
         try:
             names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError):
             return True  # a broken index: the loader reports it by name
-        return all(isinstance(n, str) and (folder / n).is_file() for n in names)
+        if not all(_plain_shard_name(n) for n in names):
+            return True  # a name that is no plain shard file name: complete as far as we look, the loader refuses it
+        return all((folder / n).is_file() for n in names)
     return True
 
 
@@ -245,3 +249,123 @@ def is_downloaded(spec: ModelSpec) -> bool:
     if not isinstance(cfg, str):
         return False
     return complete_snapshot(Path(cfg).parent)
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where `localmoe show` found a model's config: a folder holding config.json (a local checkpoint, a cached
+    snapshot, or the config files alone fetched from the hub), or None when it comes from localmoe's table of
+    shapes (localmoe/data/shapes.json: a registry model, offline)."""
+
+    name: str  # what to show the user
+    folder: Path | None
+    spec: ModelSpec | None
+    repo_id: str | None  # the hub repo (None for local folders and bundled models)
+    downloaded: bool  # the folder is a loadable checkpoint (weights included)
+    how: str  # "local", "bundled", "cache", "hub" (config files fetched), "shapes"
+
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def locate_config(name: str, *, registry: Registry | None = None) -> ConfigSource:
+    """A model's config without downloading its weights: a local folder or bundled model; a cached snapshot; else
+    config.json (and generation_config.json) alone from the hub; else, offline or when the hub cannot be reached,
+    the registry's entry in localmoe's table of shapes. Errors: unknown names and unsupported registry models as
+    `resolve` gives them; a model none of these has, one line naming HF_HUB_OFFLINE or the network."""
+    registry = registry or load_registry()
+    name = name.strip()
+    if not name:
+        raise UsageError("no model given: pass an alias from `localmoe models`, a hub repo id, or a directory")
+    spec = registry.get(name)
+    path = Path(name).expanduser()
+    if spec is None and (path.is_dir() or name.startswith((".", "/", "~"))):
+        folder = resolve(name, download_missing=False, registry=registry).path
+        return ConfigSource(path.name, folder, None, None, complete_snapshot(folder), "local")
+    if spec is not None and spec.packaged_dir is not None:
+        folder = resolve(name, download_missing=False, registry=registry).path
+        return ConfigSource(name, folder, spec, None, True, "bundled")
+    repo_id = spec.repo if spec else name
+    if spec is None:
+        if not _REPO_RE.match(name):
+            raise unknown_model_error(name, registry)
+        spec = registry.by_repo(name)
+    if spec is not None and spec.unsupported:
+        raise unsupported_model_error(spec, registry)
+    label = spec.alias if spec else repo_id
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):
+        folder = Path(cached).parent
+        return ConfigSource(label, folder, spec, repo_id, complete_snapshot(folder), "cache")
+    why = "HF_HUB_OFFLINE is set"
+    if not _offline():
+        try:
+            return ConfigSource(label, _fetch_config(repo_id), spec, repo_id, False, "hub")
+        except RuntimeFailure as e:
+            why = str(e)
+    if spec is not None and _has_shape(spec.alias):
+        return ConfigSource(label, None, spec, repo_id, False, "shapes")
+    raise RuntimeFailure(f"{name} is not downloaded and its config.json cannot be fetched ({why}): connect to the "
+                         f"network (or unset HF_HUB_OFFLINE), or `localmoe pull {name}` first")
+
+
+def _has_shape(alias: str) -> bool:
+    from localmoe.benchmark import SHAPES
+
+    try:
+        shapes = json.loads(SHAPES.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return alias in shapes and not alias.startswith("_")
+
+
+def _fetch_config(repo_id: str) -> Path:
+    """config.json (and generation_config.json when the repo has one) alone, into the HF cache -> their folder.
+    RuntimeFailure with the reason when the hub cannot be reached; UsageError when there is no such repo."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
+    try:
+        folder = Path(hf_hub_download(repo_id, "config.json")).parent
+    except GatedRepoError:
+        raise RuntimeFailure(f"{repo_id} is gated: accept its licence on the hub, then `hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise UsageError(f"no model {repo_id!r} on the Hugging Face hub (or it is private: run `hf auth login`)") \
+            from None
+    except EntryNotFoundError:
+        raise UsageError(f"{repo_id} has no config.json on the hub: it is not a transformers checkpoint") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise RuntimeFailure(f"the hub cannot be reached: {_cause(e)}") from None
+    try:
+        hf_hub_download(repo_id, "generation_config.json")
+    except Exception:  # noqa: BLE001 - optional: the model's sampling defaults, when it has them
+        pass
+    return folder
+
+
+def hub_weight_bytes(repo_id: str) -> int | None:
+    """The size of a hub repo's safetensors files from its file list, or None (offline, unreachable, no sizes)."""
+    if _offline():
+        return None
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(repo_id, files_metadata=True)
+        sizes = [f.size for f in info.siblings or [] if f.rfilename.endswith(".safetensors")]
+    except Exception:  # noqa: BLE001 - any failure: the size is estimated instead
+        return None
+    return sum(sizes) if sizes and all(isinstance(x, int) for x in sizes) else None
+
+
+def local_weight_bytes(folder: Path) -> int:
+    """Bytes of a folder's safetensors files (links followed, as a cache snapshot's are)."""
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    return total

@@ -1,4 +1,11 @@
-"""Next-token sampling on the device: greedy at temperature 0, else temperature, top-k, top-p (nucleus).
+"""Next-token sampling on the device: the repetition penalty, then greedy at temperature 0, else temperature, top-k,
+top-p (nucleus), in transformers' order.
+
+The repetition penalty (transformers' RepetitionPenaltyLogitsProcessor) acts on the tokens of the prompt and the
+reply so far, kept as a seen-token mask on the logits' device (`Seen`): each step's logits are penalised where the
+mask is set (divided by the penalty when positive, multiplied when not) and the chosen token is marked, with no
+host round trip. The CUDA-graph greedy step does the same inside its argmax kernel (kernels/argmax.py) on the same
+mask, so eager and graph steps give the same tokens.
 
 Shapes: V = vocabulary. Everything stays on the logits' device; the chosen id is a 0-d tensor so the
 caller decides when to synchronise.
@@ -22,8 +29,56 @@ def make_generator(settings: GenerationSettings, device: torch.device) -> torch.
     return gen
 
 
-def sample(logits: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [V] -> token id (0-d int64 tensor)."""
+class Seen:
+    """The tokens of the prompt and the reply so far, for the repetition penalty: `mask` uint8 [V] on the device
+    (1 = seen) and `penalty`, a float32 [1] tensor beside it (the CUDA graph's argmax reads both at replay time).
+    Ids outside [0, V) are ignored, as transformers ignores ids past the logits' width."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.mask = torch.zeros(vocab, dtype=torch.uint8, device=device)
+        self.penalty = torch.ones(1, dtype=torch.float32, device=device)
+        self.value = 1.0  # the penalty as a Python float (1.0: off)
+
+    @property
+    def active(self) -> bool:
+        return self.value != 1.0
+
+    def start(self, prompt_ids, penalty: float) -> None:
+        """A new reply: the mask holds the prompt's tokens (a list of ids, filtered on the host and copied once);
+        `penalty` set."""
+        self.value = float(penalty)
+        self.penalty.fill_(self.value)
+        self.mask.zero_()
+        V = self.mask.numel()
+        ids = sorted({int(i) for i in prompt_ids if 0 <= int(i) < V})
+        if ids:
+            self.mask.index_fill_(0, torch.tensor(ids, dtype=torch.long).to(self.mask.device, non_blocking=True), 1)
+
+    def mark(self, token: torch.Tensor) -> None:
+        """Token (0-d device tensor) seen: marked on the device, no synchronisation."""
+        self.mask.index_fill_(0, token.reshape(1), 1)
+
+
+def penalize(logits: torch.Tensor, seen: Seen | None) -> torch.Tensor:
+    """logits [V] -> float32 [V] with the repetition penalty applied where `seen.mask` is set (a copy when applied).
+    The penalty divides as a float32 tensor (IEEE division, as the argmax kernel's div_rn and transformers' `/`)."""
+    x = logits.float()
+    if seen is None or not seen.active:
+        return x
+    p = seen.penalty[0]
+    return torch.where(seen.mask.bool(), torch.where(x < 0, x * p, x / p), x)
+
+
+def sample(logits: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None,
+           seen: Seen | None = None) -> torch.Tensor:
+    """logits [V] -> token id (0-d int64 tensor); with `seen`, the repetition penalty first, and the token marked."""
+    token = _choose(penalize(logits, seen) if seen is not None and seen.active else logits, settings, generator)
+    if seen is not None and seen.active:
+        seen.mark(token)
+    return token
+
+
+def _choose(logits: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None) -> torch.Tensor:
     if settings.temperature <= 0:
         return torch.argmax(logits)
     scores = logits.float() / settings.temperature

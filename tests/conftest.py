@@ -32,7 +32,8 @@ def repo_id(family: str) -> str:
 
 @pytest.fixture(scope="session")
 def hub_cache() -> Path:
-    """The session's HF cache holding one tiny checkpoint per family (org localmoe-test), plus a sharded one."""
+    """The session's HF cache holding one tiny checkpoint per family (org localmoe-test), sharded ones, and
+    `localmoe-test/tiny-think` (tiny_models.THINK_REPO: a thinking chat template, a scripted reply)."""
     cache = Path(os.environ["HF_HUB_CACHE"])
     src = _ROOT / "src"
     for fam in FAMILIES + ["gpt_oss", "qwen3_dense"]:
@@ -42,6 +43,8 @@ def hub_cache() -> Path:
     tiny_models.place_in_hf_cache(sharded, cache, repo_id("sharded"))
     sharded35 = tiny_models.save_checkpoint("qwen3_5_moe", src / "sharded35", max_shard_size="40KB")
     tiny_models.place_in_hf_cache(sharded35, cache, repo_id("sharded35"))
+    think = tiny_models.save_think_checkpoint(src / "think")  # a thinking model (Qwen3's template), scripted reply
+    tiny_models.place_in_hf_cache(think, cache, tiny_models.THINK_REPO)
     return cache
 
 

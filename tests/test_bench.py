@@ -133,3 +133,28 @@ def test_table_marks_what_a_baseline_does_not_measure():
     local, base = table({**res, "rows": rows}).splitlines()[2:]
     assert "50.0%" in local and "85.0%" in local and "–" not in local
     assert base.split()[-4:] == ["–", "–", "–", "1.0"]
+
+
+@pytest.mark.parametrize(("model_type", "says"), [("gpt_oss", "GPT-OSS is not yet supported"),
+                                                  ("qwen3", "not a family localmoe runs")],
+                         ids=["unsupported-family", "not-moe"])
+def test_shape_of_an_unsupported_family_is_refused(tmp_path, monkeypatch, model_type, says):
+    import localmoe.benchmark as benchmark
+
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"odd": {"model_type": model_type, "config": {}}}))
+    monkeypatch.setattr(benchmark, "SHAPES", shapes)
+    with pytest.raises(UsageError, match=f"the shape 'odd' is a '{model_type}' model: .*{says}"):
+        shape_config("odd")
+
+
+def test_bench_repeat_penalty_rows(capsys):
+    """--repeat-penalty: a row with the penalty after each row without, from the same engine."""
+    code = main(["bench", repo_id("qwen3_moe"), "--prompt-tokens", "16", "--decode-tokens", "6", "--sparsity", "0",
+                 "--repeat-penalty", "1.2", "--json", "--device", "cpu"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert code == 0 and [(r["sparsity"], r["repetition_penalty"]) for r in rows] == [(0.0, 1.0), (0.0, 1.2)]
+    assert all(r["decode_tok_s"] > 0 for r in rows)
+    assert "localmoe rep.pen. 1.2" in table({"model": "m", "device": "cpu", "dtype": "float32", "load_s": 0.0,
+                                             "copy_gb_s": 0.0, "prompt_tokens": 1, "decode_tokens": 2,
+                                             "rows": rows})

@@ -27,12 +27,14 @@ def test_json_schema(capsys):
     code, out, err = run(capsys, "run", MODEL, "hi", "--json", "--max-new-tokens", "5", "--sparsity", "0")
     assert code == 0 and err == ""
     obj = json.loads(out.strip().splitlines()[-1])
-    assert set(obj) == {"model", "text", "token_ids", "stats"}
-    assert obj["model"] == MODEL and isinstance(obj["text"], str)
+    assert set(obj) == {"model", "text", "reasoning", "token_ids", "stats"}
+    assert obj["model"] == MODEL and isinstance(obj["text"], str) and obj["reasoning"] == ""
     assert all(isinstance(t, int) for t in obj["token_ids"]) and 0 < len(obj["token_ids"]) <= 5
     for key in ("prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "sparsity_target",
-                "sparsity_realized", "peak_gpu_mem_gb"):
+                "sparsity_realized", "peak_gpu_mem_gb", "load_s", "ttft_s", "wall_s"):
         assert key in obj["stats"]
+    st = obj["stats"]
+    assert st["load_s"] > 0 and 0 < st["ttft_s"] <= st["wall_s"]
     assert obj["stats"]["generated_tokens"] == len(obj["token_ids"])
 
 
@@ -173,7 +175,7 @@ def _on_terminal(argv: list[str]) -> tuple[int, bytes]:
 def _safety_piped(model, capsys):
     code, out, err = run(capsys, "run", model, "hi", "--max-new-tokens", "2", "--sparsity", "0")
     assert code == 0 and out == ESC_TOKEN * 2 + "\n"  # a pipe or a file gets the exact text
-    assert err.startswith("[esc on cpu] prompt") and err.count("\n") == 1
+    assert err.startswith("[esc on cpu] load ") and err.count("\n") == 1
     return err
 
 
@@ -194,7 +196,8 @@ def _safety_error_line(model, capsys):
 def _safety_terminal(model, capsys):
     code, seen = _on_terminal(["run", model, "hi", "--max-new-tokens", "3", "--sparsity", "0"])
     text = seen.decode()
-    assert code == 0 and "title:done" * 3 + "\r\n" in text and "[esc on cpu] prompt" in text
+    assert code == 0 and "title:done" * 3 + "\r\n" in text and "[esc on cpu] load " in text
+    assert "localmoe: note: esc: " in text  # the plan line, on a terminal
     import re
 
     assert len(re.findall(r"load: (\d+)/\1\b", text)) == 1  # the load stage ends as one line
@@ -414,3 +417,99 @@ def test_local_revision_follows_rewrites(src_dir, tmp_path):
     config = folder / "config.json"
     os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1_000_000_000))
     assert hub.resolve(str(folder)).revision not in {first, second}
+
+
+# -- sampling defaults from the checkpoint, flags over them, stop strings ----------------------------------------
+@pytest.fixture(scope="module")
+def sampling_model(src_dir, tmp_path_factory) -> str:
+    """The tiny Qwen3-MoE with a generation_config.json that samples (as the bundled model's does)."""
+    folder = tmp_path_factory.mktemp("gencfg") / "sampling"
+    shutil.copytree(src_dir / "qwen3_moe", folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3,
+         "eos_token_id": 3}))
+    return str(folder)
+
+
+def _ids(capsys, *argv):
+    code, out, err = run(capsys, "run", *argv, "--json", "--max-new-tokens", "10", "--sparsity", "0")
+    assert code == 0, err
+    return json.loads(out)
+
+
+SAMPLING_CASES = [  # (id, flags, the settings the reply must equal (over GenerationSettings' defaults))
+    ("model-defaults", ["--seed", "5"],
+     dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.3, seed=5)),
+    ("temperature-0-is-greedy", ["--temperature", "0"], dict(top_k=20, top_p=0.95, repetition_penalty=1.3)),
+    ("penalty-off", ["--temperature", "0", "--repeat-penalty", "1"], dict()),
+    ("flag-overrides-one", ["--seed", "5", "--top-k", "3"],
+     dict(temperature=0.9, top_k=3, top_p=0.95, repetition_penalty=1.3, seed=5)),
+]
+
+
+@pytest.mark.parametrize(("flags", "want"), [c[1:] for c in SAMPLING_CASES], ids=[c[0] for c in SAMPLING_CASES])
+def test_run_sampling_defaults_and_flags(sampling_model, capsys, flags, want):
+    from localmoe.engine import Engine
+    from localmoe.events import GenerationSettings
+
+    got = _ids(capsys, sampling_model, "hi", *flags)["token_ids"]
+    e = Engine.load(sampling_model, device="cpu", sparsity=0.0)
+    ids = e.encode_chat([{"role": "user", "content": "hi"}])
+    assert got == [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=10, **want))]
+
+
+def test_run_stop_strings(sampling_model, capsys):
+    whole = _ids(capsys, sampling_model, "hi", "--temperature", "0")
+    text = whole["text"]
+    assert len(text) >= 6
+    cut = _ids(capsys, sampling_model, "hi", "--temperature", "0", "--stop", "zzz", "--stop", text[3:5])
+    assert cut["text"] == text[:text.index(text[3:5])] and cut["stats"]["finish_reason"] == "stop"
+    assert cut["token_ids"] == whole["token_ids"][:len(cut["token_ids"])] and len(cut["token_ids"]) <= 5
+
+
+# -- calibrate, hub, chat's loader ------------------------------------------------------------------------------
+def test_calibrate_says_where_thresholds_went(capsys, monkeypatch, tmp_path):
+    code, out, err = run(capsys, "calibrate", MODEL, "--sparsity", "0.5", "--tokens", "64")
+    assert code == 0 and "thresholds saved to " in out and out.rstrip().endswith(".json")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache folder cannot be made
+    code, out, err = run(capsys, "calibrate", MODEL, "--sparsity", "0.5", "--tokens", "64")
+    assert code == 0 and "the thresholds were not saved" in out and "saved to" not in out
+    assert "localmoe: note: could not save thresholds" in err
+
+
+@pytest.mark.parametrize(("names", "complete"), [
+    (["model.safetensors"], True), (["model-00002.safetensors"], False), (["../outside.safetensors"], True),
+    (["/etc/passwd"], True), (["sub/model.safetensors"], True), ([7], True)],
+    ids=["present", "missing-shard", "parent-dir", "absolute", "subfolder", "not-a-string"])
+def test_complete_snapshot_index_names(tmp_path, names, complete):
+    """Every shard a sharded index names must be present; a name that is no plain file name is not looked up (the
+    snapshot counts as complete and the loader refuses the index by name)."""
+    from localmoe.hub import complete_snapshot
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {f"t{i}": n for i, n in enumerate(names)}}))
+    assert complete_snapshot(tmp_path) is complete
+
+
+def test_chat_loader_takes_another_model(monkeypatch, capsys):
+    """`chat`'s loader callback: load(progress) gives the model named on the command line, load(progress, model=X)
+    another (`/model X`), each with the sampling flags over its own generation config; the flags reach run_chat."""
+    import localmoe.tui.app as app
+
+    seen = {}
+
+    def fake_run_chat(load, **kwargs):
+        seen.update(kwargs, first=load(lambda *a: None), other=load(lambda *a: None, model=repo_id("olmoe")))
+        return 0
+
+    monkeypatch.setattr(app, "run_chat", fake_run_chat)
+    assert main(["chat", MODEL, "--sparsity", "0", "--top-k", "7", "--stop", "END", "--no-think"]) == 0
+    assert seen["first"].model_name == MODEL and seen["other"].model_name == repo_id("olmoe")
+    for e in (seen["first"], seen["other"]):
+        d = e.default_settings()
+        assert (d.top_k, d.stop, d.temperature) == (7, ("END",), 0.0)
+    assert seen["settings"].top_k == 7 and seen["think"] is False

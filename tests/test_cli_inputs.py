@@ -5,8 +5,9 @@ Choices where the issue was silent: numeric flags reject NaN and infinities (and
 65536 GiB, --context above 2**24 tokens); --seed takes [0, 2**64 - 1], the unsigned range torch's generators
 accept; stdin (and PROMPT or --system from argv) that is not UTF-8 is refused, naming the first bad byte and its
 offset, rather than decoded with replacement characters; `--raw --system` is refused (--raw has no chat template to
-place a system prompt in); a blank --system is refused like a blank prompt; text files given as flags are checked
-(readable, UTF-8, not empty) before the model loads.
+place a system prompt in, nor a thinking switch to set: `--raw --think`); a blank --system is refused like a blank
+prompt, and so is an empty --stop; --repeat-penalty takes (0, 10]; text files given as flags are checked (readable,
+UTF-8, not empty) before the model loads.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ CASES = [
     ("seed-2-pow-64", RUN + ["--seed", str(2**64)], None, 2, "--seed must be >= 0 and <= 18446744073709551615"),
     ("seed-negative", RUN + ["--seed", "-1"], None, 2, "--seed must be >= 0"),
     ("seed-fraction", RUN + ["--seed", "1.5"], None, 2, "expected int, got '1.5'"),
+    ("repeat-penalty-nan", RUN + ["--repeat-penalty", "nan"], None, 2, "--repeat-penalty must be a finite number"),
+    ("repeat-penalty-zero", RUN + ["--repeat-penalty", "0"], None, 2, "--repeat-penalty must be > 0.0"),
+    ("repeat-penalty-negative", RUN + ["--repeat-penalty", "-1.1"], None, 2, "--repeat-penalty must be > 0.0"),
+    ("repeat-penalty-above-10", RUN + ["--repeat-penalty", "11"], None, 2, "<= 10.0, got 11"),
+    ("repeat-penalty-word", RUN + ["--repeat-penalty", "high"], None, 2, "expected float, got 'high'"),
+    ("stop-empty", RUN + ["--stop", "x", "--stop", ""], None, 2, "--stop is empty"),
+    ("stop-undecodable", RUN + ["--stop", "\udcff"], None, 2, "--stop is not UTF-8 text (byte 0xff at offset 0)"),
+    ("raw-with-think", RUN + ["--raw", "--think"], None, 2, "which is what --think sets"),
     ("max-new-tokens-zero", RUN + ["--max-new-tokens", "0"], None, 2, "--max-new-tokens must be >= 1"),
     ("max-new-tokens-negative", RUN + ["--max-new-tokens", "-3"], None, 2, "--max-new-tokens must be >= 1"),
     # --context and --sparsity
@@ -115,6 +124,12 @@ CASES = [
     ("chat-vram-inf", ["chat", M, "--vram", "inf"], None, 2, "--vram must be a finite number"),
     ("chat-seed-1e23", ["chat", M, "--seed", str(10**23)], None, 2, "--seed must be"),
     ("chat-system-blank", ["chat", M, "--system", " "], None, 2, "--system is empty"),
+    ("chat-stop-empty", ["chat", M, "--stop", ""], None, 2, "--stop is empty"),
+    ("chat-repeat-penalty-inf", ["chat", M, "--repeat-penalty", "inf"], None, 2, "--repeat-penalty must be a finite"),
+    ("bench-repeat-penalty-zero", ["bench", M, "--repeat-penalty", "0"], None, 2, "--repeat-penalty must be > 0.0"),
+    ("show-vram-zero", ["show", M, "--vram", "0"], None, 2, "--vram must be > 0.0"),
+    ("show-experts-int8", ["show", M, "--experts", "int8"], None, 2, "invalid choice: 'int8'"),
+    ("show-context-15", ["show", M, "--context", "15"], None, 2, "--context must be >= 16"),
 ]
 
 
@@ -154,6 +169,11 @@ GOOD = [
     ("seed-zero", RUN + ["--seed", "0", "--temperature", "1"], None),
     ("system", RUN + ["--system", "be brief"], None),
     ("raw", RUN + ["--raw"], None),
+    ("repeat-penalty", RUN + ["--repeat-penalty", "1.2"], None),
+    ("repeat-penalty-below-1", RUN + ["--repeat-penalty", "0.5"], None),
+    ("stops", RUN + ["--stop", "\n", "--stop", "é"], None),
+    ("no-think-without-the-switch", RUN + ["--no-think"], None),
+    ("temperature-zero-top-k", RUN + ["--temperature", "0", "--top-k", "5"], None),
 ]
 
 

@@ -154,3 +154,66 @@ def test_undecodable_text_is_a_usage_error(engine, encode):
 
     with pytest.raises(UsageError, match="not valid text"):
         encode(engine)
+
+
+def test_timings_in_stats(engine):
+    """load_s (the load, kept in every reply's stats), ttft_s (generate call to first token) and wall_s (to the end)."""
+    assert engine.load_s > 0 and engine.stats.load_s == engine.load_s
+    stream = engine.generate(engine.encode_raw("abc"), GenerationSettings(max_new_tokens=6))
+    next(stream)
+    live = engine.stats
+    assert live.ttft_s > 0 and live.wall_s >= live.ttft_s and live.finish_reason == ""
+    list(stream)
+    st = engine.stats
+    assert st.load_s == engine.load_s and 0 < st.ttft_s <= st.wall_s and st.finish_reason in {"length", "stop"}
+    assert st.as_json()["wall_s"] == st.wall_s
+
+
+def _copy_without(src, dst, *names, config=None):
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    for n in names:
+        (dst / n).unlink(missing_ok=True)
+    if config:
+        data = json.loads((dst / "config.json").read_text())
+        data.update(config)
+        (dst / "config.json").write_text(json.dumps(data))
+    return dst
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+BEFORE_TOKENIZER = [  # (id, files removed, config changes, the loader's message)
+    ("no-tokenizer", TOKENIZER_FILES, None, "no tokenizer in "),
+    ("bad-config-and-no-tokenizer", TOKENIZER_FILES, {"hidden_size": -1}, "hidden_size is -1"),
+    ("unsupported-and-no-tokenizer", TOKENIZER_FILES, {"model_type": "gpt_oss"}, "GPT-OSS is not yet supported"),
+]
+
+
+@pytest.mark.parametrize(("removed", "config", "says"), [c[1:] for c in BEFORE_TOKENIZER],
+                         ids=[c[0] for c in BEFORE_TOKENIZER])
+def test_config_and_tokenizer_checked_before_the_tokenizer_loads(src_dir, tmp_path, removed, config, says):
+    """The loader's own messages (read_config, check_tokenizer) come before transformers builds a tokenizer."""
+    from localmoe.errors import UsageError
+
+    folder = _copy_without(src_dir / "qwen3_moe", tmp_path / "ckpt", *removed, config=config)
+    with pytest.raises(UsageError, match=says.replace("(", "\\(")):
+        Engine.load(str(folder), device="cpu", sparsity=0.0)
+
+
+def test_reasoning_content_is_checked(engine):
+    from localmoe.errors import UsageError
+
+    with pytest.raises(UsageError, match="the assistant message's reasoning is not valid text"):
+        engine.encode_chat([{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "ok", "reasoning_content": "\udcff"}])
+
+
+def test_notes_and_plan_line(hub_cache):
+    """The plan line is the load's first note; it reaches on_notice only with show_plan (run on a terminal)."""
+    notes = []
+    e = Engine.load(repo_id("olmoe"), device="cpu", sparsity=0.0, on_notice=notes.append, show_plan=True)
+    assert notes[0] == e.plan_line == e.notes[0] and "on the CPU" in e.plan_line
+    quiet = Engine.load(repo_id("olmoe"), device="cpu", sparsity=0.0, on_notice=notes.append)
+    assert quiet.notes[0] == quiet.plan_line and notes.count(e.plan_line) == 1

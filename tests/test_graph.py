@@ -79,3 +79,35 @@ def test_prepare_next_turn_with_the_graph(hub_cache, family):
     assert e.stats.reused_prompt_tokens == p1 + added
     e.reuse_prompts = False
     assert reply(e, turn2) == got
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("depth", [0, 2])
+def test_repetition_penalty_in_graph_equals_eager(hub_cache, family, depth):
+    """The penalised greedy step chooses its token inside the graph (the argmax reads and marks the seen mask on the
+    device): the tokens of choosing outside the graph and of eager decoding, and the same captured graph serves
+    penalty off and on; seeded sampling with the penalty (outside the graph, on the device) repeats."""
+    e = Engine.load(repo_id(family), device="cuda", dtype="float32", sparsity=0.0)
+    e.eos_ids = set()
+    e.pipeline_depth = depth
+    ids = e.encode_raw("the cat the cat sat on the mat")
+
+    def toks(s):
+        return [ev.token_id for ev in e.generate(ids, s)]
+
+    pen = GenerationSettings(max_new_tokens=24, repetition_penalty=1.5)
+    sampled = GenerationSettings(max_new_tokens=24, repetition_penalty=1.5, temperature=1.0, top_k=20, seed=3)
+    inside = toks(pen)
+    graph = e._graph
+    assert graph is not None and graph.chooses and graph.penalizes
+    plain = toks(GenerationSettings(max_new_tokens=24))
+    inside2 = toks(pen)
+    s1, s2 = toks(sampled), toks(sampled)
+    assert e._graph is graph  # one capture for all of them
+    e.graph_greedy = False
+    outside = toks(pen)
+    e.graph_greedy, e.use_graphs, e._graph = True, False, None
+    eager = toks(pen)
+    eager_plain = toks(GenerationSettings(max_new_tokens=24))
+    assert inside == inside2 == outside == eager and len(inside) == 24
+    assert plain == eager_plain and s1 == s2

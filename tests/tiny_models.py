@@ -161,3 +161,95 @@ def save_repeating_checkpoint(folder: Path, token_text: str) -> Path:
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "bos_token_id": 1,
                                                                "pad_token_id": 1}))
     return folder
+
+
+# -- a thinking model: Qwen3's chat template shape, <think>/</think> as tokens, a scripted reply -----------------------
+THINK_REPO = f"{ORG}/tiny-think"
+# Qwen3's template, cut down: `enable_thinking` false closes an empty block in the generation prompt; a past
+# assistant turn after the last user message is rendered with its reasoning (`reasoning_content`, or a <think> block
+# in its content), earlier ones without.
+THINK_TEMPLATE = r"""{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+{%- if m['role'] == 'assistant' -%}
+{%- set content = m['content'] -%}
+{%- set reasoning = '' -%}
+{%- if m['reasoning_content'] is defined and m['reasoning_content'] is string -%}
+{%- set reasoning = m['reasoning_content'] -%}
+{%- elif '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+{%- if loop.index0 > ns.last_user and reasoning -%}
+{{ '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') + '<|im_end|>\n' }}
+{%- else -%}
+{{ '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}
+{%- endif -%}
+{%- else -%}
+{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{ '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\n\n</think>\n\n' }}{%- endif -%}
+{%- endif -%}"""
+THINK_TOKENS = ["<think>", "</think>", "\n\n"]  # in the vocabulary's last three ids, matched before characters
+# The scripted reply: each token's successor. With thinking on the prompt ends in "\n" (the generation header):
+# "<think>Why?</think>\n\nOK" then EOS; with thinking off it ends in "\n\n" (the closed empty block): "OK" then EOS.
+# A template that opens the block in the prompt (ending in "<think>") gets "Why?</think>\n\nOK".
+THINK_SCRIPT = [("\n", "<think>"), ("<think>", "W"), ("W", "h"), ("h", "y"), ("y", "?"), ("?", "</think>"),
+                ("</think>", "\n\n"), ("\n\n", "O"), ("O", "K"), ("K", "<|im_end|>")]
+THINK_REASONING, THINK_ANSWER = "Why?", "OK"
+
+
+def think_tokenizer():
+    """The character-level tokenizer with <think>, </think> and "\\n\\n" as tokens (not special: they decode to
+    their text, as Qwen3's do) and THINK_TEMPLATE."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    chars += [chr(0x3B1 + i) for i in range(VOCAB - len(SPECIALS) - len(chars) - len(THINK_TOKENS))]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars + THINK_TOKENS)}
+    assert len(vocab) == VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   bos_token=None, pad_token="<|endoftext|>")
+    fast.chat_template = THINK_TEMPLATE
+    return fast
+
+
+def save_think_checkpoint(folder: Path) -> Path:
+    """A tiny Qwen3-MoE whose reply follows THINK_SCRIPT: every attention output and expert is zero, so the last
+    hidden state is the current token's embedding; the script's tokens get orthonormal embeddings and lm_head row
+    `next` is 20x the (normalised) embedding of its predecessor, so the successor's logit is 20 and every other 0:
+    greedy and sampled replies alike follow the script. generation_config.json is Qwen3's (sampling, temperature
+    0.6, top-k 20, top-p 0.95)."""
+    import torch
+
+    model, kwargs = build("qwen3_moe")
+    tok = think_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for pair in THINK_SCRIPT for t in pair}
+    H = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.experts.down_proj.zero_()
+        basis, _ = torch.linalg.qr(torch.randn(H, H, generator=torch.Generator().manual_seed(7)))
+        emb = model.model.embed_tokens.weight
+        for i, t in enumerate(sorted(ids.values())):
+            emb[t] = basis[i] * H ** 0.5  # rms 1: the final RMSNorm leaves it as it is
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        for a, b in THINK_SCRIPT:
+            model.lm_head.weight[ids[b]] = 20.0 * emb[ids[a]] / H
+    model.save_pretrained(folder, **kwargs)
+    tok.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 3, "bos_token_id": 1,
+         "pad_token_id": 1}))
+    return folder

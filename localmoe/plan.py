@@ -1,0 +1,359 @@
+"""What a model needs, worked out from its config alone: size, active parameters, the VRAM plan at a budget and the
+bytes a decode step must read. `localmoe show` prints it before any download; `run` and `chat` print its one-line
+form (`ModelPlan.line`) as they load.
+
+The numbers come from the code that loads models, not from a second model of it: the transformers skeleton on the
+meta device with localmoe's experts swapped in (`loader.build_skeleton` / `swap_experts`, as `random_weights` builds
+a bench model), the offload plan of `loader.plan_offload` / `placement` (what stays resident, expert slots, the
+gates-first split of direct misses), and the byte floor `benchmark.step_bytes` reports (`step_floor`).
+
+Shape legend: E experts per MoE layer, I expert width, H hidden, k experts per token, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+GiB = 1 << 30
+
+
+def count(n: float) -> str:
+    """A parameter count for people: 34.66B, 13.7M, 950K."""
+    for div, unit, fmt in ((1e9, "B", ".2f"), (1e6, "M", ".1f"), (1e3, "K", ".0f")):
+        if n >= div:
+            return f"{n / div:{fmt}}{unit}"
+    return str(int(n))
+
+
+def size(b: float) -> str:
+    """Bytes for people, decimal: 69.35 GB, 23.1 MB, 512 KB."""
+    for div, unit, fmt in ((1e9, "GB", ".2f"), (1e6, "MB", ".1f"), (1e3, "KB", ".0f")):
+        if b >= div:
+            return f"{b / div:{fmt}} {unit}"
+    return f"{int(b)} B"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Counts of one model, from its (meta or loaded) transformers model and localmoe's experts."""
+
+    family: str  # localmoe's family name (families.py)
+    model_type: str
+    architecture: str  # the transformers class
+    layers: int
+    moe_layers: int
+    hidden: int
+    experts: int  # E, routed experts per MoE layer
+    top_k: int
+    expert_width: int  # I
+    shared_expert_width: int  # 0 when none
+    vocab: int
+    context_max: int  # max_position_embeddings (0 when unset)
+    non_expert_params: int
+    non_expert_bytes: int  # in the model's dtype (fp32-kept modules as kept)
+    embed_skip_bytes: int  # the embedding table but one row: not read per token (0 when lm_head shares it)
+
+    @property
+    def expert_params(self) -> int:
+        return self.moe_layers * self.experts * 3 * self.expert_width * self.hidden
+
+    @property
+    def total_params(self) -> int:
+        return self.non_expert_params + self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token uses: every non-expert one (embeddings included, as model cards count) and k experts
+        per MoE layer."""
+        return self.non_expert_params + self.moe_layers * self.top_k * 3 * self.expert_width * self.hidden
+
+
+def facts(model, text_config, experts: list) -> ModelFacts:
+    """ModelFacts of `model` (parameters on the meta device or loaded) whose MoE blocks hold `experts`
+    (LocalExperts, layer order)."""
+    from localmoe.families import FAMILIES, family_for_model_type
+
+    params = list(model.parameters())  # tied weights once
+    non_expert_params = sum(p.numel() for p in params)
+    non_expert_bytes = sum(p.numel() * p.element_size() for p in params)
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight is emb
+    skip = 0 if tied else (emb.numel() - emb.shape[-1]) * emb.element_size()
+    fam = family_for_model_type(text_config.model_type)
+    block = next((FAMILIES[type(m).__name__] for m in model.modules() if type(m).__name__ in FAMILIES), None)
+    m0 = experts[0]
+    shared = (getattr(text_config, "shared_expert_intermediate_size", None)
+              or (getattr(text_config, "n_shared_experts", 0) or 0) * (getattr(text_config, "moe_intermediate_size", 0)
+                                                                         or 0))
+    return ModelFacts(
+        family=(fam or block).name if (fam or block) else text_config.model_type, model_type=text_config.model_type,
+        architecture=type(model).__name__, layers=int(text_config.num_hidden_layers), moe_layers=len(experts),
+        hidden=m0.hidden_size, experts=m0.num_experts, top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
+        expert_width=m0.intermediate_size, shared_expert_width=int(shared or 0),
+        vocab=int(text_config.vocab_size), context_max=int(getattr(text_config, "max_position_embeddings", 0) or 0),
+        non_expert_params=non_expert_params, non_expert_bytes=non_expert_bytes, embed_skip_bytes=skip)
+
+
+def matrix_bytes(f: ModelFacts, element_bytes: float, experts_format: str) -> float:
+    """Bytes of one expert's gate (or up, or down) matrix [I, H] in `experts_format`."""
+    if experts_format == "int4":
+        from localmoe.quantize import expert_bytes
+
+        return expert_bytes(f.expert_width, f.hidden) / 3
+    return f.expert_width * f.hidden * element_bytes
+
+
+def step_floor(f: ModelFacts, matrix: float, sparsity: float) -> float:
+    """Bytes one decode step must read: every non-expert weight except the embedding table (one row), plus, per MoE
+    layer, the k routed experts' gates whole and their up/down rows kept at `sparsity`."""
+    return float(f.non_expert_bytes - f.embed_skip_bytes + f.moe_layers * f.top_k * matrix * (1 + 2 * (1 - sparsity)))
+
+
+@dataclass
+class ModelPlan:
+    name: str
+    facts: ModelFacts
+    dtype: str  # the run's ("bfloat16")
+    experts_format: str
+    context: int  # tokens the KV/state is sized for
+    sparsity: float  # the default decode sparsity
+    expert_bytes: int  # one expert, gate + up + down, in the format
+    budget_bytes: int | None = None  # None: no GPU budget (the CPU)
+    offload: object = None  # placement.OffloadPlan at the budget
+    error: str = ""  # why the budget cannot hold the model ("" when it can, or without a budget)
+    state_bytes: int = 0
+    floor_dense: float = 0.0
+    floor_sparse: float = 0.0
+    download_bytes: int | None = None
+    download_source: str = ""  # "disk", "hub", or "estimate"
+    device: str = "cuda"  # where it would run: "cpu" (an engine on the CPU), "cuda"
+    source: str = ""  # where the config came from (hub.ConfigSource.how), for show
+    repo: str | None = None
+    sampling: dict = field(default_factory=dict)  # the checkpoint's sampling defaults (show)
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return self.facts.moe_layers * self.facts.experts * self.expert_bytes
+
+    @property
+    def all_resident_bytes(self) -> int:
+        """VRAM that keeps everything resident: non-expert weights, KV/state, workspace and every expert."""
+        from localmoe.placement import WORKSPACE_RESERVE
+
+        return int(self.facts.non_expert_bytes + self.state_bytes + WORKSPACE_RESERVE + self.total_expert_bytes)
+
+    def vram(self) -> dict | None:
+        """The plan at the budget, in numbers (None without a budget)."""
+        if self.budget_bytes is None:
+            return None
+        from localmoe.placement import WORKSPACE_RESERVE, gate_tier_split
+
+        d = {"budget_bytes": self.budget_bytes, "fits": not self.error, "error": self.error or None,
+             "all_resident_bytes": self.all_resident_bytes, "state_bytes": self.state_bytes,
+             "workspace_bytes": int(WORKSPACE_RESERVE), "expert_bytes": self.expert_bytes,
+             "experts_total": self.facts.moe_layers * self.facts.experts}
+        p = self.offload
+        if p is None:
+            return d
+        gates, updown = gate_tier_split(p) if p.offloading else (p.total_experts, p.total_experts)
+        d.update(non_expert_bytes=p.non_expert_bytes,
+                 non_expert_gpu_bytes=p.non_expert_gpu_bytes if p.spills else p.non_expert_bytes,
+                 experts_cached=p.slots, experts_cached_per_layer=p.slots / max(1, self.facts.moe_layers),
+                 offloading=p.offloading, direct_gates_cached=gates, direct_updown_cached=updown,
+                 host_ram_bytes=p.total_experts * p.expert_bytes if p.offloading else 0)
+        return d
+
+    def vram_text(self) -> str:
+        """The plan at the budget, one clause."""
+        gib = lambda b: f"{b / GiB:.2f} GiB" if b >= GiB / 10 else f"{b / (1 << 20):.1f} MiB"  # noqa: E731
+        if self.budget_bytes is None:
+            weights = gib(self.facts.non_expert_bytes + self.total_expert_bytes)
+            if self.device == "cpu":
+                return f"on the CPU: {weights} of weights in host memory"
+            return (f"all resident needs {gib(self.all_resident_bytes)} of VRAM ({weights} of weights); no GPU here: "
+                    "--vram GiB plans for a card")
+        head = f"at {gib(self.budget_bytes)} of VRAM"
+        if self.error:
+            return f"{head}: does not fit ({self.error})"
+        p = self.offload
+        resident = (f"non-expert weights {gib(p.non_expert_bytes)}"
+                    + (f" ({gib(p.non_expert_gpu_bytes)} of them on the GPU)" if p.spills else "")
+                    + f" + KV/state {gib(p.state_bytes)} resident")
+        if not p.offloading:
+            return f"{head}: {resident}, all {p.total_experts} experts too ({gib(self.total_expert_bytes)})"
+        per = p.slots / max(1, self.facts.moe_layers)
+        return (f"{head}: {resident}, {p.slots} of {p.total_experts} experts cached ({per:.1f} per layer; direct "
+                f"misses keep gates first), host RAM {gib(p.total_experts * p.expert_bytes)} for the experts' "
+                "master copies")
+
+    def line(self) -> str:
+        """The one-line plan `run` and `chat` print at load (and `show`'s 'plan' line)."""
+        f = self.facts
+        return (f"{self.name}: {count(f.total_params)} parameters ({count(f.active_params)} active), "
+                f"{f.moe_layers} MoE layers x {f.experts} experts (top-{f.top_k}); {self.experts_format} experts, "
+                f"{self.dtype}, context {self.context}; {self.vram_text()}; reads {size(self.floor_dense)} "
+                f"per token dense, {size(self.floor_sparse)} at {self.sparsity:.0%} sparsity")
+
+    def as_json(self) -> dict:
+        f = self.facts
+        d = {"model": self.name, "repo": self.repo, "config_source": self.source or None,
+             **{k: v for k, v in asdict(f).items()}, "params_total": f.total_params,
+             "params_active": f.active_params, "dtype": self.dtype, "experts_format": self.experts_format,
+             "context": self.context, "default_sparsity": self.sparsity, "download_bytes": self.download_bytes,
+             "download_source": self.download_source or None, "vram": self.vram(),
+             "bytes_per_token": {"dense": self.floor_dense, "sparse": self.floor_sparse, "sparsity": self.sparsity},
+             "sampling": self.sampling or None, "plan": self.line()}
+        return d
+
+    def text(self) -> str:
+        """`localmoe show`'s lines."""
+        f = self.facts
+        src = {"hub": "config fetched from the hub; weights not downloaded",
+               "shapes": "offline and not downloaded: config from localmoe's table of shapes",
+               "cache": "downloaded" if self.download_source == "disk" else "config cached; weights not downloaded",
+               "local": "local folder", "bundled": "bundled with localmoe"}.get(self.source, "")
+        dl = ("–" if self.download_bytes is None else
+                size(self.download_bytes) + {"disk": " on disk", "hub": " (hub file list)",
+                                                         "estimate": f" (estimated: parameters in {self.dtype})"}
+                .get(self.download_source, ""))
+        shared = f", shared expert width {f.shared_expert_width}" if f.shared_expert_width else ""
+        smp = self.sampling
+        sampling = ("greedy" if not smp or smp.get("temperature", 0) <= 0 else
+                    f"temperature {smp['temperature']:g}, top-k {smp['top_k']}, top-p {smp['top_p']:g}")
+        if smp and smp.get("repetition_penalty", 1.0) != 1.0:
+            sampling += f", repetition penalty {smp['repetition_penalty']:g}"
+        lines = [f"{self.name}" + (f" ({self.repo})" if self.repo and self.repo != self.name else "")
+                 + (f": {src}" if src else ""),
+                 f"  architecture   {f.family} ({f.model_type}, {f.architecture})",
+                 f"  layers         {f.layers} ({f.moe_layers} MoE), hidden {f.hidden}, vocabulary {f.vocab}",
+                 f"  experts        {f.experts} per MoE layer, top-{f.top_k}, width {f.expert_width}{shared}",
+                 f"  parameters     {count(f.total_params)} total, {count(f.active_params)} active per token",
+                 f"  context        {f.context_max or '?'} tokens (planned for {self.context})",
+                 f"  download       {dl}",
+                 f"  sampling       {sampling} (generation_config.json)" if smp else "  sampling       greedy "
+                 "(no generation_config.json)",
+                 f"  VRAM           {self.experts_format} experts, {self.dtype}: {self.vram_text()}",
+                 f"  per token      {size(self.floor_dense)} read dense, {size(self.floor_sparse)} at the "
+                 f"default {self.sparsity:.0%} sparsity (the decode step's byte floor)",
+                 f"  plan           {self.line()}"]
+        return "\n".join(lines)
+
+
+def _finish(plan: ModelPlan, element_bytes: float) -> ModelPlan:
+    m = matrix_bytes(plan.facts, element_bytes, plan.experts_format)
+    plan.floor_dense = step_floor(plan.facts, m, 0.0)
+    plan.floor_sparse = step_floor(plan.facts, m, plan.sparsity)
+    return plan
+
+
+def from_config(name: str, text_config, *, budget_bytes: int | None, context: int, dtype, experts_format: str,
+                sparsity: float) -> ModelPlan:
+    """The plan of a model from its text config: the skeleton built on the meta device (no weights), the loader's
+    offload plan at `budget_bytes` (None: no GPU). A budget too small is reported in `error`, not raised."""
+    import torch
+
+    from localmoe.errors import UsageError
+    from localmoe.loader import build_skeleton, check_format, plan_offload, swap_experts
+    from localmoe.placement import state_bytes
+    from localmoe.quantize import expert_bytes as int4_bytes
+
+    check_format(experts_format)
+    model = build_skeleton(text_config, dtype)
+    experts = swap_experts(model, text_config)
+    f = facts(model, text_config, list(experts.values()))
+    el = torch.finfo(dtype).bits // 8
+    try:
+        one = int4_bytes(f.expert_width, f.hidden) if experts_format == "int4" else 3 * f.expert_width * f.hidden * el
+    except ValueError as e:
+        raise UsageError(f"{e}; use --experts full") from None
+    plan = ModelPlan(name=name, facts=f, dtype=str(dtype).replace("torch.", ""), experts_format=experts_format,
+                     context=context, sparsity=sparsity, expert_bytes=one, budget_bytes=budget_bytes,
+                     state_bytes=state_bytes(text_config, context, dtype))
+    if budget_bytes is not None:
+        try:
+            plan.offload = plan_offload(model, text_config, experts, dtype, budget_bytes, context, None,
+                                        experts_format)
+        except UsageError as e:
+            plan.error = str(e)
+    return _finish(plan, el)
+
+
+def engine_plan(engine, sparsity: float) -> ModelPlan:
+    """The plan of a loaded engine (its model, its budget's offload plan): what `run` and `chat` print."""
+    from localmoe.placement import state_bytes
+
+    loaded = engine.loaded
+    f = facts(engine.model, loaded.config, loaded.experts)
+    m0 = loaded.experts[0]
+    one = m0.weights.nbytes() // max(1, m0.num_experts) if m0.weights is not None else 0
+    p = loaded.offload
+    plan = ModelPlan(name=engine.model_name, facts=f, dtype=str(engine.dtype).replace("torch.", ""),
+                     experts_format=engine.experts_format, context=engine.context, sparsity=sparsity,
+                     expert_bytes=one, budget_bytes=p.budget_bytes if p is not None else None, offload=p,
+                     device=engine._device.type,
+                     state_bytes=p.state_bytes if p is not None else state_bytes(loaded.config, engine.context,
+                                                                                  engine.dtype))
+    el = m0.weights.w_gate.element_size() if m0.weights is not None else 2
+    m = f.expert_width * f.hidden * el  # Int4Tensor.element_size: bytes per weight, scales included
+    plan.floor_dense = step_floor(f, m, 0.0)
+    plan.floor_sparse = step_floor(f, m, sparsity)
+    return plan
+
+
+def show(name: str, *, vram_gib: float | None = None, experts_format: str = "full",
+         context: int | None = None) -> ModelPlan:
+    """`localmoe show MODEL`: the plan from the config alone (hub.locate_config: a local or cached folder, the config
+    files fetched from the hub, or localmoe's table of shapes offline). The budget: `vram_gib`, else what a CUDA card
+    here has free, else none. bf16 (the GPU's dtype)."""
+    import torch
+
+    from localmoe import hub
+    from localmoe.devices import vram_budget
+    from localmoe.engine import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY, generation_defaults
+    from localmoe.errors import UsageError
+
+    src = hub.locate_config(name)
+    if src.folder is not None:
+        from localmoe.loader import read_config
+
+        _, text_config, _ = read_config(src.folder)
+    else:
+        from localmoe.benchmark import shape_config
+
+        text_config = shape_config(src.spec.alias)
+    limit = int(getattr(text_config, "max_position_embeddings", 0) or 0)
+    if context is not None and limit and context > limit:
+        raise UsageError(f"--context {context} is more than {src.name} supports ({limit})")
+    ctx = context or (min(DEFAULT_CONTEXT, limit) if limit else DEFAULT_CONTEXT)
+    if vram_gib is not None:
+        budget = vram_budget(torch.device("cpu"), vram_gib)
+    elif torch.cuda.is_available():
+        budget = vram_budget(torch.device("cuda"), None)
+    else:
+        budget = None
+    default = src.spec.sparsity if src.spec is not None else UNKNOWN_MODEL_SPARSITY
+    plan = from_config(src.name, text_config, budget_bytes=budget, context=ctx, dtype=torch.bfloat16,
+                       experts_format=experts_format, sparsity=default)
+    plan.source, plan.repo = src.how, src.repo_id
+    if src.folder is not None and (src.folder / "generation_config.json").is_file():
+        plan.sampling = asdict(generation_defaults(src.folder))
+        for k in ("max_new_tokens", "seed", "stop"):
+            plan.sampling.pop(k, None)
+    if src.downloaded and src.folder is not None:
+        plan.download_bytes, plan.download_source = hub.local_weight_bytes(src.folder), "disk"
+    else:
+        size = hub.hub_weight_bytes(src.repo_id) if src.repo_id else None
+        if size is not None:
+            plan.download_bytes, plan.download_source = size, "hub"
+        else:
+            el = _checkpoint_element_bytes(text_config)
+            plan.download_bytes, plan.download_source = int(plan.facts.total_params * el), "estimate"
+    return plan
+
+
+def _checkpoint_element_bytes(config) -> int:
+    """Bytes per parameter of the checkpoint's stored dtype (config `dtype` / `torch_dtype`; bf16 when unset)."""
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(dt).replace("torch.", "") if dt is not None else "bfloat16"
+    return {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}.get(name, 2)
