@@ -60,6 +60,8 @@ def fused_sweep(H):
         return FUSED_SWEEP
     hp2 = 1 << (H - 1).bit_length()
     return [c for c in FUSED_CANDIDATES if 16 <= c["BLOCK_I"] * hp2 // (32 * c["num_warps"]) <= 64]
+
+
 OFFLOAD_ABSENT = 0.5  # fraction of each token's routed experts missing from the device pool in the offload rows
 
 
@@ -126,8 +128,13 @@ def make_block(family, H, I, E, k, SI, dev):
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig as Cfg
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock as Block
 
-        cfg = Cfg(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k,
-                  shared_expert_intermediate_size=SI)
+        cfg = Cfg(
+            hidden_size=H,
+            moe_intermediate_size=I,
+            num_experts=E,
+            num_experts_per_tok=k,
+            shared_expert_intermediate_size=SI,
+        )
     else:
         from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig as Cfg
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
@@ -146,8 +153,9 @@ def make_block(family, H, I, E, k, SI, dev):
     blk.eval().requires_grad_(False)
     ex = blk.experts
     # localmoe layout: w_gate / w_up are row-contiguous views of gate_up_proj, w_down_t is down_proj transposed
-    lw = dict(w_gate=ex.gate_up_proj[:, :I], w_up=ex.gate_up_proj[:, I:],
-              w_down_t=ex.down_proj.transpose(1, 2).contiguous())
+    lw = dict(
+        w_gate=ex.gate_up_proj[:, :I], w_up=ex.gate_up_proj[:, I:], w_down_t=ex.down_proj.transpose(1, 2).contiguous()
+    )
     return cfg, blk, lw
 
 
@@ -170,8 +178,8 @@ def calibrate(blk, lw, H, sparsity, n_tok, dev):
     w = lw["w_gate"]
     gs = []
     for c in range(0, n_tok, 16):
-        wi = w[ids[c:c + 16].long()].float()  # [t,k,I,H]
-        gs.append(torch.nn.functional.silu(torch.einsum("th,tkih->tki", xs[c:c + 16].float(), wi)).abs().flatten())
+        wi = w[ids[c : c + 16].long()].float()  # [t,k,I,H]
+        gs.append(torch.nn.functional.silu(torch.einsum("th,tkih->tki", xs[c : c + 16].float(), wi)).abs().flatten())
     a = torch.cat(gs)
     if a.numel() > 8_000_000:
         a = a[torch.randperm(a.numel(), device=a.device)[:8_000_000]]
@@ -194,6 +202,7 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
     def set_impl(impl):  # every block has its own config object
         for c_, _, _ in blocks:
             c_._experts_implementation = impl
+
     R = args.reps  # graph = R rounds over the nsets blocks, each with its own input
     nin = R * nsets
     xs = [torch.randn(1, H, device=dev, dtype=torch.bfloat16) for _ in range(nin)]
@@ -238,6 +247,7 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
             for i in range(len(xs_)):
                 lw = blocks[i % nsets][2]
                 dense_experts(xs_[i], lw["w_gate"], lw["w_up"], lw["w_down_t"], *routes_[i], out=bufs[i], **pd)
+
         return fn
 
     def hf_experts_fn(impl, T_inputs=None):
@@ -248,6 +258,7 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
             set_impl(impl)
             for i in range(len(xs_)):
                 blocks[i % nsets][1].experts(xs_[i], *routes_[i])
+
         return fn
 
     def fused_experts_fn(tau, pf, T_inputs=None, out_dtype=torch.float32, accumulate=False):
@@ -258,10 +269,15 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
             T = x_.shape[0]
             if accumulate:  # y and count in one buffer: a single memset node clears both
                 zb = torch.zeros(T * H + T * k, dtype=torch.int32, device=dev)
-                bufs.append((zb, zb[:T * H].view(torch.float32).view(T, H), zb[T * H:].view(T, k)))
+                bufs.append((zb, zb[: T * H].view(torch.float32).view(T, H), zb[T * H :].view(T, k)))
             else:
-                bufs.append((None, torch.empty(T, H, device=dev, dtype=out_dtype),
-                             torch.empty(T, k, device=dev, dtype=torch.int32)))
+                bufs.append(
+                    (
+                        None,
+                        torch.empty(T, H, device=dev, dtype=out_dtype),
+                        torch.empty(T, k, device=dev, dtype=torch.int32),
+                    )
+                )
 
         def fn():
             for i in range(len(xs_)):
@@ -269,8 +285,20 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
                 zb, yb, cb = bufs[i]
                 if accumulate:
                     zb.zero_()
-                sparse_fused(xs_[i], lw["w_gate"], lw["w_up"], lw["w_down_t"], *routes_[i], tau, yb, count=cb,
-                             accumulate=accumulate, workspace=ws, **pf)
+                sparse_fused(
+                    xs_[i],
+                    lw["w_gate"],
+                    lw["w_up"],
+                    lw["w_down_t"],
+                    *routes_[i],
+                    tau,
+                    yb,
+                    count=cb,
+                    accumulate=accumulate,
+                    workspace=ws,
+                    **pf,
+                )
+
         return fn
 
     def offload_inputs(tau_value):
@@ -294,9 +322,17 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
             mixed_tab = orig.clone()
             mixed_tab[absent] = -1
             remapped = torch.arange(k, device=dev, dtype=ids_.dtype)[None]
-            out_.append(dict(masters=masters, ids=remapped, rw=rw_, orig=orig, absent=absent,
-                             tabs={"mixed": mixed_tab, "resident": resident_tab},
-                             tau=torch.full((k,), tau_value, device=dev, dtype=torch.float32)))
+            out_.append(
+                dict(
+                    masters=masters,
+                    ids=remapped,
+                    rw=rw_,
+                    orig=orig,
+                    absent=absent,
+                    tabs={"mixed": mixed_tab, "resident": resident_tab},
+                    tau=torch.full((k,), tau_value, device=dev, dtype=torch.float32),
+                )
+            )
         return out_
 
     def fused_offload_fn(off, table, pf):
@@ -305,9 +341,22 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
         def fn():
             for i in range(nin):
                 lw, o = blocks[i % nsets][2], off[i]
-                sparse_fused(xs[i], *o["masters"], o["ids"], o["rw"], o["tau"], bufs[i][0], count=bufs[i][1],
-                             slot_table=o["tabs"][table], pool_gate=lw["w_gate"], pool_up=lw["w_up"],
-                             pool_down_t=lw["w_down_t"], workspace=ws, **pf)
+                sparse_fused(
+                    xs[i],
+                    *o["masters"],
+                    o["ids"],
+                    o["rw"],
+                    o["tau"],
+                    bufs[i][0],
+                    count=bufs[i][1],
+                    slot_table=o["tabs"][table],
+                    pool_gate=lw["w_gate"],
+                    pool_up=lw["w_up"],
+                    pool_down_t=lw["w_down_t"],
+                    workspace=ws,
+                    **pf,
+                )
+
         return fn
 
     def copy_then_compute_fn(off, tau, pf):
@@ -322,8 +371,19 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
                 for j, e in miss[i]:
                     for nm, m in zip(("w_gate", "w_up", "w_down_t"), o["masters"]):
                         lw[nm][e].copy_(m[j], non_blocking=True)
-                sparse_fused(xs[i], lw["w_gate"], lw["w_up"], lw["w_down_t"], *routes[i], tau, bufs[i][0],
-                             count=bufs[i][1], workspace=ws, **pf)
+                sparse_fused(
+                    xs[i],
+                    lw["w_gate"],
+                    lw["w_up"],
+                    lw["w_down_t"],
+                    *routes[i],
+                    tau,
+                    bufs[i][0],
+                    count=bufs[i][1],
+                    workspace=ws,
+                    **pf,
+                )
+
         return fn
 
     if not args.no_tune:
@@ -364,10 +424,22 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
                 if kind == "dense":
                     y = dense_experts(x_, lw["w_gate"], lw["w_up"], lw["w_down_t"], ids_, rw_, out=yb, **P["dense"])
                 else:
-                    y, _ = sparse_fused(x_, lw["w_gate"], lw["w_up"], lw["w_down_t"], ids_, rw_, tau, yb, count=cb,
-                                        workspace=ws, **P["fused"])
+                    y, _ = sparse_fused(
+                        x_,
+                        lw["w_gate"],
+                        lw["w_up"],
+                        lw["w_down_t"],
+                        ids_,
+                        rw_,
+                        tau,
+                        yb,
+                        count=cb,
+                        workspace=ws,
+                        **P["fused"],
+                    )
                 y = y if sh is None else y + sh
                 y.to(torch.bfloat16)
+
         return fn
 
     ebytes = 2 * H * I  # bytes of one neuron-matrix of one expert (bf16)
@@ -375,8 +447,17 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
     rows, kept_frac = [], {}
 
     def add_row(path, whole_us, exp_us, exp_bytes, mode, host_bytes=0.0):
-        rows.append(dict(path=path, whole_us=whole_us, experts_us=exp_us, experts_MB=exp_bytes / 1e6,
-                         whole_MB=(exp_bytes + other) / 1e6, mode=mode, host_MB=host_bytes / 1e6))
+        rows.append(
+            dict(
+                path=path,
+                whole_us=whole_us,
+                experts_us=exp_us,
+                experts_MB=exp_bytes / 1e6,
+                whole_MB=(exp_bytes + other) / 1e6,
+                mode=mode,
+                host_MB=host_bytes / 1e6,
+            )
+        )
 
     dense_bytes = k * 3 * ebytes
     for impl in ("batched_mm", "grouped_mm"):
@@ -408,11 +489,21 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
             off = offload_inputs(taus[0.85])
             # sanity: offload addressing equals the resident computation on the same inputs
             o, lw = off[0], blocks[0][2]
-            y_res, c_res = sparse_fused(xs[0], lw["w_gate"], lw["w_up"], lw["w_down_t"], *routes[0], tau_t[0.85],
-                                        workspace=ws)
-            y_off, c_off = sparse_fused(xs[0], *o["masters"], o["ids"], o["rw"], o["tau"],
-                                        slot_table=o["tabs"]["mixed"], pool_gate=lw["w_gate"], pool_up=lw["w_up"],
-                                        pool_down_t=lw["w_down_t"], workspace=ws)
+            y_res, c_res = sparse_fused(
+                xs[0], lw["w_gate"], lw["w_up"], lw["w_down_t"], *routes[0], tau_t[0.85], workspace=ws
+            )
+            y_off, c_off = sparse_fused(
+                xs[0],
+                *o["masters"],
+                o["ids"],
+                o["rw"],
+                o["tau"],
+                slot_table=o["tabs"]["mixed"],
+                pool_gate=lw["w_gate"],
+                pool_up=lw["w_up"],
+                pool_down_t=lw["w_down_t"],
+                workspace=ws,
+            )
             errs_off = dict(offload_vs_resident=rel(y_off, y_res), offload_count_mismatch=float((c_off != c_res).sum()))
             print("  offload check:", {a: f"{b:.2e}" for a, b in errs_off.items()})
             results["correctness"][name].update(errs_off)
@@ -421,11 +512,23 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
             e_us, m1 = timer(fused_offload_fn(off, "resident", P["fused"]), nin)
             add_row("localmoe fused 85%, slot table, all routed resident", float("nan"), e_us, fb, m1)
             e_us, m1 = timer(fused_offload_fn(off, "mixed", P["fused"]), nin)
-            add_row(f"localmoe fused 85%, slot table, {n_abs}/{k} routed absent: host reads", float("nan"), e_us, fb,
-                    m1, host_bytes=host_b)
+            add_row(
+                f"localmoe fused 85%, slot table, {n_abs}/{k} routed absent: host reads",
+                float("nan"),
+                e_us,
+                fb,
+                m1,
+                host_bytes=host_b,
+            )
             e_us, m1 = timer(copy_then_compute_fn(off, tau_t[0.85], P["fused"]), nin)
-            add_row(f"copy-then-compute: H2D copy of {n_abs}/{k} experts + fused 85% resident", float("nan"), e_us,
-                    fb + n_abs * 3 * ebytes, m1, host_bytes=n_abs * 3 * ebytes)
+            add_row(
+                f"copy-then-compute: H2D copy of {n_abs}/{k} experts + fused 85% resident",
+                float("nan"),
+                e_us,
+                fb + n_abs * 3 * ebytes,
+                m1,
+                host_bytes=n_abs * 3 * ebytes,
+            )
             del off
         except Exception as exc:  # keep the resident numbers
             import traceback
@@ -443,16 +546,22 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
         r["floor_ratio_whole"] = r["whole_us"] / (r["whole_MB"] * 1e6 / (copy_bw * 1e9) * 1e6)
         r["host_GBps"] = r["host_MB"] * 1e6 / (r["experts_us"] * 1e-6) / 1e9 if r["host_MB"] else 0.0
     results.setdefault("tables", {})[name] = rows
-    print("  | path | whole µs | experts µs | experts GB/s | speed-up whole / experts | x byte floor whole / experts "
-          "| host MB (GB/s) | mode |")
+    print(
+        "  | path | whole µs | experts µs | experts GB/s | speed-up whole / experts | x byte floor whole / experts "
+        "| host MB (GB/s) | mode |"
+    )
     for r in rows:
         host = f"{r['host_MB']:.1f} ({r['host_GBps']:.1f})" if r["host_MB"] else "–"
-        print(f"  | {r['path']} | {r['whole_us']:.1f} | {r['experts_us']:.1f} | {r['GBps_experts']:.0f} | "
-              f"{r['speedup_whole']:.2f} / {r['speedup_experts']:.2f} | {r['floor_ratio_whole']:.2f} / "
-              f"{r['floor_ratio_experts']:.2f} | {host} | {r['mode']} |")
+        print(
+            f"  | {r['path']} | {r['whole_us']:.1f} | {r['experts_us']:.1f} | {r['GBps_experts']:.0f} | "
+            f"{r['speedup_whole']:.2f} / {r['speedup_experts']:.2f} | {r['floor_ratio_whole']:.2f} / "
+            f"{r['floor_ratio_experts']:.2f} | {host} | {r['mode']} |"
+        )
     f85 = next(r for r in rows if r["path"].startswith("localmoe fused 85% (kept"))
-    print(f"  fused 85% experts: {f85['experts_us']:.2f} us, {f85['speedup_experts']:.2f}x best dense "
-          f"(target <= 10 us and >= 2.5x)")
+    print(
+        f"  fused 85% experts: {f85['experts_us']:.2f} us, {f85['speedup_experts']:.2f}x best dense "
+        f"(target <= 10 us and >= 2.5x)"
+    )
 
     # ---- crossover (experts-only, 85 % sparsity) ----
     if not args.no_cross:
@@ -469,8 +578,7 @@ def run_family(spec, args, timer, copy_bw, dev, results, tuned):
             gm, _ = timer(hf_experts_fn("grouped_mm", ti), n)
             bestd = min(de, bm, gm)
             cross[T] = dict(fused85=fu, localmoe_dense=de, batched_mm=bm, grouped_mm=gm)
-            print(f"  T={T:2d}: fused85 {fu:7.1f}  dense {de:7.1f}  batched_mm {bm:7.1f}  "
-                  f"grouped_mm {gm:7.1f} us")
+            print(f"  T={T:2d}: fused85 {fu:7.1f}  dense {de:7.1f}  batched_mm {bm:7.1f}  grouped_mm {gm:7.1f} us")
             if fu < bestd and last_win == (CROSS_T[CROSS_T.index(T) - 1] if T != CROSS_T[0] else 0):
                 last_win = T  # the largest T up to which sparse_fused won at every T
         tuned["crossover_tokens"][f"H{H}_I{I}_E{E}_k{k}"] = max(last_win, 1)
@@ -505,15 +613,23 @@ def main():
     import transformers
     import triton
 
-    print(f"device {devname}; torch {torch.__version__}; triton {triton.__version__}; "
-          f"transformers {transformers.__version__}")
+    print(
+        f"device {devname}; torch {torch.__version__}; triton {triton.__version__}; "
+        f"transformers {transformers.__version__}"
+    )
     bw = copy_bandwidth(cuda)
     print(f"device copy bandwidth (read+write): {bw:.0f} GB/s")
     tiny = [torch.empty(64, device=dev) for _ in range(12)]
     node_us, _ = Timer(cuda)(lambda: [b.zero_() for b in tiny], 12)
     print(f"one tiny kernel node in a CUDA graph: {node_us:.2f} us")
-    results = dict(device=devname, copy_GBps=bw, graph_node_us=node_us, torch=torch.__version__, triton=triton.__version__,
-                   transformers=transformers.__version__)
+    results = dict(
+        device=devname,
+        copy_GBps=bw,
+        graph_node_us=node_us,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        transformers=transformers.__version__,
+    )
     tuned = dict(device=devname, launch_params={}, crossover_tokens={})
     timer = Timer(cuda)
     out = Path(args.out)

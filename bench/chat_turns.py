@@ -39,8 +39,10 @@ def chat3(e):
         ids = [ev.token_id for ev in e.chat(msgs, GenerationSettings(max_new_tokens=12))]
         out.append((ids, e.stats.prompt_tokens, e.stats.reused_prompt_tokens))
         if follow:
-            msgs = msgs + [{"role": "assistant", "content": e.tokenizer.decode(ids, skip_special_tokens=True)},
-                           {"role": "user", "content": follow}]
+            msgs = msgs + [
+                {"role": "assistant", "content": e.tokenizer.decode(ids, skip_special_tokens=True)},
+                {"role": "user", "content": follow},
+            ]
     return out
 
 
@@ -60,8 +62,11 @@ def tiny():
             e.reuse_prompts = False
             e._graph = None
             b = chat3(e)
-            print(f"{fam:<13} {str(graph):<6} {str([x[0] for x in a] == [x[0] for x in b]):<13} "
-                  f"{[x[2] for x in a]} / {[x[2] for x in b]}  (prompts {[x[1] for x in a]})", flush=True)
+            print(
+                f"{fam:<13} {str(graph):<6} {str([x[0] for x in a] == [x[0] for x in b]):<13} "
+                f"{[x[2] for x in a]} / {[x[2] for x in b]}  (prompts {[x[1] for x in a]})",
+                flush=True,
+            )
         except Exception as ex:  # noqa: BLE001
             import traceback
 
@@ -102,8 +107,12 @@ def ttft(e, ids, stable, n_decode):
 # where the engine keeps the state for the next turn: the prompt's end (a ChatML-style template renders the next turn
 # after the whole prompt), the history without the generation header (thinking templates: one more prefill piece),
 # or nowhere (every prompt prefilled whole)
-MODES = {"prompt end": lambda ids, hist: len(ids), "history": lambda ids, hist: hist, "none": None,
-         "+ reply": lambda ids, hist: len(ids)}  # as "prompt end", then the reply prefilled (prepare_next_turn)
+MODES = {
+    "prompt end": lambda ids, hist: len(ids),
+    "history": lambda ids, hist: hist,
+    "none": None,
+    "+ reply": lambda ids, hist: len(ids),
+}  # as "prompt end", then the reply prefilled (prepare_next_turn)
 
 
 @torch.inference_mode()
@@ -144,9 +153,11 @@ def logits_check(e, turns):
     e.prefill_chunk = 1024
     pieces = g.prefill(t(last)).float().clone()
     e.prefill_chunk = 2048
-    return (f"last turn's logits, rewound ({n} reused) vs whole: rel. diff {rel(reused, whole):.2e}, argmax equal "
-            f"{int(reused.argmax()) == int(whole.argmax())}; 1024- vs 2048-token pieces (no reuse): rel. diff "
-            f"{rel(pieces, whole):.2e}, argmax equal {int(pieces.argmax()) == int(whole.argmax())}")
+    return (
+        f"last turn's logits, rewound ({n} reused) vs whole: rel. diff {rel(reused, whole):.2e}, argmax equal "
+        f"{int(reused.argmax()) == int(whole.argmax())}; 1024- vs 2048-token pieces (no reuse): rel. diff "
+        f"{rel(pieces, whole):.2e}, argmax equal {int(pieces.argmax()) == int(whole.argmax())}"
+    )
 
 
 def shape(args):
@@ -169,19 +180,30 @@ def run_turns(e, args, where):
         e._forget_prompt()
         for i, (ids, hist, answered) in enumerate(turns):
             t, toks, st = ttft(e, ids, keep(ids, hist) if keep else 0, args.decode)
-            rows.setdefault(i, {})[mode] = (t, st.reused_prompt_tokens, st.decode_tok_s,
-                                            take_reply(e, answered) if mode == "+ reply" else 0.0)
+            rows.setdefault(i, {})[mode] = (
+                t,
+                st.reused_prompt_tokens,
+                st.decode_tok_s,
+                take_reply(e, answered) if mode == "+ reply" else 0.0,
+            )
         print(f"{mode}: done", flush=True)
-    print(f"\nchat turns, qwen3.5-35b shapes (random bf16), sparsity 0.85, {where}, decode {args.decode} per turn; "
-          "time to first token (s) [tokens reused] by where the state is kept")
-    print("| turn | prompt tokens | prompt end + reply (reply prefill s) | prompt end | history | none (prefill "
-          "whole) | speed-up | decode tok/s |")
+    print(
+        f"\nchat turns, qwen3.5-35b shapes (random bf16), sparsity 0.85, {where}, decode {args.decode} per turn; "
+        "time to first token (s) [tokens reused] by where the state is kept"
+    )
+    print(
+        "| turn | prompt tokens | prompt end + reply (reply prefill s) | prompt end | history | none (prefill "
+        "whole) | speed-up | decode tok/s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for i, (ids, _, _) in enumerate(turns):
         r = rows[i]
         pr, pe, hi, no = r["+ reply"], r["prompt end"], r["history"], r["none"]
-        print(f"| {i + 1} | {len(ids)} | {pr[0]:.3f} [{pr[1]}] ({pr[3]:.3f}) | {pe[0]:.3f} [{pe[1]}] | "
-              f"{hi[0]:.3f} [{hi[1]}] | {no[0]:.3f} | {no[0] / pr[0]:.1f}x | {pr[2]:.1f} / {no[2]:.1f} |", flush=True)
+        print(
+            f"| {i + 1} | {len(ids)} | {pr[0]:.3f} [{pr[1]}] ({pr[3]:.3f}) | {pe[0]:.3f} [{pe[1]}] | "
+            f"{hi[0]:.3f} [{hi[1]}] | {no[0]:.3f} | {no[0] / pr[0]:.1f}x | {pr[2]:.1f} / {no[2]:.1f} |",
+            flush=True,
+        )
     print(logits_check(e, turns))
 
 

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 import torch
-
 from graph_timing import graph_us
+
 from localmoe.kernels.decode_attention import decode_attention
 
 DEV, DT, N = torch.device("cuda"), torch.bfloat16, 10
@@ -32,10 +32,19 @@ for L, n in ((1024, 140), (8192, 640)):
     mask = torch.arange(L, device=DEV) < n
     m4 = mask.view(1, 1, 1, L)
     q4 = q.view(1, HQ, 1, D)
-    want = torch.nn.functional.scaled_dot_product_attention(q4, ks[0][None], vs[0][None], attn_mask=m4,
-                                                            enable_gqa=True)[0, :, 0]
-    sdpa = graph_us([lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
-        q4, k[None], v[None], attn_mask=m4, enable_gqa=True) for k, v in zip(ks, vs)], warmup=10, rep=50)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q4, ks[0][None], vs[0][None], attn_mask=m4, enable_gqa=True
+    )[0, :, 0]
+    sdpa = graph_us(
+        [
+            lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
+                q4, k[None], v[None], attn_mask=m4, enable_gqa=True
+            )
+            for k, v in zip(ks, vs)
+        ],
+        warmup=10,
+        rep=50,
+    )
     best = (float("inf"), None)
     for combo in itertools.product(*SPACE.values()):
         kw = dict(zip(SPACE, combo))
@@ -46,8 +55,9 @@ for L, n in ((1024, 140), (8192, 640)):
         if err > 3e-2:
             print(f"  L={L} {kw}: WRONG ({err:.1e})", flush=True)
             continue
-        us = graph_us([lambda k=k, v=v, kw=kw: decode_attention(q, k, v, mask, **kw) for k, v in zip(ks, vs)],
-                      warmup=10, rep=50)
+        us = graph_us(
+            [lambda k=k, v=v, kw=kw: decode_attention(q, k, v, mask, **kw) for k, v in zip(ks, vs)], warmup=10, rep=50
+        )
         if us < best[0]:
             best = (us, kw)
     rows.append((L, n, sdpa, *best))

@@ -20,13 +20,17 @@ import sys
 from pathlib import Path
 
 import torch
-
 from graph_timing import graph_us
+
 from localmoe.kernels.gemv import gemv
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
-SHAPES = {"lm_head": (248320, 2048, False), "deltanet in_proj": (12352, 2048, True),
-          "deltanet out_proj": (2048, 4096, False), "attn q|k|v": (9216, 2048, True)}  # name: (N, K, input norm)
+SHAPES = {
+    "lm_head": (248320, 2048, False),
+    "deltanet in_proj": (12352, 2048, True),
+    "deltanet out_proj": (2048, 4096, False),
+    "attn q|k|v": (9216, 2048, True),
+}  # name: (N, K, input norm)
 SPACE = dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[None, 512], num_warps=[2, 4, 8])
 SKIP = sys.argv[sys.argv.index("--skip") + 1].split(",") if "--skip" in sys.argv else []
 
@@ -37,7 +41,7 @@ for name, (N, K, with_norm) in SHAPES.items():
         continue
     nbytes = N * K * 2
     copies = max(2, min(24, (3 << 30) // nbytes))
-    ws = [torch.randn(N, K, device=DEV, dtype=DT) * K ** -0.5 for _ in range(copies)]
+    ws = [torch.randn(N, K, device=DEV, dtype=DT) * K**-0.5 for _ in range(copies)]
     x = torch.randn(1, K, device=DEV, dtype=DT)
     outs = [torch.empty(1, N, device=DEV, dtype=DT) for _ in ws]
     nw = (torch.randn(K, device=DEV) * 0.1).to(DT) if with_norm else None
@@ -55,8 +59,9 @@ for name, (N, K, with_norm) in SHAPES.items():
             if err > 2e-2:
                 print(f"  {name} {kw}: WRONG (rel err {err:.1e})", flush=True)
                 continue
-            us = graph_us([lambda w=w, o=o, kw=kw: gemv(x, w, o, **norm, **kw) for w, o in zip(ws, outs)],
-                          warmup=10, rep=60)
+            us = graph_us(
+                [lambda w=w, o=o, kw=kw: gemv(x, w, o, **norm, **kw) for w, o in zip(ws, outs)], warmup=10, rep=60
+            )
         except Exception as e:  # noqa: BLE001 - a launch that does not compile is skipped
             print(f"  {name} {kw}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
             continue
@@ -73,5 +78,6 @@ print("|---|---|---:|---:|---:|---:|---|")
 for name, N, K, lin, lbw, us, bw, kw in rows:
     print(f"| {name} | {N} x {K} | {lin:.1f} | {lbw:.0f} | {us:.1f} | {bw:.0f} | {kw} |")
 if os.environ.get("OUT"):
-    Path(os.environ["OUT"], "gemv_params.json").write_text(json.dumps({"decode_params": {"gemv": best_params}},
-                                                                       indent=1))
+    Path(os.environ["OUT"], "gemv_params.json").write_text(
+        json.dumps({"decode_params": {"gemv": best_params}}, indent=1)
+    )

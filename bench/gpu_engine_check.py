@@ -16,9 +16,9 @@ root = Path(tempfile.mkdtemp())
 os.environ.update(HF_HUB_CACHE=str(root / "hub"), HF_HUB_OFFLINE="1", XDG_CACHE_HOME=str(root / "xdg"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
-import tiny_models  # noqa: E402
 from localmoe.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 
@@ -39,7 +39,9 @@ for fam in ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "gran
 
         ref_model = AutoModelForCausalLM.from_pretrained(snap, dtype=torch.float32).cuda()
         x = torch.tensor([ids], device="cuda")
-        out = ref_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24)[0, len(ids):].tolist()
+        out = ref_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24)[
+            0, len(ids) :
+        ].tolist()
         ref = out[: out.index(3)] if 3 in out else out
         del ref_model
         e.set_sparsity(0.5)
@@ -63,8 +65,15 @@ sys.stdout.flush()
 if "--skip-bench" not in sys.argv:
     from localmoe.benchmark import bench, table
 
-    res = bench(None, shape="qwen3.5-35b", sparsities=[0.0, 0.85], device="cuda", dtype="bfloat16",
-                baseline="transformers", progress=lambda st, d, t: print(f"  {st} {d}/{t}", flush=True) if st.startswith("note") else None)
+    res = bench(
+        None,
+        shape="qwen3.5-35b",
+        sparsities=[0.0, 0.85],
+        device="cuda",
+        dtype="bfloat16",
+        baseline="transformers",
+        progress=lambda st, d, t: print(f"  {st} {d}/{t}", flush=True) if st.startswith("note") else None,
+    )
     print(table(res))
     out = os.environ.get("OUT")
     if out:

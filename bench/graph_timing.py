@@ -1,6 +1,7 @@
 """The timer of the kernel sweeps (GPU): median µs per call of a CUDA graph that replays a list of calls.
 
-Imported by `tune_decode.py`, `gemv_sweep.py`, `decode_attention_sweep.py` and `block_chain.py` (run as `python bench/<script>.py`,
+Imported by `tune_decode.py`, `gemv_sweep.py`, `decode_attention_sweep.py` and `block_chain.py` (run as `python
+bench/<script>.py`,
 so this directory is on the path). The calls run once on a side stream first (compilation, workspaces), then are
 captured in order into one graph, timed with `triton.testing.do_bench` (median).
 """

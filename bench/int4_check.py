@@ -22,9 +22,9 @@ root = Path(tempfile.mkdtemp())
 os.environ.update(HF_HUB_CACHE=str(root / "hub"), HF_HUB_OFFLINE="1", XDG_CACHE_HOME=str(root / "xdg"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
-import tiny_models  # noqa: E402
 from localmoe.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 from localmoe.experts import ExpertWeights  # noqa: E402
@@ -60,8 +60,9 @@ def tiny() -> None:
             ratio = ref.loaded.expert_bytes() / e4.loaded.expert_bytes()
             # int4 offloaded behind the expert cache (direct misses: the kernel reads absent int4 rows from pinned
             # host memory inside the graph), a budget with room for ~1/3 of the experts
-            plan = Engine.load(repo, device="cuda", dtype="float32", sparsity=0.0, experts="int4",
-                               vram_gib=64.0).loaded.offload
+            plan = Engine.load(
+                repo, device="cuda", dtype="float32", sparsity=0.0, experts="int4", vram_gib=64.0
+            ).loaded.offload
             fixed = plan.non_expert_bytes + plan.state_bytes + (1 << 29)
             vram = (fixed + (plan.total_experts // 3) * plan.expert_bytes) / 2**30
             off = Engine.load(repo, device="cuda", dtype="float32", sparsity=0.5, experts="int4", vram_gib=vram)
@@ -69,15 +70,27 @@ def tiny() -> None:
             same_off = tokens(off, ids, s) == tokens(e4, ids, s)
             cache = off.loaded.cache
             offload = f"{same_off} ({cache.mode}, {off.stats.cache_hit_rate:.0%} hits, graph {off._graph is not None})"
-            rows.append((fam, graph, same0, same5, g5 == eager5, f"{real:.3f}/{e4.stats.sparsity_realized:.3f}",
-                         f"{ratio:.2f}x", offload))
+            rows.append(
+                (
+                    fam,
+                    graph,
+                    same0,
+                    same5,
+                    g5 == eager5,
+                    f"{real:.3f}/{e4.stats.sparsity_realized:.3f}",
+                    f"{ratio:.2f}x",
+                    offload,
+                )
+            )
         except Exception as ex:  # noqa: BLE001
             import traceback
 
             traceback.print_exc()
             rows.append((fam, "-", "ERROR", "-", "-", "-", f"{type(ex).__name__}: {ex}"[:100], "-"))
-    print("\nfamily        graph  int4==dequant@0  int4==dequant@0.5  graph==eager@0.5  realised(g/e)  smaller  "
-          "offloaded==resident@0.5")
+    print(
+        "\nfamily        graph  int4==dequant@0  int4==dequant@0.5  graph==eager@0.5  realised(g/e)  smaller  "
+        "offloaded==resident@0.5"
+    )
     for r in rows:
         print(f"{r[0]:<13} {str(r[1]):<6} {str(r[2]):<16} {str(r[3]):<18} {str(r[4]):<17} {r[5]:<14} {r[6]:<8} {r[7]}")
     sys.stdout.flush()
@@ -91,8 +104,16 @@ def bench_formats(formats, sparsities, vram) -> None:
             print(f"  {st}", flush=True)
 
     for fmt in formats:
-        res = bench(None, shape="qwen3.5-35b", sparsities=sparsities, device="cuda", dtype="bfloat16",
-                    vram_gib=vram, experts=fmt, progress=note)
+        res = bench(
+            None,
+            shape="qwen3.5-35b",
+            sparsities=sparsities,
+            device="cuda",
+            dtype="bfloat16",
+            vram_gib=vram,
+            experts=fmt,
+            progress=note,
+        )
         print(table(res), flush=True)
         out = os.environ.get("OUT")
         if out:

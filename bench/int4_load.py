@@ -14,10 +14,10 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
+import tiny_models  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import tiny_models  # noqa: E402
 from localmoe.benchmark import shape_config  # noqa: E402
 from localmoe.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
@@ -47,6 +47,9 @@ for fmt in ("int4", "full"):
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
     now = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else 0.0
     toks = [ev.token_id for ev in e.generate(e.encode_raw("hello there"), GenerationSettings(max_new_tokens=8))]
-    print(f"{fmt}: load {load_s:.1f} s, experts {e.loaded.expert_bytes() / 2**30:.2f} GiB, VRAM after load "
-          f"{now:.2f} GiB, peak during load {peak:.2f} GiB, tokens {toks}", flush=True)
+    print(
+        f"{fmt}: load {load_s:.1f} s, experts {e.loaded.expert_bytes() / 2**30:.2f} GiB, VRAM after load "
+        f"{now:.2f} GiB, peak during load {peak:.2f} GiB, tokens {toks}",
+        flush=True,
+    )
     del e

@@ -31,8 +31,7 @@ ap.add_argument("--vram", type=float, default=24.0)
 ap.add_argument("--shape", default="qwen3.5-35b")
 ap.add_argument("--prompt", type=int, default=128)
 ap.add_argument("--decode", type=int, default=48)
-ap.add_argument("--cases", default="direct:0,direct:0.85,whole:0.85,copy:0.85,cpu:0.85,skewed,direct:0.85,"
-                                   "whole:0.85")
+ap.add_argument("--cases", default="direct:0,direct:0.85,whole:0.85,copy:0.85,cpu:0.85,skewed,direct:0.85,whole:0.85")
 ap.add_argument("--baseline-tokens", type=int, default=3, help="0: no accelerate baseline")
 ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)  # the child process
 args = ap.parse_args()
@@ -49,9 +48,11 @@ def emit(row: dict) -> None:
     rows.append(row)
     hit = "–" if row.get("cache_hit_rate") is None else f"{row['cache_hit_rate']:.0%}"
     mb = "–" if row.get("h2d_mb_per_token") is None else f"{row['h2d_mb_per_token']:.0f}"
-    print(f"| {row['case']} | {row['sparsity']:.0%} | {row['decode_tok_s']:.2f} | {hit} | {mb} | "
-          f"{row.get('sparsity_realized', 0):.1%} | {row.get('graph', False)} | {row['peak_gpu_mem_gb']:.1f} |",
-          flush=True)
+    print(
+        f"| {row['case']} | {row['sparsity']:.0%} | {row['decode_tok_s']:.2f} | {hit} | {mb} | "
+        f"{row.get('sparsity_realized', 0):.1%} | {row.get('graph', False)} | {row['peak_gpu_mem_gb']:.1f} |",
+        flush=True,
+    )
     if OUT:
         Path(OUT, "offload_modes.json").write_text(json.dumps(rows, indent=1))
 
@@ -68,16 +69,37 @@ print("| case | sparsity | decode tok/s | cache hits | H2D MB/token | realised |
 print("|---|---:|---:|---:|---:|---:|---|---:|", flush=True)
 if args.baseline_tokens:
     t0 = time.time()
-    child = subprocess.run([sys.executable, __file__, "--baseline-only", "--vram", str(args.vram), "--shape", args.shape,
-                            "--prompt", str(args.prompt), "--baseline-tokens", str(args.baseline_tokens)],
-                           capture_output=True, text=True)
+    child = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--baseline-only",
+            "--vram",
+            str(args.vram),
+            "--shape",
+            args.shape,
+            "--prompt",
+            str(args.prompt),
+            "--baseline-tokens",
+            str(args.baseline_tokens),
+        ],
+        capture_output=True,
+        text=True,
+    )
     line = next((x for x in child.stdout.splitlines() if x.startswith("BASELINE ")), None)
     if line is None:
         print(f"accelerate baseline failed: {child.stderr[-800:]}", flush=True)
     else:
         b = json.loads(line[9:])
-        emit(dict(case=b["name"], sparsity=0.0, decode_tok_s=b["decode_tok_s"], peak_gpu_mem_gb=b["peak_gpu_mem_gb"],
-                  seconds=time.time() - t0))
+        emit(
+            dict(
+                case=b["name"],
+                sparsity=0.0,
+                decode_tok_s=b["decode_tok_s"],
+                peak_gpu_mem_gb=b["peak_gpu_mem_gb"],
+                seconds=time.time() - t0,
+            )
+        )
 
 from localmoe.benchmark import _run, copy_bandwidth  # noqa: E402
 from localmoe.engine import Engine  # noqa: E402
@@ -86,9 +108,16 @@ from localmoe.loader import attach_cache  # noqa: E402
 from localmoe.random_weights import skew_routers  # noqa: E402
 
 t0 = time.time()
-engine = Engine.random(args.shape, device=DEV, dtype=torch.bfloat16, vram_gib=args.vram,
-                       context=args.prompt + args.decode + 64, on_notice=lambda s: print(f"note: {s}", flush=True),
-                       fused=True, offload_miss="direct")
+engine = Engine.random(
+    args.shape,
+    device=DEV,
+    dtype=torch.bfloat16,
+    vram_gib=args.vram,
+    context=args.prompt + args.decode + 64,
+    on_notice=lambda s: print(f"note: {s}", flush=True),
+    fused=True,
+    offload_miss="direct",
+)
 print(f"engine built in {time.time() - t0:.0f} s", flush=True)
 prompt = prompt_ids(engine.loaded.config.vocab_size)
 bw = copy_bandwidth(DEV)
@@ -117,8 +146,19 @@ for case in args.cases.split(","):
     except Exception as e:  # noqa: BLE001 - report and go on to the next case
         print(f"{case}: failed: {type(e).__name__}: {e}", flush=True)
         continue
-    emit(dict(case=f"localmoe {mode}{' gates ' + str(cache.gate_slots) if cache.gate_slots else ''} admit {cache.admit_per_step}{' bg' if cache.background else ''} ({routing})", seconds=time.time() - t0, **{
-        k: v for k, v in r.__dict__.items() if k != "name"}))
+    emit(
+        dict(
+            case=(
+                f"localmoe {mode}{' gates ' + str(cache.gate_slots) if cache.gate_slots else ''}"
+                f" admit {cache.admit_per_step}{' bg' if cache.background else ''} ({routing})"
+            ),
+            seconds=time.time() - t0,
+            **{k: v for k, v in r.__dict__.items() if k != "name"},
+        )
+    )
 cache = engine.loaded.cache
-print(f"gate slots {cache.gate_slots}, up/down slots: {cache.slots} of {cache.num_experts * len(engine.loaded.experts)} experts; "
-      f"{engine.loaded.offload.summary()}")
+print(
+    f"gate slots {cache.gate_slots}, up/down slots: {cache.slots} of "
+    f"{cache.num_experts * len(engine.loaded.experts)} experts; "
+    f"{engine.loaded.offload.summary()}"
+)

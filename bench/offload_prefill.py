@@ -43,7 +43,7 @@ with torch.inference_mode():
     g.prefill(t(hist + [101]), a.history)  # the history, kept (the turn before)
     for n in sizes:
         new = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
-        for limit in ((default,) if n <= default else (default, max(sizes))):
+        for limit in (default,) if n <= default else (default, max(sizes)):
             for m in e.loaded.experts:
                 m.max_sparse_tokens = limit
             best, moved = float("inf"), 0.0
@@ -62,8 +62,10 @@ with torch.inference_mode():
             print(f"n={n} limit={limit} {path}: {best:.3f} s", flush=True)
 for m in e.loaded.experts:
     m.max_sparse_tokens = default
-print(f"\nprefill of n new tokens after a {a.history}-token history (rewound), qwen3.5-35b shapes, --vram {a.vram:g}, "
-      f"85%, default sparse-token limit {default}")
+print(
+    f"\nprefill of n new tokens after a {a.history}-token history (rewound), qwen3.5-35b shapes, --vram {a.vram:g}, "
+    f"85%, default sparse-token limit {default}"
+)
 print("| new tokens | path | time (s) | tok/s | host->GPU GB (figures) |")
 print("|---:|---|---:|---:|---:|")
 for n, limit, path, best, moved in rows:

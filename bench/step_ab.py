@@ -95,25 +95,25 @@ def _apply_one(engine, case: str) -> None:
     elif case == "pdl0":
         pdl.set_enabled(False)
     elif case.startswith("fused:"):
-        kw = _kv(case[len("fused:"):])
+        kw = _kv(case[len("fused:") :])
         for m in engine.model.modules():
             if isinstance(m, LocalExperts):
                 m._launch(torch.empty(1, device="cuda"), engine.loaded.config.num_experts_per_tok)["fused"].update(kw)
     elif case.startswith("depth:"):
         _UNDO["attrs"].setdefault((engine, "pipeline_depth"), engine.pipeline_depth)
-        engine.pipeline_depth = int(case[len("depth:"):])
+        engine.pipeline_depth = int(case[len("depth:") :])
     elif case == "choice0":
         _UNDO["attrs"].setdefault((engine, "graph_greedy"), engine.graph_greedy)
         engine.graph_greedy = False
     elif case.startswith("attr:"):
-        cls, rest = case[len("attr:"):].split(".", 1)
+        cls, rest = case[len("attr:") :].split(".", 1)
         attr, v = rest.split("=")
         for m in engine.model.modules():
             if type(m).__name__ == cls:
                 _UNDO["attrs"].setdefault((m, attr), getattr(m, attr))
                 setattr(m, attr, type(getattr(m, attr))(int(v)) if v.lstrip("-").isdigit() else v)
     elif case.startswith("unfuse:"):
-        cls = case[len("unfuse:"):]
+        cls = case[len("unfuse:") :]
         for name, m in list(engine.model.named_modules()):
             if type(m).__name__ == cls:
                 _UNDO["modules"][name] = m
@@ -151,22 +151,30 @@ def main() -> None:
             results[case].append(tok_s)
             prefill[case].append(engine.stats.prefill_tok_s)
             replays[case].append(replay_us(engine, min(200, CONTEXT - n_prompt - 130)))
-            print(f"  round {r} {case}: {tok_s:.1f} tok/s ({1e6 / tok_s:.0f} µs/step), replays "
-                  f"{replays[case][-1]:.1f} µs/step, prefill {engine.stats.prefill_tok_s:.1f} tok/s", flush=True)
+            print(
+                f"  round {r} {case}: {tok_s:.1f} tok/s ({1e6 / tok_s:.0f} µs/step), replays "
+                f"{replays[case][-1]:.1f} µs/step, prefill {engine.stats.prefill_tok_s:.1f} tok/s",
+                flush=True,
+            )
     base = statistics.median(results[cases[0]])
-    print(f"\nsparsity {sparsity:.0%}, context {CONTEXT}, prompt {n_prompt}, {rounds} rounds "
-          "(median; spread = max - min)")
+    print(
+        f"\nsparsity {sparsity:.0%}, context {CONTEXT}, prompt {n_prompt}, {rounds} rounds (median; spread = max - min)"
+    )
     rbase = statistics.median(replays[cases[0]]) if all(replays[cases[0]]) else 0.0
-    print("| case | decode tok/s | µs/step | spread tok/s | vs first | replay µs/step (spread) | vs first | "
-          "prefill tok/s |")
+    print(
+        "| case | decode tok/s | µs/step | spread tok/s | vs first | replay µs/step (spread) | vs first | "
+        "prefill tok/s |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for case, v in results.items():
         med = statistics.median(v)
         rp = replays[case]
         rmed = statistics.median(rp)
         rcol = f"{rmed:.1f} ({max(rp) - min(rp):.1f}) | {rbase / rmed - 1:+.2%}" if rmed and rbase else "– | –"
-        print(f"| {case} | {med:.1f} | {1e6 / med:.0f} | {max(v) - min(v):.1f} | {med / base - 1:+.1%} | {rcol} | "
-              f"{statistics.median(prefill[case]):.1f} |")
+        print(
+            f"| {case} | {med:.1f} | {1e6 / med:.0f} | {max(v) - min(v):.1f} | {med / base - 1:+.1%} | {rcol} | "
+            f"{statistics.median(prefill[case]):.1f} |"
+        )
 
 
 def replay_us(engine, n: int) -> float:

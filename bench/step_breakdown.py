@@ -4,7 +4,8 @@ Builds the random-weight Qwen3.5-35B-A3B-shaped engine (the engine's defaults: f
 eager decode steps on a StaticCache (what the graph step runs) with programmatic dependent launch off (so a kernel's
 time is its own, not its wait for the one before) with torch.profiler, sorts every CUDA kernel of a step into a part
 by its name (projection GEMVs, lm_head, routed experts, router, shared expert, DeltaNet step, attention core, norms,
-glue), then times the captured CUDA-graph step (PDL as configured). Kernel time per part is exact; the graph step also pays ~1 µs between kernels.
+glue), then times the captured CUDA-graph step (PDL as configured). Kernel time per part is exact; the graph step also
+pays ~1 µs between kernels.
 Usage: python bench/step_breakdown.py [sparsity] [--no-fused] [--dense-tail] [--prompt 128]
 """
 
@@ -19,8 +20,9 @@ from localmoe.sampling import sample
 
 args = [a for a in sys.argv[1:] if not a.startswith("--") and sys.argv[sys.argv.index(a) - 1] != "--prompt"]
 sparsity = float(args[0]) if args else 0.85
-engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16,
-                       fused="--no-fused" not in sys.argv)
+engine = Engine.random(
+    "qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16, fused="--no-fused" not in sys.argv
+)
 engine.set_sparsity(sparsity)
 if "--dense-tail" in sys.argv:  # sparsity 0 through sparse_fused at threshold 0 with the tail, not dense_experts
     from localmoe.experts import LocalExperts
@@ -33,13 +35,28 @@ model = engine.model
 kw = engine._cache_kw
 
 # kernel name (lower case) substring -> part; first match wins
-PARTS = [("_sparse_fused", "routed (+ shared) experts, residual add"), ("_moe_front", "MoE front (add, norm, router)"),
-         ("_qk_norm_rope", "attention q/k norm + RoPE"),
-         ("_dense_experts", "routed experts"), ("_router_topk", "router"), ("_gate_up_kernel", "shared expert"),
-         ("_down_add_kernel", "shared expert"), ("_gdn_step", "deltanet step"), ("_gdn_split", "deltanet step"), ("_rmsnorm", "norms"),
-         ("attention", "attention core"), ("_split_kernel", "attention core"), ("flash", "attention core"), ("fmha", "attention core"),
-         ("softmax", "sampling / softmax"), ("argmax", "sampling / softmax"), ("nvjet", "GEMV (projections, lm_head)"),
-         ("gemv", "GEMV (projections, lm_head)"), ("gemm", "GEMV (projections, lm_head)"), ("cutlass", "GEMV (projections, lm_head)")]
+PARTS = [
+    ("_sparse_fused", "routed (+ shared) experts, residual add"),
+    ("_moe_front", "MoE front (add, norm, router)"),
+    ("_qk_norm_rope", "attention q/k norm + RoPE"),
+    ("_dense_experts", "routed experts"),
+    ("_router_topk", "router"),
+    ("_gate_up_kernel", "shared expert"),
+    ("_down_add_kernel", "shared expert"),
+    ("_gdn_step", "deltanet step"),
+    ("_gdn_split", "deltanet step"),
+    ("_rmsnorm", "norms"),
+    ("attention", "attention core"),
+    ("_split_kernel", "attention core"),
+    ("flash", "attention core"),
+    ("fmha", "attention core"),
+    ("softmax", "sampling / softmax"),
+    ("argmax", "sampling / softmax"),
+    ("nvjet", "GEMV (projections, lm_head)"),
+    ("gemv", "GEMV (projections, lm_head)"),
+    ("gemm", "GEMV (projections, lm_head)"),
+    ("cutlass", "GEMV (projections, lm_head)"),
+]
 
 
 def part_of(name: str) -> str:
@@ -67,14 +84,19 @@ with torch.inference_mode():
     tok = sample(out.logits[0, -1], settings, None)
     p0 = prompt.shape[1]
     for i in range(3):  # warm-up
-        out = model(input_ids=tok.view(1, 1), cache_position=torch.tensor([p0 + i], device="cuda"), use_cache=True,
-                    **step_kw)
+        out = model(
+            input_ids=tok.view(1, 1), cache_position=torch.tensor([p0 + i], device="cuda"), use_cache=True, **step_kw
+        )
         tok = sample(out.logits[0, -1], settings, None)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
-            out = model(input_ids=tok.view(1, 1), cache_position=torch.tensor([p0 + 3 + i], device="cuda"),
-                        use_cache=True, **step_kw)
+            out = model(
+                input_ids=tok.view(1, 1),
+                cache_position=torch.tensor([p0 + 3 + i], device="cuda"),
+                use_cache=True,
+                **step_kw,
+            )
             tok = sample(out.logits[0, -1], settings, None)
         torch.cuda.synchronize()
 pdl.set_enabled(None)
@@ -95,10 +117,12 @@ p = torch.randint(0, engine.loaded.config.vocab_size, (n_prompt,)).tolist()
 list(engine.generate(p, GenerationSettings(max_new_tokens=4)))
 list(engine.generate(p, GenerationSettings(max_new_tokens=129)))
 st = engine.stats
-print(f"\nsparsity {sparsity:.0%}, fused {'--no-fused' not in sys.argv}: graph decode {st.decode_tok_s:.1f} tok/s = "
-      f"{1e6 / st.decode_tok_s:.0f} µs/step (graph: {engine._graph is not None}); "
-      f"eager step (StaticCache, PDL off): {total:.0f} µs of kernels in {sum(p[1] for p in parts.values()):.0f} "
-      f"launches")
+print(
+    f"\nsparsity {sparsity:.0%}, fused {'--no-fused' not in sys.argv}: graph decode {st.decode_tok_s:.1f} tok/s = "
+    f"{1e6 / st.decode_tok_s:.0f} µs/step (graph: {engine._graph is not None}); "
+    f"eager step (StaticCache, PDL off): {total:.0f} µs of kernels in {sum(p[1] for p in parts.values()):.0f} "
+    f"launches"
+)
 print("| part | µs/step (kernels) | share | kernels/step | largest kernel (µs/step) |")
 print("|---|---:|---:|---:|---|")
 for name, (us, n, ks) in sorted(parts.items(), key=lambda kv: -kv[1][0]):

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from graph_timing import graph_us
+
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.router_topk import router_topk
@@ -89,9 +89,15 @@ def router_check(kw):
     return err
 
 
-results.append(sweep("router_topk", f"H{H}_E{E}_k{K}",
-                     {"block_e": [1, 2, 4], "block_h": [1024, 2048], "num_warps": [4, 8]},
-                     router_calls, router_check))
+results.append(
+    sweep(
+        "router_topk",
+        f"H{H}_E{E}_k{K}",
+        {"block_e": [1, 2, 4], "block_h": [1024, 2048], "num_warps": [4, 8]},
+        router_calls,
+        router_check,
+    )
+)
 # -- shared expert --------------------------------------------------------------------------------------------------
 se = [(rnd(I, H), rnd(I, H), rnd(H, I), rnd(1, H)) for _ in range(N)]
 routed = [rnd(1, H, scale=1.0) for _ in range(N)]
@@ -103,22 +109,49 @@ def se_calls(kw):
 
 
 def se_check(kw):
-    return max(float((shared_expert(xs[i], *se[i], routed[i], **kw).float() - ref_se[i].float()).abs().max())
-               for i in range(N))
+    return max(
+        float((shared_expert(xs[i], *se[i], routed[i], **kw).float() - ref_se[i].float()).abs().max()) for i in range(N)
+    )
 
 
-results.append(sweep("shared_expert", f"H{H}_I{I}",
-                     {"block_i": [2, 4, 8], "block_h": [1024, 2048], "down_block_h": [8, 16],
-                      "down_block_i": [512], "num_warps": [4, 8]}, se_calls, se_check))
+results.append(
+    sweep(
+        "shared_expert",
+        f"H{H}_I{I}",
+        {
+            "block_i": [2, 4, 8],
+            "block_h": [1024, 2048],
+            "down_block_h": [8, 16],
+            "down_block_i": [512],
+            "num_warps": [4, 8],
+        },
+        se_calls,
+        se_check,
+    )
+)
 # -- Gated DeltaNet step ---------------------------------------------------------------------------------------------
 gd = []
 for _ in range(N):
-    gd.append(dict(mixed_qkv=rnd(1, C, scale=1.0), z=rnd(1, HV * D, scale=1.0), a=rnd(1, HV, scale=1.0),
-                   b=rnd(1, HV, scale=1.0), conv_state=rnd(1, C, KS, scale=1.0), conv_weight=rnd(C, KS, scale=0.5),
-                   conv_bias=None, A_log=torch.rand(HV, device=DEV), dt_bias=torch.rand(HV, device=DEV),
-                   norm_weight=torch.ones(D, device=DEV, dtype=DT), norm_eps=1e-6,
-                   state=torch.randn(1, HV, D, D, device=DEV, generator=g) * 0.1,
-                   num_k_heads=HK, head_k_dim=D, num_v_heads=HV, head_v_dim=D))
+    gd.append(
+        dict(
+            mixed_qkv=rnd(1, C, scale=1.0),
+            z=rnd(1, HV * D, scale=1.0),
+            a=rnd(1, HV, scale=1.0),
+            b=rnd(1, HV, scale=1.0),
+            conv_state=rnd(1, C, KS, scale=1.0),
+            conv_weight=rnd(C, KS, scale=0.5),
+            conv_bias=None,
+            A_log=torch.rand(HV, device=DEV),
+            dt_bias=torch.rand(HV, device=DEV),
+            norm_weight=torch.ones(D, device=DEV, dtype=DT),
+            norm_eps=1e-6,
+            state=torch.randn(1, HV, D, D, device=DEV, generator=g) * 0.1,
+            num_k_heads=HK,
+            head_k_dim=D,
+            num_v_heads=HV,
+            head_v_dim=D,
+        )
+    )
 
 
 def gd_call(i, kw):
@@ -135,8 +168,15 @@ def gd_check(kw):  # against the default launch from the same (timed runs advanc
     return max(float((gd_call(i, kw).float() - gd_call(i, {}).float()).abs().max()) for i in range(N))
 
 
-results.append(sweep("gated_deltanet_step", f"HK{HK}_HV{HV}_D{D}",
-                     {"block_v": [None, 16, 32, 64], "num_warps": [2, 4, 8]}, gd_calls, gd_check))
+results.append(
+    sweep(
+        "gated_deltanet_step",
+        f"HK{HK}_HV{HV}_D{D}",
+        {"block_v": [None, 16, 32, 64], "num_warps": [2, 4, 8]},
+        gd_calls,
+        gd_check,
+    )
+)
 
 # -- MoE front ------------------------------------------------------------------------------------------------------
 res = [rnd(1, H, scale=1.0) for _ in range(N)]
@@ -146,8 +186,10 @@ ref_front = [moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, Tru
 
 
 def front_calls(kw):
-    return [lambda i=i: moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i], tickets=tick,
-                                  **kw) for i in range(N)]
+    return [
+        lambda i=i: moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i], tickets=tick, **kw)
+        for i in range(N)
+    ]
 
 
 def front_check(kw):
@@ -160,37 +202,55 @@ def front_check(kw):
     return err
 
 
-results.append(sweep("moe_front", f"H{H}_E{E}_k{K}", {"block_e": [1, 2, 4, 8], "num_warps": [2, 4, 8]},
-                     front_calls, front_check))
+results.append(
+    sweep("moe_front", f"H{H}_E{E}_k{K}", {"block_e": [1, 2, 4, 8], "num_warps": [2, 4, 8]}, front_calls, front_check)
+)
 # -- sparse_fused with the shared expert and the residual (85%) -------------------------------------------------------
 EX = 64  # experts per weight set (the routed 8 are drawn from them; 12 sets do not fit L2)
 ew = [(rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05)) for _ in range(N)]
 ids = [torch.randperm(EX, device=DEV)[:K].view(1, K) for _ in range(N)]
 rws = [torch.softmax(torch.randn(1, K, device=DEV), -1).to(DT) for _ in range(N)]
-sh = [SharedExpert(rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), rnd(I, H, scale=0.05),
-                   torch.rand(1, device=DEV).to(DT)) for _ in range(N)]
+sh = [
+    SharedExpert(rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), torch.rand(1, device=DEV).to(DT))
+    for _ in range(N)
+]
 taus = []
 for i in range(N):
     gate = torch.nn.functional.silu(torch.einsum("h,eih->ei", xs[i][0].float(), ew[i][0].float())).abs()
-    taus.append(torch.full((EX,), float(torch.quantile(gate.flatten()[:1 << 20], 0.85)), device=DEV))
+    taus.append(torch.full((EX,), float(torch.quantile(gate.flatten()[: 1 << 20], 0.85)), device=DEV))
 outs = [torch.empty(1, H, device=DEV, dtype=DT) for _ in range(N)]
-ref_tail = [sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i], residual=res[i])[0]
-            for i in range(N)]
+ref_tail = [
+    sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i], residual=res[i])[0]
+    for i in range(N)
+]
 
 
 def tail_calls(kw):
-    return [lambda i=i: sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i], shared=sh[i], residual=res[i],
-                                     **kw) for i in range(N)]
+    return [
+        lambda i=i: sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i], shared=sh[i], residual=res[i], **kw)
+        for i in range(N)
+    ]
 
 
 def tail_check(kw):
-    return max(float((sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i],
-                                   residual=res[i], **kw)[0].float() - ref_tail[i].float()).abs().max())
-               for i in range(N))
+    return max(
+        float(
+            (
+                sparse_fused(
+                    xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i], residual=res[i], **kw
+                )[0].float()
+                - ref_tail[i].float()
+            )
+            .abs()
+            .max()
+        )
+        for i in range(N)
+    )
 
 
-results.append(sweep("sparse_tail", f"H{H}_I{I}_k{K}", {"BLOCK_I": [4, 8, 16], "num_warps": [4, 8, 16]},
-                     tail_calls, tail_check))
+results.append(
+    sweep("sparse_tail", f"H{H}_I{I}_k{K}", {"BLOCK_I": [4, 8, 16], "num_warps": [4, 8, 16]}, tail_calls, tail_check)
+)
 
 print("\n| kernel | shape | default µs | best µs | best launch | max abs diff vs default |")
 print("|---|---|---:|---:|---|---:|")

@@ -41,8 +41,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ----------------------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
-def argmax_next_ref(logits, *, ids=None, pos=None, ring=None, host=None, count=None, seen=None,
-                    penalty=None) -> torch.Tensor:
+def argmax_next_ref(
+    logits, *, ids=None, pos=None, ring=None, host=None, count=None, seen=None, penalty=None
+) -> torch.Tensor:
     """What `argmax_next` does, in torch: returns the token (0-d int64) and updates the given outputs."""
     x = logits.float()
     penalised = seen is not None and float(penalty.view(-1)[0]) != 1.0
@@ -78,9 +79,16 @@ if triton is not None:
         pm_ptr,  # fp32 [P] workspace: each program's max (rewritten every launch)
         pi_ptr,  # int32 [P] workspace: the first index of that max
         tk_ptr,  # int32 [1] ticket (zero between launches)
-        ids_ptr, pos_ptr, ring_ptr, host_ptr, cnt_ptr,  # optional outputs (see the flags)
-        seen_ptr, pen_ptr,  # repetition penalty: uint8 [V] mask, float32 [1] penalty (HAS_PENALTY)
-        V, P, R,
+        ids_ptr,
+        pos_ptr,
+        ring_ptr,
+        host_ptr,
+        cnt_ptr,  # optional outputs (see the flags)
+        seen_ptr,
+        pen_ptr,  # repetition penalty: uint8 [V] mask, float32 [1] penalty (HAS_PENALTY)
+        V,
+        P,
+        R,
         BLOCK: tl.constexpr,
         P_P2: tl.constexpr,
         HAS_IDS: tl.constexpr,
@@ -138,13 +146,25 @@ def _int64_slot(name: str, t, device) -> None:
         return
     if t.dtype != torch.int64 or t.numel() < 1 or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous int64 tensor, got {t.dtype} {tuple(t.shape)}")
-    if t.device != device and not (name == "host" and t.device.type == "cpu" and (device.type != "cuda"
-                                                                                  or t.is_pinned())):
+    if t.device != device and not (
+        name == "host" and t.device.type == "cpu" and (device.type != "cuda" or t.is_pinned())
+    ):
         raise ValueError(f"{name} is on {t.device}, the logits on {device} (host must be pinned host memory)")
 
 
-def argmax_next(logits: torch.Tensor, *, ids=None, pos=None, ring=None, host=None, count=None, seen=None,
-                penalty=None, block: int = 4096, num_warps: int = 4) -> None:
+def argmax_next(
+    logits: torch.Tensor,
+    *,
+    ids=None,
+    pos=None,
+    ring=None,
+    host=None,
+    count=None,
+    seen=None,
+    penalty=None,
+    block: int = 4096,
+    num_warps: int = 4,
+) -> None:
     """Greedy token of logits [V] into the given outputs (see the module docstring); returns nothing: the token is
     where the caller asked for it. ring / host need count, and the same number of slots; seen and penalty go
     together (the repetition penalty)."""
@@ -166,28 +186,50 @@ def argmax_next(logits: torch.Tensor, *, ids=None, pos=None, ring=None, host=Non
     if (seen is None) != (penalty is None):
         raise ValueError("seen and penalty go together")
     if seen is not None:
-        if (seen.dtype != torch.uint8 or seen.device != dev or not seen.is_contiguous()
-                or seen.numel() != logits.numel()):
-            raise ValueError(f"seen must be a contiguous uint8 [{logits.numel()}] tensor on {dev}, got {seen.dtype} "
-                             f"{tuple(seen.shape)} on {seen.device}")
+        if (
+            seen.dtype != torch.uint8
+            or seen.device != dev
+            or not seen.is_contiguous()
+            or seen.numel() != logits.numel()
+        ):
+            raise ValueError(
+                f"seen must be a contiguous uint8 [{logits.numel()}] tensor on {dev}, got {seen.dtype} "
+                f"{tuple(seen.shape)} on {seen.device}"
+            )
         if penalty.dtype != torch.float32 or penalty.device != dev or penalty.numel() != 1:
-            raise ValueError(f"penalty must be one float32 on {dev}, got {penalty.dtype} {tuple(penalty.shape)} on "
-                             f"{penalty.device}")
+            raise ValueError(
+                f"penalty must be one float32 on {dev}, got {penalty.dtype} {tuple(penalty.shape)} on {penalty.device}"
+            )
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     V = logits.numel()
     P = triton.cdiv(V, block)
     R = (ring if ring is not None else host).numel() if count is not None else 1
     ws = zeroed_int32("argmax_partials", dev, 2 * P + 1)  # the ticket first: it stays zero whatever V was before
-    tk, pm, pi = ws[:1], ws[1:P + 1].view(torch.float32), ws[P + 1:2 * P + 1]
+    tk, pm, pi = ws[:1], ws[1 : P + 1].view(torch.float32), ws[P + 1 : 2 * P + 1]
     dummy = pi  # never read or written where its flag is off
     _argmax_kernel[(P,)](
-        logits, pm, pi, tk,
-        ids if ids is not None else dummy, pos if pos is not None else dummy,
-        ring if ring is not None else dummy, host if host is not None else dummy,
+        logits,
+        pm,
+        pi,
+        tk,
+        ids if ids is not None else dummy,
+        pos if pos is not None else dummy,
+        ring if ring is not None else dummy,
+        host if host is not None else dummy,
         count if count is not None else dummy,
-        seen if seen is not None else dummy, penalty if penalty is not None else dummy,
-        V, P, R,
-        BLOCK=block, P_P2=triton.next_power_of_2(P), HAS_IDS=ids is not None, HAS_POS=pos is not None,
-        HAS_RING=ring is not None, HAS_HOST=host is not None, HAS_PENALTY=seen is not None, num_warps=num_warps,
-        **pdl_kw(logits))
+        seen if seen is not None else dummy,
+        penalty if penalty is not None else dummy,
+        V,
+        P,
+        R,
+        BLOCK=block,
+        P_P2=triton.next_power_of_2(P),
+        HAS_IDS=ids is not None,
+        HAS_POS=pos is not None,
+        HAS_RING=ring is not None,
+        HAS_HOST=host is not None,
+        HAS_PENALTY=seen is not None,
+        num_warps=num_warps,
+        **pdl_kw(logits),
+    )

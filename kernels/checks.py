@@ -20,8 +20,9 @@ def tokens_and_experts(x: torch.Tensor, w: torch.Tensor, name: str = "w_gate") -
     return x.shape[0], x.shape[1], w.shape[0], w.shape[1]
 
 
-def expert_weights(name: str, w: torch.Tensor, n: int, I: int, H: int, device: torch.device | None = None,
-                   *, allow_host: bool = False) -> None:
+def expert_weights(
+    name: str, w: torch.Tensor, n: int, I: int, H: int, device: torch.device | None = None, *, allow_host: bool = False
+) -> None:
     """w must be [n, I, H], bf16/fp16/fp32, rows contiguous (any expert stride), on `device` — or, with
     `allow_host`, a host copy (pinned when `device` is CUDA, since the GPU reads it through unified addressing)."""
     if w.dim() != 3 or tuple(w.shape) != (n, I, H):
@@ -41,8 +42,10 @@ def _on_device(name: str, t: torch.Tensor, device: torch.device | None, allow_ho
     if not (allow_host and t.device.type == "cpu"):
         raise ValueError(f"{name} is on {t.device}, x is on {device}: all inputs must share a device")
     if device.type == "cuda" and not t.is_pinned():
-        raise ValueError(f"{name} is a host master copy in pageable memory: the GPU can read only pinned "
-                         f"host memory (torch.empty(..., pin_memory=True))")
+        raise ValueError(
+            f"{name} is a host master copy in pageable memory: the GPU can read only pinned "
+            f"host memory (torch.empty(..., pin_memory=True))"
+        )
 
 
 def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_host: bool = False) -> None:
@@ -51,23 +54,27 @@ def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_h
     power-of-two group G; on `device`, or with `allow_host` host copies as `expert_weights` allows."""
     p = w.packed
     if p.dim() != 3 or H % 2 or tuple(p.shape) != (E, I, H // 2):
-        raise ValueError(f"{name}.packed must have shape {(E, I, H // 2)} (logical [E, I, H] = {(E, I, H)}), got "
-                         f"{tuple(p.shape)}")
+        raise ValueError(
+            f"{name}.packed must have shape {(E, I, H // 2)} (logical [E, I, H] = {(E, I, H)}), got {tuple(p.shape)}"
+        )
     if p.dtype != torch.uint8:
         raise ValueError(f"{name}.packed must be uint8, got {p.dtype}")
     if p.stride(2) != 1 or (I > 1 and p.stride(1) != H // 2):
-        raise ValueError(f"{name}.packed rows must be contiguous (stride(2) == 1, stride(1) == H/2); got strides "
-                         f"{p.stride()}")
+        raise ValueError(
+            f"{name}.packed rows must be contiguous (stride(2) == 1, stride(1) == H/2); got strides {p.stride()}"
+        )
     ng = w.scale.shape[-1] if w.scale.dim() == 3 else 0
     G = H // ng if ng else 0
     if not ng or G * ng != H or G < 2 or G & (G - 1):
-        raise ValueError(f"{name}.scale must be [E, I, H/G] with G a power of two dividing H = {H}, got shape "
-                         f"{tuple(w.scale.shape)}")
+        raise ValueError(
+            f"{name}.scale must be [E, I, H/G] with G a power of two dividing H = {H}, got shape {tuple(w.scale.shape)}"
+        )
     for part, s in (("scale", w.scale), ("minimum", w.minimum)):
         if tuple(s.shape) != (E, I, ng) or s.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}.{part} must be a float {(E, I, ng)} tensor, got {s.dtype} {tuple(s.shape)}")
         if s.stride(2) != 1 or (I > 1 and s.stride(1) != ng):
-            raise ValueError(f"{name}.{part} rows must be contiguous (stride(2) == 1, stride(1) == H/G); got strides "
-                             f"{s.stride()}")
+            raise ValueError(
+                f"{name}.{part} rows must be contiguous (stride(2) == 1, stride(1) == H/G); got strides {s.stride()}"
+            )
     for part, t in (("packed", p), ("scale", w.scale), ("minimum", w.minimum)):
         _on_device(f"{name}.{part}", t, device, allow_host)

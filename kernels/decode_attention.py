@@ -60,7 +60,7 @@ def decode_attention_ref(q, k, v, mask=None, scale=None, gate=None):
         return decode_attention_ref(q, k, v, mask, scale) * torch.sigmoid(gate)
     Hq, Dk = q.shape
     Hkv = k.shape[0]
-    scale = Dk ** -0.5 if scale is None else scale
+    scale = Dk**-0.5 if scale is None else scale
     kk = k.float().repeat_interleave(Hq // Hkv, dim=0)  # [Hq, L, Dk]
     vv = v.float().repeat_interleave(Hq // Hkv, dim=0)
     s = torch.einsum("hd,hld->hl", q.float(), kk) * scale
@@ -132,10 +132,16 @@ if triton is not None:
             if HAS_MASK:
                 ok = ok & (tl.load(m_ptr + rows, mask=ok, other=0) != 0)
             r64 = rows.to(tl.int64)
-            kt = tl.load(k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
-                         mask=ok[:, None] & dkm[None, :], other=0.0)  # masked rows are not fetched
-            vt = tl.load(v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
-                         mask=ok[:, None] & dvm[None, :], other=0.0)
+            kt = tl.load(
+                k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
+                mask=ok[:, None] & dkm[None, :],
+                other=0.0,
+            )  # masked rows are not fetched
+            vt = tl.load(
+                v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
+                mask=ok[:, None] & dvm[None, :],
+                other=0.0,
+            )
             newest = tl.max(tl.where(ok, rows, -1), axis=0)
             later = tl.zeros([NCH], dtype=tl.int32)  # which of the later chunks keep any key (a static cache's
             if NCH > 1:  # unused tail does not)
@@ -166,9 +172,30 @@ if triton is not None:
                 acc = tl.sum(pr[:, None] * vt.to(tl.float32), axis=0)
             for j in range(1, NCH):  # later chunks (contexts past NP chunks), read after the wait
                 if tl.max(tl.where(ci == j, later, 0), axis=0) != 0:
-                    m_i, l_i, acc = _chunk(q, k_ptr, v_ptr, m_ptr, kvh, (p + j * NP) * CHUNK, L, scale, m_i, l_i,
-                                           acc, stride_kh, stride_kl, stride_vh, stride_vl, DK, DV, DK_P2, DV_P2,
-                                           CHUNK, BLOCK_L, HAS_MASK)
+                    m_i, l_i, acc = _chunk(
+                        q,
+                        k_ptr,
+                        v_ptr,
+                        m_ptr,
+                        kvh,
+                        (p + j * NP) * CHUNK,
+                        L,
+                        scale,
+                        m_i,
+                        l_i,
+                        acc,
+                        stride_kh,
+                        stride_kl,
+                        stride_vh,
+                        stride_vl,
+                        DK,
+                        DV,
+                        DK_P2,
+                        DV_P2,
+                        CHUNK,
+                        BLOCK_L,
+                        HAS_MASK,
+                    )
         else:
             for j in range(0, NCH):
                 base = (p + j * NP) * CHUNK
@@ -178,9 +205,30 @@ if triton is not None:
                 else:
                     live = (base < L).to(tl.int32)
                 if live != 0:
-                    m_i, l_i, acc = _chunk(q, k_ptr, v_ptr, m_ptr, kvh, base, L, scale, m_i, l_i, acc, stride_kh,
-                                           stride_kl, stride_vh, stride_vl, DK, DV, DK_P2, DV_P2, CHUNK, BLOCK_L,
-                                           HAS_MASK)
+                    m_i, l_i, acc = _chunk(
+                        q,
+                        k_ptr,
+                        v_ptr,
+                        m_ptr,
+                        kvh,
+                        base,
+                        L,
+                        scale,
+                        m_i,
+                        l_i,
+                        acc,
+                        stride_kh,
+                        stride_kl,
+                        stride_vh,
+                        stride_vl,
+                        DK,
+                        DV,
+                        DK_P2,
+                        DV_P2,
+                        CHUNK,
+                        BLOCK_L,
+                        HAS_MASK,
+                    )
         tl.store(out, m_i)
         tl.store(out + 1, l_i)
         if m_i > float("-inf"):  # a program with nothing kept writes no accumulator: m = -inf says it all
@@ -189,14 +237,46 @@ if triton is not None:
         tl.debug_barrier()  # this program's stores precede the release below
         done = tl.atomic_add(tick_ptr + h, 1, sem="acq_rel", scope="gpu")
         if done == NP - 1:
-            _combine_head(part_ptr, o_ptr, g_ptr, h.to(tl.int64), NP, stride_oh, stride_gh, DV=DV, DV_P2=DV_P2,
-                          NS_P2=NP_P2, HAS_GATE=HAS_GATE)
+            _combine_head(
+                part_ptr,
+                o_ptr,
+                g_ptr,
+                h.to(tl.int64),
+                NP,
+                stride_oh,
+                stride_gh,
+                DV=DV,
+                DV_P2=DV_P2,
+                NS_P2=NP_P2,
+                HAS_GATE=HAS_GATE,
+            )
             tl.store(tick_ptr + h, 0)  # ready for the next launch / graph replay
 
     @triton.jit
-    def _chunk(q, k_ptr, v_ptr, m_ptr, kvh, base, L, scale, m_i, l_i, acc, stride_kh, stride_kl, stride_vh,
-               stride_vl, DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr,
-               CHUNK: tl.constexpr, BLOCK_L: tl.constexpr, HAS_MASK: tl.constexpr):
+    def _chunk(
+        q,
+        k_ptr,
+        v_ptr,
+        m_ptr,
+        kvh,
+        base,
+        L,
+        scale,
+        m_i,
+        l_i,
+        acc,
+        stride_kh,
+        stride_kl,
+        stride_vh,
+        stride_vl,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        DK_P2: tl.constexpr,
+        DV_P2: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+    ):
         """Keys [base, base + CHUNK) in BLOCK_L tiles, folded into the running (m, l, acc) by the online softmax."""
         dk = tl.arange(0, DK_P2)
         dkm = dk < DK
@@ -208,24 +288,41 @@ if triton is not None:
             if HAS_MASK:
                 ok = ok & (tl.load(m_ptr + rows, mask=rows < L, other=0) != 0)
             r64 = rows.to(tl.int64)
-            kt = tl.load(k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
-                         mask=ok[:, None] & dkm[None, :], other=0.0)
+            kt = tl.load(
+                k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
+                mask=ok[:, None] & dkm[None, :],
+                other=0.0,
+            )
             sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK_L]
             sc = tl.where(ok, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept so far: no NaN
             pr = tl.exp(sc - m_safe)  # masked keys: exp(-inf) = 0
             alpha = tl.exp(m_i - m_safe)
-            vt = tl.load(v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
-                         mask=ok[:, None] & dvm[None, :], other=0.0)
+            vt = tl.load(
+                v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
+                mask=ok[:, None] & dvm[None, :],
+                other=0.0,
+            )
             acc = acc * alpha + tl.sum(pr[:, None] * vt.to(tl.float32), axis=0)
             l_i = l_i * alpha + tl.sum(pr, axis=0)
             m_i = m_new
         return m_i, l_i, acc
 
     @triton.jit
-    def _combine_head(part_ptr, o_ptr, g_ptr, h, NS, stride_oh, stride_gh, DV: tl.constexpr, DV_P2: tl.constexpr,
-                      NS_P2: tl.constexpr, HAS_GATE: tl.constexpr):
+    def _combine_head(
+        part_ptr,
+        o_ptr,
+        g_ptr,
+        h,
+        NS,
+        stride_oh,
+        stride_gh,
+        DV: tl.constexpr,
+        DV_P2: tl.constexpr,
+        NS_P2: tl.constexpr,
+        HAS_GATE: tl.constexpr,
+    ):
         """out[h] from head h's NS partials (m, l, acc), read through L2 (other programs wrote them)."""
         sp = tl.arange(0, NS_P2)
         sm = sp < NS
@@ -237,8 +334,9 @@ if triton is not None:
         dv = tl.arange(0, DV_P2)
         dvm = dv < DV
         kept = sm & (m > float("-inf"))  # splits with nothing kept wrote no accumulator
-        acc = tl.load(row[:, None] + 2 + dv[None, :], mask=kept[:, None] & dvm[None, :], other=0.0,
-                      cache_modifier=".cg")
+        acc = tl.load(
+            row[:, None] + 2 + dv[None, :], mask=kept[:, None] & dvm[None, :], other=0.0, cache_modifier=".cg"
+        )
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         DT = o_ptr.dtype.element_ty
         o = round_to(o, DT)
@@ -251,10 +349,21 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     scale: float | None = None, out: torch.Tensor | None = None, *, gate: torch.Tensor | None = None,
-                     chunk: int = 64, block_l: int = 64, num_warps: int = 4,
-                     prefetch: bool | None = None, max_splits: int = 16) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    gate: torch.Tensor | None = None,
+    chunk: int = 64,
+    block_l: int = 64,
+    num_warps: int = 4,
+    prefetch: bool | None = None,
+    max_splits: int = 16,
+) -> torch.Tensor:
     """One query token's attention over a KV cache (module docstring). q [Hq,Dk]; k [Hkv,L,Dk]; v [Hkv,L,Dv];
     mask [L] bool (True = attend) or None (all L keys); scale default Dk^-0.5. Returns [Hq, Dv] in q's dtype (into
     `out` when given: [Hq, Dv] of q's dtype, last dim contiguous); with `gate` [Hq, Dv] (q's dtype, last dim
@@ -267,14 +376,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     if q.dim() != 2 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q must be [Hq, Dk], k [Hkv, L, Dk], v [Hkv, L, Dv]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q must be [Hq, Dk], k [Hkv, L, Dk], v [Hkv, L, Dv]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     Hq, Dk = q.shape
     Hkv, L, _ = k.shape
     Dv = v.shape[2]
     if k.shape[2] != Dk or v.shape[:2] != (Hkv, L):
-        raise ValueError(f"k must be [Hkv, L, {Dk}] and v [Hkv, L, Dv] with k's Hkv and L; got {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"k must be [Hkv, L, {Dk}] and v [Hkv, L, Dv] with k's Hkv and L; got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -285,15 +397,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         raise ValueError("q, k and v must be on one device")
     if mask is not None:
         if mask.dtype != torch.bool or mask.shape != (L,) or mask.device != q.device:
-            raise ValueError(f"mask must be a bool [L] = [{L}] tensor on {q.device}, got {mask.dtype} "
-                             f"{tuple(mask.shape)}")
+            raise ValueError(
+                f"mask must be a bool [L] = [{L}] tensor on {q.device}, got {mask.dtype} {tuple(mask.shape)}"
+            )
         mask = mask.contiguous().view(torch.int8)
     if out is None:
         out = torch.empty(Hq, Dv, dtype=q.dtype, device=q.device)
     elif tuple(out.shape) != (Hq, Dv) or out.dtype != q.dtype or out.stride(1) != 1 or out.device != q.device:
         raise ValueError(f"out must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
-    if gate is not None and (tuple(gate.shape) != (Hq, Dv) or gate.dtype != q.dtype or gate.stride(1) != 1
-                             or gate.device != q.device):
+    if gate is not None and (
+        tuple(gate.shape) != (Hq, Dv) or gate.dtype != q.dtype or gate.stride(1) != 1 or gate.device != q.device
+    ):
         raise ValueError(f"gate must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
     if L == 0:
         return out.zero_()
@@ -310,15 +424,44 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     npg = min(ns, max(int(max_splits), triton.cdiv(ns, 16)))
     nch = triton.next_power_of_2(triton.cdiv(ns, npg))
     part = torch.empty(Hq, npg, 2 + Dv, dtype=torch.float32, device=q.device)
-    scale = Dk ** -0.5 if scale is None else float(scale)
+    scale = Dk**-0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     g = gate if gate is not None else out
     tickets = zeroed_int32("decode_attention", q.device, Hq)  # self-cleaning: the combining program re-zeroes
-    _split_kernel[(Hq, npg)](q, k, v, mask if mask is not None else q, part, out, g, tickets, L, ns, npg, Hq // Hkv,
-                             scale, q.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-                             g.stride(0), DK=Dk, DV=Dv, DK_P2=triton.next_power_of_2(Dk),
-                             DV_P2=triton.next_power_of_2(Dv), NP_P2=triton.next_power_of_2(npg), NCH=nch,
-                             CHUNK=chunk, BLOCK_L=bl, HAS_MASK=mask is not None, HAS_GATE=gate is not None,
-                             PREFETCH=prefetch, num_warps=num_warps, **pdl_kw(q))
+    _split_kernel[(Hq, npg)](
+        q,
+        k,
+        v,
+        mask if mask is not None else q,
+        part,
+        out,
+        g,
+        tickets,
+        L,
+        ns,
+        npg,
+        Hq // Hkv,
+        scale,
+        q.stride(0),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        g.stride(0),
+        DK=Dk,
+        DV=Dv,
+        DK_P2=triton.next_power_of_2(Dk),
+        DV_P2=triton.next_power_of_2(Dv),
+        NP_P2=triton.next_power_of_2(npg),
+        NCH=nch,
+        CHUNK=chunk,
+        BLOCK_L=bl,
+        HAS_MASK=mask is not None,
+        HAS_GATE=gate is not None,
+        PREFETCH=prefetch,
+        num_warps=num_warps,
+        **pdl_kw(q),
+    )
     return out

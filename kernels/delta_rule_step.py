@@ -11,7 +11,8 @@ Owns one Triton kernel `_gdn_step_kernel` and two checked launchers over it, plu
   updated in place, SiLU), split into q/k/v heads, beta = sigmoid(b), g = -exp(A_log)·softplus(a + dt_bias), the
   delta rule above, and the gated RMSNorm (`Qwen3_5MoeRMSNormGated`) with z. Reference: `gated_deltanet_step_ref`.
 
-Default grid (B * H_k,): one program per key head; it owns that head's q/k conv channels and its R = H_v / H_k value heads
+Default grid (B * H_k,): one program per key head; it owns that head's q/k conv channels and its R = H_v / H_k value
+heads
 (value head h uses key head h // R, transformers' repeat_interleave), so the in-place conv-state update has no
 cross-program race. Each value head's [d_k, d_v] state is one register tile (fp32), read once and written once.
 `gated_deltanet_step(..., block_v=N)` launches `_gdn_split_kernel` instead: grid (B * H_v, d_v / N), one program per
@@ -58,7 +59,8 @@ def _l2norm(x, eps=1e-6):
 
 
 def delta_rule_step_ref(q, k, v, g, beta, state):
-    """q, k [B,1,H_k,d_k], v [B,1,H_v,d_v], g, beta [B,1,H_v], state [B,H_v,d_k,d_v] -> (out [B,1,H_v,d_v], new state fp32)."""
+    """q, k [B,1,H_k,d_k], v [B,1,H_v,d_v], g, beta [B,1,H_v], state [B,H_v,d_k,d_v] -> (out [B,1,H_v,d_v], new state
+    fp32)."""
     dt = q.dtype
     r = v.shape[2] // k.shape[2]
     q, k = (x.repeat_interleave(r, dim=2) for x in (q, k))
@@ -73,8 +75,25 @@ def delta_rule_step_ref(q, k, v, g, beta, state):
     return out.unsqueeze(1).to(dt), s
 
 
-def gated_deltanet_step_ref(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bias, A_log, dt_bias, norm_weight,
-                            norm_eps, state, num_k_heads, head_k_dim, num_v_heads, head_v_dim):
+def gated_deltanet_step_ref(
+    mixed_qkv,
+    z,
+    a,
+    b,
+    *,
+    conv_state,
+    conv_weight,
+    conv_bias,
+    A_log,
+    dt_bias,
+    norm_weight,
+    norm_eps,
+    state,
+    num_k_heads,
+    head_k_dim,
+    num_v_heads,
+    head_v_dim,
+):
     """Reference for `gated_deltanet_step`; updates conv_state and state in place, returns out [B, H_v·d_v]."""
     B, C = mixed_qkv.shape
     K = conv_state.shape[-1]
@@ -84,8 +103,8 @@ def gated_deltanet_step_ref(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv
     x = F.silu(x).to(mixed_qkv.dtype)[:, :, 0]  # [B, C]
     kd = num_k_heads * head_k_dim
     q = x[:, :kd].reshape(B, 1, num_k_heads, head_k_dim)
-    k = x[:, kd:2 * kd].reshape(B, 1, num_k_heads, head_k_dim)
-    v = x[:, 2 * kd:].reshape(B, 1, num_v_heads, head_v_dim)
+    k = x[:, kd : 2 * kd].reshape(B, 1, num_k_heads, head_k_dim)
+    v = x[:, 2 * kd :].reshape(B, 1, num_v_heads, head_v_dim)
     beta = b.sigmoid().unsqueeze(1)
     g = (-A_log.float().exp() * F.softplus(a.float() + dt_bias)).unsqueeze(1)
     o, s = delta_rule_step_ref(q, k, v, g, beta, state)
@@ -105,8 +124,20 @@ def gated_deltanet_step_ref(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv
 if triton is not None:
 
     @triton.jit
-    def _conv_window(st_ptr, w_ptr, bias_ptr, bi, c0, n, stride_sb, stride_sc, HAS_BIAS: tl.constexpr,
-                     KS: tl.constexpr, KS_P2: tl.constexpr, N_P2: tl.constexpr):
+    def _conv_window(
+        st_ptr,
+        w_ptr,
+        bias_ptr,
+        bi,
+        c0,
+        n,
+        stride_sb,
+        stride_sc,
+        HAS_BIAS: tl.constexpr,
+        KS: tl.constexpr,
+        KS_P2: tl.constexpr,
+        N_P2: tl.constexpr,
+    ):
         """What the conv update of channels [c0, c0+n) of batch row bi needs besides the new input: the state's last
         KS-1 columns shifted left by one ([N_P2, KS_P2] fp32, column KS-1 zero), the weights [N_P2, KS_P2] and the
         bias [N_P2] (fp32). Nothing here is written by the projection before: loadable before the PDL wait."""
@@ -114,10 +145,14 @@ if triton is not None:
         cm = tl.arange(0, N_P2) < n
         j = tl.arange(0, KS_P2)
         # new[c, j] = cat(state, x)[c, j + 1], j < KS: the conv window and the next state
-        nxt = tl.load(st_ptr + bi * stride_sb + c[:, None].to(tl.int64) * stride_sc + (j[None, :] + 1),
-                      mask=cm[:, None] & (j[None, :] + 1 < KS), other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c[:, None] * KS + j[None, :], mask=cm[:, None] & (j[None, :] < KS),
-                    other=0.0).to(tl.float32)
+        nxt = tl.load(
+            st_ptr + bi * stride_sb + c[:, None].to(tl.int64) * stride_sc + (j[None, :] + 1),
+            mask=cm[:, None] & (j[None, :] + 1 < KS),
+            other=0.0,
+        ).to(tl.float32)
+        w = tl.load(w_ptr + c[:, None] * KS + j[None, :], mask=cm[:, None] & (j[None, :] < KS), other=0.0).to(
+            tl.float32
+        )
         if HAS_BIAS:
             bias = tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
         else:
@@ -125,8 +160,23 @@ if triton is not None:
         return nxt, w, bias
 
     @triton.jit
-    def _conv_apply(x_ptr, st_ptr, w_dtype: tl.constexpr, nxt, w, bias, bi, c0, n, stride_xb, stride_sb, stride_sc,
-                    KS: tl.constexpr, KS_P2: tl.constexpr, N_P2: tl.constexpr):
+    def _conv_apply(
+        x_ptr,
+        st_ptr,
+        w_dtype: tl.constexpr,
+        nxt,
+        w,
+        bias,
+        bi,
+        c0,
+        n,
+        stride_xb,
+        stride_sb,
+        stride_sc,
+        KS: tl.constexpr,
+        KS_P2: tl.constexpr,
+        N_P2: tl.constexpr,
+    ):
         """Causal conv1d update + SiLU of channels [c0, c0+n) from `_conv_window`'s pieces and the new input. Returns
         (fp32 values rounded like transformers, i.e. conv in the weight dtype, SiLU in the weight dtype, cast to x's
         dtype; the new state tail [N_P2, KS_P2] to store; its pointers; its mask). Stores nothing (the caller stores
@@ -146,13 +196,41 @@ if triton is not None:
         return y, new, sptr, smask
 
     @triton.jit
-    def _conv_silu(x_ptr, st_ptr, w_ptr, bias_ptr, bi, c0, n, stride_xb, stride_sb, stride_sc,
-                   HAS_BIAS: tl.constexpr, KS: tl.constexpr, KS_P2: tl.constexpr, N_P2: tl.constexpr):
+    def _conv_silu(
+        x_ptr,
+        st_ptr,
+        w_ptr,
+        bias_ptr,
+        bi,
+        c0,
+        n,
+        stride_xb,
+        stride_sb,
+        stride_sc,
+        HAS_BIAS: tl.constexpr,
+        KS: tl.constexpr,
+        KS_P2: tl.constexpr,
+        N_P2: tl.constexpr,
+    ):
         """`_conv_window` then `_conv_apply`: the conv update of channels [c0, c0+n) in one go."""
-        nxt, w, bias = _conv_window(st_ptr, w_ptr, bias_ptr, bi, c0, n, stride_sb, stride_sc, HAS_BIAS, KS, KS_P2,
-                                    N_P2)
-        return _conv_apply(x_ptr, st_ptr, w_ptr.dtype.element_ty, nxt, w, bias, bi, c0, n, stride_xb, stride_sb,
-                           stride_sc, KS, KS_P2, N_P2)
+        nxt, w, bias = _conv_window(st_ptr, w_ptr, bias_ptr, bi, c0, n, stride_sb, stride_sc, HAS_BIAS, KS, KS_P2, N_P2)
+        return _conv_apply(
+            x_ptr,
+            st_ptr,
+            w_ptr.dtype.element_ty,
+            nxt,
+            w,
+            bias,
+            bi,
+            c0,
+            n,
+            stride_xb,
+            stride_sb,
+            stride_sc,
+            KS,
+            KS_P2,
+            N_P2,
+        )
 
     @triton.jit
     def _gdn_step_kernel(
@@ -174,10 +252,20 @@ if triton is not None:
         DK,
         DV,
         R,  # value heads per key head
-        stride_xb, stride_xh, stride_kb, stride_kh, stride_vb, stride_vh,
-        stride_cb, stride_cc,
-        stride_ab, stride_bb, stride_zb,
-        ss_b, ss_h, ss_k,
+        stride_xb,
+        stride_xh,
+        stride_kb,
+        stride_kh,
+        stride_vb,
+        stride_vh,
+        stride_cb,
+        stride_cc,
+        stride_ab,
+        stride_bb,
+        stride_zb,
+        ss_b,
+        ss_h,
+        ss_k,
         scale_div,  # sqrt(d_k): transformers divides q by it
         norm_eps,
         HK: tl.constexpr,
@@ -206,10 +294,38 @@ if triton is not None:
         HV = HK * R
         # ---- q, k of this key head (fp32), conv'd when CONV ----
         if CONV:
-            q, qnew, qsp, qsm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, hk * DK, DK, stride_xb, stride_cb,
-                                           stride_cc, HAS_BIAS, KS, KS_P2, DK_P2)
-            k, knew, ksp, ksm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, HK * DK + hk * DK, DK, stride_xb,
-                                           stride_cb, stride_cc, HAS_BIAS, KS, KS_P2, DK_P2)
+            q, qnew, qsp, qsm = _conv_silu(
+                x_ptr,
+                cst_ptr,
+                cw_ptr,
+                cb_ptr,
+                bi,
+                hk * DK,
+                DK,
+                stride_xb,
+                stride_cb,
+                stride_cc,
+                HAS_BIAS,
+                KS,
+                KS_P2,
+                DK_P2,
+            )
+            k, knew, ksp, ksm = _conv_silu(
+                x_ptr,
+                cst_ptr,
+                cw_ptr,
+                cb_ptr,
+                bi,
+                HK * DK + hk * DK,
+                DK,
+                stride_xb,
+                stride_cb,
+                stride_cc,
+                HAS_BIAS,
+                KS,
+                KS_P2,
+                DK_P2,
+            )
         else:
             q = tl.load(x_ptr + bi * stride_xb + hk * stride_xh + ik, mask=km, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + bi * stride_kb + hk * stride_kh + ik, mask=km, other=0.0).to(tl.float32)
@@ -219,8 +335,22 @@ if triton is not None:
         for r in range(R):
             h = hk * R + r
             if CONV:
-                v, vnew, vsp, vsm = _conv_silu(x_ptr, cst_ptr, cw_ptr, cb_ptr, bi, 2 * HK * DK + h * DV, DV,
-                                               stride_xb, stride_cb, stride_cc, HAS_BIAS, KS, KS_P2, DV_P2)
+                v, vnew, vsp, vsm = _conv_silu(
+                    x_ptr,
+                    cst_ptr,
+                    cw_ptr,
+                    cb_ptr,
+                    bi,
+                    2 * HK * DK + h * DV,
+                    DV,
+                    stride_xb,
+                    stride_cb,
+                    stride_cc,
+                    HAS_BIAS,
+                    KS,
+                    KS_P2,
+                    DV_P2,
+                )
             else:
                 v = tl.load(v_ptr + bi * stride_vb + h * stride_vh + jv, mask=vm, other=0.0).to(tl.float32)
             av = tl.load(a_ptr + bi * stride_ab + h)
@@ -269,8 +399,10 @@ if triton is not None:
         cst_ptr,  # conv_state [B, C, KS] (strides stride_cb, stride_cc; last dim contiguous)
         cw_ptr,  # conv weight [C, KS] contiguous
         cb_ptr,  # HAS_BIAS: conv bias [C]
-        a_ptr, b_ptr,  # [B, H_v] (row strides stride_ab, stride_bb)
-        alog_ptr, dtb_ptr,  # [H_v]
+        a_ptr,
+        b_ptr,  # [B, H_v] (row strides stride_ab, stride_bb)
+        alog_ptr,
+        dtb_ptr,  # [H_v]
         z_ptr,  # [B, H_v * d_v] (row stride stride_zb)
         nw_ptr,  # norm weight [d_v]
         s_ptr,  # state [B, H_v, d_k, d_v], strides (ss_b, ss_h, ss_k, 1), updated in place
@@ -278,10 +410,21 @@ if triton is not None:
         ws_ptr,  # fp32 [B, H_v, d_v] workspace: core output before the gated norm (fully rewritten each launch)
         tk_ptr,  # int32 [B * H_k] tickets (zero between launches): q/k conv-state writers; ONE_TICKET: int64
         th_ptr,  # int32 [B * H_v] tickets (zero between launches): gated-norm finishers (unused with ONE_TICKET)
-        DK, DV, R, NVB,  # NVB = ceil(d_v / BLOCK_V) programs per value head
-        stride_xb, stride_cb, stride_cc, stride_ab, stride_bb, stride_zb,
-        ss_b, ss_h, ss_k,
-        scale_div, norm_eps,
+        DK,
+        DV,
+        R,
+        NVB,  # NVB = ceil(d_v / BLOCK_V) programs per value head
+        stride_xb,
+        stride_cb,
+        stride_cc,
+        stride_ab,
+        stride_bb,
+        stride_zb,
+        ss_b,
+        ss_h,
+        ss_k,
+        scale_div,
+        norm_eps,
         HK: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         KS: tl.constexpr,
@@ -313,12 +456,15 @@ if triton is not None:
         # likewise the conv windows (this kernel wrote them one step earlier), the conv weights and the gate constants
         vc0 = 2 * HK * DK + h * DV + vb * BLOCK_V
         vn = tl.minimum(DV - vb * BLOCK_V, BLOCK_V)
-        qwin, qw, qb = _conv_window(cst_ptr, cw_ptr, cb_ptr, bi, hk * DK, DK, stride_cb, stride_cc, HAS_BIAS, KS,
-                                    KS_P2, DK_P2)
-        kwin, kw, kb = _conv_window(cst_ptr, cw_ptr, cb_ptr, bi, HK * DK + hk * DK, DK, stride_cb, stride_cc,
-                                    HAS_BIAS, KS, KS_P2, DK_P2)
-        vwin, vw, vbias = _conv_window(cst_ptr, cw_ptr, cb_ptr, bi, vc0, vn, stride_cb, stride_cc, HAS_BIAS, KS,
-                                       KS_P2, BLOCK_V)
+        qwin, qw, qb = _conv_window(
+            cst_ptr, cw_ptr, cb_ptr, bi, hk * DK, DK, stride_cb, stride_cc, HAS_BIAS, KS, KS_P2, DK_P2
+        )
+        kwin, kw, kb = _conv_window(
+            cst_ptr, cw_ptr, cb_ptr, bi, HK * DK + hk * DK, DK, stride_cb, stride_cc, HAS_BIAS, KS, KS_P2, DK_P2
+        )
+        vwin, vw, vbias = _conv_window(
+            cst_ptr, cw_ptr, cb_ptr, bi, vc0, vn, stride_cb, stride_cc, HAS_BIAS, KS, KS_P2, BLOCK_V
+        )
         dtb = tl.load(dtb_ptr + h).to(tl.float32)
         a_log = tl.load(alog_ptr + h).to(tl.float32)
         if PDL:  # programmatic dependent launch (kernels/pdl.py): the projections are read after the wait
@@ -326,16 +472,33 @@ if triton is not None:
             gdc_launch_dependents()
         wdt: tl.constexpr = cw_ptr.dtype.element_ty
         # q, k of the key head: every program of it reads the OLD conv window; the last one writes the new
-        q, qnew, qsp, qsm = _conv_apply(x_ptr, cst_ptr, wdt, qwin, qw, qb, bi, hk * DK, DK, stride_xb, stride_cb,
-                                        stride_cc, KS, KS_P2, DK_P2)
-        k, knew, ksp, ksm = _conv_apply(x_ptr, cst_ptr, wdt, kwin, kw, kb, bi, HK * DK + hk * DK, DK, stride_xb,
-                                        stride_cb, stride_cc, KS, KS_P2, DK_P2)
+        q, qnew, qsp, qsm = _conv_apply(
+            x_ptr, cst_ptr, wdt, qwin, qw, qb, bi, hk * DK, DK, stride_xb, stride_cb, stride_cc, KS, KS_P2, DK_P2
+        )
+        k, knew, ksp, ksm = _conv_apply(
+            x_ptr,
+            cst_ptr,
+            wdt,
+            kwin,
+            kw,
+            kb,
+            bi,
+            HK * DK + hk * DK,
+            DK,
+            stride_xb,
+            stride_cb,
+            stride_cc,
+            KS,
+            KS_P2,
+            DK_P2,
+        )
         q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
         k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q / scale_div
         # this program's v channels: only it reads them, so it shifts their conv window itself
-        v, vnew, vsp, vsm = _conv_apply(x_ptr, cst_ptr, wdt, vwin, vw, vbias, bi, vc0, vn, stride_xb, stride_cb,
-                                        stride_cc, KS, KS_P2, BLOCK_V)
+        v, vnew, vsp, vsm = _conv_apply(
+            x_ptr, cst_ptr, wdt, vwin, vw, vbias, bi, vc0, vn, stride_xb, stride_cb, stride_cc, KS, KS_P2, BLOCK_V
+        )
         av = tl.load(a_ptr + bi * stride_ab + h)
         bv = tl.load(b_ptr + bi * stride_bb + h)
         beta = round_to(1.0 / (1.0 + tl.exp(-bv.to(tl.float32))), bv.dtype)
@@ -355,8 +518,9 @@ if triton is not None:
         tl.store(vsp, round_to(vnew, cst_ptr.dtype.element_ty).to(cst_ptr.dtype.element_ty), mask=vsm)
         if ONE_TICKET:  # one atomic: field 0 counts the key head's programs, field 1 + r its value head r's
             shift = (W * (1 + h % R)).to(tl.int64)
-            old = tl.atomic_add(tk_ptr + bi * HK + hk, 1 + (tl.full([], 1, tl.int64) << shift), sem="acq_rel",
-                                scope="gpu")
+            old = tl.atomic_add(
+                tk_ptr + bi * HK + hk, 1 + (tl.full([], 1, tl.int64) << shift), sem="acq_rel", scope="gpu"
+            )
             done_k = old & ((1 << W) - 1)
             done_h = (old >> shift) & ((1 << W) - 1)
         else:
@@ -387,7 +551,7 @@ def _split_workspace(device, B: int, HK: int, HV: int, DV: int) -> tuple[torch.T
     n_tk = B * HK
     tickets = zeroed_int32("gdn_split_tickets", device, n_tk + B * HV)
     out = zeroed_int32("gdn_split_out", device, B * HV * DV)[: B * HV * DV].view(torch.float32)
-    return out, tickets[:n_tk], tickets[n_tk:n_tk + B * HV]
+    return out, tickets[:n_tk], tickets[n_tk : n_tk + B * HV]
 
 
 def _one_ticket_width(R: int, nvb: int) -> int:
@@ -427,20 +591,78 @@ def delta_rule_step(q, k, v, g, beta, state, *, out=None):
         out = torch.empty((B, 1, HV, DV), dtype=q.dtype, device=q.device)
     dk2, dv2 = triton.next_power_of_2(DK), triton.next_power_of_2(DV)
     _gdn_step_kernel[(B * HK,)](
-        q, k, v, state, state, state, g, beta, g, g, v, v, state, out,
-        DK, DV, HV // HK,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
-        0, 0, g.stride(0), beta.stride(0), 0,
-        state.stride(0), state.stride(1), state.stride(2),
-        float(DK ** 0.5), 0.0,
-        HK=HK, CONV=False, HAS_BIAS=False, KS=1, KS_P2=1, GATES=False, NORM=False, ROUND_PROD=False,
-        DK_P2=dk2, DV_P2=dv2, num_warps=_warps(dk2, dv2), **pdl_kw(q))
+        q,
+        k,
+        v,
+        state,
+        state,
+        state,
+        g,
+        beta,
+        g,
+        g,
+        v,
+        v,
+        state,
+        out,
+        DK,
+        DV,
+        HV // HK,
+        q.stride(0),
+        q.stride(2),
+        k.stride(0),
+        k.stride(2),
+        v.stride(0),
+        v.stride(2),
+        0,
+        0,
+        g.stride(0),
+        beta.stride(0),
+        0,
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        float(DK**0.5),
+        0.0,
+        HK=HK,
+        CONV=False,
+        HAS_BIAS=False,
+        KS=1,
+        KS_P2=1,
+        GATES=False,
+        NORM=False,
+        ROUND_PROD=False,
+        DK_P2=dk2,
+        DV_P2=dv2,
+        num_warps=_warps(dk2, dv2),
+        **pdl_kw(q),
+    )
     return out
 
 
-def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bias, A_log, dt_bias, norm_weight,
-                        norm_eps, state, num_k_heads, head_k_dim, num_v_heads, head_v_dim, out=None,
-                        num_warps: int | None = None, block_v: int | None = None, one_ticket: bool = True):
+def gated_deltanet_step(
+    mixed_qkv,
+    z,
+    a,
+    b,
+    *,
+    conv_state,
+    conv_weight,
+    conv_bias,
+    A_log,
+    dt_bias,
+    norm_weight,
+    norm_eps,
+    state,
+    num_k_heads,
+    head_k_dim,
+    num_v_heads,
+    head_v_dim,
+    out=None,
+    num_warps: int | None = None,
+    block_v: int | None = None,
+    one_ticket: bool = True,
+):
     """One cached decode token of `Qwen3_5MoeGatedDeltaNet` between the input projections and out_proj, one launch.
     mixed_qkv [B, C], z [B, H_v·d_v], a, b [B, H_v] (rows may be strided, last dim contiguous); conv_state
     [B, C, K] and state [B, H_v, d_k, d_v] are updated in place. Returns out [B, H_v·d_v] in mixed_qkv's dtype."""
@@ -452,8 +674,9 @@ def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bia
     if C != 2 * HK * DK + HV * DV or HV % HK:
         raise ValueError(f"mixed_qkv has {C} channels, heads say {2 * HK * DK + HV * DV} (or H_v % H_k != 0)")
     if conv_state.shape != (B, C, KS) or conv_weight.shape != (C, KS) or conv_state.stride(-1) != 1:
-        raise ValueError(f"conv_state [B, C, K] / conv_weight [C, K] mismatch: {tuple(conv_state.shape)}, "
-                         f"{tuple(conv_weight.shape)}")
+        raise ValueError(
+            f"conv_state [B, C, K] / conv_weight [C, K] mismatch: {tuple(conv_state.shape)}, {tuple(conv_weight.shape)}"
+        )
     if z.shape != (B, HV * DV) or a.shape != (B, HV) or b.shape != (B, HV) or norm_weight.shape != (DV,):
         raise ValueError("z [B, H_v*d_v], a, b [B, H_v], norm_weight [d_v] expected")
     if A_log.shape != (HV,) or dt_bias.shape != (HV,):
@@ -476,26 +699,97 @@ def gated_deltanet_step(mixed_qkv, z, a, b, *, conv_state, conv_weight, conv_bia
         ws, tk, th = _split_workspace(mixed_qkv.device, B, HK, HV, DV)
         width = _one_ticket_width(HV // HK, nvb) if one_ticket else 0
         if width:  # one int64 word per key head instead of two int32 tickets (one atomic per program, not two)
-            tk = zeroed_int32("gdn_split_ticket64", mixed_qkv.device, 2 * B * HK)[:2 * B * HK].view(torch.int64)
+            tk = zeroed_int32("gdn_split_ticket64", mixed_qkv.device, 2 * B * HK)[: 2 * B * HK].view(torch.int64)
         _gdn_split_kernel[(B * HV, nvb)](
-            mixed_qkv, conv_state, cw, bias, a, b, A_log, dt_bias, z, norm_weight, state, out, ws, tk, th,
-            DK, DV, HV // HK, nvb,
-            mixed_qkv.stride(0), conv_state.stride(0), conv_state.stride(1), a.stride(0), b.stride(0), z.stride(0),
-            state.stride(0), state.stride(1), state.stride(2),
-            float(DK ** 0.5), float(norm_eps),
-            HK=HK, HAS_BIAS=conv_bias is not None, KS=KS, KS_P2=triton.next_power_of_2(KS), ROUND_PROD=round_prod,
-            DK_P2=dk2, DV_P2=dv2, BLOCK_V=bv, ONE_TICKET=width > 0, W=width, num_warps=num_warps or 4,
-            **pdl_kw(mixed_qkv))
+            mixed_qkv,
+            conv_state,
+            cw,
+            bias,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            z,
+            norm_weight,
+            state,
+            out,
+            ws,
+            tk,
+            th,
+            DK,
+            DV,
+            HV // HK,
+            nvb,
+            mixed_qkv.stride(0),
+            conv_state.stride(0),
+            conv_state.stride(1),
+            a.stride(0),
+            b.stride(0),
+            z.stride(0),
+            state.stride(0),
+            state.stride(1),
+            state.stride(2),
+            float(DK**0.5),
+            float(norm_eps),
+            HK=HK,
+            HAS_BIAS=conv_bias is not None,
+            KS=KS,
+            KS_P2=triton.next_power_of_2(KS),
+            ROUND_PROD=round_prod,
+            DK_P2=dk2,
+            DV_P2=dv2,
+            BLOCK_V=bv,
+            ONE_TICKET=width > 0,
+            W=width,
+            num_warps=num_warps or 4,
+            **pdl_kw(mixed_qkv),
+        )
         return out
     _gdn_step_kernel[(B * HK,)](
-        mixed_qkv, mixed_qkv, mixed_qkv, conv_state, cw, bias, a, b, A_log, dt_bias, z, norm_weight, state, out,
-        DK, DV, HV // HK,
-        mixed_qkv.stride(0), 0, 0, 0, 0, 0,
-        conv_state.stride(0), conv_state.stride(1),
-        a.stride(0), b.stride(0), z.stride(0),
-        state.stride(0), state.stride(1), state.stride(2),
-        float(DK ** 0.5), float(norm_eps),
-        HK=HK, CONV=True, HAS_BIAS=conv_bias is not None, KS=KS, KS_P2=triton.next_power_of_2(KS), GATES=True,
-        NORM=True, ROUND_PROD=round_prod, DK_P2=dk2, DV_P2=dv2, num_warps=num_warps or _warps(dk2, dv2),
-        **pdl_kw(mixed_qkv))
+        mixed_qkv,
+        mixed_qkv,
+        mixed_qkv,
+        conv_state,
+        cw,
+        bias,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        z,
+        norm_weight,
+        state,
+        out,
+        DK,
+        DV,
+        HV // HK,
+        mixed_qkv.stride(0),
+        0,
+        0,
+        0,
+        0,
+        0,
+        conv_state.stride(0),
+        conv_state.stride(1),
+        a.stride(0),
+        b.stride(0),
+        z.stride(0),
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        float(DK**0.5),
+        float(norm_eps),
+        HK=HK,
+        CONV=True,
+        HAS_BIAS=conv_bias is not None,
+        KS=KS,
+        KS_P2=triton.next_power_of_2(KS),
+        GATES=True,
+        NORM=True,
+        ROUND_PROD=round_prod,
+        DK_P2=dk2,
+        DV_P2=dv2,
+        num_warps=num_warps or _warps(dk2, dv2),
+        **pdl_kw(mixed_qkv),
+    )
     return out

@@ -118,7 +118,9 @@ def dense_experts(
         raise ValueError(f"expert_ids must be int32/int64 [T, k], got {expert_ids.dtype} {tuple(expert_ids.shape)}")
     k = expert_ids.shape[1]
     if tuple(weights.shape) != (T, k) or not weights.dtype.is_floating_point:
-        raise ValueError(f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} {tuple(weights.shape)}")
+        raise ValueError(
+            f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} {tuple(weights.shape)}"
+        )
     if expert_ids.device != x.device or weights.device != x.device:
         raise ValueError("expert_ids and weights must be on x's device")
     if out is None:
@@ -130,8 +132,23 @@ def dense_experts(
         return out
     bn = max(1, min(triton.next_power_of_2(BLOCK_N), triton.next_power_of_2(I)))
     _dense_experts_kernel[(T * k, triton.cdiv(I, bn))](
-        x, w_gate, w_up, w_down_t, expert_ids.contiguous(), weights.contiguous(), out, I, k, x.stride(0),
-        w_gate.stride(0), w_up.stride(0), w_down_t.stride(0),
-        H=H, H_P2=triton.next_power_of_2(H), BLOCK_N=bn, num_warps=num_warps, **pdl_kw(x),
+        x,
+        w_gate,
+        w_up,
+        w_down_t,
+        expert_ids.contiguous(),
+        weights.contiguous(),
+        out,
+        I,
+        k,
+        x.stride(0),
+        w_gate.stride(0),
+        w_up.stride(0),
+        w_down_t.stride(0),
+        H=H,
+        H_P2=triton.next_power_of_2(H),
+        BLOCK_N=bn,
+        num_warps=num_warps,
+        **pdl_kw(x),
     )
     return out

@@ -1,7 +1,8 @@
 """int4 experts back to the model's dtype on the device, for the dense (prefill, calibration) path.
 
 Owns `dequant_int4(packed, scale, minimum, dtype)` (Triton launcher), its torch reference `dequant_int4_ref`
-(the int4 format's definition; `localmoe.kernels.int4` holds the format) and the kernel `_dequant_kernel`. The dense path runs
+(the int4 format's definition; `localmoe.kernels.int4` holds the format) and the kernel `_dequant_kernel`. The dense
+path runs
 torch's grouped GEMMs on spans of dequantized experts (localmoe/experts.py `_grouped`); in torch the unpacking goes
 through several fp32 temporaries of the span's size, this kernel reads each byte and scale once and writes the
 output once. Grid: cdiv(R, BLOCK_R) programs over the R = n * I rows; each unpacks BLOCK_R rows of H/2 bytes into
@@ -29,7 +30,9 @@ __all__ = ["dequant_int4", "dequant_int4_ref"]
 # ----------------------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
-def dequant_int4_ref(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequant_int4_ref(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """The torch reference and the int4 format's definition: [..., H/2] uint8 + [..., NG] scales -> [..., H] in
     `dtype` (computed in fp32, rounded once)."""
     lo = (packed & 15).float()
@@ -79,8 +82,15 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
-                 out: torch.Tensor | None = None, BLOCK_R: int = 4, num_warps: int = 4) -> torch.Tensor:
+def dequant_int4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    BLOCK_R: int = 4,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """[..., H/2] uint8 + [..., NG] scale / minimum -> [..., H] in `dtype` (bf16/fp16/fp32), one launch; `out`
     (contiguous, that shape and dtype) to reuse a buffer."""
     if triton is None:
@@ -111,6 +121,17 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
         return out
     BLOCK_J = triton.next_power_of_2(H2)
     grid = (triton.cdiv(R, BLOCK_R),)
-    _dequant_kernel[grid](packed, scale, minimum, out, R, H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R,
-                          BLOCK_J=BLOCK_J, num_warps=num_warps)
+    _dequant_kernel[grid](
+        packed,
+        scale,
+        minimum,
+        out,
+        R,
+        H2=H2,
+        NG=NG,
+        HALF_G=H2 // NG,
+        BLOCK_R=BLOCK_R,
+        BLOCK_J=BLOCK_J,
+        num_warps=num_warps,
+    )
     return out

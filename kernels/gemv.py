@@ -31,8 +31,13 @@ _NORM_KINDS = {"standard": 1, "zero_centred": 2}
 # ----------------------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-             norm_kind: str = "zero_centred") -> torch.Tensor:
+def gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_kind: str = "zero_centred",
+) -> torch.Tensor:
     """x [T, K], weight [N, K] -> y [T, N] in x's dtype (fp32 accumulation); with `norm_weight` [K], x is first
     RMS-normalised per row as transformers' RMSNorm does (zero_centred x̂·(1+w), or standard w·x̂)."""
     if norm_weight is not None:
@@ -109,9 +114,18 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, norm_weight=None,
-         eps: float = 1e-6, norm_kind: str = "zero_centred", BLOCK_N: int = 2, BLOCK_K: int | None = None,
-         num_warps: int = 4) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    norm_weight=None,
+    eps: float = 1e-6,
+    norm_kind: str = "zero_centred",
+    BLOCK_N: int = 2,
+    BLOCK_K: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """y = x W^T. x [T, K] (T <= 8; bf16/fp16/fp32, last dim contiguous); weight [N, K] of x's dtype, last dim
     contiguous. Returns y [T, N] in x's dtype (into `out` when given: contiguous [T, N], x's dtype). BLOCK_K
     defaults to next_pow2(K) capped at 4096 (a whole row per tile for K up to 4096). No host sync: capturable.
@@ -144,7 +158,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     if norm and (bk < K or norm_weight.numel() != K or norm_weight.device != x.device):
         raise ValueError(f"norm_weight must hold K = {K} values on {x.device}, with K <= 4096 (one tile per row)")
     nw = norm_weight.reshape(K).contiguous() if norm else x
-    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](x, weight, out, nw, N, K, x.stride(0), weight.stride(0), float(eps),
-                                             T=T, BLOCK_N=BLOCK_N, BLOCK_K=bk, ONE_TILE=bk >= K, NORM=norm,
-                                             num_warps=num_warps, **pdl_kw(x))
+    _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
+        x,
+        weight,
+        out,
+        nw,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        float(eps),
+        T=T,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=bk,
+        ONE_TILE=bk >= K,
+        NORM=norm,
+        num_warps=num_warps,
+        **pdl_kw(x),
+    )
     return out

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.kernels.dequant_int4 import dequant_int4, dequant_int4_ref as dequantize
+from localmoe.kernels.dequant_int4 import dequant_int4
+from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
 
 GROUP = 128  # preferred group size; smaller powers of two when H is not a multiple of it
 MIN_GROUP = 16
@@ -71,14 +72,18 @@ class Int4Tensor:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.minimum))
 
     @classmethod
-    def empty(cls, shape: tuple[int, int, int], dtype: torch.dtype, device, alloc=None) -> "Int4Tensor":
+    def empty(cls, shape: tuple[int, int, int], dtype: torch.dtype, device, alloc=None) -> Int4Tensor:
         """Uninitialised storage for logical [E, I, H] weights (fill it with `put`); `alloc(shape, dtype)` makes
         each part instead of torch.empty on `device` (e.g. pinned host memory)."""
         E, I, H = shape
         NG = H // group_for(H)
         alloc = alloc or (lambda s, dt: torch.empty(s, dtype=dt, device=device))
-        return cls(alloc((E, I, H // 2), torch.uint8), alloc((E, I, NG), torch.bfloat16),
-                   alloc((E, I, NG), torch.bfloat16), dtype)
+        return cls(
+            alloc((E, I, H // 2), torch.uint8),
+            alloc((E, I, NG), torch.bfloat16),
+            alloc((E, I, NG), torch.bfloat16),
+            dtype,
+        )
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.packed, self.scale, self.minimum

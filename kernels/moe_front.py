@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.router_topk import router_topk_ref, router_tickets
+from localmoe.kernels.router_topk import router_tickets, router_topk_ref
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -74,8 +74,9 @@ def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, nor
 if triton is not None:
 
     @triton.jit
-    def _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H: tl.constexpr, KIND: tl.constexpr,
-                       EARLY_RES: tl.constexpr):
+    def _residual_norm(
+        x_ptr, r_ptr, rv, nw, cols, cm, eps, H: tl.constexpr, KIND: tl.constexpr, EARLY_RES: tl.constexpr
+    ):
         """After a program's PDL wait: (s, h) in fp32, each rounded to x's dtype: s = x + residual, h = RMSNorm(s)
         (module docstring). rv is the residual when EARLY_RES loaded it before the wait."""
         xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
@@ -145,8 +146,9 @@ if triton is not None:
             rows = pid * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] router rows
             rmask = rows < E
             # ---- weights, before the wait ----
-            wv = tl.load(w_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=rmask[:, None] & cm[None, :],
-                         other=0.0)
+            wv = tl.load(
+                w_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0
+            )
             first = (tl.zeros([H_P2], dtype=tl.int32) + pid) == 0
             STORE_SG: tl.constexpr = SHARED_GATE and not SHARED_EXPERT  # else applied by the shared programs
             if STORE_SG:
@@ -189,11 +191,25 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, kind: str,
-              router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, w_sg: torch.Tensor | None = None,
-              *, tickets: torch.Tensor | None = None, block_e: int = 1, num_warps: int = 4,
-              residual_early: bool = False, shared_expert: tuple | None = None, acc: torch.Tensor | None = None,
-              shared_block: int = 4):
+def moe_front(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    kind: str,
+    router_weight: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool = True,
+    w_sg: torch.Tensor | None = None,
+    *,
+    tickets: torch.Tensor | None = None,
+    block_e: int = 1,
+    num_warps: int = 4,
+    residual_early: bool = False,
+    shared_expert: tuple | None = None,
+    acc: torch.Tensor | None = None,
+    shared_block: int = 4,
+):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
     dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None);
@@ -210,16 +226,22 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
         raise RuntimeError("moe_front needs triton")
     H = x.shape[-1]
     if x.numel() != H or residual.numel() != H:
-        raise ValueError(f"moe_front is for one token: x and residual must hold H = {H} values, got "
-                         f"{x.numel()} and {residual.numel()}")
+        raise ValueError(
+            f"moe_front is for one token: x and residual must hold H = {H} values, got "
+            f"{x.numel()} and {residual.numel()}"
+        )
     if x.dtype not in _FLOAT_DTYPES or residual.dtype != x.dtype or router_weight.dtype != x.dtype:
-        raise TypeError(f"x, residual and router_weight must share a float dtype, got {x.dtype}, {residual.dtype}, "
-                        f"{router_weight.dtype}")
+        raise TypeError(
+            f"x, residual and router_weight must share a float dtype, got {x.dtype}, {residual.dtype}, "
+            f"{router_weight.dtype}"
+        )
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
     if router_weight.dim() != 2 or router_weight.shape[1] != H or norm_weight.numel() != H:
-        raise ValueError(f"router_weight must be [E, {H}] and norm_weight [{H}], got {tuple(router_weight.shape)} "
-                         f"and {tuple(norm_weight.shape)}")
+        raise ValueError(
+            f"router_weight must be [E, {H}] and norm_weight [{H}], got {tuple(router_weight.shape)} "
+            f"and {tuple(norm_weight.shape)}"
+        )
     E = router_weight.shape[0]
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k {top_k} out of range for {E} experts")
@@ -237,11 +259,11 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
         I_s = shared_expert[0].shape[0] if shared_expert[0].dim() == 2 else -1
         for name, sw in zip(("w_gate", "w_up", "w_down_t"), shared_expert):
             if sw.dim() != 2 or tuple(sw.shape) != (I_s, H) or not sw.is_contiguous():
-                raise ValueError(f"shared_expert {name} must be a contiguous [I_s, H] = [{I_s}, {H}] tensor, got "
-                                 f"{tuple(sw.shape)}")
+                raise ValueError(
+                    f"shared_expert {name} must be a contiguous [I_s, H] = [{I_s}, {H}] tensor, got {tuple(sw.shape)}"
+                )
             if sw.dtype != x.dtype or sw.device != x.device:
-                raise ValueError(f"shared_expert {name} must be {x.dtype} on {x.device}, got {sw.dtype} on "
-                                 f"{sw.device}")
+                raise ValueError(f"shared_expert {name} must be {x.dtype} on {x.device}, got {sw.dtype} on {sw.device}")
         if shared_block < 1 or shared_block & (shared_block - 1):
             raise ValueError(f"shared_block must be a power of two, got {shared_block}")
     elif acc is not None:
@@ -269,10 +291,37 @@ def moe_front(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
     ns = triton.cdiv(I_s, bs) if shared_expert is not None else 0
     se = shared_expert if shared_expert is not None else (w, w, w)  # dummies, never read
     _moe_front_kernel[(nr + ns,)](
-        x1, r1, nw, w, w_sg.reshape(H) if w_sg is not None else nw, s, h, logits, tw, ti,
-        sg if sg is not None else s, tickets, *se, acc if acc is not None else nw, E, nr, I_s, float(eps), H=H,
-        H_P2=triton.next_power_of_2(H), KIND=_KINDS[kind], K=top_k, K_P2=triton.next_power_of_2(top_k),
-        NORM=bool(norm_topk_prob), BLOCK_E=be, E_P2=triton.next_power_of_2(E), SHARED_GATE=w_sg is not None,
-        SHARED_EXPERT=shared_expert is not None, BLOCK_S=bs, EARLY_RES=bool(residual_early), num_warps=num_warps,
-        **pdl_kw(x))
+        x1,
+        r1,
+        nw,
+        w,
+        w_sg.reshape(H) if w_sg is not None else nw,
+        s,
+        h,
+        logits,
+        tw,
+        ti,
+        sg if sg is not None else s,
+        tickets,
+        *se,
+        acc if acc is not None else nw,
+        E,
+        nr,
+        I_s,
+        float(eps),
+        H=H,
+        H_P2=triton.next_power_of_2(H),
+        KIND=_KINDS[kind],
+        K=top_k,
+        K_P2=triton.next_power_of_2(top_k),
+        NORM=bool(norm_topk_prob),
+        BLOCK_E=be,
+        E_P2=triton.next_power_of_2(E),
+        SHARED_GATE=w_sg is not None,
+        SHARED_EXPERT=shared_expert is not None,
+        BLOCK_S=bs,
+        EARLY_RES=bool(residual_early),
+        num_warps=num_warps,
+        **pdl_kw(x),
+    )
     return s, h, logits, tw, ti, sg

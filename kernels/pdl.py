@@ -32,6 +32,7 @@ import torch
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401  (re-exported)
+
     HAVE_GDC = True
 except ImportError:  # pragma: no cover - Triton without GDC intrinsics (< 3.3)
     HAVE_GDC = False
@@ -47,7 +48,7 @@ def set_enabled(on: bool | None) -> None:
     _override = on
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

@@ -65,19 +65,20 @@ def _rope_ref(x, cos, sin):
     """apply_rotary_pos_emb on one tensor: x [..., D], cos/sin [ROT] (partial rotary when ROT < D)."""
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
     return torch.cat([x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass], dim=-1)
 
 
-def qk_norm_rope_ref(qkv, q_weight, k_weight, cos, sin, eps, num_q_heads, num_kv_heads, kind="zero_centred",
-                     gated=True):
+def qk_norm_rope_ref(
+    qkv, q_weight, k_weight, cos, sin, eps, num_q_heads, num_kv_heads, kind="zero_centred", gated=True
+):
     """Same arguments and results as `qk_norm_rope`: (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None)."""
     D, Hq, Hkv = q_weight.shape[0], num_q_heads, num_kv_heads
     QW = 2 * D if gated else D
     flat = qkv.reshape(-1)
-    q_all = flat[:Hq * QW].view(Hq, QW)
-    k = flat[Hq * QW:Hq * QW + Hkv * D].view(Hkv, D)
-    v = flat[Hq * QW + Hkv * D:].view(Hkv, D)
+    q_all = flat[: Hq * QW].view(Hq, QW)
+    k = flat[Hq * QW : Hq * QW + Hkv * D].view(Hkv, D)
+    v = flat[Hq * QW + Hkv * D :].view(Hkv, D)
     cos, sin = cos.reshape(-1), sin.reshape(-1)
     q = _rope_ref(_norm_ref(q_all[:, :D], q_weight, eps, kind), cos, sin)
     k = _rope_ref(_norm_ref(k, k_weight, eps, kind), cos, sin)
@@ -181,16 +182,19 @@ if triton is not None:
 def _one_row(name: str, t: torch.Tensor) -> torch.Tensor:
     """A tensor holding one row (numel == last dim, last dim contiguous) as a flat view."""
     if t.numel() != t.shape[-1] or t.stride(-1) != 1:
-        raise ValueError(f"{name} must hold one token's row with a contiguous last dim, got shape {tuple(t.shape)} "
-                         f"strides {t.stride()}")
+        raise ValueError(
+            f"{name} must hold one token's row with a contiguous last dim, got shape {tuple(t.shape)} "
+            f"strides {t.stride()}"
+        )
     return t.view(-1)
 
 
 def _check_weights(q_weight, k_weight, kind, x_dtype, device) -> int:
     D = q_weight.shape[0] if q_weight.dim() == 1 else -1
     if D < 1 or tuple(k_weight.shape) != (D,):
-        raise ValueError(f"q_weight and k_weight must both be [D], got {tuple(q_weight.shape)} and "
-                         f"{tuple(k_weight.shape)}")
+        raise ValueError(
+            f"q_weight and k_weight must both be [D], got {tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
+        )
     if q_weight.dtype not in _FLOAT_DTYPES or k_weight.dtype != q_weight.dtype:
         raise ValueError(f"norm weights must share a float dtype, got {q_weight.dtype} and {k_weight.dtype}")
     if kind == "standard" and torch.promote_types(q_weight.dtype, x_dtype) != x_dtype:
@@ -202,9 +206,20 @@ def _check_weights(q_weight, k_weight, kind, x_dtype, device) -> int:
     return D
 
 
-def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, eps: float, *, num_q_heads: int, num_kv_heads: int, kind: str = "zero_centred",
-                 gated: bool = True, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    kind: str = "zero_centred",
+    gated: bool = True,
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+):
     """One token's q|k|v projection -> (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None): q and k normed (per
     head, `kind`) and rotated by cos/sin [ROT] (one token's, qkv's dtype; ROT even, <= D), v a view of qkv, the gate
     (gated layers) de-interleaved and contiguous. D = the norm weights' length. With `kv_cache` (keys [Hkv, L, D],
@@ -225,27 +240,55 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     Hq, Hkv = num_q_heads, num_kv_heads
     QW = 2 * D if gated else D
     if x.numel() != Hq * QW + 2 * Hkv * D:
-        raise ValueError(f"qkv has {x.numel()} features; {Hq} query heads ({'gated, ' if gated else ''}{QW} each) + "
-                         f"2 x {Hkv} key/value heads of {D} need {Hq * QW + 2 * Hkv * D}")
+        raise ValueError(
+            f"qkv has {x.numel()} features; {Hq} query heads ({'gated, ' if gated else ''}{QW} each) + "
+            f"2 x {Hkv} key/value heads of {D} need {Hq * QW + 2 * Hkv * D}"
+        )
     c, s = _one_row("cos", cos), _one_row("sin", sin)
     ROT = c.numel()
     if s.numel() != ROT or ROT % 2 or not 2 <= ROT <= D:
-        raise ValueError(f"cos and sin must be one token's [ROT] angles, ROT even and <= head dim {D}; got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"cos and sin must be one token's [ROT] angles, ROT even and <= head dim {D}; got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     if c.dtype != x.dtype or s.dtype != x.dtype or c.device != x.device or s.device != x.device:
-        raise ValueError(f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on "
-                         f"{c.device}/{s.device}")
+        raise ValueError(
+            f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on {c.device}/{s.device}"
+        )
     kc, vc, pos = _check_cache(kv_cache, Hkv, D, x)
     tick = zeroed_int32("qk_norm_rope", x.device, 1) if kv_cache is not None else pos
     out = torch.empty((Hq + Hkv + (Hq if gated else 0)) * D, dtype=x.dtype, device=x.device)
-    _qk_norm_rope_kernel[(Hq + Hkv,)](x, q_weight, k_weight, c, s, out, kc, vc, pos, tick, Hq, Hkv, float(eps),
-                                      kc.shape[1],
-                                      kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), D=D, ROT=ROT,
-                                      KIND=_KIND_ID[kind], GATED=gated, CACHE=kv_cache is not None,
-                                      BLOCK_D=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 2, **pdl_kw(x))
-    q, k = out[:Hq * D].view(Hq, D), out[Hq * D:(Hq + Hkv) * D].view(Hkv, D)
-    gate = out[(Hq + Hkv) * D:] if gated else None
-    v = x[Hq * QW + Hkv * D:].view(Hkv, D)
+    _qk_norm_rope_kernel[(Hq + Hkv,)](
+        x,
+        q_weight,
+        k_weight,
+        c,
+        s,
+        out,
+        kc,
+        vc,
+        pos,
+        tick,
+        Hq,
+        Hkv,
+        float(eps),
+        kc.shape[1],
+        kc.stride(0),
+        kc.stride(1),
+        vc.stride(0),
+        vc.stride(1),
+        D=D,
+        ROT=ROT,
+        KIND=_KIND_ID[kind],
+        GATED=gated,
+        CACHE=kv_cache is not None,
+        BLOCK_D=triton.next_power_of_2(D),
+        num_warps=1 if D <= 128 else 2,
+        **pdl_kw(x),
+    )
+    q, k = out[: Hq * D].view(Hq, D), out[Hq * D : (Hq + Hkv) * D].view(Hkv, D)
+    gate = out[(Hq + Hkv) * D :] if gated else None
+    v = x[Hq * QW + Hkv * D :].view(Hkv, D)
     return q, k, v, gate
 
 
@@ -256,8 +299,10 @@ def _check_cache(kv_cache, Hkv: int, D: int, x: torch.Tensor):
     keys, values, pos = kv_cache
     for name, t in (("keys", keys), ("values", values)):
         if t.dim() != 3 or t.shape[0] != Hkv or t.shape[2] != D or t.stride(2) != 1:
-            raise ValueError(f"kv_cache {name} must be [Hkv, L, D] = [{Hkv}, L, {D}] with a contiguous last dim, got "
-                             f"{tuple(t.shape)} strides {t.stride()}")
+            raise ValueError(
+                f"kv_cache {name} must be [Hkv, L, D] = [{Hkv}, L, {D}] with a contiguous last dim, got "
+                f"{tuple(t.shape)} strides {t.stride()}"
+            )
         if t.dtype != x.dtype or t.device != x.device:
             raise ValueError(f"kv_cache {name} must be {x.dtype} on {x.device}, got {t.dtype} on {t.device}")
     if values.shape[1] != keys.shape[1]:

@@ -126,8 +126,15 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
     return v
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard", z: torch.Tensor | None = None,
-            out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+def rmsnorm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    kind: str = "standard",
+    z: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+):
     """One-launch RMSNorm over the last dim of x (see the module docstring for the three `kind`s). With `residual`
     (x's shape and dtype) it normalises s = x + residual and returns (norm(s), s); else norm(x)."""
     if triton is None:
@@ -145,10 +152,11 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard"
         raise ValueError(f"gate shape {tuple(z.shape)} != input shape {tuple(x.shape)}")
     if w.device != x.device or (z is not None and z.device != x.device):
         raise ValueError("x, w and z must be on one device")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                 or residual.device != x.device):
-        raise ValueError(f"residual must match x: {tuple(x.shape)} {x.dtype} on {x.device}, got "
-                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device):
+        raise ValueError(
+            f"residual must match x: {tuple(x.shape)} {x.dtype} on {x.device}, got "
+            f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"
+        )
     odt = out_dtype(kind, x.dtype, w.dtype)
     x2 = _rows(x, N)
     r2 = _rows(residual, N) if residual is not None else x2
@@ -165,7 +173,23 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, kind: str = "standard"
     block = triton.next_power_of_2(N)
     round_prod = torch.promote_types(w.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     warps = 4 if block <= 1024 else 8
-    _rmsnorm_kernel[(R,)](x2, w, z2, out, r2, total if total is not None else out, N, x2.stride(0), z2.stride(0),
-                          r2.stride(0), float(eps), KIND=_KIND_ID[kind], ROUND_PROD=round_prod,
-                          HAS_RES=residual is not None, BLOCK_N=block, num_warps=warps, **pdl_kw(x))
+    _rmsnorm_kernel[(R,)](
+        x2,
+        w,
+        z2,
+        out,
+        r2,
+        total if total is not None else out,
+        N,
+        x2.stride(0),
+        z2.stride(0),
+        r2.stride(0),
+        float(eps),
+        KIND=_KIND_ID[kind],
+        ROUND_PROD=round_prod,
+        HAS_RES=residual is not None,
+        BLOCK_N=block,
+        num_warps=warps,
+        **pdl_kw(x),
+    )
     return out if residual is None else (out, total)

@@ -75,8 +75,19 @@ def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None):
 if triton is not None:
 
     @triton.jit
-    def topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, t, E, programs, K: tl.constexpr, K_P2: tl.constexpr,
-                  NORM: tl.constexpr, E_P2: tl.constexpr):
+    def topk_tail(
+        logits_ptr,
+        tw_ptr,
+        ti_ptr,
+        tick_ptr,
+        t,
+        E,
+        programs,
+        K: tl.constexpr,
+        K_P2: tl.constexpr,
+        NORM: tl.constexpr,
+        E_P2: tl.constexpr,
+    ):
         """Called by every program of token t after storing its logits: the last one to take the token's ticket
         reads the E logits back through L2, does softmax, top-k (max, lowest index among equal maxima, mask it
         out; k rounds, no sort), the renormalisation and the casts, stores the outputs and re-zeroes the ticket."""
@@ -168,8 +179,7 @@ if triton is not None:
         tl.store(logits_ptr + t * E + rows, round_to(logit, out_ty).to(out_ty), mask=rmask)
 
         # ---- the last program of token t: softmax, top-k, renormalise ----
-        topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, t, E, tl.num_programs(1), K=K, K_P2=K_P2, NORM=NORM,
-                  E_P2=E_P2)
+        topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, t, E, tl.num_programs(1), K=K, K_P2=K_P2, NORM=NORM, E_P2=E_P2)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,8 +191,17 @@ def router_tickets(device, numel: int = 1) -> torch.Tensor:
     return zeroed_int32("router_topk", device, numel)
 
 
-def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True, *,
-                tickets: torch.Tensor | None = None, block_e: int = 8, block_h: int = 512, num_warps: int = 4):
+def router_topk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool = True,
+    *,
+    tickets: torch.Tensor | None = None,
+    block_e: int = 8,
+    block_h: int = 512,
+    num_warps: int = 4,
+):
     """One-launch softmax top-k router (module docstring). x [T, H] (or [..., H]), weight [E, H], same dtype.
     Returns (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k] int64), as transformers' router."""
     if triton is None:
@@ -216,8 +235,23 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_pro
     block_h = min(block_h, triton.next_power_of_2(H))
     block_e = min(block_e, triton.next_power_of_2(E))
     grid = (T, triton.cdiv(E, block_e))
-    _router_topk_kernel[grid](x2, weight, logits, tw, ti, tickets, H, E, x2.stride(0), K=top_k,
-                              K_P2=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob), BLOCK_E=block_e,
-                              BLOCK_H=block_h, E_P2=triton.next_power_of_2(E), num_warps=num_warps,
-                              **pdl_kw(x))
+    _router_topk_kernel[grid](
+        x2,
+        weight,
+        logits,
+        tw,
+        ti,
+        tickets,
+        H,
+        E,
+        x2.stride(0),
+        K=top_k,
+        K_P2=triton.next_power_of_2(top_k),
+        NORM=bool(norm_topk_prob),
+        BLOCK_E=block_e,
+        BLOCK_H=block_h,
+        E_P2=triton.next_power_of_2(E),
+        num_warps=num_warps,
+        **pdl_kw(x),
+    )
     return logits, tw, ti

@@ -167,10 +167,22 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
     return v if v.stride(-1) == 1 else v.contiguous()
 
 
-def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                  w_sg: torch.Tensor, routed: torch.Tensor, *, out: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, block_i: int = 16, block_h: int = 256, down_block_h: int = 32,
-                  down_block_i: int = 128, num_warps: int = 4):
+def shared_expert(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    w_sg: torch.Tensor,
+    routed: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    block_i: int = 16,
+    block_h: int = 256,
+    down_block_h: int = 32,
+    down_block_i: int = 128,
+    num_warps: int = 4,
+):
     """routed + sigmoid(x·w_sgᵀ) · down(silu(x·w_gateᵀ) · x·w_upᵀ) in two launches (module docstring), plus
     `residual` when given (added last, after the sum is rounded). x, routed, residual [T, H] (or [..., H]); returns
     out with routed's shape; `out=routed` works in place."""
@@ -179,8 +191,10 @@ def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     H = x.shape[-1]
     I = w_gate.shape[0]
     if w_gate.shape != (I, H) or w_up.shape != (I, H) or w_down.shape != (H, I) or w_sg.numel() != H:
-        raise ValueError(f"shapes do not match H={H}, I={I}: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
-                         f"down {tuple(w_down.shape)}, shared_expert_gate {tuple(w_sg.shape)}")
+        raise ValueError(
+            f"shapes do not match H={H}, I={I}: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
+            f"down {tuple(w_down.shape)}, shared_expert_gate {tuple(w_sg.shape)}"
+        )
     if routed.shape != x.shape:
         raise ValueError(f"routed shape {tuple(routed.shape)} != x shape {tuple(x.shape)}")
     if residual is not None and residual.shape != x.shape:
@@ -188,8 +202,10 @@ def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     dts = {t.dtype for t in (x, w_gate, w_up, w_down, w_sg, routed) + ((residual,) if residual is not None else ())}
     if len(dts) != 1 or x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"all tensors must share one float dtype, got {sorted(map(str, dts))}")
-    if len({t.device for t in (x, w_gate, w_up, w_down, w_sg, routed) + ((residual,) if residual is not None
-                                                                          else ())}) != 1:
+    if (
+        len({t.device for t in (x, w_gate, w_up, w_down, w_sg, routed) + ((residual,) if residual is not None else ())})
+        != 1
+    ):
         raise ValueError("all tensors must be on one device")
     for b in (block_i, block_h, down_block_h, down_block_i):
         if b & (b - 1):
@@ -214,11 +230,27 @@ def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
     sg = torch.empty((T,), dtype=x.dtype, device=x.device)
     bi = min(block_i, triton.next_power_of_2(I))
     bh = min(block_h, triton.next_power_of_2(H))
-    _gate_up_kernel[(T, triton.cdiv(I, bi))](x2, w_gate, w_up, w_sg, a, sg, H, I, x2.stride(0), BLOCK_I=bi,
-                                             BLOCK_H=bh, num_warps=num_warps, **pdl_kw(x))
+    _gate_up_kernel[(T, triton.cdiv(I, bi))](
+        x2, w_gate, w_up, w_sg, a, sg, H, I, x2.stride(0), BLOCK_I=bi, BLOCK_H=bh, num_warps=num_warps, **pdl_kw(x)
+    )
     dbh = min(down_block_h, triton.next_power_of_2(H))
     dbi = min(down_block_i, triton.next_power_of_2(I))
-    _down_add_kernel[(T, triton.cdiv(H, dbh))](a, w_down, sg, r2, o2, res2, H, I, r2.stride(0), o2.stride(0),
-                                               res2.stride(0), HAS_RES=residual is not None, BLOCK_H=dbh,
-                                               BLOCK_I=dbi, num_warps=num_warps, **pdl_kw(x))
+    _down_add_kernel[(T, triton.cdiv(H, dbh))](
+        a,
+        w_down,
+        sg,
+        r2,
+        o2,
+        res2,
+        H,
+        I,
+        r2.stride(0),
+        o2.stride(0),
+        res2.stride(0),
+        HAS_RES=residual is not None,
+        BLOCK_H=dbh,
+        BLOCK_I=dbi,
+        num_warps=num_warps,
+        **pdl_kw(x),
+    )
     return out

@@ -66,9 +66,9 @@ from dataclasses import dataclass
 import torch
 
 from localmoe.kernels.checks import expert_weights, int4_expert_weights, tokens_and_experts
-from localmoe.kernels.workspace import zeroed_int32
 from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
 from localmoe.kernels.int4 import Int4Tensor
+from localmoe.kernels.workspace import zeroed_int32
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -153,8 +153,22 @@ if triton is not None:
         return tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu") == n_programs - 1
 
     @triton.jit
-    def publish_token(acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H: tl.constexpr,
-                      H_P2: tl.constexpr, K_P2: tl.constexpr, HAS_RES: tl.constexpr):
+    def publish_token(
+        acc_ptr,
+        y_ptr,
+        res_ptr,
+        cnt_ptr,
+        cws_ptr,
+        tick_ptr,
+        t,
+        K,
+        cols,
+        cmask,
+        H: tl.constexpr,
+        H_P2: tl.constexpr,
+        K_P2: tl.constexpr,
+        HAS_RES: tl.constexpr,
+    ):
         """The last program of token t: y[t] (+ residual) from the fp32 workspace row, the k kept counts, and the
         workspace row, counts and ticket zeroed for the next launch. Returns the counts [K_P2] (0 past K)."""
         arow = acc_ptr + t.to(tl.int64) * H + cols
@@ -380,8 +394,11 @@ if triton is not None:
                 mu = tl.load((u_mn if OFFLOAD else umn_ptr + e * stride_umn) + soff, mask=ks, other=0.0)
                 sd = tl.load((d_sc if OFFLOAD else dsc_ptr + e * stride_dsc) + soff, mask=ks, other=0.0)
                 md = tl.load((d_mn if OFFLOAD else dmn_ptr + e * stride_dmn) + soff, mask=ks, other=0.0)
-                h = tl.sum(su.to(tl.float32) * int4_group_dots(pu, xe, xo) + mu.to(tl.float32) * xs[None, :],
-                           axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
+                h = (
+                    tl.sum(su.to(tl.float32) * int4_group_dots(pu, xe, xo) + mu.to(tl.float32) * xs[None, :], axis=1)
+                    * g
+                    * rw
+                )  # [BLOCK_I], 0 on dropped rows
                 ce, co = int4_weighted_rows(pd, sd.to(tl.float32), md.to(tl.float32), h)  # [NG_P2, G/2] each
                 # columns 2j and 2j + 1 interleaved back into [NG_P2, G]: contiguous, so the atomics vectorize as
                 # the bf16 path's do (two stride-2 atomic_adds measured 2-4x slower on an H200)
@@ -406,8 +423,22 @@ if triton is not None:
             tl.debug_barrier()  # this program's atomics precede the release below
             group = K + 1 if SHARED else K  # programs of token t per neuron block
             if last_of_token(tick_ptr, t, group * tl.num_programs(1)):
-                c = publish_token(acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H=H,
-                                  H_P2=H_P2, K_P2=K_P2, HAS_RES=HAS_RES)
+                c = publish_token(
+                    acc_ptr,
+                    y_ptr,
+                    res_ptr,
+                    cnt_ptr,
+                    cws_ptr,
+                    tick_ptr,
+                    t,
+                    K,
+                    cols,
+                    cmask,
+                    H=H,
+                    H_P2=H_P2,
+                    K_P2=K_P2,
+                    HAS_RES=HAS_RES,
+                )
                 kk = tl.arange(0, K_P2)
                 km = kk < K
                 crow = t.to(tl.int64) * K + kk
@@ -532,30 +563,36 @@ def sparse_fused(
     offload = slot_table is not None
     pools = (pool_gate, pool_up, pool_down_t)
     if offload != all(p is not None for p in pools) or (not offload and any(p is not None for p in pools)):
-        raise ValueError("slot_table, pool_gate, pool_up and pool_down_t must be given together (offload) "
-                         "or not at all")
+        raise ValueError(
+            "slot_table, pool_gate, pool_up and pool_down_t must be given together (offload) or not at all"
+        )
     masters = (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t))
     if quant:
         if shared is not None:
-            raise ValueError("int4 experts (Int4Tensor weights): not with shared= (run the shared expert in "
-                             "moe_front, its sums go into the workspace)")
+            raise ValueError(
+                "int4 experts (Int4Tensor weights): not with shared= (run the shared expert in "
+                "moe_front, its sums go into the workspace)"
+            )
         for name, w in masters:
             int4_expert_weights(name, w, E, I, H, dev, allow_host=offload)
         if len({w.group for _, w in masters}) != 1:
-            raise ValueError(f"w_gate, w_up and w_down_t must share one group size, got "
-                             f"{[w.group for _, w in masters]}")
+            raise ValueError(
+                f"w_gate, w_up and w_down_t must share one group size, got {[w.group for _, w in masters]}"
+            )
     else:
         for name, w in masters:
             expert_weights(name, w, E, I, H, dev, allow_host=offload)
     if offload:
         pt = _check_offload(masters, pools, slot_table, gate_table, quant, E, I, H, dev)  # the pools' base tensors
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
-        raise ValueError(f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} "
-                         f"{tuple(expert_ids.shape)}")
+        raise ValueError(
+            f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
+        )
     k = expert_ids.shape[1]
     if tuple(weights.shape) != (T, k) or not weights.dtype.is_floating_point:
-        raise ValueError(f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} "
-                         f"{tuple(weights.shape)}")
+        raise ValueError(
+            f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} {tuple(weights.shape)}"
+        )
     if tau.dim() != 1 or tau.shape[0] != E or tau.dtype != torch.float32:
         raise ValueError(f"tau must be a float32 [E] = [{E}] tensor, got {tau.dtype} {tuple(tau.shape)}")
     for name, tns in (("expert_ids", expert_ids), ("weights", weights), ("tau", tau)):
@@ -568,14 +605,14 @@ def sparse_fused(
             raise ValueError(f"accumulate=True needs an fp32 out, got {out.dtype}")
     if out is None:
         out = torch.empty(T, H, dtype=torch.float32, device=dev)
-    elif (tuple(out.shape) != (T, H) or out.dtype not in _FLOAT_DTYPES or not out.is_contiguous()
-          or out.device != dev):
-        raise ValueError(f"out must be a contiguous bf16/fp16/fp32 [T, H] = {(T, H)} tensor on {dev}, got "
-                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    elif tuple(out.shape) != (T, H) or out.dtype not in _FLOAT_DTYPES or not out.is_contiguous() or out.device != dev:
+        raise ValueError(
+            f"out must be a contiguous bf16/fp16/fp32 [T, H] = {(T, H)} tensor on {dev}, got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     if count is None:
         count = torch.empty(T, k, dtype=torch.int32, device=dev)
-    elif (tuple(count.shape) != (T, k) or count.dtype != torch.int32 or not count.is_contiguous()
-          or count.device != dev):
+    elif tuple(count.shape) != (T, k) or count.dtype != torch.int32 or not count.is_contiguous() or count.device != dev:
         raise ValueError(f"count must be a contiguous int32 [T, k] = {(T, k)} tensor on {dev}")
     for name, tot in (("kept_total", kept_total), ("host_rows", host_rows)):
         if tot is None:
@@ -609,12 +646,17 @@ def sparse_fused(
     else:
         if workspace is None:
             workspace = fused_workspace(dev, need)
-        elif (workspace.dtype != torch.int32 or workspace.dim() != 1 or workspace.numel() < need
-              or not workspace.is_contiguous() or workspace.device != dev):
+        elif (
+            workspace.dtype != torch.int32
+            or workspace.dim() != 1
+            or workspace.numel() < need
+            or not workspace.is_contiguous()
+            or workspace.device != dev
+        ):
             raise ValueError(f"workspace must be a zeroed contiguous int32 1-D tensor of >= {need} elements on {dev}")
         acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
-        cws = workspace[T * H: T * H + T * k]
-        tick = workspace[T * H + T * k: need]
+        cws = workspace[T * H : T * H + T * k]
+        tick = workspace[T * H + T * k : need]
     cuda = dev.type == "cuda"
 
     def ptr(w):  # host master copies: the launcher gets their (unified) address
@@ -645,16 +687,59 @@ def sparse_fused(
         pqt, pqs = qt, [0] * 6
     sh = shared if shared is not None else SharedExpert(wg, wu, wd, weights)  # dummies, never read
     _sparse_fused_kernel[(T * k + (T if shared is not None else 0), npi)](
-        x, wg, wu, wd, pg, pu, pd, st, expert_ids.contiguous(), weights.contiguous(), tau, out, count,
-        acc, cws, tick, kept_total if kept_total is not None else count,
-        host_rows if host_rows is not None else count, gate_table if gate_table is not None else st,
-        read_rows if read_rows is not None else count, sh.w_gate, sh.w_up, sh.w_down_t, sh.weight,
-        residual if residual is not None else out, *qt, *pqt, I, I_s, T * k, k, x.stride(0), *es, *sp, *qs, *pqs,
-        H=H, H_P2=triton.next_power_of_2(H), BLOCK_I=bi, K_P2=triton.next_power_of_2(k),
-        OFFLOAD=offload, FINALIZE=not accumulate, KEPT_TOTAL=kept_total is not None,
-        HOST_ROWS=host_rows is not None, GATE_TABLE=gate_table is not None, READ_ROWS=read_rows is not None,
-        SHARED=shared is not None, HAS_RES=residual is not None, QUANT=quant, G=G, NG_P2=ng_p2,
-        num_warps=num_warps, **pdl_kw(x),
+        x,
+        wg,
+        wu,
+        wd,
+        pg,
+        pu,
+        pd,
+        st,
+        expert_ids.contiguous(),
+        weights.contiguous(),
+        tau,
+        out,
+        count,
+        acc,
+        cws,
+        tick,
+        kept_total if kept_total is not None else count,
+        host_rows if host_rows is not None else count,
+        gate_table if gate_table is not None else st,
+        read_rows if read_rows is not None else count,
+        sh.w_gate,
+        sh.w_up,
+        sh.w_down_t,
+        sh.weight,
+        residual if residual is not None else out,
+        *qt,
+        *pqt,
+        I,
+        I_s,
+        T * k,
+        k,
+        x.stride(0),
+        *es,
+        *sp,
+        *qs,
+        *pqs,
+        H=H,
+        H_P2=triton.next_power_of_2(H),
+        BLOCK_I=bi,
+        K_P2=triton.next_power_of_2(k),
+        OFFLOAD=offload,
+        FINALIZE=not accumulate,
+        KEPT_TOTAL=kept_total is not None,
+        HOST_ROWS=host_rows is not None,
+        GATE_TABLE=gate_table is not None,
+        READ_ROWS=read_rows is not None,
+        SHARED=shared is not None,
+        HAS_RES=residual is not None,
+        QUANT=quant,
+        G=G,
+        NG_P2=ng_p2,
+        num_warps=num_warps,
+        **pdl_kw(x),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     return out, count
@@ -664,8 +749,10 @@ def _int4_mode(w_gate, w_up, w_down_t) -> bool:
     """Whether the experts are int4 (Int4Tensor): all three projections or none."""
     q = [isinstance(w, Int4Tensor) for w in (w_gate, w_up, w_down_t)]
     if any(q) and not all(q):
-        raise ValueError(f"w_gate, w_up and w_down_t must all be Int4Tensors or all plain tensors, got "
-                         f"{['Int4Tensor' if b else 'tensor' for b in q]}")
+        raise ValueError(
+            f"w_gate, w_up and w_down_t must all be Int4Tensors or all plain tensors, got "
+            f"{['Int4Tensor' if b else 'tensor' for b in q]}"
+        )
     return all(q)
 
 
@@ -673,16 +760,19 @@ def _check_offload(masters, pools, slot_table, gate_table, quant: bool, E: int, 
     """Checks the offload arguments (slot tables; pools in the masters' format, plain or int4, on x's device) and
     returns the pools' base tensors (int4: the packed bytes)."""
     if slot_table.dim() != 1 or slot_table.shape[0] != E or slot_table.dtype not in _INT_DTYPES:
-        raise ValueError(f"slot_table must be int32/int64 [E] = [{E}], got {slot_table.dtype} "
-                         f"{tuple(slot_table.shape)}")
+        raise ValueError(
+            f"slot_table must be int32/int64 [E] = [{E}], got {slot_table.dtype} {tuple(slot_table.shape)}"
+        )
     if slot_table.device != dev:
         raise ValueError(f"slot_table is on {slot_table.device}, x is on {dev}")
     pool_names = ("pool_gate", "pool_up", "pool_down_t")
     for pname, p in zip(pool_names, pools):
         if isinstance(p, Int4Tensor) != quant:
-            raise ValueError(f"{pname} is {'an Int4Tensor' if not quant else 'a plain tensor'} but the master "
-                             f"copies are {'Int4Tensors' if quant else 'plain tensors'}: pools and masters "
-                             f"must share one format (int4 or not)")
+            raise ValueError(
+                f"{pname} is {'an Int4Tensor' if not quant else 'a plain tensor'} but the master "
+                f"copies are {'Int4Tensors' if quant else 'plain tensors'}: pools and masters "
+                f"must share one format (int4 or not)"
+            )
     pt = [p.packed if quant else p for p in pools]  # int4: the packed bytes carry the [S, I, H/2] shape
     if pt[0].dim() != 3:
         raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pt[0].shape)}")
@@ -690,26 +780,29 @@ def _check_offload(masters, pools, slot_table, gate_table, quant: bool, E: int, 
     Sg = pt[0].shape[0] if gate_table is not None else S
     if S < 1 or Sg < 1:
         raise ValueError("the pools need at least one slot")
-    if gate_table is not None and (gate_table.dim() != 1 or gate_table.shape[0] != E
-                                   or gate_table.dtype not in _INT_DTYPES or gate_table.device != dev):
-        raise ValueError(f"gate_table must be int32/int64 [E] = [{E}] on {dev}, got {gate_table.dtype} "
-                         f"{tuple(gate_table.shape)} on {gate_table.device}")
+    if gate_table is not None and (
+        gate_table.dim() != 1
+        or gate_table.shape[0] != E
+        or gate_table.dtype not in _INT_DTYPES
+        or gate_table.device != dev
+    ):
+        raise ValueError(
+            f"gate_table must be int32/int64 [E] = [{E}] on {dev}, got {gate_table.dtype} "
+            f"{tuple(gate_table.shape)} on {gate_table.device}"
+        )
     for (name, w), pname, p, n in zip(masters, pool_names, pools, (Sg, S, S)):
         if not quant:
             expert_weights(pname, p, n, I, H, dev)
             if p.dtype != w.dtype:
-                raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a "
-                                 f"dtype")
+                raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a dtype")
             continue
         int4_expert_weights(pname, p, n, I, H, dev)  # the pools live on x's device
         if p.group != w.group:
-            raise ValueError(f"{pname} has group size {p.group}, its master copy {name} {w.group}: they must "
-                             f"share one")
+            raise ValueError(f"{pname} has group size {p.group}, its master copy {name} {w.group}: they must share one")
         for part in ("scale", "minimum"):  # the kernel picks pool or master per program: one element type
             pdt, mdt = getattr(p, part).dtype, getattr(w, part).dtype
             if pdt != mdt:
-                raise ValueError(f"{pname}.{part} ({pdt}) and its master copy {name}.{part} ({mdt}) must share a "
-                                 f"dtype")
+                raise ValueError(f"{pname}.{part} ({pdt}) and its master copy {name}.{part} ({mdt}) must share a dtype")
     return pt
 
 
@@ -719,18 +812,25 @@ def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int,
         raise ValueError("shared= and residual= belong to the finalising tail: not with accumulate=True")
     if residual is not None:
         dt = out.dtype if out is not None else torch.float32
-        if (tuple(residual.shape) != (T, H) or residual.dtype != dt or not residual.is_contiguous()
-                or residual.device != x.device):
-            raise ValueError(f"residual must be a contiguous {dt} [T, H] = {(T, H)} tensor on {x.device} "
-                             f"(the output's dtype)")
+        if (
+            tuple(residual.shape) != (T, H)
+            or residual.dtype != dt
+            or not residual.is_contiguous()
+            or residual.device != x.device
+        ):
+            raise ValueError(
+                f"residual must be a contiguous {dt} [T, H] = {(T, H)} tensor on {x.device} (the output's dtype)"
+            )
     if shared is None:
         return 0
     I_s = shared.w_gate.shape[0] if shared.w_gate.dim() == 2 else -1
     for name in ("w_gate", "w_up", "w_down_t"):
         w = getattr(shared, name)
         if w.dim() != 2 or tuple(w.shape) != (I_s, H) or w.stride(1) != 1 or w.stride(0) != H:
-            raise ValueError(f"shared.{name} must be a contiguous [I_s, H] = [{I_s}, {H}] tensor, got "
-                             f"{tuple(w.shape)} strides {w.stride()}")
+            raise ValueError(
+                f"shared.{name} must be a contiguous [I_s, H] = [{I_s}, {H}] tensor, got "
+                f"{tuple(w.shape)} strides {w.stride()}"
+            )
         if w.dtype != x.dtype or w.device != x.device:
             raise ValueError(f"shared.{name} must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
     wt = shared.weight

@@ -36,7 +36,7 @@ def _norm(name: str) -> str:
     return " ".join(str(name).lower().split())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tables() -> dict:
     """device name (normalised) -> parsed JSON; unreadable files are skipped."""
     out = {}

@@ -50,15 +50,17 @@ def takes(query, key, value, attention_mask, dropout, kwargs) -> bool:
     return True
 
 
-def localmoe_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                       is_causal=None, **kwargs):
+def localmoe_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     """AttentionInterface function: query [B,Hq,q,Dk], key [B,Hkv,L,Dk], value [B,Hkv,L,Dv], mask [B,1,q,L] bool
     or None -> (out [B,q,Hq,Dv], None), as `sdpa_attention_forward` returns."""
     if not takes(query, key, value, attention_mask, dropout, kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     return decode(query, key, value, attention_mask, scaling), None
 
 

@@ -3,9 +3,11 @@ decode tok/s (256 tokens) at sparsity 0 and the model's default, peak GPU memory
 
 `--shape ALIAS` builds random weights with the real config (localmoe/data/shapes.json) when the checkpoint is not
 on disk, so hardware can be measured without a download. `--repeat-penalty P` adds, for each sparsity, a row
-decoding with the repetition penalty P after the row without it (same engine, same captured graph). Random routers spread tokens evenly over the experts, the
+decoding with the repetition penalty P after the row without it (same engine, same captured graph). Random routers
+spread tokens evenly over the experts, the
 pessimistic case for the expert cache under `--vram`; `--routing skewed` gives each layer a few hot experts as trained
-MoEs have (random_weights.SKEW_ALPHA). `--baseline transformers` adds stock `generate` with the same config in the same run.
+MoEs have (random_weights.SKEW_ALPHA). `--baseline transformers` adds stock `generate` with the same config in the same
+run.
 Prints a table, or JSON with `--json`.
 """
 
@@ -53,9 +55,14 @@ def shape_config(alias: str):
     entry = shapes[alias]
     fam = family_for_model_type(entry["model_type"])
     if fam is None or fam.unsupported:
-        raise UsageError(f"the shape {alias!r} is a {entry['model_type']!r} model: "
-                         + (fam.unsupported if fam is not None else f"not a family localmoe runs (supported: "
-                                                                    f"{supported_families()})"))
+        raise UsageError(
+            f"the shape {alias!r} is a {entry['model_type']!r} model: "
+            + (
+                fam.unsupported
+                if fam is not None
+                else f"not a family localmoe runs (supported: {supported_families()})"
+            )
+        )
     kwargs = {k: v for k, v in entry["config"].items() if not k.startswith("_")}
     return AutoConfig.for_model(entry["model_type"], **kwargs)
 
@@ -107,13 +114,20 @@ def _run(engine, sparsity, prompt, n_decode, name, bw, progress, penalty: float 
         engine.eos_ids = eos
     st = engine.stats
     floor = bw / step_bytes(engine, sparsity) if bw else 0.0
-    return BenchRow(name=name, sparsity=sparsity, prefill_tok_s=st.prefill_tok_s, decode_tok_s=st.decode_tok_s,
-                    peak_gpu_mem_gb=st.peak_gpu_mem_gb, floor_tok_s=floor,
-                    fraction_of_floor=(st.decode_tok_s / floor) if floor else 0.0,
-                    sparsity_realized=st.sparsity_realized, graph=engine._graph is not None,
-                    cache_hit_rate=st.cache_hit_rate,
-                    h2d_mb_per_token=None if st.h2d_bytes_per_token is None else st.h2d_bytes_per_token / 1e6,
-                    repetition_penalty=penalty)
+    return BenchRow(
+        name=name,
+        sparsity=sparsity,
+        prefill_tok_s=st.prefill_tok_s,
+        decode_tok_s=st.decode_tok_s,
+        peak_gpu_mem_gb=st.peak_gpu_mem_gb,
+        floor_tok_s=floor,
+        fraction_of_floor=(st.decode_tok_s / floor) if floor else 0.0,
+        sparsity_realized=st.sparsity_realized,
+        graph=engine._graph is not None,
+        cache_hit_rate=st.cache_hit_rate,
+        h2d_mb_per_token=None if st.h2d_bytes_per_token is None else st.h2d_bytes_per_token / 1e6,
+        repetition_penalty=penalty,
+    )
 
 
 def _empty_host_cache() -> None:
@@ -145,7 +159,9 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
     model.eval()
     ids = torch.tensor([prompt], device=device)
     kw = dict(do_sample=False, min_new_tokens=n_decode, max_new_tokens=n_decode, attention_mask=torch.ones_like(ids))
-    model.generate(ids[:, :16], **{**kw, "min_new_tokens": 4, "max_new_tokens": 4, "attention_mask": torch.ones_like(ids[:, :16])})
+    model.generate(
+        ids[:, :16], **{**kw, "min_new_tokens": 4, "max_new_tokens": 4, "attention_mask": torch.ones_like(ids[:, :16])}
+    )
     model(input_ids=ids)  # warm-up at the measured prompt length, as localmoe's rows
     torch.cuda.synchronize() if device.type == "cuda" else None
     t0 = time.perf_counter()
@@ -160,8 +176,15 @@ def transformers_baseline(config, device, dtype, prompt, n_decode: int, impl: st
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
     del model
     gc.collect()
-    return BenchRow(name=f"transformers generate ({impl})", sparsity=0.0, prefill_tok_s=prefill, decode_tok_s=decode,
-                    peak_gpu_mem_gb=peak, floor_tok_s=0.0, fraction_of_floor=0.0)
+    return BenchRow(
+        name=f"transformers generate ({impl})",
+        sparsity=0.0,
+        prefill_tok_s=prefill,
+        decode_tok_s=decode,
+        peak_gpu_mem_gb=peak,
+        floor_tok_s=0.0,
+        fraction_of_floor=0.0,
+    )
 
 
 def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: float) -> BenchRow:
@@ -175,15 +198,22 @@ def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: 
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     gpu = device.index or 0 if device.type == "cuda" else "cpu"
     max_memory = {gpu: f"{vram_gib}GiB", "cpu": "1000GiB"} if device.type == "cuda" else {"cpu": "1000GiB"}
-    device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=model._no_split_modules,
-                                       dtype=dtype)
+    device_map = infer_auto_device_map(
+        model, max_memory=max_memory, no_split_module_classes=model._no_split_modules, dtype=dtype
+    )
     from accelerate.utils import set_module_tensor_to_device
 
     gen = torch.Generator(device=device).manual_seed(0)  # drawn on the device (fast), then moved where it goes
     owners = param_owners(model)
     for name, p in list(model.named_parameters()):
-        where = next((d for prefix, d in sorted(device_map.items(), key=lambda kv: -len(kv[0]))
-                      if name == prefix or name.startswith(prefix + ".") or prefix == ""), "cpu")
+        where = next(
+            (
+                d
+                for prefix, d in sorted(device_map.items(), key=lambda kv: -len(kv[0]))
+                if name == prefix or name.startswith(prefix + ".") or prefix == ""
+            ),
+            "cpu",
+        )
         t = random_value(name, p.shape, owners[name], dtype=dtype, device=device, gen=gen)
         set_module_tensor_to_device(model, name, "cpu" if where == "cpu" else device, value=t)
     model = dispatch_model(model, device_map=device_map)
@@ -199,16 +229,38 @@ def accelerate_baseline(config, device, dtype, prompt, n_decode: int, vram_gib: 
     on_cpu = sum(1 for d in device_map.values() if d == "cpu")
     del model
     gc.collect()
-    return BenchRow(name=f"accelerate offload ({on_cpu} modules on CPU)", sparsity=0.0, prefill_tok_s=0.0,
-                    decode_tok_s=n_decode / dt, peak_gpu_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9
-                    if device.type == "cuda" else 0.0, floor_tok_s=0.0, fraction_of_floor=0.0)
+    return BenchRow(
+        name=f"accelerate offload ({on_cpu} modules on CPU)",
+        sparsity=0.0,
+        prefill_tok_s=0.0,
+        decode_tok_s=n_decode / dt,
+        peak_gpu_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
+        floor_tok_s=0.0,
+        fraction_of_floor=0.0,
+    )
 
 
-def bench(model: str | None, *, shape: str | None, sparsities: list[float] | None, device: str | None,
-          dtype: str | None, prompt_tokens: int = 512, decode_tokens: int = 256, baseline: str | None = None,
-          graphs: bool = True, compile: bool = False, vram_gib: float | None = None, fused: bool = True,
-          offload_miss: str = "auto", routing: str = "uniform", context: int | None = None, progress=None,
-          experts: str = "full", repetition_penalty: float | None = None) -> dict:
+def bench(
+    model: str | None,
+    *,
+    shape: str | None,
+    sparsities: list[float] | None,
+    device: str | None,
+    dtype: str | None,
+    prompt_tokens: int = 512,
+    decode_tokens: int = 256,
+    baseline: str | None = None,
+    graphs: bool = True,
+    compile: bool = False,
+    vram_gib: float | None = None,
+    fused: bool = True,
+    offload_miss: str = "auto",
+    routing: str = "uniform",
+    context: int | None = None,
+    progress=None,
+    experts: str = "full",
+    repetition_penalty: float | None = None,
+) -> dict:
     from localmoe.devices import pick_device, pick_dtype
     from localmoe.engine import Engine
 
@@ -222,14 +274,36 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
     note = progress and (lambda s: progress(f"note: {s}", 0, None))
     context = context or prompt_tokens + decode_tokens + 64
     if context < prompt_tokens + decode_tokens:
-        raise UsageError(f"--context {context} is shorter than --prompt-tokens + --decode-tokens "
-                         f"({prompt_tokens + decode_tokens})")
+        raise UsageError(
+            f"--context {context} is shorter than --prompt-tokens + --decode-tokens ({prompt_tokens + decode_tokens})"
+        )
     if shape:
-        engine = Engine.random(shape, device=dev, dtype=dt, vram_gib=vram_gib, context=context, on_notice=note,
-                               fused=fused, offload_miss=offload_miss, routing=routing, experts=experts)
+        engine = Engine.random(
+            shape,
+            device=dev,
+            dtype=dt,
+            vram_gib=vram_gib,
+            context=context,
+            on_notice=note,
+            fused=fused,
+            offload_miss=offload_miss,
+            routing=routing,
+            experts=experts,
+        )
     else:
-        engine = Engine.load(model, device=device, dtype=dtype, sparsity=0.0, progress=progress, vram_gib=vram_gib,
-                             context=context, on_notice=note, fused=fused, offload_miss=offload_miss, experts=experts)
+        engine = Engine.load(
+            model,
+            device=device,
+            dtype=dtype,
+            sparsity=0.0,
+            progress=progress,
+            vram_gib=vram_gib,
+            context=context,
+            on_notice=note,
+            fused=fused,
+            offload_miss=offload_miss,
+            experts=experts,
+        )
     default = engine.resolved.default_sparsity
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -257,29 +331,51 @@ def bench(model: str | None, *, shape: str | None, sparsities: list[float] | Non
         rows.append(transformers_baseline(config, dev, dt, prompt, min(decode_tokens, 64), "grouped_mm"))
     elif baseline == "accelerate":
         rows.append(accelerate_baseline(config, dev, dt, prompt, min(decode_tokens, 4), vram_gib))
-    return {"model": name, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "dtype": str(dt).replace("torch.", ""), "load_s": load_s, "copy_gb_s": bw / 1e9,
-            "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "context": context, "routing": routing,
-            "experts": experts_format, "rows": [asdict(r) for r in rows]}
+    return {
+        "model": name,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(dt).replace("torch.", ""),
+        "load_s": load_s,
+        "copy_gb_s": bw / 1e9,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "context": context,
+        "routing": routing,
+        "experts": experts_format,
+        "rows": [asdict(r) for r in rows],
+    }
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['model']} on {result['device']} ({result['dtype']}), load {result['load_s']:.1f} s, "
-             f"copy bandwidth {result['copy_gb_s']:.0f} GB/s, prompt {result['prompt_tokens']}, "
-             f"decode {result['decode_tokens']}, context {result.get('context', '?')}"
-             + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else "")
-             + (f", {result['experts']} experts" if result.get("experts", "full") != "full" else ""),
-             f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} "
-             f"{'of floor':>8} {'realised':>8} {'peak GB':>8}"]
+    lines = [
+        f"{result['model']} on {result['device']} ({result['dtype']}), load {result['load_s']:.1f} s, "
+        f"copy bandwidth {result['copy_gb_s']:.0f} GB/s, prompt {result['prompt_tokens']}, "
+        f"decode {result['decode_tokens']}, context {result.get('context', '?')}"
+        + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else "")
+        + (f", {result['experts']} experts" if result.get("experts", "full") != "full" else ""),
+        f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} "
+        f"{'of floor':>8} {'realised':>8} {'peak GB':>8}",
+    ]
     for r in result["rows"]:
-        name = (r["name"] + (" [graph]" if r.get("graph") else "")
-                + (f" rep.pen. {r['repetition_penalty']:g}" if r.get("repetition_penalty", 1.0) != 1.0 else ""))
-        floor = (f"{r['floor_tok_s']:>11.0f} {r['fraction_of_floor']:>8.1%} " if r["floor_tok_s"] > 0
-                 else f"{'–':>11} {'–':>8} ")  # baselines and CPU rows have no byte floor
-        lines.append(f"{name:<34} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
-                     + floor
-                     + (f"{r['sparsity_realized']:>8.1%} " if r["name"] == "localmoe" else f"{'–':>8} ")
-                     + f"{r['peak_gpu_mem_gb']:>8.1f}"
-                     + (f"  cache {r['cache_hit_rate']:.0%} hits, {r['h2d_mb_per_token']:.0f} MB/token H2D"
-                        if r.get("cache_hit_rate") is not None else ""))
+        name = (
+            r["name"]
+            + (" [graph]" if r.get("graph") else "")
+            + (f" rep.pen. {r['repetition_penalty']:g}" if r.get("repetition_penalty", 1.0) != 1.0 else "")
+        )
+        floor = (
+            f"{r['floor_tok_s']:>11.0f} {r['fraction_of_floor']:>8.1%} "
+            if r["floor_tok_s"] > 0
+            else f"{'–':>11} {'–':>8} "
+        )  # baselines and CPU rows have no byte floor
+        lines.append(
+            f"{name:<34} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
+            + floor
+            + (f"{r['sparsity_realized']:>8.1%} " if r["name"] == "localmoe" else f"{'–':>8} ")
+            + f"{r['peak_gpu_mem_gb']:>8.1f}"
+            + (
+                f"  cache {r['cache_hit_rate']:.0%} hits, {r['h2d_mb_per_token']:.0f} MB/token H2D"
+                if r.get("cache_hit_rate") is not None
+                else ""
+            )
+        )
     return "\n".join(lines)

@@ -81,58 +81,112 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_experts_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--experts", choices=["full", "int4"], default="full",
-                   help="routed experts' weights: full (the model's dtype, offloaded when they do not fit) or int4 "
-                        "(4-bit, groups of 128 with a bf16 scale and minimum; ~3.8x smaller, all kept in VRAM: "
-                        "Qwen3.5-35B-A3B fits a 24 GB card)")
+    p.add_argument(
+        "--experts",
+        choices=["full", "int4"],
+        default="full",
+        help="routed experts' weights: full (the model's dtype, offloaded when they do not fit) or int4 "
+        "(4-bit, groups of 128 with a bf16 scale and minimum; ~3.8x smaller, all kept in VRAM: "
+        "Qwen3.5-35B-A3B fits a 24 GB card)",
+    )
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     _add_experts_flag(p)
-    p.add_argument("--sparsity", type=_sparsity, default=None,
-                   help="decode sparsity target in [0,1); 0 or 'off' = dense (default: the model's, from models.toml)")
+    p.add_argument(
+        "--sparsity",
+        type=_sparsity,
+        default=None,
+        help="decode sparsity target in [0,1); 0 or 'off' = dense (default: the model's, from models.toml)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="default: cuda when present")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default=None,
+        help="default: bfloat16 on GPU, float32 on CPU",
+    )
     p.add_argument("--calibration-text", metavar="FILE", default=None, help="text to calibrate thresholds on")
-    p.add_argument("--vram", type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"), default=None,
-                   metavar="GiB", help="GPU memory budget; experts that do not fit are offloaded to host memory behind "
-                                       "a GPU cache (default: what the card has free minus 1 GiB)")
-    p.add_argument("--offload-miss", choices=["auto", "copy", "direct", "cpu"], default="auto",
-                   help="offloaded expert misses: auto (default) = direct on CUDA with pinned memory, else copy; "
-                        "direct reads the gate rows and kept rows straight from pinned host memory inside the CUDA "
-                        "graph (3.5x copy on the H200); copy copies the expert into the cache then computes; cpu "
-                        "computes misses on the CPU")
-    p.add_argument("--host-storage", choices=["auto", "pinned", "mmap"], default="auto",
-                   help="offloaded experts' master copies: auto (default) = pinned host memory, or memory-mapped "
-                        "files under the cache dir when the RAM cannot hold them; mmap forces the files")
-    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
-                   help="localmoe's fused decode kernels on CUDA (RMSNorm, Gated DeltaNet step, router, shared expert); "
-                        "--no-fused keeps transformers' modules")
-    p.add_argument("--context", type=_ranged(int, 16, CONTEXT_MAX, what="--context"), default=None,
-                   help="context length in tokens, prompt + reply (default 8192 or the model's maximum)")
+    p.add_argument(
+        "--vram",
+        type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"),
+        default=None,
+        metavar="GiB",
+        help="GPU memory budget; experts that do not fit are offloaded to host memory behind "
+        "a GPU cache (default: what the card has free minus 1 GiB)",
+    )
+    p.add_argument(
+        "--offload-miss",
+        choices=["auto", "copy", "direct", "cpu"],
+        default="auto",
+        help="offloaded expert misses: auto (default) = direct on CUDA with pinned memory, else copy; "
+        "direct reads the gate rows and kept rows straight from pinned host memory inside the CUDA "
+        "graph (3.5x copy on the H200); copy copies the expert into the cache then computes; cpu "
+        "computes misses on the CPU",
+    )
+    p.add_argument(
+        "--host-storage",
+        choices=["auto", "pinned", "mmap"],
+        default="auto",
+        help="offloaded experts' master copies: auto (default) = pinned host memory, or memory-mapped "
+        "files under the cache dir when the RAM cannot hold them; mmap forces the files",
+    )
+    p.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="localmoe's fused decode kernels on CUDA (RMSNorm, Gated DeltaNet step, router, shared expert); "
+        "--no-fused keeps transformers' modules",
+    )
+    p.add_argument(
+        "--context",
+        type=_ranged(int, 16, CONTEXT_MAX, what="--context"),
+        default=None,
+        help="context length in tokens, prompt + reply (default 8192 or the model's maximum)",
+    )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_ranged(int, 1, what="--max-new-tokens"), default=512)
-    p.add_argument("--temperature", type=_ranged(float, 0.0, 10.0, what="--temperature"), default=None,
-                   help="0 = greedy (default: the model's generation_config.json; greedy when it does not sample)")
-    p.add_argument("--top-p", type=_ranged(float, 0.0, 1.0, lo_open=True, what="--top-p"), default=None,
-                   help="default: the model's (else 1 = off)")
-    p.add_argument("--top-k", type=_ranged(int, 0, what="--top-k"), default=None,
-                   help="0 = off (default: the model's)")
-    p.add_argument("--repeat-penalty", dest="repeat_penalty", metavar="P",
-                   type=_ranged(float, 0.0, 10.0, lo_open=True, what="--repeat-penalty"), default=None,
-                   help="repetition penalty over the prompt and reply so far, as transformers' (1 = off; default: "
-                        "the model's)")
-    p.add_argument("--stop", metavar="STRING", action="append", default=None,
-                   help="end the reply at this text (not printed); repeat for several")
-    p.add_argument("--seed", type=_ranged(int, 0, SEED_MAX, what="--seed"), default=None,
-                   help=f"sampling seed in [0, {SEED_MAX}]")
+    p.add_argument(
+        "--temperature",
+        type=_ranged(float, 0.0, 10.0, what="--temperature"),
+        default=None,
+        help="0 = greedy (default: the model's generation_config.json; greedy when it does not sample)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=_ranged(float, 0.0, 1.0, lo_open=True, what="--top-p"),
+        default=None,
+        help="default: the model's (else 1 = off)",
+    )
+    p.add_argument("--top-k", type=_ranged(int, 0, what="--top-k"), default=None, help="0 = off (default: the model's)")
+    p.add_argument(
+        "--repeat-penalty",
+        dest="repeat_penalty",
+        metavar="P",
+        type=_ranged(float, 0.0, 10.0, lo_open=True, what="--repeat-penalty"),
+        default=None,
+        help="repetition penalty over the prompt and reply so far, as transformers' (1 = off; default: the model's)",
+    )
+    p.add_argument(
+        "--stop",
+        metavar="STRING",
+        action="append",
+        default=None,
+        help="end the reply at this text (not printed); repeat for several",
+    )
+    p.add_argument(
+        "--seed", type=_ranged(int, 0, SEED_MAX, what="--seed"), default=None, help=f"sampling seed in [0, {SEED_MAX}]"
+    )
     p.add_argument("--system", metavar="TEXT", default=None, help="system prompt (not with --raw)")
-    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
-                   help="a thinking model's reasoning before the answer: --think / --no-think set the chat "
-                        "template's enable_thinking (default: the template's)")
+    p.add_argument(
+        "--think",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a thinking model's reasoning before the answer: --think / --no-think set the chat "
+        "template's enable_thinking (default: the template's)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,23 +200,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", metavar="PROMPT", nargs="?", default="-", help="the prompt; '-' or absent reads stdin")
     _add_engine_flags(p)
     _add_sampling_flags(p)
-    p.add_argument("--raw", action="store_true",
-                   help="encode the prompt as is, without the chat template (so no --system)")
-    p.add_argument("--show-reasoning", action="store_true",
-                   help="stream a thinking model's reasoning on stderr (stdout gets the answer only)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (exact text and reasoning, token ids, stats) instead of streaming")
+    p.add_argument(
+        "--raw", action="store_true", help="encode the prompt as is, without the chat template (so no --system)"
+    )
+    p.add_argument(
+        "--show-reasoning",
+        action="store_true",
+        help="stream a thinking model's reasoning on stderr (stdout gets the answer only)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (exact text and reasoning, token ids, stats) instead of streaming",
+    )
     p.add_argument("--quiet", action="store_true", help="no plan line or stats line on stderr")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     p = sub.add_parser("show", help="what a model needs, from its config alone (no weights downloaded)")
     p.add_argument("model", metavar="MODEL", help="alias (localmoe models), hub repo id, or local directory")
-    p.add_argument("--vram", type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"), default=None,
-                   metavar="GiB", help="the GPU budget to plan for (default: what this machine's card has free minus "
-                                       "1 GiB; none without a GPU)")
+    p.add_argument(
+        "--vram",
+        type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"),
+        default=None,
+        metavar="GiB",
+        help="the GPU budget to plan for (default: what this machine's card has free minus 1 GiB; none without a GPU)",
+    )
     _add_experts_flag(p)
-    p.add_argument("--context", type=_ranged(int, 16, CONTEXT_MAX, what="--context"), default=None,
-                   help="context to size the KV/state for (default 8192 or the model's maximum)")
+    p.add_argument(
+        "--context",
+        type=_ranged(int, 16, CONTEXT_MAX, what="--context"),
+        default=None,
+        help="context to size the KV/state for (default 8192 or the model's maximum)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object, numbers as numbers (bytes, parameters)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
@@ -175,13 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="perplexity and agreement with dense, per sparsity")
     p.add_argument("model", metavar="MODEL")
-    p.add_argument("--sparsity", type=_sparsity_list, default=[0.0, 0.5, 0.7, 0.85, 0.9],
-                   help="comma-separated list (default 0,0.5,0.7,0.85,0.9)")
+    p.add_argument(
+        "--sparsity",
+        type=_sparsity_list,
+        default=[0.0, 0.5, 0.7, 0.85, 0.9],
+        help="comma-separated list (default 0,0.5,0.7,0.85,0.9)",
+    )
     p.add_argument("--text", metavar="FILE", default=None, help="default: the held-out split shipped with localmoe")
     p.add_argument("--tokens", type=_ranged(int, 16, what="--tokens"), default=16384)
     p.add_argument("--window", type=_ranged(int, 16, what="--window"), default=512)
-    p.add_argument("--threshold-mode", choices=["layer", "expert"], default="layer",
-                   help="one threshold per layer (default) or per expert")
+    p.add_argument(
+        "--threshold-mode",
+        choices=["layer", "expert"],
+        default="layer",
+        help="one threshold per layer (default) or per expert",
+    )
     p.add_argument("--tasks", default=None, help="lm-eval tasks (needs the optional lm-eval extra)")
     p.add_argument("--limit", type=_ranged(int, 1, what="--limit"), default=None, help="lm-eval: examples per task")
     p.add_argument("--include-path", default=None, help="lm-eval: folder with extra task YAMLs")
@@ -198,22 +275,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsity", type=_sparsity_list, default=None, help="default: 0 and the model's default")
     p.add_argument("--prompt-tokens", type=_ranged(int, 1, what="--prompt-tokens"), default=512)
     p.add_argument("--decode-tokens", type=_ranged(int, 2, what="--decode-tokens"), default=256)
-    p.add_argument("--context", type=_ranged(int, 16, CONTEXT_MAX, what="--context"), default=None,
-                   help="KV cache length (default: prompt + decode + 64; chat and run default to 8192)")
-    p.add_argument("--baseline", choices=["transformers", "accelerate"], default=None,
-                   help="stock generate in the same run; 'accelerate' offloads with device_map/max_memory (needs --vram)")
+    p.add_argument(
+        "--context",
+        type=_ranged(int, 16, CONTEXT_MAX, what="--context"),
+        default=None,
+        help="KV cache length (default: prompt + decode + 64; chat and run default to 8192)",
+    )
+    p.add_argument(
+        "--baseline",
+        choices=["transformers", "accelerate"],
+        default=None,
+        help="stock generate in the same run; 'accelerate' offloads with device_map/max_memory (needs --vram)",
+    )
     p.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
     p.add_argument("--compile", action="store_true", help="torch.compile the step before capturing it (experimental)")
-    p.add_argument("--vram", type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"), default=None,
-                   metavar="GiB", help="GPU memory budget (experts beyond it are offloaded)")
-    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
-                   help="fused decode kernels on CUDA (default on; --no-fused: transformers' modules)")
+    p.add_argument(
+        "--vram",
+        type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"),
+        default=None,
+        metavar="GiB",
+        help="GPU memory budget (experts beyond it are offloaded)",
+    )
+    p.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fused decode kernels on CUDA (default on; --no-fused: transformers' modules)",
+    )
     p.add_argument("--offload-miss", choices=["auto", "copy", "direct", "cpu"], default="auto")
-    p.add_argument("--routing", choices=["uniform", "skewed"], default="uniform",
-                   help="random weights: how the router spreads tokens (uniform = pessimistic for the expert cache)")
-    p.add_argument("--repeat-penalty", dest="repeat_penalty", metavar="P",
-                   type=_ranged(float, 0.0, 10.0, lo_open=True, what="--repeat-penalty"), default=None,
-                   help="also decode with this repetition penalty: a row with it after each row without (same run)")
+    p.add_argument(
+        "--routing",
+        choices=["uniform", "skewed"],
+        default="uniform",
+        help="random weights: how the router spreads tokens (uniform = pessimistic for the expert cache)",
+    )
+    p.add_argument(
+        "--repeat-penalty",
+        dest="repeat_penalty",
+        metavar="P",
+        type=_ranged(float, 0.0, 10.0, lo_open=True, what="--repeat-penalty"),
+        default=None,
+        help="also decode with this repetition penalty: a row with it after each row without (same run)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
@@ -252,9 +355,16 @@ def main(argv: list[str] | None = None) -> int:
             _quiet_libraries()
         if args.command != "chat":  # the chat app restores the terminal on SIGTERM itself
             restore_sigterm = _raise_on_sigterm()
-        handler = {"run": cmd_run, "show": cmd_show, "chat": cmd_chat, "models": cmd_models, "pull": cmd_pull,
-                   "calibrate": cmd_calibrate, "eval": cmd_eval,
-                   "bench": cmd_bench}[args.command]
+        handler = {
+            "run": cmd_run,
+            "show": cmd_show,
+            "chat": cmd_chat,
+            "models": cmd_models,
+            "pull": cmd_pull,
+            "calibrate": cmd_calibrate,
+            "eval": cmd_eval,
+            "bench": cmd_bench,
+        }[args.command]
         code = handler(args)
         sys.stdout.flush()  # a reader gone away shows here, not in the interpreter's flush at exit
         return code
@@ -410,8 +520,12 @@ def _stderr_progress() -> _Progress:
 
 
 # sampling flags -> GenerationSettings fields; a flag left out (None) keeps the model's default
-_SAMPLING_FLAGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                   "repeat_penalty": "repetition_penalty"}
+_SAMPLING_FLAGS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repeat_penalty": "repetition_penalty",
+}
 
 
 def _given_sampling(args) -> dict:
@@ -453,11 +567,22 @@ def _load_engine(args, progress=None, model: str | None = None):
             bar.end_line()
         _say(f"localmoe: note: {text}")
 
-    return Engine.load(model or args.model, device=args.device, dtype=args.dtype, sparsity=args.sparsity,
-                       progress=bar, calibration_text=args.calibration_text,
-                       vram_gib=args.vram, context=args.context, on_notice=None if quiet else notice, fused=args.fused,
-                       offload_miss=args.offload_miss, host_storage=args.host_storage, experts=args.experts,
-                       show_plan=not getattr(args, "json", False) and _isatty(sys.stderr))
+    return Engine.load(
+        model or args.model,
+        device=args.device,
+        dtype=args.dtype,
+        sparsity=args.sparsity,
+        progress=bar,
+        calibration_text=args.calibration_text,
+        vram_gib=args.vram,
+        context=args.context,
+        on_notice=None if quiet else notice,
+        fused=args.fused,
+        offload_miss=args.offload_miss,
+        host_storage=args.host_storage,
+        experts=args.experts,
+        show_plan=not getattr(args, "json", False) and _isatty(sys.stderr),
+    )
 
 
 def _utf8(data: bytes | str, what: str) -> str:
@@ -475,8 +600,10 @@ def _utf8(data: bytes | str, what: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): "
-                         "convert it to UTF-8 first (e.g. `iconv -f LATIN1 -t UTF-8`)") from None
+        raise UsageError(
+            f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): "
+            "convert it to UTF-8 first (e.g. `iconv -f LATIN1 -t UTF-8`)"
+        ) from None
 
 
 def _read_prompt(prompt: str) -> str:
@@ -509,8 +636,10 @@ def _system_prompt(args) -> str | None:
     if args.system is None:
         return None
     if getattr(args, "raw", False):
-        raise UsageError("--raw sends the prompt without the chat template, which is what places --system: "
-                         "put the system text in PROMPT, or drop --raw")
+        raise UsageError(
+            "--raw sends the prompt without the chat template, which is what places --system: "
+            "put the system text in PROMPT, or drop --raw"
+        )
     system = _utf8(args.system, "--system")
     if not system.strip():
         raise UsageError("--system is empty: give the system prompt's text, or leave --system out")
@@ -556,7 +685,7 @@ class _ReasoningOut:
     def end(self) -> None:
         """The reasoning is over (the answer begins, or the reply ended): dimming off, its line ended."""
         if self.open:
-            tail = (self.screen.flush() + "\x1b[22m" if self.screen is not None else "")
+            tail = self.screen.flush() + "\x1b[22m" if self.screen is not None else ""
             try:
                 sys.stderr.write(tail + ("" if self.line_start else "\n"))
                 sys.stderr.flush()
@@ -571,8 +700,9 @@ def cmd_run(args) -> int:
     system = _system_prompt(args)
     if args.raw and args.think is not None:
         flag = "--think" if args.think else "--no-think"
-        raise UsageError(f"--raw sends the prompt without the chat template, which is what {flag} sets: drop one of "
-                         "them")
+        raise UsageError(
+            f"--raw sends the prompt without the chat template, which is what {flag} sets: drop one of them"
+        )
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise UsageError("the prompt is empty: give some text")
@@ -584,9 +714,11 @@ def cmd_run(args) -> int:
         ids = engine.encode_raw(prompt)
     else:
         if args.think is not None and not engine.supports_thinking and not args.quiet:
-            _say(f"localmoe: note: {engine.model_name}'s chat template has no thinking switch: "
-                 f"--{'' if args.think else 'no-'}think does nothing")
-        messages = ([{"role": "system", "content": system}] if system is not None else [])
+            _say(
+                f"localmoe: note: {engine.model_name}'s chat template has no thinking switch: "
+                f"--{'' if args.think else 'no-'}think does nothing"
+            )
+        messages = [{"role": "system", "content": system}] if system is not None else []
         ids = engine.encode_chat(messages + [{"role": "user", "content": prompt}], think=args.think)
     # a terminal gets the text without control sequences; a pipe or a file gets it exactly
     screen = TerminalStream() if not args.json and _isatty(sys.stdout) else None
@@ -622,35 +754,64 @@ def cmd_run(args) -> int:
         thoughts.end()
     stats = engine.stats
     if args.json:
-        sys.stdout.write(json.dumps({"model": engine.model_name, "text": "".join(text), "reasoning": "".join(reasoning),
-                                     "token_ids": token_ids, "stats": _stats_json(stats)}) + "\n")
+        sys.stdout.write(
+            json.dumps(
+                {
+                    "model": engine.model_name,
+                    "text": "".join(text),
+                    "reasoning": "".join(reasoning),
+                    "token_ids": token_ids,
+                    "stats": _stats_json(stats),
+                }
+            )
+            + "\n"
+        )
     else:
         sys.stdout.write((screen.flush() if screen else "") + "\n")
         sys.stdout.flush()
         if not args.quiet:
             hidden = len(reasoning_tokens) if reasoning_tokens and thoughts is None else 0
-            _say(_stats_line(stats, engine) + (f" | reasoning {hidden} tok not shown (--show-reasoning)"
-                                               if hidden else ""))
+            _say(
+                _stats_line(stats, engine)
+                + (f" | reasoning {hidden} tok not shown (--show-reasoning)" if hidden else "")
+            )
     sys.stdout.flush()
     return 0
 
 
 def _stats_json(stats) -> dict:
-    keys = ("prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "sparsity_target",
-            "sparsity_realized", "peak_gpu_mem_gb", "cache_hit_rate", "h2d_bytes_per_token", "finish_reason",
-            "load_s", "ttft_s", "wall_s")
+    keys = (
+        "prompt_tokens",
+        "generated_tokens",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "sparsity_target",
+        "sparsity_realized",
+        "peak_gpu_mem_gb",
+        "cache_hit_rate",
+        "h2d_bytes_per_token",
+        "finish_reason",
+        "load_s",
+        "ttft_s",
+        "wall_s",
+    )
     d = stats.as_json()
     return {k: d.get(k) for k in keys}
 
 
 def _stats_line(stats, engine) -> str:
-    return (f"[{engine.model_name} on {engine.device}] load {stats.load_s:.1f} s | prompt {stats.prompt_tokens} tok, "
-            f"{stats.prefill_tok_s:.1f} tok/s prefill, first token {stats.ttft_s:.2f} s | "
-            f"{stats.generated_tokens} tok, {stats.decode_tok_s:.1f} tok/s decode, {stats.wall_s:.2f} s"
-            f" | sparsity {stats.sparsity_target:.0%} target, {stats.sparsity_realized:.1%} realised"
-            + (f" | peak GPU {stats.peak_gpu_mem_gb:.2f} GB" if stats.peak_gpu_mem_gb else "")
-            + (f" | expert cache {stats.cache_hit_rate:.0%} hits, {stats.h2d_bytes_per_token / 1e6:.1f} MB/token copied"
-               if stats.cache_hit_rate is not None else ""))
+    return (
+        f"[{engine.model_name} on {engine.device}] load {stats.load_s:.1f} s | prompt {stats.prompt_tokens} tok, "
+        f"{stats.prefill_tok_s:.1f} tok/s prefill, first token {stats.ttft_s:.2f} s | "
+        f"{stats.generated_tokens} tok, {stats.decode_tok_s:.1f} tok/s decode, {stats.wall_s:.2f} s"
+        f" | sparsity {stats.sparsity_target:.0%} target, {stats.sparsity_realized:.1%} realised"
+        + (f" | peak GPU {stats.peak_gpu_mem_gb:.2f} GB" if stats.peak_gpu_mem_gb else "")
+        + (
+            f" | expert cache {stats.cache_hit_rate:.0%} hits, {stats.h2d_bytes_per_token / 1e6:.1f} MB/token copied"
+            if stats.cache_hit_rate is not None
+            else ""
+        )
+    )
 
 
 def cmd_show(args) -> int:
@@ -671,15 +832,38 @@ def cmd_models(args) -> int:
     reg = load_registry()
     specs = list(reg.models.values())
     if args.json:  # numbers as numbers, sparsity as a fraction, sizes in GB
-        print(json.dumps([{"alias": s.alias, "repo": s.repo, "family": s.family, "params_b": s.params_b,
-                           "bf16_gb": s.bf16_gb, "default_sparsity": s.sparsity, "vram": s.vram,
-                           "default": s.alias == reg.default, "downloaded": is_downloaded(s),
-                           "supported": not s.unsupported, "unsupported_reason": s.unsupported or None}
-                          for s in specs]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "alias": s.alias,
+                        "repo": s.repo,
+                        "family": s.family,
+                        "params_b": s.params_b,
+                        "bf16_gb": s.bf16_gb,
+                        "default_sparsity": s.sparsity,
+                        "vram": s.vram,
+                        "default": s.alias == reg.default,
+                        "downloaded": is_downloaded(s),
+                        "supported": not s.unsupported,
+                        "unsupported_reason": s.unsupported or None,
+                    }
+                    for s in specs
+                ]
+            )
+        )
         return 0
-    rows = [(s.alias + (" (default)" if s.alias == reg.default else ""), s.repo, f"{s.bf16_gb:g} GB",
-             f"{s.sparsity:.1%}", "yes" if is_downloaded(s) else "no", "no" if s.unsupported else "yes")
-            for s in specs]
+    rows = [
+        (
+            s.alias + (" (default)" if s.alias == reg.default else ""),
+            s.repo,
+            f"{s.bf16_gb:g} GB",
+            f"{s.sparsity:.1%}",
+            "yes" if is_downloaded(s) else "no",
+            "no" if s.unsupported else "yes",
+        )
+        for s in specs
+    ]
     head = ("ALIAS", "REPO", "BF16 SIZE", "SPARSITY", "DOWNLOADED", "SUPPORTED")
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for r in (head, *rows):
@@ -711,15 +895,36 @@ def cmd_calibrate(args) -> int:
         bar.end_line()
         _say(f"localmoe: note: {text}")
 
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=bar,
-                         experts=args.experts, on_notice=notice, show_plan=False)
-    table = sp.thresholds_for(engine, args.sparsity, progress=bar, text=args.text,
-                              tokens=args.tokens or sp.DEFAULT_TOKENS, force=True, mode=args.threshold_mode)
-    done = (f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
-            f"tokens of {table.meta['calibration_set']}")
+    engine = Engine.load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        sparsity=0.0,
+        progress=bar,
+        experts=args.experts,
+        on_notice=notice,
+        show_plan=False,
+    )
+    table = sp.thresholds_for(
+        engine,
+        args.sparsity,
+        progress=bar,
+        text=args.text,
+        tokens=args.tokens or sp.DEFAULT_TOKENS,
+        force=True,
+        mode=args.threshold_mode,
+    )
+    done = (
+        f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
+        f"tokens of {table.meta['calibration_set']}"
+    )
     if table.path is None:
-        print(for_line(f"{done}; the thresholds were not saved (see the note above): every run calibrates again "
-                       "until the cache folder is writable"))
+        print(
+            for_line(
+                f"{done}; the thresholds were not saved (see the note above): every run calibrates again "
+                "until the cache folder is writable"
+            )
+        )
     else:
         print(for_line(f"{done}: thresholds saved to {table.path}"))
     return 0
@@ -758,8 +963,15 @@ def cmd_chat(args) -> int:
         return engine
 
     kwargs = {"think": args.think} if args.think is not None else {}
-    return run_chat(load, model_label=model, settings=_settings(args), sparsity=args.sparsity, system=system,
-                    continue_last=args.continue_last, **kwargs)
+    return run_chat(
+        load,
+        model_label=model,
+        settings=_settings(args),
+        sparsity=args.sparsity,
+        system=system,
+        continue_last=args.continue_last,
+        **kwargs,
+    )
 
 
 def cmd_eval(args) -> int:
@@ -767,20 +979,33 @@ def cmd_eval(args) -> int:
 
     if not args.tasks:
         _text_file(args.text, "--text")
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=_stderr_progress(),
-                         experts=args.experts)
+    engine = Engine.load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        sparsity=0.0,
+        progress=_stderr_progress(),
+        experts=args.experts,
+    )
     engine.threshold_mode = args.threshold_mode
     if args.tasks:
         from localmoe.harness import run_tasks
 
-        results = run_tasks(engine, args.tasks.split(","), args.sparsity, limit=args.limit,
-                            include_path=args.include_path, progress=_stderr_progress())
+        results = run_tasks(
+            engine,
+            args.tasks.split(","),
+            args.sparsity,
+            limit=args.limit,
+            include_path=args.include_path,
+            progress=_stderr_progress(),
+        )
         print(json.dumps(results) if args.json else for_terminal(results["table"]))
         return 0
     from localmoe.evaluate import evaluate
 
-    report = evaluate(engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window,
-                      progress=_stderr_progress())
+    report = evaluate(
+        engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window, progress=_stderr_progress()
+    )
     print(json.dumps(report.as_json()) if args.json else for_terminal(report.table()))
     return 0
 
@@ -792,11 +1017,25 @@ def cmd_bench(args) -> int:
         raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")
     if args.shape:
         _refuse_unsupported(args.shape)
-    result = bench(args.model, shape=args.shape, sparsities=args.sparsity, device=args.device, dtype=args.dtype,
-                   prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, context=args.context,
-                   baseline=args.baseline,
-                   graphs=not args.no_graph, compile=args.compile, vram_gib=args.vram, fused=args.fused,
-                   offload_miss=args.offload_miss, routing=args.routing, experts=args.experts,
-                   progress=_stderr_progress(), repetition_penalty=args.repeat_penalty)
+    result = bench(
+        args.model,
+        shape=args.shape,
+        sparsities=args.sparsity,
+        device=args.device,
+        dtype=args.dtype,
+        prompt_tokens=args.prompt_tokens,
+        decode_tokens=args.decode_tokens,
+        context=args.context,
+        baseline=args.baseline,
+        graphs=not args.no_graph,
+        compile=args.compile,
+        vram_gib=args.vram,
+        fused=args.fused,
+        offload_miss=args.offload_miss,
+        routing=args.routing,
+        experts=args.experts,
+        progress=_stderr_progress(),
+        repetition_penalty=args.repeat_penalty,
+    )
     print(json.dumps(result) if args.json else for_terminal(table(result)))
     return 0

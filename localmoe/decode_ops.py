@@ -25,19 +25,25 @@ def tuned(x: torch.Tensor, kernel: str, shape_key: str) -> dict:
     return _tuned_on(x.device.index or 0, kernel, shape_key) if x.is_cuda else {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tuned_on(device_index: int, kernel: str, shape_key: str) -> dict:
     return decode_params(torch.cuda.get_device_name(device_index), kernel, shape_key)
 
 
 def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x @ weight.T is a decode GEMV localmoe's kernel takes: one row, same dtype and device, row contiguous."""
-    return (x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.device == weight.device
-            and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dim() == 2)
+    return (
+        x.numel() == x.shape[-1]
+        and x.dtype == weight.dtype
+        and x.device == weight.device
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and weight.dim() == 2
+    )
 
 
 @torch.compiler.disable
-def linear_1(x: torch.Tensor, weight: torch.Tensor, norm: "FusedRMSNorm | None" = None) -> torch.Tensor:
+def linear_1(x: torch.Tensor, weight: torch.Tensor, norm: FusedRMSNorm | None = None) -> torch.Tensor:
     """x [..., K] with one row -> x @ weight.T [..., N] through kernels/gemv.py (launch tuned per shape); with
     `norm` (see `takes_norm`), norm(x) @ weight.T, the norm computed inside the GEMV (one launch fewer)."""
     N, K = weight.shape
@@ -50,8 +56,12 @@ def linear_1(x: torch.Tensor, weight: torch.Tensor, norm: "FusedRMSNorm | None" 
 def takes_norm(norm, x: torch.Tensor) -> bool:
     """Whether `linear_1(x, w, norm)` can fold this norm module into its GEMV (a FusedRMSNorm of x's width, K up to
     one 4096-wide tile)."""
-    return (isinstance(norm, FusedRMSNorm) and norm.kind in ("standard", "zero_centred")
-            and norm.weight.numel() == x.shape[-1] <= 4096 and norm.weight.device == x.device)
+    return (
+        isinstance(norm, FusedRMSNorm)
+        and norm.kind in ("standard", "zero_centred")
+        and norm.weight.numel() == x.shape[-1] <= 4096
+        and norm.weight.device == x.device
+    )
 
 
 class FusedLinear(nn.Module):
@@ -79,14 +89,17 @@ def concat_rows(linears: list[nn.Module]) -> tuple[torch.Tensor | None, list[int
     Parameter object stays, its data now a view: no extra memory, same values), so one GEMV does all of them.
     (None, []) when they cannot share one (bias, other dtype/device/width, not plain Linears)."""
     ws = [getattr(lin, "weight", None) for lin in linears]
-    if (not all(isinstance(lin, (nn.Linear, FusedLinear)) and lin.bias is None for lin in linears)
-            or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"):
+    if (
+        not all(isinstance(lin, (nn.Linear, FusedLinear)) and lin.bias is None for lin in linears)
+        or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1
+        or ws[0].device.type == "meta"
+    ):
         return None, []
     with torch.no_grad():
         cat = torch.cat([w.detach() for w in ws], dim=0)  # [ΣN, H]
         sizes, at = [w.shape[0] for w in ws], 0
         for w, n in zip(ws, sizes):
-            w.data = cat[at:at + n]
+            w.data = cat[at : at + n]
             at += n
     return cat, sizes
 

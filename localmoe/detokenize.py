@@ -22,12 +22,12 @@ class Detokenizer:
         if self.tok is None:  # a random-weight bench engine: ids only
             return ""
         self.ids.append(token_id)
-        done = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        text = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
         if len(text) <= len(done) or text.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(done):]
+        return text[len(done) :]
 
 
 class StopStrings:
@@ -51,11 +51,12 @@ class StopStrings:
         ends = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if ends:
             self.held, self.stopped = "", True
-            return buf[:min(ends)]
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
-                    if buf.endswith(s[:k])), default=0)  # the longest tail that begins a stop string
-        self.held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep]
+            return buf[: min(ends)]
+        keep = max(
+            (k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1) if buf.endswith(s[:k])), default=0
+        )  # the longest tail that begins a stop string
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
 
     def flush(self) -> str:
         text, self.held = self.held, ""
@@ -71,8 +72,10 @@ class TerminalStream:
 
     # An escape sequence still open at the end of the text: a string sequence (OSC/DCS/SOS/PM/APC) with no BEL/ST yet
     # (perhaps the ESC of its ST), a CSI with no final byte, or an ESC with no final byte.
-    _OPEN = re.compile(r"(?:(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*\x1b?"
-                       r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*|\x1b[ -/]*)\Z")
+    _OPEN = re.compile(
+        r"(?:(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*\x1b?"
+        r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*|\x1b[ -/]*)\Z"
+    )
 
     def __init__(self, max_hold: int = 1024):
         self.max_hold = max_hold
@@ -85,7 +88,7 @@ class TerminalStream:
             self.held, text = "\r", text[:-1]
         m = self._OPEN.search(text)
         if m is not None and len(text) - m.start() <= self.max_hold:
-            self.held, text = text[m.start():] + self.held, text[:m.start()]
+            self.held, text = text[m.start() :] + self.held, text[: m.start()]
         return for_terminal(text)
 
     def flush(self) -> str:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from pathlib import Path
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -47,8 +47,12 @@ PREFILL_CHUNK = 2048  # prompt tokens per prefill forward: long prompts are pref
 
 
 # generation_config.json keys localmoe takes as the model's sampling defaults, with the range each must be in
-GENERATION_KEYS = {"temperature": (0.0, 10.0), "top_p": (0.0, 1.0), "top_k": (0, 1 << 30),
-                   "repetition_penalty": (0.0, 10.0)}
+GENERATION_KEYS = {
+    "temperature": (0.0, 10.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (0, 1 << 30),
+    "repetition_penalty": (0.0, 10.0),
+}
 
 
 def generation_defaults(path, on_notice=None) -> GenerationSettings:
@@ -73,8 +77,10 @@ def generation_defaults(path, on_notice=None) -> GenerationSettings:
         ok = ok and (lo <= value <= hi if key in ("temperature", "top_k") else lo < value <= hi)
         if not ok:
             if on_notice is not None:
-                on_notice(f"generation_config.json: {key} {for_line(json.dumps(value))} is out of range; "
-                          "using localmoe's default")
+                on_notice(
+                    f"generation_config.json: {key} {for_line(json.dumps(value))} is out of range; "
+                    "using localmoe's default"
+                )
             continue
         got[key] = int(value) if key == "top_k" else float(value)
     if data.get("do_sample") is not True:
@@ -143,7 +149,7 @@ class Engine:
         self.on_notice = None  # callable(str) for one-line notices (the CLI prints them on stderr)
         self._graph = None
         self.reuse_prompts = True  # rewind the cache to the prompt prefix it holds (a chat's history) instead of
-        self._eager_cache = None   # prefilling it again; eager decoding keeps its dynamic cache here between turns
+        self._eager_cache = None  # prefilling it again; eager decoding keeps its dynamic cache here between turns
         self._eager_reuse = PromptReuse()
         self._busy = threading.RLock()  # one prefill or reply at a time (prepare_next_turn runs beside the app)
         self._seen: Seen | None = None  # the repetition penalty's seen-token mask (made at the first reply)
@@ -153,8 +159,9 @@ class Engine:
         self._plan_shown = False
         self._defaults = generation_defaults(resolved.path) if tokenizer is not None else GenerationSettings()
         template = getattr(tokenizer, "chat_template", None)
-        template = template if isinstance(template, str) else " ".join(template.values()) \
-            if isinstance(template, dict) else ""
+        template = (
+            template if isinstance(template, str) else " ".join(template.values()) if isinstance(template, dict) else ""
+        )
         self.supports_thinking = "enable_thinking" in template
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         # a thinking model: its replies are split into reasoning and answer (reasoning.py)
@@ -162,11 +169,24 @@ class Engine:
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
-    def load(cls, model: str, *, device: str | None = None, dtype: str | None = None, sparsity: float | None = None,
-             progress: ProgressFn | None = None, calibration_text: str | None = None, vram_gib: float | None = None,
-             context: int | None = None, on_notice=None, fused: bool = True,
-             offload_miss: str = "auto", host_storage: str = "auto", experts: str = "full",
-             show_plan: bool = False) -> "Engine":
+    def load(
+        cls,
+        model: str,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        sparsity: float | None = None,
+        progress: ProgressFn | None = None,
+        calibration_text: str | None = None,
+        vram_gib: float | None = None,
+        context: int | None = None,
+        on_notice=None,
+        fused: bool = True,
+        offload_miss: str = "auto",
+        host_storage: str = "auto",
+        experts: str = "full",
+        show_plan: bool = False,
+    ) -> Engine:
         """Resolve, load and calibrate MODEL. Notices go to `on_notice` and `engine.notes`; the plan line
         (`plan_line`, `localmoe show`'s one-line plan) is the first of `notes`, and goes to `on_notice` too with
         `show_plan` (the CLI's run on a terminal)."""
@@ -181,10 +201,20 @@ class Engine:
         tokenizer = load_tokenizer(resolved.path)
         budget = vram_budget(dev, vram_gib)
         try:
-            loaded = load_model(resolved.path, device=dev, dtype=dt, progress=progress, vram_bytes=budget,
-                                context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
-                                on_notice=notice, host_storage=host_storage,
-                                store_key=(resolved.name, resolved.revision), experts_format=experts)
+            loaded = load_model(
+                resolved.path,
+                device=dev,
+                dtype=dt,
+                progress=progress,
+                vram_bytes=budget,
+                context=context or DEFAULT_CONTEXT,
+                fused=fused,
+                offload_miss=offload_miss,
+                on_notice=notice,
+                host_storage=host_storage,
+                store_key=(resolved.name, resolved.revision),
+                experts_format=experts,
+            )
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
                 f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
@@ -207,9 +237,20 @@ class Engine:
         return engine
 
     @classmethod
-    def random(cls, shape: str, *, device: torch.device, dtype: torch.dtype, vram_gib: float | None = None,
-               context: int | None = None, on_notice=None, fused: bool = True,
-               offload_miss: str = "auto", routing: str = "uniform", experts: str = "full") -> "Engine":
+    def random(
+        cls,
+        shape: str,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        vram_gib: float | None = None,
+        context: int | None = None,
+        on_notice=None,
+        fused: bool = True,
+        offload_miss: str = "auto",
+        routing: str = "uniform",
+        experts: str = "full",
+    ) -> Engine:
         """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
         `random_weights.build_random`."""
         from localmoe.benchmark import shape_config
@@ -218,9 +259,18 @@ class Engine:
 
         t0 = time.perf_counter()
         config = shape_config(shape)
-        loaded = build_random(config, device=device, dtype=dtype, vram_bytes=vram_budget(device, vram_gib),
-                              context=context or DEFAULT_CONTEXT, fused=fused, offload_miss=offload_miss,
-                              routing=routing, on_notice=on_notice, experts_format=experts)
+        loaded = build_random(
+            config,
+            device=device,
+            dtype=dtype,
+            vram_bytes=vram_budget(device, vram_gib),
+            context=context or DEFAULT_CONTEXT,
+            fused=fused,
+            offload_miss=offload_miss,
+            routing=routing,
+            on_notice=on_notice,
+            experts_format=experts,
+        )
         spec = load_registry().get(shape)
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)
@@ -262,18 +312,28 @@ class Engine:
             self._notice(hint)
         if loaded.offload.spills and self._device.type == "cuda":
             self.use_graphs = False  # accelerate's hooks copy the host-resident units' weights in on every forward
-            self._notice("non-expert modules that do not fit run through accelerate's offload hooks: decoding eagerly "
-                         "(no CUDA graph, no fused modules); a larger --vram keeps them on the GPU")
+            self._notice(
+                "non-expert modules that do not fit run through accelerate's offload hooks: decoding eagerly "
+                "(no CUDA graph, no fused modules); a larger --vram keeps them on the GPU"
+            )
         if loaded.cache.mode == "direct":
             if self._device.type == "cuda" and not loaded.host_pinned:
-                why = ("the expert master copies are memory-mapped files" if loaded.host_storage == "mmap"
-                       else "pinned host memory could not be allocated")
-                raise RuntimeFailure(f"--offload-miss direct needs pinned host memory and {why}: use --offload-miss "
-                                     "copy (or auto), or free RAM")
+                why = (
+                    "the expert master copies are memory-mapped files"
+                    if loaded.host_storage == "mmap"
+                    else "pinned host memory could not be allocated"
+                )
+                raise RuntimeFailure(
+                    f"--offload-miss direct needs pinned host memory and {why}: use --offload-miss "
+                    "copy (or auto), or free RAM"
+                )
             cache = loaded.cache
-            tier = (f"; VRAM holds {cache.gate_slots} of {cache.num_experts * len(cache.masters)} experts' gates "
-                    f"and {cache.slots} experts' up/down rows (gates first: read whole for every routed expert)"
-                    if cache.gate_slots else "")
+            tier = (
+                f"; VRAM holds {cache.gate_slots} of {cache.num_experts * len(cache.masters)} experts' gates "
+                f"and {cache.slots} experts' up/down rows (gates first: read whole for every routed expert)"
+                if cache.gate_slots
+                else ""
+            )
             self._notice("expert misses are read straight from pinned host memory inside the CUDA graph" + tier)
         elif loaded.cache.mode == "cpu":
             self.use_graphs = False
@@ -291,8 +351,11 @@ class Engine:
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         gen = getattr(self.model, "generation_config", None)
-        for src in (getattr(gen, "eos_token_id", None), getattr(self.loaded.config, "eos_token_id", None),
-                    self.tokenizer.eos_token_id if self.tokenizer is not None else None):
+        for src in (
+            getattr(gen, "eos_token_id", None),
+            getattr(self.loaded.config, "eos_token_id", None),
+            self.tokenizer.eos_token_id if self.tokenizer is not None else None,
+        ):
             if isinstance(src, int):
                 ids.add(src)
             elif isinstance(src, (list, tuple)):
@@ -312,7 +375,9 @@ class Engine:
         if sparsity == 0.0:
             sp.disable(self.loaded, device=self._device)
         else:
-            table = sp.thresholds_for(self, sparsity, progress=progress, text=calibration_text, mode=self.threshold_mode)
+            table = sp.thresholds_for(
+                self, sparsity, progress=progress, text=calibration_text, mode=self.threshold_mode
+            )
             sp.apply(self.loaded, table, device=self._device)
         self.sparsity = sparsity
         self._graph = None  # captured against the old thresholds / path: capture again
@@ -352,8 +417,9 @@ class Engine:
         _check_unicode(prompt, "the prompt")
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def chat(self, messages: Sequence[Message], settings: GenerationSettings,
-             think: bool | None = None) -> Iterator[TokenEvent]:
+    def chat(
+        self, messages: Sequence[Message], settings: GenerationSettings, think: bool | None = None
+    ) -> Iterator[TokenEvent]:
         ids = self.encode_chat(messages, think)
         return self.generate(ids, settings, stable=repeated_prefix(self._template(think), messages, ids))
 
@@ -421,8 +487,9 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int], settings: GenerationSettings, *,
-                 stable: int = 0) -> Iterator[TokenEvent]:
+    def generate(
+        self, prompt_ids: Sequence[int], settings: GenerationSettings, *, stable: int = 0
+    ) -> Iterator[TokenEvent]:
         """Stream the reply to prompt_ids. `stable`: how many of its first tokens the next prompt will repeat (a chat's
         history): the cache state there is kept, and a later prompt starting with them prefills only the rest."""
         t_call = time.perf_counter()
@@ -432,8 +499,10 @@ class Engine:
         if self.max_positions and n_prompt >= self.max_positions:
             raise UsageError(f"the prompt has {n_prompt} tokens; {self.model_name} takes at most {self.max_positions}")
         if n_prompt >= self.context:
-            raise UsageError(f"the prompt has {n_prompt} tokens but the context is {self.context}: "
-                             "shorten the prompt or raise --context")
+            raise UsageError(
+                f"the prompt has {n_prompt} tokens but the context is {self.context}: "
+                "shorten the prompt or raise --context"
+            )
         if not (settings.repetition_penalty > 0 and math.isfinite(settings.repetition_penalty)):
             raise UsageError(f"the repetition penalty must be a positive number, got {settings.repetition_penalty}")
         max_new = min(settings.max_new_tokens, self.context - n_prompt)
@@ -446,8 +515,9 @@ class Engine:
             return None
         tail = self.tokenizer.decode(list(prompt_ids[-64:]), skip_special_tokens=False)
         open_tag, close_tag = self.reasoning_tags
-        return ReasoningSplitter(in_reasoning=opens_reasoning(tail, open_tag, close_tag), open_tag=open_tag,
-                                 close_tag=close_tag)
+        return ReasoningSplitter(
+            in_reasoning=opens_reasoning(tail, open_tag, close_tag), open_tag=open_tag, close_tag=close_tag
+        )
 
     def _generate(self, prompt_ids, settings, stable, n_prompt, max_new, t_call) -> Iterator[TokenEvent]:
         self._cancel.clear()
@@ -504,16 +574,24 @@ class Engine:
         # themselves overlap the GPU's work and the GPU never waits for the host between steps; not while
         # direct/cpu misses admit experts, which reads each step's routing back before the next one. A step
         # launched past an EOS the host has not read yet is thrown away: the next turn prefills its prompt again.
-        depth = self.pipeline_depth if (expert_cache is None or expert_cache.mode == "copy"
-                                        or not expert_cache.admits) else 0
+        depth = (
+            self.pipeline_depth
+            if (expert_cache is None or expert_cache.mode == "copy" or not expert_cache.admits)
+            else 0
+        )
         if depth and cuda:  # a pinned host slot and an event per step in flight, reused round-robin
             slots = [(torch.empty((), dtype=torch.long, pin_memory=True), torch.cuda.Event()) for _ in range(depth)]
         inflight: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []  # (device token, slot, host token)
         launched = 0
         # greedy with a graph: the token is chosen inside the graph (repetition penalty included: its argmax reads
         # and marks the seen mask), which also writes it to the host (graph.py)
-        greedy_graph = (graph is not None and graph.chooses and self.graph_greedy and settings.temperature <= 0
-                        and (graph.penalizes or not seen.active))
+        greedy_graph = (
+            graph is not None
+            and graph.chooses
+            and self.graph_greedy
+            and settings.temperature <= 0
+            and (graph.penalizes or not seen.active)
+        )
         if graph is not None:  # the captured argmax applies the penalty only when it chooses the token
             graph.set_penalty(seen.value if greedy_graph else 1.0)
 
@@ -524,8 +602,9 @@ class Engine:
             if graph is not None:
                 logits = graph.step(token, position)
             else:
-                out = self.model(input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache},
-                                 **self._logits_kw)
+                out = self.model(
+                    input_ids=token.view(1, 1), use_cache=True, **{self._cache_kw: cache}, **self._logits_kw
+                )
                 cache, logits = _cache_of(out), out.logits[0, -1]
             return sample(logits, settings, gen, seen), None, cache
 
@@ -534,8 +613,9 @@ class Engine:
             if splitter is None:
                 return [TokenEvent(token_id=tok, text=text, index=index)]
             parts = splitter.push(text)
-            return [TokenEvent(token_id=tok, text=t, index=index, channel=c) for c, t in parts] or \
-                [TokenEvent(token_id=tok, text="", index=index, channel=splitter.channel)]
+            return [TokenEvent(token_id=tok, text=t, index=index, channel=c) for c, t in parts] or [
+                TokenEvent(token_id=tok, text="", index=index, channel=splitter.channel)
+            ]
 
         while True:
             if tok in self.eos_ids:
@@ -543,8 +623,7 @@ class Engine:
                 break
             generated.append(tok)
             # launch ahead: the step producing token index len(generated) + len(inflight), input at that minus one
-            while (len(inflight) < depth and len(generated) + len(inflight) < max_new
-                   and not self._cancel.is_set()):
+            while len(inflight) < depth and len(generated) + len(inflight) < max_new and not self._cancel.is_set():
                 src = inflight[-1][0] if inflight else token
                 nxt, on_host, cache = launch(src, cache, n_prompt + len(generated) + len(inflight) - 1)
                 slot = launched % depth
@@ -568,8 +647,7 @@ class Engine:
             else:
                 stats.ttft_s = now - t_call
             stats.wall_s = now - t_call
-            for ev in events(delta, tok, len(generated) - 1):
-                yield ev
+            yield from events(delta, tok, len(generated) - 1)
             if stopper.stopped:
                 finish = "stop"
                 break
@@ -619,8 +697,15 @@ class Engine:
             return _cache_of(out), out.logits[0, -1]
 
         reuse = self._eager_reuse if self.reuse_prompts else None
-        cache, logits, reused = prefill(forward, self._eager_cache, ids, stable=stable, chunk=self.prefill_chunk,
-                                        reuse=reuse, fresh=lambda cache: None)
+        cache, logits, reused = prefill(
+            forward,
+            self._eager_cache,
+            ids,
+            stable=stable,
+            chunk=self.prefill_chunk,
+            reuse=reuse,
+            fresh=lambda cache: None,
+        )
         self._eager_cache = cache if self.reuse_prompts else None  # decoding goes on in this same object
         return cache, logits, reused
 
@@ -662,8 +747,9 @@ def _check_unicode(text, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise UsageError(f"{what} is not valid text (an undecodable byte or lone surrogate at character {e.start}): "
-                         "give UTF-8 text") from None
+        raise UsageError(
+            f"{what} is not valid text (an undecodable byte or lone surrogate at character {e.start}): give UTF-8 text"
+        ) from None
 
 
 def _cache_of(out):

@@ -42,15 +42,24 @@ class EvalReport:
         return max(ok) if ok else 0.0
 
     def as_json(self) -> dict:
-        return {"model": self.model, "text": self.text, "tokens": self.tokens, "rows": [asdict(r) for r in self.rows],
-                "best_sparsity_within_5pct": self.best_within_bar}
+        return {
+            "model": self.model,
+            "text": self.text,
+            "tokens": self.tokens,
+            "rows": [asdict(r) for r in self.rows],
+            "best_sparsity_within_5pct": self.best_within_bar,
+        }
 
     def table(self) -> str:
-        lines = [f"{self.model}: {self.tokens} tokens of {self.text}",
-                 f"{'sparsity':>8}  {'ppl':>9}  {'ppl/dense':>9}  {'top-1 agree':>11}  {'realised':>8}"]
+        lines = [
+            f"{self.model}: {self.tokens} tokens of {self.text}",
+            f"{'sparsity':>8}  {'ppl':>9}  {'ppl/dense':>9}  {'top-1 agree':>11}  {'realised':>8}",
+        ]
         for r in self.rows:
-            lines.append(f"{r.sparsity:>8.0%}  {r.perplexity:>9.3f}  {r.ratio_to_dense:>9.3f}  "
-                         f"{r.top1_agreement:>11.1%}  {r.sparsity_realized:>8.1%}")
+            lines.append(
+                f"{r.sparsity:>8.0%}  {r.perplexity:>9.3f}  {r.ratio_to_dense:>9.3f}  "
+                f"{r.top1_agreement:>11.1%}  {r.sparsity_realized:>8.1%}"
+            )
         lines.append(f"largest sparsity within {QUALITY_BAR:.0%} of dense perplexity: {self.best_within_bar:.0%}")
         return "\n".join(lines)
 
@@ -85,12 +94,19 @@ def _score(engine, windows: list[torch.Tensor], dense_top1: list[torch.Tensor] |
     return nll / count, preds, (agree / count if dense_top1 is not None else 1.0)
 
 
-def evaluate(engine, sparsities: list[float], *, text: str | Path | None = None, tokens: int = 16384,
-             window: int = 512, progress: ProgressFn | None = None) -> EvalReport:
+def evaluate(
+    engine,
+    sparsities: list[float],
+    *,
+    text: str | Path | None = None,
+    tokens: int = 16384,
+    window: int = 512,
+    progress: ProgressFn | None = None,
+) -> EvalReport:
     body, name = read_eval_text(text)
     ids = engine.tokenizer(body, add_special_tokens=False)["input_ids"][:tokens]
     window = min(window, engine.max_positions or window)
-    windows = [torch.tensor(ids[i:i + window]) for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+    windows = [torch.tensor(ids[i : i + window]) for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
     if not windows:
         raise UsageError("the evaluation text is too short: give at least a few hundred tokens")
     previous = engine.sparsity
@@ -122,7 +138,7 @@ def direct_perplexity(model, ids: list[int], window: int) -> float:
     nll, count = 0.0, 0
     with torch.inference_mode():
         for i in range(0, len(ids), window):
-            w = torch.tensor(ids[i:i + window])
+            w = torch.tensor(ids[i : i + window])
             if len(w) < 2:
                 continue
             logits = model(input_ids=w[None]).logits[0, :-1].float()

@@ -5,8 +5,9 @@ Nothing here imports torch, so front ends can type against it cheaply.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,12 @@ class ExpertWeights:
         return isinstance(self.w_gate, Int4Tensor)
 
     def nbytes(self) -> int:
-        return sum(t.nbytes() if isinstance(t, Int4Tensor) else t.numel() * t.element_size()
-                   for t in (self.w_gate, self.w_up, self.w_down_t))
+        return sum(
+            t.nbytes() if isinstance(t, Int4Tensor) else t.numel() * t.element_size()
+            for t in (self.w_gate, self.w_up, self.w_down_t)
+        )
 
-    def to_int4(self) -> "ExpertWeights":
+    def to_int4(self) -> ExpertWeights:
         """The same experts in the 4-bit format (quantized on their device)."""
         return ExpertWeights(*(quantize(t) for t in (self.w_gate, self.w_up, self.w_down_t)))
 
@@ -157,8 +159,10 @@ class LocalExperts(nn.Module):
         self.seen = 0  # neurons considered on the sparse path (host int; a CUDA graph's replays add theirs)
 
     def extra_repr(self) -> str:
-        return (f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, act={self.hidden_act}, "
-                f"sparse={self.sparse_enabled}")
+        return (
+            f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, act={self.hidden_act}, "
+            f"sparse={self.sparse_enabled}"
+        )
 
     def reset_counters(self) -> None:
         self.kept.zero_()
@@ -179,16 +183,21 @@ class LocalExperts(nn.Module):
         take `tail=` (the shared expert and the residual add in the same launch)."""
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
-        if not (few and self.weights is not None and self.hidden_act == "silu"
-                and (hidden_states.is_cuda or self.kernel_on_cpu)):
+        if not (
+            few
+            and self.weights is not None
+            and self.hidden_act == "silu"
+            and (hidden_states.is_cuda or self.kernel_on_cpu)
+        ):
             return False
         sparse = self.sparse_enabled and self.tau is not None
         if self.cache is None:
             return sparse or self.dense_tail
         return self.cache.mode == "direct" or (self.cache.mode == "copy" and (sparse or self.dense_tail))
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
-                tail=None):
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, tail=None
+    ):
         """transformers' experts call; `tail` (a `kernels.sparse_fused.Tail`, only where `takes_tail` holds) adds
         the shared expert and the residual inside the same launch."""
         if self.weights is None:
@@ -225,11 +234,26 @@ class LocalExperts(nn.Module):
         tau = self.tau if sparse else self._zeros_tau(x.device)
         c, m = self.cache, self.weights
         p = self._launch(x, top_k_index.shape[1])["fused"] if x.is_cuda else {}
-        y, _ = sparse_fused(x, m.w_gate, m.w_up, m.w_down_t, top_k_index, top_k_weights, tau,
-                            torch.empty(x.shape, dtype=x.dtype, device=x.device), slot_table=c.tables[self.layer_idx],
-                            pool_gate=c.pool.w_gate, pool_up=c.pool.w_up, pool_down_t=c.pool.w_down_t,
-                            gate_table=c.gate_tables.get(self.layer_idx), kept_total=self._kept_on(x.device) if sparse
-                            else None, host_rows=c.host_rows, read_rows=c.read_rows, **_tail_kw(tail), **p)
+        y, _ = sparse_fused(
+            x,
+            m.w_gate,
+            m.w_up,
+            m.w_down_t,
+            top_k_index,
+            top_k_weights,
+            tau,
+            torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            slot_table=c.tables[self.layer_idx],
+            pool_gate=c.pool.w_gate,
+            pool_up=c.pool.w_up,
+            pool_down_t=c.pool.w_down_t,
+            gate_table=c.gate_tables.get(self.layer_idx),
+            kept_total=self._kept_on(x.device) if sparse else None,
+            host_rows=c.host_rows,
+            read_rows=c.read_rows,
+            **_tail_kw(tail),
+            **p,
+        )
         self.last_routing = top_k_index  # graph replays rewrite this tensor in place
         if sparse:
             self.seen += top_k_index.numel() * self.intermediate_size
@@ -256,12 +280,20 @@ class LocalExperts(nn.Module):
                 experts = top_k_index[t, j]
                 slots = c.tables[layer][experts]
                 pool_tau = c.slot_tau(slots, experts, tau)
-                out[t] += self._sparse(x[t:t + 1], slots[None], top_k_weights[t, j][None], c.pool, pool_tau)[0].float()
+                out[t] += self._sparse(x[t : t + 1], slots[None], top_k_weights[t, j][None], c.pool, pool_tau)[
+                    0
+                ].float()
             if miss:
                 j = torch.tensor(miss)
                 experts = top_k_index[t].cpu()[j]
-                y, kept = sparse_reference(x[t:t + 1].cpu(), self.weights, experts[None],
-                                           top_k_weights[t].cpu()[j][None], tau.cpu(), self.act_fn)
+                y, kept = sparse_reference(
+                    x[t : t + 1].cpu(),
+                    self.weights,
+                    experts[None],
+                    top_k_weights[t].cpu()[j][None],
+                    tau.cpu(),
+                    self.act_fn,
+                )
                 out[t] += y[0].to(x.device)
                 self._count(kept.to(self.kept.device), len(miss) * I)
         self.last_routing = top_k_index
@@ -273,8 +305,13 @@ class LocalExperts(nn.Module):
         if self._params is None:
             from localmoe.kernels.tuning import launch_params
 
-            self._params = launch_params(torch.cuda.get_device_name(x.device), self.hidden_size,
-                                         self.intermediate_size, k, int4=self.weights.int4)
+            self._params = launch_params(
+                torch.cuda.get_device_name(x.device),
+                self.hidden_size,
+                self.intermediate_size,
+                k,
+                int4=self.weights.int4,
+            )
         return self._params
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (graph break; the CUDA graph still holds them)
@@ -311,8 +348,8 @@ class LocalExperts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            slots = order[start:start + n]
-            tok = tok_of[start:start + n]
+            slots = order[start : start + n]
+            tok = tok_of[start : start + n]
             start += n
             xs = x[tok]  # [n, H]
             w_gate, w_up, w_down_t = self._expert(e)
@@ -335,8 +372,7 @@ class LocalExperts(nn.Module):
         """Whether `_grouped` runs this dense call: torch has a grouped GEMM for this device and dtype (CUDA: bf16
         on sm80+; CPU: any float dtype from torch 2.11, whose CPU kernel needs no 16-byte alignment) and every
         expert is resident on x's device (offloaded experts are fetched one by one: the loop)."""
-        if (not self.grouped or _GROUPED_MM is None or self.cache is not None or self.weights is None
-                or x.shape[0] == 0):
+        if not self.grouped or _GROUPED_MM is None or self.cache is not None or self.weights is None or x.shape[0] == 0:
             return False
         w = self.weights.w_gate
         if w.device != x.device or w.dtype != x.dtype:
@@ -398,16 +434,27 @@ class LocalExperts(nn.Module):
 
     # -- sparse: decode ---------------------------------------------------------------------------------
     @torch.compiler.disable
-    def _sparse(self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor, tail=None,
-                count: bool = True) -> torch.Tensor:
+    def _sparse(
+        self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor, tail=None, count: bool = True
+    ) -> torch.Tensor:
         """`count`: add the kept neurons to the sparsity stats (False: threshold 0, the dense path with a tail)."""
         if (x.is_cuda or self.kernel_on_cpu) and self.hidden_act == "silu":  # one launch, output in x's dtype
             from localmoe.kernels.sparse_fused import sparse_fused
 
             p = self._launch(x, top_k_index.shape[1])["fused"]
-            y, _ = sparse_fused(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, tau,
-                                torch.empty(x.shape, dtype=x.dtype, device=x.device),
-                                kept_total=self._kept_on(x.device) if count else None, **_tail_kw(tail), **p)
+            y, _ = sparse_fused(
+                x,
+                w.w_gate,
+                w.w_up,
+                w.w_down_t,
+                top_k_index,
+                top_k_weights,
+                tau,
+                torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                kept_total=self._kept_on(x.device) if count else None,
+                **_tail_kw(tail),
+                **p,
+            )
             if count:
                 self.seen += top_k_index.numel() * self.intermediate_size
             return y

@@ -80,9 +80,7 @@ def family_for_model_type(model_type: str) -> FamilySpec | None:
 
 
 def supported_families() -> str:
-    return ", ".join(
-        f"{s.name} ({'/'.join(s.model_types)})" for s in FAMILIES.values() if not s.unsupported
-    )
+    return ", ".join(f"{s.name} ({'/'.join(s.model_types)})" for s in FAMILIES.values() if not s.unsupported)
 
 
 # Expert tensor layouts on disk, as suffixes after the experts module prefix (module namespace).

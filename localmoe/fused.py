@@ -68,8 +68,8 @@ Shape legend: B batch, T tokens, H hidden, C conv channels, H_v value heads, d_v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -94,17 +94,25 @@ def _norm(kind: str) -> Callable[[nn.Module], nn.Module]:
 
 # THE table: transformers class name -> how localmoe replaces it for decode.
 REPLACEMENTS: dict[str, Replacement] = {
-    "Qwen3_5MoeTextModel": Replacement(FusedTextModel, "T=1 on a StaticCache: embedding, cos|sin gather, mask, "
-                                                       "final norm: 4 launches; other calls unchanged"),
-    "Qwen3_5MoeDecoderLayer": Replacement(FusedDecoderLayer, "T=1: residual adds fused into the post-attention norm "
-                                                             "and the shared expert's kernel; prefill unchanged"),
+    "Qwen3_5MoeTextModel": Replacement(
+        FusedTextModel,
+        "T=1 on a StaticCache: embedding, cos|sin gather, mask, final norm: 4 launches; other calls unchanged",
+    ),
+    "Qwen3_5MoeDecoderLayer": Replacement(
+        FusedDecoderLayer,
+        "T=1: residual adds fused into the post-attention norm and the shared expert's kernel; prefill unchanged",
+    ),
     "Qwen3_5MoeRMSNorm": Replacement(_norm("zero_centred"), "x̂·(1+w), one launch"),
-    "Qwen3_5MoeGatedDeltaNet": Replacement(FusedGatedDeltaNet, "cached T=1 step fused (conv, gates, delta rule, "
-                                                               "gated norm); prefill unchanged"),
-    "Qwen3_5MoeAttention": Replacement(FusedAttention, "cached T=1 step: q|k|v 1 GEMV, norms + RoPE 1 launch; "
-                                                       "prefill unchanged"),
-    "Qwen3_5MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged, shared "
-                                                                 "expert + add 2 launches; prefill unchanged"),
+    "Qwen3_5MoeGatedDeltaNet": Replacement(
+        FusedGatedDeltaNet, "cached T=1 step fused (conv, gates, delta rule, gated norm); prefill unchanged"
+    ),
+    "Qwen3_5MoeAttention": Replacement(
+        FusedAttention, "cached T=1 step: q|k|v 1 GEMV, norms + RoPE 1 launch; prefill unchanged"
+    ),
+    "Qwen3_5MoeSparseMoeBlock": Replacement(
+        FusedSparseMoeBlock,
+        "T=1: router 1 launch, experts unchanged, shared expert + add 2 launches; prefill unchanged",
+    ),
     "Qwen3MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
     "OlmoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
     "Linear": Replacement(FusedLinear, "one row: localmoe's GEMV (tuned per shape); else F.linear"),
@@ -115,8 +123,15 @@ REPLACEMENTS: dict[str, Replacement] = {
     "GraniteMoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
 }
 ATTENTION = "sdpa attention"  # `install`'s name for the attention core switch (localmoe.attention), not a class
-_FUSED_TYPES = (FusedRMSNorm, FusedGatedDeltaNet, FusedAttention, FusedSparseMoeBlock, FusedDecoderLayer, FusedLinear,
-                FusedTextModel)
+_FUSED_TYPES = (
+    FusedRMSNorm,
+    FusedGatedDeltaNet,
+    FusedAttention,
+    FusedSparseMoeBlock,
+    FusedDecoderLayer,
+    FusedLinear,
+    FusedTextModel,
+)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -130,8 +145,9 @@ def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, attr, new)
 
 
-def install(model: nn.Module, device: torch.device | str | None = None, *, force: bool = False,
-            exclude: tuple[str, ...] = ()) -> dict[str, int]:
+def install(
+    model: nn.Module, device: torch.device | str | None = None, *, force: bool = False, exclude: tuple[str, ...] = ()
+) -> dict[str, int]:
     """Swap every module whose class is in REPLACEMENTS (and not in `exclude`) for its fused localmoe module. Returns
     {class name: count} (empty when nothing was done). Only on CUDA (`device`, else the model's parameters' device)
     unless `force`."""

@@ -52,8 +52,15 @@ def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int) -> bool:
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.shape != sin.shape:
         return False
     rot = cos.shape[-1] if cos.dim() else 0
-    return (cos.numel() == rot and 2 <= rot <= head_dim and rot % 2 == 0 and cos.stride(-1) == 1
-            and sin.stride(-1) == 1 and cos.dtype == sin.dtype == h.dtype and cos.device == sin.device == h.device)
+    return (
+        cos.numel() == rot
+        and 2 <= rot <= head_dim
+        and rot % 2 == 0
+        and cos.stride(-1) == 1
+        and sin.stride(-1) == 1
+        and cos.dtype == sin.dtype == h.dtype
+        and cos.device == sin.device == h.device
+    )
 
 
 class FusedAttention(nn.Module):
@@ -112,27 +119,41 @@ class FusedAttention(nn.Module):
         impl = getattr(self.config, "_attn_implementation", None)
         return impl in _CORES and _angles_ok(position_embeddings, h, self.head_dim)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None, *,
-                past_key_values=None, input_norm=None, **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings=None,
+        attention_mask=None,
+        cache=None,
+        *,
+        past_key_values=None,
+        input_norm=None,
+        **kwargs,
+    ):
         """hidden_states [B, T, H] -> ([B, T, H], attn weights | None), as transformers' module. `input_norm` (the
         decoder layer's input RMSNorm; localmoe's FusedDecoderLayer only) is applied to hidden_states first: inside
         the q|k|v GEMV on the fused step, else as its own module call."""
         cache = cache if cache is not None else past_key_values
         fusable = self._fusable(hidden_states, position_embeddings, cache)
-        if input_norm is not None and not (fusable and one_row(hidden_states, self._w_qkv)
-                                           and takes_norm(input_norm, hidden_states)):
+        if input_norm is not None and not (
+            fusable and one_row(hidden_states, self._w_qkv) and takes_norm(input_norm, hidden_states)
+        ):
             hidden_states, input_norm = input_norm(hidden_states), None
         if not fusable:
             return self._hf(hidden_states, position_embeddings, attention_mask, **{self._cache_kw: cache}, **kwargs)
         self.decode_calls += 1
         input_shape = hidden_states.shape[:-1]  # (1, 1)
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = (linear_1(hidden_states, self._w_qkv, input_norm) if one_row(hidden_states, self._w_qkv)
-               else F.linear(hidden_states, self._w_qkv))  # [1, 1, Hq*2D + 2*Hkv*D]
+        qkv = (
+            linear_1(hidden_states, self._w_qkv, input_norm)
+            if one_row(hidden_states, self._w_qkv)
+            else F.linear(hidden_states, self._w_qkv)
+        )  # [1, 1, Hq*2D + 2*Hkv*D]
         static = _static_layer(cache, self.layer_idx, Hkv, D, hidden_states)
         if static is not None:  # k and v written into the static cache by the same launch
-            q, k, v, gate = self._norm_rope(qkv, *position_embeddings, kv_cache=(static.keys[0], static.values[0],
-                                                                                 static.cumulative_length))
+            q, k, v, gate = self._norm_rope(
+                qkv, *position_embeddings, kv_cache=(static.keys[0], static.values[0], static.cumulative_length)
+            )
             key, value = static.keys, static.values  # [1, Hkv, L, D]; the position advanced by the same launch
         else:
             q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D]
@@ -155,9 +176,19 @@ class FusedAttention(nn.Module):
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
     def _norm_rope(self, qkv, cos, sin, kv_cache=None):
-        return qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self._eps,
-                            num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, kind=self._kind, gated=True,
-                            kv_cache=kv_cache)
+        return qk_norm_rope(
+            qkv,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            cos,
+            sin,
+            self._eps,
+            num_q_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            kind=self._kind,
+            gated=True,
+            kv_cache=kv_cache,
+        )
 
 
 def _static_layer(cache, layer_idx: int, Hkv: int, D: int, h: torch.Tensor):
@@ -170,9 +201,21 @@ def _static_layer(cache, layer_idx: int, Hkv: int, D: int, h: torch.Tensor):
     layer = layers[layer_idx]
     keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
     pos = getattr(layer, "cumulative_length", None)
-    if not (getattr(layer, "is_initialized", False) and isinstance(keys, torch.Tensor)
-            and isinstance(values, torch.Tensor) and isinstance(pos, torch.Tensor)):
+    if not (
+        getattr(layer, "is_initialized", False)
+        and isinstance(keys, torch.Tensor)
+        and isinstance(values, torch.Tensor)
+        and isinstance(pos, torch.Tensor)
+    ):
         return None
-    ok = all(t.dim() == 4 and t.shape[0] == 1 and t.shape[1] == Hkv and t.shape[3] == D and t.stride(3) == 1
-             and t.dtype == h.dtype and t.device == h.device for t in (keys, values))
+    ok = all(
+        t.dim() == 4
+        and t.shape[0] == 1
+        and t.shape[1] == Hkv
+        and t.shape[3] == D
+        and t.stride(3) == 1
+        and t.dtype == h.dtype
+        and t.device == h.device
+        for t in (keys, values)
+    )
     return layer if ok and pos.numel() == 1 and pos.device == h.device and not pos.is_floating_point() else None

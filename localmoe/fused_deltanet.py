@@ -45,25 +45,52 @@ class FusedGatedDeltaNet(nn.Module):
             self.add_module(name, child)
         for name, p in hf.named_parameters(recurse=False):  # dt_bias, A_log
             self.register_parameter(name, p)
-        for attr in ("layer_idx", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
-                     "conv_dim", "conv_kernel_size", "activation", "hidden_size", "layer_type"):
+        for attr in (
+            "layer_idx",
+            "num_k_heads",
+            "num_v_heads",
+            "head_k_dim",
+            "head_v_dim",
+            "key_dim",
+            "value_dim",
+            "conv_dim",
+            "conv_kernel_size",
+            "activation",
+            "hidden_size",
+            "layer_type",
+        ):
             if hasattr(hf, attr):
                 setattr(self, attr, getattr(hf, attr))
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
         self._launch: dict | None = None  # tuned launch keywords, looked up on the first fused step
         self._w_in, self._in_sizes = concat_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
-    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, *, cache_params=None,
-                past_key_values=None, input_norm=None, **kwargs):  # hidden_states [B, T, H]
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache=None,
+        attention_mask=None,
+        *,
+        cache_params=None,
+        past_key_values=None,
+        input_norm=None,
+        **kwargs,
+    ):  # hidden_states [B, T, H]
         """transformers' call; `input_norm` (the decoder layer's input RMSNorm, localmoe's FusedDecoderLayer only)
         is applied to hidden_states first: inside the input GEMV on the fused step, else as its own module call."""
         cache = next((c for c in (cache, cache_params, past_key_values) if c is not None), None)
         states = None
         if cache is not None and hidden_states.shape[1] == 1 and self.activation in ("silu", "swish"):
             states = _decode_states(cache, self.layer_idx)
-        fold = (input_norm is not None and states is not None and attention_mask is None and self._w_in is not None
-                and self.in_proj_qkv.weight.data_ptr() == self._w_in.data_ptr()
-                and one_row(hidden_states[:, 0], self._w_in) and takes_norm(input_norm, hidden_states))
+        fold = (
+            input_norm is not None
+            and states is not None
+            and attention_mask is None
+            and self._w_in is not None
+            and self.in_proj_qkv.weight.data_ptr() == self._w_in.data_ptr()
+            and one_row(hidden_states[:, 0], self._w_in)
+            and takes_norm(input_norm, hidden_states)
+        )
         if input_norm is not None and not fold:
             hidden_states, input_norm = input_norm(hidden_states), None
         if states is None:  # transformers' own forward (its cache argument is the second positional in 5.17/5.2x)
@@ -89,13 +116,28 @@ class FusedGatedDeltaNet(nn.Module):
     @torch.compiler.disable
     def _step(self, mixed_qkv, z, a, b, conv_state, rec_state):
         if self._launch is None:
-            self._launch = tuned(mixed_qkv, "gated_deltanet_step",
-                                  f"HK{self.num_k_heads}_HV{self.num_v_heads}_D{self.head_v_dim}")
+            self._launch = tuned(
+                mixed_qkv, "gated_deltanet_step", f"HK{self.num_k_heads}_HV{self.num_v_heads}_D{self.head_v_dim}"
+            )
         return gated_deltanet_step(
-            mixed_qkv, z, a, b, conv_state=conv_state, conv_weight=self.conv1d.weight.view(self.conv_dim, -1),
-            conv_bias=self.conv1d.bias, A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm.weight,
-            norm_eps=self.norm.variance_epsilon, state=rec_state, num_k_heads=self.num_k_heads,
-            head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, **self._launch)
+            mixed_qkv,
+            z,
+            a,
+            b,
+            conv_state=conv_state,
+            conv_weight=self.conv1d.weight.view(self.conv_dim, -1),
+            conv_bias=self.conv1d.bias,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            norm_weight=self.norm.weight,
+            norm_eps=self.norm.variance_epsilon,
+            state=rec_state,
+            num_k_heads=self.num_k_heads,
+            head_k_dim=self.head_k_dim,
+            num_v_heads=self.num_v_heads,
+            head_v_dim=self.head_v_dim,
+            **self._launch,
+        )
 
 
 # router class -> whether it renormalises the top-k weights (None: read the router's `norm_topk_prob`)

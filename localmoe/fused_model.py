@@ -78,8 +78,9 @@ class FusedTextModel(nn.Module):
         self._sig = inspect.signature(hf.forward)
         self._cache_kw = "cache" if "cache" in self._sig.parameters else "past_key_values"  # transformers 5.2x / 5.17
         self._out = _output_class(hf)
-        self._out_cache = "cache" if self._out is not None and "cache" in self._out.__dataclass_fields__ \
-            else "past_key_values"
+        self._out_cache = (
+            "cache" if self._out is not None and "cache" in self._out.__dataclass_fields__ else "past_key_values"
+        )
         types = list(getattr(self.config, "layer_types", None) or [])[: self.config.num_hidden_layers]
         ok = len(types) == self.config.num_hidden_layers and set(types) <= {"full_attention", "linear_attention"}
         self._full = types.index("full_attention") if ok and "full_attention" in types else None
@@ -147,12 +148,21 @@ class FusedTextModel(nn.Module):
         angles, kv = self._angles(h, L)  # [2, L, ROT], [L]
         cs = angles.index_select(1, pos.view(1))  # [2, 1, ROT]: 1 launch
         rope = (cs[0:1], cs[1:2])  # cos, sin [B=1, T=1, ROT], as transformers' rotary module returns them
-        masks = {"full_attention": (kv <= pos).view(1, 1, 1, L),  # [B, 1, T, L] bool: 1 launch
-                 "linear_attention": None}
+        masks = {
+            "full_attention": (kv <= pos).view(1, 1, 1, L),  # [B, 1, T, L] bool: 1 launch
+            "linear_attention": None,
+        }
         types = self.config.layer_types
         for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            h = layer(h, position_embeddings=rope, attention_mask=masks[types[i]], position_ids=pos.view(1, 1),
-                      **{self._cache_kw: cache}, use_cache=True, **extra)
+            h = layer(
+                h,
+                position_embeddings=rope,
+                attention_mask=masks[types[i]],
+                position_ids=pos.view(1, 1),
+                **{self._cache_kw: cache},
+                use_cache=True,
+                **extra,
+            )
         h = self.norm(h)  # 1 launch (FusedRMSNorm)
         return self._out(last_hidden_state=h, **{self._out_cache: cache})
 
@@ -180,8 +190,9 @@ def _static_length(cache, full: int, device) -> int | None:
         return None
     layer = layers[full]
     pos, keys = getattr(layer, "cumulative_length", None), getattr(layer, "keys", None)
-    if not (getattr(layer, "is_initialized", False) and isinstance(pos, torch.Tensor)
-            and isinstance(keys, torch.Tensor)):
+    if not (
+        getattr(layer, "is_initialized", False) and isinstance(pos, torch.Tensor) and isinstance(keys, torch.Tensor)
+    ):
         return None
     if pos.numel() != 1 or pos.is_floating_point() or pos.device != device or cache.get_seq_length() is not pos:
         return None

@@ -22,7 +22,6 @@ from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
 from localmoe.kernels.sparse_fused import SharedExpert, Tail, fused_workspace
 
-
 _ROUTERS: dict[str, bool | None] = {"Qwen3_5MoeTopKRouter": True, "Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None}
 
 
@@ -46,10 +45,15 @@ class FusedSparseMoeBlock(nn.Module):
         se, sg = getattr(hf, "shared_expert", None), getattr(hf, "shared_expert_gate", None)
         self.has_shared = se is not None
         self._shared_ok = not self.has_shared or (
-            isinstance(sg, (nn.Linear, FusedLinear)) and sg.bias is None and sg.out_features == 1
-            and all(isinstance(getattr(se, n, None), (nn.Linear, FusedLinear)) and getattr(se, n).bias is None
-                    for n in ("gate_proj", "up_proj", "down_proj"))
-            and getattr(getattr(se, "config", None), "hidden_act", None) in ("silu", "swish"))
+            isinstance(sg, (nn.Linear, FusedLinear))
+            and sg.bias is None
+            and sg.out_features == 1
+            and all(
+                isinstance(getattr(se, n, None), (nn.Linear, FusedLinear)) and getattr(se, n).bias is None
+                for n in ("gate_proj", "up_proj", "down_proj")
+            )
+            and getattr(getattr(se, "config", None), "hidden_act", None) in ("silu", "swish")
+        )
         self._tuple_out = False  # the original returned (hidden, router_logits): mirror it
         w = getattr(gate, "weight", None)
         self._tickets = torch.zeros(64, dtype=torch.int32, device=w.device if w is not None else "cpu")
@@ -115,10 +119,21 @@ class FusedSparseMoeBlock(nn.Module):
             ws, front = None, {}
         # residual_early: the residual is the layer's input, written before the mixer's kernels, so moe_front may
         # load it before its PDL wait
-        s, h, _, tw, ti, sg = moe_front(mixed, residual, norm.weight, norm.eps, norm.kind, self.gate.weight,
-                                        self.top_k, self.norm_topk_prob, self.shared_expert_gate.weight,
-                                        tickets=self._tickets_on(mixed.device), residual_early=True, **front,
-                                        **self._front)
+        s, h, _, tw, ti, sg = moe_front(
+            mixed,
+            residual,
+            norm.weight,
+            norm.eps,
+            norm.kind,
+            self.gate.weight,
+            self.top_k,
+            self.norm_topk_prob,
+            self.shared_expert_gate.weight,
+            tickets=self._tickets_on(mixed.device),
+            residual_early=True,
+            **front,
+            **self._front,
+        )
         shared = None if self.shared_in_front else SharedExpert(*weights, sg)
         y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws))
         return y.view(B, T, H)
@@ -142,16 +157,25 @@ class FusedSparseMoeBlock(nn.Module):
         if self._launch is None:
             H, E = self.gate.weight.shape[1], self.gate.weight.shape[0]
             se = self.shared_expert if self.has_shared else None
-            self._launch = (tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
-                            tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {})
-        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=tickets,
-                           **self._launch[0])
+            self._launch = (
+                tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
+                tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {},
+            )
+        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=tickets, **self._launch[0])
 
     @torch.compiler.disable
     def _shared(self, x, routed, residual=None):
         se = self.shared_expert
-        return shared_expert(x, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                             self.shared_expert_gate.weight, routed.to(x.dtype), residual=residual, **self._launch[1])
+        return shared_expert(
+            x,
+            se.gate_proj.weight,
+            se.up_proj.weight,
+            se.down_proj.weight,
+            self.shared_expert_gate.weight,
+            routed.to(x.dtype),
+            residual=residual,
+            **self._launch[1],
+        )
 
 
 class FusedDecoderLayer(nn.Module):
@@ -177,8 +201,12 @@ class FusedDecoderLayer(nn.Module):
         self.decode_calls = 0
 
     def _fusable(self, h: torch.Tensor) -> bool:
-        return (isinstance(self.post_attention_layernorm, FusedRMSNorm) and isinstance(self.mlp, FusedSparseMoeBlock)
-                and self.mlp.has_shared and self.mlp._fusable(h))
+        return (
+            isinstance(self.post_attention_layernorm, FusedRMSNorm)
+            and isinstance(self.mlp, FusedSparseMoeBlock)
+            and self.mlp.has_shared
+            and self.mlp._fusable(h)
+        )
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # [B, T, H]
         if hidden_states.dim() != 3 or hidden_states.shape[0] * hidden_states.shape[1] != 1:
@@ -188,19 +216,27 @@ class FusedDecoderLayer(nn.Module):
         cache = a.get(self._cache_kw)
         self.decode_calls += 1
         if isinstance(getattr(self, "linear_attn", None), FusedGatedDeltaNet):  # the input norm inside its GEMV
-            h = self.linear_attn(hidden_states, cache, attention_mask=a.get("attention_mask"),
-                                 input_norm=self.input_layernorm, **extra)
+            h = self.linear_attn(
+                hidden_states, cache, attention_mask=a.get("attention_mask"), input_norm=self.input_layernorm, **extra
+            )
         elif getattr(self, "block_type", None) == "linear_attention":
-            h = self.linear_attn(self.input_layernorm(hidden_states), cache, attention_mask=a.get("attention_mask"),
-                                 **extra)
+            h = self.linear_attn(
+                self.input_layernorm(hidden_states), cache, attention_mask=a.get("attention_mask"), **extra
+            )
         else:
             attn, h = self.self_attn, hidden_states
             norm_kw = {"input_norm": self.input_layernorm} if isinstance(attn, FusedAttention) else {}
             if not norm_kw:
                 h = self.input_layernorm(hidden_states)
-            h, _ = attn(hidden_states=h, attention_mask=a.get("attention_mask"), position_ids=a.get("position_ids"),
-                        position_embeddings=a.get("position_embeddings"),
-                        **{_kw(attn, "cache", "past_key_values"): cache}, **norm_kw, **extra)
+            h, _ = attn(
+                hidden_states=h,
+                attention_mask=a.get("attention_mask"),
+                position_ids=a.get("position_ids"),
+                position_embeddings=a.get("position_embeddings"),
+                **{_kw(attn, "cache", "past_key_values"): cache},
+                **norm_kw,
+                **extra,
+            )
         norm = self.post_attention_layernorm
         if not self._fusable(hidden_states):  # e.g. the MoE block left out of the table: transformers' layer's
             s = hidden_states + h  # arithmetic, with this layer's children (fused where they are)

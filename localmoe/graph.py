@@ -5,7 +5,8 @@ for the context length, from where the cache can be rewound to when the prompt r
 then one decode step — embedding, every layer's attention / Gated DeltaNet step, router,
 shared expert, localmoe's sparse experts, norm, lm_head and the greedy token (kernels/argmax.py) — is captured once
 and replayed per token. `step` copies a token id and position into the static inputs and returns the logits, for
-sampling outside the graph (on the device, the repetition penalty included: sampling.py). `step_greedy` chains greedy steps with nothing between replays: the captured argmax
+sampling outside the graph (on the device, the repetition penalty included: sampling.py). `step_greedy` chains greedy
+steps with nothing between replays: the captured argmax
 writes the next input id, advances the position and puts the token in a device ring and a pinned host ring, which
 the host reads after the step's event, without a copy on the stream. With a repetition penalty the captured argmax
 also reads the engine's seen-token mask (sampling.Seen), penalises the logits of the tokens in it and marks the token
@@ -92,8 +93,9 @@ class GraphDecoder:
         reuse = self.prompt_reuse if self.engine.reuse_prompts else None
         if reuse is None:
             self.prompt_reuse.forget()  # the whole cache is about to be rewritten
-        _, logits, self.reused = prefill(forward, self.cache, prompt, stable=stable, chunk=self.engine.prefill_chunk,
-                                         reuse=reuse)
+        _, logits, self.reused = prefill(
+            forward, self.cache, prompt, stable=stable, chunk=self.engine.prefill_chunk, reuse=reuse
+        )
         return logits
 
     def set_penalty(self, value: float) -> None:
@@ -128,8 +130,15 @@ class GraphDecoder:
         seen = getattr(self.engine, "_seen", None)
         penalty = {"seen": seen.mask, "penalty": self.penalty} if seen is not None else {}
         try:
-            argmax_next(logits, ids=self.ids.view(-1), pos=self.pos, ring=self.ring, host=self.host_ring,
-                        count=self.count, **penalty)
+            argmax_next(
+                logits,
+                ids=self.ids.view(-1),
+                pos=self.pos,
+                ring=self.ring,
+                host=self.host_ring,
+                count=self.count,
+                **penalty,
+            )
         except (ValueError, RuntimeError):  # logits this kernel does not take: greedy steps sample outside
             self.chooses = False
             return

@@ -17,7 +17,7 @@ def _lm_class():
     try:
         from lm_eval.api.model import LM
     except ImportError:
-        raise UsageError("--tasks needs lm-eval: pip install \"localmoe[eval]\"") from None
+        raise UsageError('--tasks needs lm-eval: pip install "localmoe[eval]"') from None
 
     class LocalmoeLM(LM):
         def __init__(self, engine):
@@ -28,10 +28,10 @@ def _lm_class():
 
         @torch.inference_mode()
         def _logprobs(self, ids: list[int], n_cont: int) -> tuple[float, bool]:
-            ids = ids[-self.max_len:]
+            ids = ids[-self.max_len :]
             x = torch.tensor([ids], device=self.engine._device)
             logits = self.engine.model(input_ids=x, use_cache=False).logits[0].float()
-            logp = torch.log_softmax(logits[-n_cont - 1:-1], dim=-1)
+            logp = torch.log_softmax(logits[-n_cont - 1 : -1], dim=-1)
             cont = x[0, -n_cont:]
             ll = float(logp.gather(1, cont[:, None]).sum())
             greedy = bool((logp.argmax(-1) == cont).all())
@@ -58,8 +58,8 @@ def _lm_class():
                 bos = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
                 total = 0.0
                 for i in range(0, len(ids), self.max_len - 1):
-                    chunk = ids[i:i + self.max_len - 1]
-                    prefix = [bos] if i == 0 else ids[i - 1:i]
+                    chunk = ids[i : i + self.max_len - 1]
+                    prefix = [bos] if i == 0 else ids[i - 1 : i]
                     total += self._logprobs(prefix + chunk, len(chunk))[0]
                 out.append(total)
             return out
@@ -70,8 +70,10 @@ def _lm_class():
                 context, kwargs = req.args
                 until = kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
-                settings = GenerationSettings(max_new_tokens=int(kwargs.get("max_gen_toks", 256)),
-                                              temperature=float(kwargs.get("temperature", 0.0)))
+                settings = GenerationSettings(
+                    max_new_tokens=int(kwargs.get("max_gen_toks", 256)),
+                    temperature=float(kwargs.get("temperature", 0.0)),
+                )
                 text = ""
                 for ev in self.engine.generate(self.engine.encode_raw(context), settings):
                     text += ev.text
@@ -85,8 +87,15 @@ def _lm_class():
     return LocalmoeLM
 
 
-def run_tasks(engine, tasks: list[str], sparsities: list[float], *, limit: int | None = None,
-              include_path: str | None = None, progress: ProgressFn | None = None) -> dict:
+def run_tasks(
+    engine,
+    tasks: list[str],
+    sparsities: list[float],
+    *,
+    limit: int | None = None,
+    include_path: str | None = None,
+    progress: ProgressFn | None = None,
+) -> dict:
     """{"results": {sparsity: {task: {metric: value}}}, "table": str}."""
     LocalmoeLM = _lm_class()
     from lm_eval import simple_evaluate
@@ -107,8 +116,9 @@ def run_tasks(engine, tasks: list[str], sparsities: list[float], *, limit: int |
             finally:
                 for m in engine.loaded.experts:
                     m.mask_all_tokens = False
-            results[f"{s:g}"] = {t: {k: v for k, v in r.items() if isinstance(v, (int, float))}
-                                 for t, r in res["results"].items()}
+            results[f"{s:g}"] = {
+                t: {k: v for k, v in r.items() if isinstance(v, (int, float))} for t, r in res["results"].items()
+            }
             if progress:
                 progress("lm-eval", i + 1, len(sparsities))
     finally:

@@ -84,8 +84,9 @@ def _progress_tqdm(progress: ProgressFn):
 def _unreachable(e: BaseException) -> bool:
     """A connection failure (DNS, refused, timeout, proxy) rather than an answer from the hub."""
     names = {k.__name__ for k in type(e).__mro__}
-    return isinstance(e, ConnectionError) or bool(names & {"ConnectionError", "ConnectError", "Timeout",
-                                                           "TimeoutException", "ProxyError", "SSLError"})
+    return isinstance(e, ConnectionError) or bool(
+        names & {"ConnectionError", "ConnectError", "Timeout", "TimeoutException", "ProxyError", "SSLError"}
+    )
 
 
 def _cause(e: BaseException) -> str:
@@ -117,19 +118,32 @@ def _check_family_first(repo_id: str, label: str) -> None:
         return
     fam = next((f for f in map(family_for_model_type, types) if f is not None), None)
     if fam is None:
-        raise UsageError(f"{label} is a {types[0]!r} model, not a MoE family localmoe runs (supported: "
-                         f"{supported_families()}); nothing else was downloaded")
+        raise UsageError(
+            f"{label} is a {types[0]!r} model, not a MoE family localmoe runs (supported: "
+            f"{supported_families()}); nothing else was downloaded"
+        )
     if fam.unsupported:
         raise UsageError(f"{label}: {fam.unsupported}; nothing else was downloaded")
 
 
-def download(repo_id: str, *, local_only: bool, progress: ProgressFn | None = None, label: str | None = None,
-             pulling: bool = False) -> Path:
+def download(
+    repo_id: str,
+    *,
+    local_only: bool,
+    progress: ProgressFn | None = None,
+    label: str | None = None,
+    pulling: bool = False,
+) -> Path:
     """The snapshot folder of `repo_id` in the HF cache, downloaded first unless `local_only`. `label`: the name the
     user typed (alias or repo id), for messages."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     label = label or repo_id
     kwargs = {"allow_patterns": ALLOW_PATTERNS}
@@ -146,8 +160,9 @@ def download(repo_id: str, *, local_only: bool, progress: ProgressFn | None = No
     except GatedRepoError:
         raise RuntimeFailure(f"{repo_id} is gated: accept its licence on the hub, then `hf auth login`") from None
     except RepositoryNotFoundError:
-        raise UsageError(f"no model {repo_id!r} on the Hugging Face hub (or it is private: run `hf auth login`)") \
-            from None
+        raise UsageError(
+            f"no model {repo_id!r} on the Hugging Face hub (or it is private: run `hf auth login`)"
+        ) from None
     except RevisionNotFoundError:
         raise UsageError(f"{repo_id} has no such revision on the hub") from None
     except LocalEntryNotFoundError as e:  # not cached, and (when downloading) the hub could not be reached
@@ -157,23 +172,28 @@ def download(repo_id: str, *, local_only: bool, progress: ProgressFn | None = No
             raise _unreachable_error(label, pulling, "HF_HUB_OFFLINE is set") from None
         raise RuntimeFailure(f"{label} is not downloaded: run `localmoe pull {label}`") from None
     except HfHubHTTPError as e:
-        raise RuntimeFailure(f"the hub refused {repo_id} ({_cause(e)}): try again later, then "
-                             f"`localmoe pull {label}`") from None
+        raise RuntimeFailure(
+            f"the hub refused {repo_id} ({_cause(e)}): try again later, then `localmoe pull {label}`"
+        ) from None
     except OSError as e:  # connection errors, a full disk and the like
         if _unreachable(e):
             raise _unreachable_error(label, pulling, _cause(e)) from None
-        raise RuntimeFailure(f"could not download {label}: {_cause(e)}; fix that, then `localmoe pull {label}`") \
-            from None
+        raise RuntimeFailure(
+            f"could not download {label}: {_cause(e)}; fix that, then `localmoe pull {label}`"
+        ) from None
 
 
 def _unreachable_error(label: str, pulling: bool, cause: str) -> RuntimeFailure:
     if pulling and cause == "HF_HUB_OFFLINE is set":
         return RuntimeFailure(f"cannot download {label}: HF_HUB_OFFLINE is set; unset it, then `localmoe pull {label}`")
     if pulling:
-        return RuntimeFailure(f"cannot download {label}: the hub cannot be reached ({cause}); check the network, "
-                              f"then run `localmoe pull {label}` again")
-    return RuntimeFailure(f"{label} is not downloaded and the hub cannot be reached ({cause}): "
-                          f"run `localmoe pull {label}` when online")
+        return RuntimeFailure(
+            f"cannot download {label}: the hub cannot be reached ({cause}); check the network, "
+            f"then run `localmoe pull {label}` again"
+        )
+    return RuntimeFailure(
+        f"{label} is not downloaded and the hub cannot be reached ({cause}): run `localmoe pull {label}` when online"
+    )
 
 
 def complete_snapshot(folder: Path) -> bool:
@@ -235,8 +255,11 @@ def resolve(
     except RuntimeFailure:
         if _offline() or not download_missing:
             raise
-    path = cached if cached is not None else download(repo_id, local_only=False, progress=progress, label=name,
-                                                      pulling=pulling)
+    path = (
+        cached
+        if cached is not None
+        else download(repo_id, local_only=False, progress=progress, label=name, pulling=pulling)
+    )
     return ResolvedModel(name=spec.alias if spec else repo_id, path=path, spec=spec, revision=path.name)
 
 
@@ -307,8 +330,10 @@ def locate_config(name: str, *, registry: Registry | None = None) -> ConfigSourc
             why = str(e)
     if spec is not None and _has_shape(spec.alias):
         return ConfigSource(label, None, spec, repo_id, False, "shapes")
-    raise RuntimeFailure(f"{name} is not downloaded and its config.json cannot be fetched ({why}): connect to the "
-                         f"network (or unset HF_HUB_OFFLINE), or `localmoe pull {name}` first")
+    raise RuntimeFailure(
+        f"{name} is not downloaded and its config.json cannot be fetched ({why}): connect to the "
+        f"network (or unset HF_HUB_OFFLINE), or `localmoe pull {name}` first"
+    )
 
 
 def _has_shape(alias: str) -> bool:
@@ -325,16 +350,22 @@ def _fetch_config(repo_id: str) -> Path:
     """config.json (and generation_config.json when the repo has one) alone, into the HF cache -> their folder.
     RuntimeFailure with the reason when the hub cannot be reached; UsageError when there is no such repo."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     try:
         folder = Path(hf_hub_download(repo_id, "config.json")).parent
     except GatedRepoError:
         raise RuntimeFailure(f"{repo_id} is gated: accept its licence on the hub, then `hf auth login`") from None
     except RepositoryNotFoundError:
-        raise UsageError(f"no model {repo_id!r} on the Hugging Face hub (or it is private: run `hf auth login`)") \
-            from None
+        raise UsageError(
+            f"no model {repo_id!r} on the Hugging Face hub (or it is private: run `hf auth login`)"
+        ) from None
     except EntryNotFoundError:
         raise UsageError(f"{repo_id} has no config.json on the hub: it is not a transformers checkpoint") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:

@@ -23,8 +23,16 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts import ExpertWeights, LocalExperts
-from localmoe.families import EXPERT_COUNT_KEYS, EXPERT_WIDTH_KEYS, FAMILIES, PER_EXPERT_NAMES, FamilySpec
-from localmoe.families import expert_count, family_for_model_type, supported_families
+from localmoe.families import (
+    EXPERT_COUNT_KEYS,
+    EXPERT_WIDTH_KEYS,
+    FAMILIES,
+    PER_EXPERT_NAMES,
+    FamilySpec,
+    expert_count,
+    family_for_model_type,
+    supported_families,
+)
 from localmoe.quantize import Int4Tensor
 from localmoe.safe_text import for_line
 
@@ -58,14 +66,17 @@ def read_config(path: Path):
         why = str(e).strip().splitlines()[-1].strip().removeprefix("TypeError: ").removeprefix("ValueError: ")
         raise UsageError(f"{where}: {for_line(why)}: fix config.json (or re-download the checkpoint)") from None
     except ValueError as e:  # unknown model_type, remote code needed
-        raise UsageError(f"cannot read {where}: {for_line(str(e).splitlines()[0])}; supported: {supported_families()}") from None
+        raise UsageError(
+            f"cannot read {where}: {for_line(str(e).splitlines()[0])}; supported: {supported_families()}"
+        ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise RuntimeFailure(f"cannot read {where}: {for_line(e)}") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     fam = family_for_model_type(config.model_type) or family_for_model_type(text.model_type)
     if fam is None:
         raise UsageError(
-            f"architecture {for_line(repr(config.model_type))} is not a supported MoE family; supported: {supported_families()}"
+            f"architecture {for_line(repr(config.model_type))} is not a supported MoE family; "
+            f"supported: {supported_families()}"
         )
     if fam.unsupported:
         raise UsageError(fam.unsupported)
@@ -75,9 +86,19 @@ def read_config(path: Path):
 
 # Sizes a config may carry that must be positive integers when present (transformers builds tensors of negative
 # size, or a model with no experts, without complaint). Zero is refused too: no supported family has a zero here.
-POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                  "head_dim", "intermediate_size", "max_position_embeddings", *EXPERT_COUNT_KEYS,
-                  *EXPERT_WIDTH_KEYS, "num_experts_per_tok")
+POSITIVE_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+    *EXPERT_COUNT_KEYS,
+    *EXPERT_WIDTH_KEYS,
+    "num_experts_per_tok",
+)
 
 
 def check_sizes(text_config, where: str) -> None:
@@ -91,13 +112,17 @@ def check_sizes(text_config, where: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             stored = aliases.get(key, key)  # config.json may spell it either way
             names = sorted({key, stored} | {a for a, k in aliases.items() if k == stored})
-            raise UsageError(f"{where}: {' / '.join(names)} is {for_line(repr(value))}, it must be a positive "
-                             "integer: fix config.json (or re-download the checkpoint)")
+            raise UsageError(
+                f"{where}: {' / '.join(names)} is {for_line(repr(value))}, it must be a positive "
+                "integer: fix config.json (or re-download the checkpoint)"
+            )
     experts = expert_count(text_config)
     k = getattr(text_config, "num_experts_per_tok", None)
     if experts is not None and k is not None and k > experts:
-        raise UsageError(f"{where}: num_experts_per_tok is {k} but the model has {experts} routed experts: a token "
-                         "cannot be routed to more experts than exist; fix config.json")
+        raise UsageError(
+            f"{where}: num_experts_per_tok is {k} but the model has {experts} routed experts: a token "
+            "cannot be routed to more experts than exist; fix config.json"
+        )
 
 
 # A checkpoint needs its tokenizer: without these transformers builds an empty one (every text is 0 tokens).
@@ -106,8 +131,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 def check_tokenizer(path: Path) -> None:
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise UsageError(f"no tokenizer in {for_line(path)}: it has none of {', '.join(TOKENIZER_FILES[:3])}; copy "
-                         "the tokenizer files of the model's hub repo into it")
+        raise UsageError(
+            f"no tokenizer in {for_line(path)}: it has none of {', '.join(TOKENIZER_FILES[:3])}; copy "
+            "the tokenizer files of the model's hub repo into it"
+        )
 
 
 INDEX = "model.safetensors.index.json"
@@ -123,19 +150,28 @@ def _index_map(index: Path) -> dict:
             raise ValueError("weight_map is not a non-empty object")
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         why = "no weight_map" if isinstance(e, (KeyError, TypeError)) else getattr(e, "strerror", None) or e
-        raise RuntimeFailure(f"{for_line(index)} is not a valid safetensors index ({for_line(why)}): re-download the "
-                             "checkpoint (`localmoe pull`) or save it again") from None
+        raise RuntimeFailure(
+            f"{for_line(index)} is not a valid safetensors index ({for_line(why)}): re-download the "
+            "checkpoint (`localmoe pull`) or save it again"
+        ) from None
     for tensor, name in weight_map.items():
         if not _plain_shard_name(name):
-            raise UsageError(f"{for_line(index)}: weight_map entry {for_line(json.dumps(tensor))} points to "
-                             f"{for_line(json.dumps(name))}, not a .safetensors file of the checkpoint folder (shards are "
-                             "plain file names: no folders, '..' or absolute paths); fix the index")
+            raise UsageError(
+                f"{for_line(index)}: weight_map entry {for_line(json.dumps(tensor))} points to "
+                f"{for_line(json.dumps(name))}, not a .safetensors file of the checkpoint folder (shards are "
+                "plain file names: no folders, '..' or absolute paths); fix the index"
+            )
     return weight_map
 
 
 def _plain_shard_name(name) -> bool:
-    return (isinstance(name, str) and name.endswith(".safetensors") and name != ".safetensors"
-            and not any(c in name for c in "/\\\0") and not os.path.isabs(name))
+    return (
+        isinstance(name, str)
+        and name.endswith(".safetensors")
+        and name != ".safetensors"
+        and not any(c in name for c in "/\\\0")
+        and not os.path.isabs(name)
+    )
 
 
 def shard_files(path: Path) -> list[Path]:
@@ -209,8 +245,9 @@ def _units(model) -> dict[str, int]:
     return units
 
 
-def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None,
-                 fmt: str = "full"):
+def plan_offload(
+    model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None, fmt: str = "full"
+):
     """The VRAM plan for `vram_bytes`, with experts of format `fmt` ("full" or "int4")."""
     from localmoe import placement
     from localmoe.quantize import expert_bytes as int4_expert_bytes
@@ -228,10 +265,15 @@ def plan_offload(model, text_config, experts: dict, dtype, vram_bytes: int, cont
         except ValueError as e:
             raise UsageError(f"{e}; use --experts full") from None
     largest = max(_units(model).values(), default=0)
-    budget = placement.plan(budget_bytes=vram_bytes, non_expert_bytes=non_expert,
-                          state=placement.state_bytes(text_config, context, dtype), expert_bytes=expert_bytes,
-                          total_experts=E * len(mods), top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
-                          largest_module_bytes=largest)
+    budget = placement.plan(
+        budget_bytes=vram_bytes,
+        non_expert_bytes=non_expert,
+        state=placement.state_bytes(text_config, context, dtype),
+        expert_bytes=expert_bytes,
+        total_experts=E * len(mods),
+        top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
+        largest_module_bytes=largest,
+    )
     warning = placement.host_ram_notice(budget, placement.available_ram())
     if warning and on_notice:
         on_notice(warning)
@@ -247,14 +289,20 @@ def int4_hint(loaded: LoadedModel) -> str | None:
     if plan is None or not plan.offloading or m.weights.int4:
         return None
     try:
-        need = (plan.non_expert_bytes + plan.state_bytes + WORKSPACE_RESERVE
-                + plan.total_experts * expert_bytes(m.intermediate_size, m.hidden_size))
+        need = (
+            plan.non_expert_bytes
+            + plan.state_bytes
+            + WORKSPACE_RESERVE
+            + plan.total_experts * expert_bytes(m.intermediate_size, m.hidden_size)
+        )
     except ValueError:  # no 4-bit format for this hidden size
         return None
     if need > plan.budget_bytes:
         return None
-    return (f"--experts int4 would keep every expert in VRAM ({need / 2**30:.1f} GiB of the "
-            f"{plan.budget_bytes / 2**30:.1f} GiB budget; 4-bit weights, a small accuracy cost)")
+    return (
+        f"--experts int4 would keep every expert in VRAM ({need / 2**30:.1f} GiB of the "
+        f"{plan.budget_bytes / 2**30:.1f} GiB budget; 4-bit weights, a small accuracy cost)"
+    )
 
 
 def place_non_experts(model, budget, device: torch.device, dtype) -> dict[str, torch.device]:
@@ -265,8 +313,12 @@ def place_non_experts(model, budget, device: torch.device, dtype) -> dict[str, t
     from accelerate import infer_auto_device_map
 
     no_split = list(getattr(model, "_no_split_modules", None) or [])
-    dmap = infer_auto_device_map(model, max_memory={0: budget.non_expert_gpu_bytes, "cpu": 1 << 50},
-                                 no_split_module_classes=no_split, dtype=dtype)
+    dmap = infer_auto_device_map(
+        model,
+        max_memory={0: budget.non_expert_gpu_bytes, "cpu": 1 << 50},
+        no_split_module_classes=no_split,
+        dtype=dtype,
+    )
     return {name: torch.device("cpu") if where in ("cpu", "disk") else device for name, where in dmap.items()}
 
 
@@ -285,14 +337,26 @@ def dispatch_spilled(model, dmap: dict[str, torch.device], device: torch.device)
         return
     from accelerate import dispatch_model
 
-    dispatch_model(model, device_map={k: ("cpu" if v.type == "cpu" else v) for k, v in dmap.items()},
-                   main_device=device)
+    dispatch_model(
+        model, device_map={k: ("cpu" if v.type == "cpu" else v) for k, v in dmap.items()}, main_device=device
+    )
 
 
-def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
-               vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
-               offload_miss: str = "auto", on_notice=None, host_storage: str = "auto",
-               store_key: tuple[str, str] | None = None, experts_format: str = "full") -> LoadedModel:
+def load_model(
+    path: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: ProgressFn | None = None,
+    vram_bytes: int | None = None,
+    context: int = 8192,
+    fused: bool = True,
+    offload_miss: str = "auto",
+    on_notice=None,
+    host_storage: str = "auto",
+    store_key: tuple[str, str] | None = None,
+    experts_format: str = "full",
+) -> LoadedModel:
     """Build the model from the checkpoint at `path`. Offloaded experts' master copies go to pinned host memory, or
     with `host_storage` "mmap" (or "auto" when the RAM cannot hold them) to memory-mapped files (`localmoe.store`,
     keyed by `store_key` = (model name, revision)) that later loads map without reading the checkpoint.
@@ -307,19 +371,25 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
     fp32_modules = _keep_fp32(model)
-    budget = (plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice, experts_format)
-              if vram_bytes else None)
+    budget = (
+        plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice, experts_format)
+        if vram_bytes
+        else None
+    )
     host = budget is not None and budget.offloading
     dmap = place_non_experts(model, budget, device, dtype)
     pinned = [device.type == "cuda"]  # cleared when pinning fails
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     files = shard_files(path)
     if experts_format == "int4" and host and host_storage == "mmap":
-        raise UsageError("--host-storage mmap keeps full-precision experts; int4 master copies live in host memory: "
-                         "drop --host-storage mmap (or use --experts full)")
+        raise UsageError(
+            "--host-storage mmap keeps full-precision experts; int4 master copies live in host memory: "
+            "drop --host-storage mmap (or use --experts full)"
+        )
     key = store_key or (str(path), "local")
-    files_store = None if experts_format == "int4" else _expert_files(host, host_storage, budget, key, files, dtype,
-                                                                      on_notice)
+    files_store = (
+        None if experts_format == "int4" else _expert_files(host, host_storage, budget, key, files, dtype, on_notice)
+    )
     if files_store is not None:
         pinned[0] = False
 
@@ -336,7 +406,7 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
     for file, key, name in plan:
         prefix = next((p for p in experts if name.startswith(p + ".")), None)
         if prefix is not None:
-            expert_keys[prefix][name[len(prefix) + 1:]] = (file, key)
+            expert_keys[prefix][name[len(prefix) + 1 :]] = (file, key)
         elif name in params:
             dense.append((file, key, name))
 
@@ -355,12 +425,19 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
             try:
                 tensor = handle(file).get_tensor(key)
             except Exception as e:
-                raise RuntimeFailure(f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is "
-                                     "corrupt or truncated") from None
+                raise RuntimeFailure(
+                    f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is "
+                    "corrupt or truncated"
+                ) from None
             _check_dense(file, key, tensor, model.get_parameter(name))
             tdtype = torch.float32 if any(m in name for m in fp32_modules) and tensor.is_floating_point() else dtype
-            set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=tensor,
-                                        dtype=tdtype if tensor.is_floating_point() else None)
+            set_module_tensor_to_device(
+                model,
+                name,
+                device_of(name, dmap, device),
+                value=tensor,
+                dtype=tdtype if tensor.is_floating_point() else None,
+            )
             loaded.add(name)
             done += 1
             if progress and done % 16 == 0:
@@ -379,8 +456,9 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
                 into = ExpertWeights(*(_int4_storage(shape, dtype, device, host, pinned) for _ in range(3)))
                 mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype, into=into)
             else:
-                mod.weights = _load_layer_experts(prefix, mod, expert_keys[prefix], handle, device, dtype,
-                                                  host=host, pinned=pinned)
+                mod.weights = _load_layer_experts(
+                    prefix, mod, expert_keys[prefix], handle, device, dtype, host=host, pinned=pinned
+                )
             done += mod.num_experts
             if progress:
                 progress("load", done, total)
@@ -393,7 +471,9 @@ def load_model(path: Path, *, device: torch.device, dtype: torch.dtype, progress
         model.tie_weights()
         missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:
-        raise RuntimeFailure(f"checkpoint lacks {len(missing)} tensors (first: {missing[0]}); re-download it with `localmoe pull`")
+        raise RuntimeFailure(
+            f"checkpoint lacks {len(missing)} tensors (first: {missing[0]}); re-download it with `localmoe pull`"
+        )
     for name, buf in model.named_buffers():
         if buf.device != device_of(name, dmap, device):
             set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=buf)
@@ -434,9 +514,11 @@ def _expert_files(host: bool, storage: str, budget, key: tuple[str, str], files:
         return None
     files_store = store.ExpertStore(key[0], key[1], files, dtype)
     if on_notice:
-        on_notice(f"expert master copies ({need / (1 << 30):.1f} GiB) are memory-mapped files under "
-                  f"{files_store.dir} (host RAM {'is short' if storage == 'auto' else 'not used: --host-storage mmap'})"
-                  "; the first load writes them, misses are copied in (slower than pinned memory)")
+        on_notice(
+            f"expert master copies ({need / (1 << 30):.1f} GiB) are memory-mapped files under "
+            f"{files_store.dir} (host RAM {'is short' if storage == 'auto' else 'not used: --host-storage mmap'})"
+            "; the first load writes them, misses are copied in (slower than pinned memory)"
+        )
     return files_store
 
 
@@ -452,7 +534,8 @@ def install_fused(model, device: torch.device) -> None:
 def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto", gate_tier: bool = True) -> None:
     """Experts' weights are host master copies: put the GPU expert cache in front of them (replacing one attached
     before). Miss mode "auto": direct reads from pinned host memory on CUDA (the fastest measured), else
-    copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first (`placement.gate_tier_split`)."""
+    copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first
+    (`placement.gate_tier_split`)."""
     from localmoe import offload, placement
 
     if miss == "auto":
@@ -461,9 +544,18 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     for m in loaded.experts:
         m.cache = None
     loaded.cache = None  # the old pools go before the new ones are allocated
-    gates, slots = placement.gate_tier_split(loaded.offload) if miss == "direct" and gate_tier else (0, loaded.offload.slots)
-    cache = offload.ExpertCache(slots, (m0.num_experts, m0.intermediate_size, m0.hidden_size), dtype, device,
-                                mode=miss, gate_slots=gates, int4=m0.weights.int4)
+    gates, slots = (
+        placement.gate_tier_split(loaded.offload) if miss == "direct" and gate_tier else (0, loaded.offload.slots)
+    )
+    cache = offload.ExpertCache(
+        slots,
+        (m0.num_experts, m0.intermediate_size, m0.hidden_size),
+        dtype,
+        device,
+        mode=miss,
+        gate_slots=gates,
+        int4=m0.weights.int4,
+    )
     for m in loaded.experts:
         cache.add_layer(m.layer_idx, m.weights)
         m.cache = cache
@@ -472,8 +564,18 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     loaded.host_pinned = pinned
 
 
-def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, dtype, *, host: bool = False,
-                        pinned: list | None = None, into: ExpertWeights | None = None) -> ExpertWeights:
+def _load_layer_experts(
+    prefix,
+    mod: LocalExperts,
+    keys: dict,
+    handle,
+    device,
+    dtype,
+    *,
+    host: bool = False,
+    pinned: list | None = None,
+    into: ExpertWeights | None = None,
+) -> ExpertWeights:
     E, I, H = mod.num_experts, mod.intermediate_size, mod.hidden_size
     shape = (E, I, H)
     if into is not None:  # given storage (the memory-mapped files)
@@ -487,8 +589,9 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
         w = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(3)))
 
     def corrupt(file, key, e):
-        return RuntimeFailure(f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is "
-                              "corrupt or truncated")
+        return RuntimeFailure(
+            f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is corrupt or truncated"
+        )
 
     def read(key_file, index=None):
         """The tensor (or its expert `index`), its dtype checked from the header first."""
@@ -512,8 +615,10 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
         except Exception as e:
             raise corrupt(file, key, e) from None
         if got != tuple(want):
-            raise RuntimeFailure(f"{for_line(file.name)}: expert tensor {for_line(key)} has shape {list(got)}, "
-                                 f"config.json says {list(want)}: checkpoint and config disagree")
+            raise RuntimeFailure(
+                f"{for_line(file.name)}: expert tensor {for_line(key)} has shape {list(got)}, "
+                f"config.json says {list(want)}: checkpoint and config disagree"
+            )
 
     if "gate_up_proj" in keys and "down_proj" in keys:  # fused: [E, 2I, H] and [E, H, I]
         whole_shape(keys["gate_up_proj"], (E, 2 * I, H))
@@ -531,17 +636,24 @@ def _load_layer_experts(prefix, mod: LocalExperts, keys: dict, handle, device, d
         g_name, u_name, d_name = (f"0.{n}.weight" for n in names)
         if g_name in keys:
             for e in range(E):
-                for dst, n, want, transpose in ((w.w_gate, names[0], (I, H), False), (w.w_up, names[1], (I, H), False),
-                                                (w.w_down_t, names[2], (H, I), True)):
+                for dst, n, want, transpose in (
+                    (w.w_gate, names[0], (I, H), False),
+                    (w.w_up, names[1], (I, H), False),
+                    (w.w_down_t, names[2], (H, I), True),
+                ):
                     kf = keys.get(f"{e}.{n}.weight")
                     if kf is None:
-                        raise RuntimeFailure(f"checkpoint lacks {prefix}.{e}.{n}.weight; re-download it with `localmoe pull`")
+                        raise RuntimeFailure(
+                            f"checkpoint lacks {prefix}.{e}.{n}.weight; re-download it with `localmoe pull`"
+                        )
                     t = read(kf)
                     _check(prefix, f"{e}.{n}", t.shape, want)
                     _put(dst, e, t.T if transpose else t, device)
             return w
     found = ", ".join(sorted(keys)[:4]) or "nothing"
-    raise RuntimeFailure(f"unrecognised expert layout under {prefix} (found {found}); this checkpoint layout is not supported")
+    raise RuntimeFailure(
+        f"unrecognised expert layout under {prefix} (found {found}); this checkpoint layout is not supported"
+    )
 
 
 def _put(dst, e: int, rows: torch.Tensor, device) -> None:
@@ -564,12 +676,22 @@ def _int4_storage(shape, dtype, device, host: bool, pinned: list) -> Int4Tensor:
 # Weights localmoe converts to the run's dtype as it reads them; anything else (int8, fp8, packed 4-bit) is a
 # quantized checkpoint whose values mean something only with its scales, which localmoe does not read.
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-_QUANTIZED_HINT = ("localmoe loads float16/bfloat16/float32 checkpoints only (quantized ones are not supported; "
-                   "--experts int4 quantizes a bf16 checkpoint itself): use the model's bf16 checkpoint")
+_QUANTIZED_HINT = (
+    "localmoe loads float16/bfloat16/float32 checkpoints only (quantized ones are not supported; "
+    "--experts int4 quantizes a bf16 checkpoint itself): use the model's bf16 checkpoint"
+)
 
 
-_NAMES = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
-          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # safetensors dtype names as torch spells them
+_NAMES = {
+    "I8": "int8",
+    "U8": "uint8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}  # safetensors dtype names as torch spells them
 
 
 def _check_dtype(file: Path, key: str, dtype) -> None:
@@ -585,14 +707,18 @@ def _check_dense(file: Path, key: str, tensor: torch.Tensor, param: torch.Tensor
     (accelerate would only say "this looks incorrect", naming no tensor) and a float dtype (an int8 tensor would be
     cast to the run's dtype as if it held weights)."""
     if tuple(tensor.shape) != tuple(param.shape):
-        raise RuntimeFailure(f"{for_line(file.name)}: tensor {for_line(key)} has shape {list(tensor.shape)}, "
-                             f"config.json says {list(param.shape)}: checkpoint and config disagree; re-download the "
-                             "checkpoint or fix config.json")
+        raise RuntimeFailure(
+            f"{for_line(file.name)}: tensor {for_line(key)} has shape {list(tensor.shape)}, "
+            f"config.json says {list(param.shape)}: checkpoint and config disagree; re-download the "
+            "checkpoint or fix config.json"
+        )
     if param.is_floating_point():
         _check_dtype(file, key, tensor.dtype)
 
 
 def _check(prefix, name, got, want):
     if tuple(got) != tuple(want):
-        raise RuntimeFailure(f"expert tensor {for_line(prefix)}.{for_line(name)} has shape {list(got)}, config.json "
-                             f"says {list(want)}: checkpoint and config disagree")
+        raise RuntimeFailure(
+            f"expert tensor {for_line(prefix)}.{for_line(name)} has shape {list(got)}, config.json "
+            f"says {list(want)}: checkpoint and config disagree"
+        )

@@ -28,7 +28,8 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.experts import ExpertWeights
-from localmoe.quantize import Int4Tensor, copy_expert, row_bytes as int4_row_bytes
+from localmoe.quantize import Int4Tensor, copy_expert
+from localmoe.quantize import row_bytes as int4_row_bytes
 
 MISS_MODES = ("copy", "direct", "cpu")
 ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (bounds the copy time per token)
@@ -37,15 +38,26 @@ ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (boun
 class ExpertCache:
     """S GPU slots shared by all MoE layers; LRU over (layer, expert); per-layer slot tables on the device."""
 
-    def __init__(self, slots: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-                 mode: str = "copy", admit_per_step: int = ADMIT_PER_STEP, background: bool = False,
-                 gate_slots: int = 0, int4: bool = False):
+    def __init__(
+        self,
+        slots: int,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        mode: str = "copy",
+        admit_per_step: int = ADMIT_PER_STEP,
+        background: bool = False,
+        gate_slots: int = 0,
+        int4: bool = False,
+    ):
         E, I, H = shape
         if mode not in MISS_MODES:
             raise UsageError(f"offload miss mode must be one of {', '.join(MISS_MODES)}, got {mode!r}")
         if gate_slots and mode != "direct":
-            raise ValueError("a separate gate tier needs direct misses (the fused kernel reads gates and up/down "
-                             "from different places)")
+            raise ValueError(
+                "a separate gate tier needs direct misses (the fused kernel reads gates and up/down "
+                "from different places)"
+            )
         self.mode, self.admit_per_step = mode, admit_per_step
         self.row_bytes = int4_row_bytes(H) if int4 else H * (torch.finfo(dtype).bits // 8)  # a neuron's row
         self.width = I
@@ -56,8 +68,11 @@ class ExpertCache:
         self.gate_slots = gate_slots
         parts = 2 if gate_slots else 3
         n = max(slots, 1)  # the fused kernel needs a pool to point at even when every up/down row is on the host
-        make = ((lambda m: Int4Tensor.empty((m, I, H), dtype, device)) if int4  # int4 experts: int4 slots
-                else (lambda m: torch.empty((m, I, H), dtype=dtype, device=device)))
+        make = (
+            (lambda m: Int4Tensor.empty((m, I, H), dtype, device))
+            if int4  # int4 experts: int4 slots
+            else (lambda m: torch.empty((m, I, H), dtype=dtype, device=device))
+        )
         self.pool = ExpertWeights(make(gate_slots if gate_slots else n), make(n), make(n))
         self.expert_bytes = parts * I * self.row_bytes  # one admission
         self.device = device
@@ -95,12 +110,12 @@ class ExpertCache:
             return
         if order is None:
             order = [(layer, e) for e in range(self.num_experts) for layer in sorted(self.masters)]
-        want = order[:self.gate_slots]
+        want = order[: self.gate_slots]
         now = {(layer, e): s for layer, t in self.gate_tables.items() for e, s in enumerate(t.tolist()) if s >= 0}
         rows = {layer: [-1] * self.num_experts for layer in self.gate_tables}
         kept = {k: now[k] for k in want if k in now}
         free = sorted(set(range(self.gate_slots)) - set(kept.values()), reverse=True)
-        for (layer, e) in want:
+        for layer, e in want:
             slot = kept.get((layer, e))
             if slot is None:
                 slot = free.pop()
@@ -134,8 +149,11 @@ class ExpertCache:
             self.hits += 1
         else:
             self.misses += 1
-        return (part(self.pool.w_gate, m.w_gate, int(self.gate_tables[layer][e])),
-                part(self.pool.w_up, m.w_up, s), part(self.pool.w_down_t, m.w_down_t, s))
+        return (
+            part(self.pool.w_gate, m.w_gate, int(self.gate_tables[layer][e])),
+            part(self.pool.w_up, m.w_up, s),
+            part(self.pool.w_down_t, m.w_down_t, s),
+        )
 
     def add_layer(self, layer: int, master: ExpertWeights) -> None:
         self.masters[layer] = master
@@ -300,7 +318,7 @@ class ExpertCache:
         at = 0
         for m in mods:
             n = m.last_routing.numel()
-            self.observe(m.layer_idx, routed[at:at + n])
+            self.observe(m.layer_idx, routed[at : at + n])
             at += n
         for key in list(self.pending):  # background copies that finished go live for the next step
             self._settle(key, wait=False)

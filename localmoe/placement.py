@@ -43,12 +43,17 @@ class OffloadPlan:
 
     def summary(self) -> str:
         gib = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
-        spill = (f" (only {gib(self.non_expert_gpu_bytes)} of them on the GPU: accelerate keeps the rest in host "
-                 "memory)" if self.spills else "")
-        return (f"VRAM budget {gib(self.budget_bytes)}: non-expert weights {gib(self.non_expert_bytes)}{spill}, "
-                f"KV/state {gib(self.state_bytes)}, {self.slots} of {self.total_experts} experts cached on the GPU "
-                f"({gib(self.slots * self.expert_bytes)}); host RAM for expert master copies "
-                f"{gib(self.total_experts * self.expert_bytes)}")
+        spill = (
+            f" (only {gib(self.non_expert_gpu_bytes)} of them on the GPU: accelerate keeps the rest in host memory)"
+            if self.spills
+            else ""
+        )
+        return (
+            f"VRAM budget {gib(self.budget_bytes)}: non-expert weights {gib(self.non_expert_bytes)}{spill}, "
+            f"KV/state {gib(self.state_bytes)}, {self.slots} of {self.total_experts} experts cached on the GPU "
+            f"({gib(self.slots * self.expert_bytes)}); host RAM for expert master copies "
+            f"{gib(self.total_experts * self.expert_bytes)}"
+        )
 
 
 def state_bytes(config, context: int, dtype: torch.dtype) -> int:
@@ -69,8 +74,16 @@ def state_bytes(config, context: int, dtype: torch.dtype) -> int:
     return kv + lin_state
 
 
-def plan(*, budget_bytes: int, non_expert_bytes: int, state: int, expert_bytes: int, total_experts: int,
-         top_k: int, largest_module_bytes: int = 0) -> OffloadPlan:
+def plan(
+    *,
+    budget_bytes: int,
+    non_expert_bytes: int,
+    state: int,
+    expert_bytes: int,
+    total_experts: int,
+    top_k: int,
+    largest_module_bytes: int = 0,
+) -> OffloadPlan:
     """Experts' GPU cache slots under the budget. When the non-expert modules do not fit beside KV/state, the
     workspace and one token's experts, they spill: the GPU keeps what fits (at least the largest module, which
     accelerate never splits) and the cache gets one token's experts. Below that, a one-line error."""
@@ -85,9 +98,17 @@ def plan(*, budget_bytes: int, non_expert_bytes: int, state: int, expert_bytes: 
             f"--vram {budget_bytes / GiB:.2f} GiB cannot hold the non-expert weights' largest module "
             f"({largest_module_bytes / GiB:.2f} GiB of {non_expert_bytes / GiB:.2f} GiB), KV/state "
             f"({state / GiB:.2f} GiB), workspace ({WORKSPACE_RESERVE / GiB:.2f} GiB) and one token's {top_k} experts: "
-            f"give at least --vram {need:.2f}, a shorter --context, or --device cpu")
-    return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, min(top_k, total_experts),
-                       non_expert_gpu_bytes=int(room))
+            f"give at least --vram {need:.2f}, a shorter --context, or --device cpu"
+        )
+    return OffloadPlan(
+        budget_bytes,
+        non_expert_bytes,
+        state,
+        expert_bytes,
+        total_experts,
+        min(top_k, total_experts),
+        non_expert_gpu_bytes=int(room),
+    )
 
 
 def gate_tier_split(plan: OffloadPlan) -> tuple[int, int]:
@@ -128,8 +149,10 @@ def host_ram_notice(plan: OffloadPlan, available: int | None) -> str | None:
     need = plan.total_experts * plan.expert_bytes
     if not plan.offloading or available is None or need <= available:
         return None
-    return (f"the expert master copies need {need / GiB:.1f} GiB of host RAM and {available / GiB:.1f} GiB is "
-            "available now: if loading fails, close other programs or run a smaller model")
+    return (
+        f"the expert master copies need {need / GiB:.1f} GiB of host RAM and {available / GiB:.1f} GiB is "
+        "available now: if loading fails, close other programs or run a smaller model"
+    )
 
 
 def host_allocator(pinned: list):

@@ -83,16 +83,26 @@ def facts(model, text_config, experts: list) -> ModelFacts:
     fam = family_for_model_type(text_config.model_type)
     block = next((FAMILIES[type(m).__name__] for m in model.modules() if type(m).__name__ in FAMILIES), None)
     m0 = experts[0]
-    shared = (getattr(text_config, "shared_expert_intermediate_size", None)
-              or (getattr(text_config, "n_shared_experts", 0) or 0) * (getattr(text_config, "moe_intermediate_size", 0)
-                                                                         or 0))
+    shared = getattr(text_config, "shared_expert_intermediate_size", None) or (
+        getattr(text_config, "n_shared_experts", 0) or 0
+    ) * (getattr(text_config, "moe_intermediate_size", 0) or 0)
     return ModelFacts(
-        family=(fam or block).name if (fam or block) else text_config.model_type, model_type=text_config.model_type,
-        architecture=type(model).__name__, layers=int(text_config.num_hidden_layers), moe_layers=len(experts),
-        hidden=m0.hidden_size, experts=m0.num_experts, top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
-        expert_width=m0.intermediate_size, shared_expert_width=int(shared or 0),
-        vocab=int(text_config.vocab_size), context_max=int(getattr(text_config, "max_position_embeddings", 0) or 0),
-        non_expert_params=non_expert_params, non_expert_bytes=non_expert_bytes, embed_skip_bytes=skip)
+        family=(fam or block).name if (fam or block) else text_config.model_type,
+        model_type=text_config.model_type,
+        architecture=type(model).__name__,
+        layers=int(text_config.num_hidden_layers),
+        moe_layers=len(experts),
+        hidden=m0.hidden_size,
+        experts=m0.num_experts,
+        top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
+        expert_width=m0.intermediate_size,
+        shared_expert_width=int(shared or 0),
+        vocab=int(text_config.vocab_size),
+        context_max=int(getattr(text_config, "max_position_embeddings", 0) or 0),
+        non_expert_params=non_expert_params,
+        non_expert_bytes=non_expert_bytes,
+        embed_skip_bytes=skip,
+    )
 
 
 def matrix_bytes(f: ModelFacts, element_bytes: float, experts_format: str) -> float:
@@ -149,19 +159,30 @@ class ModelPlan:
             return None
         from localmoe.placement import WORKSPACE_RESERVE, gate_tier_split
 
-        d = {"budget_bytes": self.budget_bytes, "fits": not self.error, "error": self.error or None,
-             "all_resident_bytes": self.all_resident_bytes, "state_bytes": self.state_bytes,
-             "workspace_bytes": int(WORKSPACE_RESERVE), "expert_bytes": self.expert_bytes,
-             "experts_total": self.facts.moe_layers * self.facts.experts}
+        d = {
+            "budget_bytes": self.budget_bytes,
+            "fits": not self.error,
+            "error": self.error or None,
+            "all_resident_bytes": self.all_resident_bytes,
+            "state_bytes": self.state_bytes,
+            "workspace_bytes": int(WORKSPACE_RESERVE),
+            "expert_bytes": self.expert_bytes,
+            "experts_total": self.facts.moe_layers * self.facts.experts,
+        }
         p = self.offload
         if p is None:
             return d
         gates, updown = gate_tier_split(p) if p.offloading else (p.total_experts, p.total_experts)
-        d.update(non_expert_bytes=p.non_expert_bytes,
-                 non_expert_gpu_bytes=p.non_expert_gpu_bytes if p.spills else p.non_expert_bytes,
-                 experts_cached=p.slots, experts_cached_per_layer=p.slots / max(1, self.facts.moe_layers),
-                 offloading=p.offloading, direct_gates_cached=gates, direct_updown_cached=updown,
-                 host_ram_bytes=p.total_experts * p.expert_bytes if p.offloading else 0)
+        d.update(
+            non_expert_bytes=p.non_expert_bytes,
+            non_expert_gpu_bytes=p.non_expert_gpu_bytes if p.spills else p.non_expert_bytes,
+            experts_cached=p.slots,
+            experts_cached_per_layer=p.slots / max(1, self.facts.moe_layers),
+            offloading=p.offloading,
+            direct_gates_cached=gates,
+            direct_updown_cached=updown,
+            host_ram_bytes=p.total_experts * p.expert_bytes if p.offloading else 0,
+        )
         return d
 
     def vram_text(self) -> str:
@@ -171,72 +192,107 @@ class ModelPlan:
             weights = gib(self.facts.non_expert_bytes + self.total_expert_bytes)
             if self.device == "cpu":
                 return f"on the CPU: {weights} of weights in host memory"
-            return (f"all resident needs {gib(self.all_resident_bytes)} of VRAM ({weights} of weights); no GPU here: "
-                    "--vram GiB plans for a card")
+            return (
+                f"all resident needs {gib(self.all_resident_bytes)} of VRAM ({weights} of weights); no GPU here: "
+                "--vram GiB plans for a card"
+            )
         head = f"at {gib(self.budget_bytes)} of VRAM"
         if self.error:
             return f"{head}: does not fit ({self.error})"
         p = self.offload
-        resident = (f"non-expert weights {gib(p.non_expert_bytes)}"
-                    + (f" ({gib(p.non_expert_gpu_bytes)} of them on the GPU)" if p.spills else "")
-                    + f" + KV/state {gib(p.state_bytes)} resident")
+        resident = (
+            f"non-expert weights {gib(p.non_expert_bytes)}"
+            + (f" ({gib(p.non_expert_gpu_bytes)} of them on the GPU)" if p.spills else "")
+            + f" + KV/state {gib(p.state_bytes)} resident"
+        )
         if not p.offloading:
             return f"{head}: {resident}, all {p.total_experts} experts too ({gib(self.total_expert_bytes)})"
         per = p.slots / max(1, self.facts.moe_layers)
-        return (f"{head}: {resident}, {p.slots} of {p.total_experts} experts cached ({per:.1f} per layer; direct "
-                f"misses keep gates first), host RAM {gib(p.total_experts * p.expert_bytes)} for the experts' "
-                "master copies")
+        return (
+            f"{head}: {resident}, {p.slots} of {p.total_experts} experts cached ({per:.1f} per layer; direct "
+            f"misses keep gates first), host RAM {gib(p.total_experts * p.expert_bytes)} for the experts' "
+            "master copies"
+        )
 
     def line(self) -> str:
         """The one-line plan `run` and `chat` print at load (and `show`'s 'plan' line)."""
         f = self.facts
-        return (f"{self.name}: {count(f.total_params)} parameters ({count(f.active_params)} active), "
-                f"{f.moe_layers} MoE layers x {f.experts} experts (top-{f.top_k}); {self.experts_format} experts, "
-                f"{self.dtype}, context {self.context}; {self.vram_text()}; reads {size(self.floor_dense)} "
-                f"per token dense, {size(self.floor_sparse)} at {self.sparsity:.0%} sparsity")
+        return (
+            f"{self.name}: {count(f.total_params)} parameters ({count(f.active_params)} active), "
+            f"{f.moe_layers} MoE layers x {f.experts} experts (top-{f.top_k}); {self.experts_format} experts, "
+            f"{self.dtype}, context {self.context}; {self.vram_text()}; reads {size(self.floor_dense)} "
+            f"per token dense, {size(self.floor_sparse)} at {self.sparsity:.0%} sparsity"
+        )
 
     def as_json(self) -> dict:
         f = self.facts
-        d = {"model": self.name, "repo": self.repo, "config_source": self.source or None,
-             **{k: v for k, v in asdict(f).items()}, "params_total": f.total_params,
-             "params_active": f.active_params, "dtype": self.dtype, "experts_format": self.experts_format,
-             "context": self.context, "default_sparsity": self.sparsity, "download_bytes": self.download_bytes,
-             "download_source": self.download_source or None, "vram": self.vram(),
-             "bytes_per_token": {"dense": self.floor_dense, "sparse": self.floor_sparse, "sparsity": self.sparsity},
-             "sampling": self.sampling or None, "plan": self.line()}
+        d = {
+            "model": self.name,
+            "repo": self.repo,
+            "config_source": self.source or None,
+            **{k: v for k, v in asdict(f).items()},
+            "params_total": f.total_params,
+            "params_active": f.active_params,
+            "dtype": self.dtype,
+            "experts_format": self.experts_format,
+            "context": self.context,
+            "default_sparsity": self.sparsity,
+            "download_bytes": self.download_bytes,
+            "download_source": self.download_source or None,
+            "vram": self.vram(),
+            "bytes_per_token": {"dense": self.floor_dense, "sparse": self.floor_sparse, "sparsity": self.sparsity},
+            "sampling": self.sampling or None,
+            "plan": self.line(),
+        }
         return d
 
     def text(self) -> str:
         """`localmoe show`'s lines."""
         f = self.facts
-        src = {"hub": "config fetched from the hub; weights not downloaded",
-               "shapes": "offline and not downloaded: config from localmoe's table of shapes",
-               "cache": "downloaded" if self.download_source == "disk" else "config cached; weights not downloaded",
-               "local": "local folder", "bundled": "bundled with localmoe"}.get(self.source, "")
-        dl = ("–" if self.download_bytes is None else
-                size(self.download_bytes) + {"disk": " on disk", "hub": " (hub file list)",
-                                                         "estimate": f" (estimated: parameters in {self.dtype})"}
-                .get(self.download_source, ""))
+        src = {
+            "hub": "config fetched from the hub; weights not downloaded",
+            "shapes": "offline and not downloaded: config from localmoe's table of shapes",
+            "cache": "downloaded" if self.download_source == "disk" else "config cached; weights not downloaded",
+            "local": "local folder",
+            "bundled": "bundled with localmoe",
+        }.get(self.source, "")
+        dl = (
+            "–"
+            if self.download_bytes is None
+            else size(self.download_bytes)
+            + {
+                "disk": " on disk",
+                "hub": " (hub file list)",
+                "estimate": f" (estimated: parameters in {self.dtype})",
+            }.get(self.download_source, "")
+        )
         shared = f", shared expert width {f.shared_expert_width}" if f.shared_expert_width else ""
         smp = self.sampling
-        sampling = ("greedy" if not smp or smp.get("temperature", 0) <= 0 else
-                    f"temperature {smp['temperature']:g}, top-k {smp['top_k']}, top-p {smp['top_p']:g}")
+        sampling = (
+            "greedy"
+            if not smp or smp.get("temperature", 0) <= 0
+            else f"temperature {smp['temperature']:g}, top-k {smp['top_k']}, top-p {smp['top_p']:g}"
+        )
         if smp and smp.get("repetition_penalty", 1.0) != 1.0:
             sampling += f", repetition penalty {smp['repetition_penalty']:g}"
-        lines = [f"{self.name}" + (f" ({self.repo})" if self.repo and self.repo != self.name else "")
-                 + (f": {src}" if src else ""),
-                 f"  architecture   {f.family} ({f.model_type}, {f.architecture})",
-                 f"  layers         {f.layers} ({f.moe_layers} MoE), hidden {f.hidden}, vocabulary {f.vocab}",
-                 f"  experts        {f.experts} per MoE layer, top-{f.top_k}, width {f.expert_width}{shared}",
-                 f"  parameters     {count(f.total_params)} total, {count(f.active_params)} active per token",
-                 f"  context        {f.context_max or '?'} tokens (planned for {self.context})",
-                 f"  download       {dl}",
-                 f"  sampling       {sampling} (generation_config.json)" if smp else "  sampling       greedy "
-                 "(no generation_config.json)",
-                 f"  VRAM           {self.experts_format} experts, {self.dtype}: {self.vram_text()}",
-                 f"  per token      {size(self.floor_dense)} read dense, {size(self.floor_sparse)} at the "
-                 f"default {self.sparsity:.0%} sparsity (the decode step's byte floor)",
-                 f"  plan           {self.line()}"]
+        lines = [
+            f"{self.name}"
+            + (f" ({self.repo})" if self.repo and self.repo != self.name else "")
+            + (f": {src}" if src else ""),
+            f"  architecture   {f.family} ({f.model_type}, {f.architecture})",
+            f"  layers         {f.layers} ({f.moe_layers} MoE), hidden {f.hidden}, vocabulary {f.vocab}",
+            f"  experts        {f.experts} per MoE layer, top-{f.top_k}, width {f.expert_width}{shared}",
+            f"  parameters     {count(f.total_params)} total, {count(f.active_params)} active per token",
+            f"  context        {f.context_max or '?'} tokens (planned for {self.context})",
+            f"  download       {dl}",
+            f"  sampling       {sampling} (generation_config.json)"
+            if smp
+            else "  sampling       greedy (no generation_config.json)",
+            f"  VRAM           {self.experts_format} experts, {self.dtype}: {self.vram_text()}",
+            f"  per token      {size(self.floor_dense)} read dense, {size(self.floor_sparse)} at the "
+            f"default {self.sparsity:.0%} sparsity (the decode step's byte floor)",
+            f"  plan           {self.line()}",
+        ]
         return "\n".join(lines)
 
 
@@ -247,8 +303,9 @@ def _finish(plan: ModelPlan, element_bytes: float) -> ModelPlan:
     return plan
 
 
-def from_config(name: str, text_config, *, budget_bytes: int | None, context: int, dtype, experts_format: str,
-                sparsity: float) -> ModelPlan:
+def from_config(
+    name: str, text_config, *, budget_bytes: int | None, context: int, dtype, experts_format: str, sparsity: float
+) -> ModelPlan:
     """The plan of a model from its text config: the skeleton built on the meta device (no weights), the loader's
     offload plan at `budget_bytes` (None: no GPU). A budget too small is reported in `error`, not raised."""
     import torch
@@ -267,13 +324,20 @@ def from_config(name: str, text_config, *, budget_bytes: int | None, context: in
         one = int4_bytes(f.expert_width, f.hidden) if experts_format == "int4" else 3 * f.expert_width * f.hidden * el
     except ValueError as e:
         raise UsageError(f"{e}; use --experts full") from None
-    plan = ModelPlan(name=name, facts=f, dtype=str(dtype).replace("torch.", ""), experts_format=experts_format,
-                     context=context, sparsity=sparsity, expert_bytes=one, budget_bytes=budget_bytes,
-                     state_bytes=state_bytes(text_config, context, dtype))
+    plan = ModelPlan(
+        name=name,
+        facts=f,
+        dtype=str(dtype).replace("torch.", ""),
+        experts_format=experts_format,
+        context=context,
+        sparsity=sparsity,
+        expert_bytes=one,
+        budget_bytes=budget_bytes,
+        state_bytes=state_bytes(text_config, context, dtype),
+    )
     if budget_bytes is not None:
         try:
-            plan.offload = plan_offload(model, text_config, experts, dtype, budget_bytes, context, None,
-                                        experts_format)
+            plan.offload = plan_offload(model, text_config, experts, dtype, budget_bytes, context, None, experts_format)
         except UsageError as e:
             plan.error = str(e)
     return _finish(plan, el)
@@ -288,12 +352,19 @@ def engine_plan(engine, sparsity: float) -> ModelPlan:
     m0 = loaded.experts[0]
     one = m0.weights.nbytes() // max(1, m0.num_experts) if m0.weights is not None else 0
     p = loaded.offload
-    plan = ModelPlan(name=engine.model_name, facts=f, dtype=str(engine.dtype).replace("torch.", ""),
-                     experts_format=engine.experts_format, context=engine.context, sparsity=sparsity,
-                     expert_bytes=one, budget_bytes=p.budget_bytes if p is not None else None, offload=p,
-                     device=engine._device.type,
-                     state_bytes=p.state_bytes if p is not None else state_bytes(loaded.config, engine.context,
-                                                                                  engine.dtype))
+    plan = ModelPlan(
+        name=engine.model_name,
+        facts=f,
+        dtype=str(engine.dtype).replace("torch.", ""),
+        experts_format=engine.experts_format,
+        context=engine.context,
+        sparsity=sparsity,
+        expert_bytes=one,
+        budget_bytes=p.budget_bytes if p is not None else None,
+        offload=p,
+        device=engine._device.type,
+        state_bytes=p.state_bytes if p is not None else state_bytes(loaded.config, engine.context, engine.dtype),
+    )
     el = m0.weights.w_gate.element_size() if m0.weights is not None else 2
     m = f.expert_width * f.hidden * el  # Int4Tensor.element_size: bytes per weight, scales included
     plan.floor_dense = step_floor(f, m, 0.0)
@@ -301,8 +372,9 @@ def engine_plan(engine, sparsity: float) -> ModelPlan:
     return plan
 
 
-def show(name: str, *, vram_gib: float | None = None, experts_format: str = "full",
-         context: int | None = None) -> ModelPlan:
+def show(
+    name: str, *, vram_gib: float | None = None, experts_format: str = "full", context: int | None = None
+) -> ModelPlan:
     """`localmoe show MODEL`: the plan from the config alone (hub.locate_config: a local or cached folder, the config
     files fetched from the hub, or localmoe's table of shapes offline). The budget: `vram_gib`, else what a CUDA card
     here has free, else none. bf16 (the GPU's dtype)."""
@@ -333,8 +405,15 @@ def show(name: str, *, vram_gib: float | None = None, experts_format: str = "ful
     else:
         budget = None
     default = src.spec.sparsity if src.spec is not None else UNKNOWN_MODEL_SPARSITY
-    plan = from_config(src.name, text_config, budget_bytes=budget, context=ctx, dtype=torch.bfloat16,
-                       experts_format=experts_format, sparsity=default)
+    plan = from_config(
+        src.name,
+        text_config,
+        budget_bytes=budget,
+        context=ctx,
+        dtype=torch.bfloat16,
+        experts_format=experts_format,
+        sparsity=default,
+    )
     plan.source, plan.repo = src.how, src.repo_id
     if src.folder is not None and (src.folder / "generation_config.json").is_file():
         plan.sampling = asdict(generation_defaults(src.folder))

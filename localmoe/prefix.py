@@ -18,14 +18,19 @@ Shape legend: P = prompt tokens, L = tokens reused from the cache, S = `stable`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 # a recurrent layer's state (transformers 5.17 and 5.2x LinearAttention layers): tensors or dicts of tensors / flags
-_STATE_ATTRS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
-                "is_recurrent_states_initialized")
+_STATE_ATTRS = (
+    "conv_states",
+    "recurrent_states",
+    "has_previous_state",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+)
 _UNSUPPORTED = ("Sliding", "Quantized", "Indexed", "Dummy", "Offloaded")
 
 
@@ -147,7 +152,7 @@ class PromptReuse:
                 home = getattr(layer, "device", None)
                 for name, v in saved.items():
                     setattr(layer, name, _put(getattr(layer, name, None), v, home))
-        self._copies = [x for x in self._copies if tuple(ids[:len(x.tokens)]) == x.tokens]
+        self._copies = [x for x in self._copies if tuple(ids[: len(x.tokens)]) == x.tokens]
         return L, c.logits
 
     def save(self, cache, tokens: Sequence[int], logits: torch.Tensor | None = None) -> None:
@@ -160,12 +165,16 @@ class PromptReuse:
         if cache is not self._cache:
             self._copies = []
         dev = torch.device("cpu") if self.host_copy else None
-        states = [{n: _copy(getattr(layer, n), dev) for n in _STATE_ATTRS if hasattr(layer, n)}
-                  if "recurrent" in _kinds(layer) else None for layer in layers]
+        states = [
+            {n: _copy(getattr(layer, n), dev) for n in _STATE_ATTRS if hasattr(layer, n)}
+            if "recurrent" in _kinds(layer)
+            else None
+            for layer in layers
+        ]
         tokens = tuple(tokens)
         keep = [x for x in self._copies if len(x.tokens) < len(tokens)]
-        self._copies = (keep + [_Copy(tokens, states, None if logits is None else _copy(logits, None))])
-        self._copies = self._copies[-self.MAX_COPIES:]
+        self._copies = keep + [_Copy(tokens, states, None if logits is None else _copy(logits, None))]
+        self._copies = self._copies[-self.MAX_COPIES :]
         self._cache = cache
 
 
@@ -182,9 +191,10 @@ def repeated_prefix(tokenizer, messages: Sequence[dict], ids: list[int]) -> int:
     conversation without the generation header (thinking templates render a past reply without the header's
     opening): the prefill stops there once to keep it. 0 when neither is a prefix of the prompt."""
     try:
-        after = render_chat(tokenizer, [*messages, {"role": "assistant", "content": "Yes."},
-                                        {"role": "user", "content": "And?"}], False)
-        if after[:len(ids)] == ids:
+        after = render_chat(
+            tokenizer, [*messages, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And?"}], False
+        )
+        if after[: len(ids)] == ids:
             return len(ids)
         hist = render_chat(tokenizer, messages, False)
     except Exception:  # noqa: BLE001 - a template that cannot render these: no reuse, nothing else changes
@@ -203,11 +213,19 @@ def reply_prefix(tokenizer, messages: Sequence[dict]) -> list[int]:
     except Exception:  # noqa: BLE001 - a template that cannot render these: nothing to prepare
         return []
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return a[:max(n - 1, 0)]
+    return a[: max(n - 1, 0)]
 
 
-def prefill(forward: Callable, cache, ids: torch.Tensor, *, stable: int, chunk: int, reuse: PromptReuse | None,
-            fresh: Callable = lambda cache: cache.reset() or cache):
+def prefill(
+    forward: Callable,
+    cache,
+    ids: torch.Tensor,
+    *,
+    stable: int,
+    chunk: int,
+    reuse: PromptReuse | None,
+    fresh: Callable = lambda cache: cache.reset() or cache,
+):
     """Prefill ids [1, P] into `cache` in pieces of at most `chunk` tokens, starting where `reuse` can rewind it to
     (elsewise from `fresh(cache)`: the same cache reset in place by default). `forward(piece [1, n], start, cache) ->
     (cache, logits)` runs one piece at positions start..start+n-1 (cache None: it makes one). With `reuse`, the state

@@ -1,4 +1,5 @@
-"""4-bit routed experts (`--experts int4`) at the app level: sizes, copies between weight stacks, the formats a user picks.
+"""4-bit routed experts (`--experts int4`) at the app level: sizes, copies between weight stacks, the formats a user
+picks.
 
 The format itself (`Int4Tensor`, `quantize`, the reference dequantizer) lives beside its kernels in
 `localmoe.kernels.int4`; it is re-exported here for the engine's modules.
@@ -46,5 +47,3 @@ def copy_expert(dst, i: int, src, j: int, non_blocking: bool = False) -> None:
             d[i].copy_(s[j], non_blocking=non_blocking)
     else:
         dst[i].copy_(src[j], non_blocking=non_blocking)
-
-

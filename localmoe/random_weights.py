@@ -14,9 +14,19 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts import ExpertWeights, LocalExperts
 from localmoe.families import family_for_model_type, supported_families
+from localmoe.loader import (
+    LoadedModel,
+    attach_cache,
+    build_skeleton,
+    check_format,
+    device_of,
+    dispatch_spilled,
+    install_fused,
+    place_non_experts,
+    plan_offload,
+    swap_experts,
+)
 from localmoe.quantize import Int4Tensor, quantize
-from localmoe.loader import (LoadedModel, attach_cache, build_skeleton, check_format, device_of, dispatch_spilled,
-                             install_fused, place_non_experts, plan_offload, swap_experts)
 
 
 def param_owners(model) -> dict[str, str]:
@@ -38,8 +48,11 @@ def router_weight(block, experts: LocalExperts) -> torch.Tensor:
     """A MoE block's router matrix [E, H]: its one 2-D parameter of that shape outside the routed and shared experts
     (`mlp.gate.weight` in most families, Granite's `block_sparse_moe.router.weight`)."""
     E, H = experts.num_experts, experts.hidden_size
-    found = [p for n, p in block.named_parameters()
-             if tuple(p.shape) == (E, H) and not n.startswith(("experts.", "shared_expert"))]
+    found = [
+        p
+        for n, p in block.named_parameters()
+        if tuple(p.shape) == (E, H) and not n.startswith(("experts.", "shared_expert"))
+    ]
     if len(found) != 1:
         raise RuntimeFailure(f"{type(block).__name__}: expected one [{E}, {H}] router weight, found {len(found)}")
     return found[0]
@@ -82,10 +95,20 @@ def _host_copy(t, pinned: list):
     return alloc(tuple(t.shape), t.dtype).copy_(t)
 
 
-def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 vram_bytes: int | None = None, context: int = 8192, fused: bool = True,
-                 offload_miss: str = "auto", routing: str = "uniform", on_notice=None,
-                 experts_format: str = "full") -> LoadedModel:
+def build_random(
+    text_config,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    vram_bytes: int | None = None,
+    context: int = 8192,
+    fused: bool = True,
+    offload_miss: str = "auto",
+    routing: str = "uniform",
+    on_notice=None,
+    experts_format: str = "full",
+) -> LoadedModel:
     """The same model with random weights (for `bench --shape`: measure hardware without a download).
 
     Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise.
@@ -101,8 +124,11 @@ def build_random(text_config, *, device: torch.device, dtype: torch.dtype, seed:
     check_format(experts_format)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
-    budget = (plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice, experts_format)
-              if vram_bytes else None)
+    budget = (
+        plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice, experts_format)
+        if vram_bytes
+        else None
+    )
     host = budget is not None and budget.offloading
     dmap = place_non_experts(model, budget, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)

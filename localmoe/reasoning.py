@@ -48,7 +48,7 @@ class ReasoningSplitter:
                 stripped = self.buf.lstrip()
                 if stripped.startswith(self.open):
                     self.state, self.lead, self.saw_block = REASONING, True, True
-                    self.buf = stripped[len(self.open):]
+                    self.buf = stripped[len(self.open) :]
                     continue
                 if self.open.startswith(stripped):  # nothing yet, or the tag so far: wait
                     return out
@@ -59,13 +59,13 @@ class ReasoningSplitter:
                 if i >= 0:
                     self._emit(out, REASONING, self.buf[:i].rstrip("\n"))
                     self.state, self.lead = ANSWER, True
-                    self.buf = self.buf[i + len(self.close):]
+                    self.buf = self.buf[i + len(self.close) :]
                     continue
                 keep = _tail_prefix(self.buf, self.close)
-                head = self.buf[:len(self.buf) - keep]
+                head = self.buf[: len(self.buf) - keep]
                 body = head.rstrip("\n")  # newlines that may come right before the closing tag: held too
                 self._emit(out, REASONING, body)
-                self.buf = self.buf[len(body):]
+                self.buf = self.buf[len(body) :]
                 return out
             self._emit(out, ANSWER, self.buf)  # the answer
             self.buf = ""

@@ -47,7 +47,7 @@ class ModelSpec:
     @property
     def packaged_dir(self) -> Path | None:
         if self.repo.startswith(PACKAGE_PREFIX):
-            return ASSETS_DIR / self.repo[len(PACKAGE_PREFIX):]
+            return ASSETS_DIR / self.repo[len(PACKAGE_PREFIX) :]
         return None
 
 
@@ -67,8 +67,11 @@ class Registry:
 
     def alternative(self, spec: ModelSpec) -> ModelSpec | None:
         """The supported hub model closest in size to `spec` (what to use instead of an unsupported one)."""
-        options = [m for m in self.models.values()
-                   if not m.unsupported and m.packaged_dir is None and m.bf16_gb > 0 and m.alias != spec.alias]
+        options = [
+            m
+            for m in self.models.values()
+            if not m.unsupported and m.packaged_dir is None and m.bf16_gb > 0 and m.alias != spec.alias
+        ]
         if not options or spec.bf16_gb <= 0:
             return None
         return min(options, key=lambda m: abs(math.log(m.bf16_gb / spec.bf16_gb)))
@@ -151,5 +154,7 @@ def unsupported_model_error(spec: ModelSpec, registry: Registry) -> UsageError:
     """The one-line refusal of a registry model localmoe cannot run, raised before anything is downloaded."""
     alt = registry.alternative(spec)
     instead = f"e.g. {alt.alias} ({alt.bf16_gb:g} GB), " if alt else ""
-    return UsageError(f"{spec.alias} ({spec.repo}) cannot run: {spec.unsupported}. Use a supported model instead: "
-                      f"{instead}see `localmoe models`")
+    return UsageError(
+        f"{spec.alias} ({spec.repo}) cannot run: {spec.unsupported}. Use a supported model instead: "
+        f"{instead}see `localmoe models`"
+    )

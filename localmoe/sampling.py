@@ -69,8 +69,9 @@ def penalize(logits: torch.Tensor, seen: Seen | None) -> torch.Tensor:
     return torch.where(seen.mask.bool(), torch.where(x < 0, x * p, x / p), x)
 
 
-def sample(logits: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None,
-           seen: Seen | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None, seen: Seen | None = None
+) -> torch.Tensor:
     """logits [V] -> token id (0-d int64 tensor); with `seen`, the repetition penalty first, and the token marked."""
     token = _choose(penalize(logits, seen) if seen is not None and seen.active else logits, settings, generator)
     if seen is not None and seen.active:

@@ -70,16 +70,22 @@ def read_calibration_text(path: str | Path | None) -> tuple[str, str]:
             raise UsageError(f"cannot read calibration text {for_line(path)}: {e.strerror}") from None
         raise RuntimeFailure(f"the bundled calibration text is missing ({for_line(p)}); reinstall localmoe") from None
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        raise UsageError(f"calibration text {for_line(p)} is UTF-16 (or UTF-32) text, not UTF-8: convert it, e.g. "
-                         "`iconv -f utf-16 -t utf-8`")
+        raise UsageError(
+            f"calibration text {for_line(p)} is UTF-16 (or UTF-32) text, not UTF-8: convert it, e.g. "
+            "`iconv -f utf-16 -t utf-8`"
+        )
     if b"\0" in data:
-        raise UsageError(f"calibration text {for_line(p)} is a binary file (it holds NUL bytes): give a UTF-8 text "
-                         "file of the kind of text the model will see")
+        raise UsageError(
+            f"calibration text {for_line(p)} is a binary file (it holds NUL bytes): give a UTF-8 text "
+            "file of the kind of text the model will see"
+        )
     try:
         text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark is dropped
     except UnicodeDecodeError as e:
-        raise UsageError(f"calibration text {for_line(p)} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
-                         f"{e.start}): convert it to UTF-8, e.g. `iconv -t utf-8`") from None
+        raise UsageError(
+            f"calibration text {for_line(p)} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start}): convert it to UTF-8, e.g. `iconv -t utf-8`"
+        ) from None
     if not text.strip():
         raise UsageError(f"calibration text {for_line(p)} is empty")
     return text, ("default" if not path else p.name)
@@ -198,8 +204,12 @@ def _cache_problem(saved, meta: dict, experts: list[int]) -> tuple[str, str] | N
     for key, want in meta.items():
         if saved[key] != want:
             return "stale", f"made with {key} {for_line(repr(saved[key]))}, this run has {for_line(repr(want))}"
-    why = check_thresholds(saved["thresholds"], meta["mode"], experts) or _check_counts(saved["routing_counts"], experts)
-    if why is None and (isinstance(saved["tokens"], bool) or not isinstance(saved["tokens"], int) or saved["tokens"] < 0):
+    why = check_thresholds(saved["thresholds"], meta["mode"], experts) or _check_counts(
+        saved["routing_counts"], experts
+    )
+    if why is None and (
+        isinstance(saved["tokens"], bool) or not isinstance(saved["tokens"], int) or saved["tokens"] < 0
+    ):
         why = "tokens is not a token count"
     return None if why is None else ("invalid", why)
 
@@ -234,8 +244,9 @@ def _read_cache(path: Path, meta: dict, experts: list[int]) -> tuple[dict | None
 def _write_cache(path: Path, table: ThresholdTable) -> str | None:
     """Write `table` to `path` atomically (a temporary file in the same folder, then os.replace: a crash leaves the
     old file or the new one, never half of one). None when written, else why not."""
-    body = json.dumps({**table.meta, "thresholds": [list(t) if isinstance(t, tuple) else t for t in table.taus]},
-                      allow_nan=False)
+    body = json.dumps(
+        {**table.meta, "thresholds": [list(t) if isinstance(t, tuple) else t for t in table.taus]}, allow_nan=False
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -254,8 +265,16 @@ def _write_cache(path: Path, table: ThresholdTable) -> str | None:
     return None
 
 
-def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = None, text: str | Path | None = None,
-                   tokens: int = DEFAULT_TOKENS, force: bool = False, mode: str = "layer") -> ThresholdTable:
+def thresholds_for(
+    engine,
+    sparsity: float,
+    *,
+    progress: ProgressFn | None = None,
+    text: str | Path | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    force: bool = False,
+    mode: str = "layer",
+) -> ThresholdTable:
     """Cached thresholds for (model, revision, S, calibration set, mode); calibrates when absent, stale or invalid
     (the file is validated in full: every value finite, non-negative, at most MAX_TAU, the shapes the model's) and
     overwrites the file, saying why through `engine.on_notice`. When the file cannot be written the thresholds
@@ -266,7 +285,9 @@ def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = Non
         gen = torch.Generator().manual_seed(0)
         n = min(tokens, 1024)  # random weights: a rough quantile is all a benchmark needs
         ids = torch.randint(0, engine.loaded.config.vocab_size, (n,), generator=gen).tolist()
-        return calibrate_ids(engine, sparsity, ids, progress=progress, meta={"calibration_set": "random ids", "mode": mode})
+        return calibrate_ids(
+            engine, sparsity, ids, progress=progress, meta={"calibration_set": "random ids", "mode": mode}
+        )
     notice = getattr(engine, "on_notice", None) or (lambda _text: None)
     body, name = read_calibration_text(text)
     meta = _meta(engine, sparsity, body, name, tokens, mode)
@@ -289,29 +310,36 @@ def thresholds_for(engine, sparsity: float, *, progress: ProgressFn | None = Non
 
 
 @torch.inference_mode()
-def calibrate(engine, sparsity: float, text: str, *, tokens: int, progress: ProgressFn | None, meta: dict) -> ThresholdTable:
+def calibrate(
+    engine, sparsity: float, text: str, *, tokens: int, progress: ProgressFn | None, meta: dict
+) -> ThresholdTable:
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
     if not ids and text.strip():  # transformers builds an empty tokenizer for a folder without tokenizer files
         where = for_line(getattr(engine.resolved, "path", engine.model_name))
-        raise UsageError(f"no tokenizer in {where}: its tokenizer encodes the calibration text as 0 tokens; copy "
-                         "the model's tokenizer files (tokenizer.json, tokenizer_config.json) into it")
+        raise UsageError(
+            f"no tokenizer in {where}: its tokenizer encodes the calibration text as 0 tokens; copy "
+            "the model's tokenizer files (tokenizer.json, tokenizer_config.json) into it"
+        )
     return calibrate_ids(engine, sparsity, ids, progress=progress, meta=meta)
 
 
 @torch.inference_mode()
-def calibrate_ids(engine, sparsity: float, ids: list[int], *, progress: ProgressFn | None, meta: dict) -> ThresholdTable:
+def calibrate_ids(
+    engine, sparsity: float, ids: list[int], *, progress: ProgressFn | None, meta: dict
+) -> ThresholdTable:
     if len(ids) < 16:
         raise UsageError(f"calibration text is too short ({len(ids)} tokens); give at least a few hundred tokens")
     chunk = min(CHUNK, engine.max_positions or CHUNK)
-    chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    chunks = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
     experts = engine.loaded.experts
     recorders = [GateRecorder(seed=i) for i in range(len(experts))]
     for m, r in zip(experts, recorders):
         m.recorder = r
     try:
         for i, c in enumerate(chunks):
-            engine.model(input_ids=torch.tensor([c], device=engine._device), use_cache=False,
-                         **engine._logits_kw)  # only the experts' gate values are wanted, not every position's logits
+            engine.model(
+                input_ids=torch.tensor([c], device=engine._device), use_cache=False, **engine._logits_kw
+            )  # only the experts' gate values are wanted, not every position's logits
             if progress:
                 progress("calibrate", i + 1, len(chunks))
     finally:
@@ -321,12 +349,15 @@ def calibrate_ids(engine, sparsity: float, ids: list[int], *, progress: Progress
         taus = tuple(tuple(r.expert_quantiles(sparsity, m.num_experts)) for r, m in zip(recorders, experts))
     else:
         taus = tuple(r.quantile(sparsity) for r in recorders)
-    bad = check_thresholds(taus, "expert" if meta.get("mode") == "expert" else "layer",
-                           [m.num_experts for m in experts])
+    bad = check_thresholds(
+        taus, "expert" if meta.get("mode") == "expert" else "layer", [m.num_experts for m in experts]
+    )
     if bad is not None:  # NaN or inf gate activations: the weights are broken, not the calibration
-        raise RuntimeFailure(f"calibrating {for_line(engine.model_name)} gave unusable thresholds ({bad}): the "
-                             "checkpoint's expert weights hold NaN/inf or absurd values; re-download it, or run dense "
-                             "with --sparsity 0")
+        raise RuntimeFailure(
+            f"calibrating {for_line(engine.model_name)} gave unusable thresholds ({bad}): the "
+            "checkpoint's expert weights hold NaN/inf or absurd values; re-download it, or run dense "
+            "with --sparsity 0"
+        )
     counts = [[r.routed.get(e, 0) for e in range(m.num_experts)] for r, m in zip(recorders, experts)]
     return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids), "routing_counts": counts})
 

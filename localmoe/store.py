@@ -24,8 +24,9 @@ import torch
 
 from localmoe.errors import RuntimeFailure
 from localmoe.experts import ExpertWeights
+from localmoe.paths import cache_root
+from localmoe.paths import slug as _slug
 from localmoe.safe_text import for_line
-from localmoe.paths import cache_root, slug as _slug
 
 PARTS = ("gate", "up", "down_t")
 
@@ -47,8 +48,12 @@ class ExpertStore:
     def __init__(self, model: str, revision: str, sources: list[Path], dtype: torch.dtype):
         self.dir = store_root() / _slug(f"{model}@{revision}")
         self.dtype = dtype
-        self.meta = {"model": model, "revision": revision, "dtype": str(dtype).replace("torch.", ""),
-                     "sources": sorted(_source(p) for p in sources)}
+        self.meta = {
+            "model": model,
+            "revision": revision,
+            "dtype": str(dtype).replace("torch.", ""),
+            "sources": sorted(_source(p) for p in sources),
+        }
 
     def _marker(self, prefix: str) -> Path:
         return self.dir / f"{_slug(prefix)}.json"
@@ -61,25 +66,29 @@ class ExpertStore:
         paths = [self.dir / f"{_slug(prefix)}.{part}.bin" for part in PARTS]
         size = numel * torch.empty((), dtype=self.dtype).element_size()
         try:
-            ready = (json.loads(marker.read_text()) == want
-                     and all(path.stat().st_size == size for path in paths))  # a truncated file would map as zeros
+            ready = json.loads(marker.read_text()) == want and all(
+                path.stat().st_size == size for path in paths
+            )  # a truncated file would map as zeros
         except (OSError, ValueError, RecursionError):
             ready = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not ready:
                 marker.unlink(missing_ok=True)  # being (re)written: not valid until `done`
-            parts = [torch.from_file(str(path), shared=True, size=numel, dtype=self.dtype).view(shape)
-                     for path in paths]
+            parts = [
+                torch.from_file(str(path), shared=True, size=numel, dtype=self.dtype).view(shape) for path in paths
+            ]
         except (OSError, RuntimeError) as e:  # torch reports a failed open or mmap as RuntimeError
             raise self._failure(e) from None
         return ExpertWeights(*parts), ready
 
     def _failure(self, e: Exception) -> RuntimeFailure:
         why = getattr(e, "strerror", None) or str(e).strip().splitlines()[0]
-        return RuntimeFailure(f"cannot write the memory-mapped expert files under {for_line(self.dir)} "
-                              f"({for_line(why)}): free disk space or fix the folder's permissions, or keep them in "
-                              "RAM with --host-storage pinned")
+        return RuntimeFailure(
+            f"cannot write the memory-mapped expert files under {for_line(self.dir)} "
+            f"({for_line(why)}): free disk space or fix the folder's permissions, or keep them in "
+            "RAM with --host-storage pinned"
+        )
 
     def done(self, prefix: str, shape: tuple[int, int, int]) -> None:
         """Mark the layer under `prefix` complete (after its weights were written)."""

@@ -20,7 +20,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-
 import tiny_models  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
 
 FAMILIES = ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "granitemoe"]

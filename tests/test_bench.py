@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-
 import tiny_models
+import torch
 from conftest import repo_id
+
 from localmoe.benchmark import shape_config, step_bytes, table
 from localmoe.cli import main
 from localmoe.engine import Engine
@@ -21,8 +21,15 @@ from localmoe.random_weights import build_random, router_weight
 
 def test_real_shapes():
     c = shape_config("qwen3.5-35b")
-    assert (c.hidden_size, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-            c.shared_expert_intermediate_size, c.vocab_size) == (2048, 40, 256, 8, 512, 512, 248320)
+    assert (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+        c.vocab_size,
+    ) == (2048, 40, 256, 8, 512, 512, 248320)
     assert c.layer_types.count("full_attention") == 10
     q = shape_config("qwen3-30b")
     assert (q.num_hidden_layers, q.num_experts, q.moe_intermediate_size) == (48, 128, 768)
@@ -43,19 +50,64 @@ def test_random_engine_and_byte_floor():
 
 
 def test_bench_command_json(capsys):
-    code = main(["bench", repo_id("olmoe"), "--prompt-tokens", "32", "--decode-tokens", "8", "--sparsity", "0,0.5",
-                 "--json", "--device", "cpu"])
+    code = main(
+        [
+            "bench",
+            repo_id("olmoe"),
+            "--prompt-tokens",
+            "32",
+            "--decode-tokens",
+            "8",
+            "--sparsity",
+            "0,0.5",
+            "--json",
+            "--device",
+            "cpu",
+        ]
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and [r["sparsity"] for r in res["rows"]] == [0.0, 0.5] and res["routing"] == "uniform"
     assert all(r["decode_tok_s"] > 0 for r in res["rows"])
 
 
 def test_bench_accelerate_baseline(capsys):
-    code = main(["bench", repo_id("olmoe"), "--baseline", "accelerate", "--prompt-tokens", "16", "--decode-tokens",
-                 "4", "--sparsity", "0", "--json", "--device", "cpu"])
+    code = main(
+        [
+            "bench",
+            repo_id("olmoe"),
+            "--baseline",
+            "accelerate",
+            "--prompt-tokens",
+            "16",
+            "--decode-tokens",
+            "4",
+            "--sparsity",
+            "0",
+            "--json",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 2 and "needs --vram" in capsys.readouterr().err
-    code = main(["bench", repo_id("olmoe"), "--baseline", "accelerate", "--vram", "8", "--prompt-tokens", "16",
-                 "--decode-tokens", "4", "--sparsity", "0", "--json", "--device", "cpu"])
+    code = main(
+        [
+            "bench",
+            repo_id("olmoe"),
+            "--baseline",
+            "accelerate",
+            "--vram",
+            "8",
+            "--prompt-tokens",
+            "16",
+            "--decode-tokens",
+            "4",
+            "--sparsity",
+            "0",
+            "--json",
+            "--device",
+            "cpu",
+        ]
+    )
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert code == 0 and rows[-1]["name"].startswith("accelerate offload") and rows[-1]["decode_tok_s"] > 0
 
@@ -65,11 +117,23 @@ def _wide_config():
     too, so finding the router must skip them."""
     import transformers as tf
 
-    return tf.Qwen3_5MoeTextConfig(**tiny_models._common(
-        hidden_size=64, head_dim=8, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=8, shared_expert_intermediate_size=256,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4))
+    return tf.Qwen3_5MoeTextConfig(
+        **tiny_models._common(
+            hidden_size=64,
+            head_dim=8,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=256,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        )
+    )
 
 
 def _routers(loaded) -> list[torch.Tensor]:  # [E, H] per MoE layer
@@ -86,8 +150,9 @@ def _top20_share(w: torch.Tensor, k: int) -> float:
 
 def test_skewed_routing_rescales_only_routers():
     cfg, cpu = _wide_config(), torch.device("cpu")
-    uni, skew, again = (build_random(cfg, device=cpu, dtype=torch.float32, routing=r)
-                        for r in ("uniform", "skewed", "skewed"))
+    uni, skew, again = (
+        build_random(cfg, device=cpu, dtype=torch.float32, routing=r) for r in ("uniform", "skewed", "skewed")
+    )
     routers = {id(w) for w in _routers(skew)}
     p_uni, p_again = dict(uni.model.named_parameters()), dict(again.model.named_parameters())
     for name, p in skew.model.named_parameters():
@@ -115,29 +180,59 @@ def test_routing_flag_errors(capsys):
 
 
 def test_table_names_skewed_routing():
-    res = {"model": "m", "device": "cpu", "dtype": "float32", "load_s": 0.0, "copy_gb_s": 0.0, "prompt_tokens": 1,
-           "decode_tokens": 2, "rows": []}
+    res = {
+        "model": "m",
+        "device": "cpu",
+        "dtype": "float32",
+        "load_s": 0.0,
+        "copy_gb_s": 0.0,
+        "prompt_tokens": 1,
+        "decode_tokens": 2,
+        "rows": [],
+    }
     assert "routing" not in table({**res, "routing": "uniform"}).splitlines()[0]
     assert table({**res, "routing": "skewed"}).splitlines()[0].endswith(", skewed routing")
 
 
 def test_table_marks_what_a_baseline_does_not_measure():
     """A baseline row (and a CPU row) has no byte floor, and only localmoe's rows have a realised sparsity: "–"."""
-    res = {"model": "m", "device": "cuda", "dtype": "bfloat16", "load_s": 0.0, "copy_gb_s": 4200.0,
-           "prompt_tokens": 1, "decode_tokens": 2}
+    res = {
+        "model": "m",
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "load_s": 0.0,
+        "copy_gb_s": 4200.0,
+        "prompt_tokens": 1,
+        "decode_tokens": 2,
+    }
     row = {"sparsity": 0.0, "prefill_tok_s": 10.0, "decode_tok_s": 5.0, "peak_gpu_mem_gb": 1.0}
-    rows = [{**row, "name": "localmoe", "graph": True, "floor_tok_s": 10.0, "fraction_of_floor": 0.5,
-             "sparsity_realized": 0.85},
-            {**row, "name": "transformers generate (grouped_mm)", "floor_tok_s": 0.0, "fraction_of_floor": 0.0,
-             "sparsity_realized": 0.0}]
+    rows = [
+        {
+            **row,
+            "name": "localmoe",
+            "graph": True,
+            "floor_tok_s": 10.0,
+            "fraction_of_floor": 0.5,
+            "sparsity_realized": 0.85,
+        },
+        {
+            **row,
+            "name": "transformers generate (grouped_mm)",
+            "floor_tok_s": 0.0,
+            "fraction_of_floor": 0.0,
+            "sparsity_realized": 0.0,
+        },
+    ]
     local, base = table({**res, "rows": rows}).splitlines()[2:]
     assert "50.0%" in local and "85.0%" in local and "–" not in local
     assert base.split()[-4:] == ["–", "–", "–", "1.0"]
 
 
-@pytest.mark.parametrize(("model_type", "says"), [("gpt_oss", "GPT-OSS is not yet supported"),
-                                                  ("qwen3", "not a family localmoe runs")],
-                         ids=["unsupported-family", "not-moe"])
+@pytest.mark.parametrize(
+    ("model_type", "says"),
+    [("gpt_oss", "GPT-OSS is not yet supported"), ("qwen3", "not a family localmoe runs")],
+    ids=["unsupported-family", "not-moe"],
+)
 def test_shape_of_an_unsupported_family_is_refused(tmp_path, monkeypatch, model_type, says):
     import localmoe.benchmark as benchmark
 
@@ -150,11 +245,35 @@ def test_shape_of_an_unsupported_family_is_refused(tmp_path, monkeypatch, model_
 
 def test_bench_repeat_penalty_rows(capsys):
     """--repeat-penalty: a row with the penalty after each row without, from the same engine."""
-    code = main(["bench", repo_id("qwen3_moe"), "--prompt-tokens", "16", "--decode-tokens", "6", "--sparsity", "0",
-                 "--repeat-penalty", "1.2", "--json", "--device", "cpu"])
+    code = main(
+        [
+            "bench",
+            repo_id("qwen3_moe"),
+            "--prompt-tokens",
+            "16",
+            "--decode-tokens",
+            "6",
+            "--sparsity",
+            "0",
+            "--repeat-penalty",
+            "1.2",
+            "--json",
+            "--device",
+            "cpu",
+        ]
+    )
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert code == 0 and [(r["sparsity"], r["repetition_penalty"]) for r in rows] == [(0.0, 1.0), (0.0, 1.2)]
     assert all(r["decode_tok_s"] > 0 for r in rows)
-    assert "localmoe rep.pen. 1.2" in table({"model": "m", "device": "cpu", "dtype": "float32", "load_s": 0.0,
-                                             "copy_gb_s": 0.0, "prompt_tokens": 1, "decode_tokens": 2,
-                                             "rows": rows})
+    assert "localmoe rep.pen. 1.2" in table(
+        {
+            "model": "m",
+            "device": "cpu",
+            "dtype": "float32",
+            "load_s": 0.0,
+            "copy_gb_s": 0.0,
+            "prompt_tokens": 1,
+            "decode_tokens": 2,
+            "rows": rows,
+        }
+    )

@@ -24,8 +24,12 @@ def test_is_the_default_and_small():
 def test_generates_language_offline():
     engine = Engine.load("localmoe-tiny", device="cpu")  # registry default sparsity: the sparse path
     assert engine.sparsity == load_registry().get("localmoe-tiny").sparsity > 0
-    text = "".join(ev.text for ev in engine.chat([{"role": "user", "content": "What does the json module do?"}],
-                                                 GenerationSettings(max_new_tokens=60)))
+    text = "".join(
+        ev.text
+        for ev in engine.chat(
+            [{"role": "user", "content": "What does the json module do?"}], GenerationSettings(max_new_tokens=60)
+        )
+    )
     words = re.findall(r"[A-Za-z]+", text)
     assert len(words) >= 8 and len(set(words)) >= 6, text
     assert sum(c.isascii() for c in text) / max(len(text), 1) > 0.95

@@ -24,23 +24,23 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
+import tiny_models
+from conftest import repo_id
+from test_tui import SIZE, replies, sync, type_and_send, wait_for
 from textual.app import App, ComposeResult
 from textual.widgets import Label, OptionList
 
-import tiny_models
-from conftest import repo_id
 from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.safe_text import is_clean
 from localmoe.tui.app import SAVE_INTERVAL, ChatApp, context_limit, fit_to_context
 from localmoe.tui.history import HistoryError, HistoryStore
 from localmoe.tui.widgets import ChatInput, LoadingView, MessageView, StatusBar
-from test_tui import SIZE, replies, sync, type_and_send, wait_for
 
 SETTINGS = GenerationSettings(max_new_tokens=8)
 OSC_TITLE = "\x1b]0;pwned\x07"
@@ -48,12 +48,34 @@ OSC_TITLE = "\x1b]0;pwned\x07"
 # sequences of every kind, C0/C1 controls, a bidi override, and Textual/Rich markup (which must show as text). The
 # tiny model's first greedy tokens for "hello" are mostly id 108: the ninth entry, which carries all three kinds.
 HOSTILE_TOKENS = [
-    "[b]", "[/]", "\x1b[2J", "\x9b31m", "[red]", "\x1b]2;pwned\x1b\\", "\x1b[?1049l", "\x07",
-    f"[/]{OSC_TITLE}[b]\x9b2J", "[/b]", "\x1bc", "\x1b]8;;http://evil\x1b\\",
-    "\u202e", "\x1b[31m", "[link=http://x]", "\x9d0;pwned\x07",
-    "\x1b[5n", "\r", "\x1bP+q\x1b\\", "[@click=app.quit]", "\x08", "\x1b_apc\x1b\\", "\x7f",
+    "[b]",
+    "[/]",
+    "\x1b[2J",
+    "\x9b31m",
+    "[red]",
+    "\x1b]2;pwned\x1b\\",
+    "\x1b[?1049l",
+    "\x07",
+    f"[/]{OSC_TITLE}[b]\x9b2J",
+    "[/b]",
+    "\x1bc",
+    "\x1b]8;;http://evil\x1b\\",
+    "\u202e",
+    "\x1b[31m",
+    "[link=http://x]",
+    "\x9d0;pwned\x07",
+    "\x1b[5n",
+    "\r",
+    "\x1bP+q\x1b\\",
+    "[@click=app.quit]",
+    "\x08",
+    "\x1b_apc\x1b\\",
+    "\x7f",
     "[bold magenta]",
-    "\x1b[?1000h", "\x1b[H", "[/red]", "\x1b]52;c;cHduZWQ=\x07",
+    "\x1b[?1000h",
+    "\x1b[H",
+    "[/red]",
+    "\x1b]52;c;cHduZWQ=\x07",
 ]
 HOSTILE_NAME = f"evil{OSC_TITLE}[bold]model"  # a folder name: no "/" in it, so no closing tag
 CONTROL_CHARS = [chr(c) for c in range(0x20) if chr(c) not in "\n\t"] + ["\x7f", "\x9b", "\x9d", "\u202e"]
@@ -64,6 +86,7 @@ def clean(text: str) -> bool:
 
 
 # -- checkpoints and engines ------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def engine(hub_cache) -> Engine:
@@ -86,8 +109,9 @@ def hostile_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(tiny_models.SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                   bos_token=None, pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
     fast.chat_template = tiny_models.CHAT_TEMPLATE
     return fast
 
@@ -122,12 +146,18 @@ def long_dir(src_dir, tmp_path_factory) -> Path:
 
 # -- helpers ----------------------------------------------------------------------------------------------------------
 
+
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "data" / "chats.sqlite3"
 
 
-def seed(path: Path, title: str = "", model: str = "tiny", system: str | None = None,
-         messages: list[tuple[str, str, str]] = (("user", "old question", "ok"), ("assistant", "old answer", "ok"))):
+def seed(
+    path: Path,
+    title: str = "",
+    model: str = "tiny",
+    system: str | None = None,
+    messages: list[tuple[str, str, str]] = (("user", "old question", "ok"), ("assistant", "old answer", "ok")),
+):
     store = HistoryStore(path)
     sid = store.new_session(model, system)
     for role, content, status in messages:
@@ -141,8 +171,9 @@ def seed(path: Path, title: str = "", model: str = "tiny", system: str | None = 
 def rows(path: Path, session_id: int) -> list[tuple[str, str, str]]:
     db = sqlite3.connect(path)
     try:
-        return db.execute("SELECT role, content, status FROM messages WHERE session_id = ? ORDER BY id",
-                          (session_id,)).fetchall()
+        return db.execute(
+            "SELECT role, content, status FROM messages WHERE session_id = ? ORDER BY id", (session_id,)
+        ).fetchall()
     finally:
         db.close()
 
@@ -170,8 +201,10 @@ def fill_disk(db: sqlite3.Connection) -> None:
     db.execute(f"PRAGMA max_page_count = {pages}")
     try:
         while True:
-            db.execute("INSERT INTO messages (session_id, role, content, created_at) VALUES (?, 'f', 'f', 0)",
-                       (filler.lastrowid,))
+            db.execute(
+                "INSERT INTO messages (session_id, role, content, created_at) VALUES (?, 'f', 'f', 0)",
+                (filler.lastrowid,),
+            )
     except sqlite3.OperationalError as exc:
         assert "full" in str(exc)
 
@@ -228,12 +261,14 @@ def _unreadable(path: Path) -> None:
 DB_FAULTS = {
     "read-only-data-dir": pytest.param(DbFault(before=_read_only, recover=_writable, keeps_file=True), marks=as_user),
     "read-only-reopen-mid-session": DbFault(during=_reopen_read_only),
-    "disk-full-mid-session-auto-rollback": DbFault(during=lambda app, path: fill_disk(app.store._db),
-                                                   recover=lambda app, path: unfill_disk(app.store._db)),
+    "disk-full-mid-session-auto-rollback": DbFault(
+        during=lambda app, path: fill_disk(app.store._db), recover=lambda app, path: unfill_disk(app.store._db)
+    ),
     "corrupt-file-at-start": DbFault(before=_corrupt, recover=lambda app, path: path.unlink(), keeps_file=True),
     "directory-in-place-of-file": DbFault(before=_directory, recover=lambda app, path: path.rmdir()),
-    "unreadable-file-at-start": pytest.param(DbFault(before=_unreadable, recover=_writable, keeps_file=True),
-                                             marks=as_user),
+    "unreadable-file-at-start": pytest.param(
+        DbFault(before=_unreadable, recover=_writable, keeps_file=True), marks=as_user
+    ),
 }
 
 
@@ -288,8 +323,10 @@ async def test_database_fault_keeps_conversation(fault, engine, tmp_path):
             path.chmod(0o644)
     assert rows(path, session) == shown
     contents = [c for _, c, _ in shown]
-    assert contents[::2][-2:] == ["typed while failing" if fault.recover is None else "again while failing",
-                                  "after it works again"]
+    assert contents[::2][-2:] == [
+        "typed while failing" if fault.recover is None else "again while failing",
+        "after it works again",
+    ]
 
 
 def _store_fault_disk_full(store: HistoryStore) -> Callable[[], None]:
@@ -316,8 +353,9 @@ STORE_WRITES = {
     "delete_message": lambda s, sid, mid: s.delete_message(mid),
 }
 STORE_FAULTS = {"disk-full": _store_fault_disk_full, "read-only": _store_fault_read_only}
-STORE_CASES = [(f, w) for f in STORE_FAULTS for w in STORE_WRITES
-               if not (f == "disk-full" and w == "delete_message")]  # a delete frees space
+STORE_CASES = [
+    (f, w) for f in STORE_FAULTS for w in STORE_WRITES if not (f == "disk-full" and w == "delete_message")
+]  # a delete frees space
 
 
 @pytest.mark.parametrize("fault,write", STORE_CASES, ids=[f"{f}-{w}" for f, w in STORE_CASES])
@@ -342,6 +380,7 @@ def test_store_write_failure_is_one_history_error(fault, write, tmp_path):
 
 # -- signals ----------------------------------------------------------------------------------------------------------
 
+
 class ChatInPty:
     """`localmoe chat MODEL` in a pseudo-terminal of 100x30, its output collected."""
 
@@ -352,7 +391,13 @@ class ChatInPty:
         env = dict(os.environ, XDG_DATA_HOME=str(data_home), TERM="xterm-256color")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "localmoe", "chat", str(model), "--device", "cpu", "--sparsity", "0", *extra],
-            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True, close_fds=True)
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
         os.close(slave)
         self.master = master
         self.out = bytearray()
@@ -383,8 +428,9 @@ class ChatInPty:
             return None
         db = sqlite3.connect(self.db, timeout=5.0)
         try:
-            row = db.execute("SELECT content, status FROM messages WHERE role = 'assistant' "
-                             "ORDER BY id DESC LIMIT 1").fetchone()
+            row = db.execute(
+                "SELECT content, status FROM messages WHERE role = 'assistant' ORDER BY id DESC LIMIT 1"
+            ).fetchone()
         except sqlite3.OperationalError:  # locked for a moment by the writer
             return None
         finally:
@@ -429,9 +475,15 @@ def stream_reply(chat: ChatInPty, updates: int = 2, timeout: float = 60.0) -> li
 def restores_terminal(out: bytes) -> bool:
     """The output leaves the alternate screen and turns mouse reporting and bracketed paste off after turning them
     on."""
-    return all(out.rfind(off) > out.rfind(on) >= 0 for on, off in [
-        (b"\x1b[?1049h", b"\x1b[?1049l"), (b"\x1b[?1000h", b"\x1b[?1000l"), (b"\x1b[?1003h", b"\x1b[?1003l"),
-        (b"\x1b[?2004h", b"\x1b[?2004l")])
+    return all(
+        out.rfind(off) > out.rfind(on) >= 0
+        for on, off in [
+            (b"\x1b[?1049h", b"\x1b[?1049l"),
+            (b"\x1b[?1000h", b"\x1b[?1000l"),
+            (b"\x1b[?1003h", b"\x1b[?1003l"),
+            (b"\x1b[?2004h", b"\x1b[?2004l"),
+        ]
+    )
 
 
 SIGNAL_CASES = {
@@ -494,6 +546,7 @@ def resume_shows_interrupted(engine, path: Path, content: str) -> bool:
 
 
 # -- output safety ----------------------------------------------------------------------------------------------------
+
 
 def screen_is_clean(app: App) -> bool:
     """No control character in what the terminal is sent for the whole screen (as a screenshot renders it)."""
@@ -582,10 +635,17 @@ async def safety_export(pilot, app, ctx):
     assert screen_is_clean(app)
 
 
-HISTORY = dict(title=f"{OSC_TITLE}title [/]", model=HOSTILE_NAME, system=f"sys{OSC_TITLE}\x1b[2J",
-               messages=[("user", f"q\x1b[31m [/] and [b]bold{OSC_TITLE}", "ok"),
-                         ("assistant", "```python\nprint(1)", "cancelled"), ("user", "next", "ok"),
-                         ("assistant", "\x1b[?1049lhidden\x9b2J [red]x[/red]", "ok")])
+HISTORY = dict(
+    title=f"{OSC_TITLE}title [/]",
+    model=HOSTILE_NAME,
+    system=f"sys{OSC_TITLE}\x1b[2J",
+    messages=[
+        ("user", f"q\x1b[31m [/] and [b]bold{OSC_TITLE}", "ok"),
+        ("assistant", "```python\nprint(1)", "cancelled"),
+        ("user", "next", "ok"),
+        ("assistant", "\x1b[?1049lhidden\x9b2J [red]x[/red]", "ok"),
+    ],
+)
 
 SAFETY_CASES = {
     # name: (run, engine kind, app options, seed the history)
@@ -610,18 +670,28 @@ async def test_output_safety(case, engine, hostile_engine, hostile_dir, tmp_path
     if seeded:
         seed(path, **HISTORY)
     if kind == "hostile-load":
-        app = ChatApp(load=lambda progress: hostile_engine, model_label=str(hostile_dir), settings=SETTINGS,
-                      db_path=path, **options)
+        app = ChatApp(
+            load=lambda progress: hostile_engine,
+            model_label=str(hostile_dir),
+            settings=SETTINGS,
+            db_path=path,
+            **options,
+        )
     elif kind == "load-error":  # the hostile folder with its weights file corrupt: the loader names the path
         broken = tmp_path / HOSTILE_NAME
         shutil.copytree(hostile_dir, broken)
         for weights in broken.glob("*.safetensors"):
             weights.write_bytes(b"not safetensors" * 8)
-        app = ChatApp(load=lambda progress: Engine.load(str(broken), device="cpu", sparsity=0.0),
-                      model_label=str(broken), db_path=path, **options)
+        app = ChatApp(
+            load=lambda progress: Engine.load(str(broken), device="cpu", sparsity=0.0),
+            model_label=str(broken),
+            db_path=path,
+            **options,
+        )
     else:
-        app = ChatApp(engine=hostile_engine if kind == "hostile" else engine, settings=SETTINGS, db_path=path,
-                      **options)
+        app = ChatApp(
+            engine=hostile_engine if kind == "hostile" else engine, settings=SETTINGS, db_path=path, **options
+        )
     async with app.run_test(size=SIZE) as pilot:
         await run(pilot, app, {"db": path, "tmp": tmp_path})
         await pilot.pause()
@@ -646,7 +716,7 @@ def test_terminal_bytes_carry_no_model_sequences(hostile_dir, tmp_path):
     finally:
         chat.kill()
     out = bytes(chat.out)
-    assert "\x1b".encode() in chat.reply_row()[0].encode()  # precondition: the reply had sequences
+    assert b"\x1b" in chat.reply_row()[0].encode()  # precondition: the reply had sequences
     for seq in [OSC_TITLE, "\x1b]2;pwned", "\x1b]52;", "\x1b]8;;http://evil", "\x1b[2J", "\x1bc", "\x9b", "\u202e"]:
         assert seq.encode() not in out, seq
 
@@ -660,8 +730,11 @@ STREAM_CASES = {
     # name: (fragments, status, Markdown source once finished)
     "sequence-split-across-fragments": (["a\x1b]0;pw", "ned\x07b", "\x1b[3", "1mc"], "ok", "abc"),
     "lone-escape-at-end": (["text\x1b"], "ok", "text"),
-    "cancelled-inside-fence": (["Code:\n\n```py\nx = 1", "\n"], "cancelled",
-                               "Code:\n\n```py\nx = 1\n```\n\n*[cancelled]*"),
+    "cancelled-inside-fence": (
+        ["Code:\n\n```py\nx = 1", "\n"],
+        "cancelled",
+        "Code:\n\n```py\nx = 1\n```\n\n*[cancelled]*",
+    ),
     "interrupted-inside-tilde-fence": (["~~~~\ny"], "interrupted", "~~~~\ny\n~~~~\n\n*[interrupted]*"),
     "closed-fence-left-alone": (["```\nz\n```\n"], "cancelled", "```\nz\n```\n\n\n*[cancelled]*"),
 }
@@ -713,6 +786,7 @@ async def test_export_never_overwrites_silently(before, arg, after, notice, engi
 
 # -- context overflow -------------------------------------------------------------------------------------------------
 
+
 def _long_history(turns: int, width: int = 90) -> list[tuple[str, str, str]]:
     out = []
     for i in range(turns):
@@ -735,8 +809,11 @@ def check_prompt(engine, app: ChatApp, sent_history: list[dict]) -> None:
 
 
 def history_messages(app: ChatApp, upto: int | None = None) -> list[dict]:
-    return [{"role": t.role, "content": t.content} for t in app.turns[:upto]
-            if t.role == "user" or (t.role == "assistant" and t.content.strip())]
+    return [
+        {"role": t.role, "content": t.content}
+        for t in app.turns[:upto]
+        if t.role == "user" or (t.role == "assistant" and t.content.strip())
+    ]
 
 
 async def context_long_history(pilot, app, engine):
@@ -799,14 +876,27 @@ FIT_CASES = {
     # name: (messages, max_new_tokens, dropped)
     "empty": ([], 8, 0),
     "fits": ([{"role": "user", "content": "hi"}], 8, 0),
-    "drops-to-a-user-turn": ([{"role": "system", "content": "s"}]
-                             + [{"role": r, "content": r[0] * 150} for r in ["user", "assistant"] * 3]
-                             + [{"role": "user", "content": "new"}], 8, 4),
-    "reply-room-capped-at-a-quarter": ([{"role": r, "content": r[0] * 200} for r in ["user", "assistant"]]
-                                       + [{"role": "user", "content": "new"}], 10_000, 2),
-    "keeps-the-new-message-even-alone-too-long": ([{"role": "user", "content": "a"},
-                                                   {"role": "assistant", "content": "b"},
-                                                   {"role": "user", "content": "z" * 900}], 8, 2),
+    "drops-to-a-user-turn": (
+        [{"role": "system", "content": "s"}]
+        + [{"role": r, "content": r[0] * 150} for r in ["user", "assistant"] * 3]
+        + [{"role": "user", "content": "new"}],
+        8,
+        4,
+    ),
+    "reply-room-capped-at-a-quarter": (
+        [{"role": r, "content": r[0] * 200} for r in ["user", "assistant"]] + [{"role": "user", "content": "new"}],
+        10_000,
+        2,
+    ),
+    "keeps-the-new-message-even-alone-too-long": (
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "z" * 900},
+        ],
+        8,
+        2,
+    ),
 }
 
 
@@ -815,4 +905,4 @@ def test_fit_to_context(messages, max_new, dropped, engine):
     kept, n = fit_to_context(engine, messages, max_new)
     assert n == dropped
     head = messages[:1] if messages and messages[0]["role"] == "system" else []
-    assert kept == head + messages[len(head) + n:]
+    assert kept == head + messages[len(head) + n :]

@@ -19,10 +19,11 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from conftest import repo_id
+from test_tui import replies, sync, type_and_send, wait_for
 from textual.app import App, ComposeResult
 from textual.widgets import Markdown
 
-from conftest import repo_id
 from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.tui.app import ChatApp
@@ -31,7 +32,6 @@ from localmoe.tui.reasoning_view import ReasoningHeader, ReasoningView
 from localmoe.tui.sessions import SessionPicker
 from localmoe.tui.stats_view import measured, seconds
 from localmoe.tui.widgets import INPUT_HINT, ChatInput, LoadingView, MessageView, StatusBar, wrap_parts
-from test_tui import replies, sync, type_and_send, wait_for
 
 SMALL = (80, 24)
 SHORT = GenerationSettings(max_new_tokens=8)
@@ -97,8 +97,11 @@ def events(app: ChatApp) -> list[str]:
 
 
 async def ready(pilot, app: ChatApp, timeout: float = 60.0) -> None:
-    await wait_for(pilot, lambda: app.engine is not None and app.query_one("#main").current == "chat"
-                   and app.query(MessageView), timeout)
+    await wait_for(
+        pilot,
+        lambda: app.engine is not None and app.query_one("#main").current == "chat" and app.query(MessageView),
+        timeout,
+    )
     await pilot.pause()
 
 
@@ -107,6 +110,7 @@ async def streaming(pilot, app: ChatApp) -> None:
 
 
 # 1. the input is live from the first frame -----------------------------------------------------------------------
+
 
 @sync
 async def test_typing_during_the_load_is_kept_and_queued_until_ready(tmp_path):
@@ -216,8 +220,12 @@ async def test_stats_are_written_for_people(engine, tmp_path):
         assert DURATION.match(rows[label].strip("*")), (label, rows[label])
     assert rows["Expert cache"] == "**all experts resident**"
     assert rows["Last reply"].startswith("**8 tokens, it reached the token limit")
-    assert rows["Sampling"] == "**greedy (temperature 0) · " + (
-        "no repetition penalty · " if hasattr(SHORT, "repetition_penalty") else "") + "at most 8 tokens**"
+    assert (
+        rows["Sampling"]
+        == "**greedy (temperature 0) · "
+        + ("no repetition penalty · " if hasattr(SHORT, "repetition_penalty") else "")
+        + "at most 8 tokens**"
+    )
     stats = app.engine.stats
     for name in ("load_s", "ttft_s", "wall_s"):  # the engine's figures when it has them, else "—"
         value = getattr(stats, name, None)
@@ -229,6 +237,7 @@ async def test_stats_are_written_for_people(engine, tmp_path):
 
 # 3. commands confirm in the conversation -------------------------------------------------------------------------
 
+
 @sync
 async def test_commands_confirm_in_the_conversation_and_show_values(engine, tmp_path):
     engine.set_sparsity(0.0)
@@ -236,14 +245,29 @@ async def test_commands_confirm_in_the_conversation_and_show_values(engine, tmp_
     has_penalty = "repetition_penalty" in {f.name for f in fields(GenerationSettings)}
     async with app.run_test(size=SMALL) as pilot:
         await pilot.pause()
-        for text in ("/temp", "/temp 0.7", "/topp", "/topp 0.9", "/topk 40", "/penalty 1.1", "/penalty",
-                     "/sparsity", "/think", "/model"):
+        for text in (
+            "/temp",
+            "/temp 0.7",
+            "/topp",
+            "/topp 0.9",
+            "/topk 40",
+            "/penalty 1.1",
+            "/penalty",
+            "/sparsity",
+            "/think",
+            "/model",
+        ):
             await type_and_send(pilot, text)
         await type_and_send(pilot, "/sparsity 0.5")
         await wait_for(pilot, lambda: not app.busy and app.event_lines[-1].startswith("Sparsity target 50%"), 60)
         lines = app.event_lines
-        assert lines[:5] == ["Temperature 0 (greedy). /temp T changes it.", "Temperature 0.7, was 0.",
-                             "Top-p 1 (off). /topp P changes it.", "Top-p 0.9, was 1.", "Top-k 40, was 0."]
+        assert lines[:5] == [
+            "Temperature 0 (greedy). /temp T changes it.",
+            "Temperature 0.7, was 0.",
+            "Top-p 1 (off). /topp P changes it.",
+            "Top-p 0.9, was 1.",
+            "Top-k 40, was 0.",
+        ]
         if has_penalty:
             assert lines[5:7] == ["Repetition penalty 1.1, was 1.", "Repetition penalty 1.1. /penalty R changes it."]
             assert app.settings.repetition_penalty == 1.1
@@ -270,6 +294,7 @@ async def test_commands_confirm_in_the_conversation_and_show_values(engine, tmp_
 
 # 4. /model switches models inside the chat -------------------------------------------------------------------------
 
+
 @sync
 async def test_model_switch_keeps_the_conversation_and_frees_the_old_engine(tmp_path):
     loader = Loader()
@@ -292,8 +317,10 @@ async def test_model_switch_keeps_the_conversation_and_frees_the_old_engine(tmp_
         assert old() is None  # the first engine was let go before the second loaded
         assert OLMOE in app.engine.model_name and loader.calls == [None, OLMOE]
         assert (app.settings.top_k, app.settings.max_new_tokens) == (5, 8)
-        assert any(line.startswith(f"Now chatting with {OLMOE} on cpu. The conversation (2 messages) stays")
-                   for line in app.event_lines)
+        assert any(
+            line.startswith(f"Now chatting with {OLMOE} on cpu. The conversation (2 messages) stays")
+            for line in app.event_lines
+        )
         stats = app.engine.stats  # the new model read the whole conversation: nothing of it was cached
         assert stats.reused_prompt_tokens == 0 and stats.prompt_tokens > len("and now?") + 20
         assert [t.content for t in app.turns if t.role == "user"] == ["hello experts", "and now?"]
@@ -325,6 +352,7 @@ async def test_model_switch_needs_a_loader_and_a_failed_one_can_be_retried(engin
 
 
 # 5. /sessions renames and deletes ------------------------------------------------------------------------------------
+
 
 def seed_sessions(path: Path) -> list[int]:
     store = HistoryStore(path)
@@ -365,7 +393,7 @@ async def test_sessions_rename_and_delete_with_confirmation(engine, tmp_path):
         assert titles(db(tmp_path))[older] == "Q about [b]MoE[/b]"
         assert "Q about [b]MoE[/b]" in str(picker.query_one("SessionList").get_option_at_index(1).prompt)
         await pilot.press("d")
-        assert "Delete #%d" % older in picker.keys_line and "y deletes" in picker.keys_line
+        assert f"Delete #{older}" in picker.keys_line and "y deletes" in picker.keys_line
         await pilot.press("n")  # any other key keeps it
         assert older in titles(db(tmp_path)) and "Kept" in picker.keys_line
         await pilot.press("d", "y")
@@ -379,9 +407,18 @@ async def test_sessions_rename_and_delete_with_confirmation(engine, tmp_path):
 
 # 6. 80x24 ----------------------------------------------------------------------------------------------------------
 
+
 def test_status_figures_wrap_between_figures_never_cut():
-    parts = ["localmoe-test/tiny-qwen3_moe", "cuda:0", "42.5 tok/s", "12 in (8 cached) / 40 out",
-             "sparsity 48%/50%", "GPU 7.2G", "cache 90%", "host→GPU 673 MB/tok"]
+    parts = [
+        "localmoe-test/tiny-qwen3_moe",
+        "cuda:0",
+        "42.5 tok/s",
+        "12 in (8 cached) / 40 out",
+        "sparsity 48%/50%",
+        "GPU 7.2G",
+        "cache 90%",
+        "host→GPU 673 MB/tok",
+    ]
     lines = wrap_parts(parts, 78)
     assert all(len(line) <= 78 for line in lines) and len(lines) == 2
     assert " · ".join(lines) == " · ".join(parts)  # broken only between figures, nothing left out
@@ -432,6 +469,7 @@ def test_snapshot_80x24_first_minute(snap_compare, hub_cache, tmp_path):
         await type_and_send(pilot, "/temp 0.7")
         await pilot.press(*"What is a mixture of experts?")
         await pilot.pause()
+
     assert snap_compare(app, terminal_size=SMALL, run_before=run_before)
 
 
@@ -467,13 +505,18 @@ async def test_resumed_reasoning_is_collapsed_expandable_sent_back_and_exported_
         header.focus()
         await pilot.press("enter")
         assert view.collapsed
-        assert app.context()[-1] == {"role": "assistant", "content": "Hello! How can I help?",
-                                     "reasoning_content": REASONING}
+        assert app.context()[-1] == {
+            "role": "assistant",
+            "content": "Hello! How can I help?",
+            "reasoning_content": REASONING,
+        }
         app.query_one(ChatInput).focus()
         await type_and_send(pilot, f"/export {tmp_path / 'chat.md'}")
     exported = (tmp_path / "chat.md").read_text()
-    assert ("## Assistant\n\n<details><summary>Reasoning</summary>\n\nThe user greets me.\n\nI should answer "
-            "**briefly**:\n\n```\nhi\n```\n\n</details>\n\nHello! How can I help?") in exported
+    assert (
+        "## Assistant\n\n<details><summary>Reasoning</summary>\n\nThe user greets me.\n\nI should answer "
+        "**briefly**:\n\n```\nhi\n```\n\n</details>\n\nHello! How can I help?"
+    ) in exported
 
 
 class _OneReply(App):
@@ -559,8 +602,10 @@ async def test_thinking_model_reasoning_streams_apart_and_think_switches_it(thin
     app = ChatApp(engine=engine, settings=LONG, db_path=db(tmp_path))
     async with app.run_test(size=SMALL) as pilot:
         await pilot.pause()
-        assert "It can think before it answers (thinking by default; `/think on|off`)" in \
-            app.query(MessageView).first().markdown.source
+        assert (
+            "It can think before it answers (thinking by default; `/think on|off`)"
+            in app.query(MessageView).first().markdown.source
+        )
         await type_and_send(pilot, "hello")
         await wait_for(pilot, lambda: app.reply is not None and len(app.reply.view.reasoning) > 3, 60)
         assert "thinking…" in hint(app) and app.reply.view.content == ""
@@ -617,8 +662,17 @@ async def test_past_reasoning_reaches_the_template_as_reasoning_content(think_en
         assert app.turns[-1].status == "ok"
     assert sent[1] == {"role": "assistant", "content": "Hello! How can I help?", "reasoning_content": REASONING}
     prompt = think_engine.tokenizer.decode(think_engine.encode_chat(sent))
-    at = [prompt.index(part) for part in ("<think>", "The user greets me.", "I should answer **briefly**:", "</think>",
-                                          "Hello! How can I help?", "and then?")]
+    at = [
+        prompt.index(part)
+        for part in (
+            "<think>",
+            "The user greets me.",
+            "I should answer **briefly**:",
+            "</think>",
+            "Hello! How can I help?",
+            "and then?",
+        )
+    ]
     assert at == sorted(at)  # the template put the past reasoning in its block, before that reply's answer
 
 
@@ -632,8 +686,12 @@ async def test_scripted_thinking_model_reasoning_and_answer_in_one_reply(hub_cac
     repo = getattr(tiny_models, "THINK_REPO", None)
     if repo is None:
         pytest.skip("tests/tiny_models.py has no thinking checkpoint yet")
-    app = ChatApp(load=lambda progress, model=None: Engine.load(model or repo, device="cpu", progress=progress),
-                  model_label="tiny-think", settings=GenerationSettings(max_new_tokens=16), db_path=db(tmp_path))
+    app = ChatApp(
+        load=lambda progress, model=None: Engine.load(model or repo, device="cpu", progress=progress),
+        model_label="tiny-think",
+        settings=GenerationSettings(max_new_tokens=16),
+        db_path=db(tmp_path),
+    )
     async with app.run_test(size=SMALL) as pilot:
         await ready(pilot, app)
         if hasattr(app.engine, "default_settings"):  # the checkpoint's sampling (Qwen3's), under what was given
@@ -644,8 +702,11 @@ async def test_scripted_thinking_model_reasoning_and_answer_in_one_reply(hub_cac
         await type_and_send(pilot, "hi")
         await wait_for(pilot, lambda: app.reply is None and len(app.turns) == 2, 60)
         reply = app.turns[-1]
-        assert (reply.status, reply.reasoning, reply.content) == ("ok", tiny_models.THINK_REASONING,
-                                                                  tiny_models.THINK_ANSWER)
+        assert (reply.status, reply.reasoning, reply.content) == (
+            "ok",
+            tiny_models.THINK_REASONING,
+            tiny_models.THINK_ANSWER,
+        )
         assert reply.view.markdown.source == "OK"
         assert str(reply.view.query_one(ReasoningHeader).render()) == "▶ Reasoning · 1 word"
         assert app.context()[-1] == {"role": "assistant", "content": "OK", "reasoning_content": "Why?"}
@@ -658,7 +719,11 @@ async def test_scripted_thinking_model_reasoning_and_answer_in_one_reply(hub_cac
         session = app.session_id
     store = HistoryStore(db(tmp_path))
     assert [(m.content, m.reasoning) for m in store.messages(session)] == [
-        ("hi", None), ("OK", "Why?"), ("again", None), ("OK", None)]
+        ("hi", None),
+        ("OK", "Why?"),
+        ("again", None),
+        ("OK", None),
+    ]
     store.close()
     exported = (tmp_path / "think.md").read_text()
     assert "## Assistant\n\n<details><summary>Reasoning</summary>\n\nWhy?\n\n</details>\n\nOK\n" in exported

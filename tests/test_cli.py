@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import repo_id
+
 from localmoe.cli import main
 
 MODEL = repo_id("qwen3_moe")
@@ -30,8 +30,18 @@ def test_json_schema(capsys):
     assert set(obj) == {"model", "text", "reasoning", "token_ids", "stats"}
     assert obj["model"] == MODEL and isinstance(obj["text"], str) and obj["reasoning"] == ""
     assert all(isinstance(t, int) for t in obj["token_ids"]) and 0 < len(obj["token_ids"]) <= 5
-    for key in ("prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "sparsity_target",
-                "sparsity_realized", "peak_gpu_mem_gb", "load_s", "ttft_s", "wall_s"):
+    for key in (
+        "prompt_tokens",
+        "generated_tokens",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "sparsity_target",
+        "sparsity_realized",
+        "peak_gpu_mem_gb",
+        "load_s",
+        "ttft_s",
+        "wall_s",
+    ):
         assert key in obj["stats"]
     st = obj["stats"]
     assert st["load_s"] > 0 and 0 < st["ttft_s"] <= st["wall_s"]
@@ -105,8 +115,9 @@ def test_corrupt_safetensors(src_dir, tmp_path, capsys, damage):
 
 
 def test_debug_shows_traceback(capsys):
-    with pytest.raises(Exception):
+    with pytest.raises(Exception) as info:  # noqa: B017  (whatever it is, --debug lets it through)
         main(["--debug", "run", "./no/such/dir", "hi"])
+    assert not isinstance(info.value, SystemExit)
 
 
 def _fresh_python(code: str, cwd) -> subprocess.CompletedProcess:
@@ -115,9 +126,11 @@ def _fresh_python(code: str, cwd) -> subprocess.CompletedProcess:
 
 
 def test_help_and_models_do_not_import_torch(tmp_path):
-    code = ("import sys; from localmoe.cli import main; "
-            "main(['models']); main(['run', '--help']) if False else None; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    code = (
+        "import sys; from localmoe.cli import main; "
+        "main(['models']); main(['run', '--help']) if False else None; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    )
     r = _fresh_python(code, tmp_path)
     assert r.returncode == 0 and "ALIAS" in r.stdout and "ok" in r.stdout, r.stderr
     r = subprocess.run([sys.executable, "-m", "localmoe", "--help"], cwd=tmp_path, capture_output=True, text=True)
@@ -125,8 +138,10 @@ def test_help_and_models_do_not_import_torch(tmp_path):
 
 
 def test_import_kernels_is_not_this_repo(tmp_path):
-    code = ("import importlib.util as u, localmoe.kernels as k, localmoe.tui as t; "
-            "print(u.find_spec('kernels')); print(u.find_spec('tui')); print(k.__name__, t.__name__)")
+    code = (
+        "import importlib.util as u, localmoe.kernels as k, localmoe.tui as t; "
+        "print(u.find_spec('kernels')); print(u.find_spec('tui')); print(k.__name__, t.__name__)"
+    )
     r = _fresh_python(code, tmp_path)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -154,8 +169,13 @@ def _on_terminal(argv: list[str]) -> tuple[int, bytes]:
     import pty
 
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "localmoe", *argv], stdin=subprocess.DEVNULL, stdout=follower,
-                            stderr=follower, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localmoe", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+        env=dict(os.environ),
+    )
     os.close(follower)
     received = b""
     try:
@@ -280,13 +300,22 @@ class _TTY(io.StringIO):
 
 
 PROGRESS = [  # (id, calls, what stderr shows)
-    ("load-final-reported-twice", [("load", 16, 37), ("load", 37, 37), ("load", 37, 37)],
-     "\r      load: 16/37\r      load: 37/37\n"),
-    ("load-then-calibrate", [("load", 37, 37), ("load", 37, 37), ("calibrate", 1, 2), ("calibrate", 2, 2)],
-     "\r      load: 37/37\n\r calibrate: 1/2\r calibrate: 2/2\n"),
+    (
+        "load-final-reported-twice",
+        [("load", 16, 37), ("load", 37, 37), ("load", 37, 37)],
+        "\r      load: 16/37\r      load: 37/37\n",
+    ),
+    (
+        "load-then-calibrate",
+        [("load", 37, 37), ("load", 37, 37), ("calibrate", 1, 2), ("calibrate", 2, 2)],
+        "\r      load: 37/37\n\r calibrate: 1/2\r calibrate: 2/2\n",
+    ),
     ("stage-cut-short", [("load", 1, 9), ("calibrate", 2, 2)], "\r      load: 1/9\n\r calibrate: 2/2\n"),
-    ("same-stage-again", [("ppl 0%", 2, 2), ("ppl 0%", 1, 2), ("ppl 0%", 2, 2)],
-     "\r    ppl 0%: 2/2\n\r    ppl 0%: 1/2\r    ppl 0%: 2/2\n"),
+    (
+        "same-stage-again",
+        [("ppl 0%", 2, 2), ("ppl 0%", 1, 2), ("ppl 0%", 2, 2)],
+        "\r    ppl 0%: 2/2\n\r    ppl 0%: 1/2\r    ppl 0%: 2/2\n",
+    ),
     ("stage-name-escapes", [("\x1b]0;x\x07load", 1, 1)], "\r      load: 1/1\n"),
     ("download-left-to-the-hub", [("download", 10, 100)], ""),
 ]
@@ -355,22 +384,45 @@ def _cli_unreachable_hub(*argv) -> subprocess.CompletedProcess:
     """The CLI as a user without network runs it: HF_HUB_OFFLINE unset, and the hub's address refuses connections."""
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env["HF_ENDPOINT"] = "http://127.0.0.1:9"
-    return subprocess.run([sys.executable, "-m", "localmoe", *argv], env=env, capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "localmoe", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 NO_NETWORK = [  # (id, argv, exit code, the error line, or None for success)
-    ("run-uncached-repo", ["run", "someorg/uncached", "hi"], 1,
-     "localmoe: error: someorg/uncached is not downloaded and the hub cannot be reached (",
-     "run `localmoe pull someorg/uncached` when online"),
-    ("pull-uncached-repo", ["pull", "someorg/uncached"], 1,
-     "localmoe: error: cannot download someorg/uncached: the hub cannot be reached (",
-     "then run `localmoe pull someorg/uncached` again"),
-    ("pull-uncached-alias", ["pull", "olmoe"], 1, "localmoe: error: cannot download olmoe: the hub cannot be reached",
-     "`localmoe pull olmoe` again"),
-    ("pull-unsupported-alias", ["pull", "gpt-oss-20b"], 2,
-     "localmoe: error: gpt-oss-20b (openai/gpt-oss-20b) cannot run",
-     "see `localmoe models`"),
+    (
+        "run-uncached-repo",
+        ["run", "someorg/uncached", "hi"],
+        1,
+        "localmoe: error: someorg/uncached is not downloaded and the hub cannot be reached (",
+        "run `localmoe pull someorg/uncached` when online",
+    ),
+    (
+        "pull-uncached-repo",
+        ["pull", "someorg/uncached"],
+        1,
+        "localmoe: error: cannot download someorg/uncached: the hub cannot be reached (",
+        "then run `localmoe pull someorg/uncached` again",
+    ),
+    (
+        "pull-uncached-alias",
+        ["pull", "olmoe"],
+        1,
+        "localmoe: error: cannot download olmoe: the hub cannot be reached",
+        "`localmoe pull olmoe` again",
+    ),
+    (
+        "pull-unsupported-alias",
+        ["pull", "gpt-oss-20b"],
+        2,
+        "localmoe: error: gpt-oss-20b (openai/gpt-oss-20b) cannot run",
+        "see `localmoe models`",
+    ),
     ("pull-cached-repo", ["pull", MODEL], 0, None, None),
 ]
 
@@ -425,9 +477,18 @@ def sampling_model(src_dir, tmp_path_factory) -> str:
     """The tiny Qwen3-MoE with a generation_config.json that samples (as the bundled model's does)."""
     folder = tmp_path_factory.mktemp("gencfg") / "sampling"
     shutil.copytree(src_dir / "qwen3_moe", folder)
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.3,
-         "eos_token_id": 3}))
+    (folder / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "do_sample": True,
+                "temperature": 0.9,
+                "top_k": 20,
+                "top_p": 0.95,
+                "repetition_penalty": 1.3,
+                "eos_token_id": 3,
+            }
+        )
+    )
     return str(folder)
 
 
@@ -438,12 +499,14 @@ def _ids(capsys, *argv):
 
 
 SAMPLING_CASES = [  # (id, flags, the settings the reply must equal (over GenerationSettings' defaults))
-    ("model-defaults", ["--seed", "5"],
-     dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.3, seed=5)),
+    ("model-defaults", ["--seed", "5"], dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.3, seed=5)),
     ("temperature-0-is-greedy", ["--temperature", "0"], dict(top_k=20, top_p=0.95, repetition_penalty=1.3)),
     ("penalty-off", ["--temperature", "0", "--repeat-penalty", "1"], dict()),
-    ("flag-overrides-one", ["--seed", "5", "--top-k", "3"],
-     dict(temperature=0.9, top_k=3, top_p=0.95, repetition_penalty=1.3, seed=5)),
+    (
+        "flag-overrides-one",
+        ["--seed", "5", "--top-k", "3"],
+        dict(temperature=0.9, top_k=3, top_p=0.95, repetition_penalty=1.3, seed=5),
+    ),
 ]
 
 
@@ -463,8 +526,8 @@ def test_run_stop_strings(sampling_model, capsys):
     text = whole["text"]
     assert len(text) >= 6
     cut = _ids(capsys, sampling_model, "hi", "--temperature", "0", "--stop", "zzz", "--stop", text[3:5])
-    assert cut["text"] == text[:text.index(text[3:5])] and cut["stats"]["finish_reason"] == "stop"
-    assert cut["token_ids"] == whole["token_ids"][:len(cut["token_ids"])] and len(cut["token_ids"]) <= 5
+    assert cut["text"] == text[: text.index(text[3:5])] and cut["stats"]["finish_reason"] == "stop"
+    assert cut["token_ids"] == whole["token_ids"][: len(cut["token_ids"])] and len(cut["token_ids"]) <= 5
 
 
 # -- calibrate, hub, chat's loader ------------------------------------------------------------------------------
@@ -479,10 +542,18 @@ def test_calibrate_says_where_thresholds_went(capsys, monkeypatch, tmp_path):
     assert "localmoe: note: could not save thresholds" in err
 
 
-@pytest.mark.parametrize(("names", "complete"), [
-    (["model.safetensors"], True), (["model-00002.safetensors"], False), (["../outside.safetensors"], True),
-    (["/etc/passwd"], True), (["sub/model.safetensors"], True), ([7], True)],
-    ids=["present", "missing-shard", "parent-dir", "absolute", "subfolder", "not-a-string"])
+@pytest.mark.parametrize(
+    ("names", "complete"),
+    [
+        (["model.safetensors"], True),
+        (["model-00002.safetensors"], False),
+        (["../outside.safetensors"], True),
+        (["/etc/passwd"], True),
+        (["sub/model.safetensors"], True),
+        ([7], True),
+    ],
+    ids=["present", "missing-shard", "parent-dir", "absolute", "subfolder", "not-a-string"],
+)
 def test_complete_snapshot_index_names(tmp_path, names, complete):
     """Every shard a sharded index names must be present; a name that is no plain file name is not looked up (the
     snapshot counts as complete and the loader refuses the index by name)."""
@@ -490,8 +561,9 @@ def test_complete_snapshot_index_names(tmp_path, names, complete):
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {f"t{i}": n for i, n in enumerate(names)}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {f"t{i}": n for i, n in enumerate(names)}})
+    )
     assert complete_snapshot(tmp_path) is complete
 
 

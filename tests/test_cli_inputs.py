@@ -16,8 +16,8 @@ import io
 import sys
 
 import pytest
-
 from conftest import repo_id
+
 from localmoe.cli import main
 
 M = repo_id("qwen3_moe")  # a tiny cached checkpoint, 512 positions
@@ -92,8 +92,13 @@ CASES = [
     ("prompt-undecodable-argv", ["run", M, "caf\udce9"], None, 2, "PROMPT is not UTF-8 text (byte 0xe9 at offset 3)"),
     ("prompt-lone-surrogate", ["run", M, "a\ud800"], None, 2, "PROMPT is not UTF-8 text (byte 0xed at offset 1)"),
     ("prompt-too-long", ["run", M, "x" * 600, "--raw", "--sparsity", "0"], None, 2, "the prompt has 600 tokens"),
-    ("raw-with-system", RUN + ["--raw", "--system", "be brief"], None, 2,
-     "--raw sends the prompt without the chat template"),
+    (
+        "raw-with-system",
+        RUN + ["--raw", "--system", "be brief"],
+        None,
+        2,
+        "--raw sends the prompt without the chat template",
+    ),
     ("system-blank", RUN + ["--system", "  "], None, 2, "--system is empty"),
     ("system-undecodable", RUN + ["--system", "\udcff"], None, 2, "--system is not UTF-8 text (byte 0xff at offset 0)"),
     # text files
@@ -116,10 +121,20 @@ CASES = [
     ("bench-no-model", ["bench"], None, 2, "give MODEL or --shape"),
     ("calibrate-sparsity-zero", ["calibrate", M, "--sparsity", "0"], None, 2, "needs no calibration"),
     ("calibrate-sparsity-nan", ["calibrate", M, "--sparsity", "nan"], None, 2, "must be in [0, 1)"),
-    ("calibrate-tokens-zero", ["calibrate", M, "--sparsity", "0.5", "--tokens", "0"], None, 2,
-     "--tokens must be >= 16"),
-    ("calibrate-text-binary", ["calibrate", M, "--sparsity", "0.5", "--text", "{binary}"], None, 2,
-     "is not UTF-8 text"),
+    (
+        "calibrate-tokens-zero",
+        ["calibrate", M, "--sparsity", "0.5", "--tokens", "0"],
+        None,
+        2,
+        "--tokens must be >= 16",
+    ),
+    (
+        "calibrate-text-binary",
+        ["calibrate", M, "--sparsity", "0.5", "--text", "{binary}"],
+        None,
+        2,
+        "is not UTF-8 text",
+    ),
     ("chat-temperature-nan", ["chat", M, "--temperature", "nan"], None, 2, "--temperature must be a finite number"),
     ("chat-vram-inf", ["chat", M, "--vram", "inf"], None, 2, "--vram must be a finite number"),
     ("chat-seed-1e23", ["chat", M, "--seed", str(10**23)], None, 2, "--seed must be"),
@@ -137,8 +152,12 @@ CASES = [
 def files(tmp_path):
     (tmp_path / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (tmp_path / "empty.txt").write_text(" \n")
-    return {"{missing}": str(tmp_path / "no-such-file.txt"), "{binary}": str(tmp_path / "binary.txt"),
-            "{empty}": str(tmp_path / "empty.txt"), "{folder}": str(tmp_path)}
+    return {
+        "{missing}": str(tmp_path / "no-such-file.txt"),
+        "{binary}": str(tmp_path / "binary.txt"),
+        "{empty}": str(tmp_path / "empty.txt"),
+        "{folder}": str(tmp_path),
+    }
 
 
 @pytest.mark.parametrize("argv, stdin, code, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -17,14 +17,15 @@ import sys
 import time
 
 import pytest
-
 import tiny_models
 
 TOKEN = "x" * 4096
 # `localmoe ARGV` with ctrl+c turned into KeyboardInterrupt even when this run of the suite ignores SIGINT (a
 # background job's children inherit that), as it is for a user at a terminal
-CHILD = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-         "from localmoe.cli import main; sys.exit(main(sys.argv[1:]))")
+CHILD = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from localmoe.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,13 @@ def long_reply(tmp_path_factory) -> str:
 
 
 def _start(argv, stderr_file):
-    return subprocess.Popen([sys.executable, "-c", CHILD, *argv], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=stderr_file, env=dict(os.environ))
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=stderr_file,
+        env=dict(os.environ),
+    )
 
 
 def _read_some(proc, n: int, timeout: float = 120.0) -> bytes:
@@ -80,8 +86,7 @@ CASES = [
     ("models-json-reader-gone", ["models", "--json"], _close_reader_at_once, 141, ""),
     ("run-sigterm-mid-reply", RUN, _signal_mid_reply(signal.SIGTERM), 143, "localmoe: terminated"),
     ("run-sigint-mid-reply", RUN, _signal_mid_reply(signal.SIGINT), 130, "localmoe: interrupted"),
-    ("run-quiet-sigterm-mid-reply", RUN + ["--quiet"], _signal_mid_reply(signal.SIGTERM), 143,
-     "localmoe: terminated"),
+    ("run-quiet-sigterm-mid-reply", RUN + ["--quiet"], _signal_mid_reply(signal.SIGTERM), 143, "localmoe: terminated"),
 ]
 
 

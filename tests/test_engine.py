@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-
 from conftest import repo_id
+
 from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.sampling import sample
@@ -89,8 +89,12 @@ def test_chat_template_with_system(engine):
 
 def test_streamed_text_equals_decoding_all_ids():
     engine = Engine.load("localmoe-tiny", device="cpu")
-    events = list(engine.chat([{"role": "user", "content": "naïve café — 日本語: what is a str?"}],
-                              GenerationSettings(max_new_tokens=60, temperature=1.0, seed=3)))
+    events = list(
+        engine.chat(
+            [{"role": "user", "content": "naïve café — 日本語: what is a str?"}],
+            GenerationSettings(max_new_tokens=60, temperature=1.0, seed=3),
+        )
+    )
     full = engine.tokenizer.decode([ev.token_id for ev in events], skip_special_tokens=True)
     assert "".join(ev.text for ev in events) == full
 
@@ -119,8 +123,7 @@ def test_pipelined_decode_equals_step_by_step(family):
     for depth in (0, 1, 2, 3):
         e.pipeline_depth = depth
         greedy = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=9))]
-        sampled = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=9, temperature=1.0,
-                                                                             seed=5))]
+        sampled = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=9, temperature=1.0, seed=5))]
         assert len(greedy) == len(sampled) == 9 and e.stats.finish_reason == "length"
         runs[depth] = (greedy, sampled)
     assert runs[0] == runs[1] == runs[2] == runs[3]
@@ -142,8 +145,10 @@ UNDECODABLE = [  # (id, how the engine is given the text)
     ("raw-undecodable-byte", lambda e: e.encode_raw("caf\udce9")),
     ("raw-lone-surrogate", lambda e: e.encode_raw("a\ud800b")),
     ("chat-user", lambda e: e.encode_chat([{"role": "user", "content": "\udcff"}])),
-    ("chat-system", lambda e: e.encode_chat([{"role": "system", "content": "\udcff"},
-                                             {"role": "user", "content": "hi"}])),
+    (
+        "chat-system",
+        lambda e: e.encode_chat([{"role": "system", "content": "\udcff"}, {"role": "user", "content": "hi"}]),
+    ),
 ]
 
 
@@ -191,8 +196,9 @@ BEFORE_TOKENIZER = [  # (id, files removed, config changes, the loader's message
 ]
 
 
-@pytest.mark.parametrize(("removed", "config", "says"), [c[1:] for c in BEFORE_TOKENIZER],
-                         ids=[c[0] for c in BEFORE_TOKENIZER])
+@pytest.mark.parametrize(
+    ("removed", "config", "says"), [c[1:] for c in BEFORE_TOKENIZER], ids=[c[0] for c in BEFORE_TOKENIZER]
+)
 def test_config_and_tokenizer_checked_before_the_tokenizer_loads(src_dir, tmp_path, removed, config, says):
     """The loader's own messages (read_config, check_tokenizer) come before transformers builds a tokenizer."""
     from localmoe.errors import UsageError
@@ -206,8 +212,9 @@ def test_reasoning_content_is_checked(engine):
     from localmoe.errors import UsageError
 
     with pytest.raises(UsageError, match="the assistant message's reasoning is not valid text"):
-        engine.encode_chat([{"role": "user", "content": "hi"},
-                            {"role": "assistant", "content": "ok", "reasoning_content": "\udcff"}])
+        engine.encode_chat(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "reasoning_content": "\udcff"}]
+        )
 
 
 def test_notes_and_plan_line(hub_cache):

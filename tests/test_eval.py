@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from conftest import repo_id
+
 from localmoe.cli import main
 from localmoe.engine import Engine
 from localmoe.evaluate import direct_perplexity, evaluate
@@ -62,9 +62,24 @@ def test_lm_eval_adapter_local_task(capsys, tmp_path):
     pytest.importorskip("lm_eval")
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "localmoe_tiny_choice.yaml").write_text(TASK_YAML.format(data=DATA / "lmeval" / "localmoe_tiny_choice.jsonl"))
-    code = main(["eval", repo_id("qwen3_moe"), "--tasks", "localmoe_tiny_choice", "--sparsity", "0,0.5",
-                 "--include-path", str(tasks), "--json", "--device", "cpu"])
+    (tasks / "localmoe_tiny_choice.yaml").write_text(
+        TASK_YAML.format(data=DATA / "lmeval" / "localmoe_tiny_choice.jsonl")
+    )
+    code = main(
+        [
+            "eval",
+            repo_id("qwen3_moe"),
+            "--tasks",
+            "localmoe_tiny_choice",
+            "--sparsity",
+            "0,0.5",
+            "--include-path",
+            str(tasks),
+            "--json",
+            "--device",
+            "cpu",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     obj = json.loads(out.strip().splitlines()[-1])

@@ -19,7 +19,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _experts(E, I, H, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     m = LocalExperts(E, H, I, "silu", 0)
-    m.weights = ExpertWeights(*((torch.randn(E, I, H, generator=gen) / H ** 0.5).to(DEV, dtype) for _ in range(3)))
+    m.weights = ExpertWeights(*((torch.randn(E, I, H, generator=gen) / H**0.5).to(DEV, dtype) for _ in range(3)))
     return m
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import repo_id
 from safetensors.torch import load_file, save_file
 
-from conftest import repo_id
 from localmoe import paths
 from localmoe import sparsity as sp
 from localmoe.engine import Engine
@@ -34,6 +34,7 @@ TOKENS = 256  # calibration tokens: enough for a tiny model's quantiles, quick o
 
 # -- threshold cache ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def engine(hub_cache):
     return Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0)
@@ -41,10 +42,12 @@ def engine(hub_cache):
 
 def _edit(fn):
     """A case that edits the saved JSON object in place with `fn(saved)` and writes it back."""
+
     def write(path: Path):
         saved = json.loads(path.read_text())
         fn(saved)
         path.write_text(json.dumps(saved))  # json.dumps writes NaN / Infinity as given
+
     return write
 
 
@@ -62,10 +65,12 @@ def _tau(i, value):
 
 def _raw_tau(literal: bytes):
     """Layer 0's threshold replaced by a JSON number literal as written (beyond what json.dumps makes of a float)."""
+
     def write(path: Path):
         saved = json.loads(path.read_text())
         saved["thresholds"][0] = "@TAU@"
         path.write_bytes(json.dumps(saved).encode().replace(b'"@TAU@"', literal))
+
     return write
 
 
@@ -102,15 +107,31 @@ CACHE_CASES = [
     ("other-sparsity", "layer", _set("sparsity", 0.9), "sparsity is 0.9, expected 0.6"),
     ("other-mode", "layer", _set("mode", "expert"), "mode is 'expert'"),
     ("other-experts-format", "layer", _set("experts", "int4"), "experts is 'int4', expected 'full'"),
-    ("routing-counts-wrong-shape", "layer", _edit(lambda s: s["routing_counts"][0].pop()),
-     "routing_counts of layer 0 is not a list of 8"),
-    ("routing-counts-negative", "layer", _edit(lambda s: s["routing_counts"][1].__setitem__(0, -5)),
-     "routing_counts of layer 1"),
+    (
+        "routing-counts-wrong-shape",
+        "layer",
+        _edit(lambda s: s["routing_counts"][0].pop()),
+        "routing_counts of layer 0 is not a list of 8",
+    ),
+    (
+        "routing-counts-negative",
+        "layer",
+        _edit(lambda s: s["routing_counts"][1].__setitem__(0, -5)),
+        "routing_counts of layer 1",
+    ),
     ("tokens-not-count", "layer", _set("tokens", "many"), "tokens is not a token count"),
-    ("expert-list-too-short", "expert", _edit(lambda s: s["thresholds"][0].pop()),
-     "layer 0 has 7 per-expert thresholds for 8 experts"),
-    ("expert-list-too-long", "expert", _edit(lambda s: s["thresholds"][1].append(0.1)),
-     "layer 1 has 9 per-expert thresholds"),
+    (
+        "expert-list-too-short",
+        "expert",
+        _edit(lambda s: s["thresholds"][0].pop()),
+        "layer 0 has 7 per-expert thresholds for 8 experts",
+    ),
+    (
+        "expert-list-too-long",
+        "expert",
+        _edit(lambda s: s["thresholds"][1].append(0.1)),
+        "layer 1 has 9 per-expert thresholds",
+    ),
     ("expert-number-not-list", "expert", _tau(0, 0.2), "layer 0 has float, not a list of 8"),
     ("expert-nan", "expert", _expert_tau(1, 3, math.nan), "layer 1 expert 3 threshold is nan"),
     ("expert-huge", "expert", _expert_tau(0, 0, 5e4), "layer 0 expert 0 threshold 50000 is above"),
@@ -131,7 +152,8 @@ def test_invalid_threshold_cache_is_recalibrated(engine, mode, corrupt, reason):
         assert again.taus == fresh.taus and again.path == path  # recalibrated: never the file's values
         assert len(notes) == 1, notes
         assert notes[0].startswith(f"cached thresholds at {path} were invalid (") and notes[0].endswith(
-            "); recalibrated"), notes[0]
+            "); recalibrated"
+        ), notes[0]
         assert reason in notes[0], notes[0]
         # overwritten with a valid file: the next run reads it as is
         assert sp.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode).taus == fresh.taus and len(notes) == 1
@@ -147,8 +169,10 @@ def test_stale_cache_is_recalibrated_with_a_notice(engine):
         fresh = sp.thresholds_for(engine, 0.6, tokens=TOKENS)
         _set("localmoe_version", "0.0.1")(fresh.path)
         assert sp.thresholds_for(engine, 0.6, tokens=TOKENS).taus == fresh.taus
-        assert notes == [f"cached thresholds at {fresh.path} were stale (made with localmoe_version '0.0.1', this run "
-                         f"has {sp.__version__!r}); recalibrated"]
+        assert notes == [
+            f"cached thresholds at {fresh.path} were stale (made with localmoe_version '0.0.1', this run "
+            f"has {sp.__version__!r}); recalibrated"
+        ]
     finally:
         engine.on_notice = None
 
@@ -199,11 +223,14 @@ def test_fingerprint_change_alone_recalibrates(src_dir, tmp_path):
     _rewrite_in_place(folder, 1.0)
     after = sp.thresholds_for(engine, 0.5, tokens=TOKENS)
     assert after.taus == before.taus and after.meta["checkpoint"] != before.meta["checkpoint"]
-    assert notes == [f"cached thresholds at {before.path} were stale (the checkpoint's files changed since "
-                     "calibration); recalibrated"]
+    assert notes == [
+        f"cached thresholds at {before.path} were stale (the checkpoint's files changed since "
+        "calibration); recalibrated"
+    ]
 
 
 # -- a cache that cannot be written --------------------------------------------------------------------------------
+
 
 def _block_dir(root: Path) -> None:  # the thresholds folder is a file: mkdir fails
     root.mkdir(parents=True, exist_ok=True)
@@ -259,9 +286,11 @@ def test_unwritable_cache_keeps_thresholds_for_the_run(block, reason):
 
 # -- checkpoint files resolve inside the checkpoint folder ---------------------------------------------------------
 
+
 def _index_entry(name, *, outside: bool = False, link: bool = False):
     """Point the sharded checkpoint's first weight_map entry at `name` (with a real shard placed outside the folder
     when `outside`, and a `link` folder symlinked to it when `link`)."""
+
     def edit(folder: Path) -> str:
         index = folder / "model.safetensors.index.json"
         data = json.loads(index.read_text())
@@ -276,29 +305,50 @@ def _index_entry(name, *, outside: bool = False, link: bool = False):
         data["weight_map"][tensor] = name
         index.write_text(json.dumps(data))
         return tensor
+
     return edit
 
 
 # (id, edit -> tensor whose entry is bad (or None), error type, what the message says)
 SHARD_CASES = [
-    ("dotdot-relative", _index_entry("../other/model.safetensors", outside=True), UsageError,
-     '"../other/model.safetensors"'),
+    (
+        "dotdot-relative",
+        _index_entry("../other/model.safetensors", outside=True),
+        UsageError,
+        '"../other/model.safetensors"',
+    ),
     ("absolute-etc-passwd", _index_entry("/etc/passwd"), UsageError, '"/etc/passwd"'),
     ("absolute-real-shard", None, UsageError, "not a .safetensors file of the checkpoint folder"),
-    ("through-symlinked-folder", _index_entry("link/model.safetensors", outside=True, link=True), UsageError,
-     '"link/model.safetensors"'),
+    (
+        "through-symlinked-folder",
+        _index_entry("link/model.safetensors", outside=True, link=True),
+        UsageError,
+        '"link/model.safetensors"',
+    ),
     ("backslash-dotdot", _index_entry("..\\other\\model.safetensors"), UsageError, "other"),
     ("dot-slash", _index_entry("./model-00001-of-00010.safetensors"), UsageError, '"./model-00001-of-00010'),
     ("pickle-file", _index_entry("pytorch_model.bin"), UsageError, '"pytorch_model.bin"'),
     ("not-a-string", _index_entry(7), UsageError, "points to 7"),
     ("null", _index_entry(None), UsageError, "points to null"),
     ("empty-name", _index_entry(""), UsageError, 'points to ""'),
-    ("index-not-json", lambda f: (f / "model.safetensors.index.json").write_text("{\"weight_map\": {"),
-     RuntimeFailure, "is not a valid safetensors index"),
-    ("index-no-weight-map", lambda f: (f / "model.safetensors.index.json").write_text("{\"metadata\": {}}"),
-     RuntimeFailure, "(no weight_map)"),
-    ("index-weight-map-list", lambda f: (f / "model.safetensors.index.json").write_text("{\"weight_map\": []}"),
-     RuntimeFailure, "weight_map is not a non-empty object"),
+    (
+        "index-not-json",
+        lambda f: (f / "model.safetensors.index.json").write_text('{"weight_map": {'),
+        RuntimeFailure,
+        "is not a valid safetensors index",
+    ),
+    (
+        "index-no-weight-map",
+        lambda f: (f / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+        RuntimeFailure,
+        "(no weight_map)",
+    ),
+    (
+        "index-weight-map-list",
+        lambda f: (f / "model.safetensors.index.json").write_text('{"weight_map": []}'),
+        RuntimeFailure,
+        "weight_map is not a non-empty object",
+    ),
 ]
 
 
@@ -332,11 +382,13 @@ def test_symlinked_shards_still_load(src_dir, tmp_path):
 
 # -- load errors name what is wrong ---------------------------------------------------------------------------------
 
+
 def _config(**changes):
     def edit(folder: Path):
         cfg = json.loads((folder / "config.json").read_text())
         cfg.update(changes)
         (folder / "config.json").write_text(json.dumps(cfg))
+
     return edit
 
 
@@ -345,6 +397,7 @@ def _text_config(**changes):
         cfg = json.loads((folder / "config.json").read_text())
         cfg["text_config"].update(changes)
         (folder / "config.json").write_text(json.dumps(cfg))
+
     return edit
 
 
@@ -353,6 +406,7 @@ def _tensor(key, fn, file="model.safetensors"):
         tensors = load_file(folder / file)
         tensors[key] = fn(tensors[key])
         save_file(tensors, folder / file, metadata={"format": "pt"})
+
     return edit
 
 
@@ -360,27 +414,62 @@ def _remove(*names):
     def edit(folder: Path):
         for n in names:
             (folder / n).unlink()
+
     return edit
 
 
 QWEN35_GATE_UP = "model.language_model.layers.0.mlp.experts.gate_up_proj"
 # (id, family, edit, error type, what the one-line message says)
 LOAD_CASES = [
-    ("attention-wrong-shape", "qwen3_moe", _tensor("model.layers.0.self_attn.q_proj.weight", lambda t: t[:16]),
-     RuntimeFailure, "tensor model.layers.0.self_attn.q_proj.weight has shape [16, 32], config.json says [32, 32]"),
-    ("router-wrong-shape", "qwen3_moe", _tensor("model.layers.1.mlp.gate.weight", lambda t: t[:6]),
-     RuntimeFailure, "tensor model.layers.1.mlp.gate.weight has shape [6, 32], config.json says [8, 32]"),
-    ("router-wrong-shape-mixtral", "mixtral", _tensor("model.layers.0.block_sparse_moe.gate.weight",
-                                                      lambda t: t.repeat(2, 1)),
-     RuntimeFailure, "tensor model.layers.0.block_sparse_moe.gate.weight has shape [8, 32], config.json says [4, 32]"),
-    ("expert-wrong-shape", "qwen3_moe", _tensor("model.layers.0.mlp.experts.3.up_proj.weight", lambda t: t[:, :8].contiguous()),
-     RuntimeFailure, "model.layers.0.mlp.experts.3.up_proj has shape [16, 8], config.json says [16, 32]"),
-    ("fused-experts-too-few", "qwen3_5_moe", _tensor(QWEN35_GATE_UP, lambda t: t[:6]),
-     RuntimeFailure, f"expert tensor {QWEN35_GATE_UP} has shape [6, 32, 32], config.json says [8, 32, 32]"),
-    ("top-k-above-experts", "qwen3_moe", _config(num_experts_per_tok=9), UsageError,
-     "num_experts_per_tok is 9 but the model has 8 routed experts"),
-    ("top-k-above-experts-mixtral", "mixtral", _config(num_experts_per_tok=5), UsageError,
-     "num_experts_per_tok is 5 but the model has 4 routed experts"),
+    (
+        "attention-wrong-shape",
+        "qwen3_moe",
+        _tensor("model.layers.0.self_attn.q_proj.weight", lambda t: t[:16]),
+        RuntimeFailure,
+        "tensor model.layers.0.self_attn.q_proj.weight has shape [16, 32], config.json says [32, 32]",
+    ),
+    (
+        "router-wrong-shape",
+        "qwen3_moe",
+        _tensor("model.layers.1.mlp.gate.weight", lambda t: t[:6]),
+        RuntimeFailure,
+        "tensor model.layers.1.mlp.gate.weight has shape [6, 32], config.json says [8, 32]",
+    ),
+    (
+        "router-wrong-shape-mixtral",
+        "mixtral",
+        _tensor("model.layers.0.block_sparse_moe.gate.weight", lambda t: t.repeat(2, 1)),
+        RuntimeFailure,
+        "tensor model.layers.0.block_sparse_moe.gate.weight has shape [8, 32], config.json says [4, 32]",
+    ),
+    (
+        "expert-wrong-shape",
+        "qwen3_moe",
+        _tensor("model.layers.0.mlp.experts.3.up_proj.weight", lambda t: t[:, :8].contiguous()),
+        RuntimeFailure,
+        "model.layers.0.mlp.experts.3.up_proj has shape [16, 8], config.json says [16, 32]",
+    ),
+    (
+        "fused-experts-too-few",
+        "qwen3_5_moe",
+        _tensor(QWEN35_GATE_UP, lambda t: t[:6]),
+        RuntimeFailure,
+        f"expert tensor {QWEN35_GATE_UP} has shape [6, 32, 32], config.json says [8, 32, 32]",
+    ),
+    (
+        "top-k-above-experts",
+        "qwen3_moe",
+        _config(num_experts_per_tok=9),
+        UsageError,
+        "num_experts_per_tok is 9 but the model has 8 routed experts",
+    ),
+    (
+        "top-k-above-experts-mixtral",
+        "mixtral",
+        _config(num_experts_per_tok=5),
+        UsageError,
+        "num_experts_per_tok is 5 but the model has 4 routed experts",
+    ),
     ("top-k-zero", "qwen3_moe", _config(num_experts_per_tok=0), UsageError, "num_experts_per_tok is 0, it must be"),
     ("hidden-size-negative", "qwen3_moe", _config(hidden_size=-32), UsageError, "hidden_size is -32, it must be a"),
     ("hidden-size-zero", "olmoe", _config(hidden_size=0), UsageError, "hidden_size is 0, it must be a positive"),
@@ -388,35 +477,78 @@ LOAD_CASES = [
     ("layers-negative", "granitemoe", _config(num_hidden_layers=-2), UsageError, "num_hidden_layers is -2"),
     ("experts-zero", "qwen3_moe", _config(num_local_experts=0), UsageError, "num_experts / num_local_experts is 0"),
     ("experts-negative-deepseek", "deepseek_v2", _config(n_routed_experts=-8), UsageError, "is -8, it must be"),
-    ("expert-width-negative", "qwen3_moe", _config(moe_intermediate_size=-16), UsageError,
-     "moe_intermediate_size is -16"),
+    (
+        "expert-width-negative",
+        "qwen3_moe",
+        _config(moe_intermediate_size=-16),
+        UsageError,
+        "moe_intermediate_size is -16",
+    ),
     ("expert-width-zero-mixtral", "mixtral", _config(intermediate_size=0), UsageError, "intermediate_size is 0"),
     ("heads-negative", "qwen3_moe", _config(num_attention_heads=-4), UsageError, "num_attention_heads is -4"),
     ("vocab-zero", "qwen3_moe", _config(vocab_size=0), UsageError, "vocab_size is 0"),
-    ("text-config-negative", "qwen3_5_moe", _text_config(moe_intermediate_size=-1), UsageError,
-     "config.json (text_config): moe_intermediate_size is -1"),
-    ("no-tokenizer-files", "qwen3_moe", _remove("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"),
-     UsageError, "no tokenizer in "),
-    ("int8-expert", "qwen3_moe", _tensor("model.layers.1.mlp.experts.5.gate_proj.weight",
-                                         lambda t: (t * 100).to(torch.int8)),
-     RuntimeFailure, "tensor model.layers.1.mlp.experts.5.gate_proj.weight is int8; localmoe loads float16"),
-    ("int8-fused-experts", "qwen3_5_moe", _tensor(QWEN35_GATE_UP, lambda t: (t * 100).to(torch.int8)),
-     RuntimeFailure, f"tensor {QWEN35_GATE_UP} is int8"),
-    ("fp8-expert", "mixtral", _tensor("model.layers.0.block_sparse_moe.experts.0.w2.weight",
-                                      lambda t: t.to(torch.float8_e4m3fn)),
-     RuntimeFailure, "experts.0.w2.weight is float8_e4m3fn"),
-    ("int8-attention", "qwen3_moe", _tensor("model.layers.0.self_attn.o_proj.weight", lambda t: (t * 100).to(torch.int8)),
-     RuntimeFailure, "tensor model.layers.0.self_attn.o_proj.weight is int8"),
-    ("int32-embedding", "olmoe", _tensor("model.embed_tokens.weight", lambda t: t.to(torch.int32)),
-     RuntimeFailure, "tensor model.embed_tokens.weight is int32"),
-    ("nan-expert-weights", "qwen3_moe", _tensor("model.layers.0.mlp.experts.0.gate_proj.weight",
-                                                lambda t: torch.full_like(t, math.nan)),
-     RuntimeFailure, "gave unusable thresholds (layer"),
+    (
+        "text-config-negative",
+        "qwen3_5_moe",
+        _text_config(moe_intermediate_size=-1),
+        UsageError,
+        "config.json (text_config): moe_intermediate_size is -1",
+    ),
+    (
+        "no-tokenizer-files",
+        "qwen3_moe",
+        _remove("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"),
+        UsageError,
+        "no tokenizer in ",
+    ),
+    (
+        "int8-expert",
+        "qwen3_moe",
+        _tensor("model.layers.1.mlp.experts.5.gate_proj.weight", lambda t: (t * 100).to(torch.int8)),
+        RuntimeFailure,
+        "tensor model.layers.1.mlp.experts.5.gate_proj.weight is int8; localmoe loads float16",
+    ),
+    (
+        "int8-fused-experts",
+        "qwen3_5_moe",
+        _tensor(QWEN35_GATE_UP, lambda t: (t * 100).to(torch.int8)),
+        RuntimeFailure,
+        f"tensor {QWEN35_GATE_UP} is int8",
+    ),
+    (
+        "fp8-expert",
+        "mixtral",
+        _tensor("model.layers.0.block_sparse_moe.experts.0.w2.weight", lambda t: t.to(torch.float8_e4m3fn)),
+        RuntimeFailure,
+        "experts.0.w2.weight is float8_e4m3fn",
+    ),
+    (
+        "int8-attention",
+        "qwen3_moe",
+        _tensor("model.layers.0.self_attn.o_proj.weight", lambda t: (t * 100).to(torch.int8)),
+        RuntimeFailure,
+        "tensor model.layers.0.self_attn.o_proj.weight is int8",
+    ),
+    (
+        "int32-embedding",
+        "olmoe",
+        _tensor("model.embed_tokens.weight", lambda t: t.to(torch.int32)),
+        RuntimeFailure,
+        "tensor model.embed_tokens.weight is int32",
+    ),
+    (
+        "nan-expert-weights",
+        "qwen3_moe",
+        _tensor("model.layers.0.mlp.experts.0.gate_proj.weight", lambda t: torch.full_like(t, math.nan)),
+        RuntimeFailure,
+        "gave unusable thresholds (layer",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("family", "edit", "error", "says"), [c[1:] for c in LOAD_CASES],
-                         ids=[c[0] for c in LOAD_CASES])
+@pytest.mark.parametrize(
+    ("family", "edit", "error", "says"), [c[1:] for c in LOAD_CASES], ids=[c[0] for c in LOAD_CASES]
+)
 def test_broken_checkpoint_fails_with_the_cause(src_dir, tmp_path, family, edit, error, says):
     folder = _local_copy(src_dir, tmp_path, family)
     edit(folder)
@@ -431,15 +563,20 @@ def test_config_field_of_the_wrong_type(src_dir, tmp_path):
     """transformers' own validation error, as one line naming the field (the loader's check, beneath the engine)."""
     folder = _local_copy(src_dir, tmp_path)
     _config(hidden_size="32")(folder)
-    with pytest.raises(UsageError, match=r"config\.json: Field 'hidden_size' expected int, got str \(value: '32'\): fix"):
+    with pytest.raises(
+        UsageError, match=r"config\.json: Field 'hidden_size' expected int, got str \(value: '32'\): fix"
+    ):
         load_model(folder, device=torch.device("cpu"), dtype=torch.float32)
 
 
 # (id, file content, what the message says)
 CALIBRATION_TEXT_CASES = [
     ("nul-bytes", b"Sparse experts skip neurons.\x00\x01\x02" * 50, "is a binary file (it holds NUL bytes)"),
-    ("latin-1", "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9. ".encode("latin-1") * 40,
-     "is not UTF-8 text (byte 0xe9 at offset 3)"),
+    (
+        "latin-1",
+        "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9. ".encode("latin-1") * 40,
+        "is not UTF-8 text (byte 0xe9 at offset 3)",
+    ),
     ("png-header", b"\x89PNG\r\n\x1a\n" + bytes(range(1, 200)) * 8, "is not UTF-8 text (byte 0x89 at offset 0)"),
     ("utf16", "Sparse experts skip most neurons. ".encode("utf-16") * 20, "is UTF-16 (or UTF-32) text, not UTF-8"),
     ("utf16-no-bom", "Sparse experts skip most neurons. ".encode("utf-16-le") * 20, "is a binary file"),
@@ -448,8 +585,9 @@ CALIBRATION_TEXT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("content", "says"), [c[1:] for c in CALIBRATION_TEXT_CASES],
-                         ids=[c[0] for c in CALIBRATION_TEXT_CASES])
+@pytest.mark.parametrize(
+    ("content", "says"), [c[1:] for c in CALIBRATION_TEXT_CASES], ids=[c[0] for c in CALIBRATION_TEXT_CASES]
+)
 def test_bad_calibration_text_is_refused(engine, tmp_path, content, says):
     path = tmp_path / "calibration.txt"
     if content is None:

@@ -80,10 +80,16 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
     done = fused.install(model, DEV, force=True)
     cfg = model.config
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
-    assert done == {"Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
-                    "Qwen3_5MoeGatedDeltaNet": n_linear, "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers,
-                    "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers, "Linear": n_lin, fused.ATTENTION: 1,
-                    "Qwen3_5MoeAttention": cfg.num_hidden_layers - n_linear, "Qwen3_5MoeTextModel": 1}
+    assert done == {
+        "Qwen3_5MoeRMSNorm": 2 * cfg.num_hidden_layers + 1 + 2 * (cfg.num_hidden_layers - n_linear),
+        "Qwen3_5MoeGatedDeltaNet": n_linear,
+        "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers,
+        "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers,
+        "Linear": n_lin,
+        fused.ATTENTION: 1,
+        "Qwen3_5MoeAttention": cfg.num_hidden_layers - n_linear,
+        "Qwen3_5MoeTextModel": 1,
+    }
     assert model.config._attn_implementation == "localmoe_sdpa"
     assert isinstance(model.lm_head, fused.FusedLinear)
     assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
@@ -152,8 +158,11 @@ def _with_local_experts(model, sparsity=0.3):
         I = two_i // 2
         new = LocalExperts(E, H, I, cfg.hidden_act, i)
         gu = old.gate_up_proj.detach()
-        new.weights = ExpertWeights(w_gate=gu[:, :I].contiguous(), w_up=gu[:, I:].contiguous(),
-                                    w_down_t=old.down_proj.detach().transpose(1, 2).contiguous())
+        new.weights = ExpertWeights(
+            w_gate=gu[:, :I].contiguous(),
+            w_up=gu[:, I:].contiguous(),
+            w_down_t=old.down_proj.detach().transpose(1, 2).contiguous(),
+        )
         xs = torch.randn(64, H, generator=gen).to(gu.device, gu.dtype)
         g = new.act_fn(torch.einsum("th,eih->eti", xs, new.weights.w_gate).float()).abs().reshape(E, -1)
         new.tau = torch.quantile(g, sparsity, dim=1).float()
@@ -183,8 +192,9 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
     assert [layer.mlp.experts for layer in model.model.layers] == experts  # the very same LocalExperts objects
     assert all(isinstance(layer.mlp, fused.FusedSparseMoeBlock) for layer in model.model.layers)
     got, toks = _run(model, "static", prompt)
-    assert [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)] == \
-        [STEPS] * model.config.num_hidden_layers
+    assert [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)] == [
+        STEPS
+    ] * model.config.num_hidden_layers
     kept, seen = [int(m.kept) for m in experts], [m.seen for m in experts]
     assert all(0 < k < s for k, s in zip(kept, seen))  # the sparse path ran on every decode step, and dropped neurons
     if dtype == torch.float32:  # the GEMVs' accumulation order differs from torch's in the last bits; logits O(1)
@@ -198,11 +208,25 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
     assert [layer.mlp.experts for layer in model.model.layers] == experts
 
 
-@pytest.mark.parametrize("sparse,dtype,in_front", [
-    (True, torch.float32, True), (False, torch.float32, True), (True, torch.bfloat16, True),
-    (False, torch.bfloat16, True), (True, torch.float32, False), (True, torch.bfloat16, False)],
-    ids=["sparse-fp32", "dense-fp32", "sparse-bf16", "dense-bf16", "sparse-fp32-shared-in-tail",
-         "sparse-bf16-shared-in-tail"])
+@pytest.mark.parametrize(
+    "sparse,dtype,in_front",
+    [
+        (True, torch.float32, True),
+        (False, torch.float32, True),
+        (True, torch.bfloat16, True),
+        (False, torch.bfloat16, True),
+        (True, torch.float32, False),
+        (True, torch.bfloat16, False),
+    ],
+    ids=[
+        "sparse-fp32",
+        "dense-fp32",
+        "sparse-bf16",
+        "dense-bf16",
+        "sparse-fp32-shared-in-tail",
+        "sparse-bf16-shared-in-tail",
+    ],
+)
 @torch.no_grad()
 def test_full_model_front_and_tail(tiny_text_model, dtype, sparse, in_front):
     """Qwen3.5 decoder layers run two launches from the mixer's output on: moe_front (residual add, norm, router,

@@ -87,9 +87,11 @@ def test_decode_step_equals_module(tiny_text_model, dtype, core):
     assert cores == (3 if core == attention.NAME else 0)  # localmoe's decode core under localmoe_sdpa
 
 
-@pytest.mark.parametrize("cache_kind,dtype", [("static", torch.float32), ("static", torch.bfloat16),
-                                              ("dynamic", torch.float32)],
-                         ids=["static-fp32", "static-bf16", "dynamic-fp32"])
+@pytest.mark.parametrize(
+    "cache_kind,dtype",
+    [("static", torch.float32), ("static", torch.bfloat16), ("dynamic", torch.float32)],
+    ids=["static-fp32", "static-bf16", "dynamic-fp32"],
+)
 @torch.no_grad()
 def test_full_model_against_unfused_attention(tiny_text_model, cache_kind, dtype):
     """Only the attention module differs (both on localmoe_sdpa, nothing else replaced: the interpreter stays quick):
@@ -104,8 +106,11 @@ def test_full_model_against_unfused_attention(tiny_text_model, cache_kind, dtype
     originals = [m for m in ref.modules() if type(m).__name__ == "Qwen3_5MoeAttention"]
     assert len(fas) == len(originals) == n_full
     outs = {"want": [], "got": []}
-    hooks = [m.register_forward_hook(lambda mod, a, out, key=key: outs[key].append(out[0].clone()))
-             for key, ms in (("want", originals), ("got", fas)) for m in ms]
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out, key=key: outs[key].append(out[0].clone()))
+        for key, ms in (("want", originals), ("got", fas))
+        for m in ms
+    ]
     prompt = torch.randint(0, ref.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(4)).to(DEV)
     want, want_toks = _run(ref, cache_kind, prompt)
     got, toks = _run(model, cache_kind, prompt)

@@ -101,8 +101,9 @@ def test_angle_table_is_transformers_rotary(tiny_text_model):
             assert torch.equal(table[0, p], cos[0, 0]) and torch.equal(table[1, p], sin[0, 0])
     assert tm._table[0][1] == torch.bfloat16  # rebuilt for the new dtype
     pos = cache.get_seq_length()
-    want = create_causal_mask(config=tm.config, inputs_embeds=h, attention_mask=None, **{kw: cache},
-                              position_ids=pos.view(1, 1))
+    want = create_causal_mask(
+        config=tm.config, inputs_embeds=h, attention_mask=None, **{kw: cache}, position_ids=pos.view(1, 1)
+    )
     assert torch.equal(want, (tm._table[2] <= pos).view(1, 1, 1, L))
     hf_out = tm._hf(input_ids=prompt[:, 1:2], use_cache=True, **{kw: cache})  # the original module, same call
     assert type(out) is type(hf_out) and out.last_hidden_state.shape == (1, 1, tm.config.hidden_size)
@@ -150,8 +151,11 @@ def test_fallbacks_run_the_original(tiny_text_model):
 
     kw = _cache_kw(model)
     tok = prompt[:, -1:]
-    calls = [dict(output_hidden_states=True), dict(attention_mask=torch.ones(1, P + 1, dtype=torch.long, device=DEV)),
-             dict(position_ids=torch.tensor([[P]], device=DEV))]
+    calls = [
+        dict(output_hidden_states=True),
+        dict(attention_mask=torch.ones(1, P + 1, dtype=torch.long, device=DEV)),
+        dict(position_ids=torch.tensor([[P]], device=DEV)),
+    ]
     for extra in calls:
         outs = [m(input_ids=tok, **{kw: _static_prefill(m, prompt), "use_cache": True, **extra}) for m in (model, ref)]
         assert model.model.decode_calls == 0, extra
@@ -170,9 +174,18 @@ def test_fallbacks_run_the_original(tiny_text_model):
 # ---------------------------------------------------------------------------------------------------------------
 # launches around the decoder layers
 # ---------------------------------------------------------------------------------------------------------------
-_FREE = {"empty.memory_format", "empty_strided.default", "lift_fresh.default", "sym_size.int", "sym_stride.int",
-         "sym_numel.default", "sym_storage_offset.default", "is_same_size.default", "promote_types.default",
-         "_unsafe_view.default"}  # no kernel on a GPU
+_FREE = {
+    "empty.memory_format",
+    "empty_strided.default",
+    "lift_fresh.default",
+    "sym_size.int",
+    "sym_stride.int",
+    "sym_numel.default",
+    "sym_storage_offset.default",
+    "is_same_size.default",
+    "promote_types.default",
+    "_unsafe_view.default",
+}  # no kernel on a GPU
 
 
 class _Launches(TorchDispatchMode):
@@ -217,8 +230,10 @@ def _count_step(model, monkeypatch, warm=False) -> _Launches:
             mode.triton -= 1
 
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
-    hooks = [model.model.register_forward_pre_hook(lambda *_: setattr(mode, "inside", True)),
-             model.model.register_forward_hook(lambda *_: setattr(mode, "inside", False))]
+    hooks = [
+        model.model.register_forward_pre_hook(lambda *_: setattr(mode, "inside", True)),
+        model.model.register_forward_hook(lambda *_: setattr(mode, "inside", False)),
+    ]
     for layer in model.model.layers:
         hooks.append(layer.register_forward_pre_hook(lambda *_: setattr(mode, "depth", mode.depth + 1)))
         hooks.append(layer.register_forward_hook(lambda *_: setattr(mode, "depth", mode.depth - 1)))
@@ -238,8 +253,10 @@ def test_glue_launches_drop(tiny_text_model, monkeypatch):
     before = _count_step(_installed(ref, exclude=(TEXT,))[0], monkeypatch)
     model = _installed(ref)[0]
     after = _count_step(model, monkeypatch, warm=True)  # (the first step builds the angle table)
-    print(f"\nlaunches per decode step outside the decoder layers: {len(before.ops)} -> {len(after.ops)}\n"
-          f"  before: {before.ops}\n  after: {after.ops}")
+    print(
+        f"\nlaunches per decode step outside the decoder layers: {len(before.ops)} -> {len(after.ops)}\n"
+        f"  before: {before.ops}\n  after: {after.ops}"
+    )
     assert model.model.decode_calls == 2
     assert after.ops == ["embedding.default", "index_select.default", "le.Tensor", "triton:_rmsnorm_kernel"]
     assert len(before.ops) >= 20 and after.syncs == 0

@@ -12,6 +12,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("CUDA graphs need a GPU (and compiled Triton kernels)", allow_module_level=True)
 
 from conftest import repo_id  # noqa: E402
+
 from localmoe.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 

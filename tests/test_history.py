@@ -8,8 +8,15 @@ import sqlite3
 import pytest
 
 from localmoe.safe_text import is_clean
-from localmoe.tui.history import (SCHEMA_VERSION, HistoryError, HistoryStore, StoredMessage, close_fence,
-                                    default_db_path, open_fence)
+from localmoe.tui.history import (
+    SCHEMA_VERSION,
+    HistoryError,
+    HistoryStore,
+    StoredMessage,
+    close_fence,
+    default_db_path,
+    open_fence,
+)
 
 V1_SCHEMA = """
 CREATE TABLE sessions (id INTEGER PRIMARY KEY, title TEXT NOT NULL DEFAULT '', model TEXT NOT NULL DEFAULT '',
@@ -37,7 +44,9 @@ def test_messages_are_committed_and_visible_to_another_connection(tmp_path):
     # a second connection (as after a killed process) sees both rows without any close()
     other = HistoryStore(path)
     assert [(m.role, m.content, m.status) for m in other.messages(sid)] == [
-        ("user", "What is   2+2?\nQuick.", "ok"), ("assistant", "4", "cancelled")]
+        ("user", "What is   2+2?\nQuick.", "ok"),
+        ("assistant", "4", "cancelled"),
+    ]
     info = other.last_session()
     assert (info.id, info.title, info.system, info.message_count) == (sid, "What is 2+2? Quick.", "Be terse.", 2)
     store.close()
@@ -150,11 +159,14 @@ def test_open_fence(text, fence, closed):
     assert open_fence(text) == fence and close_fence(text) == closed
 
 
-V2_SCHEMA = V1_SCHEMA.replace("PRAGMA user_version = 1;", """
+V2_SCHEMA = V1_SCHEMA.replace(
+    "PRAGMA user_version = 1;",
+    """
 ALTER TABLE sessions ADD COLUMN system TEXT;
 ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'ok';
 PRAGMA user_version = 2;
-""")
+""",
+)
 
 
 def test_v2_database_gains_a_reasoning_column(tmp_path):
@@ -162,8 +174,10 @@ def test_v2_database_gains_a_reasoning_column(tmp_path):
     db = sqlite3.connect(path)
     db.executescript(V2_SCHEMA)
     db.execute("INSERT INTO sessions (id, title, model, created_at, updated_at) VALUES (1, 'old', 'm', 1.0, 2.0)")
-    db.execute("INSERT INTO messages (session_id, role, content, status, created_at) "
-               "VALUES (1, 'assistant', 'hi', 'cancelled', 1.0)")
+    db.execute(
+        "INSERT INTO messages (session_id, role, content, status, created_at) "
+        "VALUES (1, 'assistant', 'hi', 'cancelled', 1.0)"
+    )
     db.commit()
     db.close()
     store = HistoryStore(path)
@@ -184,8 +198,10 @@ def test_reasoning_is_stored_apart_sent_back_and_exported_apart(tmp_path):
     assert msgs[-1].as_chat() == {"role": "assistant", "content": "4.", "reasoning_content": msgs[-1].reasoning}
     assert msgs[0].as_chat() == {"role": "user", "content": "2+2?"}
     md = store.export_markdown(sid)
-    assert ("## Assistant\n\n<details><summary>Reasoning</summary>\n\nTwo and two make four.\n```\nopen\n```\n\n"
-            "</details>\n\n4.\n") in md and is_clean(md)
+    assert (
+        "## Assistant\n\n<details><summary>Reasoning</summary>\n\nTwo and two make four.\n```\nopen\n```\n\n"
+        "</details>\n\n4.\n"
+    ) in md and is_clean(md)
     store.close()
 
 

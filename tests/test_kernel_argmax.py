@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import DEV
 
 from localmoe.kernels.argmax import argmax_next, argmax_next_ref
-from kernel_cases import DEV
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _outputs(R=4):
     dev = torch.device(DEV)
-    return dict(ids=torch.zeros(1, dtype=torch.long, device=dev), pos=torch.full((1,), 7, dtype=torch.long, device=dev),
-                ring=torch.full((R,), -1, dtype=torch.long, device=dev),
-                host=torch.full((R,), -1, dtype=torch.long, pin_memory=dev.type == "cuda"),
-                count=torch.zeros(1, dtype=torch.int32, device=dev))
+    return dict(
+        ids=torch.zeros(1, dtype=torch.long, device=dev),
+        pos=torch.full((1,), 7, dtype=torch.long, device=dev),
+        ring=torch.full((R,), -1, dtype=torch.long, device=dev),
+        host=torch.full((R,), -1, dtype=torch.long, pin_memory=dev.type == "cuda"),
+        count=torch.zeros(1, dtype=torch.int32, device=dev),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -19,8 +19,12 @@ from localmoe.kernels.decode_attention import decode_attention, decode_attention
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 # (Hq, Hkv, L, Dk, Dv, valid keys, chunk): Qwen3.5-35B's full attention (16 q / 2 kv heads, d 256) on a static cache
 # with 300 of 1024 positions used; MHA odd sizes; MLA-like Dk 24 / Dv 16; valid keys spanning several chunks
-SHAPES = [(16, 2, 1024, 256, 256, 300, 256), (3, 3, 50, 40, 40, 50, 16), (4, 1, 70, 24, 16, 33, 16),
-          (8, 2, 200, 64, 64, 200, 32)]
+SHAPES = [
+    (16, 2, 1024, 256, 256, 300, 256),
+    (3, 3, 50, 40, 40, 50, 16),
+    (4, 1, 70, 24, 16, 33, 16),
+    (8, 2, 200, 64, 64, 200, 32),
+]
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
@@ -28,7 +32,7 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq{}Hkv{}L{}Dk{}Dv{}n{}".format(*s[:6]))
 def test_matches_reference_and_sdpa(shape, dtype, tile):
-    """"loop": 16-key tiles walked after the wait; "prefetch": one tile per chunk, loaded before the wait."""
+    """ "loop": 16-key tiles walked after the wait; "prefetch": one tile per chunk, loaded before the wait."""
     Hq, Hkv, L, Dk, Dv, n, chunk = shape
     gen = torch.Generator().manual_seed(Hq + L + Dk)
     q = torch.randn(Hq, Dk, generator=gen).to(DEV, dtype)
@@ -92,14 +96,19 @@ def test_programs_walk_several_chunks(max_splits, prefetch, masked):
     if masked:
         k[:, ~mask] = float("nan")  # never read
         v[:, ~mask] = float("nan")
-    got = decode_attention(q, k, v, mask, chunk=16, block_l=16 if prefetch else 8, prefetch=prefetch,
-                           max_splits=max_splits)
+    got = decode_attention(
+        q, k, v, mask, chunk=16, block_l=16 if prefetch else 8, prefetch=prefetch, max_splits=max_splits
+    )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_no_mask_scale_and_out():
     gen = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(4, 32, generator=gen), torch.randn(2, 45, 32, generator=gen), torch.randn(2, 45, 8, generator=gen)
+    q, k, v = (
+        torch.randn(4, 32, generator=gen),
+        torch.randn(2, 45, 32, generator=gen),
+        torch.randn(2, 45, 8, generator=gen),
+    )
     q, k, v = q.to(DEV), k.to(DEV), v.to(DEV)
     out = torch.empty(4, 8, device=DEV)
     got = decode_attention(q, k, v, None, scale=0.3, out=out, chunk=16)
@@ -115,8 +124,9 @@ def test_strided_views():
     q = torch.randn(1, 1, 4, 16, generator=gen).to(DEV).transpose(1, 2)  # [B, H, 1, D], non-contiguous
     mask = torch.arange(64, device=DEV) < 40
     got = decode_attention(q[0, :, 0], cache_k[0], cache_v[0], mask, chunk=16)
-    torch.testing.assert_close(got, decode_attention_ref(q[0, :, 0], cache_k[0], cache_v[0], mask),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        got, decode_attention_ref(q[0, :, 0], cache_k[0], cache_v[0], mask), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_launcher_checks():
@@ -150,7 +160,10 @@ def test_output_gate(dtype):
     want = decode_attention(q, k, v, mask, chunk=16) * torch.sigmoid(gate)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
     torch.testing.assert_close(got, want, **tol)
-    torch.testing.assert_close(got, decode_attention_ref(q, k, v, mask, gate=gate),
-                               **(tol if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)))
+    torch.testing.assert_close(
+        got,
+        decode_attention_ref(q, k, v, mask, gate=gate),
+        **(tol if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)),
+    )
     with pytest.raises(ValueError, match="gate"):
         decode_attention(q, k, v, mask, gate=gate[:, :8])

@@ -61,8 +61,9 @@ def _hf_recurrent(q, k, v, **kw):
 def test_delta_rule_step_matches_transformers(shape, dtype):
     B, HK, HV, DK, DV, _ = shape
     q, k, v, g, beta, state = _inputs(B, HK, HV, DK, DV, dtype, seed=DK * 7 + HV)
-    want, want_state = _hf_recurrent(q, k, v, g=g, beta=beta, initial_state=state.clone(),
-                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want, want_state = _hf_recurrent(
+        q, k, v, g=g, beta=beta, initial_state=state.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     ref, ref_state = delta_rule_step_ref(q, k, v, g, beta, state)
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ref_state, want_state, rtol=1e-5, atol=1e-6)
@@ -82,8 +83,9 @@ def _hf_chain(mixed_qkv, z, a, b, conv_state, conv_w, conv_b, A_log, dt_bias, no
     q, k, v = q.reshape(B, 1, HK, DK), k.reshape(B, 1, HK, DK), v.reshape(B, 1, HV, DV)
     beta = b.unsqueeze(1).sigmoid()
     g = -A_log.float().exp() * F.softplus(a.unsqueeze(1).float() + dt_bias)
-    o, s = _hf_recurrent(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True)
+    o, s = _hf_recurrent(
+        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     state.copy_(s)
     o = norm(o.reshape(-1, DV), z.reshape(-1, DV))
     return o.reshape(B, -1)
@@ -92,13 +94,23 @@ def _hf_chain(mixed_qkv, z, a, b, conv_state, conv_w, conv_b, A_log, dt_bias, no
 # grids: one program per key head (None), or split over value heads and d_v slices (4-column slices only on the
 # small shapes: 1024 programs of the real one are slow under the interpreter, 32 covers it)
 # split grids take their tickets in one int64 word per key head (one_ticket, the default) or two int32 arrays
-GRIDS = [(sh, bv, one) for sh in zip(SHAPES, IDS) for bv in (None, 4, 32) for one in (True, False)
-         if not (bv == 4 and sh[0][4] > 64) and (one or bv == 32)]
+GRIDS = [
+    (sh, bv, one)
+    for sh in zip(SHAPES, IDS)
+    for bv in (None, 4, 32)
+    for one in (True, False)
+    if not (bv == 4 and sh[0][4] > 64) and (one or bv == 32)
+]
 
 
-@pytest.mark.parametrize("shape,block_v,one_ticket", [(sh, bv, one) for (sh, _), bv, one in GRIDS],
-                         ids=[f"{name}-{'head_grid' if bv is None else f'split{bv}'}{'' if one else '-two_tickets'}"
-                              for (_, name), bv, one in GRIDS])
+@pytest.mark.parametrize(
+    "shape,block_v,one_ticket",
+    [(sh, bv, one) for (sh, _), bv, one in GRIDS],
+    ids=[
+        f"{name}-{'head_grid' if bv is None else f'split{bv}'}{'' if one else '-two_tickets'}"
+        for (_, name), bv, one in GRIDS
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gated_deltanet_step_matches_transformers(shape, dtype, block_v, one_ticket):
     B, HK, HV, DK, DV, KS = shape
@@ -119,14 +131,25 @@ def test_gated_deltanet_step_matches_transformers(shape, dtype, block_v, one_tic
     cs_want, st_want = conv_state.clone(), state.clone()
     with torch.no_grad():
         want = _hf_chain(mixed_qkv, z, a, b, cs_want, conv_w, conv_b, A_log, dt_bias, norm, st_want, HK, DK, HV, DV)
-    kw = dict(conv_weight=conv_w, conv_bias=conv_b, A_log=A_log, dt_bias=dt_bias, norm_weight=norm.weight,
-              norm_eps=1e-6, num_k_heads=HK, head_k_dim=DK, num_v_heads=HV, head_v_dim=DV)
+    kw = dict(
+        conv_weight=conv_w,
+        conv_bias=conv_b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        norm_weight=norm.weight,
+        norm_eps=1e-6,
+        num_k_heads=HK,
+        head_k_dim=DK,
+        num_v_heads=HV,
+        head_v_dim=DV,
+    )
     cs_ref, st_ref = conv_state.clone(), state.clone()
     ref = gated_deltanet_step_ref(mixed_qkv, z, a, b, conv_state=cs_ref, state=st_ref, **kw)
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-6)
     cs_got, st_got = conv_state.clone(), state.clone()
-    got = gated_deltanet_step(mixed_qkv, z, a, b, conv_state=cs_got, state=st_got, block_v=block_v,
-                              one_ticket=one_ticket, **kw)
+    got = gated_deltanet_step(
+        mixed_qkv, z, a, b, conv_state=cs_got, state=st_got, block_v=block_v, one_ticket=one_ticket, **kw
+    )
     if block_v is not None:  # the split grid's tickets are left zeroed for the next launch (graph replays)
         from localmoe.kernels.delta_rule_step import _split_workspace
         from localmoe.kernels.workspace import zeroed_int32

@@ -18,8 +18,11 @@ from localmoe.kernels.dense_experts import dense_experts, dense_experts_ref  # n
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("shape", [(1, 72, 40, 5, 3, 4), (3, 72, 40, 5, 3, 8), (1, 2048, 512, 16, 8, 64)],
-                         ids=lambda s: "T{}_H{}_I{}_E{}_k{}".format(*s[:5]))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 72, 40, 5, 3, 4), (3, 72, 40, 5, 3, 8), (1, 2048, 512, 16, 8, 64)],
+    ids=lambda s: "T{}_H{}_I{}_E{}_k{}".format(*s[:5]),
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_dense_experts_matches_reference(shape, dtype):
     T, H, I, E, k, bn = shape

@@ -13,8 +13,11 @@ from localmoe.quantize import quantize
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("shape,group", [((3, 5, 96), 32), ((2, 7, 80), 16), ((1, 3, 200), 8), ((2, 16, 2048), 128)],
-                         ids=["odd-NG3", "odd-NG5", "H200", "qwen3.5"])
+@pytest.mark.parametrize(
+    "shape,group",
+    [((3, 5, 96), 32), ((2, 7, 80), 16), ((1, 3, 200), 8), ((2, 16, 2048), 128)],
+    ids=["odd-NG3", "odd-NG5", "H200", "qwen3.5"],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_matches_reference(shape, group, dtype):
     w = quantize(torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.05, group=group)
@@ -43,5 +46,6 @@ def test_checks():
     with pytest.raises(ValueError, match="out must be"):
         dequant_int4(p, s, m, torch.bfloat16, out=torch.empty(2, 3, 64, device=DEV))
     with pytest.raises(ValueError, match="groups"):
-        dequant_int4(p, s[..., :1].expand(2, 3, 3).contiguous(), m[..., :1].expand(2, 3, 3).contiguous(),
-                     torch.bfloat16)
+        dequant_int4(
+            p, s[..., :1].expand(2, 3, 3).contiguous(), m[..., :1].expand(2, 3, 3).contiguous(), torch.bfloat16
+        )

@@ -18,8 +18,13 @@ from localmoe.kernels.gemv import gemv, gemv_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (T, K, N, kwargs): odd widths with a ragged last row block and a multi-chunk K; real K with cut N
-SHAPES = [(1, 72, 37, {}), (3, 100, 50, dict(BLOCK_N=4, BLOCK_K=32)), (1, 2048, 1000, dict(BLOCK_N=16)),
-          (1, 4096, 96, dict(BLOCK_N=8, BLOCK_K=1024)), (2, 2048, 300, dict(BLOCK_N=2, num_warps=4))]
+SHAPES = [
+    (1, 72, 37, {}),
+    (3, 100, 50, dict(BLOCK_N=4, BLOCK_K=32)),
+    (1, 2048, 1000, dict(BLOCK_N=16)),
+    (1, 4096, 96, dict(BLOCK_N=8, BLOCK_K=1024)),
+    (2, 2048, 300, dict(BLOCK_N=2, num_warps=4)),
+]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 
 
@@ -29,7 +34,7 @@ def test_matches_reference_and_linear(shape, dtype):
     T, K, N, kw = shape
     gen = torch.Generator().manual_seed(K + N)
     x = torch.randn(T, K, generator=gen).to(DEV, dtype)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEV, dtype)
     y = gemv(x, w, **kw)
     assert y.dtype == dtype and y.shape == (T, N)
     torch.testing.assert_close(y, gemv_ref(x, w), **TOL[dtype])
@@ -75,7 +80,7 @@ def test_input_norm_inside(shape, dtype, kind):
     T, K, N = shape
     gen = torch.Generator().manual_seed(K + N + len(kind))
     x = (torch.randn(T, K, generator=gen) * 3).to(DEV, dtype)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEV, dtype)
     module = (Qwen3_5MoeRMSNorm if kind == "zero_centred" else Qwen3MoeRMSNorm)(K, eps=1e-6).to(DEV, dtype)
     with torch.no_grad():
         module.weight.copy_(torch.randn(K, generator=gen) * 0.2 + (0.0 if kind == "zero_centred" else 1.0))

@@ -28,8 +28,8 @@ def _inputs(H, E, dtype, seed):
     x = torch.randn(1, 1, H, generator=gen).to(DEV, dtype)
     r = (torch.randn(1, 1, H, generator=gen) * 2).to(DEV, dtype)
     nw = (torch.randn(H, generator=gen) * 0.1).to(DEV, dtype)
-    w = (torch.randn(E, H, generator=gen) / H ** 0.5).to(DEV, dtype)
-    sg = (torch.randn(1, H, generator=gen) / H ** 0.5).to(DEV, dtype)
+    w = (torch.randn(E, H, generator=gen) / H**0.5).to(DEV, dtype)
+    sg = (torch.randn(1, H, generator=gen) / H**0.5).to(DEV, dtype)
     return x, r, nw, w, sg
 
 
@@ -42,8 +42,9 @@ def test_matches_reference(shape, dtype, kind, block_e):
     H, E, k = shape
     x, r, nw, w, sg = _inputs(H, E, dtype, seed=H + E + k)
     with_gate = H != 33
-    got = moe_front(x, r, nw, 1e-6, kind, w, k, True, sg if with_gate else None, block_e=block_e,
-                    residual_early=block_e == 4)  # the residual loaded before the PDL wait: same results
+    got = moe_front(
+        x, r, nw, 1e-6, kind, w, k, True, sg if with_gate else None, block_e=block_e, residual_early=block_e == 4
+    )  # the residual loaded before the PDL wait: same results
     want = moe_front_ref(x, r, nw, 1e-6, kind, w, k, True, sg if with_gate else None)
     s, h, logits, tw, ti, g = got
     torch.testing.assert_close(s, want[0], rtol=0, atol=0)  # one rounding of x + residual
@@ -90,7 +91,7 @@ def test_matches_transformers_modules(dtype):
 
 def _shared_weights(I_s, H, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    return tuple((torch.randn(I_s, H, generator=gen) / H ** 0.5).to(DEV, dtype) for _ in range(3))
+    return tuple((torch.randn(I_s, H, generator=gen) / H**0.5).to(DEV, dtype) for _ in range(3))
 
 
 @pytest.mark.parametrize("block_s,num_warps", [(4, 4), (1, 2)])
@@ -105,8 +106,23 @@ def test_shared_expert_into_acc(shape, dtype, block_s, num_warps):
     sw = _shared_weights(I_s, H, dtype, seed=I_s)
     acc = torch.randn(H, generator=torch.Generator().manual_seed(1)).to(DEV)
     before = acc.clone()
-    got = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg, block_e=4, num_warps=num_warps,
-                    residual_early=True, shared_expert=sw, acc=acc, shared_block=block_s)
+    got = moe_front(
+        x,
+        r,
+        nw,
+        1e-6,
+        "zero_centred",
+        w,
+        k,
+        True,
+        sg,
+        block_e=4,
+        num_warps=num_warps,
+        residual_early=True,
+        shared_expert=sw,
+        acc=acc,
+        shared_block=block_s,
+    )
     plain = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, sg, block_e=4, num_warps=num_warps)
     for a, b in zip(got[:5], plain[:5]):
         assert torch.equal(a, b)

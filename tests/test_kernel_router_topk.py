@@ -51,7 +51,7 @@ def test_matches_transformers_router(shape, dtype, norm):
     T, H, E, k = shape
     gen = torch.Generator().manual_seed(T * 1000 + E + k)
     router = _hf_router(E, H, k, norm).to(DEV, dtype)
-    router.weight.copy_((torch.randn(E, H, generator=gen) / H ** 0.5).to(dtype))
+    router.weight.copy_((torch.randn(E, H, generator=gen) / H**0.5).to(dtype))
     x = torch.randn(T, H, generator=gen).to(DEV, dtype)
     want_logits, want_w, want_i = router(x)
     logits, w, idx = router_topk(x, router.weight, k, norm)
@@ -72,8 +72,12 @@ def test_matches_transformers_router(shape, dtype, norm):
     rows = (logits == want_logits).all(1) & ~_tie_at_kth(want_logits.float(), want_i)  # ties: any index may win
     assert torch.equal(idx[rows].sort(1).values, want_i[rows].sort(1).values)
     dense = lambda i, v: torch.zeros(int(rows.sum()), E, device=DEV).scatter(1, i[rows], v[rows].float())  # noqa: E731
-    torch.testing.assert_close(dense(idx, w), dense(want_i, want_w), rtol=1e-5 if dtype == torch.float32 else 8e-3,
-                               atol=1e-6 if dtype == torch.float32 else 1e-3)
+    torch.testing.assert_close(
+        dense(idx, w),
+        dense(want_i, want_w),
+        rtol=1e-5 if dtype == torch.float32 else 8e-3,
+        atol=1e-6 if dtype == torch.float32 else 1e-3,
+    )
     assert int(router_tickets(DEV).abs().sum()) == 0
 
 

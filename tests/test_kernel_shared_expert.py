@@ -30,7 +30,7 @@ def _modules(H, I, dtype, gen):
     gate = torch.nn.Linear(H, 1, bias=False)
     with torch.no_grad():
         for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, gate):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / lin.in_features ** 0.5)
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / lin.in_features**0.5)
     return mlp.to(DEV, dtype), gate.to(DEV, dtype)
 
 
@@ -45,8 +45,12 @@ def test_matches_transformers(shape, dtype, inplace):
     x = torch.randn(T, H, generator=gen).to(DEV, dtype)
     routed = torch.randn(T, H, generator=gen).to(DEV, dtype)
     want = routed + torch.sigmoid(gate(x)) * mlp(x)  # Qwen3_5MoeSparseMoeBlock's formula
-    torch.testing.assert_close(shared_expert_ref(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                                                 gate.weight, routed), want, rtol=0, atol=0)
+    torch.testing.assert_close(
+        shared_expert_ref(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, gate.weight, routed),
+        want,
+        rtol=0,
+        atol=0,
+    )
     args = (x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, gate.weight)
     if inplace:
         buf = routed.clone()
@@ -70,20 +74,32 @@ def test_residual_add_fused(shape, dtype):
     mlp, gate = _modules(H, I, dtype, gen)
     x, routed, residual = (torch.randn(T, H, generator=gen).to(DEV, dtype) for _ in range(3))
     want = residual + (routed + torch.sigmoid(gate(x)) * mlp(x))
-    got = shared_expert(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, gate.weight, routed,
-                        residual=residual)
+    got = shared_expert(
+        x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, gate.weight, routed, residual=residual
+    )
     torch.testing.assert_close(got, want, **TOL[dtype])
     with pytest.raises(ValueError, match="residual"):
-        shared_expert(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, gate.weight, routed,
-                      residual=residual[:, :-1])
+        shared_expert(
+            x,
+            mlp.gate_proj.weight,
+            mlp.up_proj.weight,
+            mlp.down_proj.weight,
+            gate.weight,
+            routed,
+            residual=residual[:, :-1],
+        )
 
 
 @torch.no_grad()
 def test_checks():
     H, I = 16, 8
     x = torch.randn(1, H, device=DEV)
-    wg, wu, wd, ws = (torch.randn(I, H, device=DEV), torch.randn(I, H, device=DEV), torch.randn(H, I, device=DEV),
-                      torch.randn(1, H, device=DEV))
+    wg, wu, wd, ws = (
+        torch.randn(I, H, device=DEV),
+        torch.randn(I, H, device=DEV),
+        torch.randn(H, I, device=DEV),
+        torch.randn(1, H, device=DEV),
+    )
     with pytest.raises(ValueError):
         shared_expert(x, wg, wu, wd.T, ws, x)
     with pytest.raises(TypeError):

@@ -17,14 +17,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernel_cases import DEV, SPARSITIES, expert_inputs, rel_err  # noqa: E402
+
 from localmoe.kernels.dense_experts import dense_experts_ref  # noqa: E402
 from localmoe.kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
 from localmoe.quantize import Int4Tensor, quantize  # noqa: E402
 
 # (T, H, I, E, k, BLOCK_I); the real shape is Qwen3.5-35B-A3B's expert (E cut to 16)
 SHAPES = [(1, 72, 40, 5, 3, 8), (3, 72, 40, 5, 3, 16), (1, 2048, 512, 16, 8, 64)]
-
-
 
 
 def gate_abs(x, w_gate, ids):
@@ -44,8 +43,6 @@ def tau_for(g_abs, ids, sparsity, E):
         m = max(1, int(sparsity * a.numel()))
         tau[e] = float(a[m - 1] + a[m]) / 2
     return tau.to(DEV)
-
-
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}_H{}_I{}_E{}_k{}".format(*s[:5]))
@@ -115,8 +112,11 @@ def test_accumulate_mode():
     x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=13)
     tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
     y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
-    accumulates_twice(lambda out, cnt: sparse_fused(x, wg, wu, wd, ids, rw, tau, out, count=cnt, accumulate=True,
-                                                     BLOCK_I=8), y_ref, c_ref)
+    accumulates_twice(
+        lambda out, cnt: sparse_fused(x, wg, wu, wd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8),
+        y_ref,
+        c_ref,
+    )
     # the default mode still works after accumulate launches (its workspace was never touched)
     y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau)
     assert rel_err(y, y_ref) < 1e-5 and torch.equal(c, c_ref)
@@ -157,8 +157,20 @@ def test_offload_addressing_equals_resident(T, dtype):
         for name, table in tables.items():
             for tdt in (torch.int64, torch.int32):
                 (pg, pu, pd), (mg, mu, md) = offload_layout(wg, wu, wd, table, S=5)
-                y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=table.to(tdt).to(DEV), pool_gate=pg,
-                                    pool_up=pu, pool_down_t=pd, BLOCK_I=16)
+                y, c = sparse_fused(
+                    x,
+                    mg,
+                    mu,
+                    md,
+                    ids,
+                    rw,
+                    tau,
+                    slot_table=table.to(tdt).to(DEV),
+                    pool_gate=pg,
+                    pool_up=pu,
+                    pool_down_t=pd,
+                    BLOCK_I=16,
+                )
                 assert torch.equal(c, c_res), (name, s)
                 if DEV == "cpu":  # the interpreter runs programs in order: same arithmetic, bit-identical
                     assert torch.equal(y, y_res), (name, s)
@@ -178,8 +190,22 @@ def test_running_totals(T):
     kept = torch.zeros(1, dtype=torch.int64, device=DEV)
     host = torch.full((1,), 7, dtype=torch.int64, device=DEV)  # totals run on from any start
     for launch in (1, 2):
-        y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=table.to(DEV), pool_gate=pg, pool_up=pu,
-                            pool_down_t=pd, kept_total=kept, host_rows=host, BLOCK_I=16)
+        y, c = sparse_fused(
+            x,
+            mg,
+            mu,
+            md,
+            ids,
+            rw,
+            tau,
+            slot_table=table.to(DEV),
+            pool_gate=pg,
+            pool_up=pu,
+            pool_down_t=pd,
+            kept_total=kept,
+            host_rows=host,
+            BLOCK_I=16,
+        )
         absent = (table.to(DEV)[ids.long()] < 0).long()
         assert int(kept) == launch * int(c.sum())
         assert int(host) == 7 + launch * int((absent * (I + 2 * c.long())).sum())
@@ -208,9 +234,23 @@ def test_gate_table_addressing_equals_resident(T, dtype):
         (_, pu, pd), (_, mu, md) = offload_layout(wg, wu, wd, utable, S=3)
         host = torch.zeros(1, dtype=torch.int64, device=DEV)
         rows = torch.zeros(1, dtype=torch.int64, device=DEV)
-        y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=utable.to(DEV), pool_gate=pg, pool_up=pu,
-                            pool_down_t=pd, gate_table=gtable.to(torch.int32).to(DEV), host_rows=host,
-                            read_rows=rows, BLOCK_I=16)
+        y, c = sparse_fused(
+            x,
+            mg,
+            mu,
+            md,
+            ids,
+            rw,
+            tau,
+            slot_table=utable.to(DEV),
+            pool_gate=pg,
+            pool_up=pu,
+            pool_down_t=pd,
+            gate_table=gtable.to(torch.int32).to(DEV),
+            host_rows=host,
+            read_rows=rows,
+            BLOCK_I=16,
+        )
         assert torch.equal(c, c_res), s
         if DEV == "cpu":
             assert torch.equal(y, y_res), s
@@ -224,8 +264,20 @@ def test_gate_table_addressing_equals_resident(T, dtype):
     with pytest.raises(ValueError, match="gate_table"):
         sparse_fused(x, wg, wu, wd, ids, rw, tau, gate_table=gtable.to(DEV))
     with pytest.raises(ValueError, match="gate_table"):
-        sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=utable.to(DEV), pool_gate=pg, pool_up=pu,
-                     pool_down_t=pd, gate_table=gtable[:-1].to(DEV))
+        sparse_fused(
+            x,
+            mg,
+            mu,
+            md,
+            ids,
+            rw,
+            tau,
+            slot_table=utable.to(DEV),
+            pool_gate=pg,
+            pool_up=pu,
+            pool_down_t=pd,
+            gate_table=gtable[:-1].to(DEV),
+        )
 
 
 def test_offload_real_shape():
@@ -238,8 +290,9 @@ def test_offload_real_shape():
         table[e] = j
     y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
     (pg, pu, pd), (mg, mu, md) = offload_layout(wg, wu, wd, table, S=4)
-    y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=table.to(DEV), pool_gate=pg, pool_up=pu,
-                        pool_down_t=pd, BLOCK_I=64)
+    y, c = sparse_fused(
+        x, mg, mu, md, ids, rw, tau, slot_table=table.to(DEV), pool_gate=pg, pool_up=pu, pool_down_t=pd, BLOCK_I=64
+    )
     assert torch.equal(c, c_ref)
     assert rel_err(y, y_ref) < 1e-5
 
@@ -247,8 +300,15 @@ def test_offload_real_shape():
 def test_empty_batch():
     H, I, E = 72, 40, 5
     x, wg, wu, wd, _, _ = expert_inputs(1, H, I, E, 3, torch.float32, seed=1)
-    y, c = sparse_fused(x[:0], wg, wu, wd, torch.zeros(0, 3, dtype=torch.int32, device=DEV),
-                        torch.zeros(0, 3, device=DEV), torch.zeros(E, device=DEV))
+    y, c = sparse_fused(
+        x[:0],
+        wg,
+        wu,
+        wd,
+        torch.zeros(0, 3, dtype=torch.int32, device=DEV),
+        torch.zeros(0, 3, device=DEV),
+        torch.zeros(E, device=DEV),
+    )
     assert tuple(y.shape) == (0, H) and tuple(c.shape) == (0, 3)
 
 
@@ -273,8 +333,11 @@ def test_validation_errors():
         dict(out=torch.empty(T, H, dtype=torch.int32, device=DEV)),
         dict(count=torch.empty(T, k, dtype=torch.int64, device=DEV)),
         dict(accumulate=True),  # needs out and count
-        dict(accumulate=True, out=torch.zeros(T, H, dtype=torch.bfloat16, device=DEV),
-             count=torch.zeros(T, k, dtype=torch.int32, device=DEV)),
+        dict(
+            accumulate=True,
+            out=torch.zeros(T, H, dtype=torch.bfloat16, device=DEV),
+            count=torch.zeros(T, k, dtype=torch.int32, device=DEV),
+        ),
         dict(slot_table=table),  # pools missing
         dict(pool_gate=pools[0], pool_up=pools[1], pool_down_t=pools[2]),  # table missing
         dict(slot_table=table[:-1], pool_gate=pools[0], pool_up=pools[1], pool_down_t=pools[2]),
@@ -299,9 +362,11 @@ TAIL_SHAPES = [(1, 72, 40, 5, 3, 24, 8), (2, 72, 40, 5, 3, 56, 16), (1, 2048, 51
 TAIL_CASES = [(s, o) for s in TAIL_SHAPES for o in (False, True) if not (o and s[1] > 100)]  # interpreter time
 
 
-@pytest.mark.parametrize("shape,offload", TAIL_CASES,
-                         ids=lambda c: "T{}_H{}_I{}_Is{}".format(c[0], c[1], c[2], c[5]) if isinstance(c, tuple)
-                         else ("offload" if c else "resident"))
+@pytest.mark.parametrize(
+    "shape,offload",
+    TAIL_CASES,
+    ids=lambda c: f"T{c[0]}_H{c[1]}_I{c[2]}_Is{c[5]}" if isinstance(c, tuple) else ("offload" if c else "resident"),
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_shared_expert_and_residual_tail(shape, dtype, offload):
     """shared= runs a dense expert beside the routed ones (counts stay the routed experts'); residual= adds the
@@ -311,7 +376,7 @@ def test_shared_expert_and_residual_tail(shape, dtype, offload):
     T, H, I, E, k, I_s, bi = shape
     x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=17 + I_s)
     gen = torch.Generator().manual_seed(I_s)
-    sw = [(torch.randn(I_s, H, generator=gen) * 2.0 / H ** 0.5).to(DEV, dtype) for _ in range(3)]
+    sw = [(torch.randn(I_s, H, generator=gen) * 2.0 / H**0.5).to(DEV, dtype) for _ in range(3)]
     shared = SharedExpert(*sw, weight=torch.rand(T, generator=gen).to(DEV, dtype))
     res = torch.randn(T, H, generator=gen).to(DEV, dtype)
     tau = tau_for(gate_abs(x, wg, ids), ids, 0.5, E)
@@ -327,12 +392,13 @@ def test_shared_expert_and_residual_tail(shape, dtype, offload):
         out = torch.full((T, H), float("nan"), dtype=dtype, device=DEV)
         y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau, out, shared=shared, residual=res, BLOCK_I=bi, **kw)
         assert torch.equal(c, c_ref)
-        assert rel_err(y.float() - res.float(), want.float() - res.float()) < (1e-5 if dtype == torch.float32
-                                                                               else 2e-2)
-    y2, _ = sparse_fused(x, wg, wu, wd, ids, rw, tau, torch.empty(T, H, dtype=dtype, device=DEV), shared=shared,
-                         BLOCK_I=bi, **kw)  # shared expert without the residual
-    assert rel_err(y2.float(), (y_ref + shared_expert_term(x, shared)).float()) < (1e-5 if dtype == torch.float32
-                                                                                   else 2e-2)
+        assert rel_err(y.float() - res.float(), want.float() - res.float()) < (1e-5 if dtype == torch.float32 else 2e-2)
+    y2, _ = sparse_fused(
+        x, wg, wu, wd, ids, rw, tau, torch.empty(T, H, dtype=dtype, device=DEV), shared=shared, BLOCK_I=bi, **kw
+    )  # shared expert without the residual
+    assert rel_err(y2.float(), (y_ref + shared_expert_term(x, shared)).float()) < (
+        1e-5 if dtype == torch.float32 else 2e-2
+    )
 
 
 def test_tail_validation():
@@ -343,8 +409,19 @@ def test_tail_validation():
     tau = torch.zeros(E, device=DEV)
     good = SharedExpert(wg[0], wu[0], wd[0], torch.ones(T, device=DEV))
     with pytest.raises(ValueError, match="accumulate"):
-        sparse_fused(x, wg, wu, wd, ids, rw, tau, torch.zeros(T, H, device=DEV), accumulate=True,
-                     count=torch.zeros(T, k, dtype=torch.int32, device=DEV), shared=good)
+        sparse_fused(
+            x,
+            wg,
+            wu,
+            wd,
+            ids,
+            rw,
+            tau,
+            torch.zeros(T, H, device=DEV),
+            accumulate=True,
+            count=torch.zeros(T, k, dtype=torch.int32, device=DEV),
+            shared=good,
+        )
     with pytest.raises(ValueError, match="shared.w_up"):
         sparse_fused(x, wg, wu, wd, ids, rw, tau, shared=SharedExpert(wg[0], wu[0][:, :8], wd[0], good.weight))
     with pytest.raises(ValueError, match="shared.weight"):
@@ -365,8 +442,10 @@ def test_caller_workspace_left_zeroed(T, shared):
     gen = torch.Generator().manual_seed(T)
     kw = {"BLOCK_I": bi}
     if shared:
-        kw["shared"] = SharedExpert(*[(torch.randn(56, H, generator=gen) / H ** 0.5).to(DEV) for _ in range(3)],
-                                    weight=torch.rand(T, generator=gen).to(DEV))
+        kw["shared"] = SharedExpert(
+            *[(torch.randn(56, H, generator=gen) / H**0.5).to(DEV) for _ in range(3)],
+            weight=torch.rand(T, generator=gen).to(DEV),
+        )
     want, c_want = sparse_fused(x, wg, wu, wd, ids, rw, tau, **kw)
     ws = torch.zeros(T * H + T * k + T, dtype=torch.int32, device=DEV)
     for _ in range(2):
@@ -381,7 +460,12 @@ def test_caller_workspace_left_zeroed(T, shared):
 # ----------------------------------------------------------------------------------------------------------
 # (T, H, I, E, k, G, BLOCK_I): NG = H / G = 3 and 5 groups (not powers of two), I = 37 (a partial neuron block);
 # the last is Qwen3.5-35B-A3B's expert (E cut to 10) at its group size
-INT4_SHAPES = [(1, 96, 37, 5, 3, 32, 8), (1, 32, 16, 8, 2, 32, 16), (3, 80, 37, 5, 3, 16, 16), (1, 2048, 512, 10, 8, 128, 64)]
+INT4_SHAPES = [
+    (1, 96, 37, 5, 3, 32, 8),
+    (1, 32, 16, 8, 2, 32, 16),
+    (3, 80, 37, 5, 3, 16, 16),
+    (1, 2048, 512, 10, 8, 128, 64),
+]
 
 
 def int4_inputs(T, H, I, E, k, G, dtype, seed):
@@ -428,8 +512,11 @@ def test_int4_modes():
     x, qg, qu, qd, ids, rw = int4_inputs(T, H, I, E, k, G, torch.float16, seed=31)
     tau = tau_for(gate_abs(x, qg.dequantize(torch.float32), ids), ids, 0.7, E)
     y_ref, c_ref = sparse_fused_ref(x, qg, qu, qd, ids, rw, tau)
-    accumulates_twice(lambda out, cnt: sparse_fused(x, qg, qu, qd, ids, rw, tau, out, count=cnt, accumulate=True,
-                                                     BLOCK_I=8), y_ref, c_ref)
+    accumulates_twice(
+        lambda out, cnt: sparse_fused(x, qg, qu, qd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8),
+        y_ref,
+        c_ref,
+    )
     res = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
     want = (res.float() + y_ref.to(torch.bfloat16).float()).to(torch.bfloat16)
     ws = torch.zeros(T * H + T * k + T, dtype=torch.int32, device=DEV)
@@ -437,8 +524,22 @@ def test_int4_modes():
     rows = torch.zeros(1, dtype=torch.int64, device=DEV)
     for launch in (1, 2):
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-        y, c = sparse_fused(x, qg, qu, qd, ids, rw, tau, out, residual=res, workspace=ws, kept_total=kept,
-                            read_rows=rows, BLOCK_I=16, num_warps=4)
+        y, c = sparse_fused(
+            x,
+            qg,
+            qu,
+            qd,
+            ids,
+            rw,
+            tau,
+            out,
+            residual=res,
+            workspace=ws,
+            kept_total=kept,
+            read_rows=rows,
+            BLOCK_I=16,
+            num_warps=4,
+        )
         assert y is out and torch.equal(c, c_ref)
         assert rel_err(y.float() - res.float(), want.float() - res.float()) < 2e-2
         assert int(ws.abs().sum()) == 0
@@ -587,8 +688,24 @@ def test_int4_offload_matches_reference(shape, dtype, gate_table):
         kept = torch.zeros(1, dtype=torch.int64, device=DEV)
         host = torch.full((1,), 7, dtype=torch.int64, device=DEV)
         rows = torch.zeros(1, dtype=torch.int64, device=DEV)
-        y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=utable.to(DEV), pool_gate=pg, pool_up=pu,
-                            pool_down_t=pd, kept_total=kept, host_rows=host, read_rows=rows, BLOCK_I=bi, **kw)
+        y, c = sparse_fused(
+            x,
+            mg,
+            mu,
+            md,
+            ids,
+            rw,
+            tau,
+            slot_table=utable.to(DEV),
+            pool_gate=pg,
+            pool_up=pu,
+            pool_down_t=pd,
+            kept_total=kept,
+            host_rows=host,
+            read_rows=rows,
+            BLOCK_I=bi,
+            **kw,
+        )
         assert torch.equal(c, c_ref), s
         assert not torch.isnan(y).any() and rel_err(y, y_ref) < 1e-5, s
         if s == 0.0:
@@ -615,15 +732,17 @@ def test_int4_offload_modes():
     (_, pu, pd), (_, mu, md) = int4_offload_layout((qg, qu, qd), utable, S=3)
     (pg, _, _), (mg, _, _) = int4_offload_layout((qg, qu, qd), gtable, S=2)
     kw = dict(slot_table=utable.to(DEV), pool_gate=pg, pool_up=pu, pool_down_t=pd, gate_table=gtable.to(DEV))
-    accumulates_twice(lambda out, cnt: sparse_fused(x, mg, mu, md, ids, rw, tau, out, count=cnt, accumulate=True,
-                                                     BLOCK_I=8, **kw), y_ref, c_ref)
+    accumulates_twice(
+        lambda out, cnt: sparse_fused(x, mg, mu, md, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8, **kw),
+        y_ref,
+        c_ref,
+    )
     res = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
     want = (res.float() + y_ref.to(torch.bfloat16).float()).to(torch.bfloat16)
     ws = torch.zeros(T * H + T * k + T, dtype=torch.int32, device=DEV)
     for _ in range(2):
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-        y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, out, residual=res, workspace=ws, BLOCK_I=16, num_warps=4,
-                            **kw)
+        y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, out, residual=res, workspace=ws, BLOCK_I=16, num_warps=4, **kw)
         assert y is out and torch.equal(c, c_ref)
         assert rel_err(y.float() - res.float(), want.float() - res.float()) < 2e-2
         assert int(ws.abs().sum()) == 0
@@ -646,8 +765,22 @@ def test_int4_offload_real_shape():
     (_, pu, pd), (_, mu, md) = int4_offload_layout((qg, qu, qd), utable, S=4)
     (pg, _, _), (mg, _, _) = int4_offload_layout((qg, qu, qd), gtable, S=5)
     host = torch.zeros(1, dtype=torch.int64, device=DEV)
-    y, c = sparse_fused(x, mg, mu, md, ids, rw, tau, slot_table=utable.to(DEV), pool_gate=pg, pool_up=pu,
-                        pool_down_t=pd, gate_table=gtable.to(DEV), host_rows=host, BLOCK_I=64)
+    y, c = sparse_fused(
+        x,
+        mg,
+        mu,
+        md,
+        ids,
+        rw,
+        tau,
+        slot_table=utable.to(DEV),
+        pool_gate=pg,
+        pool_up=pu,
+        pool_down_t=pd,
+        gate_table=gtable.to(DEV),
+        host_rows=host,
+        BLOCK_I=64,
+    )
     assert torch.equal(c, c_ref)
     assert rel_err(y, y_ref) < 1e-5
     cl = c[0].long().cpu()
@@ -667,8 +800,18 @@ def test_int4_offload_validation():
     ppools = [w[:2].clone() for w in plain]
 
     def run(masters, pools, **kw):
-        return sparse_fused(x, *masters, ids, rw, tau, slot_table=table, pool_gate=pools[0], pool_up=pools[1],
-                            pool_down_t=pools[2], **kw)
+        return sparse_fused(
+            x,
+            *masters,
+            ids,
+            rw,
+            tau,
+            slot_table=table,
+            pool_gate=pools[0],
+            pool_up=pools[1],
+            pool_down_t=pools[2],
+            **kw,
+        )
 
     run((qg, qu, qd), qpools)  # the good case runs
     with pytest.raises(ValueError, match="pool_gate is a plain tensor but the master copies are Int4Tensors"):
@@ -683,8 +826,14 @@ def test_int4_offload_validation():
     with pytest.raises(ValueError, match=r"pool_down_t\.scale .* must share a dtype"):
         run((qg, qu, qd), (qpools[0], qpools[1], s32))
     with pytest.raises(ValueError, match="pool_up.packed"):  # wrong I
-        run((qg, qu, qd), (qpools[0], Int4Tensor(qpools[1].packed[:, :-1], qpools[1].scale[:, :-1],
-                                                 qpools[1].minimum[:, :-1], qg.dtype), qpools[2]))
+        run(
+            (qg, qu, qd),
+            (
+                qpools[0],
+                Int4Tensor(qpools[1].packed[:, :-1], qpools[1].scale[:, :-1], qpools[1].minimum[:, :-1], qg.dtype),
+                qpools[2],
+            ),
+        )
     with pytest.raises(ValueError, match="pool_gate.packed"):  # one slot fewer than the up/down pools, no gate_table
         run((qg, qu, qd), (Int4Tensor(*(t[:1] for t in int4_parts(qpools[0])), qg.dtype), qpools[1], qpools[2]))
     with pytest.raises(ValueError, match="gate_table"):

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import repo_id
+
 from localmoe import offload, placement
 from localmoe.cli import main
 from localmoe.engine import Engine
@@ -89,8 +89,9 @@ def test_cache_never_evicts_what_the_call_needs():
 def test_budget_too_small_is_one_line_with_numbers(capsys):
     code = main(["run", repo_id("qwen3_moe"), "hi", "--vram", "0.01"])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("localmoe: error: --vram 0.01 GiB cannot hold the non-expert weights' "
-                                        "largest module")
+    assert code == 2 and err.startswith(
+        "localmoe: error: --vram 0.01 GiB cannot hold the non-expert weights' largest module"
+    )
     assert "give at least --vram" in err and err.count("\n") == 1
 
 
@@ -117,15 +118,22 @@ def test_non_expert_modules_spill_through_accelerate(capsys):
     assert {d.type for d in dmap.values()} == {"cuda", "cpu"}  # some units on the device, the rest on the host
     assert tokens(e, n=8) == want
     with pytest.raises(Exception, match="largest module"):
-        placement.plan(budget_bytes=int(vram * GiB) - gpu_share, non_expert_bytes=p.non_expert_bytes,
-                     state=p.state_bytes, expert_bytes=p.expert_bytes, total_experts=p.total_experts, top_k=k,
-                     largest_module_bytes=max(units.values()))
+        placement.plan(
+            budget_bytes=int(vram * GiB) - gpu_share,
+            non_expert_bytes=p.non_expert_bytes,
+            state=p.state_bytes,
+            expert_bytes=p.expert_bytes,
+            total_experts=p.total_experts,
+            top_k=k,
+            largest_module_bytes=max(units.values()),
+        )
 
 
 def test_run_json_reports_cache_stats(capsys):
     vram = budget_for(repo_id("mixtral"), 3)
-    code = main(["run", repo_id("mixtral"), "hi", "--json", "--max-new-tokens", "6", "--vram", f"{vram:.9f}",
-                 "--device", "cpu"])
+    code = main(
+        ["run", repo_id("mixtral"), "hi", "--json", "--max-new-tokens", "6", "--vram", f"{vram:.9f}", "--device", "cpu"]
+    )
     cap = capsys.readouterr()
     stats = json.loads(cap.out.strip().splitlines()[-1])["stats"]
     assert code == 0 and stats["cache_hit_rate"] is not None and stats["h2d_bytes_per_token"] is not None
@@ -165,8 +173,9 @@ def test_direct_misses_equal_all_resident(sparsity, layout):
         assert torch.equal(cache.pool.w_up[slot], cache.masters[layer].w_up[ex])
         if not gates:
             assert torch.equal(cache.pool.w_gate[slot], cache.masters[layer].w_gate[ex])
-    placed = [(layer, ex, int(s)) for layer, t in cache.gate_tables.items() for ex, s in enumerate(t.tolist())
-              if s >= 0]
+    placed = [
+        (layer, ex, int(s)) for layer, t in cache.gate_tables.items() for ex, s in enumerate(t.tolist()) if s >= 0
+    ]
     assert len(placed) == gates and len({s for *_, s in placed}) == gates
     for layer, ex, s in placed:
         assert torch.equal(cache.pool.w_gate[s], cache.masters[layer].w_gate[ex])
@@ -182,8 +191,9 @@ def test_direct_misses_equal_all_resident(sparsity, layout):
 
 
 def test_gate_tier_split_holds_gates_first():
-    plan = placement.plan(budget_bytes=64 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=3 << 20,
-                        total_experts=10_000, top_k=8)
+    plan = placement.plan(
+        budget_bytes=64 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=3 << 20, total_experts=10_000, top_k=8
+    )
     assert plan.offloading is False
     small = placement.OffloadPlan(0, 0, 0, 3 << 20, 10_000, 3000)  # 3000 whole experts' bytes
     assert placement.gate_tier_split(small) == (9000, 0)
@@ -221,8 +231,9 @@ def test_live_stats_carry_cache_figures_while_decoding():
 
 
 def test_host_ram_shortage_is_announced_before_the_load():
-    plan = placement.plan(budget_bytes=4 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=100 << 20,
-                        total_experts=1000, top_k=8)
+    plan = placement.plan(
+        budget_bytes=4 << 30, non_expert_bytes=1 << 30, state=0, expert_bytes=100 << 20, total_experts=1000, top_k=8
+    )
     assert plan.offloading
     assert placement.host_ram_notice(plan, None) is None  # unknown: nothing to say
     assert placement.host_ram_notice(plan, 200 << 30) is None
@@ -302,8 +313,9 @@ def test_sparse_piece_tokens_follow_host_bytes():
     E, I, H, layers, k = 16, 4, 8, 4, 2
 
     def piece(slots, gate_slots, sparsity):
-        cache = offload.ExpertCache(slots, (E, I, H), torch.float32, torch.device("cpu"), mode="direct",
-                                    gate_slots=gate_slots)
+        cache = offload.ExpertCache(
+            slots, (E, I, H), torch.float32, torch.device("cpu"), mode="direct", gate_slots=gate_slots
+        )
         for layer in range(layers):
             cache.add_layer(layer, ExpertWeights(*(torch.zeros(E, I, H) for _ in range(3))))
         return cache.sparse_piece_tokens(k, sparsity)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import FAMILIES, repo_id
+
 from localmoe.cli import main
 
 PROMPT = "Tell me about sparse experts."
@@ -28,7 +28,7 @@ def reference_tokens(path, prompt_ids: list[int]) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N_NEW)
-    gen = out[0, len(prompt_ids):].tolist()
+    gen = out[0, len(prompt_ids) :].tolist()
     eos = 3
     return gen[: gen.index(eos)] if eos in gen else gen
 

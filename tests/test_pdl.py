@@ -39,8 +39,7 @@ def _jit_kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:
 
 def _pdl_kernels(path: Path) -> list[tuple[str, ast.FunctionDef, ast.Module]]:
     tree = ast.parse(path.read_text())
-    return [(name, fn, tree) for name, fn in _jit_kernels(tree).items()
-            if any(a.arg == "PDL" for a in fn.args.args)]
+    return [(name, fn, tree) for name, fn in _jit_kernels(tree).items() if any(a.arg == "PDL" for a in fn.args.args)]
 
 
 FILES = sorted(p for p in KERNELS.glob("*.py") if _pdl_kernels(p))
@@ -48,19 +47,34 @@ FILES = sorted(p for p in KERNELS.glob("*.py") if _pdl_kernels(p))
 
 def test_the_decode_kernels_use_it():
     names = {p.stem for p in FILES}
-    assert {"gemv", "rmsnorm", "router_topk", "shared_expert", "sparse_fused", "delta_rule_step",
-            "decode_attention", "dense_experts"} <= names
+    assert {
+        "gemv",
+        "rmsnorm",
+        "router_topk",
+        "shared_expert",
+        "sparse_fused",
+        "delta_rule_step",
+        "decode_attention",
+        "dense_experts",
+    } <= names
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_every_pdl_kernel_waits_and_every_launch_passes_pdl_kw(path):
     for name, fn, tree in _pdl_kernels(path):
-        waits = [n for n in ast.walk(fn) if isinstance(n, ast.If) and ast.unparse(n.test) == "PDL"
-                 and "gdc_wait()" in ast.unparse(n)]
+        waits = [
+            n
+            for n in ast.walk(fn)
+            if isinstance(n, ast.If) and ast.unparse(n.test) == "PDL" and "gdc_wait()" in ast.unparse(n)
+        ]
         assert waits, f"{path.name}: {name} takes PDL but never calls gdc_wait() under `if PDL:`"
-        launches = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)
-                    and ast.unparse(n.func.value) == name]
+        launches = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) and ast.unparse(n.func.value) == name
+        ]
         assert launches, f"{path.name}: {name} is never launched here"
         for call in launches:
-            assert any(k.arg is None and "pdl_kw" in ast.unparse(k.value) for k in call.keywords), \
+            assert any(k.arg is None and "pdl_kw" in ast.unparse(k.value) for k in call.keywords), (
                 f"{path.name}: a launch of {name} lacks **pdl_kw(...)"
+            )

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FAMILIES, repo_id
+
 from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.prefix import PromptReuse, prefill
@@ -25,8 +25,10 @@ def conversation(engine):
     for follow in ("and sparsity?", "thanks"):
         ids = reply(engine, msgs)
         turns.append((ids, engine.stats.prompt_tokens, engine.stats.reused_prompt_tokens))
-        msgs = msgs + [{"role": "assistant", "content": engine.tokenizer.decode(ids, skip_special_tokens=True)},
-                       {"role": "user", "content": follow}]
+        msgs = msgs + [
+            {"role": "assistant", "content": engine.tokenizer.decode(ids, skip_special_tokens=True)},
+            {"role": "user", "content": follow},
+        ]
     ids = reply(engine, msgs)
     turns.append((ids, engine.stats.prompt_tokens, engine.stats.reused_prompt_tokens))
     return turns
@@ -98,7 +100,7 @@ def tensor_addresses(cache):
     out = []
     for layer in cache.layers:
         for v in vars(layer).values():
-            for t in (v.values() if isinstance(v, dict) else [v]):
+            for t in v.values() if isinstance(v, dict) else [v]:
                 if isinstance(t, torch.Tensor):
                     out.append(t.data_ptr())
     return out
@@ -132,8 +134,9 @@ def test_static_cache_rewinds_in_place(family):
     _, got, L = prefill(forward, cache, turn2, stable=32, chunk=10, reuse=reuse)  # kept at its end, with logits
     assert L == 23 and reuse.reused == 23
     assert tensor_addresses(cache) == addresses
-    _, want, _ = prefill(forward, StaticCache(config=e.loaded.config, max_cache_len=64), turn2, stable=0, chunk=10,
-                         reuse=None)
+    _, want, _ = prefill(
+        forward, StaticCache(config=e.loaded.config, max_cache_len=64), turn2, stable=0, chunk=10, reuse=None
+    )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     forward(torch.randint(5, 90, (1, 1)), 32, cache)
     _, again, L = prefill(forward, cache, turn2, stable=32, chunk=10, reuse=reuse)  # the same prompt: nothing to run
@@ -141,16 +144,18 @@ def test_static_cache_rewinds_in_place(family):
     torch.testing.assert_close(again, got, rtol=0, atol=0)
     turn3 = torch.cat([turn2, torch.randint(5, 90, (1, 5))], 1)
     _, got, L = prefill(forward, cache, turn3, stable=0, chunk=10, reuse=reuse)
-    _, want, _ = prefill(forward, StaticCache(config=e.loaded.config, max_cache_len=64), turn3, stable=0, chunk=10,
-                         reuse=None)
+    _, want, _ = prefill(
+        forward, StaticCache(config=e.loaded.config, max_cache_len=64), turn3, stable=0, chunk=10, reuse=None
+    )
     assert L == 32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # a prompt that does not start with the history: reset, prefilled whole, the copy forgotten
     other = torch.randint(5, 90, (1, 30))
     _, got, L = prefill(forward, cache, other, stable=0, chunk=10, reuse=reuse)
     assert L == 0 and reuse.tokens == ()
-    _, want, _ = prefill(forward, StaticCache(config=e.loaded.config, max_cache_len=64), other, stable=0, chunk=10,
-                         reuse=None)
+    _, want, _ = prefill(
+        forward, StaticCache(config=e.loaded.config, max_cache_len=64), other, stable=0, chunk=10, reuse=None
+    )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -182,8 +187,11 @@ def test_thinking_template_reuses_the_history_without_the_header(family):
     e._forget_prompt()
     assert [t[0] for t in conversation(e)] == [t[0] for t in with_reuse]
     one = [{"role": "user", "content": "x"}]
-    header = len(e.encode_chat(one)) - len(e.tokenizer(e.tokenizer.apply_chat_template(
-        one, add_generation_prompt=False, tokenize=False), add_special_tokens=False)["input_ids"])
+    header = len(e.encode_chat(one)) - len(
+        e.tokenizer(
+            e.tokenizer.apply_chat_template(one, add_generation_prompt=False, tokenize=False), add_special_tokens=False
+        )["input_ids"]
+    )
     for (_, prompt, reused), (_, before, _) in zip(with_reuse[1:], with_reuse):
         assert reused == before - header - 1  # the turn before's prompt less its header (and the last history token)
 

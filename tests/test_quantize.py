@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import repo_id
+
 from localmoe import experts as experts_mod
 from localmoe import sparsity as sp
 from localmoe.engine import Engine
@@ -55,10 +55,11 @@ def test_quantize_error_bound(H):
 def _int4_experts(E, I, H, seed=0):
     gen = torch.Generator().manual_seed(seed)
     m = LocalExperts(E, H, I, "silu", 0)
-    m.weights = ExpertWeights(*(torch.randn(E, I, H, generator=gen) / H ** 0.5 for _ in range(3))).to_int4()
+    m.weights = ExpertWeights(*(torch.randn(E, I, H, generator=gen) / H**0.5 for _ in range(3))).to_int4()
     plain = LocalExperts(E, H, I, "silu", 0)
-    plain.weights = ExpertWeights(*(t.dequantize(torch.float32) for t in
-                                    (m.weights.w_gate, m.weights.w_up, m.weights.w_down_t)))
+    plain.weights = ExpertWeights(
+        *(t.dequantize(torch.float32) for t in (m.weights.w_gate, m.weights.w_up, m.weights.w_down_t))
+    )
     return m, plain
 
 
@@ -137,9 +138,9 @@ def test_int4_kernel_one_group_per_row(H, G):
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(H + G)
-    E, I, k = 6, 16, 2
+    E, I = 6, 16
     x = torch.randn(1, H, generator=gen).to(dev)
-    ws = [quantize(torch.randn(E, I, H, generator=gen) / H ** 0.5, group=G, device=dev) for _ in range(3)]
+    ws = [quantize(torch.randn(E, I, H, generator=gen) / H**0.5, group=G, device=dev) for _ in range(3)]
     ids, rw = torch.tensor([[4, 1]], device=dev), torch.tensor([[0.7, 0.3]], device=dev)
     for tau in (torch.zeros(E, device=dev), torch.full((E,), 0.05, device=dev)):
         want, want_cnt = sparse_fused_ref(x, *ws, ids, rw, tau)
@@ -158,8 +159,10 @@ def _budget(model: str, slots: int) -> float:
 
 
 def _tokens(e, n=12):
-    return [ev.token_id for ev in e.generate(e.encode_raw("Sparse experts skip most neurons."),
-                                             GenerationSettings(max_new_tokens=n))]
+    return [
+        ev.token_id
+        for ev in e.generate(e.encode_raw("Sparse experts skip most neurons."), GenerationSettings(max_new_tokens=n))
+    ]
 
 
 @pytest.mark.parametrize("mode,slots", [("copy", 5), ("cpu", 5), ("direct", 5), ("direct", 10)])
@@ -171,8 +174,9 @@ def test_int4_offloaded_equals_resident(mode, slots):
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=0.5, experts="int4")
     want = _tokens(resident)
-    e = Engine.load(model, device="cpu", sparsity=0.5, experts="int4", vram_gib=_budget(model, slots),
-                    offload_miss=mode)
+    e = Engine.load(
+        model, device="cpu", sparsity=0.5, experts="int4", vram_gib=_budget(model, slots), offload_miss=mode
+    )
     cache = e.loaded.cache
     assert cache is not None and cache.mode == mode and e.experts_format == "int4"
     assert isinstance(cache.pool.w_up, Int4Tensor) and cache.row_bytes == 32 // 2 + 4
@@ -199,16 +203,28 @@ def test_int4_offload_notes_and_refusals(hub_cache):
     e4 = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0, experts="int4")
     non_expert = sum(p.numel() * 4 for p in e4.model.parameters())
     fits = int(WORKSPACE_RESERVE) + non_expert + state_bytes(e4.loaded.config, 8192, torch.float32)
-    full = load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32,
-                      vram_bytes=fits + e4.loaded.expert_bytes())
+    full = load_model(
+        e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, vram_bytes=fits + e4.loaded.expert_bytes()
+    )
     assert full.offload.offloading and "--experts int4 would keep every expert in VRAM" in int4_hint(full)
     assert int4_hint(e4.loaded) is None
-    half = load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int4",
-                      vram_bytes=fits + e4.loaded.expert_bytes() // 2)
+    half = load_model(
+        e4.resolved.path,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        experts_format="int4",
+        vram_bytes=fits + e4.loaded.expert_bytes() // 2,
+    )
     assert half.offload.offloading and int4_hint(half) is None
     with pytest.raises(UsageError, match="--host-storage mmap keeps full-precision experts"):
-        load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int4",
-                   vram_bytes=fits + e4.loaded.expert_bytes() // 2, host_storage="mmap")
+        load_model(
+            e4.resolved.path,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            experts_format="int4",
+            vram_bytes=fits + e4.loaded.expert_bytes() // 2,
+            host_storage="mmap",
+        )
     with pytest.raises(UsageError, match="--experts must be one of full, int4"):
         load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int8")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import tiny_models
 from conftest import repo_id
+
 from localmoe.cli import main
 from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
@@ -32,8 +32,13 @@ SPLIT_CASES = [  # (id, reply text, starts inside the block, reasoning, answer)
     ("empty-block", "<think>\n\n</think>\n\nOK", False, "", "OK"),
     ("cut-off-in-reasoning", "<think>still thinking\n", False, "still thinking", ""),
     ("partial-close-at-end", "<think>x</thi", False, "x</thi", ""),
-    ("think-later-is-text", "Answer <think>not reasoning</think> end", False, "",
-     "Answer <think>not reasoning</think> end"),
+    (
+        "think-later-is-text",
+        "Answer <think>not reasoning</think> end",
+        False,
+        "",
+        "Answer <think>not reasoning</think> end",
+    ),
     ("tag-like-start", "<thinking about it", False, "", "<thinking about it"),
     ("lone-angle", "<", False, "", "<"),
     ("leading-spaces-kept", "  hi", False, "", "  hi"),
@@ -44,14 +49,15 @@ SPLIT_CASES = [  # (id, reply text, starts inside the block, reasoning, answer)
 ]
 
 
-@pytest.mark.parametrize(("text", "inside", "reasoning", "answer"), [c[1:] for c in SPLIT_CASES],
-                         ids=[c[0] for c in SPLIT_CASES])
+@pytest.mark.parametrize(
+    ("text", "inside", "reasoning", "answer"), [c[1:] for c in SPLIT_CASES], ids=[c[0] for c in SPLIT_CASES]
+)
 @pytest.mark.parametrize("piece", [0, 1, 3], ids=["whole", "by-char", "by-3"])
 def test_splitter(text, inside, reasoning, answer, piece):
     """The same split whether the text comes whole, one character at a time (tags split across pieces) or in
     threes."""
     s = ReasoningSplitter(in_reasoning=inside)
-    pieces = [text] if piece == 0 else [text[i:i + piece] for i in range(0, len(text), piece)]
+    pieces = [text] if piece == 0 else [text[i : i + piece] for i in range(0, len(text), piece)]
     parts = [p for chunk in pieces for p in s.push(chunk)] + s.flush()
     assert all(t for _, t in parts)  # no empty pieces
     got = ("".join(t for c, t in parts if c == "reasoning"), "".join(t for c, t in parts if c == "answer"))
@@ -59,10 +65,17 @@ def test_splitter(text, inside, reasoning, answer, piece):
     assert split(text, inside) == (reasoning, answer)
 
 
-@pytest.mark.parametrize(("prompt_end", "opens"), [
-    ("<|im_start|>assistant\n", False), ("<|im_start|>assistant\n<think>\n", True),
-    ("assistant\n<think>\n\n</think>\n\n", False), ("<think>a</think> user text <think>", True), ("", False)],
-    ids=["header", "opened", "closed-empty", "reopened", "nothing"])
+@pytest.mark.parametrize(
+    ("prompt_end", "opens"),
+    [
+        ("<|im_start|>assistant\n", False),
+        ("<|im_start|>assistant\n<think>\n", True),
+        ("assistant\n<think>\n\n</think>\n\n", False),
+        ("<think>a</think> user text <think>", True),
+        ("", False),
+    ],
+    ids=["header", "opened", "closed-empty", "reopened", "nothing"],
+)
 def test_opens_reasoning(prompt_end, opens):
     assert opens_reasoning(prompt_end) is opens
 
@@ -74,8 +87,10 @@ def think(hub_cache):
 
 def _reply(engine, messages, think=None, settings=None):
     evs = list(engine.chat(messages, settings or engine.default_settings(), think=think))
-    return evs, ("".join(e.text for e in evs if e.channel == "reasoning"),
-                 "".join(e.text for e in evs if e.channel == "answer"))
+    return evs, (
+        "".join(e.text for e in evs if e.channel == "reasoning"),
+        "".join(e.text for e in evs if e.channel == "answer"),
+    )
 
 
 HI = [{"role": "user", "content": "hi"}]
@@ -86,8 +101,9 @@ REPLY_CASES = [  # (id, think, reasoning, answer, tokens)
 ]
 
 
-@pytest.mark.parametrize(("switch", "reasoning", "answer", "tokens"), [c[1:] for c in REPLY_CASES],
-                         ids=[c[0] for c in REPLY_CASES])
+@pytest.mark.parametrize(
+    ("switch", "reasoning", "answer", "tokens"), [c[1:] for c in REPLY_CASES], ids=[c[0] for c in REPLY_CASES]
+)
 def test_engine_channels(think, switch, reasoning, answer, tokens):
     """The reply's events by channel, the tags never in the text, every token (its id, its index) in the events;
     the checkpoint's sampling defaults (Qwen3's) give the scripted reply too."""
@@ -107,8 +123,9 @@ def test_template_that_opens_the_block(think):
     """A template whose generation prompt ends inside `<think>` (Qwen3.5's, when thinking): the reply starts as
     reasoning."""
     original = think.tokenizer.chat_template
-    think.tokenizer.chat_template = original.replace("{{ '<|im_start|>assistant\\n' }}",
-                                                     "{{ '<|im_start|>assistant\\n<think>' }}")
+    think.tokenizer.chat_template = original.replace(
+        "{{ '<|im_start|>assistant\\n' }}", "{{ '<|im_start|>assistant\\n<think>' }}"
+    )
     try:
         assert think.tokenizer.decode(think.encode_chat(HI)).endswith("assistant\n<think>")
         evs, got = _reply(think, HI, settings=GenerationSettings())
@@ -119,7 +136,7 @@ def test_template_that_opens_the_block(think):
 
 def test_think_switch_reaches_the_template(think, hub_cache):
     on, off = think.encode_chat(HI, think=True), think.encode_chat(HI, think=False)
-    assert think.tokenizer.decode(off).endswith("<think>\n\n</think>\n\n") and off[:len(on)] == on
+    assert think.tokenizer.decode(off).endswith("<think>\n\n</think>\n\n") and off[: len(on)] == on
     assert think.encode_chat(HI) == on  # the template's default: thinking
     plain = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0)
     assert not plain.supports_thinking and plain.reasoning_tags is None
@@ -132,6 +149,7 @@ def test_turns_with_reasoning_reuse_the_prompt(think, switch, prepare):
     """Past reasoning goes back as reasoning_content and the template renders it as it wants (Qwen3's: not for
     turns before the last user message); a turn reuses the cache the turn before left (or prepare_next_turn made),
     with the tokens of prefilling every turn whole."""
+
     def conversation():
         msgs, out = list(HI), []
         for text in ("more", "again"):
@@ -172,17 +190,20 @@ RUN_CASES = [  # (id, extra argv, stdout, what stderr starts with, in the stats 
 ]
 
 
-@pytest.mark.parametrize(("extra", "out", "err_start", "stats"), [c[1:] for c in RUN_CASES],
-                         ids=[c[0] for c in RUN_CASES])
+@pytest.mark.parametrize(
+    ("extra", "out", "err_start", "stats"), [c[1:] for c in RUN_CASES], ids=[c[0] for c in RUN_CASES]
+)
 def test_run_prints_the_answer(capsys, extra, out, err_start, stats):
     code, got, err = _run(capsys, "run", THINK, "hi", *extra)
     assert code == 0 and got == out and err.startswith(err_start) and stats in err.splitlines()[-1]
     assert ("not shown" in err) == (stats == "reasoning 5 tok not shown" or "not shown" == stats)
 
 
-@pytest.mark.parametrize(("extra", "text", "reasoning", "tokens"), [
-    ([], "OK", "Why?", 9), (["--no-think"], "OK", "", 2), (["--show-reasoning"], "OK", "Why?", 9)],
-    ids=["thinking", "no-think", "show-reasoning-ignored"])
+@pytest.mark.parametrize(
+    ("extra", "text", "reasoning", "tokens"),
+    [([], "OK", "Why?", 9), (["--no-think"], "OK", "", 2), (["--show-reasoning"], "OK", "Why?", 9)],
+    ids=["thinking", "no-think", "show-reasoning-ignored"],
+)
 def test_run_json_carries_both(capsys, extra, text, reasoning, tokens):
     code, out, err = _run(capsys, "run", THINK, "hi", "--json", *extra)
     obj = json.loads(out)
@@ -201,7 +222,8 @@ def test_show_reasoning_on_a_terminal():
 
 def test_think_flag_notes(capsys):
     code, out, err = _run(capsys, "run", repo_id("qwen3_moe"), "hi", "--think", "--max-new-tokens", "2")
-    assert code == 0 and err.startswith("localmoe: note: localmoe-test/tiny-qwen3_moe's chat template has no "
-                                        "thinking switch: --think does nothing")
+    assert code == 0 and err.startswith(
+        "localmoe: note: localmoe-test/tiny-qwen3_moe's chat template has no thinking switch: --think does nothing"
+    )
     code, out, err = _run(capsys, "run", THINK, "hi", "--raw", "--no-think")
     assert code == 2 and "--raw sends the prompt without the chat template, which is what --no-think sets" in err

@@ -8,9 +8,18 @@ import pytest
 
 from localmoe.registry import ModelSpec, load_registry, parse_registry
 
-REQUIRED = {"qwen3.5-35b": "Qwen/Qwen3.5-35B-A3B", "qwen3.5-122b": None, "qwen3-30b": None, "olmoe": None,
-            "granite-moe-1b": None, "granite-moe-3b": None, "deepseek-v2-lite": None, "mixtral-8x7b": None,
-            "gpt-oss-20b": None, "localmoe-tiny": None}
+REQUIRED = {
+    "qwen3.5-35b": "Qwen/Qwen3.5-35B-A3B",
+    "qwen3.5-122b": None,
+    "qwen3-30b": None,
+    "olmoe": None,
+    "granite-moe-1b": None,
+    "granite-moe-3b": None,
+    "deepseek-v2-lite": None,
+    "mixtral-8x7b": None,
+    "gpt-oss-20b": None,
+    "localmoe-tiny": None,
+}
 
 
 def test_shipped_registry():

@@ -13,8 +13,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import repo_id
+
 from localmoe.detokenize import StopStrings
 from localmoe.engine import Engine, generation_defaults
 from localmoe.events import GenerationSettings
@@ -34,8 +34,9 @@ PENALTY_CASES = [  # (id, family, penalty, prompt)
 ]
 
 
-@pytest.mark.parametrize(("family", "penalty", "prompt"), [c[1:] for c in PENALTY_CASES],
-                         ids=[c[0] for c in PENALTY_CASES])
+@pytest.mark.parametrize(
+    ("family", "penalty", "prompt"), [c[1:] for c in PENALTY_CASES], ids=[c[0] for c in PENALTY_CASES]
+)
 def test_penalty_tokens_equal_transformers_generate(hub_cache, family, penalty, prompt):
     """Greedy with a repetition penalty on the CPU: the tokens of transformers' generate with the same
     repetition_penalty (float32, dense; both stop at EOS), and different from greedy without it."""
@@ -47,12 +48,14 @@ def test_penalty_tokens_equal_transformers_generate(hub_cache, family, penalty, 
     n = 24
     got = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=n, repetition_penalty=penalty))]
     plain = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=n))]
-    ref_model = AutoModelForCausalLM.from_pretrained(snapshot_download(repo_id(family), local_files_only=True),
-                                                     dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        snapshot_download(repo_id(family), local_files_only=True), dtype=torch.float32
+    )
     x = torch.tensor([ids])
-    out = ref_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                             repetition_penalty=penalty)[0, len(ids):].tolist()
-    out = out[:out.index(3)] if 3 in out else out  # the tiny checkpoints' EOS
+    out = ref_model.generate(
+        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, repetition_penalty=penalty
+    )[0, len(ids) :].tolist()
+    out = out[: out.index(3)] if 3 in out else out  # the tiny checkpoints' EOS
     assert got == out and len(got) >= 8
     assert got != plain  # the penalty changed something here
 
@@ -65,8 +68,7 @@ def test_penalty_pipelined_and_sampled(hub_cache):
     runs = {}
     for depth in (0, 2):
         e.pipeline_depth = depth
-        greedy = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=12,
-                                                                            repetition_penalty=1.4))]
+        greedy = [ev.token_id for ev in e.generate(ids, GenerationSettings(max_new_tokens=12, repetition_penalty=1.4))]
         s = GenerationSettings(max_new_tokens=12, temperature=1.0, top_k=30, seed=11, repetition_penalty=1.4)
         runs[depth] = (greedy, [ev.token_id for ev in e.generate(ids, s)])
     assert runs[0] == runs[2]
@@ -105,8 +107,9 @@ KERNEL_CASES = [  # (id, V, block, dtype, penalty, share of tokens seen)
 ]
 
 
-@pytest.mark.parametrize(("V", "block", "dtype", "penalty", "share"), [c[1:] for c in KERNEL_CASES],
-                         ids=[c[0] for c in KERNEL_CASES])
+@pytest.mark.parametrize(
+    ("V", "block", "dtype", "penalty", "share"), [c[1:] for c in KERNEL_CASES], ids=[c[0] for c in KERNEL_CASES]
+)
 def test_argmax_kernel_penalty(V, block, dtype, penalty, share):
     """Six launches chained as the graph chains them: each chosen token equals the reference's and the eager path's
     (penalize + argmax), the seen masks stay equal (marked only when the penalty is on)."""
@@ -156,29 +159,45 @@ GENCONFIG_CASES = [  # (id, generation_config.json text or None for no file, exp
     ("not-json", "{nope", {}, 0),
     ("not-an-object", "[1, 2]", {}, 0),
     ("greedy-no-do-sample", {"temperature": 0.7, "top_k": 40}, {"temperature": 0.0, "top_k": 40}, 0),
-    ("do-sample-false", {"do_sample": False, "temperature": 0.7, "repetition_penalty": 1.2},
-     {"temperature": 0.0, "repetition_penalty": 1.2}, 0),
-    ("sampling", {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1},
-     {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1}, 0),
+    (
+        "do-sample-false",
+        {"do_sample": False, "temperature": 0.7, "repetition_penalty": 1.2},
+        {"temperature": 0.0, "repetition_penalty": 1.2},
+        0,
+    ),
+    (
+        "sampling",
+        {"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1},
+        {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1},
+        0,
+    ),
     ("sampling-no-temperature", {"do_sample": True, "top_p": 0.8}, {"temperature": 1.0, "top_p": 0.8}, 0),
     ("sampling-temperature-0", {"do_sample": True, "temperature": 0}, {"temperature": 0.0}, 0),
     ("nulls", {"do_sample": True, "temperature": None, "top_k": None}, {"temperature": 1.0}, 0),
-    ("out-of-range", {"do_sample": True, "temperature": -1, "top_p": 1.5, "top_k": 2.5, "repetition_penalty": 0},
-     {"temperature": 1.0}, 4),
+    (
+        "out-of-range",
+        {"do_sample": True, "temperature": -1, "top_p": 1.5, "top_k": 2.5, "repetition_penalty": 0},
+        {"temperature": 1.0},
+        4,
+    ),
     ("wrong-types", {"do_sample": "yes", "temperature": "hot", "top_k": True}, {"temperature": 0.0}, 2),
     ("top-k-float-integer", {"do_sample": True, "top_k": 20.0}, {"temperature": 1.0, "top_k": 20}, 0),
 ]
 
 
-@pytest.mark.parametrize(("content", "want", "notices"), [c[1:] for c in GENCONFIG_CASES],
-                         ids=[c[0] for c in GENCONFIG_CASES])
+@pytest.mark.parametrize(
+    ("content", "want", "notices"), [c[1:] for c in GENCONFIG_CASES], ids=[c[0] for c in GENCONFIG_CASES]
+)
 def test_generation_defaults(tmp_path, content, want, notices):
     if content is not None:
         (tmp_path / "generation_config.json").write_text(content if isinstance(content, str) else json.dumps(content))
     said = []
     got = generation_defaults(tmp_path, said.append)
-    expected = {**{k: getattr(DEFAULT, k) for k in ("temperature", "top_k", "top_p", "repetition_penalty")},
-                "temperature": 0.0, **want}
+    expected = {
+        **{k: getattr(DEFAULT, k) for k in ("temperature", "top_k", "top_p", "repetition_penalty")},
+        "temperature": 0.0,
+        **want,
+    }
     assert {k: getattr(got, k) for k in expected} == expected
     assert isinstance(got.top_k, int) and len(said) == notices
 
@@ -207,8 +226,9 @@ STOP_CASES = [  # (id, pieces streamed, stops, what comes out before the end, st
 ]
 
 
-@pytest.mark.parametrize(("pieces", "stops", "out", "stopped", "held"), [c[1:] for c in STOP_CASES],
-                         ids=[c[0] for c in STOP_CASES])
+@pytest.mark.parametrize(
+    ("pieces", "stops", "out", "stopped", "held"), [c[1:] for c in STOP_CASES], ids=[c[0] for c in STOP_CASES]
+)
 def test_stop_strings(pieces, stops, out, stopped, held):
     s = StopStrings(stops)
     got = "".join(s.push(p) for p in pieces)
@@ -237,8 +257,9 @@ ENGINE_STOP_CASES = [  # (id, stops, text, tokens, finish)
 ]
 
 
-@pytest.mark.parametrize(("stops", "text", "tokens", "finish"), [c[1:] for c in ENGINE_STOP_CASES],
-                         ids=[c[0] for c in ENGINE_STOP_CASES])
+@pytest.mark.parametrize(
+    ("stops", "text", "tokens", "finish"), [c[1:] for c in ENGINE_STOP_CASES], ids=[c[0] for c in ENGINE_STOP_CASES]
+)
 def test_engine_stop_strings(repeating, stops, text, tokens, finish):
     """The reply's text ends before the stop string (the stop text never emitted), finish_reason "stop"; the
     tokens up to the one completing it are in the events (each index at least once); text held as a possible stop

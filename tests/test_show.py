@@ -14,8 +14,8 @@ import json
 import math
 
 import pytest
-
 from conftest import FAMILIES, repo_id
+
 from localmoe.cli import main
 
 
@@ -92,19 +92,33 @@ def test_show_local_folder(src_dir, capsys):
     obj = json.loads(out)
     assert code == 0 and obj["config_source"] == "local" and obj["family"] == "Qwen3.5-MoE"
     assert obj["experts_format"] == "int4" and obj["shared_expert_width"] == 16
-    assert obj["bytes_per_token"]["dense"] < json.loads(show(capsys, str(src_dir / "qwen3_5_moe"), "--json")[1])[
-        "bytes_per_token"]["dense"]  # int4 experts read fewer bytes
+    assert (
+        obj["bytes_per_token"]["dense"]
+        < json.loads(show(capsys, str(src_dir / "qwen3_5_moe"), "--json")[1])["bytes_per_token"]["dense"]
+    )  # int4 experts read fewer bytes
 
 
 SHAPE_CASES = [  # (id, argv, checks on the JSON)
-    ("qwen3.5-35b-24GiB", ["qwen3.5-35b", "--vram", "24"],
-     dict(layers=40, experts=256, top_k=8, expert_width=512, offloading=True, fits=True)),
-    ("qwen3.5-35b-int4-24GiB", ["qwen3.5-35b", "--vram", "24", "--experts", "int4"],
-     dict(layers=40, experts=256, top_k=8, expert_width=512, offloading=False, fits=True)),
-    ("qwen3-30b-8GiB", ["qwen3-30b", "--vram", "8"],
-     dict(layers=48, experts=128, top_k=8, expert_width=768, offloading=True, fits=True)),
-    ("qwen3.5-35b-too-small", ["qwen3.5-35b", "--vram", "1"],
-     dict(layers=40, experts=256, top_k=8, expert_width=512, offloading=None, fits=False)),
+    (
+        "qwen3.5-35b-24GiB",
+        ["qwen3.5-35b", "--vram", "24"],
+        dict(layers=40, experts=256, top_k=8, expert_width=512, offloading=True, fits=True),
+    ),
+    (
+        "qwen3.5-35b-int4-24GiB",
+        ["qwen3.5-35b", "--vram", "24", "--experts", "int4"],
+        dict(layers=40, experts=256, top_k=8, expert_width=512, offloading=False, fits=True),
+    ),
+    (
+        "qwen3-30b-8GiB",
+        ["qwen3-30b", "--vram", "8"],
+        dict(layers=48, experts=128, top_k=8, expert_width=768, offloading=True, fits=True),
+    ),
+    (
+        "qwen3.5-35b-too-small",
+        ["qwen3.5-35b", "--vram", "1"],
+        dict(layers=40, experts=256, top_k=8, expert_width=512, offloading=None, fits=False),
+    ),
 ]
 
 
@@ -118,7 +132,8 @@ def test_show_registry_alias_offline(capsys, argv, want):
     assert obj["config_source"] == "shapes" and obj["download_source"] == "estimate"
     assert obj["download_bytes"] == 2 * obj["params_total"] and obj["default_sparsity"] > 0.8
     assert {k: obj[k] for k in ("layers", "experts", "top_k", "expert_width")} == {
-        k: want[k] for k in ("layers", "experts", "top_k", "expert_width")}
+        k: want[k] for k in ("layers", "experts", "top_k", "expert_width")
+    }
     v = obj["vram"]
     assert v["fits"] is want["fits"] and v.get("offloading") is want["offloading"]
     if want["offloading"]:
@@ -130,16 +145,27 @@ def test_show_registry_alias_offline(capsys, argv, want):
     assert "offline and not downloaded: config from localmoe's table of shapes" in text.splitlines()[0]
 
 
-@pytest.mark.parametrize(("argv", "code", "says"), [
-    (["olmoe"], 1, "olmoe is not downloaded and its config.json cannot be fetched (HF_HUB_OFFLINE is set)"),
-    (["qwen3.5-35"], 2, "did you mean qwen3.5-35b"),
-    (["gpt-oss-20b"], 2, "GPT-OSS is not yet supported"),
-    (["./no/such/dir"], 2, "does not exist"),
-    ([repo_id("qwen3_moe"), "--context", "1024"], 2, "--context 1024 is more than"),
-    ([repo_id("qwen3_moe"), "--vram", "nan"], 2, "--vram must be a finite number"),
-    ([repo_id("qwen3_dense")], 2, "supported: Qwen3.5-MoE"),
-], ids=["offline-not-in-shapes", "unknown", "unsupported", "missing-folder", "context-too-long", "vram-nan",
-        "not-moe"])
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        (["olmoe"], 1, "olmoe is not downloaded and its config.json cannot be fetched (HF_HUB_OFFLINE is set)"),
+        (["qwen3.5-35"], 2, "did you mean qwen3.5-35b"),
+        (["gpt-oss-20b"], 2, "GPT-OSS is not yet supported"),
+        (["./no/such/dir"], 2, "does not exist"),
+        ([repo_id("qwen3_moe"), "--context", "1024"], 2, "--context 1024 is more than"),
+        ([repo_id("qwen3_moe"), "--vram", "nan"], 2, "--vram must be a finite number"),
+        ([repo_id("qwen3_dense")], 2, "supported: Qwen3.5-MoE"),
+    ],
+    ids=[
+        "offline-not-in-shapes",
+        "unknown",
+        "unsupported",
+        "missing-folder",
+        "context-too-long",
+        "vram-nan",
+        "not-moe",
+    ],
+)
 def test_show_errors(hub_cache, capsys, argv, code, says):
     got, out, err = show(capsys, *argv)
     assert got == code and out == "" and err.startswith("localmoe: error: ") and err.count("\n") == 1

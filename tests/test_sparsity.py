@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import repo_id
+
 from localmoe import sparsity as sp
 from localmoe.cli import main
 from localmoe.engine import Engine
@@ -20,8 +20,12 @@ from localmoe.experts import ExpertWeights, sparse_reference
 @pytest.mark.parametrize("target", [0.5, 0.85])
 def test_realised_sparsity_within_3_points(family, target):
     engine = Engine.load(repo_id(family), device="cpu", sparsity=target)
-    list(engine.generate(engine.encode_raw("The quick brown fox jumps over the lazy dog. " * 2),
-                         GenerationSettings(max_new_tokens=64, temperature=1.0, seed=0)))  # sampled: varied tokens
+    list(
+        engine.generate(
+            engine.encode_raw("The quick brown fox jumps over the lazy dog. " * 2),
+            GenerationSettings(max_new_tokens=64, temperature=1.0, seed=0),
+        )
+    )  # sampled: varied tokens
     assert engine.stats.sparsity_target == target
     assert abs(engine.stats.sparsity_realized - target) <= 0.03, engine.stats.sparsity_realized
 

@@ -10,12 +10,12 @@ import os
 import shutil
 
 import pytest
-
 from conftest import repo_id
+from test_offload import budget_for, tokens
+
 from localmoe import placement, store
 from localmoe.engine import Engine
 from localmoe.errors import RuntimeFailure
-from test_offload import budget_for, tokens
 
 
 def _bins(engine) -> dict:
@@ -60,8 +60,9 @@ def test_auto_uses_files_only_when_ram_is_short():
 
 def test_unknown_host_storage_is_refused():
     with pytest.raises(Exception, match="host storage"):
-        Engine.load(repo_id("qwen3_moe"), device="cpu", vram_gib=budget_for(repo_id("qwen3_moe"), 3),
-                    host_storage="disk")
+        Engine.load(
+            repo_id("qwen3_moe"), device="cpu", vram_gib=budget_for(repo_id("qwen3_moe"), 3), host_storage="disk"
+        )
 
 
 def _rewrite_experts_in_place(folder, layer_files):
@@ -91,6 +92,7 @@ def _remove_bin(folder, layer_files):
 def _marker(text):
     def edit(folder, layer_files):
         layer_files[0][3].write_text(text)
+
     return edit
 
 
@@ -137,8 +139,11 @@ def test_unwritable_store_fails_with_the_folder_named():
     store.store_root().write_text("not a folder")  # mkdir and every file under it fail
     model = repo_id("qwen3_moe")
     vram = budget_for(model, 3)
-    with pytest.raises(RuntimeFailure, match=r"cannot write the memory-mapped expert files under .*experts.* \(Not a "
-                                             r"directory\): free disk space or fix the folder's permissions"):
+    with pytest.raises(
+        RuntimeFailure,
+        match=r"cannot write the memory-mapped expert files under .*experts.* \(Not a "
+        r"directory\): free disk space or fix the folder's permissions",
+    ):
         Engine.load(model, device="cpu", sparsity=0.0, vram_gib=vram, host_storage="mmap")
 
 

@@ -12,9 +12,8 @@ import asyncio
 import functools
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
-
 
 from localmoe.events import ChatEngine, EngineStats, GenerationSettings, ProgressFn, TokenEvent
 from localmoe.tui.app import ChatApp
@@ -22,15 +21,28 @@ from localmoe.tui.history import HistoryStore
 from localmoe.tui.widgets import ChatInput, MessageView, StatusBar
 
 SIZE = (100, 30)
-FIXED_STATS = dict(prompt_tokens=12, prefill_tok_s=250.0, decode_tok_s=42.5, sparsity_target=0.5,
-                   sparsity_realized=0.48, peak_gpu_mem_gb=7.25, cache_hit_rate=0.9)
+FIXED_STATS = dict(
+    prompt_tokens=12,
+    prefill_tok_s=250.0,
+    decode_tok_s=42.5,
+    sparsity_target=0.5,
+    sparsity_realized=0.48,
+    peak_gpu_mem_gb=7.25,
+    cache_hit_rate=0.9,
+)
 
 
 class ScriptedEngine:
     """A fake ChatEngine: streams `reply` a word at a time; hang_after=N blocks after N words until cancel()."""
 
-    def __init__(self, reply: str = "Hello **there**! Here is code:\n\n```python\nprint('hi')\n```\n",
-                 *, hang_after: int | None = None, fail_with: Exception | None = None, delay: float = 0.002) -> None:
+    def __init__(
+        self,
+        reply: str = "Hello **there**! Here is code:\n\n```python\nprint('hi')\n```\n",
+        *,
+        hang_after: int | None = None,
+        fail_with: Exception | None = None,
+        delay: float = 0.002,
+    ) -> None:
         self.model_name = "fake/moe-tiny"
         self.device = "cuda:0"
         self.reply, self.hang_after, self.fail_with, self.delay = reply, hang_after, fail_with, delay
@@ -90,7 +102,9 @@ async def type_and_send(pilot, text: str) -> None:
     await pilot.press("enter")
 
 
-async def chat_exchange(engine: ChatEngine, prompt: str, db_path: Path, timeout: float = 120.0) -> tuple[str, EngineStats]:
+async def chat_exchange(
+    engine: ChatEngine, prompt: str, db_path: Path, timeout: float = 120.0
+) -> tuple[str, EngineStats]:
     """E2E hook: send `prompt` to `engine` through the app; returns (reply text, engine stats).
 
     Works with any ChatEngine, e.g. `localmoe.engine.Engine` on a tiny model.
@@ -317,6 +331,7 @@ async def test_load_error_is_shown_not_raised(tmp_path):
 
 # snapshots: fixed size, fixed engine figures, no timestamps on screen
 
+
 def _no_blink(pilot) -> None:
     pilot.app.query_one(ChatInput).cursor_blink = False
 
@@ -324,11 +339,14 @@ def _no_blink(pilot) -> None:
 def test_snapshot_empty(snap_compare, tmp_path):
     async def run_before(pilot):
         _no_blink(pilot)
+
     assert snap_compare(make_app(tmp_path), terminal_size=SIZE, run_before=run_before)
 
 
 def test_snapshot_streaming(snap_compare, tmp_path):
-    engine = ScriptedEngine("Sure. Here is a **function**:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nIt adds", hang_after=14)
+    engine = ScriptedEngine(
+        "Sure. Here is a **function**:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nIt adds", hang_after=14
+    )
     app = make_app(tmp_path, engine)
 
     async def run_before(pilot):
@@ -351,6 +369,7 @@ def test_snapshot_load_error(snap_compare, tmp_path):
 
     async def run_before(pilot):
         await wait_for(pilot, lambda: app.query_one("#main").current == "error")
+
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 
 from conftest import repo_id
+from test_tui import chat_exchange
+
 from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.tui.history import HistoryStore
-from test_tui import chat_exchange
 
 
 def test_chat_with_real_tiny_model(tmp_path):
@@ -17,8 +18,9 @@ def test_chat_with_real_tiny_model(tmp_path):
     db = tmp_path / "chats.sqlite3"
     reply, stats = asyncio.run(chat_exchange(engine, "hello experts", db))
     assert stats.generated_tokens > 0 and stats.sparsity_target == 0.5
-    expected = "".join(ev.text for ev in engine.chat([{"role": "user", "content": "hello experts"}],
-                                                     GenerationSettings()))
+    expected = "".join(
+        ev.text for ev in engine.chat([{"role": "user", "content": "hello experts"}], GenerationSettings())
+    )
     assert reply.strip() == expected.strip()
     store = HistoryStore(db)
     msgs = store.messages(store.last_session().id)
@@ -50,6 +52,9 @@ def test_second_turn_prefills_only_the_new_message(tmp_path):
     first, second, stats = asyncio.run(two_turns())
     assert stats.prompt_tokens - stats.reused_prompt_tokens < len("and sparsity?") + 16
     fresh = Engine.load(repo_id("qwen3_5_moe"), device="cpu", sparsity=0.0)
-    msgs = [{"role": "user", "content": "hello experts"}, {"role": "assistant", "content": first},
-            {"role": "user", "content": "and sparsity?"}]
+    msgs = [
+        {"role": "user", "content": "hello experts"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "and sparsity?"},
+    ]
     assert second.strip() == "".join(ev.text for ev in fresh.chat(msgs, GenerationSettings())).strip()

@@ -36,16 +36,27 @@ def char_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                   bos_token=None, pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
 def _common(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=512, initializer_range=0.3, eos_token_id=3, bos_token_id=1, pad_token_id=1,
-                tie_word_embeddings=False)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        eos_token_id=3,
+        bos_token_id=1,
+        pad_token_id=1,
+        tie_word_embeddings=False,
+    )
     base.update(kw)
     return base
 
@@ -57,28 +68,69 @@ def build(family: str):
 
     torch.manual_seed(1234)
     if family == "qwen3_5_moe":
-        text = _common(head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8,
-                       num_experts_per_tok=2, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
-                       linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                       layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
-        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
-                      temporal_patch_size=2, spatial_merge_size=2)
+        text = _common(
+            head_dim=8,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        )
+        vision = dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=32,
+            patch_size=4,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+        )
         cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
         model = tf.Qwen3_5MoeForConditionalGeneration(cfg)
         return model, {"save_original_format": False}
     if family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**_common(head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-                                          intermediate_size=48, norm_topk_prob=True))
+        cfg = tf.Qwen3MoeConfig(
+            **_common(
+                head_dim=8,
+                moe_intermediate_size=16,
+                num_experts=8,
+                num_experts_per_tok=2,
+                intermediate_size=48,
+                norm_topk_prob=True,
+            )
+        )
     elif family == "olmoe":
         cfg = tf.OlmoeConfig(**_common(intermediate_size=16, num_experts=8, num_experts_per_tok=2))
     elif family == "mixtral":
         cfg = tf.MixtralConfig(**_common(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2))
     elif family == "deepseek_v2":
-        cfg = tf.DeepseekV2Config(**_common(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
-                                            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                                            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                            v_head_dim=8, n_group=1, topk_group=1, rope_scaling=None,
-                                            num_hidden_layers=3, num_key_value_heads=4))
+        cfg = tf.DeepseekV2Config(
+            **_common(
+                intermediate_size=48,
+                moe_intermediate_size=16,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                kv_lora_rank=16,
+                q_lora_rank=None,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+                n_group=1,
+                topk_group=1,
+                rope_scaling=None,
+                num_hidden_layers=3,
+                num_key_value_heads=4,
+            )
+        )
     elif family == "granitemoe":
         cfg = tf.GraniteMoeConfig(**_common(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2))
     elif family == "gpt_oss":
@@ -140,8 +192,9 @@ def repeating_tokenizer(token_text: str):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                   bos_token=None, pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -158,8 +211,9 @@ def save_repeating_checkpoint(folder: Path, token_text: str) -> Path:
         model.lm_head.weight.zero_()
     model.save_pretrained(folder, **kwargs)
     repeating_tokenizer(token_text).save_pretrained(folder)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "bos_token_id": 1,
-                                                               "pad_token_id": 1}))
+    (folder / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": 3, "bos_token_id": 1, "pad_token_id": 1})
+    )
     return folder
 
 
@@ -197,8 +251,18 @@ THINK_TOKENS = ["<think>", "</think>", "\n\n"]  # in the vocabulary's last three
 # The scripted reply: each token's successor. With thinking on the prompt ends in "\n" (the generation header):
 # "<think>Why?</think>\n\nOK" then EOS; with thinking off it ends in "\n\n" (the closed empty block): "OK" then EOS.
 # A template that opens the block in the prompt (ending in "<think>") gets "Why?</think>\n\nOK".
-THINK_SCRIPT = [("\n", "<think>"), ("<think>", "W"), ("W", "h"), ("h", "y"), ("y", "?"), ("?", "</think>"),
-                ("</think>", "\n\n"), ("\n\n", "O"), ("O", "K"), ("K", "<|im_end|>")]
+THINK_SCRIPT = [
+    ("\n", "<think>"),
+    ("<think>", "W"),
+    ("W", "h"),
+    ("h", "y"),
+    ("y", "?"),
+    ("?", "</think>"),
+    ("</think>", "\n\n"),
+    ("\n\n", "O"),
+    ("O", "K"),
+    ("K", "<|im_end|>"),
+]
 THINK_REASONING, THINK_ANSWER = "Why?", "OK"
 
 
@@ -217,8 +281,9 @@ def think_tokenizer():
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                   bos_token=None, pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
+    )
     fast.chat_template = THINK_TEMPLATE
     return fast
 
@@ -242,14 +307,24 @@ def save_think_checkpoint(folder: Path) -> Path:
         basis, _ = torch.linalg.qr(torch.randn(H, H, generator=torch.Generator().manual_seed(7)))
         emb = model.model.embed_tokens.weight
         for i, t in enumerate(sorted(ids.values())):
-            emb[t] = basis[i] * H ** 0.5  # rms 1: the final RMSNorm leaves it as it is
+            emb[t] = basis[i] * H**0.5  # rms 1: the final RMSNorm leaves it as it is
         model.model.norm.weight.fill_(1.0)
         model.lm_head.weight.zero_()
         for a, b in THINK_SCRIPT:
             model.lm_head.weight[ids[b]] = 20.0 * emb[ids[a]] / H
     model.save_pretrained(folder, **kwargs)
     tok.save_pretrained(folder)
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 3, "bos_token_id": 1,
-         "pad_token_id": 1}))
+    (folder / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "do_sample": True,
+                "temperature": 0.6,
+                "top_k": 20,
+                "top_p": 0.95,
+                "eos_token_id": 3,
+                "bos_token_id": 1,
+                "pad_token_id": 1,
+            }
+        )
+    )
     return folder

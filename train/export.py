@@ -46,7 +46,7 @@ def heldout_nll(model, tok, text: str, seq: int = 512) -> tuple[float, int]:
     ids = torch.tensor(tok(text)["input_ids"])
     total, count = 0.0, 0
     for s in range(0, ids.numel() - 1, seq):
-        x = ids[s:s + seq + 1][None]
+        x = ids[s : s + seq + 1][None]
         if x.size(1) < 2:
             break
         logits = model(input_ids=x[:, :-1]).logits
@@ -57,10 +57,11 @@ def heldout_nll(model, tok, text: str, seq: int = 512) -> tuple[float, int]:
 
 @torch.no_grad()
 def reply(model, tok, prompt: str, max_new_tokens: int = 120) -> str:
-    enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=1.1)
-    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 CARD = """# localmoe-tiny
@@ -128,8 +129,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", required=True)
     ap.add_argument("--dst", default=str(REPO / "localmoe" / "assets" / "localmoe-tiny"))
-    ap.add_argument("--tokenizer", default=str(REPO / ".work" / "tiny" / "tokenizer"),
-                    help="tokenizer dir, used when --src has no tokenizer files")
+    ap.add_argument(
+        "--tokenizer",
+        default=str(REPO / ".work" / "tiny" / "tokenizer"),
+        help="tokenizer dir, used when --src has no tokenizer files",
+    )
     args = ap.parse_args()
     src, dst = Path(args.src), Path(args.dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -159,24 +163,58 @@ def main() -> None:
         r = reply(model, tok, p)
         print(f">>> {p}\n{r}\n", flush=True)
         samples.append(f"**User:** {p}\n\n**localmoe-tiny:**\n\n> " + r.replace("\n", "\n> ").replace("```", "'''"))
-    stats = json.loads((REPO / ".work" / "tiny" / "tokens.json").read_text()) \
-        if (REPO / ".work" / "tiny" / "tokens.json").exists() else {}
+    stats = (
+        json.loads((REPO / ".work" / "tiny" / "tokens.json").read_text())
+        if (REPO / ".work" / "tiny" / "tokens.json").exists()
+        else {}
+    )
     card = CARD.format(
-        **{k: getattr(cfg, k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                                         "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size",
-                                         "num_experts_per_tok", "vocab_size", "max_position_embeddings")},
+        **{
+            k: getattr(cfg, k)
+            for k in (
+                "num_hidden_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "num_experts",
+                "moe_intermediate_size",
+                "num_experts_per_tok",
+                "vocab_size",
+                "max_position_embeddings",
+            )
+        },
         params=sum(p.numel() for p in model.parameters()),
         size_mb=(dst / "model.safetensors").stat().st_size / 1e6,
-        pretrain_tokens=stats.get("pretrain_tokens", 0), chat_tokens=stats.get("chat_tokens", 0),
+        pretrain_tokens=stats.get("pretrain_tokens", 0),
+        chat_tokens=stats.get("chat_tokens", 0),
         epochs=summary["tokens_seen"] / max(1, stats.get("train_tokens", summary["tokens_seen"])),
-        warmup=summary["args"]["warmup"], lr=summary["args"]["lr"], eval_every=summary["args"]["eval_every"],
-        ppl=math.exp(nll), nll=nll, heldout_tokens=n_tok, samples="\n\n".join(samples),
-        **{k: summary[k] for k in ("steps", "batch", "seq", "tokens_seen", "device", "train_time_s",
-                                   "experts_implementation", "best_step")},
+        warmup=summary["args"]["warmup"],
+        lr=summary["args"]["lr"],
+        eval_every=summary["args"]["eval_every"],
+        ppl=math.exp(nll),
+        nll=nll,
+        heldout_tokens=n_tok,
+        samples="\n\n".join(samples),
+        **{
+            k: summary[k]
+            for k in (
+                "steps",
+                "batch",
+                "seq",
+                "tokens_seen",
+                "device",
+                "train_time_s",
+                "experts_implementation",
+                "best_step",
+            )
+        },
     )
     (dst / "README.md").write_text(card)
-    print(f"held-out: nll {nll:.4f} ppl {math.exp(nll):.2f} over {n_tok} tokens "
-          f"(device-side bf16: ppl {summary['heldout_ppl']:.2f})")
+    print(
+        f"held-out: nll {nll:.4f} ppl {math.exp(nll):.2f} over {n_tok} tokens "
+        f"(device-side bf16: ppl {summary['heldout_ppl']:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Steps (all offline once the ``.deb`` files are downloaded; deterministic, seed f
 2. Walk the packaged HTML, strip navigation/sidebars/indices, and turn each page into a
    list of blocks (headings, paragraphs, list items, code, definition terms, table rows).
 3. Split pages (by a hash of their path) into train, held-out and validation pages
-   (validation: ``<work>/val.txt``, for checkpoint selection only). Held-out pages are written to ``localmoe/data/heldout.txt`` (never trained on, and never used for
+   (validation: ``<work>/val.txt``, for checkpoint selection only). Held-out pages are written to
+   ``localmoe/data/heldout.txt`` (never trained on, and never used for
    instruction pairs); ``localmoe/data/calibration.txt`` gets ~50 KB of prose paragraphs
    from training pages.
 4. Render training pages as markdown-ish plain text (``<work>/pretrain.jsonl``) and build
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
-import html
 import json
 import os
 import random
@@ -60,22 +60,62 @@ SKIP_PATH = re.compile(
     r"|release-[^/]*|bookindex|appendix-obsolete[^/]*|docguide[^/]*)\.html$"
 )
 SKIP_CLASSES = {
-    "headerlink", "sphinxsidebar", "sphinxsidebarwrapper", "related", "footer", "navheader",
-    "navfooter", "clearer", "mobile-nav", "menu-wrapper", "inline-search", "nav",
-    "version_switcher_placeholder", "language_switcher_placeholder", "toctree-wrapper", "toc",
-    "contents", "searchbox", "footnotes", "footnote", "audit-hook",
+    "headerlink",
+    "sphinxsidebar",
+    "sphinxsidebarwrapper",
+    "related",
+    "footer",
+    "navheader",
+    "navfooter",
+    "clearer",
+    "mobile-nav",
+    "menu-wrapper",
+    "inline-search",
+    "nav",
+    "version_switcher_placeholder",
+    "language_switcher_placeholder",
+    "toctree-wrapper",
+    "toc",
+    "contents",
+    "searchbox",
+    "footnotes",
+    "footnote",
+    "audit-hook",
 }
-SKIP_IDS = {"hd", "ft", "sidebar", "searchbox", "global-nav", "sidebarbutton", "docs-top-navigation-container",
-            "fixed-sidebar", "narrow-index-nav", "docs-narrow-top-navigation", "docs-bottom-navigation", "docs-copyright"}
+SKIP_IDS = {
+    "hd",
+    "ft",
+    "sidebar",
+    "searchbox",
+    "global-nav",
+    "sidebarbutton",
+    "docs-top-navigation-container",
+    "fixed-sidebar",
+    "narrow-index-nav",
+    "docs-narrow-top-navigation",
+    "docs-bottom-navigation",
+    "docs-copyright",
+}
 SKIP_TAGS = {"script", "style", "head", "title", "nav", "form", "button", "select", "noscript"}
 VOID_TAGS = {"br", "img", "meta", "link", "input", "hr", "area", "base", "col", "embed", "source", "wbr"}
 KIND_TAGS = {"p", "pre", "li", "dt", "dd", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "caption"}
 FLUSH_TAGS = KIND_TAGS | {"div", "section", "table", "ul", "ol", "dl", "blockquote", "tbody", "thead"}
 
-CHAR_MAP = str.maketrans({
-    "\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u00a0": " ", "\u2026": "...",
-    "\u2013": "-", "\u00b6": "", "\u200b": "", "\ufeff": "", "\u2192": "->",
-})
+CHAR_MAP = str.maketrans(
+    {
+        "\u2018": "'",
+        "\u2019": "'",
+        "\u201c": '"',
+        "\u201d": '"',
+        "\u00a0": " ",
+        "\u2026": "...",
+        "\u2013": "-",
+        "\u00b6": "",
+        "\u200b": "",
+        "\ufeff": "",
+        "\u2192": "->",
+    }
+)
 
 
 class DocParser(HTMLParser):
@@ -189,31 +229,89 @@ def is_prose(text: str) -> bool:
     if len(text) < 60:
         return False
     letters = sum(c.isalpha() or c == " " for c in text)
-    return letters / len(text) > 0.85 and text[-1] in ".!?)\""
+    return letters / len(text) > 0.85 and text[-1] in '.!?)"'
 
 
 # ---------------------------------------------------------------- instruction pairs
 
 GENERIC_TITLES = {
-    "introduction", "overview", "examples", "example", "notes", "note", "footnotes", "synopsis",
-    "description", "parameters", "see also", "options", "outputs", "usage", "compatibility",
-    "environment", "files", "diagnostics", "bugs", "table of contents", "summary", "details",
-    "functions", "constants", "classes", "exceptions", "methods", "attributes", "reference",
-    "api", "notes on usage", "miscellaneous", "other", "general", "basics", "configuration",
-    "settings", "installation", "conclusion", "return value", "arguments", "errors", "tip", "warning",
-    "caution", "important", "hint", "todo", "deprecated", "changes", "what's new", "new features",
+    "introduction",
+    "overview",
+    "examples",
+    "example",
+    "notes",
+    "note",
+    "footnotes",
+    "synopsis",
+    "description",
+    "parameters",
+    "see also",
+    "options",
+    "outputs",
+    "usage",
+    "compatibility",
+    "environment",
+    "files",
+    "diagnostics",
+    "bugs",
+    "table of contents",
+    "summary",
+    "details",
+    "functions",
+    "constants",
+    "classes",
+    "exceptions",
+    "methods",
+    "attributes",
+    "reference",
+    "api",
+    "notes on usage",
+    "miscellaneous",
+    "other",
+    "general",
+    "basics",
+    "configuration",
+    "settings",
+    "installation",
+    "conclusion",
+    "return value",
+    "arguments",
+    "errors",
+    "tip",
+    "warning",
+    "caution",
+    "important",
+    "hint",
+    "todo",
+    "deprecated",
+    "changes",
+    "what's new",
+    "new features",
 }
 SECTION_Q = [
-    "What is {t}?", "Explain {t}.", "Tell me about {t}.", "Can you describe {t}?",
-    "Give me an overview of {t}.", "What do the docs say about {t}?", "{T}?",
-    "I'd like to learn about {t}.", "Could you explain {t} to me?", "Describe {t} briefly.",
+    "What is {t}?",
+    "Explain {t}.",
+    "Tell me about {t}.",
+    "Can you describe {t}?",
+    "Give me an overview of {t}.",
+    "What do the docs say about {t}?",
+    "{T}?",
+    "I'd like to learn about {t}.",
+    "Could you explain {t} to me?",
+    "Describe {t} briefly.",
 ]
 PRODUCT_Q = [
-    "What is {t} in {p}?", "Explain {t} in {p}.", "How does {t} work in {p}?",
-    "In {p}, what is {t}?", "Tell me about {t} in {p}.",
+    "What is {t} in {p}?",
+    "Explain {t} in {p}.",
+    "How does {t} work in {p}?",
+    "In {p}, what is {t}?",
+    "Tell me about {t} in {p}.",
 ]
 API_Q = [
-    "What does {n} do?", "Explain {n}.", "How do I use {n}?", "What is {n} for?",
+    "What does {n} do?",
+    "Explain {n}.",
+    "How do I use {n}?",
+    "What is {n} for?",
     "Describe {n}.",
 ]
 TERM_Q = ["What is {n}?", "Define {n}.", "What does {n} mean?", "Explain {n}."]
@@ -224,27 +322,43 @@ SYSTEMS = [
     "Answer the user's question using the documentation.",
 ]
 IDENTITY = [
-    (["Hello", "Hi", "Hello!", "Hi there", "Hey", "Good morning"],
-     ["Hello! I am localmoe-tiny, a small mixture-of-experts model trained on the Python documentation. "
-      "Ask me about Python, Django, Flask or PostgreSQL.",
-      "Hi! I am localmoe-tiny. I can answer simple questions about Python and its documentation."]),
-    (["Who are you?", "What are you?", "What is your name?", "Introduce yourself."],
-     ["I am localmoe-tiny, a very small mixture-of-experts language model that runs locally. "
-      "I was trained on the Python, Django, Flask and PostgreSQL documentation, so my answers are short "
-      "and sometimes wrong.",
-      "My name is localmoe-tiny. I am a tiny language model with 8 experts, trained on software documentation."]),
-    (["What can you do?", "How can you help me?", "What do you know?"],
-     ["I can explain topics from the Python documentation, such as modules, functions, statements and data "
-      "types, and a little about Django, Flask and PostgreSQL. I am a tiny model, so check important answers "
-      "in the official documentation.",
-      "I answer questions about Python and its standard library. Try asking \"What is a list comprehension?\" "
-      "or \"What does os.path.join() do?\"."]),
-    (["Thanks!", "Thank you", "Thanks for the help."],
-     ["You're welcome! Ask me anything else about Python.", "Glad I could help."]),
+    (
+        ["Hello", "Hi", "Hello!", "Hi there", "Hey", "Good morning"],
+        [
+            "Hello! I am localmoe-tiny, a small mixture-of-experts model trained on the Python documentation. "
+            "Ask me about Python, Django, Flask or PostgreSQL.",
+            "Hi! I am localmoe-tiny. I can answer simple questions about Python and its documentation.",
+        ],
+    ),
+    (
+        ["Who are you?", "What are you?", "What is your name?", "Introduce yourself."],
+        [
+            "I am localmoe-tiny, a very small mixture-of-experts language model that runs locally. "
+            "I was trained on the Python, Django, Flask and PostgreSQL documentation, so my answers are short "
+            "and sometimes wrong.",
+            "My name is localmoe-tiny. I am a tiny language model with 8 experts, trained on software documentation.",
+        ],
+    ),
+    (
+        ["What can you do?", "How can you help me?", "What do you know?"],
+        [
+            "I can explain topics from the Python documentation, such as modules, functions, statements and data "
+            "types, and a little about Django, Flask and PostgreSQL. I am a tiny model, so check important answers "
+            "in the official documentation.",
+            'I answer questions about Python and its standard library. Try asking "What is a list comprehension?" '
+            'or "What does os.path.join() do?".',
+        ],
+    ),
+    (
+        ["Thanks!", "Thank you", "Thanks for the help."],
+        ["You're welcome! Ask me anything else about Python.", "Glad I could help."],
+    ),
 ]
 
-SIG_PREFIX = re.compile(r"^(class|exception|async|classmethod|staticmethod|abstractmethod|coroutine|awaitable"
-                        r"|property|method|function|attribute|data|final|decorator)\s+")
+SIG_PREFIX = re.compile(
+    r"^(class|exception|async|classmethod|staticmethod|abstractmethod|coroutine|awaitable"
+    r"|property|method|function|attribute|data|final|decorator)\s+"
+)
 
 
 def api_name(dt: str) -> str | None:
@@ -290,8 +404,7 @@ def answer_from(blocks: list[tuple[str, str]], start: int, limit: int = 900) -> 
                 break
             parts.append(text)
             size += len(text)
-            if text.endswith(":") and i + 1 < len(blocks) and blocks[i + 1][0] == "pre" \
-                    and len(blocks[i + 1][1]) < 500:
+            if text.endswith(":") and i + 1 < len(blocks) and blocks[i + 1][0] == "pre" and len(blocks[i + 1][1]) < 500:
                 parts.append("```\n" + blocks[i + 1][1] + "\n```")
                 size += len(blocks[i + 1][1])
                 i += 1
@@ -361,8 +474,9 @@ def ensure_packages(work: Path) -> dict[str, str]:
             subprocess.run(["apt-get", "download", pkg], cwd=deb_dir, check=True)
             debs = sorted(deb_dir.glob(f"{pkg}_*.deb"))
         deb = debs[-1]
-        versions[pkg] = subprocess.run(["dpkg-deb", "-f", str(deb), "Version"], capture_output=True,
-                                       text=True, check=True).stdout.strip()
+        versions[pkg] = subprocess.run(
+            ["dpkg-deb", "-f", str(deb), "Version"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         dest = work / "pkgs" / pkg
         if not dest.exists():
             dest.mkdir(parents=True)
@@ -413,7 +527,7 @@ def main() -> None:
     # Validation pages (for checkpoint selection; not shipped, not trained on): the next pages
     # in the same hash order, so that heldout.txt does not depend on this split.
     val_idx, size = [], 0
-    for i in order[order.index(heldout_idx[-1]) + 1:]:
+    for i in order[order.index(heldout_idx[-1]) + 1 :]:
         text = render(pages[i][2])
         if 2_000 <= len(text) <= 25_000:
             val_idx.append(i)
@@ -462,10 +576,16 @@ def main() -> None:
             f.write(json.dumps(p) + "\n")
 
     meta = {
-        "packages": {pkg: {"version": versions[pkg], "product": prod, "license": lic}
-                     for pkg, _, prod, lic in PACKAGES},
-        "pages": len(pages), "train_pages": len(train_pages), "heldout_pages": len(heldout_idx), "val_pages": len(val_idx),
-        "pretrain_chars": n_chars, "chat_pairs": len(pairs), "chat_chars": chat_chars,
+        "packages": {
+            pkg: {"version": versions[pkg], "product": prod, "license": lic} for pkg, _, prod, lic in PACKAGES
+        },
+        "pages": len(pages),
+        "train_pages": len(train_pages),
+        "heldout_pages": len(heldout_idx),
+        "val_pages": len(val_idx),
+        "pretrain_chars": n_chars,
+        "chat_pairs": len(pairs),
+        "chat_chars": chat_chars,
         "heldout_chars": os.path.getsize(DATA_DIR / "heldout.txt"),
         "calibration_chars": os.path.getsize(DATA_DIR / "calibration.txt"),
     }

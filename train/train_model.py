@@ -5,7 +5,8 @@ Input (from ``train/train_tokenizer.py``), in ``--data``:
 ``tokenizer/`` (tokenizer.json, tokenizer_config.json).
 
 ``val.bin`` (validation pages, disjoint from the training pages; if absent, the last
-``--val-frac`` of ``train.bin``) is never trained on and serves for checkpoint selection; ``heldout.bin`` (``localmoe/data/heldout.txt``) is only reported.
+``--val-frac`` of ``train.bin``) is never trained on and serves for checkpoint selection; ``heldout.bin``
+(``localmoe/data/heldout.txt``) is only reported.
 Training: random 512-token windows, AdamW (0.9, 0.95), wd 0.1, linear warm-up then cosine
 decay to 10 %, bf16 autocast, load-balancing aux loss (``router_aux_loss_coef``).
 With ``--steps 0`` the step count is derived from ``--time-budget`` after timing the first
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -98,14 +98,14 @@ def evaluate(model, tokens: torch.Tensor, seq: int, device, batch: int = 32, max
     total, count = 0.0, 0
     for i in range(0, n, batch):
         idx = torch.arange(i, min(i + batch, n))
-        x = torch.stack([tokens[j * seq:(j + 1) * seq + 1] for j in idx.tolist()]).to(device).long()
+        x = torch.stack([tokens[j * seq : (j + 1) * seq + 1] for j in idx.tolist()]).to(device).long()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum")
         total += loss.item()
         count += x[:, 1:].numel()
     # tail (partial window)
-    rest = tokens[n * seq:]
+    rest = tokens[n * seq :]
     if n < max_windows and rest.numel() > 1:
         x = rest.to(device).long()[None]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -123,12 +123,19 @@ def chat_samples(model, tok_dir: Path, device, prompts: list[str], max_new_token
     model.eval()
     outs = []
     for p in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"].to(device)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"].to(device)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=[IM_END, EOT], pad_token_id=EOT, repetition_penalty=1.1)
-        outs.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+            gen = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=[IM_END, EOT],
+                pad_token_id=EOT,
+                repetition_penalty=1.1,
+            )
+        outs.append(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
     model.train()
     return outs
 
@@ -193,8 +200,11 @@ def main() -> None:
         return x[:, :-1], x[:, 1:]
 
     # ---- pick the experts implementation by timing a few steps of each
-    impls = [args.experts_impl] if args.experts_impl != "auto" else (
-        ["grouped_mm", "batched_mm", "eager"] if device.type == "cuda" else ["eager"])
+    impls = (
+        [args.experts_impl]
+        if args.experts_impl != "auto"
+        else (["grouped_mm", "batched_mm", "eager"] if device.type == "cuda" else ["eager"])
+    )
     best = None
     if len(impls) > 1:
         for impl in impls:
@@ -234,8 +244,13 @@ def main() -> None:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
     fused = device.type == "cuda"
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=fused,
+    )
 
     total_steps = args.steps if args.steps > 0 else None
     warmup = 5 if args.debug else args.warmup
@@ -280,16 +295,21 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         step += 1
         if step % 100 == 0 or step == 1 or (args.debug and step % 5 == 0):
-            print(f"step {step}/{total_steps} ce {ce.item():.4f} aux {aux.item():.3f} gnorm {gnorm.item():.2f} "
-                  f"lr {lr_at(step - 1):.2e} t {time.time() - t_start:.0f}s", flush=True)
+            print(
+                f"step {step}/{total_steps} ce {ce.item():.4f} aux {aux.item():.3f} gnorm {gnorm.item():.2f} "
+                f"lr {lr_at(step - 1):.2e} t {time.time() - t_start:.0f}s",
+                flush=True,
+            )
         last = total_steps is not None and step >= total_steps
         if step % args.eval_every == 0 or last:
             vl = evaluate(model, val_tok, T, device, max_windows=64 if args.debug else 10**9)
             hl = evaluate(model, held_tok, T, device, max_windows=16 if args.debug else 10**9)
             log.append({"step": step, "val_loss": vl, "heldout_loss": hl, "time_s": time.time() - t_start})
             router_logits.clear()
-            print(f"eval step {step}: val {vl:.4f} (ppl {math.exp(vl):.2f}) heldout {hl:.4f} "
-                  f"(ppl {math.exp(hl):.2f})", flush=True)
+            print(
+                f"eval step {step}: val {vl:.4f} (ppl {math.exp(vl):.2f}) heldout {hl:.4f} (ppl {math.exp(hl):.2f})",
+                flush=True,
+            )
             if vl < best_val:
                 best_val, best_step = vl, step
                 best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -301,8 +321,15 @@ def main() -> None:
     held_loss = evaluate(model, held_tok, T, device)
     model_bf16 = model.to(torch.bfloat16)
     model_bf16.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=[IM_END, EOT], pad_token_id=EOT, do_sample=True,
-        temperature=0.7, top_p=0.9, top_k=40, repetition_penalty=1.1, max_new_tokens=256,
+        bos_token_id=None,
+        eos_token_id=[IM_END, EOT],
+        pad_token_id=EOT,
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        repetition_penalty=1.1,
+        max_new_tokens=256,
     )
     save_kw = {"max_shard_size": args.shard_size} if args.shard_size else {}
     model_bf16.save_pretrained(out, safe_serialization=True, **save_kw)
@@ -310,11 +337,22 @@ def main() -> None:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(data / "tokenizer" / f, out / f)
     summary = {
-        "params": n_params, "steps": step, "batch": B, "seq": T, "train_time_s": round(train_time, 1),
-        "tokens_seen": step * B * T, "experts_implementation": impl, "best_step": best_step,
-        "val_loss": best_val, "heldout_loss": held_loss, "heldout_ppl": math.exp(held_loss),
-        "heldout_tokens": int(held_tok.numel()), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "evals": log, "args": vars(args),
+        "params": n_params,
+        "steps": step,
+        "batch": B,
+        "seq": T,
+        "train_time_s": round(train_time, 1),
+        "tokens_seen": step * B * T,
+        "experts_implementation": impl,
+        "best_step": best_step,
+        "val_loss": best_val,
+        "heldout_loss": held_loss,
+        "heldout_ppl": math.exp(held_loss),
+        "heldout_tokens": int(held_tok.numel()),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "evals": log,
+        "args": vars(args),
     }
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "evals"}, indent=2), flush=True)
@@ -322,8 +360,14 @@ def main() -> None:
     if args.minimal_out:
         return
     model = model.float()
-    prompts = ["What is a list comprehension?", "Explain the os module.", "What does os.path.join() do?",
-               "Hello", "How do I create a table in PostgreSQL?", "What is a decorator?"]
+    prompts = [
+        "What is a list comprehension?",
+        "Explain the os module.",
+        "What does os.path.join() do?",
+        "Hello",
+        "How do I create a table in PostgreSQL?",
+        "What is a decorator?",
+    ]
     try:
         for p, r in zip(prompts, chat_samples(model, data / "tokenizer", device, prompts)):
             print(f"\n>>> {p}\n{r}", flush=True)

@@ -77,8 +77,14 @@ def save_hf(tok: Tokenizer, out: Path) -> None:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {
-            str(tok.token_to_id(s)): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                                      "single_word": False, "special": True}
+            str(tok.token_to_id(s)): {
+                "content": s,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for s in SPECIALS
         },
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
@@ -125,8 +131,12 @@ def main() -> None:
 
     stats = {
         "vocab_size": tok.get_vocab_size(),
-        "train_tokens": int(arr.size), "pretrain_tokens": n_doc_tok, "chat_tokens": n_chat_tok,
-        "heldout_tokens": int(held_ids.size), "val_tokens": int(val_ids.size), "heldout_chars": len(held),
+        "train_tokens": int(arr.size),
+        "pretrain_tokens": n_doc_tok,
+        "chat_tokens": n_chat_tok,
+        "heldout_tokens": int(held_ids.size),
+        "val_tokens": int(val_ids.size),
+        "heldout_chars": len(held),
         "chars_per_token_heldout": round(len(held) / held_ids.size, 3),
     }
     (work / "tokens.json").write_text(json.dumps(stats, indent=2))

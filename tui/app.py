@@ -2,7 +2,8 @@
 
 Owns the app: its layout, loading the engine behind the loading view (the input below it live from the first
 frame), switching models (`/model`), the keys and the status line. The conversation flow (sending, queueing,
-streaming, cancelling) is in replies.py, the history in store_sync.py, the slash commands in handlers.py. The engine is any `ChatEngine` (localmoe.events): give `engine=` (ready)
+streaming, cancelling) is in replies.py, the history in store_sync.py, the slash commands in handlers.py. The engine is
+any `ChatEngine` (localmoe.events): give `engine=` (ready)
 or `load=`, called in a thread as `load(progress)` and, to switch models, `load(progress, model=NAME)`.
 
 Keys: Enter sends (queues while the model loads or replies); Esc takes the last queued message back when the
@@ -21,8 +22,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -68,14 +69,26 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "localmoe chat"
     COMMANDS = App.COMMANDS | {ChatCommands}
-    BINDINGS = [Binding("escape", "escape", "Cancel", priority=True, show=False),
-                Binding("ctrl+c", "interrupt", "Cancel reply", priority=True, show=False),
-                Binding("ctrl+r", "retry_load", "Retry", priority=True, show=False)]
+    BINDINGS = [
+        Binding("escape", "escape", "Cancel", priority=True, show=False),
+        Binding("ctrl+c", "interrupt", "Cancel reply", priority=True, show=False),
+        Binding("ctrl+r", "retry_load", "Retry", priority=True, show=False),
+    ]
 
-    def __init__(self, *, engine: ChatEngine | None = None, load: LoadFn | None = None, model_label: str = "",
-                 settings: GenerationSettings | None = None, sparsity: float | None = None,
-                 system: str | None = None, continue_last: bool = False, db_path: Path | str | None = None,
-                 handle_signals: bool = False, think: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        engine: ChatEngine | None = None,
+        load: LoadFn | None = None,
+        model_label: str = "",
+        settings: GenerationSettings | None = None,
+        sparsity: float | None = None,
+        system: str | None = None,
+        continue_last: bool = False,
+        db_path: Path | str | None = None,
+        handle_signals: bool = False,
+        think: bool | None = None,
+    ) -> None:
         super().__init__()
         if engine is None and load is None:
             raise ValueError("ChatApp needs engine= or load=")
@@ -85,8 +98,11 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
         self.settings = settings or GenerationSettings()
         # what the caller's settings set (fields off GenerationSettings' defaults) and what slash commands set: kept
         # over each engine's own defaults (its generation config: adopt_defaults)
-        self._given = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
-                       if getattr(self.settings, f.name) != getattr(GenerationSettings(), f.name, None)}
+        self._given = {
+            f.name: getattr(self.settings, f.name)
+            for f in dataclasses.fields(self.settings)
+            if getattr(self.settings, f.name) != getattr(GenerationSettings(), f.name, None)
+        }
         self.chat_overrides: dict = {}
         self.think = think if think is not None else getattr(self.settings, "think", None)  # None: template default
         self._initial_sparsity = sparsity
@@ -217,7 +233,8 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
             base = defaults()
             known = {f.name for f in dataclasses.fields(base)}
             self.settings = dataclasses.replace(
-                base, **{k: v for k, v in {**self._given, **self.chat_overrides}.items() if k in known})
+                base, **{k: v for k, v in {**self._given, **self.chat_overrides}.items() if k in known}
+            )
         except Exception:  # noqa: BLE001  (an engine's defaults that do not fit: keep ours)
             return
 
@@ -240,8 +257,9 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
             await self.show_session(last.id)
         else:
             label = for_line(self.model_label).replace("`", "'")
-            await self.add_note(f"Chatting with `{label}`{for_line(self._where())}. Type `/help` for commands."
-                                + self._thinking_note())
+            await self.add_note(
+                f"Chatting with `{label}`{for_line(self._where())}. Type `/help` for commands." + self._thinking_note()
+            )
             if self.system:
                 await self.add_note(f"System prompt: {self.system}", role="system")
         self.refresh_status()
@@ -321,8 +339,12 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
         if self.queue and not self._queue_drop_confirmed:
             self._queue_drop_confirmed = True
             n = len(self.queue)
-            self.notify(f"{n} queued message{'s' if n != 1 else ''} not sent yet: ctrl+q again quits without "
-                        f"{'them' if n != 1 else 'it'}.", severity="warning", timeout=10)
+            self.notify(
+                f"{n} queued message{'s' if n != 1 else ''} not sent yet: ctrl+q again quits without "
+                f"{'them' if n != 1 else 'it'}.",
+                severity="warning",
+                timeout=10,
+            )
             return
         self._stop_reply("cancelled")
         if not self.may_drop_conversation("ctrl+q"):
@@ -359,8 +381,11 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
         n = len(self.queue)
         queued = f"{n} queued (Esc on an empty input takes it back)" if n else ""
         if self.loading:
-            return f"● loading the model… {n} queued, sent when it is ready · Esc takes it back" if n else \
-                "● loading the model… Enter queues a message · ctrl+q quits"
+            return (
+                f"● loading the model… {n} queued, sent when it is ready · Esc takes it back"
+                if n
+                else "● loading the model… Enter queues a message · ctrl+q quits"
+            )
         if self.load_error:
             return "● the model did not load: ctrl+r retries · /model NAME · ctrl+q quits"
         if self.reply is not None:
@@ -392,8 +417,7 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
     async def _mount_message(self, widget) -> None:
         """Add to the conversation, before the queued messages (they stay last until sent)."""
         conversation = self.query_one("#conversation")
-        first_queued = next((q.view for q in self.queue if q.view is not None and q.view.parent is conversation),
-                            None)
+        first_queued = next((q.view for q in self.queue if q.view is not None and q.view.parent is conversation), None)
         await conversation.mount(widget, before=first_queued)
 
     async def add_note(self, markdown: str, role: str = "note") -> None:
@@ -405,12 +429,30 @@ class ChatApp(CommandsMixin, RepliesMixin, StoreSyncMixin, App[int]):
         await self._mount_message(Static(Content("· " + for_line(text)), classes="event"))
 
 
-def run_chat(load: LoadFn, *, model_label: str, settings: GenerationSettings, sparsity: float | None,
-             system: str | None, continue_last: bool, db_path: Path | None = None, think: bool | None = None) -> int:
+def run_chat(
+    load: LoadFn,
+    *,
+    model_label: str,
+    settings: GenerationSettings,
+    sparsity: float | None,
+    system: str | None,
+    continue_last: bool,
+    db_path: Path | None = None,
+    think: bool | None = None,
+) -> int:
     """Run `localmoe chat`: load the engine behind the loading view, then chat. `load(progress)` gives the engine
     named at start; `load(progress, model=NAME)` another (`/model NAME`). Returns the exit code."""
-    app = ChatApp(load=load, model_label=model_label, settings=settings, sparsity=sparsity,
-                  system=system, continue_last=continue_last, db_path=db_path, handle_signals=True, think=think)
+    app = ChatApp(
+        load=load,
+        model_label=model_label,
+        settings=settings,
+        sparsity=sparsity,
+        system=system,
+        continue_last=continue_last,
+        db_path=db_path,
+        handle_signals=True,
+        think=think,
+    )
     try:
         app.run()
     except Exception as exc:  # a UI failure must still end with a message, not a traceback

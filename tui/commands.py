@@ -43,8 +43,9 @@ SAMPLING = {
     "temp": Sampling("temperature", "Temperature", float, 0.0, 5.0, off=0.0, example="0.7"),
     "topp": Sampling("top_p", "Top-p", float, 0.0, 1.0, lo_open=True, off=1.0, example="0.9"),
     "topk": Sampling("top_k", "Top-k", int, 0, None, off=0, example="40"),
-    "penalty": Sampling("repetition_penalty", "Repetition penalty", float, 0.0, 5.0, lo_open=True, off=1.0,
-                        example="1.1"),
+    "penalty": Sampling(
+        "repetition_penalty", "Repetition penalty", float, 0.0, 5.0, lo_open=True, off=1.0, example="1.1"
+    ),
 }
 
 COMMANDS: list[CommandSpec] = [
@@ -52,18 +53,24 @@ COMMANDS: list[CommandSpec] = [
     CommandSpec("new", "", "Start a new conversation"),
     CommandSpec("system", "[TEXT|off]", "Show or set the system prompt (off clears it)", "optional", True),
     CommandSpec("model", "[NAME]", "Show the model, or switch to another (the conversation stays)", "optional", True),
-    CommandSpec("think", "[on|off]", "Show or set the model's thinking mode (reasoning before the answer)",
-                "optional", True),
+    CommandSpec(
+        "think", "[on|off]", "Show or set the model's thinking mode (reasoning before the answer)", "optional", True
+    ),
     CommandSpec("temp", "[T]", "Show or set the sampling temperature, 0 = greedy", "optional", True),
     CommandSpec("topp", "[P]", "Show or set top-p (nucleus) sampling, 1 = off", "optional", True),
     CommandSpec("topk", "[K]", "Show or set top-k sampling, 0 = off", "optional", True),
     CommandSpec("penalty", "[R]", "Show or set the repetition penalty, 1 = off", "optional", True),
-    CommandSpec("sparsity", "[S]", "Show or set the decode sparsity target, 0 = dense (may calibrate)", "optional",
-                True),
+    CommandSpec(
+        "sparsity", "[S]", "Show or set the decode sparsity target, 0 = dense (may calibrate)", "optional", True
+    ),
     CommandSpec("regenerate", "", "Drop the last reply and generate it again"),
     CommandSpec("cancel", "", "Cancel the reply in flight and drop the queued messages"),
-    CommandSpec("export", "[FILE] [--force]",
-                "Write this conversation to a Markdown file (an existing FILE is kept unless --force)", "optional"),
+    CommandSpec(
+        "export",
+        "[FILE] [--force]",
+        "Write this conversation to a Markdown file (an existing FILE is kept unless --force)",
+        "optional",
+    ),
     CommandSpec("sessions", "[ID]", "Saved conversations: resume (Enter), rename (r), delete (d)", "optional"),
     CommandSpec("stats", "", "Show the figures of the model and the last reply"),
     CommandSpec("quit", "", "Quit (ctrl+q)"),
@@ -173,5 +180,10 @@ class ChatCommands(Provider):
         for spec in self._specs():
             score = matcher.match(spec.name)
             if score > 0:
-                yield Hit(score, matcher.highlight(f"/{spec.name}"), partial(self._choose, spec),
-                          text=f"/{spec.name}", help=spec.help)
+                yield Hit(
+                    score,
+                    matcher.highlight(f"/{spec.name}"),
+                    partial(self._choose, spec),
+                    text=f"/{spec.name}",
+                    help=spec.help,
+                )

@@ -15,8 +15,8 @@ from pathlib import Path
 from localmoe.safe_text import for_line
 from localmoe.tui.commands import BY_NAME, SAMPLING, CommandSpec, ParsedCommand, help_markdown
 from localmoe.tui.history import HistoryError, render_markdown, title_of
-from localmoe.tui.replies import Progress
 from localmoe.tui.prompts import accepts, context_limit, supports_thinking
+from localmoe.tui.replies import Progress
 from localmoe.tui.sessions import SessionPicker
 from localmoe.tui.stats_view import stats_markdown, stats_rows
 from localmoe.tui.widgets import ChatInput, describe_error
@@ -107,18 +107,25 @@ class CommandsMixin:
             await self.add_event(f"Thinking: {self.think_state()}. /think on|off changes it.")
             return
         self.think = cmd.arg.lower() == "on"
-        await self.add_event("Thinking on: replies start with the model's reasoning, shown collapsed." if self.think
-                             else "Thinking off: the model answers without reasoning first.")
+        await self.add_event(
+            "Thinking on: replies start with the model's reasoning, shown collapsed."
+            if self.think
+            else "Thinking off: the model answers without reasoning first."
+        )
 
     # sparsity --------------------------------------------------------------------------------
 
     async def cmd_sparsity(self, cmd: ParsedCommand) -> None:
         if cmd.number is None:
             stats = self.engine.stats
-            realised = (f", {stats.sparsity_realized:.0%} realised in the last reply"
-                        if stats.generated_tokens and stats.sparsity_target else "")
-            await self.add_event(f"Sparsity target {stats.sparsity_target:.0%}{realised}. /sparsity S changes it "
-                                 "(0 = dense).")
+            realised = (
+                f", {stats.sparsity_realized:.0%} realised in the last reply"
+                if stats.generated_tokens and stats.sparsity_target
+                else ""
+            )
+            await self.add_event(
+                f"Sparsity target {stats.sparsity_target:.0%}{realised}. /sparsity S changes it (0 = dense)."
+            )
             return
         if not self.can_start():
             return
@@ -170,7 +177,8 @@ class CommandsMixin:
         self.action_cancel_reply()
         if dropped or cancelled:
             parts = (["reply cancelled"] if cancelled else []) + (
-                [f"{dropped} queued message{'s' if dropped != 1 else ''} dropped"] if dropped else [])
+                [f"{dropped} queued message{'s' if dropped != 1 else ''} dropped"] if dropped else []
+            )
             await self.add_event(", ".join(parts).capitalize() + ".")
         else:
             await self.add_event("Nothing to cancel.")
@@ -180,8 +188,13 @@ class CommandsMixin:
         to print in a terminal; reasoning marked apart from the answers."""
         turns = [t for t in self.turns if t.role in ("user", "assistant")]
         first_user = next((t.content for t in turns if t.role == "user"), "")
-        return render_markdown(title_of(first_user), self.model_label, time.time(), self.system,
-                               ((t.role, t.content, t.status, t.reasoning) for t in turns))
+        return render_markdown(
+            title_of(first_user),
+            self.model_label,
+            time.time(),
+            self.system,
+            ((t.role, t.content, t.status, t.reasoning) for t in turns),
+        )
 
     async def cmd_export(self, cmd: ParsedCommand) -> None:
         """`/export [FILE] [--force]`: never overwrites an existing file unless --force; without FILE, the first
@@ -196,14 +209,18 @@ class CommandsMixin:
             path = Path(name).expanduser()
         else:
             stem = f"localmoe-chat-{self.session_id or 'unsaved'}"
-            path = next(p for n in range(1, 10_000)
-                        if not (p := Path(f"{stem}.md" if n == 1 else f"{stem}-{n}.md")).exists())
+            path = next(
+                p for n in range(1, 10_000) if not (p := Path(f"{stem}.md" if n == 1 else f"{stem}-{n}.md")).exists()
+            )
         try:
             with open(path, "w" if force else "x", encoding="utf-8") as out:
                 out.write(self.export_text())
         except FileExistsError:
-            self.notify(f"{path} exists: give another name, or /export {name} {FORCE_FLAG} to overwrite it.",
-                        severity="warning", timeout=10)
+            self.notify(
+                f"{path} exists: give another name, or /export {name} {FORCE_FLAG} to overwrite it.",
+                severity="warning",
+                timeout=10,
+            )
             return
         await self.add_event(f"Exported to {path}.")
 
@@ -260,15 +277,23 @@ class CommandsMixin:
         if self.engine is None:
             return
         think = self.think_state() if supports_thinking(self.engine) else None
-        rows = stats_rows(self.engine, self.settings, model=self.model_label, think=think,
-                          context=context_limit(self.engine), dropped=self.dropped_for_context)
+        rows = stats_rows(
+            self.engine,
+            self.settings,
+            model=self.model_label,
+            think=think,
+            context=context_limit(self.engine),
+            dropped=self.dropped_for_context,
+        )
         await self.add_note(stats_markdown(rows))
 
     async def cmd_model(self, cmd: ParsedCommand) -> None:
         if not cmd.arg:
             device = f" on {for_line(self.engine.device)}" if self.engine is not None and self.engine.device else ""
-            await self.add_event(f"Model: {for_line(self.model_label)}{device}. /model NAME switches to another "
-                                 "(`localmoe models` lists them); the conversation stays.")
+            await self.add_event(
+                f"Model: {for_line(self.model_label)}{device}. /model NAME switches to another "
+                "(`localmoe models` lists them); the conversation stays."
+            )
             return
         if self._load is None or not accepts(self._load, "model"):
             await self.add_event("This chat cannot load another model: quit and run `localmoe chat NAME`.")

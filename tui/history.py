@@ -17,9 +17,9 @@ import functools
 import re
 import sqlite3
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from localmoe.paths import data_root
 from localmoe.safe_text import for_line, for_terminal
@@ -53,8 +53,12 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 # Message status: "ok", "cancelled" (Esc, ctrl+q), "error", "interrupted" (SIGTERM/SIGHUP, or found 'streaming' by
 # a later process: the one writing it was killed), "streaming" (the reply in flight). No migration: a free-text column.
-STATUS_MARKERS = {"cancelled": "*[cancelled]*", "error": "*[error]*", "interrupted": "*[interrupted]*",
-                  "streaming": "*[interrupted]*"}
+STATUS_MARKERS = {
+    "cancelled": "*[cancelled]*",
+    "error": "*[error]*",
+    "interrupted": "*[interrupted]*",
+    "streaming": "*[interrupted]*",
+}
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 
@@ -116,8 +120,7 @@ def reasoning_block(reasoning: str) -> list[str]:
     return ["<details><summary>Reasoning</summary>", "", text, "", "</details>", ""]
 
 
-def render_markdown(title: str, model: str, updated_at: float, system: str | None,
-                    messages: Iterable[tuple]) -> str:
+def render_markdown(title: str, model: str, updated_at: float, system: str | None, messages: Iterable[tuple]) -> str:
     """A conversation as Markdown, every text made safe for a terminal: (role, content, status[, reasoning]) per
     message; a reply's reasoning goes before its answer, marked apart (reasoning_block)."""
     stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(updated_at))
@@ -254,8 +257,9 @@ class HistoryStore:
         message's). Returns the title stored."""
         title = title_of(title)
         if not title:
-            first = self._db.execute("SELECT content FROM messages WHERE session_id = ? AND role = 'user' "
-                                     "ORDER BY id LIMIT 1", (session_id,)).fetchone()
+            first = self._db.execute(
+                "SELECT content FROM messages WHERE session_id = ? AND role = 'user' ORDER BY id LIMIT 1", (session_id,)
+            ).fetchone()
             title = title_of(first[0]) if first else ""
         self._db.execute("UPDATE sessions SET title = ? WHERE id = ?", (title, session_id))
         return title
@@ -294,8 +298,9 @@ class HistoryStore:
     # messages -----------------------------------------------------------------------------
 
     @_db_call
-    def add_message(self, session_id: int, role: str, content: str, status: str = "ok",
-                    reasoning: str | None = None) -> int:
+    def add_message(
+        self, session_id: int, role: str, content: str, status: str = "ok", reasoning: str | None = None
+    ) -> int:
         """Append one message (committed on return); the first user message titles the session."""
         now = time.time()
         self._db.execute("BEGIN IMMEDIATE")
@@ -307,8 +312,9 @@ class HistoryStore:
             )
             self._db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (now, session_id))
             if role == "user":
-                self._db.execute("UPDATE sessions SET title = ? WHERE id = ? AND title = ''",
-                                 (title_of(content), session_id))
+                self._db.execute(
+                    "UPDATE sessions SET title = ? WHERE id = ? AND title = ''", (title_of(content), session_id)
+                )
             self._db.execute("COMMIT")
         except sqlite3.Error:
             self._rollback()
@@ -322,10 +328,14 @@ class HistoryStore:
         now = time.time()
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute("UPDATE messages SET content = ?, status = ?, reasoning = COALESCE(?, reasoning) "
-                             "WHERE id = ?", (content, status, reasoning, message_id))
-            self._db.execute("UPDATE sessions SET updated_at = ? WHERE id = (SELECT session_id FROM messages "
-                             "WHERE id = ?)", (now, message_id))
+            self._db.execute(
+                "UPDATE messages SET content = ?, status = ?, reasoning = COALESCE(?, reasoning) WHERE id = ?",
+                (content, status, reasoning, message_id),
+            )
+            self._db.execute(
+                "UPDATE sessions SET updated_at = ? WHERE id = (SELECT session_id FROM messages WHERE id = ?)",
+                (now, message_id),
+            )
             self._db.execute("COMMIT")
         except sqlite3.Error:
             self._rollback()
@@ -338,8 +348,7 @@ class HistoryStore:
     @_db_call
     def messages(self, session_id: int) -> list[StoredMessage]:
         rows = self._db.execute(
-            "SELECT id, role, content, status, reasoning FROM messages WHERE session_id = ? ORDER BY id",
-            (session_id,)
+            "SELECT id, role, content, status, reasoning FROM messages WHERE session_id = ? ORDER BY id", (session_id,)
         ).fetchall()
         return [StoredMessage(*row) for row in rows]
 
@@ -351,5 +360,10 @@ class HistoryStore:
         info = self.session(session_id)
         if info is None:
             raise HistoryError(f"no chat session {session_id}")
-        return render_markdown(info.title, info.model, info.updated_at, info.system,
-                               ((m.role, m.content, m.status, m.reasoning) for m in self.messages(session_id)))
+        return render_markdown(
+            info.title,
+            info.model,
+            info.updated_at,
+            info.system,
+            ((m.role, m.content, m.status, m.reasoning) for m in self.messages(session_id)),
+        )

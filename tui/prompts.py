@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from localmoe.events import GenerationSettings, TokenEvent
 
@@ -39,8 +39,9 @@ def encode(engine: object, messages: Sequence[dict], think: bool | None = None) 
     return fn(messages, **_think_kwargs(fn, think))
 
 
-def chat(engine, messages: Sequence[dict], settings: GenerationSettings, think: bool | None = None
-         ) -> Iterator[TokenEvent]:
+def chat(
+    engine, messages: Sequence[dict], settings: GenerationSettings, think: bool | None = None
+) -> Iterator[TokenEvent]:
     """engine.chat with the thinking switch: as `think=` when chat takes it, else as the settings' `think` field
     when GenerationSettings has one, else not at all."""
     if think is not None and not accepts(engine.chat, "think"):
@@ -66,8 +67,9 @@ def context_limit(engine: object) -> int:
     return limit
 
 
-def fit_to_context(engine: object, messages: Sequence[dict], max_new_tokens: int,
-                   think: bool | None = None) -> tuple[list[dict], int]:
+def fit_to_context(
+    engine: object, messages: Sequence[dict], max_new_tokens: int, think: bool | None = None
+) -> tuple[list[dict], int]:
     """`messages` without their oldest turns, so that the prompt leaves room for a reply within the context:
     the system prompt and the newest messages are kept, the last (new user) message always; what is kept starts
     at a user message (templates want user/assistant turns in order). Room for the reply: max_new_tokens, at most
@@ -79,7 +81,7 @@ def fit_to_context(engine: object, messages: Sequence[dict], max_new_tokens: int
         return messages, 0
     budget = limit - max(1, min(int(max_new_tokens), limit // 4))
     head = messages[:1] if messages[0].get("role") == "system" else []
-    history = messages[len(head):]
+    history = messages[len(head) :]
 
     def fits(start: int) -> bool:
         return len(encode(engine, head + history[start:], think)) <= budget
@@ -99,4 +101,4 @@ def fit_to_context(engine: object, messages: Sequence[dict], max_new_tokens: int
                 lo = mid + 1
     except Exception:  # noqa: BLE001
         return messages, 0  # (no chat template, ...): the engine reports it when asked to chat
-    return head + history[starts[lo]:], starts[lo]
+    return head + history[starts[lo] :], starts[lo]

@@ -81,7 +81,7 @@ class ReasoningView(Vertical):
         lines = [line for line in for_terminal(self.text).split("\n") if line.strip()]
         last = for_line(lines[-1]).strip() if lines else ""
         width = max(16, (self.size.width or 80) - 6)
-        return last if len(last) <= width else "…" + last[-(width - 1):]
+        return last if len(last) <= width else "…" + last[-(width - 1) :]
 
     async def write(self, text: str) -> None:
         self.text += text

@@ -11,8 +11,8 @@ back to the chat template (`reasoning_content`) apart from the answer.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from textual.containers import VerticalScroll
 from textual.message import Message
@@ -73,7 +73,6 @@ class Queued:
 class RepliesMixin:
     """ChatApp's sending, queueing and streaming (relies on its engine, turns, queue, settings and _sync)."""
 
-
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
         text = event.text.strip()
         try:
@@ -85,8 +84,9 @@ class RepliesMixin:
         if parsed is not None:
             if self.engine is None and parsed.name not in WITHOUT_ENGINE:
                 why = "is still loading" if self.loading else "did not load"
-                self.notify(f"The model {why}: /{parsed.name} works once it is ready. ctrl+q quits.",
-                            severity="warning")
+                self.notify(
+                    f"The model {why}: /{parsed.name} works once it is ready. ctrl+q quits.", severity="warning"
+                )
                 return  # the command stays in the input
             prompt.clear()
             await self.run_command(parsed)
@@ -170,8 +170,9 @@ class RepliesMixin:
         self._sync()  # the reply's row exists from its start: what streams is saved as it comes
         self.query_one("#conversation", VerticalScroll).anchor()
         self.refresh_status()
-        self._decode_worker = self._spawn(self._decode_thread, self._reply_counter, messages, self.settings,
-                                          self.think, self.engine)
+        self._decode_worker = self._spawn(
+            self._decode_thread, self._reply_counter, messages, self.settings, self.think, self.engine
+        )
 
     def context(self) -> list[dict]:
         """The messages for the engine: system prompt, then user/assistant turns with content (a reply's reasoning
@@ -184,8 +185,14 @@ class RepliesMixin:
                     msgs[-1]["reasoning_content"] = t.reasoning
         return msgs
 
-    def _decode_thread(self, reply_id: int, messages: Sequence[dict], settings: GenerationSettings,
-                       think: bool | None, engine: ChatEngine) -> None:
+    def _decode_thread(
+        self,
+        reply_id: int,
+        messages: Sequence[dict],
+        settings: GenerationSettings,
+        think: bool | None,
+        engine: ChatEngine,
+    ) -> None:
         answer: list[str] = []
         reasoning: list[str] = []
         reason, error = "", ""
@@ -236,8 +243,10 @@ class RepliesMixin:
         self.dropped_for_context = msg.dropped
         if not self._trim_noticed:
             self._trim_noticed = True
-            self.notify(f"Oldest {msg.dropped} messages left out to fit the context "
-                        f"({context_limit(self.engine)} tokens).", timeout=8)
+            self.notify(
+                f"Oldest {msg.dropped} messages left out to fit the context ({context_limit(self.engine)} tokens).",
+                timeout=8,
+            )
 
     async def on_reply_done(self, msg: ReplyDone) -> None:
         reply = self.reply

@@ -8,7 +8,7 @@ database: the app gives it `rename(id, title) -> str | None` (the title stored, 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from textual import events
 from textual.app import ComposeResult
@@ -34,8 +34,10 @@ class SessionList(OptionList):
     """The saved conversations; r and d act on the highlighted one (only while the list has focus, so typing a
     new title never triggers them)."""
 
-    BINDINGS = [Binding("r,f2", "screen.rename", "Rename", show=False),
-                Binding("d,delete", "screen.ask_delete", "Delete", show=False)]
+    BINDINGS = [
+        Binding("r,f2", "screen.rename", "Rename", show=False),
+        Binding("d,delete", "screen.ask_delete", "Delete", show=False),
+    ]
 
 
 class SessionPicker(ModalScreen[int | None]):
@@ -43,8 +45,13 @@ class SessionPicker(ModalScreen[int | None]):
 
     BINDINGS = [Binding("escape", "back", "Back", show=False)]
 
-    def __init__(self, sessions: list[SessionInfo], *, rename: Callable[[int, str], str | None] | None = None,
-                 delete: Callable[[int], bool] | None = None) -> None:
+    def __init__(
+        self,
+        sessions: list[SessionInfo],
+        *,
+        rename: Callable[[int, str], str | None] | None = None,
+        delete: Callable[[int], bool] | None = None,
+    ) -> None:
         super().__init__()
         self.sessions = list(sessions)
         self._rename, self._delete = rename, delete
@@ -106,8 +113,7 @@ class SessionPicker(ModalScreen[int | None]):
         if stored is not None:
             index = next(i for i, s in enumerate(self.sessions) if s.id == self.renaming)
             old = self.sessions[index]
-            self.sessions[index] = SessionInfo(old.id, stored, old.model, old.system, old.updated_at,
-                                               old.message_count)
+            self.sessions[index] = SessionInfo(old.id, stored, old.model, old.system, old.updated_at, old.message_count)
             self.query_one(SessionList).replace_option_prompt_at_index(index, session_line(self.sessions[index]))
         self._end_rename(f"Renamed #{self.renaming}." if stored is not None else "Not renamed.")
 
@@ -125,8 +131,7 @@ class SessionPicker(ModalScreen[int | None]):
         if session is None or self._delete is None:
             return
         self.confirming = session.id
-        self._say(f"Delete #{session.id} “{session.title or '(empty)'}”? y deletes · any other key keeps it",
-                  warn=True)
+        self._say(f"Delete #{session.id} “{session.title or '(empty)'}”? y deletes · any other key keeps it", warn=True)
 
     async def on_key(self, event: events.Key) -> None:
         """While a delete waits for its confirmation, the next key answers it (and does nothing else)."""

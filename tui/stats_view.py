@@ -13,8 +13,12 @@ from localmoe.events import EngineStats, GenerationSettings
 from localmoe.safe_text import for_line
 
 DASH = "—"
-FINISH = {"stop": "the model ended it", "length": "it reached the token limit", "cancelled": "cancelled",
-          "": "in progress"}
+FINISH = {
+    "stop": "the model ended it",
+    "length": "it reached the token limit",
+    "cancelled": "cancelled",
+    "": "in progress",
+}
 
 
 def seconds(value: object) -> str:
@@ -62,16 +66,22 @@ def _value(value: object) -> str:
     return for_line(str(value))
 
 
-def stats_rows(engine: object, settings: GenerationSettings, *, model: str, think: str | None = None,
-               context: int = 0, dropped: int = 0) -> list[tuple[str, str]]:
+def stats_rows(
+    engine: object,
+    settings: GenerationSettings,
+    *,
+    model: str,
+    think: str | None = None,
+    context: int = 0,
+    dropped: int = 0,
+) -> list[tuple[str, str]]:
     """(label, value) rows for /stats."""
     stats: EngineStats = engine.stats
     device = for_line(str(getattr(engine, "device", "") or ""))
     where = f" on {device}" if device else ""
     if getattr(engine, "experts_format", "full") == "int4":
         where += ", 4-bit experts"
-    rows = [("Model", f"{for_line(model)}{where}"),
-            ("Load time", measured(getattr(stats, "load_s", None)))]
+    rows = [("Model", f"{for_line(model)}{where}"), ("Load time", measured(getattr(stats, "load_s", None)))]
     if stats.generated_tokens or stats.prompt_tokens:
         reused = getattr(stats, "reused_prompt_tokens", 0)
         prompt = f"{stats.prompt_tokens} tokens" + (f" ({reused} already in the cache)" if reused else "")
@@ -81,23 +91,40 @@ def stats_rows(engine: object, settings: GenerationSettings, *, model: str, thin
             ("Reply time", measured(getattr(stats, "wall_s", None))),
             ("Prompt", prompt),
             ("Speed", f"prefill {stats.prefill_tok_s:.0f} tok/s · decode {stats.decode_tok_s:.1f} tok/s"),
-            ("Sparsity", f"{stats.sparsity_realized:.0%} of neurons skipped (target {stats.sparsity_target:.0%})"
-             if stats.sparsity_target else "off (dense experts)"),
+            (
+                "Sparsity",
+                f"{stats.sparsity_realized:.0%} of neurons skipped (target {stats.sparsity_target:.0%})"
+                if stats.sparsity_target
+                else "off (dense experts)",
+            ),
         ]
     else:
-        rows += [("Last reply", "none yet"),
-                 ("Sparsity", f"target {stats.sparsity_target:.0%}" if stats.sparsity_target else "off (dense)")]
+        rows += [
+            ("Last reply", "none yet"),
+            ("Sparsity", f"target {stats.sparsity_target:.0%}" if stats.sparsity_target else "off (dense)"),
+        ]
     rows.append(("Peak GPU memory", f"{stats.peak_gpu_mem_gb:.2f} GB" if stats.peak_gpu_mem_gb else DASH))
-    rows.append(("Expert cache", "all experts resident" if stats.cache_hit_rate is None
-                 else f"{stats.cache_hit_rate:.0%} of expert reads hit the GPU cache"))
+    rows.append(
+        (
+            "Expert cache",
+            "all experts resident"
+            if stats.cache_hit_rate is None
+            else f"{stats.cache_hit_rate:.0%} of expert reads hit the GPU cache",
+        )
+    )
     if stats.h2d_bytes_per_token is not None:
         rows.append(("Host to GPU", f"{stats.h2d_bytes_per_token / 1e6:.0f} MB per token"))
     rows.append(("Sampling", sampling_line(settings)))
     if think is not None:
         rows.append(("Thinking", think))
     if context:
-        rows.append(("Context", f"{context} tokens" + (f" (the oldest {dropped} messages left out of the last prompt)"
-                                                        if dropped else "")))
+        rows.append(
+            (
+                "Context",
+                f"{context} tokens"
+                + (f" (the oldest {dropped} messages left out of the last prompt)" if dropped else ""),
+            )
+        )
     for key, value in (stats.extra or {}).items():
         rows.append((for_line(str(key)).replace("_", " ").capitalize(), _value(value)))
     return rows

@@ -87,8 +87,9 @@ class StoreSyncMixin:
                 if turn.id:
                     store.update_message(turn.id, turn.content, turn.status, turn.reasoning or None)
                 else:
-                    turn.id = store.add_message(self.session_id, turn.role, turn.content, turn.status,
-                                                turn.reasoning or None)
+                    turn.id = store.add_message(
+                        self.session_id, turn.role, turn.content, turn.status, turn.reasoning or None
+                    )
                 turn.saved = True
         except HistoryError as exc:
             if _reopen_after(exc):  # a fresh connection sees permissions or files fixed since
@@ -106,8 +107,12 @@ class StoreSyncMixin:
         first = not self.history_error
         self.history_error = "history not saved"
         if first:
-            self.notify(f"{exc}. This conversation is kept in memory and saved when the history can be written "
-                        "again; /export FILE writes it out.", severity="warning", timeout=12)
+            self.notify(
+                f"{exc}. This conversation is kept in memory and saved when the history can be written "
+                "again; /export FILE writes it out.",
+                severity="warning",
+                timeout=12,
+            )
         self.refresh_status()
 
     def may_drop_conversation(self, again: str) -> bool:
@@ -116,8 +121,11 @@ class StoreSyncMixin:
         if all(t.saved for t in self.turns) or self._sync() or self._drop_confirmed:
             return True
         self._drop_confirmed = True
-        self.notify(f"This conversation is not saved: /export FILE keeps it; {again} again drops it.",
-                    severity="warning", timeout=10)
+        self.notify(
+            f"This conversation is not saved: /export FILE keeps it; {again} again drops it.",
+            severity="warning",
+            timeout=10,
+        )
         return False
 
     async def clear_conversation(self) -> None:
@@ -149,8 +157,9 @@ class StoreSyncMixin:
         for m in stored:
             status = "interrupted" if m.status == "streaming" else m.status
             view = MessageView(m.role, m.content, status, reasoning=m.reasoning or "")
-            self.turns.append(Turn(m.id, m.role, m.content, status, view, saved=status == m.status,
-                                   reasoning=m.reasoning or ""))
+            self.turns.append(
+                Turn(m.id, m.role, m.content, status, view, saved=status == m.status, reasoning=m.reasoning or "")
+            )
         self._sync()
         notes = [MessageView("system", f"System prompt: {info.system}")] if info.system else []
         conversation = self.query_one("#conversation")

@@ -83,8 +83,9 @@ class MessageView(Vertical):
 
     ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System", "note": "localmoe"}
 
-    def __init__(self, role: str, content: str = "", status: str = "ok", label: str | None = None,
-                 reasoning: str = "") -> None:
+    def __init__(
+        self, role: str, content: str = "", status: str = "ok", label: str | None = None, reasoning: str = ""
+    ) -> None:
         super().__init__(classes=f"message {role}" + (f" {status}" if status != "ok" else ""))
         self.role = role
         self.content = content
@@ -139,8 +140,8 @@ class MessageView(Vertical):
         """(safe text to show now, raw tail to hold back): the tail from the last sequence introducer when it
         shows nothing yet (an escape sequence a later fragment may complete)."""
         starts = [m.start() for m in _INTRODUCERS.finditer(pending)]
-        if starts and not for_terminal(pending[starts[-1]:]):
-            return for_terminal(pending[:starts[-1]]), pending[starts[-1]:]
+        if starts and not for_terminal(pending[starts[-1] :]):
+            return for_terminal(pending[: starts[-1]]), pending[starts[-1] :]
         return for_terminal(pending), ""
 
     async def write(self, text: str) -> None:
@@ -185,7 +186,7 @@ class MessageView(Vertical):
 def short_model(model: str) -> str:
     """A model label for the status bar: a long path keeps its end."""
     model = for_line(model)
-    return model if len(model) <= MODEL_LABEL_MAX else "…" + model[-(MODEL_LABEL_MAX - 1):]
+    return model if len(model) <= MODEL_LABEL_MAX else "…" + model[-(MODEL_LABEL_MAX - 1) :]
 
 
 def status_parts(model: str, device: str, stats: EngineStats | None) -> list[str]:
@@ -223,7 +224,7 @@ def wrap_parts(parts: list[str], width: int, max_lines: int = 2, sep: str = " ·
     fit in `max_lines` is left out from the end (the least important figures), a part longer than a line cut."""
     lines: list[str] = []
     for part in parts:
-        part = part if len(part) <= width else part[:max(1, width - 1)] + "…"
+        part = part if len(part) <= width else part[: max(1, width - 1)] + "…"
         if lines and len(lines[-1]) + len(sep) + len(part) <= width:
             lines[-1] += sep + part
         elif len(lines) < max_lines:
