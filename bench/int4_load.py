@@ -18,7 +18,7 @@ import tiny_models  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from localmoe.benchmark import shape_config  # noqa: E402
+from localmoe.shapes import shape_config  # noqa: E402
 from localmoe.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 

@@ -58,7 +58,8 @@ def emit(row: dict) -> None:
 
 
 if args.baseline_only:
-    from localmoe.benchmark import accelerate_baseline, shape_config
+    from localmoe.benchmark import accelerate_baseline
+    from localmoe.shapes import shape_config
 
     config = shape_config(args.shape)
     r = accelerate_baseline(config, DEV, torch.bfloat16, prompt_ids(config.vocab_size), args.baseline_tokens, args.vram)

@@ -14,19 +14,14 @@ Prints a table, or JSON with `--json`.
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.families import family_for_model_type, supported_families
 from localmoe.random_weights import param_owners, random_value
-
-SHAPES = Path(__file__).with_name("data") / "shapes.json"
 
 
 @dataclass
@@ -43,28 +38,6 @@ class BenchRow:  # one engine configuration's figures
     cache_hit_rate: float | None = None
     h2d_mb_per_token: float | None = None
     repetition_penalty: float = 1.0
-
-
-def shape_config(alias: str):
-    from transformers import AutoConfig
-
-    shapes = json.loads(SHAPES.read_text())
-    if alias not in shapes or alias.startswith("_"):
-        known = ", ".join(k for k in shapes if not k.startswith("_"))
-        raise UsageError(f"no shape for {alias!r}; known shapes: {known}")
-    entry = shapes[alias]
-    fam = family_for_model_type(entry["model_type"])
-    if fam is None or fam.unsupported:
-        raise UsageError(
-            f"the shape {alias!r} is a {entry['model_type']!r} model: "
-            + (
-                fam.unsupported
-                if fam is not None
-                else f"not a family localmoe runs (supported: {supported_families()})"
-            )
-        )
-    kwargs = {k: v for k, v in entry["config"].items() if not k.startswith("_")}
-    return AutoConfig.for_model(entry["model_type"], **kwargs)
 
 
 def copy_bandwidth(device) -> float:

@@ -18,7 +18,6 @@ It knows nothing about terminals: the CLI, the Textual app, bench and eval consu
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import threading
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from localmoe import hub
+from localmoe import hub, plan
 from localmoe.detokenize import Detokenizer, StopStrings
 from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.errors import RuntimeFailure, UsageError
@@ -36,58 +35,13 @@ from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn
 from localmoe.loader import LoadedModel, check_tokenizer, int4_hint, load_model, read_config
 from localmoe.prefix import PromptReuse, prefill, render_chat, repeated_prefix, reply_prefix
 from localmoe.reasoning import CLOSE, OPEN, ReasoningSplitter, opens_reasoning
-from localmoe.safe_text import for_line
-from localmoe.sampling import Seen, make_generator, sample
+from localmoe.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
+from localmoe.sampling import Seen, generation_defaults, make_generator, sample
+from localmoe.shapes import shape_config
 
-UNKNOWN_MODEL_SPARSITY = 0.5
-DEFAULT_CONTEXT = 8192
 LIVE_STATS_EVERY = 8  # tokens between live updates of realised sparsity / cache hit rate
 PIPELINE_DEPTH = 2  # CUDA decode steps in flight ahead of the host: the GPU never waits for Python between steps
 PREFILL_CHUNK = 2048  # prompt tokens per prefill forward: long prompts are prefilled piece by piece into the cache
-
-
-# generation_config.json keys localmoe takes as the model's sampling defaults, with the range each must be in
-GENERATION_KEYS = {
-    "temperature": (0.0, 10.0),
-    "top_p": (0.0, 1.0),
-    "top_k": (0, 1 << 30),
-    "repetition_penalty": (0.0, 10.0),
-}
-
-
-def generation_defaults(path, on_notice=None) -> GenerationSettings:
-    """The checkpoint's sampling defaults from `path`/generation_config.json, as transformers' generate would use
-    them: temperature, top_k, top_p and repetition_penalty where set; do_sample false or absent means greedy (the
-    penalty still applies). What the file does not set, or sets out of range (said through `on_notice`), keeps
-    GenerationSettings' default. No file (or an unreadable one): GenerationSettings()."""
-    try:
-        data = json.loads((Path(path) / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return GenerationSettings()
-    if not isinstance(data, dict):
-        return GenerationSettings()
-    got: dict = {}
-    for key, (lo, hi) in GENERATION_KEYS.items():
-        value = data.get(key)
-        if value is None:
-            continue
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if key == "top_k":
-            ok = ok and float(value).is_integer()
-        ok = ok and (lo <= value <= hi if key in ("temperature", "top_k") else lo < value <= hi)
-        if not ok:
-            if on_notice is not None:
-                on_notice(
-                    f"generation_config.json: {key} {for_line(json.dumps(value))} is out of range; "
-                    "using localmoe's default"
-                )
-            continue
-        got[key] = int(value) if key == "top_k" else float(value)
-    if data.get("do_sample") is not True:
-        got["temperature"] = 0.0
-    else:
-        got.setdefault("temperature", 1.0)
-    return replace(GenerationSettings(), **got)
 
 
 class _TemplateArgs:
@@ -253,7 +207,6 @@ class Engine:
     ) -> Engine:
         """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
         `random_weights.build_random`."""
-        from localmoe.benchmark import shape_config
         from localmoe.random_weights import build_random
         from localmoe.registry import load_registry
 
@@ -286,8 +239,6 @@ class Engine:
     def _plan_notice(self, sparsity: float, show: bool = True) -> None:
         """The one-line plan (`localmoe show`'s), as the load's first notice (only recorded in `notes` unless
         `show`)."""
-        from localmoe import plan
-
         try:
             self.plan_line = plan.engine_plan(self, sparsity).line()
         except Exception:  # noqa: BLE001 - a plan it cannot describe is no reason to fail a load that worked

@@ -20,6 +20,7 @@ from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
 from localmoe.families import family_for_model_type, supported_families
 from localmoe.registry import ModelSpec, Registry, load_registry, unknown_model_error, unsupported_model_error
+from localmoe.shapes import SHAPES
 
 # What a checkpoint folder needs; never pickle weights (*.bin, *.pt) and never remote code (*.py).
 ALLOW_PATTERNS = [
@@ -337,8 +338,6 @@ def locate_config(name: str, *, registry: Registry | None = None) -> ConfigSourc
 
 
 def _has_shape(alias: str) -> bool:
-    from localmoe.benchmark import SHAPES
-
     try:
         shapes = json.loads(SHAPES.read_text(encoding="utf-8"))
     except (OSError, ValueError):

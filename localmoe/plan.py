@@ -14,6 +14,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from localmoe import hub
+from localmoe.devices import vram_budget
+from localmoe.errors import UsageError
+from localmoe.families import FAMILIES, family_for_model_type
+from localmoe.loader import build_skeleton, check_format, plan_offload, read_config, swap_experts
+from localmoe.placement import WORKSPACE_RESERVE, gate_tier_split, state_bytes
+from localmoe.quantize import expert_bytes
+from localmoe.quantize import expert_bytes as int4_bytes
+from localmoe.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
+from localmoe.sampling import generation_defaults
+from localmoe.shapes import shape_config
+
 GiB = 1 << 30
 
 
@@ -71,7 +83,6 @@ class ModelFacts:
 def facts(model, text_config, experts: list) -> ModelFacts:
     """ModelFacts of `model` (parameters on the meta device or loaded) whose MoE blocks hold `experts`
     (LocalExperts, layer order)."""
-    from localmoe.families import FAMILIES, family_for_model_type
 
     params = list(model.parameters())  # tied weights once
     non_expert_params = sum(p.numel() for p in params)
@@ -108,8 +119,6 @@ def facts(model, text_config, experts: list) -> ModelFacts:
 def matrix_bytes(f: ModelFacts, element_bytes: float, experts_format: str) -> float:
     """Bytes of one expert's gate (or up, or down) matrix [I, H] in `experts_format`."""
     if experts_format == "int4":
-        from localmoe.quantize import expert_bytes
-
         return expert_bytes(f.expert_width, f.hidden) / 3
     return f.expert_width * f.hidden * element_bytes
 
@@ -149,7 +158,6 @@ class ModelPlan:
     @property
     def all_resident_bytes(self) -> int:
         """VRAM that keeps everything resident: non-expert weights, KV/state, workspace and every expert."""
-        from localmoe.placement import WORKSPACE_RESERVE
 
         return int(self.facts.non_expert_bytes + self.state_bytes + WORKSPACE_RESERVE + self.total_expert_bytes)
 
@@ -157,7 +165,6 @@ class ModelPlan:
         """The plan at the budget, in numbers (None without a budget)."""
         if self.budget_bytes is None:
             return None
-        from localmoe.placement import WORKSPACE_RESERVE, gate_tier_split
 
         d = {
             "budget_bytes": self.budget_bytes,
@@ -310,11 +317,6 @@ def from_config(
     offload plan at `budget_bytes` (None: no GPU). A budget too small is reported in `error`, not raised."""
     import torch
 
-    from localmoe.errors import UsageError
-    from localmoe.loader import build_skeleton, check_format, plan_offload, swap_experts
-    from localmoe.placement import state_bytes
-    from localmoe.quantize import expert_bytes as int4_bytes
-
     check_format(experts_format)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
@@ -345,7 +347,6 @@ def from_config(
 
 def engine_plan(engine, sparsity: float) -> ModelPlan:
     """The plan of a loaded engine (its model, its budget's offload plan): what `run` and `chat` print."""
-    from localmoe.placement import state_bytes
 
     loaded = engine.loaded
     f = facts(engine.model, loaded.config, loaded.experts)
@@ -380,19 +381,10 @@ def show(
     here has free, else none. bf16 (the GPU's dtype)."""
     import torch
 
-    from localmoe import hub
-    from localmoe.devices import vram_budget
-    from localmoe.engine import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY, generation_defaults
-    from localmoe.errors import UsageError
-
     src = hub.locate_config(name)
     if src.folder is not None:
-        from localmoe.loader import read_config
-
         _, text_config, _ = read_config(src.folder)
     else:
-        from localmoe.benchmark import shape_config
-
         text_config = shape_config(src.spec.alias)
     limit = int(getattr(text_config, "max_position_embeddings", 0) or 0)
     if context is not None and limit and context > limit:

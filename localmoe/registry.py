@@ -23,6 +23,9 @@ REGISTRY_PATH = Path(__file__).with_name("models.toml")
 PACKAGE_PREFIX = "package:"
 ASSETS_DIR = Path(__file__).with_name("assets")
 
+UNKNOWN_MODEL_SPARSITY = 0.5  # default sparsity of a model the registry does not list
+DEFAULT_CONTEXT = 8192  # prompt + reply tokens, when the model allows that many
+
 
 @dataclass(frozen=True)
 class ModelSpec:

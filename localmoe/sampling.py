@@ -13,9 +13,15 @@ caller decides when to synchronise.
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
 import torch
 
 from localmoe.events import GenerationSettings
+from localmoe.safe_text import for_line
 
 
 def make_generator(settings: GenerationSettings, device: torch.device) -> torch.Generator | None:
@@ -94,3 +100,47 @@ def _choose(logits: torch.Tensor, settings: GenerationSettings, generator: torch
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(0)
+
+
+# generation_config.json keys localmoe takes as the model's sampling defaults, with the range each must be in
+GENERATION_KEYS = {
+    "temperature": (0.0, 10.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (0, 1 << 30),
+    "repetition_penalty": (0.0, 10.0),
+}
+
+
+def generation_defaults(path, on_notice=None) -> GenerationSettings:
+    """The checkpoint's sampling defaults from `path`/generation_config.json, as transformers' generate would use
+    them: temperature, top_k, top_p and repetition_penalty where set; do_sample false or absent means greedy (the
+    penalty still applies). What the file does not set, or sets out of range (said through `on_notice`), keeps
+    GenerationSettings' default. No file (or an unreadable one): GenerationSettings()."""
+    try:
+        data = json.loads((Path(path) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return GenerationSettings()
+    if not isinstance(data, dict):
+        return GenerationSettings()
+    got: dict = {}
+    for key, (lo, hi) in GENERATION_KEYS.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if key == "top_k":
+            ok = ok and float(value).is_integer()
+        ok = ok and (lo <= value <= hi if key in ("temperature", "top_k") else lo < value <= hi)
+        if not ok:
+            if on_notice is not None:
+                on_notice(
+                    f"generation_config.json: {key} {for_line(json.dumps(value))} is out of range; "
+                    "using localmoe's default"
+                )
+            continue
+        got[key] = int(value) if key == "top_k" else float(value)
+    if data.get("do_sample") is not True:
+        got["temperature"] = 0.0
+    else:
+        got.setdefault("temperature", 1.0)
+    return replace(GenerationSettings(), **got)

@@ -11,12 +11,14 @@ import tiny_models
 import torch
 from conftest import repo_id
 
-from localmoe.benchmark import shape_config, step_bytes, table
+from localmoe import shapes as localmoe_shapes
+from localmoe.benchmark import step_bytes, table
 from localmoe.cli import main
 from localmoe.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
 from localmoe.random_weights import build_random, router_weight
+from localmoe.shapes import shape_config
 
 
 def test_real_shapes():
@@ -234,11 +236,10 @@ def test_table_marks_what_a_baseline_does_not_measure():
     ids=["unsupported-family", "not-moe"],
 )
 def test_shape_of_an_unsupported_family_is_refused(tmp_path, monkeypatch, model_type, says):
-    import localmoe.benchmark as benchmark
 
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"odd": {"model_type": model_type, "config": {}}}))
-    monkeypatch.setattr(benchmark, "SHAPES", shapes)
+    monkeypatch.setattr(localmoe_shapes, "SHAPES", shapes)
     with pytest.raises(UsageError, match=f"the shape 'odd' is a '{model_type}' model: .*{says}"):
         shape_config("odd")
 

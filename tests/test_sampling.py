@@ -16,10 +16,10 @@ import torch
 from conftest import repo_id
 
 from localmoe.detokenize import StopStrings
-from localmoe.engine import Engine, generation_defaults
+from localmoe.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.kernels.argmax import argmax_next, argmax_next_ref
-from localmoe.sampling import Seen, penalize, sample
+from localmoe.sampling import Seen, generation_defaults, penalize, sample
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
