@@ -280,7 +280,9 @@ def test_full_model_front_and_tail_int4(tiny_text_model, sparse):
     got, toks = _run(model, "static", prompt)
     assert all(b.front_calls == STEPS for b in model.modules() if isinstance(b, fused.FusedSparseMoeBlock))
     assert all((0 < int(m.kept) < m.seen) if sparse else m.seen == 0 for m in experts)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # On a GPU the kernel sums each output over its programs with atomics, in no fixed order: 2e-4 seen on the H200
+    tol = 1e-4 if DEV == "cpu" else 1e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert toks == want_toks
 
 
