@@ -331,7 +331,7 @@ class Engine:
             )
             sp.apply(self.loaded, table, device=self._device)
         self.sparsity = sparsity
-        self._graph = None  # captured against the old thresholds / path: capture again
+        self._drop_graph()  # captured against the old thresholds / path: capture again
         self._forget_prompt()
         self._stats = replace(self._stats, sparsity_target=sparsity)
 
@@ -403,9 +403,10 @@ class Engine:
             raise UsageError(f"--context must be at least 16 tokens, got {tokens}")
         if self.max_positions and tokens > self.max_positions:
             raise UsageError(f"--context {tokens} is more than {self.model_name} supports ({self.max_positions})")
-        self.context = tokens
-        self._graph = None
-        self._forget_prompt()
+        with self._busy:  # the decoder a reply runs on is not released under it
+            self.context = tokens
+            self._drop_graph()
+            self._forget_prompt()
 
     def _forget_prompt(self) -> None:
         """The next prompt is prefilled whole (a short prompt's prefill can take the sparse path: a cache filled
@@ -416,6 +417,13 @@ class Engine:
     def _notice(self, text: str) -> None:
         if self.on_notice is not None:
             self.on_notice(text)
+
+    def _drop_graph(self) -> None:
+        """The next reply captures a new decoder; this one's CUDA graph is destroyed now (graph.py: never during
+        a later capture, when the collector would reach it)."""
+        if self._graph is not None:
+            self._graph.release()
+        self._graph = None
 
     def _graph_decoder(self):
         from localmoe.graph import GraphDecoder, GraphUnavailable
@@ -510,7 +518,8 @@ class Engine:
                 graph.capture(n_prompt)
                 graph.prefill(ids, stable)  # capture's warm-up steps advanced recurrent state: redo the prompt
             except GraphUnavailable as e:
-                self.use_graphs, self._graph = False, None
+                self.use_graphs = False
+                self._drop_graph()
                 self._notice(f"CUDA graph capture failed ({e}); decoding eagerly")
                 cache, _, _ = self._prefill(ids, stable)  # rebuild a dynamic cache from the prompt
                 graph = None

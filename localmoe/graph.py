@@ -14,9 +14,17 @@ it chose, so penalised greedy steps chain the same way; the penalty is a device 
 (`set_penalty`; 1.0 = off, nothing read or marked), so one capture serves both. The only host synchronisation per
 token is the token's read, for streaming. Anything that cannot be captured raises `GraphUnavailable`, and the Engine
 falls back to eager with a one-line notice.
+
+No Python garbage collection runs while a step is captured (`capture` collects first, then holds the collector off):
+a decoder dropped earlier (after `set_sparsity` or `set_context`) sits in a reference cycle, and a collection during
+the capture destroys its CUDA graph there — cudaGraphExecDestroy is not permitted while a stream captures, and the
+capture fails ("operation failed due to a previous error during capture"). The engine also `release`s a decoder it
+drops, so its graph is destroyed at once, outside any capture.
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 
@@ -102,11 +110,26 @@ class GraphDecoder:
         """The repetition penalty the captured greedy choice applies from the next replay on (1.0: off)."""
         self.penalty.fill_(value)
 
+    def release(self) -> None:
+        """Drop the captured graph and the static cache now (the engine no longer uses this decoder): the graph's
+        CUDA objects are destroyed here, outside any capture, rather than whenever the collector reaches the cycle
+        this decoder is in (see the module docstring)."""
+        self.graph = None
+        self.logits = None
+        self.cache = None
+        self._step_fn = None  # a bound method of self: the cycle
+
     def capture(self, position: int) -> None:
         self.pos.fill_(position)
         self.penalty.fill_(1.0)  # the warm-up steps' choices must not mark the seen mask
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # garbage holding CUDA graphs or events (a dropped decoder, engine) is freed now: a collection inside the
+        # capture below would destroy them there and fail it (torch's graph context collects only when
+        # torch.compiler.config.force_cudagraph_gc is set)
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.stream(stream):
                 for _ in range(3):  # warm-up: kernels compiled, workspaces allocated (same position is rewritten)
@@ -120,6 +143,9 @@ class GraphDecoder:
                 self._choose(self.logits)
         except Exception as e:  # noqa: BLE001
             raise GraphUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        finally:
+            if collecting:
+                gc.enable()
         self.graph = graph
 
     def _choose(self, logits: torch.Tensor) -> None:

@@ -112,3 +112,54 @@ def test_repetition_penalty_in_graph_equals_eager(hub_cache, family, depth):
     eager_plain = toks(GenerationSettings(max_new_tokens=24))
     assert inside == inside2 == outside == eager and len(inside) == 24
     assert plain == eager_plain and s1 == s2
+
+
+def test_recapture_after_set_sparsity_keeps_the_graph(hub_cache):
+    """set_sparsity drops the captured decoder and the next reply captures again: that capture succeeds (no fallback
+    notice, the graph used) and its tokens equal eager decoding at the new sparsity. A Python collection inside a
+    capture would destroy graphs held by garbage cycles there (cudaGraphExecDestroy is not permitted while a stream
+    captures: the capture failed so on qwen3_moe in gpu_engine_check.py), so the collector is made eager, cyclic
+    garbage holding a CUDA graph is left behind, and no collection may start while the step is captured."""
+    import gc
+
+    e = Engine.load(repo_id("qwen3_moe"), device="cuda", dtype="float32", sparsity=0.0)
+    notes = []
+    e.on_notice = notes.append
+    e.eos_ids = set()
+    s = GenerationSettings(max_new_tokens=20)
+    ids = e.encode_raw("Sparse experts skip most neurons.")
+    toks = [ev.token_id for ev in e.generate(ids, s)]
+    first = e._graph
+    assert first is not None and first.graph is not None and len(toks) == 20
+
+    x = torch.zeros(4, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    cycle = [g]
+    cycle.append(cycle)  # garbage only the collector frees
+    del g, cycle
+
+    during_capture = []
+
+    def watch(phase, info):
+        if phase == "start" and torch.cuda.is_current_stream_capturing():
+            during_capture.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(watch)
+    gc.set_threshold(10, 2, 2)
+    try:
+        e.set_sparsity(0.5)
+        assert first.graph is None  # released at once, not left to the collector
+        graph5 = [ev.token_id for ev in e.generate(ids, s)]
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(watch)
+    assert not during_capture, f"collections while capturing: generations {during_capture}"
+    assert notes == [] and e.use_graphs and e._graph is not None and e._graph.graph is not None
+    assert e._graph.chooses
+    e.use_graphs = False
+    e._drop_graph()
+    eager = [ev.token_id for ev in e.generate(ids, s)]
+    assert graph5 == eager and len(graph5) == 20
