@@ -60,7 +60,7 @@ def tiny():
             a = chat3(e)
             graph = e._graph is not None
             e.reuse_prompts = False
-            e._graph = None
+            e._drop_graph()
             b = chat3(e)
             print(
                 f"{fam:<13} {str(graph):<6} {str([x[0] for x in a] == [x[0] for x in b]):<13} "

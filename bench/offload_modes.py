@@ -140,7 +140,7 @@ for case in args.cases.split(","):
     cache.admit_per_step = int(rest[0]) if rest else 16
     cache.background = "bg" in rest[1:]  # admissions copied on a side stream (ExpertCache.background)
     engine.use_graphs = miss == "direct"  # copy / cpu decode eagerly (their misses need the host in the loop)
-    engine._graph = None
+    engine._drop_graph()
     t0 = time.time()
     try:
         r = _run(engine, float(sp), prompt, args.decode, "localmoe", bw, None)
