@@ -26,8 +26,6 @@ Shape legend: E experts, I expert width (neurons), H hidden, G group size, NG = 
 
 from __future__ import annotations
 
-import torch  # noqa: F401
-
 from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize  # noqa: F401
 from localmoe.kernels.int4 import GROUP, MIN_GROUP, Int4Tensor, group_for, quantize, row_bytes  # noqa: F401
 
