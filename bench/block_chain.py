@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from graph_timing import graph_us
 
-from localmoe.benchmark import copy_bandwidth
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.sparse_fused import SharedExpert, fused_workspace, sparse_fused
+from localmoe.measure.benchmark import copy_bandwidth
 
 
 def random_bf16(gen: torch.Generator, device, dtype=torch.bfloat16):

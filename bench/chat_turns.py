@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
 
-from localmoe.engine import Engine  # noqa: E402
+from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 
 FAMILIES = ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "granitemoe"]

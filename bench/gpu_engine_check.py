@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
-from localmoe.engine import Engine  # noqa: E402
+from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 
 rows = []
@@ -67,7 +67,7 @@ for r in rows:
 sys.stdout.flush()
 
 if "--skip-bench" not in sys.argv:
-    from localmoe.benchmark import bench, table
+    from localmoe.measure.benchmark import bench, table
 
     res = bench(
         None,

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
-from localmoe.engine import Engine  # noqa: E402
+from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
-from localmoe.experts import ExpertWeights  # noqa: E402
+from localmoe.experts.local_experts import ExpertWeights  # noqa: E402
 
 
 def tokens(e, ids, s):
@@ -97,7 +97,7 @@ def tiny() -> None:
 
 
 def bench_formats(formats, sparsities, vram) -> None:
-    from localmoe.benchmark import bench, table
+    from localmoe.measure.benchmark import bench, table
 
     def note(st, d, t):
         if st.startswith("note"):

@@ -18,9 +18,9 @@ import tiny_models  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from localmoe.engine import Engine  # noqa: E402
+from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
-from localmoe.shapes import shape_config  # noqa: E402
+from localmoe.models.shapes import shape_config  # noqa: E402
 
 small = "--tiny" in sys.argv
 cfg = shape_config("qwen3.5-35b")

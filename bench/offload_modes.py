@@ -58,8 +58,8 @@ def emit(row: dict) -> None:
 
 
 if args.baseline_only:
-    from localmoe.benchmark import accelerate_baseline
-    from localmoe.shapes import shape_config
+    from localmoe.measure.benchmark import accelerate_baseline
+    from localmoe.models.shapes import shape_config
 
     config = shape_config(args.shape)
     r = accelerate_baseline(config, DEV, torch.bfloat16, prompt_ids(config.vocab_size), args.baseline_tokens, args.vram)
@@ -102,11 +102,11 @@ if args.baseline_tokens:
             )
         )
 
-from localmoe.benchmark import _run, copy_bandwidth  # noqa: E402
-from localmoe.engine import Engine  # noqa: E402
-from localmoe.experts import LocalExperts  # noqa: E402
-from localmoe.loader import attach_cache  # noqa: E402
-from localmoe.random_weights import skew_routers  # noqa: E402
+from localmoe.engine.engine import Engine  # noqa: E402
+from localmoe.experts.local_experts import LocalExperts  # noqa: E402
+from localmoe.measure.benchmark import _run, copy_bandwidth  # noqa: E402
+from localmoe.models.loader import attach_cache  # noqa: E402
+from localmoe.models.random_weights import skew_routers  # noqa: E402
 
 t0 = time.time()
 engine = Engine.random(

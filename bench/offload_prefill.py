@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
 
 p = argparse.ArgumentParser()
 p.add_argument("--vram", type=float, default=24)

@@ -30,10 +30,10 @@ import sys
 
 import torch
 
-from localmoe import decode_ops
-from localmoe.engine import Engine
+from localmoe.decode import ops
+from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.experts import LocalExperts
+from localmoe.experts.local_experts import LocalExperts
 from localmoe.kernels import pdl, tuning
 
 
@@ -66,7 +66,7 @@ def apply(engine, case: str) -> None:
 
 def reset(engine) -> None:
     pdl.set_enabled(None)
-    decode_ops._tuned_on.cache_clear()
+    ops._tuned_on.cache_clear()
     table = tuning._device_table(torch.cuda.get_device_name())
     table.setdefault("decode_params", {})
     for (kern, shape), kw in _UNDO["table"].items():

@@ -14,9 +14,9 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
+from localmoe.engine.sampling import sample
 from localmoe.events import GenerationSettings
-from localmoe.sampling import sample
 
 args = [a for a in sys.argv[1:] if not a.startswith("--") and sys.argv[sys.argv.index(a) - 1] != "--prompt"]
 sparsity = float(args[0]) if args else 0.85
@@ -25,7 +25,7 @@ engine = Engine.random(
 )
 engine.set_sparsity(sparsity)
 if "--dense-tail" in sys.argv:  # sparsity 0 through sparse_fused at threshold 0 with the tail, not dense_experts
-    from localmoe.experts import LocalExperts
+    from localmoe.experts.local_experts import LocalExperts
 
     for m in engine.model.modules():
         if isinstance(m, LocalExperts):

@@ -3,7 +3,8 @@
 Owns `dequant_int4(packed, scale, minimum, dtype)` (Triton launcher), its torch reference `dequant_int4_ref`
 (the int4 format's definition; `localmoe.kernels.int4` holds the format) and the kernel `_dequant_kernel`. The dense
 path runs
-torch's grouped GEMMs on spans of dequantized experts (localmoe/experts.py `_grouped`); in torch the unpacking goes
+torch's grouped GEMMs on spans of dequantized experts (localmoe/experts/local_experts.py `_grouped`); in torch the
+unpacking goes
 through several fp32 temporaries of the span's size, this kernel reads each byte and scale once and writes the
 output once. Grid: cdiv(R, BLOCK_R) programs over the R = n * I rows; each unpacks BLOCK_R rows of H/2 bytes into
 w[2j] = lo * scale + minimum, w[2j+1] = hi * scale + minimum (fp32, rounded once to `dtype`, as the reference).

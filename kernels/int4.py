@@ -2,7 +2,7 @@
 
 It lives beside its kernels (`dequant_int4.py` holds the torch reference `dequant_int4_ref`, the format's
 definition, and the CUDA launch; `sparse_fused.py` reads the packed rows in place), so kernels import nothing from
-the app layer; `localmoe.quantize` builds on it (sizes, copies between stacks, the expert formats a user can pick).
+the app layer; `localmoe.experts.int4` builds on it (sizes, copies between stacks, the expert formats a user can pick).
 
 Format (one `Int4Tensor` per projection of a layer: gate, up, transposed down, each logically [E, I, H]):
 * along H, groups of G weights (G a power of two, 128 when H allows) share an asymmetric affine map

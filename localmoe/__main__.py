@@ -1,5 +1,5 @@
 """`python -m localmoe` entry point."""
 
-from localmoe.cli import main
+from localmoe.cli.main import main
 
 raise SystemExit(main())

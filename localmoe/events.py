@@ -78,7 +78,7 @@ Message = dict  # {"role": "system"|"user"|"assistant", "content": str}
 
 
 class ChatEngine(Protocol):
-    """What a front end needs from an engine. `localmoe.engine.Engine` implements it; tests script fakes."""
+    """What a front end needs from an engine. `localmoe.engine.engine.Engine` implements it; tests script fakes."""
 
     model_name: str
     device: str

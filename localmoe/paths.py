@@ -1,6 +1,7 @@
 """Where localmoe keeps files on the user's machine (XDG base directories), and file-name-safe names for them.
 
-`cache_root()`: thresholds (`localmoe.sparsity`) and memory-mapped expert copies (`localmoe.store`), all of it
+`cache_root()`: thresholds (`localmoe.experts.thresholds`) and memory-mapped expert copies (`localmoe.experts.store`),
+all of it
 recomputable. Chat history, which is not, lives under the data dir (`localmoe.tui.history`). Pure stdlib; imports
 nothing from localmoe, so any layer may use it.
 """

@@ -1,4 +1,4 @@
-"""Tests of localmoe/attention.py: the "localmoe_sdpa" attention implementation gives transformers' logits on tiny
+"""Tests of localmoe/decode/sdpa.py: the "localmoe_sdpa" attention implementation gives transformers' logits on tiny
 models of several families (GQA, DeepSeek-V2's MLA with different key and value head dims), with a dynamic and a
 static cache, takes the decode kernel on one-token steps only, and switches back. CPU, TRITON_INTERPRET=1.
 Shape legend: P prompt tokens, V vocab.
@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 import tiny_models  # noqa: E402
 from test_fused import STEPS, _run  # noqa: E402
 
-from localmoe import attention  # noqa: E402
+from localmoe.decode import sdpa  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
@@ -40,13 +40,13 @@ def test_logits_equal_sdpa(family, cache_kind):
     prompt = torch.randint(0, ref.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2)).to(DEV)
     want, want_toks = _run(ref, cache_kind, prompt)
     model = copy.deepcopy(ref)
-    assert attention.install(model) and model.config._attn_implementation == attention.NAME
-    calls = attention.decode_calls
+    assert sdpa.install(model) and model.config._attn_implementation == sdpa.NAME
+    calls = sdpa.decode_calls
     got, toks = _run(model, cache_kind, prompt)
     types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
     full = sum(t != "linear_attention" for t in types)
-    assert attention.decode_calls - calls == STEPS * full  # every decode step of every attention layer, not prefill
+    assert sdpa.decode_calls - calls == STEPS * full  # every decode step of every attention layer, not prefill
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert toks == want_toks
-    assert attention.uninstall(model) and model.config._attn_implementation == "sdpa"
-    assert not attention.uninstall(model) and not attention.install(torch.nn.Linear(2, 2))
+    assert sdpa.uninstall(model) and model.config._attn_implementation == "sdpa"
+    assert not sdpa.uninstall(model) and not sdpa.install(torch.nn.Linear(2, 2))

@@ -11,14 +11,14 @@ import tiny_models
 import torch
 from conftest import repo_id
 
-from localmoe import shapes as localmoe_shapes
-from localmoe.benchmark import step_bytes, table
-from localmoe.cli import main
-from localmoe.engine import Engine
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.random_weights import build_random, router_weight
-from localmoe.shapes import shape_config
+from localmoe.measure.benchmark import step_bytes, table
+from localmoe.models import shapes as localmoe_shapes
+from localmoe.models.random_weights import build_random, router_weight
+from localmoe.models.shapes import shape_config
 
 
 def test_real_shapes():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import re
 
-from localmoe.cli import main
-from localmoe.engine import Engine
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.registry import load_registry
+from localmoe.models.registry import load_registry
 
 
 def test_is_the_default_and_small():

@@ -35,7 +35,7 @@ from test_tui import SIZE, replies, sync, type_and_send, wait_for
 from textual.app import App, ComposeResult
 from textual.widgets import Label, OptionList
 
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.safe_text import is_clean
 from localmoe.tui.app import SAVE_INTERVAL, ChatApp, context_limit, fit_to_context

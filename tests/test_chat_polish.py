@@ -24,7 +24,7 @@ from test_tui import replies, sync, type_and_send, wait_for
 from textual.app import App, ComposeResult
 from textual.widgets import Markdown
 
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.tui.app import ChatApp
 from localmoe.tui.history import HistoryStore

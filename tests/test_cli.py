@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import repo_id
 
-from localmoe.cli import main
+from localmoe.cli.main import main
 
 MODEL = repo_id("qwen3_moe")
 
@@ -127,7 +127,7 @@ def _fresh_python(code: str, cwd) -> subprocess.CompletedProcess:
 
 def test_help_and_models_do_not_import_torch(tmp_path):
     code = (
-        "import sys; from localmoe.cli import main; "
+        "import sys; from localmoe.cli.main import main; "
         "main(['models']); main(['run', '--help']) if False else None; "
         "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     )
@@ -274,7 +274,7 @@ STREAMS = [  # (id, text): streamed in pieces, it shows exactly what safe_text.f
 
 @pytest.mark.parametrize("text", [c[1] for c in STREAMS], ids=[c[0] for c in STREAMS])
 def test_terminal_stream_pieces(text):
-    from localmoe.detokenize import TerminalStream
+    from localmoe.engine.detokenize import TerminalStream
     from localmoe.safe_text import for_terminal
 
     want = for_terminal(text)
@@ -285,7 +285,7 @@ def test_terminal_stream_pieces(text):
 
 
 def test_terminal_stream_gives_up_on_a_sequence_that_never_ends():
-    from localmoe.detokenize import TerminalStream
+    from localmoe.engine.detokenize import TerminalStream
 
     stream = TerminalStream(max_hold=16)
     assert stream.push("a\x1b]0;") == "a"
@@ -323,7 +323,7 @@ PROGRESS = [  # (id, calls, what stderr shows)
 
 @pytest.mark.parametrize("calls, shown", [c[1:] for c in PROGRESS], ids=[c[0] for c in PROGRESS])
 def test_progress_one_line_per_stage(monkeypatch, calls, shown):
-    from localmoe.cli import _stderr_progress
+    from localmoe.cli.main import _stderr_progress
 
     err = _TTY()
     monkeypatch.setattr(sys, "stderr", err)
@@ -452,7 +452,7 @@ def test_partial_snapshot_is_not_downloaded(hub_cache, src_dir, tmp_path, capsys
 def test_local_revision_follows_rewrites(src_dir, tmp_path):
     """A local checkpoint rewritten in place (same size) gets a new revision, so its cached thresholds are not
     reused; left alone, its revision is stable."""
-    from localmoe import hub
+    from localmoe.models import hub
 
     folder = tmp_path / "ckpt"
     shutil.copytree(src_dir / "qwen3_moe", folder)
@@ -512,7 +512,7 @@ SAMPLING_CASES = [  # (id, flags, the settings the reply must equal (over Genera
 
 @pytest.mark.parametrize(("flags", "want"), [c[1:] for c in SAMPLING_CASES], ids=[c[0] for c in SAMPLING_CASES])
 def test_run_sampling_defaults_and_flags(sampling_model, capsys, flags, want):
-    from localmoe.engine import Engine
+    from localmoe.engine.engine import Engine
     from localmoe.events import GenerationSettings
 
     got = _ids(capsys, sampling_model, "hi", *flags)["token_ids"]
@@ -557,7 +557,7 @@ def test_calibrate_says_where_thresholds_went(capsys, monkeypatch, tmp_path):
 def test_complete_snapshot_index_names(tmp_path, names, complete):
     """Every shard a sharded index names must be present; a name that is no plain file name is not looked up (the
     snapshot counts as complete and the loader refuses the index by name)."""
-    from localmoe.hub import complete_snapshot
+    from localmoe.models.hub import complete_snapshot
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")

@@ -18,7 +18,7 @@ import sys
 import pytest
 from conftest import repo_id
 
-from localmoe.cli import main
+from localmoe.cli.main import main
 
 M = repo_id("qwen3_moe")  # a tiny cached checkpoint, 512 positions
 RUN = ["run", M, "hi"]

@@ -24,7 +24,7 @@ TOKEN = "x" * 4096
 # background job's children inherit that), as it is for a user at a terminal
 CHILD = (
     "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "from localmoe.cli import main; sys.exit(main(sys.argv[1:]))"
+    "from localmoe.cli.main import main; sys.exit(main(sys.argv[1:]))"
 )
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import repo_id
 
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
+from localmoe.engine.sampling import sample
 from localmoe.events import GenerationSettings
-from localmoe.sampling import sample
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import repo_id
 
-from localmoe.cli import main
-from localmoe.engine import Engine
-from localmoe.evaluate import direct_perplexity, evaluate
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
+from localmoe.measure.evaluate import direct_perplexity, evaluate
 
 DATA = Path(__file__).with_name("data")
 

@@ -1,4 +1,5 @@
-"""Tests of localmoe/experts.py's dense path (prefill, calibration, evaluation's masked mode): the grouped-GEMM
+"""Tests of localmoe/experts/local_experts.py's dense path (prefill, calibration, evaluation's masked mode): the
+grouped-GEMM
 version (torch's grouped_mm, three launches for all experts) against the per-expert loop and a per-token reference,
 fp32 and bf16, with unrouted experts, the evaluation mask and calibration's gate recorder. CPU (CUDA when present:
 bf16 only there, torch's CUDA grouped GEMM); never a time.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localmoe.experts import ExpertWeights, GateRecorder, LocalExperts
+from localmoe.experts.local_experts import ExpertWeights, GateRecorder, LocalExperts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -24,10 +24,10 @@ from conftest import repo_id
 from safetensors.torch import load_file, save_file
 
 from localmoe import paths
-from localmoe import sparsity as sp
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
 from localmoe.errors import RuntimeFailure, UsageError
-from localmoe.loader import load_model
+from localmoe.experts import thresholds
+from localmoe.models.loader import load_model
 
 TOKENS = 256  # calibration tokens: enough for a tiny model's quantiles, quick on the CPU
 
@@ -93,7 +93,7 @@ CACHE_CASES = [
     ("negative-threshold", "layer", _tau(1, -0.25), "layer 1 threshold -0.25 is negative"),
     ("huge-integer-threshold", "layer", _raw_tau(b"1" + b"0" * 400), "layer 0 threshold a 401-digit number is above"),
     ("negative-huge-integer", "layer", _raw_tau(b"-" + b"9" * 400), "layer 0 threshold a 400-digit number is negative"),
-    ("oversized-file", "layer", _raw(b" " * (sp.MAX_CACHE_BYTES + 1)), "bytes, not a threshold file"),
+    ("oversized-file", "layer", _raw(b" " * (thresholds.MAX_CACHE_BYTES + 1)), "bytes, not a threshold file"),
     ("string-threshold", "layer", _tau(0, "0.3"), "layer 0 threshold is str"),
     ("bool-threshold", "layer", _tau(0, True), "layer 0 threshold is bool"),
     ("list-in-layer-mode", "layer", _tau(0, [0.1] * 8), "layer 0 threshold is list"),
@@ -144,11 +144,11 @@ def test_invalid_threshold_cache_is_recalibrated(engine, mode, corrupt, reason):
     notes: list[str] = []
     engine.on_notice = notes.append
     try:
-        fresh = sp.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode)
-        path = sp.cache_path(engine.model_name, engine.resolved.revision, 0.6, mode)
+        fresh = thresholds.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode)
+        path = thresholds.cache_path(engine.model_name, engine.resolved.revision, 0.6, mode)
         assert fresh.path == path and path.is_file() and notes == []
         corrupt(path)
-        again = sp.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode)
+        again = thresholds.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode)
         assert again.taus == fresh.taus and again.path == path  # recalibrated: never the file's values
         assert len(notes) == 1, notes
         assert notes[0].startswith(f"cached thresholds at {path} were invalid (") and notes[0].endswith(
@@ -156,7 +156,7 @@ def test_invalid_threshold_cache_is_recalibrated(engine, mode, corrupt, reason):
         ), notes[0]
         assert reason in notes[0], notes[0]
         # overwritten with a valid file: the next run reads it as is
-        assert sp.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode).taus == fresh.taus and len(notes) == 1
+        assert thresholds.thresholds_for(engine, 0.6, tokens=TOKENS, mode=mode).taus == fresh.taus and len(notes) == 1
         assert not list(path.parent.glob("*.tmp"))
     finally:
         engine.on_notice = None
@@ -166,12 +166,12 @@ def test_stale_cache_is_recalibrated_with_a_notice(engine):
     notes: list[str] = []
     engine.on_notice = notes.append
     try:
-        fresh = sp.thresholds_for(engine, 0.6, tokens=TOKENS)
+        fresh = thresholds.thresholds_for(engine, 0.6, tokens=TOKENS)
         _set("localmoe_version", "0.0.1")(fresh.path)
-        assert sp.thresholds_for(engine, 0.6, tokens=TOKENS).taus == fresh.taus
+        assert thresholds.thresholds_for(engine, 0.6, tokens=TOKENS).taus == fresh.taus
         assert notes == [
             f"cached thresholds at {fresh.path} were stale (made with localmoe_version '0.0.1', this run "
-            f"has {sp.__version__!r}); recalibrated"
+            f"has {thresholds.__version__!r}); recalibrated"
         ]
     finally:
         engine.on_notice = None
@@ -201,16 +201,16 @@ def test_checkpoint_rewritten_in_place_recalibrates(src_dir, tmp_path, monkeypat
     against a 50% target, before), whatever the revision localmoe derives for the folder."""
     folder = _local_copy(src_dir, tmp_path)
     first = Engine.load(str(folder), device="cpu", sparsity=0.5)
-    old = sp.thresholds_for(first, 0.5)
+    old = thresholds.thresholds_for(first, 0.5)
     _rewrite_in_place(folder, 3.0)
     notes: list[str] = []
     second = Engine.load(str(folder), device="cpu", sparsity=0.5, on_notice=notes.append)
-    new = sp.thresholds_for(second, 0.5)
+    new = thresholds.thresholds_for(second, 0.5)
     assert new.meta["checkpoint"] != old.meta["checkpoint"] and new.taus != old.taus
     if second.resolved.revision == first.resolved.revision:  # same cache file: replaced, and said so
         assert any("the checkpoint's files changed since calibration); recalibrated" in n for n in notes), notes
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))  # the new weights calibrated from scratch
-    assert sp.thresholds_for(second, 0.5).taus == new.taus
+    assert thresholds.thresholds_for(second, 0.5).taus == new.taus
 
 
 def test_fingerprint_change_alone_recalibrates(src_dir, tmp_path):
@@ -219,9 +219,9 @@ def test_fingerprint_change_alone_recalibrates(src_dir, tmp_path):
     folder = _local_copy(src_dir, tmp_path)
     notes: list[str] = []
     engine = Engine.load(str(folder), device="cpu", sparsity=0.0, on_notice=notes.append)
-    before = sp.thresholds_for(engine, 0.5, tokens=TOKENS)
+    before = thresholds.thresholds_for(engine, 0.5, tokens=TOKENS)
     _rewrite_in_place(folder, 1.0)
-    after = sp.thresholds_for(engine, 0.5, tokens=TOKENS)
+    after = thresholds.thresholds_for(engine, 0.5, tokens=TOKENS)
     assert after.taus == before.taus and after.meta["checkpoint"] != before.meta["checkpoint"]
     assert notes == [
         f"cached thresholds at {before.path} were stale (the checkpoint's files changed since "
@@ -238,13 +238,13 @@ def _block_dir(root: Path) -> None:  # the thresholds folder is a file: mkdir fa
 
 
 def _block_file(root: Path) -> None:  # the cache file's path is a folder: reading and replacing it fail
-    sp.cache_path(repo_id("qwen3_moe"), _revision(), 0.6).mkdir(parents=True)
+    thresholds.cache_path(repo_id("qwen3_moe"), _revision(), 0.6).mkdir(parents=True)
 
 
 def _read_only(root: Path) -> None:
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only folders")
-    d = sp.cache_path(repo_id("qwen3_moe"), _revision(), 0.6).parent
+    d = thresholds.cache_path(repo_id("qwen3_moe"), _revision(), 0.6).parent
     d.mkdir(parents=True)
     d.chmod(0o555)
 
@@ -255,7 +255,7 @@ def _cache_home_is_file(root: Path) -> None:  # XDG_CACHE_HOME itself is a file
 
 
 def _revision() -> str:
-    from localmoe import hub
+    from localmoe.models import hub
 
     return hub.resolve(repo_id("qwen3_moe"), download_missing=False).revision
 
@@ -273,12 +273,12 @@ def test_unwritable_cache_keeps_thresholds_for_the_run(block, reason):
     block(paths.cache_root())
     notes: list[str] = []
     engine = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.6, on_notice=notes.append)
-    path = sp.cache_path(engine.model_name, engine.resolved.revision, 0.6)
+    path = thresholds.cache_path(engine.model_name, engine.resolved.revision, 0.6)
     saved = [n for n in notes if n.startswith("could not save thresholds")]
     assert saved == [f"could not save thresholds to {path} ({reason}); using them for this run only"], notes
     assert engine.sparsity == 0.6 and all(m.sparse_enabled and m.tau is not None for m in engine.loaded.experts)
-    table = sp.thresholds_for(engine, 0.6)
-    assert table.path is None and all(0 < t < sp.MAX_TAU for t in table.taus)
+    table = thresholds.thresholds_for(engine, 0.6)
+    assert table.path is None and all(0 < t < thresholds.MAX_TAU for t in table.taus)
     assert not path.is_file()
     if path.parent.is_dir():
         assert not list(path.parent.glob("*.tmp"))  # no temporary file left behind
@@ -595,11 +595,11 @@ def test_bad_calibration_text_is_refused(engine, tmp_path, content, says):
     else:
         path.write_bytes(content)
     with pytest.raises(UsageError) as info:
-        sp.thresholds_for(engine, 0.6, text=path, tokens=TOKENS)
+        thresholds.thresholds_for(engine, 0.6, text=path, tokens=TOKENS)
     assert says in str(info.value) and str(path) in str(info.value), str(info.value)
 
 
 def test_utf8_calibration_text_is_used(engine, tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("Les experts clairsem\u00e9s sautent la plupart des neurones. " * 20, encoding="utf-8")
-    assert sp.thresholds_for(engine, 0.6, text=path, tokens=TOKENS).meta["calibration_set"] == "notes.txt"
+    assert thresholds.thresholds_for(engine, 0.6, text=path, tokens=TOKENS).meta["calibration_set"] == "notes.txt"

@@ -1,9 +1,11 @@
-"""Tests of localmoe/fused.py: the fused modules are exactly equivalent to transformers' on a tiny Qwen3.5-MoE.
+"""Tests of localmoe/decode/replacements.py: the fused modules are exactly equivalent to transformers' on a tiny
+Qwen3.5-MoE.
 
 Full-model logits with and without `install(..., force=True)` over a prompt (prefill: fused RMSNorms, original
 DeltaNet and MoE blocks) and several cached decode steps (the fused DeltaNet step and MoE block: router, experts,
 shared expert), with a DynamicCache and a StaticCache (the engine's CUDA-graph cache); the same with localmoe's
-LocalExperts in every block and the sparse path on (τ set as localmoe.sparsity.apply does). Qwen3-MoE and OLMoE
+LocalExperts in every block and the sparse path on (τ set as localmoe.experts.thresholds.apply does). Qwen3-MoE and
+OLMoE
 blocks (no shared expert; renormalised or not) one token at a time. Triton runs under TRITON_INTERPRET=1 on the CPU.
 Shape legend: P prompt tokens, V vocab.
 """
@@ -21,7 +23,7 @@ pytest.importorskip("triton")
 
 import tiny_models  # noqa: E402
 
-from localmoe import attention, fused  # noqa: E402
+from localmoe.decode import replacements, sdpa
 
 STEPS = 5
 # CPU + interpreter by default (conftest sets TRITON_INTERPRET=1); TRITON_INTERPRET=0 on a GPU runs compiled kernels
@@ -77,7 +79,7 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
 
     model = copy.deepcopy(ref_model)
     n_lin = sum(type(m) is torch.nn.Linear for m in model.modules())
-    done = fused.install(model, DEV, force=True)
+    done = replacements.install(model, DEV, force=True)
     cfg = model.config
     n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
     assert done == {
@@ -86,43 +88,43 @@ def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):
         "Qwen3_5MoeSparseMoeBlock": cfg.num_hidden_layers,
         "Qwen3_5MoeDecoderLayer": cfg.num_hidden_layers,
         "Linear": n_lin,
-        fused.ATTENTION: 1,
+        replacements.ATTENTION: 1,
         "Qwen3_5MoeAttention": cfg.num_hidden_layers - n_linear,
         "Qwen3_5MoeTextModel": 1,
     }
     assert model.config._attn_implementation == "localmoe_sdpa"
-    assert isinstance(model.lm_head, fused.FusedLinear)
+    assert isinstance(model.lm_head, replacements.FusedLinear)
     assert set(model.state_dict()) == set(ref_model.state_dict())  # same names, same tensors
-    calls0 = attention.decode_calls
+    calls0 = sdpa.decode_calls
     got, toks = _run(model, cache_kind, prompt)
-    steps = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedGatedDeltaNet)]
+    steps = [m.decode_calls for m in model.modules() if isinstance(m, replacements.FusedGatedDeltaNet)]
     assert steps == [STEPS] * n_linear  # every decode step took the fused path, prefill did not
-    blocks = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)]
+    blocks = [m.decode_calls for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)]
     assert blocks == [STEPS] * cfg.num_hidden_layers
-    assert attention.decode_calls - calls0 == STEPS * (cfg.num_hidden_layers - n_linear)  # decode attention kernel
-    layers = [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedDecoderLayer)]
+    assert sdpa.decode_calls - calls0 == STEPS * (cfg.num_hidden_layers - n_linear)  # decode attention kernel
+    layers = [m.decode_calls for m in model.modules() if isinstance(m, replacements.FusedDecoderLayer)]
     assert layers == [STEPS] * cfg.num_hidden_layers  # both residual adds fused on every decode step
     # fp32: localmoe's GEMVs (FusedLinear) sum in another order than cuBLAS / torch's CPU kernels; logits are O(1)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got, want, **tol)
     assert toks == want_toks
 
-    assert fused.uninstall(model) == sum(done.values())
-    assert fused.installed(model) == 0
+    assert replacements.uninstall(model) == sum(done.values())
+    assert replacements.installed(model) == 0
     again, _ = _run(model, cache_kind, prompt)
     torch.testing.assert_close(again, want, rtol=0, atol=0)
 
 
 def test_cpu_model_is_left_alone(tiny_text_model):
     model = copy.deepcopy(tiny_text_model)
-    assert fused.install(model) == {}
-    assert fused.installed(model) == 0
+    assert replacements.install(model) == {}
+    assert replacements.installed(model) == 0
 
 
 def test_same_parameter_objects(tiny_text_model):
     model = copy.deepcopy(tiny_text_model)
     before = dict(model.named_parameters())
-    fused.install(model, force=True)
+    replacements.install(model, force=True)
     after = dict(model.named_parameters())
     assert before.keys() == after.keys()
     assert all(before[k] is after[k] for k in before)
@@ -136,7 +138,7 @@ def test_other_family_norm_module():
     with torch.no_grad():
         norm.weight.copy_(torch.randn(48))
     holder = torch.nn.Sequential(norm)
-    assert fused.install(holder, force=True) == {"Qwen3MoeRMSNorm": 1}
+    assert replacements.install(holder, force=True) == {"Qwen3MoeRMSNorm": 1}
     x = torch.randn(3, 48).to(DEV)
     torch.testing.assert_close(holder[0](x), norm(x), rtol=1e-6, atol=1e-6)
 
@@ -146,8 +148,9 @@ def test_other_family_norm_module():
 # ---------------------------------------------------------------------------------------------------------------
 def _with_local_experts(model, sparsity=0.3):
     """Swap every block's transformers experts for localmoe's LocalExperts (same weights) and turn the sparse path on
-    the way localmoe.sparsity.apply does (τ per expert: the `sparsity` quantile of |act(x·W_gate)| on random x)."""
-    from localmoe.experts import ExpertWeights, LocalExperts
+    the way localmoe.experts.thresholds.apply does (τ per expert: the `sparsity` quantile of |act(x·W_gate)| on random
+    x)."""
+    from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 
     cfg = model.config
     gen = torch.Generator().manual_seed(5)
@@ -187,12 +190,12 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
     experts = [layer.mlp.experts for layer in model.model.layers]
     for m in experts:
         m.reset_counters()
-    done = fused.install(model, DEV, force=True)
+    done = replacements.install(model, DEV, force=True)
     assert done["Qwen3_5MoeSparseMoeBlock"] == model.config.num_hidden_layers
     assert [layer.mlp.experts for layer in model.model.layers] == experts  # the very same LocalExperts objects
-    assert all(isinstance(layer.mlp, fused.FusedSparseMoeBlock) for layer in model.model.layers)
+    assert all(isinstance(layer.mlp, replacements.FusedSparseMoeBlock) for layer in model.model.layers)
     got, toks = _run(model, "static", prompt)
-    assert [m.decode_calls for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)] == [
+    assert [m.decode_calls for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)] == [
         STEPS
     ] * model.config.num_hidden_layers
     kept, seen = [int(m.kept) for m in experts], [m.seen for m in experts]
@@ -204,7 +207,7 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
     else:  # on CUDA the decoder tail keeps the shared expert in fp32: a few borderline neurons flip
         assert all(abs(k - r) <= 0.03 * r for k, r in zip(kept, ref_kept)), (kept, ref_kept)
         _bf16_close(got, want, toks, want_toks)
-    fused.uninstall(model)
+    replacements.uninstall(model)
     assert [layer.mlp.experts for layer in model.model.layers] == experts
 
 
@@ -243,8 +246,8 @@ def test_full_model_front_and_tail(tiny_text_model, dtype, sparse, in_front):
         m.reset_counters()
         m.kernel_on_cpu = DEV == "cpu"  # the Triton path under the interpreter, as on a GPU
         assert m.dense_tail  # sparsity off: threshold 0 in the same kernel (the default; not dense_experts)
-    fused.install(model, DEV, force=True)
-    blocks = [m for m in model.modules() if isinstance(m, fused.FusedSparseMoeBlock)]
+    replacements.install(model, DEV, force=True)
+    blocks = [m for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)]
     for b in blocks:
         b.shared_in_front = in_front
     got, toks = _run(model, "static", prompt)
@@ -276,9 +279,9 @@ def test_full_model_front_and_tail_int4(tiny_text_model, sparse):
     for m in experts:
         m.reset_counters()
         m.kernel_on_cpu = DEV == "cpu"
-    fused.install(model, DEV, force=True)
+    replacements.install(model, DEV, force=True)
     got, toks = _run(model, "static", prompt)
-    assert all(b.front_calls == STEPS for b in model.modules() if isinstance(b, fused.FusedSparseMoeBlock))
+    assert all(b.front_calls == STEPS for b in model.modules() if isinstance(b, replacements.FusedSparseMoeBlock))
     assert all((0 < int(m.kept) < m.seen) if sparse else m.seen == 0 for m in experts)
     # On a GPU the kernel sums each output over its programs with atomics, in no fixed order: 2e-4 seen on the H200
     tol = 1e-4 if DEV == "cpu" else 1e-3
@@ -314,9 +317,9 @@ def test_block_without_shared_expert(family, norm, dtype):
         for p in block.parameters():
             p.copy_(torch.randn(p.shape) * 0.3)
     holder = torch.nn.Sequential(block)
-    assert fused.install(holder, force=True) == {block_cls.__name__: 1}
+    assert replacements.install(holder, force=True) == {block_cls.__name__: 1}
     fb = holder[0]
-    assert isinstance(fb, fused.FusedSparseMoeBlock) and fb.experts is block.experts and not fb.has_shared
+    assert isinstance(fb, replacements.FusedSparseMoeBlock) and fb.experts is block.experts and not fb.has_shared
     assert fb.norm_topk_prob == norm
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for seed in range(4):
@@ -333,14 +336,14 @@ def test_install_exclude(tiny_text_model):
     """With the MoE block left out, decode still runs the layer's fused children (the decoder layer does
     transformers' arithmetic around them), and the logits equal the unfused model's."""
     model = copy.deepcopy(tiny_text_model).to(DEV)
-    done = fused.install(model, DEV, force=True, exclude=("Qwen3_5MoeSparseMoeBlock",))
+    done = replacements.install(model, DEV, force=True, exclude=("Qwen3_5MoeSparseMoeBlock",))
     assert "Qwen3_5MoeSparseMoeBlock" not in done and done["Qwen3_5MoeGatedDeltaNet"] > 0
-    assert not any(isinstance(m, fused.FusedSparseMoeBlock) for m in model.modules())
+    assert not any(isinstance(m, replacements.FusedSparseMoeBlock) for m in model.modules())
     prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4)).to(DEV)
     want, want_toks = _run(copy.deepcopy(tiny_text_model).to(DEV), "static", prompt, steps=2)
     got, toks = _run(model, "static", prompt, steps=2)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert toks == want_toks
-    layers = [m for m in model.modules() if isinstance(m, fused.FusedDecoderLayer)]
+    layers = [m for m in model.modules() if isinstance(m, replacements.FusedDecoderLayer)]
     assert layers and all(m.decode_calls == 2 for m in layers)
-    assert all(m.decode_calls == 2 for m in model.modules() if isinstance(m, fused.FusedGatedDeltaNet))
+    assert all(m.decode_calls == 2 for m in model.modules() if isinstance(m, replacements.FusedGatedDeltaNet))

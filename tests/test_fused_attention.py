@@ -1,4 +1,4 @@
-"""Tests of localmoe/fused_attention.py: Qwen3.5-MoE's gated full attention, fused for a cached one-token step (q|k|v
+"""Tests of localmoe/decode/sdpa.py: Qwen3.5-MoE's gated full attention, fused for a cached one-token step (q|k|v
 GEMV, kernels/qk_norm_rope.py, the cache's update, the attention core, sigmoid gate, o_proj), equals transformers'
 module on a tiny random model: the layer's own output and cache writes, whole-model logits with everything else
 fused alike, greedy `generate`; prefill, uncached, eager-core and biased calls fall back to the original module.
@@ -19,8 +19,8 @@ pytest.importorskip("triton")
 
 from test_fused import STEPS, _run, tiny_text_model  # noqa: E402, F401  (the fixture, shared with test_fused)
 
-from localmoe import attention, fused  # noqa: E402
-from localmoe.fused_attention import FusedAttention  # noqa: E402
+from localmoe.decode import replacements, sdpa
+from localmoe.decode.attention import FusedAttention  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 P = 6
@@ -43,7 +43,7 @@ def _cache_kw(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-@pytest.mark.parametrize("core", ["sdpa", attention.NAME])
+@pytest.mark.parametrize("core", ["sdpa", sdpa.NAME])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
 def test_decode_step_equals_module(tiny_text_model, dtype, core):
@@ -52,12 +52,14 @@ def test_decode_step_equals_module(tiny_text_model, dtype, core):
     from transformers import DynamicCache
 
     model = copy.deepcopy(tiny_text_model).to(DEV, dtype)
-    if core == attention.NAME:
-        assert attention.install(model)
+    if core == sdpa.NAME:
+        assert sdpa.install(model)
     i = _full_attention_index(model)
     hf = model.model.layers[i].self_attn
     holder = torch.nn.Sequential(copy.deepcopy(hf))
-    done = fused.install(holder, force=True)  # the projections become FusedLinear, the norms FusedRMSNorm, like install
+    done = replacements.install(
+        holder, force=True
+    )  # the projections become FusedLinear, the norms FusedRMSNorm, like install
     assert done["Qwen3_5MoeAttention"] == 1 and done["Linear"] == 4 and done["Qwen3_5MoeRMSNorm"] == 2
     fa = holder[0]
     assert isinstance(fa, FusedAttention) and fa.q_proj.weight is fa._hf.q_proj.weight
@@ -73,9 +75,9 @@ def test_decode_step_equals_module(tiny_text_model, dtype, core):
     for step in range(3):
         h, pe = _layer_inputs(model, 1, P + step, seed=10 + step)
         want = hf(h, pe, None, **{kw: want_cache})
-        calls = attention.decode_calls
+        calls = sdpa.decode_calls
         got = fa(h, pe, None, past_key_values=got_cache) if step == 1 else fa(h, pe, None, got_cache)
-        cores += attention.decode_calls - calls
+        cores += sdpa.decode_calls - calls
         assert got[1] is None and want[1] is None and got[0].shape == want[0].shape and got[0].dtype == dtype
         torch.testing.assert_close(got[0], want[0], **tol)
         k_got, v_got = got_cache.layers[i].keys, got_cache.layers[i].values
@@ -84,7 +86,7 @@ def test_decode_step_equals_module(tiny_text_model, dtype, core):
         torch.testing.assert_close(k_got, k_want, **tol)  # normed and roped keys
         torch.testing.assert_close(v_got, v_want, **tol)  # (the GEMV sums in another order than torch's)
     assert fa.decode_calls == 3
-    assert cores == (3 if core == attention.NAME else 0)  # localmoe's decode core under localmoe_sdpa
+    assert cores == (3 if core == sdpa.NAME else 0)  # localmoe's decode core under localmoe_sdpa
 
 
 @pytest.mark.parametrize(
@@ -97,11 +99,11 @@ def test_full_model_against_unfused_attention(tiny_text_model, cache_kind, dtype
     """Only the attention module differs (both on localmoe_sdpa, nothing else replaced: the interpreter stays quick):
     same attention outputs, logits and tokens; every decode step of every full-attention layer is fused."""
     ref = copy.deepcopy(tiny_text_model).to(DEV, dtype)
-    assert attention.install(ref)
+    assert sdpa.install(ref)
     model = copy.deepcopy(ref)
-    others = tuple(name for name in fused.REPLACEMENTS if name != "Qwen3_5MoeAttention")
+    others = tuple(name for name in replacements.REPLACEMENTS if name != "Qwen3_5MoeAttention")
     n_full = model.config.layer_types.count("full_attention")
-    assert fused.install(model, DEV, force=True, exclude=others) == {"Qwen3_5MoeAttention": n_full}
+    assert replacements.install(model, DEV, force=True, exclude=others) == {"Qwen3_5MoeAttention": n_full}
     fas = [m for m in model.modules() if isinstance(m, FusedAttention)]
     originals = [m for m in ref.modules() if type(m).__name__ == "Qwen3_5MoeAttention"]
     assert len(fas) == len(originals) == n_full
@@ -131,7 +133,7 @@ def test_greedy_generate_equals_transformers(tiny_text_model):
     called by FusedDecoderLayer, as in the engine): the same tokens."""
     ref = copy.deepcopy(tiny_text_model).to(DEV)
     model = copy.deepcopy(ref)
-    fused.install(model, DEV, force=True)
+    replacements.install(model, DEV, force=True)
     prompt = torch.randint(0, ref.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(9)).to(DEV)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=ref.config.pad_token_id)
     want = ref.generate(prompt, **kw)

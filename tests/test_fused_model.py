@@ -1,4 +1,5 @@
-"""Tests of localmoe/fused_model.py: Qwen3.5-MoE's text model with transformers' glue around the decoder layers cut to
+"""Tests of localmoe/decode/text_model.py: Qwen3.5-MoE's text model with transformers' glue around the decoder layers
+cut to
 4 launches on the one-token StaticCache step, on a tiny random model (CPU, TRITON_INTERPRET=1).
 
 The fused step hands the layers what transformers hands them, so greedy decode with it installed equals the same
@@ -23,8 +24,8 @@ pytest.importorskip("triton")
 
 import test_fused  # noqa: E402
 
-from localmoe import fused  # noqa: E402
-from localmoe.fused_model import FusedTextModel  # noqa: E402
+from localmoe.decode import replacements  # noqa: E402
+from localmoe.decode.text_model import FusedTextModel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 _run = test_fused._run  # greedy prefill + decode steps -> (logits [1+steps, V], tokens)
@@ -38,7 +39,7 @@ def _prompt(model, P=5, seed=11):
 
 def _installed(ref, exclude=()):
     model = copy.deepcopy(ref)
-    done = fused.install(model, DEV, force=True, exclude=exclude)
+    done = replacements.install(model, DEV, force=True, exclude=exclude)
     return model, done
 
 
@@ -69,7 +70,7 @@ def test_decode_equals_transformers(tiny_text_model, dtype):
     assert done == {**done0, TEXT: 1} and isinstance(model.model, FusedTextModel)
     got, toks = _run(model, "static", prompt, steps)
     assert model.model.decode_calls == steps
-    assert all(m.decode_calls == steps for m in model.modules() if isinstance(m, fused.FusedDecoderLayer))
+    assert all(m.decode_calls == steps for m in model.modules() if isinstance(m, replacements.FusedDecoderLayer))
     torch.testing.assert_close(got, same, rtol=0, atol=0)  # the layers got exactly transformers' inputs
     assert toks == same_toks
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
@@ -118,15 +119,15 @@ def test_install_uninstall_round_trip(tiny_text_model):
     model = copy.deepcopy(ref)
     hf_text = model.model
     before = dict(model.named_parameters())
-    done = fused.install(model, DEV, force=True)
+    done = replacements.install(model, DEV, force=True)
     after = dict(model.named_parameters())
     assert before.keys() == after.keys() and all(before[k] is after[k] for k in before)
     assert set(model.state_dict()) == set(ref.state_dict())
     tm = model.model
     assert tm._hf is hf_text and tm.layers is hf_text.layers and tm.embed_tokens is hf_text.embed_tokens
     assert tm.rotary_emb is hf_text.rotary_emb and "_hf" not in dict(tm.named_children())
-    assert isinstance(tm.norm, fused.FusedRMSNorm) and hf_text.norm is tm.norm  # prefill keeps its fused norm
-    assert fused.uninstall(model) == sum(done.values()) and fused.installed(model) == 0
+    assert isinstance(tm.norm, replacements.FusedRMSNorm) and hf_text.norm is tm.norm  # prefill keeps its fused norm
+    assert replacements.uninstall(model) == sum(done.values()) and replacements.installed(model) == 0
     assert model.model is hf_text and set(model.state_dict()) == set(ref.state_dict())
     assert type(hf_text.norm) is type(ref.model.norm)  # the fused final norm was in the original's slot too
     again, _ = _run(model, "static", prompt, steps=2)

@@ -13,7 +13,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 from conftest import repo_id  # noqa: E402
 
-from localmoe.engine import Engine  # noqa: E402
+from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""kernels/dequant_int4.py against its torch reference (localmoe.quantize.dequantize): odd and real shapes, groups of
+"""kernels/dequant_int4.py against its torch reference (localmoe.experts.int4.dequantize): odd and real shapes, groups
+of
 16 to 128, bf16 / fp16 / fp32 outputs, a reused `out`, and the launcher's checks. Triton under the interpreter on
 the CPU (CUDA when present)."""
 
@@ -7,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localmoe.experts.int4 import quantize
 from localmoe.kernels.dequant_int4 import dequant_int4, dequant_int4_ref
-from localmoe.quantize import quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,6 +1,6 @@
 """Tests of kernels/sparse_fused.py: the one-launch gate + threshold + up/down kernel vs its torch reference,
 its two output modes (self-cleaning overwrite, caller-zeroed accumulate), offload-aware addressing, and int4
-experts (Int4Tensor weights from localmoe/quantize.py), resident or offloaded.
+experts (Int4Tensor weights from localmoe/experts/int4.py), resident or offloaded.
 
 Runs on CPU under TRITON_INTERPRET=1 (set below before triton is imported when no GPU is present); never
 asserts a time. Shape legend: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden,
@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 
 from kernel_cases import DEV, SPARSITIES, expert_inputs, rel_err  # noqa: E402
 
+from localmoe.experts.int4 import Int4Tensor, quantize  # noqa: E402
 from localmoe.kernels.dense_experts import dense_experts_ref  # noqa: E402
 from localmoe.kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
-from localmoe.quantize import Int4Tensor, quantize  # noqa: E402
 
 # (T, H, I, E, k, BLOCK_I); the real shape is Qwen3.5-35B-A3B's expert (E cut to 16)
 SHAPES = [(1, 72, 40, 5, 3, 8), (3, 72, 40, 5, 3, 16), (1, 2048, 512, 16, 8, 64)]

@@ -10,11 +10,12 @@ import pytest
 import torch
 from conftest import repo_id
 
-from localmoe import offload, placement
-from localmoe.cli import main
-from localmoe.engine import Engine
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.experts import ExpertWeights
+from localmoe.experts import cache as offload
+from localmoe.experts import placement
+from localmoe.experts.local_experts import ExpertWeights
 
 GiB = 1 << 30
 
@@ -102,7 +103,7 @@ def test_non_expert_modules_spill_through_accelerate(capsys):
     resident = Engine.load(model, device="cpu", sparsity=0.0)
     want = tokens(resident, n=8)
     probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0).loaded
-    from localmoe.loader import _units
+    from localmoe.models.loader import _units
 
     plan = probe.offload
     units = _units(probe.model)
@@ -112,7 +113,7 @@ def test_non_expert_modules_spill_through_accelerate(capsys):
     e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=vram)
     p = e.loaded.offload
     assert p.spills and p.slots == k and 0 < p.non_expert_gpu_bytes < p.non_expert_bytes
-    from localmoe.loader import place_non_experts
+    from localmoe.models.loader import place_non_experts
 
     dmap = place_non_experts(probe.model, p, torch.device("cuda", 0), torch.float32)
     assert {d.type for d in dmap.values()} == {"cuda", "cpu"}  # some units on the device, the rest on the host
@@ -148,7 +149,7 @@ def test_direct_misses_equal_all_resident(sparsity, layout):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "0":
         pytest.skip("a CPU engine's Triton kernels need the interpreter (on a GPU: bench/gpu_engine_check.py)")
-    from localmoe.loader import attach_cache
+    from localmoe.models.loader import attach_cache
 
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=sparsity)
@@ -218,7 +219,7 @@ def test_cpu_misses_equal_all_resident(sparsity):
 
 def test_live_stats_carry_cache_figures_while_decoding():
     """The status bar's figures (hit rate, host→GPU bytes per token) update every few tokens, not only at the end."""
-    from localmoe.engine import LIVE_STATS_EVERY
+    from localmoe.engine.engine import LIVE_STATS_EVERY
 
     model = repo_id("qwen3_moe")
     e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))
@@ -281,14 +282,14 @@ def test_gate_tier_follows_calibration_routing():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "0":
         pytest.skip("a CPU engine's Triton kernels need the interpreter")
-    from localmoe import sparsity as sp
+    from localmoe.experts import thresholds
 
     model = repo_id("qwen3_moe")
     want = tokens(Engine.load(model, device="cpu", sparsity=0.5), n=8)
     e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, 3), offload_miss="direct")
     cache = e.loaded.cache
     assert 0 < cache.gate_slots < cache.num_experts * len(cache.masters)
-    table = sp.thresholds_for(e, 0.5)  # from the file written by the load's calibration
+    table = thresholds.thresholds_for(e, 0.5)  # from the file written by the load's calibration
     counts = table.meta["routing_counts"]
     assert sum(map(sum, counts)) > 0
     placed = {(layer, ex) for layer, t in cache.gate_tables.items() for ex, s in enumerate(t.tolist()) if s >= 0}
@@ -302,7 +303,7 @@ def test_gate_tier_follows_calibration_routing():
                 assert torch.equal(cache.pool.w_gate[s], cache.masters[layer].w_gate[ex])
     before = {k: int(cache.gate_tables[k[0]][k[1]]) for k in placed}
     copied = cache.copied_bytes
-    sp.apply(e.loaded, table, device=torch.device("cpu"))  # the same order again: nothing moves, nothing copied
+    thresholds.apply(e.loaded, table, device=torch.device("cpu"))  # the same order again: nothing moves, nothing copied
     assert {k: int(cache.gate_tables[k[0]][k[1]]) for k in placed} == before and cache.copied_bytes == copied
     assert tokens(e, n=8) == want
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import FAMILIES, repo_id
 
-from localmoe.cli import main
+from localmoe.cli.main import main
 
 PROMPT = "Tell me about sparse experts."
 N_NEW = 16

@@ -1,4 +1,5 @@
-"""Prompt reuse across a chat's turns (localmoe/prefix.py): the history the cache holds is not prefilled again, and
+"""Prompt reuse across a chat's turns (localmoe/decode/prefix.py): the history the cache holds is not prefilled again,
+and
 nothing a user sees changes: the same tokens as prefilling every prompt whole."""
 
 from __future__ import annotations
@@ -7,9 +8,9 @@ import pytest
 import torch
 from conftest import FAMILIES, repo_id
 
-from localmoe.engine import Engine
+from localmoe.decode.prefix import PromptReuse, prefill
+from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.prefix import PromptReuse, prefill
 
 GREEDY = GenerationSettings(max_new_tokens=8)
 

@@ -1,4 +1,5 @@
-"""4-bit routed experts (localmoe/quantize.py, `--experts int4`): the format's arithmetic, the experts module's paths
+"""4-bit routed experts (localmoe/experts/int4.py, `--experts int4`): the format's arithmetic, the experts module's
+paths
 on it (grouped GEMMs a span at a time, the loop, the sparse reference), and whole engines: int4 gives the same tokens
 as the model whose experts are the dequantized weights, with its own thresholds file. CPU; never a time.
 
@@ -13,13 +14,13 @@ import pytest
 import torch
 from conftest import repo_id
 
-from localmoe import experts as experts_mod
-from localmoe import sparsity as sp
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.experts import ExpertWeights, LocalExperts
-from localmoe.quantize import Int4Tensor, dequantize, group_for, quantize
+from localmoe.experts import local_experts as experts_mod
+from localmoe.experts import thresholds
+from localmoe.experts.int4 import Int4Tensor, dequantize, group_for, quantize
+from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 
 
 def test_group_size():
@@ -125,8 +126,8 @@ def test_engine_int4_equals_dequantized_model(family):
         got = [ev.token_id for ev in e4.generate(ids, s)]
         assert got == [ev.token_id for ev in ref.generate(ids, s)]
     rev = e4.resolved.revision
-    assert sp.cache_path(e4.model_name, rev, 0.5, experts="int4").is_file()
-    assert sp.cache_path(e4.model_name, rev, 0.5).is_file()
+    assert thresholds.cache_path(e4.model_name, rev, 0.5, experts="int4").is_file()
+    assert thresholds.cache_path(e4.model_name, rev, 0.5).is_file()
     assert e4.stats.sparsity_realized > 0.2
 
 
@@ -153,7 +154,7 @@ def test_int4_kernel_one_group_per_row(H, G):
 
 def _budget(model: str, slots: int) -> float:
     """--vram (GiB) that leaves exactly `slots` int4 expert slots."""
-    from localmoe.placement import WORKSPACE_RESERVE
+    from localmoe.experts.placement import WORKSPACE_RESERVE
 
     probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0, experts="int4").loaded.offload
     fixed = probe.non_expert_bytes + probe.state_bytes + WORKSPACE_RESERVE
@@ -201,8 +202,8 @@ def test_int4_offloaded_equals_resident(mode, slots):
 
 def test_int4_offload_notes_and_refusals(hub_cache):
     """A full-precision load that offloads where int4 would fit says so; int4 master copies are never mmapped."""
-    from localmoe.loader import int4_hint, load_model
-    from localmoe.placement import WORKSPACE_RESERVE, state_bytes
+    from localmoe.experts.placement import WORKSPACE_RESERVE, state_bytes
+    from localmoe.models.loader import int4_hint, load_model
 
     e4 = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0, experts="int4")
     non_expert = sum(p.numel() * 4 for p in e4.model.parameters())

@@ -17,10 +17,10 @@ import pytest
 import tiny_models
 from conftest import repo_id
 
-from localmoe.cli import main
-from localmoe.engine import Engine
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
+from localmoe.engine.reasoning import ReasoningSplitter, opens_reasoning, split
 from localmoe.events import GenerationSettings
-from localmoe.reasoning import ReasoningSplitter, opens_reasoning, split
 
 THINK = tiny_models.THINK_REPO
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from localmoe.registry import ModelSpec, load_registry, parse_registry
+from localmoe.models.registry import ModelSpec, load_registry, parse_registry
 
 REQUIRED = {
     "qwen3.5-35b": "Qwen/Qwen3.5-35B-A3B",
@@ -78,7 +78,7 @@ def test_support_follows_the_family_table(family, supported, reason):
 
 
 def test_shipped_registry_support_and_alternative():
-    from localmoe.registry import unsupported_model_error
+    from localmoe.models.registry import unsupported_model_error
 
     reg = load_registry()
     assert [a for a, s in reg.models.items() if s.unsupported] == ["gpt-oss-20b"]

@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import repo_id
 
-from localmoe.detokenize import StopStrings
-from localmoe.engine import Engine
+from localmoe.engine.detokenize import StopStrings
+from localmoe.engine.engine import Engine
+from localmoe.engine.sampling import Seen, generation_defaults, penalize, sample
 from localmoe.events import GenerationSettings
 from localmoe.kernels.argmax import argmax_next, argmax_next_ref
-from localmoe.sampling import Seen, generation_defaults, penalize, sample
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

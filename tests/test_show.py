@@ -16,7 +16,7 @@ import math
 import pytest
 from conftest import FAMILIES, repo_id
 
-from localmoe.cli import main
+from localmoe.cli.main import main
 
 
 def show(capsys, *argv):
@@ -38,7 +38,7 @@ def _checkpoint_params(folder, family) -> int:
     """Parameters of the checkpoint's text model, counted from its safetensors headers."""
     from safetensors import safe_open
 
-    from localmoe.families import family_for_model_type
+    from localmoe.models.families import family_for_model_type
 
     fam = family_for_model_type(family)
     total = 0
@@ -74,9 +74,9 @@ def test_show_each_family(hub_cache, src_dir, capsys, family):
 def test_byte_floor_is_the_bench_floor(hub_cache, capsys):
     """show's bytes per token (bf16) are the figure `bench` divides the copy bandwidth by, for the loaded model
     (float32 here: twice the bytes), and the engine's plan line carries the same."""
-    from localmoe.benchmark import step_bytes
-    from localmoe.engine import Engine
-    from localmoe.plan import engine_plan
+    from localmoe.engine.engine import Engine
+    from localmoe.engine.plan import engine_plan
+    from localmoe.measure.benchmark import step_bytes
 
     e = Engine.load(repo_id("olmoe"), device="cpu", dtype="float32", sparsity=0.0)
     code, out, _ = show(capsys, repo_id("olmoe"), "--json")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import repo_id
 
-from localmoe import sparsity as sp
-from localmoe.cli import main
-from localmoe.engine import Engine
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.experts import ExpertWeights, sparse_reference
+from localmoe.experts import thresholds
+from localmoe.experts.local_experts import ExpertWeights, sparse_reference
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "mixtral"])
@@ -67,8 +67,8 @@ def test_sparsity_zero_equals_dense_logits():
 
 def test_calibration_cache_and_staleness(tmp_path):
     engine = Engine.load(repo_id("olmoe"), device="cpu", sparsity=0.0)
-    table = sp.thresholds_for(engine, 0.7, tokens=600)
-    path = sp.cache_path(engine.model_name, engine.resolved.revision, 0.7)
+    table = thresholds.thresholds_for(engine, 0.7, tokens=600)
+    path = thresholds.cache_path(engine.model_name, engine.resolved.revision, 0.7)
     saved = json.loads(path.read_text())
     for key in ("model", "revision", "sparsity", "calibration_set", "calibration_sha256", "tokens", "localmoe_version"):
         assert key in saved
@@ -76,15 +76,15 @@ def test_calibration_cache_and_staleness(tmp_path):
     # reused as is
     saved["thresholds"] = [123.0] * len(table.taus)
     path.write_text(json.dumps(saved))
-    assert sp.thresholds_for(engine, 0.7, tokens=600).taus[0] == 123.0
+    assert thresholds.thresholds_for(engine, 0.7, tokens=600).taus[0] == 123.0
     # stale metadata (another localmoe version) is recomputed, never used
     saved["localmoe_version"] = "0.0.0"
     path.write_text(json.dumps(saved))
-    assert sp.thresholds_for(engine, 0.7, tokens=600).taus == table.taus
+    assert thresholds.thresholds_for(engine, 0.7, tokens=600).taus == table.taus
     # another calibration text is another key
     text = tmp_path / "cal.txt"
     text.write_text("Sparse experts skip most neurons. " * 40)
-    assert sp.thresholds_for(engine, 0.7, text=text, tokens=600).meta["calibration_set"] == "cal.txt"
+    assert thresholds.thresholds_for(engine, 0.7, text=text, tokens=600).meta["calibration_set"] == "cal.txt"
 
 
 def test_calibrate_command(capsys, tmp_path):

@@ -1,4 +1,4 @@
-"""Expert master copies as memory-mapped files (localmoe/store.py), the fallback when host RAM cannot hold them:
+"""Expert master copies as memory-mapped files (localmoe/experts/store.py), the fallback when host RAM cannot hold them:
 a tiny offloaded model decodes the all-resident tokens from them, a second load maps the files without rewriting
 them, and a stale, damaged or unfinished layer is rewritten (a table of cases). CPU; the real HF cache layout and XDG
 dirs of conftest."""
@@ -13,9 +13,9 @@ import pytest
 from conftest import repo_id
 from test_offload import budget_for, tokens
 
-from localmoe import placement, store
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
 from localmoe.errors import RuntimeFailure
+from localmoe.experts import placement, store
 
 
 def _bins(engine) -> dict:

@@ -3,7 +3,7 @@
 `ScriptedEngine` implements the ChatEngine protocol of localmoe.events without torch. The
 snapshot tests (tests/__snapshots__/test_tui/) fix the terminal size and the engine's figures
 so they render the same on any machine. `chat_exchange` is the hook for an end-to-end test
-against a real `localmoe.engine.Engine`.
+against a real `localmoe.engine.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ async def chat_exchange(
 ) -> tuple[str, EngineStats]:
     """E2E hook: send `prompt` to `engine` through the app; returns (reply text, engine stats).
 
-    Works with any ChatEngine, e.g. `localmoe.engine.Engine` on a tiny model.
+    Works with any ChatEngine, e.g. `localmoe.engine.engine.Engine` on a tiny model.
     """
     app = ChatApp(engine=engine, db_path=db_path)
     async with app.run_test(size=SIZE) as pilot:

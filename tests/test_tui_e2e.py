@@ -8,7 +8,7 @@ import asyncio
 from conftest import repo_id
 from test_tui import chat_exchange
 
-from localmoe.engine import Engine
+from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.tui.history import HistoryStore
 

@@ -257,9 +257,9 @@ class RepliesMixin:
         status = "error" if msg.error else "cancelled" if cancelled else "ok"
         text = msg.text if len(msg.text) >= len(reply.view.content) else reply.view.content
         thought = msg.reasoning if len(msg.reasoning) >= len(reply.view.reasoning) else reply.view.reasoning
-        await reply.view.finish(status, msg.error)
         reply.turn.content, reply.turn.reasoning, reply.turn.status, reply.turn.saved = text, thought, status, False
-        self._sync()
+        self._sync()  # saved before the view is touched: the app may be closing and the view going away
+        await reply.view.finish(status, msg.error)
         self.refresh_status()
         await self.dispatch_queue()
 

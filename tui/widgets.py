@@ -180,7 +180,9 @@ class MessageView(Vertical):
             tail += STATUS_MARKERS.get(status, f"*[{status}]*")
             if error:
                 tail += " `" + for_line(error).replace("`", "'") + "`"
-            await self.markdown.append(tail)
+            body = self.query("MessageView > Markdown")
+            if body:  # none when the app closes while the reply ends (its widgets are being removed)
+                await body.first(Markdown).append(tail)
 
 
 def short_model(model: str) -> str:

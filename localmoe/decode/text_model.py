@@ -1,5 +1,6 @@
 """Qwen3.5-MoE's text model (embedding -> decoder layers -> final norm) for the one-token cached decode step, with
-transformers' glue around the layers cut to 4 launches. Installed by `localmoe.fused`; every other call runs
+transformers' glue around the layers cut to 4 launches. Installed by `localmoe.decode.replacements`; every other call
+runs
 transformers' module.
 
 On the CUDA-graph decode step every decoder layer is localmoe's FusedDecoderLayer; what transformers' text model
@@ -39,7 +40,7 @@ import sys
 import torch
 from torch import nn
 
-from localmoe.fused_moe import FusedDecoderLayer
+from localmoe.decode.moe_layer import FusedDecoderLayer
 
 _CORES = ("sdpa", "localmoe_sdpa")  # attention implementations whose mask is transformers' boolean sdpa_mask
 _OUTPUT_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits")

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from localmoe import hub
 from localmoe.devices import vram_budget
+from localmoe.engine.sampling import generation_defaults
 from localmoe.errors import UsageError
-from localmoe.families import FAMILIES, family_for_model_type
-from localmoe.loader import build_skeleton, check_format, plan_offload, read_config, swap_experts
-from localmoe.placement import WORKSPACE_RESERVE, gate_tier_split, state_bytes
-from localmoe.quantize import expert_bytes
-from localmoe.quantize import expert_bytes as int4_bytes
-from localmoe.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
-from localmoe.sampling import generation_defaults
-from localmoe.shapes import shape_config
+from localmoe.experts.int4 import expert_bytes
+from localmoe.experts.int4 import expert_bytes as int4_bytes
+from localmoe.experts.placement import WORKSPACE_RESERVE, gate_tier_split, state_bytes
+from localmoe.models import hub
+from localmoe.models.families import FAMILIES, family_for_model_type
+from localmoe.models.loader import build_skeleton, check_format, plan_offload, read_config, swap_experts
+from localmoe.models.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
+from localmoe.models.shapes import shape_config
 
 GiB = 1 << 30
 

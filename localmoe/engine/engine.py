@@ -27,17 +27,18 @@ from pathlib import Path
 
 import torch
 
-from localmoe import hub, plan
-from localmoe.detokenize import Detokenizer, StopStrings
+from localmoe.decode.prefix import PromptReuse, prefill, render_chat, repeated_prefix, reply_prefix
 from localmoe.devices import pick_device, pick_dtype, vram_budget
+from localmoe.engine import plan
+from localmoe.engine.detokenize import Detokenizer, StopStrings
+from localmoe.engine.reasoning import CLOSE, OPEN, ReasoningSplitter, opens_reasoning
+from localmoe.engine.sampling import Seen, generation_defaults, make_generator, sample
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
-from localmoe.loader import LoadedModel, check_tokenizer, int4_hint, load_model, read_config
-from localmoe.prefix import PromptReuse, prefill, render_chat, repeated_prefix, reply_prefix
-from localmoe.reasoning import CLOSE, OPEN, ReasoningSplitter, opens_reasoning
-from localmoe.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
-from localmoe.sampling import Seen, generation_defaults, make_generator, sample
-from localmoe.shapes import shape_config
+from localmoe.models import hub
+from localmoe.models.loader import LoadedModel, check_tokenizer, int4_hint, load_model, read_config
+from localmoe.models.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
+from localmoe.models.shapes import shape_config
 
 LIVE_STATS_EVERY = 8  # tokens between live updates of realised sparsity / cache hit rate
 PIPELINE_DEPTH = 2  # CUDA decode steps in flight ahead of the host: the GPU never waits for Python between steps
@@ -207,8 +208,8 @@ class Engine:
     ) -> Engine:
         """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
         `random_weights.build_random`."""
-        from localmoe.random_weights import build_random
-        from localmoe.registry import load_registry
+        from localmoe.models.random_weights import build_random
+        from localmoe.models.registry import load_registry
 
         t0 = time.perf_counter()
         config = shape_config(shape)
@@ -321,15 +322,15 @@ class Engine:
             self._set_sparsity(sparsity, progress, calibration_text)
 
     def _set_sparsity(self, sparsity: float, progress: ProgressFn | None, calibration_text: str | None) -> None:
-        from localmoe import sparsity as sp
+        from localmoe.experts import thresholds
 
         if sparsity == 0.0:
-            sp.disable(self.loaded, device=self._device)
+            thresholds.disable(self.loaded, device=self._device)
         else:
-            table = sp.thresholds_for(
+            table = thresholds.thresholds_for(
                 self, sparsity, progress=progress, text=calibration_text, mode=self.threshold_mode
             )
-            sp.apply(self.loaded, table, device=self._device)
+            thresholds.apply(self.loaded, table, device=self._device)
         self.sparsity = sparsity
         self._drop_graph()  # captured against the old thresholds / path: capture again
         self._forget_prompt()
@@ -426,7 +427,7 @@ class Engine:
         self._graph = None
 
     def _graph_decoder(self):
-        from localmoe.graph import GraphDecoder, GraphUnavailable
+        from localmoe.decode.graph import GraphDecoder, GraphUnavailable
 
         if self._graph is None and self.use_graphs:
             try:
@@ -512,7 +513,7 @@ class Engine:
         stats.reused_prompt_tokens = reused
         stats.prefill_tok_s = (n_prompt - reused) / max(t1 - t0, 1e-9)  # tokens computed, not those reused
         if graph is not None and graph.graph is None:
-            from localmoe.graph import GraphUnavailable
+            from localmoe.decode.graph import GraphUnavailable
 
             try:
                 graph.capture(n_prompt)

@@ -16,7 +16,7 @@ import torch
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
 
-DEFAULT_TEXT = Path(__file__).with_name("data") / "heldout.txt"
+DEFAULT_TEXT = Path(__file__).parent.parent / "data" / "heldout.txt"
 QUALITY_BAR = 0.05  # largest sparsity whose perplexity stays within 5% of dense
 
 

@@ -22,8 +22,9 @@ import torch
 
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
-from localmoe.experts import ExpertWeights, LocalExperts
-from localmoe.families import (
+from localmoe.experts.int4 import Int4Tensor
+from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+from localmoe.models.families import (
     EXPERT_COUNT_KEYS,
     EXPERT_WIDTH_KEYS,
     FAMILIES,
@@ -33,7 +34,6 @@ from localmoe.families import (
     family_for_model_type,
     supported_families,
 )
-from localmoe.quantize import Int4Tensor
 from localmoe.safe_text import for_line
 
 
@@ -43,8 +43,8 @@ class LoadedModel:
     config: object  # the text config
     family: FamilySpec
     experts: list[LocalExperts]  # one per MoE layer, in layer order
-    offload: object = None  # localmoe.placement.OffloadPlan when a VRAM budget was given
-    cache: object = None  # localmoe.offload.ExpertCache when experts are offloaded
+    offload: object = None  # localmoe.experts.placement.OffloadPlan when a VRAM budget was given
+    cache: object = None  # localmoe.experts.cache.ExpertCache when experts are offloaded
     host_pinned: bool = False  # expert master copies in pinned host memory
     host_storage: str = ""  # where offloaded experts' master copies live: pinned, pageable or mmap (files)
 
@@ -249,8 +249,8 @@ def plan_offload(
     model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None, fmt: str = "full"
 ):
     """The VRAM plan for `vram_bytes`, with experts of format `fmt` ("full" or "int4")."""
-    from localmoe import placement
-    from localmoe.quantize import expert_bytes as int4_expert_bytes
+    from localmoe.experts import placement
+    from localmoe.experts.int4 import expert_bytes as int4_expert_bytes
 
     el = torch.finfo(dtype).bits // 8
     non_expert = sum(p.numel() * el for p in model.parameters())
@@ -282,8 +282,8 @@ def plan_offload(
 
 def int4_hint(loaded: LoadedModel) -> str | None:
     """For offloaded full-precision experts that would all fit the budget in 4 bits: the notice naming the flag."""
-    from localmoe.placement import WORKSPACE_RESERVE
-    from localmoe.quantize import expert_bytes
+    from localmoe.experts.int4 import expert_bytes
+    from localmoe.experts.placement import WORKSPACE_RESERVE
 
     plan, m = loaded.offload, loaded.experts[0]
     if plan is None or not plan.offloading or m.weights.int4:
@@ -358,7 +358,8 @@ def load_model(
     experts_format: str = "full",
 ) -> LoadedModel:
     """Build the model from the checkpoint at `path`. Offloaded experts' master copies go to pinned host memory, or
-    with `host_storage` "mmap" (or "auto" when the RAM cannot hold them) to memory-mapped files (`localmoe.store`,
+    with `host_storage` "mmap" (or "auto" when the RAM cannot hold them) to memory-mapped files
+    (`localmoe.experts.store`,
     keyed by `store_key` = (model name, revision)) that later loads map without reading the checkpoint.
     `experts_format` "int4": each layer's routed experts are quantized on the device as they load."""
     from accelerate.utils import set_module_tensor_to_device
@@ -495,7 +496,7 @@ HOST_STORAGE = ("auto", "pinned", "mmap")
 
 
 def check_format(experts_format: str) -> None:
-    from localmoe.quantize import EXPERT_FORMATS
+    from localmoe.experts.int4 import EXPERT_FORMATS
 
     if experts_format not in EXPERT_FORMATS:
         raise UsageError(f"--experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts_format!r}")
@@ -506,8 +507,8 @@ def _expert_files(host: bool, storage: str, budget, key: tuple[str, str], files:
     None for host memory."""
     if not host or storage == "pinned":
         return None
-    from localmoe import store
-    from localmoe.placement import total_ram
+    from localmoe.experts import store
+    from localmoe.experts.placement import total_ram
 
     need = budget.total_experts * budget.expert_bytes
     if storage == "auto" and not store.needs_files(need, total_ram()):
@@ -523,12 +524,13 @@ def _expert_files(host: bool, storage: str, budget, key: tuple[str, str], files:
 
 
 def install_fused(model, device: torch.device) -> None:
-    """localmoe's fused decode modules (localmoe.fused: RMSNorm, Gated DeltaNet step, router + shared expert) replace
+    """localmoe's fused decode modules (localmoe.decode.replacements: RMSNorm, Gated DeltaNet step, router + shared
+    expert) replace
     transformers' on CUDA (default; `--no-fused` opts out); after loading, since loading puts new Parameter objects
     on them."""
-    from localmoe import fused
+    from localmoe.decode import replacements
 
-    fused.install(model, device)
+    replacements.install(model, device)
 
 
 def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto", gate_tier: bool = True) -> None:
@@ -536,7 +538,8 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     before). Miss mode "auto": direct reads from pinned host memory on CUDA (the fastest measured), else
     copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first
     (`placement.gate_tier_split`)."""
-    from localmoe import offload, placement
+    from localmoe.experts import cache as offload
+    from localmoe.experts import placement
 
     if miss == "auto":
         miss = "direct" if torch.device(device).type == "cuda" and pinned else "copy"
@@ -581,7 +584,7 @@ def _load_layer_experts(
     if into is not None:  # given storage (the memory-mapped files)
         w = into
     elif host:  # offloaded: the master copies live in host memory, pinned when possible
-        from localmoe.placement import host_allocator
+        from localmoe.experts.placement import host_allocator
 
         alloc = host_allocator(pinned)
         w = ExpertWeights(*(alloc(shape, dtype) for _ in range(3)))
@@ -668,7 +671,7 @@ def _int4_storage(shape, dtype, device, host: bool, pinned: list) -> Int4Tensor:
     """An empty int4 stack [E, I, H] on the device, or offloaded in host memory (pinned while pinning works)."""
     if not host:
         return Int4Tensor.empty(shape, dtype, device)
-    from localmoe.placement import host_allocator
+    from localmoe.experts.placement import host_allocator
 
     return Int4Tensor.empty(shape, dtype, "cpu", alloc=host_allocator(pinned))
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
-from localmoe.families import family_for_model_type, supported_families
-from localmoe.registry import ModelSpec, Registry, load_registry, unknown_model_error, unsupported_model_error
-from localmoe.shapes import SHAPES
+from localmoe.models.families import family_for_model_type, supported_families
+from localmoe.models.registry import ModelSpec, Registry, load_registry, unknown_model_error, unsupported_model_error
+from localmoe.models.shapes import SHAPES
 
 # What a checkpoint folder needs; never pickle weights (*.bin, *.pt) and never remote code (*.py).
 ALLOW_PATTERNS = [
@@ -203,7 +203,7 @@ def complete_snapshot(folder: Path) -> bool:
         return False
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        from localmoe.loader import _plain_shard_name
+        from localmoe.models.loader import _plain_shard_name
 
         try:
             names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())

@@ -1,6 +1,7 @@
 """Qwen3.5's Gated DeltaNet for a cached one-token decode step: one GEMV for its four input projections (their
 weights share one buffer), one Triton launch (`kernels/delta_rule_step.py`: conv update, gates, l2norm, delta rule,
-gated RMSNorm), then out_proj. Prefill and uncached calls run transformers' module. Installed by `localmoe.fused`.
+gated RMSNorm), then out_proj. Prefill and uncached calls run transformers' module. Installed by
+`localmoe.decode.replacements`.
 
 Shape legend: B batch, T tokens, H hidden, C conv channels, H_v value heads, d_v value head dim.
 """
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localmoe.decode_ops import concat_rows, linear_1, one_row, takes_norm, tuned
+from localmoe.decode.ops import concat_rows, linear_1, one_row, takes_norm, tuned
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
 
 

@@ -2,7 +2,7 @@
 weights share one buffer), one Triton launch for the per-head q/k RMSNorm + partial RoPE + output-gate
 de-interleave (`kernels/qk_norm_rope.py`), then transformers' own cache update and attention core (localmoe_sdpa's
 decode kernel), the sigmoid gate and o_proj. Prefill and every other call run transformers' module. Installed by
-`localmoe.fused`.
+`localmoe.decode.replacements`.
 
 Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter): transformers'
 module with localmoe's GEMV and RMSNorm children 28 — q/k/v projections 3, the gate's copy 1, norms 2, RoPE 12
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from localmoe import attention
-from localmoe.decode_ops import FusedRMSNorm, concat_rows, linear_1, one_row, takes_norm
+from localmoe.decode import sdpa
+from localmoe.decode.ops import FusedRMSNorm, concat_rows, linear_1, one_row, takes_norm
 from localmoe.kernels.qk_norm_rope import qk_norm_rope
 
 _NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred"}  # transformers' q/k norm class -> qk_norm_rope's kind
@@ -165,8 +165,8 @@ class FusedAttention(nn.Module):
                 key, value = cache.update(key, value, self.layer_idx)
         query = q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D], as transformers' query_states
         impl = self.config._attn_implementation
-        if impl == attention.NAME and attention.takes(query, key, value, attention_mask, 0.0, kwargs):
-            out = attention.decode(query, key, value, attention_mask, self.scaling, gate=gate.view(Hq, D))
+        if impl == sdpa.NAME and sdpa.takes(query, key, value, attention_mask, 0.0, kwargs):
+            out = sdpa.decode(query, key, value, attention_mask, self.scaling, gate=gate.view(Hq, D))
             return self.o_proj(out.reshape(*input_shape, -1)), None  # the gate applied in the core's launch
         core = ALL_ATTENTION_FUNCTIONS[impl]
         out, weights = core(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)

@@ -557,7 +557,7 @@ def _settings(args, engine=None):
 
 
 def _load_engine(args, progress=None, model: str | None = None):
-    from localmoe.engine import Engine
+    from localmoe.engine.engine import Engine
 
     quiet = progress is not None or getattr(args, "quiet", False)
     bar = progress or _stderr_progress()
@@ -653,7 +653,7 @@ class _ReasoningOut:
     BAR = "\u2502 "
 
     def __init__(self):
-        from localmoe.detokenize import TerminalStream
+        from localmoe.engine.detokenize import TerminalStream
 
         self.tty = _isatty(sys.stderr)
         self.screen = TerminalStream() if self.tty else None
@@ -695,7 +695,7 @@ class _ReasoningOut:
 
 
 def cmd_run(args) -> int:
-    from localmoe.detokenize import TerminalStream
+    from localmoe.engine.detokenize import TerminalStream
 
     system = _system_prompt(args)
     if args.raw and args.think is not None:
@@ -815,7 +815,7 @@ def _stats_line(stats, engine) -> str:
 
 
 def cmd_show(args) -> int:
-    from localmoe import plan
+    from localmoe.engine import plan
 
     result = plan.show(args.model, vram_gib=args.vram, experts_format=args.experts, context=args.context)
     if args.json:
@@ -826,8 +826,8 @@ def cmd_show(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from localmoe.hub import is_downloaded
-    from localmoe.registry import load_registry
+    from localmoe.models.hub import is_downloaded
+    from localmoe.models.registry import load_registry
 
     reg = load_registry()
     specs = list(reg.models.values())
@@ -875,7 +875,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from localmoe import hub
+    from localmoe.models import hub
 
     resolved = hub.resolve(args.model, download_missing=True, pulling=True)
     print(for_line(f"{resolved.name}: {resolved.path}"))
@@ -883,8 +883,8 @@ def cmd_pull(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from localmoe import sparsity as sp
-    from localmoe.engine import Engine
+    from localmoe.engine.engine import Engine
+    from localmoe.experts import thresholds
 
     if args.sparsity == 0.0:
         raise UsageError("--sparsity 0 is the dense path and needs no calibration")
@@ -905,12 +905,12 @@ def cmd_calibrate(args) -> int:
         on_notice=notice,
         show_plan=False,
     )
-    table = sp.thresholds_for(
+    table = thresholds.thresholds_for(
         engine,
         args.sparsity,
         progress=bar,
         text=args.text,
-        tokens=args.tokens or sp.DEFAULT_TOKENS,
+        tokens=args.tokens or thresholds.DEFAULT_TOKENS,
         force=True,
         mode=args.threshold_mode,
     )
@@ -932,7 +932,7 @@ def cmd_calibrate(args) -> int:
 
 def _refuse_unsupported(model: str) -> None:
     """A registry model (alias or repo id) localmoe cannot run: refused before anything loads or downloads."""
-    from localmoe.registry import load_registry, unsupported_model_error
+    from localmoe.models.registry import load_registry, unsupported_model_error
 
     reg = load_registry()
     spec = reg.get(model.strip()) or reg.by_repo(model.strip())
@@ -941,7 +941,7 @@ def _refuse_unsupported(model: str) -> None:
 
 
 def cmd_chat(args) -> int:
-    from localmoe.registry import load_registry
+    from localmoe.models.registry import load_registry
 
     model = args.model or load_registry().default
     if not model:
@@ -975,7 +975,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from localmoe.engine import Engine
+    from localmoe.engine.engine import Engine
 
     if not args.tasks:
         _text_file(args.text, "--text")
@@ -989,7 +989,7 @@ def cmd_eval(args) -> int:
     )
     engine.threshold_mode = args.threshold_mode
     if args.tasks:
-        from localmoe.harness import run_tasks
+        from localmoe.measure.harness import run_tasks
 
         results = run_tasks(
             engine,
@@ -1001,7 +1001,7 @@ def cmd_eval(args) -> int:
         )
         print(json.dumps(results) if args.json else for_terminal(results["table"]))
         return 0
-    from localmoe.evaluate import evaluate
+    from localmoe.measure.evaluate import evaluate
 
     report = evaluate(
         engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window, progress=_stderr_progress()
@@ -1011,7 +1011,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from localmoe.benchmark import bench, table
+    from localmoe.measure.benchmark import bench, table
 
     if not args.model and not args.shape:
         raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from localmoe.errors import RuntimeFailure, UsageError
-from localmoe.experts import ExpertWeights, LocalExperts
-from localmoe.families import family_for_model_type, supported_families
-from localmoe.loader import (
+from localmoe.experts.int4 import Int4Tensor, quantize
+from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+from localmoe.models.families import family_for_model_type, supported_families
+from localmoe.models.loader import (
     LoadedModel,
     attach_cache,
     build_skeleton,
@@ -26,7 +27,6 @@ from localmoe.loader import (
     plan_offload,
     swap_experts,
 )
-from localmoe.quantize import Int4Tensor, quantize
 
 
 def param_owners(model) -> dict[str, str]:
@@ -84,7 +84,7 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
 
 def _host_copy(t, pinned: list):
     """A master copy of t (a tensor or an Int4Tensor) in host memory, pinned while pinning works."""
-    from localmoe.placement import host_allocator
+    from localmoe.experts.placement import host_allocator
 
     alloc = host_allocator(pinned)
     if isinstance(t, Int4Tensor):

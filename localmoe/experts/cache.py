@@ -1,4 +1,4 @@
-"""The GPU expert cache in front of the experts' host master copies (the plan it fills: `localmoe.placement`).
+"""The GPU expert cache in front of the experts' host master copies (the plan it fills: `localmoe.experts.placement`).
 
 The cache is shared by all layers. Each layer has slot tables on the device (expert → slot, -1 when absent), so
 the compute kernels read the pool through them inside a CUDA graph. Up/down (or whole-expert) slots are
@@ -14,7 +14,8 @@ Qwen3.5-35B shapes; copy 8.5 and cpu 5.2 against direct's 29.7 in session 2):
 - "cpu": absent experts are computed on the CPU from the host copies (only x and y cross PCIe) while hits run on
   the GPU; misses are admitted after each step as in "direct".
 Every way the outputs equal the all-resident model (up to float rounding where the CPU computes).
-int4 experts (`--experts int4`): slots and master copies are Int4Tensors (localmoe/quantize.py), copied part by part;
+int4 experts (`--experts int4`): slots and master copies are Int4Tensors (localmoe/experts/int4.py), copied part by
+part;
 a row's bytes (`row_bytes`) include its scales.
 
 Shapes: E = experts per layer, I = expert width, H = hidden, S = cache slots.
@@ -27,9 +28,9 @@ from collections import OrderedDict
 import torch
 
 from localmoe.errors import UsageError
-from localmoe.experts import ExpertWeights
-from localmoe.quantize import Int4Tensor, copy_expert
-from localmoe.quantize import row_bytes as int4_row_bytes
+from localmoe.experts.int4 import Int4Tensor, copy_expert
+from localmoe.experts.int4 import row_bytes as int4_row_bytes
+from localmoe.experts.local_experts import ExpertWeights
 
 MISS_MODES = ("copy", "direct", "cpu")
 ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (bounds the copy time per token)

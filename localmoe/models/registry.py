@@ -17,11 +17,11 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from localmoe.errors import UsageError
-from localmoe.families import family_for_model_type, supported_families
+from localmoe.models.families import family_for_model_type, supported_families
 
-REGISTRY_PATH = Path(__file__).with_name("models.toml")
+REGISTRY_PATH = Path(__file__).parent.parent / "models.toml"
 PACKAGE_PREFIX = "package:"
-ASSETS_DIR = Path(__file__).with_name("assets")
+ASSETS_DIR = Path(__file__).parent.parent / "assets"
 
 UNKNOWN_MODEL_SPARSITY = 0.5  # default sparsity of a model the registry does not list
 DEFAULT_CONTEXT = 8192  # prompt + reply tokens, when the model allows that many

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from localmoe.quantize import Int4Tensor, quantize
+from localmoe.experts.int4 import Int4Tensor, quantize
 
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -38,7 +38,7 @@ DEQUANT_BYTES = 256 << 20  # int4 experts' dense path: dequantized weights per s
 @dataclass
 class ExpertWeights:
     """One MoE layer's routed experts; every tensor [E, I, H], a neuron's weights contiguous in each. With
-    `--experts int4` each is an `Int4Tensor` (localmoe/quantize.py): indexing it dequantizes."""
+    `--experts int4` each is an `Int4Tensor` (localmoe/experts/int4.py): indexing it dequantizes."""
 
     w_gate: torch.Tensor | Int4Tensor
     w_up: torch.Tensor | Int4Tensor
@@ -138,7 +138,7 @@ class LocalExperts(nn.Module):
         self.hidden_act = hidden_act
         self.act_fn = ACT2FN[hidden_act]
         self.weights: ExpertWeights | None = None  # all experts (resident), or the host master copies when offloaded
-        self.cache = None  # localmoe.offload.ExpertCache when experts are offloaded
+        self.cache = None  # localmoe.experts.cache.ExpertCache when experts are offloaded
         self.last_routing = None  # direct/cpu-miss modes: what the last decode call routed to (for the cache)
         self._zero_tau: torch.Tensor | None = None
         # sparse path state, set by the engine / sparsity module

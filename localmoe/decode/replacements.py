@@ -55,7 +55,7 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                more tokens (prefill) run the original block
 
 Besides the table, `install` switches models on transformers' "sdpa" attention to localmoe's "localmoe_sdpa"
-(localmoe/attention.py: one-token decode attention whose time follows the tokens so far), registered through
+(localmoe/decode/sdpa.py: one-token decode attention whose time follows the tokens so far), registered through
 transformers' AttentionInterface; it reports it as "sdpa attention" and `exclude` takes that name too.
 
 The MoE block replacement keeps the block's children (`gate`, `experts`, `shared_expert`, `shared_expert_gate`) as
@@ -74,12 +74,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from localmoe import attention
-from localmoe.decode_ops import FusedLinear, FusedRMSNorm
-from localmoe.fused_attention import FusedAttention
-from localmoe.fused_deltanet import FusedGatedDeltaNet
-from localmoe.fused_model import FusedTextModel
-from localmoe.fused_moe import FusedDecoderLayer, FusedSparseMoeBlock
+from localmoe.decode import sdpa
+from localmoe.decode.attention import FusedAttention
+from localmoe.decode.deltanet import FusedGatedDeltaNet
+from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock
+from localmoe.decode.ops import FusedLinear, FusedRMSNorm
+from localmoe.decode.text_model import FusedTextModel
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ REPLACEMENTS: dict[str, Replacement] = {
     "DeepseekV2RMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "GraniteMoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
 }
-ATTENTION = "sdpa attention"  # `install`'s name for the attention core switch (localmoe.attention), not a class
+ATTENTION = "sdpa attention"  # `install`'s name for the attention core switch (localmoe.decode.sdpa), not a class
 _FUSED_TYPES = (
     FusedRMSNorm,
     FusedGatedDeltaNet,
@@ -162,14 +162,14 @@ def install(
             continue
         _set_child(model, name, rep.make(module))
         done[cls] = done.get(cls, 0) + 1
-    if ATTENTION not in exclude and attention.install(model):  # the attention core, by implementation name
+    if ATTENTION not in exclude and sdpa.install(model):  # the attention core, by implementation name
         done[ATTENTION] = 1
     return done
 
 
 def uninstall(model: nn.Module) -> int:
     """Put the original transformers modules back; returns how many were restored."""
-    n = int(attention.uninstall(model))
+    n = int(sdpa.uninstall(model))
     for name, module in list(model.named_modules()):
         if isinstance(module, _FUSED_TYPES) and name:
             _set_child(model, name, module._hf)

@@ -1,7 +1,7 @@
 """MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
 expert; or, from a Qwen3.5 decoder layer, `moe_front` with the shared expert + the experts' `sparse_fused` with the
 residual add in its tail) and Qwen3.5's decoder layer, whose norms and residual adds ride in
-neighbouring kernels. Installed by `localmoe.fused`; prefill and other calls run transformers' modules.
+neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill and other calls run transformers' modules.
 
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
 """
@@ -13,9 +13,9 @@ import inspect
 import torch
 from torch import nn
 
-from localmoe.decode_ops import FusedLinear, FusedRMSNorm, tuned
-from localmoe.fused_attention import FusedAttention
-from localmoe.fused_deltanet import FusedGatedDeltaNet
+from localmoe.decode.attention import FusedAttention
+from localmoe.decode.deltanet import FusedGatedDeltaNet
+from localmoe.decode.ops import FusedLinear, FusedRMSNorm, tuned
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
 from localmoe.kernels.router_topk import router_topk

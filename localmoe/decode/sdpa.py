@@ -67,8 +67,8 @@ def localmoe_attention(
 @torch.compiler.disable
 def decode(query, key, value, attention_mask, scaling, gate=None):
     """The one-token call `takes` accepted -> out [1, 1, Hq, Dv]; with `gate` [Hq, Dv] (Qwen3.5's output gate) the
-    result is out · sigmoid(gate), in the same launches (localmoe.fused_attention)."""
-    from localmoe.decode_ops import tuned
+    result is out · sigmoid(gate), in the same launches (localmoe.decode.attention)."""
+    from localmoe.decode.ops import tuned
     from localmoe.kernels.decode_attention import decode_attention
 
     global decode_calls

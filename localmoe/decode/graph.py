@@ -28,7 +28,7 @@ import gc
 
 import torch
 
-from localmoe.prefix import PromptReuse, prefill
+from localmoe.decode.prefix import PromptReuse, prefill
 
 RING = 8  # greedy tokens kept on the device and the host: more than the steps the engine launches ahead
 

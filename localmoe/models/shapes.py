@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 from localmoe.errors import UsageError
-from localmoe.families import family_for_model_type, supported_families
+from localmoe.models.families import family_for_model_type, supported_families
 
-SHAPES = Path(__file__).with_name("data") / "shapes.json"
+SHAPES = Path(__file__).parent.parent / "data" / "shapes.json"
 
 
 def shape_config(alias: str):

@@ -10,6 +10,9 @@ per expert, routing counts of the model's shape); anything else is recomputed an
 memory for the run, with a notice. The default calibration text ships with the package (works offline). The
 same pass counts the tokens routed to each expert (`routing_counts`, kept in the file): an expert cache whose gate
 tier cannot hold every gate gives its slots to the most-routed experts' gates (`apply`).
+
+A `loaded` argument is the loader's LoadedModel, read through `.model`, `.config`, `.experts` and `.cache` only:
+this module sits below the loader and does not import it.
 """
 
 from __future__ import annotations
@@ -29,12 +32,11 @@ import torch
 from localmoe import __version__
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
-from localmoe.experts import GateRecorder
-from localmoe.loader import LoadedModel
+from localmoe.experts.local_experts import GateRecorder
 from localmoe.paths import cache_root, slug
 from localmoe.safe_text import for_line
 
-DEFAULT_TEXT = Path(__file__).with_name("data") / "calibration.txt"
+DEFAULT_TEXT = Path(__file__).parent.parent / "data" / "calibration.txt"
 DEFAULT_TOKENS = 4096
 CHUNK = 512  # tokens per calibration forward
 
@@ -362,7 +364,7 @@ def calibrate_ids(
     return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids), "routing_counts": counts})
 
 
-def crossover_tokens(loaded: LoadedModel, device: torch.device) -> int:
+def crossover_tokens(loaded, device: torch.device) -> int:
     """Largest token count that takes the sparse path (measured per GPU and shape; 1 on CPU)."""
     if device.type != "cuda":
         return 1
@@ -378,7 +380,7 @@ def crossover_tokens(loaded: LoadedModel, device: torch.device) -> int:
 MAX_SPARSE_PIECE = 512  # offloaded prefill pieces past this take the dense path whatever the bytes say (s10c)
 
 
-def sparse_token_limit(loaded: LoadedModel, device: torch.device, sparsity: float = 0.0) -> int:
+def sparse_token_limit(loaded, device: torch.device, sparsity: float = 0.0) -> int:
     """The longest call that takes the sparse path: the measured crossover; offloaded with copied misses, capped so
     one call's experts fit the cache; offloaded with direct misses (on CUDA), where the dense path copies nearly
     every absent expert in for any piece of a prompt, as long as the sparse path reads fewer host bytes (a chat
@@ -393,7 +395,7 @@ def sparse_token_limit(loaded: LoadedModel, device: torch.device, sparsity: floa
     return limit
 
 
-def gate_order(loaded: LoadedModel, counts) -> list[tuple[int, int]] | None:
+def gate_order(loaded, counts) -> list[tuple[int, int]] | None:
     """(layer, expert) pairs, most routed first in calibration (`routing_counts`: per MoE module, tokens per
     expert), for the expert cache's gate tier; ties keep every layer's share even. None when counts do not fit."""
     if not isinstance(counts, list) or len(counts) != len(loaded.experts):
@@ -406,7 +408,7 @@ def gate_order(loaded: LoadedModel, counts) -> list[tuple[int, int]] | None:
     return [(layer, e) for _, e, layer in sorted(ranked)]
 
 
-def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -> None:
+def apply(loaded, table: ThresholdTable, *, device: torch.device) -> None:
     """Thresholds into the experts modules; with an expert cache whose gate tier cannot hold every gate, the gates
     the calibration text routed to most take its slots."""
     cache = loaded.cache
@@ -425,7 +427,7 @@ def apply(loaded: LoadedModel, table: ThresholdTable, *, device: torch.device) -
         m.sparse_enabled = True
 
 
-def disable(loaded: LoadedModel, *, device: torch.device) -> None:
+def disable(loaded, *, device: torch.device) -> None:
     limit = sparse_token_limit(loaded, device)
     for m in loaded.experts:
         m.sparse_enabled = False

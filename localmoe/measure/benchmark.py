@@ -21,7 +21,7 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.random_weights import param_owners, random_value
+from localmoe.models.random_weights import param_owners, random_value
 
 
 @dataclass
@@ -63,7 +63,7 @@ def step_bytes(engine, sparsity: float) -> float:
     """Bytes one decode step must read: every non-expert weight except the embedding table (one row; all of it when
     lm_head shares it), plus the k routed experts' gate rows (dense) and their kept up/down rows per MoE layer
     (plan.step_floor, as `localmoe show` reports it)."""
-    from localmoe import plan
+    from localmoe.engine import plan
 
     f = plan.facts(engine.model, engine.loaded.config, engine.loaded.experts)
     m = engine.loaded.experts[0]
@@ -235,7 +235,7 @@ def bench(
     repetition_penalty: float | None = None,
 ) -> dict:
     from localmoe.devices import pick_device, pick_dtype
-    from localmoe.engine import Engine
+    from localmoe.engine.engine import Engine
 
     if routing != "uniform" and not shape:
         raise UsageError("--routing needs --shape: it sets random weights' routers; a real model routes as trained")

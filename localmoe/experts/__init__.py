@@ -1,0 +1,7 @@
+"""Experts: localmoe's experts module (`LocalExperts`, the dense and sparse paths), sparsity thresholds and their
+calibration cache (`thresholds`), where experts live (`placement`: VRAM budget, slots), the GPU expert cache for
+offloaded experts (`cache`), host copies (`store`: pinned, pageable or memory-mapped files) and the int4 format at
+the app level (`int4`; the format itself is in kernels/int4.py).
+
+May import kernels/ and the leaf modules; never models/, decode/ or anything above.
+"""
