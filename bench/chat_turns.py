@@ -29,8 +29,6 @@ import torch  # noqa: E402
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 
-FAMILIES = ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "granitemoe"]
-
 
 def chat3(e):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a mixture of experts?"}]
@@ -50,7 +48,7 @@ def tiny():
     import tiny_models
 
     print("family        graph  tokens equal  reused per turn (with) / (without)")
-    for fam in FAMILIES:
+    for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"
         try:
             folder = tiny_models.save_checkpoint(fam, root / "src" / fam)

@@ -24,7 +24,7 @@ from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 
 rows = []
-for fam in ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "granitemoe"]:
+for fam in tiny_models.SUPPORTED:
     repo = f"{tiny_models.ORG}/tiny-{fam}"
     try:
         folder = tiny_models.save_checkpoint(fam, root / "src" / fam)

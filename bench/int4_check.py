@@ -36,7 +36,7 @@ def tokens(e, ids, s):
 
 def tiny() -> None:
     rows = []
-    for fam in ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "granitemoe"]:
+    for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"
         try:
             folder = tiny_models.save_checkpoint(fam, root / "src" / fam)

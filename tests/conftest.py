@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import tiny_models  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
 
-FAMILIES = ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral", "deepseek_v2", "granitemoe"]
+FAMILIES = tiny_models.SUPPORTED  # every family localmoe runs (localmoe.models.families.FAMILIES), by key
 
 
 def repo_id(family: str) -> str:
@@ -35,7 +35,7 @@ def hub_cache() -> Path:
     `localmoe-test/tiny-think` (tiny_models.THINK_REPO: a thinking chat template, a scripted reply)."""
     cache = Path(os.environ["HF_HUB_CACHE"])
     src = _ROOT / "src"
-    for fam in FAMILIES + ["gpt_oss", "qwen3_dense"]:
+    for fam in tiny_models.BUILT + ["qwen3_dense"]:  # GPT-OSS and a dense model too: their refusals are tested
         folder = tiny_models.save_checkpoint(fam, src / fam)
         tiny_models.place_in_hf_cache(folder, cache, repo_id(fam))
     sharded = tiny_models.save_checkpoint("qwen3_moe", src / "sharded", max_shard_size="20KB")

@@ -1,9 +1,11 @@
-"""Tiny random-weight MoE checkpoints of several families, saved the way real checkpoints are stored.
+"""Tiny random-weight MoE checkpoints of every family, saved the way real checkpoints are stored.
 
-Each model is built from its transformers config class, saved with `save_pretrained` (Qwen3.5 as the hub's
-multimodal checkpoint with fused experts: `save_original_format=False`; the others in their original per-expert
-or Granite/Mixtral layouts), given a character-level tokenizer with a ChatML chat template, and placed in a real
-Hugging Face cache layout (blobs + snapshots + refs) under `org/name` so it loads with HF_HUB_OFFLINE=1.
+Each family's tiny model is described in its module (localmoe/models/families/<family>.py: `SPEC.tiny`); this
+module adds the sizes they all share and the tokenizers. Each model is built from its transformers config, saved
+with `save_pretrained` (Qwen3.5 as the hub's multimodal checkpoint with fused experts: `save_original_format=False`;
+the others in their original per-expert or Granite/Mixtral layouts), given a character-level tokenizer with a ChatML
+chat template, and placed in a real Hugging Face cache layout (blobs + snapshots + refs) under `org/name` so it loads
+with HF_HUB_OFFLINE=1.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import shutil
 import string
 from pathlib import Path
 
+from localmoe.models.families import FAMILIES, FamilySpec
+
 ORG = "localmoe-test"
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -22,6 +26,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 VOCAB = 128
+
+# The families the tests build a tiny checkpoint of, by key (`qwen3_moe`), in the table's order: every family with a
+# tiny model (GPT-OSS included: its refusal is tested), and those localmoe runs.
+BUILT = [s.key for s in FAMILIES.values() if s.tiny is not None]
+SUPPORTED = [s.key for s in FAMILIES.values() if s.tiny is not None and not s.unsupported]
 
 
 def char_tokenizer():
@@ -61,85 +70,31 @@ def _common(**kw):
     return base
 
 
+def spec(family: str) -> FamilySpec:
+    """The FamilySpec of a family key (`qwen3_moe`)."""
+    return next(s for s in FAMILIES.values() if s.key == family)
+
+
 def build(family: str):
-    """(model, save kwargs) for a family name."""
+    """(model, save kwargs) for a family key: the family module's tiny model (`FamilySpec.tiny`) with the sizes all
+    share (`_common`), or `qwen3_dense`, a dense Qwen3 (not an MoE: every command must refuse it)."""
     import torch
     import transformers as tf
 
     torch.manual_seed(1234)
-    if family == "qwen3_5_moe":
-        text = _common(
-            head_dim=8,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=16,
-            num_experts=8,
-            num_experts_per_tok=2,
-            num_hidden_layers=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        )
-        vision = dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=32,
-            patch_size=4,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-        )
-        cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-        model = tf.Qwen3_5MoeForConditionalGeneration(cfg)
-        return model, {"save_original_format": False}
-    if family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(
-            **_common(
-                head_dim=8,
-                moe_intermediate_size=16,
-                num_experts=8,
-                num_experts_per_tok=2,
-                intermediate_size=48,
-                norm_topk_prob=True,
-            )
-        )
-    elif family == "olmoe":
-        cfg = tf.OlmoeConfig(**_common(intermediate_size=16, num_experts=8, num_experts_per_tok=2))
-    elif family == "mixtral":
-        cfg = tf.MixtralConfig(**_common(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2))
-    elif family == "deepseek_v2":
-        cfg = tf.DeepseekV2Config(
-            **_common(
-                intermediate_size=48,
-                moe_intermediate_size=16,
-                n_routed_experts=8,
-                num_experts_per_tok=2,
-                n_shared_experts=1,
-                first_k_dense_replace=1,
-                kv_lora_rank=16,
-                q_lora_rank=None,
-                qk_rope_head_dim=8,
-                qk_nope_head_dim=8,
-                v_head_dim=8,
-                n_group=1,
-                topk_group=1,
-                rope_scaling=None,
-                num_hidden_layers=3,
-                num_key_value_heads=4,
-            )
-        )
-    elif family == "granitemoe":
-        cfg = tf.GraniteMoeConfig(**_common(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2))
-    elif family == "gpt_oss":
-        cfg = tf.GptOssConfig(**_common(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8))
-    elif family == "qwen3_dense":  # not an MoE: must be refused
+    if family == "qwen3_dense":
         cfg = tf.Qwen3Config(**_common(head_dim=8, intermediate_size=48))
-    else:
+        return tf.AutoModelForCausalLM.from_config(cfg), {}
+    tiny = spec(family).tiny
+    if tiny is None:
         raise ValueError(family)
-    return tf.AutoModelForCausalLM.from_config(cfg), {}
+    if "text_config" in tiny.config:  # a multimodal checkpoint: the shared sizes are its text model's
+        kwargs = {**tiny.config, "text_config": _common(**tiny.config["text_config"])}
+    else:
+        kwargs = _common(**tiny.config)
+    cfg = tf.AutoConfig.for_model(family, **kwargs)
+    model = getattr(tf, tiny.model_class)(cfg) if tiny.model_class else tf.AutoModelForCausalLM.from_config(cfg)
+    return model, dict(tiny.save)
 
 
 def save_checkpoint(family: str, folder: Path, *, max_shard_size: str | None = None) -> Path:

@@ -1,0 +1,71 @@
+"""The families table: one module per family, the tables derived from them, each family's facts checked against its
+transformers config, the decode table and the real shapes. Builds configs only, no models."""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+
+import pytest
+
+from localmoe.models import families
+from localmoe.models.families import (
+    EXPERT_COUNT_KEYS,
+    EXPERT_WIDTH_KEYS,
+    FAMILIES,
+    PER_EXPERT_NAMES,
+    family_for_model_type,
+)
+
+SPECS = list(FAMILIES.values())
+
+
+def test_one_module_per_family():
+    """Every module of the package but spec.py is one family, named by its key, listed in FAMILIES."""
+    names = sorted(m.name for m in pkgutil.iter_modules(families.__path__) if m.name != "spec")
+    assert names == sorted(s.key for s in SPECS)
+    assert [m.SPEC for m in families._MODULES] == SPECS
+    model_types = [t for s in SPECS for t in s.model_types]
+    assert len(model_types) == len(set(model_types))
+    assert all(family_for_model_type(t) is s for s in SPECS for t in s.model_types)
+
+
+def test_derived_tables_are_the_loaders():
+    """What the loader reads, assembled from the family modules."""
+    assert list(PER_EXPERT_NAMES.values()) == [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")]
+    assert EXPERT_COUNT_KEYS == ("num_experts", "num_local_experts", "n_routed_experts")
+    assert EXPERT_WIDTH_KEYS == ("moe_intermediate_size",)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.key for s in SPECS])
+def test_facts_match_the_transformers_config(spec):
+    """The tiny config of every family builds; its text config has the family's expert count and width keys, and a
+    supported family's activation is the config's."""
+    from transformers import AutoConfig
+
+    assert spec.tiny is not None
+    text = AutoConfig.for_model(spec.key, **spec.tiny.config).get_text_config()
+    tiny_text = spec.tiny.config.get("text_config", spec.tiny.config)
+    assert text.model_type in spec.model_types
+    assert getattr(text, spec.expert_count_key) == tiny_text[spec.expert_count_key]
+    assert isinstance(getattr(text, spec.expert_width_key), int)
+    if not spec.unsupported:
+        assert text.hidden_act == spec.activation
+
+
+def test_fused_decode_follows_the_replacements_table():
+    assert [s.key for s in SPECS if s.fused_decode] == ["qwen3_5_moe", "qwen3_moe", "olmoe"]
+
+
+def test_real_shapes_are_registry_models_of_their_family():
+    """localmoe/data/shapes.json stays per model: each alias is in models.toml, of the family its model_type names."""
+    from localmoe.models.registry import load_registry
+    from localmoe.models.shapes import SHAPES
+
+    registry = load_registry()
+    shapes = {k: v for k, v in json.loads(SHAPES.read_text()).items() if not k.startswith("_")}
+    assert shapes
+    for alias, entry in shapes.items():
+        spec = registry.get(alias)
+        assert spec is not None, alias
+        assert family_for_model_type(entry["model_type"]) is family_for_model_type(spec.family), alias
