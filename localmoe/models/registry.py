@@ -40,7 +40,7 @@ class ModelSpec:
 
     @property
     def unsupported(self) -> str:
-        """Why localmoe cannot run this model yet ('' when it can): its family (families.py) is marked unsupported,
+        """Why localmoe cannot run this model yet ('' when it can): its family (models/families/) is marked unsupported,
         or is no MoE family localmoe knows. Known before anything is downloaded."""
         fam = family_for_model_type(self.family)
         if fam is None:

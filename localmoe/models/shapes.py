@@ -1,7 +1,9 @@
 """Real configs of the registry's models without their weights (`data/shapes.json`): `bench --shape`, `show` offline.
 
 `shape_config(alias)` builds the transformers config of a registry model from the stored entry, so benchmarks and
-plans run at real shapes with nothing downloaded. Imports only the families table and errors.
+plans run at real shapes with nothing downloaded. The entries are per model (keyed by registry alias, like
+models.toml), not per family: a family module (models/families/) says how a family's checkpoints are read, this
+file what one published checkpoint's config is. Imports only the families table and errors.
 """
 
 from __future__ import annotations
