@@ -1,0 +1,81 @@
+"""Tests of kernels/department_experts.py: DeaMoE's department-grouped sparse decode vs its torch reference.
+
+Runs on CPU under TRITON_INTERPRET=1. Shape legend: T tokens, H hidden, h department width, D departments, n experts
+per department, k experts per token.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from localmoe.experts.departments import step_slots  # noqa: E402
+from localmoe.kernels.department_experts import department_experts, department_experts_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(T, H, h, D, n, k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed + T + H + h)
+    x = torch.randn(T, H, generator=gen).to(dtype).to(DEV)
+    wg, wu, wd = [(torch.randn(D, h, H, generator=gen) / H**0.5).to(dtype).to(DEV) for _ in range(3)]
+    private = (torch.eye(h) + torch.randn(D, n, h, h, generator=gen) / h**0.5).to(dtype).to(DEV)
+    ids = torch.stack([torch.randperm(D * n, generator=gen)[:k] for _ in range(T)]).to(DEV)
+    rw = torch.softmax(torch.randn(T, k, generator=gen), -1).to(DEV)
+    dept, w = step_slots(ids, rw, n, min(D, T * k))
+    return x, wg, wu, wd, private, dept, w
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 72, 40, 5, 3, 3), (4, 64, 24, 4, 3, 2), (1, 256, 120, 6, 5, 4)],
+    ids=lambda s: "T{}_H{}_h{}_D{}_n{}_k{}".format(*s),
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tau", [0.0, 0.1], ids=["tau0", "tau0.1"])
+def test_department_experts_matches_reference(shape, dtype, tau):
+    T, H, h, D, n, k = shape
+    x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, dtype)
+    taus = torch.full((D,), tau, device=DEV)
+    kept = torch.zeros((), dtype=torch.int64, device=DEV)
+    out = torch.full((T, H), float("nan"), device=DEV)
+    y = department_experts(x, wg, wu, wd, private, dept, w, taus, out=out, kept_total=kept)
+    ref, kept_ref = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
+    assert y is out and not torch.isnan(y).any()
+    assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
+    assert int(kept) == int(kept_ref)
+    pairs = int((w.abs().sum(-1) > 0).sum())  # (token, department) pairs of the step
+    assert (int(kept) == pairs * h) if tau == 0 else (0 < int(kept) < pairs * h)
+
+
+def test_padded_slots_and_repeated_departments():
+    """Two experts of one department: one slot, the other slots padded with -1 (a fixed grid for CUDA graphs)."""
+    T, H, h, D, n = 1, 32, 16, 4, 3
+    x, wg, wu, wd, private, _, _ = _case(T, H, h, D, n, 2, torch.float32)
+    ids = torch.tensor([[7, 6]], device=DEV)  # both in department 2
+    dept, w = step_slots(ids, torch.tensor([[0.7, 0.3]], device=DEV), n, 2)
+    assert dept.tolist() == [2, -1] and w[0, 0].tolist() == pytest.approx([0.3, 0.7, 0.0])
+    taus = torch.zeros(D, device=DEV)
+    y = department_experts(x, wg, wu, wd, private, dept, w, taus)
+    u = torch.nn.functional.silu(wg[2] @ x[0]) * (wu[2] @ x[0])
+    z = 0.3 * (u @ private[2, 0]) + 0.7 * (u @ private[2, 1])
+    assert torch.allclose(y[0], z @ wd[2], rtol=1e-5, atol=1e-5)
+
+
+def test_department_experts_rejects_bad_inputs():
+    x, wg, wu, wd, private, dept, w = _case(1, 32, 16, 4, 3, 2, torch.float32)
+    taus = torch.zeros(4, device=DEV)
+    with pytest.raises(ValueError, match="private"):
+        department_experts(x, wg, wu, wd, private[:, :, :-1], dept, w, taus)
+    with pytest.raises(ValueError, match="dept"):
+        department_experts(x, wg, wu, wd, private, dept.long(), w, taus)
+    with pytest.raises(ValueError, match="weights"):
+        department_experts(x, wg, wu, wd, private, dept, w[:, :, :-1], taus)
+    with pytest.raises(ValueError, match="tau"):
+        department_experts(x, wg, wu, wd, private, dept, w, taus[:-1])
+    with pytest.raises(ValueError, match="w_up"):
+        department_experts(x, wg, wu[:, :-1], wd, private, dept, w, taus)
