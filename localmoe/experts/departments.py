@@ -1,0 +1,200 @@
+"""DeaMoE's routed experts: departments of experts sharing gate/up/down projections, each expert a private [h, h].
+
+One layer: D departments x n experts, hidden H, department width h. Department d owns W_gate_d, W_up_d [h, H] and
+W_down_d [H, h] (stored transposed, `down_t` [D, h, H]: row i is neuron i's output vector); expert e = d * n + j owns
+P_e [h, h], stored input-major (`private` [D, n, h_in, h_out]: row i is what input neuron i adds, z = u @ P_e). For a
+token x with routing weights g_e over its k chosen experts:
+
+    u_d = silu(x W_gate_d^T) * (x W_up_d^T)                  once per touched department            [h]
+    z_d = sum_{e in d, chosen} g_e (u_d @ P_e)                each chosen expert's private part      [h]
+    y   = sum_d z_d @ down_t_d                                the shared down projection once per d  [H]
+
+(the down projection is linear, so it runs once over the department's weighted sum). Threshold sparsity lives on u's
+h neurons: with a = silu(x W_gate_d^T), neuron i is skipped when |a_i| < tau[d]; a skipped neuron drops row i of
+W_up_d and row i of every chosen P_e. z is dense, so W_down_d is read in full. tau is [D] float32 (one threshold per
+department; a per-layer tau broadcast), and the gate recorder (`GateRecorder`, calibration) gets |a| keyed by
+department.
+
+Paths (same call as LocalExperts: `experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`,
+routing weights final, indices are flat expert numbers e = d * n + j):
+- dense (prefill, training, calibration): (token, department) pairs sorted by department, three grouped GEMMs
+  (gate, up, down) over departments and one over experts (private), no per-token Python loop; where torch's grouped
+  GEMM cannot run (CPU autograd, CUDA fp32, unaligned strides) a loop over the D departments and D * n experts;
+- decode (T <= `max_sparse_tokens`): the step's departments in a fixed number of slots (`step_slots`, no host sync,
+  graph capturable), each touched department's weights read once for all T tokens; on CUDA (or `kernel_on_cpu`) the
+  Triton kernel `localmoe.kernels.department_experts`, elsewhere its torch reference.
+
+Shapes: T tokens, k experts per token, D departments, n experts per department, h department width, H hidden,
+S = slots (departments one step may touch: min(D, T * min(k, topk_group))).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from localmoe.kernels.department_experts import department_experts, department_experts_ref
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def group_limited_topk(probs: torch.Tensor, n: int, k: int, group: int, score: str = "max"):
+    """Two-stage routing: probs [T, D * n] -> (top_k_index [T, k] flat expert ids, top_k_probs [T, k]).
+
+    Departments are ranked by their best expert's probability ("max") or the sum of their two best ("top2_sum"); the
+    `group` best departments stay allowed, the k most probable experts among them are chosen (a department may get
+    several, or none of them: on average fewer than `group` departments are touched, the paper's soft limit)."""
+    T, E = probs.shape
+    D = E // n
+    if group < D:
+        per = probs.view(T, D, n)
+        ds = per.max(-1).values if score == "max" else per.topk(2, dim=-1).values.sum(-1)  # [T, D]
+        allowed = torch.zeros(T, D, dtype=torch.bool, device=probs.device)
+        allowed.scatter_(1, ds.topk(group, dim=-1).indices, True)
+        probs = probs.masked_fill(~allowed.repeat_interleave(n, dim=1), 0.0)
+    top, idx = probs.topk(k, dim=-1)
+    return idx, top
+
+
+def step_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int):
+    """The departments of a decode step in `slots` fixed slots, without host sync (graph capturable).
+
+    -> (dept [S] int32, -1 for an unused slot; weights [S, T, n] float32: g of token t for expert j of the slot's
+    department, 0 where not chosen). Departments fill the slots in ascending order; `slots` must be at least the
+    number of distinct departments the step touches (min(D, T * min(k, topk_group)) always is)."""
+    T, k = top_k_index.shape
+    dev = top_k_index.device
+    flat = (top_k_index // n).reshape(-1).long()  # department of each (t, j)
+    srt, _ = flat.sort()
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[1:] = srt[1:] != srt[:-1]
+    rank = first.long().cumsum(0) - 1  # slot of each sorted entry
+    buf = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)  # the last entry takes the repeats
+    buf.scatter_(0, torch.where(first, rank, slots).clamp(max=slots), torch.where(first, srt, -1))
+    dept = buf[:slots]
+    slot_of = (dept[None, :] == flat[:, None]).long().argmax(1).view(T, k)  # [T, k]
+    w = torch.zeros(slots, T, n, dtype=torch.float32, device=dev)
+    t_idx = torch.arange(T, device=dev)[:, None].expand(T, k)
+    w.index_put_((slot_of, t_idx, (top_k_index % n).long()), top_k_weights.float(), accumulate=True)
+    return dept.to(torch.int32), w
+
+
+def _mm_by_group(a: torch.Tensor, w: torch.Tensor, ends: list[int], ends_t: torch.Tensor) -> torch.Tensor:
+    """a [S, K] rows sorted by group, w [G, K, N] -> [S, N] (row r of group g: a[r] @ w[g]). torch's grouped GEMM
+    where it runs (CUDA bf16 sm80+, or CPU without autograd, 16-byte aligned strides), else a loop over groups."""
+    grad = torch.is_grad_enabled() and (a.requires_grad or w.requires_grad)
+    if a.is_cuda and torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        a, w = a.to(dt), w.to(dt)
+    aligned = all(s * a.element_size() % 16 == 0 for s in (a.stride(0), w.stride(1), w.stride(0))) and a.shape[0] > 0
+    fits = (
+        (a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)) if a.is_cuda else not grad
+    )
+    if _GROUPED_MM is not None and aligned and fits and a.dtype == w.dtype:
+        return _GROUPED_MM(a, w, offs=ends_t)
+    out, start = [], 0
+    for g, end in enumerate(ends):
+        if end > start:
+            out.append(a[start:end] @ w[g].to(a.dtype))
+        start = end
+    return torch.cat(out) if out else a.new_zeros(0, w.shape[-1])
+
+
+class DepartmentExperts(nn.Module):
+    """The routed experts of one DeaMoE layer (parameters: gate_proj, up_proj, down_t, private; see module doc)."""
+
+    def __init__(self, departments: int, per_department: int, hidden: int, width: int, layer_idx: int = 0):
+        super().__init__()
+        D, n, H, h = departments, per_department, hidden, width
+        self.num_departments, self.per_department, self.hidden_size, self.width = D, n, H, h
+        self.layer_idx = layer_idx
+        self.gate_proj = nn.Parameter(torch.empty(D, h, H))
+        self.up_proj = nn.Parameter(torch.empty(D, h, H))
+        self.down_t = nn.Parameter(torch.empty(D, h, H))
+        self.private = nn.Parameter(torch.empty(D, n, h, h))
+        self.slots = D  # decode slots per step (the model sets min(D, T * departments per token))
+        self.tau: torch.Tensor | None = None  # [D] float32 per-department threshold (per-layer tau broadcast)
+        self.sparse_enabled = False
+        self.max_sparse_tokens = 1
+        self.mask_all_tokens = False  # evaluation: the sparse mask on the dense path too (same function)
+        self.recorder = None  # localmoe.experts.local_experts.GateRecorder during calibration (keyed by department)
+        self.kernel_on_cpu = False  # tests: the Triton path on CPU tensors (TRITON_INTERPRET=1)
+        self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons (sparse paths), updated in place
+        self.seen = 0  # neurons considered by the sparse paths (host int)
+        self.last_departments: torch.Tensor | None = None  # decode: the step's slot table (for a department cache)
+
+    def extra_repr(self) -> str:
+        return (
+            f"D={self.num_departments}, n={self.per_department}, H={self.hidden_size}, h={self.width}, "
+            f"sparse={self.sparse_enabled}"
+        )
+
+    def reset_counters(self) -> None:
+        self.kept.zero_()
+        self.seen = 0
+
+    def _count(self, kept: torch.Tensor, neurons: int) -> None:
+        if self.kept.device != kept.device:
+            self.kept = self.kept.to(kept.device)
+        self.kept.add_(kept)
+        self.seen += neurons
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        T = hidden_states.shape[0]
+        few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens and not self.training
+        if few:
+            return self._decode(hidden_states, top_k_index, top_k_weights)
+        return self._dense(hidden_states, top_k_index, top_k_weights)
+
+    # -- dense: (token, department) pairs grouped by department ---------------------------------------------------
+    def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        T, k = top_k_index.shape
+        D, n, h = self.num_departments, self.per_department, self.width
+        masked = self.mask_all_tokens and self.sparse_enabled and self.tau is not None and self.recorder is None
+        dep = top_k_index // n  # [T, k]
+        touched = torch.zeros(D, T, dtype=torch.bool, device=x.device)
+        touched[dep, torch.arange(T, device=x.device)[:, None].expand(T, k)] = True  # [D, T]
+        pair_of = touched.reshape(-1).long().cumsum(0).view(D, T) - 1  # pair number of (d, t), pairs sorted by d
+        pd, pt = touched.nonzero(as_tuple=True)  # [P] department and token of each pair
+        dcount = touched.sum(1)
+        ends_t = dcount.cumsum(0).to(torch.int32)
+        ends = ends_t.tolist()
+        xs = x[pt]  # [P, H]
+        a = F.silu(_mm_by_group(xs, self.gate_proj.transpose(1, 2), ends, ends_t))  # [P, h]
+        if self.recorder is not None:
+            self.recorder.add_rows(a.abs(), pd)
+        if masked:
+            keep = a.abs() >= self.tau.to(a.device)[pd].unsqueeze(1)
+            a = a * keep
+            self._count(keep.sum(), a.numel())
+        u = a * _mm_by_group(xs, self.up_proj.transpose(1, 2), ends, ends_t)  # [P, h]
+        # private parts: the (token, expert) slots sorted by expert, each reads its pair's u
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        slot_t = order // k
+        slot_pair = pair_of[flat[order] // n, slot_t]  # [T*k]
+        e_ends_t = torch.bincount(flat, minlength=D * n).cumsum(0).to(torch.int32)
+        zp = _mm_by_group(u[slot_pair], self.private.view(D * n, h, h), e_ends_t.tolist(), e_ends_t)  # [T*k, h]
+        zp = zp * top_k_weights.reshape(-1)[order, None].to(zp.dtype)
+        z = torch.zeros(u.shape[0], h, dtype=zp.dtype, device=x.device).index_add(0, slot_pair, zp)  # [P, h]
+        y = _mm_by_group(z, self.down_t, ends, ends_t)  # [P, H]
+        return torch.zeros_like(x).index_add(0, pt, y.to(x.dtype))
+
+    # -- decode: the step's departments in fixed slots -------------------------------------------------------------
+    def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        slots = min(self.num_departments, T * self.slots)
+        dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots)
+        self.last_departments = dept
+        sparse = self.sparse_enabled and self.tau is not None
+        tau = self.tau.to(x.device) if sparse else torch.zeros(self.num_departments, device=x.device)
+        args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
+        if x.is_cuda or self.kernel_on_cpu:
+            kept = torch.zeros((), dtype=torch.int64, device=x.device)
+            y = department_experts(*args, kept_total=kept)
+        else:
+            y, kept = department_experts_ref(*args)
+        if sparse:
+            self._count(kept, int(top_k_index.shape[0]) * min(top_k_index.shape[1], self.slots) * self.width)
+        return y.to(x.dtype)
