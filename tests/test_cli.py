@@ -323,11 +323,11 @@ PROGRESS = [  # (id, calls, what stderr shows)
 
 @pytest.mark.parametrize("calls, shown", [c[1:] for c in PROGRESS], ids=[c[0] for c in PROGRESS])
 def test_progress_one_line_per_stage(monkeypatch, calls, shown):
-    from localmoe.cli.main import _stderr_progress
+    from localmoe.cli.terminal import stderr_progress
 
     err = _TTY()
     monkeypatch.setattr(sys, "stderr", err)
-    progress = _stderr_progress()
+    progress = stderr_progress()
     for call in calls:
         progress(*call)
     assert err.getvalue() == shown
