@@ -115,7 +115,6 @@ def cmd_bench(args) -> int:
         context=args.context,
         baseline=args.baseline,
         graphs=not args.no_graph,
-        compile=args.compile,
         vram_gib=args.vram,
         fused=args.fused,
         offload_miss=args.offload_miss,

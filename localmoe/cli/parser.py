@@ -263,7 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="stock generate in the same run; 'accelerate' offloads with device_map/max_memory (needs --vram)",
     )
     p.add_argument("--no-graph", action="store_true", help="decode eagerly (no CUDA graph)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the step before capturing it (experimental)")
     p.add_argument(
         "--vram",
         type=_ranged(float, 0.0, VRAM_MAX_GIB, lo_open=True, what="--vram"),
