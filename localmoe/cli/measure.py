@@ -43,7 +43,6 @@ def cmd_calibrate(args) -> int:
         text=args.text,
         tokens=args.tokens or thresholds.DEFAULT_TOKENS,
         force=True,
-        mode=args.threshold_mode,
     )
     done = (
         f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
@@ -74,7 +73,6 @@ def cmd_eval(args) -> int:
         progress=stderr_progress(),
         experts=args.experts,
     )
-    engine.threshold_mode = args.threshold_mode
     if args.tasks:
         from localmoe.measure.harness import run_tasks
 

@@ -228,12 +228,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", metavar="FILE", default=None, help="default: the held-out split shipped with localmoe")
     p.add_argument("--tokens", type=_ranged(int, 16, what="--tokens"), default=16384)
     p.add_argument("--window", type=_ranged(int, 16, what="--window"), default=512)
-    p.add_argument(
-        "--threshold-mode",
-        choices=["layer", "expert"],
-        default="layer",
-        help="one threshold per layer (default) or per expert",
-    )
     p.add_argument("--tasks", default=None, help="lm-eval tasks (needs the optional lm-eval extra)")
     p.add_argument("--limit", type=_ranged(int, 1, what="--limit"), default=None, help="lm-eval: examples per task")
     p.add_argument("--include-path", default=None, help="lm-eval: folder with extra task YAMLs")
@@ -308,7 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsity", type=_sparsity, required=True)
     p.add_argument("--text", metavar="FILE", default=None, help="calibration text (default: bundled)")
     p.add_argument("--tokens", type=_ranged(int, 16, what="--tokens"), default=None)
-    p.add_argument("--threshold-mode", choices=["layer", "expert"], default="layer")
     _add_experts_flag(p)
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
