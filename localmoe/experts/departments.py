@@ -121,7 +121,7 @@ class DepartmentExperts(nn.Module):
         self.recorder = None  # localmoe.experts.local_experts.GateRecorder during calibration (keyed by department)
         self.kernel_on_cpu = False  # tests: the Triton path on CPU tensors (TRITON_INTERPRET=1)
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons (sparse paths), updated in place
-        self.seen = 0  # neurons considered by the sparse paths (host int)
+        self.seen = torch.zeros((), dtype=torch.int64)  # neurons considered there (a device counter: no host sync)
         self.last_departments: torch.Tensor | None = None  # decode: the step's slot table (for a department cache)
 
     def extra_repr(self) -> str:
@@ -132,13 +132,13 @@ class DepartmentExperts(nn.Module):
 
     def reset_counters(self) -> None:
         self.kept.zero_()
-        self.seen = 0
+        self.seen.zero_()
 
-    def _count(self, kept: torch.Tensor, neurons: int) -> None:
+    def _count(self, kept: torch.Tensor, neurons) -> None:
         if self.kept.device != kept.device:
-            self.kept = self.kept.to(kept.device)
-        self.kept.add_(kept)
-        self.seen += neurons
+            self.kept, self.seen = self.kept.to(kept.device), self.seen.to(kept.device)
+        self.kept.add_(kept)  # in place: a captured CUDA graph keeps counting on replay
+        self.seen.add_(neurons)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         T = hidden_states.shape[0]
@@ -196,5 +196,5 @@ class DepartmentExperts(nn.Module):
         else:
             y, kept = department_experts_ref(*args)
         if sparse:
-            self._count(kept, int(top_k_index.shape[0]) * min(top_k_index.shape[1], self.slots) * self.width)
+            self._count(kept, (w.abs().sum(-1) > 0).sum() * self.width)  # (token, department) pairs x h
         return y.to(x.dtype)
