@@ -59,7 +59,6 @@ def load_engine(args, progress=None, model: str | None = None):
         context=args.context,
         on_notice=None if quiet else notice,
         fused=args.fused,
-        offload_miss=args.offload_miss,
         host_storage=args.host_storage,
         experts=args.experts,
         show_plan=not getattr(args, "json", False) and isatty(sys.stderr),

@@ -115,7 +115,6 @@ def cmd_bench(args) -> int:
         graphs=not args.no_graph,
         vram_gib=args.vram,
         fused=args.fused,
-        offload_miss=args.offload_miss,
         routing=args.routing,
         experts=args.experts,
         progress=stderr_progress(),

@@ -91,15 +91,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "a GPU cache (default: what the card has free minus 1 GiB)",
     )
     p.add_argument(
-        "--offload-miss",
-        choices=["auto", "copy", "direct", "cpu"],
-        default="auto",
-        help="offloaded expert misses: auto (default) = direct on CUDA with pinned memory, else copy; "
-        "direct reads the gate rows and kept rows straight from pinned host memory inside the CUDA "
-        "graph (3.5x copy on the H200); copy copies the expert into the cache then computes; cpu "
-        "computes misses on the CPU",
-    )
-    p.add_argument(
         "--host-storage",
         choices=["auto", "pinned", "mmap"],
         default="auto",
@@ -270,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="fused decode kernels on CUDA (default on; --no-fused: transformers' modules)",
     )
-    p.add_argument("--offload-miss", choices=["auto", "copy", "direct", "cpu"], default="auto")
     p.add_argument(
         "--routing",
         choices=["uniform", "skewed"],
