@@ -58,7 +58,6 @@ def load_engine(args, progress=None, model: str | None = None):
         vram_gib=args.vram,
         context=args.context,
         on_notice=None if quiet else notice,
-        fused=args.fused,
         host_storage=args.host_storage,
         experts=args.experts,
         show_plan=not getattr(args, "json", False) and isatty(sys.stderr),

@@ -114,7 +114,6 @@ def cmd_bench(args) -> int:
         baseline=args.baseline,
         graphs=not args.no_graph,
         vram_gib=args.vram,
-        fused=args.fused,
         routing=args.routing,
         experts=args.experts,
         progress=stderr_progress(),

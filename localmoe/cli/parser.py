@@ -98,13 +98,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "files under the cache dir when the RAM cannot hold them; mmap forces the files",
     )
     p.add_argument(
-        "--fused",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="localmoe's fused decode kernels on CUDA (RMSNorm, Gated DeltaNet step, router, shared expert); "
-        "--no-fused keeps transformers' modules",
-    )
-    p.add_argument(
         "--context",
         type=_ranged(int, 16, CONTEXT_MAX, what="--context"),
         default=None,
@@ -254,12 +247,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GiB",
         help="GPU memory budget (experts beyond it are offloaded)",
-    )
-    p.add_argument(
-        "--fused",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="fused decode kernels on CUDA (default on; --no-fused: transformers' modules)",
     )
     p.add_argument(
         "--routing",
