@@ -87,7 +87,8 @@ def _mm_by_group(a: torch.Tensor, w: torch.Tensor, ends: list[int], ends_t: torc
     if a.is_cuda and torch.is_autocast_enabled("cuda"):
         dt = torch.get_autocast_dtype("cuda")
         a, w = a.to(dt), w.to(dt)
-    aligned = all(s * a.element_size() % 16 == 0 for s in (a.stride(0), w.stride(1), w.stride(0))) and a.shape[0] > 0
+    strides = (max(a.stride()), max(w.stride(1), w.stride(2)), w.stride(0))  # each matrix's leading stride
+    aligned = all(s * a.element_size() % 16 == 0 for s in strides) and a.shape[0] > 0
     fits = (
         (a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)) if a.is_cuda else not grad
     )
