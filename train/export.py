@@ -25,11 +25,16 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import sys  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import localmoe.models.deamoe  # noqa: E402,F401  (registers model_type "deamoe" with the Auto classes)
+
 SHIP = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 PROMPTS = [
     "What is a list comprehension?",
@@ -64,7 +69,7 @@ def reply(model, tok, prompt: str, max_new_tokens: int = 120) -> str:
     return tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
-CARD = """# localmoe-tiny
+CARD = """# {name}
 
 A very small Mixture-of-Experts chat model bundled with localmoe so that `localmoe chat`
 answers on first run, offline. It knows a little about Python (and Django, Flask, SQLAlchemy,
@@ -72,9 +77,8 @@ Werkzeug, Requests, PostgreSQL) and is often wrong: it is a smoke-test model, no
 
 | | |
 |---|---|
-| architecture | `qwen3_moe` (`Qwen3MoeForCausalLM`), SwiGLU experts |
+{arch_rows}
 | layers / hidden / heads | {num_hidden_layers} / {hidden_size} / {num_attention_heads} q, {num_key_value_heads} kv, head_dim {head_dim} |
-| experts | {num_experts} experts x moe_intermediate {moe_intermediate_size}, top-{num_experts_per_tok}, `norm_topk_prob=True`, every layer sparse |
 | vocab | {vocab_size} (byte-level BPE; `<\\|endoftext\\|>`, `<\\|im_start\\|>`, `<\\|im_end\\|>`), tied embeddings |
 | parameters | {params:,} total |
 | weights | bf16 safetensors, {size_mb:.1f} MB |
@@ -125,6 +129,24 @@ same terms as localmoe, with those notices retained.
 """
 
 
+def arch_rows(cfg) -> str:
+    """The card's architecture and experts rows."""
+    if cfg.model_type == "deamoe":
+        return (
+            "| architecture | `deamoe` (`DeaMoeForCausalLM`, localmoe.models.deamoe): Qwen3-MoE attention, DeaMoE "
+            "department experts |\n"
+            f"| experts | {cfg.num_departments} departments x {cfg.experts_per_department} experts, shared "
+            f"gate/up/down of width {cfg.department_size} per department, a private [{cfg.department_size}, "
+            f"{cfg.department_size}] per expert (identity init), top-{cfg.num_experts_per_tok} within the best "
+            f"{cfg.topk_group} departments, `norm_topk_prob=True`, every layer sparse |"
+        )
+    return (
+        "| architecture | `qwen3_moe` (`Qwen3MoeForCausalLM`), SwiGLU experts |\n"
+        f"| experts | {cfg.num_experts} experts x moe_intermediate {cfg.moe_intermediate_size}, "
+        f"top-{cfg.num_experts_per_tok}, `norm_topk_prob=True`, every layer sparse |"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", required=True)
@@ -162,7 +184,7 @@ def main() -> None:
     for p in PROMPTS:
         r = reply(model, tok, p)
         print(f">>> {p}\n{r}\n", flush=True)
-        samples.append(f"**User:** {p}\n\n**localmoe-tiny:**\n\n> " + r.replace("\n", "\n> ").replace("```", "'''"))
+        samples.append(f"**User:** {p}\n\n**{dst.name}:**\n\n> " + r.replace("\n", "\n> ").replace("```", "'''"))
     stats = (
         json.loads((REPO / ".work" / "tiny" / "tokens.json").read_text())
         if (REPO / ".work" / "tiny" / "tokens.json").exists()
@@ -177,13 +199,12 @@ def main() -> None:
                 "num_attention_heads",
                 "num_key_value_heads",
                 "head_dim",
-                "num_experts",
-                "moe_intermediate_size",
-                "num_experts_per_tok",
                 "vocab_size",
                 "max_position_embeddings",
             )
         },
+        name=dst.name,
+        arch_rows=arch_rows(cfg),
         params=sum(p.numel() for p in model.parameters()),
         size_mb=(dst / "model.safetensors").stat().st_size / 1e6,
         pretrain_tokens=stats.get("pretrain_tokens", 0),

@@ -15,10 +15,17 @@ steps (the chosen count is printed; pass it back with ``--steps`` to reproduce e
 Export (``--out``): ``save_pretrained`` in bf16 safetensors + tokenizer files +
 ``generation_config.json``; prints held-out perplexity and greedy chat samples.
 
+``--arch deamoe`` trains the DeaMoE twin (``localmoe.models.deamoe``, same attention, embeddings and data):
+departments of experts sharing gate/up/down projections, a private [h, h] per expert (identity init), top-k experts
+within the best ``--topk-group`` departments. The default shape (6 departments x 5 experts, width 120, top-4 in
+2 departments) matches localmoe-tiny's parameters and per-token expert FLOPs within 1 % (``shape_report`` prints
+both; the typical token touches 2 departments: 2 x 3 x 120 x 256 shared + 4 x 120^2 private MACs per layer).
+
 Usage::
 
     python train/train_model.py --data .work/tiny/carry --out .work/tiny/out --steps 4000
     python train/train_model.py --data .work/tiny/carry --out /tmp/dbg --debug   # CPU smoke test
+    python train/train_model.py --arch deamoe --data .work/tiny/carry --out /tmp/dbg --debug
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import json
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +45,47 @@ from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 SEED = 1234
 EOT, IM_START, IM_END = 0, 1, 2
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_deamoe_config(args, debug: bool = False):
+    """The DeaMoE twin of `make_config`: same attention, vocabulary, embeddings; DeaMoE layers of the given shape."""
+    sys.path.insert(0, str(REPO))
+    from localmoe.models.deamoe import DeaMoeConfig
+
+    base = make_config(debug).to_dict()
+    keep = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache",
+        "tie_word_embeddings", "rope_parameters", "attention_bias", "attention_dropout", "norm_topk_prob",
+        "router_aux_loss_coef", "pad_token_id", "bos_token_id", "eos_token_id",
+    )  # fmt: skip
+    return DeaMoeConfig(
+        **{k: base[k] for k in keep},
+        num_departments=3 if debug else args.departments,
+        experts_per_department=2 if debug else args.experts_per_department,
+        department_size=32 if debug else args.department_size,
+        num_experts_per_tok=2 if debug else args.top_k,
+        topk_group=2 if debug else args.topk_group,
+        department_score=args.department_score,
+        private_init="identity",
+    )
+
+
+def shape_report(cfg) -> dict:
+    """Parameters and per-token multiply-accumulates of one MoE layer's router + routed experts (the typical token:
+    vanilla k experts; DeaMoE min(k, topk_group) departments' shared projections + k private matrices)."""
+    H = cfg.hidden_size
+    if cfg.model_type == "deamoe":
+        D, n, h, k = cfg.num_departments, cfg.experts_per_department, cfg.department_size, cfg.num_experts_per_tok
+        g = min(k, cfg.topk_group, D)
+        params = D * 3 * h * H + D * n * h * h + D * n * H
+        macs = g * 3 * h * H + k * h * h + D * n * H
+    else:
+        E, I, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        params = E * 3 * I * H + E * H
+        macs = k * 3 * I * H + E * H
+    return {"moe_layer_params": params, "moe_layer_macs_per_token": macs}
 
 
 def make_config(debug: bool = False) -> Qwen3MoeConfig:
@@ -140,8 +189,12 @@ def chat_samples(model, tok_dir: Path, device, prompts: list[str], max_new_token
     return outs
 
 
-def build_model(cfg: Qwen3MoeConfig, impl: str, device) -> Qwen3MoeForCausalLM:
+def build_model(cfg, impl: str, device):
     torch.manual_seed(SEED)
+    if cfg.model_type == "deamoe":
+        from localmoe.models.deamoe import DeaMoeForCausalLM
+
+        return DeaMoeForCausalLM(cfg).to(device)
     cfg._experts_implementation = impl
     model = Qwen3MoeForCausalLM(cfg).to(device)
     return model
@@ -166,6 +219,13 @@ def main() -> None:
     ap.add_argument("--shard-size", default=None, help="save_pretrained max_shard_size, e.g. 12MB")
     ap.add_argument("--minimal-out", action="store_true", help="write only the checkpoint (no tokenizer, no samples)")
     ap.add_argument("--debug", action="store_true", help="tiny model, few steps (CPU smoke test)")
+    ap.add_argument("--arch", choices=("qwen3_moe", "deamoe"), default="qwen3_moe")
+    ap.add_argument("--departments", type=int, default=6, help="deamoe: departments per layer")
+    ap.add_argument("--experts-per-department", type=int, default=5, help="deamoe: experts per department")
+    ap.add_argument("--department-size", type=int, default=120, help="deamoe: department width h")
+    ap.add_argument("--top-k", type=int, default=4, help="deamoe: experts per token")
+    ap.add_argument("--topk-group", type=int, default=2, help="deamoe: departments a token may use")
+    ap.add_argument("--department-score", choices=("max", "top2_sum"), default="max", help="deamoe: department rank")
     args = ap.parse_args()
 
     torch.manual_seed(SEED)
@@ -189,7 +249,8 @@ def main() -> None:
     print(f"tokens: train {train_tok.numel():,} val {val_tok.numel():,} heldout {held_tok.numel():,}", flush=True)
     train_gpu = train_tok.to(device)
 
-    cfg = make_config(args.debug)
+    cfg = make_deamoe_config(args, args.debug) if args.arch == "deamoe" else make_config(args.debug)
+    print(f"arch {cfg.model_type}: {shape_report(cfg)}", flush=True)
     B, T = (4, 64) if args.debug else (args.batch, args.seq)
     gen = torch.Generator(device="cpu").manual_seed(SEED)
 
@@ -201,7 +262,9 @@ def main() -> None:
 
     # ---- pick the experts implementation by timing a few steps of each
     impls = (
-        [args.experts_impl]
+        ["departments"]  # deamoe: localmoe's DepartmentExperts, no choice
+        if args.arch == "deamoe"
+        else [args.experts_impl]
         if args.experts_impl != "auto"
         else (["grouped_mm", "batched_mm", "eager"] if device.type == "cuda" else ["eager"])
     )
@@ -344,6 +407,8 @@ def main() -> None:
         "train_time_s": round(train_time, 1),
         "tokens_seen": step * B * T,
         "experts_implementation": impl,
+        "arch": cfg.model_type,
+        **shape_report(cfg),
         "best_step": best_step,
         "val_loss": best_val,
         "heldout_loss": held_loss,

@@ -11,9 +11,14 @@ to ``<work>/tokenizer/``, and writes the token streams as uint16 arrays:
 * ``<work>/heldout.bin`` - ``localmoe/data/heldout.txt`` tokenized as one document;
 * ``<work>/val.bin``     - ``<work>/val.txt`` (validation pages) tokenized the same way.
 
+With ``--tokenizer DIR`` no tokenizer is trained: the one in DIR (``tokenizer.json`` + ``tokenizer_config.json``,
+e.g. the shipped ``localmoe/assets/localmoe-tiny``) is copied to ``<work>/tokenizer/`` and tokenizes the streams, so
+a second model (``localmoe-tiny-deamoe``) sees exactly the token ids the first one saw.
+
 Usage::
 
     python train/train_tokenizer.py --work .work/tiny
+    python train/train_tokenizer.py --work .work/tiny --tokenizer localmoe/assets/localmoe-tiny
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +102,7 @@ def save_hf(tok: Tokenizer, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=str(REPO / ".work" / "tiny"))
+    ap.add_argument("--tokenizer", default=None, help="use this tokenizer folder instead of training one")
     args = ap.parse_args()
     work = Path(args.work)
     rng = random.Random(SEED)
@@ -105,8 +112,15 @@ def main() -> None:
     items = docs + chats
     rng.shuffle(items)
 
-    tok = build_tokenizer(items)
-    save_hf(tok, work / "tokenizer")
+    if args.tokenizer:
+        src = Path(args.tokenizer)
+        (work / "tokenizer").mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(src / name, work / "tokenizer" / name)
+        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    else:
+        tok = build_tokenizer(items)
+        save_hf(tok, work / "tokenizer")
     eot = tok.token_to_id("<|endoftext|>")
     assert [tok.token_to_id(s) for s in SPECIALS] == [0, 1, 2], "specials must be ids 0..2"
 
