@@ -105,7 +105,7 @@ if args.baseline_tokens:
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.experts.local_experts import LocalExperts  # noqa: E402
 from localmoe.measure.benchmark import _run, copy_bandwidth  # noqa: E402
-from localmoe.models.loader import attach_cache  # noqa: E402
+from localmoe.models.loaded import attach_cache  # noqa: E402
 from localmoe.models.random_weights import skew_routers  # noqa: E402
 
 t0 = time.time()

@@ -103,7 +103,7 @@ def test_non_expert_modules_spill_through_accelerate(capsys):
     resident = Engine.load(model, device="cpu", sparsity=0.0)
     want = tokens(resident, n=8)
     probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0).loaded
-    from localmoe.models.loader import _units
+    from localmoe.models.skeleton import units as _units
 
     plan = probe.offload
     units = _units(probe.model)
@@ -113,7 +113,7 @@ def test_non_expert_modules_spill_through_accelerate(capsys):
     e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=vram)
     p = e.loaded.offload
     assert p.spills and p.slots == k and 0 < p.non_expert_gpu_bytes < p.non_expert_bytes
-    from localmoe.models.loader import place_non_experts
+    from localmoe.models.offload import place_non_experts
 
     dmap = place_non_experts(probe.model, p, torch.device("cuda", 0), torch.float32)
     assert {d.type for d in dmap.values()} == {"cuda", "cpu"}  # some units on the device, the rest on the host
@@ -149,7 +149,7 @@ def test_direct_misses_equal_all_resident(sparsity, layout):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "0":
         pytest.skip("a CPU engine's Triton kernels need the interpreter (on a GPU: bench/gpu_engine_check.py)")
-    from localmoe.models.loader import attach_cache
+    from localmoe.models.loaded import attach_cache
 
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=sparsity)

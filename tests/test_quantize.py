@@ -203,13 +203,17 @@ def test_int4_offloaded_equals_resident(mode, slots):
 def test_int4_offload_notes_and_refusals(hub_cache):
     """A full-precision load that offloads where int4 would fit says so; int4 master copies are never mmapped."""
     from localmoe.experts.placement import WORKSPACE_RESERVE, state_bytes
-    from localmoe.models.loader import int4_hint, load_model
+    from localmoe.models.loaded import int4_hint
+    from localmoe.models.loader import LoadOptions, load_model
 
     e4 = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0, experts="int4")
     non_expert = sum(p.numel() * 4 for p in e4.model.parameters())
     fits = int(WORKSPACE_RESERVE) + non_expert + state_bytes(e4.loaded.config, 8192, torch.float32)
     full = load_model(
-        e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, vram_bytes=fits + e4.loaded.expert_bytes()
+        e4.resolved.path,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        options=LoadOptions(vram_bytes=fits + e4.loaded.expert_bytes()),
     )
     assert full.offload.offloading and "--experts int4 would keep every expert in VRAM" in int4_hint(full)
     assert int4_hint(e4.loaded) is None
@@ -217,8 +221,7 @@ def test_int4_offload_notes_and_refusals(hub_cache):
         e4.resolved.path,
         device=torch.device("cpu"),
         dtype=torch.float32,
-        experts_format="int4",
-        vram_bytes=fits + e4.loaded.expert_bytes() // 2,
+        options=LoadOptions(experts_format="int4", vram_bytes=fits + e4.loaded.expert_bytes() // 2),
     )
     assert half.offload.offloading and int4_hint(half) is None
     with pytest.raises(UsageError, match="--host-storage mmap keeps full-precision experts"):
@@ -226,12 +229,17 @@ def test_int4_offload_notes_and_refusals(hub_cache):
             e4.resolved.path,
             device=torch.device("cpu"),
             dtype=torch.float32,
-            experts_format="int4",
-            vram_bytes=fits + e4.loaded.expert_bytes() // 2,
-            host_storage="mmap",
+            options=LoadOptions(
+                experts_format="int4", vram_bytes=fits + e4.loaded.expert_bytes() // 2, host_storage="mmap"
+            ),
         )
     with pytest.raises(UsageError, match="--experts must be one of full, int4"):
-        load_model(e4.resolved.path, device=torch.device("cpu"), dtype=torch.float32, experts_format="int8")
+        load_model(
+            e4.resolved.path,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            options=LoadOptions(experts_format="int8"),
+        )
 
 
 def test_put_quantizes_one_expert_in_place():

@@ -36,7 +36,9 @@ from localmoe.engine.sampling import Seen, generation_defaults, make_generator, 
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
 from localmoe.models import hub
-from localmoe.models.loader import LoadedModel, check_tokenizer, int4_hint, load_model, read_config
+from localmoe.models.checkpoint import check_tokenizer, read_config
+from localmoe.models.loaded import LoadedModel, int4_hint
+from localmoe.models.loader import LoadOptions, load_model
 from localmoe.models.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
 from localmoe.models.shapes import shape_config
 
@@ -156,19 +158,17 @@ class Engine:
         tokenizer = load_tokenizer(resolved.path)
         budget = vram_budget(dev, vram_gib)
         try:
-            loaded = load_model(
-                resolved.path,
-                device=dev,
-                dtype=dt,
-                progress=progress,
+            options = LoadOptions(
                 vram_bytes=budget,
                 context=context or DEFAULT_CONTEXT,
                 fused=fused,
                 offload_miss=offload_miss,
-                on_notice=notice,
                 host_storage=host_storage,
                 store_key=(resolved.name, resolved.revision),
                 experts_format=experts,
+            )
+            loaded = load_model(
+                resolved.path, device=dev, dtype=dt, options=options, progress=progress, on_notice=notice
             )
         except torch.OutOfMemoryError:
             raise RuntimeFailure(
@@ -213,18 +213,14 @@ class Engine:
 
         t0 = time.perf_counter()
         config = shape_config(shape)
-        loaded = build_random(
-            config,
-            device=device,
-            dtype=dtype,
+        options = LoadOptions(
             vram_bytes=vram_budget(device, vram_gib),
             context=context or DEFAULT_CONTEXT,
             fused=fused,
             offload_miss=offload_miss,
-            routing=routing,
-            on_notice=on_notice,
             experts_format=experts,
         )
+        loaded = build_random(config, device=device, dtype=dtype, options=options, routing=routing, on_notice=on_notice)
         spec = load_registry().get(shape)
         resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=Path("."), spec=spec, revision="random")
         engine = cls(resolved, loaded, None, device, dtype)

@@ -21,10 +21,13 @@ from localmoe.experts.int4 import expert_bytes
 from localmoe.experts.int4 import expert_bytes as int4_bytes
 from localmoe.experts.placement import WORKSPACE_RESERVE, gate_tier_split, state_bytes
 from localmoe.models import hub
+from localmoe.models.checkpoint import read_config
 from localmoe.models.families import FAMILIES, family_for_model_type
-from localmoe.models.loader import build_skeleton, check_format, plan_offload, read_config, swap_experts
+from localmoe.models.loader import check_format
+from localmoe.models.offload import plan_offload
 from localmoe.models.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
 from localmoe.models.shapes import shape_config
+from localmoe.models.skeleton import build_skeleton, swap_experts
 
 GiB = 1 << 30
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
+from localmoe.models.checkpoint import plain_shard_name
 from localmoe.models.families import family_for_model_type, supported_families
 from localmoe.models.registry import ModelSpec, Registry, load_registry, unknown_model_error, unsupported_model_error
 from localmoe.models.shapes import SHAPES
@@ -203,13 +204,11 @@ def complete_snapshot(folder: Path) -> bool:
         return False
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        from localmoe.models.loader import _plain_shard_name
-
         try:
             names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
         except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError):
             return True  # a broken index: the loader reports it by name
-        if not all(_plain_shard_name(n) for n in names):
+        if not all(plain_shard_name(n) for n in names):
             return True  # a name that is no plain shard file name: complete as far as we look, the loader refuses it
         return all((folder / n).is_file() for n in names)
     return True

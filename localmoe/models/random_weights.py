@@ -14,19 +14,12 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts.int4 import Int4Tensor, quantize
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+from localmoe.experts.placement import host_allocator
 from localmoe.models.families import family_for_model_type, supported_families
-from localmoe.models.loader import (
-    LoadedModel,
-    attach_cache,
-    build_skeleton,
-    check_format,
-    device_of,
-    dispatch_spilled,
-    install_fused,
-    place_non_experts,
-    plan_offload,
-    swap_experts,
-)
+from localmoe.models.loaded import LoadedModel, attach_cache
+from localmoe.models.loader import LoadOptions, check_format, install_decode
+from localmoe.models.offload import device_of, place_buffers, plan_placement
+from localmoe.models.skeleton import build
 
 
 def param_owners(model) -> dict[str, str]:
@@ -84,8 +77,6 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
 
 def _host_copy(t, pinned: list):
     """A master copy of t (a tensor or an Int4Tensor) in host memory, pinned while pinning works."""
-    from localmoe.experts.placement import host_allocator
-
     alloc = host_allocator(pinned)
     if isinstance(t, Int4Tensor):
         h = Int4Tensor.empty(t.shape, t.dtype, "cpu", alloc=alloc)
@@ -101,36 +92,29 @@ def build_random(
     device: torch.device,
     dtype: torch.dtype,
     seed: int = 0,
-    vram_bytes: int | None = None,
-    context: int = 8192,
-    fused: bool = True,
-    offload_miss: str = "auto",
+    options: LoadOptions | None = None,
     routing: str = "uniform",
     on_notice=None,
-    experts_format: str = "full",
 ) -> LoadedModel:
-    """The same model with random weights (for `bench --shape`: measure hardware without a download).
+    """The same model with random weights (for `bench --shape`: measure hardware without a download), built as
+    `load_model` builds a checkpoint under `options` (its host_storage and store_key unused: offloaded master copies
+    are drawn on the device, then kept in host memory).
 
     Matrices ~ N(0, 0.02), norm weights 1 (0 for zero-centred norms), other vectors small; experts likewise.
     Random routers spread tokens evenly over the experts (`routing="uniform"`, the pessimistic case for the expert
     cache); `routing="skewed"` then rescales the router rows so each layer has a few hot experts (`skew_routers`)."""
     from accelerate.utils import set_module_tensor_to_device
 
+    options = options or LoadOptions()
     if routing not in ROUTINGS:
         raise UsageError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
     fam = family_for_model_type(text_config.model_type)
     if fam is None or fam.unsupported:
         raise UsageError(f"no random-weight build for {text_config.model_type!r}; supported: {supported_families()}")
-    check_format(experts_format)
-    model = build_skeleton(text_config, dtype)
-    experts = swap_experts(model, text_config)
-    budget = (
-        plan_offload(model, text_config, experts, dtype, vram_bytes, context, on_notice, experts_format)
-        if vram_bytes
-        else None
-    )
-    host = budget is not None and budget.offloading
-    dmap = place_non_experts(model, budget, device, dtype)
+    check_format(options.experts_format)
+    model, experts = build(text_config, dtype)
+    placed = plan_placement(model, text_config, experts, device, dtype, options, on_notice)
+    dmap = placed.dmap
     gen = torch.Generator(device=device).manual_seed(seed)
     owners = param_owners(model)
     for name, p in list(model.named_parameters()):
@@ -138,25 +122,22 @@ def build_random(
         set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=t)
     if routing == "skewed":
         skew_routers(model, experts, seed)
-    for name, buf in model.named_buffers():
-        if buf.device != device_of(name, dmap, device):
-            set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=buf)
-    pinned = [device.type == "cuda"]
+    place_buffers(model, dmap, device)
     for mod in experts.values():
         shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
         mats = []
         for _ in range(3):
             t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-            if experts_format == "int4":  # quantized on the device
+            if options.experts_format == "int4":  # quantized on the device
                 t = quantize(t)
-            mats.append(_host_copy(t, pinned) if host else t)  # offloaded: drawn on the device, then moved
+            mats.append(
+                _host_copy(t, placed.pinned) if placed.host else t
+            )  # offloaded: drawn on the device, then moved
         mod.weights = ExpertWeights(*mats)
-    model.eval()
-    model.requires_grad_(False)
-    if fused and not dmap:
-        install_fused(model, device)
-    dispatch_spilled(model, dmap, device)
-    loaded = LoadedModel(model=model, config=text_config, family=fam, experts=list(experts.values()), offload=budget)
-    if host:
-        attach_cache(loaded, dtype, device, pinned[0], offload_miss)
+    install_decode(model, dmap, device, options.fused)
+    loaded = LoadedModel(
+        model=model, config=text_config, family=fam, experts=list(experts.values()), offload=placed.budget
+    )
+    if placed.host:
+        attach_cache(loaded, dtype, device, placed.pinned[0], options.offload_miss)
     return loaded

@@ -1,0 +1,85 @@
+"""What a load hands the engine (`LoadedModel`: the model, its text config and family, its experts, the offload plan,
+the expert cache and where the host copies live), the GPU expert cache put in front of offloaded experts' host
+copies (`attach_cache`, experts/cache.py; the loader's last step, and again when a bench or test changes the miss
+mode) and the int4 hint for a full-precision load that offloads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localmoe.experts import cache as offload
+from localmoe.experts import placement
+from localmoe.experts.int4 import expert_bytes
+from localmoe.experts.local_experts import LocalExperts
+from localmoe.models.families import FamilySpec
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: object  # the text config
+    family: FamilySpec
+    experts: list[LocalExperts]  # one per MoE layer, in layer order
+    offload: object = None  # localmoe.experts.placement.OffloadPlan when a VRAM budget was given
+    cache: object = None  # localmoe.experts.cache.ExpertCache when experts are offloaded
+    host_pinned: bool = False  # expert master copies in pinned host memory
+    host_storage: str = ""  # where offloaded experts' master copies live: pinned, pageable or mmap (files)
+
+    def expert_bytes(self) -> int:
+        return sum(m.weights.nbytes() for m in self.experts)
+
+
+def int4_hint(loaded: LoadedModel) -> str | None:
+    """For offloaded full-precision experts that would all fit the budget in 4 bits: the notice naming the flag."""
+    plan, m = loaded.offload, loaded.experts[0]
+    if plan is None or not plan.offloading or m.weights.int4:
+        return None
+    try:
+        need = (
+            plan.non_expert_bytes
+            + plan.state_bytes
+            + placement.WORKSPACE_RESERVE
+            + plan.total_experts * expert_bytes(m.intermediate_size, m.hidden_size)
+        )
+    except ValueError:  # no 4-bit format for this hidden size
+        return None
+    if need > plan.budget_bytes:
+        return None
+    return (
+        f"--experts int4 would keep every expert in VRAM ({need / 2**30:.1f} GiB of the "
+        f"{plan.budget_bytes / 2**30:.1f} GiB budget; 4-bit weights, a small accuracy cost)"
+    )
+
+
+def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto", gate_tier: bool = True) -> None:
+    """Experts' weights are host master copies: put the GPU expert cache in front of them (replacing one attached
+    before). Miss mode "auto": direct reads from pinned host memory on CUDA (the fastest measured), else
+    copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first
+    (`placement.gate_tier_split`)."""
+    if miss == "auto":
+        miss = "direct" if torch.device(device).type == "cuda" and pinned else "copy"
+    m0 = loaded.experts[0]
+    for m in loaded.experts:
+        m.cache = None
+    loaded.cache = None  # the old pools go before the new ones are allocated
+    gates, slots = (
+        placement.gate_tier_split(loaded.offload) if miss == "direct" and gate_tier else (0, loaded.offload.slots)
+    )
+    cache = offload.ExpertCache(
+        slots,
+        (m0.num_experts, m0.intermediate_size, m0.hidden_size),
+        dtype,
+        device,
+        mode=miss,
+        gate_slots=gates,
+        int4=m0.weights.int4,
+    )
+    for m in loaded.experts:
+        cache.add_layer(m.layer_idx, m.weights)
+        m.cache = cache
+    cache.place_gates()
+    loaded.cache = cache
+    loaded.host_pinned = pinned

@@ -1,0 +1,68 @@
+"""The model skeleton: the transformers text model built with its parameters on the meta device (buffers real), each
+MoE block's `experts` submodule replaced by a parameter-free `LocalExperts` (families.FAMILIES), and what the
+skeleton says about itself before any weight is read (modules kept in float32, the units accelerate places whole).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from localmoe.errors import UsageError
+from localmoe.experts.local_experts import LocalExperts
+from localmoe.models.families import FAMILIES, supported_families
+
+
+def build_skeleton(text_config, dtype: torch.dtype):
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(text_config, dtype=dtype, trust_remote_code=False)
+    return model
+
+
+def swap_experts(model, text_config) -> dict[str, LocalExperts]:
+    """Replace each MoE block's `experts`; returns {experts module name: LocalExperts} in layer order."""
+    swapped: dict[str, LocalExperts] = {}
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ not in FAMILIES or not hasattr(module, "experts"):
+            continue
+        old = module.experts
+        E, two_i, H = old.gate_up_proj.shape
+        layer = int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name + ".")) else len(swapped)
+        new = LocalExperts(E, H, two_i // 2, text_config.hidden_act, layer)
+        module.experts = new
+        swapped[f"{name}.experts"] = new
+    if not swapped:
+        raise UsageError(f"the checkpoint has no MoE layers localmoe can run; supported: {supported_families()}")
+    return swapped
+
+
+def keep_fp32(model) -> list[str]:
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    keep += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    return keep
+
+
+def units(model) -> dict[str, int]:
+    """Parameter bytes of the units accelerate places whole: modules of the model's no-split classes (decoder
+    layers), and every parameter-holding module outside them (embedding, final norm, lm_head)."""
+    from accelerate.utils import compute_module_sizes
+
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    sizes = compute_module_sizes(model)
+    units: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if any(name.startswith(u + ".") for u in units):
+            continue
+        if type(m).__name__ in no_split or (name and next(m.parameters(recurse=False), None) is not None):
+            units[name] = sizes.get(name, 0)
+    return units
+
+
+def build(text_config, dtype: torch.dtype):
+    """The skeleton with localmoe's experts swapped in -> (model, {experts module name: LocalExperts})."""
+    model = build_skeleton(text_config, dtype)
+    return model, swap_experts(model, text_config)
