@@ -137,6 +137,31 @@ def test_help_and_models_do_not_import_torch(tmp_path):
     assert r.returncode == 0 and "run" in r.stdout
 
 
+def _options(parser, path="localmoe"):
+    """(command path, option strings, help) of every optional flag of `parser` and of its subcommands."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif action.option_strings:
+            yield path, action.option_strings, action.help
+
+
+def test_every_flag_states_its_default():
+    from localmoe.cli.parser import build_parser
+
+    options = list(_options(build_parser()))
+    assert len(options) > 60  # every subcommand walked
+    missing = [
+        f"{path} {'/'.join(flags)}: {help!r}"
+        for path, flags, help in options
+        if not {"-h", "--help", "--version"} & set(flags) and (not help or "default" not in help.lower())
+    ]
+    assert not missing, "\n".join(missing)
+
+
 def test_import_kernels_is_not_this_repo(tmp_path):
     code = (
         "import importlib.util as u, localmoe.kernels as k, localmoe.tui as t; "

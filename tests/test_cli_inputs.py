@@ -145,6 +145,11 @@ CASES = [
     ("show-vram-zero", ["show", M, "--vram", "0"], None, 2, "--vram must be > 0.0"),
     ("show-experts-int8", ["show", M, "--experts", "int8"], None, 2, "invalid choice: 'int8'"),
     ("show-context-15", ["show", M, "--context", "15"], None, 2, "--context must be >= 16"),
+    # flags removed in #21 (measured no better than the default): refused like any unknown flag
+    ("removed-offload-miss", RUN + ["--offload-miss", "copy"], None, 2, "unrecognized arguments: --offload-miss"),
+    ("removed-no-fused", ["chat", M, "--no-fused"], None, 2, "unrecognized arguments: --no-fused"),
+    ("removed-compile", ["bench", M, "--compile"], None, 2, "unrecognized arguments: --compile"),
+    ("removed-threshold-mode", ["eval", M, "--threshold-mode", "expert"], None, 2, "unrecognized arguments"),
 ]
 
 
