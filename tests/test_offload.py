@@ -219,7 +219,7 @@ def test_cpu_misses_equal_all_resident(sparsity):
 
 def test_live_stats_carry_cache_figures_while_decoding():
     """The status bar's figures (hit rate, host→GPU bytes per token) update every few tokens, not only at the end."""
-    from localmoe.engine.engine import LIVE_STATS_EVERY
+    from localmoe.engine.stats import LIVE_STATS_EVERY
 
     model = repo_id("qwen3_moe")
     e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))

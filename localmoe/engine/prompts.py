@@ -1,0 +1,73 @@
+"""What the engine makes of a tokenizer: loading it, its chat template's thinking switch (`enable_thinking`, passed to
+every render through `TemplateArgs`), whether it is a thinking model (its reasoning tags) and a reply's reasoning
+splitter, and the check that text given to it is valid Unicode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from localmoe.engine.reasoning import CLOSE, OPEN, ReasoningSplitter, opens_reasoning
+from localmoe.errors import RuntimeFailure, UsageError
+
+
+class TemplateArgs:
+    """A tokenizer whose apply_chat_template gets extra template variables (enable_thinking), so that prefix.py's
+    renders (the prompt, the next turn's, the reply's) all see the same thinking switch."""
+
+    def __init__(self, tokenizer, **kwargs):
+        self._tokenizer, self._kwargs = tokenizer, kwargs
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:
+        raise RuntimeFailure(f"cannot load the tokenizer from {path}: {str(e).splitlines()[0]}") from None
+
+
+def thinking(tokenizer) -> tuple[bool, tuple[str, str] | None]:
+    """(the chat template has the `enable_thinking` switch, the reasoning tags of a thinking model or None): a
+    thinking model's replies are split into reasoning and answer (reasoning.py)."""
+    template = getattr(tokenizer, "chat_template", None)
+    template = (
+        template if isinstance(template, str) else " ".join(template.values()) if isinstance(template, dict) else ""
+    )
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    tags = (OPEN, CLOSE) if (OPEN in vocab and CLOSE in vocab) or CLOSE in template else None
+    return "enable_thinking" in template, tags
+
+
+def splitter(tokenizer, tags: tuple[str, str] | None, prompt_ids: Sequence[int]) -> ReasoningSplitter | None:
+    """A thinking model's reasoning splitter, starting inside the block when the prompt leaves one open."""
+    if tags is None or tokenizer is None:
+        return None
+    tail = tokenizer.decode(list(prompt_ids[-64:]), skip_special_tokens=False)
+    open_tag, close_tag = tags
+    return ReasoningSplitter(
+        in_reasoning=opens_reasoning(tail, open_tag, close_tag), open_tag=open_tag, close_tag=close_tag
+    )
+
+
+def check_unicode(text, what: str) -> None:
+    """Text a tokenizer can take: a str without lone surrogates (undecodable bytes smuggled in by surrogateescape),
+    which tokenizers reject with a TypeError."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(
+            f"{what} is not valid text (an undecodable byte or lone surrogate at character {e.start}): give UTF-8 text"
+        ) from None
