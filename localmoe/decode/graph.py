@@ -2,18 +2,17 @@
 
 Prefill runs eager (dense path, in chunks of `Engine.prefill_chunk` tokens) into a transformers `StaticCache` sized
 for the context length, from where the cache can be rewound to when the prompt repeats a chat's history (prefix.py);
-then one decode step — embedding, every layer's attention / Gated DeltaNet step, router,
-shared expert, localmoe's sparse experts, norm, lm_head and the greedy token (kernels/argmax.py) — is captured once
-and replayed per token. `step` copies a token id and position into the static inputs and returns the logits, for
-sampling outside the graph (on the device, the repetition penalty included: sampling.py). `step_greedy` chains greedy
-steps with nothing between replays: the captured argmax
-writes the next input id, advances the position and puts the token in a device ring and a pinned host ring, which
-the host reads after the step's event, without a copy on the stream. With a repetition penalty the captured argmax
-also reads the engine's seen-token mask (sampling.Seen), penalises the logits of the tokens in it and marks the token
-it chose, so penalised greedy steps chain the same way; the penalty is a device scalar read at replay time
-(`set_penalty`; 1.0 = off, nothing read or marked), so one capture serves both. The only host synchronisation per
-token is the token's read, for streaming. Anything that cannot be captured raises `GraphUnavailable`, and the Engine
-falls back to eager with a one-line notice.
+then one decode step — embedding, every layer's attention / Gated DeltaNet step, router, shared expert, localmoe's
+sparse experts, norm, lm_head and the greedy token (kernels/argmax.py) — is captured once and replayed per token.
+`step` copies a token id and position into the static inputs and returns the logits, for sampling outside the graph (on
+the device, the repetition penalty included: engine/sampling.py). `step_greedy` chains greedy steps with nothing between
+replays: the captured argmax writes the next input id, advances the position and puts the token in a device ring and a
+pinned host ring, which the host reads after the step's event, without a copy on the stream. With a repetition penalty
+the captured argmax also reads the engine's seen-token mask (sampling.Seen), penalises the logits of the tokens in it
+and marks the token it chose, so penalised greedy steps chain the same way; the penalty is a device scalar read at
+replay time (`set_penalty`; 1.0 = off, nothing read or marked), so one capture serves both. The only host
+synchronisation per token is the token's read, for streaming. Anything that cannot be captured raises
+`GraphUnavailable`, and the Engine falls back to eager with a one-line notice.
 
 No Python garbage collection runs while a step is captured (`capture` collects first, then holds the collector off):
 a decoder dropped earlier (after `set_sparsity` or `set_context`) sits in a reference cycle, and a collection during
@@ -38,7 +37,7 @@ class GraphUnavailable(RuntimeError):
 
 
 class GraphDecoder:
-    def __init__(self, engine, max_len: int, compile: bool = False):
+    def __init__(self, engine, max_len: int):
         from transformers import StaticCache
 
         if engine._device.type != "cuda":
@@ -71,18 +70,6 @@ class GraphDecoder:
         # when experts are offloaded (the VRAM budget is theirs)
         self.prompt_reuse = PromptReuse(host_copy=engine.loaded.cache is not None)
         self.reused = 0
-        # optional: inductor fuses the step's many small elementwise ops before capture (slow first call)
-        if compile:
-            from torch import _dynamo
-
-            # every decoder layer is its own frame (graph breaks at localmoe's Triton launches): allow one per layer
-            n = 4 * int(getattr(engine.loaded.config, "num_hidden_layers", 64)) + 16
-            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, n)
-            if hasattr(_dynamo.config, "recompile_limit"):
-                _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, n)
-            if hasattr(_dynamo.config, "accumulated_recompile_limit"):
-                _dynamo.config.accumulated_recompile_limit = max(_dynamo.config.accumulated_recompile_limit, 8 * n)
-        self._step_fn = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
     def _forward(self, ids, pos):
         kw = {self.engine._cache_kw: self.cache}
@@ -117,7 +104,6 @@ class GraphDecoder:
         self.graph = None
         self.logits = None
         self.cache = None
-        self._step_fn = None  # a bound method of self: the cycle
 
     def capture(self, position: int) -> None:
         self.pos.fill_(position)
@@ -133,13 +119,13 @@ class GraphDecoder:
         try:
             with torch.cuda.stream(stream):
                 for _ in range(3):  # warm-up: kernels compiled, workspaces allocated (same position is rewritten)
-                    self._choose(self._step_fn(self.ids, self.pos))
+                    self._choose(self._forward(self.ids, self.pos))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # captured on the warm-up's stream: the kernels' per-stream zeroed workspaces (tickets, accumulators)
             # were made there, so the graph holds no allocation and no memset node
             with torch.cuda.graph(graph, stream=stream):
-                self.logits = self._step_fn(self.ids, self.pos)
+                self.logits = self._forward(self.ids, self.pos)
                 self._choose(self.logits)
         except Exception as e:  # noqa: BLE001
             raise GraphUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None

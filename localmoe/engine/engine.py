@@ -1,11 +1,11 @@
 """The Engine: owns everything from loading a model to streaming its reply, at batch 1.
 
-    Engine.load(MODEL) → resolve (hub) → tokenizer (prompts.py) → load (models/loader.py: experts into localmoe's
-                       store) → notices (notices.py) → sparsity thresholds (experts/thresholds: cached calibration)
-                       → ready
+    Engine.load(MODEL) → load.py's steps: resolve (hub) → tokenizer (prompts.py) → load (models/loader.py: experts
+                       into localmoe's store) → notices (notices.py) → sparsity thresholds (experts/thresholds: cached
+                       calibration) → ready; Engine.random(SHAPE) the same with random weights (bench --shape)
     engine.chat(messages) / engine.generate(ids) → the request checked, then generate.py's steps: prefill (dense
                        path, 2048-token chunks; a chat's history the cache already holds is not prefilled again:
-                       prefix.py) → decode loop (sparse path; on CUDA one captured graph per step, steps N+1, N+2
+                       decode/prefix.py) → decode loop (sparse path; on CUDA one captured graph per step, steps N+1, N+2
                        launched before token N is streamed) → TokenEvent per token; `stats` (stats.py) updated as it
                        goes; `cancel()` from any thread.
 
@@ -25,29 +25,23 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from localmoe.decode.graph import GraphDecoder, GraphUnavailable
 from localmoe.decode.prefix import PromptReuse, prefill, render_chat, repeated_prefix, reply_prefix
-from localmoe.devices import pick_device, pick_dtype, vram_budget
 from localmoe.engine import generate as reply
-from localmoe.engine import plan, prompts
+from localmoe.engine import prompts
 from localmoe.engine import stats as figures
-from localmoe.engine.notices import offload_notices, recording
+from localmoe.engine.load import load_engine, random_engine
 from localmoe.engine.reasoning import ReasoningSplitter
 from localmoe.engine.sampling import Seen, generation_defaults
-from localmoe.errors import RuntimeFailure, UsageError
+from localmoe.errors import UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
 from localmoe.experts import thresholds
 from localmoe.models import hub
-from localmoe.models.checkpoint import check_tokenizer, read_config
 from localmoe.models.loaded import LoadedModel
-from localmoe.models.loader import LoadOptions, load_model
-from localmoe.models.random_weights import build_random
-from localmoe.models.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY, load_registry
-from localmoe.models.shapes import shape_config
+from localmoe.models.registry import DEFAULT_CONTEXT
 
 PIPELINE_DEPTH = 2  # CUDA decode steps in flight ahead of the host: the GPU never waits for Python between steps
 PREFILL_CHUNK = 2048  # prompt tokens per prefill forward: long prompts are prefilled piece by piece into the cache
@@ -65,7 +59,6 @@ class Engine:
         self.model_name = resolved.name
         self.experts_format = "int4" if loaded.experts and loaded.experts[0].weights.int4 else "full"
         self.sparsity = 0.0
-        self.threshold_mode = "layer"
         self._cancel = threading.Event()
         self._stats = EngineStats()
         self.eos_ids = self._eos_ids()
@@ -81,8 +74,7 @@ class Engine:
         self.use_graphs = device.type == "cuda"  # CUDA-graph decode (falls back to eager with a notice)
         # decode steps launched ahead of the token the host reads (see generate): 0 = one step at a time
         self.pipeline_depth = PIPELINE_DEPTH if device.type == "cuda" else 0
-        self.graph_greedy = True  # greedy decode chooses its token inside the CUDA graph (graph.py step_greedy)
-        self.compile = False  # torch.compile the decode step before capture (bench --compile; experimental)
+        self.graph_greedy = True  # greedy decode chooses its token inside the CUDA graph (decode/graph.py step_greedy)
         self.on_notice = None  # callable(str) for one-line notices (the CLI prints them on stderr)
         self._graph = None
         self.reuse_prompts = True  # rewind the cache to the prompt prefix it holds (a chat's history) instead of
@@ -98,128 +90,9 @@ class Engine:
         # a thinking model: its replies are split into reasoning and answer (reasoning.py)
         self.supports_thinking, self.reasoning_tags = prompts.thinking(tokenizer)
 
-    # -- construction ---------------------------------------------------------------------------------
-    @classmethod
-    def load(
-        cls,
-        model: str,
-        *,
-        device: str | None = None,
-        dtype: str | None = None,
-        sparsity: float | None = None,
-        progress: ProgressFn | None = None,
-        calibration_text: str | None = None,
-        vram_gib: float | None = None,
-        context: int | None = None,
-        on_notice=None,
-        fused: bool = True,
-        offload_miss: str = "auto",
-        host_storage: str = "auto",
-        experts: str = "full",
-        show_plan: bool = False,
-    ) -> Engine:
-        """Resolve, load and calibrate MODEL. Notices go to `on_notice` and `engine.notes`; the plan line
-        (`plan_line`, `localmoe show`'s one-line plan) is the first of `notes`, and goes to `on_notice` too with
-        `show_plan` (the CLI's run on a terminal)."""
-        t0 = time.perf_counter()
-        notes: list[str] = []
-        notice = recording(notes, on_notice)
-        dev = pick_device(device)
-        dt = pick_dtype(dtype, dev)
-        resolved = hub.resolve(model, progress=progress)
-        read_config(resolved.path)  # a bad config.json or a folder without a tokenizer: the loader's own messages
-        check_tokenizer(resolved.path)
-        tokenizer = prompts.load_tokenizer(resolved.path)
-        budget = vram_budget(dev, vram_gib)
-        try:
-            options = LoadOptions(
-                vram_bytes=budget,
-                context=context or DEFAULT_CONTEXT,
-                fused=fused,
-                offload_miss=offload_miss,
-                host_storage=host_storage,
-                store_key=(resolved.name, resolved.revision),
-                experts_format=experts,
-            )
-            loaded = load_model(
-                resolved.path, device=dev, dtype=dt, options=options, progress=progress, on_notice=notice
-            )
-        except torch.OutOfMemoryError:
-            raise RuntimeFailure(
-                f"out of GPU memory loading {resolved.name}: free the GPU, use a smaller --dtype, or --device cpu"
-            ) from None
-        engine = cls(resolved, loaded, tokenizer, dev, dt)
-        engine.on_notice = notice
-        engine.notes = notes
-        if context:
-            engine.set_context(context)
-        if sparsity is None:
-            d = resolved.default_sparsity
-            sparsity = UNKNOWN_MODEL_SPARSITY if d is None else d
-        engine._plan_notice(sparsity, show_plan)
-        engine._defaults = generation_defaults(resolved.path, notice)
-        engine._offload_notices()
-        engine.set_sparsity(sparsity, progress, calibration_text=calibration_text)
-        engine.on_notice = on_notice  # later notices (recalibration, graph fallbacks) go to the caller only
-        engine.load_s = time.perf_counter() - t0
-        engine._stats = replace(engine._stats, load_s=engine.load_s)
-        return engine
-
-    @classmethod
-    def random(
-        cls,
-        shape: str,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        vram_gib: float | None = None,
-        context: int | None = None,
-        on_notice=None,
-        fused: bool = True,
-        offload_miss: str = "auto",
-        routing: str = "uniform",
-        experts: str = "full",
-    ) -> Engine:
-        """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
-        `random_weights.build_random`."""
-        t0 = time.perf_counter()
-        config = shape_config(shape)
-        options = LoadOptions(
-            vram_bytes=vram_budget(device, vram_gib),
-            context=context or DEFAULT_CONTEXT,
-            fused=fused,
-            offload_miss=offload_miss,
-            experts_format=experts,
-        )
-        loaded = build_random(config, device=device, dtype=dtype, options=options, routing=routing, on_notice=on_notice)
-        spec = load_registry().get(shape)
-        resolved = hub.ResolvedModel(name=f"{shape} (random weights)", path=Path("."), spec=spec, revision="random")
-        engine = cls(resolved, loaded, None, device, dtype)
-        engine.on_notice = on_notice
-        if context:
-            engine.set_context(context)
-        engine._offload_notices()
-        engine.set_sparsity(0.0)
-        engine.load_s = time.perf_counter() - t0
-        engine._stats = replace(engine._stats, load_s=engine.load_s)
-        return engine
-
-    def _plan_notice(self, sparsity: float, show: bool = True) -> None:
-        """The one-line plan (`localmoe show`'s), as the load's first notice (only recorded in `notes` unless
-        `show`)."""
-        try:
-            self.plan_line = plan.engine_plan(self, sparsity).line()
-        except Exception:  # noqa: BLE001 - a plan it cannot describe is no reason to fail a load that worked
-            return
-        if show:
-            self._notice(self.plan_line)
-            self._plan_shown = True
-        else:
-            self.notes.append(self.plan_line)
-
-    def _offload_notices(self) -> None:
-        if offload_notices(self.loaded, self._device, self._plan_shown, self._notice):
-            self.use_graphs = False
+    # -- construction (load.py: the signatures and what each step does) ---------------------------------
+    load = classmethod(load_engine)  # Engine.load(model, *, device=None, ...): resolve, load and calibrate a model
+    random = classmethod(random_engine)  # Engine.random(shape, *, device, dtype, ...): random weights, real shapes
 
     def _after_step(self) -> None:
         """Direct-miss offloading: let the expert cache see what the step routed to (and admit some misses)."""
@@ -252,9 +125,7 @@ class Engine:
         if sparsity == 0.0:
             thresholds.disable(self.loaded, device=self._device)
         else:
-            table = thresholds.thresholds_for(
-                self, sparsity, progress=progress, text=calibration_text, mode=self.threshold_mode
-            )
+            table = thresholds.thresholds_for(self, sparsity, progress=progress, text=calibration_text)
             thresholds.apply(self.loaded, table, device=self._device)
         self.sparsity = sparsity
         self._drop_graph()  # captured against the old thresholds / path: capture again
@@ -345,7 +216,7 @@ class Engine:
             self.on_notice(text)
 
     def _drop_graph(self) -> None:
-        """The next reply captures a new decoder; this one's CUDA graph is destroyed now (graph.py: never during
+        """The next reply captures a new decoder; this one's CUDA graph is destroyed now (decode/graph.py: never during
         a later capture, when the collector would reach it)."""
         if self._graph is not None:
             self._graph.release()
@@ -354,7 +225,7 @@ class Engine:
     def _graph_decoder(self):
         if self._graph is None and self.use_graphs:
             try:
-                self._graph = GraphDecoder(self, self.context, compile=self.compile)
+                self._graph = GraphDecoder(self, self.context)
             except GraphUnavailable as e:
                 self.use_graphs = False
                 self._notice(f"CUDA graph decode unavailable ({e}); decoding eagerly")

@@ -224,7 +224,6 @@ def bench(
     decode_tokens: int = 256,
     baseline: str | None = None,
     graphs: bool = True,
-    compile: bool = False,
     vram_gib: float | None = None,
     fused: bool = True,
     offload_miss: str = "auto",
@@ -282,7 +281,6 @@ def bench(
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     engine.use_graphs = engine.use_graphs and graphs and dev.type == "cuda"
-    engine.compile = compile
     if sparsities is None:
         sparsities = sorted({0.0, default if default is not None else 0.5})
     gen = torch.Generator().manual_seed(0)
