@@ -15,9 +15,9 @@ synchronisation per token is the token's read, for streaming. Anything that cann
 `GraphUnavailable`, and the Engine falls back to eager with a one-line notice.
 
 No Python garbage collection runs while a step is captured (`capture` collects first, then holds the collector off):
-a decoder dropped earlier (after `set_sparsity` or `set_context`) sits in a reference cycle, and a collection during
-the capture destroys its CUDA graph there — cudaGraphExecDestroy is not permitted while a stream captures, and the
-capture fails ("operation failed due to a previous error during capture"). The engine also `release`s a decoder it
+a decoder or engine dropped earlier that sits in a reference cycle is freed by the collector only, and a collection
+during the capture destroys its CUDA graph there — cudaGraphExecDestroy is not permitted while a stream captures, and
+the capture fails ("operation failed due to a previous error during capture"). The engine also `release`s a decoder it
 drops, so its graph is destroyed at once, outside any capture.
 """
 
@@ -99,7 +99,7 @@ class GraphDecoder:
 
     def release(self) -> None:
         """Drop the captured graph and the static cache now (the engine no longer uses this decoder): the graph's
-        CUDA objects are destroyed here, outside any capture, rather than whenever the collector reaches the cycle
+        CUDA objects are destroyed here, outside any capture, rather than whenever the collector reaches a cycle
         this decoder is in (see the module docstring)."""
         self.graph = None
         self.logits = None
