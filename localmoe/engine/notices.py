@@ -45,14 +45,17 @@ def offload_notices(loaded: LoadedModel, device: torch.device, plan_shown: bool,
         )
     if loaded.cache.mode == "direct":
         if device.type == "cuda" and not loaded.host_pinned:
-            why = (
-                "the expert master copies are memory-mapped files"
-                if loaded.host_storage == "mmap"
-                else "pinned host memory could not be allocated"
-            )
+            # only a forced offload_miss="direct" gets here ("auto" picks direct only with pinned memory)
+            if loaded.host_storage == "mmap":
+                why, fix = (
+                    "the expert master copies are memory-mapped files",
+                    'keep them in RAM (host_storage="pinned")',
+                )
+            else:
+                why, fix = "pinned host memory could not be allocated", "free RAM"
             raise RuntimeFailure(
-                f"--offload-miss direct needs pinned host memory and {why}: use --offload-miss "
-                "copy (or auto), or free RAM"
+                f'offload_miss="direct" reads expert misses from pinned host memory, but {why}: {fix}, or leave '
+                'offload_miss at "auto" (misses are copied in)'
             )
         cache = loaded.cache
         tier = (
