@@ -1,8 +1,7 @@
 """Small decode-time building blocks of localmoe's fused modules: tuned launch lookup, the one-row GEMV
 (`linear_1`, `FusedLinear`), one weight buffer for projections sharing an input (`concat_rows`) and the one-launch
-RMSNorm (`FusedRMSNorm`). `localmoe.decode.replacements` holds the replacement table; `fused_deltanet`,
-`fused_attention` and
-`fused_moe` build on these.
+RMSNorm (`FusedRMSNorm`). `localmoe.decode.replacements` holds the replacement table; `deltanet`, `attention` and
+`moe_layer` build on these.
 
 Shape legend: K input features, N output features, R rows.
 """

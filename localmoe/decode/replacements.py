@@ -1,8 +1,8 @@
 """Fused decode kernels in place of transformers modules: ONE table, applied explicitly at load time.
 
-The modules live in `decode_ops` (FusedLinear, FusedRMSNorm), `fused_deltanet` (FusedGatedDeltaNet),
-`fused_attention` (FusedAttention), `fused_moe` (FusedSparseMoeBlock, FusedDecoderLayer) and `fused_model`
-(FusedTextModel); this module owns the table and `install` / `uninstall`.
+The modules live in `ops` (FusedLinear, FusedRMSNorm), `deltanet` (FusedGatedDeltaNet), `attention`
+(FusedAttention), `moe_layer` (FusedSparseMoeBlock, FusedDecoderLayer) and `text_model` (FusedTextModel), all in
+localmoe/decode/; this module owns the table and `install` / `uninstall`.
 
 `REPLACEMENTS` maps a transformers class name to the localmoe module that replaces it for decode. `install(model)`
 walks `model.named_modules()` once and, for every module whose class is in the table, puts the localmoe module in

@@ -105,7 +105,7 @@ def capture(engine, graph, cache, ids: torch.Tensor, stable: int, n_prompt: int)
 class DecodeStep:
     """decode_one_token at a position: an eager forward on the dynamic cache or a graph replay, the token sampled on
     the device; or, greedy with a graph that chooses, a replay whose captured argmax picks it (reading and marking
-    the seen mask for the repetition penalty) and also writes it to the host (graph.py)."""
+    the seen mask for the repetition penalty) and also writes it to the host (decode/graph.py)."""
 
     def __init__(self, engine, graph, settings: GenerationSettings, gen, seen: Seen):
         self.engine, self.graph, self.settings, self.gen, self.seen = engine, graph, settings, gen, seen

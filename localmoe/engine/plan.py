@@ -3,9 +3,10 @@ bytes a decode step must read. `localmoe show` prints it before any download; `r
 form (`ModelPlan.line`) as they load.
 
 The numbers come from the code that loads models, not from a second model of it: the transformers skeleton on the
-meta device with localmoe's experts swapped in (`loader.build_skeleton` / `swap_experts`, as `random_weights` builds
-a bench model), the offload plan of `loader.plan_offload` / `placement` (what stays resident, expert slots, the
-gates-first split of direct misses), and the byte floor `benchmark.step_bytes` reports (`step_floor`).
+meta device with localmoe's experts swapped in (`models.skeleton.build_skeleton` / `swap_experts`, as
+`models.random_weights` builds a bench model), the offload plan of `models.offload.plan_offload` /
+`experts.placement` (what stays resident, expert slots, the gates-first split of direct misses), and the byte floor
+`measure.benchmark.step_bytes` reports (`step_floor`).
 
 Shape legend: E experts per MoE layer, I expert width, H hidden, k experts per token, L MoE layers.
 """
@@ -52,7 +53,7 @@ def size(b: float) -> str:
 class ModelFacts:
     """Counts of one model, from its (meta or loaded) transformers model and localmoe's experts."""
 
-    family: str  # localmoe's family name (families.py)
+    family: str  # localmoe's family name (models/families/)
     model_type: str
     architecture: str  # the transformers class
     layers: int

@@ -12,7 +12,7 @@ from localmoe.errors import RuntimeFailure, UsageError
 
 
 class TemplateArgs:
-    """A tokenizer whose apply_chat_template gets extra template variables (enable_thinking), so that prefix.py's
+    """A tokenizer whose apply_chat_template gets extra template variables (enable_thinking), so that decode/prefix.py's
     renders (the prompt, the next turn's, the reply's) all see the same thinking switch."""
 
     def __init__(self, tokenizer, **kwargs):

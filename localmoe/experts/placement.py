@@ -2,7 +2,7 @@
 
 The KV/recurrent state and a workspace reserve come first, then the non-expert weights, then experts. When the
 non-expert weights do not fit beside one token's experts they spill: accelerate keeps what fits on the GPU (at
-least the largest module, which it never splits) and the rest in host memory (`loader.place_non_experts`); below
+least the largest module, which it never splits) and the rest in host memory (`models.offload.place_non_experts`); below
 that, a one-line error with the numbers. With direct misses the experts' bytes hold gates first
 (`gate_tier_split`). Every expert's master copy lives in host memory, pinned when possible (`host_buffer`), and a
 notice comes before the load when the copies look larger than the RAM available (`host_ram_notice`).

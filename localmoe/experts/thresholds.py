@@ -95,7 +95,7 @@ def read_calibration_text(path: str | Path | None) -> tuple[str, str]:
 
 # The fingerprint of a checkpoint folder's weights kept in a cache file's metadata: a checkpoint rewritten in place
 # (same names and sizes, other values) gets new modification times, so its old thresholds are not reused whatever
-# the revision the cache is keyed on (hub.py) makes of it: a hub snapshot's is its commit, whose blobs can be
+# the revision the cache is keyed on (models/hub.py) makes of it: a hub snapshot's is its commit, whose blobs can be
 # replaced by hand, and an engine keeps the revision it resolved at load.
 FINGERPRINTED = ("config.json", "model.safetensors.index.json")
 
