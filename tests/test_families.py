@@ -34,10 +34,25 @@ def test_derived_tables_are_the_loaders():
     """What the loader reads, assembled from the family modules."""
     assert list(PER_EXPERT_NAMES.values()) == [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")]
     assert EXPERT_COUNT_KEYS == ("num_experts", "num_local_experts", "n_routed_experts")
-    assert EXPERT_WIDTH_KEYS == ("moe_intermediate_size",)
+    assert EXPERT_WIDTH_KEYS == ("moe_intermediate_size", "department_size")
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=[s.key for s in SPECS])
+def test_native_family_registers_its_model_type():
+    """DeaMoE, localmoe's own architecture: its config is read through AutoConfig once the family registers it, and
+    its count and width keys are the config's (D * n experts of department width h). No tiny model in the family
+    row: tests/test_deamoe.py builds its own."""
+    from transformers import AutoConfig
+
+    spec = family_for_model_type("deamoe")
+    assert spec.native_experts and spec.tiny is None and spec.not_offloadable and spec.no_int4
+    families.register_model_type("deamoe")
+    config = AutoConfig.for_model("deamoe", num_departments=3, experts_per_department=2, num_experts_per_tok=2)
+    assert getattr(config, spec.expert_count_key) == 6
+    assert getattr(config, spec.expert_width_key) == config.department_size
+    assert config.hidden_act == spec.activation
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.tiny], ids=[s.key for s in SPECS if s.tiny])
 def test_facts_match_the_transformers_config(spec):
     """The tiny config of every family builds; its text config has the family's expert count and width keys, and a
     supported family's activation is the config's."""

@@ -17,6 +17,7 @@ from localmoe.models.families import (
     EXPERT_WIDTH_KEYS,
     expert_count,
     family_for_model_type,
+    register_model_type,
     supported_families,
 )
 from localmoe.safe_text import for_line
@@ -30,6 +31,7 @@ def read_config(path: Path):
     except ImportError:  # older huggingface_hub: transformers' configs were not validated dataclasses
         StrictDataclassError = ValueError
     where = f"{for_line(path)}/config.json"
+    _register(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except StrictDataclassError as e:  # a field of the wrong type (transformers >= 5 validates them)
@@ -52,6 +54,27 @@ def read_config(path: Path):
         raise UsageError(fam.unsupported)
     check_sizes(text, where + ("" if text is config else " (text_config)"))
     return config, text, fam
+
+
+def _register(path: Path) -> None:
+    """localmoe's own architectures (DeaMoE) registered with the Auto classes before AutoConfig reads their config
+    (config.json's model_type peeked at; an unreadable file is left to AutoConfig's own message)."""
+    try:
+        model_type = json.loads((Path(path) / "config.json").read_bytes()).get("model_type")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return
+    if isinstance(model_type, str):
+        register_model_type(model_type)
+
+
+def check_native(path: Path, fam) -> None:
+    """A family of localmoe's own (DeaMoE): its checkpoint's tensors checked against its config from the safetensors
+    headers (`FamilySpec.checkpoint_check`: a UsageError naming the tensor) before the skeleton is built."""
+    if fam.checkpoint_check:
+        import importlib
+
+        module, func = fam.checkpoint_check.split(":")
+        getattr(importlib.import_module(module), func)(path)
 
 
 # Sizes a config may carry that must be positive integers when present (transformers builds tensors of negative

@@ -2,8 +2,11 @@
 
 LoadOptions.check          the host storage and experts format asked for
 checkpoint.read_config     `AutoConfig` (no remote code) → the family table decides whether it is supported
+checkpoint.check_native    a family of localmoe's own (DeaMoE): its tensors checked against its config (headers
+                           only), its unsupported options (int4 experts) refused
 skeleton.build             the transformers model on the meta device (buffers real), each MoE block's `experts`
-                           replaced by a parameter-free `LocalExperts` (families.FAMILIES)
+                           replaced by a parameter-free `LocalExperts` (families.FAMILIES; DeaMoE's
+                           DepartmentExperts kept)
 offload.plan_placement     the VRAM plan for the budget, the non-expert units that spill to host memory
 offload.expert_store       where offloaded experts' master copies live (host memory or memory-mapped files)
 weights.load_weights       every tensor streamed from the safetensors shards to where it lives, experts expert by
@@ -23,7 +26,7 @@ from localmoe.decode import replacements
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts.int4 import EXPERT_FORMATS
-from localmoe.models.checkpoint import check_tokenizer, read_config, shard_files
+from localmoe.models.checkpoint import check_native, check_tokenizer, read_config, shard_files
 from localmoe.models.loaded import LoadedModel, attach_cache
 from localmoe.models.offload import HOST_STORAGE, dispatch_spilled, expert_store, plan_placement
 from localmoe.models.skeleton import build
@@ -74,6 +77,9 @@ def load_model(
     options.check()
     _, text_config, fam = read_config(path)
     check_tokenizer(path)
+    if fam.no_int4 and options.experts_format == "int4":
+        raise UsageError(fam.no_int4)
+    check_native(path, fam)
     model, experts = build(text_config, dtype)
     placed = plan_placement(model, text_config, experts, device, dtype, options, on_notice)
     files = shard_files(path)

@@ -63,6 +63,8 @@ def plan_offload(
     el = torch.finfo(dtype).bits // 8
     non_expert = sum(p.numel() * el for p in model.parameters())
     mods = list(experts.values())
+    if hasattr(mods[0], "num_departments"):  # DeaMoE: resident only, for now
+        return _departments_resident(text_config, mods, non_expert, el, vram_bytes, context, dtype)
     E, I, H = mods[0].num_experts, mods[0].intermediate_size, mods[0].hidden_size
     if any((m.num_experts, m.intermediate_size, m.hidden_size) != (E, I, H) for m in mods):
         raise UsageError("expert offloading needs every MoE layer to have the same expert shape")
@@ -86,6 +88,27 @@ def plan_offload(
     if warning and on_notice:
         on_notice(warning)
     return budget
+
+
+def _departments_resident(text_config, mods, all_bytes: int, el: int, vram_bytes: int, context: int, dtype):
+    """DeaMoE's plan: every department resident (its experts are parameters of the model, counted in `all_bytes`);
+    a budget that would offload them is refused in one line (department-aware offloading is not written yet)."""
+    from localmoe.models.families import family_for_model_type
+
+    expert_total = sum(p.numel() * el for m in mods for p in m.parameters())
+    state = placement.state_bytes(text_config, context, dtype)
+    need = all_bytes + state + placement.WORKSPACE_RESERVE
+    if vram_bytes < need:
+        spec = family_for_model_type(text_config.model_type)
+        why = spec.not_offloadable if spec is not None and spec.not_offloadable else "offloading is not supported"
+        gib = placement.GiB
+        raise UsageError(
+            f"{why}: every department must stay resident, which needs {need / gib:.2f} GiB of VRAM (weights "
+            f"{all_bytes / gib:.2f}, KV/state {state / gib:.2f}, workspace {placement.WORKSPACE_RESERVE / gib:.2f}) "
+            f"and --vram gives {vram_bytes / gib:.2f} GiB: raise --vram, leave it out, or use --device cpu"
+        )
+    total = sum(m.num_experts for m in mods)
+    return placement.OffloadPlan(vram_bytes, all_bytes - expert_total, state, expert_total // total, total, total)
 
 
 def place_non_experts(model, budget, device: torch.device, dtype) -> dict[str, torch.device]:

@@ -1,6 +1,7 @@
 """The model skeleton: the transformers text model built with its parameters on the meta device (buffers real), each
-MoE block's `experts` submodule replaced by a parameter-free `LocalExperts` (families.FAMILIES), and what the
-skeleton says about itself before any weight is read (modules kept in float32, the units accelerate places whole).
+MoE block's `experts` submodule replaced by a parameter-free `LocalExperts` (families.FAMILIES; a family of localmoe's
+own, DeaMoE, keeps its `DepartmentExperts`, whose parameters load like the rest), and what the skeleton says about
+itself before any weight is read (modules kept in float32, the units accelerate places whole).
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ def build_skeleton(text_config, dtype: torch.dtype):
     return model
 
 
-def swap_experts(model, text_config) -> dict[str, LocalExperts]:
-    """Replace each MoE block's `experts`; returns {experts module name: LocalExperts} in layer order."""
-    swapped: dict[str, LocalExperts] = {}
+def swap_experts(model, text_config) -> dict:
+    """Replace each MoE block's `experts`; returns {experts module name: LocalExperts} in layer order (a family with
+    `native_experts`: its own DepartmentExperts, not replaced)."""
+    swapped: dict = {}
     for name, module in list(model.named_modules()):
         if type(module).__name__ not in FAMILIES or not hasattr(module, "experts"):
+            continue
+        if FAMILIES[type(module).__name__].native_experts:
+            swapped[f"{name}.experts"] = module.experts
             continue
         old = module.experts
         E, two_i, H = old.gate_up_proj.shape

@@ -3,7 +3,8 @@ weights: every non-expert tensor to where its unit lives; expert tensors expert 
 `safe_open(...).get_slice` straight into the expert store (`ExpertWeights`, [E, I, H] each: on the device, in host
 memory, quantized to int4 as read, or into memory-mapped files). Handles fused (`experts.gate_up_proj`/`down_proj`),
 per-expert (`experts.{e}.gate_proj/...`, Mixtral's `w1/w3/w2`) and Granite's `input_linear`/`output_linear`
-layouts; shapes and dtypes are checked against the config as read.
+layouts; shapes and dtypes are checked against the config as read. A family with `native_experts` (DeaMoE) has no
+expert store: its department tensors are parameters, streamed like every non-expert tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def load_weights(
     """Every tensor of `files` into the skeleton (non-expert tensors, then each layer's experts), tied weights tied,
     buffers placed; a RuntimeFailure naming the first missing tensor when the checkpoint lacks any."""
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    if fam.native_experts:  # DeaMoE: the experts are parameters of localmoe's own module, loaded like the rest
+        experts = {}
     dense, expert_keys = map_keys(files, fam.rename, experts, params)
     total = len(dense) + sum(m.num_experts for m in experts.values())
     with _open_shards() as handle:

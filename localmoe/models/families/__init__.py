@@ -2,13 +2,14 @@
 transformers MoE block class.
 
 A family module (`qwen3_5_moe.py`, `qwen3_moe.py`, `olmoe.py`, `mixtral.py`, `deepseek_v2.py`, `granitemoe.py`,
-`gpt_oss.py`) holds one `SPEC = FamilySpec(...)` (spec.py): which `model_type`s use the block class, how checkpoint
-keys are renamed into the transformers module namespace (the same renames transformers applies when it loads), which
-checkpoint prefixes are not part of the text model, how the experts are stored (per-expert names or fused), the config
-keys of their count and width, their activation, why the family is unsupported (if it is), and the tiny random-weight
-model the tests build of it. The loader swaps the `experts` submodule of every block whose class is in `FAMILIES`
-for localmoe's `LocalExperts`; nothing else of transformers is replaced at load. Everything a test or benchmark
-iterates over "every family" derives from `FAMILIES`.
+`deamoe.py`, `gpt_oss.py`) holds one `SPEC = FamilySpec(...)` (spec.py): which `model_type`s use the block class, how
+checkpoint keys are renamed into the transformers module namespace (the same renames transformers applies when it
+loads), which checkpoint prefixes are not part of the text model, how the experts are stored (per-expert names or
+fused), the config keys of their count and width, their activation, why the family is unsupported (if it is), and the
+tiny random-weight model the tests build of it. The loader swaps the `experts` submodule of every block whose class is
+in `FAMILIES` for localmoe's `LocalExperts` (DeaMoE, localmoe's own architecture, holds localmoe's `DepartmentExperts`
+already: `FamilySpec.native_experts`); nothing else of transformers is replaced at load. Everything a test or
+benchmark iterates over "every family" derives from `FAMILIES`.
 
 Adding a family: write its module here (copy the closest one) and add it to `_MODULES` below. That is all when its
 experts are a gated MLP in one of the two layouts the loader reads (per-expert gate/up/down, or fused gate_up_proj
@@ -22,7 +23,16 @@ Imports no torch.
 
 from __future__ import annotations
 
-from localmoe.models.families import deepseek_v2, gpt_oss, granitemoe, mixtral, olmoe, qwen3_5_moe, qwen3_moe
+from localmoe.models.families import (
+    deamoe,
+    deepseek_v2,
+    gpt_oss,
+    granitemoe,
+    mixtral,
+    olmoe,
+    qwen3_5_moe,
+    qwen3_moe,
+)
 from localmoe.models.families.spec import FUSED_EXPERTS, FamilySpec, TinyModel
 
 __all__ = [
@@ -35,10 +45,20 @@ __all__ = [
     "TinyModel",
     "expert_count",
     "family_for_model_type",
+    "register_model_type",
     "supported_families",
 ]
 
-_MODULES = (qwen3_5_moe, qwen3_moe, olmoe, mixtral, deepseek_v2, granitemoe, gpt_oss)  # the order families are listed
+_MODULES = (
+    qwen3_5_moe,
+    qwen3_moe,
+    olmoe,
+    mixtral,
+    deepseek_v2,
+    granitemoe,
+    deamoe,
+    gpt_oss,
+)  # the order families are listed
 
 FAMILIES: dict[str, FamilySpec] = {m.SPEC.block_class: m.SPEC for m in _MODULES}
 
@@ -48,6 +68,16 @@ def family_for_model_type(model_type: str) -> FamilySpec | None:
         if model_type in spec.model_types:
             return spec
     return None
+
+
+def register_model_type(model_type: str) -> None:
+    """Register localmoe's own architectures with transformers' Auto classes (`FamilySpec.registers`, e.g. DeaMoE)
+    before a config of `model_type` is read; nothing for transformers' families. Imports torch for those only."""
+    spec = family_for_model_type(model_type)
+    if spec is not None and spec.registers:
+        import importlib
+
+        importlib.import_module(spec.registers)
 
 
 def supported_families() -> str:

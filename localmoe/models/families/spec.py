@@ -39,6 +39,14 @@ class FamilySpec:
     expert_width_key: str = "intermediate_size"  # config key of one expert's width I
     activation: str = "silu"  # the experts' gate activation (act(gate)·up): the config's hidden_act
     unsupported: str = ""  # non-empty: loading fails with this reason
+    # localmoe's own architectures (DeaMoE): the block's `experts` is localmoe's module already (not swapped; its
+    # tensors load as parameters), `registers` the module whose import registers the model_type with transformers'
+    # Auto classes, `checkpoint_check` "module:function" run on the checkpoint folder before the skeleton is built
+    native_experts: bool = False
+    registers: str = ""
+    checkpoint_check: str = ""
+    not_offloadable: str = ""  # non-empty: a VRAM budget that would offload experts is refused with this reason
+    no_int4: str = ""  # non-empty: --experts int4 is refused with this reason
     tiny: TinyModel | None = field(default=None, compare=False, repr=False)  # tests' tiny model; None: none built
 
     @property
