@@ -68,9 +68,15 @@ class ModelFacts:
     non_expert_params: int
     non_expert_bytes: int  # in the model's dtype (fp32-kept modules as kept)
     embed_skip_bytes: int  # the embedding table but one row: not read per token (0 when lm_head shares it)
+    departments: int = 0  # DeaMoE: D departments per MoE layer (experts = D * n, expert_width = h); 0: vanilla
+    departments_per_token: int = 0  # DeaMoE: the most departments one token touches, min(k, topk_group, D)
 
     @property
     def expert_params(self) -> int:
+        if self.departments:  # shared gate/up/down [h, H] per department, a private [h, h] per expert
+            return self.moe_layers * (
+                self.departments * 3 * self.expert_width * self.hidden + self.experts * self.expert_width**2
+            )
         return self.moe_layers * self.experts * 3 * self.expert_width * self.hidden
 
     @property
@@ -80,7 +86,10 @@ class ModelFacts:
     @property
     def active_params(self) -> int:
         """Parameters a token uses: every non-expert one (embeddings included, as model cards count) and k experts
-        per MoE layer."""
+        per MoE layer (DeaMoE: at most `departments_per_token` departments' shared projections and k private parts)."""
+        if self.departments:
+            per = self.departments_per_token * 3 * self.expert_width * self.hidden + self.top_k * self.expert_width**2
+            return self.non_expert_params + self.moe_layers * per
         return self.non_expert_params + self.moe_layers * self.top_k * 3 * self.expert_width * self.hidden
 
 
@@ -88,7 +97,8 @@ def facts(model, text_config, experts: list) -> ModelFacts:
     """ModelFacts of `model` (parameters on the meta device or loaded) whose MoE blocks hold `experts`
     (LocalExperts, layer order)."""
 
-    params = list(model.parameters())  # tied weights once
+    owned = {id(p) for m in experts for p in m.parameters()}  # DeaMoE's experts are model parameters
+    params = [p for p in model.parameters() if id(p) not in owned]  # tied weights once
     non_expert_params = sum(p.numel() for p in params)
     non_expert_bytes = sum(p.numel() * p.element_size() for p in params)
     emb = model.get_input_embeddings().weight
@@ -110,13 +120,15 @@ def facts(model, text_config, experts: list) -> ModelFacts:
         hidden=m0.hidden_size,
         experts=m0.num_experts,
         top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
-        expert_width=m0.intermediate_size,
+        expert_width=getattr(m0, "intermediate_size", None) or m0.width,
         shared_expert_width=int(shared or 0),
         vocab=int(text_config.vocab_size),
         context_max=int(getattr(text_config, "max_position_embeddings", 0) or 0),
         non_expert_params=non_expert_params,
         non_expert_bytes=non_expert_bytes,
         embed_skip_bytes=skip,
+        departments=getattr(m0, "num_departments", 0),
+        departments_per_token=int(getattr(text_config, "max_departments_per_token", 0) or 0),
     )
 
 
@@ -129,7 +141,13 @@ def matrix_bytes(f: ModelFacts, element_bytes: float, experts_format: str) -> fl
 
 def step_floor(f: ModelFacts, matrix: float, sparsity: float) -> float:
     """Bytes one decode step must read: every non-expert weight except the embedding table (one row), plus, per MoE
-    layer, the k routed experts' gates whole and their up/down rows kept at `sparsity`."""
+    layer, the k routed experts' gates whole and their up/down rows kept at `sparsity` (DeaMoE: each touched
+    department's gate and down whole, its up rows and its k private parts' rows kept at `sparsity`)."""
+    if f.departments:
+        el = matrix / (f.expert_width * f.hidden)
+        dept = f.departments_per_token * matrix * (2 + (1 - sparsity))
+        private = f.top_k * f.expert_width**2 * el * (1 - sparsity)
+        return float(f.non_expert_bytes - f.embed_skip_bytes + f.moe_layers * (dept + private))
     return float(f.non_expert_bytes - f.embed_skip_bytes + f.moe_layers * f.top_k * matrix * (1 + 2 * (1 - sparsity)))
 
 
@@ -322,12 +340,20 @@ def from_config(
     import torch
 
     check_format(experts_format)
+    spec = family_for_model_type(text_config.model_type)
+    if spec is not None and spec.no_int4 and experts_format == "int4":
+        raise UsageError(spec.no_int4)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
     f = facts(model, text_config, list(experts.values()))
     el = torch.finfo(dtype).bits // 8
     try:
-        one = int4_bytes(f.expert_width, f.hidden) if experts_format == "int4" else 3 * f.expert_width * f.hidden * el
+        if f.departments:  # DeaMoE: a routed expert's share of its layer's department weights
+            one = f.expert_params * el // max(1, f.moe_layers * f.experts)
+        elif experts_format == "int4":
+            one = int4_bytes(f.expert_width, f.hidden)
+        else:
+            one = 3 * f.expert_width * f.hidden * el
     except ValueError as e:
         raise UsageError(f"{e}; use --experts full") from None
     plan = ModelPlan(

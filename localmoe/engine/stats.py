@@ -25,14 +25,21 @@ def reset_counters(experts, graph) -> None:
 
 def realized_sparsity(experts, graph, device) -> float:
     """Fraction of routed-expert neurons skipped on the sparse path since the counters were reset (one device
-    read). Captured replays do not run Python, so `graph.steps` adds the neurons they considered."""
-    seen = sum(m.seen for m in experts)
+    read). Every module counts kept neurons on the device; neurons considered are a host int (LocalExperts: captured
+    replays do not run Python, so `graph.steps` adds theirs) or a device tensor (DepartmentExperts, which counts
+    (token, department) pairs on the device, replays included)."""
+    host = [m for m in experts if not isinstance(m.seen, torch.Tensor)]
+    seen = sum(m.seen for m in host)
     if graph is not None and graph.steps:
-        seen += graph.steps * graph.k * sum(m.intermediate_size for m in experts if m.sparse_enabled)
-    if seen == 0:
+        seen += graph.steps * graph.k * sum(m.intermediate_size for m in host if m.sparse_enabled)
+    on_device = [m.seen.to(device) for m in experts if isinstance(m.seen, torch.Tensor)]
+    if seen == 0 and not on_device:
         return 0.0
-    kept = int(torch.stack([m.kept.to(device) for m in experts]).sum())
-    return 1.0 - kept / seen
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    kept_t = torch.stack([m.kept.to(device) for m in experts]).sum()
+    kept, seen_dev = torch.stack([kept_t, torch.stack(on_device).sum() if on_device else zero]).tolist()
+    seen += seen_dev
+    return 1.0 - kept / seen if seen else 0.0
 
 
 def prefilled(stats: EngineStats, n_prompt: int, reused: int, seconds: float) -> None:

@@ -30,6 +30,8 @@ S = slots (departments one step may touch: min(D, T * min(k, topk_group))).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -102,6 +104,21 @@ def _mm_by_group(a: torch.Tensor, w: torch.Tensor, ends: list[int], ends_t: torc
     return torch.cat(out) if out else a.new_zeros(0, w.shape[-1])
 
 
+@dataclass
+class DepartmentWeights:
+    """A DeaMoE layer's expert tensors as the rest of localmoe reads an experts module's `weights` (full precision:
+    `int4` False; `nbytes` for the plan and the engine's figures). Views of the module's parameters."""
+
+    w_gate: torch.Tensor  # [D, h, H]
+    w_up: torch.Tensor  # [D, h, H]
+    w_down_t: torch.Tensor  # [D, h, H]
+    private: torch.Tensor  # [D, n, h, h]
+    int4 = False
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w_gate, self.w_up, self.w_down_t, self.private))
+
+
 class DepartmentExperts(nn.Module):
     """The routed experts of one DeaMoE layer (parameters: gate_proj, up_proj, down_t, private; see module doc)."""
 
@@ -124,6 +141,22 @@ class DepartmentExperts(nn.Module):
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons (sparse paths), updated in place
         self.seen = torch.zeros((), dtype=torch.int64)  # neurons considered there (a device counter: no host sync)
         self.last_departments: torch.Tensor | None = None  # decode: the step's slot table (for a department cache)
+        self.cache = None  # no expert cache: DeaMoE experts stay resident (offloading them is refused at load)
+
+    # -- what the rest of localmoe reads of an experts module (LocalExperts has the same names) ---------------------
+    @property
+    def num_experts(self) -> int:
+        """Routed experts (D * n), as the router numbers them."""
+        return self.num_departments * self.per_department
+
+    @property
+    def tau_groups(self) -> int:
+        """Entries of `tau` (and of calibration's samples and routing counts): one per department."""
+        return self.num_departments
+
+    @property
+    def weights(self) -> DepartmentWeights:
+        return DepartmentWeights(self.gate_proj, self.up_proj, self.down_t, self.private)
 
     def extra_repr(self) -> str:
         return (
@@ -137,7 +170,9 @@ class DepartmentExperts(nn.Module):
 
     def _count(self, kept: torch.Tensor, neurons) -> None:
         if self.kept.device != kept.device:
-            self.kept, self.seen = self.kept.to(kept.device), self.seen.to(kept.device)
+            self.kept = self.kept.to(kept.device)
+        if self.seen.device != kept.device:
+            self.seen = self.seen.to(kept.device)
         self.kept.add_(kept)  # in place: a captured CUDA graph keeps counting on replay
         self.seen.add_(neurons)
 
@@ -189,7 +224,10 @@ class DepartmentExperts(nn.Module):
         dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots)
         self.last_departments = dept
         sparse = self.sparse_enabled and self.tau is not None
-        tau = self.tau.to(x.device) if sparse else torch.zeros(self.num_departments, device=x.device)
+        if sparse:
+            tau = self.tau.to(device=x.device, dtype=torch.float32)
+        else:
+            tau = torch.zeros(self.num_departments, dtype=torch.float32, device=x.device)
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
         if x.is_cuda or self.kernel_on_cpu:
             kept = torch.zeros((), dtype=torch.int64, device=x.device)

@@ -164,6 +164,11 @@ class LocalExperts(nn.Module):
             f"sparse={self.sparse_enabled}"
         )
 
+    @property
+    def tau_groups(self) -> int:
+        """Entries of `tau` (and of calibration's per-expert samples and routing counts): one per expert."""
+        return self.num_experts
+
     def reset_counters(self) -> None:
         self.kept.zero_()
         self.seen = 0

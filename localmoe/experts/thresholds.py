@@ -1,15 +1,15 @@
 """Sparsity thresholds: calibration, the on-disk cache, and switching the experts' sparse path on/off.
 
-For a target sparsity S, τ[layer] is the S-quantile of |act(x·W_gate)| over the routed experts of that
-layer, measured by running calibration text through the model (dense path). Results are cached as JSON under
+For a target sparsity S, τ[layer] is the S-quantile of |act(x·W_gate)| over the routed experts of that layer, measured
+by running calibration text through the model (dense path). Results are cached as JSON under
 `$XDG_CACHE_HOME/localmoe/thresholds/` with the metadata that produced them (model, revision, a fingerprint of the
-checkpoint's files, S, calibration set and its hash, token count, localmoe version). A cache file is validated in
-full before use (an object with every key, metadata matching, one finite threshold in [0, MAX_TAU] per layer or
-per expert, routing counts of the model's shape); anything else is recomputed and overwritten, with a notice
-(`engine.on_notice`). Files are written atomically; a cache that cannot be written leaves the thresholds in
-memory for the run, with a notice. The default calibration text ships with the package (works offline). The
-same pass counts the tokens routed to each expert (`routing_counts`, kept in the file): an expert cache whose gate
-tier cannot hold every gate gives its slots to the most-routed experts' gates (`apply`).
+checkpoint's files, S, calibration set and its hash, token count, localmoe version). A cache file is validated in full
+before use (an object with every key, metadata matching, one finite threshold in [0, MAX_TAU] per layer or per expert
+(per department for DeaMoE's DepartmentExperts: `tau_groups`), routing counts of the model's shape); anything else is
+recomputed and overwritten, with a notice (`engine.on_notice`). Files are written atomically; a cache that cannot be
+written leaves the thresholds in memory for the run, with a notice. The default calibration text ships with the
+package (works offline). The same pass counts the tokens routed to each expert (`routing_counts`, kept in the file):
+an expert cache whose gate tier cannot hold every gate gives its slots to the most-routed experts' gates (`apply`).
 
 A `loaded` argument is the loader's LoadedModel, read through `.model`, `.config`, `.experts` and `.cache` only:
 this module sits below the loader and does not import it.
@@ -294,7 +294,7 @@ def thresholds_for(
     body, name = read_calibration_text(text)
     meta = _meta(engine, sparsity, body, name, tokens, mode)
     path = cache_path(engine.model_name, engine.resolved.revision, sparsity, mode, engine.experts_format)
-    experts = [m.num_experts for m in engine.loaded.experts]
+    experts = [m.tau_groups for m in engine.loaded.experts]
     why = ""
     if not force:
         saved, why = _read_cache(path, meta, experts)
@@ -348,26 +348,24 @@ def calibrate_ids(
         for m in experts:
             m.recorder = None
     if meta.get("mode") == "expert":
-        taus = tuple(tuple(r.expert_quantiles(sparsity, m.num_experts)) for r, m in zip(recorders, experts))
+        taus = tuple(tuple(r.expert_quantiles(sparsity, m.tau_groups)) for r, m in zip(recorders, experts))
     else:
         taus = tuple(r.quantile(sparsity) for r in recorders)
-    bad = check_thresholds(
-        taus, "expert" if meta.get("mode") == "expert" else "layer", [m.num_experts for m in experts]
-    )
+    bad = check_thresholds(taus, "expert" if meta.get("mode") == "expert" else "layer", [m.tau_groups for m in experts])
     if bad is not None:  # NaN or inf gate activations: the weights are broken, not the calibration
         raise RuntimeFailure(
             f"calibrating {for_line(engine.model_name)} gave unusable thresholds ({bad}): the "
             "checkpoint's expert weights hold NaN/inf or absurd values; re-download it, or run dense "
             "with --sparsity 0"
         )
-    counts = [[r.routed.get(e, 0) for e in range(m.num_experts)] for r, m in zip(recorders, experts)]
+    counts = [[r.routed.get(e, 0) for e in range(m.tau_groups)] for r, m in zip(recorders, experts)]
     return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids), "routing_counts": counts})
 
 
 def crossover_tokens(loaded, device: torch.device) -> int:
-    """Largest token count that takes the sparse path (measured per GPU and shape; 1 on CPU)."""
-    if device.type != "cuda":
-        return 1
+    """Largest token count that takes the sparse path (measured per GPU and shape; 1 on CPU and for DeaMoE)."""
+    if device.type != "cuda" or not hasattr(loaded.experts[0], "intermediate_size"):
+        return 1  # DeaMoE: the department decode path's crossover against its dense path is not measured yet
     try:
         from localmoe.kernels.tuning import crossover_tokens as measured
     except ImportError:
@@ -421,8 +419,8 @@ def apply(loaded, table: ThresholdTable, *, device: torch.device) -> None:
         if isinstance(tau, (tuple, list)):
             m.tau = torch.tensor(tau, dtype=torch.float32, device=device)
         else:
-            m.tau = torch.full((m.num_experts,), tau, dtype=torch.float32, device=device)
-        m.kept = torch.zeros((), dtype=torch.int64, device=device)
+            m.tau = torch.full((m.tau_groups,), tau, dtype=torch.float32, device=device)
+        _counters_on(m, device)
         m.max_sparse_tokens = limit
         m.sparse_enabled = True
 
@@ -432,4 +430,14 @@ def disable(loaded, *, device: torch.device) -> None:
     for m in loaded.experts:
         m.sparse_enabled = False
         m.max_sparse_tokens = limit
-        m.kept = torch.zeros((), dtype=torch.int64, device=device)
+        _counters_on(m, device)
+
+
+def _counters_on(m, device: torch.device) -> None:
+    """The module's realised-sparsity counters zeroed on `device`: `kept` always a device tensor; `seen` a host int
+    (LocalExperts) or, for DepartmentExperts, a device tensor too."""
+    m.kept = torch.zeros((), dtype=torch.int64, device=device)
+    if isinstance(m.seen, torch.Tensor):
+        m.seen = torch.zeros((), dtype=torch.int64, device=device)
+    else:
+        m.seen = 0
