@@ -6,6 +6,7 @@ save_pretrained and placed in the session's HF cache layout with tiny_models.pla
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -18,6 +19,7 @@ from tiny_models import place_in_hf_cache
 
 from localmoe.engine.generate import cache_of
 from localmoe.errors import UsageError
+from localmoe.experts import thresholds
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
 from localmoe.experts.local_experts import GateRecorder
 from localmoe.models.deamoe import DeaMoeConfig, DeaMoeForCausalLM
@@ -188,3 +190,101 @@ def test_bad_checkpoint_is_refused_in_one_line(tmp_path, breaks, needle):
         with pytest.raises(UsageError) as e:
             load(folder)
         assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# -- through the product: the bundled localmoe-tiny-deamoe, the CLI's refusals ---------------------------------------
+BUNDLED = "localmoe-tiny-deamoe"
+ASSET = Path(__file__).resolve().parent.parent / "localmoe" / "assets" / BUNDLED
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from localmoe.engine.engine import Engine
+
+    return Engine.load(BUNDLED, device="cpu", sparsity=0.0)
+
+
+def _reply(engine, n: int) -> list[int]:
+    from localmoe.events import GenerationSettings
+
+    ids = engine.encode_chat([{"role": "user", "content": "What is a generator?"}])
+    events = engine.generate(ids, GenerationSettings(max_new_tokens=n, temperature=0.0))
+    return ids, [e.token_id for e in events]
+
+
+def test_engine_tokens_equal_transformers_generate(engine):
+    """The loader's model (DepartmentExperts kept, tensors streamed) decodes the tokens transformers' own load and
+    generate give, greedy at sparsity 0 (float32, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    assert engine.loaded.family.key == "deamoe" and engine.experts_format == "full"
+    assert all(type(m) is DepartmentExperts for m in engine.loaded.experts) and len(engine.loaded.experts) == 8
+    ids, got = _reply(engine, 6)
+    ref = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, repetition_penalty=1.0)
+    assert got == out[0, len(ids) :].tolist()[: len(got)] and len(got) > 1
+
+
+@pytest.mark.parametrize("mode", ["layer", "expert"])
+def test_thresholds_calibrate_and_apply_per_department(engine, mode):
+    """Calibration records |silu(x W_gate_d)| by department: tau is [D] per layer (a layer's tau broadcast, or in
+    expert mode one quantile per department), routing counts one per department; decoding at 30% realises about
+    30%, and the stats are plain floats."""
+    table = thresholds.thresholds_for(engine, 0.3, tokens=256, mode=mode)
+    assert table.path is not None and table.path.is_file()
+    assert [len(c) for c in table.meta["routing_counts"]] == [6] * 8
+    try:
+        thresholds.apply(engine.loaded, table, device=engine._device)
+        for m in engine.loaded.experts:
+            assert m.sparse_enabled and m.tau.shape == (6,) and m.tau.dtype == torch.float32
+            assert (len(set(m.tau.tolist())) > 1) == (mode == "expert")
+        _, got = _reply(engine, 4)
+        st = engine.stats
+        assert len(got) == st.generated_tokens and type(st.sparsity_realized) is float
+        assert 0.1 < st.sparsity_realized < 0.5
+        json.dumps(dataclasses.asdict(st))
+    finally:
+        engine.set_sparsity(0.0)
+    assert engine.realized_sparsity() == 0.0
+
+
+def _cli(capsys, *args):
+    from localmoe.cli.main import main
+
+    capsys.readouterr()  # what came before (save_pretrained's progress bar) is not the command's
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_bad_checkpoint_refused_by_the_cli(tmp_path, capsys):
+    import tiny_models
+
+    folder = save_tiny(tmp_path / "ckpt")
+    tiny_models.char_tokenizer().save_pretrained(folder)
+    _drop(folder, "model.layers.1.mlp.experts.private")
+    code, err = _cli(capsys, "run", str(folder), "hi")
+    assert code == 2 and err.startswith("localmoe: error: ") and err.count("\n") == 1
+    assert "model.layers.1.mlp.experts.private is missing" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--experts", "int4"], "--experts int4 is not supported for DeaMoE"),
+        (["--vram", "0.25"], "offloading DeaMoE experts is not supported yet"),
+    ],
+    ids=["int4", "offload"],
+)
+def test_unsupported_options_refused_in_one_line(capsys, flags, needle):
+    code, err = _cli(capsys, "run", BUNDLED, "hi", *flags)
+    assert code == 2 and err.startswith("localmoe: error: ") and err.count("\n") == 1 and needle in err
+
+
+def test_resident_budget_loads(engine):
+    """A --vram budget that holds every department loads resident (the plan says so; nothing is offloaded)."""
+    from localmoe.models.loader import LoadOptions, load_model
+
+    loaded = load_model(ASSET, device=torch.device("cpu"), dtype=torch.float32, options=LoadOptions(vram_bytes=1 << 30))
+    assert loaded.offload is not None and not loaded.offload.offloading and loaded.cache is None
+    assert loaded.expert_bytes() == engine.loaded.expert_bytes() > 0
