@@ -71,8 +71,7 @@ def reply(model, tok, prompt: str, max_new_tokens: int = 120) -> str:
 
 CARD = """# {name}
 
-A very small Mixture-of-Experts chat model bundled with localmoe so that `localmoe chat`
-answers on first run, offline. It knows a little about Python (and Django, Flask, SQLAlchemy,
+{intro} It knows a little about Python (and Django, Flask, SQLAlchemy,
 Werkzeug, Requests, PostgreSQL) and is often wrong: it is a smoke-test model, not an assistant.
 
 | | |
@@ -106,10 +105,7 @@ step {best_step} by loss on validation pages that were not trained on (disjoint 
 Reproduce (see `train/README.md`):
 
 ```
-python train/prepare_data.py && python train/train_tokenizer.py
-python train/train_model.py --data .work/tiny/carry --out .work/tiny/out --steps {steps} --batch {batch} \\
-    --warmup {warmup} --lr {lr} --eval-every {eval_every} --experts-impl {experts_implementation}
-python train/export.py --src .work/tiny/out
+{reproduce}
 ```
 
 ## Evaluation
@@ -127,6 +123,39 @@ The weights are derived from the documentation listed in `localmoe/data/SOURCES.
 (PSF-2.0, BSD-3-Clause, MIT, Apache-2.0, PostgreSQL licences); they are distributed under the
 same terms as localmoe, with those notices retained.
 """
+
+
+def intro(cfg) -> str:
+    """The card's first sentence: why the model ships."""
+    if cfg.model_type == "deamoe":
+        return (
+            "The DeaMoE twin of `localmoe-tiny` (same data, tokenizer, token budget and about the same\n"
+            "parameters and FLOPs per token), bundled with localmoe so that the DeaMoE layer can be run, evaluated\n"
+            "and measured offline (`localmoe run localmoe-tiny-deamoe`, `localmoe eval localmoe-tiny-deamoe`);\n"
+            "`localmoe chat` still opens on `localmoe-tiny`."
+        )
+    return "A very small Mixture-of-Experts chat model bundled with localmoe so that `localmoe chat`\nanswers on first run, offline."
+
+
+def reproduce(cfg, summary: dict, dst: Path) -> str:
+    """The commands that made the checkpoint (train/README.md), with this run's arguments."""
+    a = summary["args"]
+    if cfg.model_type == "deamoe":
+        out = ".work/tiny/out-deamoe"
+        return (
+            "python train/prepare_data.py --work .work/tiny\n"
+            "python train/train_tokenizer.py --work .work/tiny --tokenizer localmoe/assets/localmoe-tiny\n"
+            f"python train/train_model.py --arch deamoe --data .work/tiny/carry --out {out} --steps {summary['steps']} "
+            f"\\\n    --batch {summary['batch']} --warmup {a['warmup']} --lr {a['lr']} --eval-every {a['eval_every']}\n"
+            f"python train/export.py --src {out} --dst localmoe/assets/{dst.name} --tokenizer .work/tiny/tokenizer"
+        )
+    return (
+        "python train/prepare_data.py && python train/train_tokenizer.py\n"
+        f"python train/train_model.py --data .work/tiny/carry --out .work/tiny/out --steps {summary['steps']} "
+        f"--batch {summary['batch']} \\\n    --warmup {a['warmup']} --lr {a['lr']} --eval-every {a['eval_every']} "
+        f"--experts-impl {summary['experts_implementation']}\n"
+        "python train/export.py --src .work/tiny/out"
+    )
 
 
 def arch_rows(cfg) -> str:
@@ -204,6 +233,8 @@ def main() -> None:
             )
         },
         name=dst.name,
+        intro=intro(cfg),
+        reproduce=reproduce(cfg, summary, dst),
         arch_rows=arch_rows(cfg),
         params=sum(p.numel() for p in model.parameters()),
         size_mb=(dst / "model.safetensors").stat().st_size / 1e6,
