@@ -22,7 +22,9 @@ class LoadedModel:
     model: torch.nn.Module
     config: object  # the text config
     family: FamilySpec
-    experts: list[LocalExperts]  # one per MoE layer, in layer order
+    # one per MoE layer, in layer order: LocalExperts, or DeaMoE's DepartmentExperts (same names for what the engine
+    # reads: num_experts, tau_groups, tau, sparse_enabled, max_sparse_tokens, recorder, kept/seen, weights, cache)
+    experts: list[LocalExperts]
     offload: object = None  # localmoe.experts.placement.OffloadPlan when a VRAM budget was given
     cache: object = None  # localmoe.experts.cache.ExpertCache when experts are offloaded
     host_pinned: bool = False  # expert master copies in pinned host memory
