@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,12 +25,9 @@ from localmoe.models.random_weights import build_random
 from localmoe.models.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY, load_registry
 from localmoe.models.shapes import shape_config
 
-if TYPE_CHECKING:
-    from localmoe.engine.engine import Engine
-
 
 def load_engine(
-    cls: type[Engine],
+    cls: type,  # Engine (bound as its classmethods: this module does not import engine.py)
     model: str,
     *,
     device: str | None = None,
@@ -47,7 +43,7 @@ def load_engine(
     host_storage: str = "auto",
     experts: str = "full",
     show_plan: bool = False,
-) -> Engine:
+):
     """Resolve, load and calibrate MODEL. Notices go to `on_notice` and `engine.notes`; the plan line
     (`plan_line`, `localmoe show`'s one-line plan) is the first of `notes`, and goes to `on_notice` too with
     `show_plan` (the CLI's run on a terminal)."""
@@ -94,7 +90,7 @@ def load_engine(
 
 
 def random_engine(
-    cls: type[Engine],
+    cls: type,  # Engine (bound as its classmethods: this module does not import engine.py)
     shape: str,
     *,
     device: torch.device,
@@ -106,7 +102,7 @@ def random_engine(
     offload_miss: str = "auto",
     routing: str = "uniform",
     experts: str = "full",
-) -> Engine:
+):
     """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
     `random_weights.build_random`."""
     t0 = time.perf_counter()
@@ -131,7 +127,7 @@ def random_engine(
     return engine
 
 
-def plan_notice(engine: Engine, sparsity: float, show: bool = True) -> None:
+def plan_notice(engine, sparsity: float, show: bool = True) -> None:
     """The one-line plan (`localmoe show`'s), as the load's first notice (only recorded in `notes` unless `show`)."""
     try:
         engine.plan_line = plan.engine_plan(engine, sparsity).line()
@@ -144,11 +140,11 @@ def plan_notice(engine: Engine, sparsity: float, show: bool = True) -> None:
         engine.notes.append(engine.plan_line)
 
 
-def _offload_notices(engine: Engine) -> None:
+def _offload_notices(engine) -> None:
     if offload_notices(engine.loaded, engine._device, engine._plan_shown, engine._notice):
         engine.use_graphs = False
 
 
-def _loaded_in(engine: Engine, t0: float) -> None:
+def _loaded_in(engine, t0: float) -> None:
     engine.load_s = time.perf_counter() - t0
     engine._stats = replace(engine._stats, load_s=engine.load_s)
