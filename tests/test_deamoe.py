@@ -288,3 +288,18 @@ def test_resident_budget_loads(engine):
     loaded = load_model(ASSET, device=torch.device("cpu"), dtype=torch.float32, options=LoadOptions(vram_bytes=1 << 30))
     assert loaded.offload is not None and not loaded.offload.offloading and loaded.cache is None
     assert loaded.expert_bytes() == engine.loaded.expert_bytes() > 0
+
+
+def test_decode_replacements_leave_the_department_block():
+    """The Qwen3-MoE fused MoE block (plain top-k router) must not take DeaMoE's block (group-limited routing):
+    the table is keyed by class name; the norms and Linears around it are fused as in every family."""
+    from localmoe.decode import replacements
+
+    model = DeaMoeForCausalLM(tiny_config()).eval()
+    counts = replacements.install(model, "cpu", force=True)
+    try:
+        assert counts.get("Qwen3MoeRMSNorm") and counts.get("Linear")
+        assert not {"Qwen3MoeSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeDecoderLayer"} & set(counts)
+        assert all(type(layer.mlp).__name__ == "DeaMoeSparseMoeBlock" for layer in model.model.layers)
+    finally:
+        replacements.uninstall(model)
