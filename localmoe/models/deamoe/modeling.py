@@ -99,6 +99,10 @@ class DeaMoePreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # transformers' experts implementations (eager, grouped_mm) have nothing to act on here: DepartmentExperts runs
+    # its own paths. Accepting the setting (transformers caches this flag per class, from 5.2x) lets a caller that
+    # sets one, as `localmoe bench --baseline transformers` does, build the model as transformers would.
+    _can_set_experts_implementation_cached_value = True
     _can_record_outputs = {
         "router_logits": OutputRecorder(DeaMoeRouter, index=0),
         "hidden_states": DeaMoeDecoderLayer,
