@@ -14,6 +14,7 @@ import torch
 from localmoe.errors import UsageError
 from localmoe.experts import placement, store
 from localmoe.experts.int4 import expert_bytes as int4_expert_bytes
+from localmoe.models.families import family_for_model_type
 from localmoe.models.skeleton import units
 
 HOST_STORAGE = ("auto", "pinned", "mmap")
@@ -93,8 +94,6 @@ def plan_offload(
 def _departments_resident(text_config, mods, all_bytes: int, el: int, vram_bytes: int, context: int, dtype):
     """DeaMoE's plan: every department resident (its experts are parameters of the model, counted in `all_bytes`);
     a budget that would offload them is refused in one line (department-aware offloading is not written yet)."""
-    from localmoe.models.families import family_for_model_type
-
     expert_total = sum(p.numel() * el for m in mods for p in m.parameters())
     state = placement.state_bytes(text_config, context, dtype)
     need = all_bytes + state + placement.WORKSPACE_RESERVE

@@ -88,7 +88,7 @@ def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def check_checkpoint(folder: str | Path) -> None:
     """Refuse (UsageError, one line naming the tensor) a checkpoint whose tensors do not match its config."""
-    from localmoe.models.deamoe.configuration import DeaMoeConfig
+    from localmoe.models.deamoe.configuration import DeaMoeConfig  # transformers: only when a check runs
 
     folder = Path(folder)
     cfg = DeaMoeConfig.from_pretrained(str(folder))  # DeaMoeConfig.check refuses inconsistent counts

@@ -31,6 +31,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 from transformers.utils.output_capturing import OutputRecorder
 
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
+from localmoe.models.deamoe.checkpoint import check_checkpoint, local_folder
 from localmoe.models.deamoe.configuration import DeaMoeConfig
 
 
@@ -161,8 +162,6 @@ class DeaMoeForCausalLM(DeaMoePreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' from_pretrained after `check_checkpoint` (a bad DeaMoE checkpoint: one-line UsageError)."""
-        from localmoe.models.deamoe.checkpoint import check_checkpoint, local_folder
-
         folder = local_folder(pretrained_model_name_or_path, kwargs.get("revision"))
         if folder is not None:
             check_checkpoint(folder)
