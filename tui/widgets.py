@@ -20,6 +20,7 @@ from textual.message import Message
 from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
 
+from localmoe.errors import LocalmoeError
 from localmoe.events import EngineStats
 from localmoe.safe_text import for_line, for_terminal
 from localmoe.tui.history import STATUS_MARKERS, open_fence, with_marker
@@ -312,7 +313,6 @@ class LoadingView(Vertical):
 
 def describe_error(exc: BaseException) -> tuple[str, str]:
     """(error text, what to do) for a failure shown in the app instead of a traceback."""
-    from localmoe.errors import LocalmoeError
 
     msg = for_terminal(str(exc)).strip()
     if msg.startswith("localmoe: error:"):

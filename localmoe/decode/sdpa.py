@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.decode.ops import tuned
+
 NAME = "localmoe_sdpa"
 _registered = False
 decode_calls = 0  # one-token calls taken by the kernel (eager calls; a CUDA graph replay does not count)
@@ -68,7 +70,6 @@ def localmoe_attention(
 def decode(query, key, value, attention_mask, scaling, gate=None):
     """The one-token call `takes` accepted -> out [1, 1, Hq, Dv]; with `gate` [Hq, Dv] (Qwen3.5's output gate) the
     result is out · sigmoid(gate), in the same launches (localmoe.decode.attention)."""
-    from localmoe.decode.ops import tuned
     from localmoe.kernels.decode_attention import decode_attention
 
     global decode_calls

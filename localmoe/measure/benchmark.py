@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from localmoe.devices import pick_device, pick_dtype
+from localmoe.engine import plan
+from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
 from localmoe.models.random_weights import param_owners, random_value
@@ -63,7 +66,6 @@ def step_bytes(engine, sparsity: float) -> float:
     """Bytes one decode step must read: every non-expert weight except the embedding table (one row; all of it when
     lm_head shares it), plus the k routed experts' gate rows (dense) and their kept up/down rows per MoE layer
     (plan.step_floor, as `localmoe show` reports it)."""
-    from localmoe.engine import plan
 
     f = plan.facts(engine.model, engine.loaded.config, engine.loaded.experts)
     m = engine.loaded.experts[0]
@@ -233,8 +235,6 @@ def bench(
     experts: str = "full",
     repetition_penalty: float | None = None,
 ) -> dict:
-    from localmoe.devices import pick_device, pick_dtype
-    from localmoe.engine.engine import Engine
 
     if routing != "uniform" and not shape:
         raise UsageError("--routing needs --shape: it sets random weights' routers; a real model routes as trained")
