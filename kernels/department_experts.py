@@ -35,8 +35,10 @@ except ImportError:  # pragma: no cover
 MAX_TOKENS = 8
 
 
-def department_experts_ref(x, w_gate, w_up, w_down_t, private, dept, weights, tau):
-    """Torch reference reading only kept rows of W_up and P: -> (y [T, H] fp32, kept count as a 0-d int64)."""
+def department_experts_ref(x, w_gate, w_up, w_down_t, private, dept, weights, tau, private_slots=None):
+    """Torch reference reading only kept rows of W_up and P: -> (y [T, H] fp32, kept count as a 0-d int64).
+    With `private_slots` [S, n], private is a pool [P, h, h] and expert j of slot s is private[private_slots[s, j]]."""
+    ps = private_slots.tolist() if private_slots is not None else None
     T, H = x.shape
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     kept = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -54,7 +56,8 @@ def department_experts_ref(x, w_gate, w_up, w_down_t, private, dept, weights, ta
             u = a[keep] * (w_up[d].index_select(0, keep).float() @ xt)  # [kept]
             z = torch.zeros(w_gate.shape[1], dtype=torch.float32, device=x.device)
             for j in (w != 0).nonzero().squeeze(1).tolist():
-                z += w[j] * (u @ private[d, j].index_select(0, keep).float())
+                pj = private[d, j] if ps is None else private[ps[s][j]]
+                z += w[j] * (u @ pj.index_select(0, keep).float())
             y[t] += z @ w_down_t[d].float()
     return y, kept
 
@@ -98,8 +101,8 @@ if triton is not None:
 
     @triton.jit
     def _dept_private_kernel(
-        p_ptr, dept_ptr, w_ptr, u_ptr, z_ptr, T, h, n, stride_pd, stride_pe,
-        T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_Z: tl.constexpr,
+        p_ptr, dept_ptr, w_ptr, u_ptr, z_ptr, ps_ptr, T, h, n, stride_pd, stride_pe,
+        T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_Z: tl.constexpr, INDEXED: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_Z + tl.arange(0, BLOCK_Z)
@@ -113,6 +116,10 @@ if triton is not None:
             for j in range(n):
                 wj = tl.load(w_ptr + (s * T + tt) * n + j, mask=tmask, other=0.0)  # [T_P2]
                 if tl.sum(tl.abs(wj), axis=0) > 0:
+                    if INDEXED:  # a pool of private parts: expert j of slot s sits at private_slots[s, j]
+                        pbase = tl.load(ps_ptr + s * n + j).to(tl.int64) * stride_pe
+                    else:
+                        pbase = dd * stride_pd + j * stride_pe
                     for i0 in range(0, h, BLOCK_I):
                         ii = i0 + tl.arange(0, BLOCK_I)
                         u = tl.load(
@@ -122,7 +129,7 @@ if triton is not None:
                         )  # [T_P2, BLOCK_I]
                         live = tl.sum(tl.abs(u) * (wj[:, None] != 0), axis=0) > 0  # a kept neuron of a chosen token
                         p = tl.load(
-                            p_ptr + dd * stride_pd + j * stride_pe + ii.to(tl.int64)[:, None] * h + cols[None, :],
+                            p_ptr + pbase + ii.to(tl.int64)[:, None] * h + cols[None, :],
                             mask=live[:, None] & cmask[None, :],
                             other=0.0,
                         ).to(tl.float32)  # [BLOCK_I, BLOCK_Z]
@@ -161,14 +168,16 @@ if triton is not None:
 
 
 def department_experts(
-    x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, kept_total=None,
+    x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, kept_total=None, private_slots=None,
     BLOCK_N: int = 4, BLOCK_I: int = 16, BLOCK_Z: int = 64, BLOCK_O: int = 64, num_warps: int = 4,
 ):  # fmt: skip
     """y [T, H] fp32 = the department-grouped DeaMoE experts of a step (module doc); `out` is zeroed and filled.
 
     x [T, H] (T <= MAX_TOKENS), w_gate/w_up/w_down_t [D, h, H], private [D, n, h, h] (bf16/fp16/fp32, rows
     contiguous), dept [S] int32 (-1 = unused slot), weights [S, T, n] fp32, tau [D] fp32; `kept_total` (0-d int64)
-    gets the kept (token, neuron) count added."""
+    gets the kept (token, neuron) count added. With `private_slots` [S, n] int32, private is a pool [P, h, h] and
+    expert j of slot s reads private[private_slots[s, j]] (an expert cache's slots; entries of unchosen experts are
+    never read)."""
     if triton is None:
         raise RuntimeError("department_experts needs triton")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
@@ -181,9 +190,21 @@ def department_experts(
     D, h = w_gate.shape[0], w_gate.shape[1]
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
         expert_weights(name, w, D, h, H, x.device)
-    if private.dim() != 4 or private.shape[0] != D or tuple(private.shape[2:]) != (h, h):
+    indexed = private_slots is not None
+    if indexed:
+        if private.dim() != 3 or tuple(private.shape[1:]) != (h, h):
+            raise ValueError(
+                f"with private_slots, private must be a pool [P, h, h] with h={h}, got {tuple(private.shape)}"
+            )
+        if private_slots.dim() != 2 or private_slots.dtype != torch.int32 or not private_slots.is_contiguous():
+            raise ValueError("private_slots must be a contiguous int32 [S, n] tensor")
+        if private_slots.device != x.device:
+            raise ValueError(f"private_slots must be on {x.device}")
+        n = private_slots.shape[1]
+    elif private.dim() != 4 or private.shape[0] != D or tuple(private.shape[2:]) != (h, h):
         raise ValueError(f"private must be [D, n, h, h] with D={D}, h={h}, got {tuple(private.shape)}")
-    n = private.shape[1]
+    else:
+        n = private.shape[1]
     if private.dtype not in FLOAT_DTYPES or not private.is_contiguous() or private.device != x.device:
         raise ValueError(f"private must be a contiguous bf16/fp16/fp32 tensor on {x.device}")
     if dept.dim() != 1 or dept.dtype != torch.int32 or not dept.is_contiguous() or dept.device != x.device:
@@ -221,9 +242,12 @@ def department_experts(
         H=H, H_P2=triton.next_power_of_2(H), N_P2=triton.next_power_of_2(n), T_P2=t_p2, BLOCK_N=bn, COUNT=count,
         num_warps=num_warps,
     )  # fmt: skip
+    if indexed and tuple(private_slots.shape) != (S, n):
+        raise ValueError(f"private_slots must be [S, n] = {(S, n)}, got {tuple(private_slots.shape)}")
+    pstride_d, pstride_e = (0, private.stride(0)) if indexed else (private.stride(0), private.stride(1))
     _dept_private_kernel[(S, triton.cdiv(h, bz))](
-        private, dept, weights, ws[0], ws[1], T, h, n, private.stride(0), private.stride(1),
-        T_P2=t_p2, BLOCK_I=bi, BLOCK_Z=bz, num_warps=num_warps,
+        private, dept, weights, ws[0], ws[1], private_slots if indexed else dept, T, h, n, pstride_d, pstride_e,
+        T_P2=t_p2, BLOCK_I=bi, BLOCK_Z=bz, INDEXED=indexed, num_warps=num_warps,
     )  # fmt: skip
     _dept_down_kernel[(triton.cdiv(H, bo), S)](
         w_down_t, dept, ws[1], out, T, h, w_down_t.stride(0), H=H, T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo,

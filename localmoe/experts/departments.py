@@ -22,7 +22,12 @@ routing weights final, indices are flat expert numbers e = d * n + j):
   GEMM cannot run (CPU autograd, CUDA fp32, unaligned strides) a loop over the D departments and D * n experts;
 - decode (T <= `max_sparse_tokens`): the step's departments in a fixed number of slots (`step_slots`, no host sync,
   graph capturable), each touched department's weights read once for all T tokens; on CUDA (or `kernel_on_cpu`) the
-  Triton kernel `localmoe.kernels.department_experts`, elsewhere its torch reference.
+  Triton kernel `localmoe.kernels.department_experts`, elsewhere its torch reference;
+- offloaded (`cache`: experts/department_cache.py, the parameters are host master copies): decode looks the step's
+  departments and chosen experts up on the host, copies misses into the cache's pools and runs the same kernel on
+  them (department slot ids in place of department numbers, `private_slots` mapping (slot, expert) into the private
+  pool, tau following its department); a step needing more units than a pool holds, prefill, calibration and
+  training run `dense_cached`, one department at a time through the cache. The resident paths are unchanged.
 
 Shapes: T tokens, k experts per token, D departments, n experts per department, h department width, H hidden,
 S = slots (departments one step may touch: min(D, T * min(k, topk_group))).
@@ -141,7 +146,7 @@ class DepartmentExperts(nn.Module):
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons (sparse paths), updated in place
         self.seen = torch.zeros((), dtype=torch.int64)  # neurons considered there (a device counter: no host sync)
         self.last_departments: torch.Tensor | None = None  # decode: the step's slot table (for a department cache)
-        self.cache = None  # no expert cache: DeaMoE experts stay resident (offloading them is refused at load)
+        self.cache = None  # offloaded: the DepartmentCache (experts/department_cache.py) the paths read through
 
     # -- what the rest of localmoe reads of an experts module (LocalExperts has the same names) ---------------------
     @property
@@ -179,6 +184,8 @@ class DepartmentExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens and not self.training
+        if self.cache is not None:
+            return self._through_cache(hidden_states, top_k_index, top_k_weights, few)
         if few:
             return self._decode(hidden_states, top_k_index, top_k_weights)
         return self._dense(hidden_states, top_k_index, top_k_weights)
@@ -218,22 +225,95 @@ class DepartmentExperts(nn.Module):
         return torch.zeros_like(x).index_add(0, pt, y.to(x.dtype))
 
     # -- decode: the step's departments in fixed slots -------------------------------------------------------------
+    def _tau(self, device) -> tuple[bool, torch.Tensor]:
+        sparse = self.sparse_enabled and self.tau is not None
+        if sparse:
+            return True, self.tau.to(device=device, dtype=torch.float32)
+        return False, torch.zeros(self.num_departments, dtype=torch.float32, device=device)
+
     def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         slots = min(self.num_departments, T * self.slots)
         dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots)
         self.last_departments = dept
-        sparse = self.sparse_enabled and self.tau is not None
-        if sparse:
-            tau = self.tau.to(device=x.device, dtype=torch.float32)
-        else:
-            tau = torch.zeros(self.num_departments, dtype=torch.float32, device=x.device)
+        sparse, tau = self._tau(x.device)
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
+        return self._run_kernel(x, args, w, sparse)
+
+    def _run_kernel(self, x, args, w, sparse: bool, private_slots=None) -> torch.Tensor:
         if x.is_cuda or self.kernel_on_cpu:
             kept = torch.zeros((), dtype=torch.int64, device=x.device)
-            y = department_experts(*args, kept_total=kept)
+            y = department_experts(*args, kept_total=kept, private_slots=private_slots)
         else:
-            y, kept = department_experts_ref(*args)
+            y, kept = department_experts_ref(*args, private_slots=private_slots)
         if sparse:
             self._count(kept, (w.abs().sum(-1) > 0).sum() * self.width)  # (token, department) pairs x h
         return y.to(x.dtype)
+
+    # -- offloaded: the same paths reading the department cache's pools (experts/department_cache.py) -------------
+    def _through_cache(self, x: torch.Tensor, top_k_index, top_k_weights, few: bool) -> torch.Tensor:
+        """Decode: the step's departments and chosen experts looked up on the host (one readback), misses copied in,
+        the kernel run on the pools (department slot ids for departments, a [S, n] map into the private pool). When
+        the step needs more units than a pool holds, or for prefill, calibration and training: one department at a
+        time (`dense_cached`)."""
+        if not few:
+            return dense_cached(self, x, top_k_index, top_k_weights, self.mask_all_tokens)
+        T, n, cache = x.shape[0], self.per_department, self.cache
+        dept, w = step_slots(top_k_index, top_k_weights, n, min(self.num_departments, T * self.slots))
+        self.last_departments = dept
+        chosen = w.abs().sum(1) > 0  # [S, n]
+        depts = dept.tolist()
+        pairs = [(d, j) for s, d in enumerate(depts) if d >= 0 for j, c in enumerate(chosen[s].tolist()) if c]
+        used = [d for d in depts if d >= 0]
+        if not cache.fits(len(used), len(pairs)):  # the decode path's function: thresholds applied
+            return dense_cached(self, x, top_k_index, top_k_weights, True)
+        d_slots = cache.department_slots(self.layer_idx, used)
+        p_slots = cache.private_slots(self.layer_idx, pairs)
+        at = dict(zip(used, d_slots))
+        pmap = [[0] * n for _ in depts]
+        for (d, j), ps in zip(pairs, p_slots):
+            pmap[depts.index(d)][j] = ps
+        dev = x.device
+        slot_dept = torch.tensor([at.get(d, -1) for d in depts], dtype=torch.int32, device=dev)
+        private_slots = torch.tensor(pmap, dtype=torch.int32, device=dev).reshape(len(depts), n)
+        sparse, tau = self._tau(dev)
+        tau_slots = torch.zeros(
+            cache.gate.shape[0], dtype=torch.float32, device=dev
+        )  # each department's tau follows it
+        if used:
+            tau_slots[torch.tensor(d_slots, device=dev)] = tau[torch.tensor(used, device=dev)]
+        args = (x, cache.gate, cache.up, cache.down_t, cache.private, slot_dept, w, tau_slots)
+        return self._run_kernel(x, args, w, sparse, private_slots=private_slots)
+
+
+def dense_cached(m: DepartmentExperts, x: torch.Tensor, top_k_index, top_k_weights, mask: bool) -> torch.Tensor:
+    """The dense path of an offloaded layer: one touched department at a time, its shared projections and then each
+    chosen expert's private part fetched through the cache (`m.cache`), with the recorder as in
+    `DepartmentExperts._dense` (same formulas; the loop replaces the grouped GEMMs). `mask`: the thresholds apply
+    (evaluation's mask on every token, or a decode step too large for the pools: the decode path's function)."""
+    n, h, cache, layer = m.per_department, m.width, m.cache, m.layer_idx
+    masked = mask and m.sparse_enabled and m.tau is not None and m.recorder is None
+    dep = top_k_index // n  # [T, k]
+    y = torch.zeros_like(x)
+    for d in sorted(set(dep.reshape(-1).tolist())):
+        rows = (dep == d).any(1).nonzero().squeeze(1)  # tokens routed into d
+        gate, up, down_t = cache.department(layer, d)
+        xs = x[rows]
+        a = F.silu(xs @ gate.to(xs.dtype).T)  # [r, h]
+        if m.recorder is not None:
+            m.recorder.add_rows(a.abs(), torch.full((a.shape[0],), d, dtype=torch.int64, device=x.device))
+        if masked:
+            keep = a.abs() >= m.tau.to(a.device)[d]
+            a = a * keep
+            m._count(keep.sum(), a.numel())
+        u = a * (xs @ up.to(xs.dtype).T)
+        idx, wts = top_k_index[rows], top_k_weights[rows]
+        z = torch.zeros(rows.shape[0], h, dtype=u.dtype, device=x.device)
+        for j in sorted(set((idx[dep[rows] == d] % n).tolist())):
+            hit = idx == d * n + j  # [r, k]
+            r = hit.any(1).nonzero().squeeze(1)
+            g = (wts * hit).sum(1)[r]
+            zp = (u[r] @ cache.private_of(layer, d, j).to(u.dtype)) * g[:, None].to(u.dtype)
+            z = z.index_add(0, r, zp)
+        y = y.index_add(0, rows, (z @ down_t.to(z.dtype)).to(x.dtype))
+    return y
