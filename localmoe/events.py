@@ -58,6 +58,9 @@ class EngineStats:
     peak_gpu_mem_gb: float = 0.0
     cache_hit_rate: float | None = None  # None until expert offloading is active
     h2d_bytes_per_token: float | None = None
+    # offloaded DeaMoE only (None otherwise): the department cache's two pools, hit rates over decode lookups
+    department_hit_rate: float | None = None  # departments' shared projections found resident
+    private_hit_rate: float | None = None  # experts' private parts found resident
     finish_reason: str = ""  # "stop" (EOS or a stop string), "length", "cancelled", or "" while running
     load_s: float = 0.0  # seconds the engine took to load (resolve, weights, thresholds)
     ttft_s: float = 0.0  # the last reply's time to first token: from the generate call to its first token

@@ -272,9 +272,9 @@ def test_bad_checkpoint_refused_by_the_cli(tmp_path, capsys):
     "flags, needle",
     [
         (["--experts", "int4"], "--experts int4 is not supported for DeaMoE"),
-        (["--vram", "0.25"], "offloading DeaMoE experts is not supported yet"),
+        (["--vram", "0.25"], "one token needs 2 departments and 4 private parts of a layer"),
     ],
-    ids=["int4", "offload"],
+    ids=["int4", "vram-below-one-token"],
 )
 def test_unsupported_options_refused_in_one_line(capsys, flags, needle):
     code, err = _cli(capsys, "run", BUNDLED, "hi", *flags)

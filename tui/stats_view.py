@@ -112,6 +112,9 @@ def stats_rows(
             else f"{stats.cache_hit_rate:.0%} of expert reads hit the GPU cache",
         )
     )
+    dept, priv = getattr(stats, "department_hit_rate", None), getattr(stats, "private_hit_rate", None)
+    if dept is not None and priv is not None:  # an offloaded DeaMoE: its department and private pools
+        rows.append(("Department cache", f"{dept:.0%} of departments · {priv:.0%} of private parts hit the GPU"))
     if stats.h2d_bytes_per_token is not None:
         rows.append(("Host to GPU", f"{stats.h2d_bytes_per_token / 1e6:.0f} MB per token"))
     rows.append(("Sampling", sampling_line(settings)))

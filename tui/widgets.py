@@ -212,6 +212,9 @@ def status_parts(model: str, device: str, stats: EngineStats | None) -> list[str
             parts.append(f"GPU {stats.peak_gpu_mem_gb:.1f}G")
         if stats.cache_hit_rate is not None:
             parts.append(f"cache {stats.cache_hit_rate:.0%}")
+        dept, priv = getattr(stats, "department_hit_rate", None), getattr(stats, "private_hit_rate", None)
+        if dept is not None and priv is not None:  # an offloaded DeaMoE's two pools
+            parts.append(f"dept {dept:.0%} / private {priv:.0%}")
         if stats.h2d_bytes_per_token is not None:
             parts.append(f"host→GPU {stats.h2d_bytes_per_token / 1e6:.0f} MB/tok")
     return [p for p in parts if p]

@@ -157,6 +157,8 @@ def _stats_json(stats) -> dict:
         "peak_gpu_mem_gb",
         "cache_hit_rate",
         "h2d_bytes_per_token",
+        "department_hit_rate",
+        "private_hit_rate",
         "finish_reason",
         "load_s",
         "ttft_s",
@@ -176,6 +178,11 @@ def _stats_line(stats, engine) -> str:
         + (
             f" | expert cache {stats.cache_hit_rate:.0%} hits, {stats.h2d_bytes_per_token / 1e6:.1f} MB/token copied"
             if stats.cache_hit_rate is not None
+            else ""
+        )
+        + (
+            f" (departments {stats.department_hit_rate:.0%}, private parts {stats.private_hit_rate:.0%})"
+            if stats.department_hit_rate is not None and stats.private_hit_rate is not None
             else ""
         )
     )

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from localmoe.devices import vram_budget
 from localmoe.engine.sampling import generation_defaults
 from localmoe.errors import UsageError
+from localmoe.experts.department_placement import DepartmentPlan
 from localmoe.experts.int4 import expert_bytes
 from localmoe.experts.int4 import expert_bytes as int4_bytes
 from localmoe.experts.placement import WORKSPACE_RESERVE, gate_tier_split, state_bytes
@@ -201,6 +202,20 @@ class ModelPlan:
         p = self.offload
         if p is None:
             return d
+        if isinstance(p, DepartmentPlan):  # DeaMoE: department units first, then private units
+            d.update(
+                non_expert_bytes=p.non_expert_bytes,
+                non_expert_gpu_bytes=p.non_expert_bytes,
+                offloading=p.offloading,
+                departments_total=p.departments_total,
+                departments_cached=p.department_slots,
+                department_bytes=p.department_bytes,
+                private_total=p.total_experts,
+                private_cached=p.private_slots,
+                private_bytes=p.private_bytes,
+                host_ram_bytes=p.host_bytes if p.offloading else 0,
+            )
+            return d
         gates, updown = gate_tier_split(p) if p.offloading else (p.total_experts, p.total_experts)
         d.update(
             non_expert_bytes=p.non_expert_bytes,
@@ -236,6 +251,12 @@ class ModelPlan:
         )
         if not p.offloading:
             return f"{head}: {resident}, all {p.total_experts} experts too ({gib(self.total_expert_bytes)})"
+        if isinstance(p, DepartmentPlan):
+            return (
+                f"{head}: {resident}, departments first: {p.department_slots} of {p.departments_total} departments' "
+                f"shared projections and {p.private_slots} of {p.total_experts} experts' private parts cached "
+                f"({gib(p.cache_bytes)}), host RAM {gib(p.host_bytes)} for the master copies"
+            )
         per = p.slots / max(1, self.facts.moe_layers)
         return (
             f"{head}: {resident}, {p.slots} of {p.total_experts} experts cached ({per:.1f} per layer; direct "

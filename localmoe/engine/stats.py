@@ -1,7 +1,8 @@
 """A reply's figures (`EngineStats`): made at its start, the prefill's rate once the first token is read, the live
 figures the status bar shows while decoding (every LIVE_STATS_EVERY tokens: realised sparsity, the expert cache's
-hit rate and host→GPU bytes per token; the decode rate, time to first token and wall time every token), and the
-final ones. Also the realised sparsity itself: the experts' device counters plus what captured replays considered.
+hit rate and host→GPU bytes per token, an offloaded DeaMoE's department and private hit rates; the decode rate, time
+to first token and wall time every token), and the final ones. Also the realised sparsity itself: the experts'
+device counters plus what captured replays considered.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def prefilled(stats: EngineStats, n_prompt: int, reused: int, seconds: float) ->
 def _cache_figures(stats: EngineStats, expert_cache, n: int) -> None:
     stats.cache_hit_rate, moved = expert_cache.figures()
     stats.h2d_bytes_per_token = moved / max(1, n - 1)
+    pools = getattr(expert_cache, "department_figures", None)  # DeaMoE's department cache: two pools
+    if pools is not None:
+        d = pools()
+        stats.department_hit_rate, stats.private_hit_rate = d["department_hit_rate"], d["private_hit_rate"]
 
 
 def live(stats: EngineStats, sparsity, expert_cache, n: int, t_call: float, t_decode: float) -> None:

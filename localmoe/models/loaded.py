@@ -12,6 +12,8 @@ import torch
 
 from localmoe.experts import cache as offload
 from localmoe.experts import placement
+from localmoe.experts.department_cache import DepartmentCache
+from localmoe.experts.department_placement import DepartmentPlan
 from localmoe.experts.int4 import expert_bytes
 from localmoe.experts.local_experts import LocalExperts
 from localmoe.models.families import FamilySpec
@@ -26,7 +28,7 @@ class LoadedModel:
     # reads: num_experts, tau_groups, tau, sparse_enabled, max_sparse_tokens, recorder, kept/seen, weights, cache)
     experts: list[LocalExperts]
     offload: object = None  # localmoe.experts.placement.OffloadPlan when a VRAM budget was given
-    cache: object = None  # localmoe.experts.cache.ExpertCache when experts are offloaded
+    cache: object = None  # experts/cache.py ExpertCache (DeaMoE: experts/department_cache.py) when offloaded
     host_pinned: bool = False  # expert master copies in pinned host memory
     host_storage: str = ""  # where offloaded experts' master copies live: pinned, pageable or mmap (files)
 
@@ -37,7 +39,7 @@ class LoadedModel:
 def int4_hint(loaded: LoadedModel) -> str | None:
     """For offloaded full-precision experts that would all fit the budget in 4 bits: the notice naming the flag."""
     plan, m = loaded.offload, loaded.experts[0]
-    if plan is None or not plan.offloading or m.weights.int4:
+    if plan is None or not plan.offloading or m.weights.int4 or isinstance(plan, DepartmentPlan):
         return None
     try:
         need = (
@@ -61,6 +63,9 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     before). Miss mode "auto": direct reads from pinned host memory on CUDA (the fastest measured), else
     copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first
     (`placement.gate_tier_split`)."""
+    if isinstance(loaded.offload, DepartmentPlan):
+        attach_department_cache(loaded, dtype, device, pinned)
+        return
     if miss == "auto":
         miss = "direct" if torch.device(device).type == "cuda" and pinned else "copy"
     m0 = loaded.experts[0]
@@ -83,5 +88,29 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
         cache.add_layer(m.layer_idx, m.weights)
         m.cache = cache
     cache.place_gates()
+    loaded.cache = cache
+    loaded.host_pinned = pinned
+
+
+def attach_department_cache(loaded: LoadedModel, dtype, device, pinned: bool) -> None:
+    """An offloaded DeaMoE: the department cache (department and private pools sized by the plan) in front of the
+    experts' parameters, which the loader left in host memory; pinned first when `pinned` (asynchronous copies)."""
+    plan, m0 = loaded.offload, loaded.experts[0]
+    for m in loaded.experts:
+        m.cache = None
+    loaded.cache = None
+    if pinned:
+        try:
+            for m in loaded.experts:
+                for p in m.parameters():
+                    if not p.is_pinned():
+                        p.data = p.data.pin_memory()
+        except RuntimeError:
+            pinned = False
+    shape = (m0.num_departments, m0.per_department, m0.width, m0.hidden_size)
+    cache = DepartmentCache(plan.department_slots, plan.private_slots, shape, dtype, device)
+    for m in loaded.experts:
+        cache.add_layer(m.layer_idx, m.weights)
+        m.cache = cache
     loaded.cache = cache
     loaded.host_pinned = pinned

@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 from localmoe.errors import UsageError
-from localmoe.experts import placement, store
+from localmoe.experts import department_placement, placement, store
 from localmoe.experts.int4 import expert_bytes as int4_expert_bytes
-from localmoe.models.families import family_for_model_type
 from localmoe.models.skeleton import units
 
 HOST_STORAGE = ("auto", "pinned", "mmap")
@@ -28,11 +27,19 @@ class Placement:
     budget: placement.OffloadPlan | None
     dmap: dict[str, torch.device]
     pinned: list[bool] = field(default_factory=list)
+    host_params: tuple[str, ...] = ()  # offloaded DeaMoE: the experts modules whose parameters load to host memory
 
     @property
     def host(self) -> bool:
         """Experts are offloaded: their master copies live in host memory (or files)."""
         return self.budget is not None and self.budget.offloading
+
+    def device_for(self, name: str, device: torch.device) -> torch.device:
+        """Where parameter `name` loads: host memory for an offloaded DeaMoE experts module's (the department
+        cache's master copies), else its unit's device under the device map."""
+        if any(name.startswith(prefix + ".") for prefix in self.host_params):
+            return torch.device("cpu")
+        return device_of(name, self.dmap, device)
 
 
 def plan_placement(
@@ -54,7 +61,8 @@ def plan_placement(
         else None
     )
     dmap = place_non_experts(model, budget, device, dtype)
-    return Placement(budget, dmap, [device.type == "cuda"])
+    host = tuple(experts) if isinstance(budget, department_placement.DepartmentPlan) and budget.offloading else ()
+    return Placement(budget, dmap, [device.type == "cuda"], host)
 
 
 def plan_offload(
@@ -64,8 +72,8 @@ def plan_offload(
     el = torch.finfo(dtype).bits // 8
     non_expert = sum(p.numel() * el for p in model.parameters())
     mods = list(experts.values())
-    if hasattr(mods[0], "num_departments"):  # DeaMoE: resident only, for now
-        return _departments_resident(text_config, mods, non_expert, el, vram_bytes, context, dtype)
+    if hasattr(mods[0], "num_departments"):  # DeaMoE: departments first, then private parts
+        return _department_plan(text_config, mods, non_expert, el, vram_bytes, context, dtype, on_notice)
     E, I, H = mods[0].num_experts, mods[0].intermediate_size, mods[0].hidden_size
     if any((m.num_experts, m.intermediate_size, m.hidden_size) != (E, I, H) for m in mods):
         raise UsageError("expert offloading needs every MoE layer to have the same expert shape")
@@ -91,23 +99,32 @@ def plan_offload(
     return budget
 
 
-def _departments_resident(text_config, mods, all_bytes: int, el: int, vram_bytes: int, context: int, dtype):
-    """DeaMoE's plan: every department resident (its experts are parameters of the model, counted in `all_bytes`);
-    a budget that would offload them is refused in one line (department-aware offloading is not written yet)."""
+def _department_plan(text_config, mods, all_bytes: int, el: int, vram_bytes: int, context: int, dtype, on_notice):
+    """DeaMoE's plan (experts/department_placement.py): every department resident when the budget holds them, else
+    department units first, then private units, the rest in host memory; a one-line refusal below one token's need
+    of a layer. Its experts are parameters of the model, counted in `all_bytes`."""
+    m0 = mods[0]
+    shape = (m0.num_departments, m0.per_department, m0.hidden_size, m0.width)
+    if any((m.num_departments, m.per_department, m.hidden_size, m.width) != shape for m in mods):
+        raise UsageError("DeaMoE offloading needs every MoE layer to have the same department shape")
     expert_total = sum(p.numel() * el for m in mods for p in m.parameters())
-    state = placement.state_bytes(text_config, context, dtype)
-    need = all_bytes + state + placement.WORKSPACE_RESERVE
-    if vram_bytes < need:
-        spec = family_for_model_type(text_config.model_type)
-        why = spec.not_offloadable if spec is not None and spec.not_offloadable else "offloading is not supported"
-        gib = placement.GiB
-        raise UsageError(
-            f"{why}: every department must stay resident, which needs {need / gib:.2f} GiB of VRAM (weights "
-            f"{all_bytes / gib:.2f}, KV/state {state / gib:.2f}, workspace {placement.WORKSPACE_RESERVE / gib:.2f}) "
-            f"and --vram gives {vram_bytes / gib:.2f} GiB: raise --vram, leave it out, or use --device cpu"
-        )
-    total = sum(m.num_experts for m in mods)
-    return placement.OffloadPlan(vram_bytes, all_bytes - expert_total, state, expert_total // total, total, total)
+    budget = department_placement.plan_departments(
+        budget_bytes=vram_bytes,
+        non_expert_bytes=all_bytes - expert_total,
+        state=placement.state_bytes(text_config, context, dtype),
+        departments=m0.num_departments,
+        per_department=m0.per_department,
+        hidden=m0.hidden_size,
+        width=m0.width,
+        layers=len(mods),
+        element_bytes=el,
+        departments_per_token=int(getattr(text_config, "max_departments_per_token", m0.num_departments)),
+        top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
+    )
+    warning = placement.host_ram_notice(budget, placement.available_ram())
+    if warning and on_notice:
+        on_notice(warning)
+    return budget
 
 
 def place_non_experts(model, budget, device: torch.device, dtype) -> dict[str, torch.device]:
@@ -165,7 +182,7 @@ def expert_store(placed: Placement, options, path: Path, files: list[Path], dtyp
             "--host-storage mmap keeps full-precision experts; int4 master copies live in host memory: "
             "drop --host-storage mmap (or use --experts full)"
         )
-    if options.experts_format == "int4":
+    if options.experts_format == "int4" or placed.host_params:  # DeaMoE's master copies: parameters in host memory
         return None
     key = options.store_key or (str(path), "local")
     files_store = _expert_files(placed.host, options.host_storage, placed.budget, key, files, dtype, on_notice)

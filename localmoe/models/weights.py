@@ -21,7 +21,7 @@ from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 from localmoe.experts.placement import host_allocator
 from localmoe.models.checkpoint import map_keys, open_shard
 from localmoe.models.families import PER_EXPERT_NAMES
-from localmoe.models.offload import Placement, device_of, place_buffers
+from localmoe.models.offload import Placement, place_buffers
 from localmoe.models.skeleton import keep_fp32
 from localmoe.safe_text import for_line
 
@@ -48,7 +48,7 @@ def load_weights(
     dense, expert_keys = map_keys(files, fam.rename, experts, params)
     total = len(dense) + sum(m.num_experts for m in experts.values())
     with _open_shards() as handle:
-        loaded = _load_dense(model, dense, handle, placed.dmap, device, dtype, progress, total)
+        loaded = _load_dense(model, dense, handle, placed, device, dtype, progress, total)
         done = len(dense)
         for prefix, mod in experts.items():
             _load_experts(prefix, mod, expert_keys[prefix], handle, placed, files_store, device, dtype, experts_format)
@@ -78,9 +78,10 @@ def _open_shards():
             h.__exit__(None, None, None)
 
 
-def _load_dense(model, dense, handle, dmap, device, dtype, progress, total: int) -> set[str]:
+def _load_dense(model, dense, handle, placed: Placement, device, dtype, progress, total: int) -> set[str]:
     """The non-expert tensors, each checked and put where its unit lives (float32 for the model's keep-in-fp32
-    modules) -> the parameter names loaded."""
+    modules; an offloaded DeaMoE's department tensors in host memory: `Placement.device_for`) -> the parameter
+    names loaded."""
     from accelerate.utils import set_module_tensor_to_device
 
     fp32_modules = keep_fp32(model)
@@ -98,7 +99,7 @@ def _load_dense(model, dense, handle, dmap, device, dtype, progress, total: int)
         set_module_tensor_to_device(
             model,
             name,
-            device_of(name, dmap, device),
+            placed.device_for(name, device),
             value=tensor,
             dtype=tdtype if tensor.is_floating_point() else None,
         )

@@ -5,9 +5,10 @@ each expert a private [h, h] (localmoe.experts.departments.DepartmentExperts), r
 Unlike the transformers families, the block's `experts` already is localmoe's module: the loader does not swap it and
 its tensors (`mlp.experts.gate_proj`, `up_proj`, `down_t`, `private`: models/deamoe/checkpoint.py) load like the
 rest, after `check_checkpoint` refuses a checkpoint that does not match its config. The model type is registered
-with transformers' Auto classes by importing `registers` before a config is read. Not yet: offloaded experts (a VRAM
-budget that cannot hold every department is refused) and int4 experts. No tiny model here: tests/test_deamoe.py
-builds its own (the tests looping over every family would meet those refusals).
+with transformers' Auto classes by importing `registers` before a config is read. A VRAM budget that cannot hold
+every department offloads department-aware (departments' shared projections first, then private parts:
+experts/department_placement.py, experts/department_cache.py). Not yet: int4 experts. No tiny model here:
+tests/test_deamoe.py builds its own (the tests looping over every family would meet the int4 refusal).
 """
 
 from localmoe.models.families.spec import FamilySpec
@@ -21,6 +22,5 @@ SPEC = FamilySpec(
     native_experts=True,
     registers="localmoe.models.deamoe",
     checkpoint_check="localmoe.models.deamoe.checkpoint:check_checkpoint",
-    not_offloadable="offloading DeaMoE experts is not supported yet",
     no_int4="--experts int4 is not supported for DeaMoE models yet: use --experts full",
 )

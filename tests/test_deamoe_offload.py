@@ -1,0 +1,193 @@
+"""Department-aware offloading of DeaMoE experts on CPU: the plan holds departments first, the department cache's two
+pools are LRU each and never trade a department for a private part, an offloaded layer computes what the resident one
+does (decode kernel and reference, dense path, sparse), the bundled localmoe-tiny-deamoe decodes the same greedy
+tokens offloaded as resident, the hit figures reach `run --json`, and a budget with no room is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
+from localmoe.errors import UsageError
+from localmoe.events import GenerationSettings
+from localmoe.experts.department_cache import DepartmentCache
+from localmoe.experts.department_placement import plan_departments
+from localmoe.experts.departments import DepartmentExperts, group_limited_topk
+from localmoe.experts.placement import WORKSPACE_RESERVE
+
+GiB = 1 << 30
+BUNDLED = "localmoe-tiny-deamoe"
+D, N, H, W = 4, 3, 64, 32  # departments, experts per department, hidden, department width
+DEPT, PRIV = 3 * W * H * 4, W * W * 4  # fp32 bytes of a department unit, of a private unit
+
+
+def _plan(depts: float, privs: float, **kw):
+    """The plan of 2 layers of the shape above at a budget with room for `depts` departments and `privs` privates."""
+    fixed = 1000 + 2000 + WORKSPACE_RESERVE
+    args = dict(non_expert_bytes=1000, state=2000, departments=D, per_department=N, hidden=H, width=W, layers=2)
+    args |= dict(element_bytes=4, departments_per_token=2, top_k=3) | kw
+    return plan_departments(budget_bytes=int(fixed + depts * DEPT + privs * PRIV), **args)
+
+
+def test_plan_holds_departments_first_then_private_parts():
+    p = _plan(3, 10)  # room for 3 departments and 10 privates: departments take all but one token's 3 privates
+    assert p.offloading and p.department_slots == 3 + (7 * PRIV) // DEPT and p.department_slots >= 3
+    assert p.private_slots == (3 * DEPT + 10 * PRIV - p.department_slots * DEPT) // PRIV >= 3
+    p = _plan(8, 5)  # every department fits: the rest holds private parts
+    assert (p.department_slots, p.private_slots, p.departments_total, p.total_experts) == (8, 5, 8, 24)
+    p = _plan(8, 24)  # everything fits: nothing is offloaded
+    assert not p.offloading and p.cache_bytes == 8 * DEPT + 24 * PRIV
+    assert "departments first" in _plan(8, 5).summary()
+
+
+def test_plan_refuses_a_budget_below_one_token_in_one_line():
+    with pytest.raises(UsageError) as e:
+        _plan(1.5, 3)  # one token touches up to 2 departments
+    msg = str(e.value)
+    assert "\n" not in msg and "one token needs 2 departments and 3 private parts" in msg and "--vram" in msg
+    assert "room for 1 department(s)' shared projections" in msg
+
+
+def _cache(d_slots=2, p_slots=3, layers=2):
+    cache = DepartmentCache(d_slots, p_slots, (D, N, W, H), torch.float32, "cpu")
+    masters = {}
+    for layer in range(layers):
+        m = DepartmentExperts(D, N, H, W, layer_idx=layer)
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        masters[layer] = m.requires_grad_(False)
+        cache.add_layer(layer, m.weights)
+    return cache, masters
+
+
+def test_pools_are_lru_each_and_departments_never_leave_for_private_parts():
+    cache, masters = _cache()
+    assert cache.department_slots(0, [1, 2]) == [0, 1]
+    cache.department_slots(0, [1])  # (0, 1) is now the most recent
+    (s,) = cache.department_slots(1, [3])  # evicts the least recently used department: (0, 2)
+    assert s == 1 and list(cache.departments.lru) == [(0, 1), (1, 3)]
+    assert torch.equal(cache.gate[s], masters[1].gate_proj[3]) and torch.equal(cache.down_t[s], masters[1].down_t[3])
+    for j in range(N):  # many private lookups: the department pool is untouched
+        for d in range(D):
+            cache.private_slots(0, [(d, j)])
+    assert list(cache.departments.lru) == [(0, 1), (1, 3)] and len(cache.privates.lru) == 3
+    assert list(cache.privates.lru) == [(0, 1, 2), (0, 2, 2), (0, 3, 2)]  # the three most recent
+    slot = cache.privates.lru[(0, 3, 2)]
+    assert torch.equal(cache.private[slot], masters[0].private[3, 2])
+    f = cache.department_figures()
+    assert (f["department_hits"], f["department_misses"], f["private_hits"], f["private_misses"]) == (1, 3, 0, 12)
+    rate, moved = cache.figures()
+    assert moved == 3 * DEPT + 12 * PRIV and rate == pytest.approx(DEPT / (4 * DEPT + 12 * PRIV))
+    with pytest.raises(RuntimeError):
+        cache.department_slots(0, [0, 1, 2])  # more departments at once than slots
+    cache.reset_stats()
+    assert cache.figures() == (0.0, 0) and cache.department_figures()["department_hit_rate"] is None
+
+
+@pytest.mark.parametrize(
+    "T, kernel",
+    [(1, False), (1, True), (2, False), (5, False)],
+    ids=["decode1-ref", "decode1-triton", "decode2-over-the-pool", "dense5"],  # only decode1 fits the pools' kernel
+)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_offloaded_layer_equals_resident(T, kernel, sparse):
+    cache, masters = _cache(d_slots=2, p_slots=4, layers=1)
+    m = masters[0].eval()
+    m.slots, m.max_sparse_tokens, m.kernel_on_cpu = 2, 2, kernel
+    if sparse:
+        m.tau, m.sparse_enabled = torch.rand(D, generator=torch.Generator().manual_seed(3)) * 0.05, True
+    g = torch.Generator().manual_seed(T)
+    idx, wts = group_limited_topk(torch.softmax(torch.randn(T, D * N, generator=g), -1), N, 3, 2)
+    x = torch.randn(T, H, generator=g)
+    want = m(x, idx, wts)
+    m.cache = cache
+    for _ in range(2):  # misses, then hits (T=2 may need more departments than the pool: the one-at-a-time path)
+        torch.testing.assert_close(m(x, idx, wts), want, atol=1e-5, rtol=1e-5)
+    f = cache.department_figures()
+    assert f["department_misses"] > 0 and f["private_misses"] > 0
+    if T == 1:  # two departments fit the pool: the second call hits
+        assert f["department_hits"] > 0 and f["private_hits"] > 0
+
+
+# -- the bundled model through the engine and the CLI ----------------------------------------------------------------
+def _tokens(engine, n=10):
+    ids = engine.encode_raw("Sparse experts skip most neurons.")
+    return [ev.token_id for ev in engine.generate(ids, GenerationSettings(max_new_tokens=n))]
+
+
+def _sparse(engine, tau: float) -> None:
+    for m in engine.loaded.experts:  # a fixed threshold (no calibration): the same on both engines
+        m.tau = torch.full((m.tau_groups,), tau, dtype=torch.float32)
+        m.sparse_enabled, m.max_sparse_tokens = tau > 0, 1
+
+
+@pytest.fixture(scope="module")
+def engines():
+    resident = Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=64.0)
+    p = resident.loaded.offload
+    assert type(p).__name__ == "DepartmentPlan" and not p.offloading and resident.loaded.cache is None
+    fixed = p.non_expert_bytes + p.state_bytes + WORKSPACE_RESERVE
+    budget = (fixed + p.departments_total * p.department_bytes + 60 * p.private_bytes + 100) / GiB
+    return resident, Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=budget), budget
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.05], ids=["sparsity0", "sparse"])
+def test_offloaded_tokens_equal_resident(engines, tau):
+    resident, offloaded, _ = engines
+    plan, cache = offloaded.loaded.offload, offloaded.loaded.cache
+    assert plan.offloading and (plan.department_slots, plan.private_slots) == (48, 60)
+    assert all(m.cache is cache for m in offloaded.loaded.experts)
+    assert all(p.device.type == "cpu" for m in offloaded.loaded.experts for p in m.parameters())
+    for e in (resident, offloaded):
+        _sparse(e, tau)
+    try:
+        assert _tokens(offloaded) == _tokens(resident)
+        st = offloaded.stats
+        if tau:
+            assert st.sparsity_realized > 0.05
+        assert 0.0 <= st.private_hit_rate < st.department_hit_rate <= 1.0  # every department fits, not every private
+        assert 0.0 < st.cache_hit_rate < 1.0 and st.h2d_bytes_per_token > 0
+        assert resident.stats.department_hit_rate is None and resident.stats.cache_hit_rate is None
+    finally:
+        for e in (resident, offloaded):
+            _sparse(e, 0.0)
+
+
+def test_run_json_reports_department_and_private_hit_rates(engines, capsys):
+    budget = engines[2]
+    flags = ["--json", "--max-new-tokens", "4", "--vram", f"{budget:.9f}", "--device", "cpu", "--sparsity", "0"]
+    code = main(["run", BUNDLED, "hi", *flags])
+    assert code == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    for key in ("department_hit_rate", "private_hit_rate", "cache_hit_rate"):
+        assert 0.0 <= stats[key] <= 1.0, key
+    assert stats["h2d_bytes_per_token"] >= 0
+
+
+def test_show_describes_the_department_plan(capsys):
+    assert main(["show", BUNDLED, "--vram", "0.52"]) == 0
+    out = capsys.readouterr().out
+    assert "departments first" in out and "of 48 departments' shared projections" in out
+
+
+def test_status_bar_and_stats_show_the_pools_only_when_present():
+    from localmoe.events import EngineStats
+    from tui.stats_view import stats_rows
+    from tui.widgets import status_parts
+
+    plain = EngineStats(generated_tokens=3, cache_hit_rate=0.5, h2d_bytes_per_token=1e6)
+    dept = EngineStats(**{**plain.__dict__, "department_hit_rate": 0.9, "private_hit_rate": 0.25})
+    assert not any("dept" in p for p in status_parts("m", "cuda", plain))
+    assert "dept 90% / private 25%" in status_parts("m", "cuda", dept)
+
+    class E:
+        stats, device = dept, "cuda"
+
+    rows = dict(stats_rows(E(), GenerationSettings(), model="m"))
+    assert rows["Department cache"] == "90% of departments · 25% of private parts hit the GPU"
+    assert dept.as_json()["department_hit_rate"] == 0.9 and plain.as_json()["private_hit_rate"] is None
