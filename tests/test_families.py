@@ -44,7 +44,7 @@ def test_native_family_registers_its_model_type():
     from transformers import AutoConfig
 
     spec = family_for_model_type("deamoe")
-    assert spec.native_experts and spec.tiny is None and not spec.not_offloadable and spec.no_int4
+    assert spec.native_experts and spec.tiny is None and spec.no_int4
     families.register_model_type("deamoe")
     config = AutoConfig.for_model("deamoe", num_departments=3, experts_per_department=2, num_experts_per_tok=2)
     assert getattr(config, spec.expert_count_key) == 6

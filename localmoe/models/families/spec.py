@@ -45,7 +45,6 @@ class FamilySpec:
     native_experts: bool = False
     registers: str = ""
     checkpoint_check: str = ""
-    not_offloadable: str = ""  # non-empty: a VRAM budget that would offload experts is refused with this reason
     no_int4: str = ""  # non-empty: --experts int4 is refused with this reason
     tiny: TinyModel | None = field(default=None, compare=False, repr=False)  # tests' tiny model; None: none built
 
