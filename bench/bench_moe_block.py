@@ -36,8 +36,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels.dense_experts import dense_experts, dense_experts_ref  # noqa: E402
-from kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
+from localmoe.kernels.dense_experts import dense_experts, dense_experts_ref  # noqa: E402
+from localmoe.kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
 
 # name, H, I, E, k, shared I (0 = none), transformers family
 FAMILIES = [

@@ -14,11 +14,13 @@ import torch
 from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
-from localmoe.events import GenerationSettings
+from localmoe.events import EngineStats, GenerationSettings
 from localmoe.experts.department_cache import DepartmentCache
 from localmoe.experts.department_placement import plan_departments
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
 from localmoe.experts.placement import WORKSPACE_RESERVE
+from localmoe.tui.stats_view import stats_rows
+from localmoe.tui.widgets import status_parts
 
 GiB = 1 << 30
 BUNDLED = "localmoe-tiny-deamoe"
@@ -176,10 +178,6 @@ def test_show_describes_the_department_plan(capsys):
 
 
 def test_status_bar_and_stats_show_the_pools_only_when_present():
-    from localmoe.events import EngineStats
-    from tui.stats_view import stats_rows
-    from tui.widgets import status_parts
-
     plain = EngineStats(generated_tokens=3, cache_hit_rate=0.5, h2d_bytes_per_token=1e6)
     dept = EngineStats(**{**plain.__dict__, "department_hit_rate": 0.9, "private_hit_rate": 0.25})
     assert not any("dept" in p for p in status_parts("m", "cuda", plain))
