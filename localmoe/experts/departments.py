@@ -145,6 +145,7 @@ class DepartmentExperts(nn.Module):
         self.kernel_on_cpu = False  # tests: the Triton path on CPU tensors (TRITON_INTERPRET=1)
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons (sparse paths), updated in place
         self.seen = torch.zeros((), dtype=torch.int64)  # neurons considered there (a device counter: no host sync)
+        self._no_tau: torch.Tensor | None = None  # tau of zeros for the dense-equivalent decode (kept, not remade)
         self.last_departments: torch.Tensor | None = None  # decode: the step's slot table (for a department cache)
         self.cache = None  # offloaded: the DepartmentCache (experts/department_cache.py) the paths read through
 
@@ -229,7 +230,9 @@ class DepartmentExperts(nn.Module):
         sparse = self.sparse_enabled and self.tau is not None
         if sparse:
             return True, self.tau.to(device=device, dtype=torch.float32)
-        return False, torch.zeros(self.num_departments, dtype=torch.float32, device=device)
+        if self._no_tau is None or self._no_tau.device != torch.device(device):  # made once, not per decode step
+            self._no_tau = torch.zeros(self.num_departments, dtype=torch.float32, device=device)
+        return False, self._no_tau
 
     def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
