@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks a release needs, in one device call of under 9 minutes (bench/README.md).
 # On a CUDA machine, from the repository root:  bash bench/gpu_release_check.sh
-#   1. tests:  the GPU-only tests (tests/test_graph.py) and the kernel / module tests with compiled Triton kernels
+#   1. tests:  the GPU-only tests (tests/test_graph.py), the kernel / module tests with compiled Triton kernels and
+#              the DeaMoE tests (tests/test_deamoe*.py: departments on CUDA, department offloading)
 #   2. engine: bench/gpu_engine_check.py: the six tiny families' CUDA-graph tokens equal transformers' at sparsity 0
 #              and eager at 0.5, then `localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --baseline transformers`
 #   3. offload: `localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85` (bf16 experts offloaded, a 24 GB card)
@@ -26,7 +27,7 @@ step() {  # name, seconds, command...
 
 tests=()
 for f in tests/test_graph.py tests/test_kernel_*.py tests/test_fused*.py tests/test_attention.py \
-         tests/test_experts.py tests/test_pdl.py tests/test_quantize.py; do
+         tests/test_experts.py tests/test_pdl.py tests/test_quantize.py tests/test_deamoe*.py; do
     [[ -f $f ]] && tests+=("$f")
 done
 xdist=(); python -c "import xdist" 2>/dev/null && xdist=(-n 8)

@@ -31,7 +31,8 @@ from localmoe.tui.history import HistoryStore
 from localmoe.tui.reasoning_view import ReasoningHeader, ReasoningView
 from localmoe.tui.sessions import SessionPicker
 from localmoe.tui.stats_view import measured, seconds
-from localmoe.tui.widgets import INPUT_HINT, ChatInput, LoadingView, MessageView, StatusBar, wrap_parts
+from localmoe.tui.status_line import wrap_parts
+from localmoe.tui.widgets import INPUT_HINT, ChatInput, LoadingView, MessageView, StatusBar
 
 SMALL = (80, 24)
 SHORT = GenerationSettings(max_new_tokens=8)

@@ -20,7 +20,7 @@ from localmoe.experts.department_placement import plan_departments
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
 from localmoe.experts.placement import WORKSPACE_RESERVE
 from localmoe.tui.stats_view import stats_rows
-from localmoe.tui.widgets import status_parts
+from localmoe.tui.status_line import status_parts
 
 GiB = 1 << 30
 BUNDLED = "localmoe-tiny-deamoe"

@@ -374,7 +374,7 @@ def test_snapshot_load_error(snap_compare, tmp_path):
 
 
 def test_status_line_shows_offload_figures():
-    from localmoe.tui.widgets import format_status
+    from localmoe.tui.status_line import format_status
 
     resident = format_status("m", "cuda:0", EngineStats(**{**FIXED_STATS, "cache_hit_rate": None}))
     assert "cache" not in resident and "MB/tok" not in resident
