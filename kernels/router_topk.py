@@ -10,12 +10,24 @@ Owns `router_topk` (checked launcher), its torch reference `router_topk_ref`, an
     w      = w / w.sum(-1)          (if norm_topk_prob; Qwen3.5 always renormalises, Qwen3-MoE/OLMoE per config)
     return logits, w.to(logits.dtype), idx (int64)
 
+Group-limited top-k (DeaMoE's two-stage routing; `group_size=n`, `topk_group=g`; departments d = 0..D-1, D = E / n,
+of the experts d·n .. d·n+n-1), as `localmoe.experts.departments.group_limited_topk` with score "max":
+    dmax   = logits.view(T, D, n).max(-1)              [T, D]   (ranks departments as their best softmax prob does)
+    keep   = the g departments of largest dmax                  ties: lowest department index
+    w, idx = topk(probs where the expert's department is kept, k)   probs stay the softmax over all E logits
+The kernel's constexprs GROUP_N = n (0: off) and GROUP_G = g; g >= D is plain top-k (launched with GROUP_N 0).
+`topk_tail` defaults both to off, so its other callers (kernels/moe_front.py) do plain top-k unchanged.
+
 Grid (T, cdiv(E, BLOCK_E)): program (t, j) computes logits rows [j·BLOCK_E, (j+1)·BLOCK_E) of token t (BLOCK_E
 rows × H, the H axis in BLOCK_H chunks) and stores them (rounded to x's dtype) into `logits`. It then takes a per-token
 ticket (acq_rel atomic after a CTA barrier, as kernels/sparse_fused.py does); the last program of token t reads the
 token's E logits back through L2, does the softmax, the top-k by k rounds of "max, lowest index among equal maxima,
 mask it out" (no sort), the renormalisation and the casts, writes the outputs and re-zeroes its ticket, so the
 ticket buffer is zero between launches (no memset node; CUDA-graph capturable; keep one ticket buffer per stream).
+With GROUP_N, g department rounds on a copy of the candidates come first: the max (lowest index among equal maxima)
+names department i // n, kept, whose n experts all leave the copy; the candidates are then masked to the kept
+departments before the k rounds. Among departments of equal best logit the one holding the lower-index expert, i.e.
+the lower department index, wins.
 
 Selection is on the (rounded) logits, which softmax maps monotonically onto the probabilities torch.topk sees: equal
 logits give equal probabilities and distinct ones distinct probabilities (for any realistic logit range), so the
@@ -56,12 +68,41 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ----------------------------------------------------------------------------------------------------------
 # torch reference (transformers' router, with CUDA's tie rule made explicit)
 # ----------------------------------------------------------------------------------------------------------
-def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None):
-    """(logits [T,E], top_k_weights [T,k] in x.dtype, top_k_index [T,k] int64); ties -> lowest index first."""
+def _group_args(E: int, top_k: int, group_size: int, topk_group: int) -> tuple[int, int]:
+    """Checked (n, g) for group-limited top-k, (0, 0) when off (group_size 0, or topk_group >= E // group_size)."""
+    if group_size == 0:
+        if topk_group != 0:
+            raise ValueError(f"topk_group {topk_group} needs a group_size")
+        return 0, 0
+    if group_size < 1 or E % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {E} experts")
+    D = E // group_size
+    if topk_group < 1:
+        raise ValueError(f"topk_group must be >= 1 with group_size {group_size}, got {topk_group}")
+    if top_k > min(topk_group, D) * group_size:
+        raise ValueError(f"top_k {top_k} exceeds the {min(topk_group, D) * group_size} experts of {topk_group} groups")
+    return (0, 0) if topk_group >= D else (group_size, topk_group)
+
+
+def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None, *, group_size=0, topk_group=0):
+    """(logits [T,E], top_k_weights [T,k] in x.dtype, top_k_index [T,k] int64); ties -> lowest index first.
+    group_size n / topk_group g: only the experts of the g departments (n consecutive experts each) with the highest
+    best logit may be chosen (ties between departments -> lowest department index); weights stay the softmax over
+    all E logits (renormalised over the k chosen if norm_topk_prob)."""
     if logits is None:
         logits = torch.nn.functional.linear(x, weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    order = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices  # ties: lowest index first
+    lf = logits.float()
+    order = torch.sort(lf, dim=-1, descending=True, stable=True).indices  # ties: lowest index first
+    n, g = _group_args(lf.shape[-1], top_k, group_size, topk_group)
+    if n:
+        T, E = lf.shape
+        dmax = lf.view(T, E // n, n).amax(-1)  # [T, D]
+        dsel = torch.sort(dmax, dim=-1, descending=True, stable=True).indices[:, :g]
+        allowed = torch.zeros_like(dmax, dtype=torch.bool).scatter_(1, dsel, True).repeat_interleave(n, dim=1)
+        # allowed experts first, each part in logit order (a stable sort keeps it)
+        first = torch.sort((~allowed.gather(1, order)).to(torch.int8), dim=-1, stable=True).indices
+        order = order.gather(1, first)
     idx = order[:, :top_k]
     w = probs.gather(1, idx)
     if norm_topk_prob:
@@ -87,10 +128,14 @@ if triton is not None:
         K_P2: tl.constexpr,
         NORM: tl.constexpr,
         E_P2: tl.constexpr,
+        GROUP_N: tl.constexpr = 0,  # department size n (0: plain top-k)
+        GROUP_G: tl.constexpr = 0,  # departments kept (topk_group), 1 <= G < E // n when GROUP_N
     ):
         """Called by every program of token t after storing its logits: the last one to take the token's ticket
         reads the E logits back through L2, does softmax, top-k (max, lowest index among equal maxima, mask it
-        out; k rounds, no sort), the renormalisation and the casts, stores the outputs and re-zeroes the ticket."""
+        out; k rounds, no sort), the renormalisation and the casts, stores the outputs and re-zeroes the ticket.
+        With GROUP_N, G department rounds come first (max, mask out its whole department) and the k rounds run
+        on the experts of the G departments picked."""
         tl.debug_barrier()  # this program's logits stores precede the release below
         done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
         if done == programs - 1:
@@ -120,6 +165,17 @@ if triton is not None:
                 cand = (key << 16) | (E_P2 - 1 - offs)
                 low = 0xFFFF
                 least = -2147483647 - 1
+            if GROUP_N > 0:
+                # G rounds on a copy: the max (lowest index among equal maxima) names a department, all of whose
+                # experts leave the copy; then the k rounds see only the experts of the G departments named
+                dept = offs // GROUP_N
+                dcand = cand
+                keep = offs < 0
+                for _g in tl.static_range(GROUP_G):
+                    d = (E_P2 - 1 - (tl.max(dcand, axis=0) & low)).to(tl.int32) // GROUP_N
+                    dcand = tl.where(dept == d, least, dcand)
+                    keep = keep | (dept == d)
+                cand = tl.where(keep, cand, least)
             for j in tl.static_range(K):
                 best = tl.max(cand, axis=0)
                 i = (E_P2 - 1 - (best & low)).to(tl.int32)
@@ -152,6 +208,8 @@ if triton is not None:
         BLOCK_E: tl.constexpr,
         BLOCK_H: tl.constexpr,
         E_P2: tl.constexpr,
+        GROUP_N: tl.constexpr,  # department size n for group-limited top-k (0: plain top-k)
+        GROUP_G: tl.constexpr,  # departments kept (topk_group)
         PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     ):
         t = tl.program_id(0).to(tl.int64)
@@ -179,7 +237,21 @@ if triton is not None:
         tl.store(logits_ptr + t * E + rows, round_to(logit, out_ty).to(out_ty), mask=rmask)
 
         # ---- the last program of token t: softmax, top-k, renormalise ----
-        topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, t, E, tl.num_programs(1), K=K, K_P2=K_P2, NORM=NORM, E_P2=E_P2)
+        topk_tail(
+            logits_ptr,
+            tw_ptr,
+            ti_ptr,
+            tick_ptr,
+            t,
+            E,
+            tl.num_programs(1),
+            K=K,
+            K_P2=K_P2,
+            NORM=NORM,
+            E_P2=E_P2,
+            GROUP_N=GROUP_N,
+            GROUP_G=GROUP_G,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,9 +273,13 @@ def router_topk(
     block_e: int = 8,
     block_h: int = 512,
     num_warps: int = 4,
+    group_size: int = 0,
+    topk_group: int = 0,
 ):
     """One-launch softmax top-k router (module docstring). x [T, H] (or [..., H]), weight [E, H], same dtype.
-    Returns (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k] int64), as transformers' router."""
+    Returns (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k] int64), as transformers' router.
+    group_size n > 0 with topk_group g: group-limited top-k over departments of n consecutive experts (module
+    docstring); needs E % n == 0, g >= 1, top_k <= min(g, E // n) * n; g >= E // n is plain top-k."""
     if triton is None:
         raise RuntimeError("router_topk needs triton")
     H = x.shape[-1]
@@ -216,6 +292,7 @@ def router_topk(
         raise TypeError(f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
     if weight.device != x.device:
         raise ValueError("x and weight must be on one device")
+    group_n, group_g = _group_args(E, top_k, group_size, topk_group)
     if block_e & (block_e - 1) or block_h & (block_h - 1):
         raise ValueError("block_e and block_h must be powers of two")
     x2 = x.reshape(-1, H)
@@ -251,6 +328,8 @@ def router_topk(
         BLOCK_E=block_e,
         BLOCK_H=block_h,
         E_P2=triton.next_power_of_2(E),
+        GROUP_N=group_n,
+        GROUP_G=group_g,
         num_warps=num_warps,
         **pdl_kw(x),
     )

@@ -8,7 +8,10 @@ Runs on CPU under TRITON_INTERPRET=1 (on a GPU with TRITON_INTERPRET=0, compiled
 * vs transformers' `Qwen3_5MoeTopKRouter` (renormalises) / `OlmoeTopKRouter` (norm_topk_prob False): same indices in
   the same order on every row without a tie at the k-th value (torch.topk on CPU breaks ties by nth_element, not by
   index; on CUDA every row is compared), weights close;
-* forced ties: lowest indices win; the ticket buffer is zero after each launch (reusable, graph-capturable).
+* forced ties: lowest indices win; the ticket buffer is zero after each launch (reusable, graph-capturable);
+* group-limited top-k (DeaMoE departments: group_size n, topk_group g): kernel == ref (tiny DeaMoE E 30 n 5, odd
+  and E 768 n 12 shapes), ref == departments.group_limited_topk on tie-free rows, department ties -> lowest
+  department, g >= D == plain routing, bad group arguments -> ValueError.
 Shape legend: T tokens, H hidden, E experts, k top-k.
 """
 
@@ -108,3 +111,110 @@ def test_checks():
         router_topk(x, torch.randn(8, 16, device=DEV, dtype=torch.bfloat16), 2)
     with pytest.raises(ValueError):
         router_topk(x, torch.randn(8, 16, device=DEV), 2, tickets=torch.zeros(1, dtype=torch.int64, device=DEV))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# group-limited top-k (DeaMoE departments)
+# ----------------------------------------------------------------------------------------------------------
+# T, H, E, n (group_size), k, g (topk_group)
+GROUP_SHAPES = [(1, 64, 30, 5, 4, 2), (3, 96, 24, 6, 3, 2), (1, 2048, 768, 12, 8, 4)]
+
+
+def _rand_router(T, H, E, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(E, H, generator=gen) / H**0.5).to(DEV, dtype)
+    x = torch.randn(T, H, generator=gen).to(DEV, dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["renorm", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", GROUP_SHAPES, ids=lambda s: "T{}H{}E{}n{}k{}g{}".format(*s))
+@torch.no_grad()
+def test_group_limited_matches_ref(shape, dtype, norm):
+    T, H, E, n, k, g = shape
+    x, w = _rand_router(T, H, E, dtype, T * 1000 + E + k + 3)  # seeds where the limit changes some row's pick
+    logits, tw, ti = router_topk(x, w, k, norm, group_size=n, topk_group=g, block_e=64)
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(logits.float(), torch.nn.functional.linear(x, w).float(), rtol=8e-3, atol=1e-3)
+    _, ref_w, ref_i = router_topk_ref(x, w, k, norm, logits=logits, group_size=n, topk_group=g)
+    assert torch.equal(ti, ref_i)
+    exact = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(tw, ref_w, **exact)
+    assert all(len(set((row // n).tolist())) <= g for row in ti)  # at most g departments per token
+    plain = router_topk_ref(x, w, k, norm, logits=logits)[2]
+    assert (ti.sort(1).values != plain.sort(1).values).any()  # the limit mattered on some row
+    assert int(router_tickets(DEV).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["renorm", "plain"])
+@pytest.mark.parametrize("cfg", [(30, 5, 4, 2), (24, 6, 3, 2), (768, 12, 8, 4), (64, 8, 6, 1)], ids=str)
+@torch.no_grad()
+def test_group_ref_matches_departments(cfg, norm):
+    from localmoe.experts.departments import group_limited_topk
+
+    E, n, k, g = cfg
+    ranks = torch.rand(64, E, generator=torch.Generator().manual_seed(E + k)).argsort(-1)
+    logits = ranks.float() * (8.0 / E) - 4.0  # distinct logits (no ties), each row a random permutation
+    _, w, idx = router_topk_ref(None, None, k, norm, logits=logits, group_size=n, topk_group=g)
+    want_i, want_p = group_limited_topk(torch.softmax(logits, -1), n, k, g)
+    assert torch.equal(idx, want_i)
+    want_w = want_p / want_p.sum(-1, keepdim=True) if norm else want_p
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+
+
+@torch.no_grad()
+def test_group_ties_and_limit():
+    # departments of 3 (D 4), g 2, k 3: dept 3 (max 5) and, of the tied depts 1 and 2 (max 2), the lower one
+    E, H, k = 12, 8, 3
+    row = torch.tensor([1.0, 0, 0, 0, 2, 0, 2, 0, 0, 0, 0, 5], device=DEV)
+    w = torch.zeros(E, H, device=DEV)
+    w[:, 0] = row
+    x = torch.zeros(1, H, device=DEV)
+    x[0, 0] = 1.0
+    tickets = torch.zeros(2, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        _, tw, ti = router_topk(x, w, k, True, tickets=tickets, block_e=4, group_size=3, topk_group=2)
+        assert ti.tolist() == [[11, 4, 3]]  # plain top-3 would be [11, 4, 6]; the 0s tie: lowest allowed index 3
+        assert int(tickets.abs().sum()) == 0
+    _, ref_w, ref_i = router_topk_ref(x, w, k, True, group_size=3, topk_group=2)
+    assert ref_i.tolist() == [[11, 4, 3]]
+    p = torch.softmax(row, 0)[[11, 4, 3]]  # softmax over all 12 logits
+    torch.testing.assert_close(tw[0], p / p.sum())
+    torch.testing.assert_close(ref_w[0], p / p.sum())
+    assert router_topk(x, w, k, True, block_e=4)[2].tolist() == [[11, 4, 6]]
+
+
+@torch.no_grad()
+def test_topk_group_covering_all_departments_is_plain():
+    T, H, E, n, k = 2, 64, 24, 6, 5
+    x, w = _rand_router(T, H, E, torch.bfloat16, 7)
+    plain = router_topk(x, w, k, True, block_e=32)
+    for g in (E // n, E // n + 3):
+        got = router_topk(x, w, k, True, block_e=32, group_size=n, topk_group=g)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+        ref = router_topk_ref(x, w, k, True, logits=plain[0], group_size=n, topk_group=g)
+        assert all(torch.equal(a, b) for a, b in zip(ref, router_topk_ref(x, w, k, True, logits=plain[0])))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(group_size=5, topk_group=2),  # 24 % 5
+        dict(group_size=6, topk_group=0),  # no groups kept
+        dict(group_size=6),  # topk_group missing
+        dict(group_size=2, topk_group=1),  # k 3 > 1 * 2
+        dict(group_size=-6, topk_group=2),
+        dict(topk_group=2),  # no group_size
+    ],
+    ids=str,
+)
+@torch.no_grad()
+def test_group_checks(kw):
+    x, w = torch.randn(1, 16, device=DEV), torch.randn(24, 16, device=DEV)
+    with pytest.raises(ValueError):
+        router_topk(x, w, 3, **kw)
+    with pytest.raises(ValueError):
+        router_topk_ref(x, w, 3, **kw)
