@@ -290,16 +290,19 @@ def test_resident_budget_loads(engine):
     assert loaded.expert_bytes() == engine.loaded.expert_bytes() > 0
 
 
-def test_decode_replacements_leave_the_department_block():
-    """The Qwen3-MoE fused MoE block (plain top-k router) must not take DeaMoE's block (group-limited routing):
-    the table is keyed by class name; the norms and Linears around it are fused as in every family."""
+def test_decode_replacements_take_the_department_block():
+    """DeaMoE's block is fused by its own row of the table (group-limited router in router_topk's department mode),
+    never by a plain top-k row; the norms and Linears around it are fused as in every family; uninstall restores."""
     from localmoe.decode import replacements
 
     model = DeaMoeForCausalLM(tiny_config()).eval()
     counts = replacements.install(model, "cpu", force=True)
     try:
-        assert counts.get("Qwen3MoeRMSNorm") and counts.get("Linear")
+        assert counts.get("Qwen3MoeRMSNorm") and counts.get("Linear") and counts["DeaMoeSparseMoeBlock"] == 2
         assert not {"Qwen3MoeSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeDecoderLayer"} & set(counts)
-        assert all(type(layer.mlp).__name__ == "DeaMoeSparseMoeBlock" for layer in model.model.layers)
+        blocks = [layer.mlp for layer in model.model.layers]
+        assert all(type(b).__name__ == "FusedSparseMoeBlock" and b._router_ok for b in blocks)
+        assert all(b._group == {"group_size": 3, "topk_group": 2} for b in blocks)
     finally:
         replacements.uninstall(model)
+    assert all(type(layer.mlp).__name__ == "DeaMoeSparseMoeBlock" for layer in model.model.layers)

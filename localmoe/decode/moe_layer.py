@@ -22,11 +22,29 @@ from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
 from localmoe.kernels.sparse_fused import SharedExpert, Tail, fused_workspace
 
-_ROUTERS: dict[str, bool | None] = {"Qwen3_5MoeTopKRouter": True, "Qwen3MoeTopKRouter": None, "OlmoeTopKRouter": None}
+# router class -> renormalises the top-k weights (True), or per its `norm_topk_prob` (None). DeaMoE's router is
+# group-limited (`group_size` experts per department, `topk_group` departments allowed): router_topk's group mode
+_ROUTERS: dict[str, bool | None] = {
+    "Qwen3_5MoeTopKRouter": True,
+    "Qwen3MoeTopKRouter": None,
+    "OlmoeTopKRouter": None,
+    "DeaMoeRouter": None,
+}
+
+
+def _group_kw(gate: nn.Module) -> dict | None:
+    """router_topk's group-limited keywords for a DeaMoE router ({} for the plain ones); None when the kernel cannot
+    route it (a department score other than the best expert's)."""
+    if type(gate).__name__ != "DeaMoeRouter":
+        return {}
+    if getattr(gate, "score", "max") != "max":
+        return None
+    return {"group_size": int(gate.per_department), "topk_group": int(gate.topk_group)}
 
 
 class FusedSparseMoeBlock(nn.Module):
-    """A softmax-top-k MoE block (Qwen3.5 with its sigmoid-gated shared expert; Qwen3-MoE / OLMoE without) whose
+    """A softmax-top-k MoE block (Qwen3.5 with its sigmoid-gated shared expert; Qwen3-MoE / OLMoE without; DeaMoE and
+    its Qwen3.5 twin, group-limited, their experts DepartmentExperts) whose
     one-token call is: fused router (1 launch) -> the block's `experts` module, called as transformers calls it ->
     fused shared expert (2 launches, the add into the routed output included). Other calls run the original block."""
 
@@ -41,7 +59,12 @@ class FusedSparseMoeBlock(nn.Module):
         norm = _ROUTERS.get(type(gate).__name__, False)
         self.norm_topk_prob = bool(getattr(gate, "norm_topk_prob", False)) if norm is None else norm
         self.top_k = int(getattr(gate, "top_k", 0))
-        self._router_ok = type(gate).__name__ in _ROUTERS and isinstance(getattr(gate, "weight", None), torch.Tensor)
+        self._group = _group_kw(gate)
+        self._router_ok = (
+            type(gate).__name__ in _ROUTERS
+            and self._group is not None
+            and isinstance(getattr(gate, "weight", None), torch.Tensor)
+        )
         se, sg = getattr(hf, "shared_expert", None), getattr(hf, "shared_expert_gate", None)
         self.has_shared = se is not None
         self._shared_ok = not self.has_shared or (
@@ -161,7 +184,9 @@ class FusedSparseMoeBlock(nn.Module):
                 tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
                 tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {},
             )
-        return router_topk(x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=tickets, **self._launch[0])
+        return router_topk(
+            x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=tickets, **self._group, **self._launch[0]
+        )
 
     @torch.compiler.disable
     def _shared(self, x, routed, residual=None):

@@ -53,6 +53,11 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
     Qwen3MoeSparseMoeBlock,
     OlmoeSparseMoeBlock            FusedSparseMoeBlock      one token: router 1 launch -> `experts` (no shared expert)
                                                                more tokens (prefill) run the original block
+    DeaMoeSparseMoeBlock,          FusedSparseMoeBlock      one token: group-limited router 1 launch (router_topk's
+    DeaMoeQwen35SparseMoeBlock                                 department mode) -> DepartmentExperts (its Triton
+                                                               kernel) -> the twin's shared expert 2 launches
+    DeaMoeQwen35TextModel,         FusedTextModel,          as Qwen3.5's: DeaMoE's Qwen3.5 twin shares the decoder
+    DeaMoeQwen35DecoderLayer       FusedDecoderLayer
 
 Besides the table, `install` switches models on transformers' "sdpa" attention to localmoe's "localmoe_sdpa"
 (localmoe/decode/sdpa.py: one-token decode attention whose time follows the tokens so far), registered through
@@ -114,6 +119,12 @@ REPLACEMENTS: dict[str, Replacement] = {
         "T=1: router 1 launch, experts unchanged, shared expert + add 2 launches; prefill unchanged",
     ),
     "Qwen3MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
+    "DeaMoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: group-limited router 1 launch, experts unchanged"),
+    "DeaMoeQwen35TextModel": Replacement(FusedTextModel, "as Qwen3_5MoeTextModel"),
+    "DeaMoeQwen35DecoderLayer": Replacement(FusedDecoderLayer, "as Qwen3_5MoeDecoderLayer"),
+    "DeaMoeQwen35SparseMoeBlock": Replacement(
+        FusedSparseMoeBlock, "T=1: group-limited router 1 launch, experts unchanged, shared expert + add 2 launches"
+    ),
     "OlmoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
     "Linear": Replacement(FusedLinear, "one row: localmoe's GEMV (tuned per shape); else F.linear"),
     "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),

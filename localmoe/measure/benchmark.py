@@ -41,6 +41,9 @@ class BenchRow:  # one engine configuration's figures
     cache_hit_rate: float | None = None
     h2d_mb_per_token: float | None = None
     repetition_penalty: float = 1.0
+    step_mb: float = 0.0  # MB one decode step must read (step_bytes)
+    department_hit_rate: float | None = None  # an offloaded DeaMoE's two pools
+    private_hit_rate: float | None = None
 
 
 def copy_bandwidth(device) -> float:
@@ -68,9 +71,8 @@ def step_bytes(engine, sparsity: float) -> float:
     (plan.step_floor, as `localmoe show` reports it)."""
 
     f = plan.facts(engine.model, engine.loaded.config, engine.loaded.experts)
-    m = engine.loaded.experts[0]
-    E, I, H = m.weights.shape
-    return plan.step_floor(f, I * H * m.weights.w_gate.element_size(), sparsity)
+    w = engine.loaded.experts[0].weights  # DeaMoE: a department's [h, H] matrices (f.expert_width = h)
+    return plan.step_floor(f, f.expert_width * f.hidden * w.w_gate.element_size(), sparsity)
 
 
 def _run(engine, sparsity, prompt, n_decode, name, bw, progress, penalty: float = 1.0) -> BenchRow:
@@ -88,7 +90,8 @@ def _run(engine, sparsity, prompt, n_decode, name, bw, progress, penalty: float 
     finally:
         engine.eos_ids = eos
     st = engine.stats
-    floor = bw / step_bytes(engine, sparsity) if bw else 0.0
+    need = step_bytes(engine, sparsity)
+    floor = bw / need if bw else 0.0
     return BenchRow(
         name=name,
         sparsity=sparsity,
@@ -102,6 +105,9 @@ def _run(engine, sparsity, prompt, n_decode, name, bw, progress, penalty: float 
         cache_hit_rate=st.cache_hit_rate,
         h2d_mb_per_token=None if st.h2d_bytes_per_token is None else st.h2d_bytes_per_token / 1e6,
         repetition_penalty=penalty,
+        step_mb=need / 1e6,
+        department_hit_rate=getattr(st, "department_hit_rate", None),
+        private_hit_rate=getattr(st, "private_hit_rate", None),
     )
 
 
@@ -324,7 +330,7 @@ def table(result: dict) -> str:
         f"decode {result['decode_tokens']}, context {result.get('context', '?')}"
         + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else "")
         + (f", {result['experts']} experts" if result.get("experts", "full") != "full" else ""),
-        f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'floor tok/s':>11} "
+        f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'step MB':>8} {'floor tok/s':>11} "
         f"{'of floor':>8} {'realised':>8} {'peak GB':>8}",
     ]
     for r in result["rows"]:
@@ -338,13 +344,20 @@ def table(result: dict) -> str:
             if r["floor_tok_s"] > 0
             else f"{'–':>11} {'–':>8} "
         )  # baselines and CPU rows have no byte floor
+        step = f"{r.get('step_mb', 0.0):>8.0f} " if r["floor_tok_s"] > 0 else f"{'–':>8} "
+        dept = (
+            f" (departments {r['department_hit_rate']:.0%}, private {r['private_hit_rate']:.0%})"
+            if r.get("department_hit_rate") is not None
+            else ""
+        )
         lines.append(
             f"{name:<34} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
+            + step
             + floor
             + (f"{r['sparsity_realized']:>8.1%} " if r["name"] == "localmoe" else f"{'–':>8} ")
             + f"{r['peak_gpu_mem_gb']:>8.1f}"
             + (
-                f"  cache {r['cache_hit_rate']:.0%} hits, {r['h2d_mb_per_token']:.0f} MB/token H2D"
+                f"  cache {r['cache_hit_rate']:.0%} hits{dept}, {r['h2d_mb_per_token']:.0f} MB/token H2D"
                 if r.get("cache_hit_rate") is not None
                 else ""
             )

@@ -18,7 +18,7 @@ from localmoe.experts.placement import host_allocator
 from localmoe.models.families import family_for_model_type, supported_families
 from localmoe.models.loaded import LoadedModel, attach_cache
 from localmoe.models.loader import LoadOptions, check_format, install_decode
-from localmoe.models.offload import device_of, place_buffers, plan_placement
+from localmoe.models.offload import place_buffers, plan_placement
 from localmoe.models.skeleton import build
 
 
@@ -37,7 +37,7 @@ ROUTINGS = ("uniform", "skewed")  # build_random's router spreads
 SKEW_ALPHA = 0.3
 
 
-def router_weight(block, experts: LocalExperts) -> torch.Tensor:
+def router_weight(block, experts) -> torch.Tensor:
     """A MoE block's router matrix [E, H]: its one 2-D parameter of that shape outside the routed and shared experts
     (`mlp.gate.weight` in most families, Granite's `block_sparse_moe.router.weight`)."""
     E, H = experts.num_experts, experts.hidden_size
@@ -119,11 +119,16 @@ def build_random(
     owners = param_owners(model)
     for name, p in list(model.named_parameters()):
         t = random_value(name, p.shape, owners[name], dtype=dtype, device=device, gen=gen)
-        set_module_tensor_to_device(model, name, device_of(name, dmap, device), value=t)
+        where = placed.device_for(name, device)
+        if where.type == "cpu" and device.type != "cpu" and name.startswith(placed.host_params):
+            t = _host_copy(t, placed.pinned)  # an offloaded DeaMoE's master copy: drawn on the device, then moved
+        set_module_tensor_to_device(model, name, where, value=t)
     if routing == "skewed":
         skew_routers(model, experts, seed)
     place_buffers(model, dmap, device)
     for mod in experts.values():
+        if not isinstance(mod, LocalExperts):  # DeaMoE's DepartmentExperts: parameters, filled above
+            continue
         shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
         mats = []
         for _ in range(3):

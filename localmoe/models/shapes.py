@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from localmoe.errors import UsageError
-from localmoe.models.families import family_for_model_type, supported_families
+from localmoe.models.families import family_for_model_type, register_model_type, supported_families
 
 SHAPES = Path(__file__).parent.parent / "data" / "shapes.json"
 
@@ -36,4 +36,5 @@ def shape_config(alias: str):
             )
         )
     kwargs = {k: v for k, v in entry["config"].items() if not k.startswith("_")}
+    register_model_type(entry["model_type"])  # localmoe's own architectures (DeaMoE) with the Auto classes
     return AutoConfig.for_model(entry["model_type"], **kwargs)

@@ -21,6 +21,11 @@ H hidden, E = D * n, A attention heads, K kv heads, d head_dim, V vocab):
     model.layers.{i}.mlp.experts.down_t                [D, h, H] shared per department, W_down transposed
     model.layers.{i}.mlp.experts.private               [D, n, h, h] expert j of department d: z = u @ private[d, j]
 
+The Qwen3.5 twin (model_type "deamoe_qwen3_5_text", qwen3_5.py) stores Qwen3.5-MoE's tensors (transformers' names;
+transformers checks them) with the router and the four department tensors above in place of Qwen3.5's experts; of
+its tensors this module checks the embedding, the final norm and each layer's router, department tensors and shared
+expert.
+
 `check_checkpoint(folder)` reads the config and the safetensors headers only (no tensor data) and raises
 `localmoe.errors.UsageError` naming the first tensor that is missing or whose shape disagrees with the config's
 departments / experts / widths (the config's own inconsistencies are refused by `DeaMoeConfig.check`).
@@ -37,24 +42,34 @@ from localmoe.safe_text import for_line
 
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of a DeaMoE checkpoint with its shape, for the config `cfg`."""
-    H, V, d = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    """Every tensor name of a DeaMoE checkpoint with its shape, for the config `cfg` (the twin: those checked here)."""
+    H, V = cfg.hidden_size, cfg.vocab_size
     D, n, h = cfg.num_departments, cfg.experts_per_department, cfg.department_size
-    A, K = cfg.num_attention_heads, cfg.num_key_value_heads
     out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (V, H)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
+        if cfg.model_type == "deamoe":
+            d, A, K = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+            out |= {
+                p + "self_attn.q_proj.weight": (A * d, H),
+                p + "self_attn.k_proj.weight": (K * d, H),
+                p + "self_attn.v_proj.weight": (K * d, H),
+                p + "self_attn.o_proj.weight": (H, A * d),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+            }
+        else:  # the Qwen3.5 twin: its shared expert and gate
+            S = cfg.shared_expert_intermediate_size
+            out |= {
+                p + "mlp.shared_expert.gate_proj.weight": (S, H),
+                p + "mlp.shared_expert.up_proj.weight": (S, H),
+                p + "mlp.shared_expert.down_proj.weight": (H, S),
+                p + "mlp.shared_expert_gate.weight": (1, H),
+            }
         out |= {
-            p + "input_layernorm.weight": (H,),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (A * d, H),
-            p + "self_attn.k_proj.weight": (K * d, H),
-            p + "self_attn.v_proj.weight": (K * d, H),
-            p + "self_attn.o_proj.weight": (H, A * d),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
             p + "mlp.gate.weight": (D * n, H),
             p + "mlp.experts.gate_proj": (D, h, H),
             p + "mlp.experts.up_proj": (D, h, H),
@@ -88,10 +103,10 @@ def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def check_checkpoint(folder: str | Path) -> None:
     """Refuse (UsageError, one line naming the tensor) a checkpoint whose tensors do not match its config."""
-    from localmoe.models.deamoe.configuration import DeaMoeConfig  # transformers: only when a check runs
+    from transformers import AutoConfig  # transformers: only when a check runs
 
     folder = Path(folder)
-    cfg = DeaMoeConfig.from_pretrained(str(folder))  # DeaMoeConfig.check refuses inconsistent counts
+    cfg = AutoConfig.from_pretrained(str(folder))  # the configs' checks refuse inconsistent counts
     shapes = stored_shapes(folder)
     shape_of = (
         f"{cfg.num_departments} departments x {cfg.experts_per_department} experts, width {cfg.department_size}, "
@@ -101,12 +116,12 @@ def check_checkpoint(folder: str | Path) -> None:
         got = shapes.get(name)
         if got is None:
             raise UsageError(
-                f"deamoe checkpoint {for_line(str(folder))}: tensor {name} is missing (config: {shape_of}); "
+                f"{cfg.model_type} checkpoint {for_line(str(folder))}: tensor {name} is missing (config: {shape_of}); "
                 "the checkpoint is incomplete or not a DeaMoE checkpoint"
             )
         if got != want:
             raise UsageError(
-                f"deamoe checkpoint {for_line(str(folder))}: tensor {name} has shape {list(got)}, the config "
+                f"{cfg.model_type} checkpoint {for_line(str(folder))}: tensor {name} has shape {list(got)}, the config "
                 f"({shape_of}) needs {list(want)}"
             )
 

@@ -78,36 +78,49 @@ class DeaMoeConfig(PreTrainedConfig):
         return self.num_departments * self.experts_per_department
 
     def check(self) -> None:
-        """Raise UsageError (one line) when the DeaMoE fields do not describe a layer."""
-        positive = ("num_departments", "experts_per_department", "department_size", "num_experts_per_tok")
-        for name in positive + ("topk_group",):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UsageError(f"deamoe config: {name} must be a positive integer, got {v!r}")
-        if self.num_experts_per_tok > self.num_experts:
-            raise UsageError(
-                f"deamoe config: num_experts_per_tok {self.num_experts_per_tok} exceeds the {self.num_experts} "
-                f"experts of a layer ({self.num_departments} departments x {self.experts_per_department})"
-            )
-        g = min(self.topk_group, self.num_departments)
-        if self.num_experts_per_tok > g * self.experts_per_department:
-            raise UsageError(
-                f"deamoe config: num_experts_per_tok {self.num_experts_per_tok} cannot be chosen from topk_group "
-                f"{self.topk_group} departments of {self.experts_per_department} experts"
-            )
-        if self.department_score not in DEPARTMENT_SCORES:
-            raise UsageError(f"deamoe config: department_score must be one of {DEPARTMENT_SCORES}")
-        if self.department_score == "top2_sum" and self.experts_per_department < 2:
-            raise UsageError("deamoe config: department_score 'top2_sum' needs experts_per_department >= 2")
-        if self.private_init not in PRIVATE_INITS:
-            raise UsageError(f"deamoe config: private_init must be one of {PRIVATE_INITS}")
-        if self.hidden_act != "silu":
-            raise UsageError(f"deamoe config: hidden_act must be 'silu' (the layer's SwiGLU), got {self.hidden_act!r}")
+        check_departments(self)
 
     @property
     def max_departments_per_token(self) -> int:
         """Departments one token can touch: min(k, g, D) (the decode kernel's fixed slot count for one token)."""
-        return min(self.num_experts_per_tok, self.topk_group, self.num_departments)
+        return departments_per_token(self)
 
 
-__all__ = ["DeaMoeConfig"]
+def check_departments(cfg) -> None:
+    """Raise UsageError (one line) when a config's DeaMoE fields do not describe a layer (DeaMoeConfig and the
+    Qwen3.5 twin's config share them)."""
+    positive = ("num_departments", "experts_per_department", "department_size", "num_experts_per_tok")
+    for name in positive + ("topk_group",):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"{cfg.model_type} config: {name} must be a positive integer, got {v!r}")
+    if cfg.num_experts_per_tok > cfg.num_departments * cfg.experts_per_department:
+        raise UsageError(
+            f"{cfg.model_type} config: num_experts_per_tok {cfg.num_experts_per_tok} exceeds the "
+            f"{cfg.num_departments * cfg.experts_per_department} "
+            f"experts of a layer ({cfg.num_departments} departments x {cfg.experts_per_department})"
+        )
+    g = min(cfg.topk_group, cfg.num_departments)
+    if cfg.num_experts_per_tok > g * cfg.experts_per_department:
+        raise UsageError(
+            f"{cfg.model_type} config: num_experts_per_tok {cfg.num_experts_per_tok} cannot be chosen from topk_group "
+            f"{cfg.topk_group} departments of {cfg.experts_per_department} experts"
+        )
+    if cfg.department_score not in DEPARTMENT_SCORES:
+        raise UsageError(f"{cfg.model_type} config: department_score must be one of {DEPARTMENT_SCORES}")
+    if cfg.department_score == "top2_sum" and cfg.experts_per_department < 2:
+        raise UsageError(f"{cfg.model_type} config: department_score 'top2_sum' needs experts_per_department >= 2")
+    if cfg.private_init not in PRIVATE_INITS:
+        raise UsageError(f"{cfg.model_type} config: private_init must be one of {PRIVATE_INITS}")
+    if cfg.hidden_act != "silu":
+        raise UsageError(
+            f"{cfg.model_type} config: hidden_act must be 'silu' (the layer's SwiGLU), got {cfg.hidden_act!r}"
+        )
+
+
+def departments_per_token(cfg) -> int:
+    """Departments one token can touch: min(k, g, D) (the decode kernel's fixed slot count for one token)."""
+    return min(cfg.num_experts_per_tok, cfg.topk_group, cfg.num_departments)
+
+
+__all__ = ["DeaMoeConfig", "check_departments", "departments_per_token"]

@@ -32,7 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
 from localmoe.models.deamoe.checkpoint import check_checkpoint, local_folder
-from localmoe.models.deamoe.configuration import DeaMoeConfig
+from localmoe.models.deamoe.configuration import DeaMoeConfig, departments_per_token
 
 
 class DeaMoeRouter(nn.Module):
@@ -69,7 +69,7 @@ class DeaMoeSparseMoeBlock(nn.Module):
             config.department_size,
             layer_idx,
         )
-        self.experts.slots = config.max_departments_per_token
+        self.experts.slots = departments_per_token(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, sequence_length, hidden_dim = hidden_states.shape
@@ -112,21 +112,27 @@ class DeaMoePreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, DepartmentExperts):
-            for p in (module.gate_proj, module.up_proj, module.down_t):
-                init.normal_(p, mean=0.0, std=std)
-            if self.config.private_init == "identity":
-                eye = torch.eye(module.width, dtype=module.private.dtype, device=module.private.device)
-                value = eye.expand_as(module.private).clone()
-                noise = self.config.private_init_noise
-                if noise:
-                    value += noise * torch.randn_like(value)
-                init.copy_(module.private, value)
-            else:
-                init.normal_(module.private, mean=0.0, std=std)
-        elif isinstance(module, DeaMoeRouter):
-            init.normal_(module.weight, mean=0.0, std=std)
+        init_department_module(module, self.config)
+
+
+def init_department_module(module: nn.Module, config) -> None:
+    """DeaMoE's initialisation of `module` if it is a router or a DepartmentExperts (else nothing): router and
+    department projections N(0, initializer_range); private matrices the identity (`private_init` "identity", plus
+    N(0, private_init_noise) if set) or N(0, initializer_range). Shared by DeaMoE and its Qwen3.5 twin."""
+    std = config.initializer_range
+    if isinstance(module, DepartmentExperts):
+        for p in (module.gate_proj, module.up_proj, module.down_t):
+            init.normal_(p, mean=0.0, std=std)
+        if config.private_init == "identity":
+            eye = torch.eye(module.width, dtype=module.private.dtype, device=module.private.device)
+            value = eye.expand_as(module.private).clone()
+            if config.private_init_noise:
+                value += config.private_init_noise * torch.randn_like(value)
+            init.copy_(module.private, value)
+        else:
+            init.normal_(module.private, mean=0.0, std=std)
+    elif isinstance(module, DeaMoeRouter):
+        init.normal_(module.weight, mean=0.0, std=std)
 
 
 class DeaMoeModel(DeaMoePreTrainedModel):

@@ -2,7 +2,8 @@
 transformers MoE block class.
 
 A family module (`qwen3_5_moe.py`, `qwen3_moe.py`, `olmoe.py`, `mixtral.py`, `deepseek_v2.py`, `granitemoe.py`,
-`deamoe.py`, `gpt_oss.py`) holds one `SPEC = FamilySpec(...)` (spec.py): which `model_type`s use the block class, how
+`deamoe.py`, `deamoe_qwen3_5_text.py`, `gpt_oss.py`) holds one `SPEC = FamilySpec(...)` (spec.py): which `model_type`s
+use the block class, how
 checkpoint keys are renamed into the transformers module namespace (the same renames transformers applies when it
 loads), which checkpoint prefixes are not part of the text model, how the experts are stored (per-expert names or
 fused), the config keys of their count and width, their activation, why the family is unsupported (if it is), and the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from localmoe.models.families import (
     deamoe,
+    deamoe_qwen3_5_text,
     deepseek_v2,
     gpt_oss,
     granitemoe,
@@ -57,6 +59,7 @@ _MODULES = (
     deepseek_v2,
     granitemoe,
     deamoe,
+    deamoe_qwen3_5_text,
     gpt_oss,
 )  # the order families are listed
 
