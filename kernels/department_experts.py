@@ -11,9 +11,13 @@ tau[d]} (only tokens with a chosen expert in d):
     y[t, :] += sum_i z[s,t,i] W_down_t_d[i, :]                                             `_dept_down_kernel`
 
 Grids: up (S, h / BLOCK_N) reads a block of gate rows once for all T tokens, and up rows only where kept;
-private (S, h / BLOCK_Z) reads each chosen expert's P rows of kept neurons once for all T tokens; down
-(H / BLOCK_O, S) reads the department's W_down_t in full once (z is dense) and adds into y (fp32, zeroed) atomically.
-u and z live in fp32 workspaces [S, T, h]. The kept count (tokens x kept neurons) is added into `kept_total`.
+private (S * n, h / BLOCK_Z, row splits) reads each chosen expert's P rows of kept neurons once for all T tokens (a
+program per (slot, expert, column block, block of ROWS input rows); experts no token chose end at once) and adds into
+z atomically; down (H / BLOCK_O, S, row splits) reads the department's W_down_t in full once (z is dense) and adds
+into y atomically. The row splits (about SPLIT_ROWS rows each) give a step of a few departments enough programs to
+fill the GPU: at the Qwen3.5-35B twin's shape (S = 4, n = 20, h = 768, H = 2048) the private kernel has ~8 x 6 x 8
+live programs, the down kernel 16 x 4 x 8. u, z and y live in one fp32 workspace ([y | z | u]; y and z zeroed in
+one memset). The kept count (tokens x kept neurons) is added into `kept_total`.
 
 Shape legend: T tokens, D departments, n experts per department, h department width, H hidden, S slots.
 Weight layout: w_gate, w_up, w_down_t [D, h, H] and private [D, n, h, h] (row i = input neuron i), rows contiguous.
@@ -66,10 +70,10 @@ if triton is not None:
 
     @triton.jit
     def _dept_up_kernel(
-        x_ptr, wg_ptr, wu_ptr, dept_ptr, w_ptr, tau_ptr, u_ptr, kept_ptr,
+        x_ptr, wg_ptr, wu_ptr, dept_ptr, w_ptr, tau_ptr, u_ptr, kept_ptr, seen_ptr,
         T, h, n, stride_xt, stride_gd, stride_ud,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-        COUNT: tl.constexpr,
+        COUNT: tl.constexpr, SEEN: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,6 +88,7 @@ if triton is not None:
         tau = tl.load(tau_ptr + dd)
         jj = tl.arange(0, N_P2)
         total = 0
+        considered = 0
         for t in tl.static_range(T_P2):
             live_t = (jj * 0 + t) < T  # token t exists (a block, not a scalar: masks must be blocks)
             wt = tl.load(w_ptr + (s * T + t) * n + jj, mask=(jj < n) & live_t, other=0.0)
@@ -96,51 +101,62 @@ if triton is not None:
             u = tl.where(keep, a * tl.sum(wu.to(tl.float32) * xv[None, :], axis=1), 0.0)
             tl.store(u_ptr + (s * T + t) * h + rows, u, mask=(rows < h) & ((rows * 0 + t) < T))
             total += tl.sum(keep.to(tl.int64), axis=0)
+            considered += tl.sum((valid & used).to(tl.int64), axis=0)
         if COUNT:
             tl.atomic_add(kept_ptr, total, sem="relaxed")
+        if SEEN:
+            tl.atomic_add(seen_ptr, considered, sem="relaxed")
 
     @triton.jit
     def _dept_private_kernel(
         p_ptr, dept_ptr, w_ptr, u_ptr, z_ptr, ps_ptr, T, h, n, stride_pd, stride_pe,
-        T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_Z: tl.constexpr, INDEXED: tl.constexpr,
+        T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_Z: tl.constexpr, ROWS: tl.constexpr, INDEXED: tl.constexpr,
     ):  # fmt: skip
-        s = tl.program_id(0)
+        # program (s * n + j, column block, row split): expert j of slot s, rows [split * ROWS, +ROWS) of its P;
+        # experts no token chose (most programs) and unused slots end at once
+        s = tl.program_id(0) // n
+        j = tl.program_id(0) % n
         cols = tl.program_id(1) * BLOCK_Z + tl.arange(0, BLOCK_Z)
         cmask = cols < h
         d = tl.load(dept_ptr + s)
         dd = tl.maximum(d, 0).to(tl.int64)
         tt = tl.arange(0, T_P2)
         tmask = tt < T
-        acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
-        if d >= 0:
-            for j in range(n):
-                wj = tl.load(w_ptr + (s * T + tt) * n + j, mask=tmask, other=0.0)  # [T_P2]
-                if tl.sum(tl.abs(wj), axis=0) > 0:
-                    if INDEXED:  # a pool of private parts: expert j of slot s sits at private_slots[s, j]
-                        pbase = tl.load(ps_ptr + s * n + j).to(tl.int64) * stride_pe
-                    else:
-                        pbase = dd * stride_pd + j * stride_pe
-                    for i0 in range(0, h, BLOCK_I):
-                        ii = i0 + tl.arange(0, BLOCK_I)
-                        u = tl.load(
-                            u_ptr + (s * T + tt[:, None]) * h + ii[None, :],
-                            mask=tmask[:, None] & (ii < h)[None, :],
-                            other=0.0,
-                        )  # [T_P2, BLOCK_I]
-                        live = tl.sum(tl.abs(u) * (wj[:, None] != 0), axis=0) > 0  # a kept neuron of a chosen token
-                        p = tl.load(
-                            p_ptr + pbase + ii.to(tl.int64)[:, None] * h + cols[None, :],
-                            mask=live[:, None] & cmask[None, :],
-                            other=0.0,
-                        ).to(tl.float32)  # [BLOCK_I, BLOCK_Z]
-                        acc += tl.sum((u * wj[:, None])[:, :, None] * p[None, :, :], axis=1)
-        tl.store(z_ptr + (s * T + tt[:, None]) * h + cols[None, :], acc, mask=tmask[:, None] & cmask[None, :])
+        wj = tl.load(w_ptr + (s * T + tt) * n + j, mask=tmask & ((tt * 0 + d) >= 0), other=0.0)  # [T_P2]
+        if tl.sum(tl.abs(wj), axis=0) > 0:
+            if INDEXED:  # a pool of private parts: expert j of slot s sits at private_slots[s, j]
+                pbase = tl.load(ps_ptr + s * n + j).to(tl.int64) * stride_pe
+            else:
+                pbase = dd * stride_pd + j * stride_pe
+            acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
+            r0 = tl.program_id(2) * ROWS
+            for i0 in range(0, ROWS, BLOCK_I):
+                ii = r0 + i0 + tl.arange(0, BLOCK_I)
+                u = tl.load(
+                    u_ptr + (s * T + tt[:, None]) * h + ii[None, :],
+                    mask=tmask[:, None] & (ii < h)[None, :],
+                    other=0.0,
+                )  # [T_P2, BLOCK_I]
+                live = tl.sum(tl.abs(u) * (wj[:, None] != 0), axis=0) > 0  # a kept neuron of a chosen token
+                p = tl.load(
+                    p_ptr + pbase + ii.to(tl.int64)[:, None] * h + cols[None, :],
+                    mask=live[:, None] & cmask[None, :],
+                    other=0.0,
+                ).to(tl.float32)  # [BLOCK_I, BLOCK_Z]
+                acc += tl.sum((u * wj[:, None])[:, :, None] * p[None, :, :], axis=1)
+            tl.atomic_add(
+                z_ptr + (s * T + tt[:, None]) * h + cols[None, :],
+                acc,
+                mask=tmask[:, None] & cmask[None, :],
+                sem="relaxed",
+            )
 
     @triton.jit
     def _dept_down_kernel(
         wd_ptr, dept_ptr, z_ptr, y_ptr, T, h, stride_dd,
-        H: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr,
+        H: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
+        # program (column block, slot, row split): rows [split * ROWS, +ROWS) of the slot's W_down_t, all T tokens
         cols = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
         s = tl.program_id(1)
         cmask = cols < H
@@ -150,8 +166,9 @@ if triton is not None:
         tmask = tt < T
         if d >= 0:
             acc = tl.zeros((T_P2, BLOCK_O), dtype=tl.float32)
-            for i0 in range(0, h, BLOCK_I):
-                ii = i0 + tl.arange(0, BLOCK_I)
+            r0 = tl.program_id(2) * ROWS
+            for i0 in range(0, ROWS, BLOCK_I):
+                ii = r0 + i0 + tl.arange(0, BLOCK_I)
                 imask = ii < h
                 z = tl.load(
                     z_ptr + (s * T + tt[:, None]) * h + ii[None, :], mask=tmask[:, None] & imask[None, :], other=0.0
@@ -167,15 +184,25 @@ if triton is not None:
             )
 
 
+def _split(rows: int, block: int, target: int) -> tuple[int, int]:
+    """(rows per program, programs) splitting `rows` into chunks of about `target` rows, multiples of `block`."""
+    per = max(block, (min(rows, target) + block - 1) // block * block)
+    return per, (rows + per - 1) // per
+
+
 def department_experts(
-    x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, kept_total=None, private_slots=None,
-    BLOCK_N: int = 4, BLOCK_I: int = 16, BLOCK_Z: int = 64, BLOCK_O: int = 64, num_warps: int = 4,
+    x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, kept_total=None, seen_total=None,
+    private_slots=None,
+    BLOCK_N: int = 4, BLOCK_I: int = 0, BLOCK_Z: int = 128, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
+    num_warps: int = 4,
 ):  # fmt: skip
     """y [T, H] fp32 = the department-grouped DeaMoE experts of a step (module doc); `out` is zeroed and filled.
 
     x [T, H] (T <= MAX_TOKENS), w_gate/w_up/w_down_t [D, h, H], private [D, n, h, h] (bf16/fp16/fp32, rows
     contiguous), dept [S] int32 (-1 = unused slot), weights [S, T, n] fp32, tau [D] fp32; `kept_total` (0-d int64)
-    gets the kept (token, neuron) count added. With `private_slots` [S, n] int32, private is a pool [P, h, h] and
+    gets the kept (token, neuron) count added, `seen_total` (0-d int64) the (token, neuron) count considered (the
+    step's (token, department) pairs x h): a module's sparsity counters, added in place with no launch of their own.
+    With `private_slots` [S, n] int32, private is a pool [P, h, h] and
     expert j of slot s reads private[private_slots[s, j]] (an expert cache's slots; entries of unchosen experts are
     never read)."""
     if triton is None:
@@ -220,37 +247,50 @@ def department_experts(
         raise ValueError(f"tau must be an fp32 [D] = ({D},) tensor on {x.device}")
     if weights.device != x.device:
         raise ValueError("weights must be on x's device")
-    if kept_total is not None and (kept_total.dtype != torch.int64 or kept_total.numel() != 1):
-        raise ValueError("kept_total must be a one-element int64 tensor")
-    if out is None:
-        out = torch.empty(T, H, dtype=torch.float32, device=x.device)
-    elif tuple(out.shape) != (T, H) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != x.device:
+    for name, c in (("kept_total", kept_total), ("seen_total", seen_total)):
+        if c is not None and (c.dtype != torch.int64 or c.numel() != 1 or c.device != x.device):
+            raise ValueError(f"{name} must be a one-element int64 tensor on {x.device}")
+    if out is not None and (
+        tuple(out.shape) != (T, H) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != x.device
+    ):
         raise ValueError(f"out must be a contiguous fp32 [T, H] = {(T, H)} tensor on {x.device}")
-    out.zero_()
+    # one fp32 workspace: [y (T*H, unless `out`) | z (S*T*h) | u (S*T*h)]; y and z accumulate atomically, so they
+    # are zeroed, in one memset when `out` is not given
+    own = 0 if out is not None else T * H
+    buf = torch.empty(own + 2 * S * T * h, dtype=torch.float32, device=x.device)
+    buf[: own + S * T * h].zero_()
+    if out is None:
+        out = buf[:own].view(T, H)
+    else:
+        out.zero_()
     if S == 0:
         return out
-    ws = torch.empty(2, S, T, h, dtype=torch.float32, device=x.device)  # u, z
+    z_ws = buf[own : own + S * T * h]
+    u_ws = buf[own + S * T * h :]
     t_p2 = triton.next_power_of_2(T)
     bn = max(1, min(triton.next_power_of_2(BLOCK_N), triton.next_power_of_2(h)))
     bz = min(triton.next_power_of_2(BLOCK_Z), triton.next_power_of_2(h))
-    bi = min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(h))
+    block_i = BLOCK_I or (64 if t_p2 == 1 else 32 if t_p2 == 2 else 16)  # the [T, BLOCK_I, BLOCK_Z] product's size
+    bi = min(triton.next_power_of_2(block_i), triton.next_power_of_2(h))
     bo = min(triton.next_power_of_2(BLOCK_O), triton.next_power_of_2(H))
-    count = kept_total is not None
-    kept = kept_total if count else ws  # any pointer when not counting
+    rows, splits = _split(h, bi, SPLIT_ROWS)
+    count, see = kept_total is not None, seen_total is not None
+    kept = kept_total if count else buf  # any pointer when not counting
+    seen = seen_total if see else buf
     _dept_up_kernel[(S, triton.cdiv(h, bn))](
-        x, w_gate, w_up, dept, weights, tau, ws[0], kept, T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0),
+        x, w_gate, w_up, dept, weights, tau, u_ws, kept, seen, T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0),
         H=H, H_P2=triton.next_power_of_2(H), N_P2=triton.next_power_of_2(n), T_P2=t_p2, BLOCK_N=bn, COUNT=count,
-        num_warps=num_warps,
+        SEEN=see, num_warps=num_warps,
     )  # fmt: skip
     if indexed and tuple(private_slots.shape) != (S, n):
         raise ValueError(f"private_slots must be [S, n] = {(S, n)}, got {tuple(private_slots.shape)}")
     pstride_d, pstride_e = (0, private.stride(0)) if indexed else (private.stride(0), private.stride(1))
-    _dept_private_kernel[(S, triton.cdiv(h, bz))](
-        private, dept, weights, ws[0], ws[1], private_slots if indexed else dept, T, h, n, pstride_d, pstride_e,
-        T_P2=t_p2, BLOCK_I=bi, BLOCK_Z=bz, INDEXED=indexed, num_warps=num_warps,
+    _dept_private_kernel[(S * n, triton.cdiv(h, bz), splits)](
+        private, dept, weights, u_ws, z_ws, private_slots if indexed else dept, T, h, n, pstride_d, pstride_e,
+        T_P2=t_p2, BLOCK_I=bi, BLOCK_Z=bz, ROWS=rows, INDEXED=indexed, num_warps=num_warps,
     )  # fmt: skip
-    _dept_down_kernel[(triton.cdiv(H, bo), S)](
-        w_down_t, dept, ws[1], out, T, h, w_down_t.stride(0), H=H, T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo,
+    _dept_down_kernel[(triton.cdiv(H, bo), S, splits)](
+        w_down_t, dept, z_ws, out, T, h, w_down_t.stride(0), H=H, T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo, ROWS=rows,
         num_warps=num_warps,
     )  # fmt: skip
     return out

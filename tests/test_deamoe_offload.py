@@ -7,6 +7,7 @@ tokens offloaded as resident, the hit figures reach `run --json`, and a budget w
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -98,6 +99,8 @@ def test_pools_are_lru_each_and_departments_never_leave_for_private_parts():
 )
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_offloaded_layer_equals_resident(T, kernel, sparse):
+    if kernel and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel on CPU tensors runs under TRITON_INTERPRET=1 only (compiled, it reads device memory)")
     cache, masters = _cache(d_slots=2, p_slots=4, layers=1)
     m = masters[0].eval()
     m.slots, m.max_sparse_tokens, m.kernel_on_cpu = 2, 2, kernel

@@ -42,13 +42,15 @@ def test_department_experts_matches_reference(shape, dtype, tau):
     x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, dtype)
     taus = torch.full((D,), tau, device=DEV)
     kept = torch.zeros((), dtype=torch.int64, device=DEV)
+    seen = torch.full((), 5, dtype=torch.int64, device=DEV)
     out = torch.full((T, H), float("nan"), device=DEV)
-    y = department_experts(x, wg, wu, wd, private, dept, w, taus, out=out, kept_total=kept)
+    y = department_experts(x, wg, wu, wd, private, dept, w, taus, out=out, kept_total=kept, seen_total=seen)
     ref, kept_ref = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
     assert y is out and not torch.isnan(y).any()
     assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
     assert int(kept) == int(kept_ref)
     pairs = int((w.abs().sum(-1) > 0).sum())  # (token, department) pairs of the step
+    assert int(seen) == 5 + pairs * h  # added to what was there
     assert (int(kept) == pairs * h) if tau == 0 else (0 < int(kept) < pairs * h)
 
 
@@ -79,3 +81,15 @@ def test_department_experts_rejects_bad_inputs():
         department_experts(x, wg, wu, wd, private, dept, w, taus[:-1])
     with pytest.raises(ValueError, match="w_up"):
         department_experts(x, wg, wu[:, :-1], wd, private, dept, w, taus)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("tau", [0.0, 0.1], ids=["tau0", "tau0.1"])
+def test_row_splits_equal_one_program_per_column_block(T, tau):
+    """Row splits (several programs adding into z and y atomically, the last split partial) give the reference's y."""
+    x, wg, wu, wd, private, dept, w = _case(T, 96, 40, 5, 3, 3, torch.float32)
+    taus = torch.full((5,), tau, device=DEV)
+    ref, _ = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
+    for split_rows, block_i in ((16, 8), (24, 8), (40, 16)):
+        y = department_experts(x, wg, wu, wd, private, dept, w, taus, SPLIT_ROWS=split_rows, BLOCK_I=block_i)
+        assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-5

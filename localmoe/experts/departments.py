@@ -42,6 +42,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
+from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
+from localmoe.kernels.department_slots import department_slots, department_slots_ref
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -64,27 +66,17 @@ def group_limited_topk(probs: torch.Tensor, n: int, k: int, group: int, score: s
     return idx, top
 
 
-def step_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int):
+def step_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int, kernel: bool | None = None):
     """The departments of a decode step in `slots` fixed slots, without host sync (graph capturable).
 
     -> (dept [S] int32, -1 for an unused slot; weights [S, T, n] float32: g of token t for expert j of the slot's
     department, 0 where not chosen). Departments fill the slots in ascending order; `slots` must be at least the
-    number of distinct departments the step touches (min(D, T * min(k, topk_group)) always is)."""
-    T, k = top_k_index.shape
-    dev = top_k_index.device
-    flat = (top_k_index // n).reshape(-1).long()  # department of each (t, j)
-    srt, _ = flat.sort()
-    first = torch.ones_like(srt, dtype=torch.bool)
-    first[1:] = srt[1:] != srt[:-1]
-    rank = first.long().cumsum(0) - 1  # slot of each sorted entry
-    buf = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)  # the last entry takes the repeats
-    buf.scatter_(0, torch.where(first, rank, slots).clamp(max=slots), torch.where(first, srt, -1))
-    dept = buf[:slots]
-    slot_of = (dept[None, :] == flat[:, None]).long().argmax(1).view(T, k)  # [T, k]
-    w = torch.zeros(slots, T, n, dtype=torch.float32, device=dev)
-    t_idx = torch.arange(T, device=dev)[:, None].expand(T, k)
-    w.index_put_((slot_of, t_idx, (top_k_index % n).long()), top_k_weights.float(), accumulate=True)
-    return dept.to(torch.int32), w
+    number of distinct departments the step touches (min(D, T * min(k, topk_group)) always is). One Triton launch
+    (`localmoe.kernels.department_slots`) on CUDA or with `kernel`, else its torch reference."""
+    use = top_k_index.is_cuda if kernel is None else kernel
+    if use and top_k_index.numel() <= SLOT_PAIRS:
+        return department_slots(top_k_index, top_k_weights, n, slots)
+    return department_slots_ref(top_k_index, top_k_weights, n, slots)
 
 
 def _mm_by_group(a: torch.Tensor, w: torch.Tensor, ends: list[int], ends_t: torch.Tensor) -> torch.Tensor:
@@ -174,11 +166,15 @@ class DepartmentExperts(nn.Module):
         self.kept.zero_()
         self.seen.zero_()
 
+    def _counters_on(self, device) -> None:
+        """The kept / seen counters on `device` (moved once; then updated in place, also by graph replays)."""
+        if self.kept.device != torch.device(device):
+            self.kept = self.kept.to(device)
+        if self.seen.device != torch.device(device):
+            self.seen = self.seen.to(device)
+
     def _count(self, kept: torch.Tensor, neurons) -> None:
-        if self.kept.device != kept.device:
-            self.kept = self.kept.to(kept.device)
-        if self.seen.device != kept.device:
-            self.seen = self.seen.to(kept.device)
+        self._counters_on(kept.device)
         self.kept.add_(kept)  # in place: a captured CUDA graph keeps counting on replay
         self.seen.add_(neurons)
 
@@ -237,20 +233,23 @@ class DepartmentExperts(nn.Module):
     def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         slots = min(self.num_departments, T * self.slots)
-        dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots)
+        dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots, x.is_cuda or self.kernel_on_cpu)
         self.last_departments = dept
         sparse, tau = self._tau(x.device)
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
         return self._run_kernel(x, args, w, sparse)
 
     def _run_kernel(self, x, args, w, sparse: bool, private_slots=None) -> torch.Tensor:
-        if x.is_cuda or self.kernel_on_cpu:
-            kept = torch.zeros((), dtype=torch.int64, device=x.device)
-            y = department_experts(*args, kept_total=kept, private_slots=private_slots)
+        if x.is_cuda or self.kernel_on_cpu:  # the kernel adds into the module's counters (no launch of their own)
+            counters = {}
+            if sparse:
+                self._counters_on(x.device)
+                counters = {"kept_total": self.kept, "seen_total": self.seen}
+            y = department_experts(*args, private_slots=private_slots, **counters)
         else:
             y, kept = department_experts_ref(*args, private_slots=private_slots)
-        if sparse:
-            self._count(kept, (w.abs().sum(-1) > 0).sum() * self.width)  # (token, department) pairs x h
+            if sparse:
+                self._count(kept, (w.abs().sum(-1) > 0).sum() * self.width)  # (token, department) pairs x h
         return y.to(x.dtype)
 
     # -- offloaded: the same paths reading the department cache's pools (experts/department_cache.py) -------------

@@ -1,0 +1,218 @@
+"""DeaMoE against the vanilla MoE of equal parameters and FLOPs, on the GPU (not a test).
+
+Two parts, each printing a table and writing JSON under --out:
+
+  layer   one MoE layer's routed experts alone, CUDA-graph timed: Qwen3.5-35B-A3B's (256 experts of width 512,
+          top-8) against its DeaMoE twin's (48 departments x 20 experts of width 768, top-8 within 4
+          departments), for steps of 1 and 4 tokens (a 4-token step is a prompt piece, or several decode tokens at
+          once: department weights are read once for all its tokens) at sparsity 0 and 85%. Bytes: what the step
+          must read given its routing (the union of experts or departments the tokens touch), averaged over the
+          replayed steps. 6 layers of distinct weights per graph so L2 holds none of them.
+  engine  `localmoe bench --shape` rows for a pair of shapes in one process: qwen3.5-35b and qwen3.5-35b-deamoe
+          (or deamoe-7b-vanilla and deamoe-7b with --pair 7b) at --vram (resident when absent).
+
+    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py layer --out $OUT
+    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py engine --vram 12 --sparsity 0.85 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from localmoe.experts.departments import DepartmentExperts, group_limited_topk  # noqa: E402
+from localmoe.experts.local_experts import ExpertWeights, LocalExperts  # noqa: E402
+from localmoe.measure.benchmark import bench, table  # noqa: E402
+
+H, LAYERS = 2048, 6
+VANILLA = dict(E=256, I=512, k=8)
+TWIN = dict(D=48, n=20, h=768, k=8, g=4)
+PAIRS = {"35b": ("qwen3.5-35b", "qwen3.5-35b-deamoe"), "7b": ("deamoe-7b-vanilla", "deamoe-7b")}
+
+
+def _randn(*shape, gen):
+    return torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(0.0, 0.02, generator=gen)
+
+
+def vanilla_layers(gen):
+    mods = []
+    for i in range(LAYERS):
+        m = LocalExperts(VANILLA["E"], H, VANILLA["I"], "silu", i)
+        shape = (VANILLA["E"], VANILLA["I"], H)
+        m.weights = ExpertWeights(_randn(*shape, gen=gen), _randn(*shape, gen=gen), _randn(*shape, gen=gen))
+        mods.append(m)
+    return mods
+
+
+def twin_layers(gen):
+    mods = []
+    for i in range(LAYERS):
+        D, n, h = TWIN["D"], TWIN["n"], TWIN["h"]
+        m = DepartmentExperts(D, n, H, h, i).to(device="cuda", dtype=torch.bfloat16).eval()  # eval: decode path
+        with torch.no_grad():
+            for p in (m.gate_proj, m.up_proj, m.down_t, m.private):
+                p.copy_(_randn(*p.shape, gen=gen))
+        m.slots = min(TWIN["k"], TWIN["g"], D)
+        mods.append(m)
+    return mods
+
+
+def routing(kind: str, T: int, steps: int, gen):
+    """(index [steps, T, k], weights [steps, T, k]) from random router probabilities."""
+    E = VANILLA["E"] if kind == "vanilla" else TWIN["D"] * TWIN["n"]
+    k = VANILLA["k"] if kind == "vanilla" else TWIN["k"]
+    probs = torch.softmax(torch.randn(steps * T, E, device="cuda", generator=gen), -1)
+    if kind == "vanilla":
+        w, idx = probs.topk(k, -1)
+    else:
+        idx, w = group_limited_topk(probs, TWIN["n"], k, TWIN["g"])
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    return idx.view(steps, T, k), w.view(steps, T, k)
+
+
+def step_bytes(kind: str, idx: torch.Tensor, sparsity: float) -> float:
+    """Bytes a step must read, averaged over steps: the union of experts (vanilla: gate whole, up/down rows kept)
+    or departments (gate and down whole, up rows kept) plus chosen private parts (rows kept) the step's tokens
+    touch."""
+    keep = 1.0 - sparsity
+    out = []
+    for s in range(idx.shape[0]):
+        chosen = idx[s].reshape(-1).unique()
+        if kind == "vanilla":
+            out.append(len(chosen) * VANILLA["I"] * H * 2 * (1 + 2 * keep))
+        else:
+            depts = (chosen // TWIN["n"]).unique()
+            h = TWIN["h"]
+            out.append(len(depts) * h * H * 2 * (2 + keep) + len(chosen) * h * h * 2 * keep)
+    return sum(out) / len(out)
+
+
+def set_tau(mods, sparsity: float, x: torch.Tensor) -> None:
+    """A per-layer threshold at the `sparsity` quantile of |silu(x W_gate^T)| over all experts / departments."""
+    for m in mods:
+        if sparsity == 0:
+            m.sparse_enabled, m.tau = False, None
+            continue
+        w = m.weights.w_gate if isinstance(m, LocalExperts) else m.gate_proj
+        a = torch.nn.functional.silu(torch.einsum("th,eih->tei", x.float(), w[:16].float())).abs()
+        tau = torch.quantile(a.reshape(-1)[: 1 << 24], sparsity).item()
+        m.tau = torch.full((m.tau_groups,), tau, dtype=torch.float32, device="cuda")
+        m.sparse_enabled = True
+
+
+def time_layers(mods, kind: str, T: int, sparsity: float, gen, steps: int = 24):
+    for m in mods:
+        m.max_sparse_tokens = max(T, 1)
+    xs = torch.randn(steps, T, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    set_tau(mods, sparsity, xs[0])
+    idx, w = routing(kind, T, steps, gen)
+    x_in, i_in, w_in = xs[0].clone(), idx[0].clone(), w[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for m in mods:
+                m(x_in, i_in, w_in)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for m in mods:
+            m(x_in, i_in, w_in)
+    times = []
+    for s in range(steps):
+        x_in.copy_(xs[s])
+        i_in.copy_(idx[s])
+        w_in.copy_(w[s])
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(mods))
+    times.sort()
+    return times[len(times) // 2], step_bytes(kind, idx, sparsity)
+
+
+def layer_part(out: Path) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for kind, make in (("vanilla", vanilla_layers), ("deamoe", twin_layers)):
+        mods = make(gen)
+        for T in (1, 4):
+            for sp in (0.0, 0.85):
+                us, nbytes = time_layers(mods, kind, T, sp, gen)
+                rows.append(dict(layer=kind, tokens=T, sparsity=sp, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3))
+                r = rows[-1]
+                print(
+                    f"{kind:<8} T={T} sparsity {sp:>4.0%}  {us:8.1f} µs/layer  {r['mb']:7.1f} MB  {r['gb_s']:6.0f} GB/s"
+                )
+        del mods
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("\nlayer    tokens  sparsity  µs/layer  MB/step  GB/s   (deamoe / vanilla time)")
+    for r in rows:
+        base = next(
+            v["us"]
+            for v in rows
+            if v["layer"] == "vanilla" and v["tokens"] == r["tokens"] and v["sparsity"] == r["sparsity"]
+        )
+        print(
+            f"{r['layer']:<8} {r['tokens']:>6} {r['sparsity']:>9.0%} {r['us']:>9.1f} {r['mb']:>8.1f} {r['gb_s']:>5.0f}"
+            f"   {r['us'] / base:.2f}x"
+        )
+    (out / "deamoe_layer.json").write_text(json.dumps(rows, indent=1))
+
+
+def engine_part(out: Path, pair: str, vram: float | None, sparsities: list[float], prompt: int, decode: int) -> None:
+    results = []
+    for shape in PAIRS[pair]:
+        res = bench(
+            None,
+            shape=shape,
+            sparsities=sparsities,
+            device="cuda",
+            dtype="bfloat16",
+            prompt_tokens=prompt,
+            decode_tokens=decode,
+            vram_gib=vram,
+        )
+        print(table(res), flush=True)
+        results.append(res)
+        gc.collect()
+        torch.cuda.empty_cache()
+    base, twin = ({r["sparsity"]: r for r in res["rows"]} for res in results)
+    print(f"\n{PAIRS[pair][1]} / {PAIRS[pair][0]} decode tok/s at --vram {vram or 'resident'}:")
+    for s in sparsities:
+        if s in base and s in twin:
+            print(f"  sparsity {s:.0%}: {twin[s]['decode_tok_s'] / base[s]['decode_tok_s']:.2f}x")
+    name = f"deamoe_engine_{pair}_{'resident' if vram is None else f'vram{vram:g}'}.json"
+    (out / name).write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("part", choices=["layer", "engine"])
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="35b")
+    ap.add_argument("--vram", type=float, default=None)
+    ap.add_argument("--sparsity", default="0,0.85")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path("/tmp"))
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.part == "layer":
+        layer_part(a.out)
+    else:
+        sp = [float(s) for s in a.sparsity.split(",")]
+        engine_part(a.out, a.pair, a.vram, sp, a.prompt_tokens, a.decode_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""A DeaMoE decode step's departments in fixed slots, in one Triton launch (was ~12 torch launches per layer).
+
+Owns `department_slots` (checked launcher), its torch reference `department_slots_ref`, and `_slots_kernel`. For a
+step's routing (top_k_index [T, k] flat expert ids e = d * n + j, top_k_weights [T, k]) it writes what
+kernels/department_experts.py reads:
+
+    dept    [S] int32       the distinct departments the step touches, ascending, then -1 (unused slots)
+    weights [S, T, n] fp32  weights[s, t, j] = token t's routing weight for expert j of slot s's department, else 0
+
+S = `slots` must be at least the number of distinct departments (min(D, T * min(k, topk_group)) always is). No
+host synchronisation and a grid that never depends on the routing, so the step can be captured in a CUDA graph.
+
+The kernel is one program over the T * k (token, expert) pairs: pair p is its department's first when no earlier
+pair has the same department, and the slot of a department is the number of distinct departments below it (a
+[T*k, T*k] comparison, T * k <= 64). It zeroes `weights`, fills `dept` with -1, then (after a CTA barrier) writes
+each first pair's department into its slot and each pair's weight into (slot, t, j).
+
+Shape legend: T tokens, k experts per token, n experts per department, S slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+MAX_PAIRS = 64  # T * k
+
+
+def department_slots_ref(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int):
+    """(dept [S] int32, weights [S, T, n] fp32) as the module doc says, in torch ops (no host sync)."""
+    T, k = top_k_index.shape
+    dev = top_k_index.device
+    flat = (top_k_index // n).reshape(-1).long()  # department of each (t, j)
+    srt, _ = flat.sort()
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[1:] = srt[1:] != srt[:-1]
+    rank = first.long().cumsum(0) - 1  # slot of each sorted entry
+    buf = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)  # the last entry takes the repeats
+    buf.scatter_(0, torch.where(first, rank, slots).clamp(max=slots), torch.where(first, srt, -1))
+    dept = buf[:slots]
+    slot_of = (dept[None, :] == flat[:, None]).long().argmax(1).view(T, k)  # [T, k]
+    w = torch.zeros(slots, T, n, dtype=torch.float32, device=dev)
+    t_idx = torch.arange(T, device=dev)[:, None].expand(T, k)
+    w.index_put_((slot_of, t_idx, (top_k_index % n).long()), top_k_weights.float(), accumulate=True)
+    return dept.to(torch.int32), w
+
+
+if triton is not None:
+
+    @triton.jit
+    def _slots_kernel(
+        idx_ptr, w_ptr, dept_ptr, out_ptr, TK, K, T, n, S,
+        TK_P2: tl.constexpr, S_P2: tl.constexpr, Z_P2: tl.constexpr,
+    ):  # fmt: skip
+        p = tl.arange(0, TK_P2)
+        pm = p < TK
+        e = tl.load(idx_ptr + p, mask=pm, other=0).to(tl.int32)
+        dep = tl.where(pm, e // n, 2147483647)  # padding sorts last and matches no real department
+        wv = tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32)
+        q = tl.arange(0, TK_P2)
+        earlier = (dep[:, None] == dep[None, :]) & (q[None, :] < p[:, None])  # [p, q]: q before p, same department
+        first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & pm
+        below = (dep[None, :] < dep[:, None]) & first[None, :]  # [p, q]: q a first pair of a lower department
+        slot = tl.sum(below.to(tl.int32), axis=1)  # [TK_P2] the slot of p's department
+        zz = tl.arange(0, Z_P2)
+        tl.store(out_ptr + zz, tl.zeros((Z_P2,), dtype=tl.float32), mask=zz < S * T * n)
+        ss = tl.arange(0, S_P2)
+        tl.store(dept_ptr + ss, tl.full((S_P2,), -1, dtype=tl.int32), mask=ss < S)
+        tl.debug_barrier()  # the zeroes and -1s land before the writes below
+        tl.store(dept_ptr + slot, dep, mask=first & (slot < S))
+        t = p // K
+        tl.store(out_ptr + (slot * T + t) * n + e % n, wv, mask=pm & (slot < S))
+
+
+def department_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int):
+    """One-launch `department_slots_ref` (module doc). top_k_index [T, k] int32/int64, top_k_weights [T, k] float,
+    T * k <= MAX_PAIRS."""
+    if triton is None:
+        raise RuntimeError("department_slots needs triton")
+    if top_k_index.dim() != 2 or top_k_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"top_k_index must be an int [T, k] tensor, got {top_k_index.dtype} {tuple(top_k_index.shape)}"
+        )
+    T, k = top_k_index.shape
+    if tuple(top_k_weights.shape) != (T, k) or not top_k_weights.is_floating_point():
+        raise ValueError(f"top_k_weights must be a float [T, k] = {(T, k)} tensor, got {tuple(top_k_weights.shape)}")
+    if top_k_weights.device != top_k_index.device:
+        raise ValueError("top_k_index and top_k_weights must be on one device")
+    if not 0 < T * k <= MAX_PAIRS:
+        raise ValueError(f"department_slots takes 1 to {MAX_PAIRS} (token, expert) pairs, got {T * k}")
+    if n < 1 or slots < 1:
+        raise ValueError(f"n and slots must be positive, got {n} and {slots}")
+    dev = top_k_index.device
+    idx, wts = top_k_index.contiguous(), top_k_weights.contiguous()
+    dept = torch.empty(slots, dtype=torch.int32, device=dev)
+    w = torch.empty(slots, T, n, dtype=torch.float32, device=dev)
+    _slots_kernel[(1,)](
+        idx, wts, dept, w, T * k, k, T, n, slots,
+        TK_P2=triton.next_power_of_2(T * k), S_P2=triton.next_power_of_2(slots),
+        Z_P2=triton.next_power_of_2(slots * T * n), num_warps=4,
+    )  # fmt: skip
+    return dept, w
