@@ -12,6 +12,7 @@ Two parts, each printing a table and writing JSON under --out:
           (or deamoe-7b-vanilla and deamoe-7b with --pair 7b) at --vram (resident when absent).
 
     PYTHONUNBUFFERED=1 python bench/deamoe_twin.py layer --out $OUT
+    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py tune --out $OUT    # department_experts' launch keywords
     PYTHONUNBUFFERED=1 python bench/deamoe_twin.py engine --vram 12 --sparsity 0.85 --out $OUT
 """
 
@@ -170,6 +171,48 @@ def layer_part(out: Path) -> None:
     (out / "deamoe_layer.json").write_text(json.dumps(rows, indent=1))
 
 
+TUNE = (
+    ("SPLIT_ROWS", (48, 192)),
+    ("BLOCK_Z", (64, 256)),
+    ("BLOCK_O", (64, 256)),
+    ("BLOCK_N", (8,)),
+    ("num_warps", (8,)),
+)
+TUNED = Path(__file__).resolve().parents[1] / "kernels" / "tuned" / "nvidia_h200.json"
+
+
+def tune_part(out: Path) -> None:
+    """Coordinate descent over department_experts' launch keywords at the twin's shape (T = 1 and 4, 85%), from the
+    launcher's defaults: a value is kept when it is 2% faster. Writes the winners into kernels/tuned/nvidia_h200.json
+    (key "H{H}_h{h}_n{n}_T{T}", read by experts/departments.launch_keywords) and $OUT/department_tuned.json."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    mods = twin_layers(gen)
+    found = {}
+    for T in (1, 4):
+
+        def measure(cfg):
+            for m in mods:
+                m.launch = cfg
+            return time_layers(mods, "deamoe", T, 0.85, gen)[0]
+
+        cfg, best = {}, measure({})
+        print(f"T={T} defaults {best:.1f} µs/layer")
+        for name, values in TUNE:
+            for v in values:
+                us = measure({**cfg, name: v})
+                print(f"T={T} {name}={v} {us:.1f} µs/layer")
+                if us < 0.98 * best:
+                    cfg, best = {**cfg, name: v}, us
+        found[f"H{H}_h{TWIN['h']}_n{TWIN['n']}_T{T}"] = cfg
+        print(f"T={T} chosen {cfg} {best:.1f} µs/layer")
+    for m in mods:
+        m.launch = None
+    table_ = json.loads(TUNED.read_text())
+    table_.setdefault("decode_params", {}).setdefault("department_experts", {}).update(found)
+    TUNED.write_text(json.dumps(table_, indent=1) + "\n")
+    (out / "department_tuned.json").write_text(json.dumps(found, indent=1))
+
+
 def engine_part(out: Path, pair: str, vram: float | None, sparsities: list[float], prompt: int, decode: int) -> None:
     results = []
     for shape in PAIRS[pair]:
@@ -198,7 +241,7 @@ def engine_part(out: Path, pair: str, vram: float | None, sparsities: list[float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=["layer", "engine"])
+    ap.add_argument("part", choices=["layer", "tune", "engine"])
     ap.add_argument("--pair", choices=sorted(PAIRS), default="35b")
     ap.add_argument("--vram", type=float, default=None)
     ap.add_argument("--sparsity", default="0,0.85")
@@ -209,6 +252,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     if a.part == "layer":
         layer_part(a.out)
+    elif a.part == "tune":
+        tune_part(a.out)
     else:
         sp = [float(s) for s in a.sparsity.split(",")]
         engine_part(a.out, a.pair, a.vram, sp, a.prompt_tokens, a.decode_tokens)

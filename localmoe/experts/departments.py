@@ -35,6 +35,7 @@ S = slots (departments one step may touch: min(D, T * min(k, topk_group))).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from torch.nn import functional as F
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
 from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
 from localmoe.kernels.department_slots import department_slots, department_slots_ref
+from localmoe.kernels.tuning import decode_params
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -64,6 +66,20 @@ def group_limited_topk(probs: torch.Tensor, n: int, k: int, group: int, score: s
         probs = probs.masked_fill(~allowed.repeat_interleave(n, dim=1), 0.0)
     top, idx = probs.topk(k, dim=-1)
     return idx, top
+
+
+@functools.cache
+def _tuned(device_index: int, key: str) -> dict:
+    return decode_params(torch.cuda.get_device_name(device_index), "department_experts", key)
+
+
+def launch_keywords(x: torch.Tensor, h: int, n: int) -> dict:
+    """department_experts' tuned launch keywords for this device and shape (kernels/tuned/*.json, key
+    "H{H}_h{h}_n{n}_T{T}"); {} (the launcher's defaults) off CUDA or when unmeasured."""
+    if not x.is_cuda:
+        return {}
+    T, H = x.shape
+    return _tuned(x.device.index or 0, f"H{H}_h{h}_n{n}_T{T}")
 
 
 def step_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int, kernel: bool | None = None):
@@ -140,6 +156,7 @@ class DepartmentExperts(nn.Module):
         self._no_tau: torch.Tensor | None = None  # tau of zeros for the dense-equivalent decode (kept, not remade)
         self.last_departments: torch.Tensor | None = None  # decode: the step's slot table (for a department cache)
         self.cache = None  # offloaded: the DepartmentCache (experts/department_cache.py) the paths read through
+        self.launch: dict | None = None  # department_experts' launch keywords (a bench's sweep); None: tuned table
 
     # -- what the rest of localmoe reads of an experts module (LocalExperts has the same names) ---------------------
     @property
@@ -245,7 +262,8 @@ class DepartmentExperts(nn.Module):
             if sparse:
                 self._counters_on(x.device)
                 counters = {"kept_total": self.kept, "seen_total": self.seen}
-            y = department_experts(*args, private_slots=private_slots, **counters)
+            kw = self.launch if self.launch is not None else launch_keywords(x, self.width, self.per_department)
+            y = department_experts(*args, private_slots=private_slots, **counters, **kw)
         else:
             y, kept = department_experts_ref(*args, private_slots=private_slots)
             if sparse:
