@@ -39,30 +39,60 @@ except ImportError:  # pragma: no cover
 MAX_TOKENS = 8
 
 
-def department_experts_ref(x, w_gate, w_up, w_down_t, private, dept, weights, tau, private_slots=None):
+def department_experts_ref(
+    x, w_gate, w_up, w_down_t, private, dept, weights, tau, private_slots=None, pools=None, host_elems=None
+):
     """Torch reference reading only kept rows of W_up and P: -> (y [T, H] fp32, kept count as a 0-d int64).
-    With `private_slots` [S, n], private is a pool [P, h, h] and expert j of slot s is private[private_slots[s, j]]."""
+    With `private_slots` [S, n], private is a pool [P, h, h] and expert j of slot s is private[private_slots[s, j]].
+    With `pools` (direct offloading, module doc), a department / expert the maps place in a pool is read there, any
+    other from the host master copies (w_gate... / private); `host_elems` (0-d int64) gets the elements read from
+    the host added (gate rows, kept up rows, down rows, kept private rows)."""
     ps = private_slots.tolist() if private_slots is not None else None
+    if pools is not None:
+        gp, upp, dp, pp, dmap, pmap = pools
+        dmap, pmap = dmap.tolist(), pmap.tolist()
     T, H = x.shape
+    h = w_gate.shape[1]
+    n = weights.shape[2]
     y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     kept = torch.zeros((), dtype=torch.int64, device=x.device)
+    from_host = 0
     for s, d in enumerate(dept.tolist()):
         if d < 0:
             continue
+        g_w, u_w, d_w = w_gate[d], w_up[d], w_down_t[d]
+        on_host = pools is not None and dmap[d] < 0
+        if pools is not None and not on_host:
+            g_w, u_w, d_w = gp[dmap[d]], upp[dmap[d]], dp[dmap[d]]
+        if on_host:
+            from_host += 2 * h * H  # the gate and the down projection, read once for the slot
+        live: dict[int, set] = {}  # expert j -> kept neurons of the tokens that chose it (its P rows read once)
         for t in range(T):
             w = weights[s, t].float()
             if not bool((w != 0).any()):
                 continue
             xt = x[t].float()
-            a = torch.nn.functional.silu(w_gate[d].float() @ xt)  # [h]
+            a = torch.nn.functional.silu(g_w.float() @ xt)  # [h]
             keep = (a.abs() >= tau[d].float()).nonzero().squeeze(1)
             kept += keep.numel()
-            u = a[keep] * (w_up[d].index_select(0, keep).float() @ xt)  # [kept]
-            z = torch.zeros(w_gate.shape[1], dtype=torch.float32, device=x.device)
+            if on_host:
+                from_host += keep.numel() * H  # kept up rows (for this token)
+            u = a[keep] * (u_w.index_select(0, keep).float() @ xt)  # [kept]
+            z = torch.zeros(h, dtype=torch.float32, device=x.device)
             for j in (w != 0).nonzero().squeeze(1).tolist():
-                pj = private[d, j] if ps is None else private[ps[s][j]]
+                if ps is not None:
+                    pj = private[ps[s][j]]
+                elif pools is not None and pmap[d * n + j] >= 0:
+                    pj = pp[pmap[d * n + j]]
+                else:
+                    pj = private[d, j]
+                    if pools is not None:
+                        live.setdefault(j, set()).update(keep[u != 0].tolist())
                 z += w[j] * (u @ pj.index_select(0, keep).float())
-            y[t] += z @ w_down_t[d].float()
+            y[t] += z @ d_w.float()
+        from_host += sum(len(rows) for rows in live.values()) * h
+    if host_elems is not None:
+        host_elems += from_host
     return y, kept
 
 
@@ -71,9 +101,10 @@ if triton is not None:
     @triton.jit
     def _dept_up_kernel(
         x_ptr, wg_ptr, wu_ptr, dept_ptr, w_ptr, tau_ptr, u_ptr, kept_ptr, seen_ptr,
-        T, h, n, stride_xt, stride_gd, stride_ud,
+        gp_ptr, up_ptr, dmap_ptr, hc_ptr,
+        T, h, n, stride_xt, stride_gd, stride_ud, stride_pool,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-        COUNT: tl.constexpr, SEEN: tl.constexpr,
+        COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,7 +115,17 @@ if triton is not None:
         cmask = cols < H
         roff = rows.to(tl.int64)[:, None] * H + cols[None, :]
         m2 = valid[:, None] & cmask[None, :]
-        wg = tl.load(wg_ptr + dd * stride_gd + roff, mask=m2, other=0.0).to(tl.float32)
+        if DIRECT:  # the department's pool slot, or -1: read from the host master copy
+            slot = tl.load(dmap_ptr + dd)
+            pool = tl.maximum(slot, 0).to(tl.int64) * stride_pool
+            res = ((rows * 0 + slot) >= 0)[:, None]  # masks are blocks, not scalars
+            host = ((rows * 0 + slot) < 0)[:, None]
+            on_host = (slot < 0).to(tl.int64)
+            wg = tl.load(gp_ptr + pool + roff, mask=m2 & res, other=0.0).to(tl.float32)
+            wg += tl.load(wg_ptr + dd * stride_gd + roff, mask=m2 & host, other=0.0).to(tl.float32)
+            host_rows = on_host * tl.sum(valid.to(tl.int64), axis=0)
+        else:
+            wg = tl.load(wg_ptr + dd * stride_gd + roff, mask=m2, other=0.0).to(tl.float32)
         tau = tl.load(tau_ptr + dd)
         jj = tl.arange(0, N_P2)
         total = 0
@@ -97,7 +138,13 @@ if triton is not None:
             g = tl.sum(wg * xv[None, :], axis=1)
             a = g / (1.0 + tl.exp(-g))
             keep = (tl.abs(a) >= tau) & valid & used
-            wu = tl.load(wu_ptr + dd * stride_ud + roff, mask=keep[:, None] & cmask[None, :], other=0.0)
+            km = keep[:, None] & cmask[None, :]
+            if DIRECT:
+                wu = tl.load(up_ptr + pool + roff, mask=km & res, other=0.0).to(tl.float32)
+                wu += tl.load(wu_ptr + dd * stride_ud + roff, mask=km & host, other=0.0).to(tl.float32)
+                host_rows += on_host * tl.sum(keep.to(tl.int64), axis=0)
+            else:
+                wu = tl.load(wu_ptr + dd * stride_ud + roff, mask=km, other=0.0)
             u = tl.where(keep, a * tl.sum(wu.to(tl.float32) * xv[None, :], axis=1), 0.0)
             tl.store(u_ptr + (s * T + t) * h + rows, u, mask=(rows < h) & ((rows * 0 + t) < T))
             total += tl.sum(keep.to(tl.int64), axis=0)
@@ -106,11 +153,15 @@ if triton is not None:
             tl.atomic_add(kept_ptr, total, sem="relaxed")
         if SEEN:
             tl.atomic_add(seen_ptr, considered, sem="relaxed")
+        if DIRECT:
+            tl.atomic_add(hc_ptr, host_rows * H, sem="relaxed")
 
     @triton.jit
     def _dept_private_kernel(
-        p_ptr, dept_ptr, w_ptr, u_ptr, z_ptr, ps_ptr, T, h, n, stride_pd, stride_pe,
+        p_ptr, dept_ptr, w_ptr, u_ptr, z_ptr, ps_ptr, pp_ptr, pmap_ptr, hc_ptr, T, h, n, stride_pd, stride_pe,
+        stride_pp,
         T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_Z: tl.constexpr, ROWS: tl.constexpr, INDEXED: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):  # fmt: skip
         # program (s * n + j, column block, row split): expert j of slot s, rows [split * ROWS, +ROWS) of its P;
         # experts no token chose (most programs) and unused slots end at once
@@ -128,6 +179,13 @@ if triton is not None:
                 pbase = tl.load(ps_ptr + s * n + j).to(tl.int64) * stride_pe
             else:
                 pbase = dd * stride_pd + j * stride_pe
+            if DIRECT:  # the expert's private pool slot, or -1: read from the host master copy
+                pslot = tl.load(pmap_ptr + dd * n + j)
+                pool = tl.maximum(pslot, 0).to(tl.int64) * stride_pp
+                res = ((tl.arange(0, BLOCK_I) * 0 + pslot) >= 0)[:, None]  # masks are blocks, not scalars
+                host = ((tl.arange(0, BLOCK_I) * 0 + pslot) < 0)[:, None]
+                on_host = (pslot < 0).to(tl.int64)
+            read = tl.zeros((BLOCK_I,), dtype=tl.int64)  # P rows read, by row position in the block
             acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
             r0 = tl.program_id(2) * ROWS
             for i0 in range(0, ROWS, BLOCK_I):
@@ -138,11 +196,14 @@ if triton is not None:
                     other=0.0,
                 )  # [T_P2, BLOCK_I]
                 live = tl.sum(tl.abs(u) * (wj[:, None] != 0), axis=0) > 0  # a kept neuron of a chosen token
-                p = tl.load(
-                    p_ptr + pbase + ii.to(tl.int64)[:, None] * h + cols[None, :],
-                    mask=live[:, None] & cmask[None, :],
-                    other=0.0,
-                ).to(tl.float32)  # [BLOCK_I, BLOCK_Z]
+                poff = ii.to(tl.int64)[:, None] * h + cols[None, :]
+                pm = live[:, None] & cmask[None, :]
+                if DIRECT:
+                    p = tl.load(pp_ptr + pool + poff, mask=pm & res, other=0.0).to(tl.float32)
+                    p += tl.load(p_ptr + pbase + poff, mask=pm & host, other=0.0).to(tl.float32)
+                    read += live.to(tl.int64)
+                else:
+                    p = tl.load(p_ptr + pbase + poff, mask=pm, other=0.0).to(tl.float32)  # [BLOCK_I, BLOCK_Z]
                 acc += tl.sum((u * wj[:, None])[:, :, None] * p[None, :, :], axis=1)
             tl.atomic_add(
                 z_ptr + (s * T + tt[:, None]) * h + cols[None, :],
@@ -150,11 +211,15 @@ if triton is not None:
                 mask=tmask[:, None] & cmask[None, :],
                 sem="relaxed",
             )
+            if DIRECT:
+                elems = tl.sum(read, axis=0) * tl.sum(cmask.to(tl.int64), axis=0)
+                tl.atomic_add(hc_ptr, on_host * elems, sem="relaxed")
 
     @triton.jit
     def _dept_down_kernel(
-        wd_ptr, dept_ptr, z_ptr, y_ptr, T, h, stride_dd,
+        wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, T, h, stride_dd, stride_pool,
         H: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, ROWS: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):  # fmt: skip
         # program (column block, slot, row split): rows [split * ROWS, +ROWS) of the slot's W_down_t, all T tokens
         cols = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -165,6 +230,13 @@ if triton is not None:
         tt = tl.arange(0, T_P2)
         tmask = tt < T
         if d >= 0:
+            if DIRECT:
+                slot = tl.load(dmap_ptr + dd)
+                pool = tl.maximum(slot, 0).to(tl.int64) * stride_pool
+                res = ((tl.arange(0, BLOCK_I) * 0 + slot) >= 0)[:, None]  # masks are blocks, not scalars
+                host = ((tl.arange(0, BLOCK_I) * 0 + slot) < 0)[:, None]
+                on_host = (slot < 0).to(tl.int64)
+            read = tl.zeros((BLOCK_I,), dtype=tl.int64)  # W_down rows read, by row position in the block
             acc = tl.zeros((T_P2, BLOCK_O), dtype=tl.float32)
             r0 = tl.program_id(2) * ROWS
             for i0 in range(0, ROWS, BLOCK_I):
@@ -173,15 +245,21 @@ if triton is not None:
                 z = tl.load(
                     z_ptr + (s * T + tt[:, None]) * h + ii[None, :], mask=tmask[:, None] & imask[None, :], other=0.0
                 )
-                wd = tl.load(
-                    wd_ptr + dd * stride_dd + ii.to(tl.int64)[:, None] * H + cols[None, :],
-                    mask=imask[:, None] & cmask[None, :],
-                    other=0.0,
-                ).to(tl.float32)
+                doff = ii.to(tl.int64)[:, None] * H + cols[None, :]
+                dm = imask[:, None] & cmask[None, :]
+                if DIRECT:
+                    wd = tl.load(dp_ptr + pool + doff, mask=dm & res, other=0.0).to(tl.float32)
+                    wd += tl.load(wd_ptr + dd * stride_dd + doff, mask=dm & host, other=0.0).to(tl.float32)
+                    read += imask.to(tl.int64)
+                else:
+                    wd = tl.load(wd_ptr + dd * stride_dd + doff, mask=dm, other=0.0).to(tl.float32)
                 acc += tl.sum(z[:, :, None] * wd[None, :, :], axis=1)
             tl.atomic_add(
                 y_ptr + tt[:, None] * H + cols[None, :], acc, mask=tmask[:, None] & cmask[None, :], sem="relaxed"
             )
+            if DIRECT:
+                elems = tl.sum(read, axis=0) * tl.sum(cmask.to(tl.int64), axis=0)
+                tl.atomic_add(hc_ptr, on_host * elems, sem="relaxed")
 
 
 def _split(rows: int, block: int, target: int) -> tuple[int, int]:
@@ -192,7 +270,7 @@ def _split(rows: int, block: int, target: int) -> tuple[int, int]:
 
 def department_experts(
     x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, kept_total=None, seen_total=None,
-    private_slots=None,
+    private_slots=None, pools=None, host_elems=None,
     BLOCK_N: int = 4, BLOCK_I: int = 0, BLOCK_Z: int = 128, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
     num_warps: int = 4,
 ):  # fmt: skip
@@ -204,7 +282,13 @@ def department_experts(
     step's (token, department) pairs x h): a module's sparsity counters, added in place with no launch of their own.
     With `private_slots` [S, n] int32, private is a pool [P, h, h] and
     expert j of slot s reads private[private_slots[s, j]] (an expert cache's slots; entries of unchosen experts are
-    never read)."""
+    never read).
+
+    Direct offloading, `pools` = (gate_pool, up_pool, down_pool [P, h, H], private_pool [Q, h, h], dept_map [D]
+    int32, private_map [D * n] int32): w_gate... and private are the host master copies (pinned when x is on CUDA:
+    read through unified addressing), dept holds department numbers, and a department / expert whose map entry is
+    a slot >= 0 is read from that pool slot, any other straight from host memory (no copy, no host sync: graph
+    capturable). `host_elems` (0-d int64 on x's device) gets the elements read from host memory added."""
     if triton is None:
         raise RuntimeError("department_experts needs triton")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
@@ -215,9 +299,12 @@ def department_experts(
     if w_gate.dim() != 3:
         raise ValueError(f"w_gate must be [D, h, H], got shape {tuple(w_gate.shape)}")
     D, h = w_gate.shape[0], w_gate.shape[1]
+    direct = pools is not None
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
-        expert_weights(name, w, D, h, H, x.device)
+        expert_weights(name, w, D, h, H, x.device, allow_host=direct)
     indexed = private_slots is not None
+    if indexed and direct:
+        raise ValueError("private_slots (copied-in pools) and pools (direct reads) exclude each other")
     if indexed:
         if private.dim() != 3 or tuple(private.shape[1:]) != (h, h):
             raise ValueError(
@@ -232,8 +319,23 @@ def department_experts(
         raise ValueError(f"private must be [D, n, h, h] with D={D}, h={h}, got {tuple(private.shape)}")
     else:
         n = private.shape[1]
-    if private.dtype not in FLOAT_DTYPES or not private.is_contiguous() or private.device != x.device:
-        raise ValueError(f"private must be a contiguous bf16/fp16/fp32 tensor on {x.device}")
+    if private.dtype not in FLOAT_DTYPES or not private.is_contiguous():
+        raise ValueError("private must be a contiguous bf16/fp16/fp32 tensor")
+    if private.device != x.device and not (direct and private.device.type == "cpu"):
+        raise ValueError(f"private must be on {x.device}")
+    if direct:
+        gp, upp, dp, pp, dmap, pmap = pools
+        for name, w in (("gate_pool", gp), ("up_pool", upp), ("down_pool", dp)):
+            expert_weights(name, w, w.shape[0], h, H, x.device)
+        if pp.dim() != 3 or tuple(pp.shape[1:]) != (h, h) or not pp.is_contiguous() or pp.device != x.device:
+            raise ValueError(f"private_pool must be a contiguous [Q, {h}, {h}] tensor on {x.device}")
+        if gp.stride() != upp.stride() or gp.stride() != dp.stride():
+            raise ValueError("the gate, up and down pools must share one layout")
+        for name, m, size in (("dept_map", dmap, D), ("private_map", pmap, D * n)):
+            if tuple(m.shape) != (size,) or m.dtype != torch.int32 or not m.is_contiguous() or m.device != x.device:
+                raise ValueError(f"{name} must be a contiguous int32 [{size}] tensor on {x.device}")
+        if host_elems is None or host_elems.dtype != torch.int64 or host_elems.numel() != 1:
+            raise ValueError("direct offloading needs host_elems, a one-element int64 tensor")
     if dept.dim() != 1 or dept.dtype != torch.int32 or not dept.is_contiguous() or dept.device != x.device:
         raise ValueError(
             f"dept must be a contiguous int32 [S] tensor on {x.device}, got {dept.dtype} {tuple(dept.shape)}"
@@ -277,20 +379,28 @@ def department_experts(
     count, see = kept_total is not None, seen_total is not None
     kept = kept_total if count else buf  # any pointer when not counting
     seen = seen_total if see else buf
+    if direct:
+        gp, upp, dp, pp, dmap, pmap = pools
+        hc, pool_stride, pp_stride = host_elems, gp.stride(0), pp.stride(0)
+    else:  # any tensors of the right kind: never read
+        gp = upp = dp = w_gate
+        pp, dmap, pmap, hc, pool_stride, pp_stride = private, dept, dept, buf, 0, 0
     _dept_up_kernel[(S, triton.cdiv(h, bn))](
-        x, w_gate, w_up, dept, weights, tau, u_ws, kept, seen, T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0),
+        x, w_gate, w_up, dept, weights, tau, u_ws, kept, seen, gp, upp, dmap, hc,
+        T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0), pool_stride,
         H=H, H_P2=triton.next_power_of_2(H), N_P2=triton.next_power_of_2(n), T_P2=t_p2, BLOCK_N=bn, COUNT=count,
-        SEEN=see, num_warps=num_warps,
+        SEEN=see, DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip
     if indexed and tuple(private_slots.shape) != (S, n):
         raise ValueError(f"private_slots must be [S, n] = {(S, n)}, got {tuple(private_slots.shape)}")
     pstride_d, pstride_e = (0, private.stride(0)) if indexed else (private.stride(0), private.stride(1))
     _dept_private_kernel[(S * n, triton.cdiv(h, bz), splits)](
-        private, dept, weights, u_ws, z_ws, private_slots if indexed else dept, T, h, n, pstride_d, pstride_e,
-        T_P2=t_p2, BLOCK_I=bi, BLOCK_Z=bz, ROWS=rows, INDEXED=indexed, num_warps=num_warps,
+        private, dept, weights, u_ws, z_ws, private_slots if indexed else dept, pp, pmap, hc,
+        T, h, n, pstride_d, pstride_e, pp_stride,
+        T_P2=t_p2, BLOCK_I=bi, BLOCK_Z=bz, ROWS=rows, INDEXED=indexed, DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip
     _dept_down_kernel[(triton.cdiv(H, bo), S, splits)](
-        w_down_t, dept, z_ws, out, T, h, w_down_t.stride(0), H=H, T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo, ROWS=rows,
-        num_warps=num_warps,
+        w_down_t, dept, z_ws, out, dp, dmap, hc, T, h, w_down_t.stride(0), pool_stride,
+        H=H, T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo, ROWS=rows, DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -10,6 +10,10 @@ kernels/department_experts.py reads:
 S = `slots` must be at least the number of distinct departments (min(D, T * min(k, topk_group)) always is). No
 host synchronisation and a grid that never depends on the routing, so the step can be captured in a CUDA graph.
 
+With `maps` = (dept_map [D] int32, private_map [D * n] int32, counts [4] int64) (direct offloading: a unit's pool
+slot, or -1 in host memory) it also adds the step's department hits and misses (distinct departments) and private
+hits and misses ((token, expert) pairs) into counts[0..3]: the offloaded figures, with no launch of their own.
+
 The kernel is one program over the T * k (token, expert) pairs: pair p is its department's first when no earlier
 pair has the same department, and the slot of a department is the number of distinct departments below it (a
 [T*k, T*k] comparison, T * k <= 64). It zeroes `weights`, fills `dept` with -1, then (after a CTA barrier) writes
@@ -32,7 +36,7 @@ except ImportError:  # pragma: no cover
 MAX_PAIRS = 64  # T * k
 
 
-def department_slots_ref(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int):
+def department_slots_ref(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int, maps=None):
     """(dept [S] int32, weights [S, T, n] fp32) as the module doc says, in torch ops (no host sync)."""
     T, k = top_k_index.shape
     dev = top_k_index.device
@@ -48,6 +52,12 @@ def department_slots_ref(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     w = torch.zeros(slots, T, n, dtype=torch.float32, device=dev)
     t_idx = torch.arange(T, device=dev)[:, None].expand(T, k)
     w.index_put_((slot_of, t_idx, (top_k_index % n).long()), top_k_weights.float(), accumulate=True)
+    if maps is not None:
+        dmap, pmap, counts = maps
+        dres = dmap[dept.clamp(min=0).long()] >= 0
+        pres = pmap[top_k_index.reshape(-1).long()] >= 0
+        used = dept >= 0
+        counts += torch.stack([(used & dres).sum(), (used & ~dres).sum(), pres.sum(), (~pres).sum()])
     return dept.to(torch.int32), w
 
 
@@ -55,8 +65,8 @@ if triton is not None:
 
     @triton.jit
     def _slots_kernel(
-        idx_ptr, w_ptr, dept_ptr, out_ptr, TK, K, T, n, S,
-        TK_P2: tl.constexpr, S_P2: tl.constexpr, Z_P2: tl.constexpr,
+        idx_ptr, w_ptr, dept_ptr, out_ptr, dmap_ptr, pmap_ptr, cnt_ptr, TK, K, T, n, S,
+        TK_P2: tl.constexpr, S_P2: tl.constexpr, Z_P2: tl.constexpr, MAPS: tl.constexpr,
     ):  # fmt: skip
         p = tl.arange(0, TK_P2)
         pm = p < TK
@@ -76,11 +86,18 @@ if triton is not None:
         tl.store(dept_ptr + slot, dep, mask=first & (slot < S))
         t = p // K
         tl.store(out_ptr + (slot * T + t) * n + e % n, wv, mask=pm & (slot < S))
+        if MAPS:  # hits and misses of the step against the pools' maps
+            dres = tl.load(dmap_ptr + tl.where(first, dep, 0), mask=first, other=-1) >= 0
+            pres = tl.load(pmap_ptr + e, mask=pm, other=-1) >= 0
+            tl.atomic_add(cnt_ptr + 0, tl.sum((first & dres).to(tl.int64), axis=0), sem="relaxed")
+            tl.atomic_add(cnt_ptr + 1, tl.sum((first & (dres == 0)).to(tl.int64), axis=0), sem="relaxed")
+            tl.atomic_add(cnt_ptr + 2, tl.sum((pm & pres).to(tl.int64), axis=0), sem="relaxed")
+            tl.atomic_add(cnt_ptr + 3, tl.sum((pm & (pres == 0)).to(tl.int64), axis=0), sem="relaxed")
 
 
-def department_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int):
+def department_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int, maps=None):
     """One-launch `department_slots_ref` (module doc). top_k_index [T, k] int32/int64, top_k_weights [T, k] float,
-    T * k <= MAX_PAIRS."""
+    T * k <= MAX_PAIRS; `maps` as in the module doc."""
     if triton is None:
         raise RuntimeError("department_slots needs triton")
     if top_k_index.dim() != 2 or top_k_index.dtype not in (torch.int32, torch.int64):
@@ -100,9 +117,19 @@ def department_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: 
     idx, wts = top_k_index.contiguous(), top_k_weights.contiguous()
     dept = torch.empty(slots, dtype=torch.int32, device=dev)
     w = torch.empty(slots, T, n, dtype=torch.float32, device=dev)
+    if maps is not None:
+        dmap, pmap, counts = maps
+        for name, t, dtype in (("dept_map", dmap, torch.int32), ("private_map", pmap, torch.int32)):
+            if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or t.device != dev:
+                raise ValueError(f"{name} must be a contiguous int32 vector on {dev}")
+        if counts.dtype != torch.int64 or counts.numel() != 4 or counts.device != dev:
+            raise ValueError(f"counts must be an int64 [4] tensor on {dev}")
+    else:
+        dmap = pmap = dept
+        counts = w
     _slots_kernel[(1,)](
-        idx, wts, dept, w, T * k, k, T, n, slots,
+        idx, wts, dept, w, dmap, pmap, counts, T * k, k, T, n, slots,
         TK_P2=triton.next_power_of_2(T * k), S_P2=triton.next_power_of_2(slots),
-        Z_P2=triton.next_power_of_2(slots * T * n), num_warps=4,
+        Z_P2=triton.next_power_of_2(slots * T * n), MAPS=maps is not None, num_warps=4,
     )  # fmt: skip
     return dept, w

@@ -192,3 +192,47 @@ def test_status_bar_and_stats_show_the_pools_only_when_present():
     rows = dict(stats_rows(E(), GenerationSettings(), model="m"))
     assert rows["Department cache"] == "90% of departments · 25% of private parts hit the GPU"
     assert dept.as_json()["department_hit_rate"] == 0.9 and plain.as_json()["private_hit_rate"] is None
+
+
+# -- direct offloading: pools filled once, misses read from host memory by the kernels (graph capturable) ------------
+@pytest.fixture(scope="module")
+def direct(engines):
+    _, _, budget = engines
+    return Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=budget, offload_miss="direct")
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.05], ids=["sparsity0", "sparse"])
+def test_direct_offloading_tokens_equal_resident(engines, direct, tau):
+    """Direct mode: the maps place every department (the budget holds them) and 60 private parts; the layer reads
+    the rest from the host copies (here through the kernel's torch reference: the kernel's direct reads are tested
+    in tests/test_kernel_department_experts.py). Tokens equal the resident engine's; hits, misses and host bytes are
+    counted; the maps never change."""
+    resident = engines[0]
+    cache = direct.loaded.cache
+    assert cache.mode == "direct" and all(m.cache is cache for m in direct.loaded.experts)
+    maps = torch.stack(list(cache.dept_map.values()))
+    assert (maps >= 0).all() and len(set(maps.reshape(-1).tolist())) == maps.numel()  # every department, own slot
+    assert int((torch.stack(list(cache.priv_map.values())) >= 0).sum()) == 60
+    for e in (resident, direct):
+        _sparse(e, tau)
+    try:
+        assert _tokens(direct) == _tokens(resident)
+        st = direct.stats
+        assert st.department_hit_rate == 1.0 and 0.0 < st.private_hit_rate < 1.0
+        assert st.h2d_bytes_per_token > 0 and 0.0 < st.cache_hit_rate < 1.0
+        if tau:
+            assert st.sparsity_realized > 0.05
+    finally:
+        for e in (resident, direct):
+            _sparse(e, 0.0)
+
+
+def test_direct_prefill_reads_non_resident_units_through_temporary_copies(direct):
+    """Prefill (the one-department-at-a-time path) in direct mode: resident units from the pools, others copied for
+    the call; the maps do not change."""
+    cache = direct.loaded.cache
+    before = [t.clone() for t in cache.priv_map.values()]
+    ids = direct.encode_raw("Departments share their weights. " * 4)
+    out = list(direct.generate(ids, GenerationSettings(max_new_tokens=2)))
+    assert len(out) == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.priv_map.values()))

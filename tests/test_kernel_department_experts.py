@@ -93,3 +93,53 @@ def test_row_splits_equal_one_program_per_column_block(T, tau):
     for split_rows, block_i in ((16, 8), (24, 8), (40, 16)):
         y = department_experts(x, wg, wu, wd, private, dept, w, taus, SPLIT_ROWS=split_rows, BLOCK_I=block_i)
         assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
+
+
+def _pooled(wg, wu, wd, private, resident_depts, resident_experts, n):
+    """Pools holding the listed departments / experts (one spare slot of garbage each), and their maps."""
+    D, h, H = wg.shape
+    dmap = torch.full((D,), -1, dtype=torch.int32, device=DEV)
+    pmap = torch.full((D * n,), -1, dtype=torch.int32, device=DEV)
+    pools = [torch.full((len(resident_depts) + 1, h, H), 7.0, dtype=wg.dtype, device=DEV) for _ in range(3)]
+    pp = torch.full((len(resident_experts) + 1, h, h), 7.0, dtype=private.dtype, device=DEV)
+    for slot, d in enumerate(resident_depts):
+        dmap[d] = slot + 1  # slot 0 is the spare
+        for pool, src in zip(pools, (wg, wu, wd)):
+            pool[slot + 1] = src[d]
+    for slot, e in enumerate(resident_experts):
+        pmap[e] = slot + 1
+        pp[slot + 1] = private[e // n, e % n]
+    return (*pools, pp, dmap, pmap)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("tau", [0.0, 0.1], ids=["tau0", "tau0.1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_direct_reads_pools_and_host(T, tau, dtype):
+    """Direct offloading: resident units read from their pool slots (their host copies are NaN, so a wrong read
+    shows), the others from the host master copies; y equals the reference on the true weights, and the elements
+    read from host memory equal the reference's count."""
+    D, n, h, H, k = 5, 3, 40, 96, 3
+    x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, dtype)
+    taus = torch.full((D,), tau, device=DEV)
+    want, kept_ref = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
+    used = [d for d in dept.tolist() if d >= 0]
+    resident_depts = used[::2]  # half of the step's departments resident
+    chosen = sorted({e for e in range(D * n) if bool((w[:, :, e % n] != 0).any()) and e // n in used})
+    resident_experts = chosen[1::2]
+    pools = _pooled(wg, wu, wd, private, resident_depts, resident_experts, n)
+    hg, hu, hd, hp = (t.clone() for t in (wg, wu, wd, private))
+    for d in resident_depts:
+        hg[d] = hu[d] = hd[d] = float("nan")
+    for e in resident_experts:
+        hp[e // n, e % n] = float("nan")
+    ref_pools = _pooled(wg, wu, wd, private, resident_depts, resident_experts, n)
+    hc_ref = torch.zeros((), dtype=torch.int64, device=DEV)
+    ref, _ = department_experts_ref(x, hg, hu, hd, hp, dept, w, taus, pools=ref_pools, host_elems=hc_ref)
+    hc = torch.zeros((), dtype=torch.int64, device=DEV)
+    kept = torch.zeros((), dtype=torch.int64, device=DEV)
+    y = department_experts(x, hg, hu, hd, hp, dept, w, taus, pools=pools, host_elems=hc, kept_total=kept)
+    assert not torch.isnan(y).any() and not torch.isnan(ref).any()
+    for got in (y, ref):
+        assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-5
+    assert int(kept) == int(kept_ref) and int(hc) == int(hc_ref) > 0

@@ -62,3 +62,23 @@ def test_bad_inputs():
         department_slots(torch.zeros(9, 8, dtype=torch.long, device=DEV), torch.ones(9, 8, device=DEV), 3, 2)
     with pytest.raises(ValueError):
         department_slots(idx, w, 3, 0)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_hit_and_miss_counts_against_the_maps(T):
+    """With maps, the kernel adds department hits / misses (distinct departments) and private hits / misses
+    ((token, expert) pairs) into counts, as the reference does."""
+    D, n, k, g = 12, 4, 4, 2
+    gen = torch.Generator().manual_seed(T)
+    idx, w = group_limited_topk(torch.softmax(torch.randn(T, D * n, generator=gen), -1), n, k, g)
+    idx, w = idx.to(DEV), w.to(DEV)
+    dmap = torch.where(torch.arange(D) % 2 == 0, torch.arange(D), -1).to(torch.int32).to(DEV)
+    pmap = torch.where(torch.arange(D * n) % 3 == 0, torch.arange(D * n), -1).to(torch.int32).to(DEV)
+    got = torch.full((4,), 5, dtype=torch.int64, device=DEV)
+    want = got.clone()
+    S = min(D, T * g)
+    a = department_slots(idx, w, n, S, maps=(dmap, pmap, got))
+    b = department_slots_ref(idx, w, n, S, maps=(dmap, pmap, want))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(got, want)
+    used = set((idx // n).reshape(-1).tolist())
+    assert int(got[0] + got[1]) - 10 == len(used) and int(got[2] + got[3]) - 10 == T * k

@@ -10,8 +10,16 @@ model decodes eagerly, no CUDA graph): a miss is copied in from the host master 
 pin it: the copy is then asynchronous on the current stream) and the kernels read the pools through slot ids
 (`DepartmentExperts`: department slot ids in place of department numbers, a [S, n] map into the private pool).
 
-Figures since `reset_stats`: department and private hits/misses, host→device bytes copied; the overall hit rate is
-byte-weighted (the share of looked-up expert bytes that were already resident).
+Direct mode (`direct=True`; on CUDA with pinned master copies, the default there): the pools are filled once (`place`:
+departments first, round-robin over the layers so each layer holds an equal share, then private parts) and never
+change; device maps (layer -> [D] department slot, [D * n] private slot, -1: in host memory) let the decode kernels
+read a resident unit from its pool slot and any other straight from pinned host memory (kernels/department_experts.py
+`pools=`), with no lookup on the host: the decode step is captured in a CUDA graph. The step's hits and misses and
+the elements read from host memory are counted on the device (kernels/department_slots.py `maps=`). Prefill and
+calibration read a non-resident unit through a temporary copy.
+
+Figures since `reset_stats`: department and private hits/misses, host→device bytes (copied, or read directly); the
+overall hit rate is byte-weighted (the share of looked-up expert bytes that were already resident).
 
 Shapes: D departments, n experts per department, h department width, H hidden.
 """
@@ -61,11 +69,14 @@ class Pool:
 class DepartmentCache:
     """The department pool and the private pool of a DeaMoE model's offloaded experts (module doc)."""
 
-    mode = "copy"  # misses copied in before the compute (the engine decodes eagerly)
-    admits = False  # nothing to observe after a step: lookups happen inside the layer call
+    admits = False  # nothing to observe after a step: lookups happen inside the layer call (or never: direct)
     gate_slots = 0
 
-    def __init__(self, department_slots: int, private_slots: int, shape, dtype: torch.dtype, device):
+    def __init__(
+        self, department_slots: int, private_slots: int, shape, dtype: torch.dtype, device, direct: bool = False
+    ):
+        # "copy": misses copied in before the compute (the engine decodes eagerly); "direct": module doc
+        self.mode = "direct" if direct else "copy"
         D, n, h, H = shape
         self.num_departments, self.per_department, self.width, self.hidden = D, n, h, H
         self.num_experts = D * n
@@ -83,9 +94,40 @@ class DepartmentCache:
         self.privates = Pool(private_slots, h * h * el, self._copy_private)
         self.slots = private_slots  # as ExpertCache.slots (the notices' and plan's "experts cached")
         self.copied_bytes = 0
+        self.element_bytes = el
+        # direct mode: the pools' maps per layer, and device counters (department hits, misses, private hits,
+        # misses; elements read from host memory)
+        self.dept_map: dict[int, torch.Tensor] = {}
+        self.priv_map: dict[int, torch.Tensor] = {}
+        self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self.host_elems = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def add_layer(self, layer: int, master) -> None:
         self.masters[layer] = master
+        if self.mode == "direct":
+            D, n = self.num_departments, self.per_department
+            self.dept_map[layer] = torch.full((D,), -1, dtype=torch.int32, device=self.device)
+            self.priv_map[layer] = torch.full((D * n,), -1, dtype=torch.int32, device=self.device)
+
+    def place(self) -> None:
+        """Direct mode: fill the pools once, departments round-robin over the layers (department 0 of every layer,
+        then 1, ...), then private parts the same way, and write the maps; nothing is evicted afterwards."""
+        layers = sorted(self.masters)
+        D, n = self.num_departments, self.per_department
+        units = [(layer, d) for d in range(D) for layer in layers][: self.departments.slots]
+        for slot, (layer, d) in enumerate(units):
+            m = self.masters[layer]
+            for dst, src in ((self.gate, m.w_gate), (self.up, m.w_up), (self.down_t, m.w_down_t)):
+                dst[slot].copy_(src[d])
+            self.dept_map[layer][d] = slot
+        experts = [(layer, d, j) for d in range(D) for j in range(n) for layer in layers][: self.privates.slots]
+        for slot, (layer, d, j) in enumerate(experts):
+            self.private[slot].copy_(self.masters[layer].private[d, j])
+            self.priv_map[layer][d * n + j] = slot
+
+    def direct_pools(self, layer: int) -> tuple:
+        """department_experts' `pools=` for `layer` (direct mode)."""
+        return self.gate, self.up, self.down_t, self.private, self.dept_map[layer], self.priv_map[layer]
 
     def _copy_department(self, key: tuple[int, int], slot: int) -> None:
         layer, d = key
@@ -108,12 +150,27 @@ class DepartmentCache:
         return self.privates.lookup([(layer, d, j) for d, j in experts])
 
     def department(self, layer: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate, up, down_t) [h, H] of department d of `layer` on the device (the dense path, one at a time)."""
+        """(gate, up, down_t) [h, H] of department d of `layer` on the device (the dense path, one at a time; direct
+        mode: the pool slot, or a temporary copy)."""
+        if self.mode == "direct":
+            slot = int(self.dept_map[layer][d])
+            if slot >= 0:
+                return self.gate[slot], self.up[slot], self.down_t[slot]
+            m = self.masters[layer]
+            self.copied_bytes += self.departments.unit_bytes
+            return tuple(t[d].to(self.device, non_blocking=True) for t in (m.w_gate, m.w_up, m.w_down_t))
         (s,) = self.department_slots(layer, [d])
         return self.gate[s], self.up[s], self.down_t[s]
 
     def private_of(self, layer: int, d: int, j: int) -> torch.Tensor:
-        """Expert j of department d's private [h, h] on the device (the dense path, one at a time)."""
+        """Expert j of department d's private [h, h] on the device (the dense path, one at a time; direct mode: the
+        pool slot, or a temporary copy)."""
+        if self.mode == "direct":
+            slot = int(self.priv_map[layer][d * self.per_department + j])
+            if slot >= 0:
+                return self.private[slot]
+            self.copied_bytes += self.privates.unit_bytes
+            return self.masters[layer].private[d, j].to(self.device, non_blocking=True)
         (s,) = self.private_slots(layer, [(d, j)])
         return self.private[s]
 
@@ -126,6 +183,15 @@ class DepartmentCache:
         for p in (self.departments, self.privates):
             p.hits = p.misses = 0
         self.copied_bytes = 0
+        self.counts.zero_()
+        self.host_elems.zero_()
+
+    def _pull(self) -> None:
+        """Direct mode: the device counters into the pools' figures (one device read)."""
+        if self.mode == "direct":
+            *c, elems = torch.cat([self.counts, self.host_elems.view(1)]).tolist()
+            self.departments.hits, self.departments.misses, self.privates.hits, self.privates.misses = c
+            self._direct_bytes = elems * self.element_bytes
 
     @staticmethod
     def _rate(pool: Pool) -> float | None:
@@ -135,13 +201,16 @@ class DepartmentCache:
     def figures(self) -> tuple[float, int]:
         """(hit rate, host→device bytes) since reset_stats: the share of looked-up expert bytes found resident
         (a department weighs 3·h·H, a private part h²), and the bytes copied in."""
+        self._pull()
         d, p = self.departments, self.privates
         hit = d.hits * d.unit_bytes + p.hits * p.unit_bytes
         seen = hit + d.misses * d.unit_bytes + p.misses * p.unit_bytes
-        return (hit / seen if seen else 0.0), self.copied_bytes
+        direct = self._direct_bytes if self.mode == "direct" else 0
+        return (hit / seen if seen else 0.0), self.copied_bytes + direct
 
     def department_figures(self) -> dict:
         """Hits and misses of each pool since reset_stats, their hit rates (None before any lookup)."""
+        self._pull()
         d, p = self.departments, self.privates
         return {
             "department_hits": d.hits,

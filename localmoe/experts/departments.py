@@ -82,17 +82,20 @@ def launch_keywords(x: torch.Tensor, h: int, n: int) -> dict:
     return _tuned(x.device.index or 0, f"H{H}_h{h}_n{n}_T{T}")
 
 
-def step_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int, kernel: bool | None = None):
+def step_slots(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int, kernel: bool | None = None, maps=None
+):
     """The departments of a decode step in `slots` fixed slots, without host sync (graph capturable).
 
     -> (dept [S] int32, -1 for an unused slot; weights [S, T, n] float32: g of token t for expert j of the slot's
     department, 0 where not chosen). Departments fill the slots in ascending order; `slots` must be at least the
     number of distinct departments the step touches (min(D, T * min(k, topk_group)) always is). One Triton launch
-    (`localmoe.kernels.department_slots`) on CUDA or with `kernel`, else its torch reference."""
+    (`localmoe.kernels.department_slots`) on CUDA or with `kernel`, else its torch reference. `maps`: direct
+    offloading's (dept_map, private_map, counts), whose hits and misses are counted there."""
     use = top_k_index.is_cuda if kernel is None else kernel
     if use and top_k_index.numel() <= SLOT_PAIRS:
-        return department_slots(top_k_index, top_k_weights, n, slots)
-    return department_slots_ref(top_k_index, top_k_weights, n, slots)
+        return department_slots(top_k_index, top_k_weights, n, slots, maps=maps)
+    return department_slots_ref(top_k_index, top_k_weights, n, slots, maps=maps)
 
 
 def _mm_by_group(a: torch.Tensor, w: torch.Tensor, ends: list[int], ends_t: torch.Tensor) -> torch.Tensor:
@@ -256,16 +259,17 @@ class DepartmentExperts(nn.Module):
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
         return self._run_kernel(x, args, w, sparse)
 
-    def _run_kernel(self, x, args, w, sparse: bool, private_slots=None) -> torch.Tensor:
+    def _run_kernel(self, x, args, w, sparse: bool, **where) -> torch.Tensor:
+        """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading)."""
         if x.is_cuda or self.kernel_on_cpu:  # the kernel adds into the module's counters (no launch of their own)
             counters = {}
             if sparse:
                 self._counters_on(x.device)
                 counters = {"kept_total": self.kept, "seen_total": self.seen}
             kw = self.launch if self.launch is not None else launch_keywords(x, self.width, self.per_department)
-            y = department_experts(*args, private_slots=private_slots, **counters, **kw)
+            y = department_experts(*args, **where, **counters, **kw)
         else:
-            y, kept = department_experts_ref(*args, private_slots=private_slots)
+            y, kept = department_experts_ref(*args, **where)
             if sparse:
                 self._count(kept, (w.abs().sum(-1) > 0).sum() * self.width)  # (token, department) pairs x h
         return y.to(x.dtype)
@@ -278,6 +282,8 @@ class DepartmentExperts(nn.Module):
         time (`dense_cached`)."""
         if not few:
             return dense_cached(self, x, top_k_index, top_k_weights, self.mask_all_tokens)
+        if self.cache.mode == "direct":
+            return self._direct(x, top_k_index, top_k_weights)
         T, n, cache = x.shape[0], self.per_department, self.cache
         dept, w = step_slots(top_k_index, top_k_weights, n, min(self.num_departments, T * self.slots))
         self.last_departments = dept
@@ -304,6 +310,19 @@ class DepartmentExperts(nn.Module):
             tau_slots[torch.tensor(d_slots, device=dev)] = tau[torch.tensor(used, device=dev)]
         args = (x, cache.gate, cache.up, cache.down_t, cache.private, slot_dept, w, tau_slots)
         return self._run_kernel(x, args, w, sparse, private_slots=private_slots)
+
+    def _direct(self, x: torch.Tensor, top_k_index, top_k_weights) -> torch.Tensor:
+        """Direct offloading (experts/department_cache.py): the kernels read resident units from the pools and the
+        others from the host master copies (this module's parameters); no host sync, graph capturable."""
+        T, cache, layer = x.shape[0], self.cache, self.layer_idx
+        slots = min(self.num_departments, T * self.slots)
+        maps = (cache.dept_map[layer], cache.priv_map[layer], cache.counts)
+        kernel = x.is_cuda or self.kernel_on_cpu
+        dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots, kernel, maps=maps)
+        self.last_departments = dept
+        sparse, tau = self._tau(x.device)
+        args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
+        return self._run_kernel(x, args, w, sparse, pools=cache.direct_pools(layer), host_elems=cache.host_elems)
 
 
 def dense_cached(m: DepartmentExperts, x: torch.Tensor, top_k_index, top_k_weights, mask: bool) -> torch.Tensor:

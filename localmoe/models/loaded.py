@@ -64,7 +64,7 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     copy-then-compute. Direct misses with `gate_tier` split the cache's bytes gates first
     (`placement.gate_tier_split`)."""
     if isinstance(loaded.offload, DepartmentPlan):
-        attach_department_cache(loaded, dtype, device, pinned)
+        attach_department_cache(loaded, dtype, device, pinned, miss)
         return
     if miss == "auto":
         miss = "direct" if torch.device(device).type == "cuda" and pinned else "copy"
@@ -92,9 +92,11 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     loaded.host_pinned = pinned
 
 
-def attach_department_cache(loaded: LoadedModel, dtype, device, pinned: bool) -> None:
+def attach_department_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "auto") -> None:
     """An offloaded DeaMoE: the department cache (department and private pools sized by the plan) in front of the
-    experts' parameters, which the loader left in host memory; pinned first when `pinned` (asynchronous copies)."""
+    experts' parameters, which the loader left in host memory; pinned first when `pinned` (asynchronous copies).
+    Miss mode "auto": direct (pools filled once, misses read from pinned host memory inside the CUDA graph) on CUDA
+    with pinned memory, else copy-then-compute (least-recently-used pools, eager); "direct" / "copy" force one."""
     plan, m0 = loaded.offload, loaded.experts[0]
     for m in loaded.experts:
         m.cache = None
@@ -108,9 +110,12 @@ def attach_department_cache(loaded: LoadedModel, dtype, device, pinned: bool) ->
         except RuntimeError:
             pinned = False
     shape = (m0.num_departments, m0.per_department, m0.width, m0.hidden_size)
-    cache = DepartmentCache(plan.department_slots, plan.private_slots, shape, dtype, device)
+    direct = miss == "direct" or (miss == "auto" and torch.device(device).type == "cuda" and pinned)
+    cache = DepartmentCache(plan.department_slots, plan.private_slots, shape, dtype, device, direct=direct)
     for m in loaded.experts:
         cache.add_layer(m.layer_idx, m.weights)
         m.cache = cache
+    if direct:
+        cache.place()
     loaded.cache = cache
     loaded.host_pinned = pinned
