@@ -323,6 +323,8 @@ def department_experts(
         raise ValueError("private must be a contiguous bf16/fp16/fp32 tensor")
     if private.device != x.device and not (direct and private.device.type == "cpu"):
         raise ValueError(f"private must be on {x.device}")
+    if private.device != x.device and x.is_cuda and not private.is_pinned():
+        raise ValueError("a host copy of private must be pinned (the GPU reads it through unified addressing)")
     if direct:
         gp, upp, dp, pp, dmap, pmap = pools
         for name, w in (("gate_pool", gp), ("up_pool", upp), ("down_pool", dp)):
