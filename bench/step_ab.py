@@ -30,7 +30,6 @@ import sys
 
 import torch
 
-from localmoe.decode import ops
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts.local_experts import LocalExperts
@@ -66,7 +65,7 @@ def apply(engine, case: str) -> None:
 
 def reset(engine) -> None:
     pdl.set_enabled(None)
-    ops._tuned_on.cache_clear()
+    tuning._tuned_on.cache_clear()
     table = tuning._device_table(torch.cuda.get_device_name())
     table.setdefault("decode_params", {})
     for (kern, shape), kw in _UNDO["table"].items():

@@ -23,6 +23,8 @@ import functools
 import json
 from pathlib import Path
 
+import torch
+
 _TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 
 DEFAULT_PARAMS = {
@@ -97,3 +99,14 @@ def decode_params(device_name: str, kernel: str, shape_key: str) -> dict:
     for one shape key (e.g. "H2048_E256_k8"); {} (the launcher's defaults) when unmeasured."""
     kw = _device_table(device_name).get("decode_params", {}).get(kernel, {}).get(shape_key, {})
     return dict(kw) if isinstance(kw, dict) else {}
+
+
+def tuned(x: torch.Tensor, kernel: str, shape_key: str) -> dict:
+    """`decode_params` for the device x is on; {} off CUDA or when unmeasured. Looked up once per (device, kernel,
+    shape), so the decode paths may ask on every eager call. Read-only."""
+    return _tuned_on(x.device.index or 0, kernel, shape_key) if x.is_cuda else {}
+
+
+@functools.cache
+def _tuned_on(device_index: int, kernel: str, shape_key: str) -> dict:
+    return decode_params(torch.cuda.get_device_name(device_index), kernel, shape_key)

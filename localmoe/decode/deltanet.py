@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localmoe.decode.ops import concat_rows, linear_1, one_row, takes_norm, tuned
+from localmoe.decode.ops import concat_rows, linear_1, one_row, takes_norm
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
+from localmoe.kernels.tuning import tuned
 
 
 def _decode_states(cache, layer_idx: int):

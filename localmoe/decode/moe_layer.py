@@ -15,12 +15,13 @@ from torch import nn
 
 from localmoe.decode.attention import FusedAttention
 from localmoe.decode.deltanet import FusedGatedDeltaNet
-from localmoe.decode.ops import FusedLinear, FusedRMSNorm, tuned
+from localmoe.decode.ops import FusedLinear, FusedRMSNorm
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
 from localmoe.kernels.sparse_fused import SharedExpert, Tail, fused_workspace
+from localmoe.kernels.tuning import tuned
 
 # router class -> renormalises the top-k weights (True), or per its `norm_topk_prob` (None). DeaMoE's router is
 # group-limited (`group_size` experts per department, `topk_group` departments allowed): router_topk's group mode

@@ -1,4 +1,4 @@
-"""Small decode-time building blocks of localmoe's fused modules: tuned launch lookup, the one-row GEMV
+"""Small decode-time building blocks of localmoe's fused modules: the one-row GEMV
 (`linear_1`, `FusedLinear`), one weight buffer for projections sharing an input (`concat_rows`) and the one-launch
 RMSNorm (`FusedRMSNorm`). `localmoe.decode.replacements` holds the replacement table; `deltanet`, `attention` and
 `moe_layer` build on these.
@@ -8,26 +8,13 @@ Shape legend: K input features, N output features, R rows.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from localmoe.kernels.gemv import gemv
 from localmoe.kernels.rmsnorm import rmsnorm
-from localmoe.kernels.tuning import decode_params
-
-
-def tuned(x: torch.Tensor, kernel: str, shape_key: str) -> dict:
-    """Tuned launch keywords for this device and shape (kernels/tuned/*.json); {} off CUDA or when unmeasured.
-    Looked up once per (device, kernel, shape): `linear_1` asks on every eager decode call. Read-only."""
-    return _tuned_on(x.device.index or 0, kernel, shape_key) if x.is_cuda else {}
-
-
-@functools.cache
-def _tuned_on(device_index: int, kernel: str, shape_key: str) -> dict:
-    return decode_params(torch.cuda.get_device_name(device_index), kernel, shape_key)
+from localmoe.kernels.tuning import tuned
 
 
 def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.decode.ops import tuned
+from localmoe.kernels.tuning import tuned
 
 NAME = "localmoe_sdpa"
 _registered = False

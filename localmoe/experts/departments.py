@@ -35,7 +35,6 @@ S = slots (departments one step may touch: min(D, T * min(k, topk_group))).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +44,7 @@ from torch.nn import functional as F
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
 from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
 from localmoe.kernels.department_slots import department_slots, department_slots_ref
-from localmoe.kernels.tuning import decode_params
+from localmoe.kernels.tuning import tuned
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -68,18 +67,11 @@ def group_limited_topk(probs: torch.Tensor, n: int, k: int, group: int, score: s
     return idx, top
 
 
-@functools.cache
-def _tuned(device_index: int, key: str) -> dict:
-    return decode_params(torch.cuda.get_device_name(device_index), "department_experts", key)
-
-
 def launch_keywords(x: torch.Tensor, h: int, n: int) -> dict:
     """department_experts' tuned launch keywords for this device and shape (kernels/tuned/*.json, key
     "H{H}_h{h}_n{n}_T{T}"); {} (the launcher's defaults) off CUDA or when unmeasured."""
-    if not x.is_cuda:
-        return {}
     T, H = x.shape
-    return _tuned(x.device.index or 0, f"H{H}_h{h}_n{n}_T{T}")
+    return tuned(x, "department_experts", f"H{H}_h{h}_n{n}_T{T}")
 
 
 def step_slots(
