@@ -99,6 +99,7 @@ class DepartmentCache:
         # misses; elements read from host memory)
         self.dept_map: dict[int, torch.Tensor] = {}
         self.priv_map: dict[int, torch.Tensor] = {}
+        self._placed: dict[tuple, int] = {}  # the same placement on the host: (layer, d) / (layer, d, j) -> slot
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         self.host_elems = torch.zeros((), dtype=torch.int64, device=self.device)
 
@@ -111,19 +112,27 @@ class DepartmentCache:
 
     def place(self) -> None:
         """Direct mode: fill the pools once, departments round-robin over the layers (department 0 of every layer,
-        then 1, ...), then private parts the same way, and write the maps; nothing is evicted afterwards."""
+        then 1, ...), then private parts the same way, and write the maps (kept on the host too, in `_placed`);
+        nothing is evicted afterwards."""
         layers = sorted(self.masters)
         D, n = self.num_departments, self.per_department
+        host = {
+            layer: (torch.full((D,), -1, dtype=torch.int32), torch.full((D * n,), -1, dtype=torch.int32))
+            for layer in layers
+        }
         units = [(layer, d) for d in range(D) for layer in layers][: self.departments.slots]
         for slot, (layer, d) in enumerate(units):
             m = self.masters[layer]
             for dst, src in ((self.gate, m.w_gate), (self.up, m.w_up), (self.down_t, m.w_down_t)):
                 dst[slot].copy_(src[d])
-            self.dept_map[layer][d] = slot
+            self._placed[(layer, d)] = host[layer][0][d] = slot
         experts = [(layer, d, j) for d in range(D) for j in range(n) for layer in layers][: self.privates.slots]
         for slot, (layer, d, j) in enumerate(experts):
             self.private[slot].copy_(self.masters[layer].private[d, j])
-            self.priv_map[layer][d * n + j] = slot
+            self._placed[(layer, d, j)] = host[layer][1][d * n + j] = slot
+        for layer, (dm, pm) in host.items():  # one copy per map
+            self.dept_map[layer].copy_(dm)
+            self.priv_map[layer].copy_(pm)
 
     def direct_pools(self, layer: int) -> tuple:
         """department_experts' `pools=` for `layer` (direct mode)."""
@@ -153,7 +162,7 @@ class DepartmentCache:
         """(gate, up, down_t) [h, H] of department d of `layer` on the device (the dense path, one at a time; direct
         mode: the pool slot, or a temporary copy)."""
         if self.mode == "direct":
-            slot = int(self.dept_map[layer][d])
+            slot = self._placed.get((layer, d), -1)  # the host's copy of the map: no device read
             if slot >= 0:
                 return self.gate[slot], self.up[slot], self.down_t[slot]
             m = self.masters[layer]
@@ -166,7 +175,7 @@ class DepartmentCache:
         """Expert j of department d's private [h, h] on the device (the dense path, one at a time; direct mode: the
         pool slot, or a temporary copy)."""
         if self.mode == "direct":
-            slot = int(self.priv_map[layer][d * self.per_department + j])
+            slot = self._placed.get((layer, d, j), -1)
             if slot >= 0:
                 return self.private[slot]
             self.copied_bytes += self.privates.unit_bytes
