@@ -50,18 +50,6 @@ def twin_config(**kw) -> DeaMoeQwen35Config:
     return DeaMoeQwen35Config(**{**base, **kw})
 
 
-def _nontrivial(model):
-    """Norm weights and DeltaNet gates away from their init (zeros / ones), as test_fused's tiny model."""
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if ".linear_attn.norm." in name else 0.0))
-            elif name.endswith(("A_log", "dt_bias")):
-                p.copy_(torch.rand(p.shape, generator=gen))
-    return model
-
-
 def _moe(cfg) -> tuple[int, int]:
     """(routed-expert parameters + router, multiply-adds per token) of one MoE layer."""
     H = cfg.hidden_size
@@ -92,7 +80,7 @@ def test_bench_shapes_match_their_vanilla_partner(twin, vanilla, tol):
 def cached(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("twin") / "src"
-    _nontrivial(DeaMoeQwen35ForCausalLM(twin_config()).eval()).save_pretrained(folder)
+    test_fused.nontrivial(DeaMoeQwen35ForCausalLM(twin_config()).eval()).save_pretrained(folder)
     tiny_models.char_tokenizer().save_pretrained(folder)
     return tiny_models.place_in_hf_cache(folder, Path(os.environ["HF_HUB_CACHE"]), REPO)
 
@@ -132,7 +120,7 @@ def test_fused_decode_equals_unfused(which):
     layer is Qwen3.5's fused one. Greedy decode (static cache) equals the unfused model's, logits within fp32
     rounding."""
     torch.manual_seed(0)
-    ref = _nontrivial(DeaMoeQwen35ForCausalLM(twin_config())).eval() if which == "twin" else _tiny_deamoe()
+    ref = test_fused.nontrivial(DeaMoeQwen35ForCausalLM(twin_config())).eval() if which == "twin" else _tiny_deamoe()
     ref = ref.to(DEV)
     for m in ref.modules():
         if isinstance(m, DepartmentExperts):

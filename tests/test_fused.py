@@ -37,9 +37,13 @@ def tiny_text_model():
     full, _ = tiny_models.build("qwen3_5_moe")
     text = full.config.text_config
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(text).eval()
+    return nontrivial(AutoModelForCausalLM.from_config(text).eval())
+
+
+def nontrivial(model):
+    """Non-trivial norm weights and DeltaNet gates (init gives zeros / ones) of a Qwen3.5-style model, in place."""
     gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # non-trivial norm weights and gates (init gives zeros / ones)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if ".linear_attn.norm." in name else 0.0))
