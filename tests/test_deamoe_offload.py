@@ -20,6 +20,8 @@ from localmoe.experts.department_cache import DepartmentCache
 from localmoe.experts.department_placement import plan_departments
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
 from localmoe.experts.placement import WORKSPACE_RESERVE
+from localmoe.experts.thresholds import sparse_token_limit
+from localmoe.kernels.department_experts import MAX_TOKENS
 from localmoe.tui.stats_view import stats_rows
 from localmoe.tui.status_line import status_parts
 
@@ -225,6 +227,15 @@ def test_direct_offloading_tokens_equal_resident(engines, direct, tau):
     finally:
         for e in (resident, direct):
             _sparse(e, 0.0)
+
+
+def test_direct_sparse_piece_limit_is_the_department_kernels(direct):
+    """On CUDA, direct offloading sends prompt pieces up to the department kernel's token limit down the sparse path
+    (the limit is computed, not run, here: no GPU)."""
+    limit = sparse_token_limit(direct.loaded, torch.device("cuda"), 0.5)
+    assert limit == MAX_TOKENS
+    for m in direct.loaded.experts:
+        assert m.max_sparse_tokens == 1  # this CPU engine: the decode step only
 
 
 def test_direct_prefill_reads_non_resident_units_through_temporary_copies(direct):

@@ -30,6 +30,8 @@ from collections import OrderedDict
 
 import torch
 
+from localmoe.kernels.department_experts import MAX_TOKENS
+
 
 class Pool:
     """`slots` device slots of one kind of unit, LRU over keys; `copy_in(key, slot)` fills a slot on a miss."""
@@ -182,6 +184,12 @@ class DepartmentCache:
             return self.masters[layer].private[d, j].to(self.device, non_blocking=True)
         (s,) = self.private_slots(layer, [(d, j)])
         return self.private[s]
+
+    def sparse_piece_tokens(self, k: int, sparsity: float) -> int:
+        """Direct mode: the longest prefill piece the decode kernels take (they read a non-resident unit's gate and
+        down projection once per piece, kept rows only of the rest; the dense path copies every touched department
+        whole): the kernel's token limit, whatever k and the sparsity."""
+        return MAX_TOKENS
 
     def fits(self, departments: int, experts: int) -> bool:
         """Whether one call's units fit the pools at once (else the layer takes the one-at-a-time dense path)."""
