@@ -39,6 +39,13 @@ except ImportError:  # pragma: no cover
 MAX_TOKENS = 8
 
 
+def _unpack_pools(pools) -> tuple:
+    """`pools` (gate, up, down, private pools, dept_map, private_map[, up_slots]) -> the same with up_slots (the
+    department slots whose up projection is in the up pool: slots [0, up_slots); default: the up pool's size)."""
+    gp, upp, dp, pp, dmap, pmap, *rest = pools
+    return gp, upp, dp, pp, dmap, pmap, int(rest[0]) if rest else upp.shape[0]
+
+
 def department_experts_ref(
     x, w_gate, w_up, w_down_t, private, dept, weights, tau, private_slots=None, pools=None, host_elems=None
 ):
@@ -49,7 +56,7 @@ def department_experts_ref(
     the host added (gate rows, kept up rows, down rows, kept private rows)."""
     ps = private_slots.tolist() if private_slots is not None else None
     if pools is not None:
-        gp, upp, dp, pp, dmap, pmap = pools
+        gp, upp, dp, pp, dmap, pmap, up_slots = _unpack_pools(pools)
         dmap, pmap = dmap.tolist(), pmap.tolist()
     T, H = x.shape
     h = w_gate.shape[1]
@@ -62,8 +69,11 @@ def department_experts_ref(
             continue
         g_w, u_w, d_w = w_gate[d], w_up[d], w_down_t[d]
         on_host = pools is not None and dmap[d] < 0
+        up_host = pools is not None and not 0 <= dmap[d] < up_slots
         if pools is not None and not on_host:
-            g_w, u_w, d_w = gp[dmap[d]], upp[dmap[d]], dp[dmap[d]]
+            g_w, d_w = gp[dmap[d]], dp[dmap[d]]
+            if not up_host:
+                u_w = upp[dmap[d]]
         if on_host:
             from_host += 2 * h * H  # the gate and the down projection, read once for the slot
         live: dict[int, set] = {}  # expert j -> kept neurons of the tokens that chose it (its P rows read once)
@@ -75,7 +85,7 @@ def department_experts_ref(
             a = torch.nn.functional.silu(g_w.float() @ xt)  # [h]
             keep = (a.abs() >= tau[d].float()).nonzero().squeeze(1)
             kept += keep.numel()
-            if on_host:
+            if up_host:
                 from_host += keep.numel() * H  # kept up rows (for this token)
             u = a[keep] * (u_w.index_select(0, keep).float() @ xt)  # [kept]
             z = torch.zeros(h, dtype=torch.float32, device=x.device)
@@ -102,7 +112,7 @@ if triton is not None:
     def _dept_up_kernel(
         x_ptr, wg_ptr, wu_ptr, dept_ptr, w_ptr, tau_ptr, u_ptr, kept_ptr, seen_ptr,
         gp_ptr, up_ptr, dmap_ptr, hc_ptr,
-        T, h, n, stride_xt, stride_gd, stride_ud, stride_pool,
+        T, h, n, stride_xt, stride_gd, stride_ud, stride_pool, up_slots,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
         COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
@@ -121,6 +131,8 @@ if triton is not None:
             res = ((rows * 0 + slot) >= 0)[:, None]  # masks are blocks, not scalars
             host = ((rows * 0 + slot) < 0)[:, None]
             on_host = (slot < 0).to(tl.int64)
+            up_res = ((rows * 0 + slot) >= 0)[:, None] & ((rows * 0 + slot) < up_slots)[:, None]
+            up_on_host = ((slot < 0) | (slot >= up_slots)).to(tl.int64)
             wg = tl.load(gp_ptr + pool + roff, mask=m2 & res, other=0.0).to(tl.float32)
             wg += tl.load(wg_ptr + dd * stride_gd + roff, mask=m2 & host, other=0.0).to(tl.float32)
             host_rows = on_host * tl.sum(valid.to(tl.int64), axis=0)
@@ -140,9 +152,9 @@ if triton is not None:
             keep = (tl.abs(a) >= tau) & valid & used
             km = keep[:, None] & cmask[None, :]
             if DIRECT:
-                wu = tl.load(up_ptr + pool + roff, mask=km & res, other=0.0).to(tl.float32)
-                wu += tl.load(wu_ptr + dd * stride_ud + roff, mask=km & host, other=0.0).to(tl.float32)
-                host_rows += on_host * tl.sum(keep.to(tl.int64), axis=0)
+                wu = tl.load(up_ptr + pool + roff, mask=km & up_res, other=0.0).to(tl.float32)
+                wu += tl.load(wu_ptr + dd * stride_ud + roff, mask=km & (up_res == 0), other=0.0).to(tl.float32)
+                host_rows += up_on_host * tl.sum(keep.to(tl.int64), axis=0)
             else:
                 wu = tl.load(wu_ptr + dd * stride_ud + roff, mask=km, other=0.0)
             u = tl.where(keep, a * tl.sum(wu.to(tl.float32) * xv[None, :], axis=1), 0.0)
@@ -284,11 +296,12 @@ def department_experts(
     expert j of slot s reads private[private_slots[s, j]] (an expert cache's slots; entries of unchosen experts are
     never read).
 
-    Direct offloading, `pools` = (gate_pool, up_pool, down_pool [P, h, H], private_pool [Q, h, h], dept_map [D]
-    int32, private_map [D * n] int32): w_gate... and private are the host master copies (pinned when x is on CUDA:
-    read through unified addressing), dept holds department numbers, and a department / expert whose map entry is
-    a slot >= 0 is read from that pool slot, any other straight from host memory (no copy, no host sync: graph
-    capturable). `host_elems` (0-d int64 on x's device) gets the elements read from host memory added."""
+    Direct offloading, `pools` = (gate_pool, up_pool, down_pool [P, h, H], private_pool [Q, h, h], dept_map [D] int32,
+    private_map [D * n] int32[, up_slots]): w_gate... and private are the host master copies (pinned when x is on CUDA:
+    read through unified addressing), dept holds department numbers, and a department / expert whose map entry is a slot
+    >= 0 is read from that pool slot (its up projection only when the slot is below up_slots, default the up pool's
+    size: the up pool may be shorter), any other straight from host memory (no copy, no host sync: graph capturable).
+    `host_elems` (0-d int64 on x's device) gets the elements read from host memory added."""
     if triton is None:
         raise RuntimeError("department_experts needs triton")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
@@ -326,7 +339,9 @@ def department_experts(
     if private.device != x.device and x.is_cuda and not private.is_pinned():
         raise ValueError("a host copy of private must be pinned (the GPU reads it through unified addressing)")
     if direct:
-        gp, upp, dp, pp, dmap, pmap = pools
+        gp, upp, dp, pp, dmap, pmap, up_slots = _unpack_pools(pools)
+        if not 0 <= up_slots <= upp.shape[0]:
+            raise ValueError(f"up_slots must be within the up pool's {upp.shape[0]} slots, got {up_slots}")
         for name, w in (("gate_pool", gp), ("up_pool", upp), ("down_pool", dp)):
             expert_weights(name, w, w.shape[0], h, H, x.device)
         if pp.dim() != 3 or tuple(pp.shape[1:]) != (h, h) or not pp.is_contiguous() or pp.device != x.device:
@@ -382,14 +397,14 @@ def department_experts(
     kept = kept_total if count else buf  # any pointer when not counting
     seen = seen_total if see else buf
     if direct:
-        gp, upp, dp, pp, dmap, pmap = pools
+        gp, upp, dp, pp, dmap, pmap, up_slots = _unpack_pools(pools)
         hc, pool_stride, pp_stride = host_elems, gp.stride(0), pp.stride(0)
     else:  # any tensors of the right kind: never read
         gp = upp = dp = w_gate
-        pp, dmap, pmap, hc, pool_stride, pp_stride = private, dept, dept, buf, 0, 0
+        pp, dmap, pmap, hc, pool_stride, pp_stride, up_slots = private, dept, dept, buf, 0, 0, 0
     _dept_up_kernel[(S, triton.cdiv(h, bn))](
         x, w_gate, w_up, dept, weights, tau, u_ws, kept, seen, gp, upp, dmap, hc,
-        T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0), pool_stride,
+        T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0), pool_stride, up_slots,
         H=H, H_P2=triton.next_power_of_2(H), N_P2=triton.next_power_of_2(n), T_P2=t_p2, BLOCK_N=bn, COUNT=count,
         SEEN=see, DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip

@@ -17,7 +17,7 @@ from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import EngineStats, GenerationSettings
 from localmoe.experts.department_cache import DepartmentCache
-from localmoe.experts.department_placement import plan_departments
+from localmoe.experts.department_placement import direct_split, plan_departments
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
 from localmoe.experts.placement import WORKSPACE_RESERVE
 from localmoe.experts.thresholds import sparse_token_limit
@@ -227,6 +227,41 @@ def test_direct_offloading_tokens_equal_resident(engines, direct, tau):
     finally:
         for e in (resident, direct):
             _sparse(e, 0.0)
+
+
+def test_direct_split_spends_the_plan_bytes_on_gate_down_pairs_then_up_then_private():
+    """Direct misses read a department's gate and down whole, its up and the private parts at kept rows only: the
+    plan's cache bytes go to gate/down pairs first, then up projections, then private parts."""
+    p = _plan(2.5, 4)  # of 8 departments: bytes for 2.5 whole ones and 4 private parts
+    assert (p.department_slots, p.private_slots) == (2, 7)  # copy mode: whole units (half a department: 3 privates)
+    room = p.cache_bytes
+    pairs, ups, privs = direct_split(p)
+    assert pairs == room // (2 * DEPT // 3) > p.department_slots
+    assert ups == (room - pairs * 2 * DEPT // 3) // (DEPT // 3)
+    assert privs == (room - pairs * 2 * DEPT // 3 - ups * DEPT // 3) // PRIV
+    assert f"gate and down projections of {pairs} departments" in p.summary()
+    full = _plan(8, 24)
+    assert direct_split(full) == (8, 8, 24) and "direct" not in full.summary()
+
+
+def test_direct_up_tier_tokens_equal_resident(engines):
+    """A budget holding every department's gate and down projections, the up projections of only some and a few
+    private parts: the kernels read the other ups' kept rows from the host copies; tokens equal the resident
+    engine's at a threshold."""
+    resident, _, _ = engines
+    p = resident.loaded.offload
+    fixed = p.non_expert_bytes + p.state_bytes + WORKSPACE_RESERVE
+    budget = (fixed + p.departments_total * p.department_bytes * 5 // 6 + 10 * p.private_bytes) / GiB
+    e = Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=budget, offload_miss="direct")
+    cache = e.loaded.cache
+    assert cache.departments.slots == p.departments_total and 0 < cache.up_slots < p.departments_total
+    for x in (resident, e):
+        _sparse(x, 0.05)
+    try:
+        assert _tokens(e) == _tokens(resident)
+        assert e.stats.department_hit_rate == 1.0 and e.stats.h2d_bytes_per_token > 0
+    finally:
+        _sparse(resident, 0.0)
 
 
 def test_direct_sparse_piece_limit_is_the_department_kernels(direct):

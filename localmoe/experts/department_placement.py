@@ -1,14 +1,17 @@
 """DeaMoE's VRAM plan (department-aware offloading): what a budget holds of a DeaMoE model's routed experts.
 
 A DeaMoE layer's experts are two kinds of unit (localmoe.experts.departments): a department's shared gate/up/down
-projections (3·h·H weights, read once per step by every token routed into the department, whichever of its experts
-they chose) and an expert's private [h, h] (h² weights, read only when that expert is chosen). A department unit is
-therefore worth more VRAM than any one private unit: it serves every expert of its department. Under a budget, what
-is left after the non-expert weights, the KV/recurrent state and the workspace reserve holds department units first
-(all of them when they fit), then private units; every unit's master copy stays in host memory (pinned when possible,
-as for vanilla MoEs: placement.host_buffer). Below one token's need of a layer (`max_departments_per_token`
-department units and k private units) the budget is refused in one line that says what would fit. The cache that
-fills the plan is localmoe.experts.department_cache.
+projections (3·h·H weights, read once per step by every token routed into the department, whichever of its experts they
+chose) and an expert's private [h, h] (h² weights, read only when that expert is chosen). A department unit is therefore
+worth more VRAM than any one private unit: it serves every expert of its department. Under a budget, what is left after
+the non-expert weights, the KV/recurrent state and the workspace reserve holds department units first (all of them when
+they fit), then private units; every unit's master copy stays in host memory (pinned when possible, as for vanilla MoEs:
+placement.host_buffer). Direct offloading (misses read in place from pinned host memory, experts/department_cache.py)
+spends the same bytes by what a miss costs (`direct_split`): a department's gate and down_t are read whole on every step
+that touches it, its up_t and the private parts only at kept rows, so the gate/down pairs of as many departments as fit
+come first, then their up projections, then private parts. Below one token's need of a layer
+(`max_departments_per_token` department units and k private units) the budget is refused in one line that says what
+would fit. The cache that fills the plan is localmoe.experts.department_cache.
 """
 
 from __future__ import annotations
@@ -54,9 +57,33 @@ class DepartmentPlan(OffloadPlan):
             f"VRAM budget {gib(self.budget_bytes)}: non-expert weights {gib(self.non_expert_bytes)}, "
             f"KV/state {gib(self.state_bytes)}, {self.department_slots} of {self.departments_total} departments' "
             f"shared projections and {self.private_slots} of {self.total_experts} experts' private parts cached on "
-            f"the GPU ({gib(self.cache_bytes)}; departments first); host RAM for the master copies "
-            f"{gib(self.host_bytes)}"
+            f"the GPU ({gib(self.cache_bytes)}; departments first{self._direct_text()}); host RAM for the master "
+            f"copies {gib(self.host_bytes)}"
         )
+
+    def _direct_text(self) -> str:
+        """How direct offloading spends the same bytes (`direct_split`), when it differs."""
+        if not self.offloading:
+            return ""
+        pairs, ups, privs = direct_split(self)
+        return (
+            f"; with direct misses, the gate and down projections of {pairs} departments, the up projections of "
+            f"{ups}, and {privs} private parts"
+        )
+
+
+def direct_split(plan: DepartmentPlan) -> tuple[int, int, int]:
+    """Direct offloading's use of the plan's cache bytes: (departments whose gate and down_t are resident, how many
+    of those (the first ones) have their up projection resident too, private parts resident); module doc."""
+    if not plan.offloading:
+        return plan.departments_total, plan.departments_total, plan.total_experts
+    third = plan.department_bytes // 3  # one of the department's three [h, H] projections
+    room = plan.cache_bytes
+    pairs = min(plan.departments_total, room // (2 * third))
+    room -= pairs * 2 * third
+    ups = min(pairs, room // third)
+    room -= ups * third
+    return int(pairs), int(ups), int(min(plan.total_experts, room // plan.private_bytes))
 
 
 def plan_departments(

@@ -13,8 +13,8 @@ import torch
 from localmoe.experts import cache as offload
 from localmoe.experts import placement
 from localmoe.experts.department_cache import DepartmentCache
-from localmoe.experts.department_placement import DepartmentPlan
-from localmoe.experts.int4 import expert_bytes
+from localmoe.experts.department_placement import DepartmentPlan, direct_split
+from localmoe.experts.int4 import expert_bytes, format_of
 from localmoe.experts.local_experts import LocalExperts
 from localmoe.models.families import FamilySpec
 
@@ -82,7 +82,7 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
         device,
         mode=miss,
         gate_slots=gates,
-        int4=m0.weights.int4,
+        int4=format_of(m0.weights.w_gate),
     )
     for m in loaded.experts:
         cache.add_layer(m.layer_idx, m.weights)
@@ -111,7 +111,11 @@ def attach_department_cache(loaded: LoadedModel, dtype, device, pinned: bool, mi
             pinned = False
     shape = (m0.num_departments, m0.per_department, m0.width, m0.hidden_size)
     direct = miss == "direct" or (miss == "auto" and torch.device(device).type == "cuda" and pinned)
-    cache = DepartmentCache(plan.department_slots, plan.private_slots, shape, dtype, device, direct=direct)
+    if direct:  # the same bytes, spent by what a miss costs there: gate/down pairs, then up, then private parts
+        pairs, ups, privs = direct_split(plan)
+        cache = DepartmentCache(pairs, privs, shape, dtype, device, direct=True, up_slots=ups)
+    else:
+        cache = DepartmentCache(plan.department_slots, plan.private_slots, shape, dtype, device)
     for m in loaded.experts:
         cache.add_layer(m.layer_idx, m.weights)
         m.cache = cache
