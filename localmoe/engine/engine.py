@@ -23,7 +23,7 @@ import inspect
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -39,6 +39,7 @@ from localmoe.engine.sampling import Seen, generation_defaults
 from localmoe.errors import UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
 from localmoe.experts import thresholds
+from localmoe.experts.int4 import format_of
 from localmoe.models import hub
 from localmoe.models.loaded import LoadedModel
 from localmoe.models.registry import DEFAULT_CONTEXT
@@ -57,7 +58,7 @@ class Engine:
         self._device = device
         self.dtype = dtype
         self.model_name = resolved.name
-        self.experts_format = "int4" if loaded.experts and loaded.experts[0].weights.int4 else "full"
+        self.experts_format = format_of(loaded.experts[0].weights.w_gate) if loaded.experts else "full"
         self.sparsity = 0.0
         self._cancel = threading.Event()
         self._stats = EngineStats()
@@ -144,43 +145,62 @@ class Engine:
         self._defaults = replace(self._defaults, **fields)
         return self._defaults
 
-    def _template(self, think: bool | None):
-        """The tokenizer, rendering with `enable_thinking=think` when given and the template has the switch."""
-        if think is None or not self.supports_thinking:
-            return self.tokenizer
-        return prompts.TemplateArgs(self.tokenizer, enable_thinking=bool(think))
+    def _template(self, think: bool | None, tools: Sequence[dict] | None = None):
+        """The tokenizer, rendering with `enable_thinking=think` when given and the template has the switch, and with
+        `tools` (function definitions, the template's `tools` variable) when given."""
+        kwargs = {"tools": list(tools)} if tools else {}
+        if think is not None and self.supports_thinking:
+            kwargs["enable_thinking"] = bool(think)
+        return prompts.TemplateArgs(self.tokenizer, **kwargs) if kwargs else self.tokenizer
 
-    def encode_chat(self, messages: Sequence[Message], think: bool | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Message], think: bool | None = None, tools: Sequence[dict] | None = None
+    ) -> list[int]:
         """The prompt for `messages` through the chat template, with its generation header. `think`: the template's
         thinking switch (`enable_thinking`), None = the template's default. An assistant message may carry its
-        reasoning as `reasoning_content`: the template renders it where (and if) it wants it."""
+        reasoning as `reasoning_content`: the template renders it where (and if) it wants it. `tools`: function
+        definitions ({"type": "function", "function": {...}}), given to the template as its `tools` variable."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UsageError(f"{self.model_name} has no chat template: use --raw to send the prompt as is")
         for m in messages:
             prompts.check_unicode(m.get("content"), f"the {m.get('role', 'message')} message")
             prompts.check_unicode(m.get("reasoning_content"), f"the {m.get('role', 'message')} message's reasoning")
-        return render_chat(self._template(think), messages, True)
+        return render_chat(self._template(think, tools), messages, True)
+
+    def chat_prompt(
+        self, messages: Sequence[Message], think: bool | None = None, tools: Sequence[dict] | None = None
+    ) -> tuple[list[int], int]:
+        """(the prompt ids for `messages`, as encode_chat; how many of them the conversation's next prompt repeats,
+        generate's `stable`), so that a front end can encode a request before it queues it for `generate`."""
+        ids = self.encode_chat(messages, think, tools)
+        return ids, repeated_prefix(self._template(think, tools), messages, ids)
 
     def encode_raw(self, prompt: str) -> list[int]:
         prompts.check_unicode(prompt, "the prompt")
         return list(self.tokenizer(prompt)["input_ids"])
 
     def chat(
-        self, messages: Sequence[Message], settings: GenerationSettings, think: bool | None = None
+        self,
+        messages: Sequence[Message],
+        settings: GenerationSettings,
+        think: bool | None = None,
+        tools: Sequence[dict] | None = None,
     ) -> Iterator[TokenEvent]:
-        ids = self.encode_chat(messages, think)
-        return self.generate(ids, settings, stable=repeated_prefix(self._template(think), messages, ids))
+        ids, stable = self.chat_prompt(messages, think, tools)
+        return self.generate(ids, settings, stable=stable)
 
     @torch.inference_mode()
-    def prepare_next_turn(self, messages: Sequence[Message], think: bool | None = None) -> int:
+    def prepare_next_turn(
+        self, messages: Sequence[Message], think: bool | None = None, tools: Sequence[dict] | None = None
+    ) -> int:
         """After a reply, while the user writes the next message: prefill the conversation (its last message the
         reply) up to where any next prompt continues, so that turn prefills only its new message. The cache already
         holds the prompt before the reply; this adds the reply (its decode steps ran past it, so the recurrent state
-        is recomputed from the turn's prompt end). `think` as the next turn's encode_chat will have it.
+        is recomputed from the turn's prompt end). `think` and `tools` as the next turn's encode_chat will have them.
         -> tokens prefilled (0: nothing to do)."""
         if not self.reuse_prompts or not getattr(self.tokenizer, "chat_template", None):
             return 0
-        ids = reply_prefix(self._template(think), messages)
+        ids = reply_prefix(self._template(think, tools), messages)
         if not ids or len(ids) >= self.context:
             return 0
         with self._busy:
@@ -242,10 +262,17 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(
-        self, prompt_ids: Sequence[int], settings: GenerationSettings, *, stable: int = 0
+        self,
+        prompt_ids: Sequence[int],
+        settings: GenerationSettings,
+        *,
+        stable: int = 0,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[TokenEvent]:
         """Stream the reply to prompt_ids. `stable`: how many of its first tokens the next prompt will repeat (a chat's
-        history): the cache state there is kept, and a later prompt starting with them prefills only the rest."""
+        history): the cache state there is kept, and a later prompt starting with them prefills only the rest.
+        `cancelled`: this reply's own cancel check, asked after every token as `cancel()` is (finish_reason
+        "cancelled"); unlike `cancel()` it cannot reach a reply that starts later (a server's queued requests)."""
         t_call = time.perf_counter()
         if not prompt_ids:
             raise UsageError("the prompt is empty: give some text")
@@ -261,7 +288,7 @@ class Engine:
             raise UsageError(f"the repetition penalty must be a positive number, got {settings.repetition_penalty}")
         max_new = min(settings.max_new_tokens, self.context - n_prompt)
         with self._busy:
-            yield from reply.generate(self, prompt_ids, settings, stable, n_prompt, max_new, t_call)
+            yield from reply.generate(self, prompt_ids, settings, stable, n_prompt, max_new, t_call, cancelled)
 
     def _splitter(self, prompt_ids) -> ReasoningSplitter | None:
         """A thinking model's reasoning splitter, starting inside the block when the prompt leaves one open."""

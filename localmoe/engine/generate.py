@@ -17,7 +17,7 @@ The Engine (engine.py) checks the request and holds its lock; figures are stats.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -202,6 +202,11 @@ class Reply:
     expert_cache: object = None
     t_decode: float = 0.0
     generated: list[int] = field(default_factory=list)
+    cancelled: Callable[[], bool] | None = None  # the reply's own cancel check (Engine.generate's `cancelled`)
+
+    def stopping(self) -> bool:
+        """cancel() was called, or the reply's own cancel check says so."""
+        return self.engine._cancel.is_set() or (self.cancelled is not None and self.cancelled())
 
     def sparsity(self) -> float:
         return self.engine.realized_sparsity(self.graph)
@@ -217,10 +222,17 @@ def seen_mask(engine, logits: torch.Tensor, prompt_ids: Sequence[int], penalty: 
 
 
 def generate(
-    engine, prompt_ids: Sequence[int], settings: GenerationSettings, stable: int, n_prompt: int, max_new: int, t_call
+    engine,
+    prompt_ids: Sequence[int],
+    settings: GenerationSettings,
+    stable: int,
+    n_prompt: int,
+    max_new: int,
+    t_call,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[TokenEvent]:
     """Stream the reply to prompt_ids (checked by Engine.generate, under its lock); `engine.stats` is this reply's
-    from the start and updated as it goes."""
+    from the start and updated as it goes. `cancelled`: the reply's own cancel check, beside `engine.cancel()`."""
     engine._cancel.clear()
     stats = EngineStats(prompt_tokens=n_prompt, sparsity_target=engine.sparsity, load_s=engine.load_s)
     engine._stats = stats
@@ -231,7 +243,7 @@ def generate(
     gen = make_generator(settings, device)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     text = ReplyText(engine.tokenizer, settings.stop, engine._splitter(prompt_ids))
-    reply = Reply(engine, stats, text, n_prompt, max_new, t_call, graph=engine._graph_decoder())
+    reply = Reply(engine, stats, text, n_prompt, max_new, t_call, graph=engine._graph_decoder(), cancelled=cancelled)
     engine._reset_counters(reply.graph)
     t0 = time.perf_counter()
     cache, logits, reused = prefill(engine, reply.graph, ids, stable)
@@ -258,7 +270,7 @@ def decode_n_tokens(reply: Reply, step: DecodeStep, pipeline: Pipeline, token: t
     """From the first token (`token` on the device, `tok` read): each token's events, until EOS or a stop string
     ("stop"), `max_new` tokens ("length") or `cancel()` ("cancelled") -> the finish reason."""
     engine, generated = reply.engine, reply.generated
-    cancelled = engine._cancel.is_set
+    cancelled = reply.stopping
     while True:
         if tok in engine.eos_ids:
             return "stop"
