@@ -9,8 +9,9 @@
     loading.py   flags into an Engine and the reply's generation settings; unsupported models refused
     run.py       `run` and its stats line          catalog.py  `models`, `show`, `pull`
     chat.py      `chat` (starts localmoe.tui)      measure.py  `calibrate`, `eval`, `bench`
+    serve.py     `serve` (starts localmoe.server)
 
-Within cli, imports run main -> subcommands (run, catalog, chat, measure) -> loading -> inputs -> terminal, and
+Within cli, imports run main -> subcommands (run, catalog, chat, measure, serve) -> loading -> inputs -> terminal, and
 parser -> flags stand alone. May import every part of localmoe and localmoe.tui; nothing imports it except
 `localmoe.__main__`. Heavy parts (torch, the engine, the tui) are imported inside the subcommand that needs them so
 that `--help` and `models` stay instant.

@@ -28,6 +28,7 @@ from localmoe.cli.chat import cmd_chat
 from localmoe.cli.measure import cmd_bench, cmd_calibrate, cmd_eval
 from localmoe.cli.parser import build_parser
 from localmoe.cli.run import cmd_run
+from localmoe.cli.serve import cmd_serve
 from localmoe.cli.terminal import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             "calibrate": cmd_calibrate,
             "eval": cmd_eval,
             "bench": cmd_bench,
+            "serve": cmd_serve,
         }[args.command]
         code = handler(args)
         sys.stdout.flush()  # a reader gone away shows here, not in the interpreter's flush at exit

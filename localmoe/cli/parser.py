@@ -52,6 +52,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_debug_flag(p)
 
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, ...) with the model loaded once"
+    )
+    p.add_argument("model", metavar="MODEL", nargs="?", default=None, help="default: the bundled localmoe-tiny")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; anything but loopback needs --api-key (default: 127.0.0.1)",
+    )
+    p.add_argument(
+        "--port", type=ranged(int, 0, 65535, what="--port"), default=8080, help="0 = a free port (default: 8080)"
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (default: $LOCALMOE_API_KEY, else none on loopback)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=ranged(int, 0, 1 << 20, what="--max-queue"),
+        default=16,
+        help="requests that may wait for the engine; more get 503 with Retry-After (default: 16)",
+    )
+    p.add_argument(
+        "--max-body",
+        metavar="MiB",
+        type=ranged(float, 0.0, 1024.0, lo_open=True, what="--max-body"),
+        default=8.0,
+        help="largest request body accepted; larger gets 413 (default: 8)",
+    )
+    add_engine_flags(p)
+    p.add_argument("--quiet", action="store_true", help="no load notices or per-request lines on stderr (default: off)")
+    add_debug_flag(p)
+
     p = sub.add_parser("show", help="what a model needs, from its config alone (no weights downloaded)")
     p.add_argument("model", metavar="MODEL", help="alias (localmoe models), hub repo id, or local directory")
     add_vram_flag(
