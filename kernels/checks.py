@@ -69,12 +69,13 @@ def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_h
         raise ValueError(
             f"{name}.scale must be [E, I, H/G] with G a power of two dividing H = {H}, got shape {tuple(w.scale.shape)}"
         )
-    for part, s in (("scale", w.scale), ("minimum", w.minimum)):
+    parts = (("scale", w.scale),) if w.minimum is None else (("scale", w.scale), ("minimum", w.minimum))  # NF4: none
+    for part, s in parts:
         if tuple(s.shape) != (E, I, ng) or s.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}.{part} must be a float {(E, I, ng)} tensor, got {s.dtype} {tuple(s.shape)}")
         if s.stride(2) != 1 or (I > 1 and s.stride(1) != ng):
             raise ValueError(
                 f"{name}.{part} rows must be contiguous (stride(2) == 1, stride(1) == H/G); got strides {s.stride()}"
             )
-    for part, t in (("packed", p), ("scale", w.scale), ("minimum", w.minimum)):
+    for part, t in (("packed", p), *parts):
         _on_device(f"{name}.{part}", t, device, allow_host)

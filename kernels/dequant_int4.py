@@ -9,6 +9,9 @@ through several fp32 temporaries of the span's size, this kernel reads each byte
 output once. Grid: cdiv(R, BLOCK_R) programs over the R = n * I rows; each unpacks BLOCK_R rows of H/2 bytes into
 w[2j] = lo * scale + minimum, w[2j+1] = hi * scale + minimum (fp32, rounded once to `dtype`, as the reference).
 
+NF4 (`code=`, kernels/nf4.py): the same launch reads bitsandbytes' NF4 bytes, w[2j] = code[hi] * absmax,
+w[2j+1] = code[lo] * absmax (high nibble first, no minimum); `dequant_nf4_ref` is that format's definition.
+
 Shape legend: n experts, I expert width, H hidden, G group size, NG = H / G. packed [n, I, H/2] uint8, scale and
 minimum [n, I, NG] bf16 (any float), each contiguous -> [n, I, H] in `dtype`.
 """
@@ -25,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     tl = None
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-__all__ = ["dequant_int4", "dequant_int4_ref"]
+__all__ = ["dequant_int4", "dequant_int4_ref", "dequant_nf4_ref"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -45,6 +48,16 @@ def dequant_int4_ref(
     return w.flatten(-2).to(dtype)
 
 
+def dequant_nf4_ref(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The torch reference and the NF4 format's definition (bitsandbytes' `dequantize_4bit` per row): [..., H/2]
+    uint8 + [..., NG] absmax + code [16] -> [..., H] in `dtype`, w = code[q] * absmax (fp32, rounded once)."""
+    c = code.float()
+    q = torch.stack((c[(packed >> 4).long()], c[(packed & 15).long()]), dim=-1).flatten(-2)  # high nibble first
+    NG = absmax.shape[-1]
+    w = q.unflatten(-1, (NG, -1)) * absmax.float().unsqueeze(-1)
+    return w.flatten(-2).to(dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------------------
@@ -54,14 +67,16 @@ if triton is not None:
     def _dequant_kernel(
         p_ptr,  # [R, H/2] uint8, contiguous
         s_ptr,  # [R, NG] scales, contiguous
-        m_ptr,  # [R, NG] minimums
+        m_ptr,  # [R, NG] minimums (not NF4)
         o_ptr,  # [R, H] output, contiguous
+        c_ptr,  # [16] fp32 codebook (NF4 only)
         R,
         H2: tl.constexpr,  # H / 2 bytes per row
         NG: tl.constexpr,
         HALF_G: tl.constexpr,  # G / 2 bytes per group
         BLOCK_R: tl.constexpr,
         BLOCK_J: tl.constexpr,  # next power of two >= H2
+        NF4: tl.constexpr,  # bitsandbytes' NF4: w = code[q] * absmax, high nibble first, no minimum
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
         j = tl.arange(0, BLOCK_J)  # [BLOCK_J] byte index in a row
@@ -71,9 +86,13 @@ if triton is not None:
         p = tl.load(p_ptr + r64 * H2 + j[None, :], mask=mask, other=0)
         grp = r64 * NG + (j // HALF_G)[None, :]  # the group of bytes j (and of weights 2j, 2j+1)
         s = tl.load(s_ptr + grp, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + grp, mask=mask, other=0.0).to(tl.float32)
-        lo = (p & 15).to(tl.float32) * s + m  # w[2j]
-        hi = (p >> 4).to(tl.float32) * s + m  # w[2j + 1]
+        if NF4:
+            lo = tl.load(c_ptr + (p >> 4)) * s  # w[2j]
+            hi = tl.load(c_ptr + (p & 15)) * s  # w[2j + 1]
+        else:
+            m = tl.load(m_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+            lo = (p & 15).to(tl.float32) * s + m  # w[2j]
+            hi = (p >> 4).to(tl.float32) * s + m  # w[2j + 1]
         w = tl.reshape(tl.join(lo, hi), [BLOCK_R, 2 * BLOCK_J])  # interleaved back: [.., 2j], [.., 2j + 1]
         cols = tl.arange(0, 2 * BLOCK_J)
         omask = rmask[:, None] & (cols < 2 * H2)[None, :]
@@ -86,30 +105,37 @@ if triton is not None:
 def dequant_int4(
     packed: torch.Tensor,
     scale: torch.Tensor,
-    minimum: torch.Tensor,
+    minimum: torch.Tensor | None,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
     BLOCK_R: int = 4,
     num_warps: int = 4,
+    code: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[..., H/2] uint8 + [..., NG] scale / minimum -> [..., H] in `dtype` (bf16/fp16/fp32), one launch; `out`
-    (contiguous, that shape and dtype) to reuse a buffer."""
+    (contiguous, that shape and dtype) to reuse a buffer. NF4: `code` [16] fp32 on the device, minimum None, scale
+    the absmax."""
     if triton is None:
         raise RuntimeError("dequant_int4 needs triton")
     if packed.dtype != torch.uint8 or packed.dim() < 1:
         raise ValueError(f"packed must be uint8 [..., H/2], got {packed.dtype} {tuple(packed.shape)}")
     lead, H2 = tuple(packed.shape[:-1]), packed.shape[-1]
     NG = scale.shape[-1] if scale.dim() else 0
-    for name, t in (("scale", scale), ("minimum", minimum)):
+    nf4 = code is not None
+    if nf4 and (minimum is not None or code.shape != (16,) or code.dtype != torch.float32):
+        raise ValueError("NF4 (code=) takes a [16] fp32 codebook and no minimum (minimum=None)")
+    if not nf4 and minimum is None:
+        raise ValueError("minimum is required (None only with code=, NF4)")
+    for name, t in (("scale", scale), ("minimum", minimum if not nf4 else scale)):
         if tuple(t.shape[:-1]) != lead or t.shape[-1] != NG or t.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"{name} must be float {lead + (NG,)}, got {t.dtype} {tuple(t.shape)}")
     if NG < 1 or (2 * H2) % NG or ((2 * H2 // NG) & (2 * H2 // NG - 1)) or 2 * H2 // NG < 2:
         raise ValueError(f"H = {2 * H2} must split into {NG} groups of a power-of-two size >= 2")
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be bf16/fp16/fp32, got {dtype}")
-    tensors = (packed, scale, minimum)
+    tensors = (packed, scale, code) if nf4 else (packed, scale, minimum)
     if any(t.device != packed.device for t in tensors):
-        raise ValueError("packed, scale and minimum must share a device")
+        raise ValueError("packed, scale and minimum (or code) must share a device")
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("packed, scale and minimum must be contiguous")
     shape = lead + (2 * H2,)
@@ -125,14 +151,16 @@ def dequant_int4(
     _dequant_kernel[grid](
         packed,
         scale,
-        minimum,
+        scale if nf4 else minimum,
         out,
+        code if nf4 else scale,
         R,
         H2=H2,
         NG=NG,
         HALF_G=H2 // NG,
         BLOCK_R=BLOCK_R,
         BLOCK_J=BLOCK_J,
+        NF4=nf4,
         num_warps=num_warps,
     )
     return out

@@ -69,7 +69,7 @@ class Int4Tensor:
         return 0.5 + 4.0 / self.group
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.minimum))
+        return sum(t.numel() * t.element_size() for t in self.parts())
 
     @classmethod
     def empty(cls, shape: tuple[int, int, int], dtype: torch.dtype, device, alloc=None) -> Int4Tensor:

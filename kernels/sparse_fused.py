@@ -68,6 +68,7 @@ import torch
 from localmoe.kernels.checks import expert_weights, int4_expert_weights, tokens_and_experts
 from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
 from localmoe.kernels.int4 import Int4Tensor
+from localmoe.kernels.nf4 import Nf4Tensor, dequant_nf4_ref, nf4_code
 from localmoe.kernels.workspace import zeroed_int32
 
 try:  # Triton is optional at import time; the launcher needs it.
@@ -119,6 +120,8 @@ def shared_expert_term(x, shared: SharedExpert) -> torch.Tensor:
 
 def _routed_fp32(w, eid) -> torch.Tensor:
     """w[eid] in fp32 [T,k,I,H]; an Int4Tensor dequantized exactly (w[eid] would round to its logical dtype)."""
+    if isinstance(w, Nf4Tensor):
+        return dequant_nf4_ref(w.packed[eid], w.scale[eid], nf4_code(w.device), torch.float32)
     if isinstance(w, Int4Tensor):
         return dequantize(w.packed[eid], w.scale[eid], w.minimum[eid], torch.float32)
     return w[eid].float()
@@ -129,7 +132,8 @@ def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau):
 
     y[t] = sum_j w[t,j] sum_{n: |g_n| >= tau[e]} g_n (x[t] . W_up[e,n]) W_down_t[e,n,:], g = silu(x[t] . W_gate[e]),
     e = expert_ids[t,j]; every tensor is read at its expert id (the resident layout). The weights are [E,I,H] tensors
-    or Int4Tensors (dequantized to fp32: q * scale + minimum, what the kernel's QUANT mode computes with)."""
+    or Int4Tensors (dequantized to fp32: q * scale + minimum, what the kernel's QUANT mode computes with; an
+    Nf4Tensor code[q] * absmax)."""
     eid = expert_ids.long()
     xf = x.float()
     g = torch.nn.functional.silu(torch.einsum("th,tkih->tki", xf, _routed_fp32(w_gate, eid)))  # [T,k,I]
@@ -189,23 +193,33 @@ if triton is not None:
         return c
 
     @triton.jit
-    def int4_group_dots(p, xe, xo):
-        """Packed rows p [R, NG_P2, G/2] uint8 against x's even / odd elements xe, xo [NG_P2, G/2] (any float): the
-        per-group sums of q * x, [R, NG_P2] fp32 (scale and minimum are applied per group by the caller)."""
-        lo = (p & 15).to(tl.float32)  # q[2j]
-        hi = (p >> 4).to(tl.float32)  # q[2j + 1]
-        return tl.sum(lo * xe[None, :, :].to(tl.float32) + hi * xo[None, :, :].to(tl.float32), axis=2)
+    def int4_values(p, code_ptr, NF4: tl.constexpr):
+        """Packed bytes p (uint8, any shape) -> the values of their even and odd elements in fp32: int4 q[2j] (low
+        nibble), q[2j + 1] (high); NF4 (bitsandbytes: high nibble first) code[hi], code[lo] from the 16-entry
+        codebook at code_ptr."""
+        if NF4:
+            return tl.load(code_ptr + (p >> 4)), tl.load(code_ptr + (p & 15))
+        return (p & 15).to(tl.float32), (p >> 4).to(tl.float32)
 
     @triton.jit
-    def int4_weighted_rows(p, sc, mn, h):
+    def int4_group_dots(p, xe, xo, code_ptr, NF4: tl.constexpr):
+        """Packed rows p [R, NG_P2, G/2] uint8 against x's even / odd elements xe, xo [NG_P2, G/2] (any float): the
+        per-group sums of q * x, [R, NG_P2] fp32 (scale and minimum are applied per group by the caller)."""
+        ve, vo = int4_values(p, code_ptr, NF4)
+        return tl.sum(ve * xe[None, :, :].to(tl.float32) + vo * xo[None, :, :].to(tl.float32), axis=2)
+
+    @triton.jit
+    def int4_weighted_rows(p, sc, mn, h, code_ptr, NF4: tl.constexpr):
         """sum_n h_n W[n] over packed rows p [R, NG_P2, G/2] uint8, W = q * scale + minimum per element (sc, mn
-        [R, NG_P2] fp32, broadcast over each group): the even and odd halves of the [H] sum, each [NG_P2, G/2]."""
+        [R, NG_P2] fp32, broadcast over each group; NF4: W = code[q] * scale, mn unused): the even and odd halves
+        of the [H] sum, each [NG_P2, G/2]."""
+        ve, vo = int4_values(p, code_ptr, NF4)
         s3 = sc[:, :, None]
-        m3 = mn[:, :, None]
         h3 = h[:, None, None]
-        even = tl.sum(((p & 15).to(tl.float32) * s3 + m3) * h3, axis=0)
-        odd = tl.sum(((p >> 4).to(tl.float32) * s3 + m3) * h3, axis=0)
-        return even, odd
+        if NF4:
+            return tl.sum(ve * s3 * h3, axis=0), tl.sum(vo * s3 * h3, axis=0)
+        m3 = mn[:, :, None]
+        return tl.sum((ve * s3 + m3) * h3, axis=0), tl.sum((vo * s3 + m3) * h3, axis=0)
 
     @triton.jit
     def _sparse_fused_kernel(
@@ -247,6 +261,7 @@ if triton is not None:
         pumn_ptr,  # [S, I, NG] up pool minimums
         pdsc_ptr,  # [S, I, NG] down_t pool scales
         pdmn_ptr,  # [S, I, NG] down_t pool minimums
+        code_ptr,  # [16] fp32 NF4 codebook (NF4 only)
         I,
         I_S,  # shared expert width (SHARED only)
         TK,  # T * k: programs pid_tj >= TK are the shared expert's (one per token)
@@ -285,6 +300,7 @@ if triton is not None:
         QUANT: tl.constexpr,  # int4 weights: packed [E, I, H/2] bytes + per-group scale / minimum (no SHARED)
         G: tl.constexpr,  # QUANT: group size along H, a power of two
         NG_P2: tl.constexpr,  # QUANT: next power of two >= NG = H / G
+        NF4: tl.constexpr,  # QUANT: bitsandbytes' NF4 bytes (w = code[q] * absmax; the minimums never read)
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
@@ -357,7 +373,8 @@ if triton is not None:
             # scale / minimum bases: OFFLOAD's per-program choice above, else the resident tensors at e (a constexpr
             # choice: only the taken side is compiled)
             sg = tl.load((g_sc if OFFLOAD else gsc_ptr + e * stride_gsc) + soff, mask=sm, other=0.0)
-            mg = tl.load((g_mn if OFFLOAD else gmn_ptr + e * stride_gmn) + soff, mask=sm, other=0.0)
+            if not NF4:
+                mg = tl.load((g_mn if OFFLOAD else gmn_ptr + e * stride_gmn) + soff, mask=sm, other=0.0)
         else:
             roff = rows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_I, H_P2]
             # ---- gate GEMV for BLOCK_I neurons (the only dense read) ----
@@ -370,7 +387,13 @@ if triton is not None:
             rw = tl.where(is_sh, tl.load(sw_ptr + t).to(tl.float32), rw)
         if QUANT:  # z_n = sum_g scale[n,g] (sum_{j in g} q x) + minimum[n,g] (sum_{j in g} x)
             xs = tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1)  # [NG_P2] sum of x over each group
-            z = tl.sum(sg.to(tl.float32) * int4_group_dots(pg, xe, xo) + mg.to(tl.float32) * xs[None, :], axis=1)
+            if NF4:  # z_n = sum_g absmax[n,g] (sum_{j in g} code[q] x)
+                z = tl.sum(sg.to(tl.float32) * int4_group_dots(pg, xe, xo, code_ptr, NF4), axis=1)
+            else:
+                z = tl.sum(
+                    sg.to(tl.float32) * int4_group_dots(pg, xe, xo, code_ptr, NF4) + mg.to(tl.float32) * xs[None, :],
+                    axis=1,
+                )
         else:
             z = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_I]
         g = z / (1.0 + tl.exp(-z))  # silu
@@ -391,15 +414,19 @@ if triton is not None:
                 pu = tl.load(u_base + poff, mask=mk, other=0)
                 pd = tl.load(d_base + poff, mask=mk, other=0)
                 su = tl.load((u_sc if OFFLOAD else usc_ptr + e * stride_usc) + soff, mask=ks, other=0.0)
-                mu = tl.load((u_mn if OFFLOAD else umn_ptr + e * stride_umn) + soff, mask=ks, other=0.0)
                 sd = tl.load((d_sc if OFFLOAD else dsc_ptr + e * stride_dsc) + soff, mask=ks, other=0.0)
-                md = tl.load((d_mn if OFFLOAD else dmn_ptr + e * stride_dmn) + soff, mask=ks, other=0.0)
-                h = (
-                    tl.sum(su.to(tl.float32) * int4_group_dots(pu, xe, xo) + mu.to(tl.float32) * xs[None, :], axis=1)
-                    * g
-                    * rw
-                )  # [BLOCK_I], 0 on dropped rows
-                ce, co = int4_weighted_rows(pd, sd.to(tl.float32), md.to(tl.float32), h)  # [NG_P2, G/2] each
+                if NF4:  # no minimums
+                    mu = su
+                    md = sd
+                else:
+                    mu = tl.load((u_mn if OFFLOAD else umn_ptr + e * stride_umn) + soff, mask=ks, other=0.0)
+                    md = tl.load((d_mn if OFFLOAD else dmn_ptr + e * stride_dmn) + soff, mask=ks, other=0.0)
+                zu = su.to(tl.float32) * int4_group_dots(pu, xe, xo, code_ptr, NF4)  # [BLOCK_I, NG_P2]
+                if not NF4:
+                    zu += mu.to(tl.float32) * xs[None, :]
+                h = tl.sum(zu, axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
+                # [NG_P2, G/2] each
+                ce, co = int4_weighted_rows(pd, sd.to(tl.float32), md.to(tl.float32), h, code_ptr, NF4)
                 # columns 2j and 2j + 1 interleaved back into [NG_P2, G]: contiguous, so the atomics vectorize as
                 # the bf16 path's do (two stride-2 atomic_adds measured 2-4x slower on an H200)
                 contrib = tl.reshape(tl.join(ce, co), [NG_P2, G])
@@ -662,11 +689,12 @@ def sparse_fused(
     def ptr(w):  # host master copies: the launcher gets their (unified) address
         return _HostPointer(w) if cuda and w.device.type == "cpu" else w
 
+    nf4 = isinstance(w_gate, Nf4Tensor)
     if quant:  # the packed bytes take the weights' place; scale / minimum pointers and expert strides beside them
         wg, wu, wd = (ptr(w.packed) for _, w in masters)
         es = [w.packed.stride(0) for _, w in masters]
-        qt = [ptr(t) for _, w in masters for t in (w.scale, w.minimum)]
-        qs = [t.stride(0) for _, w in masters for t in (w.scale, w.minimum)]
+        qt = [ptr(t) for _, w in masters for t in _scale_min(w)]
+        qs = [t.stride(0) for _, w in masters for t in _scale_min(w)]
         G = w_gate.group
         ng_p2 = triton.next_power_of_2(H // G)
     else:
@@ -681,7 +709,7 @@ def sparse_fused(
         pg, pu, pd, st = wg, wu, wd, expert_ids
         sp = (0, 0, 0)
     if quant and offload:  # the pools' scale / minimum pointers and slot strides
-        pqt = [t for p in pools for t in (p.scale, p.minimum)]
+        pqt = [t for p in pools for t in _scale_min(p)]
         pqs = [t.stride(0) for t in pqt]
     else:  # dummies, never read
         pqt, pqs = qt, [0] * 6
@@ -714,6 +742,7 @@ def sparse_fused(
         residual if residual is not None else out,
         *qt,
         *pqt,
+        nf4_code(dev) if nf4 else x,
         I,
         I_s,
         T * k,
@@ -738,6 +767,7 @@ def sparse_fused(
         QUANT=quant,
         G=G,
         NG_P2=ng_p2,
+        NF4=nf4,
         num_warps=num_warps,
         **pdl_kw(x),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
@@ -746,14 +776,19 @@ def sparse_fused(
 
 
 def _int4_mode(w_gate, w_up, w_down_t) -> bool:
-    """Whether the experts are int4 (Int4Tensor): all three projections or none."""
-    q = [isinstance(w, Int4Tensor) for w in (w_gate, w_up, w_down_t)]
-    if any(q) and not all(q):
+    """Whether the experts are 4-bit (Int4Tensor, or its NF4 kind Nf4Tensor): all three projections of one kind, or
+    none."""
+    kinds = [type(w).__name__ if isinstance(w, Int4Tensor) else "tensor" for w in (w_gate, w_up, w_down_t)]
+    if len(set(kinds)) != 1:
         raise ValueError(
-            f"w_gate, w_up and w_down_t must all be Int4Tensors or all plain tensors, got "
-            f"{['Int4Tensor' if b else 'tensor' for b in q]}"
+            f"w_gate, w_up and w_down_t must all be Int4Tensors, all Nf4Tensors or all plain tensors, got {kinds}"
         )
-    return all(q)
+    return kinds[0] != "tensor"
+
+
+def _scale_min(w) -> tuple:
+    """(scale, minimum) of a 4-bit stack; an Nf4Tensor has no minimum: its scale stands in (never read)."""
+    return (w.scale, w.scale if w.minimum is None else w.minimum)
 
 
 def _check_offload(masters, pools, slot_table, gate_table, quant: bool, E: int, I: int, H: int, dev) -> list:
@@ -773,6 +808,8 @@ def _check_offload(masters, pools, slot_table, gate_table, quant: bool, E: int, 
                 f"copies are {'Int4Tensors' if quant else 'plain tensors'}: pools and masters "
                 f"must share one format (int4 or not)"
             )
+        if quant and type(p) is not type(masters[0][1]):
+            raise ValueError(f"{pname} is an {type(p).__name__}, the master copies {type(masters[0][1]).__name__}s")
     pt = [p.packed if quant else p for p in pools]  # int4: the packed bytes carry the [S, I, H/2] shape
     if pt[0].dim() != 3:
         raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pt[0].shape)}")
@@ -800,6 +837,8 @@ def _check_offload(masters, pools, slot_table, gate_table, quant: bool, E: int, 
         if p.group != w.group:
             raise ValueError(f"{pname} has group size {p.group}, its master copy {name} {w.group}: they must share one")
         for part in ("scale", "minimum"):  # the kernel picks pool or master per program: one element type
+            if getattr(w, part) is None:  # NF4: no minimum
+                continue
             pdt, mdt = getattr(p, part).dtype, getattr(w, part).dtype
             if pdt != mdt:
                 raise ValueError(f"{pname}.{part} ({pdt}) and its master copy {name}.{part} ({mdt}) must share a dtype")

@@ -92,11 +92,12 @@ def add_context_flag(p: argparse.ArgumentParser, text: str) -> None:
 def add_experts_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--experts",
-        choices=["full", "int4"],
+        choices=["full", "int4", "nf4"],
         default="full",
-        help="routed experts' weights: full (the model's dtype, offloaded when they do not fit) or int4 "
+        help="routed experts' weights: full (the model's dtype, offloaded when they do not fit), int4 "
         "(4-bit, groups of 128 with a bf16 scale and minimum; ~3.8x smaller, all kept in VRAM: "
-        "Qwen3.5-35B-A3B fits a 24 GB card) (default: full)",
+        "Qwen3.5-35B-A3B fits a 24 GB card) or nf4 (bitsandbytes' 4-bit NormalFloat, blocks of 64; what "
+        "bnb-4bit checkpoints hold, which load as nf4) (default: full)",
     )
 
 

@@ -135,8 +135,8 @@ def facts(model, text_config, experts: list) -> ModelFacts:
 
 def matrix_bytes(f: ModelFacts, element_bytes: float, experts_format: str) -> float:
     """Bytes of one expert's gate (or up, or down) matrix [I, H] in `experts_format`."""
-    if experts_format == "int4":
-        return expert_bytes(f.expert_width, f.hidden) / 3
+    if experts_format != "full":
+        return expert_bytes(f.expert_width, f.hidden, experts_format) / 3
     return f.expert_width * f.hidden * element_bytes
 
 
@@ -362,7 +362,7 @@ def from_config(
 
     check_format(experts_format)
     spec = family_for_model_type(text_config.model_type)
-    if spec is not None and spec.no_int4 and experts_format == "int4":
+    if spec is not None and spec.no_int4 and experts_format != "full":
         raise UsageError(spec.no_int4)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
@@ -371,8 +371,8 @@ def from_config(
     try:
         if f.departments:  # DeaMoE: a routed expert's share of its layer's department weights
             one = f.expert_params * el // max(1, f.moe_layers * f.experts)
-        elif experts_format == "int4":
-            one = int4_bytes(f.expert_width, f.hidden)
+        elif experts_format != "full":
+            one = int4_bytes(f.expert_width, f.hidden, experts_format)
         else:
             one = 3 * f.expert_width * f.hidden * el
     except ValueError as e:

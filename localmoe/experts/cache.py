@@ -14,8 +14,8 @@ Qwen3.5-35B shapes; copy 8.5 and cpu 5.2 against direct's 29.7 in session 2):
 - "cpu": absent experts are computed on the CPU from the host copies (only x and y cross PCIe) while hits run on
   the GPU; misses are admitted after each step as in "direct".
 Every way the outputs equal the all-resident model (up to float rounding where the CPU computes).
-int4 experts (`--experts int4`): slots and master copies are Int4Tensors (localmoe/experts/int4.py), copied part by
-part;
+int4 experts (`--experts int4`, or nf4): slots and master copies are Int4Tensors (Nf4Tensors; localmoe/experts/int4.py),
+copied part by part;
 a row's bytes (`row_bytes`) include its scales.
 
 Shapes: E = experts per layer, I = expert width, H = hidden, S = cache slots.
@@ -28,8 +28,7 @@ from collections import OrderedDict
 import torch
 
 from localmoe.errors import UsageError
-from localmoe.experts.int4 import Int4Tensor, copy_expert
-from localmoe.experts.int4 import row_bytes as int4_row_bytes
+from localmoe.experts.int4 import STORAGE, Int4Tensor, copy_expert, expert_bytes
 from localmoe.experts.local_experts import ExpertWeights
 
 MISS_MODES = ("copy", "direct", "cpu")
@@ -49,7 +48,7 @@ class ExpertCache:
         admit_per_step: int = ADMIT_PER_STEP,
         background: bool = False,
         gate_slots: int = 0,
-        int4: bool = False,
+        int4: bool | str = False,
     ):
         E, I, H = shape
         if mode not in MISS_MODES:
@@ -60,7 +59,9 @@ class ExpertCache:
                 "from different places)"
             )
         self.mode, self.admit_per_step = mode, admit_per_step
-        self.row_bytes = int4_row_bytes(H) if int4 else H * (torch.finfo(dtype).bits // 8)  # a neuron's row
+        fmt = int4 if isinstance(int4, str) else "int4" if int4 else "full"  # int4: True (int4) or a format name
+        kind = STORAGE.get(fmt)  # 4-bit slots' class, None for full precision
+        self.row_bytes = expert_bytes(1, H, fmt) // 3 if kind else H * (torch.finfo(dtype).bits // 8)  # a neuron's row
         self.width = I
         self.slots, self.num_experts = slots, E
         # gate tier (direct mode): `gate_slots` gates live in their own pool, placed once (`place_gates`), and the
@@ -70,8 +71,8 @@ class ExpertCache:
         parts = 2 if gate_slots else 3
         n = max(slots, 1)  # the fused kernel needs a pool to point at even when every up/down row is on the host
         make = (
-            (lambda m: Int4Tensor.empty((m, I, H), dtype, device))
-            if int4  # int4 experts: int4 slots
+            (lambda m: kind.empty((m, I, H), dtype, device))
+            if kind  # 4-bit experts: slots of their format
             else (lambda m: torch.empty((m, I, H), dtype=dtype, device=device))
         )
         self.pool = ExpertWeights(make(gate_slots if gate_slots else n), make(n), make(n))

@@ -17,7 +17,13 @@ Format (one `Int4Tensor` per projection of a layer: gate, up, transposed down, e
 Offloaded (budgets that cannot hold even int4), the expert cache's slots and the host master copies are Int4Tensors
 too, copied part by part (`copy_expert`).
 
-Bytes per weight: 0.5 + 4 / G (0.531 at G = 128). The decode kernel (`kernels/sparse_fused.py`, given Int4Tensors)
+Bytes per weight: 0.5 + 4 / G (0.531 at G = 128).
+
+`--experts nf4` is bitsandbytes' NF4 (kernels/nf4.py `Nf4Tensor`, an Int4Tensor whose 4-bit values index a codebook,
+blocks of 64 with an fp32 absmax, 0.5625 bytes per weight): quantized by bitsandbytes at load, or read as they are
+from a pre-quantized bnb-4bit checkpoint; every int4 path below takes it unchanged.
+
+The decode kernel (`kernels/sparse_fused.py`, given Int4Tensors)
 reads the packed rows and their scales; every other path dequantizes (`Int4Tensor[...]`) and runs the model dtype's
 math.
 
@@ -28,13 +34,26 @@ from __future__ import annotations
 
 from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize  # noqa: F401
 from localmoe.kernels.int4 import GROUP, MIN_GROUP, Int4Tensor, group_for, quantize, row_bytes  # noqa: F401
+from localmoe.kernels.nf4 import Nf4Tensor, quantize_nf4
+from localmoe.kernels.nf4 import row_bytes as nf4_row_bytes
 
-EXPERT_FORMATS = ("full", "int4")
+EXPERT_FORMATS = ("full", "int4", "nf4")
+STORAGE = {"int4": Int4Tensor, "nf4": Nf4Tensor}  # the 4-bit formats' stack classes
 
 
-def expert_bytes(intermediate: int, hidden: int) -> int:
-    """Bytes of one expert (gate, up, down) in this format."""
-    return 3 * intermediate * row_bytes(hidden)
+def expert_bytes(intermediate: int, hidden: int, fmt: str = "int4") -> int:
+    """Bytes of one expert (gate, up, down) in the 4-bit format `fmt` ("int4" or "nf4")."""
+    return 3 * intermediate * (nf4_row_bytes(hidden) if fmt == "nf4" else row_bytes(hidden))
+
+
+def format_of(w) -> str:
+    """The expert format of a weight stack: "nf4", "int4" or "full"."""
+    return "nf4" if isinstance(w, Nf4Tensor) else "int4" if isinstance(w, Int4Tensor) else "full"
+
+
+def quantize_as(w, fmt: str):
+    """[E, I, H] float -> the 4-bit stack of format `fmt` on w's device."""
+    return quantize_nf4(w) if fmt == "nf4" else quantize(w)
 
 
 def copy_expert(dst, i: int, src, j: int, non_blocking: bool = False) -> None:

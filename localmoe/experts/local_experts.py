@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from localmoe.experts.int4 import Int4Tensor, quantize
+from localmoe.experts.int4 import Int4Tensor, quantize_as
 
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -58,9 +58,9 @@ class ExpertWeights:
             for t in (self.w_gate, self.w_up, self.w_down_t)
         )
 
-    def to_int4(self) -> ExpertWeights:
-        """The same experts in the 4-bit format (quantized on their device)."""
-        return ExpertWeights(*(quantize(t) for t in (self.w_gate, self.w_up, self.w_down_t)))
+    def to_int4(self, fmt: str = "int4") -> ExpertWeights:
+        """The same experts in the 4-bit format `fmt` ("int4" or "nf4"; quantized on their device)."""
+        return ExpertWeights(*(quantize_as(t, fmt) for t in (self.w_gate, self.w_up, self.w_down_t)))
 
     def dequantized(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down_t) of experts [a, b) as plain tensors [b - a, I, H] (a view when not quantized)."""

@@ -38,8 +38,8 @@ class LoadOptions:
     """How to load: `vram_bytes` the VRAM budget (None: everything on the device, no plan); `context` the tokens the
     plan keeps room for; `fused` localmoe's decode modules (CUDA); `offload_miss` the expert cache's miss mode
     ("auto", "direct", "copy", "cpu"); `host_storage` where offloaded experts' master copies live ("auto", "pinned",
-    "mmap": memory-mapped files keyed by `store_key` = (model name, revision)); `experts_format` "full" or "int4"
-    (each layer's routed experts quantized on the device as they load)."""
+    "mmap": memory-mapped files keyed by `store_key` = (model name, revision)); `experts_format` "full", "int4" or
+    "nf4" (each layer's routed experts quantized on the device as they load)."""
 
     vram_bytes: int | None = None
     context: int = 8192
@@ -77,7 +77,7 @@ def load_model(
     options.check()
     _, text_config, fam = read_config(path)
     check_tokenizer(path)
-    if fam.no_int4 and options.experts_format == "int4":
+    if fam.no_int4 and options.experts_format != "full":
         raise UsageError(fam.no_int4)
     check_native(path, fam)
     model, experts = build(text_config, dtype)

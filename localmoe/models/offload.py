@@ -68,7 +68,7 @@ def plan_placement(
 def plan_offload(
     model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None, fmt: str = "full"
 ):
-    """The VRAM plan for `vram_bytes`, with experts of format `fmt` ("full" or "int4")."""
+    """The VRAM plan for `vram_bytes`, with experts of format `fmt` ("full", "int4" or "nf4")."""
     el = torch.finfo(dtype).bits // 8
     non_expert = sum(p.numel() * el for p in model.parameters())
     mods = list(experts.values())
@@ -78,9 +78,9 @@ def plan_offload(
     if any((m.num_experts, m.intermediate_size, m.hidden_size) != (E, I, H) for m in mods):
         raise UsageError("expert offloading needs every MoE layer to have the same expert shape")
     expert_bytes = 3 * I * H * el
-    if fmt == "int4":
+    if fmt != "full":
         try:
-            expert_bytes = int4_expert_bytes(I, H)
+            expert_bytes = int4_expert_bytes(I, H, fmt)
         except ValueError as e:
             raise UsageError(f"{e}; use --experts full") from None
     largest = max(units(model).values(), default=0)
@@ -177,12 +177,13 @@ def expert_store(placed: Placement, options, path: Path, files: list[Path], dtyp
     """Where offloaded experts' master copies go: the memory-mapped store (`store.ExpertStore`, keyed by
     `options.store_key`, else the folder) or None for host memory. Int4 master copies are never memory-mapped; with
     files, host memory is not pinned."""
-    if options.experts_format == "int4" and placed.host and options.host_storage == "mmap":
+    fmt = options.experts_format
+    if fmt != "full" and placed.host and options.host_storage == "mmap":
         raise UsageError(
-            "--host-storage mmap keeps full-precision experts; int4 master copies live in host memory: "
+            f"--host-storage mmap keeps full-precision experts; {fmt} master copies live in host memory: "
             "drop --host-storage mmap (or use --experts full)"
         )
-    if options.experts_format == "int4" or placed.host_params:  # DeaMoE's master copies: parameters in host memory
+    if fmt != "full" or placed.host_params:  # DeaMoE's master copies: parameters in host memory
         return None
     key = options.store_key or (str(path), "local")
     files_store = _expert_files(placed.host, options.host_storage, placed.budget, key, files, dtype, on_notice)

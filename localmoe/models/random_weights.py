@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from localmoe.errors import RuntimeFailure, UsageError
-from localmoe.experts.int4 import Int4Tensor, quantize
+from localmoe.experts.int4 import Int4Tensor, quantize_as
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 from localmoe.experts.placement import host_allocator
 from localmoe.models.families import family_for_model_type, supported_families
@@ -79,7 +79,7 @@ def _host_copy(t, pinned: list):
     """A master copy of t (a tensor or an Int4Tensor) in host memory, pinned while pinning works."""
     alloc = host_allocator(pinned)
     if isinstance(t, Int4Tensor):
-        h = Int4Tensor.empty(t.shape, t.dtype, "cpu", alloc=alloc)
+        h = type(t).empty(t.shape, t.dtype, "cpu", alloc=alloc)
         for dst, src in zip(h.parts(), t.parts()):
             dst.copy_(src)
         return h
@@ -133,8 +133,8 @@ def build_random(
         mats = []
         for _ in range(3):
             t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-            if options.experts_format == "int4":  # quantized on the device
-                t = quantize(t)
+            if options.experts_format != "full":  # quantized on the device
+                t = quantize_as(t, options.experts_format)
             mats.append(
                 _host_copy(t, placed.pinned) if placed.host else t
             )  # offloaded: drawn on the device, then moved

@@ -16,7 +16,7 @@ import torch
 
 from localmoe.errors import RuntimeFailure
 from localmoe.events import ProgressFn
-from localmoe.experts.int4 import Int4Tensor
+from localmoe.experts.int4 import STORAGE, Int4Tensor
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 from localmoe.experts.placement import host_allocator
 from localmoe.models.checkpoint import map_keys, open_shard
@@ -121,8 +121,9 @@ def _load_experts(prefix, mod, keys, handle, placed: Placement, files_store, dev
             _load_layer_experts(prefix, mod, keys, handle, device, dtype, into=into)
             files_store.done(prefix, shape)
         mod.weights = into
-    elif experts_format == "int4":
-        into = ExpertWeights(*(_int4_storage(shape, dtype, device, placed.host, placed.pinned) for _ in range(3)))
+    elif experts_format in STORAGE:  # int4, nf4
+        kind = STORAGE[experts_format]
+        into = ExpertWeights(*(_int4_storage(kind, shape, dtype, device, placed.host, placed.pinned) for _ in range(3)))
         mod.weights = _load_layer_experts(prefix, mod, keys, handle, device, dtype, into=into)
     else:
         mod.weights = _load_layer_experts(
@@ -240,11 +241,12 @@ def _put(dst, e: int, rows: torch.Tensor, device) -> None:
         dst[e].copy_(rows)
 
 
-def _int4_storage(shape, dtype, device, host: bool, pinned: list) -> Int4Tensor:
-    """An empty int4 stack [E, I, H] on the device, or offloaded in host memory (pinned while pinning works)."""
+def _int4_storage(kind, shape, dtype, device, host: bool, pinned: list) -> Int4Tensor:
+    """An empty 4-bit stack [E, I, H] of class `kind` (Int4Tensor, Nf4Tensor) on the device, or offloaded in host
+    memory (pinned while pinning works)."""
     if not host:
-        return Int4Tensor.empty(shape, dtype, device)
-    return Int4Tensor.empty(shape, dtype, "cpu", alloc=host_allocator(pinned))
+        return kind.empty(shape, dtype, device)
+    return kind.empty(shape, dtype, "cpu", alloc=host_allocator(pinned))
 
 
 # Weights localmoe converts to the run's dtype as it reads them; anything else (int8, fp8, packed 4-bit) is a
