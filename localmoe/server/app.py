@@ -148,7 +148,7 @@ class Api:
         self.authorize(request)
         return JsonResponse({"object": "list", "data": [self.model_card()]})
 
-    async def model(self, request: Request):
+    async def one_model(self, request: Request):
         self.authorize(request)
         name = request.path_params["name"]
         if name not in self.names:
@@ -206,7 +206,7 @@ def create_app(
             ("/health", api.health, "GET"),
             ("/v1/health", api.health, "GET"),
             ("/v1/models", api.models, "GET"),
-            ("/v1/models/{name:path}", api.model, "GET"),
+            ("/v1/models/{name:path}", api.one_model, "GET"),
             ("/v1/chat/completions", api.chat, "POST"),
             ("/v1/completions", api.completions, "POST"),
         )
