@@ -257,9 +257,11 @@ def completion_request(body: dict, defaults: GenerationSettings, context: int) -
         raise unsupported("'prompt' must be one prompt: localmoe does not batch", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise bad("'prompt' must be a non-empty string (or a list of token ids)", "prompt")
-    for key in ("echo", "suffix", "best_of"):
-        if body.get(key) not in (None, False, 1, ""):
+    for key in ("echo", "suffix"):
+        if body.get(key):
             raise unsupported(f"'{key}' is not supported", key)
+    if _number(body, "best_of", 1, 1 << 30, integer=True) not in (None, 1):
+        raise unsupported("'best_of' must be 1", "best_of")
     stream, usage = _stream_options(body)
     return Request(
         kind="completion",
