@@ -190,10 +190,11 @@ def open_shard(file: Path):
         raise RuntimeFailure(f"{file} is corrupt or truncated ({e}); delete it and run `localmoe pull` again") from None
 
 
-def map_keys(files: list[Path], rename, expert_prefixes, params: set[str]):
+def map_keys(files: list[Path], rename, expert_prefixes, params: set[str], others: dict | None = None):
     """Where each checkpoint key lives, in the module namespace: (dense [(file, key, parameter name)], expert keys
     {experts module name: {name under it: (file, key)}}). `rename`: the family's checkpoint key -> module name (None:
-    not loaded); keys of no parameter are skipped."""
+    not loaded); keys of no parameter are skipped, or collected in `others` {name: (file, key)} when given (a
+    bitsandbytes checkpoint's quant states: models/bnb.py)."""
     plan: list[tuple[Path, str, str]] = []  # (file, checkpoint key, module name)
     for file in files:
         with open_shard(file) as f:
@@ -209,4 +210,6 @@ def map_keys(files: list[Path], rename, expert_prefixes, params: set[str]):
             expert_keys[prefix][name[len(prefix) + 1 :]] = (file, key)
         elif name in params:
             dense.append((file, key, name))
+        elif others is not None:
+            others[name] = (file, key)
     return dense, expert_keys

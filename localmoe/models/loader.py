@@ -17,7 +17,7 @@ loaded.attach_cache        the GPU expert cache in front of offloaded experts' h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from localmoe.decode import replacements
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts.int4 import EXPERT_FORMATS
+from localmoe.models import bnb
 from localmoe.models.checkpoint import check_native, check_tokenizer, read_config, shard_files
 from localmoe.models.loaded import LoadedModel, attach_cache
 from localmoe.models.offload import HOST_STORAGE, dispatch_spilled, expert_store, plan_placement
@@ -75,7 +76,9 @@ def load_model(
     checkpoint."""
     options = options or LoadOptions()
     options.check()
-    _, text_config, fam = read_config(path)
+    config, text_config, fam = read_config(path)
+    if bnb.checkpoint_format(config):  # a bnb-4bit checkpoint: its experts load as they are, NF4
+        options = replace(options, experts_format=bnb.check_experts_format(options.experts_format))
     check_tokenizer(path)
     if fam.no_int4 and options.experts_format != "full":
         raise UsageError(fam.no_int4)

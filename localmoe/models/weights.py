@@ -19,6 +19,7 @@ from localmoe.events import ProgressFn
 from localmoe.experts.int4 import STORAGE, Int4Tensor
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 from localmoe.experts.placement import host_allocator
+from localmoe.models import bnb
 from localmoe.models.checkpoint import map_keys, open_shard
 from localmoe.models.families import PER_EXPERT_NAMES
 from localmoe.models.offload import Placement, place_buffers
@@ -45,10 +46,11 @@ def load_weights(
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     if fam.native_experts:  # DeaMoE: the experts are parameters of localmoe's own module, loaded like the rest
         experts = {}
-    dense, expert_keys = map_keys(files, fam.rename, experts, params)
+    others: dict = {}  # keys of no parameter: a bitsandbytes checkpoint's quant states (models/bnb.py)
+    dense, expert_keys = map_keys(files, fam.rename, experts, params, others)
     total = len(dense) + sum(m.num_experts for m in experts.values())
     with _open_shards() as handle:
-        loaded = _load_dense(model, dense, handle, placed, device, dtype, progress, total)
+        loaded = _load_dense(model, dense, others, handle, placed, device, dtype, progress, total)
         done = len(dense)
         for prefix, mod in experts.items():
             _load_experts(prefix, mod, expert_keys[prefix], handle, placed, files_store, device, dtype, experts_format)
@@ -78,10 +80,10 @@ def _open_shards():
             h.__exit__(None, None, None)
 
 
-def _load_dense(model, dense, handle, placed: Placement, device, dtype, progress, total: int) -> set[str]:
+def _load_dense(model, dense, others, handle, placed: Placement, device, dtype, progress, total: int) -> set[str]:
     """The non-expert tensors, each checked and put where its unit lives (float32 for the model's keep-in-fp32
-    modules; an offloaded DeaMoE's department tensors in host memory: `Placement.device_for`) -> the parameter
-    names loaded."""
+    modules; an offloaded DeaMoE's department tensors in host memory: `Placement.device_for`; a bitsandbytes 4-bit
+    weight dequantized once, its quant state in `others`) -> the parameter names loaded."""
     from accelerate.utils import set_module_tensor_to_device
 
     fp32_modules = keep_fp32(model)
@@ -94,6 +96,9 @@ def _load_dense(model, dense, handle, placed: Placement, device, dtype, progress
             raise RuntimeFailure(
                 f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is corrupt or truncated"
             ) from None
+        state = bnb.quantized(others, name)
+        if state is not None:
+            tensor = bnb.dequantize(tensor, state, handle, placed.device_for(name, device), dtype)
         _check_dense(file, key, tensor, model.get_parameter(name))
         tdtype = torch.float32 if any(m in name for m in fp32_modules) and tensor.is_floating_point() else dtype
         set_module_tensor_to_device(
@@ -170,15 +175,16 @@ def _load_layer_experts(
             f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is corrupt or truncated"
         )
 
-    def read(key_file, index=None):
-        """The tensor (or its expert `index`), its dtype checked from the header first."""
+    def read(key_file, index=None, check=True):
+        """The tensor (or its expert `index`), its dtype checked from the header first (unless not `check`)."""
         file, key = key_file
         try:
             sl = handle(file).get_slice(key)
             dt = sl.get_dtype()
         except Exception as e:
             raise corrupt(file, key, e) from None
-        _check_dtype(file, key, dt)
+        if check:
+            _check_dtype(file, key, dt)
         try:
             return sl[index] if index is not None else sl[:]
         except Exception as e:
@@ -223,6 +229,12 @@ def _load_layer_experts(
                         raise RuntimeFailure(
                             f"checkpoint lacks {prefix}.{e}.{n}.weight; re-download it with `localmoe pull`"
                         )
+                    state = bnb.quantized(keys, f"{e}.{n}.weight")
+                    if state is not None:  # bitsandbytes 4-bit: its bytes into the NF4 store
+                        packed = read(kf, check=False)
+                        _check(prefix, f"{e}.{n}", (2 * packed.numel(),), (want[0] * want[1],))
+                        bnb.put_expert(dst, e, packed, state, handle, device, dtype, transpose=transpose)
+                        continue
                     t = read(kf)
                     _check(prefix, f"{e}.{n}", t.shape, want)
                     _put(dst, e, t.T if transpose else t, device)
@@ -253,8 +265,8 @@ def _int4_storage(kind, shape, dtype, device, host: bool, pinned: list) -> Int4T
 # quantized checkpoint whose values mean something only with its scales, which localmoe does not read.
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _QUANTIZED_HINT = (
-    "localmoe loads float16/bfloat16/float32 checkpoints only (quantized ones are not supported; "
-    "--experts int4 quantizes a bf16 checkpoint itself): use the model's bf16 checkpoint"
+    "localmoe loads float16/bfloat16/float32 and bitsandbytes 4-bit (NF4) checkpoints only (other quantized ones "
+    "are not supported; --experts int4 or nf4 quantizes a bf16 checkpoint itself): use the model's bf16 checkpoint"
 )
 
 
