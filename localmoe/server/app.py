@@ -87,14 +87,16 @@ class Api:
         return JobResponse(job, builder, req.stream, after=lambda b, stats: self.after(req, messages, b, stats))
 
     def after(self, req, messages, builder: ReplyBuilder, stats) -> None:
-        """A reply ended: the log line, and a plain chat answer's conversation prefilled ahead of its next turn."""
+        """A reply ended: the log line, and a chat answer without tool calls prefilled ahead of the conversation's next
+        turn (Worker.prepare: only while no request waits)."""
         if self.log is not None:
             self.log(
                 f"{req.kind}: {stats.prompt_tokens} tok in ({stats.reused_prompt_tokens} cached), "
                 f"{stats.generated_tokens} out, first token {stats.ttft_s:.2f} s, {stats.decode_tok_s:.1f} tok/s, "
                 f"{builder.finish_reason(stats)}"
             )
-        if messages is not None and not builder.calls and stats.finish_reason == "stop" and self.engine.reuse_prompts:
+        ended = stats.finish_reason in ("stop", "length")  # the client sends back what it got, cut short or not
+        if messages is not None and not builder.calls and ended and self.engine.reuse_prompts:
             turn = [*messages, {"role": "assistant", "content": builder.answer_text()}]
             self.worker.prepare(turn, req.think, list(req.tools) or None)
 
