@@ -37,16 +37,31 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0  # seconds it waited for the engine
+    _pending: list = field(default_factory=list)  # items posted, not yet handed to the loop
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _scheduled: bool = False  # a hand-over is already scheduled on the loop
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def post(self, kind: str, payload) -> None:
-        """From the worker thread: an item for the request's event loop (dropped once that loop is closed)."""
+        """From the worker thread: an item for the request's event loop (dropped once that loop is closed). Items
+        posted while a hand-over is pending go with it: the loop is woken once per batch, not once per token."""
+        with self._lock:
+            self._pending.append((kind, payload))
+            if self._scheduled:
+                return
+            self._scheduled = True
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            self.loop.call_soon_threadsafe(self._hand_over)
         except RuntimeError:
             pass
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        for item in items:
+            self.events.put_nowait(item)
 
 
 class Worker:
