@@ -11,7 +11,7 @@ Two parts, each printing a table and writing JSON under --out:
   engine  `localmoe bench --shape` rows for a pair of shapes in one process: qwen3.5-35b and qwen3.5-35b-deamoe
           (or deamoe-7b-vanilla and deamoe-7b with --pair 7b) at --vram (resident when absent).
 
-    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py layer --out $OUT
+    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py layer --out $OUT [--z 0,0.5]    # --z: tau_z rows at 85%
     PYTHONUNBUFFERED=1 python bench/deamoe_twin.py tune --out $OUT    # department_experts' launch keywords
     PYTHONUNBUFFERED=1 python bench/deamoe_twin.py engine --vram 12 --sparsity 0.85 --out $OUT
 """
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from localmoe.experts.departments import DepartmentExperts, group_limited_topk  # noqa: E402
+from localmoe.experts.departments import DepartmentExperts, group_limited_topk, step_slots  # noqa: E402
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts  # noqa: E402
 from localmoe.measure.benchmark import bench, table  # noqa: E402
 
@@ -78,10 +78,10 @@ def routing(kind: str, T: int, steps: int, gen):
     return idx.view(steps, T, k), w.view(steps, T, k)
 
 
-def step_bytes(kind: str, idx: torch.Tensor, sparsity: float) -> float:
+def step_bytes(kind: str, idx: torch.Tensor, sparsity: float, z_sparsity: float = 0.0) -> float:
     """Bytes a step must read, averaged over steps: the union of experts (vanilla: gate whole, up/down rows kept)
-    or departments (gate and down whole, up rows kept) plus chosen private parts (rows kept) the step's tokens
-    touch."""
+    or departments (gate whole, up rows kept, down rows of kept z entries) plus chosen private parts (rows kept)
+    the step's tokens touch."""
     keep = 1.0 - sparsity
     out = []
     for s in range(idx.shape[0]):
@@ -91,7 +91,8 @@ def step_bytes(kind: str, idx: torch.Tensor, sparsity: float) -> float:
         else:
             depts = (chosen // TWIN["n"]).unique()
             h = TWIN["h"]
-            out.append(len(depts) * h * H * 2 * (2 + keep) + len(chosen) * h * h * 2 * keep)
+            down = 1.0 - z_sparsity
+            out.append(len(depts) * h * H * 2 * (1 + down + keep) + len(chosen) * h * h * 2 * keep)
     return sum(out) / len(out)
 
 
@@ -108,12 +109,36 @@ def set_tau(mods, sparsity: float, x: torch.Tensor) -> None:
         m.sparse_enabled = True
 
 
-def time_layers(mods, kind: str, T: int, sparsity: float, gen, steps: int = 24):
+def set_tau_z(mods, z_sparsity: float, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+    """DeaMoE: a per-layer tau_z at the `z_sparsity` quantile of |z| (the private parts' weighted sum, the down
+    projection's input) over one step's departments, after tau (the kernels' reference computes z)."""
+    for m in mods:
+        m.tau_z = None
+        if z_sparsity == 0:
+            continue
+        dept, ws = step_slots(idx, w, m.per_department, min(m.num_departments, idx.shape[0] * m.slots))
+        zs = []
+        for s, d in enumerate(dept.tolist()):
+            for t in range(idx.shape[0]) if d >= 0 else ():
+                a = torch.nn.functional.silu(m.gate_proj[d].float() @ x[t].float())
+                if m.sparse_enabled:
+                    a = a * (a.abs() >= m.tau[d])
+                u = a * (m.up_proj[d].float() @ x[t].float())
+                z = sum(ws[s, t, j] * (u @ m.private[d, j].float()) for j in range(m.per_department) if ws[s, t, j])
+                if isinstance(z, torch.Tensor):
+                    zs.append(z.abs())
+        tz = torch.quantile(torch.cat(zs), z_sparsity).item()
+        m.tau_z = torch.full((m.tau_groups,), tz, dtype=torch.float32, device="cuda")
+
+
+def time_layers(mods, kind: str, T: int, sparsity: float, gen, steps: int = 24, z_sparsity: float = 0.0):
     for m in mods:
         m.max_sparse_tokens = max(T, 1)
     xs = torch.randn(steps, T, H, device="cuda", generator=gen, dtype=torch.bfloat16)
     set_tau(mods, sparsity, xs[0])
     idx, w = routing(kind, T, steps, gen)
+    if kind == "deamoe":
+        set_tau_z(mods, z_sparsity, xs[0], idx[0], w[0].float())
     x_in, i_in, w_in = xs[0].clone(), idx[0].clone(), w[0].clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -138,26 +163,29 @@ def time_layers(mods, kind: str, T: int, sparsity: float, gen, steps: int = 24):
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000 / len(mods))
     times.sort()
-    return times[len(times) // 2], step_bytes(kind, idx, sparsity)
+    return times[len(times) // 2], step_bytes(kind, idx, sparsity, z_sparsity)
 
 
-def layer_part(out: Path) -> None:
+def layer_part(out: Path, z_sparsities: list[float]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for kind, make in (("vanilla", vanilla_layers), ("deamoe", twin_layers)):
         mods = make(gen)
         for T in (1, 4):
             for sp in (0.0, 0.85):
-                us, nbytes = time_layers(mods, kind, T, sp, gen)
-                rows.append(dict(layer=kind, tokens=T, sparsity=sp, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3))
-                r = rows[-1]
-                print(
-                    f"{kind:<8} T={T} sparsity {sp:>4.0%}  {us:8.1f} µs/layer  {r['mb']:7.1f} MB  {r['gb_s']:6.0f} GB/s"
-                )
+                for zs in z_sparsities if kind == "deamoe" and sp > 0 else (0.0,):
+                    us, nbytes = time_layers(mods, kind, T, sp, gen, z_sparsity=zs)
+                    name = kind if zs == 0 else f"{kind} z{zs:.0%}"
+                    rows.append(dict(layer=name, tokens=T, sparsity=sp, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3))
+                    r = rows[-1]
+                    print(
+                        f"{name:<12} T={T} sparsity {sp:>4.0%}  {us:8.1f} µs/layer  {r['mb']:7.1f} MB  "
+                        f"{r['gb_s']:6.0f} GB/s"
+                    )
         del mods
         gc.collect()
         torch.cuda.empty_cache()
-    print("\nlayer    tokens  sparsity  µs/layer  MB/step  GB/s   (deamoe / vanilla time)")
+    print("\nlayer        tokens  sparsity  µs/layer  MB/step  GB/s   (deamoe / vanilla time)")
     for r in rows:
         base = next(
             v["us"]
@@ -165,7 +193,7 @@ def layer_part(out: Path) -> None:
             if v["layer"] == "vanilla" and v["tokens"] == r["tokens"] and v["sparsity"] == r["sparsity"]
         )
         print(
-            f"{r['layer']:<8} {r['tokens']:>6} {r['sparsity']:>9.0%} {r['us']:>9.1f} {r['mb']:>8.1f} {r['gb_s']:>5.0f}"
+            f"{r['layer']:<12} {r['tokens']:>6} {r['sparsity']:>9.0%} {r['us']:>9.1f} {r['mb']:>8.1f} {r['gb_s']:>5.0f}"
             f"   {r['us'] / base:.2f}x"
         )
     (out / "deamoe_layer.json").write_text(json.dumps(rows, indent=1))
@@ -248,10 +276,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
+    ap.add_argument("--z", default="0", help="layer: z sparsities (tau_z quantiles) for the DeaMoE rows at 85%%")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.part == "layer":
-        layer_part(a.out)
+        layer_part(a.out, [float(z) for z in a.z.split(",")])
     elif a.part == "tune":
         tune_part(a.out)
     else:

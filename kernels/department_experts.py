@@ -10,6 +10,8 @@ tau[d]} (only tokens with a chosen expert in d):
     z[s,t,:] = sum_j weights[s,t,j] sum_{i in K} u[s,t,i] P_{d,j}[i, :]                    `_dept_private_kernel`
     y[t, :] += sum_i z[s,t,i] W_down_t_d[i, :]                                             `_dept_down_kernel`
 
+(with `tau_z` [D], z entries with |z| < tau_z[d] are dropped first, and a W_down_t row no token keeps is not read).
+
 Grids: up (S, h / BLOCK_N) reads a block of gate rows once for all T tokens, and up rows only where kept;
 private (S * n, h / BLOCK_Z, row splits) reads each chosen expert's P rows of kept neurons once for all T tokens (a
 program per (slot, expert, column block, block of ROWS input rows); experts no token chose end at once) and adds into
@@ -47,13 +49,14 @@ def _unpack_pools(pools) -> tuple:
 
 
 def department_experts_ref(
-    x, w_gate, w_up, w_down_t, private, dept, weights, tau, private_slots=None, pools=None, host_elems=None
+    x, w_gate, w_up, w_down_t, private, dept, weights, tau, private_slots=None, pools=None, host_elems=None, tau_z=None
 ):
     """Torch reference reading only kept rows of W_up and P: -> (y [T, H] fp32, kept count as a 0-d int64).
     With `private_slots` [S, n], private is a pool [P, h, h] and expert j of slot s is private[private_slots[s, j]].
     With `pools` (direct offloading, module doc), a department / expert the maps place in a pool is read there, any
     other from the host master copies (w_gate... / private); `host_elems` (0-d int64) gets the elements read from
-    the host added (gate rows, kept up rows, down rows, kept private rows)."""
+    the host added (gate rows, kept up rows, down rows, kept private rows). `tau_z` [D]: z entries under it are
+    dropped, and W_down rows no token keeps are not read."""
     ps = private_slots.tolist() if private_slots is not None else None
     if pools is not None:
         gp, upp, dp, pp, dmap, pmap, up_slots = _unpack_pools(pools)
@@ -75,7 +78,8 @@ def department_experts_ref(
             if not up_host:
                 u_w = upp[dmap[d]]
         if on_host:
-            from_host += 2 * h * H  # the gate and the down projection, read once for the slot
+            from_host += h * H  # the gate, read once for the slot
+        z_rows: set = set()  # W_down rows some token keeps (read once for the slot)
         live: dict[int, set] = {}  # expert j -> kept neurons of the tokens that chose it (its P rows read once)
         for t in range(T):
             w = weights[s, t].float()
@@ -99,8 +103,15 @@ def department_experts_ref(
                     if pools is not None:
                         live.setdefault(j, set()).update(keep[u != 0].tolist())
                 z += w[j] * (u @ pj.index_select(0, keep).float())
+            if tau_z is not None:
+                z = torch.where(z.abs() >= tau_z[d].float(), z, torch.zeros_like(z))
+                z_rows.update(z.nonzero().squeeze(1).tolist())
+            else:
+                z_rows.update(range(h))
             y[t] += z @ d_w.float()
         from_host += sum(len(rows) for rows in live.values()) * h
+        if on_host:
+            from_host += len(z_rows) * H
     if host_elems is not None:
         host_elems += from_host
     return y, kept
@@ -229,9 +240,9 @@ if triton is not None:
 
     @triton.jit
     def _dept_down_kernel(
-        wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, T, h, stride_dd, stride_pool,
+        wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, T, h, stride_dd, stride_pool,
         H: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, ROWS: tl.constexpr,
-        DIRECT: tl.constexpr,
+        DIRECT: tl.constexpr, ZMASK: tl.constexpr,
     ):  # fmt: skip
         # program (column block, slot, row split): rows [split * ROWS, +ROWS) of the slot's W_down_t, all T tokens
         cols = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -250,6 +261,8 @@ if triton is not None:
                 on_host = (slot < 0).to(tl.int64)
             read = tl.zeros((BLOCK_I,), dtype=tl.int64)  # W_down rows read, by row position in the block
             acc = tl.zeros((T_P2, BLOCK_O), dtype=tl.float32)
+            if ZMASK:
+                tz = tl.load(tz_ptr + dd)
             r0 = tl.program_id(2) * ROWS
             for i0 in range(0, ROWS, BLOCK_I):
                 ii = r0 + i0 + tl.arange(0, BLOCK_I)
@@ -258,11 +271,15 @@ if triton is not None:
                     z_ptr + (s * T + tt[:, None]) * h + ii[None, :], mask=tmask[:, None] & imask[None, :], other=0.0
                 )
                 doff = ii.to(tl.int64)[:, None] * H + cols[None, :]
-                dm = imask[:, None] & cmask[None, :]
+                rmask = imask
+                if ZMASK:  # z entries under tau_z dropped; a row no token keeps is not read
+                    z = tl.where(tl.abs(z) >= tz, z, 0.0)
+                    rmask = imask & (tl.sum((z != 0).to(tl.int32), axis=0) > 0)
+                dm = rmask[:, None] & cmask[None, :]
                 if DIRECT:
                     wd = tl.load(dp_ptr + pool + doff, mask=dm & res, other=0.0).to(tl.float32)
                     wd += tl.load(wd_ptr + dd * stride_dd + doff, mask=dm & host, other=0.0).to(tl.float32)
-                    read += imask.to(tl.int64)
+                    read += rmask.to(tl.int64)
                 else:
                     wd = tl.load(wd_ptr + dd * stride_dd + doff, mask=dm, other=0.0).to(tl.float32)
                 acc += tl.sum(z[:, :, None] * wd[None, :, :], axis=1)
@@ -282,7 +299,7 @@ def _split(rows: int, block: int, target: int) -> tuple[int, int]:
 
 def department_experts(
     x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, kept_total=None, seen_total=None,
-    private_slots=None, pools=None, host_elems=None,
+    private_slots=None, pools=None, host_elems=None, tau_z=None,
     BLOCK_N: int = 4, BLOCK_I: int = 0, BLOCK_Z: int = 128, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
     num_warps: int = 4,
 ):  # fmt: skip
@@ -364,6 +381,8 @@ def department_experts(
         )
     if tuple(tau.shape) != (D,) or tau.dtype != torch.float32 or tau.device != x.device:
         raise ValueError(f"tau must be an fp32 [D] = ({D},) tensor on {x.device}")
+    if tau_z is not None and (tuple(tau_z.shape) != (D,) or tau_z.dtype != torch.float32 or tau_z.device != x.device):
+        raise ValueError(f"tau_z must be an fp32 [D] = ({D},) tensor on {x.device}")
     if weights.device != x.device:
         raise ValueError("weights must be on x's device")
     for name, c in (("kept_total", kept_total), ("seen_total", seen_total)):
@@ -417,7 +436,8 @@ def department_experts(
         T_P2=t_p2, BLOCK_I=bi, BLOCK_Z=bz, ROWS=rows, INDEXED=indexed, DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip
     _dept_down_kernel[(triton.cdiv(H, bo), S, splits)](
-        w_down_t, dept, z_ws, out, dp, dmap, hc, T, h, w_down_t.stride(0), pool_stride,
-        H=H, T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo, ROWS=rows, DIRECT=direct, num_warps=num_warps,
+        w_down_t, dept, z_ws, out, dp, dmap, hc, tau if tau_z is None else tau_z, T, h, w_down_t.stride(0),
+        pool_stride, H=H, T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo, ROWS=rows, DIRECT=direct, ZMASK=tau_z is not None,
+        num_warps=num_warps,
     )  # fmt: skip
     return out

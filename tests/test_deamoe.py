@@ -111,13 +111,15 @@ def _route(T, D=4, n=3, k=3, g=2, seed=1):
 @pytest.mark.parametrize("tau", [0.0, 0.15], ids=["tau0", "tau0.15"])
 def test_dense_and_decode_paths_agree(T, kernel, tau):
     """fp32 on CPU (the torch reference) or, for the kernel, on DEV: CUDA when the kernels are compiled, where the
-    down kernel adds the departments' rows atomically in no fixed order (the tolerance of the other atomic sums)."""
+    down kernel adds the departments' rows atomically in no fixed order (the tolerance of the other atomic sums).
+    With a threshold, a second one on z (`tau_z`) too."""
     dev = DEV if kernel else "cpu"
     ex = _experts().to(dev)
     x = torch.randn(T, 64).to(dev)
     idx, w = (t.to(dev) for t in _route(T))
     with torch.no_grad():
         ex.tau = torch.full((4,), tau, device=dev)
+        ex.tau_z = torch.full((4,), 0.02, device=dev) if tau > 0 else None
         ex.sparse_enabled = tau > 0
         ex.mask_all_tokens = tau > 0
         dense = ex(x, idx, w)  # mask_all_tokens: the dense path with the same mask

@@ -152,3 +152,35 @@ def test_direct_reads_pools_and_host(T, up_tier, tau, dtype):
     for got in (y, ref):
         assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-5
     assert int(kept) == int(kept_ref) and int(hc) == int(hc_ref) > 0
+
+
+@pytest.mark.parametrize("T,dtype", [(1, torch.bfloat16), (3, torch.float32)], ids=["T1-bf16", "T3-fp32"])
+def test_z_threshold_drops_entries_and_down_rows(T, dtype):
+    """tau_z near the median |z|: the kernel equals the reference (z entries under it dropped per token), and read
+    directly from host memory, the W_down rows no token keeps are not read (fewer host elements than without)."""
+    D, n, h, H, k = 5, 3, 40, 96, 3
+    x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, dtype)
+    taus = torch.zeros(D, device=DEV)
+    zs = []
+    for s, d in enumerate(dept.tolist()):
+        for t in range(T) if d >= 0 else ():
+            if bool((w[s, t] != 0).any()):
+                u = torch.nn.functional.silu(wg[d].float() @ x[t].float()) * (wu[d].float() @ x[t].float())
+                zs.append(sum(w[s, t, j] * (u @ private[d, j].float()) for j in range(n)))
+    v = torch.cat(zs).abs().sort().values
+    m = v.numel() // 2
+    tau_z = torch.full((D,), float(v[m - 1] + v[m]) / 2, device=DEV)  # between two values: no tie to round
+    ref, _ = department_experts_ref(x, wg, wu, wd, private, dept, w, taus, tau_z=tau_z)
+    full, _ = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
+    y = department_experts(x, wg, wu, wd, private, dept, w, taus, tau_z=tau_z)
+    assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
+    assert float((full.double() - ref.double()).norm() / full.double().norm()) > 1e-3  # it did drop something
+    pools = _pooled(wg, wu, wd, private, [], [], n)  # nothing resident: every row from the host copies
+    counts = []
+    for tz in (None, tau_z):
+        hc, hc_ref = (torch.zeros((), dtype=torch.int64, device=DEV) for _ in range(2))
+        department_experts(x, wg, wu, wd, private, dept, w, taus, pools=pools, host_elems=hc, tau_z=tz)
+        department_experts_ref(x, wg, wu, wd, private, dept, w, taus, pools=pools, host_elems=hc_ref, tau_z=tz)
+        assert int(hc) == int(hc_ref)
+        counts.append(int(hc))
+    assert counts[1] < counts[0]

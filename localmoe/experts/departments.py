@@ -9,11 +9,13 @@ token x with routing weights g_e over its k chosen experts:
     z_d = sum_{e in d, chosen} g_e (u_d @ P_e)                each chosen expert's private part      [h]
     y   = sum_d z_d @ down_t_d                                the shared down projection once per d  [H]
 
-(the down projection is linear, so it runs once over the department's weighted sum). Threshold sparsity lives on u's
-h neurons: with a = silu(x W_gate_d^T), neuron i is skipped when |a_i| < tau[d]; a skipped neuron drops row i of
-W_up_d and row i of every chosen P_e. z is dense, so W_down_d is read in full. tau is [D] float32 (one threshold per
-department; a per-layer tau broadcast), and the gate recorder (`GateRecorder`, calibration) gets |a| keyed by
-department.
+(the down projection is linear, so it runs once over the department's weighted sum). Threshold sparsity lives on u's h
+neurons: with a = silu(x W_gate_d^T), neuron i is skipped when |a_i| < tau[d]; a skipped neuron drops row i of W_up_d
+and row i of every chosen P_e. z is dense, so W_down_d is read in full, unless a second threshold `tau_z` [D] is set:
+then z entries with |z_i| < tau_z[d] are dropped and the rows of W_down_d no token keeps are not read
+(bench/deamoe_twin.py sets it to measure the bytes; calibration does not yet, so it is None in every engine). tau is [D]
+float32 (one threshold per department; a per-layer tau broadcast), and the gate recorder (`GateRecorder`, calibration)
+gets |a| keyed by department.
 
 Paths (same call as LocalExperts: `experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`,
 routing weights final, indices are flat expert numbers e = d * n + j):
@@ -141,6 +143,7 @@ class DepartmentExperts(nn.Module):
         self.private = nn.Parameter(torch.empty(D, n, h, h))
         self.slots = D  # decode slots per step (the model sets min(D, T * departments per token))
         self.tau: torch.Tensor | None = None  # [D] float32 per-department threshold (per-layer tau broadcast)
+        self.tau_z: torch.Tensor | None = None  # [D] float32 threshold on z (module doc), applied with tau
         self.sparse_enabled = False
         self.max_sparse_tokens = 1
         self.mask_all_tokens = False  # evaluation: the sparse mask on the dense path too (same function)
@@ -230,6 +233,8 @@ class DepartmentExperts(nn.Module):
         zp = _mm_by_group(u[slot_pair], self.private.view(D * n, h, h), e_ends_t.tolist(), e_ends_t)  # [T*k, h]
         zp = zp * top_k_weights.reshape(-1)[order, None].to(zp.dtype)
         z = torch.zeros(u.shape[0], h, dtype=zp.dtype, device=x.device).index_add(0, slot_pair, zp)  # [P, h]
+        if masked and self.tau_z is not None:
+            z = z * (z.abs() >= self.tau_z.to(z.device)[pd].unsqueeze(1))
         y = _mm_by_group(z, self.down_t, ends, ends_t)  # [P, H]
         return torch.zeros_like(x).index_add(0, pt, y.to(x.dtype))
 
@@ -242,6 +247,12 @@ class DepartmentExperts(nn.Module):
             self._no_tau = torch.zeros(self.num_departments, dtype=torch.float32, device=device)
         return False, self._no_tau
 
+    def _tau_z(self, device) -> torch.Tensor | None:
+        """tau_z on `device` (moved once), or None."""
+        if self.tau_z is not None and self.tau_z.device != torch.device(device):
+            self.tau_z = self.tau_z.to(device=device, dtype=torch.float32)
+        return self.tau_z
+
     def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         slots = min(self.num_departments, T * self.slots)
@@ -249,10 +260,13 @@ class DepartmentExperts(nn.Module):
         self.last_departments = dept
         sparse, tau = self._tau(x.device)
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
-        return self._run_kernel(x, args, w, sparse)
+        return self._run_kernel(x, args, w, sparse, self._tau_z(x.device))
 
-    def _run_kernel(self, x, args, w, sparse: bool, **where) -> torch.Tensor:
-        """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading)."""
+    def _run_kernel(self, x, args, w, sparse: bool, tau_z=None, **where) -> torch.Tensor:
+        """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading); `tau_z` [D or
+        department slots] applies with the sparse path only."""
+        if sparse and tau_z is not None:
+            where["tau_z"] = tau_z
         if x.is_cuda or self.kernel_on_cpu:  # the kernel adds into the module's counters (no launch of their own)
             counters = {}
             if sparse:
@@ -298,10 +312,14 @@ class DepartmentExperts(nn.Module):
         tau_slots = torch.zeros(
             cache.gate.shape[0], dtype=torch.float32, device=dev
         )  # each department's tau follows it
+        tz, tz_slots = self._tau_z(dev), None
         if used:
             tau_slots[torch.tensor(d_slots, device=dev)] = tau[torch.tensor(used, device=dev)]
+            if tz is not None:
+                tz_slots = torch.zeros_like(tau_slots)
+                tz_slots[torch.tensor(d_slots, device=dev)] = tz[torch.tensor(used, device=dev)]
         args = (x, cache.gate, cache.up, cache.down_t, cache.private, slot_dept, w, tau_slots)
-        return self._run_kernel(x, args, w, sparse, private_slots=private_slots)
+        return self._run_kernel(x, args, w, sparse, tz_slots, private_slots=private_slots)
 
     def _direct(self, x: torch.Tensor, top_k_index, top_k_weights) -> torch.Tensor:
         """Direct offloading (experts/department_cache.py): the kernels read resident units from the pools and the
@@ -314,7 +332,8 @@ class DepartmentExperts(nn.Module):
         self.last_departments = dept
         sparse, tau = self._tau(x.device)
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
-        return self._run_kernel(x, args, w, sparse, pools=cache.direct_pools(layer), host_elems=cache.host_elems)
+        pools = cache.direct_pools(layer)
+        return self._run_kernel(x, args, w, sparse, self._tau_z(x.device), pools=pools, host_elems=cache.host_elems)
 
 
 def dense_cached(m: DepartmentExperts, x: torch.Tensor, top_k_index, top_k_weights, mask: bool) -> torch.Tensor:
@@ -346,5 +365,7 @@ def dense_cached(m: DepartmentExperts, x: torch.Tensor, top_k_index, top_k_weigh
             g = (wts * hit).sum(1)[r]
             zp = (u[r] @ cache.private_of(layer, d, j).to(u.dtype)) * g[:, None].to(u.dtype)
             z = z.index_add(0, r, zp)
+        if masked and m.tau_z is not None:
+            z = z * (z.abs() >= m.tau_z.to(z.device)[d])
         y = y.index_add(0, rows, (z @ down_t.to(z.dtype)).to(x.dtype))
     return y
