@@ -58,6 +58,21 @@ def nf4_code(device) -> torch.Tensor:
     return _CODES[device]
 
 
+def bnb_functional():
+    """bitsandbytes.functional, its CPU backend's notice about an optional hub kernel (logged at import on CPUs with
+    AVX512-BF16, irrelevant here: localmoe reads NF4 with its own kernels) kept off stderr."""
+    import logging
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes.functional as bnb_f
+    finally:
+        log.setLevel(level)
+    return bnb_f
+
+
 def block_for(hidden: int) -> int:
     """The largest power of two <= BLOCK dividing `hidden` (>= MIN_BLOCK); ValueError when none does."""
     g = BLOCK
@@ -125,8 +140,7 @@ def _dequantize(packed, absmax, dtype) -> torch.Tensor:
 def quantize_nf4(w: torch.Tensor, block: int | None = None, chunk: int = 16, device=None) -> Nf4Tensor:
     """[E, I, H] float -> Nf4Tensor on `device` (default w's), quantized by bitsandbytes (`quantize_4bit`, NF4, blocks
     of `block` along H), `chunk` experts at a time."""
-    import bitsandbytes.functional as bnb_f
-
+    bnb_f = bnb_functional()
     E, I, H = w.shape
     G = block or block_for(H)
     if H % G:

@@ -28,28 +28,49 @@ FAMILIES = {"qwen3_moe": True, "mixtral": False}  # family -> double-quantized s
 
 
 def save_bnb_checkpoint(family: str, folder: Path, double_quant: bool) -> Path:
-    """A tiny model of `family` (hidden 64: blocks of 64 along a row) saved as transformers saves a bnb-4bit model:
-    every 2-D Linear weight but the embeddings and lm_head as NF4 bytes + `weight.<quant state>` tensors."""
+    """A tiny model of `family` (hidden 64: blocks of 64 along a row) saved as transformers saves a bnb-4bit model."""
     import transformers as tf
-    from safetensors.torch import load_file, save_file
 
     torch.manual_seed(7)
     tiny = tiny_models.spec(family).tiny
     cfg = tf.AutoConfig.for_model(family, **tiny_models._common(**{**tiny.config, "hidden_size": 64}))
     tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    tensors = load_file(str(folder / "model.safetensors"))
-    out = {}
-    for key, t in tensors.items():
-        if t.dim() == 2 and key.endswith(".weight") and "embed_tokens" not in key and "lm_head" not in key:
-            q, st = bnb_f.quantize_4bit(
-                t.to(torch.bfloat16).contiguous(), blocksize=64, quant_type="nf4", compress_statistics=double_quant
-            )
-            out[key] = q
-            for k, v in st.as_dict(packed=True).items():
-                out[f"{key}.{k}"] = v
-        else:
-            out[key] = t
-    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tiny_models.char_tokenizer().save_pretrained(folder)
+    return bnb_quantize_folder(folder, double_quant)
+
+
+def bnb_quantize_folder(folder: Path, double_quant: bool, device: str = "cpu") -> Path:
+    """A saved bf16/fp32 checkpoint folder rewritten in place as bitsandbytes' Linear4bit saves a 4-bit model: every
+    2-D Linear weight but the embeddings and lm_head as NF4 bytes (blocks of 64, quantized on `device`) beside its
+    `weight.<quant state>` tensors, and config.json's quantization_config (bench/nf4_check.py uses it too)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        out = {}
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                if t.dim() == 2 and key.endswith(".weight") and "embed_tokens" not in key and "lm_head" not in key:
+                    q, st = bnb_f.quantize_4bit(
+                        t.to(device, torch.bfloat16).contiguous(),
+                        blocksize=64,
+                        quant_type="nf4",
+                        compress_statistics=double_quant,
+                    )
+                    out[key] = q.cpu()
+                    out.update({f"{key}.{k}": v.cpu() for k, v in st.as_dict(packed=True).items()})
+                else:
+                    out[key] = t
+        save_file(out, str(shard), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # the quant-state tensors live in their weight's shard
+        data = json.loads(index.read_text())
+        wm = data["weight_map"]
+        for shard in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(shard), "pt") as f:
+                wm.update({k: shard.name for k in f.keys()})
+        index.write_text(json.dumps(data))
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "bitsandbytes",
@@ -61,7 +82,6 @@ def save_bnb_checkpoint(family: str, folder: Path, double_quant: bool) -> Path:
         "llm_int8_skip_modules": ["lm_head"],
     }
     (folder / "config.json").write_text(json.dumps(config))
-    tiny_models.char_tokenizer().save_pretrained(folder)
     return folder
 
 

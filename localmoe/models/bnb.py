@@ -51,6 +51,14 @@ def checkpoint_format(config) -> str | None:
     return "nf4"
 
 
+def require() -> None:
+    """RuntimeFailure in one line when bitsandbytes (NF4's quantizer and a bnb checkpoint's reader) is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise RuntimeFailure("NF4 experts need bitsandbytes, which is not installed: pip install bitsandbytes")
+
+
 def check_experts_format(experts_format: str) -> str:
     """The experts format a bnb-4bit checkpoint loads with: nf4 ("full", the default, means the checkpoint's own)."""
     if experts_format == "int4":
@@ -69,7 +77,9 @@ def quantized(keys: dict, name: str) -> dict | None:
 
 
 def _state(state: dict, handle, device):
-    import bitsandbytes.functional as bnb_f
+    from localmoe.kernels.nf4 import bnb_functional
+
+    bnb_f = bnb_functional()
 
     tensors = {}
     for suffix, (file, key) in state.items():
@@ -92,7 +102,9 @@ def _state(state: dict, handle, device):
 
 def dequantize(packed, state: dict, handle, device, dtype):
     """A quantized tensor [out, in] in `dtype` on `device` (bitsandbytes' dequantize_4bit)."""
-    import bitsandbytes.functional as bnb_f
+    from localmoe.kernels.nf4 import bnb_functional
+
+    bnb_f = bnb_functional()
 
     qs = _state(state, handle, device)
     return bnb_f.dequantize_4bit(packed.to(device), qs).to(dtype)
@@ -100,7 +112,9 @@ def dequantize(packed, state: dict, handle, device, dtype):
 
 def absmax_fp32(qs):
     """The per-block absmax in fp32 (double-quantized statistics expanded as bitsandbytes' dequantize_4bit does)."""
-    import bitsandbytes.functional as bnb_f
+    from localmoe.kernels.nf4 import bnb_functional
+
+    bnb_f = bnb_functional()
     import torch
 
     if not qs.nested:
@@ -123,7 +137,9 @@ def put_expert(dst, e: int, packed, state: dict, handle, device, dtype, *, trans
     if isinstance(dst, Nf4Tensor) and not transpose and qs.blocksize == dst.group and H % qs.blocksize == 0:
         dst.put_packed(e, packed, absmax_fp32(qs))
         return
-    import bitsandbytes.functional as bnb_f
+    from localmoe.kernels.nf4 import bnb_functional
+
+    bnb_f = bnb_functional()
 
     w = bnb_f.dequantize_4bit(packed.to(device), qs).to(dtype)
     w = w.T if transpose else w

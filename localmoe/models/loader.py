@@ -59,6 +59,8 @@ class LoadOptions:
 def check_format(experts_format: str) -> None:
     if experts_format not in EXPERT_FORMATS:
         raise UsageError(f"--experts must be one of {', '.join(EXPERT_FORMATS)}, got {experts_format!r}")
+    if experts_format == "nf4":
+        bnb.require()
 
 
 def load_model(
@@ -79,6 +81,7 @@ def load_model(
     config, text_config, fam = read_config(path)
     if bnb.checkpoint_format(config):  # a bnb-4bit checkpoint: its experts load as they are, NF4
         options = replace(options, experts_format=bnb.check_experts_format(options.experts_format))
+        bnb.require()
     check_tokenizer(path)
     if fam.no_int4 and options.experts_format != "full":
         raise UsageError(fam.no_int4)
