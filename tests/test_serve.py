@@ -314,6 +314,14 @@ def test_disconnect_cancels_and_queue_limit(client, server):
     assert r.choices[0].text == "yy"
 
 
+def test_a_client_that_gives_up_cancels_its_whole_reply(client, server):
+    before = wait_idle(server)
+    with pytest.raises(openai.APITimeoutError):  # not streaming: the client stops waiting, its reply is cancelled
+        client.with_options(timeout=0.5).completions.create(model=REPO, prompt="x", max_tokens=4000)
+    after = wait_idle(server)
+    assert after["cancelled"] - before["cancelled"] == 1 and after["completed"] == before["completed"]
+
+
 @pytest.mark.parametrize(
     "fields, status, param",
     [
@@ -341,6 +349,8 @@ def test_raw_http_errors(server):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, _, body = http(server, "POST", "/v1/chat/completions", b"[]")
     assert status == 400
+    status, _, body = http(server, "POST", "/v1/completions", b"[" * 5000 + b"]" * 5000)
+    assert status == 400 and body["error"]["message"]
     status, _, body = http(server, "GET", "/v1/nowhere")
     assert status == 404 and "no such endpoint" in body["error"]["message"]
     status, _, body = http(server, "GET", "/v1/chat/completions")

@@ -67,7 +67,7 @@ class Api:
                 raise ApiError(413, f"the request body is over {self.max_body} bytes", code="request_too_large")
         try:
             body = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested past Python's limit
             raise bad("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
