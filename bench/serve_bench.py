@@ -5,7 +5,8 @@ thread of this process (uvicorn on a free localhost port, the official `openai` 
    greedily (EOS off), --reps times each way, alternating; every measurement gets a fresh prompt (so prompt reuse
    helps neither). In-process: `Engine.generate`, first event and engine stats. HTTP: a streamed /v1/completions
    request (prompt as token ids): first chunk, last chunk and usage, measured by the client; and the engine's own
-   decode rate for that request (the `localmoe` field).
+   decode rate for that request (the `localmoe` field). The client runs in this process (client, server and engine
+   share one interpreter: the harder case) or, with --client-process, in a process of its own.
 2. A --turns-turn chat over HTTP (streamed /v1/chat/completions; each user message about --user-words words, each
    reply --reply-tokens tokens; the reply text sent back as the client would), with a --pause between turns as a
    user reading and typing (the server prefills the reply meanwhile), then the same conversation with prompt reuse
@@ -14,7 +15,7 @@ thread of this process (uvicorn on a free localhost port, the official `openai` 
 Random weights (--shape, CUDA) have no tokenizer: the bundled localmoe-tiny's (ChatML, 8192 ids) is attached, and
 lm_head rows past its vocabulary are zeroed so every token the random model picks is one it can spell.
 
-Usage (GPU):  PYTHONUNBUFFERED=1 python bench/serve_bench.py --shape qwen3.5-35b --sparsity 0.85
+Usage (GPU):  PYTHONUNBUFFERED=1 python bench/serve_bench.py --shape qwen3.5-35b --sparsity 0.85 [--client-process]
       (CPU smoke): python bench/serve_bench.py --model localmoe-tiny --device cpu --prompt-tokens 64 \
                    --decode-tokens 32 --reps 2 --turns 4 --reply-tokens 16 --pause 0.2
 Writes $OUT/serve_bench.json when OUT is set.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -110,19 +112,29 @@ def over_http(client, prompt, n) -> dict:
     }
 
 
-def decode_rows(engine, client, args) -> list[dict]:
+def http_run(base: str, prompt, n) -> dict:
+    """over_http from a client process of its own (--client-process)."""
+    return over_http(openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600), prompt, n)
+
+
+def decode_rows(engine, client, args, pool=None) -> list[dict]:
+    """In-process and HTTP runs, alternating; HTTP from this process, or from `pool`'s process."""
     rng = random.Random(0)
     vocab = len(engine.tokenizer)
+
+    def http(prompt, n):
+        return pool.apply(http_run, (str(client.base_url), prompt, n)) if pool else over_http(client, prompt, n)
+
     runs = {"in-process": [], "http": []}
     in_process(engine, [rng.randrange(vocab) for _ in range(args.prompt_tokens)], 8)  # warm-up, graph capture
-    over_http(client, [rng.randrange(vocab) for _ in range(args.prompt_tokens)], 8)
+    http([rng.randrange(vocab) for _ in range(args.prompt_tokens)], 8)
     for rep in range(args.reps):
         for mode in ("in-process", "http") if rep % 2 == 0 else ("http", "in-process"):
             prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
             if mode == "in-process":
                 runs[mode].append(in_process(engine, prompt, args.decode_tokens))
             else:
-                runs[mode].append(over_http(client, prompt, args.decode_tokens))
+                runs[mode].append(http(prompt, args.decode_tokens))
     rows = []
     for mode, rs in runs.items():
         row = {"mode": mode, **{k: statistics.median(r[k] for r in rs) for k in ("ttft_s", "decode_tok_s", "tokens")}}
@@ -185,13 +197,25 @@ def main() -> int:
     p.add_argument("--user-words", type=int, default=40)
     p.add_argument("--reply-tokens", type=int, default=64)
     p.add_argument("--pause", type=float, default=0.5, help="seconds between turns (a user reading and typing)")
+    p.add_argument(
+        "--client-process",
+        action="store_true",
+        help="the decode rows' HTTP client in a process of its own (as an editor or agent is), not this one",
+    )
     args = p.parse_args()
     engine = make_engine(args)
     server, thread, base = start_server(engine)
     client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
     print(f"{engine.model_name} on {engine.device}, sparsity {engine.sparsity:.0%}, context {engine.context}")
-    rows = decode_rows(engine, client, args)
-    print(f"\ndecode: prompt {args.prompt_tokens}, {args.decode_tokens} tokens, median of {args.reps}")
+    if args.client_process:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            rows = decode_rows(engine, client, args, pool)
+    else:
+        rows = decode_rows(engine, client, args)
+    where = "another process" if args.client_process else "this process"
+    print(
+        f"\ndecode: prompt {args.prompt_tokens}, {args.decode_tokens} tokens, median of {args.reps}, client in {where}"
+    )
     print("| mode | time to first token (s) | decode tok/s | engine decode tok/s | HTTP / in-process |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
@@ -212,7 +236,13 @@ def main() -> int:
     thread.join(timeout=10)
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"]) / "serve_bench.json"
-        result = {"model": engine.model_name, "device": engine.device, "decode": rows, "conversation": chats}
+        result = {
+            "model": engine.model_name,
+            "device": engine.device,
+            "client_process": args.client_process,
+            "decode": rows,
+            "conversation": chats,
+        }
         out.write_text(json.dumps(result, indent=1))
     return 0
 
