@@ -18,8 +18,9 @@ program per (slot, expert, column block, block of ROWS input rows); experts no t
 z atomically; down (H / BLOCK_O, S, row splits) reads the department's W_down_t in full once (z is dense) and adds
 into y atomically. The row splits (about SPLIT_ROWS rows each) give a step of a few departments enough programs to
 fill the GPU: at the Qwen3.5-35B twin's shape (S = 4, n = 20, h = 768, H = 2048) the private kernel has ~8 x 6 x 8
-live programs, the down kernel 16 x 4 x 8. u, z and y live in one fp32 workspace ([y | z | u]; y and z zeroed in
-one memset). The kept count (tokens x kept neurons) is added into `kept_total`.
+live programs, the down kernel 16 x 4 x 8. u, z and y live in one fp32 workspace ([y | z | u]; the up kernel zeroes
+y and z, which the later two add into atomically: no memset launch). The kept count (tokens x kept neurons) is added
+into `kept_total`.
 
 Shape legend: T tokens, D departments, n experts per department, h department width, H hidden, S slots.
 Weight layout: w_gate, w_up, w_down_t [D, h, H] and private [D, n, h, h] (row i = input neuron i), rows contiguous.
@@ -122,13 +123,18 @@ if triton is not None:
     @triton.jit
     def _dept_up_kernel(
         x_ptr, wg_ptr, wu_ptr, dept_ptr, w_ptr, tau_ptr, u_ptr, kept_ptr, seen_ptr,
-        gp_ptr, up_ptr, dmap_ptr, hc_ptr,
+        gp_ptr, up_ptr, dmap_ptr, hc_ptr, z_ptr, y_ptr, y_chunk,
         T, h, n, stride_xt, stride_gd, stride_ud, stride_pool, up_slots,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
         COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         s = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # the launch zeroes what the later kernels add into atomically: y (a chunk per program) and z (below)
+        y0 = (s * tl.num_programs(1) + tl.program_id(1)) * y_chunk
+        for o in range(y0, tl.minimum(y0 + y_chunk, T * H), 256):
+            zo = o + tl.arange(0, 256)
+            tl.store(y_ptr + zo, tl.zeros((256,), dtype=tl.float32), mask=zo < tl.minimum(y0 + y_chunk, T * H))
         d = tl.load(dept_ptr + s)
         valid = (rows < h) & ((rows * 0 + d) >= 0)
         dd = tl.maximum(d, 0).to(tl.int64)
@@ -170,6 +176,7 @@ if triton is not None:
                 wu = tl.load(wu_ptr + dd * stride_ud + roff, mask=km, other=0.0)
             u = tl.where(keep, a * tl.sum(wu.to(tl.float32) * xv[None, :], axis=1), 0.0)
             tl.store(u_ptr + (s * T + t) * h + rows, u, mask=(rows < h) & ((rows * 0 + t) < T))
+            tl.store(z_ptr + (s * T + t) * h + rows, u * 0.0, mask=(rows < h) & ((rows * 0 + t) < T))
             total += tl.sum(keep.to(tl.int64), axis=0)
             considered += tl.sum((valid & used).to(tl.int64), axis=0)
         if COUNT:
@@ -392,17 +399,14 @@ def department_experts(
         tuple(out.shape) != (T, H) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != x.device
     ):
         raise ValueError(f"out must be a contiguous fp32 [T, H] = {(T, H)} tensor on {x.device}")
-    # one fp32 workspace: [y (T*H, unless `out`) | z (S*T*h) | u (S*T*h)]; y and z accumulate atomically, so they
-    # are zeroed, in one memset when `out` is not given
+    # one fp32 workspace: [y (T*H, unless `out`) | z (S*T*h) | u (S*T*h)]; y and z accumulate atomically: the first
+    # kernel zeroes them (no memset launch)
     own = 0 if out is not None else T * H
     buf = torch.empty(own + 2 * S * T * h, dtype=torch.float32, device=x.device)
-    buf[: own + S * T * h].zero_()
     if out is None:
         out = buf[:own].view(T, H)
-    else:
-        out.zero_()
     if S == 0:
-        return out
+        return out.zero_()
     z_ws = buf[own : own + S * T * h]
     u_ws = buf[own + S * T * h :]
     t_p2 = triton.next_power_of_2(T)
@@ -421,9 +425,11 @@ def department_experts(
     else:  # any tensors of the right kind: never read
         gp = upp = dp = w_gate
         pp, dmap, pmap, hc, pool_stride, pp_stride, up_slots = private, dept, dept, buf, 0, 0, 0
-    _dept_up_kernel[(S, triton.cdiv(h, bn))](
-        x, w_gate, w_up, dept, weights, tau, u_ws, kept, seen, gp, upp, dmap, hc,
-        T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0), pool_stride, up_slots,
+    up_grid = (S, triton.cdiv(h, bn))
+    _dept_up_kernel[up_grid](
+        x, w_gate, w_up, dept, weights, tau, u_ws, kept, seen, gp, upp, dmap, hc, z_ws, out,
+        triton.cdiv(T * H, up_grid[0] * up_grid[1]), T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0),
+        pool_stride, up_slots,
         H=H, H_P2=triton.next_power_of_2(H), N_P2=triton.next_power_of_2(n), T_P2=t_p2, BLOCK_N=bn, COUNT=count,
         SEEN=see, DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip
