@@ -17,7 +17,9 @@ class GenerationSettings:
     `repetition_penalty` as transformers' RepetitionPenaltyLogitsProcessor: every token of the prompt and the reply so
     far has its logit divided by it when positive, multiplied when not (1.0 = off); applied before temperature, top-k
     and top-p, greedy included. `stop`: strings that end the reply (finish_reason "stop"); the stop string and what
-    follows it are not part of the reply's text. `Engine.default_settings()` gives the checkpoint's own values."""
+    follows it are not part of the reply's text. `frequency_penalty` / `presence_penalty` as OpenAI's API defines
+    them: subtracted from the logits of tokens the reply has produced (count times frequency, plus presence once),
+    after the repetition penalty; 0 = off. `Engine.default_settings()` gives the checkpoint's own values."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -26,6 +28,8 @@ class GenerationSettings:
     seed: int | None = None
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times a token's count in the reply so far
+    presence_penalty: float = 0.0  # OpenAI's: minus this once a token is in the reply so far
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,40 @@ def test_engine_reply_cancel_check(hub_cache):
     assert len(list(e.generate([5, 6, 7], GenerationSettings(max_new_tokens=4)))) == 4  # the next reply is its own
 
 
+def test_penalize_frequency_and_presence():
+    import torch
+
+    from localmoe.engine.sampling import Seen, penalize
+
+    seen = Seen(8, torch.device("cpu"))
+    seen.start([1, 2], 1.0, frequency=0.5, presence=0.25)
+    for t in (5, 5, 7):
+        seen.mark(torch.tensor(t))
+    logits = torch.arange(8, dtype=torch.float32)
+    want = logits.clone()
+    want[5] -= 2 * 0.5 + 0.25
+    want[7] -= 0.5 + 0.25  # prompt tokens 1 and 2 are not the reply's: untouched
+    assert torch.equal(penalize(logits, seen), want)
+    seen.start([], 1.0)  # off again: nothing subtracted
+    assert torch.equal(penalize(logits, seen), logits)
+
+
+def test_engine_presence_penalty(hub_cache):
+    from localmoe.engine.engine import Engine
+
+    e = Engine.load(repo_id("qwen3_moe"), device="cpu", sparsity=0.0)
+    e.eos_ids = set()
+
+    def tokens(**kw):
+        return [ev.token_id for ev in e.generate([5, 6, 7], GenerationSettings(max_new_tokens=40, **kw))]
+
+    plain = tokens()
+    assert len(set(plain)) < len(plain)  # the tiny random model repeats itself greedily
+    assert len(set(tokens(presence_penalty=100.0))) == 40  # a huge presence penalty: never the same token twice
+    assert len(set(tokens(frequency_penalty=100.0))) == 40
+    assert tokens(frequency_penalty=0.0, presence_penalty=0.0) == plain
+
+
 def test_cli_refusals_before_the_load(monkeypatch, capsys):
     monkeypatch.setattr("localmoe.server.find_spec", lambda name: None)
     assert main(["serve", "--device", "cpu"]) == 2

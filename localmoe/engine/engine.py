@@ -286,6 +286,9 @@ class Engine:
             )
         if not (settings.repetition_penalty > 0 and math.isfinite(settings.repetition_penalty)):
             raise UsageError(f"the repetition penalty must be a positive number, got {settings.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(settings, name)):
+                raise UsageError(f"the {name.replace('_', ' ')} must be a finite number, got {getattr(settings, name)}")
         max_new = min(settings.max_new_tokens, self.context - n_prompt)
         with self._busy:
             yield from reply.generate(self, prompt_ids, settings, stable, n_prompt, max_new, t_call, cancelled)

@@ -115,6 +115,7 @@ class DecodeStep:
             and engine.graph_greedy
             and settings.temperature <= 0
             and (graph.penalizes or not seen.active)
+            and not seen.additive  # frequency/presence penalties: chosen on the step's logits (sampling.penalize)
         )
         if graph is not None:  # the captured argmax applies the penalty only when it chooses the token
             graph.set_penalty(seen.value if self.greedy else 1.0)
@@ -212,12 +213,13 @@ class Reply:
         return self.engine.realized_sparsity(self.graph)
 
 
-def seen_mask(engine, logits: torch.Tensor, prompt_ids: Sequence[int], penalty: float) -> Seen:
-    """The repetition penalty's seen-token mask, started from the prompt (made once, before the first capture: the
-    graph's argmax reads and marks it)."""
+def seen_mask(engine, logits: torch.Tensor, prompt_ids: Sequence[int], settings: GenerationSettings) -> Seen:
+    """The penalties' seen-token mask, started from the prompt (made once, before the first capture: the graph's
+    argmax reads and marks it), with the reply's counts for the frequency and presence penalties."""
     if engine._seen is None:
         engine._seen = Seen(logits.numel(), engine._device)
-    engine._seen.start(prompt_ids, penalty)
+    s = settings
+    engine._seen.start(prompt_ids, s.repetition_penalty, s.frequency_penalty, s.presence_penalty)
     return engine._seen
 
 
@@ -247,7 +249,7 @@ def generate(
     engine._reset_counters(reply.graph)
     t0 = time.perf_counter()
     cache, logits, reused = prefill(engine, reply.graph, ids, stable)
-    seen = seen_mask(engine, logits, prompt_ids, settings.repetition_penalty)
+    seen = seen_mask(engine, logits, prompt_ids, settings)
     token = sample(logits, settings, gen, seen)
     tok = int(token)  # synchronises: prefill done
     figures.prefilled(stats, n_prompt, reused, time.perf_counter() - t0)

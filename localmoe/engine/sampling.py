@@ -5,7 +5,9 @@ The repetition penalty (transformers' RepetitionPenaltyLogitsProcessor) acts on 
 reply so far, kept as a seen-token mask on the logits' device (`Seen`): each step's logits are penalised where the
 mask is set (divided by the penalty when positive, multiplied when not) and the chosen token is marked, with no
 host round trip. The CUDA-graph greedy step does the same inside its argmax kernel (kernels/argmax.py) on the same
-mask, so eager and graph steps give the same tokens.
+mask, so eager and graph steps give the same tokens. OpenAI's frequency and presence penalties act on the reply's
+tokens only, through a count per token beside the mask (`Seen.counts`), after the repetition penalty; while they
+are on, a graph's step returns its logits and the token is chosen here (the captured argmax does not know them).
 
 Shapes: V = vocabulary. Everything stays on the logits' device; the chosen id is a 0-d tensor so the
 caller decides when to synchronise.
@@ -44,16 +46,30 @@ class Seen:
         self.mask = torch.zeros(vocab, dtype=torch.uint8, device=device)
         self.penalty = torch.ones(1, dtype=torch.float32, device=device)
         self.value = 1.0  # the penalty as a Python float (1.0: off)
+        self.counts: torch.Tensor | None = None  # float32 [V]: each token's count in the reply (made when needed)
+        self.frequency = 0.0  # OpenAI's frequency and presence penalties (0.0: off)
+        self.presence = 0.0
 
     @property
     def active(self) -> bool:
+        """The repetition penalty is on."""
         return self.value != 1.0
 
-    def start(self, prompt_ids, penalty: float) -> None:
+    @property
+    def additive(self) -> bool:
+        """The frequency or presence penalty is on."""
+        return self.frequency != 0.0 or self.presence != 0.0
+
+    def start(self, prompt_ids, penalty: float, frequency: float = 0.0, presence: float = 0.0) -> None:
         """A new reply: the mask holds the prompt's tokens (a list of ids, filtered on the host and copied once);
-        `penalty` set."""
+        `penalty` set; the reply's counts zeroed when the frequency or presence penalty is on."""
         self.value = float(penalty)
         self.penalty.fill_(self.value)
+        self.frequency, self.presence = float(frequency), float(presence)
+        if self.additive:
+            if self.counts is None:
+                self.counts = torch.zeros(self.mask.numel(), dtype=torch.float32, device=self.mask.device)
+            self.counts.zero_()
         self.mask.zero_()
         V = self.mask.numel()
         ids = sorted({int(i) for i in prompt_ids if 0 <= int(i) < V})
@@ -61,26 +77,35 @@ class Seen:
             self.mask.index_fill_(0, torch.tensor(ids, dtype=torch.long).to(self.mask.device, non_blocking=True), 1)
 
     def mark(self, token: torch.Tensor) -> None:
-        """Token (0-d device tensor) seen: marked on the device, no synchronisation."""
+        """Token (0-d device tensor) seen: marked (and counted, with the frequency or presence penalty on) on the
+        device, no synchronisation."""
         self.mask.index_fill_(0, token.reshape(1), 1)
+        if self.additive:
+            self.counts.index_add_(0, token.reshape(1), torch.ones(1, dtype=torch.float32, device=token.device))
 
 
 def penalize(logits: torch.Tensor, seen: Seen | None) -> torch.Tensor:
-    """logits [V] -> float32 [V] with the repetition penalty applied where `seen.mask` is set (a copy when applied).
-    The penalty divides as a float32 tensor (IEEE division, as the argmax kernel's div_rn and transformers' `/`)."""
+    """logits [V] -> float32 [V] with the repetition penalty applied where `seen.mask` is set (a copy when applied),
+    then the frequency and presence penalties over the reply's counts. The repetition penalty divides as a float32
+    tensor (IEEE division, as the argmax kernel's div_rn and transformers' `/`)."""
     x = logits.float()
-    if seen is None or not seen.active:
+    if seen is None:
         return x
-    p = seen.penalty[0]
-    return torch.where(seen.mask.bool(), torch.where(x < 0, x * p, x / p), x)
+    if seen.active:
+        p = seen.penalty[0]
+        x = torch.where(seen.mask.bool(), torch.where(x < 0, x * p, x / p), x)
+    if seen.additive:
+        x = x - seen.frequency * seen.counts - seen.presence * (seen.counts > 0).float()
+    return x
 
 
 def sample(
     logits: torch.Tensor, settings: GenerationSettings, generator: torch.Generator | None, seen: Seen | None = None
 ) -> torch.Tensor:
-    """logits [V] -> token id (0-d int64 tensor); with `seen`, the repetition penalty first, and the token marked."""
-    token = _choose(penalize(logits, seen) if seen is not None and seen.active else logits, settings, generator)
-    if seen is not None and seen.active:
+    """logits [V] -> token id (0-d int64 tensor); with `seen`, the penalties first, and the token marked."""
+    on = seen is not None and (seen.active or seen.additive)
+    token = _choose(penalize(logits, seen) if on else logits, settings, generator)
+    if on:
         seen.mark(token)
     return token
 
