@@ -4,9 +4,9 @@ model's defaults, stream and usage options, the tools for the chat template). An
 (errors.py) naming the field; nothing here raises anything else for any JSON value.
 
 Fields taken (OpenAI's names): model, messages / prompt, stream, stream_options.include_usage, max_tokens,
-max_completion_tokens, temperature, top_p, stop, seed, tools, tool_choice ("auto" or "none"), n (1 only),
-frequency_penalty and presence_penalty (0 only: localmoe has the repetition penalty), response_format ("text"
-only); localmoe's (as vLLM and llama.cpp name them): top_k, repetition_penalty, chat_template_kwargs.enable_thinking.
+max_completion_tokens, temperature, top_p, stop, seed, frequency_penalty, presence_penalty, tools, tool_choice
+("auto" or "none"), n (1 only), response_format ("text" only); localmoe's (as vLLM and llama.cpp name them): top_k,
+repetition_penalty, chat_template_kwargs.enable_thinking.
 Fields it does not know are ignored, as other OpenAI-compatible servers do.
 
 Imports errors.py and localmoe.events (no torch).
@@ -105,10 +105,8 @@ def settings_from(body: dict, defaults: GenerationSettings, context: int) -> Gen
         given["seed"] = seed
     for key in ("frequency_penalty", "presence_penalty"):
         v = _number(body, key, -2.0, 2.0)
-        if v:
-            raise unsupported(
-                f"'{key}' is not supported (only 0): use 'repetition_penalty' (1 = off, e.g. 1.1) instead", key
-            )
+        if v is not None:
+            given[key] = float(v)
     n = _number(body, "n", 1, 1 << 30, integer=True)
     if n is not None and n != 1:
         raise unsupported("'n' must be 1: localmoe generates one reply per request", "n")
