@@ -26,14 +26,14 @@ GROUP = 128  # preferred group size; smaller powers of two when H is not a multi
 MIN_GROUP = 16
 
 
-def group_for(hidden: int) -> int:
-    """The largest power of two <= GROUP dividing `hidden` (>= MIN_GROUP); ValueError when none does."""
-    g = GROUP
-    while g >= MIN_GROUP:
+def group_for(hidden: int, largest: int = GROUP, smallest: int = MIN_GROUP, fmt: str = "int4") -> int:
+    """The largest power of two <= `largest` dividing `hidden` (>= `smallest`); ValueError when none does."""
+    g = largest
+    while g >= smallest:
         if hidden % g == 0:
             return g
         g //= 2
-    raise ValueError(f"int4 experts need a hidden size divisible by {MIN_GROUP}, this model's is {hidden}")
+    raise ValueError(f"{fmt} experts need a hidden size divisible by {smallest}, this model's is {hidden}")
 
 
 def row_bytes(hidden: int) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from localmoe.kernels.dequant_int4 import dequant_int4, dequant_nf4_ref
-from localmoe.kernels.int4 import Int4Tensor
+from localmoe.kernels.int4 import Int4Tensor, group_for
 
 BLOCK = 64  # bitsandbytes' default 4-bit block; smaller powers of two when H is not a multiple of it
 MIN_BLOCK = 32  # the smallest block bitsandbytes quantizes 4-bit weights with
@@ -75,12 +75,7 @@ def bnb_functional():
 
 def block_for(hidden: int) -> int:
     """The largest power of two <= BLOCK dividing `hidden` (>= MIN_BLOCK); ValueError when none does."""
-    g = BLOCK
-    while g >= MIN_BLOCK:
-        if hidden % g == 0:
-            return g
-        g //= 2
-    raise ValueError(f"nf4 experts need a hidden size divisible by {MIN_BLOCK}, this model's is {hidden}")
+    return group_for(hidden, BLOCK, MIN_BLOCK, "nf4")
 
 
 def row_bytes(hidden: int) -> int:

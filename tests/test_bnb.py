@@ -15,11 +15,10 @@ import pytest
 import tiny_models
 import torch
 from conftest import repo_id
+from test_nf4 import assert_same_as_dequantized
 
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
-from localmoe.events import GenerationSettings
-from localmoe.experts.local_experts import ExpertWeights
 from localmoe.kernels.nf4 import Nf4Tensor
 
 bnb_f = pytest.importorskip("bitsandbytes.functional")
@@ -114,16 +113,7 @@ def test_bnb_checkpoint_loads_as_nf4(bnb_repos, family):
         assert torch.equal(m.weights.w_gate.packed[3].flatten(), f.get_tensor(key).flatten())
         if not FAMILIES[family]:  # plain fp32 statistics: the absmax as stored
             assert torch.equal(m.weights.w_gate.scale[3].flatten(), f.get_tensor(key + ".absmax"))
-    ref = Engine.load(bnb_repos[family], device="cpu", sparsity=0.0, experts="nf4")
-    for a, b in zip(e.loaded.experts, ref.loaded.experts):
-        w = a.weights
-        b.weights = ExpertWeights(*(t.dequantize(torch.float32) for t in (w.w_gate, w.w_up, w.w_down_t)))
-    ids = e.encode_raw("four bits per weight")
-    s = GenerationSettings(max_new_tokens=8)
-    for sparsity in (0.0, 0.5):
-        e.set_sparsity(sparsity)
-        ref.set_sparsity(sparsity)
-        assert [ev.token_id for ev in e.generate(ids, s)] == [ev.token_id for ev in ref.generate(ids, s)]
+    assert_same_as_dequantized(e, Engine.load(bnb_repos[family], device="cpu", sparsity=0.0, experts="nf4"))
 
 
 def test_bnb_refusals(bnb_repos, tmp_path):
