@@ -7,7 +7,8 @@
                        path, 2048-token chunks; a chat's history the cache already holds is not prefilled again:
                        decode/prefix.py) → decode loop (sparse path; on CUDA one captured graph per step, steps N+1, N+2
                        launched before token N is streamed) → TokenEvent per token; `stats` (stats.py) updated as it
-                       goes; `cancel()` from any thread.
+                       goes; `cancel()` from any thread, or a reply's own `cancelled` check (the server's);
+                       engine.chat_prompt(messages) encodes a chat (tools too) for a later generate (the server)
 
 Sampling: `default_settings()` is the checkpoint's generation_config.json; the repetition penalty keeps a seen-token
 mask on the device (sampling.Seen), read and updated inside the CUDA graph's greedy step. A reply's text passes

@@ -10,9 +10,11 @@ Starlette and uvicorn).
     tools.py      tool calls found in a reply as it streams, in the formats chat templates define
     errors.py     ApiError and OpenAI's error body
 
-Imports run one way: launch -> app -> (transport -> replies -> tools; worker; requests) -> errors. The package may
-import localmoe.engine's public API, localmoe.events and localmoe.errors; never cli/ or tui/. The CLI imports
-`launch` only after `missing_extra()` said the extra is installed.
+Imports run one way: launch -> app -> (transport -> replies -> tools; worker; requests) -> errors. Beyond its own
+modules the package imports only localmoe.events and localmoe.errors (and starlette, uvicorn): it drives the Engine
+object it is given through its public API (chat_prompt, encode_raw, generate with `cancelled=`, prepare_next_turn,
+default_settings, stats); never cli/ or tui/. The CLI imports `launch` only after `missing_extra()` said the extra
+is installed.
 """
 
 from __future__ import annotations
