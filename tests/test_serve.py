@@ -168,7 +168,7 @@ class Server:
 def server(tools_checkpoint):
     srv = Server(
         tools_checkpoint, "--device", "cpu", "--sparsity", "0", "--max-queue", "3", "--max-body", "0.015625",
-        "--api-key", KEY,
+        "--api-key", KEY, "--cors-origin", "http://ui.localhost:3000",
     )  # fmt: skip
     yield srv
     code = srv.stop()
@@ -344,6 +344,22 @@ def test_bad_requests_get_openai_errors(client, fields, status, param):
         client.chat.completions.create(**kwargs)
     assert e.value.status_code == status
     assert isinstance(e.value.body, dict) and e.value.body["message"] and e.value.body["param"] == param
+
+
+def test_cors_only_for_the_allowed_origin(server):
+    def preflight(origin: str):
+        req = urllib.request.Request(server.base + "/v1/chat/completions", method="OPTIONS")
+        req.add_header("Origin", origin)
+        req.add_header("Access-Control-Request-Method", "POST")
+        req.add_header("Access-Control-Request-Headers", "authorization, content-type")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.headers.get("access-control-allow-origin")
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("access-control-allow-origin")
+
+    assert preflight("http://ui.localhost:3000") == (200, "http://ui.localhost:3000")
+    assert preflight("http://elsewhere.example")[1] is None
 
 
 def test_raw_http_errors(server):

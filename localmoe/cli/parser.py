@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=8.0,
         help="largest request body accepted; larger gets 413 (default: 8)",
     )
+    p.add_argument(
+        "--cors-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=None,
+        help="a web page origin (https://host:port, or '*' for any) whose scripts may call the API from a browser; "
+        "repeat for several (default: none)",
+    )
     add_engine_flags(p)
     p.add_argument("--quiet", action="store_true", help="no load notices or per-request lines on stderr (default: off)")
     add_debug_flag(p)

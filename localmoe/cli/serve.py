@@ -42,6 +42,7 @@ def cmd_serve(args) -> int:
             api_key=key,
             max_queue=args.max_queue,
             max_body=int(args.max_body * (1 << 20)),
+            cors_origins=args.cors_origin,
             log=log,
         )
     finally:

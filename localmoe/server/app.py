@@ -8,7 +8,8 @@
 Every request body is read up to `max_body` bytes (413 beyond), parsed as a JSON object and checked
 (requests.py) before it queues (worker.py); a prompt is encoded here, so a prompt too long for the context is a 400
 before any stream starts. With an API key, /v1/ needs `Authorization: Bearer KEY` (401 otherwise). Every error is
-OpenAI's JSON (errors.py), never a traceback; unknown routes 404, wrong methods 405.
+OpenAI's JSON (errors.py), never a traceback; unknown routes 404, wrong methods 405. Browsers' cross-origin calls
+are refused unless their origin is allowed (`cors_origins`).
 
 Imports the server's modules, localmoe.errors and starlette; it drives the Engine it is given.
 """
@@ -22,7 +23,9 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
 
 from localmoe.errors import UsageError
@@ -179,6 +182,8 @@ def _guarded(endpoint, log):
             return await endpoint(request)
         except (ApiError, HTTPException):
             raise
+        except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log
+            return error_response(ApiError(400, "the client went away"))
         except Exception as exc:  # noqa: BLE001 - the last resort: one line, never a traceback
             first = str(exc).splitlines()[0] if str(exc) else ""
             if log is not None:
@@ -195,10 +200,12 @@ def create_app(
     api_key: str | None = None,
     max_queue: int = 16,
     max_body: int = MAX_BODY,
+    cors_origins: list[str] | None = None,
     log=None,
 ) -> Starlette:
     """The app over `engine` (already loaded); its worker thread starts with the app and stops with it.
-    `names`: what clients may call the model (the first is what responses name it); `log`: callable(str) for one
+    `names`: what clients may call the model (the first is what responses name it); `cors_origins`: web pages (by
+    origin, "*" for any) whose scripts may call the API from a browser (default: none); `log`: callable(str) for one
     line per reply and per failure."""
     worker = Worker(engine, max_queue=max_queue, log=log)
     api = Api(engine, worker, names=names or [engine.model_name], api_key=api_key, max_body=max_body, log=log)
@@ -217,8 +224,21 @@ def create_app(
     def lifespan(app):
         return _Lifespan(worker)
 
+    middleware = (
+        [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        ]
+        if cors_origins
+        else []
+    )
     app = Starlette(
         routes=routes,
+        middleware=middleware,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,
     )

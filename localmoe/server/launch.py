@@ -75,10 +75,19 @@ def serve(
     api_key: str | None = None,
     max_queue: int = 16,
     max_body: int = MAX_BODY,
+    cors_origins: list[str] | None = None,
     log=None,
 ) -> None:
     """Serve `engine` on `sock` until stopped (blocks)."""
-    app = create_app(engine, names=names, api_key=api_key, max_queue=max_queue, max_body=max_body, log=log)
+    app = create_app(
+        engine,
+        names=names,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_body=max_body,
+        cors_origins=cors_origins,
+        log=log,
+    )
     config = uvicorn.Config(
         app,
         log_level="warning",
