@@ -108,6 +108,10 @@ class Api:
         self.authorize(request)
         body = await self.body(request)
         e = self.engine
+        if not getattr(e.tokenizer, "chat_template", None):
+            raise ApiError(
+                422, f"{self.model} has no chat template: send a raw prompt to /v1/completions", code="unsupported"
+            )
         req = chat_request(body, e.default_settings(), e.context, self.template_has_tools)
         messages = list(req.messages)
         try:
