@@ -131,6 +131,21 @@ def test_engine_presence_penalty(hub_cache):
     assert tokens(frequency_penalty=0.0, presence_penalty=0.0) == plain
 
 
+def test_engine_reply_unsplit_for_raw_completions(hub_cache):
+    import tiny_models
+
+    from localmoe.engine.engine import Engine
+
+    e = Engine.load(tiny_models.THINK_REPO, device="cpu", sparsity=0.0)
+    ids = e.encode_chat([{"role": "user", "content": "hi"}])
+    split = [(ev.channel, ev.text) for ev in e.generate(ids, GenerationSettings(max_new_tokens=20))]
+    assert "".join(t for c, t in split if c == "reasoning") == tiny_models.THINK_REASONING
+    raw = [
+        (ev.channel, ev.text) for ev in e.generate(ids, GenerationSettings(max_new_tokens=20), split_reasoning=False)
+    ]
+    assert {c for c, _ in raw} == {"answer"} and "".join(t for _, t in raw) == "<think>Why?</think>\n\nOK"
+
+
 def test_cli_refusals_before_the_load(monkeypatch, capsys):
     monkeypatch.setattr("localmoe.server.find_spec", lambda name: None)
     assert main(["serve", "--device", "cpu"]) == 2

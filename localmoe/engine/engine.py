@@ -269,11 +269,14 @@ class Engine:
         *,
         stable: int = 0,
         cancelled: Callable[[], bool] | None = None,
+        split_reasoning: bool = True,
     ) -> Iterator[TokenEvent]:
         """Stream the reply to prompt_ids. `stable`: how many of its first tokens the next prompt will repeat (a chat's
         history): the cache state there is kept, and a later prompt starting with them prefills only the rest.
         `cancelled`: this reply's own cancel check, asked after every token as `cancel()` is (finish_reason
-        "cancelled"); unlike `cancel()` it cannot reach a reply that starts later (a server's queued requests)."""
+        "cancelled"); unlike `cancel()` it cannot reach a reply that starts later (a server's queued requests).
+        `split_reasoning=False`: a thinking model's reply as it wrote it, tags included, all on the answer channel (a
+        raw completion)."""
         t_call = time.perf_counter()
         if not prompt_ids:
             raise UsageError("the prompt is empty: give some text")
@@ -292,7 +295,10 @@ class Engine:
                 raise UsageError(f"the {name.replace('_', ' ')} must be a finite number, got {getattr(settings, name)}")
         max_new = min(settings.max_new_tokens, self.context - n_prompt)
         with self._busy:
-            yield from reply.generate(self, prompt_ids, settings, stable, n_prompt, max_new, t_call, cancelled)
+            splitter = self._splitter(prompt_ids) if split_reasoning else None
+            yield from reply.generate(
+                self, prompt_ids, settings, stable, n_prompt, max_new, t_call, cancelled, splitter
+            )
 
     def _splitter(self, prompt_ids) -> ReasoningSplitter | None:
         """A thinking model's reasoning splitter, starting inside the block when the prompt leaves one open."""

@@ -232,9 +232,11 @@ def generate(
     max_new: int,
     t_call,
     cancelled: Callable[[], bool] | None = None,
+    splitter: ReasoningSplitter | None = None,
 ) -> Iterator[TokenEvent]:
     """Stream the reply to prompt_ids (checked by Engine.generate, under its lock); `engine.stats` is this reply's
-    from the start and updated as it goes. `cancelled`: the reply's own cancel check, beside `engine.cancel()`."""
+    from the start and updated as it goes. `cancelled`: the reply's own cancel check, beside `engine.cancel()`;
+    `splitter`: a thinking model's reasoning splitter (None: all text on the answer channel)."""
     engine._cancel.clear()
     stats = EngineStats(prompt_tokens=n_prompt, sparsity_target=engine.sparsity, load_s=engine.load_s)
     engine._stats = stats
@@ -244,7 +246,7 @@ def generate(
         torch.cuda.reset_peak_memory_stats(device)
     gen = make_generator(settings, device)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    text = ReplyText(engine.tokenizer, settings.stop, engine._splitter(prompt_ids))
+    text = ReplyText(engine.tokenizer, settings.stop, splitter)
     reply = Reply(engine, stats, text, n_prompt, max_new, t_call, graph=engine._graph_decoder(), cancelled=cancelled)
     engine._reset_counters(reply.graph)
     t0 = time.perf_counter()

@@ -84,7 +84,7 @@ class Api:
                 "(or restart the server with a larger --context)",
                 code="context_length_exceeded",
             )
-        job = Job(ids, req.settings, stable, asyncio.get_running_loop())
+        job = Job(ids, req.settings, stable, asyncio.get_running_loop(), split_reasoning=req.kind == "chat")
         self.worker.submit(job)
         builder = ReplyBuilder(req, self.model, self.tool_format)
         return JobResponse(job, builder, req.stream, after=lambda b, stats: self.after(req, messages, b, stats))

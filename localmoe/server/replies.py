@@ -4,7 +4,8 @@ the end, with `usage` and localmoe's own figures in the `localmoe` extension fie
 
 Chat: the answer channel is `content`, a thinking model's reasoning `reasoning_content` (as vLLM and llama.cpp
 name it); with tools, calls the template's format defines (tools.py) become `tool_calls` (streamed as two deltas
-per call: id and name, then the arguments) and finish_reason "tool_calls". Completions: both channels' text.
+per call: id and name, then the arguments) and finish_reason "tool_calls". Completions: the text as the model wrote
+it (the worker asks the engine not to split a thinking model's reasoning off).
 
 Imports tools.py and localmoe.events.
 """

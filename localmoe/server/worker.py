@@ -33,6 +33,7 @@ class Job:
     settings: object  # GenerationSettings
     stable: int
     loop: asyncio.AbstractEventLoop
+    split_reasoning: bool = True  # False for a raw completion: a thinking model's tags stay in the text
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.perf_counter)
@@ -157,7 +158,14 @@ class Worker:
         job.queue_s = time.perf_counter() - job.t_submit
         engine = self.engine
         try:
-            for ev in engine.generate(job.ids, job.settings, stable=job.stable, cancelled=job.cancelled.is_set):
+            events = engine.generate(
+                job.ids,
+                job.settings,
+                stable=job.stable,
+                cancelled=job.cancelled.is_set,
+                split_reasoning=job.split_reasoning,
+            )
+            for ev in events:
                 job.post("event", ev)
             stats = replace(engine.stats, extra=dict(engine.stats.extra))
         except UsageError as e:
