@@ -19,6 +19,17 @@ from localmoe.server.tools import FORMATS, ToolCallParser, tool_format
 QWEN, GRANITE = (next(f for f in FORMATS if f.name == n) for n in ("qwen", "granite"))
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models' ops on one thread: two contend on a shared two-core machine (each step 10x slower)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def run(parser: ToolCallParser, pieces) -> list:
     out = []
     for p in pieces:
