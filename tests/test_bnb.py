@@ -19,6 +19,7 @@ from test_nf4 import assert_same_as_dequantized
 
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
+from localmoe.events import GenerationSettings
 from localmoe.kernels.nf4 import Nf4Tensor
 
 bnb_f = pytest.importorskip("bitsandbytes.functional")
@@ -114,6 +115,24 @@ def test_bnb_checkpoint_loads_as_nf4(bnb_repos, family):
         if not FAMILIES[family]:  # plain fp32 statistics: the absmax as stored
             assert torch.equal(m.weights.w_gate.scale[3].flatten(), f.get_tensor(key + ".absmax"))
     assert_same_as_dequantized(e, Engine.load(bnb_repos[family], device="cpu", sparsity=0.0, experts="nf4"))
+
+
+def test_bnb_checkpoint_offloaded(bnb_repos):
+    """A bnb-4bit checkpoint offloaded behind the expert cache (NF4 slots, NF4 master copies filled from the
+    checkpoint in host memory): the resident model's tokens."""
+    from localmoe.experts.placement import WORKSPACE_RESERVE, state_bytes
+
+    repo = bnb_repos["qwen3_moe"]
+    resident = Engine.load(repo, device="cpu", sparsity=0.5)
+    ids = resident.encode_raw("offloaded")
+    s = GenerationSettings(max_new_tokens=6)
+    want = [ev.token_id for ev in resident.generate(ids, s)]
+    plan = resident.loaded
+    fixed = sum(p.numel() * 4 for p in resident.model.parameters()) + state_bytes(plan.config, 8192, torch.float32)
+    vram = (fixed + WORKSPACE_RESERVE + plan.expert_bytes() // 4) / 2**30  # a quarter of the experts
+    e = Engine.load(repo, device="cpu", sparsity=0.5, vram_gib=vram, offload_miss="copy")
+    assert e.loaded.cache is not None and isinstance(e.loaded.cache.pool.w_up, Nf4Tensor)
+    assert [ev.token_id for ev in e.generate(ids, s)] == want
 
 
 def test_bnb_refusals(bnb_repos, tmp_path):
