@@ -97,6 +97,7 @@ class Nf4Tensor(Int4Tensor):
         alloc = alloc or (lambda s, dt: torch.empty(s, dtype=dt, device=device))
         packed = alloc((E, I, H // 2), torch.uint8)
         scale = alloc((E, I, H // (block or block_for(H))), torch.float32)
+        nf4_code(packed.device)  # made now, before any CUDA graph capture reads it
         return cls(packed, scale, None, dtype)
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
