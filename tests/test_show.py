@@ -148,7 +148,7 @@ def test_show_registry_alias_offline(capsys, argv, want):
 @pytest.mark.parametrize(
     ("argv", "code", "says"),
     [
-        (["olmoe"], 1, "olmoe is not downloaded and its config.json cannot be fetched (HF_HUB_OFFLINE is set)"),
+        (["someone/some-moe"], 1, "is not downloaded and its config.json cannot be fetched (HF_HUB_OFFLINE is set)"),
         (["qwen3.5-35"], 2, "did you mean qwen3.5-35b"),
         (["gpt-oss-20b"], 2, "GPT-OSS is not yet supported"),
         (["./no/such/dir"], 2, "does not exist"),
@@ -170,3 +170,22 @@ def test_show_errors(hub_cache, capsys, argv, code, says):
     got, out, err = show(capsys, *argv)
     assert got == code and out == "" and err.startswith("localmoe: error: ") and err.count("\n") == 1
     assert says in err
+
+
+def test_every_supported_registry_model_has_a_real_shape(capsys):
+    """`bench --shape` and `show` offline work for every registry model localmoe runs: its config is in
+    localmoe/data/shapes.json, and the parameters built from it are the registry's published count (within 7%:
+    Granite 1B-A400M's 1.3B is rounded down from 1.385B)."""
+    from localmoe.models.families import family_for_model_type
+    from localmoe.models.registry import load_registry
+
+    for alias, spec in load_registry().models.items():
+        fam = family_for_model_type(spec.family)
+        if fam is None or fam.unsupported:
+            continue
+        code, out, err = show(capsys, alias, "--json")
+        assert code == 0, (alias, err)
+        obj = json.loads(out)
+        assert obj["config_source"] in ("shapes", "bundled"), alias
+        if obj["config_source"] == "shapes":
+            assert abs(obj["params_total"] / 1e9 / spec.params_b - 1) < 0.07, (alias, obj["params_total"])
