@@ -69,25 +69,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 def tools_tokenizer():
     """The character-level tokenizer with ADDED as (non-special) tokens and TOOLS_TEMPLATE."""
-    import string
-
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = tiny_models.SPECIALS
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    chars += [chr(0x3B1 + i) for i in range(tiny_models.VOCAB - len(specials) - len(chars) - len(ADDED))]
-    vocab = {tok: i for i, tok in enumerate(specials + chars + ADDED)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
-    )
-    fast.chat_template = TOOLS_TEMPLATE
-    return fast
+    return tiny_models.added_tokens_tokenizer(ADDED, TOOLS_TEMPLATE)
 
 
 def save_tools_checkpoint(folder):

@@ -221,26 +221,31 @@ THINK_SCRIPT = [
 THINK_REASONING, THINK_ANSWER = "Why?", "OK"
 
 
-def think_tokenizer():
-    """The character-level tokenizer with <think>, </think> and "\\n\\n" as tokens (not special: they decode to
-    their text, as Qwen3's do) and THINK_TEMPLATE."""
+def added_tokens_tokenizer(added: list[str], template: str):
+    """A character-level tokenizer with `added` as tokens (not special: they decode to their text, as Qwen3's
+    <think> and <tool_call> do) and the chat `template`; VOCAB entries in all."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    chars += [chr(0x3B1 + i) for i in range(VOCAB - len(SPECIALS) - len(chars) - len(THINK_TOKENS))]
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars + THINK_TOKENS)}
+    chars += [chr(0x3B1 + i) for i in range(VOCAB - len(SPECIALS) - len(chars) - len(added))]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars + added)}
     assert len(vocab) == VOCAB
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
     )
-    fast.chat_template = THINK_TEMPLATE
+    fast.chat_template = template
     return fast
+
+
+def think_tokenizer():
+    """The character-level tokenizer with <think>, </think> and "\\n\\n" as tokens and THINK_TEMPLATE."""
+    return added_tokens_tokenizer(THINK_TOKENS, THINK_TEMPLATE)
 
 
 def save_think_checkpoint(folder: Path) -> Path:
