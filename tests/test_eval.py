@@ -41,6 +41,24 @@ def test_eval_command_json(capsys):
     assert "best_sparsity_within_5pct" in obj
 
 
+def test_eval_takes_a_list_of_expert_formats(capsys):
+    """`--experts full,int4,nf4`: each format loaded and measured in turn, one JSON object each (or one table each
+    under a heading); the 4-bit formats change the perplexity a little, not much."""
+    argv = ["eval", repo_id("olmoe"), "--sparsity", "0", "--tokens", "300", "--device", "cpu"]
+    code = main([*argv, "--experts", "full,int4,nf4,int4", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    objs = json.loads(out.strip().splitlines()[-1])
+    assert [o["experts"] for o in objs] == ["full", "int4", "nf4"]  # repeats dropped, order kept
+    ppl = [o["rows"][0]["perplexity"] for o in objs]
+    assert ppl[1] != ppl[0] and all(abs(p / ppl[0] - 1) < 0.1 for p in ppl)
+    assert main([*argv, "--experts", "full,int4"]) == 0
+    text = capsys.readouterr().out
+    assert "== --experts full" in text and "== --experts int4" in text
+    assert main([*argv, "--experts", "full,int8"]) == 2
+    assert "choose from full, int4, nf4 (comma-separated), got 'int8'" in capsys.readouterr().err
+
+
 TASK_YAML = """task: localmoe_tiny_choice
 dataset_path: json
 dataset_kwargs:

@@ -89,15 +89,30 @@ def add_context_flag(p: argparse.ArgumentParser, text: str) -> None:
     p.add_argument("--context", type=ranged(int, 16, CONTEXT_MAX, what="--context"), default=None, help=text)
 
 
-def add_experts_flag(p: argparse.ArgumentParser) -> None:
+EXPERTS_FORMATS = ("full", "int4", "nf4")
+
+
+def experts_list(value: str) -> list[str]:
+    """`--experts` of eval and bench: one format or a comma-separated list, measured one after the other."""
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in EXPERTS_FORMATS]
+    if not items or bad:
+        got = ", ".join(repr(v) for v in bad) or "nothing"
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(EXPERTS_FORMATS)} (comma-separated), got {got}")
+    return list(dict.fromkeys(items))
+
+
+def add_experts_flag(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """`many`: a comma-separated list (eval, bench: each format measured in turn, one table each)."""
     p.add_argument(
         "--experts",
-        choices=["full", "int4", "nf4"],
-        default="full",
+        **(dict(type=experts_list, default=["full"]) if many else dict(choices=EXPERTS_FORMATS, default="full")),
         help="routed experts' weights: full (the model's dtype, offloaded when they do not fit), int4 "
         "(4-bit, groups of 128 with a bf16 scale and minimum; ~3.8x smaller, all kept in VRAM: "
         "Qwen3.5-35B-A3B fits a 24 GB card) or nf4 (bitsandbytes' 4-bit NormalFloat, blocks of 64; what "
-        "bnb-4bit checkpoints hold, which load as nf4) (default: full)",
+        "bnb-4bit checkpoints hold, which load as nf4)"
+        + ("; a comma-separated list measures each in turn" if many else "")
+        + " (default: full)",
     )
 
 

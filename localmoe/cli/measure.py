@@ -4,6 +4,7 @@ agreement with dense per sparsity, or lm-eval tasks) and `bench` (load, prefill 
 
 from __future__ import annotations
 
+import gc
 import json
 
 from localmoe.cli.inputs import text_file
@@ -60,39 +61,52 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _each_format(args, measure) -> int:
+    """`measure(experts) -> (json object, table)` for each `--experts` format in turn (one model in memory at a
+    time); one format prints as before, several print one table each under a heading, or a JSON list."""
+    results = []
+    for fmt in args.experts:
+        obj, text = measure(fmt)
+        obj = {**obj, "experts": fmt}
+        results.append(obj)
+        if not args.json:
+            print(for_terminal(text if len(args.experts) == 1 else f"== --experts {fmt}\n{text}\n"), flush=True)
+        gc.collect()
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results))
+    return 0
+
+
 def cmd_eval(args) -> int:
     from localmoe.engine.engine import Engine
 
     if not args.tasks:
         text_file(args.text, "--text")
-    engine = Engine.load(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        sparsity=0.0,
-        progress=stderr_progress(),
-        experts=args.experts,
-    )
-    if args.tasks:
-        from localmoe.measure.harness import run_tasks
 
-        results = run_tasks(
-            engine,
-            args.tasks.split(","),
-            args.sparsity,
-            limit=args.limit,
-            include_path=args.include_path,
-            progress=stderr_progress(),
+    def measure(fmt: str):
+        engine = Engine.load(
+            args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=stderr_progress(), experts=fmt
         )
-        print(json.dumps(results) if args.json else for_terminal(results["table"]))
-        return 0
-    from localmoe.measure.evaluate import evaluate
+        if args.tasks:
+            from localmoe.measure.harness import run_tasks
 
-    report = evaluate(
-        engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window, progress=stderr_progress()
-    )
-    print(json.dumps(report.as_json()) if args.json else for_terminal(report.table()))
-    return 0
+            results = run_tasks(
+                engine,
+                args.tasks.split(","),
+                args.sparsity,
+                limit=args.limit,
+                include_path=args.include_path,
+                progress=stderr_progress(),
+            )
+            return results, results["table"]
+        from localmoe.measure.evaluate import evaluate
+
+        report = evaluate(
+            engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window, progress=stderr_progress()
+        )
+        return report.as_json(), report.table()
+
+    return _each_format(args, measure)
 
 
 def cmd_bench(args) -> int:
@@ -102,22 +116,25 @@ def cmd_bench(args) -> int:
         raise UsageError("give MODEL or --shape ALIAS (random weights with that model's config)")
     if args.shape:
         refuse_unsupported(args.shape)
-    result = bench(
-        args.model,
-        shape=args.shape,
-        sparsities=args.sparsity,
-        device=args.device,
-        dtype=args.dtype,
-        prompt_tokens=args.prompt_tokens,
-        decode_tokens=args.decode_tokens,
-        context=args.context,
-        baseline=args.baseline,
-        graphs=not args.no_graph,
-        vram_gib=args.vram,
-        routing=args.routing,
-        experts=args.experts,
-        progress=stderr_progress(),
-        repetition_penalty=args.repeat_penalty,
-    )
-    print(json.dumps(result) if args.json else for_terminal(table(result)))
-    return 0
+
+    def measure(fmt: str):
+        result = bench(
+            args.model,
+            shape=args.shape,
+            sparsities=args.sparsity,
+            device=args.device,
+            dtype=args.dtype,
+            prompt_tokens=args.prompt_tokens,
+            decode_tokens=args.decode_tokens,
+            context=args.context,
+            baseline=args.baseline,
+            graphs=not args.no_graph,
+            vram_gib=args.vram,
+            routing=args.routing,
+            experts=fmt,
+            progress=stderr_progress(),
+            repetition_penalty=args.repeat_penalty,
+        )
+        return result, table(result)
+
+    return _each_format(args, measure)

@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lm-eval: examples per task (default: all)",
     )
     p.add_argument("--include-path", default=None, help="lm-eval: folder with extra task YAMLs (default: none)")
-    add_experts_flag(p)
+    add_experts_flag(p, many=True)
     add_json_flag(p, "one JSON object instead of the table")
     add_device_flags(p)
     add_debug_flag(p)
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="random weights with this registry model's config (default: none, MODEL's weights)",
     )
-    add_experts_flag(p)
+    add_experts_flag(p, many=True)
     p.add_argument(
         "--sparsity",
         type=sparsity_list,
