@@ -20,9 +20,9 @@ from localmoe.experts.local_experts import ExpertWeights
 GiB = 1 << 30
 
 
-def budget_for(model: str, slots: int) -> float:
+def budget_for(model: str, slots: int, experts: str = "full") -> float:
     """--vram (GiB) that leaves exactly `slots` expert slots."""
-    probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0).loaded.offload
+    probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0, experts=experts).loaded.offload
     fixed = probe.non_expert_bytes + probe.state_bytes + placement.WORKSPACE_RESERVE
     return (fixed + slots * probe.expert_bytes + probe.expert_bytes // 2) / GiB
 
@@ -327,3 +327,24 @@ def test_sparse_piece_tokens_follow_host_bytes():
     assert piece(0, total, 0.85) > piece(0, total, 0.5) > piece(0, total, 0.0)
     assert piece(0, total // 2, 0.85) < piece(0, total, 0.85)  # absent gates are read whole for every token
     assert piece(total, total, 0.85) >= 1 << 20  # everything resident: no host bytes either way, no limit by them
+
+
+@pytest.mark.parametrize("experts", ["full", "int4"])
+def test_offloaded_prefill_streams_spans_of_experts(experts):
+    """A prompt on an offloaded model takes the grouped path, its routed experts staged a few at a time
+    (experts/staging.py; spans of 2 here, so every layer takes several): the logits equal the resident model's,
+    each routed expert is counted once per layer as a hit or a miss, and prefill admits nothing into the cache."""
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
+    e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
+    cache = e.loaded.cache
+    assert cache is not None and cache.slots == 3
+    cache.staging.span = 2
+    cache.reset_stats()
+    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
+    with torch.no_grad():
+        want = resident.model(input_ids=ids).logits
+        got = e.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(cache.lru) == 0 and cache.misses > 2 * len(e.loaded.experts) and cache.copied_bytes > 0
+    assert cache.staging.buffers is not None and cache.staging.buffers[0].w_up.shape[0] == 2

@@ -30,6 +30,7 @@ import torch
 from localmoe.errors import UsageError
 from localmoe.experts.int4 import STORAGE, Int4Tensor, copy_expert, expert_bytes
 from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.staging import Staging
 
 MISS_MODES = ("copy", "direct", "cpu")
 ADMIT_PER_STEP = 16  # direct mode: experts copied into slots after a step (bounds the copy time per token)
@@ -76,6 +77,8 @@ class ExpertCache:
             else (lambda m: torch.empty((m, I, H), dtype=dtype, device=device))
         )
         self.pool = ExpertWeights(make(gate_slots if gate_slots else n), make(n), make(n))
+        # the dense path's routed experts stream through two staging buffers (experts/staging.py)
+        self.staging = Staging(make, 3 * I * self.row_bytes, 3 * I * H * (torch.finfo(dtype).bits // 8), bool(kind))
         self.expert_bytes = parts * I * self.row_bytes  # one admission
         self.device = device
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
@@ -156,6 +159,20 @@ class ExpertCache:
             part(self.pool.w_up, m.w_up, s),
             part(self.pool.w_down_t, m.w_down_t, s),
         )
+
+    def sources(self, layer: int) -> tuple[list[int], list[int]]:
+        """Where each expert of `layer` is resident, on the host: (gate slot, up/down slot) per expert, -1 for
+        absent (a copy in flight counts as absent); one device read with a gate tier."""
+        slots = [-1] * self.num_experts
+        for (lay, e), slot in self.lru.items():
+            if lay == layer and (lay, e) not in self.pending:
+                slots[e] = slot
+        gates = self.gate_tables[layer].tolist() if self.gate_slots else slots
+        return gates, slots
+
+    def stream(self, layer: int, experts: list[int]):
+        """The dense path's routed `experts` of `layer` (ascending) staged a span at a time: `Staging.stream`."""
+        return self.staging.stream(self, layer, experts)
 
     def add_layer(self, layer: int, master: ExpertWeights) -> None:
         self.masters[layer] = master

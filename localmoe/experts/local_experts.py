@@ -375,12 +375,17 @@ class LocalExperts(nn.Module):
 
     def _groups(self, x: torch.Tensor) -> bool:
         """Whether `_grouped` runs this dense call: torch has a grouped GEMM for this device and dtype (CUDA: bf16
-        on sm80+; CPU: any float dtype from torch 2.11, whose CPU kernel needs no 16-byte alignment) and every
-        expert is resident on x's device (offloaded experts are fetched one by one: the loop)."""
-        if not self.grouped or _GROUPED_MM is None or self.cache is not None or self.weights is None or x.shape[0] == 0:
+        on sm80+; CPU: any float dtype from torch 2.11, whose CPU kernel needs no 16-byte alignment) and the
+        experts are on x's device, or offloaded behind a cache there and the call is longer than a decode step
+        (streamed through the cache's staging buffers, nothing admitted; a decode-sized call takes the loop, which
+        admits its experts into the cache for the next steps)."""
+        if not self.grouped or _GROUPED_MM is None or self.weights is None or x.shape[0] == 0:
+            return False
+        if self.cache is not None and x.shape[0] <= self.max_sparse_tokens:
             return False
         w = self.weights.w_gate
-        if w.device != x.device or w.dtype != x.dtype:
+        where = self.cache.device if self.cache is not None else w.device
+        if torch.device(where) != x.device or w.dtype != x.dtype:
             return False
         if x.is_cuda:
             return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
@@ -391,9 +396,9 @@ class LocalExperts(nn.Module):
         over the (token, expert) slots sorted by expert: no Python loop and no host sync, the same arithmetic and
         roundings as the per-expert loop (and transformers' experts). Calibration's recorder takes all the gate
         activations in one host copy (the loop: one per expert). int4 experts are dequantized a span of experts at a
-        time (`_spans`), three grouped GEMMs per span."""
+        time (`_spans`), three grouped GEMMs per span; offloaded experts a staged span at a time (`_span_weights`)."""
         T, k = top_k_index.shape
-        w, I = self.weights, self.intermediate_size
+        I = self.intermediate_size
         flat = top_k_index.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # slots sorted by expert
         tok = order // k  # [T*k] token of each sorted slot
@@ -401,9 +406,7 @@ class LocalExperts(nn.Module):
         ends = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)  # [E] group ends
         xs = x[tok]  # [T*k, H]
         ys, kept = [], 0
-        for a, b, s0, s1 in self._spans(ends, T * k):
-            w_gate, w_up, w_down_t = w.dequantized(a, b)  # [b - a, I, H]
-            offs = ends[a:b] - s0 if s0 else ends[a:b]
+        for w_gate, w_up, w_down_t, offs, s0, s1 in self._span_weights(ends, T * k):
             xc = xs[s0:s1]
             g = self.act_fn(_GROUPED_MM(xc, w_gate.transpose(1, 2), offs=offs))  # [n, I]
             if self.recorder is not None:
@@ -419,6 +422,22 @@ class LocalExperts(nn.Module):
         y = ys[0] if len(ys) == 1 else torch.cat(ys)  # [T*k, H]
         y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+    def _span_weights(self, ends: torch.Tensor, slots: int):
+        """(gate, up, down_t [n, I, H], group ends within the span [n] int32, first slot, end slot) of each grouped
+        GEMM call: resident experts by `_spans`; offloaded, the routed experts streamed through the cache's staging
+        buffers (experts/staging.py: one span's copies overlap the previous span's GEMMs; one host sync)."""
+        if self.cache is None:
+            for a, b, s0, s1 in self._spans(ends, slots):
+                yield (*self.weights.dequantized(a, b), ends[a:b] - s0 if s0 else ends[a:b], s0, s1)
+            return
+        end = ends.tolist()
+        routed = [e for e in range(self.num_experts) if end[e] > (end[e - 1] if e else 0)]
+        for first, n, buf in self.cache.stream(self.layer_idx, routed):
+            span = routed[first : first + n]
+            s0 = end[span[0] - 1] if span[0] else 0
+            offs = ends[torch.tensor(span, device=ends.device)] - s0
+            yield (*buf.dequantized(0, n), offs.to(torch.int32), s0, end[span[-1]])
 
     def _spans(self, ends: torch.Tensor, slots: int) -> list[tuple[int, int, int, int]]:
         """(first expert, end expert, first slot, end slot) of each grouped GEMM call: all experts at once, or for
