@@ -1,5 +1,5 @@
 """Tests of localmoe/decode/replacements.py: the fused modules are exactly equivalent to transformers' on a tiny
-Qwen3.5-MoE.
+Qwen3.5-MoE (and, where parametrised by `family`, a tiny Qwen3-MoE: fixture `tiny_model`).
 
 Full-model logits with and without `install(..., force=True)` over a prompt (prefill: fused RMSNorms, original
 DeltaNet and MoE blocks) and several cached decode steps (the fused DeltaNet step and MoE block: router, experts,
@@ -30,23 +30,42 @@ STEPS = 5
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
 
-@pytest.fixture(scope="module")
-def tiny_text_model():
+def _tiny(family: str):
+    """The family's tiny model (tests/tiny_models.py; Qwen3.5: its text model) with non-trivial norms and gates."""
     from transformers import AutoModelForCausalLM
 
-    full, _ = tiny_models.build("qwen3_5_moe")
-    text = full.config.text_config
+    full, _ = tiny_models.build(family)
+    cfg = getattr(full.config, "text_config", full.config)
     torch.manual_seed(7)
-    return nontrivial(AutoModelForCausalLM.from_config(text).eval())
+    return nontrivial(AutoModelForCausalLM.from_config(cfg).eval())
+
+
+@pytest.fixture(scope="module")
+def tiny_text_model():
+    return _tiny("qwen3_5_moe")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe():
+    return _tiny("qwen3_moe")
+
+
+@pytest.fixture
+def tiny_model(request, family):
+    """The tiny model of the test's `family` parameter ("qwen3_5_moe" or "qwen3_moe"), built once per module."""
+    return request.getfixturevalue({"qwen3_5_moe": "tiny_text_model", "qwen3_moe": "tiny_qwen3_moe"}[family])
 
 
 def nontrivial(model):
-    """Non-trivial norm weights and DeltaNet gates (init gives zeros / ones) of a Qwen3.5-style model, in place."""
+    """Non-trivial norm weights and DeltaNet gates (init gives zeros / ones) of a Qwen3.5-style model, in place
+    (Qwen3-MoE's standard w·x̂ norms: around 1, as trained ones are)."""
     gen = torch.Generator().manual_seed(3)
+    standard = model.config.model_type == "qwen3_moe"
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if ".linear_attn.norm." in name else 0.0))
+                one = standard or ".linear_attn.norm." in name
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if one else 0.0))
             elif name.endswith(("A_log", "dt_bias")):
                 p.copy_(torch.rand(p.shape, generator=gen))
     return model
@@ -216,14 +235,17 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
 
 
 @pytest.mark.parametrize(
-    "sparse,dtype,in_front",
+    "family,sparsity,dtype,in_front",
     [
-        (True, torch.float32, True),
-        (False, torch.float32, True),
-        (True, torch.bfloat16, True),
-        (False, torch.bfloat16, True),
-        (True, torch.float32, False),
-        (True, torch.bfloat16, False),
+        ("qwen3_5_moe", 0.3, torch.float32, True),
+        ("qwen3_5_moe", 0.0, torch.float32, True),
+        ("qwen3_5_moe", 0.3, torch.bfloat16, True),
+        ("qwen3_5_moe", 0.0, torch.bfloat16, True),
+        ("qwen3_5_moe", 0.3, torch.float32, False),
+        ("qwen3_5_moe", 0.3, torch.bfloat16, False),
+        ("qwen3_moe", 0.0, torch.float32, True),
+        ("qwen3_moe", 0.5, torch.float32, True),
+        ("qwen3_moe", 0.0, torch.bfloat16, True),
     ],
     ids=[
         "sparse-fp32",
@@ -232,18 +254,26 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
         "dense-bf16",
         "sparse-fp32-shared-in-tail",
         "sparse-bf16-shared-in-tail",
+        "qwen3_moe-dense-fp32",
+        "qwen3_moe-sparse-fp32",
+        "qwen3_moe-dense-bf16",
     ],
 )
 @torch.no_grad()
-def test_full_model_front_and_tail(tiny_text_model, dtype, sparse, in_front):
-    """Qwen3.5 decoder layers run two launches from the mixer's output on: moe_front (residual add, norm, router,
-    shared gate, and the shared expert into the experts' workspace) and sparse_fused with the residual in its tail
-    (sparsity off: threshold 0); `shared_in_front=False`: the shared expert in sparse_fused's launch instead."""
-    ref_model = copy.deepcopy(tiny_text_model).to(DEV, dtype)
-    for m in _with_local_experts(ref_model):
-        m.sparse_enabled = sparse
+def test_full_model_front_and_tail(tiny_model, family, dtype, sparsity, in_front):
+    """The decoder layers run two launches from the mixer's output on: moe_front (residual add, norm, router; Qwen3.5:
+    the shared gate, and the shared expert into the experts' workspace) and sparse_fused with the residual in its tail
+    (sparsity 0: threshold 0, against transformers' own model and experts); `shared_in_front=False`: the shared expert
+    in sparse_fused's launch instead. Sparse: against the same LocalExperts run eagerly (the unfused layers)."""
+    sparse = sparsity > 0
+    ref_model = copy.deepcopy(tiny_model).to(DEV, dtype)
     prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(12)).to(DEV)
-    want, want_toks = _run(ref_model, "static", prompt)
+    if not sparse:  # transformers' model as it is, experts included
+        want, want_toks = _run(ref_model, "static", prompt)
+    for m in _with_local_experts(ref_model, sparsity if sparse else 0.3):
+        m.sparse_enabled = sparse
+    if sparse:
+        want, want_toks = _run(ref_model, "static", prompt)
     model = copy.deepcopy(ref_model)
     experts = [layer.mlp.experts for layer in model.model.layers]
     for m in experts:

@@ -1,8 +1,8 @@
-"""Tests of localmoe/decode/sdpa.py: Qwen3.5-MoE's gated full attention, fused for a cached one-token step (q|k|v
-GEMV, kernels/qk_norm_rope.py, the cache's update, the attention core, sigmoid gate, o_proj), equals transformers'
-module on a tiny random model: the layer's own output and cache writes, whole-model logits with everything else
-fused alike, greedy `generate`; prefill, uncached, eager-core and biased calls fall back to the original module.
-CPU, TRITON_INTERPRET=1.
+"""Tests of localmoe/decode/attention.py: Qwen3.5-MoE's gated full attention and Qwen3-MoE's plain one (where
+parametrised by `family`), fused for a cached one-token step (q|k|v GEMV, kernels/qk_norm_rope.py, the cache's
+update, the attention core, [sigmoid gate], o_proj), equal transformers' module on a tiny random model: the layer's
+own output and cache writes, whole-model logits with everything else fused alike, greedy `generate`; prefill,
+uncached, eager-core, biased and sliding-window calls fall back to the original module. CPU, TRITON_INTERPRET=1.
 Shape legend: P prompt tokens, H hidden, V vocab.
 """
 
@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from test_fused import STEPS, _run, tiny_text_model  # noqa: E402, F401  (the fixture, shared with test_fused)
+# the fixtures, shared with test_fused
+from test_fused import STEPS, _run, tiny_model, tiny_qwen3_moe, tiny_text_model  # noqa: E402, F401
 
 from localmoe.decode import replacements, sdpa
 from localmoe.decode.attention import FusedAttention  # noqa: E402
@@ -27,7 +28,8 @@ P = 6
 
 
 def _full_attention_index(model) -> int:
-    return model.config.layer_types.index("full_attention")
+    types = getattr(model.config, "layer_types", None)
+    return types.index("full_attention") if types else 0  # Qwen3-MoE: every layer
 
 
 def _layer_inputs(model, T, start, seed):
@@ -35,7 +37,9 @@ def _layer_inputs(model, T, start, seed):
     H = model.config.hidden_size
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(1, T, H, generator=gen).to(DEV, model.dtype)
-    pos = torch.arange(start, start + T, device=DEV).view(1, 1, T).expand(3, 1, T)  # text positions, 3 mrope axes
+    pos = torch.arange(start, start + T, device=DEV).view(1, T)
+    if hasattr(model.model.rotary_emb, "mrope_section"):  # Qwen3.5: text positions on 3 mrope axes
+        pos = pos.view(1, 1, T).expand(3, 1, T)
     return h, model.model.rotary_emb(h, pos)
 
 
@@ -43,24 +47,36 @@ def _cache_kw(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-@pytest.mark.parametrize("core", ["sdpa", sdpa.NAME])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+_FP32, _BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "family,dtype,core",
+    [
+        ("qwen3_5_moe", _FP32, "sdpa"),
+        ("qwen3_5_moe", _FP32, sdpa.NAME),
+        ("qwen3_5_moe", _BF16, "sdpa"),
+        ("qwen3_5_moe", _BF16, sdpa.NAME),
+        ("qwen3_moe", _FP32, "sdpa"),
+        ("qwen3_moe", _FP32, sdpa.NAME),
+        ("qwen3_moe", _BF16, sdpa.NAME),
+    ],
+    ids=lambda v: {_FP32: "fp32", _BF16: "bf16"}.get(v, v),
+)
 @torch.no_grad()
-def test_decode_step_equals_module(tiny_text_model, dtype, core):
+def test_decode_step_equals_module(tiny_model, family, dtype, core):
     """After a P-token prefill into a DynamicCache, fused decode steps give the original module's output and write
     the same keys and values into the cache; the prefill itself runs the original."""
     from transformers import DynamicCache
 
-    model = copy.deepcopy(tiny_text_model).to(DEV, dtype)
+    model = copy.deepcopy(tiny_model).to(DEV, dtype)
     if core == sdpa.NAME:
         assert sdpa.install(model)
     i = _full_attention_index(model)
     hf = model.model.layers[i].self_attn
     holder = torch.nn.Sequential(copy.deepcopy(hf))
-    done = replacements.install(
-        holder, force=True
-    )  # the projections become FusedLinear, the norms FusedRMSNorm, like install
-    assert done["Qwen3_5MoeAttention"] == 1 and done["Linear"] == 4 and done["Qwen3_5MoeRMSNorm"] == 2
+    done = replacements.install(holder, force=True)  # the projections FusedLinear, the norms FusedRMSNorm, as install
+    assert done == {type(hf).__name__: 1, "Linear": 4, type(hf.q_norm).__name__: 2}
     fa = holder[0]
     assert isinstance(fa, FusedAttention) and fa.q_proj.weight is fa._hf.q_proj.weight
     kw = _cache_kw(hf)
@@ -142,12 +158,13 @@ def test_greedy_generate_equals_transformers(tiny_text_model):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
 @torch.no_grad()
-def test_other_calls_run_the_original(tiny_text_model):
+def test_other_calls_run_the_original(tiny_model, family):
     """No cache, an eager attention core, training mode: transformers' module, untouched results."""
     from transformers import DynamicCache
 
-    model = copy.deepcopy(tiny_text_model).to(DEV)
+    model = copy.deepcopy(tiny_model).to(DEV)
     hf = model.model.layers[_full_attention_index(model)].self_attn
     fa = FusedAttention(hf)
     h, pe = _layer_inputs(model, 1, 0, seed=2)
@@ -166,10 +183,17 @@ def test_other_calls_run_the_original(tiny_text_model):
     assert fa.decode_calls == 1
 
 
-def test_biased_projections_are_not_fused(tiny_text_model):
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeAttention
-
-    cfg = copy.deepcopy(tiny_text_model.config)
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_biased_or_windowed_layers_are_not_fused(tiny_model, family):
+    """Biased projections (no shared weight buffer), Qwen3-MoE's sliding window: every call runs the original."""
+    i = _full_attention_index(tiny_model)
+    hf = tiny_model.model.layers[i].self_attn
+    fa = FusedAttention(copy.deepcopy(hf))  # (a copy: the shared buffer re-points the weights)
+    assert fa._w_qkv is not None and fa._gated == (family == "qwen3_5_moe")
+    cfg = copy.deepcopy(tiny_model.config)
     cfg.attention_bias = True
-    fa = FusedAttention(Qwen3_5MoeAttention(cfg, _full_attention_index(tiny_text_model)))
-    assert fa._w_qkv is None  # no shared weight buffer: every call runs the original module
+    assert FusedAttention(type(hf)(cfg, i))._w_qkv is None
+    if family == "qwen3_moe":
+        cfg = copy.deepcopy(tiny_model.config)
+        cfg.attention_bias, cfg.sliding_window = False, 4
+        assert FusedAttention(type(hf)(cfg, i))._w_qkv is None

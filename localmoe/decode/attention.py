@@ -1,15 +1,18 @@
-"""Qwen3.5-MoE's gated full attention for a cached one-token decode step: one GEMV for q|k|v (the three projections'
-weights share one buffer), one Triton launch for the per-head q/k RMSNorm + partial RoPE + output-gate
-de-interleave (`kernels/qk_norm_rope.py`), then transformers' own cache update and attention core (localmoe_sdpa's
-decode kernel), the sigmoid gate and o_proj. Prefill and every other call run transformers' module. Installed by
-`localmoe.decode.replacements`.
+"""Full attention for a cached one-token decode step: Qwen3.5-MoE's gated attention (partial RoPE, a sigmoid output
+gate interleaved with the query in q_proj) and Qwen3-MoE's (no gate, RoPE over the whole head, GQA). One GEMV for
+q|k|v (the three projections' weights share one buffer), one Triton launch for the per-head q/k RMSNorm + RoPE (+ the
+gate's de-interleave) and the k/v write into a static cache (`kernels/qk_norm_rope.py`), then the attention core
+(localmoe_sdpa's decode kernel, the sigmoid gate in its combine) and o_proj. Prefill and every other call run
+transformers' module. Installed by `localmoe.decode.replacements`.
 
-Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter): transformers'
-module with localmoe's GEMV and RMSNorm children 28 — q/k/v projections 3, the gate's copy 1, norms 2, RoPE 12
-(products, rotate_half's neg and cat, sums, the partial-rotary cat), cache update 5, core 2, sigmoid 1, multiply 1,
-o_proj 1; here 5: q|k|v GEMV (with the decoder layer's input norm inside), qk_norm_rope (which also writes k and v
-into a StaticLayer's tensors and advances its position), the core's 2 (the sigmoid gate in its combine kernel),
-o_proj.
+Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter), transformers' module
+with localmoe's GEMV and RMSNorm children:
+* Qwen3.5 28: q/k/v projections 3, the gate's copy 1, norms 2, RoPE 12 (products, rotate_half's neg and cat, sums,
+  the partial-rotary cat), cache update 5, core 2, sigmoid 1, multiply 1, o_proj 1; here 5: q|k|v GEMV (with the
+  decoder layer's input norm inside), qk_norm_rope (which also writes k and v into a StaticLayer's tensors and
+  advances its position), the core's 2 (the sigmoid gate in its combine kernel), o_proj;
+* Qwen3-MoE 22: q/k/v projections 3, norms 2, RoPE 10, cache update 5, core 1, o_proj 1; here 4: q|k|v GEMV (with
+  the input norm), qk_norm_rope (+ the k/v write), the core, o_proj.
 Other caches go through `cache.update` (5 launches), other cores through transformers' gate ops (2).
 
 Shape legend: B batch, T tokens, H hidden, Hq / Hkv query / key-value heads, D head dim, ROT rotary dims,
@@ -29,7 +32,7 @@ from localmoe.decode import sdpa
 from localmoe.decode.ops import FusedRMSNorm, concat_rows, linear_1, one_row, takes_norm
 from localmoe.kernels.qk_norm_rope import qk_norm_rope
 
-_NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred"}  # transformers' q/k norm class -> qk_norm_rope's kind
+_NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred", "Qwen3MoeRMSNorm": "standard"}  # q/k norm class -> kind
 _CORES = ("localmoe_sdpa", "sdpa")  # attention implementations the fused step calls (others: the original module)
 
 
@@ -64,10 +67,10 @@ def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int) -> bool:
 
 
 class FusedAttention(nn.Module):
-    """Qwen3.5-MoE full attention whose cached one-token call is: q|k|v GEMV -> qk_norm_rope (1 launch) -> the cache's
-    update -> the attention core (transformers' AttentionInterface) -> · sigmoid(gate) -> o_proj. Other calls
-    (prefill, no cache, batch > 1, biases, other dtypes/devices or attention implementations, training) run the
-    original module, kept unregistered as `_hf`."""
+    """Qwen3.5-MoE / Qwen3-MoE full attention whose cached one-token call is: q|k|v GEMV -> qk_norm_rope (1 launch)
+    -> the cache's update -> the attention core (transformers' AttentionInterface) [-> · sigmoid(gate), Qwen3.5] ->
+    o_proj. Other calls (prefill, no cache, batch > 1, biases, a sliding window, other dtypes/devices or attention
+    implementations, training) run the original module, kept unregistered as `_hf`."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -87,10 +90,12 @@ class FusedAttention(nn.Module):
         self.num_kv_heads = int(hf.config.num_key_value_heads)
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
         self._kind, self._eps = self._norms(hf)
-        self._w_qkv, sizes = concat_rows([self.q_proj, self.k_proj, self.v_proj])  # [Hq*2D + 2*Hkv*D, H]
+        self._w_qkv, sizes = concat_rows([self.q_proj, self.k_proj, self.v_proj])  # [Hq*QW + 2*Hkv*D, H]
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        if self._w_qkv is not None and sizes != [Hq * 2 * D, Hkv * D, Hkv * D]:
-            self._w_qkv = None  # not Qwen3.5's gated layout: the original module does every call
+        # QW = 2D: Qwen3.5's gated layout ([q_h | gate_h] per head); D: Qwen3-MoE's plain one
+        self._gated = {Hq * 2 * D: True, Hq * D: False}.get(sizes[0]) if sizes[1:] == [Hkv * D, Hkv * D] else None
+        if self._gated is None or getattr(hf, "sliding_window", None) is not None:
+            self._w_qkv = None  # another layout, or a sliding window: the original module does every call
 
     @staticmethod
     def _norms(hf: nn.Module) -> tuple[str | None, float | None]:
@@ -148,7 +153,7 @@ class FusedAttention(nn.Module):
             linear_1(hidden_states, self._w_qkv, input_norm)
             if one_row(hidden_states, self._w_qkv)
             else F.linear(hidden_states, self._w_qkv)
-        )  # [1, 1, Hq*2D + 2*Hkv*D]
+        )  # [1, 1, Hq*QW + 2*Hkv*D]
         static = _static_layer(cache, self.layer_idx, Hkv, D, hidden_states)
         if static is not None:  # k and v written into the static cache by the same launch
             q, k, v, gate = self._norm_rope(
@@ -156,7 +161,7 @@ class FusedAttention(nn.Module):
             )
             key, value = static.keys, static.values  # [1, Hkv, L, D]; the position advanced by the same launch
         else:
-            q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D]
+            q, k, v, gate = self._norm_rope(qkv, *position_embeddings)  # [Hq, D], [Hkv, D], [Hkv, D], [Hq*D] | None
             key = k.view(1, 1, Hkv, D).transpose(1, 2)  # [1, Hkv, 1, D], as transformers' key_states
             value = v.view(1, 1, Hkv, D).transpose(1, 2)
             if self._cache_kw == "cache":  # exactly as the original calls it (transformers 5.2x / 5.17)
@@ -166,12 +171,14 @@ class FusedAttention(nn.Module):
         query = q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D], as transformers' query_states
         impl = self.config._attn_implementation
         if impl == sdpa.NAME and sdpa.takes(query, key, value, attention_mask, 0.0, kwargs):
-            out = sdpa.decode(query, key, value, attention_mask, self.scaling, gate=gate.view(Hq, D))
+            g = None if gate is None else gate.view(Hq, D)
+            out = sdpa.decode(query, key, value, attention_mask, self.scaling, gate=g)
             return self.o_proj(out.reshape(*input_shape, -1)), None  # the gate applied in the core's launch
         core = ALL_ATTENTION_FUNCTIONS[impl]
         out, weights = core(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         out = out.reshape(*input_shape, -1).contiguous()  # [1, 1, Hq*D]
-        out = out * torch.sigmoid(gate.view(*input_shape, -1))
+        if gate is not None:
+            out = out * torch.sigmoid(gate.view(*input_shape, -1))
         return self.o_proj(out), weights
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
@@ -186,7 +193,7 @@ class FusedAttention(nn.Module):
             num_q_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             kind=self._kind,
-            gated=True,
+            gated=self._gated,
             kv_cache=kv_cache,
         )
 

@@ -1,6 +1,6 @@
 """MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
-expert; or, from a Qwen3.5 decoder layer, `moe_front` with the shared expert + the experts' `sparse_fused` with the
-residual add in its tail) and Qwen3.5's decoder layer, whose norms and residual adds ride in
+expert; or, from a decoder layer, `moe_front` (with the shared expert, if any) + the experts' `sparse_fused` with the
+residual add in its tail) and the Qwen3.5 / Qwen3-MoE decoder layer, whose norms and residual adds ride in
 neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill and other calls run transformers' modules.
 
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
@@ -118,25 +118,26 @@ class FusedSparseMoeBlock(nn.Module):
         return y.reshape(B, T, H), logits
 
     def takes_front(self, h: torch.Tensor) -> bool:
-        """Whether `step_front` can run this one-token call: the fused call holds, the block has a shared expert
-        and its experts run `sparse_fused` (which then takes the residual add, and the shared expert's sum)."""
+        """Whether `step_front` can run this one-token call: the fused call holds and the block's experts run
+        `sparse_fused` (which then takes the residual add, and the shared expert's sum if there is one)."""
         takes = getattr(self.experts, "takes_tail", None)
-        return self.has_shared and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
+        return self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
     @torch.compiler.disable
     def step_front(self, mixed: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) -> torch.Tensor:
         """The decoder layer from the mixer's output on, two launches (`takes_front` holds): moe_front (residual
         add, post-attention norm, router top-k, the shared expert into the experts' workspace row), then the
         experts' `sparse_fused` with the residual add in its tail (`shared_in_front=False`: the shared expert in
-        sparse_fused's launch). mixed, residual [B, T, H] -> the layer's output."""
+        sparse_fused's launch; a block without one: moe_front without it). mixed, residual [B, T, H] -> the layer's
+        output."""
         self.decode_calls += 1
         self.front_calls += 1
         B, T, H = mixed.shape
-        se = self.shared_expert
         if self._front is None:
             self._front = tuned(mixed, "moe_front", f"H{H}_E{self.gate.weight.shape[0]}_k{self.top_k}")
-        weights = (se.gate_proj.weight, se.up_proj.weight, self._shared_down_t())
-        if self.shared_in_front:  # the shared expert in moe_front's launch, added into the experts' workspace row
+        se = self.shared_expert if self.has_shared else None
+        weights = (se.gate_proj.weight, se.up_proj.weight, self._shared_down_t()) if se is not None else None
+        if se is not None and self.shared_in_front:  # the shared expert in moe_front's launch, into the workspace
             ws = fused_workspace(mixed.device, H + self.top_k + 1)
             front = {"shared_expert": weights, "acc": ws[:H].view(torch.float32)}
         else:
@@ -152,13 +153,13 @@ class FusedSparseMoeBlock(nn.Module):
             self.gate.weight,
             self.top_k,
             self.norm_topk_prob,
-            self.shared_expert_gate.weight,
+            self.shared_expert_gate.weight if se is not None else None,
             tickets=self._tickets_on(mixed.device),
             residual_early=True,
             **front,
             **self._front,
         )
-        shared = None if self.shared_in_front else SharedExpert(*weights, sg)
+        shared = None if se is None or self.shared_in_front else SharedExpert(*weights, sg)
         y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws))
         return y.view(B, T, H)
 
@@ -205,11 +206,12 @@ class FusedSparseMoeBlock(nn.Module):
 
 
 class FusedDecoderLayer(nn.Module):
-    """Qwen3.5-MoE decoder layer whose one-token call has no launch of its own: the input RMSNorm goes into the
-    mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when the experts run `sparse_fused`
-    (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` (with the shared expert) + `sparse_fused` (with the
-    residual in its tail); else the mixer's output + residual go into the post-attention RMSNorm's launch and the MoE
-    output + residual into the shared expert's last kernel. Only when its norm and MoE block are localmoe's fused
+    """Qwen3.5-MoE / Qwen3-MoE decoder layer whose one-token call has no launch of its own: the input RMSNorm goes
+    into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when the experts run
+    `sparse_fused` (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` (with the shared expert, if any) +
+    `sparse_fused` (with the residual in its tail); else the mixer's output + residual go into the post-attention
+    RMSNorm's launch and the MoE output + residual into the shared expert's last kernel (without a shared expert: one
+    add launch). Only when its norm and MoE block are localmoe's fused
     modules and the call is one token on their device; other one-token calls run transformers' layer arithmetic with
     this layer's (fused) children, and more tokens (prefill) the original layer, whose children are the originals."""
 
@@ -230,7 +232,6 @@ class FusedDecoderLayer(nn.Module):
         return (
             isinstance(self.post_attention_layernorm, FusedRMSNorm)
             and isinstance(self.mlp, FusedSparseMoeBlock)
-            and self.mlp.has_shared
             and self.mlp._fusable(h)
         )
 
@@ -271,7 +272,9 @@ class FusedDecoderLayer(nn.Module):
         if self.mlp.takes_front(h):  # sparse decode: 2 launches from here
             return self.mlp.step_front(h, hidden_states, norm)
         h, residual = _add_norm(h, hidden_states, norm)
-        return self.mlp.step(h, residual)[0]
+        if self.mlp.has_shared:  # the residual add in the shared expert's last kernel
+            return self.mlp.step(h, residual)[0]
+        return residual + self.mlp.step(h)[0]
 
 
 def _kw(module: nn.Module, *names: str) -> str:

@@ -58,6 +58,25 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                kernel) -> the twin's shared expert 2 launches
     DeaMoeQwen35TextModel,         FusedTextModel,          as Qwen3.5's: DeaMoE's Qwen3.5 twin shares the decoder
     DeaMoeQwen35DecoderLayer       FusedDecoderLayer
+    Qwen3MoeModel                  FusedTextModel           as Qwen3_5MoeTextModel: 4 launches around the layers (the
+                                                               rotary table from position ids [1, L]; every layer
+                                                               full attention; no sliding window)
+    Qwen3MoeDecoderLayer           FusedDecoderLayer        one token: input norm inside the q|k|v GEMV; attention;
+                                                               then, when the experts run sparse_fused, 2 launches:
+                                                               moe_front (residual add, norm, router top-k; no shared
+                                                               expert) and sparse_fused with the residual add in its
+                                                               tail; else the norm with the residual add, the block,
+                                                               an add. Layers with a dense MLP (mlp_only_layers):
+                                                               transformers' arithmetic around the fused children
+    Qwen3MoeAttention              FusedAttention           cached T=1 step as Qwen3.5's, without the gate and with
+                                                               RoPE over the whole head: q|k|v GEMV, qk_norm_rope
+                                                               (standard norms, k/v written into the static cache),
+                                                               the core, o_proj: 4 launches (was 22 with the fused
+                                                               Linears and norms; also DeaMoE's attention)
+    A Qwen3-MoE decoder layer's decode step (StaticCache, localmoe_sdpa, LocalExperts on sparse_fused; counted on the
+    CPU with the interpreter, tests/test_fused_model.py::test_qwen3_moe_layer_launches): 28 launches with the fused
+    norms, Linears and MoE block alone (3 norms, 3 projections, RoPE 10, cache update 5, core, o_proj, 2 residual
+    adds, router, experts) -> 6; with transformers' modules only, 55.
 
 Besides the table, `install` switches models on transformers' "sdpa" attention to localmoe's "localmoe_sdpa"
 (localmoe/decode/sdpa.py: one-token decode attention whose time follows the tokens so far), registered through
@@ -126,6 +145,15 @@ REPLACEMENTS: dict[str, Replacement] = {
         FusedSparseMoeBlock, "T=1: group-limited router 1 launch, experts unchanged, shared expert + add 2 launches"
     ),
     "OlmoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
+    "Qwen3MoeModel": Replacement(
+        FusedTextModel, "as Qwen3_5MoeTextModel (rotary ids [1, L], every layer full attention)"
+    ),
+    "Qwen3MoeDecoderLayer": Replacement(
+        FusedDecoderLayer, "T=1: moe_front (no shared expert) + sparse_fused with the residual add; prefill unchanged"
+    ),
+    "Qwen3MoeAttention": Replacement(
+        FusedAttention, "cached T=1 step: q|k|v 1 GEMV, norms + full RoPE + k/v write 1 launch; prefill unchanged"
+    ),
     "Linear": Replacement(FusedLinear, "one row: localmoe's GEMV (tuned per shape); else F.linear"),
     "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "OlmoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),

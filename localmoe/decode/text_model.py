@@ -1,15 +1,14 @@
-"""Qwen3.5-MoE's text model (embedding -> decoder layers -> final norm) for the one-token cached decode step, with
-transformers' glue around the layers cut to 4 launches. Installed by `localmoe.decode.replacements`; every other call
-runs
-transformers' module.
+"""The text model of Qwen3.5-MoE and Qwen3-MoE (embedding -> decoder layers -> final norm) for the one-token cached
+decode step, with transformers' glue around the layers cut to 4 launches. Installed by
+`localmoe.decode.replacements`; every other call runs transformers' module.
 
 On the CUDA-graph decode step every decoder layer is localmoe's FusedDecoderLayer; what transformers' text model
 does around them was 25 small kernels on the H200 (transformers 5.17): the embedding, mrope's cos/sin (inv_freq
 product, cos, sin, scaling, recomposition, casts), position-id arithmetic (aranges, adds), the causal mask over the
-static cache, the final norm. Here 4: the embedding, ONE gather of (cos, sin) for the position from a table, the
-boolean causal mask (key index <= position: transformers' sdpa mask for one query over a StaticCache), the final
-norm. Measured at Qwen3.5-35B-A3B shapes (random bf16 weights, sparsity 0.85): 246 -> 225 kernels per step, graph
-decode 2874 -> 2724 µs per step (348 -> 367 tok/s).
+static cache, the final norm (Qwen3-MoE's: the same without mrope). Here 4: the embedding, ONE gather of (cos, sin)
+for the position from a table, the boolean causal mask (key index <= position: transformers' sdpa mask for one query
+over a StaticCache), the final norm. Measured at Qwen3.5-35B-A3B shapes (random bf16 weights, sparsity 0.85): 246
+-> 225 kernels per step, graph decode 2874 -> 2724 µs per step (348 -> 367 tok/s).
 
 The table holds transformers' own values: made once (lazily, on the first such call; again when the cache length,
 the dtype or the device changes) by calling the model's ORIGINAL rotary module on positions 0..L-1, so row p is what
@@ -20,7 +19,8 @@ the host, so the step stays capturable.
 
 Taken: input_ids [1, 1] (or inputs_embeds [1, 1, H]); no attention_mask / position_ids; a transformers StaticCache
 already holding the prompt; use_cache; no hidden-state / attention / router-logit outputs; sdpa / localmoe_sdpa
-attention; a position-independent RoPE (not dynamic / longrope); every layer a FusedDecoderLayer. The layers get
+attention; a position-independent RoPE (not dynamic / longrope); no sliding window; every layer a
+FusedDecoderLayer. The layers get
 what transformers passes them: the same mask (full attention; FusedAttention hands it to the decode-attention
 kernel, which skips the static cache's unused tail by it, so it cannot be dropped), None for the linear-attention
 layers (transformers' one-token value), cos/sin of the same values and shape, the same keywords.
@@ -61,8 +61,8 @@ def _output_class(hf: nn.Module):
 
 
 class FusedTextModel(nn.Module):
-    """Qwen3.5-MoE's text model whose one-token StaticCache step is 4 launches around the decoder layers (see the
-    module docstring). Other calls run the original module, kept unregistered as `_hf`."""
+    """Qwen3.5-MoE's / Qwen3-MoE's text model whose one-token StaticCache step is 4 launches around the decoder
+    layers (see the module docstring). Other calls run the original module, kept unregistered as `_hf`."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -82,9 +82,9 @@ class FusedTextModel(nn.Module):
         self._out_cache = (
             "cache" if self._out is not None and "cache" in self._out.__dataclass_fields__ else "past_key_values"
         )
-        types = list(getattr(self.config, "layer_types", None) or [])[: self.config.num_hidden_layers]
-        ok = len(types) == self.config.num_hidden_layers and set(types) <= {"full_attention", "linear_attention"}
-        self._full = types.index("full_attention") if ok and "full_attention" in types else None
+        self._types = _layer_types(self.config)  # each layer's mask kind; None: not a model this step runs
+        self._full = self._types.index("full_attention") if self._types and "full_attention" in self._types else None
+        self._mrope = hasattr(self.rotary_emb, "mrope_section")  # Qwen3.5: position ids [3, B, T] (text, h, w)
         self._table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (key, [2, L, ROT] cos|sin, arange(L))
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
 
@@ -153,7 +153,7 @@ class FusedTextModel(nn.Module):
             "full_attention": (kv <= pos).view(1, 1, 1, L),  # [B, 1, T, L] bool: 1 launch
             "linear_attention": None,
         }
-        types = self.config.layer_types
+        types = self._types
         for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             h = layer(
                 h,
@@ -170,14 +170,28 @@ class FusedTextModel(nn.Module):
     @torch.compiler.disable  # built eagerly, outside any compiled or captured region's steady state
     def _angles(self, h: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([2, L, ROT] cos|sin of positions 0..L-1 in h's dtype, arange(L)), from the ORIGINAL rotary module as
-        transformers' text model calls it (its mrope position ids [3, 1, L]); made once per (L, dtype, device)."""
+        transformers' text model calls it (Qwen3.5: mrope position ids [3, 1, L]; else [1, L]); made once per
+        (L, dtype, device)."""
         key = (L, h.dtype, h.device)
         if self._table is None or self._table[0] != key:
             with torch.no_grad():
                 kv = torch.arange(L, device=h.device)
-                cos, sin = self.rotary_emb(h, kv.view(1, 1, L).expand(3, 1, L))  # [1, L, ROT] each
+                ids = kv.view(1, 1, L).expand(3, 1, L) if self._mrope else kv.view(1, L)
+                cos, sin = self.rotary_emb(h, ids)  # [1, L, ROT] each
                 self._table = (key, torch.stack([cos[0], sin[0]]).contiguous(), kv)
         return self._table[1], self._table[2]
+
+
+def _layer_types(config) -> list[str] | None:
+    """Each layer's attention kind: Qwen3.5's `layer_types` (full / linear attention), or every layer full attention
+    for a config without them and without a sliding window (Qwen3-MoE); None otherwise (sliding windows, other
+    kinds: their masks are not the one this step builds)."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types is None and getattr(config, "sliding_window", None) is None:
+        types = ["full_attention"] * n
+    types = list(types or [])[:n]
+    return types if len(types) == n and set(types) <= {"full_attention", "linear_attention"} else None
 
 
 def _static_length(cache, full: int, device) -> int | None:
