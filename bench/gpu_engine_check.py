@@ -3,9 +3,11 @@
 1. Tiny random checkpoints of each family (float32 on CUDA): localmoe greedy tokens at sparsity 0 with the CUDA
    graph equal transformers `generate`; after set_sparsity(0.5) the graph is captured again and used (column
    graph@0.5: False when the engine fell back to eager, whose notice shows under notes) and its tokens equal eager
-   tokens; realised sparsity on the Triton path within 3 points of the target.
-2. `localmoe bench --shape qwen3.5-35b --baseline transformers` (random bf16 weights at the real shapes).
-Usage: PYTHONUNBUFFERED=1 python bench/gpu_engine_check.py [--skip-bench]
+   tokens; realised sparsity on the Triton path within 3 points of the target. Column fused: the decode modules
+   installed (localmoe/decode/replacements.py), "+text" when the whole text model is fused (Qwen3.5, Qwen3-MoE).
+2. `localmoe bench --shape S --baseline transformers` (random bf16 weights at the real shapes) for each `--shape`
+   (default qwen3.5-35b; qwen3-30b for Qwen3-30B-A3B).
+Usage: PYTHONUNBUFFERED=1 python bench/gpu_engine_check.py [--skip-bench] [--shape qwen3.5-35b --shape qwen3-30b]
 """
 
 import os
@@ -20,8 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
+from localmoe.decode import replacements  # noqa: E402
+from localmoe.decode.text_model import FusedTextModel  # noqa: E402
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
+
+shapes = [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--shape"] or ["qwen3.5-35b"]
 
 rows = []
 for fam in tiny_models.SUPPORTED:
@@ -36,6 +42,8 @@ for fam in tiny_models.SUPPORTED:
         s = GenerationSettings(max_new_tokens=24)
         graph0 = [ev.token_id for ev in e.generate(ids, s)]
         used_graph = e._graph is not None
+        text = any(isinstance(m, FusedTextModel) for m in e.model.modules())
+        fused = f"{replacements.installed(e.model)}{'+text' if text else ''}"
         from transformers import AutoModelForCausalLM
 
         ref_model = AutoModelForCausalLM.from_pretrained(snap, dtype=torch.float32).cuda()
@@ -53,34 +61,35 @@ for fam in tiny_models.SUPPORTED:
         e._drop_graph()
         eager5 = [ev.token_id for ev in e.generate(ids, s)]
         real_e = e.stats.sparsity_realized
-        rows.append(
-            (fam, used_graph, graph0 == ref, graph5, g5 == eager5, f"{real_g:.3f}/{real_e:.3f}", "; ".join(notes)[:80])
-        )
+        real = f"{real_g:.3f}/{real_e:.3f}"
+        rows.append((fam, used_graph, graph0 == ref, graph5, g5 == eager5, real, fused, "; ".join(notes)[:80]))
     except Exception as ex:  # noqa: BLE001
         import traceback
 
         traceback.print_exc()
-        rows.append((fam, "-", "ERROR", "-", "-", "-", f"{type(ex).__name__}: {ex}"[:120]))
-print("\nfamily        graph  s0==transformers  graph@0.5  graph==eager@0.5  realised(graph/eager)  notes")
+        rows.append((fam, "-", "ERROR", "-", "-", "-", "-", f"{type(ex).__name__}: {ex}"[:120]))
+print("\nfamily        graph  s0==transformers  graph@0.5  graph==eager@0.5  realised(graph/eager)  fused    notes")
 for r in rows:
-    print(f"{r[0]:<13} {str(r[1]):<6} {str(r[2]):<17} {str(r[3]):<10} {str(r[4]):<17} {r[5]:<22} {r[6]}")
+    print(f"{r[0]:<13} {str(r[1]):<6} {str(r[2]):<17} {str(r[3]):<10} {str(r[4]):<17} {r[5]:<22} {r[6]:<8} {r[7]}")
 sys.stdout.flush()
 
 if "--skip-bench" not in sys.argv:
     from localmoe.measure.benchmark import bench, table
 
-    res = bench(
-        None,
-        shape="qwen3.5-35b",
-        sparsities=[0.0, 0.85],
-        device="cuda",
-        dtype="bfloat16",
-        baseline="transformers",
-        progress=lambda st, d, t: print(f"  {st} {d}/{t}", flush=True) if st.startswith("note") else None,
-    )
-    print(table(res))
-    out = os.environ.get("OUT")
-    if out:
-        import json
+    for shape in shapes:
+        res = bench(
+            None,
+            shape=shape,
+            sparsities=[0.0, 0.85],
+            device="cuda",
+            dtype="bfloat16",
+            baseline="transformers",
+            progress=lambda st, d, t: print(f"  {st} {d}/{t}", flush=True) if st.startswith("note") else None,
+        )
+        print(table(res))
+        out = os.environ.get("OUT")
+        if out:
+            import json
 
-        Path(out, "bench_qwen35.json").write_text(json.dumps(res, indent=1))
+            name = "bench_qwen35.json" if shape == "qwen3.5-35b" else f"bench_{shape}.json"
+            Path(out, name).write_text(json.dumps(res, indent=1))

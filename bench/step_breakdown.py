@@ -1,15 +1,16 @@
 """Where one batch-1 decode step's GPU time goes (run on the GPU, not a test).
 
-Builds the random-weight Qwen3.5-35B-A3B-shaped engine (the engine's defaults: fused decode modules on), profiles
-eager decode steps on a StaticCache (what the graph step runs) with programmatic dependent launch off (so a kernel's
-time is its own, not its wait for the one before) with torch.profiler, sorts every CUDA kernel of a step into a part
-by its name (projection GEMVs, lm_head, routed experts, router, shared expert, DeltaNet step, attention core, norms,
-glue), then times the captured CUDA-graph step (PDL as configured). Kernel time per part is exact; the graph step also
-pays ~1 µs between kernels.
-Usage: python bench/step_breakdown.py [sparsity] [--no-fused] [--dense-tail] [--prompt 128]
+Builds a random-weight engine at a registry model's real shapes (`--shape`, default qwen3.5-35b; qwen3-30b for
+Qwen3-30B-A3B; the engine's defaults: fused decode modules on), profiles eager decode steps on a StaticCache (what
+the graph step runs) with programmatic dependent launch off (so a kernel's time is its own, not its wait for the one
+before) with torch.profiler, sorts every CUDA kernel of a step into a part by its name (projection GEMVs, lm_head,
+routed experts, router, shared expert, DeltaNet step, attention, norms, glue), then times the captured CUDA-graph
+step (PDL as configured). Kernel time per part is exact; the graph step also pays ~1 µs between kernels. The
+launches per step tell whether the fused path ran: Qwen3-30B-A3B fused is 6 per layer (288) + ~6 around them.
+Usage: python bench/step_breakdown.py [sparsity] [--shape qwen3-30b] [--no-fused] [--dense-tail] [--prompt 128]
 """
 
-import sys
+import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -18,13 +19,17 @@ from localmoe.engine.engine import Engine
 from localmoe.engine.sampling import sample
 from localmoe.events import GenerationSettings
 
-args = [a for a in sys.argv[1:] if not a.startswith("--") and sys.argv[sys.argv.index(a) - 1] != "--prompt"]
-sparsity = float(args[0]) if args else 0.85
-engine = Engine.random(
-    "qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16, fused="--no-fused" not in sys.argv
-)
+ap = argparse.ArgumentParser(description="per-part GPU time of one decode step")
+ap.add_argument("sparsity", nargs="?", type=float, default=0.85)
+ap.add_argument("--shape", default="qwen3.5-35b", help="registry model whose real config is built (random weights)")
+ap.add_argument("--no-fused", action="store_true", help="transformers' modules (no decode replacements)")
+ap.add_argument("--dense-tail", action="store_true", help="sparsity 0 through sparse_fused at threshold 0")
+ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before the profiled steps")
+opts = ap.parse_args()
+sparsity = opts.sparsity
+engine = Engine.random(opts.shape, device=torch.device("cuda"), dtype=torch.bfloat16, fused=not opts.no_fused)
 engine.set_sparsity(sparsity)
-if "--dense-tail" in sys.argv:  # sparsity 0 through sparse_fused at threshold 0 with the tail, not dense_experts
+if opts.dense_tail:  # sparsity 0 through sparse_fused at threshold 0 with the tail, not dense_experts
     from localmoe.experts.local_experts import LocalExperts
 
     for m in engine.model.modules():
@@ -64,7 +69,7 @@ def part_of(name: str) -> str:
     return next((p for key, p in PARTS if key in low), "glue (copies, adds, casts, cat, …)")
 
 
-n_prompt = int(sys.argv[sys.argv.index("--prompt") + 1]) if "--prompt" in sys.argv else 128
+n_prompt = opts.prompt
 prompt = torch.randint(0, engine.loaded.config.vocab_size, (1, n_prompt), device="cuda")
 settings = GenerationSettings()
 steps = 10
@@ -118,7 +123,7 @@ list(engine.generate(p, GenerationSettings(max_new_tokens=4)))
 list(engine.generate(p, GenerationSettings(max_new_tokens=129)))
 st = engine.stats
 print(
-    f"\nsparsity {sparsity:.0%}, fused {'--no-fused' not in sys.argv}: graph decode {st.decode_tok_s:.1f} tok/s = "
+    f"\n{opts.shape}, sparsity {sparsity:.0%}, fused {not opts.no_fused}: graph decode {st.decode_tok_s:.1f} tok/s = "
     f"{1e6 / st.decode_tok_s:.0f} µs/step (graph: {engine._graph is not None}); "
     f"eager step (StaticCache, PDL off): {total:.0f} µs of kernels in {sum(p[1] for p in parts.values()):.0f} "
     f"launches"

@@ -1,6 +1,6 @@
-"""Tests of localmoe/decode/text_model.py: Qwen3.5-MoE's text model with transformers' glue around the decoder layers
-cut to
-4 launches on the one-token StaticCache step, on a tiny random model (CPU, TRITON_INTERPRET=1).
+"""Tests of localmoe/decode/text_model.py: Qwen3.5-MoE's text model (and Qwen3-MoE's, where parametrised by
+`family`) with transformers' glue around the decoder layers cut to 4 launches on the one-token StaticCache step, on a
+tiny random model (CPU, TRITON_INTERPRET=1); and the launches inside a fused Qwen3-MoE decoder layer.
 
 The fused step hands the layers what transformers hands them, so greedy decode with it installed equals the same
 install without it bit for bit, and transformers' unfused model within the whole-model tolerance of test_fused;
@@ -29,7 +29,12 @@ from localmoe.decode.text_model import FusedTextModel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 _run = test_fused._run  # greedy prefill + decode steps -> (logits [1+steps, V], tokens)
-tiny_text_model = test_fused.tiny_text_model  # the fixture, shared with test_fused
+# the fixtures, shared with test_fused
+tiny_text_model, tiny_qwen3_moe, tiny_model = (
+    test_fused.tiny_text_model,
+    test_fused.tiny_qwen3_moe,
+    test_fused.tiny_model,
+)
 TEXT = "Qwen3_5MoeTextModel"
 
 
@@ -55,19 +60,24 @@ def _static_prefill(model, prompt, extra=2):
     return cache
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "family,dtype",
+    [("qwen3_5_moe", torch.float32), ("qwen3_5_moe", torch.bfloat16), ("qwen3_moe", torch.float32)],
+    ids=["fp32", "bf16", "qwen3_moe-fp32"],
+)
 @torch.no_grad()
-def test_decode_equals_transformers(tiny_text_model, dtype):
+def test_decode_equals_transformers(tiny_model, family, dtype):
     """Greedy prefill + a few decode steps on a StaticCache: the fused text model takes every decode step (not the
     prefill); logits equal the same install without it exactly, transformers' unfused model as in test_fused."""
     steps = 3 if dtype == torch.float32 else 2  # (bf16 is slower under the interpreter)
-    ref = copy.deepcopy(tiny_text_model).to(DEV, dtype)
+    ref = copy.deepcopy(tiny_model).to(DEV, dtype)
+    text = type(ref.model).__name__
     prompt = _prompt(ref)
     want, want_toks = _run(ref, "static", prompt, steps)
-    base, done0 = _installed(ref, exclude=(TEXT,))
+    base, done0 = _installed(ref, exclude=(text,))
     same, same_toks = _run(base, "static", prompt, steps)
     model, done = _installed(ref)
-    assert done == {**done0, TEXT: 1} and isinstance(model.model, FusedTextModel)
+    assert done == {**done0, text: 1} and isinstance(model.model, FusedTextModel)
     got, toks = _run(model, "static", prompt, steps)
     assert model.model.decode_calls == steps
     assert all(m.decode_calls == steps for m in model.modules() if isinstance(m, replacements.FusedDecoderLayer))
@@ -78,13 +88,15 @@ def test_decode_equals_transformers(tiny_text_model, dtype):
     assert toks == want_toks
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
 @torch.no_grad()
-def test_angle_table_is_transformers_rotary(tiny_text_model):
-    """Row p of the table is the original rotary module's (cos, sin) for position p alone, bit for bit (fp32 and
-    bf16); the mask is transformers' causal mask for the cache; the output has transformers' class and cache."""
+def test_angle_table_is_transformers_rotary(tiny_model, family):
+    """Row p of the table is the original rotary module's (cos, sin) for position p alone (Qwen3.5: its 3 mrope axes),
+    bit for bit (fp32 and bf16); the mask is transformers' causal mask for the cache; the output has transformers'
+    class and cache."""
     from transformers.masking_utils import create_causal_mask
 
-    ref = copy.deepcopy(tiny_text_model).to(DEV)
+    ref = copy.deepcopy(tiny_model).to(DEV)
     model, _ = _installed(ref)
     tm = model.model
     prompt = _prompt(model)
@@ -98,7 +110,8 @@ def test_angle_table_is_transformers_rotary(tiny_text_model):
     for x in (h, h.to(torch.bfloat16)):
         table = tm._angles(x, L)[0]  # [2, L, ROT]
         for p in range(L):
-            cos, sin = tm.rotary_emb(x, torch.tensor([[[p]]], device=DEV).expand(3, 1, 1))  # [1, 1, ROT]
+            ids = torch.tensor([[p]], device=DEV)
+            cos, sin = tm.rotary_emb(x, ids.expand(3, 1, 1) if family == "qwen3_5_moe" else ids)  # [1, 1, ROT]
             assert torch.equal(table[0, p], cos[0, 0]) and torch.equal(table[1, p], sin[0, 0])
     assert tm._table[0][1] == torch.bfloat16  # rebuilt for the new dtype
     pos = cache.get_seq_length()
@@ -190,15 +203,18 @@ _FREE = {
 
 
 class _Launches(TorchDispatchMode):
-    """Kernel launches inside the text model but outside its decoder layers: aten ops that compute (no views,
-    allocations or metadata) and Triton launches; `syncs` counts host reads of device values."""
+    """Kernel launches inside the text model but outside its decoder layers (`layer` None) or inside decoder layer
+    `layer`: aten ops that compute (no views, allocations or metadata) and Triton launches; `syncs` counts host reads
+    of device values."""
 
-    def __init__(self):
+    def __init__(self, layer: int | None = None):
         super().__init__()
         self.ops, self.syncs, self.inside, self.depth, self.triton = [], 0, False, 0, 0
+        self.layer, self.in_layer = layer, False
 
     def counting(self) -> bool:
-        return self.inside and self.depth == 0 and self.triton == 0
+        where = self.depth == 0 if self.layer is None else self.in_layer
+        return self.inside and where and self.triton == 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._opname + "." + func._overloadname
@@ -209,16 +225,16 @@ class _Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_step(model, monkeypatch, warm=False) -> _Launches:
-    """The launches outside the decoder layers of one decode step after a static-cache prefill (and, with `warm`,
-    one uncounted decode step)."""
+def _count_step(model, monkeypatch, warm=False, layer=None) -> _Launches:
+    """The launches outside the decoder layers (or inside decoder layer `layer`) of one decode step after a
+    static-cache prefill (and, with `warm`, one uncounted decode step)."""
     from triton.runtime import interpreter
 
     prompt = _prompt(model, seed=9)
     cache = _static_prefill(model, prompt)
     if warm:
         model(input_ids=prompt[:, -1:], use_cache=True, **{_cache_kw(model): cache})
-    mode = _Launches()
+    mode = _Launches(layer)
     launch = interpreter.GridExecutor.__call__
 
     def counted(self, *args, **kwargs):
@@ -235,9 +251,12 @@ def _count_step(model, monkeypatch, warm=False) -> _Launches:
         model.model.register_forward_pre_hook(lambda *_: setattr(mode, "inside", True)),
         model.model.register_forward_hook(lambda *_: setattr(mode, "inside", False)),
     ]
-    for layer in model.model.layers:
-        hooks.append(layer.register_forward_pre_hook(lambda *_: setattr(mode, "depth", mode.depth + 1)))
-        hooks.append(layer.register_forward_hook(lambda *_: setattr(mode, "depth", mode.depth - 1)))
+    for i, m in enumerate(model.model.layers):
+        hooks.append(m.register_forward_pre_hook(lambda *_: setattr(mode, "depth", mode.depth + 1)))
+        hooks.append(m.register_forward_hook(lambda *_: setattr(mode, "depth", mode.depth - 1)))
+        if i == layer:
+            hooks.append(m.register_forward_pre_hook(lambda *_: setattr(mode, "in_layer", True)))
+            hooks.append(m.register_forward_hook(lambda *_: setattr(mode, "in_layer", False)))
     try:
         with mode:
             model(input_ids=prompt[:, -1:], use_cache=True, **{_cache_kw(model): cache})
@@ -261,3 +280,28 @@ def test_glue_launches_drop(tiny_text_model, monkeypatch):
     assert model.model.decode_calls == 2
     assert after.ops == ["embedding.default", "index_select.default", "le.Tensor", "triton:_rmsnorm_kernel"]
     assert len(before.ops) >= 20 and after.syncs == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches of the interpreter")
+@torch.no_grad()
+def test_qwen3_moe_layer_launches(tiny_qwen3_moe, monkeypatch):
+    """A Qwen3-MoE decoder layer's decode step (LocalExperts at sparsity 0.5, sparse_fused on the CPU): 28 launches
+    with the fused norms, Linears and MoE block alone (attention's RoPE and cache update, the residual adds:
+    transformers' ops) -> 6: q|k|v GEMV with the input norm, qk_norm_rope with the k/v write, decode attention,
+    o_proj, moe_front, sparse_fused with the residual add in its tail."""
+    ref = copy.deepcopy(tiny_qwen3_moe).to(DEV)
+    for m in test_fused._with_local_experts(ref, 0.5):
+        m.kernel_on_cpu = DEV == "cpu"
+    new = ("Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention")
+    before = _count_step(_installed(ref, exclude=new)[0], monkeypatch, warm=True, layer=1)
+    after = _count_step(_installed(ref)[0], monkeypatch, warm=True, layer=1)
+    print(f"\nlaunches per Qwen3-MoE decoder layer: {len(before.ops)} -> {len(after.ops)}\n  before: {before.ops}")
+    assert len(before.ops) == 28 and after.syncs == 0
+    assert after.ops == [
+        "triton:_gemv_kernel",
+        "triton:_qk_norm_rope_kernel",
+        "triton:_split_kernel",
+        "triton:_gemv_kernel",
+        "triton:_moe_front_kernel",
+        "triton:_sparse_fused_kernel",
+    ]

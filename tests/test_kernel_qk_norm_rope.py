@@ -1,5 +1,7 @@
 """Tests of kernels/qk_norm_rope.py: one launch for the per-head q/k RMSNorm + (partial) RoPE of a decode token vs its
-torch reference, and the reference vs transformers' own Qwen3.5 modules (`Qwen3_5MoeRMSNorm`, `apply_rotary_pos_emb`).
+torch reference, and the reference vs transformers' own Qwen3.5 and Qwen3-MoE modules (`Qwen3_5MoeRMSNorm` /
+`Qwen3MoeRMSNorm`, `apply_rotary_pos_emb`); the k/v write into a static cache at Qwen3.5-35B's gated layout and at
+Qwen3-30B-A3B's plain one (32 query / 4 key-value heads of 128, full rotary, standard norms).
 
 Runs on CPU under TRITON_INTERPRET=1. bf16: bit-equal (every product and sum is rounded as torch rounds it); fp32:
 within a few ulp (the mean of squares sums in another order).
@@ -60,24 +62,32 @@ def test_matches_reference(shape, dtype, kind, gated):
         assert gate is None and rgate is None
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
-def test_reference_is_transformers_qwen3_5(dtype):
-    """The reference equals what Qwen3_5MoeAttention does to q_proj/k_proj/v_proj outputs, bit for bit."""
-    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
+def test_reference_is_transformers(dtype, family):
+    """The reference equals what Qwen3_5MoeAttention (gated, partial rotary, zero-centred norms) and Qwen3MoeAttention
+    (plain, full rotary, standard norms) do to q_proj/k_proj/v_proj outputs, bit for bit."""
+    if family == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as mod
 
-    Hq, Hkv, D, ROT = 16, 2, 256, 64
-    qkv, wq, wk, cos, sin = _inputs(Hq, Hkv, D, ROT, True, dtype, seed=1)
-    q_norm, k_norm = q35.Qwen3_5MoeRMSNorm(D, eps=1e-6), q35.Qwen3_5MoeRMSNorm(D, eps=1e-6)
+        Hq, Hkv, D, ROT, gated, kind, norm_cls = 16, 2, 256, 64, True, "zero_centred", mod.Qwen3_5MoeRMSNorm
+    else:
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as mod
+
+        Hq, Hkv, D, ROT, gated, kind, norm_cls = 32, 4, 128, 128, False, "standard", mod.Qwen3MoeRMSNorm
+    qkv, wq, wk, cos, sin = _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=1)
+    q_norm, k_norm = norm_cls(D, eps=1e-6).to(dtype), norm_cls(D, eps=1e-6).to(dtype)
     q_norm.weight.data, k_norm.weight.data = wq.clone(), wk.clone()
-    q_out, k_out, v_out = qkv.split([Hq * 2 * D, Hkv * D, Hkv * D], dim=-1)
-    query, gate = torch.chunk(q_out.view(1, 1, -1, 2 * D), 2, dim=-1)
-    query = q_norm(query.view(1, 1, -1, D)).transpose(1, 2)
+    q_out, k_out, v_out = qkv.split([Hq * D * (2 if gated else 1), Hkv * D, Hkv * D], dim=-1)
+    query, gate = torch.chunk(q_out.view(1, 1, -1, 2 * D), 2, dim=-1) if gated else (q_out, None)
+    query = q_norm(query.reshape(1, 1, -1, D)).transpose(1, 2)
     key = k_norm(k_out.view(1, 1, -1, D)).transpose(1, 2)
-    query, key = q35.apply_rotary_pos_emb(query, key, cos, sin)
-    rq, rk, rv, rgate = qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv)
+    query, key = mod.apply_rotary_pos_emb(query, key, cos, sin)
+    rq, rk, rv, rgate = qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated)
     assert torch.equal(rq, query[0, :, 0]) and torch.equal(rk, key[0, :, 0])
-    assert torch.equal(rv, v_out.view(Hkv, D)) and torch.equal(rgate, gate.reshape(-1))
+    assert torch.equal(rv, v_out.view(Hkv, D))
+    assert (rgate is None) if not gated else torch.equal(rgate, gate.reshape(-1))
 
 
 def test_checks():
@@ -104,19 +114,29 @@ def test_checks():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(16, 2, 256, 64), (3, 1, 24, 8)], ids=lambda s: "Hq{}_Hkv{}_D{}_rot{}".format(*s))
-def test_kv_cache_write(shape, dtype):
+@pytest.mark.parametrize(
+    "shape,kind,gated",
+    [
+        ((16, 2, 256, 64), "zero_centred", True),
+        ((3, 1, 24, 8), "zero_centred", True),
+        ((32, 4, 128, 128), "standard", False),
+    ],
+    ids=["qwen3.5-35b", "odd", "qwen3-30b"],
+)
+def test_kv_cache_write(shape, kind, gated, dtype):
     """kv_cache=: the key programs also write k and v at the position of a static cache layer's [1, Hkv, L, D]
     tensors (viewed [Hkv, L, D]) and advance the position by one; nothing else in the cache changes; a position past
-    the end writes nothing."""
+    the end writes nothing. q and k as the reference (Qwen3-30B-A3B: its real shape, standard norms, full rotary)."""
     Hq, Hkv, D, ROT = shape
-    args = _inputs(Hq, Hkv, D, ROT, True, dtype, seed=4)
+    args = _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=4)
     L = 9
     keys, values = (torch.randn(1, Hkv, L, D).to(DEV, dtype) for _ in range(2))
     before_k, before_v = keys.clone(), values.clone()
     pos = torch.tensor(5, device=DEV)
-    q, k, v, gate = qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], pos))
-    rq, rk, rv, _ = qk_norm_rope_ref(*args, 1e-6, Hq, Hkv, "zero_centred", True)
+    call = dict(num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated)
+    q, k, v, gate = qk_norm_rope(*args, 1e-6, **call, kv_cache=(keys[0], values[0], pos))
+    rq, rk, rv, _ = qk_norm_rope_ref(*args, 1e-6, Hq, Hkv, kind, gated)
+    torch.testing.assert_close(q, rq, **TOL[dtype])
     torch.testing.assert_close(k, rk, **TOL[dtype])
     assert torch.equal(keys[0, :, 5], k) and torch.equal(values[0, :, 5], v)
     assert int(pos) == 6  # advanced once, by the last key program
@@ -125,9 +145,9 @@ def test_kv_cache_write(shape, dtype):
     assert torch.equal(values[:, :, others], before_v[:, :, others])
     after_k = keys.clone()
     end = torch.tensor(L, device=DEV)  # past the cache: nothing written
-    qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], end))
+    qk_norm_rope(*args, 1e-6, **call, kv_cache=(keys[0], values[0], end))
     assert torch.equal(keys, after_k) and int(end) == L + 1
     with pytest.raises(ValueError, match="kv_cache keys"):
-        qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0, :, :, :8], values[0], pos))
+        qk_norm_rope(*args, 1e-6, **call, kv_cache=(keys[0, :, :, :8], values[0], pos))
     with pytest.raises(ValueError, match="position"):
-        qk_norm_rope(*args, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kv_cache=(keys[0], values[0], pos.float()))
+        qk_norm_rope(*args, 1e-6, **call, kv_cache=(keys[0], values[0], pos.float()))
