@@ -116,6 +116,9 @@ class Server:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},  # a tiny model's ops: one thread (two contend on CI)
+            # started with SIGINT ignored, as a script's background job (or pytest-xdist's worker's child) is: ctrl+c
+            # (SIGINT) must still stop it with status 130
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )
         self.lines: list[str] = []
         self.ready = threading.Event()

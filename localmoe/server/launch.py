@@ -4,12 +4,15 @@ on that socket until ctrl+c or SIGTERM).
 
 uvicorn handles SIGINT/SIGTERM itself: it stops accepting, gives replies in flight SHUTDOWN_S seconds, stops the
 engine's worker (the reply in flight is cancelled), then raises the signal again for the caller (the CLI's exit
-130/143). Imports app.py, uvicorn and localmoe.errors.
+130/143). A process started with SIGINT ignored (a background job of a script, a test runner's worker) would
+swallow that second SIGINT and exit 0: `serve` then raises KeyboardInterrupt itself, so the status is 130 however
+the process was started. Imports app.py, uvicorn and localmoe.errors.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 
 import uvicorn
@@ -19,6 +22,18 @@ from localmoe.server.app import MAX_BODY, create_app
 
 SHUTDOWN_S = 3
 API_KEY_ENV = "LOCALMOE_API_KEY"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, noting the signals that stopped it."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.stopped_by: list[int] = []
+
+    def handle_exit(self, sig, frame) -> None:
+        self.stopped_by.append(sig)
+        super().handle_exit(sig, frame)
 
 
 def is_loopback(host: str) -> bool:
@@ -96,9 +111,12 @@ def serve(
         timeout_graceful_shutdown=SHUTDOWN_S,
         server_header=False,
     )
+    server = _Server(config)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         app.state.worker.close()
         app.state.worker.join(timeout=10)
         sock.close()
+    if signal.SIGINT in server.stopped_by:  # re-raised above unless SIGINT was ignored when the process started
+        raise KeyboardInterrupt
