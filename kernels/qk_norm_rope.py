@@ -1,5 +1,5 @@
-"""Per-head q/k RMSNorm + rotary embedding of one decode token in one launch: the step between an attention layer's
-q|k|v projection (one GEMV) and its cache update.
+"""Per-head (or whole-projection) q/k RMSNorm + rotary embedding of one decode token in one launch: the step between
+an attention layer's q|k|v projection (one GEMV) and its cache update.
 
 Owns `qk_norm_rope` (checked Triton launcher), its torch reference `qk_norm_rope_ref`, and one Triton kernel
 `_qk_norm_rope_kernel`, grid (Hq + Hkv,): one program per query or key head, one full-width load of the head (no
@@ -7,7 +7,9 @@ loop: head_dim <= a few hundred). Each program normalises its head over D (fp32,
 first ROT dims by (cos, sin) in transformers' rotate_half convention (partial rotary: ROT < D leaves the rest
 as normed), and writes the head; the query programs of a gated layer (Qwen3.5: q_proj gives each head's query and
 output gate interleaved, [q_h | gate_h]) also copy the gate out, de-interleaved. Value heads need no work: they
-are returned as a view of the projection.
+are returned as a view of the projection. Whole-projection norms (OLMoE: q_norm over all Hq*D query features, k_norm
+over all Hkv*D key features, weights [Hq*D] / [Hkv*D]): each program takes the mean of squares over its whole q or k
+row (one more load of Hq*D values, from L2) and its head's slice of the weight; not with a gate.
 
 Norm kinds (transformers' `*RMSNorm` modules, x̂ = x·rsqrt(mean(x²)+eps) in fp32):
 * "zero_centred" (Qwen3.5 `Qwen3_5MoeRMSNorm`):  y = (x̂ · (1 + w.float())).to(x.dtype)
@@ -70,16 +72,21 @@ def _rope_ref(x, cos, sin):
 
 
 def qk_norm_rope_ref(
-    qkv, q_weight, k_weight, cos, sin, eps, num_q_heads, num_kv_heads, kind="zero_centred", gated=True
+    qkv, q_weight, k_weight, cos, sin, eps, num_q_heads, num_kv_heads, kind="zero_centred", gated=True, whole=False
 ):
     """Same arguments and results as `qk_norm_rope`: (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None)."""
-    D, Hq, Hkv = q_weight.shape[0], num_q_heads, num_kv_heads
+    Hq, Hkv = num_q_heads, num_kv_heads
+    D = q_weight.shape[0] // Hq if whole else q_weight.shape[0]
     QW = 2 * D if gated else D
     flat = qkv.reshape(-1)
     q_all = flat[: Hq * QW].view(Hq, QW)
     k = flat[Hq * QW : Hq * QW + Hkv * D].view(Hkv, D)
     v = flat[Hq * QW + Hkv * D :].view(Hkv, D)
     cos, sin = cos.reshape(-1), sin.reshape(-1)
+    if whole:
+        q = _rope_ref(_norm_ref(q_all.reshape(-1), q_weight, eps, kind).view(Hq, D), cos, sin)
+        k = _rope_ref(_norm_ref(k.reshape(-1), k_weight, eps, kind).view(Hkv, D), cos, sin)
+        return q, k, v, None
     q = _rope_ref(_norm_ref(q_all[:, :D], q_weight, eps, kind), cos, sin)
     k = _rope_ref(_norm_ref(k, k_weight, eps, kind), cos, sin)
     return q, k, v, (q_all[:, D:].reshape(-1) if gated else None)
@@ -123,7 +130,9 @@ if triton is not None:
         KIND: tl.constexpr,  # 0 standard, 1 zero_centred
         GATED: tl.constexpr,  # q heads are [q_h | gate_h] (QW = 2D); else [q_h] (QW = D)
         CACHE: tl.constexpr,
+        WHOLE: tl.constexpr,  # norms over the whole q / k projection (weights [Hq*D] / [Hkv*D]); else per head
         BLOCK_D: tl.constexpr,
+        BLOCK_W: tl.constexpr,  # >= Hq*D and Hkv*D (WHOLE only)
         PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): the norm weights are read before the wait
     ):
         head = tl.program_id(0)  # 0 .. Hq-1: query heads; Hq .. Hq+Hkv-1: key heads
@@ -137,11 +146,19 @@ if triton is not None:
         if head < HQ:
             src = qkv_ptr + head * QW
             w_ptr = wq_ptr
+            row = qkv_ptr  # WHOLE: the projection this head's norm spans, its length, the head's weight slice
+            n_row = HQ * D
+            w_off = head * D
         else:
             src = qkv_ptr + HQ * QW + (head - HQ) * D
             w_ptr = wk_ptr
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=pm, other=0.0).to(tl.float32)
+            row = qkv_ptr + HQ * QW
+            n_row = HKV * D
+            w_off = (head - HQ) * D
+        if not WHOLE:
+            w_off = 0
+        w = tl.load(w_ptr + w_off + cols, mask=m, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + w_off + partner, mask=pm, other=0.0).to(tl.float32)
         # cos, sin: made at the start of the step, with the q|k|v projection's kernel at least between: complete
         c = tl.load(cos_ptr + cols, mask=pm, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + cols, mask=pm, other=0.0).to(tl.float32)
@@ -151,7 +168,12 @@ if triton is not None:
         DT = out_ptr.dtype.element_ty
         x = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
         xp = tl.load(src + partner, mask=pm, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        if WHOLE:
+            wc = tl.arange(0, BLOCK_W)
+            xa = tl.load(row + wc, mask=wc < n_row, other=0.0).to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(xa * xa, axis=0) / n_row + eps)
+        else:
+            rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         y = _normed(x * rstd, w, KIND, DT)
         yp = _normed(xp * rstd, wp, KIND, DT)
         sign = tl.where(cols < HALF, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
@@ -189,11 +211,14 @@ def _one_row(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
-def _check_weights(q_weight, k_weight, kind, x_dtype, device) -> int:
-    D = q_weight.shape[0] if q_weight.dim() == 1 else -1
-    if D < 1 or tuple(k_weight.shape) != (D,):
+def _check_weights(q_weight, k_weight, kind, x_dtype, device, whole: bool, Hq: int, Hkv: int) -> int:
+    """The head dim D (the norm weights' length; with `whole`, q_weight's / Hq) after checking the weights."""
+    n = q_weight.shape[0] if q_weight.dim() == 1 else -1
+    D = n // Hq if whole and n % Hq == 0 else (-1 if whole else n)
+    if D < 1 or tuple(k_weight.shape) != ((Hkv * D,) if whole else (D,)):
+        want = "[Hq*D] and [Hkv*D]" if whole else "both [D]"
         raise ValueError(
-            f"q_weight and k_weight must both be [D], got {tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
+            f"q_weight and k_weight must be {want}, got {tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
         )
     if q_weight.dtype not in _FLOAT_DTYPES or k_weight.dtype != q_weight.dtype:
         raise ValueError(f"norm weights must share a float dtype, got {q_weight.dtype} and {k_weight.dtype}")
@@ -219,12 +244,14 @@ def qk_norm_rope(
     kind: str = "zero_centred",
     gated: bool = True,
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    whole: bool = False,
 ):
     """One token's q|k|v projection -> (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None): q and k normed (per
     head, `kind`) and rotated by cos/sin [ROT] (one token's, qkv's dtype; ROT even, <= D), v a view of qkv, the gate
     (gated layers) de-interleaved and contiguous. D = the norm weights' length. With `kv_cache` (keys [Hkv, L, D],
     values [Hkv, L, D] of qkv's dtype, last dim contiguous; position: a one-element int tensor) k and v are also
     written at the position, which is then advanced by one (a position >= L writes nothing but still advances).
+    `whole`: q_weight [Hq*D] and k_weight [Hkv*D] normalise the whole q and k projections (OLMoE; not gated).
     No host sync: capturable. With PDL, cos and sin are read before the wait: they must not come from the kernel just
     before this launch (the decode step makes them before its layers; the projection's GEMV runs between)."""
     if triton is None:
@@ -236,8 +263,10 @@ def qk_norm_rope(
     x = _one_row("qkv", qkv)
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"qkv must be bf16/fp16/fp32, got {x.dtype}")
-    D = _check_weights(q_weight, k_weight, kind, x.dtype, x.device)
     Hq, Hkv = num_q_heads, num_kv_heads
+    if whole and gated:
+        raise ValueError("whole-projection norms are for ungated layers (OLMoE)")
+    D = _check_weights(q_weight, k_weight, kind, x.dtype, x.device, whole, Hq, Hkv)
     QW = 2 * D if gated else D
     if x.numel() != Hq * QW + 2 * Hkv * D:
         raise ValueError(
@@ -282,7 +311,9 @@ def qk_norm_rope(
         KIND=_KIND_ID[kind],
         GATED=gated,
         CACHE=kv_cache is not None,
+        WHOLE=whole,
         BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_W=triton.next_power_of_2(max(Hq, Hkv) * D) if whole else 1,
         num_warps=1 if D <= 128 else 2,
         **pdl_kw(x),
     )

@@ -1,5 +1,5 @@
 """Tests of localmoe/decode/replacements.py: the fused modules are exactly equivalent to transformers' on a tiny
-Qwen3.5-MoE (and, where parametrised by `family`, a tiny Qwen3-MoE: fixture `tiny_model`).
+Qwen3.5-MoE (and, where parametrised by `family`, a tiny Qwen3-MoE or OLMoE: fixture `tiny_model`).
 
 Full-model logits with and without `install(..., force=True)` over a prompt (prefill: fused RMSNorms, original
 DeltaNet and MoE blocks) and several cached decode steps (the fused DeltaNet step and MoE block: router, experts,
@@ -50,17 +50,22 @@ def tiny_qwen3_moe():
     return _tiny("qwen3_moe")
 
 
+@pytest.fixture(scope="module")
+def tiny_olmoe():
+    return _tiny("olmoe")
+
+
 @pytest.fixture
 def tiny_model(request, family):
-    """The tiny model of the test's `family` parameter ("qwen3_5_moe" or "qwen3_moe"), built once per module."""
-    return request.getfixturevalue({"qwen3_5_moe": "tiny_text_model", "qwen3_moe": "tiny_qwen3_moe"}[family])
+    """The tiny model of the test's `family` parameter (qwen3_5_moe, qwen3_moe, olmoe), built once per module."""
+    return request.getfixturevalue("tiny_text_model" if family == "qwen3_5_moe" else f"tiny_{family}")
 
 
 def nontrivial(model):
     """Non-trivial norm weights and DeltaNet gates (init gives zeros / ones) of a Qwen3.5-style model, in place
-    (Qwen3-MoE's standard w·x̂ norms: around 1, as trained ones are)."""
+    (Qwen3-MoE's and OLMoE's standard w·x̂ norms: around 1, as trained ones are)."""
     gen = torch.Generator().manual_seed(3)
-    standard = model.config.model_type == "qwen3_moe"
+    standard = model.config.model_type in ("qwen3_moe", "olmoe")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -245,6 +250,7 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
         ("qwen3_5_moe", 0.3, torch.bfloat16, False),
         ("qwen3_moe", 0.0, torch.float32, True),
         ("qwen3_moe", 0.5, torch.float32, True),
+        ("olmoe", 0.0, torch.float32, True),
     ],
     ids=[
         "sparse-fp32",
@@ -255,6 +261,7 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
         "sparse-bf16-shared-in-tail",
         "qwen3_moe-dense-fp32",
         "qwen3_moe-sparse-fp32",
+        "olmoe-dense-fp32",
     ],
 )
 @torch.no_grad()

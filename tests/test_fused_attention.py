@@ -1,8 +1,9 @@
-"""Tests of localmoe/decode/attention.py: Qwen3.5-MoE's gated full attention and Qwen3-MoE's plain one (where
-parametrised by `family`), fused for a cached one-token step (q|k|v GEMV, kernels/qk_norm_rope.py, the cache's
+"""Tests of localmoe/decode/attention.py: Qwen3.5-MoE's gated full attention and Qwen3-MoE's / OLMoE's plain ones
+(where parametrised by `family`), fused for a cached one-token step (q|k|v GEMV, kernels/qk_norm_rope.py, the cache's
 update, the attention core, [sigmoid gate], o_proj), equal transformers' module on a tiny random model: the layer's
 own output and cache writes, whole-model logits with everything else fused alike, greedy `generate`; prefill,
-uncached, eager-core, biased and sliding-window calls fall back to the original module. CPU, TRITON_INTERPRET=1.
+uncached, eager-core, biased, sliding-window and clip_qkv calls fall back to the original module.
+CPU, TRITON_INTERPRET=1.
 Shape legend: P prompt tokens, H hidden, V vocab.
 """
 
@@ -18,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 # the fixtures, shared with test_fused
-from test_fused import STEPS, _run, tiny_model, tiny_qwen3_moe, tiny_text_model  # noqa: E402, F401
+from test_fused import STEPS, _run, tiny_model, tiny_olmoe, tiny_qwen3_moe, tiny_text_model  # noqa: E402, F401
 
 from localmoe.decode import replacements, sdpa
 from localmoe.decode.attention import FusedAttention  # noqa: E402
@@ -60,6 +61,7 @@ _FP32, _BF16 = torch.float32, torch.bfloat16
         ("qwen3_moe", _FP32, "sdpa"),
         ("qwen3_moe", _FP32, sdpa.NAME),
         ("qwen3_moe", _BF16, sdpa.NAME),
+        ("olmoe", _FP32, sdpa.NAME),
     ],
     ids=lambda v: {_FP32: "fp32", _BF16: "bf16"}.get(v, v),
 )
@@ -183,17 +185,22 @@ def test_other_calls_run_the_original(tiny_model, family):
     assert fa.decode_calls == 1
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "olmoe"])
 def test_biased_or_windowed_layers_are_not_fused(tiny_model, family):
-    """Biased projections (no shared weight buffer), Qwen3-MoE's sliding window: every call runs the original."""
+    """Biased projections (no shared weight buffer), Qwen3-MoE's sliding window, OLMoE's clip_qkv: every call runs
+    the original."""
     i = _full_attention_index(tiny_model)
     hf = tiny_model.model.layers[i].self_attn
     fa = FusedAttention(copy.deepcopy(hf))  # (a copy: the shared buffer re-points the weights)
-    assert fa._w_qkv is not None and fa._gated == (family == "qwen3_5_moe")
+    assert fa._w_qkv is not None and fa._gated == (family == "qwen3_5_moe") and fa._whole == (family == "olmoe")
     cfg = copy.deepcopy(tiny_model.config)
     cfg.attention_bias = True
     assert FusedAttention(type(hf)(cfg, i))._w_qkv is None
-    if family == "qwen3_moe":
+    if family != "qwen3_5_moe":
         cfg = copy.deepcopy(tiny_model.config)
-        cfg.attention_bias, cfg.sliding_window = False, 4
+        cfg.attention_bias = False
+        if family == "qwen3_moe":
+            cfg.sliding_window = 4
+        else:
+            cfg.clip_qkv = 8.0
         assert FusedAttention(type(hf)(cfg, i))._w_qkv is None

@@ -1,7 +1,8 @@
 """Tests of kernels/qk_norm_rope.py: one launch for the per-head q/k RMSNorm + (partial) RoPE of a decode token vs its
 torch reference, and the reference vs transformers' own Qwen3.5 and Qwen3-MoE modules (`Qwen3_5MoeRMSNorm` /
-`Qwen3MoeRMSNorm`, `apply_rotary_pos_emb`); the k/v write into a static cache at Qwen3.5-35B's gated layout and at
-Qwen3-30B-A3B's plain one (32 query / 4 key-value heads of 128, full rotary, standard norms).
+`Qwen3MoeRMSNorm`, `apply_rotary_pos_emb`) and OLMoE's whole-projection norms (`OlmoeRMSNorm` over Hq*D / Hkv*D);
+the k/v write into a static cache at Qwen3.5-35B's gated layout, at Qwen3-30B-A3B's plain one (32 query / 4
+key-value heads of 128, full rotary, standard norms) and at OLMoE-1B-7B's (16 / 16 heads of 128, whole norms).
 
 Runs on CPU under TRITON_INTERPRET=1. bf16: bit-equal (every product and sum is rounded as torch rounds it); fp32:
 within a few ulp (the mean of squares sums in another order).
@@ -9,6 +10,7 @@ Shape legend: Hq query heads, Hkv key/value heads, D head dim, ROT rotary dims; 
 (gated) or D.
 """
 
+import importlib
 import os
 
 import pytest
@@ -26,31 +28,38 @@ SHAPES = [(16, 2, 256, 64), (4, 4, 128, 128), (3, 1, 24, 8), (5, 1, 6, 2)]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0, atol=0)}
 
 
-def _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=0):
-    """(qkv [1, 1, N], q/k norm weights [D], cos/sin [1, 1, ROT]) as the attention layer sees them."""
+def _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=0, whole=False):
+    """(qkv [1, 1, N], q/k norm weights [D] (whole: [Hq*D], [Hkv*D]), cos/sin [1, 1, ROT]) as the attention layer
+    sees them."""
     gen = torch.Generator().manual_seed(seed + D + ROT)
     N = Hq * D * (2 if gated else 1) + 2 * Hkv * D
     qkv = (torch.randn(1, 1, N, generator=gen) * 3).to(DEV, dtype)
-    wq, wk = ((torch.randn(D, generator=gen) * 0.3).to(DEV, dtype) for _ in range(2))
+    wq, wk = ((torch.randn(n, generator=gen) * 0.3).to(DEV, dtype) for n in ((Hq * D, Hkv * D) if whole else (D, D)))
     ang = torch.rand(ROT // 2, generator=gen) * 40.0  # rotary angles: position x inverse frequencies, both halves
     ang = torch.cat([ang, ang]).view(1, 1, ROT)
     return qkv, wq, wk, ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
 
 
-def _run(kernel_or_ref, qkv, wq, wk, cos, sin, Hq, Hkv, kind, gated):
+def _run(kernel_or_ref, qkv, wq, wk, cos, sin, Hq, Hkv, kind, gated, whole=False):
     if kernel_or_ref is qk_norm_rope:
-        return qk_norm_rope(qkv, wq, wk, cos, sin, 1e-6, num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated)
-    return qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated)
+        call = dict(num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated, whole=whole)
+        return qk_norm_rope(qkv, wq, wk, cos, sin, 1e-6, **call)
+    return qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated, whole)
 
 
-@pytest.mark.parametrize("kind,gated", [("zero_centred", True), ("standard", False), ("standard", True)])
+@pytest.mark.parametrize(
+    "kind,gated,whole",
+    [("zero_centred", True, False), ("standard", False, False), ("standard", True, False), ("standard", False, True)],
+    ids=["zero_centred-gated", "standard", "standard-gated", "standard-whole"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq{}_Hkv{}_D{}_rot{}".format(*s))
-def test_matches_reference(shape, dtype, kind, gated):
+def test_matches_reference(shape, dtype, kind, gated, whole):
+    """Every norm layout against the reference; "standard-whole": OLMoE's norms over the whole q / k projection."""
     Hq, Hkv, D, ROT = shape
-    args = _inputs(Hq, Hkv, D, ROT, gated, dtype)
-    q, k, v, gate = _run(qk_norm_rope, *args, Hq, Hkv, kind, gated)
-    rq, rk, rv, rgate = _run(qk_norm_rope_ref, *args, Hq, Hkv, kind, gated)
+    args = _inputs(Hq, Hkv, D, ROT, gated, dtype, whole=whole)
+    q, k, v, gate = _run(qk_norm_rope, *args, Hq, Hkv, kind, gated, whole)
+    rq, rk, rv, rgate = _run(qk_norm_rope_ref, *args, Hq, Hkv, kind, gated, whole)
     assert q.shape == (Hq, D) and k.shape == (Hkv, D) and v.shape == (Hkv, D)
     assert q.dtype == k.dtype == dtype
     torch.testing.assert_close(q, rq, **TOL[dtype])
@@ -62,29 +71,32 @@ def test_matches_reference(shape, dtype, kind, gated):
         assert gate is None and rgate is None
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
 def test_reference_is_transformers(dtype, family):
-    """The reference equals what Qwen3_5MoeAttention (gated, partial rotary, zero-centred norms) and Qwen3MoeAttention
-    (plain, full rotary, standard norms) do to q_proj/k_proj/v_proj outputs, bit for bit."""
-    if family == "qwen3_5_moe":
-        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as mod
-
-        Hq, Hkv, D, ROT, gated, kind, norm_cls = 16, 2, 256, 64, True, "zero_centred", mod.Qwen3_5MoeRMSNorm
-    else:
-        from transformers.models.qwen3_moe import modeling_qwen3_moe as mod
-
-        Hq, Hkv, D, ROT, gated, kind, norm_cls = 32, 4, 128, 128, False, "standard", mod.Qwen3MoeRMSNorm
-    qkv, wq, wk, cos, sin = _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=1)
-    q_norm, k_norm = norm_cls(D, eps=1e-6).to(dtype), norm_cls(D, eps=1e-6).to(dtype)
+    """The reference equals what Qwen3_5MoeAttention (gated, partial rotary, zero-centred norms), Qwen3MoeAttention
+    (plain, full rotary, standard norms) and OlmoeAttention (standard norms over the whole projections) do to
+    q_proj/k_proj/v_proj outputs, bit for bit."""
+    Hq, Hkv, D, ROT, gated, kind, norm = {
+        "qwen3_5_moe": (16, 2, 256, 64, True, "zero_centred", "Qwen3_5MoeRMSNorm"),
+        "qwen3_moe": (32, 4, 128, 128, False, "standard", "Qwen3MoeRMSNorm"),
+        "olmoe": (16, 16, 128, 128, False, "standard", "OlmoeRMSNorm"),
+    }[family]
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    whole = family == "olmoe"
+    qkv, wq, wk, cos, sin = _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=1, whole=whole)
+    q_norm, k_norm = (getattr(mod, norm)(w.numel(), eps=1e-6).to(dtype) for w in (wq, wk))
     q_norm.weight.data, k_norm.weight.data = wq.clone(), wk.clone()
     q_out, k_out, v_out = qkv.split([Hq * D * (2 if gated else 1), Hkv * D, Hkv * D], dim=-1)
     query, gate = torch.chunk(q_out.view(1, 1, -1, 2 * D), 2, dim=-1) if gated else (q_out, None)
-    query = q_norm(query.reshape(1, 1, -1, D)).transpose(1, 2)
-    key = k_norm(k_out.view(1, 1, -1, D)).transpose(1, 2)
+    if whole:  # OLMoE: normed as one [Hq*D] / [Hkv*D] row, then split into heads
+        query, key = q_norm(query).view(1, 1, -1, D).transpose(1, 2), k_norm(k_out).view(1, 1, -1, D).transpose(1, 2)
+    else:
+        query = q_norm(query.reshape(1, 1, -1, D)).transpose(1, 2)
+        key = k_norm(k_out.view(1, 1, -1, D)).transpose(1, 2)
     query, key = mod.apply_rotary_pos_emb(query, key, cos, sin)
-    rq, rk, rv, rgate = qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated)
+    rq, rk, rv, rgate = qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated, whole)
     assert torch.equal(rq, query[0, :, 0]) and torch.equal(rk, key[0, :, 0])
     assert torch.equal(rv, v_out.view(Hkv, D))
     assert (rgate is None) if not gated else torch.equal(rgate, gate.reshape(-1))
@@ -111,6 +123,9 @@ def test_checks():
     raises("cos/sin", qkv, wq, wk, cos.bfloat16(), sin.bfloat16(), 1e-6)
     raises("positive", qkv, wq, wk, cos, sin, 1e-6, num_kv_heads=0)
     raises("bf16/fp16/fp32", qkv.double(), wq, wk, cos, sin, 1e-6)
+    raises("ungated", qkv, wq, wk, cos, sin, 1e-6, whole=True)
+    plain = _inputs(4, 2, 8, 4, False, torch.float32)[0]
+    raises(r"\[Hq\*D\] and \[Hkv\*D\]", plain, wq, wk, cos, sin, 1e-6, gated=False, whole=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -120,22 +135,25 @@ def test_checks():
         ((16, 2, 256, 64), "zero_centred", True),
         ((3, 1, 24, 8), "zero_centred", True),
         ((32, 4, 128, 128), "standard", False),
+        ((16, 16, 128, 128), "whole", False),
     ],
-    ids=["qwen3.5-35b", "odd", "qwen3-30b"],
+    ids=["qwen3.5-35b", "odd", "qwen3-30b", "olmoe-1b-7b"],
 )
 def test_kv_cache_write(shape, kind, gated, dtype):
     """kv_cache=: the key programs also write k and v at the position of a static cache layer's [1, Hkv, L, D]
     tensors (viewed [Hkv, L, D]) and advance the position by one; nothing else in the cache changes; a position past
     the end writes nothing. q and k as the reference (Qwen3-30B-A3B: its real shape, standard norms, full rotary)."""
     Hq, Hkv, D, ROT = shape
-    args = _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=4)
+    whole = kind == "whole"  # standard norms over the whole q / k projections
+    kind = "standard" if whole else kind
+    args = _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=4, whole=whole)
     L = 9
     keys, values = (torch.randn(1, Hkv, L, D).to(DEV, dtype) for _ in range(2))
     before_k, before_v = keys.clone(), values.clone()
     pos = torch.tensor(5, device=DEV)
-    call = dict(num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated)
+    call = dict(num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated, whole=whole)
     q, k, v, gate = qk_norm_rope(*args, 1e-6, **call, kv_cache=(keys[0], values[0], pos))
-    rq, rk, rv, _ = qk_norm_rope_ref(*args, 1e-6, Hq, Hkv, kind, gated)
+    rq, rk, rv, _ = qk_norm_rope_ref(*args, 1e-6, Hq, Hkv, kind, gated, whole)
     torch.testing.assert_close(q, rq, **TOL[dtype])
     torch.testing.assert_close(k, rk, **TOL[dtype])
     assert torch.equal(keys[0, :, 5], k) and torch.equal(values[0, :, 5], v)

@@ -1,5 +1,6 @@
 """Full attention for a cached one-token decode step: Qwen3.5-MoE's gated attention (partial RoPE, a sigmoid output
-gate interleaved with the query in q_proj) and Qwen3-MoE's (no gate, RoPE over the whole head, GQA). One GEMV for
+gate interleaved with the query in q_proj), Qwen3-MoE's (no gate, RoPE over the whole head, GQA) and OLMoE's (as
+Qwen3-MoE's with q/k norms over the whole projection, not per head; no clip_qkv). One GEMV for
 q|k|v (the three projections' weights share one buffer), one Triton launch for the per-head q/k RMSNorm + RoPE (+ the
 gate's de-interleave) and the k/v write into a static cache (`kernels/qk_norm_rope.py`), then the attention core
 (localmoe_sdpa's decode kernel, the sigmoid gate in its combine) and o_proj. Prefill and every other call run
@@ -32,7 +33,7 @@ from localmoe.decode import sdpa
 from localmoe.decode.ops import FusedRMSNorm, concat_rows, linear_1, one_row, takes_norm
 from localmoe.kernels.qk_norm_rope import qk_norm_rope
 
-_NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred", "Qwen3MoeRMSNorm": "standard"}  # q/k norm class -> kind
+_NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred", "Qwen3MoeRMSNorm": "standard", "OlmoeRMSNorm": "standard"}
 _CORES = ("localmoe_sdpa", "sdpa")  # attention implementations the fused step calls (others: the original module)
 
 
@@ -67,10 +68,10 @@ def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int) -> bool:
 
 
 class FusedAttention(nn.Module):
-    """Qwen3.5-MoE / Qwen3-MoE full attention whose cached one-token call is: q|k|v GEMV -> qk_norm_rope (1 launch)
-    -> the cache's update -> the attention core (transformers' AttentionInterface) [-> · sigmoid(gate), Qwen3.5] ->
-    o_proj. Other calls (prefill, no cache, batch > 1, biases, a sliding window, other dtypes/devices or attention
-    implementations, training) run the original module, kept unregistered as `_hf`."""
+    """Qwen3.5-MoE / Qwen3-MoE / OLMoE full attention whose cached one-token call is: q|k|v GEMV -> qk_norm_rope
+    (1 launch) -> the cache's update -> the attention core (transformers' AttentionInterface) [-> · sigmoid(gate),
+    Qwen3.5] -> o_proj. Other calls (prefill, no cache, batch > 1, biases, a sliding window, clip_qkv, other
+    dtypes/devices or attention implementations, training) run the original module, kept unregistered as `_hf`."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -90,12 +91,16 @@ class FusedAttention(nn.Module):
         self.num_kv_heads = int(hf.config.num_key_value_heads)
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
         self._kind, self._eps = self._norms(hf)
+        # OLMoE: q_norm [Hq*D] / k_norm [Hkv*D] over the whole projections; per head: both [D]
+        self._whole = hf.q_norm.weight.numel() == self.num_heads * self.head_dim != self.head_dim
         self._w_qkv, sizes = concat_rows([self.q_proj, self.k_proj, self.v_proj])  # [Hq*QW + 2*Hkv*D, H]
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
         # QW = 2D: Qwen3.5's gated layout ([q_h | gate_h] per head); D: Qwen3-MoE's plain one
         self._gated = {Hq * 2 * D: True, Hq * D: False}.get(sizes[0]) if sizes[1:] == [Hkv * D, Hkv * D] else None
-        if self._gated is None or getattr(hf, "sliding_window", None) is not None:
-            self._w_qkv = None  # another layout, or a sliding window: the original module does every call
+        if self._whole and self._gated:
+            self._gated = None
+        if self._gated is None or getattr(hf, "sliding_window", None) is not None or _clips(hf):
+            self._w_qkv = None  # another layout, a sliding window, clipping: the original module does every call
 
     @staticmethod
     def _norms(hf: nn.Module) -> tuple[str | None, float | None]:
@@ -195,7 +200,13 @@ class FusedAttention(nn.Module):
             kind=self._kind,
             gated=self._gated,
             kv_cache=kv_cache,
+            whole=self._whole,
         )
+
+
+def _clips(hf: nn.Module) -> bool:
+    """OLMoE's clip_qkv (q, k, v clamped after the norms): not in the fused kernel."""
+    return getattr(getattr(hf, "config", None), "clip_qkv", None) is not None
 
 
 def _static_layer(cache, layer_idx: int, Hkv: int, D: int, h: torch.Tensor):

@@ -73,10 +73,13 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                (standard norms, k/v written into the static cache),
                                                                the core, o_proj: 4 launches (was 22 with the fused
                                                                Linears and norms; also DeaMoE's attention)
+    OlmoeModel, OlmoeDecoderLayer, as Qwen3-MoE's; OLMoE's q/k norms span the whole q / k projection (qk_norm_rope's
+    OlmoeAttention                 `whole` mode: each program reduces over its whole row); clip_qkv: not fused
     A Qwen3-MoE decoder layer's decode step (StaticCache, localmoe_sdpa, LocalExperts on sparse_fused; counted on the
     CPU with the interpreter, tests/test_fused_model.py::test_qwen3_moe_layer_launches): 28 launches with the fused
     norms, Linears and MoE block alone (3 norms, 3 projections, RoPE 10, cache update 5, core, o_proj, 2 residual
-    adds, router, experts) -> 6; with transformers' modules only, 55.
+    adds, router, experts) -> 6 (q|k|v GEMV with the input norm, qk_norm_rope with the k/v write, the core, o_proj,
+    moe_front, sparse_fused); with transformers' modules only, 55. OLMoE's: the same 28 -> 6 (53 unfused).
 
 Besides the table, `install` switches models on transformers' "sdpa" attention to localmoe's "localmoe_sdpa"
 (localmoe/decode/sdpa.py: one-token decode attention whose time follows the tokens so far), registered through
@@ -154,6 +157,9 @@ REPLACEMENTS: dict[str, Replacement] = {
     "Qwen3MoeAttention": Replacement(
         FusedAttention, "cached T=1 step: q|k|v 1 GEMV, norms + full RoPE + k/v write 1 launch; prefill unchanged"
     ),
+    "OlmoeModel": Replacement(FusedTextModel, "as Qwen3MoeModel"),
+    "OlmoeDecoderLayer": Replacement(FusedDecoderLayer, "as Qwen3MoeDecoderLayer"),
+    "OlmoeAttention": Replacement(FusedAttention, "as Qwen3MoeAttention, q/k norms over the whole projections"),
     "Linear": Replacement(FusedLinear, "one row: localmoe's GEMV (tuned per shape); else F.linear"),
     "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "OlmoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
