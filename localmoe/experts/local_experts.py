@@ -384,8 +384,8 @@ class LocalExperts(nn.Module):
         if self.cache is not None and x.shape[0] <= self.max_sparse_tokens:
             return False
         w = self.weights.w_gate
-        where = self.cache.device if self.cache is not None else w.device
-        if torch.device(where) != x.device or w.dtype != x.dtype:
+        where = self.cache.pool.w_up.device if self.cache is not None else w.device  # a tensor's: cuda:0, not cuda
+        if where != x.device or w.dtype != x.dtype:
             return False
         if x.is_cuda:
             return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
