@@ -57,7 +57,7 @@ def test_bench_command_json(capsys):
             "bench",
             repo_id("olmoe"),
             "--prompt-tokens",
-            "32",
+            "96,32",
             "--decode-tokens",
             "8",
             "--sparsity",
@@ -69,7 +69,12 @@ def test_bench_command_json(capsys):
     )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and [r["sparsity"] for r in res["rows"]] == [0.0, 0.5] and res["routing"] == "uniform"
-    assert all(r["decode_tok_s"] > 0 for r in res["rows"])
+    assert all(r["decode_tok_s"] > 0 for r in res["rows"]) and res["prompt_tokens"] == 32  # decode after the shortest
+    pre = res["prefill_rows"]  # the longer prompt's first token at each sparsity (no PCIe figure: not offloaded)
+    assert [(r["prompt_tokens"], r["sparsity"]) for r in pre] == [(96, 0.0), (96, 0.5)]
+    assert all(r["ttft_s"] > 0 and r["prefill_tok_s"] > 0 and r["pcie_s"] is None for r in pre)
+    assert "longer prompts (time to first token)" in table(res)
+    assert main(["bench", repo_id("olmoe"), "--prompt-tokens", "32,x"]) == 2
 
 
 def test_bench_accelerate_baseline(capsys):

@@ -348,3 +348,5 @@ def test_offloaded_prefill_streams_spans_of_experts(experts):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert len(cache.lru) == 0 and cache.misses > 2 * len(e.loaded.experts) and cache.copied_bytes > 0
     assert cache.staging.buffers is not None and cache.staging.buffers[0].w_up.shape[0] == 2
+    part = cache.row_bytes * cache.width  # nothing resident: a pass over every expert copies every part
+    assert cache.absent_bytes() == 3 * part * sum(m.num_experts for m in e.loaded.experts)

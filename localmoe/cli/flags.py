@@ -34,6 +34,17 @@ def sparsity_list(value: str) -> list[float]:
     return sorted({sparsity(v) for v in items})
 
 
+def token_counts(value: str) -> list[int]:
+    """`bench --prompt-tokens`: one token count or a comma-separated list of them (each at least 1)."""
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts such as 512 or 512,2048,8192, got {value!r}") from None
+    if not items or min(items) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be at least 1, got {value!r}")
+    return sorted(set(items))
+
+
 def ranged(kind, lo=None, hi=None, lo_open=False, what="value"):
     def parse(value: str):
         try:

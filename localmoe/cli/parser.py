@@ -20,6 +20,7 @@ from localmoe.cli.flags import (
     ranged,
     sparsity,
     sparsity_list,
+    token_counts,
 )
 
 
@@ -175,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prompt-tokens",
-        type=ranged(int, 1, what="--prompt-tokens"),
-        default=512,
-        help="random prompt length in tokens (default: 512)",
+        type=token_counts,
+        default=[512],
+        help="random prompt length in tokens; a comma-separated list also times the longer prompts' first token "
+        "(decode runs after the shortest) (default: 512)",
     )
     p.add_argument(
         "--decode-tokens",

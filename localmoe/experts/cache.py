@@ -170,6 +170,16 @@ class ExpertCache:
         gates = self.gate_tables[layer].tolist() if self.gate_slots else slots
         return gates, slots
 
+    def absent_bytes(self) -> int:
+        """Bytes a pass over every expert of every layer copies from host memory (each part not in VRAM once): what
+        one prefill piece long enough to route to every expert moves."""
+        part = self.row_bytes * self.width
+        total = 0
+        for layer in self.masters:
+            gates, slots = self.sources(layer)
+            total += part * sum((g < 0) + 2 * (s < 0) for g, s in zip(gates, slots))
+        return total
+
     def stream(self, layer: int, experts: list[int]):
         """The dense path's routed `experts` of `layer` (ascending) staged a span at a time: `Staging.stream`."""
         return self.staging.stream(self, layer, experts)

@@ -65,6 +65,53 @@ def copy_bandwidth(device) -> float:
     return bw
 
 
+def host_bandwidth(device) -> float:
+    """Pinned host memory to the device, bytes per second (what bounds an offloaded prompt's expert copies)."""
+    if device.type != "cuda":
+        return 0.0
+    n = 256 << 20
+    a = torch.empty(n, dtype=torch.uint8).pin_memory()
+    b = torch.empty(n, dtype=torch.uint8, device=device)
+    b.copy_(a, non_blocking=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(8):
+        b.copy_(a, non_blocking=True)
+    torch.cuda.synchronize()
+    bw = n * 8 / (time.perf_counter() - t)
+    del a, b
+    return bw
+
+
+@dataclass
+class PrefillRow:  # a longer prompt's prefill at one sparsity
+    prompt_tokens: int
+    sparsity: float
+    prefill_tok_s: float
+    ttft_s: float
+    pcie_s: float | None = None  # offloaded: the PCIe-bound time (each piece copies every absent expert once)
+    of_pcie: float | None = None  # pcie_s / ttft_s
+
+
+def _prefill(engine, sparsity: float, prompt: list[int], progress, h2d: float) -> PrefillRow:
+    """Time to first token of `prompt` (a warm-up call first, so first-call costs are not counted). Offloaded,
+    against the PCIe ceiling: pieces of `engine.prefill_chunk` tokens, each moving every expert part absent from
+    VRAM once (`cache.absent_bytes()`) at the measured pinned bandwidth `h2d`."""
+    if engine.sparsity != sparsity:
+        engine.set_sparsity(sparsity, progress)
+    for _ in range(2):
+        for _ in engine.generate(prompt, GenerationSettings(max_new_tokens=1)):
+            pass
+    st = engine.stats
+    cache = engine.loaded.cache
+    absent = getattr(cache, "absent_bytes", None)
+    if absent is None or not h2d:
+        return PrefillRow(len(prompt), sparsity, st.prefill_tok_s, st.ttft_s)
+    pieces = -(-len(prompt) // engine.prefill_chunk)
+    pcie = pieces * absent() / h2d
+    return PrefillRow(len(prompt), sparsity, st.prefill_tok_s, st.ttft_s, pcie, pcie / max(st.ttft_s, 1e-9))
+
+
 def step_bytes(engine, sparsity: float) -> float:
     """Bytes one decode step must read: every non-expert weight except the embedding table (one row; all of it when
     lm_head shares it), plus the k routed experts' gate rows (dense) and their kept up/down rows per MoE layer
@@ -228,7 +275,7 @@ def bench(
     sparsities: list[float] | None,
     device: str | None,
     dtype: str | None,
-    prompt_tokens: int = 512,
+    prompt_tokens: int | list[int] = 512,
     decode_tokens: int = 256,
     baseline: str | None = None,
     graphs: bool = True,
@@ -248,12 +295,15 @@ def bench(
         raise UsageError("--baseline accelerate needs --vram (the budget accelerate places the model under)")
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    lengths = sorted(set(prompt_tokens)) if isinstance(prompt_tokens, list) else [prompt_tokens]
+    prompt_tokens, longer = lengths[0], lengths[1:]  # decode after the shortest; the others: time to first token
     t0 = time.perf_counter()
     note = progress and (lambda s: progress(f"note: {s}", 0, None))
-    context = context or prompt_tokens + decode_tokens + 64
-    if context < prompt_tokens + decode_tokens:
+    context = context or max(lengths[-1] + 1, prompt_tokens + decode_tokens) + 64
+    if context < max(lengths[-1] + 1, prompt_tokens + decode_tokens):
         raise UsageError(
-            f"--context {context} is shorter than --prompt-tokens + --decode-tokens ({prompt_tokens + decode_tokens})"
+            f"--context {context} is shorter than the longest --prompt-tokens ({lengths[-1]}) or the shortest plus "
+            f"--decode-tokens ({prompt_tokens + decode_tokens})"
         )
     if shape:
         engine = Engine.random(
@@ -295,6 +345,12 @@ def bench(
     bw = copy_bandwidth(dev)
     penalties = [1.0] + ([repetition_penalty] if repetition_penalty not in (None, 1.0) else [])
     rows = [_run(engine, s, prompt, decode_tokens, "localmoe", bw, progress, p) for s in sparsities for p in penalties]
+    h2d = host_bandwidth(dev) if longer and engine.loaded.cache is not None else 0.0
+    prefills = [
+        _prefill(engine, s, torch.randint(0, vocab, (n,), generator=gen).tolist(), progress, h2d)
+        for n in longer
+        for s in sparsities
+    ]
     config = engine.loaded.config
     name = engine.model_name
     experts_format = engine.experts_format
@@ -320,6 +376,8 @@ def bench(
         "routing": routing,
         "experts": experts_format,
         "rows": [asdict(r) for r in rows],
+        "prefill_rows": [asdict(r) for r in prefills],
+        "host_to_device_gb_s": h2d / 1e9,
     }
 
 
@@ -362,4 +420,23 @@ def table(result: dict) -> str:
                 else ""
             )
         )
+    if result.get("prefill_rows"):
+        h2d = result.get("host_to_device_gb_s") or 0.0
+        lines.append(
+            "longer prompts (time to first token)"
+            + (
+                f"; pinned host→GPU {h2d:.1f} GB/s, PCIe-bound time: absent experts' bytes per piece / that"
+                if h2d
+                else ""
+            )
+        )
+        lines.append(
+            f"{'prompt':>8} {'sparsity':>8} {'prefill tok/s':>13} {'first token s':>13} {'PCIe s':>8} {'of PCIe':>8}"
+        )
+        for r in result["prefill_rows"]:
+            pcie = f"{r['pcie_s']:>8.2f} {r['of_pcie']:>8.1%}" if r.get("pcie_s") is not None else f"{'–':>8} {'–':>8}"
+            lines.append(
+                f"{r['prompt_tokens']:>8} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['ttft_s']:>13.2f} "
+                + pcie
+            )
     return "\n".join(lines)
