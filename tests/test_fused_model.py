@@ -69,7 +69,7 @@ def _static_prefill(model, prompt, extra=2):
 def test_decode_equals_transformers(tiny_model, family, dtype):
     """Greedy prefill + a few decode steps on a StaticCache: the fused text model takes every decode step (not the
     prefill); logits equal the same install without it exactly, transformers' unfused model as in test_fused."""
-    steps = 3 if dtype == torch.float32 else 2  # (bf16 is slower under the interpreter)
+    steps = 3 if dtype == torch.float32 and family == "qwen3_5_moe" else 2  # (fewer interpreter steps)
     ref = copy.deepcopy(tiny_model).to(DEV, dtype)
     text = type(ref.model).__name__
     prompt = _prompt(ref)
@@ -293,8 +293,8 @@ def test_qwen3_moe_layer_launches(tiny_qwen3_moe, monkeypatch):
     for m in test_fused._with_local_experts(ref, 0.5):
         m.kernel_on_cpu = DEV == "cpu"
     new = ("Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention")
-    before = _count_step(_installed(ref, exclude=new)[0], monkeypatch, warm=True, layer=1)
-    after = _count_step(_installed(ref)[0], monkeypatch, warm=True, layer=1)
+    before = _count_step(_installed(ref, exclude=new)[0], monkeypatch, layer=1)
+    after = _count_step(_installed(ref)[0], monkeypatch, warm=True, layer=1)  # (the first step builds the table)
     print(f"\nlaunches per Qwen3-MoE decoder layer: {len(before.ops)} -> {len(after.ops)}\n  before: {before.ops}")
     assert len(before.ops) == 28 and after.syncs == 0
     assert after.ops == [

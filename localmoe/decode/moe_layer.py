@@ -1,6 +1,6 @@
 """MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
 expert; or, from a decoder layer, `moe_front` (with the shared expert, if any) + the experts' `sparse_fused` with the
-residual add in its tail) and the Qwen3.5 / Qwen3-MoE decoder layer, whose norms and residual adds ride in
+residual add in its tail) and the Qwen3.5 / Qwen3-MoE / OLMoE decoder layer, whose norms and residual adds ride in
 neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill and other calls run transformers' modules.
 
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
@@ -206,13 +206,13 @@ class FusedSparseMoeBlock(nn.Module):
 
 
 class FusedDecoderLayer(nn.Module):
-    """Qwen3.5-MoE / Qwen3-MoE decoder layer whose one-token call has no launch of its own: the input RMSNorm goes
-    into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when the experts run
+    """Qwen3.5-MoE / Qwen3-MoE / OLMoE decoder layer whose one-token call has no launch of its own: the input RMSNorm
+    goes into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when the experts run
     `sparse_fused` (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` (with the shared expert, if any) +
     `sparse_fused` (with the residual in its tail); else the mixer's output + residual go into the post-attention
     RMSNorm's launch and the MoE output + residual into the shared expert's last kernel (without a shared expert: one
-    add launch). Only when its norm and MoE block are localmoe's fused
-    modules and the call is one token on their device; other one-token calls run transformers' layer arithmetic with
+    add launch). Only when its norm and MoE block are localmoe's fused modules and the call is one token on their
+    device; other one-token calls run transformers' layer arithmetic with
     this layer's (fused) children, and more tokens (prefill) the original layer, whose children are the originals."""
 
     def __init__(self, hf: nn.Module):

@@ -1,14 +1,14 @@
-"""The text model of Qwen3.5-MoE and Qwen3-MoE (embedding -> decoder layers -> final norm) for the one-token cached
-decode step, with transformers' glue around the layers cut to 4 launches. Installed by
+"""The text model of Qwen3.5-MoE, Qwen3-MoE and OLMoE (embedding -> decoder layers -> final norm) for the one-token
+cached decode step, with transformers' glue around the layers cut to 4 launches. Installed by
 `localmoe.decode.replacements`; every other call runs transformers' module.
 
 On the CUDA-graph decode step every decoder layer is localmoe's FusedDecoderLayer; what transformers' text model
 does around them was 25 small kernels on the H200 (transformers 5.17): the embedding, mrope's cos/sin (inv_freq
 product, cos, sin, scaling, recomposition, casts), position-id arithmetic (aranges, adds), the causal mask over the
-static cache, the final norm (Qwen3-MoE's: the same without mrope). Here 4: the embedding, ONE gather of (cos, sin)
-for the position from a table, the boolean causal mask (key index <= position: transformers' sdpa mask for one query
-over a StaticCache), the final norm. Measured at Qwen3.5-35B-A3B shapes (random bf16 weights, sparsity 0.85): 246
--> 225 kernels per step, graph decode 2874 -> 2724 µs per step (348 -> 367 tok/s).
+static cache, the final norm (Qwen3-MoE's, OLMoE's: the same without mrope). Here 4: the embedding, ONE gather of
+(cos, sin) for the position from a table, the boolean causal mask (key index <= position: transformers' sdpa mask
+for one query over a StaticCache), the final norm. Measured at Qwen3.5-35B-A3B shapes (random bf16 weights, sparsity
+0.85): 246 -> 225 kernels per step, graph decode 2874 -> 2724 µs per step (348 -> 367 tok/s).
 
 The table holds transformers' own values: made once (lazily, on the first such call; again when the cache length,
 the dtype or the device changes) by calling the model's ORIGINAL rotary module on positions 0..L-1, so row p is what
@@ -61,8 +61,8 @@ def _output_class(hf: nn.Module):
 
 
 class FusedTextModel(nn.Module):
-    """Qwen3.5-MoE's / Qwen3-MoE's text model whose one-token StaticCache step is 4 launches around the decoder
-    layers (see the module docstring). Other calls run the original module, kept unregistered as `_hf`."""
+    """Qwen3.5-MoE's / Qwen3-MoE's / OLMoE's text model whose one-token StaticCache step is 4 launches around the
+    decoder layers (see the module docstring). Other calls run the original module, kept unregistered as `_hf`."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -184,7 +184,7 @@ class FusedTextModel(nn.Module):
 
 def _layer_types(config) -> list[str] | None:
     """Each layer's attention kind: Qwen3.5's `layer_types` (full / linear attention), or every layer full attention
-    for a config without them and without a sliding window (Qwen3-MoE); None otherwise (sliding windows, other
+    for a config without them and without a sliding window (Qwen3-MoE, OLMoE); None otherwise (sliding windows, other
     kinds: their masks are not the one this step builds)."""
     n = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
