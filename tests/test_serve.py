@@ -74,25 +74,9 @@ def tools_tokenizer():
 
 def save_tools_checkpoint(folder):
     """The scripted tiny Qwen3-MoE described in the module docstring (context 4096, greedy by default)."""
-    import torch
-
-    model, kwargs = tiny_models.build("qwen3_moe")
-    model.config.max_position_embeddings = 4096
     tok = tools_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for pair in SCRIPT for t in pair}
-    H = model.config.hidden_size
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.experts.down_proj.zero_()
-        basis, _ = torch.linalg.qr(torch.randn(H, H, generator=torch.Generator().manual_seed(7)))
-        emb = model.model.embed_tokens.weight
-        for i, t in enumerate(sorted(ids.values())):
-            emb[t] = basis[i] * H**0.5
-        model.model.norm.weight.fill_(1.0)
-        model.lm_head.weight.zero_()
-        for a, b in SCRIPT:
-            model.lm_head.weight[ids[b]] += 20.0 * emb[ids[a]] / H  # a token may follow several
+    model, kwargs = tiny_models.scripted_qwen3_moe(tok, SCRIPT)
+    model.config.max_position_embeddings = 4096
     model.save_pretrained(folder, **kwargs)
     tok.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "bos_token_id": 1}))

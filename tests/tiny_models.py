@@ -248,17 +248,16 @@ def think_tokenizer():
     return added_tokens_tokenizer(THINK_TOKENS, THINK_TEMPLATE)
 
 
-def save_think_checkpoint(folder: Path) -> Path:
-    """A tiny Qwen3-MoE whose reply follows THINK_SCRIPT: every attention output and expert is zero, so the last
-    hidden state is the current token's embedding; the script's tokens get orthonormal embeddings and lm_head row
-    `next` is 20x the (normalised) embedding of its predecessor, so the successor's logit is 20 and every other 0:
-    greedy and sampled replies alike follow the script. generation_config.json is Qwen3's (sampling, temperature
-    0.6, top-k 20, top-p 0.95)."""
+def scripted_qwen3_moe(tok, script):
+    """A tiny Qwen3-MoE whose reply follows `script` (pairs: token, its successor) under the tokenizer `tok`: every
+    attention output and expert is zero, so the last hidden state is the current token's embedding; the script's
+    tokens get orthonormal embeddings and lm_head row `next` is 20x the (normalised) embedding of its predecessor, so
+    the successor's logit is 20 and every other 0 (a token with several predecessors follows each): greedy and
+    sampled replies alike follow the script. -> (model, save_pretrained keywords)."""
     import torch
 
     model, kwargs = build("qwen3_moe")
-    tok = think_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for pair in THINK_SCRIPT for t in pair}
+    ids = {t: tok.convert_tokens_to_ids(t) for pair in script for t in pair}
     H = model.config.hidden_size
     with torch.no_grad():
         for layer in model.model.layers:
@@ -270,8 +269,16 @@ def save_think_checkpoint(folder: Path) -> Path:
             emb[t] = basis[i] * H**0.5  # rms 1: the final RMSNorm leaves it as it is
         model.model.norm.weight.fill_(1.0)
         model.lm_head.weight.zero_()
-        for a, b in THINK_SCRIPT:
-            model.lm_head.weight[ids[b]] = 20.0 * emb[ids[a]] / H
+        for a, b in script:
+            model.lm_head.weight[ids[b]] += 20.0 * emb[ids[a]] / H
+    return model, kwargs
+
+
+def save_think_checkpoint(folder: Path) -> Path:
+    """A tiny Qwen3-MoE whose reply follows THINK_SCRIPT (`scripted_qwen3_moe`). generation_config.json is Qwen3's
+    (sampling, temperature 0.6, top-k 20, top-p 0.95)."""
+    tok = think_tokenizer()
+    model, kwargs = scripted_qwen3_moe(tok, THINK_SCRIPT)
     model.save_pretrained(folder, **kwargs)
     tok.save_pretrained(folder)
     (folder / "generation_config.json").write_text(
