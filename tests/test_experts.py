@@ -100,12 +100,13 @@ def test_grouped_masked_and_recorded():
 
 
 def test_loop_where_no_grouped_gemm():
-    """Offloaded experts (fetched one by one) and a dtype other than x's take the loop."""
+    """A decode-sized call on offloaded experts (fetched one by one, admitted) and a dtype other than x's take the
+    loop (a longer offloaded call streams through the cache's staging buffers: tests/test_offload.py)."""
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     m = _experts(4, 8, 16, dt)
     x = torch.randn(3, 16).to(DEV, dt)
     assert m._groups(x) and not m._groups(x.double())
     idx = torch.zeros(0, 2, dtype=torch.long, device=DEV)
     assert not m._groups(x[:0]) and m(x[:0], idx, idx.to(dt)).shape == (0, 16)  # no tokens: the loop, no GEMM
-    m.cache = object()  # any expert cache
-    assert not m._groups(x)
+    m.cache = object()  # any expert cache: a decode-sized call takes the loop, which admits into the cache
+    assert not m._groups(x[:1])

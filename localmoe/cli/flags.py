@@ -41,7 +41,7 @@ def token_counts(value: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected token counts such as 512 or 512,2048,8192, got {value!r}") from None
     if not items or min(items) < 1:
-        raise argparse.ArgumentTypeError(f"token counts must be at least 1, got {value!r}")
+        raise argparse.ArgumentTypeError(f"--prompt-tokens must be >= 1, got {value}")
     return sorted(set(items))
 
 
