@@ -79,3 +79,14 @@ def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_h
             )
     for part, t in (("packed", p), *parts):
         _on_device(f"{name}.{part}", t, device, allow_host)
+
+
+class HostPointer:
+    """A pinned host tensor seen by the Triton launcher as a raw pointer (unified virtual addressing)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t  # keeps the memory alive for the launch
+        self.dtype = t.dtype
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.kernels.checks import expert_weights, int4_expert_weights, tokens_and_experts
+from localmoe.kernels.checks import HostPointer, expert_weights, int4_expert_weights, tokens_and_experts
 from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
 from localmoe.kernels.int4 import Int4Tensor
 from localmoe.kernels.nf4 import Nf4Tensor, dequant_nf4_ref, nf4_code
@@ -497,17 +497,6 @@ def fused_workspace(device, numel: int = 0) -> torch.Tensor:
     return zeroed_int32("sparse_fused", device, numel, minimum=1 << 14)
 
 
-class _HostPointer:
-    """A pinned host tensor seen by the Triton launcher as a raw pointer (unified virtual addressing)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.tensor = t  # keeps the memory alive for the launch
-        self.dtype = t.dtype
-
-    def data_ptr(self) -> int:
-        return self.tensor.data_ptr()
-
-
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
@@ -687,7 +676,7 @@ def sparse_fused(
     cuda = dev.type == "cuda"
 
     def ptr(w):  # host master copies: the launcher gets their (unified) address
-        return _HostPointer(w) if cuda and w.device.type == "cpu" else w
+        return HostPointer(w) if cuda and w.device.type == "cpu" else w
 
     nf4 = isinstance(w_gate, Nf4Tensor)
     if quant:  # the packed bytes take the weights' place; scale / minimum pointers and expert strides beside them

@@ -1,0 +1,106 @@
+"""Gather whole experts into a staging stack in one launch: dst[i] = pool[table[ids[i]]] where that slot is >= 0,
+else host[ids[i]] (offloaded prefill's staging buffers, localmoe/experts/staging.py; `table` is an expert cache's
+device slot table, expert -> pool slot or -1).
+
+The three stacks hold one tensor of an expert format each (a plain [n, I, H] weight, or one part of an int4 / NF4
+stack: packed bytes, scales, minima) with the same trailing shape and dtype; `pool` and `dst` live on the device,
+`host` on the device or in pinned host memory, which the kernel reads through unified virtual addressing (as
+sparse_fused reads absent experts): one launch per part replaces a cudaMemcpyAsync per expert and part, whose host-side
+issue cost (~5 µs each, ~770 per layer for bf16 experts, three times that for int4) bounded prefill, not PCIe.
+
+Each expert's block (t[e]) must be contiguous; experts may sit at any stride. The launcher copies 32-bit words when
+every block's byte size and stride allow it, else elements of the stack's own dtype.
+
+Grid: (n experts, blocks of BLOCK words). Shapes: S pool slots, E experts in `host` and `table`, n <= len(dst).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from localmoe.kernels.checks import HostPointer
+
+BLOCK = 4096  # words per program: 16 KiB of int32
+
+
+def gather_experts_ref(dst: torch.Tensor, pool: torch.Tensor, host: torch.Tensor, table, ids) -> torch.Tensor:
+    """Reference: the same gather one expert at a time with torch copies."""
+    slots = [int(s) for s in table]
+    for i, e in enumerate(int(e) for e in ids):
+        dst[i].copy_(pool[slots[e]] if slots[e] >= 0 else host[e])
+    return dst
+
+
+@triton.jit
+def _gather_experts_kernel(
+    dst_ptr, pool_ptr, host_ptr, table_ptr, id_ptr, numel, dst_stride, pool_stride, host_stride, BLOCK: tl.constexpr
+):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    expert = tl.load(id_ptr + i).to(tl.int64)
+    slot = tl.load(table_ptr + expert).to(tl.int64)
+    offs = j * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    if slot >= 0:
+        v = tl.load(pool_ptr + slot * pool_stride + offs, mask=mask)
+    else:
+        v = tl.load(host_ptr + expert * host_stride + offs, mask=mask)
+    tl.store(dst_ptr + i.to(tl.int64) * dst_stride + offs, v, mask=mask)
+
+
+def _flat(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] as [N, numel] (each expert's block contiguous; any expert stride)."""
+    if t.dim() < 2:
+        raise ValueError(f"{name} must be a stack [N, ...], got shape {tuple(t.shape)}")
+    want = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size > 1 and stride != want:
+            raise ValueError(f"{name}'s experts must each be contiguous; got strides {t.stride()}")
+        want *= size
+    return t.as_strided((t.shape[0], want), (t.stride(0), 1))
+
+
+def _words(flat: torch.Tensor) -> bool:
+    """Whether a flat stack can be read as 32-bit words: block size, expert stride and address all 4-byte aligned."""
+    size = flat.element_size()
+    return (flat.shape[1] * size) % 4 == 0 and (flat.stride(0) * size) % 4 == 0 and flat.data_ptr() % 4 == 0
+
+
+def gather_experts(dst: torch.Tensor, pool: torch.Tensor, host: torch.Tensor, table: torch.Tensor, ids: torch.Tensor):
+    """dst[i] = pool[table[ids[i]]] if that slot is >= 0 else host[ids[i]], for i < n = len(ids), in one launch on
+    the current stream (module doc). table [E], ids [n]: int32/int64 on dst's device; host on dst's device or in
+    pinned host memory."""
+    for name, t in (("pool", pool), ("host", host)):
+        if t.dtype != dst.dtype or t.shape[1:] != dst.shape[1:]:
+            raise ValueError(
+                f"{name} must match dst's dtype {dst.dtype} and expert shape {tuple(dst.shape[1:])}; got {t.dtype} "
+                f"{tuple(t.shape[1:])}"
+            )
+    if pool.device != dst.device:
+        raise ValueError(f"pool is on {pool.device}, dst on {dst.device}: the pool must be on dst's device")
+    cuda = dst.device.type == "cuda"
+    if host.device != dst.device and not (cuda and host.device.type == "cpu" and host.is_pinned()):
+        raise ValueError(f"host is on {host.device}, dst on {dst.device}: it must be there or in pinned host memory")
+    n = ids.shape[0]
+    if ids.dim() != 1 or n > dst.shape[0] or table.dim() != 1 or table.shape[0] != host.shape[0]:
+        raise ValueError(
+            f"ids must be [n] with n <= {dst.shape[0]} and table [{host.shape[0]}] (one slot per host expert); got "
+            f"{tuple(ids.shape)}, {tuple(table.shape)}"
+        )
+    for name, t in (("table", table), ("ids", ids)):
+        if t.dtype not in (torch.int32, torch.int64) or t.device != dst.device:
+            raise ValueError(f"{name} must be int32/int64 on {dst.device}; got {t.dtype} on {t.device}")
+    if n == 0:
+        return dst
+    d, p, h = _flat("dst", dst), _flat("pool", pool), _flat("host", host)
+    if all(map(_words, (d, p, h))):
+        d, p, h = (t.view(torch.int32) for t in (d, p, h))
+    numel = d.shape[1]
+    host_arg = HostPointer(h) if cuda and h.device.type == "cpu" else h
+    grid = (n, triton.cdiv(numel, BLOCK))
+    _gather_experts_kernel[grid](
+        d, p, host_arg, table, ids, numel, d.stride(0), p.stride(0), h.stride(0), BLOCK=BLOCK, num_warps=4
+    )
+    return dst
