@@ -350,3 +350,28 @@ def test_offloaded_prefill_streams_spans_of_experts(experts):
     assert cache.staging.buffers is not None and cache.staging.buffers[0].w_up.shape[0] == 2
     part = cache.row_bytes * cache.width  # nothing resident: a pass over every expert copies every part
     assert cache.absent_bytes() == 3 * part * sum(m.num_experts for m in e.loaded.experts)
+
+
+@pytest.mark.parametrize("experts", ["full", "int4"])
+def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
+    """With master copies the device can read (pinned on CUDA; here the CPU under the interpreter) a span fills by
+    one gather_experts launch per part: resident experts from their pool slots, the others from the host copies;
+    the logits equal the resident model's and the cache's figures count the same hits, misses and bytes."""
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
+    e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
+    cache = e.loaded.cache
+    tokens(e, n=4)  # decode admits experts: the pools hold some
+    assert len(cache.lru) == 3
+    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
+    figures = []
+    for kernel in (False, True):
+        cache.staging.kernel_on_cpu, cache.staging.span = kernel, 2
+        cache.reset_stats()
+        with torch.inference_mode():  # as the engine runs (its buffers are inference tensors)
+            got = e.model(input_ids=ids).logits
+            want = resident.model(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        figures.append((cache.hits, cache.misses, cache.copied_bytes))
+    assert cache.staging.gathers and all(cache.staging.gathers.values())
+    assert figures[0] == figures[1] and figures[1][0] > 0

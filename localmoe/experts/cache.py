@@ -86,6 +86,7 @@ class ExpertCache:
         self.masters: dict[int, ExpertWeights] = {}
         self.tables: dict[int, torch.Tensor] = {}  # layer -> [E] int64 slot or -1 (device)
         self.gate_tables: dict[int, torch.Tensor] = {}  # layer -> [E] int64 gate slot or -1 (gate tier only)
+        self.gate_rows: dict[int, list[int]] = {}  # the same on the host (read without a device sync)
         self.hits = self.misses = self.copied_bytes = 0
         # direct mode: weight rows the kernels read from host memory (gate rows + kept up/down rows of absent
         # experts) and in all, counted on the device inside the step (a CUDA graph replay adds its own)
@@ -116,7 +117,7 @@ class ExpertCache:
         if order is None:
             order = [(layer, e) for e in range(self.num_experts) for layer in sorted(self.masters)]
         want = order[: self.gate_slots]
-        now = {(layer, e): s for layer, t in self.gate_tables.items() for e, s in enumerate(t.tolist()) if s >= 0}
+        now = {(layer, e): s for layer, row in self.gate_rows.items() for e, s in enumerate(row) if s >= 0}
         rows = {layer: [-1] * self.num_experts for layer in self.gate_tables}
         kept = {k: now[k] for k in want if k in now}
         free = sorted(set(range(self.gate_slots)) - set(kept.values()), reverse=True)
@@ -129,6 +130,7 @@ class ExpertCache:
             rows[layer][e] = slot
         for layer, t in self.gate_tables.items():  # same tensors: a captured CUDA graph keeps reading them
             t.copy_(torch.tensor(rows[layer], dtype=t.dtype))
+        self.gate_rows = rows
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down_t) [I,H] of expert e of `layer` on the device, for the dense grouped path (prefill):
@@ -155,19 +157,19 @@ class ExpertCache:
         else:
             self.misses += 1
         return (
-            part(self.pool.w_gate, m.w_gate, int(self.gate_tables[layer][e])),
+            part(self.pool.w_gate, m.w_gate, self.gate_rows[layer][e]),
             part(self.pool.w_up, m.w_up, s),
             part(self.pool.w_down_t, m.w_down_t, s),
         )
 
     def sources(self, layer: int) -> tuple[list[int], list[int]]:
         """Where each expert of `layer` is resident, on the host: (gate slot, up/down slot) per expert, -1 for
-        absent (a copy in flight counts as absent); one device read with a gate tier."""
+        absent (a copy in flight counts as absent); no device read."""
         slots = [-1] * self.num_experts
         for (lay, e), slot in self.lru.items():
             if lay == layer and (lay, e) not in self.pending:
                 slots[e] = slot
-        gates = self.gate_tables[layer].tolist() if self.gate_slots else slots
+        gates = self.gate_rows[layer] if self.gate_slots else slots
         return gates, slots
 
     def absent_bytes(self) -> int:
@@ -189,6 +191,7 @@ class ExpertCache:
         self.tables[layer] = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.device)
         if self.gate_slots:
             self.gate_tables[layer] = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.device)
+            self.gate_rows[layer] = [-1] * self.num_experts
 
     def reset_stats(self) -> None:
         self.hits = self.misses = self.copied_bytes = 0

@@ -7,8 +7,10 @@ stacks whose packed bytes cross the bus) and yields each span for the grouped GE
 (`LocalExperts._grouped`). On CUDA the copies run on a side stream: the next span's copies are issued before the
 current span is computed, so PCIe and the GEMMs overlap, with no host synchronisation per expert (the side stream
 waits for the compute stream before refilling a buffer; the compute stream waits for the span's copy event). Each
-part comes from its cache pool when resident (a device copy), else from the pinned host master copy; nothing is
-admitted into the cache (prefill does not evict the decode working set). On the CPU the copies run in order.
+part comes from its cache pool when resident, else from the host master copy; nothing is admitted into the cache
+(prefill does not evict the decode working set). With pinned master copies one kernel launch per part fills a span
+(kernels/gather_experts.py: the device slot tables pick pool or host per expert, and the host rows are read through
+unified addressing); otherwise (memory-mapped or pageable master copies, the CPU) a copy per expert and part.
 
 A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, whose span is
 dequantized for the GEMMs, DEQUANT_BYTES of dequantized ones: two buffers plus one dequantized span stay inside the
@@ -25,6 +27,8 @@ import torch
 
 from localmoe.experts.int4 import copy_expert
 from localmoe.experts.local_experts import DEQUANT_BYTES, ExpertWeights
+from localmoe.kernels.gather_experts import gather_experts
+from localmoe.kernels.int4 import Int4Tensor
 
 STAGE_BYTES = 96 << 20  # stored expert bytes per staging buffer (two buffers)
 
@@ -42,6 +46,8 @@ class Staging:
         self.span = max(1, per)
         self.buffers: list[ExpertWeights] | None = None
         self.stream_: torch.cuda.Stream | None = None
+        self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
+        self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
 
     def _buffers(self) -> list[ExpertWeights]:
         if self.buffers is None:
@@ -63,14 +69,23 @@ class Staging:
         if cuda and self.stream_ is None:
             self.stream_ = torch.cuda.Stream(device)
         sources = cache.sources(layer)
+        gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
+        ids = torch.tensor(experts, dtype=torch.int32).to(device) if gather else None
+
+        def fill(i: int) -> None:
+            if ids is None:
+                self._fill(cache, layer, spans[i], bufs[i % 2], sources)
+            else:
+                first = i * self.span
+                self._gather(cache, layer, spans[i], bufs[i % 2], sources, ids[first : first + len(spans[i])])
 
         def issue(i: int):
             if not cuda:
-                self._fill(cache, layer, spans[i], bufs[i % 2], sources)
+                fill(i)
                 return None
             self.stream_.wait_stream(torch.cuda.current_stream(device))  # the buffer's previous span is computed
             with torch.cuda.stream(self.stream_):
-                self._fill(cache, layer, spans[i], bufs[i % 2], sources)
+                fill(i)
                 done = torch.cuda.Event()
                 done.record(self.stream_)
             return done
@@ -82,6 +97,35 @@ class Staging:
                 torch.cuda.current_stream(device).wait_event(ready)
             yield i * self.span, len(span), bufs[i % 2]
             ready = following
+
+    def _gathers(self, cache, layer: int, device: torch.device) -> bool:
+        """Whether `layer`'s master copies are on `device` or pinned: the gather kernel can read them in place."""
+        if layer not in self.gathers:
+            master = cache.masters[layer]
+            self.gathers[layer] = all(
+                t.device == device or t.is_pinned()
+                for w in (master.w_gate, master.w_up, master.w_down_t)
+                for t in _parts(w)
+            )
+        return self.gathers[layer]
+
+    @staticmethod
+    def _gather(cache, layer: int, span: list[int], buf: ExpertWeights, sources, ids: torch.Tensor) -> None:
+        """buf[i] = expert span[i] of `layer` (ids: the same on the device) by one gather_experts launch per part,
+        pool slot or host master per expert as the device slot tables say (counted in the cache's figures)."""
+        gate_slots, slots = sources
+        part = cache.row_bytes * cache.width
+        for e in span:
+            cache.hits += slots[e] >= 0
+            cache.misses += slots[e] < 0
+            cache.copied_bytes += part * ((gate_slots[e] < 0) + 2 * (slots[e] < 0))
+        master, table = cache.masters[layer], cache.tables[layer]
+        gate_table = cache.gate_tables[layer] if cache.gate_slots else table
+        for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
+            for dst, pool, host in zip(
+                _parts(getattr(buf, name)), _parts(getattr(cache.pool, name)), _parts(getattr(master, name))
+            ):
+                gather_experts(dst, pool, host, t, ids)
 
     @staticmethod
     def _fill(cache, layer: int, span: list[int], buf: ExpertWeights, sources) -> None:
@@ -99,3 +143,8 @@ class Staging:
                 else:
                     copy_expert(getattr(buf, name), i, getattr(master, name), e, non_blocking=True)
                     cache.copied_bytes += cache.row_bytes * cache.width
+
+
+def _parts(w) -> tuple[torch.Tensor, ...]:
+    """The tensors of a weight stack of any format: a plain tensor, or an int4 / NF4 stack's parts."""
+    return w.parts() if isinstance(w, Int4Tensor) else (w,)
