@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import FAMILIES, repo_id
 
-from localmoe.decode.prefix import PromptReuse, prefill
+from localmoe.decode.prefix import PromptReuse, piece_cuts, prefill
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 
@@ -219,3 +219,12 @@ def test_prepare_next_turn_adds_the_reply(family):
     e._forget_prompt()
     assert reply(e, turn2) == got
     assert e.prepare_next_turn(msgs) == 0  # reuse off: nothing prepared
+
+
+def test_prompt_pieces_are_the_fewest_of_equal_length():
+    """A long prompt goes in the fewest pieces of at most `chunk` tokens, of equal lengths: an offloaded model's piece
+    moves every absent expert however short it is, so no short ragged tail piece."""
+    assert piece_cuts(0, 2100, 2048) == [0, 1050, 2100]
+    assert piece_cuts(0, 8192, 2048) == [0, 2048, 4096, 6144, 8192]
+    assert piece_cuts(3, 30, 7) == [3, 9, 16, 23, 30]
+    assert piece_cuts(0, 5, 2048) == [0, 5] and piece_cuts(5, 5, 7) == [5]

@@ -226,10 +226,11 @@ def prefill(
     reuse: PromptReuse | None,
     fresh: Callable = lambda cache: cache.reset() or cache,
 ):
-    """Prefill ids [1, P] into `cache` in pieces of at most `chunk` tokens, starting where `reuse` can rewind it to
-    (elsewise from `fresh(cache)`: the same cache reset in place by default). `forward(piece [1, n], start, cache) ->
-    (cache, logits)` runs one piece at positions start..start+n-1 (cache None: it makes one). With `reuse`, the state
-    after the first S = `stable` tokens is kept for the next prompt. -> (cache, logits [V] of the last position, L)."""
+    """Prefill ids [1, P] into `cache` in pieces of at most `chunk` tokens (`piece_cuts`), starting where `reuse` can
+    rewind it to (elsewise from `fresh(cache)`: the same cache reset in place by default). `forward(piece [1, n],
+    start, cache) -> (cache, logits)` runs one piece at positions start..start+n-1 (cache None: it makes one). With
+    `reuse`, the state after the first S = `stable` tokens is kept for the next prompt. -> (cache, logits [V] of the
+    last position, L)."""
     P = ids.shape[1]
     tokens = ids[0].tolist() if reuse is not None else []
     L = reuse.reusable(cache, tokens) if reuse is not None else 0
@@ -242,7 +243,7 @@ def prefill(
             cache = fresh(cache)
     if L == P:  # the same prompt as the copy's: its logits, nothing to run
         logits = kept_logits.clone()
-    cuts = sorted({*range(L, P, chunk), P} | ({stable} if reuse is not None and L < stable < P else set()))
+    cuts = sorted({*piece_cuts(L, P, chunk)} | ({stable} if reuse is not None and L < stable < P else set()))
     for a, b in zip(cuts, cuts[1:]):
         cache, logits = forward(ids[:, a:b], a, cache)
         if reuse is not None and b == stable:
@@ -250,3 +251,13 @@ def prefill(
     if reuse is not None:
         reuse.reused = L
     return cache, logits, L
+
+
+def piece_cuts(start: int, end: int, chunk: int) -> list[int]:
+    """Cuts of positions start..end into the fewest pieces of at most `chunk` tokens, of equal lengths (within one):
+    an offloaded model's piece moves nearly every absent expert across PCIe however short it is, so 2,100 tokens go
+    as 1,050 + 1,050, not 2,048 + 52. -> [start, ..., end]."""
+    if end <= start:
+        return [end]
+    n = -(-(end - start) // chunk)
+    return [start + (i * (end - start)) // n for i in range(n + 1)]
