@@ -122,10 +122,17 @@ def bench_all() -> None:
     print("\n".join(rows), flush=True)
 
 
+def peak_rss_kib() -> int:
+    """This process's peak resident set (VmHWM). Not ru_maxrss: Linux carries that across the spawning parent's
+    vfork + exec, so a child started by a 20 GiB parent would report 20 GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def load_one(folder: str, fmt: str) -> None:
     """In a fresh process: load `folder` with `--experts fmt`; one JSON line of its costs."""
-    import resource
-
     from localmoe.engine.engine import Engine
     from localmoe.events import GenerationSettings
 
@@ -139,7 +146,7 @@ def load_one(folder: str, fmt: str) -> None:
             {
                 "format": e.experts_format,
                 "load_s": round(load_s, 2),
-                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+                "peak_rss_gib": round(peak_rss_kib() / 2**20, 2),
                 "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 "expert_gib": round(e.loaded.expert_bytes() / 2**30, 2),
                 "tokens": toks,

@@ -352,6 +352,7 @@ def test_offloaded_prefill_streams_spans_of_experts(experts):
     assert cache.absent_bytes() == 3 * part * sum(m.num_experts for m in e.loaded.experts)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU tensors needs the interpreter")
 @pytest.mark.parametrize("experts", ["full", "int4"])
 def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
     """With master copies the device can read (pinned on CUDA; here the CPU under the interpreter) a span fills by

@@ -1,0 +1,78 @@
+"""Offloaded prefill's staging spans filled by `gather_experts` (one launch per part) against a copy per expert and
+part (the path memory-mapped or pageable master copies take), in one process (not a test; run on the H200).
+
+Random weights at --shape, experts offloaded at --vram, sparsity 0.85: time to first token of random prompts of each
+--prompt-tokens length, each way, --reps times (median), alternating; the engine's pieces are its own. Against the
+PCIe ceiling as `bench --prompt-tokens` computes it (every absent expert part once per piece at the measured pinned
+host-to-device bandwidth), then decode tok/s (512-token prompt, 128 tokens) after gathered prefills.
+
+Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
+       [--prompt-tokens 2048,8192] [--reps 2]
+"""
+
+import argparse
+import statistics
+
+import torch
+
+from localmoe.decode.prefix import piece_cuts
+from localmoe.engine.engine import Engine
+from localmoe.events import GenerationSettings
+from localmoe.measure.benchmark import host_bandwidth
+
+p = argparse.ArgumentParser()
+p.add_argument("--shape", default="qwen3.5-35b")
+p.add_argument("--vram", type=float, default=24)
+p.add_argument("--experts", default="full")
+p.add_argument("--prompt-tokens", default="2048,8192")
+p.add_argument("--reps", type=int, default=2)
+a = p.parse_args()
+lengths = [int(n) for n in a.prompt_tokens.split(",")]
+
+e = Engine.random(
+    a.shape,
+    device=torch.device("cuda"),
+    dtype=torch.bfloat16,
+    vram_gib=a.vram,
+    context=max(lengths) + 64,
+    experts=a.experts,
+)
+e.set_sparsity(0.85)
+e.eos_ids = set()  # random weights: decode the full count
+staging = e.loaded.cache.staging
+gen = torch.Generator().manual_seed(1)
+vocab = e.loaded.config.vocab_size
+
+
+def ttft(n: int, gather: bool) -> float:
+    staging.gathers = {} if gather else dict.fromkeys(e.loaded.cache.masters, False)
+    prompt = torch.randint(0, vocab, (n,), generator=gen).tolist()
+    for _ in e.generate(prompt, GenerationSettings(max_new_tokens=1)):
+        pass
+    return e.stats.ttft_s
+
+
+for gather in (True, False):  # warm-up: compile and allocate both ways
+    ttft(min(lengths), gather)
+h2d = host_bandwidth(torch.device("cuda"))
+print(
+    f"{a.shape} --experts {a.experts} --vram {a.vram:g}, sparsity 0.85, median of {a.reps}, "
+    f"pinned H2D {h2d / 1e9:.1f} GB/s"
+)
+print("prompt  copies TTFT s  tok/s   gather TTFT s  tok/s   speed-up  PCIe s  of PCIe (gather)")
+for n in lengths:
+    t = {True: [], False: []}
+    for _ in range(a.reps):
+        for gather in (False, True):
+            t[gather].append(ttft(n, gather))
+    c, g = statistics.median(t[False]), statistics.median(t[True])
+    pcie = (len(piece_cuts(0, n, e.prefill_chunk)) - 1) * e.loaded.cache.absent_bytes() / h2d
+    print(
+        f"{n:>6}  {c:>13.3f}  {n / c:>5.0f}   {g:>13.3f}  {n / g:>5.0f}   {c / g:>7.2f}x  "
+        f"{pcie:>6.2f}  {pcie / g:>6.1%}",
+        flush=True,
+    )
+prompt = torch.randint(0, vocab, (512,), generator=gen).tolist()
+for _ in e.generate(prompt, GenerationSettings(max_new_tokens=128)):
+    pass
+print(f"decode {e.stats.decode_tok_s:.1f} tok/s")
