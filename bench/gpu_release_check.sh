@@ -5,8 +5,11 @@
 #              the DeaMoE tests (tests/test_deamoe*.py: departments on CUDA, department offloading)
 #   2. engine: bench/gpu_engine_check.py: the six tiny families' CUDA-graph tokens equal transformers' at sparsity 0
 #              and eager at 0.5, then `localmoe bench --shape qwen3.5-35b --sparsity 0,0.85 --baseline transformers`
-#   3. offload: `localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85` (bf16 experts offloaded, a 24 GB card)
-#   4. int4:   the same with `--experts int4 --vram 16` (int4 experts offloaded, a 16 GB card)
+#   3. prefill: bench/prefill_check.py: offloaded prompt processing (staging, gather_experts) equals resident in the
+#              six tiny families and each expert format
+#   4. offload: `localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85 --prompt-tokens 512,2048` (bf16 experts
+#              offloaded, a 24 GB card; a 2048-token prompt's time to first token against the PCIe ceiling)
+#   5. int4:   the same with `--experts int4 --vram 16` (int4 experts offloaded, a 16 GB card)
 # Needs torch, triton, transformers, accelerate, safetensors, pytest (and pytest-xdist to run the tests in parallel);
 # not textual: the package runs from the checkout (PYTHONPATH), kernels/ and tui/ linked in as localmoe.kernels/.tui.
 # Each step has its own time limit and log under $OUT; a summary is printed last; exit status 1 if anything failed.
@@ -33,8 +36,9 @@ done
 xdist=(); python -c "import xdist" 2>/dev/null && xdist=(-n 8)
 step tests 210 python -m pytest -q -p no:cacheprovider --tb=short "${xdist[@]}" "${tests[@]}"
 step engine 220 python bench/gpu_engine_check.py
-step offload 120 python -m localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85
-step int4 100 python -m localmoe bench --shape qwen3.5-35b --experts int4 --vram 16 --sparsity 0.85
+step prefill 120 python bench/prefill_check.py
+step offload 130 python -m localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85 --prompt-tokens 512,2048
+step int4 100 python -m localmoe bench --shape qwen3.5-35b --experts int4 --vram 16 --sparsity 0.85 --prompt-tokens 512,2048
 
 echo
 echo "== release check on $(python -c 'import torch; print(torch.cuda.get_device_name())') (logs under $OUT)"
@@ -43,6 +47,8 @@ grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20
 grep -A6 "^family" "$OUT/engine.log"
 grep -B1 -A3 "^engine " "$OUT/engine.log"
 grep -h -B1 -A1 "^engine " "$OUT/offload.log" "$OUT/int4.log" | grep -v "^engine \|^--"
+grep -h -A2 "^  prompt sparsity" "$OUT/offload.log" "$OUT/int4.log" | grep -v "^  prompt\|^--"
+grep -A20 "^family        experts" "$OUT/prefill.log"
 if grep -q " exit [^0]" "$OUT/steps.txt" || grep -A6 "^family" "$OUT/engine.log" | grep -qE "False|ERROR"; then
     echo "RELEASE CHECK: FAILED"; exit 1
 fi

@@ -1,0 +1,92 @@
+"""GPU check of offloaded prompt processing (not a test; run on the H200): tokens unchanged (issue #29).
+
+Tiny random checkpoints of each family, bf16 on CUDA (the grouped GEMMs' dtype), with each expert format (full,
+int4, nf4 when bitsandbytes imports): a prompt longer than the sparse-token limit, so an offloaded engine streams its
+routed experts through the staging buffers (pinned master copies: filled by `gather_experts`). The offloaded engine
+(room for ~1/3 of the experts; decode steps first, so its pools hold some; its sparse-token limit lowered under
+the prompt) against the resident one: last-position
+prefill logits (max abs difference; 0 expected: each expert's grouped GEMM is the same arithmetic whatever its span)
+and greedy tokens at sparsity 0, and the staging path's own figures (spans filled by the kernel).
+Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py   (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
+smoke run, the staging spans filled by per-expert copies there)
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+root = Path(tempfile.mkdtemp())
+os.environ.update(HF_HUB_CACHE=str(root / "hub"), HF_HUB_OFFLINE="1", XDG_CACHE_HOME=str(root / "xdg"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import tiny_models  # noqa: E402
+import torch  # noqa: E402
+
+from localmoe.engine.engine import Engine  # noqa: E402
+from localmoe.events import GenerationSettings  # noqa: E402
+
+DEV = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+try:
+    import bitsandbytes  # noqa: F401
+
+    FORMATS = ("full", "int4", "nf4")
+except ImportError:
+    FORMATS = ("full", "int4")
+
+
+def third_budget(repo: str, fmt: str) -> float:
+    """A VRAM budget (GiB) with room for about a third of the model's experts."""
+    plan = Engine.load(repo, device=DEV, dtype="bfloat16", sparsity=0.0, experts=fmt, vram_gib=64.0).loaded.offload
+    fixed = plan.non_expert_bytes + plan.state_bytes + (1 << 29)
+    return (fixed + (plan.total_experts // 3) * plan.expert_bytes) / 2**30
+
+
+def check(repo: str, fmt: str) -> tuple:
+    resident = Engine.load(repo, device=DEV, dtype="bfloat16", sparsity=0.0, experts=fmt)
+    off = Engine.load(repo, device=DEV, dtype="bfloat16", sparsity=0.0, experts=fmt, vram_gib=third_budget(repo, fmt))
+    cache = off.loaded.cache
+    s = GenerationSettings(max_new_tokens=16)
+    warm = off.encode_raw("A few decode steps first, so the expert pools hold some experts.")
+    for _ in off.generate(warm, s):
+        pass
+    ids = resident.encode_raw("Long prompts stream their experts through the staging buffers. " * 5)
+    for m in off.loaded.experts:  # the tiny model's limit could pass the prompt: force the dense (staging) path
+        m.max_sparse_tokens = min(m.max_sparse_tokens, 16)
+    x = torch.tensor([ids], device=DEV)
+    cache.reset_stats()
+    with torch.inference_mode():
+        want = resident.model(input_ids=x, logits_to_keep=1).logits.float()
+        got = off.model(input_ids=x, logits_to_keep=1).logits.float()
+    diff = float((got - want).abs().max())
+    gathered = sum(cache.staging.gathers.values())
+    hits = f"{cache.hits}/{cache.hits + cache.misses}"
+    same = [ev.token_id for ev in off.generate(ids, s)] == [ev.token_id for ev in resident.generate(ids, s)]
+    return len(ids), diff, same, hits, f"{gathered}/{len(cache.masters)}"
+
+
+def main() -> None:
+    rows = []
+    for fam in tiny_models.SUPPORTED:
+        repo = f"{tiny_models.ORG}/tiny-{fam}"
+        folder = tiny_models.save_checkpoint(fam, root / "src" / fam)
+        tiny_models.place_in_hf_cache(folder, root / "hub", repo)
+        for fmt in FORMATS:
+            try:
+                rows.append((fam, fmt, *check(repo, fmt)))
+            except Exception as ex:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+                rows.append((fam, fmt, "-", "ERROR", f"{type(ex).__name__}: {ex}"[:80], "-", "-"))
+    print("\nfamily        experts  prompt  max |logit diff|  tokens equal  staged hits  layers gathered")
+    for fam, fmt, n, diff, same, hits, gathered in rows:
+        d = f"{diff:.3g}" if isinstance(diff, float) else diff
+        print(f"{fam:<13} {fmt:<8} {n!s:<7} {d:<17} {same!s:<13} {hits:<12} {gathered}")
+    bad = [r for r in rows if r[4] is not True]
+    print("PREFILL CHECK:", "FAILED" if bad else "passed")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
