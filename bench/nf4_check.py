@@ -9,7 +9,11 @@
    (qwen3_moe, per-expert tensors, as the hub's bnb-4bit MoE checkpoints are) saved in bf16 and in bitsandbytes'
    serialized 4-bit format (double-quantized statistics), each loaded in a fresh process: time, peak host RSS, peak
    VRAM, expert GiB.
-Usage: PYTHONUNBUFFERED=1 python bench/nf4_check.py [--skip-kernels] [--skip-bench] [--load]
+4. `--linear4bit`: a bnb-4bit checkpoint's non-expert Linears kept as bitsandbytes `Linear4bit` (NF4, bf16 compute;
+   what transformers loads) against dequantized once to bf16 and read by localmoe's GEMV (what the fused decode path
+   does): one decode step's non-expert projections at Qwen3.5-35B-A3B's shapes (every Linear of the model that is not
+   a routed expert, with its count), µs per step each way and the bytes each keeps in VRAM.
+Usage: PYTHONUNBUFFERED=1 python bench/nf4_check.py [--skip-kernels] [--skip-bench] [--load] [--linear4bit]
 """
 
 import gc
@@ -195,6 +199,44 @@ def load() -> None:
             print(f"{folder.name} {fmt}: FAILED {line}", flush=True)
 
 
+def linear4bit() -> None:
+    from collections import Counter
+
+    import bitsandbytes as bnb
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from localmoe.kernels.gemv import gemv
+    from localmoe.models.shapes import shape_config
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(shape_config("qwen3.5-35b"), dtype=torch.bfloat16)
+    shapes = Counter(
+        (m.out_features, m.in_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".experts." not in name and not name.endswith("lm_head")
+    )  # lm_head stays bf16 either way (bitsandbytes skips it)
+    print("out x in           count  bf16 GEMV µs  Linear4bit µs  bf16 MB  nf4 MB", flush=True)
+    tot = [0.0, 0.0, 0, 0]
+    for (n, k), count in sorted(shapes.items()):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        lin = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+        lin.weight = bnb.nn.Params4bit(w.cpu(), requires_grad=False, quant_type="nf4")
+        lin = lin.cuda()
+        with torch.inference_mode():
+            err = float((lin(x) - gemv(x, w)).float().norm() / gemv(x, w).float().norm())
+            us_bf16, us_4 = timed(lambda: gemv(x, w)), timed(lambda: lin(x))
+        mb_bf16, mb_4 = n * k * 2 / 1e6, n * k * (0.5 + 4 / 64) / 1e6
+        tot = [tot[0] + us_bf16 * count, tot[1] + us_4 * count, tot[2] + mb_bf16 * count, tot[3] + mb_4 * count]
+        print(
+            f"{n:>6} x {k:<6}  {count:>5}  {us_bf16:>12.1f}  {us_4:>13.1f}  {mb_bf16:>7.1f}  {mb_4:>6.1f}  "
+            f"(rel. diff {err:.3f})",
+            flush=True,
+        )
+    print(f"per step          {tot[0]:>12.0f}  {tot[1]:>13.0f}  {tot[2]:>7.0f}  {tot[3]:>6.0f}  (µs, µs, MB, MB)")
+
+
 if __name__ == "__main__":
     if "--load-one" in sys.argv:
         i = sys.argv.index("--load-one")
@@ -206,3 +248,5 @@ if __name__ == "__main__":
         bench_all()
     if "--load" in sys.argv:
         load()
+    if "--linear4bit" in sys.argv:
+        linear4bit()
