@@ -1,18 +1,21 @@
-"""Launch-parameter sweep of the fused decode kernels at Qwen3.5-35B-A3B shapes (GPU, not a test).
+"""Launch-parameter sweep of the fused decode kernels at a registry model's shapes (GPU, not a test; default
+Qwen3.5-35B-A3B).
 
-router_topk (H 2048, E 256, k 8), shared_expert (H 2048, I 512) and gated_deltanet_step (H_k 16, H_v 32, d 128,
-conv 4; its one-program-per-key-head grid, block_v None, against the split grid over value heads and d_v slices),
-bf16. Each configuration is checked against the default launch (same outputs up to accumulation order)
-and timed as a CUDA graph of 12 calls over 12 different weight sets (so L2 does not hold the weights;
-`triton.testing.do_bench` median, µs per call). Prints the table of the best per kernel and writes
+router_topk (Qwen3.5-35B: H 2048, E 256, k 8), shared_expert (H 2048, I 512; models with a shared expert) and
+gated_deltanet_step (H_k 16, H_v 32, d 128, conv 4; Qwen3.5's linear attention only; its one-program-per-key-head
+grid, block_v None, against the split grid over value heads and d_v slices), bf16. `--shape ALIAS` takes the widths
+from the registry model's config (`localmoe/models/shapes.json`): e.g. `--shape qwen3-30b` (H 2048, E 128, k 8, I 768,
+no shared expert, no DeltaNet; standard RMSNorm). Each configuration is checked against the default launch (same
+outputs up to accumulation order) and timed as a CUDA graph of 12 calls over 12 different weight sets (so L2 does
+not hold the weights; `triton.testing.do_bench` median, µs per call). Prints the table of the best per kernel and writes
 `$OUT/decode_params.json` ({"decode_params": {kernel: {shape: kwargs}}}) to merge into kernels/tuned/<device>.json.
 
 Also moe_front (residual add + norm + router top-k + shared gate, one launch) and the experts' `sparse_fused` with
 the shared expert and the residual in its tail (the decoder layer's two launches on the sparse path; thresholds at
 85%, its best launch goes to `launch_params` "fused" by hand).
 
-Usage: PYTHONUNBUFFERED=1 python bench/tune_decode.py [--only router_topk,shared_expert,gated_deltanet_step,
-       moe_front,sparse_tail]
+Usage: PYTHONUNBUFFERED=1 python bench/tune_decode.py [--shape ALIAS] [--only router_topk,shared_expert,
+       gated_deltanet_step,moe_front,sparse_tail]
 """
 
 from __future__ import annotations
@@ -31,11 +34,26 @@ from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
 from localmoe.kernels.sparse_fused import SharedExpert, sparse_fused
+from localmoe.models.shapes import shape_config
 
 DEV, DT, N = torch.device("cuda"), torch.bfloat16, 12
-H, E, K, I = 2048, 256, 8, 512
-HK, HV, D, KS = 16, 32, 128, 4
-C = 2 * HK * D + HV * D
+SHAPE = sys.argv[sys.argv.index("--shape") + 1] if "--shape" in sys.argv else "qwen3.5-35b"
+cfg = shape_config(SHAPE)
+cfg = getattr(cfg, "text_config", None) or cfg
+E = next(getattr(cfg, a) for a in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(cfg, a, None))
+H, K, I = cfg.hidden_size, cfg.num_experts_per_tok, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+I_S = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # shared expert width (0: none)
+DELTANET = hasattr(cfg, "linear_num_key_heads")
+KIND = "zero_centred" if cfg.model_type.startswith("qwen3_5") else "standard"
+NORM_TOPK = getattr(cfg, "norm_topk_prob", None) is not False  # None: the family always renormalises
+if DELTANET:
+    HK, HV, D, KS = (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_conv_kernel_dim,
+    )
+    C = 2 * HK * D + HV * D
 g = torch.Generator(device=DEV).manual_seed(0)
 
 
@@ -44,10 +62,15 @@ def rnd(*shape, scale=0.02):
 
 
 ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
+SKIP = {"shared_expert"} if not I_S else set()
+SKIP |= {"gated_deltanet_step"} if not DELTANET else set()
+print(
+    f"{SHAPE}: H {H}, E {E}, k {K}, I {I}, shared expert {I_S or 'none'}, DeltaNet {DELTANET}, norm {KIND}", flush=True
+)
 
 
 def sweep(name, shape_key, space, make_calls, check):
-    if ONLY is not None and name not in ONLY:
+    if (ONLY is not None and name not in ONLY) or name in SKIP:
         return name, shape_key, 0.0, []
     default_us = graph_us(make_calls({}))
     print(f"  {name} default launch: {default_us:.2f} us", flush=True)
@@ -72,17 +95,17 @@ results = []
 xs = [rnd(1, H, scale=1.0) for _ in range(N)]
 wr = [rnd(E, H) for _ in range(N)]
 tick = torch.zeros(64, dtype=torch.int32, device=DEV)
-ref = [router_topk(xs[i], wr[i], K, True) for i in range(N)]
+ref = [router_topk(xs[i], wr[i], K, NORM_TOPK) for i in range(N)]
 
 
 def router_calls(kw):
-    return [lambda i=i: router_topk(xs[i], wr[i], K, True, tickets=tick, **kw) for i in range(N)]
+    return [lambda i=i: router_topk(xs[i], wr[i], K, NORM_TOPK, tickets=tick, **kw) for i in range(N)]
 
 
 def router_check(kw):
     err = 0.0
     for i in range(N):
-        lg, w, idx = router_topk(xs[i], wr[i], K, True, tickets=tick, **kw)
+        lg, w, idx = router_topk(xs[i], wr[i], K, NORM_TOPK, tickets=tick, **kw)
         err = max(err, float((lg.float() - ref[i][0].float()).abs().max()))
         if not torch.equal(idx.sort(1).values, ref[i][2].sort(1).values):
             err = max(err, 1.0)  # a different expert set counts as a failure
@@ -99,7 +122,8 @@ results.append(
     )
 )
 # -- shared expert --------------------------------------------------------------------------------------------------
-se = [(rnd(I, H), rnd(I, H), rnd(H, I), rnd(1, H)) for _ in range(N)]
+IS = I_S or I  # (built either way; the sweep is skipped without a shared expert)
+se = [(rnd(IS, H), rnd(IS, H), rnd(H, IS), rnd(1, H)) for _ in range(N)]
 routed = [rnd(1, H, scale=1.0) for _ in range(N)]
 ref_se = [shared_expert(xs[i], *se[i], routed[i]) for i in range(N)]
 
@@ -117,7 +141,7 @@ def se_check(kw):
 results.append(
     sweep(
         "shared_expert",
-        f"H{H}_I{I}",
+        f"H{H}_I{IS}",
         {
             "block_i": [2, 4, 8],
             "block_h": [1024, 2048],
@@ -130,64 +154,61 @@ results.append(
     )
 )
 # -- Gated DeltaNet step ---------------------------------------------------------------------------------------------
-gd = []
-for _ in range(N):
-    gd.append(
-        dict(
-            mixed_qkv=rnd(1, C, scale=1.0),
-            z=rnd(1, HV * D, scale=1.0),
-            a=rnd(1, HV, scale=1.0),
-            b=rnd(1, HV, scale=1.0),
-            conv_state=rnd(1, C, KS, scale=1.0),
-            conv_weight=rnd(C, KS, scale=0.5),
-            conv_bias=None,
-            A_log=torch.rand(HV, device=DEV),
-            dt_bias=torch.rand(HV, device=DEV),
-            norm_weight=torch.ones(D, device=DEV, dtype=DT),
-            norm_eps=1e-6,
-            state=torch.randn(1, HV, D, D, device=DEV, generator=g) * 0.1,
-            num_k_heads=HK,
-            head_k_dim=D,
-            num_v_heads=HV,
-            head_v_dim=D,
+if DELTANET:
+    gd = []
+    for _ in range(N):
+        gd.append(
+            dict(
+                mixed_qkv=rnd(1, C, scale=1.0),
+                z=rnd(1, HV * D, scale=1.0),
+                a=rnd(1, HV, scale=1.0),
+                b=rnd(1, HV, scale=1.0),
+                conv_state=rnd(1, C, KS, scale=1.0),
+                conv_weight=rnd(C, KS, scale=0.5),
+                conv_bias=None,
+                A_log=torch.rand(HV, device=DEV),
+                dt_bias=torch.rand(HV, device=DEV),
+                norm_weight=torch.ones(D, device=DEV, dtype=DT),
+                norm_eps=1e-6,
+                state=torch.randn(1, HV, D, D, device=DEV, generator=g) * 0.1,
+                num_k_heads=HK,
+                head_k_dim=D,
+                num_v_heads=HV,
+                head_v_dim=D,
+            )
+        )
+
+    def gd_call(i, kw):
+        d = dict(gd[i])
+        d["conv_state"], d["state"] = d["conv_state"].clone(), d["state"].clone()  # the check must not drift the inputs
+        return gated_deltanet_step(**d, **kw)
+
+    def gd_calls(kw):
+        return [lambda i=i: gated_deltanet_step(**gd[i], **kw) for i in range(N)]
+
+    def gd_check(kw):  # against the default launch from the same (timed runs advance the states) inputs
+        return max(float((gd_call(i, kw).float() - gd_call(i, {}).float()).abs().max()) for i in range(N))
+
+    results.append(
+        sweep(
+            "gated_deltanet_step",
+            f"HK{HK}_HV{HV}_D{D}",
+            {"block_v": [None, 16, 32, 64], "num_warps": [2, 4, 8]},
+            gd_calls,
+            gd_check,
         )
     )
-
-
-def gd_call(i, kw):
-    d = dict(gd[i])
-    d["conv_state"], d["state"] = d["conv_state"].clone(), d["state"].clone()  # the check must not drift the inputs
-    return gated_deltanet_step(**d, **kw)
-
-
-def gd_calls(kw):
-    return [lambda i=i: gated_deltanet_step(**gd[i], **kw) for i in range(N)]
-
-
-def gd_check(kw):  # against the default launch from the same (timed runs advance the states) inputs
-    return max(float((gd_call(i, kw).float() - gd_call(i, {}).float()).abs().max()) for i in range(N))
-
-
-results.append(
-    sweep(
-        "gated_deltanet_step",
-        f"HK{HK}_HV{HV}_D{D}",
-        {"block_v": [None, 16, 32, 64], "num_warps": [2, 4, 8]},
-        gd_calls,
-        gd_check,
-    )
-)
 
 # -- MoE front ------------------------------------------------------------------------------------------------------
 res = [rnd(1, H, scale=1.0) for _ in range(N)]
 nw = [rnd(H, scale=0.1) for _ in range(N)]
-wsg = [rnd(1, H) for _ in range(N)]
-ref_front = [moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i]) for i in range(N)]
+wsg = [rnd(1, H) if I_S else None for _ in range(N)]
+ref_front = [moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i]) for i in range(N)]
 
 
 def front_calls(kw):
     return [
-        lambda i=i: moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i], tickets=tick, **kw)
+        lambda i=i: moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], tickets=tick, **kw)
         for i in range(N)
     ]
 
@@ -195,7 +216,7 @@ def front_calls(kw):
 def front_check(kw):
     err = 0.0
     for i in range(N):
-        got = moe_front(xs[i], res[i], nw[i], 1e-6, "zero_centred", wr[i], K, True, wsg[i], tickets=tick, **kw)
+        got = moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], tickets=tick, **kw)
         err = max(err, float((got[2].float() - ref_front[i][2].float()).abs().max()))
         if not torch.equal(got[4].sort(1).values, ref_front[i][4].sort(1).values):
             err = max(err, 1.0)
@@ -211,7 +232,11 @@ ew = [(rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale
 ids = [torch.randperm(EX, device=DEV)[:K].view(1, K) for _ in range(N)]
 rws = [torch.softmax(torch.randn(1, K, device=DEV), -1).to(DT) for _ in range(N)]
 sh = [
-    SharedExpert(rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), rnd(I, H, scale=0.05), torch.rand(1, device=DEV).to(DT))
+    SharedExpert(
+        rnd(IS, H, scale=0.05), rnd(IS, H, scale=0.05), rnd(IS, H, scale=0.05), torch.rand(1, device=DEV).to(DT)
+    )
+    if I_S
+    else None
     for _ in range(N)
 ]
 taus = []
