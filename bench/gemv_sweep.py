@@ -8,7 +8,10 @@ checked against F.linear, then timed as a CUDA graph over rotating weight copies
 holds them; `triton.testing.do_bench` median, µs per call). Prints µs and GB/s per shape, and writes the best
 launch per shape to `$OUT/gemv_params.json` ({"decode_params": {"gemv": {"N{N}_K{K}": kwargs}}}).
 
-Usage: PYTHONUNBUFFERED=1 python bench/gemv_sweep.py [--skip lm_head]
+`--shape ALIAS` (another registry model; default Qwen3.5-35B-A3B as above): lm_head, the attention's q|k|v (one
+buffer, input norm inside) and o_proj at that model's widths.
+
+Usage: PYTHONUNBUFFERED=1 python bench/gemv_sweep.py [--shape ALIAS] [--skip lm_head]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from graph_timing import graph_us
 
 from localmoe.kernels.gemv import gemv
+from localmoe.models.shapes import shape_config
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
 SHAPES = {
@@ -31,6 +35,16 @@ SHAPES = {
     "deltanet out_proj": (2048, 4096, False),
     "attn q|k|v": (9216, 2048, True),
 }  # name: (N, K, input norm)
+if "--shape" in sys.argv and sys.argv[sys.argv.index("--shape") + 1] != "qwen3.5-35b":
+    c = shape_config(sys.argv[sys.argv.index("--shape") + 1])
+    c = getattr(c, "text_config", None) or c
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    SHAPES = {
+        "lm_head": (c.vocab_size, c.hidden_size, False),
+        "attn q|k|v": ((c.num_attention_heads + 2 * kv) * hd, c.hidden_size, True),
+        "attn o_proj": (c.hidden_size, c.num_attention_heads * hd, False),
+    }
 SPACE = dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[None, 512], num_warps=[2, 4, 8])
 SKIP = sys.argv[sys.argv.index("--skip") + 1].split(",") if "--skip" in sys.argv else []
 
