@@ -305,12 +305,13 @@ def _split(rows: int, block: int, target: int) -> tuple[int, int]:
 
 
 def department_experts(
-    x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, kept_total=None, seen_total=None,
-    private_slots=None, pools=None, host_elems=None, tau_z=None,
+    x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, accumulate=False, kept_total=None,
+    seen_total=None, private_slots=None, pools=None, host_elems=None, tau_z=None,
     BLOCK_N: int = 4, BLOCK_I: int = 0, BLOCK_Z: int = 128, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
     num_warps: int = 4,
 ):  # fmt: skip
-    """y [T, H] fp32 = the department-grouped DeaMoE experts of a step (module doc); `out` is zeroed and filled.
+    """y [T, H] fp32 = the department-grouped DeaMoE experts of a step (module doc); `out` is zeroed and filled, or
+    with `accumulate=True` added into (what it held stays: e.g. the shared expert's output from kernels/moe_front.py).
 
     x [T, H] (T <= MAX_TOKENS), w_gate/w_up/w_down_t [D, h, H], private [D, n, h, h] (bf16/fp16/fp32, rows
     contiguous), dept [S] int32 (-1 = unused slot), weights [S, T, n] fp32, tau [D] fp32; `kept_total` (0-d int64)
@@ -399,14 +400,16 @@ def department_experts(
         tuple(out.shape) != (T, H) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != x.device
     ):
         raise ValueError(f"out must be a contiguous fp32 [T, H] = {(T, H)} tensor on {x.device}")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds into out=: give the fp32 [T, H] tensor")
     # one fp32 workspace: [y (T*H, unless `out`) | z (S*T*h) | u (S*T*h)]; y and z accumulate atomically: the first
-    # kernel zeroes them (no memset launch)
+    # kernel zeroes them (no memset launch; y not with `accumulate`)
     own = 0 if out is not None else T * H
     buf = torch.empty(own + 2 * S * T * h, dtype=torch.float32, device=x.device)
     if out is None:
         out = buf[:own].view(T, H)
     if S == 0:
-        return out.zero_()
+        return out if accumulate else out.zero_()
     z_ws = buf[own : own + S * T * h]
     u_ws = buf[own + S * T * h :]
     t_p2 = triton.next_power_of_2(T)
@@ -428,8 +431,8 @@ def department_experts(
     up_grid = (S, triton.cdiv(h, bn))
     _dept_up_kernel[up_grid](
         x, w_gate, w_up, dept, weights, tau, u_ws, kept, seen, gp, upp, dmap, hc, z_ws, out,
-        triton.cdiv(T * H, up_grid[0] * up_grid[1]), T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0),
-        pool_stride, up_slots,
+        0 if accumulate else triton.cdiv(T * H, up_grid[0] * up_grid[1]), T, h, n, x.stride(0), w_gate.stride(0),
+        w_up.stride(0), pool_stride, up_slots,
         H=H, H_P2=triton.next_power_of_2(H), N_P2=triton.next_power_of_2(n), T_P2=t_p2, BLOCK_N=bn, COUNT=count,
         SEEN=see, DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip

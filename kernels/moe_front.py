@@ -26,6 +26,10 @@ kernels/sparse_fused.py's shared programs compute it, into the experts' workspac
 launch then adds the routed experts and publishes y = residual + the sum. That takes the shared expert off the
 path after the router.
 
+With `group_size`/`topk_group` the router's top-k is DeaMoE's group-limited one (kernels/router_topk.py's group mode:
+only the experts of the g departments with the best logits), and `acc` may be DeaMoE's department output row, which
+kernels/department_experts.py then adds into (`accumulate=True`).
+
 Shape legend: H hidden, E experts, k experts per token, I_s shared expert width.
 """
 
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.router_topk import router_tickets, router_topk_ref
+from localmoe.kernels.router_topk import group_args, router_tickets, router_topk_ref
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -53,15 +57,21 @@ _KINDS = {"standard": 0, "zero_centred": 1}
 # ----------------------------------------------------------------------------------------------------------
 # torch reference (transformers' formulas, written out)
 # ----------------------------------------------------------------------------------------------------------
-def moe_front_ref(x, residual, norm_weight, eps, kind, router_weight, top_k, norm_topk_prob=True, w_sg=None):
-    """x, residual [H] (or [1, H]) -> (s [H], h [H], logits [E], top-k weights [k], top-k ids [k], sg [1] | None)."""
+def moe_front_ref(
+    x, residual, norm_weight, eps, kind, router_weight, top_k, norm_topk_prob=True, w_sg=None, *, group_size=0,
+    topk_group=0,
+):  # fmt: skip
+    """x, residual [H] (or [1, H]) -> (s [H], h [H], logits [E], top-k weights [k], top-k ids [k], sg [1] | None).
+    group_size / topk_group: DeaMoE's group-limited top-k (kernels/router_topk.py)."""
     dt = x.dtype
     s = (x.reshape(-1).float() + residual.reshape(-1).float()).to(dt)
     v = s.float()
     n = v * torch.rsqrt(v.pow(2).mean() + eps)
     w = norm_weight.float()
     h = (n * (1.0 + w)).to(dt) if kind == "zero_centred" else (w * n.to(dt).float()).to(dt)
-    logits, tw, ti = router_topk_ref(h[None], router_weight, top_k, norm_topk_prob)
+    logits, tw, ti = router_topk_ref(
+        h[None], router_weight, top_k, norm_topk_prob, group_size=group_size, topk_group=topk_group
+    )
     sg = None
     if w_sg is not None:
         sg = torch.sigmoid((h.float() @ w_sg.reshape(-1).float()).to(dt).float()).to(dt).reshape(1)
@@ -132,6 +142,8 @@ if triton is not None:
         BLOCK_S: tl.constexpr,  # shared expert neurons per program
         EARLY_RES: tl.constexpr,  # load the residual before the PDL wait
         PDL: tl.constexpr,
+        GROUP_N: tl.constexpr = 0,  # group-limited top-k: department size (0: plain top-k)
+        GROUP_G: tl.constexpr = 0,  # departments kept
     ):
         pid = tl.program_id(0)
         DT = x_ptr.dtype.element_ty
@@ -166,7 +178,10 @@ if triton is not None:
             if STORE_SG:
                 if pid == 0:
                     tl.store(sg_ptr, _shared_gate(ws, h, DT).to(DT))
-            topk_tail(logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, NR, K=K, K_P2=K_P2, NORM=NORM, E_P2=E_P2)
+            topk_tail(
+                logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, NR, K=K, K_P2=K_P2, NORM=NORM, E_P2=E_P2,
+                GROUP_N=GROUP_N, GROUP_G=GROUP_G,
+            )  # fmt: skip
         elif SHARED_EXPERT:
             # ---- the shared expert (needs no routing): BLOCK_S neurons' gate, up and down rows before the wait ----
             srows = (pid - NR) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] (names apart from the router's:
@@ -209,6 +224,8 @@ def moe_front(
     shared_expert: tuple | None = None,
     acc: torch.Tensor | None = None,
     shared_block: int = 4,
+    group_size: int = 0,
+    topk_group: int = 0,
 ):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
@@ -220,7 +237,10 @@ def moe_front(
     transposed), with w_sg and `acc` (fp32, H elements, contiguous): cdiv(I_s, shared_block) more programs add
     sg * silu(h . W_gate) * (h . W_up) @ W_down_t into acc (atomics), their weights loaded before the PDL wait: the
     shared expert needs no routing, so it overlaps the kernel before instead of following the router. acc is then
-    the experts' workspace row (kernels/sparse_fused.py adds the routed experts and publishes the sum).
+    the experts' workspace row (kernels/sparse_fused.py adds the routed experts and publishes the sum), or DeaMoE's
+    department output (kernels/department_experts.py adds into it with `accumulate=True`).
+    `group_size` n / `topk_group` g: DeaMoE's group-limited top-k (only the experts of the g departments of n
+    consecutive experts with the best logits may be chosen; kernels/router_topk.py's group mode).
     """
     if triton is None:
         raise RuntimeError("moe_front needs triton")
@@ -245,6 +265,7 @@ def moe_front(
     E = router_weight.shape[0]
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k {top_k} out of range for {E} experts")
+    group_n, group_g = group_args(E, top_k, group_size, topk_group)
     if w_sg is not None and (w_sg.numel() != H or w_sg.dtype != x.dtype):
         raise ValueError(f"w_sg must hold H = {H} values of {x.dtype}")
     tensors = [residual, norm_weight, router_weight] + ([w_sg] if w_sg is not None else [])
@@ -321,6 +342,8 @@ def moe_front(
         SHARED_EXPERT=shared_expert is not None,
         BLOCK_S=bs,
         EARLY_RES=bool(residual_early),
+        GROUP_N=group_n,
+        GROUP_G=group_g,
         num_warps=num_warps,
         **pdl_kw(x),
     )

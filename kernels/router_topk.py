@@ -68,7 +68,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ----------------------------------------------------------------------------------------------------------
 # torch reference (transformers' router, with CUDA's tie rule made explicit)
 # ----------------------------------------------------------------------------------------------------------
-def _group_args(E: int, top_k: int, group_size: int, topk_group: int) -> tuple[int, int]:
+def group_args(E: int, top_k: int, group_size: int, topk_group: int) -> tuple[int, int]:
     """Checked (n, g) for group-limited top-k, (0, 0) when off (group_size 0, or topk_group >= E // group_size)."""
     if group_size == 0:
         if topk_group != 0:
@@ -94,7 +94,7 @@ def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None, *, group
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     lf = logits.float()
     order = torch.sort(lf, dim=-1, descending=True, stable=True).indices  # ties: lowest index first
-    n, g = _group_args(lf.shape[-1], top_k, group_size, topk_group)
+    n, g = group_args(lf.shape[-1], top_k, group_size, topk_group)
     if n:
         T, E = lf.shape
         dmax = lf.view(T, E // n, n).amax(-1)  # [T, D]
@@ -292,7 +292,7 @@ def router_topk(
         raise TypeError(f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
     if weight.device != x.device:
         raise ValueError("x and weight must be on one device")
-    group_n, group_g = _group_args(E, top_k, group_size, topk_group)
+    group_n, group_g = group_args(E, top_k, group_size, topk_group)
     if block_e & (block_e - 1) or block_h & (block_h - 1):
         raise ValueError("block_e and block_h must be powers of two")
     x2 = x.reshape(-1, H)

@@ -54,6 +54,27 @@ def test_department_experts_matches_reference(shape, dtype, tau):
     assert (int(kept) == pairs * h) if tau == 0 else (0 < int(kept) < pairs * h)
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_accumulate_adds_into_out(T):
+    """accumulate=True: the experts are added to what out held (the shared expert's output from moe_front), which
+    the launch does not zero; with no department in the step out is left as it was."""
+    H, h, D, n, k = 72, 40, 5, 3, 3
+    x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, torch.float32, seed=3)
+    taus = torch.full((D,), 0.1, device=DEV)
+    held = torch.randn(T, H, generator=torch.Generator().manual_seed(9)).to(DEV)
+    out = held.clone()
+    y = department_experts(x, wg, wu, wd, private, dept, w, taus, out=out, accumulate=True)
+    ref, _ = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
+    assert y is out
+    torch.testing.assert_close(y, held + ref, rtol=1e-5, atol=1e-5)
+    empty = torch.full((0,), -1, dtype=torch.int32, device=DEV)
+    out = held.clone()
+    department_experts(x, wg, wu, wd, private, empty, w[:0], taus, out=out, accumulate=True)
+    assert torch.equal(out, held)
+    with pytest.raises(ValueError, match="accumulate"):
+        department_experts(x, wg, wu, wd, private, dept, w, taus, accumulate=True)
+
+
 def test_padded_slots_and_repeated_departments():
     """Two experts of one department: one slot, the other slots padded with -1 (a fixed grid for CUDA graphs)."""
     T, H, h, D, n = 1, 32, 16, 4, 3

@@ -133,6 +133,35 @@ def test_shared_expert_into_acc(shape, dtype, block_s, num_warps):
     torch.testing.assert_close(acc - before, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "shape", [(2048, 80, 8, 20, 2, 768), (40, 12, 3, 3, 2, 0)], ids=lambda s: "H{}E{}k{}n{}g{}Is{}".format(*s)
+)
+@torch.no_grad()
+def test_group_limited_routing(shape, dtype):
+    """DeaMoE's front: the group-limited top-k (experts of the g best departments of n only), with its shared
+    expert added into the department output row, as router_topk's group mode selects from the kernel's logits."""
+    H, E, k, n, g, I_s = shape
+    x, r, nw, w, sg = _inputs(H, E, dtype, seed=E + n)
+    kw = dict(group_size=n, topk_group=g, block_e=4, residual_early=True)
+    if I_s:
+        acc = torch.zeros(H, device=DEV)
+        s, h, logits, tw, ti, _ = moe_front(
+            x, r, nw, 1e-6, "zero_centred", w, k, True, sg, shared_expert=_shared_weights(I_s, H, dtype, seed=n),
+            acc=acc, **kw
+        )  # fmt: skip
+        assert acc.abs().sum() > 0
+    else:
+        s, h, logits, tw, ti, _ = moe_front(x, r, nw, 1e-6, "standard", w, k, True, None, **kw)
+    _, rw, ri = router_topk_ref(h[None], w, k, True, logits=logits, group_size=n, topk_group=g)
+    assert torch.equal(ti, ri)
+    torch.testing.assert_close(tw, rw, rtol=1e-6, atol=1e-7)
+    assert len(set((ti[0] // n).tolist())) <= g
+    want = moe_front_ref(x, r, nw, 1e-6, "zero_centred" if I_s else "standard", w, k, True, group_size=n, topk_group=g)
+    one_step = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(logits[0], want[2], **one_step)
+
+
 def test_launcher_checks():
     x, r, nw, w, sg = _inputs(32, 8, torch.float32, seed=1)
     with pytest.raises(ValueError, match="one token"):
