@@ -1,5 +1,5 @@
-"""Per-head (or whole-projection) q/k RMSNorm + rotary embedding of one decode token in one launch: the step between
-an attention layer's q|k|v projection (one GEMV) and its cache update.
+"""Per-head (or whole-projection, or no) q/k RMSNorm + rotary embedding of one decode token in one launch: the step
+between an attention layer's q|k|v projection (one GEMV) and its cache update.
 
 Owns `qk_norm_rope` (checked Triton launcher), its torch reference `qk_norm_rope_ref`, and one Triton kernel
 `_qk_norm_rope_kernel`, grid (Hq + Hkv,): one program per query or key head, one full-width load of the head (no
@@ -14,6 +14,7 @@ row (one more load of Hq*D values, from L2) and its head's slice of the weight; 
 Norm kinds (transformers' `*RMSNorm` modules, x̂ = x·rsqrt(mean(x²)+eps) in fp32):
 * "zero_centred" (Qwen3.5 `Qwen3_5MoeRMSNorm`):  y = (x̂ · (1 + w.float())).to(x.dtype)
 * "standard"     (Qwen3-MoE & co.):              y = w * x̂.to(x.dtype)          (promote(w, x) must be x's dtype)
+* "none"         (Mixtral, GraniteMoE: no q/k norms):  y = x; no weights (None), the head dim given as `head_dim`
 RoPE (transformers' `apply_rotary_pos_emb`, in x's dtype): y_rot = y·cos + rotate_half(y)·sin, each product and the
 sum rounded to x's dtype as torch's elementwise ops round them (`round_to`: RTNE, also under the interpreter), so
 bf16 results equal transformers' except where rsqrt differs by an ulp.
@@ -44,7 +45,7 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-KINDS = ("standard", "zero_centred")
+KINDS = ("standard", "zero_centred", "none")
 _KIND_ID = {k: i for i, k in enumerate(KINDS)}
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -53,6 +54,8 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # torch reference (transformers' formulas, written out)
 # ----------------------------------------------------------------------------------------------------------
 def _norm_ref(x, w, eps, kind):
+    if kind == "none":
+        return x
     dt = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -72,11 +75,25 @@ def _rope_ref(x, cos, sin):
 
 
 def qk_norm_rope_ref(
-    qkv, q_weight, k_weight, cos, sin, eps, num_q_heads, num_kv_heads, kind="zero_centred", gated=True, whole=False
+    qkv,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps,
+    num_q_heads,
+    num_kv_heads,
+    kind="zero_centred",
+    gated=True,
+    whole=False,
+    head_dim=None,
 ):
     """Same arguments and results as `qk_norm_rope`: (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None)."""
     Hq, Hkv = num_q_heads, num_kv_heads
-    D = q_weight.shape[0] // Hq if whole else q_weight.shape[0]
+    if kind == "none":
+        D = head_dim
+    else:
+        D = q_weight.shape[0] // Hq if whole else q_weight.shape[0]
     QW = 2 * D if gated else D
     flat = qkv.reshape(-1)
     q_all = flat[: Hq * QW].view(Hq, QW)
@@ -103,7 +120,7 @@ if triton is not None:
         if KIND == 0:
             return round_to(round_to(h, DT) * w, DT)
         else:
-            return round_to(h * (1.0 + w), DT)
+            return round_to(h * (1.0 + w), DT)  # (KIND 2, no norm, never comes here)
 
     @triton.jit
     def _qk_norm_rope_kernel(
@@ -127,7 +144,7 @@ if triton is not None:
         stride_vl,
         D: tl.constexpr,
         ROT: tl.constexpr,
-        KIND: tl.constexpr,  # 0 standard, 1 zero_centred
+        KIND: tl.constexpr,  # 0 standard, 1 zero_centred, 2 none (no norm: wq_ptr / wk_ptr unread)
         GATED: tl.constexpr,  # q heads are [q_h | gate_h] (QW = 2D); else [q_h] (QW = D)
         CACHE: tl.constexpr,
         WHOLE: tl.constexpr,  # norms over the whole q / k projection (weights [Hq*D] / [Hkv*D]); else per head
@@ -157,8 +174,9 @@ if triton is not None:
             w_off = (head - HQ) * D
         if not WHOLE:
             w_off = 0
-        w = tl.load(w_ptr + w_off + cols, mask=m, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + w_off + partner, mask=pm, other=0.0).to(tl.float32)
+        if KIND != 2:
+            w = tl.load(w_ptr + w_off + cols, mask=m, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + w_off + partner, mask=pm, other=0.0).to(tl.float32)
         # cos, sin: made at the start of the step, with the q|k|v projection's kernel at least between: complete
         c = tl.load(cos_ptr + cols, mask=pm, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + cols, mask=pm, other=0.0).to(tl.float32)
@@ -168,14 +186,18 @@ if triton is not None:
         DT = out_ptr.dtype.element_ty
         x = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
         xp = tl.load(src + partner, mask=pm, other=0.0).to(tl.float32)
-        if WHOLE:
-            wc = tl.arange(0, BLOCK_W)
-            xa = tl.load(row + wc, mask=wc < n_row, other=0.0).to(tl.float32)
-            rstd = tl.math.rsqrt(tl.sum(xa * xa, axis=0) / n_row + eps)
+        if KIND == 2:  # no norm: the projection's values (exact in fp32)
+            y = x
+            yp = xp
         else:
-            rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-        y = _normed(x * rstd, w, KIND, DT)
-        yp = _normed(xp * rstd, wp, KIND, DT)
+            if WHOLE:
+                wc = tl.arange(0, BLOCK_W)
+                xa = tl.load(row + wc, mask=wc < n_row, other=0.0).to(tl.float32)
+                rstd = tl.math.rsqrt(tl.sum(xa * xa, axis=0) / n_row + eps)
+            else:
+                rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            y = _normed(x * rstd, w, KIND, DT)
+            yp = _normed(xp * rstd, wp, KIND, DT)
         sign = tl.where(cols < HALF, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
         r = round_to(round_to(y * c, DT) + round_to((sign * yp) * s, DT), DT)
         res = tl.where(rot, r, y).to(DT)
@@ -245,6 +267,7 @@ def qk_norm_rope(
     gated: bool = True,
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     whole: bool = False,
+    head_dim: int | None = None,
 ):
     """One token's q|k|v projection -> (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None): q and k normed (per
     head, `kind`) and rotated by cos/sin [ROT] (one token's, qkv's dtype; ROT even, <= D), v a view of qkv, the gate
@@ -252,6 +275,7 @@ def qk_norm_rope(
     values [Hkv, L, D] of qkv's dtype, last dim contiguous; position: a one-element int tensor) k and v are also
     written at the position, which is then advanced by one (a position >= L writes nothing but still advances).
     `whole`: q_weight [Hq*D] and k_weight [Hkv*D] normalise the whole q and k projections (OLMoE; not gated).
+    kind "none" (Mixtral, GraniteMoE): no q/k norms, q_weight and k_weight None, D = `head_dim`, eps unused; RoPE only.
     No host sync: capturable. With PDL, cos and sin are read before the wait: they must not come from the kernel just
     before this launch (the decode step makes them before its layers; the projection's GEMV runs between)."""
     if triton is None:
@@ -266,7 +290,15 @@ def qk_norm_rope(
     Hq, Hkv = num_q_heads, num_kv_heads
     if whole and gated:
         raise ValueError("whole-projection norms are for ungated layers (OLMoE)")
-    D = _check_weights(q_weight, k_weight, kind, x.dtype, x.device, whole, Hq, Hkv)
+    if kind == "none":
+        if q_weight is not None or k_weight is not None or whole or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError("kind 'none' (no q/k norms) takes no norm weights and no `whole`, and needs head_dim")
+        D = head_dim
+        q_weight = k_weight = x  # dummies, never read
+    else:
+        D = _check_weights(q_weight, k_weight, kind, x.dtype, x.device, whole, Hq, Hkv)
+        if head_dim is not None and head_dim != D:
+            raise ValueError(f"head_dim {head_dim} differs from the norm weights' head dim {D}")
     QW = 2 * D if gated else D
     if x.numel() != Hq * QW + 2 * Hkv * D:
         raise ValueError(

@@ -1,6 +1,7 @@
 """Tests of kernels/qk_norm_rope.py: one launch for the per-head q/k RMSNorm + (partial) RoPE of a decode token vs its
 torch reference, and the reference vs transformers' own Qwen3.5 and Qwen3-MoE modules (`Qwen3_5MoeRMSNorm` /
-`Qwen3MoeRMSNorm`, `apply_rotary_pos_emb`) and OLMoE's whole-projection norms (`OlmoeRMSNorm` over Hq*D / Hkv*D);
+`Qwen3MoeRMSNorm`, `apply_rotary_pos_emb`), OLMoE's whole-projection norms (`OlmoeRMSNorm` over Hq*D / Hkv*D) and
+Mixtral's / GraniteMoE's attention without q/k norms (kind "none": RoPE alone);
 the k/v write into a static cache at Qwen3.5-35B's gated layout, at Qwen3-30B-A3B's plain one (32 query / 4
 key-value heads of 128, full rotary, standard norms) and at OLMoE-1B-7B's (16 / 16 heads of 128, whole norms).
 
@@ -41,21 +42,31 @@ def _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=0, whole=False):
 
 
 def _run(kernel_or_ref, qkv, wq, wk, cos, sin, Hq, Hkv, kind, gated, whole=False):
+    D = wq.numel() // (Hq if whole else 1)
+    if kind == "none":  # no norms: no weights, the head dim given
+        wq = wk = None
     if kernel_or_ref is qk_norm_rope:
-        call = dict(num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated, whole=whole)
+        call = dict(num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated, whole=whole, head_dim=D)
         return qk_norm_rope(qkv, wq, wk, cos, sin, 1e-6, **call)
-    return qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated, whole)
+    return qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated, whole, head_dim=D)
 
 
 @pytest.mark.parametrize(
     "kind,gated,whole",
-    [("zero_centred", True, False), ("standard", False, False), ("standard", True, False), ("standard", False, True)],
-    ids=["zero_centred-gated", "standard", "standard-gated", "standard-whole"],
+    [
+        ("zero_centred", True, False),
+        ("standard", False, False),
+        ("standard", True, False),
+        ("standard", False, True),
+        ("none", False, False),
+    ],
+    ids=["zero_centred-gated", "standard", "standard-gated", "standard-whole", "none"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq{}_Hkv{}_D{}_rot{}".format(*s))
 def test_matches_reference(shape, dtype, kind, gated, whole):
-    """Every norm layout against the reference; "standard-whole": OLMoE's norms over the whole q / k projection."""
+    """Every norm layout against the reference; "standard-whole": OLMoE's norms over the whole q / k projection;
+    "none": Mixtral's / GraniteMoE's RoPE without norms."""
     Hq, Hkv, D, ROT = shape
     args = _inputs(Hq, Hkv, D, ROT, gated, dtype, whole=whole)
     q, k, v, gate = _run(qk_norm_rope, *args, Hq, Hkv, kind, gated, whole)
@@ -71,23 +82,28 @@ def test_matches_reference(shape, dtype, kind, gated, whole):
         assert gate is None and rgate is None
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
 def test_reference_is_transformers(dtype, family):
     """The reference equals what Qwen3_5MoeAttention (gated, partial rotary, zero-centred norms), Qwen3MoeAttention
-    (plain, full rotary, standard norms) and OlmoeAttention (standard norms over the whole projections) do to
-    q_proj/k_proj/v_proj outputs, bit for bit."""
+    (plain, full rotary, standard norms), OlmoeAttention (standard norms over the whole projections) and
+    MixtralAttention (no norms, Mixtral-8x7B's heads; GraniteMoE's is the same) do to q_proj/k_proj/v_proj outputs,
+    bit for bit."""
     Hq, Hkv, D, ROT, gated, kind, norm = {
         "qwen3_5_moe": (16, 2, 256, 64, True, "zero_centred", "Qwen3_5MoeRMSNorm"),
         "qwen3_moe": (32, 4, 128, 128, False, "standard", "Qwen3MoeRMSNorm"),
         "olmoe": (16, 16, 128, 128, False, "standard", "OlmoeRMSNorm"),
+        "mixtral": (32, 8, 128, 128, False, "none", None),
     }[family]
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     whole = family == "olmoe"
     qkv, wq, wk, cos, sin = _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=1, whole=whole)
-    q_norm, k_norm = (getattr(mod, norm)(w.numel(), eps=1e-6).to(dtype) for w in (wq, wk))
-    q_norm.weight.data, k_norm.weight.data = wq.clone(), wk.clone()
+    if norm is None:  # Mixtral: the projections go straight to RoPE
+        q_norm = k_norm = torch.nn.Identity()
+    else:
+        q_norm, k_norm = (getattr(mod, norm)(w.numel(), eps=1e-6).to(dtype) for w in (wq, wk))
+        q_norm.weight.data, k_norm.weight.data = wq.clone(), wk.clone()
     q_out, k_out, v_out = qkv.split([Hq * D * (2 if gated else 1), Hkv * D, Hkv * D], dim=-1)
     query, gate = torch.chunk(q_out.view(1, 1, -1, 2 * D), 2, dim=-1) if gated else (q_out, None)
     if whole:  # OLMoE: normed as one [Hq*D] / [Hkv*D] row, then split into heads
@@ -96,7 +112,7 @@ def test_reference_is_transformers(dtype, family):
         query = q_norm(query.reshape(1, 1, -1, D)).transpose(1, 2)
         key = k_norm(k_out.view(1, 1, -1, D)).transpose(1, 2)
     query, key = mod.apply_rotary_pos_emb(query, key, cos, sin)
-    rq, rk, rv, rgate = qk_norm_rope_ref(qkv, wq, wk, cos, sin, 1e-6, Hq, Hkv, kind, gated, whole)
+    rq, rk, rv, rgate = _run(qk_norm_rope_ref, qkv, wq, wk, cos, sin, Hq, Hkv, kind, gated, whole)
     assert torch.equal(rq, query[0, :, 0]) and torch.equal(rk, key[0, :, 0])
     assert torch.equal(rv, v_out.view(Hkv, D))
     assert (rgate is None) if not gated else torch.equal(rgate, gate.reshape(-1))
@@ -126,6 +142,9 @@ def test_checks():
     raises("ungated", qkv, wq, wk, cos, sin, 1e-6, whole=True)
     plain = _inputs(4, 2, 8, 4, False, torch.float32)[0]
     raises(r"\[Hq\*D\] and \[Hkv\*D\]", plain, wq, wk, cos, sin, 1e-6, gated=False, whole=True)
+    raises("head_dim", plain, None, None, cos, sin, 1e-6, gated=False, kind="none")  # no norms: the head dim given
+    raises("no norm weights", plain, wq, wk, cos, sin, 1e-6, gated=False, kind="none", head_dim=8)
+    raises("head_dim 4", plain, wq, wk, cos, sin, 1e-6, gated=False, kind="standard", head_dim=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -136,8 +155,9 @@ def test_checks():
         ((3, 1, 24, 8), "zero_centred", True),
         ((32, 4, 128, 128), "standard", False),
         ((16, 16, 128, 128), "whole", False),
+        ((32, 8, 128, 128), "none", False),
     ],
-    ids=["qwen3.5-35b", "odd", "qwen3-30b", "olmoe-1b-7b"],
+    ids=["qwen3.5-35b", "odd", "qwen3-30b", "olmoe-1b-7b", "mixtral-8x7b"],
 )
 def test_kv_cache_write(shape, kind, gated, dtype):
     """kv_cache=: the key programs also write k and v at the position of a static cache layer's [1, Hkv, L, D]
@@ -147,13 +167,16 @@ def test_kv_cache_write(shape, kind, gated, dtype):
     whole = kind == "whole"  # standard norms over the whole q / k projections
     kind = "standard" if whole else kind
     args = _inputs(Hq, Hkv, D, ROT, gated, dtype, seed=4, whole=whole)
+    head = {}
+    if kind == "none":  # Mixtral-8x7B: no q/k norms
+        args, head = (args[0], None, None, *args[3:]), dict(head_dim=D)
     L = 9
     keys, values = (torch.randn(1, Hkv, L, D).to(DEV, dtype) for _ in range(2))
     before_k, before_v = keys.clone(), values.clone()
     pos = torch.tensor(5, device=DEV)
-    call = dict(num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated, whole=whole)
+    call = dict(num_q_heads=Hq, num_kv_heads=Hkv, kind=kind, gated=gated, whole=whole, **head)
     q, k, v, gate = qk_norm_rope(*args, 1e-6, **call, kv_cache=(keys[0], values[0], pos))
-    rq, rk, rv, _ = qk_norm_rope_ref(*args, 1e-6, Hq, Hkv, kind, gated, whole)
+    rq, rk, rv, _ = qk_norm_rope_ref(*args, 1e-6, Hq, Hkv, kind, gated, whole, **head)
     torch.testing.assert_close(q, rq, **TOL[dtype])
     torch.testing.assert_close(k, rk, **TOL[dtype])
     assert torch.equal(keys[0, :, 5], k) and torch.equal(values[0, :, 5], v)
