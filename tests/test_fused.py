@@ -1,5 +1,6 @@
 """Tests of localmoe/decode/replacements.py: the fused modules are exactly equivalent to transformers' on a tiny
-Qwen3.5-MoE (and, where parametrised by `family`, a tiny Qwen3-MoE or OLMoE: fixture `tiny_model`).
+Qwen3.5-MoE (and, where parametrised by `family`, a tiny Qwen3-MoE, OLMoE, Mixtral or GraniteMoE (with Granite 3.1's
+multipliers): fixture `tiny_model`).
 
 Full-model logits with and without `install(..., force=True)` over a prompt (prefill: fused RMSNorms, original
 DeltaNet and MoE blocks) and several cached decode steps (the fused DeltaNet step and MoE block: router, experts,
@@ -36,6 +37,9 @@ def _tiny(family: str):
 
     full, _ = tiny_models.build(family)
     cfg = getattr(full.config, "text_config", full.config)
+    if family == "granitemoe":  # Granite 3.1's kinds of values (head dim 8 here: attention_multiplier 1/D)
+        cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier = 12.0, 0.22, 0.125
+        cfg.logits_scaling = 6.0
     torch.manual_seed(7)
     return nontrivial(AutoModelForCausalLM.from_config(cfg).eval())
 
@@ -55,9 +59,20 @@ def tiny_olmoe():
     return _tiny("olmoe")
 
 
+@pytest.fixture(scope="module")
+def tiny_mixtral():
+    return _tiny("mixtral")
+
+
+@pytest.fixture(scope="module")
+def tiny_granitemoe():
+    return _tiny("granitemoe")
+
+
 @pytest.fixture
 def tiny_model(request, family):
-    """The tiny model of the test's `family` parameter (qwen3_5_moe, qwen3_moe, olmoe), built once per module."""
+    """The tiny model of the test's `family` parameter (qwen3_5_moe, qwen3_moe, olmoe, mixtral, granitemoe), built
+    once per module."""
     return request.getfixturevalue("tiny_text_model" if family == "qwen3_5_moe" else f"tiny_{family}")
 
 
@@ -65,7 +80,7 @@ def nontrivial(model):
     """Non-trivial norm weights and DeltaNet gates (init gives zeros / ones) of a Qwen3.5-style model, in place
     (Qwen3-MoE's and OLMoE's standard w·x̂ norms: around 1, as trained ones are)."""
     gen = torch.Generator().manual_seed(3)
-    standard = model.config.model_type in ("qwen3_moe", "olmoe")
+    standard = model.config.model_type in ("qwen3_moe", "olmoe", "mixtral", "granitemoe")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -174,6 +189,11 @@ def test_other_family_norm_module():
 # ---------------------------------------------------------------------------------------------------------------
 # MoE block with localmoe's LocalExperts, sparse path on
 # ---------------------------------------------------------------------------------------------------------------
+def moe_block(layer):
+    """A decoder layer's MoE block: `mlp`, GraniteMoE's `block_sparse_moe`."""
+    return getattr(layer, "mlp", None) or layer.block_sparse_moe
+
+
 def _with_local_experts(model, sparsity=0.3):
     """Swap every block's transformers experts for localmoe's LocalExperts (same weights) and turn the sparse path on
     the way localmoe.experts.thresholds.apply does (τ per expert: the `sparsity` quantile of |act(x·W_gate)| on random
@@ -184,7 +204,7 @@ def _with_local_experts(model, sparsity=0.3):
     gen = torch.Generator().manual_seed(5)
     out = []
     for i, layer in enumerate(model.model.layers):
-        old = layer.mlp.experts
+        old = moe_block(layer).experts
         E, two_i, H = old.gate_up_proj.shape
         I = two_i // 2
         new = LocalExperts(E, H, I, cfg.hidden_act, i)
@@ -200,7 +220,7 @@ def _with_local_experts(model, sparsity=0.3):
         new.kept = torch.zeros((), dtype=torch.int64)
         new.max_sparse_tokens = 1
         new.sparse_enabled = True
-        layer.mlp.experts = new
+        moe_block(layer).experts = new
         out.append(new)
     return out
 
@@ -251,6 +271,10 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
         ("qwen3_moe", 0.0, torch.float32, True),
         ("qwen3_moe", 0.5, torch.float32, True),
         ("olmoe", 0.0, torch.float32, True),
+        ("mixtral", 0.0, torch.float32, True),
+        ("mixtral", 0.5, torch.float32, True),
+        ("granitemoe", 0.0, torch.float32, True),
+        ("granitemoe", 0.5, torch.float32, True),
     ],
     ids=[
         "sparse-fp32",
@@ -262,6 +286,10 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
         "qwen3_moe-dense-fp32",
         "qwen3_moe-sparse-fp32",
         "olmoe-dense-fp32",
+        "mixtral-dense-fp32",
+        "mixtral-sparse-fp32",
+        "granitemoe-dense-fp32",
+        "granitemoe-sparse-fp32",
     ],
 )
 @torch.no_grad()
@@ -281,7 +309,7 @@ def test_full_model_front_and_tail(tiny_model, family, dtype, sparsity, in_front
     if sparse:
         want, want_toks = _run(ref_model, "static", prompt, steps)
     model = copy.deepcopy(ref_model)
-    experts = [layer.mlp.experts for layer in model.model.layers]
+    experts = [moe_block(layer).experts for layer in model.model.layers]
     for m in experts:
         m.reset_counters()
         m.kernel_on_cpu = DEV == "cpu"  # the Triton path under the interpreter, as on a GPU
@@ -292,6 +320,8 @@ def test_full_model_front_and_tail(tiny_model, family, dtype, sparsity, in_front
         b.shared_in_front = in_front
     got, toks = _run(model, "static", prompt, steps)
     assert [b.front_calls for b in blocks] == [steps] * model.config.num_hidden_layers
+    assert model.model.decode_calls == steps  # the fused text model (FusedTextModel) took every decode step
+    assert all(m.decode_calls == steps for m in model.modules() if isinstance(m, replacements.FusedAttention))
     if sparse:
         assert all(0 < int(m.kept) < m.seen for m in experts)
     else:
@@ -342,15 +372,19 @@ def _bf16_close(got, want, toks, want_toks):
         assert float(top2[0] - top2[1]) < 0.1, f"token {same} differs without a near tie"
 
 
-@pytest.mark.parametrize("family,norm", [("qwen3_moe", True), ("olmoe", False)])
+@pytest.mark.parametrize(
+    "family,norm", [("qwen3_moe", True), ("olmoe", False), ("mixtral", True), ("granitemoe", True)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
 def test_block_without_shared_expert(family, norm, dtype):
-    """Qwen3-MoE / OLMoE blocks: the fused one-token call equals the original block; more tokens delegate."""
+    """Qwen3-MoE / OLMoE / Mixtral / GraniteMoE blocks: the fused one-token call equals the original block; more
+    tokens delegate. (Mixtral's and GraniteMoE's routers always renormalise: `norm` True; GraniteMoE's router is
+    `router`, its block the layer's `block_sparse_moe`.)"""
     model, _ = tiny_models.build(family)
     cfg = model.config
     cfg.norm_topk_prob = norm
-    block_cls = type(model.model.layers[0].mlp)
+    block_cls = type(moe_block(model.model.layers[0]))
     torch.manual_seed(3)
     block = block_cls(cfg).to(DEV, dtype)
     with torch.no_grad():

@@ -1,8 +1,9 @@
-"""Tests of localmoe/decode/attention.py: Qwen3.5-MoE's gated full attention and Qwen3-MoE's / OLMoE's plain ones
-(where parametrised by `family`), fused for a cached one-token step (q|k|v GEMV, kernels/qk_norm_rope.py, the cache's
-update, the attention core, [sigmoid gate], o_proj), equal transformers' module on a tiny random model: the layer's
-own output and cache writes, whole-model logits with everything else fused alike, greedy `generate`; prefill,
-uncached, eager-core, biased, sliding-window and clip_qkv calls fall back to the original module.
+"""Tests of localmoe/decode/attention.py: Qwen3.5-MoE's gated full attention and Qwen3-MoE's / OLMoE's / Mixtral's /
+GraniteMoE's plain ones (where parametrised by `family`; the last two without q/k norms), fused for a cached
+one-token step (q|k|v GEMV, kernels/qk_norm_rope.py, the cache's update, the attention core, [sigmoid gate], o_proj),
+equal transformers' module on a tiny random model: the layer's own output and cache writes, whole-model logits with
+everything else fused alike, greedy `generate`; prefill, uncached, eager-core, biased, sliding-window (Mixtral's from
+its config too) and clip_qkv calls fall back to the original module.
 CPU, TRITON_INTERPRET=1.
 Shape legend: P prompt tokens, H hidden, V vocab.
 """
@@ -19,10 +20,20 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 # the fixtures, shared with test_fused
-from test_fused import STEPS, _run, tiny_model, tiny_olmoe, tiny_qwen3_moe, tiny_text_model  # noqa: E402, F401
+from test_fused import (  # noqa: E402, F401
+    STEPS,
+    _run,
+    tiny_granitemoe,
+    tiny_mixtral,
+    tiny_model,
+    tiny_olmoe,
+    tiny_qwen3_moe,
+    tiny_text_model,
+)
 
 from localmoe.decode import replacements, sdpa
 from localmoe.decode.attention import FusedAttention  # noqa: E402
+from localmoe.decode.text_model import FusedTextModel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 P = 6
@@ -62,6 +73,8 @@ _FP32, _BF16 = torch.float32, torch.bfloat16
         ("qwen3_moe", _FP32, sdpa.NAME),
         ("qwen3_moe", _BF16, sdpa.NAME),
         ("olmoe", _FP32, sdpa.NAME),
+        ("mixtral", _FP32, sdpa.NAME),
+        ("granitemoe", _BF16, sdpa.NAME),
     ],
     ids=lambda v: {_FP32: "fp32", _BF16: "bf16"}.get(v, v),
 )
@@ -78,7 +91,8 @@ def test_decode_step_equals_module(tiny_model, family, dtype, core):
     hf = model.model.layers[i].self_attn
     holder = torch.nn.Sequential(copy.deepcopy(hf))
     done = replacements.install(holder, force=True)  # the projections FusedLinear, the norms FusedRMSNorm, as install
-    assert done == {type(hf).__name__: 1, "Linear": 4, type(hf.q_norm).__name__: 2}
+    norms = {type(hf.q_norm).__name__: 2} if hasattr(hf, "q_norm") else {}  # Mixtral, GraniteMoE: none
+    assert done == {type(hf).__name__: 1, "Linear": 4, **norms}
     fa = holder[0]
     assert isinstance(fa, FusedAttention) and fa.q_proj.weight is fa._hf.q_proj.weight
     kw = _cache_kw(hf)
@@ -185,22 +199,27 @@ def test_other_calls_run_the_original(tiny_model, family):
     assert fa.decode_calls == 1
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "olmoe", "mixtral"])
 def test_biased_or_windowed_layers_are_not_fused(tiny_model, family):
-    """Biased projections (no shared weight buffer), Qwen3-MoE's sliding window, OLMoE's clip_qkv: every call runs
-    the original."""
+    """Biased projections (no shared weight buffer), Qwen3-MoE's and Mixtral's sliding window (Mixtral's from its
+    config: then its text model's step is not taken either), OLMoE's clip_qkv: every call runs the original."""
     i = _full_attention_index(tiny_model)
     hf = tiny_model.model.layers[i].self_attn
     fa = FusedAttention(copy.deepcopy(hf))  # (a copy: the shared buffer re-points the weights)
     assert fa._w_qkv is not None and fa._gated == (family == "qwen3_5_moe") and fa._whole == (family == "olmoe")
     cfg = copy.deepcopy(tiny_model.config)
     cfg.attention_bias = True
-    assert FusedAttention(type(hf)(cfg, i))._w_qkv is None
+    if family != "mixtral":  # (Mixtral's projections never have a bias)
+        assert FusedAttention(type(hf)(cfg, i))._w_qkv is None
     if family != "qwen3_5_moe":
         cfg = copy.deepcopy(tiny_model.config)
         cfg.attention_bias = False
-        if family == "qwen3_moe":
+        if family in ("qwen3_moe", "mixtral"):
             cfg.sliding_window = 4
         else:
             cfg.clip_qkv = 8.0
         assert FusedAttention(type(hf)(cfg, i))._w_qkv is None
+        if family == "mixtral":
+            text = copy.deepcopy(tiny_model.model)
+            text.config = cfg
+            assert FusedTextModel(text)._types is None  # no fused step: the sliding-window mask is not its mask

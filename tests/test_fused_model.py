@@ -1,6 +1,7 @@
 """Tests of localmoe/decode/text_model.py: Qwen3.5-MoE's text model (and Qwen3-MoE's, where parametrised by
 `family`) with transformers' glue around the decoder layers cut to 4 launches on the one-token StaticCache step, on a
-tiny random model (CPU, TRITON_INTERPRET=1); and the launches inside a fused Qwen3-MoE decoder layer.
+tiny random model (CPU, TRITON_INTERPRET=1); and the launches inside a fused Qwen3-MoE, Mixtral or GraniteMoE
+decoder layer (and around GraniteMoE's: its embedding_multiplier).
 
 The fused step hands the layers what transformers hands them, so greedy decode with it installed equals the same
 install without it bit for bit, and transformers' unfused model within the whole-model tolerance of test_fused;
@@ -30,9 +31,11 @@ from localmoe.decode.text_model import FusedTextModel  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 _run = test_fused._run  # greedy prefill + decode steps -> (logits [1+steps, V], tokens)
 # the fixtures, shared with test_fused
-tiny_text_model, tiny_qwen3_moe, tiny_model = (
+tiny_text_model, tiny_qwen3_moe, tiny_mixtral, tiny_granitemoe, tiny_model = (
     test_fused.tiny_text_model,
     test_fused.tiny_qwen3_moe,
+    test_fused.tiny_mixtral,
+    test_fused.tiny_granitemoe,
     test_fused.tiny_model,
 )
 TEXT = "Qwen3_5MoeTextModel"
@@ -305,3 +308,41 @@ def test_qwen3_moe_layer_launches(tiny_qwen3_moe, monkeypatch):
         "triton:_moe_front_kernel",
         "triton:_sparse_fused_kernel",
     ]
+
+
+# Mixtral: Qwen3-MoE's layer without q/k norms; GraniteMoE: the same plus residual_multiplier's two multiplies (the
+# attention branch; the MoE branch through the top-k weights), its attention scale attention_multiplier. Around the
+# layers GraniteMoE's text model has one launch more: embedding_multiplier's multiply
+_GLUE = ["embedding.default", "index_select.default", "le.Tensor", "triton:_rmsnorm_kernel"]
+_LAYER_LAUNCHES = {
+    "mixtral": (26, ["gemv", "qk_norm_rope", "split", "gemv", "moe_front", "sparse_fused"]),
+    "granitemoe": (
+        28,
+        ["gemv", "qk_norm_rope", "split", "gemv", "mul.Tensor", "moe_front", "mul.Tensor", "sparse_fused"],
+    ),
+}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches of the interpreter")
+@pytest.mark.parametrize("family", ["mixtral", "granitemoe"])
+@torch.no_grad()
+def test_layer_launches(tiny_model, family, monkeypatch):
+    """A Mixtral / GraniteMoE decoder layer's decode step (LocalExperts at sparsity 0.5, sparse_fused on the CPU), as
+    test_qwen3_moe_layer_launches: with the fused norms, Linears and MoE block alone -> q|k|v GEMV with the input
+    norm, qk_norm_rope (RoPE alone) with the k/v write, decode attention, o_proj, moe_front, sparse_fused with the
+    residual add in its tail (GraniteMoE: + its two residual_multiplier multiplies); around the layers the 4 launches
+    of test_glue_launches_drop (GraniteMoE: + embedding_multiplier's multiply)."""
+    ref = copy.deepcopy(tiny_model).to(DEV)
+    for m in test_fused._with_local_experts(ref, 0.5):
+        m.kernel_on_cpu = DEV == "cpu"
+    prefix = {"mixtral": "Mixtral", "granitemoe": "GraniteMoe"}[family]
+    new = (f"{prefix}Model", f"{prefix}DecoderLayer", f"{prefix}Attention")
+    before = _count_step(_installed(ref, exclude=new)[0], monkeypatch, layer=1)
+    after = _count_step(_installed(ref)[0], monkeypatch, warm=True, layer=1)  # (the first step builds the table)
+    print(f"\nlaunches per {family} decoder layer: {len(before.ops)} -> {len(after.ops)}\n  before: {before.ops}")
+    n_before, want = _LAYER_LAUNCHES[family]
+    assert after.syncs == 0
+    assert after.ops == [op if "." in op else f"triton:_{op}_kernel" for op in want]
+    assert len(before.ops) == n_before
+    glue = _count_step(_installed(ref)[0], monkeypatch, warm=True)
+    assert glue.ops == _GLUE[:1] + ["mul.Tensor"] * (family == "granitemoe") + _GLUE[1:]

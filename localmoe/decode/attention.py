@@ -1,10 +1,12 @@
 """Full attention for a cached one-token decode step: Qwen3.5-MoE's gated attention (partial RoPE, a sigmoid output
-gate interleaved with the query in q_proj), Qwen3-MoE's (no gate, RoPE over the whole head, GQA) and OLMoE's (as
-Qwen3-MoE's with q/k norms over the whole projection, not per head; no clip_qkv). One GEMV for
+gate interleaved with the query in q_proj), Qwen3-MoE's (no gate, RoPE over the whole head, GQA), OLMoE's (as
+Qwen3-MoE's with q/k norms over the whole projection, not per head; no clip_qkv), Mixtral's and GraniteMoE's (no q/k
+norms; GraniteMoE's `attention_multiplier` is its module's `scaling`, used as it is; Mixtral with a `sliding_window`
+in its config: not fused). One GEMV for
 q|k|v (the three projections' weights share one buffer), one Triton launch for the per-head q/k RMSNorm + RoPE (+ the
-gate's de-interleave) and the k/v write into a static cache (`kernels/qk_norm_rope.py`), then the attention core
-(localmoe_sdpa's decode kernel, the sigmoid gate in its combine) and o_proj. Prefill and every other call run
-transformers' module. Installed by `localmoe.decode.replacements`.
+gate's de-interleave) and the k/v write into a static cache (`kernels/qk_norm_rope.py`; kind "none": RoPE alone),
+then the attention core (localmoe_sdpa's decode kernel, the sigmoid gate in its combine) and o_proj. Prefill and every
+other call run transformers' module. Installed by `localmoe.decode.replacements`.
 
 Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter), transformers' module
 with localmoe's GEMV and RMSNorm children:
@@ -13,7 +15,8 @@ with localmoe's GEMV and RMSNorm children:
   decoder layer's input norm inside), qk_norm_rope (which also writes k and v into a StaticLayer's tensors and
   advances its position), the core's 2 (the sigmoid gate in its combine kernel), o_proj;
 * Qwen3-MoE 22: q/k/v projections 3, norms 2, RoPE 10, cache update 5, core 1, o_proj 1; here 4: q|k|v GEMV (with
-  the input norm), qk_norm_rope (+ the k/v write), the core, o_proj.
+  the input norm), qk_norm_rope (+ the k/v write), the core, o_proj; Mixtral and GraniteMoE 20 (no norms) -> the
+  same 4.
 Other caches go through `cache.update` (5 launches), other cores through transformers' gate ops (2).
 
 Shape legend: B batch, T tokens, H hidden, Hq / Hkv query / key-value heads, D head dim, ROT rotary dims,
@@ -35,6 +38,8 @@ from localmoe.kernels.qk_norm_rope import qk_norm_rope
 
 _NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred", "Qwen3MoeRMSNorm": "standard", "OlmoeRMSNorm": "standard"}
 _CORES = ("localmoe_sdpa", "sdpa")  # attention implementations the fused step calls (others: the original module)
+# attention classes whose forward hands the core `sliding_window=config.sliding_window` (no attribute of its own)
+_CONFIG_WINDOW = ("MixtralAttention",)
 
 
 def _norm_kind(norm: nn.Module) -> str | None:
@@ -68,10 +73,11 @@ def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int) -> bool:
 
 
 class FusedAttention(nn.Module):
-    """Qwen3.5-MoE / Qwen3-MoE / OLMoE full attention whose cached one-token call is: q|k|v GEMV -> qk_norm_rope
-    (1 launch) -> the cache's update -> the attention core (transformers' AttentionInterface) [-> · sigmoid(gate),
-    Qwen3.5] -> o_proj. Other calls (prefill, no cache, batch > 1, biases, a sliding window, clip_qkv, other
-    dtypes/devices or attention implementations, training) run the original module, kept unregistered as `_hf`."""
+    """Qwen3.5-MoE / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE full attention whose cached one-token call is: q|k|v
+    GEMV -> qk_norm_rope (1 launch) -> the cache's update -> the attention core (transformers' AttentionInterface)
+    [-> · sigmoid(gate), Qwen3.5] -> o_proj. Other calls (prefill, no cache, batch > 1, biases, a sliding window,
+    clip_qkv, other dtypes/devices or attention implementations, training) run the original module, kept
+    unregistered as `_hf`."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -92,19 +98,27 @@ class FusedAttention(nn.Module):
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
         self._kind, self._eps = self._norms(hf)
         # OLMoE: q_norm [Hq*D] / k_norm [Hkv*D] over the whole projections; per head: both [D]
-        self._whole = hf.q_norm.weight.numel() == self.num_heads * self.head_dim != self.head_dim
+        self._whole = (
+            self._kind != "none" and hf.q_norm.weight.numel() == self.num_heads * self.head_dim != self.head_dim
+        )
         self._w_qkv, sizes = concat_rows([self.q_proj, self.k_proj, self.v_proj])  # [Hq*QW + 2*Hkv*D, H]
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
         # QW = 2D: Qwen3.5's gated layout ([q_h | gate_h] per head); D: Qwen3-MoE's plain one
         self._gated = {Hq * 2 * D: True, Hq * D: False}.get(sizes[0]) if sizes[1:] == [Hkv * D, Hkv * D] else None
         if self._whole and self._gated:
             self._gated = None
-        if self._gated is None or getattr(hf, "sliding_window", None) is not None or _clips(hf):
+        if self._gated is None or _window(hf) is not None or _clips(hf):
             self._w_qkv = None  # another layout, a sliding window, clipping: the original module does every call
 
     @staticmethod
     def _norms(hf: nn.Module) -> tuple[str | None, float | None]:
-        """(kind, eps) shared by q_norm and k_norm, or (None, None) when the fused kernel cannot do them."""
+        """(kind, eps) shared by q_norm and k_norm, ("none", 0.0) without either (Mixtral, GraniteMoE), or (None, None)
+        when the fused kernel cannot do them."""
+        qn, kn = getattr(hf, "q_norm", None), getattr(hf, "k_norm", None)
+        if qn is None and kn is None:
+            return "none", 0.0
+        if qn is None or kn is None:
+            return None, None
         kind, eps = _norm_kind(hf.q_norm), _norm_eps(hf.q_norm)
         if kind is None or _norm_kind(hf.k_norm) != kind or eps is None or _norm_eps(hf.k_norm) != eps:
             return None, None
@@ -121,11 +135,12 @@ class FusedAttention(nn.Module):
             return False
         if torch.is_grad_enabled() and (h.requires_grad or self.q_proj.weight.requires_grad):
             return False  # the Triton kernels have no backward
-        qn, kn = self.q_norm.weight, self.k_norm.weight
-        if qn.device != h.device or kn.device != h.device or qn.dtype != kn.dtype:
-            return False
-        if self._kind == "standard" and torch.promote_types(qn.dtype, h.dtype) != h.dtype:
-            return False
+        if self._kind != "none":
+            qn, kn = self.q_norm.weight, self.k_norm.weight
+            if qn.device != h.device or kn.device != h.device or qn.dtype != kn.dtype:
+                return False
+            if self._kind == "standard" and torch.promote_types(qn.dtype, h.dtype) != h.dtype:
+                return False
         impl = getattr(self.config, "_attn_implementation", None)
         return impl in _CORES and _angles_ok(position_embeddings, h, self.head_dim)
 
@@ -188,10 +203,11 @@ class FusedAttention(nn.Module):
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
     def _norm_rope(self, qkv, cos, sin, kv_cache=None):
+        normed = self._kind != "none"
         return qk_norm_rope(
             qkv,
-            self.q_norm.weight,
-            self.k_norm.weight,
+            self.q_norm.weight if normed else None,
+            self.k_norm.weight if normed else None,
             cos,
             sin,
             self._eps,
@@ -201,7 +217,17 @@ class FusedAttention(nn.Module):
             gated=self._gated,
             kv_cache=kv_cache,
             whole=self._whole,
+            head_dim=self.head_dim,
         )
+
+
+def _window(hf: nn.Module) -> int | None:
+    """The sliding window the original module hands its core: its own `sliding_window` (Qwen3-MoE's layers), or its
+    config's for the classes that pass that (Mixtral); the fused step has none, so such a layer is not fused."""
+    own = getattr(hf, "sliding_window", None)
+    if own is None and type(hf).__name__ in _CONFIG_WINDOW:
+        own = getattr(getattr(hf, "config", None), "sliding_window", None)
+    return own
 
 
 def _clips(hf: nn.Module) -> bool:

@@ -1,7 +1,16 @@
 """MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
 expert; or, from a decoder layer, `moe_front` (with the shared expert, if any) + the experts' `sparse_fused` with the
-residual add in its tail) and the Qwen3.5 / Qwen3-MoE / OLMoE decoder layer, whose norms and residual adds ride in
-neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill and other calls run transformers' modules.
+residual add in its tail) and the Qwen3.5 / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE decoder layer, whose norms and
+residual adds ride in neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill and other calls run
+transformers' modules.
+
+GraniteMoE: the block is the layer's `block_sparse_moe` (not `mlp`) and its router `router` (not `gate`); its router
+(top-k of the logits, softmax over those k) is the renormalised softmax top-k (the same weights up to fp32 rounding).
+Its layer scales both branches by `residual_multiplier` m before each residual add: the attention branch by one
+multiply (transformers' own op, so moe_front's s = residual + h·m is transformers' value), the MoE branch by m folded
+into the k routing weights (one multiply of k values; sparse_fused then adds residual + Σ (w_i·m)·expert_i: equal to
+transformers' residual + (Σ w_i·expert_i)·m up to fp32 rounding). So 2 launches more than Qwen3-MoE's layer (none
+when m is 1).
 
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
 """
@@ -30,7 +39,11 @@ _ROUTERS: dict[str, bool | None] = {
     "Qwen3MoeTopKRouter": None,
     "OlmoeTopKRouter": None,
     "DeaMoeRouter": None,
+    "MixtralTopKRouter": True,  # softmax (fp32) -> top-k -> renormalise; its weights stay fp32 (here: x's dtype)
+    "GraniteMoeTopKRouter": True,  # top-k of the logits, softmax over the k: the renormalised softmax top-k
 }
+_ROUTER_NAMES = ("gate", "router")  # the block's router child: Qwen/OLMoE/Mixtral/DeaMoE `gate`, GraniteMoE `router`
+_BLOCK_NAMES = ("mlp", "block_sparse_moe")  # the decoder layer's MoE block: GraniteMoE's is `block_sparse_moe`
 
 
 def _group_kw(gate: nn.Module) -> dict | None:
@@ -44,8 +57,8 @@ def _group_kw(gate: nn.Module) -> dict | None:
 
 
 class FusedSparseMoeBlock(nn.Module):
-    """A softmax-top-k MoE block (Qwen3.5 with its sigmoid-gated shared expert; Qwen3-MoE / OLMoE without; DeaMoE and
-    its Qwen3.5 twin, group-limited, their experts DepartmentExperts) whose
+    """A softmax-top-k MoE block (Qwen3.5 with its sigmoid-gated shared expert; Qwen3-MoE / OLMoE / Mixtral /
+    GraniteMoE without; DeaMoE and its Qwen3.5 twin, group-limited, their experts DepartmentExperts) whose
     one-token call is: fused router (1 launch) -> the block's `experts` module, called as transformers calls it ->
     fused shared expert (2 launches, the add into the routed output included). Other calls run the original block."""
 
@@ -56,7 +69,8 @@ class FusedSparseMoeBlock(nn.Module):
             self.add_module(name, child)
         for name, p in hf.named_parameters(recurse=False):
             self.register_parameter(name, p)
-        gate = hf.gate
+        self._gate_name = next((n for n in _ROUTER_NAMES if isinstance(getattr(hf, n, None), nn.Module)), "gate")
+        gate = getattr(hf, self._gate_name, None)
         norm = _ROUTERS.get(type(gate).__name__, False)
         self.norm_topk_prob = bool(getattr(gate, "norm_topk_prob", False)) if norm is None else norm
         self.top_k = int(getattr(gate, "top_k", 0))
@@ -90,10 +104,15 @@ class FusedSparseMoeBlock(nn.Module):
         self.shared_in_front = True
         self._down_t: tuple[int, torch.Tensor] | None = None  # (source data_ptr, shared down_proj weight [I, H])
 
+    @property
+    def _gate(self) -> nn.Module:
+        """The router child (`gate`, or GraniteMoE's `router`)."""
+        return getattr(self, self._gate_name)
+
     def _fusable(self, h: torch.Tensor) -> bool:
         if not (self._router_ok and self._shared_ok) or h.dim() != 3 or h.shape[0] * h.shape[1] != 1:
             return False
-        return h.dtype == self.gate.weight.dtype and h.device == self.gate.weight.device
+        return h.dtype == self._gate.weight.dtype and h.device == self._gate.weight.device
 
     def forward(self, hidden_states: torch.Tensor):  # [B, T, H]
         if not self._fusable(hidden_states):
@@ -124,17 +143,22 @@ class FusedSparseMoeBlock(nn.Module):
         return self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
     @torch.compiler.disable
-    def step_front(self, mixed: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm) -> torch.Tensor:
+    def step_front(
+        self, mixed: torch.Tensor, residual: torch.Tensor, norm: FusedRMSNorm, scale: float = 1.0
+    ) -> torch.Tensor:
         """The decoder layer from the mixer's output on, two launches (`takes_front` holds): moe_front (residual
         add, post-attention norm, router top-k, the shared expert into the experts' workspace row), then the
         experts' `sparse_fused` with the residual add in its tail (`shared_in_front=False`: the shared expert in
         sparse_fused's launch; a block without one: moe_front without it). mixed, residual [B, T, H] -> the layer's
-        output."""
+        output. `scale` (GraniteMoE's residual_multiplier; no shared expert): the block's output is scaled before
+        the add, through the k routing weights (one more launch)."""
+        if scale != 1.0 and self.has_shared:
+            raise ValueError("a scaled MoE output is folded into the routing weights: not with a shared expert")
         self.decode_calls += 1
         self.front_calls += 1
         B, T, H = mixed.shape
         if self._front is None:
-            self._front = tuned(mixed, "moe_front", f"H{H}_E{self.gate.weight.shape[0]}_k{self.top_k}")
+            self._front = tuned(mixed, "moe_front", f"H{H}_E{self._gate.weight.shape[0]}_k{self.top_k}")
         se = self.shared_expert if self.has_shared else None
         weights = (se.gate_proj.weight, se.up_proj.weight, self._shared_down_t()) if se is not None else None
         if se is not None and self.shared_in_front:  # the shared expert in moe_front's launch, into the workspace
@@ -150,7 +174,7 @@ class FusedSparseMoeBlock(nn.Module):
             norm.weight,
             norm.eps,
             norm.kind,
-            self.gate.weight,
+            self._gate.weight,
             self.top_k,
             self.norm_topk_prob,
             self.shared_expert_gate.weight if se is not None else None,
@@ -160,6 +184,8 @@ class FusedSparseMoeBlock(nn.Module):
             **self._front,
         )
         shared = None if se is None or self.shared_in_front else SharedExpert(*weights, sg)
+        if scale != 1.0:
+            tw = tw * scale  # [1, k]: residual + Σ (w_i·m)·expert_i
         y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws))
         return y.view(B, T, H)
 
@@ -180,14 +206,14 @@ class FusedSparseMoeBlock(nn.Module):
     def _route(self, x):
         tickets = self._tickets_on(x.device)
         if self._launch is None:
-            H, E = self.gate.weight.shape[1], self.gate.weight.shape[0]
+            H, E = self._gate.weight.shape[1], self._gate.weight.shape[0]
             se = self.shared_expert if self.has_shared else None
             self._launch = (
                 tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
                 tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {},
             )
         return router_topk(
-            x, self.gate.weight, self.top_k, self.norm_topk_prob, tickets=tickets, **self._group, **self._launch[0]
+            x, self._gate.weight, self.top_k, self.norm_topk_prob, tickets=tickets, **self._group, **self._launch[0]
         )
 
     @torch.compiler.disable
@@ -206,14 +232,15 @@ class FusedSparseMoeBlock(nn.Module):
 
 
 class FusedDecoderLayer(nn.Module):
-    """Qwen3.5-MoE / Qwen3-MoE / OLMoE decoder layer whose one-token call has no launch of its own: the input RMSNorm
-    goes into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when the experts run
-    `sparse_fused` (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` (with the shared expert, if any) +
-    `sparse_fused` (with the residual in its tail); else the mixer's output + residual go into the post-attention
-    RMSNorm's launch and the MoE output + residual into the shared expert's last kernel (without a shared expert: one
-    add launch). Only when its norm and MoE block are localmoe's fused modules and the call is one token on their
-    device; other one-token calls run transformers' layer arithmetic with
-    this layer's (fused) children, and more tokens (prefill) the original layer, whose children are the originals."""
+    """Qwen3.5-MoE / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE decoder layer whose one-token call has no launch of its
+    own: the input RMSNorm goes into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when
+    the experts run `sparse_fused` (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` (with the shared
+    expert, if any) + `sparse_fused` (with the residual in its tail); else the mixer's output + residual go into the
+    post-attention RMSNorm's launch and the MoE output + residual into the shared expert's last kernel (without a
+    shared expert: one add launch). Only when its norm and MoE block are localmoe's fused modules and the call is one
+    token on their device; other one-token calls run transformers' layer arithmetic with this layer's (fused)
+    children, and more tokens (prefill) the original layer, whose children are the originals. GraniteMoE: both
+    branches scaled by `residual_multiplier` before their residual adds (module docstring)."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -226,13 +253,25 @@ class FusedDecoderLayer(nn.Module):
         self._sig = inspect.signature(hf.forward)
         self._cache_kw = "cache" if "cache" in self._sig.parameters else "past_key_values"
         self._var_kw = next((n for n, p in self._sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        self._moe_name = next((n for n in _BLOCK_NAMES if isinstance(getattr(hf, n, None), nn.Module)), "mlp")
+        self._scale = float(getattr(hf, "residual_multiplier", 1.0))  # GraniteMoE's; 1 for the others
         self.decode_calls = 0
+
+    @property
+    def _moe(self) -> nn.Module:
+        """The MoE block child (`mlp`, or GraniteMoE's `block_sparse_moe`)."""
+        return getattr(self, self._moe_name)
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """A branch's output as transformers adds it to the residual: `h * residual_multiplier` (GraniteMoE)."""
+        return h if self._scale == 1.0 else h * self._scale
 
     def _fusable(self, h: torch.Tensor) -> bool:
         return (
             isinstance(self.post_attention_layernorm, FusedRMSNorm)
-            and isinstance(self.mlp, FusedSparseMoeBlock)
-            and self.mlp._fusable(h)
+            and isinstance(self._moe, FusedSparseMoeBlock)
+            and self._moe._fusable(h)
+            and (self._scale == 1.0 or not self._moe.has_shared)
         )
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # [B, T, H]
@@ -250,7 +289,8 @@ class FusedDecoderLayer(nn.Module):
             h = self.linear_attn(
                 self.input_layernorm(hidden_states), cache, attention_mask=a.get("attention_mask"), **extra
             )
-        else:
+        else:  # GraniteMoE's layer takes position_ids in **kwargs
+            position_ids = a["position_ids"] if "position_ids" in a else extra.pop("position_ids", None)
             attn, h = self.self_attn, hidden_states
             norm_kw = {"input_norm": self.input_layernorm} if isinstance(attn, FusedAttention) else {}
             if not norm_kw:
@@ -258,23 +298,24 @@ class FusedDecoderLayer(nn.Module):
             h, _ = attn(
                 hidden_states=h,
                 attention_mask=a.get("attention_mask"),
-                position_ids=a.get("position_ids"),
+                position_ids=position_ids,
                 position_embeddings=a.get("position_embeddings"),
                 **{_kw(attn, "cache", "past_key_values"): cache},
                 **norm_kw,
                 **extra,
             )
-        norm = self.post_attention_layernorm
+        norm, moe = self.post_attention_layernorm, self._moe
+        h = self._scaled(h)  # (GraniteMoE: 1 launch)
         if not self._fusable(hidden_states):  # e.g. the MoE block left out of the table: transformers' layer's
             s = hidden_states + h  # arithmetic, with this layer's children (fused where they are)
-            m = self.mlp(norm(s))
-            return s + (m[0] if isinstance(m, tuple) else m)
-        if self.mlp.takes_front(h):  # sparse decode: 2 launches from here
-            return self.mlp.step_front(h, hidden_states, norm)
+            m = moe(norm(s))
+            return s + self._scaled(m[0] if isinstance(m, tuple) else m)
+        if moe.takes_front(h):  # sparse decode: 2 launches from here (GraniteMoE: 3, the scale in the weights)
+            return moe.step_front(h, hidden_states, norm, self._scale)
         h, residual = _add_norm(h, hidden_states, norm)
-        if self.mlp.has_shared:  # the residual add in the shared expert's last kernel
-            return self.mlp.step(h, residual)[0]
-        return residual + self.mlp.step(h)[0]
+        if moe.has_shared:  # the residual add in the shared expert's last kernel
+            return moe.step(h, residual)[0]
+        return residual + self._scaled(moe.step(h)[0])
 
 
 def _kw(module: nn.Module, *names: str) -> str:

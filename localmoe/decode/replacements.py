@@ -75,11 +75,35 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                Linears and norms; also DeaMoE's attention)
     OlmoeModel, OlmoeDecoderLayer, as Qwen3-MoE's; OLMoE's q/k norms span the whole q / k projection (qk_norm_rope's
     OlmoeAttention                 `whole` mode: each program reduces over its whole row); clip_qkv: not fused
+    MixtralModel,                  FusedTextModel,          as Qwen3-MoE's; the attention has no q/k norms
+    MixtralDecoderLayer,           FusedDecoderLayer,          (qk_norm_rope's kind "none": RoPE and the k/v write, 1
+    MixtralAttention,              FusedAttention,             launch); the router softmax -> top-k -> renormalise (its
+    MixtralSparseMoeBlock          FusedSparseMoeBlock         weights in x's dtype, transformers keeps them fp32: equal
+                                                               in fp32, one bf16 rounding apart in bf16). A config with
+                                                               a `sliding_window`: the attention and the text model run
+                                                               the original modules (their masks / core windows are not
+                                                               the fused step's); the block stays fused
+    GraniteMoeModel,               FusedTextModel,          as Mixtral's, with Granite's multipliers:
+    GraniteMoeDecoderLayer,        FusedDecoderLayer,          embedding_multiplier 1 launch after the embedding (5
+    GraniteMoeAttention,           FusedAttention,             around the layers); attention_multiplier is the
+    GraniteMoeMoE                  FusedSparseMoeBlock         attention's `scaling` (no launch); residual_multiplier m:
+                                                               the attention output · m (1 launch, transformers' op)
+                                                               before moe_front, and m folded into the k top-k weights
+                                                               (1 launch) before sparse_fused adds residual + Σ
+                                                               (w_i·m)·expert_i (transformers: residual + (Σ
+                                                               w_i·expert_i)·m; equal up to fp32 rounding). Its router
+                                                               (top-k of the logits, softmax over the k) is the
+                                                               renormalised softmax top-k; the block is the layer's
+                                                               `block_sparse_moe`, its router `router`. logits_scaling
+                                                               is the LM head's (GraniteMoeForCausalLM), not replaced
     A Qwen3-MoE decoder layer's decode step (StaticCache, localmoe_sdpa, LocalExperts on sparse_fused; counted on the
     CPU with the interpreter, tests/test_fused_model.py::test_qwen3_moe_layer_launches): 28 launches with the fused
     norms, Linears and MoE block alone (3 norms, 3 projections, RoPE 10, cache update 5, core, o_proj, 2 residual
     adds, router, experts) -> 6 (q|k|v GEMV with the input norm, qk_norm_rope with the k/v write, the core, o_proj,
-    moe_front, sparse_fused); with transformers' modules only, 55. OLMoE's: the same 28 -> 6 (53 unfused).
+    moe_front, sparse_fused); with transformers' modules only, 55. OLMoE's: the same 28 -> 6 (53 unfused). Mixtral's
+    (tests/test_fused_model.py::test_layer_launches, as are GraniteMoE's): 26 (no q/k norms) -> the same 6 (43
+    unfused); GraniteMoE's: 28 (+ the two residual_multiplier multiplies) -> 8 (43 unfused). Around the layers:
+    Mixtral 23 -> 4, GraniteMoE 24 -> 5 (the embedding_multiplier multiply).
 
 Besides the table, `install` switches models on transformers' "sdpa" attention to localmoe's "localmoe_sdpa"
 (localmoe/decode/sdpa.py: one-token decode attention whose time follows the tokens so far), registered through
@@ -160,6 +184,20 @@ REPLACEMENTS: dict[str, Replacement] = {
     "OlmoeModel": Replacement(FusedTextModel, "as Qwen3MoeModel"),
     "OlmoeDecoderLayer": Replacement(FusedDecoderLayer, "as Qwen3MoeDecoderLayer"),
     "OlmoeAttention": Replacement(FusedAttention, "as Qwen3MoeAttention, q/k norms over the whole projections"),
+    "MixtralModel": Replacement(FusedTextModel, "as Qwen3MoeModel; config.sliding_window set: not taken"),
+    "MixtralDecoderLayer": Replacement(FusedDecoderLayer, "as Qwen3MoeDecoderLayer"),
+    "MixtralAttention": Replacement(
+        FusedAttention, "as Qwen3MoeAttention without q/k norms (RoPE + k/v write 1 launch); sliding window: not fused"
+    ),
+    "MixtralSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch (renormalised), experts unchanged"),
+    "GraniteMoeModel": Replacement(FusedTextModel, "as Qwen3MoeModel, + embedding_multiplier 1 launch"),
+    "GraniteMoeDecoderLayer": Replacement(
+        FusedDecoderLayer, "as Qwen3MoeDecoderLayer, + residual_multiplier 2 launches (attention output, top-k weights)"
+    ),
+    "GraniteMoeAttention": Replacement(FusedAttention, "as MixtralAttention; attention_multiplier as the scale"),
+    "GraniteMoeMoE": Replacement(
+        FusedSparseMoeBlock, "T=1: router (top-k, softmax over k) 1 launch, experts unchanged"
+    ),
     "Linear": Replacement(FusedLinear, "one row: localmoe's GEMV (tuned per shape); else F.linear"),
     "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "OlmoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),

@@ -1,14 +1,17 @@
-"""The text model of Qwen3.5-MoE, Qwen3-MoE and OLMoE (embedding -> decoder layers -> final norm) for the one-token
-cached decode step, with transformers' glue around the layers cut to 4 launches. Installed by
-`localmoe.decode.replacements`; every other call runs transformers' module.
+"""The text model of Qwen3.5-MoE, Qwen3-MoE, OLMoE, Mixtral and GraniteMoE (embedding -> decoder layers -> final
+norm) for the one-token cached decode step, with transformers' glue around the layers cut to 4 launches (GraniteMoE:
+5, its `embedding_multiplier` one multiply after the embedding, as transformers does it; its `logits_scaling` is the
+LM head's, outside this module). Installed by `localmoe.decode.replacements`; every other call runs transformers'
+module.
 
 On the CUDA-graph decode step every decoder layer is localmoe's FusedDecoderLayer; what transformers' text model
 does around them was 25 small kernels on the H200 (transformers 5.17): the embedding, mrope's cos/sin (inv_freq
 product, cos, sin, scaling, recomposition, casts), position-id arithmetic (aranges, adds), the causal mask over the
-static cache, the final norm (Qwen3-MoE's, OLMoE's: the same without mrope). Here 4: the embedding, ONE gather of
-(cos, sin) for the position from a table, the boolean causal mask (key index <= position: transformers' sdpa mask
-for one query over a StaticCache), the final norm. Measured at Qwen3.5-35B-A3B shapes (random bf16 weights, sparsity
-0.85): 246 -> 225 kernels per step, graph decode 2874 -> 2724 µs per step (348 -> 367 tok/s).
+static cache, the final norm (Qwen3-MoE's, OLMoE's, Mixtral's, GraniteMoE's: the same without mrope). Here 4: the
+embedding, ONE gather of (cos, sin) for the position from a table, the boolean causal mask (key index <= position:
+transformers' sdpa mask for one query over a StaticCache), the final norm. Measured at Qwen3.5-35B-A3B shapes
+(random bf16 weights, sparsity 0.85): 246 -> 225 kernels per step, graph decode 2874 -> 2724 µs
+per step (348 -> 367 tok/s).
 
 The table holds transformers' own values: made once (lazily, on the first such call; again when the cache length,
 the dtype or the device changes) by calling the model's ORIGINAL rotary module on positions 0..L-1, so row p is what
@@ -19,7 +22,8 @@ the host, so the step stays capturable.
 
 Taken: input_ids [1, 1] (or inputs_embeds [1, 1, H]); no attention_mask / position_ids; a transformers StaticCache
 already holding the prompt; use_cache; no hidden-state / attention / router-logit outputs; sdpa / localmoe_sdpa
-attention; a position-independent RoPE (not dynamic / longrope); no sliding window; every layer a
+attention; a position-independent RoPE (not dynamic / longrope); no sliding window (Mixtral with
+`config.sliding_window` set: the original module, as its masks differ); every layer a
 FusedDecoderLayer. The layers get
 what transformers passes them: the same mask (full attention; FusedAttention hands it to the decode-attention
 kernel, which skips the static cache's unused tail by it, so it cannot be dropped), None for the linear-attention
@@ -61,8 +65,9 @@ def _output_class(hf: nn.Module):
 
 
 class FusedTextModel(nn.Module):
-    """Qwen3.5-MoE's / Qwen3-MoE's / OLMoE's text model whose one-token StaticCache step is 4 launches around the
-    decoder layers (see the module docstring). Other calls run the original module, kept unregistered as `_hf`."""
+    """Qwen3.5-MoE's / Qwen3-MoE's / OLMoE's / Mixtral's / GraniteMoE's text model whose one-token StaticCache step
+    is 4 launches around the decoder layers (see the module docstring). Other calls run the original module, kept
+    unregistered as `_hf`."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -84,6 +89,7 @@ class FusedTextModel(nn.Module):
         )
         self._types = _layer_types(self.config)  # each layer's mask kind; None: not a model this step runs
         self._full = self._types.index("full_attention") if self._types and "full_attention" in self._types else None
+        self._embed_scale = float(getattr(hf, "embedding_multiplier", 1.0))  # GraniteMoE's; 1 for the others
         self._mrope = hasattr(self.rotary_emb, "mrope_section")  # Qwen3.5: position ids [3, B, T] (text, h, w)
         self._table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (key, [2, L, ROT] cos|sin, arange(L))
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
@@ -146,6 +152,8 @@ class FusedTextModel(nn.Module):
         with last_hidden_state [1, 1, H] and the cache."""
         self.decode_calls += 1
         h = self.embed_tokens(x) if not x.is_floating_point() else x  # [1, 1, H]: 1 launch
+        if self._embed_scale != 1.0:  # GraniteMoE: inputs_embeds * embedding_multiplier (ids or embeds): 1 launch
+            h = h * self._embed_scale
         angles, kv = self._angles(h, L)  # [2, L, ROT], [L]
         cs = angles.index_select(1, pos.view(1))  # [2, 1, ROT]: 1 launch
         rope = (cs[0:1], cs[1:2])  # cos, sin [B=1, T=1, ROT], as transformers' rotary module returns them
