@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import test_fused  # noqa: E402
+import test_fused_model  # noqa: E402
 import tiny_models  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -140,8 +141,42 @@ def test_fused_decode_equals_unfused(which):
     got, got_toks = test_fused._run(model, "static", prompt)
     blocks = [m for m in model.modules() if type(m).__name__ == "FusedSparseMoeBlock"]
     assert blocks and all(b.decode_calls > 0 for b in blocks)  # the fused call was taken
+    if which == "twin":  # the decoder layer's front: moe_front (group-limited) + the department kernels' tail
+        assert all(b.front_calls > 0 for b in blocks)
     assert got_toks == want_toks
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches of the interpreter")
+@torch.no_grad()
+def test_twin_moe_block_launches(monkeypatch):
+    """The twin's decoder layer from the mixer's output on (resident, sparsity 0.5): moe_front (residual add, norm,
+    group-limited top-k, the shared expert into the workspace row), the slotting, the three department kernels
+    adding into the row, residual_publish: 6 launches (was 9: norm with the add, router, slotting, 3, cast, the
+    shared expert's 2)."""
+    torch.manual_seed(0)
+    model = (
+        test_fused.nontrivial(DeaMoeQwen35ForCausalLM(twin_config(num_hidden_layers=1, layer_types=["full_attention"])))
+        .eval()
+        .to(DEV)
+    )
+    for m in model.modules():
+        if isinstance(m, DepartmentExperts):
+            m.kernel_on_cpu = DEV == "cpu"
+            m.tau = torch.full((m.num_departments,), 0.05)
+            m.sparse_enabled = True
+    replacements.install(model, DEV, force=True)
+    ops = test_fused_model._count_step(model, monkeypatch, warm=True, layer=0).ops
+    print(f"\nlaunches of the twin's decoder layer: {ops}")
+    moe = ops[ops.index("triton:_moe_front_kernel") :]
+    assert moe == [
+        "triton:_moe_front_kernel",
+        "triton:_slots_kernel",
+        "triton:_dept_up_kernel",
+        "triton:_dept_private_kernel",
+        "triton:_dept_down_kernel",
+        "triton:_residual_publish_kernel",
+    ]
 
 
 def _greedy(model, ids, n=5):

@@ -193,6 +193,7 @@ def test_fallbacks_run_the_original(tiny_text_model):
 # ---------------------------------------------------------------------------------------------------------------
 _FREE = {
     "empty.memory_format",
+    "empty_like.default",
     "empty_strided.default",
     "lift_fresh.default",
     "sym_size.int",

@@ -138,7 +138,8 @@ class FusedSparseMoeBlock(nn.Module):
 
     def takes_front(self, h: torch.Tensor) -> bool:
         """Whether `step_front` can run this one-token call: the fused call holds and the block's experts run
-        `sparse_fused` (which then takes the residual add, and the shared expert's sum if there is one)."""
+        `sparse_fused` (which then takes the residual add, and the shared expert's sum if there is one), or DeaMoE's
+        department kernels on resident weights (experts/departments.py `tail=`)."""
         takes = getattr(self.experts, "takes_tail", None)
         return self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
@@ -149,8 +150,10 @@ class FusedSparseMoeBlock(nn.Module):
         """The decoder layer from the mixer's output on, two launches (`takes_front` holds): moe_front (residual
         add, post-attention norm, router top-k, the shared expert into the experts' workspace row), then the
         experts' `sparse_fused` with the residual add in its tail (`shared_in_front=False`: the shared expert in
-        sparse_fused's launch; a block without one: moe_front without it). mixed, residual [B, T, H] -> the layer's
-        output. `scale` (GraniteMoE's residual_multiplier; no shared expert): the block's output is scaled before
+        sparse_fused's launch; a block without one: moe_front without it). DeaMoE's DepartmentExperts take the same
+        tail: moe_front routes group-limited, then the slotting, the three department kernels adding into the
+        workspace row and `residual_publish` (6 launches, was 9). mixed, residual [B, T, H] -> the layer's output.
+        `scale` (GraniteMoE's residual_multiplier; no shared expert): the block's output is scaled before
         the add, through the k routing weights (one more launch)."""
         if scale != 1.0 and self.has_shared:
             raise ValueError("a scaled MoE output is folded into the routing weights: not with a shared expert")
@@ -181,6 +184,7 @@ class FusedSparseMoeBlock(nn.Module):
             tickets=self._tickets_on(mixed.device),
             residual_early=True,
             **front,
+            **self._group,  # DeaMoE: group-limited top-k
             **self._front,
         )
         shared = None if se is None or self.shared_in_front else SharedExpert(*weights, sg)

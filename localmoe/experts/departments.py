@@ -24,7 +24,11 @@ routing weights final, indices are flat expert numbers e = d * n + j):
   GEMM cannot run (CPU autograd, CUDA fp32, unaligned strides) a loop over the D departments and D * n experts;
 - decode (T <= `max_sparse_tokens`): the step's departments in a fixed number of slots (`step_slots`, no host sync,
   graph capturable), each touched department's weights read once for all T tokens; on CUDA (or `kernel_on_cpu`) the
-  Triton kernel `localmoe.kernels.department_experts`, elsewhere its torch reference;
+  Triton kernel `localmoe.kernels.department_experts`, elsewhere its torch reference; with `tail=` (a fused decoder
+  layer's step: kernels/moe_front.py did the residual add, norm, group-limited routing and the shared expert into
+  the workspace row) the kernel adds into that row and `residual_publish` writes residual + row in x's dtype and
+  zeroes the row: the block is moe_front, the slotting, the three department kernels and the publish (was 9
+  launches: norm, router, slotting, 3, cast, the shared expert's 2);
 - offloaded (`cache`: experts/department_cache.py, the parameters are host master copies): decode looks the step's
   departments and chosen experts up on the host, copies misses into the cache's pools and runs the same kernel on
   them (department slot ids in place of department numbers, `private_slots` mapping (slot, expert) into the private
@@ -46,6 +50,8 @@ from torch.nn import functional as F
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
 from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
 from localmoe.kernels.department_slots import department_slots, department_slots_ref
+from localmoe.kernels.residual_publish import residual_publish
+from localmoe.kernels.sparse_fused import Tail, shared_expert_term
 from localmoe.kernels.tuning import tuned
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -193,8 +199,19 @@ class DepartmentExperts(nn.Module):
         self.kept.add_(kept)  # in place: a captured CUDA graph keeps counting on replay
         self.seen.add_(neurons)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def takes_tail(self, hidden_states: torch.Tensor) -> bool:
+        """Whether a call on these tokens can take `tail=` (a fused decoder layer's step: module doc): resident,
+        decode-sized, on the Triton path."""
         T = hidden_states.shape[0]
+        few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens and not self.training
+        return few and self.cache is None and (hidden_states.is_cuda or self.kernel_on_cpu)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, tail: Tail = None
+    ):
+        T = hidden_states.shape[0]
+        if tail is not None:
+            return self._decode_tail(hidden_states, top_k_index, top_k_weights, tail)
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens and not self.training
         if self.cache is not None:
             return self._through_cache(hidden_states, top_k_index, top_k_weights, few)
@@ -262,9 +279,28 @@ class DepartmentExperts(nn.Module):
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
         return self._run_kernel(x, args, w, sparse, self._tau_z(x.device))
 
+    def _decode_tail(self, x: torch.Tensor, top_k_index, top_k_weights, tail: Tail) -> torch.Tensor:
+        """`_decode` adding into the workspace row (the shared expert's output when moe_front put it there), then
+        residual + row in x's dtype, the row zeroed (`takes_tail` holds; module doc) -> [T, H]."""
+        T, H = x.shape
+        if tail.workspace is not None:
+            acc = tail.workspace[: T * H].view(torch.float32).view(T, H)
+        else:
+            acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+        if tail.shared is not None:  # the shared expert not in moe_front's launch
+            acc += shared_expert_term(x, tail.shared)
+        slots = min(self.num_departments, T * self.slots)
+        dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots, True)
+        self.last_departments = dept
+        sparse, tau = self._tau(x.device)
+        args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
+        self._run_kernel(x, args, w, sparse, self._tau_z(x.device), out=acc, accumulate=True)
+        return residual_publish(acc, tail.residual.view(T, H))
+
     def _run_kernel(self, x, args, w, sparse: bool, tau_z=None, **where) -> torch.Tensor:
-        """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading); `tau_z` [D or
-        department slots] applies with the sparse path only."""
+        """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading), or out= with
+        accumulate=True (the kernel only; the fp32 row is returned as it is); `tau_z` [D or department slots] applies
+        with the sparse path only. -> [T, H] in x's dtype."""
         if sparse and tau_z is not None:
             where["tau_z"] = tau_z
         if x.is_cuda or self.kernel_on_cpu:  # the kernel adds into the module's counters (no launch of their own)
@@ -278,7 +314,7 @@ class DepartmentExperts(nn.Module):
             y, kept = department_experts_ref(*args, **where)
             if sparse:
                 self._count(kept, (w.abs().sum(-1) > 0).sum() * self.width)  # (token, department) pairs x h
-        return y.to(x.dtype)
+        return y if where.get("accumulate") else y.to(x.dtype)
 
     # -- offloaded: the same paths reading the department cache's pools (experts/department_cache.py) -------------
     def _through_cache(self, x: torch.Tensor, top_k_index, top_k_weights, few: bool) -> torch.Tensor:
