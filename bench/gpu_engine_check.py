@@ -4,7 +4,8 @@
    graph equal transformers `generate`; after set_sparsity(0.5) the graph is captured again and used (column
    graph@0.5: False when the engine fell back to eager, whose notice shows under notes) and its tokens equal eager
    tokens; realised sparsity on the Triton path within 3 points of the target. Column fused: the decode modules
-   installed (localmoe/decode/replacements.py), "+text" when the whole text model is fused (Qwen3.5, Qwen3-MoE).
+   installed (localmoe/decode/replacements.py), "+text" when the whole text model is fused (Qwen3.5, Qwen3-MoE,
+   OLMoE, Mixtral, GraniteMoE).
 2. `localmoe bench --shape S --baseline transformers` (random bf16 weights at the real shapes) for each `--shape`
    (default qwen3.5-35b; qwen3-30b for Qwen3-30B-A3B).
 Usage: PYTHONUNBUFFERED=1 python bench/gpu_engine_check.py [--skip-bench] [--shape qwen3.5-35b --shape qwen3-30b]

@@ -73,6 +73,8 @@ def test_fused_decode_follows_the_replacements_table():
         "qwen3_5_moe",
         "qwen3_moe",
         "olmoe",
+        "mixtral",
+        "granitemoe",
         "deamoe",
         "deamoe_qwen3_5_text",
     ]
