@@ -264,10 +264,10 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
     [
         ("qwen3_5_moe", 0.3, torch.float32, True),
         ("qwen3_5_moe", 0.0, torch.float32, True),
+        # (bf16 at threshold 0, and bf16 with the shared expert in the tail, run the kernels of the cases kept:
+        # dropped for suite time, 51 s)
         ("qwen3_5_moe", 0.3, torch.bfloat16, True),
-        ("qwen3_5_moe", 0.0, torch.bfloat16, True),
         ("qwen3_5_moe", 0.3, torch.float32, False),
-        ("qwen3_5_moe", 0.3, torch.bfloat16, False),
         ("qwen3_moe", 0.0, torch.float32, True),
         ("qwen3_moe", 0.5, torch.float32, True),
         ("olmoe", 0.0, torch.float32, True),
@@ -280,9 +280,7 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
         "sparse-fp32",
         "dense-fp32",
         "sparse-bf16",
-        "dense-bf16",
         "sparse-fp32-shared-in-tail",
-        "sparse-bf16-shared-in-tail",
         "qwen3_moe-dense-fp32",
         "qwen3_moe-sparse-fp32",
         "olmoe-dense-fp32",
