@@ -20,6 +20,8 @@ Shape legend: E experts, I expert width (neurons), H hidden, G block size, NG = 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from localmoe.kernels.dequant_int4 import dequant_int4, dequant_nf4_ref
@@ -58,9 +60,11 @@ def nf4_code(device) -> torch.Tensor:
     return _CODES[device]
 
 
+@functools.cache
 def bnb_functional():
     """bitsandbytes.functional, its CPU backend's notice about an optional hub kernel (logged at import on CPUs with
-    AVX512-BF16, irrelevant here: localmoe reads NF4 with its own kernels) kept off stderr."""
+    AVX512-BF16, irrelevant here: localmoe reads NF4 with its own kernels) kept off stderr. Imported once: a logger's
+    setLevel clears every logger's cache, and a per-expert call of it cost a load seconds."""
     import logging
 
     log = logging.getLogger("bitsandbytes.backends.cpu.ops")
