@@ -21,6 +21,7 @@ from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
 from localmoe.kernels.nf4 import Nf4Tensor
+from localmoe.models import bnb
 
 bnb_f = pytest.importorskip("bitsandbytes.functional")
 
@@ -156,3 +157,15 @@ def test_bnb_refusals(bnb_repos, tmp_path):
         with pytest.raises(UsageError, match=match) as err:
             Engine.load(str(folder), device="cpu", sparsity=0.0)
         assert "\n" not in str(err.value)
+
+
+def test_a_codebook_other_than_nf4_is_refused():
+    """A quant state whose quant_map is not NF4's 16 values is refused in one line, checked on the host before the
+    state moves to the device."""
+
+    class Shard:
+        def get_tensor(self, key):
+            return torch.linspace(-1, 1, 16)
+
+    with pytest.raises(UsageError, match="not the NF4 codebook"):
+        bnb._state({"quant_map": (Path("model.safetensors"), "w.weight.quant_map")}, lambda f: Shard(), "cpu")

@@ -77,7 +77,9 @@ def quantized(keys: dict, name: str) -> dict | None:
 
 
 def _state(state: dict, handle, device):
-    from localmoe.kernels.nf4 import bnb_functional
+    import torch
+
+    from localmoe.kernels.nf4 import NF4_CODE, bnb_functional
 
     bnb_f = bnb_functional()
 
@@ -89,6 +91,9 @@ def _state(state: dict, handle, device):
             raise RuntimeFailure(
                 f"{for_line(file.name)}: cannot read {for_line(key)} ({for_line(e)}); the file is corrupt or truncated"
             ) from None
+    code = tensors.get("quant_map")  # checked here, on the host: after from_dict it is on `device` (a sync per read)
+    if code is not None and not torch.equal(code.float(), torch.tensor(NF4_CODE)):
+        raise UsageError("this bitsandbytes checkpoint's quant_map is not the NF4 codebook: it is not supported")
     try:
         qs = bnb_f.QuantState.from_dict(tensors, device=device)
     except (ValueError, KeyError, TypeError) as e:
@@ -126,13 +131,9 @@ def put_expert(dst, e: int, packed, state: dict, handle, device, dtype, *, trans
     """Expert e's quantized matrix (packed bytes + quant state) into the stack `dst`: bitsandbytes' bytes and absmax
     as they are where `dst` is an Nf4Tensor with the checkpoint's block along its rows and no transpose is needed
     (gate, up); otherwise dequantized on `device` (one expert's matrix) and quantized into `dst` (down_proj)."""
-    import torch
-
-    from localmoe.kernels.nf4 import NF4_CODE, Nf4Tensor
+    from localmoe.kernels.nf4 import Nf4Tensor
 
     qs = _state(state, handle, device)
-    if not torch.equal(qs.code.float().cpu(), torch.tensor(NF4_CODE)):
-        raise UsageError("this bitsandbytes checkpoint's quant_map is not the NF4 codebook: it is not supported")
     H = dst.shape[2]
     if isinstance(dst, Nf4Tensor) and not transpose and qs.blocksize == dst.group and H % qs.blocksize == 0:
         dst.put_packed(e, packed, absmax_fp32(qs))
