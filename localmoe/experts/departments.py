@@ -270,14 +270,15 @@ class DepartmentExperts(nn.Module):
             self.tau_z = self.tau_z.to(device=device, dtype=torch.float32)
         return self.tau_z
 
-    def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **out) -> torch.Tensor:
+        """`out`: out= and accumulate=True, the kernel adding into that fp32 row (`_decode_tail`)."""
         T = x.shape[0]
         slots = min(self.num_departments, T * self.slots)
         dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots, x.is_cuda or self.kernel_on_cpu)
         self.last_departments = dept
         sparse, tau = self._tau(x.device)
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
-        return self._run_kernel(x, args, w, sparse, self._tau_z(x.device))
+        return self._run_kernel(x, args, w, sparse, self._tau_z(x.device), **out)
 
     def _decode_tail(self, x: torch.Tensor, top_k_index, top_k_weights, tail: Tail) -> torch.Tensor:
         """`_decode` adding into the workspace row (the shared expert's output when moe_front put it there), then
@@ -289,12 +290,7 @@ class DepartmentExperts(nn.Module):
             acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         if tail.shared is not None:  # the shared expert not in moe_front's launch
             acc += shared_expert_term(x, tail.shared)
-        slots = min(self.num_departments, T * self.slots)
-        dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots, True)
-        self.last_departments = dept
-        sparse, tau = self._tau(x.device)
-        args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
-        self._run_kernel(x, args, w, sparse, self._tau_z(x.device), out=acc, accumulate=True)
+        self._decode(x, top_k_index, top_k_weights, out=acc, accumulate=True)
         return residual_publish(acc, tail.residual.view(T, H))
 
     def _run_kernel(self, x, args, w, sparse: bool, tau_z=None, **where) -> torch.Tensor:

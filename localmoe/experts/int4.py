@@ -32,6 +32,8 @@ Shape legend: E experts, I expert width (neurons), H hidden, G group size, NG = 
 
 from __future__ import annotations
 
+import torch
+
 from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize  # noqa: F401
 from localmoe.kernels.int4 import GROUP, MIN_GROUP, Int4Tensor, group_for, quantize, row_bytes  # noqa: F401
 from localmoe.kernels.nf4 import Nf4Tensor, quantize_nf4
@@ -56,11 +58,13 @@ def quantize_as(w, fmt: str):
     return quantize_nf4(w) if fmt == "nf4" else quantize(w)
 
 
+def parts(w) -> tuple[torch.Tensor, ...]:
+    """The tensors of a weight stack of any format: a plain tensor, or an int4 / NF4 stack's parts."""
+    return w.parts() if isinstance(w, Int4Tensor) else (w,)
+
+
 def copy_expert(dst, i: int, src, j: int, non_blocking: bool = False) -> None:
     """dst[i] = src[j] for weight stacks of one format: plain tensors, or Int4Tensors part by part (indexing an
     Int4Tensor dequantizes, so a copy must not go through it)."""
-    if isinstance(dst, Int4Tensor):
-        for d, s in zip(dst.parts(), src.parts()):
-            d[i].copy_(s[j], non_blocking=non_blocking)
-    else:
-        dst[i].copy_(src[j], non_blocking=non_blocking)
+    for d, s in zip(parts(dst), parts(src)):
+        d[i].copy_(s[j], non_blocking=non_blocking)

@@ -25,10 +25,9 @@ from collections.abc import Iterator
 
 import torch
 
-from localmoe.experts.int4 import copy_expert
+from localmoe.experts.int4 import copy_expert, parts
 from localmoe.experts.local_experts import DEQUANT_BYTES, ExpertWeights
 from localmoe.kernels.gather_experts import gather_experts
-from localmoe.kernels.int4 import Int4Tensor
 
 STAGE_BYTES = 96 << 20  # stored expert bytes per staging buffer (two buffers)
 
@@ -105,7 +104,7 @@ class Staging:
             self.gathers[layer] = all(
                 t.device == device or t.is_pinned()
                 for w in (master.w_gate, master.w_up, master.w_down_t)
-                for t in _parts(w)
+                for t in parts(w)
             )
         return self.gathers[layer]
 
@@ -113,17 +112,12 @@ class Staging:
     def _gather(cache, layer: int, span: list[int], buf: ExpertWeights, sources, ids: torch.Tensor) -> None:
         """buf[i] = expert span[i] of `layer` (ids: the same on the device) by one gather_experts launch per part,
         pool slot or host master per expert as the device slot tables say (counted in the cache's figures)."""
-        gate_slots, slots = sources
-        part = cache.row_bytes * cache.width
-        for e in span:
-            cache.hits += slots[e] >= 0
-            cache.misses += slots[e] < 0
-            cache.copied_bytes += part * ((gate_slots[e] < 0) + 2 * (slots[e] < 0))
+        _count(cache, span, sources)
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
         for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
             for dst, pool, host in zip(
-                _parts(getattr(buf, name)), _parts(getattr(cache.pool, name)), _parts(getattr(master, name))
+                parts(getattr(buf, name)), parts(getattr(cache.pool, name)), parts(getattr(master, name))
             ):
                 gather_experts(dst, pool, host, t, ids)
 
@@ -131,20 +125,23 @@ class Staging:
     def _fill(cache, layer: int, span: list[int], buf: ExpertWeights, sources) -> None:
         """buf[i] = expert span[i] of `layer`, each projection from its pool slot when resident, else from the host
         master copy (counted in the cache's figures)."""
+        _count(cache, span, sources)
         master = cache.masters[layer]
         gate_slots, slots = sources
         for i, e in enumerate(span):
-            resident = slots[e] >= 0
-            cache.hits += resident
-            cache.misses += not resident
             for name, slot in (("w_gate", gate_slots[e]), ("w_up", slots[e]), ("w_down_t", slots[e])):
                 if slot >= 0:
                     copy_expert(getattr(buf, name), i, getattr(cache.pool, name), slot, non_blocking=True)
                 else:
                     copy_expert(getattr(buf, name), i, getattr(master, name), e, non_blocking=True)
-                    cache.copied_bytes += cache.row_bytes * cache.width
 
 
-def _parts(w) -> tuple[torch.Tensor, ...]:
-    """The tensors of a weight stack of any format: a plain tensor, or an int4 / NF4 stack's parts."""
-    return w.parts() if isinstance(w, Int4Tensor) else (w,)
+def _count(cache, span: list[int], sources) -> None:
+    """The cache's figures for staging `span`: a hit or a miss per expert (its up/down), and the bytes of each part
+    read from host memory."""
+    gate_slots, slots = sources
+    part = cache.row_bytes * cache.width
+    for e in span:
+        cache.hits += slots[e] >= 0
+        cache.misses += slots[e] < 0
+        cache.copied_bytes += part * ((gate_slots[e] < 0) + 2 * (slots[e] < 0))
