@@ -34,7 +34,7 @@ for f in tests/test_graph.py tests/test_kernel_*.py tests/test_fused*.py tests/t
     [[ -f $f ]] && tests+=("$f")
 done
 xdist=(); python -c "import xdist" 2>/dev/null && xdist=(-n 8)
-step tests 210 python -m pytest -q -p no:cacheprovider --tb=short "${xdist[@]}" "${tests[@]}"
+step tests 330 python -m pytest -q -p no:cacheprovider --tb=short "${xdist[@]}" "${tests[@]}"
 step engine 220 python bench/gpu_engine_check.py
 step prefill 120 python bench/prefill_check.py
 step offload 130 python -m localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85 --prompt-tokens 512,2048
