@@ -46,6 +46,11 @@ except ImportError:  # pragma: no cover
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def kernel_available(t: torch.Tensor) -> bool:
+    """Whether `chunk_gated_delta_rule` compiles for tensors like `t` (CUDA with Triton); else run the reference."""
+    return triton is not None and t.is_cuda
+
+
 # ----------------------------------------------------------------------------------------------------------
 # torch: transformers' first phase (shared by the reference and the Triton path), and the reference's loop
 # ----------------------------------------------------------------------------------------------------------

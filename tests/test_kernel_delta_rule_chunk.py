@@ -1,0 +1,116 @@
+"""Tests of kernels/delta_rule_chunk.py: the chunked gated delta rule (Triton chunk scan) and its torch reference
+against transformers' `torch_chunk_gated_delta_rule` (l2norm on, as Qwen3.5 calls it).
+
+The reference equals transformers' function bit for bit; the kernel equals it within fp32 / bf16 tolerance (under
+TRITON_INTERPRET=1 on the CPU its dots are numpy's). T = 1, 63, 64, 130 (one partial chunk, one full, three with a
+partial last one), with and without an initial state, q/k with H_v heads (as transformers passes them) and with H_k
+heads, a real head size (d_k = d_v = 128) once, fp32 and bf16 inputs. Interpreter time keeps the shapes small.
+Shape legend: B batch, T tokens, H_k/H_v key/value heads, d_k/d_v head dims.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35  # noqa: E402
+
+from localmoe.kernels.delta_rule_chunk import (  # noqa: E402
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_ref,
+    kernel_available,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# (B, T, H_k, H_v, d_k, d_v, initial state)
+CASES = [
+    (1, 1, 2, 2, 16, 16, False),
+    (1, 63, 1, 2, 8, 24, True),
+    (2, 64, 2, 2, 16, 16, True),
+    (1, 130, 2, 4, 16, 32, True),
+    (1, 130, 1, 1, 16, 16, False),
+    (1, 70, 1, 1, 128, 128, True),
+]
+IDS = ["T1", "T63_grouped", "T64_b2", "T130_grouped", "T130_nostate", "T70_d128"]
+
+
+def _inputs(B, T, HK, HV, DK, DV, s0, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, HK, DK, generator=gen).to(DEV, dtype)
+    k = torch.randn(B, T, HK, DK, generator=gen).to(DEV, dtype)
+    v = torch.randn(B, T, HV, DV, generator=gen).to(DEV, dtype)
+    g = (-torch.rand(B, T, HV, generator=gen) * 2).to(DEV)  # fp32 like the model's g
+    beta = torch.rand(B, T, HV, generator=gen).to(DEV, dtype)
+    state = (torch.randn(B, HV, DK, DV, generator=gen) * 0.5).to(DEV) if s0 else None
+    return q, k, v, g, beta, state
+
+
+def _hf(q, k, v, g, beta, state):
+    """transformers' function with q, k repeated to the value heads first (5.17 repeats in the module, 5.2x inside
+    the function; repeating here is right for both)."""
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return q35.torch_chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_chunk_rule_matches_transformers(case, dtype):
+    *shape, s0 = case
+    q, k, v, g, beta, state = _inputs(*shape, s0, dtype, seed=sum(shape))
+    want, want_state = _hf(q, k, v, g, beta, state)
+    ref, ref_state = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state)
+    if DEV == "cpu":  # op for op transformers' function
+        assert torch.equal(ref, want) and torch.equal(ref_state, want_state)
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+    got, got_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+    assert got.shape == want.shape and got.dtype == want.dtype == dtype
+    assert got_state.dtype == torch.float32 and got_state.shape == want_state.shape
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=1e-4)  # fp32 in both
+    if shape[2] != shape[3]:  # q, k already repeated to H_v heads (how transformers passes them) give the same
+        rep = shape[3] // shape[2]
+        again, _ = chunk_gated_delta_rule(
+            q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2), v, g, beta, initial_state=state
+        )
+        torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_block_v_split_and_no_final_state():
+    """d_v split over several programs (block_v 16 of d_v 40) equals one program's result; no final state asked."""
+    q, k, v, g, beta, state = _inputs(1, 20, 1, 1, 16, 40, True, torch.float32, seed=3)
+    want, want_state = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state)
+    got, got_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, block_v=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+    out, none = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=False)
+    assert none is None
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_checks():
+    q, k, v, g, beta, state = _inputs(1, 5, 2, 4, 16, 16, True, torch.float32)
+    assert kernel_available(q) == (DEV == "cuda")
+    bad = [
+        dict(initial_state=state[:, :2]),  # wrong heads
+        dict(block_v=24),  # not a power of two
+        dict(chunk_size=48),
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            chunk_gated_delta_rule(q, k, v, g, beta, **{"initial_state": state, **kw})
+    with pytest.raises(ValueError):  # H_v not a multiple of H_k
+        chunk_gated_delta_rule(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
+    with pytest.raises(ValueError):  # g of the wrong length
+        chunk_gated_delta_rule(q, k, v, g[:, :4], beta)
+    with pytest.raises(ValueError):  # integer input
+        chunk_gated_delta_rule(q, k, v.long(), g, beta)
