@@ -130,7 +130,7 @@ def test_fused_decode_equals_unfused(which):
         if isinstance(m, DepartmentExperts):
             m.kernel_on_cpu = DEV == "cpu"  # the decode kernel under the interpreter, as the fused model runs it
     prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(5)).to(DEV)
-    want, want_toks = test_fused._run(ref, "static", prompt)
+    want, want_toks = test_fused._run(ref, "static", prompt, steps=2)
     model = copy.deepcopy(ref)
     done = replacements.install(model, DEV, force=True)
     if which == "twin":
@@ -138,7 +138,7 @@ def test_fused_decode_equals_unfused(which):
         assert done["DeaMoeQwen35TextModel"] == 1
     else:
         assert done["DeaMoeSparseMoeBlock"] == 2
-    got, got_toks = test_fused._run(model, "static", prompt)
+    got, got_toks = test_fused._run(model, "static", prompt, steps=2)
     blocks = [m for m in model.modules() if type(m).__name__ == "FusedSparseMoeBlock"]
     assert blocks and all(b.decode_calls > 0 for b in blocks)  # the fused call was taken
     if which == "twin":  # the decoder layer's front: moe_front (group-limited) + the department kernels' tail

@@ -26,7 +26,7 @@ import tiny_models  # noqa: E402
 
 from localmoe.decode import replacements, sdpa
 
-STEPS = 5
+STEPS = 3  # cached decode steps after the prefill (3: positions 0-2 past the prompt; interpreter time)
 # CPU + interpreter by default (conftest sets TRITON_INTERPRET=1); TRITON_INTERPRET=0 on a GPU runs compiled kernels
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
