@@ -1,7 +1,10 @@
 """Qwen3.5's Gated DeltaNet for a cached one-token decode step: one GEMV for its four input projections (their
 weights share one buffer), one Triton launch (`kernels/delta_rule_step.py`: conv update, gates, l2norm, delta rule,
-gated RMSNorm), then out_proj. Prefill and uncached calls run transformers' module. Installed by
-`localmoe.decode.replacements`.
+gated RMSNorm), then out_proj. Calls of more than one token (prefill, prompt pieces, with or without a cache) run
+`deltanet_prefill.py`: transformers' forward written out around the chunked delta rule of
+`kernels/delta_rule_chunk.py` (one Triton launch for the chunk scan on CUDA, transformers' torch function's twin
+elsewhere); the few calls it declines (its docstring) and uncached single tokens run transformers' module. Installed
+by `localmoe.decode.replacements`.
 
 Shape legend: B batch, T tokens, H hidden, C conv channels, H_v value heads, d_v value head dim.
 """
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localmoe.decode.deltanet_prefill import deltanet_prefill
 from localmoe.decode.ops import concat_rows, linear_1, one_row, takes_norm
 from localmoe.kernels.delta_rule_step import gated_deltanet_step
 from localmoe.kernels.tuning import tuned
@@ -38,7 +42,8 @@ def _decode_states(cache, layer_idx: int):
 
 
 class FusedGatedDeltaNet(nn.Module):
-    """Qwen3.5 Gated DeltaNet whose cached single-token step is 4 projections + one fused kernel + out_proj."""
+    """Qwen3.5 Gated DeltaNet whose cached single-token step is 4 projections + one fused kernel + out_proj, and
+    whose prefill runs the chunked delta rule kernel."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -64,6 +69,7 @@ class FusedGatedDeltaNet(nn.Module):
             if hasattr(hf, attr):
                 setattr(self, attr, getattr(hf, attr))
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
+        self.prefill_calls = 0  # T > 1 calls run by deltanet_prefill (not transformers' module)
         self._launch: dict | None = None  # tuned launch keywords, looked up on the first fused step
         self._w_in, self._in_sizes = concat_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
@@ -95,6 +101,11 @@ class FusedGatedDeltaNet(nn.Module):
         )
         if input_norm is not None and not fold:
             hidden_states, input_norm = input_norm(hidden_states), None
+        if states is None and hidden_states.shape[1] > 1:  # prefill / prompt piece: deltanet_prefill.py
+            out = deltanet_prefill(self, hidden_states, cache, attention_mask, kwargs)
+            if out is not None:
+                self.prefill_calls += 1
+                return out
         if states is None:  # transformers' own forward (its cache argument is the second positional in 5.17/5.2x)
             return self._hf(hidden_states, cache, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None and attention_mask.dim() == 2:  # transformers' apply_mask_to_padding_states

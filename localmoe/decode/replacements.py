@@ -155,7 +155,7 @@ REPLACEMENTS: dict[str, Replacement] = {
     ),
     "Qwen3_5MoeRMSNorm": Replacement(_norm("zero_centred"), "x̂·(1+w), one launch"),
     "Qwen3_5MoeGatedDeltaNet": Replacement(
-        FusedGatedDeltaNet, "cached T=1 step fused (conv, gates, delta rule, gated norm); prefill unchanged"
+        FusedGatedDeltaNet, "cached T=1 step fused (conv, gates, delta rule, gated norm); T>1: chunk scan 1 launch"
     ),
     "Qwen3_5MoeAttention": Replacement(
         FusedAttention, "cached T=1 step: q|k|v 1 GEMV, norms + RoPE 1 launch; prefill unchanged"
