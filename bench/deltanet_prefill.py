@@ -1,0 +1,183 @@
+"""Gated DeltaNet prefill on a GPU: localmoe's chunked delta rule (kernels/delta_rule_chunk.py) against
+transformers' torch fallback and, when importable, flash-linear-attention's `chunk_gated_delta_rule`.
+
+First a check: the kernel against its torch reference (transformers' function op for op) on the GPU, T = 300 (a
+partial last chunk), with an initial state, fp32 dots and TF32 dots; max absolute error of the output and the final
+state. Then the times (median ms, CUDA events around each call, warm) of one Qwen3.5-35B-A3B Gated DeltaNet layer's
+delta rule (H_k 16, H_v 32, d_k = d_v 128, bf16 q/k/v, fp32 g) at T 512 / 2048 / 8192, for: transformers'
+`torch_chunk_gated_delta_rule`, the kernel (fp32 dots, and TF32), fla's kernel; then the whole layer
+(`Qwen3_5MoeGatedDeltaNet` vs localmoe's `FusedGatedDeltaNet`, hidden 2048, no cache). Prints two tables; with $OUT
+set writes `$OUT/deltanet_prefill.json`.
+
+    python bench/deltanet_prefill.py [--T 512,2048,8192] [--reps 10]
+
+Run from the repository root with localmoe importable (see README.md: `pip install -e .`, or PYTHONPATH with
+kernels/ linked in as localmoe/kernels as gpu_release_check.sh does).
+Shape legend: B batch (1), T tokens, H_k / H_v key / value heads, d head dim, H hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
+
+from localmoe.decode.deltanet import FusedGatedDeltaNet
+from localmoe.kernels.delta_rule_chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_ref
+
+try:  # optional: the package transformers would use if it were installed
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+except Exception:  # noqa: BLE001 (any import failure: not there, or broken on this machine)
+    fla_chunk = None
+
+HK, HV, D, HIDDEN = 16, 32, 128, 2048
+
+
+def _inputs(T, dtype=torch.bfloat16, seed=0, state=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, HK, D, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(1, T, HK, D, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(1, T, HV, D, device="cuda", generator=gen).to(dtype)
+    g = -torch.rand(1, T, HV, device="cuda", generator=gen) * 2 - 0.01  # fp32, as the model's
+    beta = torch.rand(1, T, HV, device="cuda", generator=gen).to(dtype)
+    s0 = torch.randn(1, HV, D, D, device="cuda", generator=gen) * 0.5 if state else None
+    return q, k, v, g, beta, s0
+
+
+def _rep(q, k):
+    return q.repeat_interleave(HV // HK, dim=2), k.repeat_interleave(HV // HK, dim=2)
+
+
+def _time(fn, reps):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def check() -> dict:
+    q, k, v, g, beta, s0 = _inputs(300, seed=1, state=True)
+    want, want_s = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0)
+    hf, hf_s = q35.torch_chunk_gated_delta_rule(
+        *_rep(q, k), v, g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    res = {"ref_vs_transformers": float((want.float() - hf.float()).abs().max())}
+    for name, tf32 in (("ieee", False), ("tf32", True)):
+        got, got_s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, tf32=tf32)
+        res[f"{name}_out"] = float((got.float() - want.float()).abs().max())
+        res[f"{name}_state"] = float((got_s - want_s).abs().max())
+    res["out_scale"] = float(want.float().abs().max())
+    res["state_scale"] = float(want_s.abs().max())
+    print("check (T 300, initial state, bf16 in): max |kernel - reference|")
+    for key, val in res.items():
+        print(f"  {key:20s} {val:.3e}")
+    return res
+
+
+def rule_times(Ts, reps) -> list[dict]:
+    rows = []
+    for T in Ts:
+        q, k, v, g, beta, _ = _inputs(T)
+        qr, kr = _rep(q, k)
+        fns = {
+            "transformers": lambda: q35.torch_chunk_gated_delta_rule(
+                qr, kr, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True
+            ),
+            "localmoe": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
+            "localmoe_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, tf32=True),
+        }
+        if fla_chunk is not None:
+            fns["fla"] = lambda: fla_chunk(
+                qr, kr, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+        row = {"T": T}
+        for name, fn in fns.items():
+            try:
+                row[name] = _time(fn, reps)
+            except Exception as e:  # noqa: BLE001 (report and go on: one failing path must not hide the others)
+                print(f"  {name} T={T} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                row[name] = None
+        rows.append(row)
+    return rows
+
+
+def layer_times(Ts, reps) -> list[dict]:
+    cfg = q35.Qwen3_5MoeTextConfig(
+        hidden_size=HIDDEN,
+        linear_num_key_heads=HK,
+        linear_num_value_heads=HV,
+        linear_key_head_dim=D,
+        linear_value_head_dim=D,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    hf = q35.Qwen3_5MoeGatedDeltaNet(cfg, 0).to("cuda", torch.bfloat16).eval()
+    fused = FusedGatedDeltaNet(hf)
+    rows = []
+    for T in Ts:
+        x = torch.randn(1, T, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            a, b = hf(x), fused(x)
+            err = float((a.float() - b.float()).abs().max())
+            rows.append(
+                {
+                    "T": T,
+                    "transformers": _time(lambda: hf(x), reps),
+                    "localmoe": _time(lambda: fused(x), reps),
+                    "max_err": err,
+                    "out_scale": float(a.float().abs().max()),
+                }
+            )
+    return rows
+
+
+def _table(title, rows, cols):
+    print(title)
+    print("  " + " | ".join(f"{c:>14s}" for c in ["T", *cols]))
+    for r in rows:
+        cells = [f"{r['T']:>14d}"]
+        for c in cols:
+            val = r.get(c)
+            cells.append(f"{'-':>14s}" if val is None else f"{val:>14.3f}")
+        print("  " + " | ".join(cells))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", default="512,2048,8192", help="comma-separated token counts")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    Ts = [int(t) for t in args.T.split(",")]
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  fla {'yes' if fla_chunk else 'no'}")
+    res = {"check": check()}
+    res["rule"] = rule_times(Ts, args.reps)
+    cols = ["transformers", "localmoe", "localmoe_tf32"] + (["fla"] if fla_chunk is not None else [])
+    _table("delta rule, one layer (ms, median)", res["rule"], cols)
+    res["layer"] = layer_times(Ts, args.reps)
+    _table("whole Gated DeltaNet layer, no cache (ms, median)", res["layer"], ["transformers", "localmoe", "max_err"])
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "deltanet_prefill.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
