@@ -1,8 +1,8 @@
 """Fused decode kernels in place of transformers modules: ONE table, applied explicitly at load time.
 
 The modules live in `ops` (FusedLinear, FusedRMSNorm), `deltanet` (FusedGatedDeltaNet), `attention`
-(FusedAttention), `moe_layer` (FusedSparseMoeBlock, FusedDecoderLayer) and `text_model` (FusedTextModel), all in
-localmoe/decode/; this module owns the table and `install` / `uninstall`.
+(FusedAttention), `mla` (FusedMLA), `moe_layer` (FusedSparseMoeBlock, FusedDecoderLayer) and `text_model`
+(FusedTextModel), all in localmoe/decode/; this module owns the table and `install` / `uninstall`.
 
 `REPLACEMENTS` maps a transformers class name to the localmoe module that replaces it for decode. `install(model)`
 walks `model.named_modules()` once and, for every module whose class is in the table, puts the localmoe module in
@@ -46,6 +46,10 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                o_proj: 5 launches
                                                                (was 28 with the fused Linears and norms); prefill
                                                                and uncached calls run the original module
+    DeepseekV2Attention            FusedMLA                 cached T=1 step absorbed over the compressed latent
+                                                               cache: q|kv_a 1 GEMV, W_UK 1, core 2
+                                                               (kernels/mla_decode.py), W_UV 1, o_proj (transformers
+                                                               expands the whole cache through kv_b_proj each step)
     Qwen3_5MoeSparseMoeBlock       FusedSparseMoeBlock      one token: router 1 launch (GEMV, softmax, top-k, renorm,
                                                                casts; was ~6) -> the block's own `experts` (localmoe's
                                                                LocalExperts, unchanged) -> shared expert 2 launches
@@ -128,6 +132,7 @@ from torch import nn
 from localmoe.decode import sdpa
 from localmoe.decode.attention import FusedAttention
 from localmoe.decode.deltanet import FusedGatedDeltaNet
+from localmoe.decode.mla import FusedMLA
 from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock
 from localmoe.decode.ops import FusedLinear, FusedRMSNorm
 from localmoe.decode.text_model import FusedTextModel
@@ -198,6 +203,10 @@ REPLACEMENTS: dict[str, Replacement] = {
     "GraniteMoeMoE": Replacement(
         FusedSparseMoeBlock, "T=1: router (top-k, softmax over k) 1 launch, experts unchanged"
     ),
+    "DeepseekV2Attention": Replacement(
+        FusedMLA,
+        "cached T=1 step absorbed over the compressed cache (W_UK, W_UV folded; core 2 launches); prefill unchanged",
+    ),
     "Linear": Replacement(FusedLinear, "one row: localmoe's GEMV (tuned per shape); else F.linear"),
     "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "OlmoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
@@ -210,6 +219,7 @@ _FUSED_TYPES = (
     FusedRMSNorm,
     FusedGatedDeltaNet,
     FusedAttention,
+    FusedMLA,
     FusedSparseMoeBlock,
     FusedDecoderLayer,
     FusedLinear,

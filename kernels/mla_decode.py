@@ -1,0 +1,160 @@
+"""DeepSeek-V2's multi-head latent attention (MLA) for one decode token, over the compressed cache: the attention core
+of the absorbed form its paper describes.
+
+transformers caches MLA's latents, not per-head keys and values: per position the normalised compressed KV
+c [C] (C = kv_lora_rank, 512) and the rotary key k_pe [R] (R = qk_rope_head_dim, 64), shared by every head. Its
+module expands the whole cache through kv_b_proj on every step (a [L, C] x [C, Hq·(D_nope + D_v)] GEMM, reading and
+writing L·Hq·(D_nope + D_v) elements). Absorbed, W_UK moves into the query (q_lat = q_nope·W_UK, [Hq, C]) and W_UV
+behind the core (localmoe/decode/mla.py does both, one batched GEMV each), so the core reads each cached position
+once for all heads, as multi-query attention with a C + R wide key and a C wide value (the key's first C columns):
+
+    s[h, j] = (q_lat[h]·c[j] + q_pe[h]·k_pe[j]) · scale,   j < n
+    o_lat[h] = softmax_j(s[h]) · c
+
+Two launches (flash decoding): `_mla_split_kernel`, grid (S,): split i runs positions [i·chunk, min((i+1)·chunk,
+n)) in blocks of BLOCK_L, every head at once (q_lat [BLOCK_H, C] x c [BLOCK_L, C]^T on the tensor cores), with an
+online softmax; it writes its fp32 partial output and (max, sum) per head. `_mla_combine_kernel`, grid (Hq,): the
+splits merged, rounded to q's dtype. n (the valid length) is read from a device int tensor, so the launch is fixed
+for a CUDA graph over a static cache of L >= n rows (a split past n writes an empty partial).
+
+Shapes: q_lat [Hq, C] · q_pe [Hq, R] · c [L, C] · k_pe [L, R] (rows contiguous, any row stride: views into a
+transformers StaticLayer's keys [1, 1, L, C] and values [1, 1, L, R]) · n [1] int32/int64 · out [Hq, C].
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+BLOCK_L = 32  # cached positions per inner block
+SPLIT_ROWS = 256  # positions per split (rounded to BLOCK_L); at most MAX_SPLITS splits
+MAX_SPLITS = 64
+
+
+def mla_decode_ref(q_lat, q_pe, c, k_pe, n, scale: float) -> torch.Tensor:
+    """Absorbed MLA core in fp32 over the first n cached positions; [Hq, C] in q_lat's dtype."""
+    n = int(n.reshape(-1)[0]) if isinstance(n, torch.Tensor) else int(n)
+    cf, pf = c[:n].float(), k_pe[:n].float()
+    s = (q_lat.float() @ cf.T + q_pe.float() @ pf.T) * scale  # [Hq, n]
+    return (torch.softmax(s, dim=-1) @ cf).to(q_lat.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mla_split_kernel(
+        q_ptr, qp_ptr, c_ptr, p_ptr, n_ptr, acc_ptr, ml_ptr,
+        Hq, C, R, stride_c, stride_p, chunk, scale,
+        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+        DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        i = tl.program_id(0)
+        S = tl.num_programs(0)
+        h = tl.arange(0, BLOCK_H)
+        cc = tl.arange(0, BLOCK_C)
+        rr = tl.arange(0, BLOCK_R)
+        hm = h < Hq
+        q = tl.load(q_ptr + h[:, None] * C + cc[None, :], mask=hm[:, None] & (cc[None, :] < C), other=0.0)
+        qp = tl.load(qp_ptr + h[:, None] * R + rr[None, :], mask=hm[:, None] & (rr[None, :] < R), other=0.0)
+        if DOT_F32:
+            q, qp = q.to(tl.float32), qp.to(tl.float32)
+        n = tl.load(n_ptr).to(tl.int32)
+        lo = i * chunk
+        hi = tl.minimum(lo + chunk, n)
+        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_L):
+            j = start + tl.arange(0, BLOCK_L)
+            jm = j < hi
+            kc = tl.load(c_ptr + j[:, None] * stride_c + cc[None, :], mask=jm[:, None] & (cc[None, :] < C), other=0.0)
+            kp = tl.load(p_ptr + j[:, None] * stride_p + rr[None, :], mask=jm[:, None] & (rr[None, :] < R), other=0.0)
+            if DOT_F32:  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.x): the same products in fp32
+                kc, kp = kc.to(tl.float32), kp.to(tl.float32)
+            s = tl.dot(q, tl.trans(kc), input_precision=PREC, out_dtype=tl.float32)
+            s += tl.dot(qp, tl.trans(kp), input_precision=PREC, out_dtype=tl.float32)
+            s = tl.where(jm[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision=PREC, out_dtype=tl.float32)
+            m_i = m_new
+        base = (h * S + i)[:, None] * BLOCK_C + cc[None, :]
+        tl.store(acc_ptr + base, acc, mask=hm[:, None])
+        tl.store(ml_ptr + (h * S + i) * 2, m_i, mask=hm)
+        tl.store(ml_ptr + (h * S + i) * 2 + 1, l_i, mask=hm)
+
+    @triton.jit
+    def _mla_combine_kernel(acc_ptr, ml_ptr, out_ptr, C, S, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        h = tl.program_id(0)
+        s = tl.arange(0, BLOCK_S)
+        sm = s < S
+        m = tl.load(ml_ptr + (h * S + s) * 2, mask=sm, other=float("-inf"))
+        ll = tl.load(ml_ptr + (h * S + s) * 2 + 1, mask=sm, other=0.0)
+        m_all = tl.max(m, axis=0)
+        w = tl.where(sm & (ll > 0), tl.exp(m - m_all), 0.0)
+        denom = tl.sum(w * ll, axis=0)
+        cc = tl.arange(0, BLOCK_C)
+        parts = tl.load(acc_ptr + (h * S + s)[:, None] * BLOCK_C + cc[None, :], mask=sm[:, None], other=0.0)
+        o = tl.sum(parts * w[:, None], axis=0) / denom
+        DT = out_ptr.dtype.element_ty
+        tl.store(out_ptr + h * C + cc, o.to(DT), mask=cc < C)
+
+
+def _rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, device) -> None:
+    if t.dim() != 2 or t.shape[1] != width or t.stride(1) != 1:
+        raise ValueError(f"{name} must be [rows, {width}] with contiguous rows, got {tuple(t.shape)} {t.stride()}")
+    if t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} must be {dtype} on {device} (as q_lat), got {t.dtype} on {t.device}")
+
+
+def mla_decode(q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, out: torch.Tensor | None = None):
+    """The absorbed MLA core (module docstring) in two launches; returns out [Hq, C] in q_lat's dtype."""
+    if triton is None:
+        raise RuntimeError("mla_decode needs triton")
+    if (
+        q_lat.dim() != 2
+        or not q_lat.is_contiguous()
+        or q_lat.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+    ):
+        raise ValueError(f"q_lat must be a contiguous float [Hq, C] tensor, got {q_lat.dtype} {tuple(q_lat.shape)}")
+    Hq, C = q_lat.shape
+    R = q_pe.shape[-1]
+    dev, dt = q_lat.device, q_lat.dtype
+    if tuple(q_pe.shape) != (Hq, R) or not q_pe.is_contiguous() or q_pe.dtype != dt or q_pe.device != dev:
+        raise ValueError(f"q_pe must be a contiguous [Hq, R] = [{Hq}, {R}] {dt} tensor on {dev}")
+    _rows("c", c, C, dt, dev)
+    _rows("k_pe", k_pe, R, dt, dev)
+    L = c.shape[0]
+    if k_pe.shape[0] != L:
+        raise ValueError(f"c and k_pe must cover the same positions, got {L} and {k_pe.shape[0]}")
+    if n.numel() != 1 or n.dtype not in (torch.int32, torch.int64) or n.device != dev:
+        raise ValueError(f"n must be one int32/int64 on {dev} (the valid cached length), got {n.dtype} {n.shape}")
+    if out is None:
+        out = torch.empty_like(q_lat)
+    elif tuple(out.shape) != (Hq, C) or not out.is_contiguous() or out.dtype != dt or out.device != dev:
+        raise ValueError(f"out must be a contiguous [Hq, C] = {(Hq, C)} {dt} tensor")
+    chunk = triton.cdiv(max(triton.cdiv(L, MAX_SPLITS), SPLIT_ROWS), BLOCK_L) * BLOCK_L
+    S = max(1, triton.cdiv(L, chunk))
+    BLOCK_C = max(16, triton.next_power_of_2(C))
+    BLOCK_H = max(16, triton.next_power_of_2(Hq))
+    acc = torch.empty(Hq, S, BLOCK_C, dtype=torch.float32, device=dev)
+    ml = torch.empty(Hq, S, 2, dtype=torch.float32, device=dev)
+    _mla_split_kernel[(S,)](
+        q_lat, q_pe, c, k_pe, n, acc, ml, Hq, C, R, c.stride(0), k_pe.stride(0), chunk, float(scale),
+        BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_L=BLOCK_L,
+        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and dt != torch.float32,
+        PREC="ieee" if dt == torch.float32 else "tf32",  # fp32 models: exact products, not TF32's
+        num_warps=4 if BLOCK_C <= 256 else 8,
+    )  # fmt: skip
+    _mla_combine_kernel[(Hq,)](acc, ml, out, C, S, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_C=BLOCK_C)
+    return out

@@ -1,0 +1,55 @@
+"""localmoe/decode/mla.py: DeepSeek-V2's attention decoded absorbed over the compressed cache (kernels/mla_decode.py
+under the interpreter on the CPU). Greedy prefill + cached decode steps equal transformers' unfused model (static and
+dynamic caches, with and without q_lora_rank; fp32); the absorbed step is taken on every decode step, the
+original module on the prefill."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import test_fused  # noqa: E402
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
+
+from localmoe.decode import replacements  # noqa: E402
+from localmoe.decode.mla import FusedMLA  # noqa: E402
+
+DEV = test_fused.DEV
+
+
+def _tiny(q_lora_rank=None):
+    cfg = DeepseekV2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return test_fused.nontrivial(DeepseekV2ForCausalLM(cfg)).eval()
+
+
+@pytest.mark.parametrize(
+    "q_lora_rank, cache_kind, dtype",
+    [(None, "static", torch.float32), (24, "dynamic", torch.float32)],
+    ids=["lite-static", "q_lora-dynamic"],  # (bf16: the kernel's test; the model in bf16 on the GPU check)
+)
+@torch.no_grad()
+def test_absorbed_decode_equals_transformers(q_lora_rank, cache_kind, dtype):
+    ref = _tiny(q_lora_rank).to(DEV, dtype)
+    prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(5)).to(DEV)
+    want, want_toks = test_fused._run(ref, cache_kind, prompt, steps=3)
+    model = copy.deepcopy(ref)
+    done = replacements.install(model, DEV, force=True)
+    assert done["DeepseekV2Attention"] == 2
+    got, got_toks = test_fused._run(model, cache_kind, prompt, steps=3)
+    mla = [m for m in model.modules() if isinstance(m, FusedMLA)]
+    assert [m.decode_calls for m in mla] == [3, 3]  # every decode step, not the prefill
+    assert got_toks == want_toks
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    assert replacements.uninstall(model) > 0
+    assert not any(isinstance(m, FusedMLA) for m in model.modules())
