@@ -2,12 +2,12 @@
 transformers' torch fallback and, when importable, flash-linear-attention's `chunk_gated_delta_rule`.
 
 First a check: the kernel against its torch reference (transformers' function op for op) on the GPU, T = 300 (a
-partial last chunk), with an initial state, fp32 dots and TF32 dots; max absolute error of the output and the final
-state. Then the times (median ms, CUDA events around each call, warm) of one Qwen3.5-35B-A3B Gated DeltaNet layer's
-delta rule (H_k 16, H_v 32, d_k = d_v 128, bf16 q/k/v, fp32 g) at T 512 / 2048 / 8192, for: transformers'
-`torch_chunk_gated_delta_rule`, the kernel (fp32 dots, and TF32), fla's kernel; then the whole layer
-(`Qwen3_5MoeGatedDeltaNet` vs localmoe's `FusedGatedDeltaNet`, hidden 2048, no cache). Prints two tables; with $OUT
-set writes `$OUT/deltanet_prefill.json`.
+partial last chunk), with an initial state, fp32 dots and TF32 dots, either prepare; max absolute error of the
+output and the final state. Then the times (median ms, CUDA events around each call, warm) of one Qwen3.5-35B-A3B
+Gated DeltaNet layer's delta rule (H_k 16, H_v 32, d_k = d_v 128, bf16 q/k/v, fp32 g) at T 512 / 2048 / 8192, for:
+transformers' `torch_chunk_gated_delta_rule`, the kernel (fp32 dots, and TF32; the intra-chunk phase in torch, and in
+Triton: `_tprep`), fla's kernel; then the whole layer (`Qwen3_5MoeGatedDeltaNet` vs localmoe's
+`FusedGatedDeltaNet`, hidden 2048, no cache). Prints two tables; with $OUT set writes `$OUT/deltanet_prefill.json`.
 
     python bench/deltanet_prefill.py [--T 512,2048,8192] [--reps 10]
 
@@ -36,6 +36,8 @@ except Exception:  # noqa: BLE001 (any import failure: not there, or broken on t
     fla_chunk = None
 
 HK, HV, D, HIDDEN = 16, 32, 128, 2048
+# transformers' torch function itself (its hub decorator would hand the call to fla when fla is installed)
+torch_chunk = getattr(q35.torch_chunk_gated_delta_rule, "__wrapped__", q35.torch_chunk_gated_delta_rule)
 
 
 def _inputs(T, dtype=torch.bfloat16, seed=0, state=False):
@@ -71,12 +73,17 @@ def _time(fn, reps):
 def check() -> dict:
     q, k, v, g, beta, s0 = _inputs(300, seed=1, state=True)
     want, want_s = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=s0)
-    hf, hf_s = q35.torch_chunk_gated_delta_rule(
+    hf, hf_s = torch_chunk(
         *_rep(q, k), v, g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
     res = {"ref_vs_transformers": float((want.float() - hf.float()).abs().max())}
-    for name, tf32 in (("ieee", False), ("tf32", True)):
-        got, got_s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, tf32=tf32)
+    for name, tf32, prep in (
+        ("ieee", False, "torch"),
+        ("tf32", True, "torch"),
+        ("tprep_ieee", False, "triton"),
+        ("tprep_tf32", True, "triton"),
+    ):
+        got, got_s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, tf32=tf32, prepare=prep)
         res[f"{name}_out"] = float((got.float() - want.float()).abs().max())
         res[f"{name}_state"] = float((got_s - want_s).abs().max())
     res["out_scale"] = float(want.float().abs().max())
@@ -93,11 +100,13 @@ def rule_times(Ts, reps) -> list[dict]:
         q, k, v, g, beta, _ = _inputs(T)
         qr, kr = _rep(q, k)
         fns = {
-            "transformers": lambda: q35.torch_chunk_gated_delta_rule(
+            "transformers": lambda: torch_chunk(
                 qr, kr, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True
             ),
             "localmoe": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
             "localmoe_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, tf32=True),
+            "localmoe_tprep": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton"),
+            "localmoe_tprep_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", tf32=True),
         }
         if fla_chunk is not None:
             fns["fla"] = lambda: fla_chunk(
@@ -147,12 +156,13 @@ def layer_times(Ts, reps) -> list[dict]:
 
 def _table(title, rows, cols):
     print(title)
-    print("  " + " | ".join(f"{c:>14s}" for c in ["T", *cols]))
+    width = {c: max(10, len(c)) for c in cols}
+    print("  " + " | ".join([f"{'T':>6s}"] + [f"{c:>{width[c]}s}" for c in cols]))
     for r in rows:
-        cells = [f"{r['T']:>14d}"]
+        cells = [f"{r['T']:>6d}"]
         for c in cols:
             val = r.get(c)
-            cells.append(f"{'-':>14s}" if val is None else f"{val:>14.3f}")
+            cells.append(f"{'-':>{width[c]}s}" if val is None else f"{val:>{width[c]}.4g}")
         print("  " + " | ".join(cells))
 
 
@@ -168,10 +178,12 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  fla {'yes' if fla_chunk else 'no'}")
     res = {"check": check()}
     res["rule"] = rule_times(Ts, args.reps)
-    cols = ["transformers", "localmoe", "localmoe_tf32"] + (["fla"] if fla_chunk is not None else [])
+    cols = ["transformers", "localmoe", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
+    cols += ["fla"] if fla_chunk is not None else []
     _table("delta rule, one layer (ms, median)", res["rule"], cols)
     res["layer"] = layer_times(Ts, args.reps)
-    _table("whole Gated DeltaNet layer, no cache (ms, median)", res["layer"], ["transformers", "localmoe", "max_err"])
+    layer_title = "whole Gated DeltaNet layer, no cache (ms, median; transformers' module uses fla when it imports)"
+    _table(layer_title, res["layer"], ["transformers", "localmoe", "max_err"])
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "deltanet_prefill.json"), "w") as f:

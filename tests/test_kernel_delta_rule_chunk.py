@@ -4,7 +4,8 @@ against transformers' `torch_chunk_gated_delta_rule` (l2norm on, as Qwen3.5 call
 The reference equals transformers' function bit for bit; the kernel equals it within fp32 / bf16 tolerance (under
 TRITON_INTERPRET=1 on the CPU its dots are numpy's). T = 1, 63, 64, 130 (one partial chunk, one full, three with a
 partial last one), with and without an initial state, q/k with H_v heads (as transformers passes them) and with H_k
-heads, a real head size (d_k = d_v = 128) once, fp32 and bf16 inputs. Interpreter time keeps the shapes small.
+heads, a real head size (d_k = d_v = 128) once, fp32 and bf16 inputs; the intra-chunk phase in torch (the default)
+and in Triton (`prepare="triton"`). Interpreter time keeps the shapes small.
 Shape legend: B batch, T tokens, H_k/H_v key/value heads, d_k/d_v head dims.
 """
 
@@ -20,8 +21,10 @@ pytest.importorskip("triton")
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35  # noqa: E402
 
 from localmoe.kernels.delta_rule_chunk import (  # noqa: E402
+    _prepare_triton,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
+    chunk_prepare,
     kernel_available,
 )
 
@@ -84,6 +87,29 @@ def test_chunk_rule_matches_transformers(case, dtype):
         torch.testing.assert_close(again, got, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    "case,dtype",
+    [((1, 70, 1, 2, 16, 16, True), torch.float32), ((1, 63, 1, 2, 8, 24, False), torch.bfloat16)],
+    ids=["T70_grouped", "T63_grouped_nostate"],
+)
+@torch.no_grad()
+def test_triton_prepare_matches_torch_prepare(case, dtype):
+    """prepare="triton" (the intra-chunk phase in one launch, the inverse by forward substitution) gives what the
+    torch phase gives, and the rule transformers' result."""
+    *shape, s0 = case
+    q, k, v, g, beta, state = _inputs(*shape, s0, dtype, seed=7)
+    want = chunk_prepare(q, k, v, g, beta)
+    got = _prepare_triton(q, k, v, g, beta, 64, True, "ieee")
+    for name, a, b in zip(("qd", "kd", "w", "u", "attn", "chunk_decay"), got, want):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    out, st = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, prepare="triton")
+    ref, ref_state = _hf(q, k, v, g, beta, state)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(st, ref_state, rtol=1e-4, atol=1e-4)
+
+
 @torch.no_grad()
 def test_block_v_split_and_no_final_state():
     """d_v split over several programs (block_v 16 of d_v 40) equals one program's result; no final state asked."""
@@ -104,6 +130,7 @@ def test_checks():
         dict(initial_state=state[:, :2]),  # wrong heads
         dict(block_v=24),  # not a power of two
         dict(chunk_size=48),
+        dict(prepare="cuda"),
     ]
     for kw in bad:
         with pytest.raises(ValueError):
