@@ -3,9 +3,10 @@ pretrained MoEs). CPU, a trained model (localmoe-tiny by default); no GPU, no sp
 
 Per MoE layer, from the routed inputs of the calibration text (localmoe/data/calibration.txt, --calib tokens):
   * tau: the layer's threshold at --sparsity (quantile of |silu(x W_gate_e^T)| over routed (token, expert) pairs);
-  * departments: the E experts in N balanced groups, greedy by routing co-activation ("coact") or by the overlap of
+  * departments and fit: localmoe/experts/predictor.py's `fit_layer` (what `--departments N` loads):
+    the E experts in N balanced groups, greedy by routing co-activation ("coact") or by the overlap of
     the experts' whitened gate row spaces ("rows");
-  * fit (closed form): S = whitened inputs of the department (Sigma^1/2 from its routed inputs); the top-r right
+    closed form: S = whitened inputs of the department (Sigma^1/2 from its routed inputs); the top-r right
     singular vectors V_r of the stacked [W_e Sigma^1/2] give the shared basis B_d = V_r^T Sigma^-1/2 [r, H]; each
     expert's C_e [I, r] is then refit by least squares on its own routed inputs (C_e = G Z^T (Z Z^T + lambda I)^-1,
     G = W_e X^T, Z = B_d X^T).
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.experts.local_experts import LocalExperts  # noqa: E402
+from localmoe.experts.predictor import exact_and_predicted, fit_layer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "localmoe" / "data"
 
@@ -53,36 +55,6 @@ def routed_inputs(engine, text: str, tokens: int):
         for h in hooks:
             h.remove()
     return {i: (torch.cat(x).double(), torch.cat(k)) for i, (x, k) in got.items()}, mods
-
-
-def sqrtm(sigma: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    val, vec = torch.linalg.eigh(sigma)
-    val = val.clamp(min=val.max() * 1e-8)
-    return (vec * (val ** (-0.5 if inverse else 0.5))) @ vec.T
-
-
-def group(sim: torch.Tensor, n_groups: int) -> list[list[int]]:
-    """Balanced greedy grouping: seed with the expert most similar to the rest, fill with its most similar."""
-    E = sim.shape[0]
-    size, left, groups = E // n_groups, set(range(E)), []
-    for _ in range(n_groups):
-        seed = max(left, key=lambda e: float(sum(sim[e, f] for f in left if f != e)))
-        members = [seed] + sorted((f for f in left if f != seed), key=lambda f: -float(sim[seed, f]))[: size - 1]
-        groups.append(members)
-        left -= set(members)
-    return groups
-
-
-def similarity(kind: str, w_gate: torch.Tensor, idx: torch.Tensor, sigma_half: torch.Tensor) -> torch.Tensor:
-    E = w_gate.shape[0]
-    if kind == "coact":
-        onehot = torch.zeros(idx.shape[0], E, dtype=torch.float64).scatter_(1, idx, 1.0)
-        return onehot.T @ onehot
-    bases = []
-    for e in range(E):  # the top-32 right singular subspace of each whitened gate
-        _, _, vh = torch.linalg.svd(w_gate[e] @ sigma_half, full_matrices=False)
-        bases.append(vh[:32])
-    return torch.tensor([[float((bases[a] @ bases[b].T).norm() ** 2) for b in range(E)] for a in range(E)])
 
 
 def main() -> None:
@@ -110,34 +82,15 @@ def main() -> None:
         xt, idt = test[L]
         acts = torch.cat([torch.nn.functional.silu(x[(idx == e).any(1)] @ wg[e].T).abs().reshape(-1) for e in range(E)])
         tau = torch.quantile(acts[: 1 << 24].float(), a.sparsity).item()
-        sig_all = x.T @ x / x.shape[0] + 1e-6 * torch.eye(H, dtype=torch.float64)
         for kind in ("coact", "rows"):
-            sim = similarity(kind, wg, idx, sqrtm(sig_all))
             for N in (int(v) for v in a.departments.split(",")):
                 if E % N:
                     continue
-                groups = group(sim, N)
-                dept_of = torch.empty(E, dtype=torch.long)
-                for d, g in enumerate(groups):
-                    dept_of[g] = d
                 for r in ranks:
                     if r > H:
                         continue
-                    pred_abs, exact_abs = [], []
-                    for d, g in enumerate(groups):
-                        xd = x[(dept_of[idx] == d).any(1)]
-                        sig = xd.T @ xd / max(len(xd), 1) + 1e-6 * torch.eye(H, dtype=torch.float64)
-                        half, inv_half = sqrtm(sig), sqrtm(sig, inverse=True)
-                        _, _, vh = torch.linalg.svd(torch.cat([wg[e] @ half for e in g]), full_matrices=False)
-                        B = vh[:r] @ inv_half  # [r, H]
-                        for e in g:
-                            xe = x[(idx == e).any(1)]
-                            Z, G = B @ xe.T, wg[e] @ xe.T  # [r, n], [I, n]
-                            C = G @ Z.T @ torch.linalg.inv(Z @ Z.T + 1e-6 * torch.eye(r, dtype=torch.float64))
-                            xte = xt[(idt == e).any(1)]
-                            exact_abs.append(torch.nn.functional.silu(xte @ wg[e].T).abs())  # [n, I]
-                            pred_abs.append(torch.nn.functional.silu(xte @ B.T @ C.T).abs())
-                    ex, pr = torch.cat(exact_abs), torch.cat(pred_abs)
+                    B, C, dept_of = fit_layer(wg, x, idx, N, r, kind)  # localmoe/experts/predictor.py
+                    ex, pr = exact_and_predicted(wg, xt, idt, B, C, dept_of, torch.nn.functional.silu)
                     kept = ex >= tau
                     mass = (ex * kept).sum()
                     # departments a token touches per routed expert (B_d is read once per department per token)

@@ -1,0 +1,112 @@
+"""The department-shared gate predictor at decode time (issue #23): one MoE layer's fitted predictor and the torch
+reference of the predicted sparse path.
+
+A layer's routed experts are grouped into N departments; department d has a shared basis B_d [r, H], expert e a
+private C_e [I, r] (fitted by `localmoe.experts.predictor`). For a token x routed to experts e of departments d(e):
+
+    stage 1  z_d = B_d · x                          once per department the token's experts touch
+    stage 2  p_e = |act(C_e · z_d(e))|              candidates: neurons with p_e >= τ′ (the layer's predictor threshold)
+    stage 3  g = act(W_gate_e[cand] · x)            the exact gate rows of the candidates only;
+             kept = cand with |g| >= τ              as the exact sparse path; their up/down rows read, computed exactly
+
+The only error against the exact-mask sparse path is a neuron with |g| >= τ that the predictor missed. τ′ = 0 makes
+every neuron a candidate: the exact sparse path. The counters (`mass_exact`, `mass_kept`: the exact mask's |act|
+mass and the part of it kept; `candidates`, `slots`, `touches`: candidate neurons, (token, expert) slots and
+(token, department) pairs) are filled by evaluation's masked grouped path (`observe`) and by the decode reference
+(which cannot see the mass it missed: it adds counts only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LayerPredictor:
+    B: torch.Tensor  # [N, r, H] the departments' shared bases
+    C: torch.Tensor  # [E, I, r] the experts' private maps
+    dept_of: torch.Tensor  # [E] int64: each expert's department
+    tau_prime: float  # candidates: |act(C_e B_d x)| >= tau_prime
+    counts: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    @property
+    def departments(self) -> int:
+        return self.B.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.B.shape[1]
+
+    def reset(self) -> None:
+        self.counts.update(mass_exact=0.0, mass_kept=0.0, candidates=0, slots=0, touches=0)  # in place
+
+    def to(self, device, dtype) -> LayerPredictor:
+        return LayerPredictor(
+            self.B.to(device, dtype), self.C.to(device, dtype), self.dept_of.to(device), self.tau_prime
+        )
+
+    def predicted_abs(self, x: torch.Tensor, experts: torch.Tensor, act_fn) -> torch.Tensor:
+        """|act(C_e B_d(e) x)| [n, I] of rows x [n, H] routed to experts [n] (stage 1 and 2 for many rows)."""
+        n, (N, r, H) = x.shape[0], self.B.shape
+        z_all = (x.to(self.B.dtype) @ self.B.reshape(N * r, H).T).view(n, N, r)
+        dept = self.dept_of[experts]
+        z = z_all.gather(1, dept.view(n, 1, 1).expand(n, 1, r)).squeeze(1)  # [n, r]
+        out = torch.empty(n, self.C.shape[1], dtype=z.dtype, device=x.device)
+        for e in torch.unique(experts).tolist():
+            rows = experts == e
+            out[rows] = act_fn(z[rows] @ self.C[e].T).abs()
+        return out
+
+    def candidates(self, x: torch.Tensor, experts: torch.Tensor, act_fn) -> torch.Tensor:
+        """bool [n, I]: the neurons the predictor lets through."""
+        return self.predicted_abs(x, experts, act_fn) >= self.tau_prime
+
+    def observe(self, g_abs, keep_exact, cand, experts, tokens) -> None:
+        """Evaluation (every row's exact gate known): the exact mask's |act| mass and the part the candidates kept,
+        and the counts the byte figures need. `tokens` [n]: each row's token (for department touches)."""
+        c = self.counts
+        mass = g_abs * keep_exact
+        c["mass_exact"] += float(mass.sum())
+        c["mass_kept"] += float((mass * cand).sum())
+        c["candidates"] += int(cand.sum())
+        c["slots"] += int(experts.numel())
+        c["touches"] += int(torch.unique(tokens * self.departments + self.dept_of[experts]).numel())
+
+
+def predicted_reference(x, w, top_k_index, top_k_weights, tau, act_fn, pred: LayerPredictor):
+    """Torch reference of the predicted sparse path (stages 1-3 above): reads B_d once per touched department, C_e,
+    the candidates' gate rows and the kept rows of W_up and W_down_t only.
+
+    x [T,H], top_k_index/top_k_weights [T,k], tau [E] -> (y [T,H] fp32, kept neuron count as a 0-d tensor)."""
+    T, k = top_k_index.shape
+    y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    kept_total = torch.zeros((), dtype=torch.int64, device=x.device)
+    c = pred.counts
+    for t in range(T):
+        xt = x[t]
+        z = {}  # stage 1: department -> B_d x
+        for j in range(k):
+            e = int(top_k_index[t, j])
+            d = int(pred.dept_of[e])
+            if d not in z:
+                z[d] = pred.B[d] @ xt.to(pred.B.dtype)
+            cand = (act_fn(pred.C[e] @ z[d]).abs() >= pred.tau_prime).nonzero().squeeze(1)  # stage 2
+            c["candidates"] += cand.numel()
+            c["slots"] += 1
+            if cand.numel() == 0:
+                continue
+            g = act_fn(w.w_gate[e].index_select(0, cand) @ xt)  # stage 3: the candidates' exact gate rows
+            hit = g.abs() >= tau[e]
+            keep = cand[hit]
+            kept_total += keep.numel()
+            if keep.numel() == 0:
+                continue
+            h = g[hit] * (w.w_up[e].index_select(0, keep) @ xt)  # [n_kept]
+            y[t] += (top_k_weights[t, j].float() * (h @ w.w_down_t[e].index_select(0, keep))).float()
+        c["touches"] += len(z)
+    return y, kept_total

@@ -1,0 +1,403 @@
+"""Department-shared gate predictor for pretrained MoEs (issue #23): grouping, closed-form fit, τ′, and the cache.
+
+Per MoE layer, from the routed inputs x of the calibration text (the thresholds' text and token count):
+  * grouping: the E routed experts in N balanced departments (sizes differ by at most one), greedy: seed with the
+    expert most similar to those left, fill with its most similar. Similarity "coact" (the default): routing
+    co-activation, tokens routed to both experts; "rows": the overlap ||V_a V_b^T||² of the experts' top-32 right
+    singular subspaces of the whitened gates W_e Σ^½ (Σ the layer's input second moment). bench/gate_predictor.py
+    measured both within 0.3 points of mass recall on localmoe-tiny.
+  * fit (closed form): Σ_d from the inputs routed to department d; the top-r right singular vectors V_r of the
+    stacked [W_e Σ_d^½] (e in d) give B_d = V_r^T Σ_d^-½ [r, H]; each expert's C_e [I, r] is then refit by ridge
+    least squares on its own routed inputs: C_e = G Z^T (Z Z^T + λI)^-1, G = W_e X_e^T, Z = B_d X_e^T (an expert
+    routed fewer than r calibration tokens is fitted on its department's inputs).
+  * τ′ (the predictor threshold): the largest value such that the candidates |act(C_e B_d x)| >= τ′ hold at least
+    `recall` (default DEFAULT_RECALL = 0.98) of the exact mask's |act| mass (|act(W_gate_e x)| >= τ) over the
+    calibration (token, expert) pairs of the layer.
+Fitting runs on the CPU in float64 and keeps the layers' routed inputs in host memory (tokens x H x 8 bytes per
+layer). The result is cached under `$XDG_CACHE_HOME/localmoe/predictors/` as one safetensors file with the metadata
+that made it (model, revision, checkpoint fingerprint, sparsity, N, r, method, recall, calibration set and its hash,
+tokens, layers, localmoe version), validated in full before use (metadata equal; every tensor present, finite, of the
+model's shape; departments balanced; τ′ finite and non-negative); an invalid or stale file is fitted again and
+overwritten, with a notice. Files are written atomically; one that cannot be written serves this run only.
+
+An `engine` argument is read through `.model_name`, `.resolved`, `.tokenizer`, `.model`, `.loaded.experts`,
+`._device`, `._logits_kw`, `.max_positions` and `.on_notice` (this module sits below the engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as save_tensors
+
+from localmoe import __version__
+from localmoe.errors import UsageError
+from localmoe.events import ProgressFn
+from localmoe.experts.local_experts import LocalExperts
+from localmoe.experts.predicted import LayerPredictor
+from localmoe.experts.thresholds import CHUNK, DEFAULT_TOKENS, checkpoint_fingerprint, read_calibration_text
+from localmoe.paths import cache_root, slug
+from localmoe.safe_text import for_line
+
+METHODS = ("coact", "rows")
+DEFAULT_RANK = 64  # capped at H: bench/gate_predictor.py, recall needs about a quarter of localmoe-tiny's H
+DEFAULT_RECALL = 0.98  # share of the exact mask's |act| mass the candidates must hold on the calibration text
+RIDGE = 1e-6
+ROW_SPACE = 32  # the "rows" similarity: singular directions per expert compared
+
+
+def default_rank(hidden: int) -> int:
+    return min(DEFAULT_RANK, hidden)
+
+
+def check_request(departments: int, rank: int | None, experts: int, hidden: int, model: str) -> None:
+    """One-line usage errors for a --departments / --rank this model cannot take."""
+    if departments < 0:
+        raise UsageError(f"--departments must be >= 0 (0 = off), got {departments}")
+    if departments > experts:
+        raise UsageError(
+            f"--departments {departments} is more than the {experts} routed experts per layer of "
+            f"{for_line(model)}: give 0 (off) to {experts}"
+        )
+    if rank is not None and not 1 <= rank <= hidden:
+        raise UsageError(f"--rank must be in [1, {hidden}] (the hidden size of {for_line(model)}), got {rank}")
+
+
+# -- the math --------------------------------------------------------------------------------------------------
+def sqrtm(sigma: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    return sqrtms(sigma)[1 if inverse else 0]
+
+
+def sqrtms(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ^½, Σ^-½) from one eigendecomposition (eigenvalues floored at 1e-8 of the largest)."""
+    val, vec = torch.linalg.eigh(sigma)
+    val = val.clamp(min=val.max() * 1e-8)
+    return (vec * val**0.5) @ vec.T, (vec * val**-0.5) @ vec.T
+
+
+def second_moment(x: torch.Tensor) -> torch.Tensor:
+    return x.T @ x / max(len(x), 1) + RIDGE * torch.eye(x.shape[1], dtype=x.dtype)
+
+
+def similarity(method: str, w_gate: torch.Tensor, idx: torch.Tensor, sigma_half: torch.Tensor | None) -> torch.Tensor:
+    """[E, E] expert similarity: "coact" routing co-activation counts, "rows" whitened gate row-space overlap."""
+    E = w_gate.shape[0]
+    if method == "coact":
+        onehot = torch.zeros(idx.shape[0], E, dtype=torch.float64).scatter_(1, idx, 1.0)
+        return onehot.T @ onehot
+    if method != "rows":
+        raise UsageError(f"grouping method must be one of {', '.join(METHODS)}, got {method!r}")
+    bases = [torch.linalg.svd(w_gate[e] @ sigma_half, full_matrices=False)[2][:ROW_SPACE] for e in range(E)]
+    return torch.tensor([[float((bases[a] @ bases[b].T).norm() ** 2) for b in range(E)] for a in range(E)])
+
+
+def group(sim: torch.Tensor, n_groups: int) -> list[list[int]]:
+    """Balanced greedy grouping (sizes differ by at most one): seed with the expert most similar to the rest, fill
+    with its most similar."""
+    E = sim.shape[0]
+    left, groups = set(range(E)), []
+    for i in range(n_groups):
+        size = E // n_groups + (1 if i < E % n_groups else 0)
+        seed = max(sorted(left), key=lambda e: float(sum(sim[e, f] for f in left if f != e)))
+        rest = sorted((f for f in left if f != seed), key=lambda f: (-float(sim[seed, f]), f))
+        members = [seed] + rest[: size - 1]
+        groups.append(members)
+        left -= set(members)
+    return groups
+
+
+def fit_layer(w_gate: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, departments: int, rank: int, method: str):
+    """(B [N, r, H], C [E, I, r], dept_of [E]) of one layer, float64; w_gate [E, I, H], x [n, H] the routed
+    inputs, idx [n, k] their experts."""
+    E, I, H = w_gate.shape
+    half = sqrtm(second_moment(x)) if method == "rows" else None
+    groups = group(similarity(method, w_gate, idx, half), departments)
+    dept_of = torch.empty(E, dtype=torch.long)
+    for d, g in enumerate(groups):
+        dept_of[g] = d
+    B = torch.zeros(departments, rank, H, dtype=torch.float64)
+    C = torch.zeros(E, I, rank, dtype=torch.float64)
+    eye = RIDGE * torch.eye(rank, dtype=torch.float64)
+    for d, g in enumerate(groups):
+        xd = x[(dept_of[idx] == d).any(1)]
+        xd = xd if len(xd) >= rank else x
+        half, inv_half = sqrtms(second_moment(xd))
+        _, _, vh = torch.linalg.svd(torch.cat([w_gate[e] @ half for e in g]), full_matrices=False)
+        n = min(rank, vh.shape[0])
+        B[d, :n] = vh[:n] @ inv_half
+        for e in g:
+            xe = x[(idx == e).any(1)]
+            xe = xe if len(xe) >= rank else xd
+            Z, G = B[d] @ xe.T, w_gate[e] @ xe.T  # [r, n], [I, n]
+            C[e] = G @ Z.T @ torch.linalg.inv(Z @ Z.T + eye)
+    return B, C, dept_of
+
+
+def exact_and_predicted(w_gate, x, idx, B, C, dept_of, act_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|act(W_e x)|, |act(C_e B_d x)|), each [pairs, I], over the (token, expert) pairs of x's routing."""
+    exact, pred = [], []
+    for e in range(w_gate.shape[0]):
+        xe = x[(idx == e).any(1)]
+        exact.append(act_fn(xe @ w_gate[e].T).abs())
+        pred.append(act_fn(xe @ B[int(dept_of[e])].T @ C[e].T).abs())
+    return torch.cat(exact), torch.cat(pred)
+
+
+def tau_for_recall(exact: torch.Tensor, pred: torch.Tensor, tau: float, recall: float) -> float:
+    """The largest τ′ whose candidates (pred >= τ′) hold `recall` of the exact mask's |act| mass (exact >= τ)."""
+    mass = (exact * (exact >= tau)).reshape(-1)
+    total = float(mass.sum())
+    if total == 0.0 or recall <= 0.0:
+        return float(pred.max()) if recall <= 0.0 and pred.numel() else 0.0
+    p = pred.reshape(-1)
+    order = torch.argsort(p, descending=True)
+    cum = torch.cumsum(mass[order], 0)
+    i = int(torch.searchsorted(cum, torch.tensor(min(recall, 1.0) * total, dtype=cum.dtype) * (1 - 1e-12)))
+    return float(p[order[min(i, len(p) - 1)]])
+
+
+def mass_recall(exact: torch.Tensor, pred: torch.Tensor, tau: float, tau_prime: float) -> float:
+    mass = exact * (exact >= tau)
+    total = float(mass.sum())
+    return float((mass * (pred >= tau_prime)).sum()) / total if total else 1.0
+
+
+# -- calibration activations -----------------------------------------------------------------------------------
+@torch.inference_mode()
+def routed_inputs(engine, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MoE layer (engine.loaded.experts order): (x [n, H] float64 on the CPU, top_k_index [n, k]) of `ids`."""
+    mods = engine.loaded.experts
+    got = [([], []) for _ in mods]
+
+    def recorder(i: int):
+        def record(_mod, args):  # returns None: the call's arguments are left as they are
+            got[i][0].append(args[0].detach().double().cpu())
+            got[i][1].append(args[1].detach().cpu())
+
+        return record
+
+    hooks = [m.register_forward_pre_hook(recorder(i)) for i, m in enumerate(mods)]
+    chunk = min(CHUNK, engine.max_positions or CHUNK)
+    try:
+        for s in range(0, len(ids), chunk):
+            engine.model(
+                input_ids=torch.tensor([ids[s : s + chunk]], device=engine._device),
+                use_cache=False,
+                **engine._logits_kw,
+            )
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(torch.cat(x), torch.cat(k)) for x, k in got]
+
+
+def fit(
+    engine,
+    ids: list[int],
+    taus: list[float],
+    departments: int,
+    rank: int,
+    *,
+    method: str = "coact",
+    recall: float = DEFAULT_RECALL,
+    progress: ProgressFn | None = None,
+) -> tuple[list[LayerPredictor], list[float]]:
+    """(one float64 CPU LayerPredictor per MoE layer, the calibration mass recall of each at its τ′)."""
+    acts = routed_inputs(engine, ids)
+    out, recalls = [], []
+    for i, (m, (x, idx), tau) in enumerate(zip(engine.loaded.experts, acts, taus)):
+        w = m.weights.dequantized(0, m.num_experts)[0].detach().double().cpu()
+        B, C, dept_of = fit_layer(w, x, idx, departments, rank, method)
+        exact, pred = exact_and_predicted(w, x, idx, B, C, dept_of, m.act_fn)
+        tp = tau_for_recall(exact, pred, tau, recall)
+        out.append(LayerPredictor(B, C, dept_of, tp))
+        recalls.append(mass_recall(exact, pred, tau, tp))
+        if progress:
+            progress("fit predictor", i + 1, len(acts))
+    return out, recalls
+
+
+# -- the cache -------------------------------------------------------------------------------------------------
+MAX_CACHE_BYTES = 4 << 30  # B and C of a large model: a file past this is not one of ours
+
+
+def cache_path(model: str, revision: str, sparsity: float, departments: int, rank: int, method: str, experts: str):
+    suffix = "" if experts == "full" else f"-{experts}"
+    name = f"s{sparsity:.4f}-d{departments}-r{rank}-{method}{suffix}.safetensors"
+    return cache_root() / "predictors" / f"{slug(model)}-{slug(revision)[:24]}" / name
+
+
+def _meta(engine, sparsity, departments, rank, method, recall, text, name, tokens) -> dict:
+    return {
+        "model": engine.model_name,
+        "revision": engine.resolved.revision,
+        "checkpoint": checkpoint_fingerprint(Path(engine.resolved.path)),
+        "experts": engine.experts_format,
+        "sparsity": round(float(sparsity), 6),
+        "departments": departments,
+        "rank": rank,
+        "method": method,
+        "recall_target": recall,
+        "calibration_set": name,
+        "calibration_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+        "tokens_requested": tokens,
+        "layers": len(engine.loaded.experts),
+        "localmoe_version": __version__,
+    }
+
+
+def _layer_problem(f, i: int, shape: tuple, departments: int, rank: int) -> str | None:
+    E, I, H = shape
+    want = {"B": (departments, rank, H), "C": (E, I, rank), "dept": (E,), "tau_prime": ()}
+    got = {}
+    for key, dims in want.items():
+        name = f"{i}.{key}"
+        if name not in f.keys():
+            return f"no tensor {name}"
+        got[key] = f.get_tensor(name)
+        if tuple(got[key].shape) != dims:
+            return f"{name} is {tuple(got[key].shape)}, expected {dims}"
+    if not all(torch.isfinite(got[k]).all() for k in ("B", "C", "tau_prime")) or float(got["tau_prime"]) < 0:
+        return f"layer {i} holds NaN, inf or a negative τ′"
+    sizes = torch.bincount(got["dept"].long().clamp(0, departments), minlength=departments + 1)
+    if (
+        int(got["dept"].min()) < 0
+        or int(sizes[departments])
+        or int(sizes[:departments].max() - sizes[:departments].min()) > 1
+    ):
+        return f"layer {i}'s departments are not {departments} balanced groups"
+    return None
+
+
+def _read_cache(path: Path, meta: dict, shapes: list[tuple]) -> tuple[list[LayerPredictor] | None, str]:
+    """(the predictors, "") when the file at `path` is valid for `meta`; (None, notice) when it exists but cannot
+    be used; (None, "") when there is none."""
+    why = None
+    try:
+        if not path.exists():
+            return None, ""
+        if path.stat().st_size > MAX_CACHE_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, not a predictor file")
+        with safe_open(str(path), "pt") as f:
+            saved = json.loads((f.metadata() or {}).get("localmoe", "null"))
+            if not isinstance(saved, dict):
+                why = "no localmoe metadata"
+            else:
+                bad = [k for k in meta if saved.get(k) != meta[k]]
+                if bad:
+                    why = f"made with {bad[0]} {for_line(repr(saved.get(bad[0])))}, this run has {meta[bad[0]]!r}"
+            N, r = meta["departments"], meta["rank"]
+            for i, shape in enumerate(shapes):
+                why = why or _layer_problem(f, i, shape, N, r)
+            if why is None:
+                preds = [
+                    LayerPredictor(
+                        f.get_tensor(f"{i}.B"),
+                        f.get_tensor(f"{i}.C"),
+                        f.get_tensor(f"{i}.dept").long(),
+                        float(f.get_tensor(f"{i}.tau_prime")),
+                    )
+                    for i in range(len(shapes))
+                ]
+                return preds, ""
+    except OSError as e:
+        why = f"unreadable: {e.strerror or e}"
+    except Exception as e:  # noqa: BLE001 - a corrupt header or tensor: safetensors' own errors, JSON's
+        why = f"not a predictor file, truncated or corrupt ({type(e).__name__})"
+    return None, f"cached gate predictor at {for_line(path)} was invalid ({for_line(why)}); fitted again"
+
+
+def _write_cache(path: Path, preds: list[LayerPredictor], meta: dict) -> str | None:
+    """Atomic write (a temporary file in the same folder, then os.replace). None when written, else why not."""
+    tensors = {}
+    for i, p in enumerate(preds):
+        tensors.update({f"{i}.B": p.B, f"{i}.C": p.C, f"{i}.dept": p.dept_of})
+        tensors[f"{i}.tau_prime"] = torch.tensor(p.tau_prime, dtype=torch.float64)
+    body = save_tensors({k: v.contiguous().cpu() for k, v in tensors.items()}, metadata={"localmoe": json.dumps(meta)})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def predictors_for(
+    engine,
+    table,
+    departments: int,
+    rank: int | None = None,
+    *,
+    method: str = "coact",
+    recall: float = DEFAULT_RECALL,
+    text: str | Path | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    progress: ProgressFn | None = None,
+    force: bool = False,
+) -> tuple[list[LayerPredictor], Path | None]:
+    """Cached predictors for (model, revision, the thresholds `table`'s sparsity, N, r, method, calibration set);
+    fitted when absent, stale or invalid (with a notice through `engine.on_notice`). Returns (float64 CPU
+    predictors, the cache file or None when it could not be written or the engine has random weights)."""
+    mods = engine.loaded.experts
+    if not mods or not all(isinstance(m, LocalExperts) for m in mods):
+        raise UsageError(f"--departments needs routed experts of a vanilla MoE; {engine.model_name} has none")
+    H = mods[0].hidden_size
+    check_request(departments, rank, mods[0].num_experts, H, engine.model_name)
+    rank = rank or default_rank(H)
+    taus = [float(max(t)) if isinstance(t, (tuple, list)) else float(t) for t in table.taus]
+    notice = getattr(engine, "on_notice", None) or (lambda _text: None)
+    if engine.tokenizer is None:  # random weights: random ids, nothing cached
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, engine.loaded.config.vocab_size, (min(tokens, 1024),), generator=gen).tolist()
+        return fit(engine, ids, taus, departments, rank, method=method, recall=recall, progress=progress)[0], None
+    body, name = read_calibration_text(text)
+    meta = _meta(engine, table.sparsity, departments, rank, method, recall, body, name, tokens)
+    path = cache_path(
+        engine.model_name, engine.resolved.revision, table.sparsity, departments, rank, method, engine.experts_format
+    )
+    shapes = [(m.num_experts, m.intermediate_size, m.hidden_size) for m in mods]
+    why = ""
+    if not force:
+        preds, why = _read_cache(path, meta, shapes)
+        if preds is not None:
+            return preds, path
+    ids = engine.tokenizer(body, add_special_tokens=False)["input_ids"][:tokens]
+    preds, recalls = fit(engine, ids, taus, departments, rank, method=method, recall=recall, progress=progress)
+    if why:
+        notice(why)
+    meta = {**meta, "tokens": len(ids), "calibration_recall": [round(v, 6) for v in recalls]}
+    failed = _write_cache(path, preds, {k: v for k, v in meta.items()})
+    if failed is None:
+        return preds, path
+    notice(f"could not save the gate predictor to {for_line(path)} ({for_line(failed)}); using it for this run only")
+    return preds, None
+
+
+def apply(loaded, preds: list[LayerPredictor] | None, *, device, dtype) -> None:
+    """Predictors into the experts modules (None: off, the exact sparse path)."""
+    for i, m in enumerate(loaded.experts):
+        m.predictor = None if preds is None else preds[i].to(device, dtype)
+
+
+def mass_recall_of(loaded) -> float | None:
+    """The share of the exact mask's |act| mass the predictors kept since their counters were reset (evaluation)."""
+    preds = [m.predictor for m in loaded.experts if getattr(m, "predictor", None) is not None]
+    exact = sum(p.counts["mass_exact"] for p in preds)
+    return None if not preds else (sum(p.counts["mass_kept"] for p in preds) / exact if exact else 1.0)
