@@ -39,7 +39,7 @@ from localmoe.engine.reasoning import ReasoningSplitter
 from localmoe.engine.sampling import Seen, generation_defaults
 from localmoe.errors import UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
-from localmoe.experts import thresholds
+from localmoe.experts import predictor, thresholds
 from localmoe.experts.int4 import format_of
 from localmoe.models import hub
 from localmoe.models.loaded import LoadedModel
@@ -61,6 +61,9 @@ class Engine:
         self.model_name = resolved.name
         self.experts_format = format_of(loaded.experts[0].weights.w_gate) if loaded.experts else "full"
         self.sparsity = 0.0
+        self.departments = 0  # the gate predictor's departments per layer (--departments; 0 = off)
+        self.rank: int | None = None  # its rank r (None: predictor.default_rank)
+        self.calibration_tokens = thresholds.DEFAULT_TOKENS  # tokens of calibration text for τ and the predictor
         self._cancel = threading.Event()
         self._stats = EngineStats()
         self.eos_ids = self._eos_ids()
@@ -123,12 +126,43 @@ class Engine:
         with self._busy:  # not while a reply or the next turn's prefill runs in another thread
             self._set_sparsity(sparsity, progress, calibration_text)
 
+    def set_departments(self, departments: int, rank: int | None = None) -> None:
+        """The department-shared gate predictor (issue #23) for the sparse path from the next `set_sparsity` on:
+        N departments per layer (0 = off, the exact sparse path), rank r (None: the default). Resident experts of
+        a vanilla MoE only; a bad N or r is a one-line usage error."""
+        mods = self.loaded.experts
+        if departments and (not mods or not hasattr(mods[0], "intermediate_size")):
+            raise UsageError(f"--departments is for vanilla MoEs; {self.model_name} has DeaMoE departments already")
+        if mods and hasattr(mods[0], "intermediate_size"):
+            predictor.check_request(departments, rank, mods[0].num_experts, mods[0].hidden_size, self.model_name)
+        if departments and self.loaded.cache is not None:
+            raise UsageError("--departments does not work with offloaded experts yet: give a larger --vram")
+        self.departments, self.rank = departments, rank
+
     def _set_sparsity(self, sparsity: float, progress: ProgressFn | None, calibration_text: str | None) -> None:
         if sparsity == 0.0:
             thresholds.disable(self.loaded, device=self._device)
         else:
-            table = thresholds.thresholds_for(self, sparsity, progress=progress, text=calibration_text)
+            table = thresholds.thresholds_for(
+                self, sparsity, progress=progress, text=calibration_text, tokens=self.calibration_tokens
+            )
             thresholds.apply(self.loaded, table, device=self._device)
+        preds = None
+        if sparsity and self.departments:
+            preds, _ = predictor.predictors_for(
+                self,
+                table,
+                self.departments,
+                self.rank,
+                text=calibration_text,
+                tokens=self.calibration_tokens,
+                progress=progress,
+            )
+            if self.use_graphs:  # the predicted path is a torch reference with host syncs: no CUDA graph
+                self.use_graphs = False
+                self._notice("--departments decodes without the CUDA graph (no predictor kernel yet)")
+        if hasattr(self.loaded.experts[0] if self.loaded.experts else None, "predictor"):
+            predictor.apply(self.loaded, preds, device=self._device, dtype=self.dtype)
         self.sparsity = sparsity
         self._drop_graph()  # captured against the old thresholds / path: capture again
         self._forget_prompt()

@@ -43,8 +43,11 @@ def load_engine(
     host_storage: str = "auto",
     experts: str = "full",
     show_plan: bool = False,
+    departments: int = 0,
+    rank: int | None = None,
 ):
-    """Resolve, load and calibrate MODEL. Notices go to `on_notice` and `engine.notes`; the plan line
+    """Resolve, load and calibrate MODEL (`departments`, `rank`: the gate predictor, Engine.set_departments).
+    Notices go to `on_notice` and `engine.notes`; the plan line
     (`plan_line`, `localmoe show`'s one-line plan) is the first of `notes`, and goes to `on_notice` too with
     `show_plan` (the CLI's run on a terminal)."""
     t0 = time.perf_counter()
@@ -83,6 +86,7 @@ def load_engine(
     plan_notice(engine, sparsity, show_plan)
     engine._defaults = generation_defaults(resolved.path, notice)
     _offload_notices(engine)
+    engine.set_departments(departments, rank)
     engine.set_sparsity(sparsity, progress, calibration_text=calibration_text)
     engine.on_notice = on_notice  # later notices (recalibration, graph fallbacks) go to the caller only
     _loaded_in(engine, t0)

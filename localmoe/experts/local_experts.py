@@ -15,6 +15,9 @@ Two paths:
   host memory by the same kernel); elsewhere the torch reference below (same arithmetic, gathers only kept rows).
   The two-kernel split (`sparse_gate` + `sparse_updown`) stays in `kernels/` as the benchmarked alternative: its
   kernels are as fast, but with the count it costs four launches per layer to this path's one.
+  With a department-shared gate predictor (`predictor`, `--departments N`; experts/predicted.py) the sparse path
+  reads only the predicted candidates' gate rows: the torch reference `predicted_reference` on every device (no
+  kernel yet; resident experts only), and evaluation's masked grouped path keeps candidates with |g| >= τ.
 
 Shapes: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden.
 """
@@ -28,6 +31,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from localmoe.experts.int4 import Int4Tensor, quantize_as
+from localmoe.experts.predicted import LayerPredictor, predicted_reference
 
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -147,6 +151,7 @@ class LocalExperts(nn.Module):
         self.max_sparse_tokens = 1
         self.mask_all_tokens = False  # evaluation: apply the sparse mask on the grouped path too (same function)
         self.recorder: GateRecorder | None = None
+        self.predictor: LayerPredictor | None = None  # department-shared gate predictor (--departments), or None
         self._params: dict | None = None  # tuned launch parameters (CUDA), looked up once
         self.kernel_on_cpu = False  # tests: take the Triton path on CPU tensors too (TRITON_INTERPRET=1)
         # sparsity off, one decode token: True (default) runs sparse_fused at threshold 0 (the dense math) where the
@@ -172,6 +177,8 @@ class LocalExperts(nn.Module):
     def reset_counters(self) -> None:
         self.kept.zero_()
         self.seen = 0
+        if self.predictor is not None:
+            self.predictor.reset()
 
     def _kept_on(self, device) -> torch.Tensor:
         """The kept-neuron counter on `device` (moved there on the first decode step, before any graph capture)."""
@@ -196,6 +203,8 @@ class LocalExperts(nn.Module):
         ):
             return False
         sparse = self.sparse_enabled and self.tau is not None
+        if sparse and self.predictor is not None:
+            return False  # the predicted path has no fused kernel yet
         if self.cache is None:
             return sparse or self.dense_tail
         return self.cache.mode == "direct" or (self.cache.mode == "copy" and (sparse or self.dense_tail))
@@ -212,6 +221,8 @@ class LocalExperts(nn.Module):
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
         sparse = few and self.sparse_enabled and self.tau is not None
+        if sparse and tail is None and self.predictor is not None and self.cache is None:
+            return self._predicted(hidden_states, top_k_index, top_k_weights)
         if tail is None and few and self.cache is not None and self.cache.mode == "cpu":
             return self._split(hidden_states, top_k_index, top_k_weights, sparse)
         if tail is None and not (sparse or (few and hidden_states.is_cuda and self.hidden_act == "silu")):
@@ -362,7 +373,7 @@ class LocalExperts(nn.Module):
             if self.recorder is not None:
                 self.recorder.add(g.abs(), e)
             if masked:
-                keep = g.abs() >= self.tau[e]
+                keep = self._mask(g, xs, torch.full((n,), e, device=x.device), tok)
                 g = g * keep
                 kept = kept + keep.sum()
             h = g * (xs @ w_up.T)
@@ -372,6 +383,16 @@ class LocalExperts(nn.Module):
         if masked:
             self._count(kept, top_k_index.numel() * self.intermediate_size)
         return out
+
+    def _mask(self, g, xs, experts, tokens) -> torch.Tensor:
+        """The sparse path's mask on rows g [n, I] (inputs xs [n, H], experts [n], tokens [n]): |g| >= τ, and with a
+        predictor only among its candidates (its recall and counts observed)."""
+        keep = g.abs() >= self.tau[experts].unsqueeze(1)
+        if self.predictor is None:
+            return keep
+        cand = self.predictor.candidates(xs, experts, self.act_fn)
+        self.predictor.observe(g.abs(), keep, cand, experts, tokens)
+        return keep & cand
 
     def _groups(self, x: torch.Tensor) -> bool:
         """Whether `_grouped` runs this dense call: torch has a grouped GEMM for this device and dtype (CUDA: bf16
@@ -412,7 +433,7 @@ class LocalExperts(nn.Module):
             if self.recorder is not None:
                 self.recorder.add_rows(g.abs(), ids[s0:s1])
             if masked:
-                keep = g.abs() >= self.tau[ids[s0:s1]].unsqueeze(1)  # [n, I]
+                keep = self._mask(g, xc, ids[s0:s1], tok[s0:s1])  # [n, I]
                 g = g * keep
                 kept = kept + keep.sum()
             h = g * _GROUPED_MM(xc, w_up.transpose(1, 2), offs=offs)  # [n, I]
@@ -483,6 +504,15 @@ class LocalExperts(nn.Module):
                 self.seen += top_k_index.numel() * self.intermediate_size
             return y
         y, kept = sparse_reference(x, w, top_k_index, top_k_weights, tau, self.act_fn)
+        self._count(kept, top_k_index.numel() * self.intermediate_size)
+        return y.to(x.dtype)
+
+    @torch.compiler.disable
+    def _predicted(self, x, top_k_index, top_k_weights) -> torch.Tensor:
+        """The sparse path through the gate predictor (experts/predicted.py's stages 1-3; torch reference)."""
+        y, kept = predicted_reference(
+            x, self.weights, top_k_index, top_k_weights, self.tau, self.act_fn, self.predictor
+        )
         self._count(kept, top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
 
