@@ -127,6 +127,38 @@ def add_experts_flag(p: argparse.ArgumentParser, many: bool = False) -> None:
     )
 
 
+def department_list(value: str) -> list[int]:
+    """`eval --departments`: one count or a comma-separated list of them (each >= 0; 0 = the exact sparse path)."""
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected department counts such as 0,1,4,8, got {value!r}") from None
+    if not items or min(items) < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = off), got {value}")
+    return list(dict.fromkeys(items))
+
+
+def add_predictor_flags(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """`--departments N` and `--rank R`: the department-shared gate predictor of the sparse path (issue #23)."""
+    p.add_argument(
+        "--departments",
+        type=department_list if many else ranged(int, 0, what="--departments"),
+        default=[0] if many else 0,
+        metavar="N",
+        help="experimental: predict each routed expert's gate from N department-shared low-rank bases and read "
+        "only the predicted neurons' gate rows (0 = off: the exact sparse path"
+        + ("; a comma-separated list scores each" if many else "")
+        + ") (default: 0)",
+    )
+    p.add_argument(
+        "--rank",
+        type=ranged(int, 1, what="--rank"),
+        default=None,
+        metavar="R",
+        help="the predictor's rank, at most the hidden size (default: 64, or the hidden size if smaller)",
+    )
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_experts_flag(p)
     p.add_argument(
@@ -156,6 +188,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "cache dir when the RAM cannot hold them; pinned or mmap forces one (default: auto)",
     )
     add_context_flag(p, "context length in tokens, prompt + reply (default: 8192, or the model's maximum if smaller)")
+    add_predictor_flags(p)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

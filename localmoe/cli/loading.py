@@ -9,6 +9,7 @@ import sys
 
 from localmoe.cli.inputs import stops
 from localmoe.cli.terminal import Progress, isatty, say, stderr_progress
+from localmoe.errors import UsageError
 
 # sampling flags -> GenerationSettings fields; a flag left out (None) keeps the model's default
 SAMPLING_FLAGS = {
@@ -37,8 +38,17 @@ def reply_settings(args, engine=None):
     return replace(base, **given_sampling(args))
 
 
+def check_rank(args) -> None:
+    """`--rank` without `--departments` (or with `--departments 0` only) is a usage error."""
+    n = args.departments if isinstance(args.departments, list) else [args.departments]
+    if args.rank is not None and max(n) == 0:
+        raise UsageError("--rank needs --departments N (N >= 1): it is the department predictor's rank")
+
+
 def load_engine(args, progress=None, model: str | None = None):
     from localmoe.engine.engine import Engine
+
+    check_rank(args)
 
     quiet = progress is not None or getattr(args, "quiet", False)
     bar = progress or stderr_progress()
@@ -60,6 +70,8 @@ def load_engine(args, progress=None, model: str | None = None):
         on_notice=None if quiet else notice,
         host_storage=args.host_storage,
         experts=args.experts,
+        departments=args.departments,
+        rank=args.rank,
         show_plan=not getattr(args, "json", False) and isatty(sys.stderr),
     )
 

@@ -8,7 +8,7 @@ import gc
 import json
 
 from localmoe.cli.inputs import text_file
-from localmoe.cli.loading import refuse_unsupported
+from localmoe.cli.loading import check_rank, refuse_unsupported
 from localmoe.cli.terminal import say, stderr_progress
 from localmoe.errors import UsageError
 from localmoe.safe_text import for_line, for_terminal
@@ -16,11 +16,12 @@ from localmoe.safe_text import for_line, for_terminal
 
 def cmd_calibrate(args) -> int:
     from localmoe.engine.engine import Engine
-    from localmoe.experts import thresholds
+    from localmoe.experts import predictor, thresholds
 
     if args.sparsity == 0.0:
         raise UsageError("--sparsity 0 is the dense path and needs no calibration")
     text_file(args.text, "--text")
+    check_rank(args)
     bar = stderr_progress()
 
     def notice(text: str) -> None:
@@ -45,6 +46,20 @@ def cmd_calibrate(args) -> int:
         tokens=args.tokens or thresholds.DEFAULT_TOKENS,
         force=True,
     )
+    if args.departments:
+        engine.set_departments(args.departments, args.rank)
+        _, path = predictor.predictors_for(
+            engine,
+            table,
+            args.departments,
+            args.rank,
+            text=args.text,
+            tokens=args.tokens or thresholds.DEFAULT_TOKENS,
+            progress=bar,
+            force=True,
+        )
+        where = f"saved to {path}" if path is not None else "not saved (see the note above)"
+        print(for_line(f"gate predictor with {args.departments} departments {where}"))
     done = (
         f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
         f"tokens of {table.meta['calibration_set']}"
@@ -82,6 +97,10 @@ def cmd_eval(args) -> int:
 
     if not args.tasks:
         text_file(args.text, "--text")
+    check_rank(args)
+    departments = args.departments if max(args.departments) > 0 else None
+    if departments is not None and args.tasks:
+        raise UsageError("--departments is scored on text, not with --tasks (yet): leave one of them out")
 
     def measure(fmt: str):
         engine = Engine.load(
@@ -102,7 +121,14 @@ def cmd_eval(args) -> int:
         from localmoe.measure.evaluate import evaluate
 
         report = evaluate(
-            engine, args.sparsity, text=args.text, tokens=args.tokens, window=args.window, progress=stderr_progress()
+            engine,
+            args.sparsity,
+            text=args.text,
+            tokens=args.tokens,
+            window=args.window,
+            progress=stderr_progress(),
+            departments=departments,
+            rank=args.rank,
         )
         return report.as_json(), report.table()
 

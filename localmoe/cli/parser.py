@@ -15,6 +15,7 @@ from localmoe.cli.flags import (
     add_engine_flags,
     add_experts_flag,
     add_json_flag,
+    add_predictor_flags,
     add_sampling_flags,
     add_vram_flag,
     ranged,
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lm-eval: examples per task (default: all)",
     )
     p.add_argument("--include-path", default=None, help="lm-eval: folder with extra task YAMLs (default: none)")
+    add_predictor_flags(p, many=True)
     add_experts_flag(p, many=True)
     add_json_flag(p, "one JSON object instead of the table")
     add_device_flags(p)
@@ -247,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens of the text to calibrate on (default: 4096)",
     )
+    add_predictor_flags(p)
     add_experts_flag(p)
     add_device_flags(p)
     add_debug_flag(p)

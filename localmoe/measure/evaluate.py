@@ -3,18 +3,27 @@
 Text is cut into windows and scored teacher-forced. The sparse rows apply exactly the decode path's function
 (gate dense, neurons with |g| < τ dropped, per token) on every position, via the experts' grouped path with the
 mask on, so a whole window is scored in one forward. Thresholds come from the same cached calibration as `run`.
+
+`departments` (`eval --departments 0,1,4,8 [--rank R]`, issue #23): each sparse row is scored once per N, N > 0 with
+the department-shared gate predictor (experts/predicted.py: a neuron is kept when the predictor made it a candidate
+and |g| >= τ), with three more columns: mask recall (the share of the exact mask's |act| mass the predictor kept; 1
+for N = 0), routed-expert bytes per token (the k routed experts of every layer: N = 0 the whole gate and the kept
+up/down rows; N > 0 B_d once per department a token touches, C_e, the candidates' gate rows and the kept up/down
+rows, at the weights' element size) and those bytes relative to whole gates with the same kept rows (today's sparse
+path; bench/gate_predictor.py's count).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
+from localmoe.experts import predictor
 
 DEFAULT_TEXT = Path(__file__).parent.parent / "data" / "heldout.txt"
 QUALITY_BAR = 0.05  # largest sparsity whose perplexity stays within 5% of dense
@@ -27,6 +36,13 @@ class EvalRow:
     ratio_to_dense: float
     top1_agreement: float
     sparsity_realized: float
+    departments: int = 0
+    mask_recall: float | None = None
+    routed_bytes_per_token: float | None = None
+    bytes_vs_sparse: float | None = None
+
+
+PREDICTOR_KEYS = ("departments", "mask_recall", "routed_bytes_per_token", "bytes_vs_sparse")
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,7 @@ class EvalReport:
     text: str
     tokens: int
     rows: tuple[EvalRow, ...]
+    rank: int | None = None  # the predictor's rank when departments were asked for, else None
 
     @property
     def best_within_bar(self) -> float:
@@ -46,20 +63,32 @@ class EvalReport:
             "model": self.model,
             "text": self.text,
             "tokens": self.tokens,
-            "rows": [asdict(r) for r in self.rows],
+            "rows": [
+                {k: v for k, v in asdict(r).items() if self.rank is not None or k not in PREDICTOR_KEYS}
+                for r in self.rows
+            ],
+            **({} if self.rank is None else {"rank": self.rank}),
             "best_sparsity_within_5pct": self.best_within_bar,
         }
 
     def table(self) -> str:
-        lines = [
-            f"{self.model}: {self.tokens} tokens of {self.text}",
-            f"{'sparsity':>8}  {'ppl':>9}  {'ppl/dense':>9}  {'top-1 agree':>11}  {'realised':>8}",
-        ]
+        pred = self.rank is not None
+        head = f"{'sparsity':>8}  {'ppl':>9}  {'ppl/dense':>9}  {'top-1 agree':>11}  {'realised':>8}"
+        if pred:
+            head = f"{'depts':>5}  {head}  {'recall':>7}  {'KB/token':>9}  {'vs sparse':>9}"
+        lines = [f"{self.model}: {self.tokens} tokens of {self.text}" + (f", rank {self.rank}" if pred else ""), head]
         for r in self.rows:
-            lines.append(
+            line = (
                 f"{r.sparsity:>8.0%}  {r.perplexity:>9.3f}  {r.ratio_to_dense:>9.3f}  "
                 f"{r.top1_agreement:>11.1%}  {r.sparsity_realized:>8.1%}"
             )
+            if pred:
+                line = f"{r.departments:>5}  {line}  " + (
+                    f"{'-':>7}  {'-':>9}  {'-':>9}"
+                    if r.mask_recall is None
+                    else f"{r.mask_recall:>7.1%}  {r.routed_bytes_per_token / 1024:>9.1f}  {r.bytes_vs_sparse:>9.3f}"
+                )
+            lines.append(line)
         lines.append(f"largest sparsity within {QUALITY_BAR:.0%} of dense perplexity: {self.best_within_bar:.0%}")
         return "\n".join(lines)
 
@@ -102,6 +131,8 @@ def evaluate(
     tokens: int = 16384,
     window: int = 512,
     progress: ProgressFn | None = None,
+    departments: list[int] | None = None,
+    rank: int | None = None,
 ) -> EvalReport:
     body, name = read_eval_text(text)
     ids = engine.tokenizer(body, add_special_tokens=False)["input_ids"][:tokens]
@@ -109,28 +140,70 @@ def evaluate(
     windows = [torch.tensor(ids[i : i + window]) for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
     if not windows:
         raise UsageError("the evaluation text is too short: give at least a few hundred tokens")
-    previous = engine.sparsity
+    previous, before = engine.sparsity, (engine.departments, engine.rank)
+    scored = sum(len(w) for w in windows)
+    asked = departments is not None
+    if asked:
+        engine.set_departments(max(departments), rank)  # a bad N or rank refused before anything is scored
     rows = []
     try:
+        engine.set_departments(0)
         engine.set_sparsity(0.0)
         dense_nll, dense_top1, _ = _score(engine, windows, None, progress, "eval dense")
         for s in sparsities:
             if s == 0.0:
                 rows.append(EvalRow(0.0, math.exp(dense_nll), 1.0, 1.0, 0.0))
                 continue
-            engine.set_sparsity(s, progress)
-            for m in engine.loaded.experts:
-                m.reset_counters()
-                m.mask_all_tokens = True
-            try:
-                nll, _, agree = _score(engine, windows, dense_top1, progress, f"eval {s:.0%}")
-            finally:
+            for n in departments if asked else [0]:
+                engine.set_departments(n, rank)
+                engine.set_sparsity(s, progress)
                 for m in engine.loaded.experts:
-                    m.mask_all_tokens = False
-            rows.append(EvalRow(s, math.exp(nll), math.exp(nll - dense_nll), agree, engine.realized_sparsity()))
+                    m.reset_counters()
+                    m.mask_all_tokens = True
+                label = f"eval {s:.0%}" + (f" N={n}" if asked else "")
+                try:
+                    nll, _, agree = _score(engine, windows, dense_top1, progress, label)
+                finally:
+                    for m in engine.loaded.experts:
+                        m.mask_all_tokens = False
+                row = EvalRow(s, math.exp(nll), math.exp(nll - dense_nll), agree, engine.realized_sparsity())
+                if asked:
+                    read, whole_gates = routed_bytes(engine.loaded.experts, engine.dtype.itemsize)
+                    recall = predictor.mass_recall_of(engine.loaded)
+                    row = replace(
+                        row,
+                        departments=n,
+                        mask_recall=1.0 if recall is None else recall,
+                        routed_bytes_per_token=read / scored,
+                        bytes_vs_sparse=read / whole_gates if whole_gates else 1.0,
+                    )
+                rows.append(row)
     finally:
+        engine.set_departments(*before)
         engine.set_sparsity(previous)
-    return EvalReport(model=engine.model_name, text=name, tokens=sum(len(w) for w in windows), rows=tuple(rows))
+    rank_used = None
+    if asked:
+        rank_used = rank or predictor.default_rank(engine.loaded.experts[0].hidden_size)
+    return EvalReport(model=engine.model_name, text=name, tokens=scored, rows=tuple(rows), rank=rank_used)
+
+
+def routed_bytes(experts, itemsize: int) -> tuple[float, float]:
+    """(the routed experts' weight bytes the sparse path read for the tokens counted since the counters were reset,
+    the same with whole gates: today's sparse path at the same kept rows, as bench/gate_predictor.py counts it).
+    Per layer: the whole gate, or with a predictor B_d per touched department, C_e and the candidates' gate rows;
+    then the kept rows of up and down."""
+    total = whole = 0
+    for m in experts:
+        H, I = m.hidden_size, m.intermediate_size
+        kept, slots, p = int(m.kept), m.seen // I, m.predictor
+        if p is None:
+            gate = slots * I * H
+        else:
+            c = p.counts
+            gate = c["touches"] * p.rank * H + c["slots"] * I * p.rank + c["candidates"] * H
+        total += gate + 2 * kept * H
+        whole += slots * I * H + 2 * kept * H
+    return float(total * itemsize), float(whole * itemsize)
 
 
 def direct_perplexity(model, ids: list[int], window: int) -> float:

@@ -1,0 +1,141 @@
+"""The department-shared gate predictor (--departments, issue #23) on the bundled trained localmoe-tiny: fit shapes and
+balanced departments, the cache's round trip and invalidation, τ′ = 0 decoding exactly today's sparse tokens, the
+mass recall evaluation reports, and the CLI's one-line refusals. Few calibration tokens: the predictor's quality is
+measured by `localmoe eval` (bench/RESULTS.md), not here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
+from localmoe.errors import UsageError
+from localmoe.events import GenerationSettings
+from localmoe.experts import predictor, thresholds
+from localmoe.measure.evaluate import evaluate
+
+TOKENS = 512  # calibration tokens: enough for a fit of rank 16 on 8 experts, quick on two cores
+SPARSITY = 0.85
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(engine at 85% sparsity without a predictor, its thresholds, predictors N=4 r=16 fitted on 512 tokens)."""
+    engine = Engine.load("localmoe-tiny", device="cpu", sparsity=0.0)
+    table = thresholds.thresholds_for(engine, SPARSITY, tokens=TOKENS)
+    thresholds.apply(engine.loaded, table, device=engine._device)
+    engine.sparsity = SPARSITY
+    seen = []
+    preds, path = predictor.predictors_for(engine, table, 4, 16, tokens=TOKENS, progress=lambda *a: seen.append(a))
+    assert seen[-1] == ("fit predictor", 8, 8)  # through the calibration's progress callback
+    return engine, table, preds, path
+
+
+def test_fit_shapes_and_balanced_departments(tiny):
+    engine, _, preds, path = tiny
+    assert len(preds) == len(engine.loaded.experts) == 8
+    for p in preds:
+        assert p.B.shape == (4, 16, 256) and p.C.shape == (8, 160, 16) and p.dept_of.shape == (8,)
+        assert torch.bincount(p.dept_of, minlength=4).tolist() == [2, 2, 2, 2]
+        assert p.tau_prime > 0 and torch.isfinite(p.B).all() and torch.isfinite(p.C).all()
+    assert predictor.group(torch.rand(8, 8), 3) and [len(g) for g in predictor.group(torch.ones(7, 7), 3)] == [3, 2, 2]
+    assert path is not None and path.exists() and path.name == "s0.8500-d4-r16-coact.safetensors"
+
+
+def test_tau_for_recall_holds_the_target_mass():
+    exact = torch.tensor([[1.0, 0.1, 2.0, 0.5]])
+    pred = torch.tensor([[0.9, 0.8, 0.2, 0.1]])
+    # kept at τ=0.4: 1.0, 2.0, 0.5 (mass 3.5). Candidates by pred: neuron 0 (1.0), 1 (0), 2 (2.0), 3 (0.5)
+    assert predictor.tau_for_recall(exact, pred, 0.4, 0.25) == pytest.approx(0.9)
+    assert predictor.tau_for_recall(exact, pred, 0.4, 0.8) == pytest.approx(0.2)
+    assert predictor.tau_for_recall(exact, pred, 0.4, 1.0) == pytest.approx(0.1)
+    assert predictor.mass_recall(exact, pred, 0.4, 0.2) == pytest.approx(3.0 / 3.5)
+
+
+def test_cache_round_trip_and_invalidation(tiny, monkeypatch):
+    engine, table, preds, path = tiny
+    monkeypatch.setenv("XDG_CACHE_HOME", str(path.parents[3]))  # the fixture's cache (each test has its own)
+    notes = []
+    engine.on_notice = notes.append
+    try:
+        again, same = predictor.predictors_for(engine, table, 4, 16, tokens=TOKENS)
+        assert same == path and not notes
+        assert all(torch.equal(a.C, b.C) and a.tau_prime == b.tau_prime for a, b in zip(preds, again))
+        body = path.read_bytes()
+        path.write_bytes(body[: len(body) // 2])  # truncated: fitted again, with a notice
+        refit, _ = predictor.predictors_for(engine, table, 4, 16, tokens=TOKENS)
+        assert len(notes) == 1 and "was invalid" in notes[0] and "fitted again" in notes[0]
+        assert all(torch.equal(a.B, b.B) for a, b in zip(preds, refit))
+        meta = predictor._meta(engine, SPARSITY, 4, 16, "coact", 0.98, *thresholds.read_calibration_text(None), TOKENS)
+        shapes = [(8, 160, 256)] * 8
+        assert predictor._read_cache(path, meta, shapes)[0] is not None
+        assert "made with rank" in predictor._read_cache(path, {**meta, "rank": 8}, shapes)[1]
+        assert "tensor" in predictor._read_cache(path, meta, [(8, 160, 256)] * 9)[1]
+    finally:
+        engine.on_notice = None
+
+
+def _tokens(engine, n=12):
+    ids = engine.encode_raw("The requests library sends HTTP requests")
+    return [e.token_id for e in engine.generate(ids, GenerationSettings(max_new_tokens=n, temperature=0.0))]
+
+
+def test_tau_prime_zero_decodes_todays_sparse_tokens(tiny):
+    engine, _, preds, _ = tiny
+    today = _tokens(engine)
+    everyone = [dataclasses.replace(p, tau_prime=0.0) for p in preds]
+    predictor.apply(engine.loaded, everyone, device=engine._device, dtype=engine.dtype)
+    try:
+        assert _tokens(engine) == today
+        c = engine.loaded.experts[0].predictor.counts
+        assert c["candidates"] == c["slots"] * 160 > 0 and 0 < c["touches"] <= c["slots"]
+        predictor.apply(engine.loaded, preds, device=engine._device, dtype=engine.dtype)
+        c = engine.loaded.experts[0].predictor.counts
+        _tokens(engine, 4)
+        assert 0 < c["candidates"] < c["slots"] * 160  # a fitted τ′ reads fewer gate rows
+    finally:
+        predictor.apply(engine.loaded, None, device=engine._device, dtype=engine.dtype)
+
+
+def test_eval_reports_recall_and_bytes(tiny, monkeypatch):
+    engine, _, _, path = tiny
+    monkeypatch.setenv("XDG_CACHE_HOME", str(path.parents[3]))  # thresholds and predictor from the fixture's fit
+    engine.calibration_tokens = TOKENS
+    engine.set_sparsity(0.0)
+    report = evaluate(engine, [SPARSITY], tokens=300, window=150, departments=[0, 4], rank=16)
+    by_n = {r.departments: r for r in report.rows if r.sparsity == SPARSITY}
+    assert set(by_n) == {0, 4}
+    assert by_n[0].mask_recall == 1.0 and by_n[0].bytes_vs_sparse == 1.0
+    assert 0.0 <= by_n[4].mask_recall <= 1.0 and by_n[4].mask_recall > 0.5
+    assert 0 < by_n[4].routed_bytes_per_token and 0 < by_n[4].bytes_vs_sparse
+    assert engine.departments == 0 and engine.sparsity == 0.0  # restored
+    assert "recall" in report.table() and "departments" in report.as_json()["rows"][-1]
+
+
+def test_set_departments_refusals(tiny):
+    engine, *_ = tiny
+    with pytest.raises(UsageError, match=r"--departments 9 is more than the 8 routed experts per layer"):
+        engine.set_departments(9)
+    with pytest.raises(UsageError, match=r"--rank must be in \[1, 256\]"):
+        engine.set_departments(4, 257)
+    assert engine.departments == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "localmoe-tiny", "hi", "--departments", "9"], "--departments 9 is more than the 8 routed experts"),
+        (["run", "localmoe-tiny", "hi", "--departments", "-1"], "--departments must be >= 0, got -1"),
+        (["run", "localmoe-tiny", "hi", "--departments", "4", "--rank", "0"], "--rank must be >= 1, got 0"),
+        (["run", "localmoe-tiny", "hi", "--rank", "8"], "--rank needs --departments"),
+        (["eval", "localmoe-tiny", "--departments", "0,x"], "expected department counts"),
+        (["calibrate", "localmoe-tiny", "--sparsity", "0.85", "--rank", "8"], "--rank needs --departments"),
+    ],
+)
+def test_cli_refusals(capsys, argv, message):
+    assert main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("localmoe: error: ") and message in err[0]
