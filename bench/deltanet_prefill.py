@@ -7,7 +7,8 @@ output and the final state. Then the times (median ms, CUDA events around each c
 Gated DeltaNet layer's delta rule (H_k 16, H_v 32, d_k = d_v 128, bf16 q/k/v, fp32 g) at T 512 / 2048 / 8192, for:
 transformers' `torch_chunk_gated_delta_rule`, the kernel (fp32 dots, and TF32; the intra-chunk phase in torch, and in
 Triton: `_tprep`), fla's kernel; then the whole layer (`Qwen3_5MoeGatedDeltaNet` vs localmoe's
-`FusedGatedDeltaNet`, hidden 2048, no cache). Prints two tables; with $OUT set writes `$OUT/deltanet_prefill.json`.
+`FusedGatedDeltaNet`, hidden 2048, no cache); between them a sweep of the scan launch (block_v x num_warps) at T 2048.
+Prints the tables; with $OUT set writes `$OUT/deltanet_prefill.json`.
 
     python bench/deltanet_prefill.py [--T 512,2048,8192] [--reps 10]
 
@@ -123,6 +124,26 @@ def rule_times(Ts, reps) -> list[dict]:
     return rows
 
 
+def sweep(T, reps) -> list[dict]:
+    """The scan kernel's launch keywords at one T (torch prepare): block_v x num_warps, fp32 and TF32 dots."""
+    q, k, v, g, beta, _ = _inputs(T)
+    rows = []
+    for tf32 in (False, True):
+        for bv in (16, 32, 64):
+            for nw in (4, 8):
+                fn = lambda: chunk_gated_delta_rule(q, k, v, g, beta, block_v=bv, num_warps=nw, tf32=tf32)  # noqa: E731
+                try:
+                    ms = _time(fn, reps)
+                except Exception as e:  # noqa: BLE001 (a launch that does not fit: report, go on)
+                    print(f"  block_v {bv} num_warps {nw} failed: {type(e).__name__}", file=sys.stderr)
+                    continue
+                rows.append({"tf32": tf32, "block_v": bv, "num_warps": nw, "ms": ms})
+    print(f"scan launch sweep at T {T} (ms, median; default block_v/num_warps from _block_v)")
+    for r in sorted(rows, key=lambda r: (r["tf32"], r["ms"])):
+        print(f"  tf32 {r['tf32']!s:5s} block_v {r['block_v']:3d} num_warps {r['num_warps']}  {r['ms']:.4g}")
+    return rows
+
+
 def layer_times(Ts, reps) -> list[dict]:
     cfg = q35.Qwen3_5MoeTextConfig(
         hidden_size=HIDDEN,
@@ -181,6 +202,7 @@ def main(argv=None) -> int:
     cols = ["transformers", "localmoe", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
     cols += ["fla"] if fla_chunk is not None else []
     _table("delta rule, one layer (ms, median)", res["rule"], cols)
+    res["sweep"] = sweep(2048, args.reps)
     res["layer"] = layer_times(Ts, args.reps)
     layer_title = "whole Gated DeltaNet layer, no cache (ms, median; transformers' module uses fla when it imports)"
     _table(layer_title, res["layer"], ["transformers", "localmoe", "max_err"])
