@@ -7,8 +7,8 @@ the conv window: padded) then a 67-token second piece (starts from the cache's c
 crosses a chunk), then a cached decode step; on a StaticCache; with a left-padding attention mask (B 2); in bf16;
 with past recording on (the conv state keeps the whole past). Every case compares the output and the cache's
 conv_states, recurrent_states and has_previous_state with transformers' module on its own cache. Then a tiny
-Qwen3.5 model (tests/test_fused.py's fixture) with every replacement installed: its prefill runs this forward and its
-greedy tokens equal transformers'.
+Qwen3.5 model (tests/test_fused.py's fixture) with the replacements installed but the decoder layers: its prefill runs
+this forward and its greedy tokens equal transformers'. Passes with transformers 5.17 and 5.24.
 Shape legend: B batch, T tokens, H hidden.
 """
 
@@ -138,8 +138,10 @@ def test_padding_mask_and_declined_calls():
     torch.testing.assert_close(_call(mod, x, caches[0], mask), _call(hf, x, caches[1], mask), rtol=0, atol=0)
     _same_cache(*caches)
     assert mod.prefill_calls == 1
-    with pytest.raises(ValueError):  # packed sequences: transformers' module (which refuses them without fla)
+    try:  # packed sequences: transformers' module (5.2x refuses them without fla, 5.17 runs them as one)
         mod(x, None, cu_seq_lens_q=torch.tensor([0, 8]))
+    except ValueError:
+        pass
     assert mod.prefill_calls == 1
 
 
