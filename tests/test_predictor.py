@@ -14,7 +14,7 @@ from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.experts import predictor, thresholds
+from localmoe.experts import predicted, predictor, thresholds
 from localmoe.measure.evaluate import evaluate
 
 TOKENS = 512  # calibration tokens: enough for a fit of rank 16 on 8 experts, quick on two cores
@@ -87,17 +87,17 @@ def test_tau_prime_zero_decodes_todays_sparse_tokens(tiny):
     engine, _, preds, _ = tiny
     today = _tokens(engine)
     everyone = [dataclasses.replace(p, tau_prime=0.0) for p in preds]
-    predictor.apply(engine.loaded, everyone, device=engine._device, dtype=engine.dtype)
+    predicted.apply(engine.loaded, everyone, device=engine._device, dtype=engine.dtype)
     try:
         assert _tokens(engine) == today
         c = engine.loaded.experts[0].predictor.counts
         assert c["candidates"] == c["slots"] * 160 > 0 and 0 < c["touches"] <= c["slots"]
-        predictor.apply(engine.loaded, preds, device=engine._device, dtype=engine.dtype)
+        predicted.apply(engine.loaded, preds, device=engine._device, dtype=engine.dtype)
         c = engine.loaded.experts[0].predictor.counts
         _tokens(engine, 4)
         assert 0 < c["candidates"] < c["slots"] * 160  # a fitted τ′ reads fewer gate rows
     finally:
-        predictor.apply(engine.loaded, None, device=engine._device, dtype=engine.dtype)
+        predicted.apply(engine.loaded, None, device=engine._device, dtype=engine.dtype)
 
 
 def test_eval_reports_recall_and_bytes(tiny, monkeypatch):

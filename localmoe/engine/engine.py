@@ -39,7 +39,7 @@ from localmoe.engine.reasoning import ReasoningSplitter
 from localmoe.engine.sampling import Seen, generation_defaults
 from localmoe.errors import UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
-from localmoe.experts import predictor, thresholds
+from localmoe.experts import predicted, predictor, thresholds
 from localmoe.experts.int4 import format_of
 from localmoe.models import hub
 from localmoe.models.loaded import LoadedModel
@@ -162,7 +162,7 @@ class Engine:
                 self.use_graphs = False
                 self._notice("--departments decodes without the CUDA graph (no predictor kernel yet)")
         if hasattr(self.loaded.experts[0] if self.loaded.experts else None, "predictor"):
-            predictor.apply(self.loaded, preds, device=self._device, dtype=self.dtype)
+            predicted.apply(self.loaded, preds, device=self._device, dtype=self.dtype)
         self.sparsity = sparsity
         self._drop_graph()  # captured against the old thresholds / path: capture again
         self._forget_prompt()

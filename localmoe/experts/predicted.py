@@ -110,3 +110,16 @@ def predicted_reference(x, w, top_k_index, top_k_weights, tau, act_fn, pred: Lay
             y[t] += (top_k_weights[t, j].float() * (h @ w.w_down_t[e].index_select(0, keep))).float()
         c["touches"] += len(z)
     return y, kept_total
+
+
+def apply(loaded, preds: list[LayerPredictor] | None, *, device, dtype) -> None:
+    """Predictors into the experts modules (None: off, the exact sparse path)."""
+    for i, m in enumerate(loaded.experts):
+        m.predictor = None if preds is None else preds[i].to(device, dtype)
+
+
+def mass_recall_of(loaded) -> float | None:
+    """The share of the exact mask's |act| mass the predictors kept since their counters were reset (evaluation)."""
+    preds = [m.predictor for m in loaded.experts if getattr(m, "predictor", None) is not None]
+    exact = sum(p.counts["mass_exact"] for p in preds)
+    return None if not preds else (sum(p.counts["mass_kept"] for p in preds) / exact if exact else 1.0)

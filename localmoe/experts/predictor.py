@@ -26,11 +26,8 @@ An `engine` argument is read through `.model_name`, `.resolved`, `.tokenizer`, `
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -42,7 +39,13 @@ from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts.local_experts import LocalExperts
 from localmoe.experts.predicted import LayerPredictor
-from localmoe.experts.thresholds import CHUNK, DEFAULT_TOKENS, checkpoint_fingerprint, read_calibration_text
+from localmoe.experts.thresholds import (
+    CHUNK,
+    DEFAULT_TOKENS,
+    checkpoint_fingerprint,
+    read_calibration_text,
+    write_atomically,
+)
 from localmoe.paths import cache_root, slug
 from localmoe.safe_text import for_line
 
@@ -71,10 +74,6 @@ def check_request(departments: int, rank: int | None, experts: int, hidden: int,
 
 
 # -- the math --------------------------------------------------------------------------------------------------
-def sqrtm(sigma: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    return sqrtms(sigma)[1 if inverse else 0]
-
-
 def sqrtms(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ^½, Σ^-½) from one eigendecomposition (eigenvalues floored at 1e-8 of the largest)."""
     val, vec = torch.linalg.eigh(sigma)
@@ -117,7 +116,7 @@ def fit_layer(w_gate: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, departme
     """(B [N, r, H], C [E, I, r], dept_of [E]) of one layer, float64; w_gate [E, I, H], x [n, H] the routed
     inputs, idx [n, k] their experts."""
     E, I, H = w_gate.shape
-    half = sqrtm(second_moment(x)) if method == "rows" else None
+    half = sqrtms(second_moment(x))[0] if method == "rows" else None
     groups = group(similarity(method, w_gate, idx, half), departments)
     dept_of = torch.empty(E, dtype=torch.long)
     for d, g in enumerate(groups):
@@ -315,28 +314,12 @@ def _read_cache(path: Path, meta: dict, shapes: list[tuple]) -> tuple[list[Layer
 
 
 def _write_cache(path: Path, preds: list[LayerPredictor], meta: dict) -> str | None:
-    """Atomic write (a temporary file in the same folder, then os.replace). None when written, else why not."""
     tensors = {}
     for i, p in enumerate(preds):
         tensors.update({f"{i}.B": p.B, f"{i}.C": p.C, f"{i}.dept": p.dept_of})
         tensors[f"{i}.tau_prime"] = torch.tensor(p.tau_prime, dtype=torch.float64)
-    body = save_tensors({k: v.contiguous().cpu() for k, v in tensors.items()}, metadata={"localmoe": json.dumps(meta)})
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
+    tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
+    return write_atomically(path, save_tensors(tensors, metadata={"localmoe": json.dumps(meta)}))
 
 
 def predictors_for(
@@ -388,16 +371,3 @@ def predictors_for(
         return preds, path
     notice(f"could not save the gate predictor to {for_line(path)} ({for_line(failed)}); using it for this run only")
     return preds, None
-
-
-def apply(loaded, preds: list[LayerPredictor] | None, *, device, dtype) -> None:
-    """Predictors into the experts modules (None: off, the exact sparse path)."""
-    for i, m in enumerate(loaded.experts):
-        m.predictor = None if preds is None else preds[i].to(device, dtype)
-
-
-def mass_recall_of(loaded) -> float | None:
-    """The share of the exact mask's |act| mass the predictors kept since their counters were reset (evaluation)."""
-    preds = [m.predictor for m in loaded.experts if getattr(m, "predictor", None) is not None]
-    exact = sum(p.counts["mass_exact"] for p in preds)
-    return None if not preds else (sum(p.counts["mass_kept"] for p in preds) / exact if exact else 1.0)

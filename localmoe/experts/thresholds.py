@@ -249,11 +249,17 @@ def _write_cache(path: Path, table: ThresholdTable) -> str | None:
     body = json.dumps(
         {**table.meta, "thresholds": [list(t) if isinstance(t, tuple) else t for t in table.taus]}, allow_nan=False
     )
+    return write_atomically(path, body.encode())
+
+
+def write_atomically(path: Path, body: bytes) -> str | None:
+    """`body` into `path` through a temporary file in the same folder and os.replace (also the gate predictor's
+    cache, experts/predictor.py). None when written, else why not."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(body)
                 f.flush()
                 os.fsync(f.fileno())

@@ -23,7 +23,7 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
-from localmoe.experts import predictor
+from localmoe.experts import predicted, predictor
 
 DEFAULT_TEXT = Path(__file__).parent.parent / "data" / "heldout.txt"
 QUALITY_BAR = 0.05  # largest sparsity whose perplexity stays within 5% of dense
@@ -169,7 +169,7 @@ def evaluate(
                 row = EvalRow(s, math.exp(nll), math.exp(nll - dense_nll), agree, engine.realized_sparsity())
                 if asked:
                     read, whole_gates = routed_bytes(engine.loaded.experts, engine.dtype.itemsize)
-                    recall = predictor.mass_recall_of(engine.loaded)
+                    recall = predicted.mass_recall_of(engine.loaded)
                     row = replace(
                         row,
                         departments=n,
