@@ -67,6 +67,8 @@ def _hf(q, k, v, g, beta, state):
 @torch.no_grad()
 def test_chunk_rule_matches_transformers(case, dtype):
     *shape, s0 = case
+    if dtype == torch.bfloat16 and shape[1] == 130 and shape[2] != shape[3]:
+        pytest.skip("T 130 grouped in fp32 only (interpreter time; bf16 has the other five)")
     q, k, v, g, beta, state = _inputs(*shape, s0, dtype, seed=sum(shape))
     want, want_state = _hf(q, k, v, g, beta, state)
     ref, ref_state = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state)
@@ -89,8 +91,8 @@ def test_chunk_rule_matches_transformers(case, dtype):
 
 @pytest.mark.parametrize(
     "case,dtype",
-    [((1, 70, 1, 2, 16, 16, True), torch.float32), ((1, 63, 1, 2, 8, 24, False), torch.bfloat16)],
-    ids=["T70_grouped", "T63_grouped_nostate"],
+    [((1, 70, 1, 2, 16, 16, True), torch.float32), ((1, 63, 1, 1, 8, 24, False), torch.bfloat16)],
+    ids=["T70_grouped", "T63_nostate"],
 )
 @torch.no_grad()
 def test_triton_prepare_matches_torch_prepare(case, dtype):
