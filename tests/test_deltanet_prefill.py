@@ -150,11 +150,13 @@ def test_tiny_model_greedy_tokens(tiny_text_model):
     """A tiny Qwen3.5 with the replacements installed but its decoder layers (FusedDecoderLayer sends a prefill to
     the original layer, whose linear_attn is transformers' module): the layers' prefill runs deltanet_prefill, greedy
     tokens and logits equal transformers'."""
-    ref = copy.deepcopy(tiny_text_model)
-    prompt = torch.randint(0, ref.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    dev = test_fused.DEV  # the CPU, or CUDA with compiled kernels (TRITON_INTERPRET=0): then the Triton chunk rule
+    ref = copy.deepcopy(tiny_text_model).to(dev)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, ref.config.vocab_size, (1, 9), generator=gen).to(dev)
     want, want_toks = test_fused._run(ref, "dynamic", prompt, steps=1)
     model = copy.deepcopy(ref)
-    replacements.install(model, "cpu", force=True, exclude=("Qwen3_5MoeDecoderLayer",))
+    replacements.install(model, dev, force=True, exclude=("Qwen3_5MoeDecoderLayer",))
     nets = [m for m in model.modules() if isinstance(m, FusedGatedDeltaNet)]
     got, toks = test_fused._run(model, "dynamic", prompt, steps=1)
     assert nets and all(m.prefill_calls == 1 for m in nets)
