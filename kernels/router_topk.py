@@ -89,8 +89,8 @@ def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None, *, group
     group_size n / topk_group g: only the experts of the g departments (n consecutive experts each) with the highest
     best logit may be chosen (ties between departments -> lowest department index); weights stay the softmax over
     all E logits (renormalised over the k chosen if norm_topk_prob)."""
-    if logits is None:
-        logits = torch.nn.functional.linear(x, weight)
+    if logits is None:  # an fp32 router over a lower-precision x (DeepSeek-V2): x in fp32, as its router does
+        logits = torch.nn.functional.linear(x.to(weight.dtype) if weight.dtype == torch.float32 else x, weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     lf = logits.float()
     order = torch.sort(lf, dim=-1, descending=True, stable=True).indices  # ties: lowest index first
@@ -276,7 +276,8 @@ def router_topk(
     group_size: int = 0,
     topk_group: int = 0,
 ):
-    """One-launch softmax top-k router (module docstring). x [T, H] (or [..., H]), weight [E, H], same dtype.
+    """One-launch softmax top-k router (module docstring). x [T, H] (or [..., H]), weight [E, H], x's dtype or fp32
+    (DeepSeek-V2's router: x read in fp32, logits and weights fp32).
     Returns (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k] int64), as transformers' router.
     group_size n > 0 with topk_group g: group-limited top-k over departments of n consecutive experts (module
     docstring); needs E % n == 0, g >= 1, top_k <= min(g, E // n) * n; g >= E // n is plain top-k."""
@@ -288,8 +289,8 @@ def router_topk(
     E = weight.shape[0]
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k {top_k} out of range for {E} experts")
-    if x.dtype not in _FLOAT_DTYPES or weight.dtype != x.dtype:
-        raise TypeError(f"x and weight must share a float dtype, got {x.dtype} and {weight.dtype}")
+    if x.dtype not in _FLOAT_DTYPES or weight.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"x and weight must share a float dtype (or weight fp32), got {x.dtype} and {weight.dtype}")
     if weight.device != x.device:
         raise ValueError("x and weight must be on one device")
     group_n, group_g = group_args(E, top_k, group_size, topk_group)
@@ -300,8 +301,9 @@ def router_topk(
         x2 = x2.contiguous()
     weight = weight if weight.is_contiguous() else weight.contiguous()
     T = x2.shape[0]
-    logits = torch.empty((T, E), dtype=x.dtype, device=x.device)
-    tw = torch.empty((T, top_k), dtype=x.dtype, device=x.device)
+    out_dt = weight.dtype  # x's, or fp32 for an fp32 router (its logits and weights stay fp32)
+    logits = torch.empty((T, E), dtype=out_dt, device=x.device)
+    tw = torch.empty((T, top_k), dtype=out_dt, device=x.device)
     ti = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     if T == 0:
         return logits, tw, ti

@@ -1,4 +1,5 @@
-"""Shared expert (Qwen3.5 `Qwen3_5MoeMLP` + sigmoid `shared_expert_gate`) for a few tokens in two Triton launches.
+"""Shared expert (Qwen3.5 `Qwen3_5MoeMLP` + sigmoid `shared_expert_gate`; DeepSeek-V2's `shared_experts`, no gate)
+for a few tokens in two Triton launches.
 
 What transformers does in `Qwen3_5MoeSparseMoeBlock.forward` for the shared expert (each step rounds to x.dtype):
 
@@ -49,9 +50,10 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # torch reference (transformers' formulas, written out)
 # ----------------------------------------------------------------------------------------------------------
 def shared_expert_ref(x, w_gate, w_up, w_down, w_sg, routed):
+    """w_sg None: no gate (DeepSeek-V2's shared experts: routed + s)."""
     F = torch.nn.functional
     s = F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
-    return routed + torch.sigmoid(F.linear(x, w_sg.reshape(1, -1))) * s
+    return routed + (s if w_sg is None else torch.sigmoid(F.linear(x, w_sg.reshape(1, -1))) * s)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -73,6 +75,7 @@ if triton is not None:
         BLOCK_I: tl.constexpr,
         BLOCK_H: tl.constexpr,
         PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+        GATED: tl.constexpr = True,  # False: no shared_expert_gate (wsg_ptr unused, sg not written)
     ):
         t = tl.program_id(0).to(tl.int64)
         pid = tl.program_id(1)
@@ -88,7 +91,7 @@ if triton is not None:
         m2 = rmask[:, None] & cm[None, :]
         wg = tl.load(wg_ptr + roff + cols[None, :], mask=m2, other=0.0)  # the first tile's weights: before the wait
         wu = tl.load(wu_ptr + roff + cols[None, :], mask=m2, other=0.0)
-        first = (tl.zeros([BLOCK_H], dtype=tl.int32) + pid) == 0  # program 0 also computes the sigmoid gate
+        first = ((tl.zeros([BLOCK_H], dtype=tl.int32) + pid) == 0) & GATED  # program 0 also computes the gate
         ws = tl.load(wsg_ptr + cols, mask=cm & first, other=0.0).to(tl.float32)
         if PDL:
             gdc_wait()
@@ -110,7 +113,7 @@ if triton is not None:
         act = round_to(g / (1.0 + tl.exp(-g)), DT)  # silu, rounded as torch's silu on x.dtype
         a = round_to(act * u, DT)
         tl.store(a_ptr + t * I + rows, a.to(DT), mask=rmask)
-        if pid == 0:
+        if GATED and pid == 0:
             z = round_to(tl.sum(acc_s, axis=0), DT)
             sg = round_to(1.0 / (1.0 + tl.exp(-z)), DT)
             tl.store(sg_ptr + t, sg.to(DT))
@@ -132,6 +135,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_I: tl.constexpr,
         PDL: tl.constexpr,
+        GATED: tl.constexpr = True,
     ):
         t = tl.program_id(0).to(tl.int64)
         pid = tl.program_id(1)
@@ -153,8 +157,9 @@ if triton is not None:
             acc += wd.to(tl.float32) * av[None, :]
         DT = o_ptr.dtype.element_ty
         s = round_to(tl.sum(acc, axis=1), DT)
-        sg = tl.load(sg_ptr + t).to(tl.float32)
-        s = round_to(sg * s, DT)
+        if GATED:
+            sg = tl.load(sg_ptr + t).to(tl.float32)
+            s = round_to(sg * s, DT)
         r = tl.load(r_ptr + t * stride_r + rows, mask=rmask, other=0.0).to(tl.float32)
         v = round_to(r + s, DT)
         if HAS_RES:
@@ -185,34 +190,36 @@ def shared_expert(
 ):
     """routed + sigmoid(x·w_sgᵀ) · down(silu(x·w_gateᵀ) · x·w_upᵀ) in two launches (module docstring), plus
     `residual` when given (added last, after the sum is rounded). x, routed, residual [T, H] (or [..., H]); returns
-    out with routed's shape; `out=routed` works in place."""
+    out with routed's shape; `out=routed` works in place. `w_sg` None: no gate, routed + down(...) (DeepSeek-V2's
+    shared experts)."""
     if triton is None:
         raise RuntimeError("shared_expert needs triton")
     H = x.shape[-1]
     I = w_gate.shape[0]
-    if w_gate.shape != (I, H) or w_up.shape != (I, H) or w_down.shape != (H, I) or w_sg.numel() != H:
+    gated = w_sg is not None
+    if w_gate.shape != (I, H) or w_up.shape != (I, H) or w_down.shape != (H, I) or (gated and w_sg.numel() != H):
         raise ValueError(
             f"shapes do not match H={H}, I={I}: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
-            f"down {tuple(w_down.shape)}, shared_expert_gate {tuple(w_sg.shape)}"
+            f"down {tuple(w_down.shape)}, shared_expert_gate {tuple(w_sg.shape) if gated else None}"
         )
     if routed.shape != x.shape:
         raise ValueError(f"routed shape {tuple(routed.shape)} != x shape {tuple(x.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    dts = {t.dtype for t in (x, w_gate, w_up, w_down, w_sg, routed) + ((residual,) if residual is not None else ())}
+    tensors = (
+        (x, w_gate, w_up, w_down, routed) + ((w_sg,) if gated else ()) + ((residual,) if residual is not None else ())
+    )
+    dts = {t.dtype for t in tensors}
     if len(dts) != 1 or x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"all tensors must share one float dtype, got {sorted(map(str, dts))}")
-    if (
-        len({t.device for t in (x, w_gate, w_up, w_down, w_sg, routed) + ((residual,) if residual is not None else ())})
-        != 1
-    ):
+    if len({t.device for t in tensors}) != 1:
         raise ValueError("all tensors must be on one device")
     for b in (block_i, block_h, down_block_h, down_block_i):
         if b & (b - 1):
             raise ValueError("block sizes must be powers of two")
     w_gate, w_up, w_down = (w if w.is_contiguous() else w.contiguous() for w in (w_gate, w_up, w_down))
-    w_sg = w_sg.reshape(H)
-    w_sg = w_sg if w_sg.stride(0) == 1 else w_sg.contiguous()
+    w_sg = w_sg.reshape(H) if gated else x  # (not read without a gate)
+    w_sg = w_sg if w_sg.stride(-1) == 1 else w_sg.contiguous()
     x2 = _rows(x, H)
     r2 = _rows(routed, H)
     res2 = _rows(residual, H) if residual is not None else r2
@@ -231,8 +238,9 @@ def shared_expert(
     bi = min(block_i, triton.next_power_of_2(I))
     bh = min(block_h, triton.next_power_of_2(H))
     _gate_up_kernel[(T, triton.cdiv(I, bi))](
-        x2, w_gate, w_up, w_sg, a, sg, H, I, x2.stride(0), BLOCK_I=bi, BLOCK_H=bh, num_warps=num_warps, **pdl_kw(x)
-    )
+        x2, w_gate, w_up, w_sg, a, sg, H, I, x2.stride(0), BLOCK_I=bi, BLOCK_H=bh, num_warps=num_warps,
+        GATED=gated, **pdl_kw(x),
+    )  # fmt: skip
     dbh = min(down_block_h, triton.next_power_of_2(H))
     dbi = min(down_block_i, triton.next_power_of_2(I))
     _down_add_kernel[(T, triton.cdiv(H, dbh))](
@@ -251,6 +259,7 @@ def shared_expert(
         BLOCK_H=dbh,
         BLOCK_I=dbi,
         num_warps=num_warps,
+        GATED=gated,
         **pdl_kw(x),
     )
     return out

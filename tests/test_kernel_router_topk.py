@@ -218,3 +218,29 @@ def test_group_checks(kw):
         router_topk(x, w, 3, **kw)
     with pytest.raises(ValueError):
         router_topk_ref(x, w, 3, **kw)
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+@torch.no_grad()
+def test_deepseek_fp32_router(method):
+    """DeepSeek-V2's router: fp32 weight over bf16 hidden states, softmax top-k without renormalisation, optionally
+    group-limited (n_group groups scored by their best expert): transformers' DeepseekV2TopkRouter (before its
+    routed_scaling_factor, which the block applies)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    E, H, k, groups = 16, 64, 3, 4
+    cfg = DeepseekV2Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=k, topk_method=method,
+                           n_group=groups, topk_group=2, routed_scaling_factor=1.0)  # fmt: skip
+    router = DeepseekV2TopkRouter(cfg).to(DEV)
+    gen = torch.Generator().manual_seed(4)
+    router.weight.copy_(torch.randn(E, H, generator=gen) / H**0.5)
+    x = torch.randn(5, H, generator=gen).to(DEV, torch.bfloat16)
+    logits, w, idx = router(x)
+    group = {"group_size": E // groups, "topk_group": 2} if method != "greedy" else {}
+    got_l, got_w, got_i = router_topk(x, router.weight, k, False, **group)
+    assert got_l.dtype == got_w.dtype == torch.float32
+    torch.testing.assert_close(got_l, logits, rtol=1e-5, atol=1e-5)
+    order = idx.sort(-1)
+    assert torch.equal(got_i.sort(-1).values, order.values)
+    torch.testing.assert_close(got_w.gather(1, got_i.sort(-1).indices), w.gather(1, order.indices))

@@ -1,6 +1,7 @@
 """Tests of kernels/shared_expert.py: the two-launch shared expert vs transformers' Qwen3_5MoeMLP + sigmoid gate.
 
-Runs on CPU under TRITON_INTERPRET=1. out = routed + sigmoid(shared_expert_gate(x)) * shared_expert(x), compared with
+Runs on CPU under TRITON_INTERPRET=1. out = routed + sigmoid(shared_expert_gate(x)) * shared_expert(x) (or, without a
+gate, DeepSeek-V2's routed + shared_experts(x)), compared with
 the transformers modules at Qwen3.5-35B (H 2048, I 512), Qwen3.5-122B-like widths and odd sizes, fp32 (a few ulp)
 and bf16 (each rounding reproduced: equal to transformers up to the GEMVs' accumulation order), in place or not.
 Shape legend: T tokens, H hidden, I shared-expert intermediate size.
@@ -88,6 +89,21 @@ def test_residual_add_fused(shape, dtype):
             routed,
             residual=residual[:, :-1],
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 256, 176), (3, 100, 37)], ids=lambda s: "T{}H{}I{}".format(*s))
+@torch.no_grad()
+def test_no_gate_deepseek(shape, dtype):
+    """w_sg None: DeepSeek-V2's `routed + shared_experts(x)` (the gated tests cover the real widths)."""
+    T, H, I = shape
+    gen = torch.Generator().manual_seed(H + I + 7)
+    mlp, _ = _modules(H, I, dtype, gen)
+    x, routed = (torch.randn(T, H, generator=gen).to(DEV, dtype) for _ in range(2))
+    want = routed + mlp(x)
+    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    torch.testing.assert_close(shared_expert_ref(x, *w, None, routed), want, rtol=0, atol=0)
+    torch.testing.assert_close(shared_expert(x, *w, None, routed), want, **TOL[dtype])
 
 
 @torch.no_grad()

@@ -41,14 +41,23 @@ _ROUTERS: dict[str, bool | None] = {
     "DeaMoeRouter": None,
     "MixtralTopKRouter": True,  # softmax (fp32) -> top-k -> renormalise; its weights stay fp32 (here: x's dtype)
     "GraniteMoeTopKRouter": True,  # top-k of the logits, softmax over the k: the renormalised softmax top-k
+    "DeepseekV2TopkRouter": False,  # fp32 weight, softmax top-k (group-limited: n_group), x routed_scaling_factor
 }
 _ROUTER_NAMES = ("gate", "router")  # the block's router child: Qwen/OLMoE/Mixtral/DeaMoE `gate`, GraniteMoE `router`
 _BLOCK_NAMES = ("mlp", "block_sparse_moe")  # the decoder layer's MoE block: GraniteMoE's is `block_sparse_moe`
 
 
 def _group_kw(gate: nn.Module) -> dict | None:
-    """router_topk's group-limited keywords for a DeaMoE router ({} for the plain ones); None when the kernel cannot
-    route it (a department score other than the best expert's)."""
+    """router_topk's group-limited keywords for a DeaMoE router or DeepSeek-V2's `group_limited_greedy` ({} for the
+    plain ones); None when the kernel cannot route it (a department score other than the best expert's, another
+    DeepSeek top-k method)."""
+    if type(gate).__name__ == "DeepseekV2TopkRouter":
+        method = getattr(gate, "topk_method", "greedy")
+        if method == "greedy":
+            return {}
+        if method != "group_limited_greedy":
+            return None
+        return {"group_size": int(gate.num_experts) // int(gate.num_group), "topk_group": int(gate.topk_group)}
     if type(gate).__name__ != "DeaMoeRouter":
         return {}
     if getattr(gate, "score", "max") != "max":
@@ -80,12 +89,21 @@ class FusedSparseMoeBlock(nn.Module):
             and self._group is not None
             and isinstance(getattr(gate, "weight", None), torch.Tensor)
         )
-        se, sg = getattr(hf, "shared_expert", None), getattr(hf, "shared_expert_gate", None)
+        # DeepSeek-V2: `shared_experts`, no gate; its router scales the top-k weights by routed_scaling_factor
+        self._shared_name = "shared_experts" if isinstance(getattr(hf, "shared_experts", None), nn.Module) else None
+        self._shared_name = self._shared_name or "shared_expert"
+        se, sg = getattr(hf, self._shared_name, None), getattr(hf, "shared_expert_gate", None)
         self.has_shared = se is not None
+        self.shared_gated = sg is not None
+        self._scale = float(getattr(gate, "routed_scaling_factor", 1.0) or 1.0)
         self._shared_ok = not self.has_shared or (
-            isinstance(sg, (nn.Linear, FusedLinear))
-            and sg.bias is None
-            and sg.out_features == 1
+            (
+                sg is None
+                and self._shared_name == "shared_experts"
+                or isinstance(sg, (nn.Linear, FusedLinear))
+                and sg.bias is None
+                and sg.out_features == 1
+            )
             and all(
                 isinstance(getattr(se, n, None), (nn.Linear, FusedLinear)) and getattr(se, n).bias is None
                 for n in ("gate_proj", "up_proj", "down_proj")
@@ -109,10 +127,16 @@ class FusedSparseMoeBlock(nn.Module):
         """The router child (`gate`, or GraniteMoE's `router`)."""
         return getattr(self, self._gate_name)
 
+    @property
+    def _se(self) -> nn.Module | None:
+        """The shared expert child (`shared_expert`, or DeepSeek-V2's `shared_experts`), None without one."""
+        return getattr(self, self._shared_name, None) if self.has_shared else None
+
     def _fusable(self, h: torch.Tensor) -> bool:
         if not (self._router_ok and self._shared_ok) or h.dim() != 3 or h.shape[0] * h.shape[1] != 1:
             return False
-        return h.dtype == self._gate.weight.dtype and h.device == self._gate.weight.device
+        w = self._gate.weight  # x's dtype, or an fp32 router (DeepSeek-V2)
+        return w.dtype in (h.dtype, torch.float32) and h.device == w.device
 
     def forward(self, hidden_states: torch.Tensor):  # [B, T, H]
         if not self._fusable(hidden_states):
@@ -129,6 +153,8 @@ class FusedSparseMoeBlock(nn.Module):
         B, T, H = hidden_states.shape
         x = hidden_states.view(-1, H)
         logits, top_k_weights, top_k_index = self._route(x)
+        if self._scale != 1.0:  # DeepSeek-V2's routed_scaling_factor, as its router applies it
+            top_k_weights = top_k_weights * self._scale
         y = self.experts(x, top_k_index, top_k_weights)
         if self.has_shared:
             y = self._shared(x, y, None if residual is None else residual.view(-1, H))
@@ -141,7 +167,8 @@ class FusedSparseMoeBlock(nn.Module):
         `sparse_fused` (which then takes the residual add, and the shared expert's sum if there is one), or DeaMoE's
         department kernels on resident weights (experts/departments.py `tail=`)."""
         takes = getattr(self.experts, "takes_tail", None)
-        return self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
+        plain = self._gate.weight.dtype == h.dtype and self._scale == 1.0 and (self.shared_gated or not self.has_shared)
+        return plain and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
     @torch.compiler.disable
     def step_front(
@@ -162,7 +189,7 @@ class FusedSparseMoeBlock(nn.Module):
         B, T, H = mixed.shape
         if self._front is None:
             self._front = tuned(mixed, "moe_front", f"H{H}_E{self._gate.weight.shape[0]}_k{self.top_k}")
-        se = self.shared_expert if self.has_shared else None
+        se = self._se
         weights = (se.gate_proj.weight, se.up_proj.weight, self._shared_down_t()) if se is not None else None
         if se is not None and self.shared_in_front:  # the shared expert in moe_front's launch, into the workspace
             ws = fused_workspace(mixed.device, H + self.top_k + 1)
@@ -196,7 +223,7 @@ class FusedSparseMoeBlock(nn.Module):
     def _shared_down_t(self) -> torch.Tensor:
         """The shared expert's W_down transposed, [I, H] contiguous (a neuron's output row contiguous, as the routed
         experts store it): a copy of down_proj.weight made on the first call, remade if that weight is replaced."""
-        w = self.shared_expert.down_proj.weight
+        w = self._se.down_proj.weight
         if self._down_t is None or self._down_t[0] != w.data_ptr():
             self._down_t = (w.data_ptr(), w.detach().t().contiguous())
         return self._down_t[1]
@@ -211,7 +238,7 @@ class FusedSparseMoeBlock(nn.Module):
         tickets = self._tickets_on(x.device)
         if self._launch is None:
             H, E = self._gate.weight.shape[1], self._gate.weight.shape[0]
-            se = self.shared_expert if self.has_shared else None
+            se = self._se
             self._launch = (
                 tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
                 tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {},
@@ -222,13 +249,13 @@ class FusedSparseMoeBlock(nn.Module):
 
     @torch.compiler.disable
     def _shared(self, x, routed, residual=None):
-        se = self.shared_expert
+        se = self._se
         return shared_expert(
             x,
             se.gate_proj.weight,
             se.up_proj.weight,
             se.down_proj.weight,
-            self.shared_expert_gate.weight,
+            self.shared_expert_gate.weight if self.shared_gated else None,
             routed.to(x.dtype),
             residual=residual,
             **self._launch[1],

@@ -46,6 +46,9 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                o_proj: 5 launches
                                                                (was 28 with the fused Linears and norms); prefill
                                                                and uncached calls run the original module
+    DeepseekV2Moe                  FusedSparseMoeBlock      one token: router 1 launch (fp32 weight; greedy or
+                                                               group-limited), routed_scaling_factor 1 multiply
+                                                               when != 1, shared experts + the add 2 launches
     DeepseekV2Attention            FusedMLA                 cached T=1 step absorbed over the compressed latent
                                                                cache: q|kv_a 1 GEMV, W_UK 1, core 2
                                                                (kernels/mla_decode.py), W_UV 1, o_proj (transformers
@@ -202,6 +205,10 @@ REPLACEMENTS: dict[str, Replacement] = {
     "GraniteMoeAttention": Replacement(FusedAttention, "as MixtralAttention; attention_multiplier as the scale"),
     "GraniteMoeMoE": Replacement(
         FusedSparseMoeBlock, "T=1: router (top-k, softmax over k) 1 launch, experts unchanged"
+    ),
+    "DeepseekV2Moe": Replacement(
+        FusedSparseMoeBlock,
+        "T=1: router (fp32 weight, group-limited top-k) 1 launch, experts unchanged, shared experts + add 2 launches",
     ),
     "DeepseekV2Attention": Replacement(
         FusedMLA,

@@ -1,7 +1,8 @@
-"""localmoe/decode/mla.py: DeepSeek-V2's attention decoded absorbed over the compressed cache (kernels/mla_decode.py
-under the interpreter on the CPU). Greedy prefill + cached decode steps equal transformers' unfused model (static and
-dynamic caches, with and without q_lora_rank; fp32); the absorbed step is taken on every decode step, the
-original module on the prefill."""
+"""DeepSeek-V2's fused decode: localmoe/decode/mla.py's attention decoded absorbed over the compressed cache
+(kernels/mla_decode.py under the interpreter on the CPU) and its MoE block as FusedSparseMoeBlock (fp32 router,
+group-limited top-k, routed_scaling_factor, shared experts without a gate). Greedy prefill + cached decode steps
+equal transformers' unfused model (static and dynamic caches, with and without q_lora_rank; fp32); the fused steps
+are taken on every decode step, the original modules on the prefill."""
 
 import copy
 import os
@@ -22,12 +23,13 @@ from localmoe.decode.mla import FusedMLA  # noqa: E402
 DEV = test_fused.DEV
 
 
-def _tiny(q_lora_rank=None):
+def _tiny(q_lora_rank=None, **kw):
+    kw = {"n_group": 1, "topk_group": 1, **kw}
     cfg = DeepseekV2Config(
         vocab_size=96, hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=64,
+        v_head_dim=16, max_position_embeddings=64, **kw,
     )  # fmt: skip
     torch.manual_seed(0)
     return test_fused.nontrivial(DeepseekV2ForCausalLM(cfg)).eval()
@@ -35,20 +37,23 @@ def _tiny(q_lora_rank=None):
 
 @pytest.mark.parametrize(
     "q_lora_rank, cache_kind, dtype",
-    [(None, "static", torch.float32), (24, "dynamic", torch.float32)],
+    [(None, "static", torch.float32), (24, "dynamic", torch.float32)],  # the second: group-limited, scaled
     ids=["lite-static", "q_lora-dynamic"],  # (bf16: the kernel's test; the model in bf16 on the GPU check)
 )
 @torch.no_grad()
 def test_absorbed_decode_equals_transformers(q_lora_rank, cache_kind, dtype):
-    ref = _tiny(q_lora_rank).to(DEV, dtype)
+    group = dict(topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5)
+    ref = _tiny(q_lora_rank, **(group if q_lora_rank else {})).to(DEV, dtype)
     prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(5)).to(DEV)
     want, want_toks = test_fused._run(ref, cache_kind, prompt, steps=3)
     model = copy.deepcopy(ref)
     done = replacements.install(model, DEV, force=True)
-    assert done["DeepseekV2Attention"] == 2
+    assert done["DeepseekV2Attention"] == 2 and done["DeepseekV2Moe"] == 1  # (layer 0: a dense MLP)
     got, got_toks = test_fused._run(model, cache_kind, prompt, steps=3)
     mla = [m for m in model.modules() if isinstance(m, FusedMLA)]
     assert [m.decode_calls for m in mla] == [3, 3]  # every decode step, not the prefill
+    blocks = [m for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)]
+    assert [b.decode_calls for b in blocks] == [3]  # the fp32 router, the shared experts without a gate
     assert got_toks == want_toks
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     assert replacements.uninstall(model) > 0
