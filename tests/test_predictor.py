@@ -72,7 +72,8 @@ def test_cache_round_trip_and_invalidation(tiny, monkeypatch):
         meta = predictor._meta(engine, SPARSITY, 4, 16, "coact", 0.98, *thresholds.read_calibration_text(None), TOKENS)
         shapes = [(8, 160, 256)] * 8
         assert predictor._read_cache(path, meta, shapes)[0] is not None
-        assert "made with rank" in predictor._read_cache(path, {**meta, "rank": 8}, shapes)[1]
+        stale = predictor._read_cache(path, {**meta, "rank": 8}, shapes)[1]
+        assert "was stale (made with rank" in stale
         assert "tensor" in predictor._read_cache(path, meta, [(8, 160, 256)] * 9)[1]
     finally:
         engine.on_notice = None
@@ -139,3 +140,13 @@ def test_cli_refusals(capsys, argv, message):
     assert main([*argv, "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("localmoe: error: ") and message in err[0]
+
+
+def test_calibrate_fits_and_caches_the_predictor(capsys):
+    argv = ["calibrate", "localmoe-tiny", "--sparsity", "0.85", "--tokens", "256", "--device", "cpu"]
+    assert main([*argv, "--departments", "2", "--rank", "8"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("calibrated localmoe-tiny") and "thresholds saved to" in out[0]
+    assert out[1].startswith("gate predictor with 2 departments saved to ") and out[1].endswith(
+        "-d2-r8-coact.safetensors"
+    )

@@ -46,9 +46,10 @@ def cmd_calibrate(args) -> int:
         tokens=args.tokens or thresholds.DEFAULT_TOKENS,
         force=True,
     )
+    fitted = None
     if args.departments:
         engine.set_departments(args.departments, args.rank)
-        _, path = predictor.predictors_for(
+        _, fitted = predictor.predictors_for(
             engine,
             table,
             args.departments,
@@ -58,8 +59,6 @@ def cmd_calibrate(args) -> int:
             progress=bar,
             force=True,
         )
-        where = f"saved to {path}" if path is not None else "not saved (see the note above)"
-        print(for_line(f"gate predictor with {args.departments} departments {where}"))
     done = (
         f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
         f"tokens of {table.meta['calibration_set']}"
@@ -73,6 +72,9 @@ def cmd_calibrate(args) -> int:
         )
     else:
         print(for_line(f"{done}: thresholds saved to {table.path}"))
+    if args.departments:
+        where = f"saved to {fitted}" if fitted is not None else "not saved (see the note above)"
+        print(for_line(f"gate predictor with {args.departments} departments {where}"))
     return 0
 
 

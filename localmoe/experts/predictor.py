@@ -310,7 +310,8 @@ def _read_cache(path: Path, meta: dict, shapes: list[tuple]) -> tuple[list[Layer
         why = f"unreadable: {e.strerror or e}"
     except Exception as e:  # noqa: BLE001 - a corrupt header or tensor: safetensors' own errors, JSON's
         why = f"not a predictor file, truncated or corrupt ({type(e).__name__})"
-    return None, f"cached gate predictor at {for_line(path)} was invalid ({for_line(why)}); fitted again"
+    kind = "stale" if why.startswith("made with") else "invalid"  # metadata of another run, or a broken file
+    return None, f"cached gate predictor at {for_line(path)} was {kind} ({for_line(why)}); fitted again"
 
 
 def _write_cache(path: Path, preds: list[LayerPredictor], meta: dict) -> str | None:
