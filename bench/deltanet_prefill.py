@@ -2,13 +2,13 @@
 transformers' torch fallback and, when importable, flash-linear-attention's `chunk_gated_delta_rule`.
 
 First a check: the kernel against its torch reference (transformers' function op for op) on the GPU, T = 300 (a
-partial last chunk), with an initial state, fp32 dots and TF32 dots, either prepare; max absolute error of the
+partial last chunk), with an initial state, each dot precision, either prepare; max absolute error of the
 output and the final state. Then the times (median ms, CUDA events around each call, warm) of one Qwen3.5-35B-A3B
 Gated DeltaNet layer's delta rule (H_k 16, H_v 32, d_k = d_v 128, bf16 q/k/v, fp32 g) at T 512 / 2048 / 8192, for:
-transformers' `torch_chunk_gated_delta_rule`, the kernel (fp32 dots, and TF32; the intra-chunk phase in torch, and in
-Triton: `_tprep`), fla's kernel; then the whole layer (`Qwen3_5MoeGatedDeltaNet` vs localmoe's
-`FusedGatedDeltaNet`, hidden 2048, no cache); between them a sweep of the scan launch (block_v x num_warps) at T 2048.
-Prints the tables; with $OUT set writes `$OUT/deltanet_prefill.json`.
+transformers' `torch_chunk_gated_delta_rule`, the kernel (fp32 dots, 3xTF32 and TF32; the intra-chunk phase in torch,
+and in Triton: `_tprep`), fla's kernel; then the whole layer (`Qwen3_5MoeGatedDeltaNet` vs localmoe's
+`FusedGatedDeltaNet`, hidden 2048, no cache); between them a sweep of the scan launch (precision x block_v x
+num_warps x num_stages) at T 2048. Prints the tables; with $OUT set writes `$OUT/deltanet_prefill.json`.
 
     python bench/deltanet_prefill.py [--T 512,2048,8192] [--reps 10]
 
@@ -78,13 +78,14 @@ def check() -> dict:
         *_rep(q, k), v, g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
     res = {"ref_vs_transformers": float((want.float() - hf.float()).abs().max())}
-    for name, tf32, prep in (
-        ("ieee", False, "torch"),
-        ("tf32", True, "torch"),
-        ("tprep_ieee", False, "triton"),
-        ("tprep_tf32", True, "triton"),
+    for name, prec, prep in (
+        ("ieee", "ieee", "torch"),
+        ("tf32x3", "tf32x3", "torch"),
+        ("tf32", "tf32", "torch"),
+        ("tprep_ieee", "ieee", "triton"),
+        ("tprep_tf32", "tf32", "triton"),
     ):
-        got, got_s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, tf32=tf32, prepare=prep)
+        got, got_s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, precision=prec, prepare=prep)
         res[f"{name}_out"] = float((got.float() - want.float()).abs().max())
         res[f"{name}_state"] = float((got_s - want_s).abs().max())
     res["out_scale"] = float(want.float().abs().max())
@@ -105,9 +106,10 @@ def rule_times(Ts, reps) -> list[dict]:
                 qr, kr, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True
             ),
             "localmoe": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
-            "localmoe_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, tf32=True),
+            "localmoe_tf32x3": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="tf32x3"),
+            "localmoe_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="tf32"),
             "localmoe_tprep": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton"),
-            "localmoe_tprep_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", tf32=True),
+            "localmoe_tprep_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", precision="tf32"),
         }
         if fla_chunk is not None:
             fns["fla"] = lambda: fla_chunk(
@@ -125,22 +127,26 @@ def rule_times(Ts, reps) -> list[dict]:
 
 
 def sweep(T, reps) -> list[dict]:
-    """The scan kernel's launch keywords at one T (torch prepare): block_v x num_warps, fp32 and TF32 dots."""
+    """The scan kernel's launch keywords at one T (torch prepare): precision x block_v x num_warps x num_stages."""
     q, k, v, g, beta, _ = _inputs(T)
     rows = []
-    for tf32 in (False, True):
+    for prec in ("ieee", "tf32x3", "tf32"):
         for bv in (16, 32, 64):
             for nw in (4, 8):
-                fn = lambda: chunk_gated_delta_rule(q, k, v, g, beta, block_v=bv, num_warps=nw, tf32=tf32)  # noqa: E731
-                try:
-                    ms = _time(fn, reps)
-                except Exception as e:  # noqa: BLE001 (a launch that does not fit: report, go on)
-                    print(f"  block_v {bv} num_warps {nw} failed: {type(e).__name__}", file=sys.stderr)
-                    continue
-                rows.append({"tf32": tf32, "block_v": bv, "num_warps": nw, "ms": ms})
-    print(f"scan launch sweep at T {T} (ms, median; default block_v/num_warps from _block_v)")
-    for r in sorted(rows, key=lambda r: (r["tf32"], r["ms"])):
-        print(f"  tf32 {r['tf32']!s:5s} block_v {r['block_v']:3d} num_warps {r['num_warps']}  {r['ms']:.4g}")
+                for ns in (1, 2):
+                    kw = dict(precision=prec, block_v=bv, num_warps=nw, num_stages=ns)
+                    try:
+                        ms = _time(lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw), reps)  # noqa: B023
+                    except Exception as e:  # noqa: BLE001 (a launch that does not fit: report, go on)
+                        print(f"  {kw} failed: {type(e).__name__}", file=sys.stderr)
+                        continue
+                    rows.append({**kw, "ms": ms})
+    print(f"scan launch sweep at T {T} (ms, median; the defaults: num_warps 8, _block_v, _scan_stages)")
+    for r in sorted(rows, key=lambda r: (r["precision"], r["ms"])):
+        print(
+            f"  {r['precision']:6s} block_v {r['block_v']:3d} num_warps {r['num_warps']} "
+            f"num_stages {r['num_stages']}  {r['ms']:.4g}"
+        )
     return rows
 
 
@@ -199,7 +205,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  fla {'yes' if fla_chunk else 'no'}")
     res = {"check": check()}
     res["rule"] = rule_times(Ts, args.reps)
-    cols = ["transformers", "localmoe", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
+    cols = ["transformers", "localmoe", "localmoe_tf32x3", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
     cols += ["fla"] if fla_chunk is not None else []
     _table("delta rule, one layer (ms, median)", res["rule"], cols)
     res["sweep"] = sweep(2048, args.reps)

@@ -23,8 +23,10 @@ export branch) and u, w as two dots; equal to the torch phase within fp32 roundi
 
 `chunk_gated_delta_rule_ref` is the same first phase followed by transformers' own Python loop over the chunks: it
 equals `torch_chunk_gated_delta_rule` bit for bit on the CPU (tests/test_kernel_delta_rule_chunk.py). The dots in
-the kernel run in full fp32 (`input_precision="ieee"`) by default, like torch's fp32 matmuls; `tf32=True` allows
-TF32 tensor cores (faster, ~1e-3 relative error).
+the kernels run in full fp32 (`precision="ieee"`, FMA) by default, like torch's fp32 matmuls; "tf32x3" (three TF32
+tensor-core products, about fp32's accuracy) and "tf32" (~1e-3 relative error) are tl.dot's other input precisions.
+Compiled for sm_90 offline (triton 3.9, d_k 128) every variant fits in shared memory with `_scan_stages`, but all
+spill registers (255 and 0.2-2 KiB of stack a thread): which launch is fastest is `bench/deltanet_prefill.py`'s sweep.
 
 q and k may have H_k heads with H_v a multiple of H_k (key head h // (H_v / H_k) serves value head h, transformers'
 repeat_interleave; 5.17's module repeats before calling, 5.2x's function inside) or H_v heads.
@@ -49,6 +51,7 @@ except ImportError:  # pragma: no cover
     tl = None
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot's input_precision
 
 
 def kernel_available(t: torch.Tensor) -> bool:
@@ -301,6 +304,13 @@ if triton is not None:
         tl.store(cd_ptr + pid.to(tl.int64) * N + c, tl.exp(cg_last))
 
 
+def _scan_stages(prec: str, dk2: int) -> int:
+    """Software-pipeline depth of the scan's chunk loop: 2 (the next chunk's tiles load during this one's dots) where
+    its shared memory fits an H100/H200's 227 KiB at d_k 128 (sm_90 builds: fp32 "ieee" dots 127-164 KiB, "tf32x3"
+    135-197 KiB at block_v 16-64), else 1 ("tf32": 2 stages take 246-295 KiB)."""
+    return 2 if prec != "tf32" and dk2 <= 128 else 1
+
+
 def _block_v(DV: int, B: int, H: int) -> int:
     """Columns per program: 64, or 32 / 16 when B·H_v programs alone would leave most of a GPU's SMs idle."""
     dv2 = max(16, triton.next_power_of_2(DV))
@@ -377,7 +387,8 @@ def chunk_gated_delta_rule(
     *,
     block_v: int | None = None,
     num_warps: int | None = None,
-    tf32: bool = False,
+    precision: str = "ieee",
+    num_stages: int | None = None,
     prepare: str = "torch",
 ):
     """transformers' `torch_chunk_gated_delta_rule` with the chunk loop in one Triton launch (module docstring).
@@ -416,7 +427,9 @@ def chunk_gated_delta_rule(
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     if prepare not in ("torch", "triton"):
         raise ValueError(f"prepare must be 'torch' or 'triton', got {prepare!r}")
-    prec = "tf32" if tf32 else "ieee"
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    prec = precision
     if prepare == "torch":
         prepared = chunk_prepare(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel)
     else:
@@ -455,6 +468,7 @@ def chunk_gated_delta_rule(
         HAS_S0=initial_state is not None,
         STORE_S=output_final_state,
         PREC=prec,
-        num_warps=num_warps or (8 if dk2 * bv >= 8192 else 4),
+        num_warps=num_warps or 8,
+        num_stages=num_stages or _scan_stages(prec, dk2),
     )
     return out, (final if output_final_state else None)
