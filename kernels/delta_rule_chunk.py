@@ -369,7 +369,7 @@ def _prepare_triton(q, k, v, g, beta, C, l2, prec):
         DV_P2=dv2,
         L2=bool(l2),
         PREC=prec,
-        num_warps=8 if max(dk2, dv2) >= 128 else 4,
+        num_warps=(16 if prec == "ieee" else 8) if max(dk2, dv2) >= 128 else 4,  # sm_90 ieee at 8: 9.7 KiB stack
     )
     return qd, kd, w, u, attn, chunk_decay
 
