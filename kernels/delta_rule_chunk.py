@@ -40,6 +40,8 @@ N = ceil(T / C) chunks, T_p = N·C.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -304,11 +306,24 @@ if triton is not None:
         tl.store(cd_ptr + pid.to(tl.int64) * N + c, tl.exp(cg_last))
 
 
-def _scan_stages(prec: str, dk2: int) -> int:
+@functools.cache
+def _max_shared(device_index: int) -> int:
+    """Bytes of shared memory one program may take on a CUDA device (0 when Triton's driver cannot say)."""
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 (no driver query: assume the least and take one stage)
+        return 0
+
+
+def _scan_stages(prec: str, dk2: int, t: torch.Tensor) -> int:
     """Software-pipeline depth of the scan's chunk loop: 2 (the next chunk's tiles load during this one's dots) where
-    its shared memory fits an H100/H200's 227 KiB at d_k 128 (sm_90 builds: fp32 "ieee" dots 127-164 KiB, "tf32x3"
-    135-197 KiB at block_v 16-64), else 1 ("tf32": 2 stages take 246-295 KiB)."""
-    return 2 if prec != "tf32" and dk2 <= 128 else 1
+    its shared memory fits, i.e. on an H100/H200 (227 KiB a program; sm_90 builds at d_k 128: fp32 "ieee" dots
+    127-164 KiB, "tf32x3" 135-197 KiB at block_v 16-64), else 1 (53-98 KiB: desktop GPUs' ~99 KiB; and "tf32",
+    whose 2 stages take 246-295 KiB)."""
+    if not t.is_cuda:
+        return 2
+    smem = _max_shared(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return 2 if prec != "tf32" and dk2 <= 128 and smem >= 200 * 1024 else 1
 
 
 def _block_v(DV: int, B: int, H: int) -> int:
@@ -469,6 +484,6 @@ def chunk_gated_delta_rule(
         STORE_S=output_final_state,
         PREC=prec,
         num_warps=num_warps or 8,
-        num_stages=num_stages or _scan_stages(prec, dk2),
+        num_stages=num_stages or _scan_stages(prec, dk2, q),
     )
     return out, (final if output_final_state else None)
