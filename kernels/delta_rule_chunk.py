@@ -326,9 +326,13 @@ def _scan_stages(prec: str, dk2: int, t: torch.Tensor) -> int:
     return 2 if prec != "tf32" and dk2 <= 128 and smem >= 200 * 1024 else 1
 
 
-def _block_v(DV: int, B: int, H: int) -> int:
-    """Columns per program: 64, or 32 / 16 when B·H_v programs alone would leave most of a GPU's SMs idle."""
+def _block_v(DV: int, DK: int, B: int, H: int) -> int:
+    """Columns per program: at d_k >= 128, 16 (the offline sm_89/sm_90 builds spill least there: ~1 KiB of stack a
+    thread against 3-8 KiB at 32-64 with fp32 dots; it also gives B·H_v·d_v/16 programs); at smaller d_k 64, or 32 /
+    16 when B·H_v programs alone would leave most of a GPU's SMs idle."""
     dv2 = max(16, triton.next_power_of_2(DV))
+    if DK >= 128:
+        return 16
     bv = 64 if B * H >= 256 else (32 if B * H >= 32 else 16)
     return min(bv, dv2)
 
@@ -454,7 +458,7 @@ def chunk_gated_delta_rule(
     out = torch.empty((B, T, HV, DV), dtype=q.dtype, device=q.device)
     final = torch.empty((B, HV, DK, DV), dtype=torch.float32, device=q.device) if output_final_state else out
     s0 = initial_state if initial_state is not None else out
-    bv = block_v or _block_v(DV, B, HV)
+    bv = block_v or _block_v(DV, DK, B, HV)
     dk2 = max(16, triton.next_power_of_2(DK))
     _chunk_scan_kernel[(B * HV, triton.cdiv(DV, bv))](
         qd,
