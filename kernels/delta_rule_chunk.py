@@ -25,8 +25,9 @@ export branch) and u, w as two dots; equal to the torch phase within fp32 roundi
 equals `torch_chunk_gated_delta_rule` bit for bit on the CPU (tests/test_kernel_delta_rule_chunk.py). The dots in
 the kernels run in full fp32 (`precision="ieee"`, FMA) by default, like torch's fp32 matmuls; "tf32x3" (three TF32
 tensor-core products, about fp32's accuracy) and "tf32" (~1e-3 relative error) are tl.dot's other input precisions.
-Compiled for sm_90 offline (triton 3.9, d_k 128) every variant fits in shared memory with `_scan_stages`, but all
-spill registers (255 and 0.2-2 KiB of stack a thread): which launch is fastest is `bench/deltanet_prefill.py`'s sweep.
+Compiled offline for sm_90 and sm_89 (triton 3.9, d_k 128; not yet run on a GPU) every scan variant fits in shared
+memory with `_scan_stages`, but all spill registers (0.2-13 KiB of stack a thread; ~1 KiB at block_v 16, the default
+at d_k 128): which launch is fastest is `bench/deltanet_prefill.py`'s sweep.
 
 q and k may have H_k heads with H_v a multiple of H_k (key head h // (H_v / H_k) serves value head h, transformers'
 repeat_interleave; 5.17's module repeats before calling, 5.2x's function inside) or H_v heads.
