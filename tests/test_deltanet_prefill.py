@@ -147,18 +147,20 @@ def test_padding_mask_and_declined_calls():
 
 @torch.no_grad()
 def test_tiny_model_greedy_tokens(tiny_text_model):
-    """A tiny Qwen3.5 with the replacements installed but its decoder layers (FusedDecoderLayer sends a prefill to
-    the original layer, whose linear_attn is transformers' module): the layers' prefill runs deltanet_prefill, greedy
-    tokens and logits equal transformers'."""
+    """A tiny Qwen3.5 with every replacement installed (FusedDecoderLayer sends a prefill to its original layer, whose
+    linear_attn `install` points at the fused module): the layers' prefill runs deltanet_prefill, greedy tokens and
+    logits equal transformers'; uninstall puts transformers' modules back."""
     dev = test_fused.DEV  # the CPU, or CUDA with compiled kernels (TRITON_INTERPRET=0): then the Triton chunk rule
     ref = copy.deepcopy(tiny_text_model).to(dev)
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, ref.config.vocab_size, (1, 9), generator=gen).to(dev)
     want, want_toks = test_fused._run(ref, "dynamic", prompt, steps=1)
     model = copy.deepcopy(ref)
-    replacements.install(model, dev, force=True, exclude=("Qwen3_5MoeDecoderLayer",))
+    assert replacements.install(model, dev, force=True)["Qwen3_5MoeDecoderLayer"] > 0
     nets = [m for m in model.modules() if isinstance(m, FusedGatedDeltaNet)]
     got, toks = test_fused._run(model, "dynamic", prompt, steps=1)
     assert nets and all(m.prefill_calls == 1 for m in nets)
     assert toks == want_toks
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    replacements.uninstall(model)
+    assert not any(isinstance(m, FusedGatedDeltaNet) for m in model.modules())

@@ -37,8 +37,12 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
     Qwen3_5MoeGatedDeltaNet        FusedGatedDeltaNet          cached T=1 step: 1 input GEMV (the 4 projections'
                                                                weights share one buffer) + 1 launch
                                                                (conv1d update, gates, l2norm, delta rule, gated
-                                                               RMSNorm) + out_proj (was ~60 kernels); prefill and
-                                                               uncached calls run the original module
+                                                               RMSNorm) + out_proj (was ~60 kernels); T>1 (prefill,
+                                                               prompt pieces): transformers' forward around localmoe's
+                                                               chunked delta rule (kernels/delta_rule_chunk.py), also
+                                                               when a FusedDecoderLayer hands the prefill to its
+                                                               original layer (`install` points that layer's
+                                                               linear_attn at the fused module)
     Qwen3_5MoeAttention            FusedAttention           cached T=1 step: 1 q|k|v GEMV (one weight buffer) + 1
                                                                launch (q/k norms, partial RoPE, gate de-interleave)
                                                                and the k/v write into a static cache) + attention
@@ -262,6 +266,11 @@ def install(
             continue
         _set_child(model, name, rep.make(module))
         done[cls] = done.get(cls, 0) + 1
+    for module in model.modules():  # a fused layer's prefill runs its original layer: give that one the fused DeltaNet
+        if isinstance(module, FusedDecoderLayer) and isinstance(
+            getattr(module, "linear_attn", None), FusedGatedDeltaNet
+        ):
+            module._hf.linear_attn = module.linear_attn
     if ATTENTION not in exclude and sdpa.install(model):  # the attention core, by implementation name
         done[ATTENTION] = 1
     return done
