@@ -52,6 +52,7 @@ def test_absorbed_decode_equals_transformers(q_lora_rank, cache_kind, dtype):
     got, got_toks = test_fused._run(model, cache_kind, prompt, steps=3)
     mla = [m for m in model.modules() if isinstance(m, FusedMLA)]
     assert [m.decode_calls for m in mla] == [3, 3]  # every decode step, not the prefill
+    assert [m.static_writes for m in mla] == ([3, 3] if cache_kind == "static" else [0, 0])  # mla_rope_write
     blocks = [m for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)]
     assert [b.decode_calls for b in blocks] == [3]  # the fp32 router, the shared experts without a gate
     assert got_toks == want_toks

@@ -13,9 +13,10 @@ step. Here W_UK and W_UV, row blocks of kv_b_proj's weight [Hq·(Dn + Dv), C], a
 which equals q_nope·k_nopeᵀ with k_nope = c·W_UKᵀ and o = p·(c·W_UVᵀ), the expanded form, up to rounding. Bytes per
 step and layer: L·(C + R) cached elements instead of L·Hq·(Dn + Dv) expanded ones written and read again.
 
-Launches per decode call (q_lora_rank None, DeepSeek-V2-Lite): q|kv_a GEMV 1 (the two projections share one
-buffer; the decoder layer's input norm stays its own launch), kv_a_layernorm 1, rotary embedding (transformers'
-complex form, as its module computes it) ~8, the cache's update 1-5, W_UK 1, the core 2, W_UV 1, o_proj 1.
+Launches per decode call on a StaticCache (q_lora_rank None, DeepSeek-V2-Lite): q|kv_a GEMV 1 (the two projections
+share one buffer; the decoder layer's input norm stays its own launch), kv_a_layernorm + both ropes + the latents'
+write 1 (kernels/mla_rope_write.py), W_UK 1, the core 2, W_UV 1, o_proj 1: 7. Other caches: the norm, transformers'
+rotary embedding (~8) and the cache's update instead of the one launch.
 
 Shape legend: Hq heads, Dn / R / Dv the no-rope query, rope and value head dims, C kv_lora_rank, L cache length.
 """
@@ -32,6 +33,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_em
 
 from localmoe.decode.ops import concat_rows, linear_1, one_row
 from localmoe.kernels.mla_decode import mla_decode, mla_decode_ref
+from localmoe.kernels.mla_rope_write import mla_rope_write
 
 
 class FusedMLA(nn.Module):
@@ -53,6 +55,7 @@ class FusedMLA(nn.Module):
         params = inspect.signature(hf.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.2x / 5.17
         self.decode_calls = 0  # absorbed steps taken (eager calls; a CUDA graph replay does not count)
+        self.static_writes = 0  # of which through mla_rope_write into a StaticLayer
         self._w_in, self._in_sizes = concat_rows([self._q_in(), self.kv_a_proj_with_mqa])
 
     def _q_in(self) -> nn.Module:
@@ -106,20 +109,34 @@ class FusedMLA(nn.Module):
         self.decode_calls += 1
         Hq, Dn, R, C = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q, ckv = self._project(hidden_states)
-        q = q.view(1, 1, Hq, Dn + R).transpose(1, 2)  # [1, Hq, 1, Dn + R], as transformers' q
-        q_nope, q_pe = torch.split(q, [Dn, R], dim=-1)
-        c, k_pe = torch.split(ckv, [C, R], dim=-1)
-        c = self.kv_a_layernorm(c).view(1, 1, 1, C)
-        q_pe, k_pe = apply_rotary_emb(q_pe, k_pe.view(1, 1, 1, R), position_embeddings.to(q_pe.device))
-        if self._cache_kw == "cache":  # exactly as the original calls it (transformers 5.2x / 5.17)
-            keys, values = cache.update(c, k_pe, self.layer_idx, kwargs=kwargs)  # [1, 1, L, C], [1, 1, L, R]
+        kernels = hidden_states.is_cuda or _interpreted()
+        static = _static_latents(cache, self.layer_idx, C, R, hidden_states) if kernels else None
+        if static is not None:  # norm, both ropes and the latents' write into the static cache: one launch
+            self.static_writes += 1
+            q2 = q.view(Hq, Dn + R)
+            norm = self.kv_a_layernorm
+            freqs = torch.view_as_real(position_embeddings).view(R // 2, 2)
+            keys, values = static.keys, static.values  # [1, 1, L, C], [1, 1, L, R]
+            eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+            q_pe = mla_rope_write(
+                q2, ckv.view(C + R), norm.weight, eps, freqs, keys[0, 0], values[0, 0], static.cumulative_length, Dn
+            )  # [Hq, R]; the layer's position advanced
+            q_nope = q2[:, :Dn]
         else:
-            keys, values = cache.update(c, k_pe, self.layer_idx)
+            q = q.view(1, 1, Hq, Dn + R).transpose(1, 2)  # [1, Hq, 1, Dn + R], as transformers' q
+            q_nope, q_pe = torch.split(q, [Dn, R], dim=-1)
+            c, k_pe = torch.split(ckv, [C, R], dim=-1)
+            c = self.kv_a_layernorm(c).view(1, 1, 1, C)
+            q_pe, k_pe = apply_rotary_emb(q_pe, k_pe.view(1, 1, 1, R), position_embeddings.to(q_pe.device))
+            if self._cache_kw == "cache":  # exactly as the original calls it (transformers 5.2x / 5.17)
+                keys, values = cache.update(c, k_pe, self.layer_idx, kwargs=kwargs)  # [1, 1, L, C], [1, 1, L, R]
+            else:
+                keys, values = cache.update(c, k_pe, self.layer_idx)
+            q_pe = q_pe.reshape(Hq, R).contiguous()
         n = _valid_length(cache, self.layer_idx, keys)
         w_uk, w_uv = self._absorbed()
         q_lat = torch.bmm(q_nope.reshape(Hq, 1, Dn), w_uk).view(Hq, C)  # [Hq, C]
-        q_pe = q_pe.reshape(Hq, R).contiguous()
-        core = mla_decode if hidden_states.is_cuda or _interpreted() else mla_decode_ref
+        core = mla_decode if kernels else mla_decode_ref
         o_lat = core(q_lat, q_pe, keys[0, 0], values[0, 0], n, self.scaling)  # [Hq, C]
         out = torch.bmm(o_lat.view(Hq, 1, C), w_uv.transpose(1, 2))  # [Hq, 1, Dv]
         return self.o_proj(out.view(1, 1, Hq * self.v_head_dim)), None
@@ -128,6 +145,26 @@ class FusedMLA(nn.Module):
 def _interpreted() -> bool:
     """The Triton interpreter is on (CPU tests run the kernel as a GPU would)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _static_latents(cache, layer_idx: int, C: int, R: int, h: torch.Tensor):
+    """The cache's layer when it is an initialised transformers StaticLayer holding this attention's latents (keys
+    [1, 1, L, C], values [1, 1, L, R] of h's dtype on h's device, an int64 position): then `mla_rope_write` writes the
+    token into it as StaticLayer.update would. Else None: call cache.update."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers) or type(layers[layer_idx]).__name__ != "StaticLayer":
+        return None
+    layer = layers[layer_idx]
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    pos = getattr(layer, "cumulative_length", None)
+    if not (getattr(layer, "is_initialized", False) and all(isinstance(t, torch.Tensor) for t in (keys, values, pos))):
+        return None
+    ok = all(
+        t.dim() == 4 and t.shape[:2] == (1, 1) and t.shape[3] == w and t.stride(3) == 1
+        for t, w in ((keys, C), (values, R))
+    )
+    same = {keys.dtype, values.dtype} == {h.dtype} and keys.device == values.device == pos.device == h.device
+    return layer if ok and same and pos.numel() == 1 and pos.dtype == torch.int64 else None
 
 
 def _valid_length(cache, layer_idx: int, keys: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                group-limited), routed_scaling_factor 1 multiply
                                                                when != 1, shared experts + the add 2 launches
     DeepseekV2Attention            FusedMLA                 cached T=1 step absorbed over the compressed latent
-                                                               cache: q|kv_a 1 GEMV, W_UK 1, core 2
+                                                               cache: q|kv_a 1 GEMV, norm + ropes + latent write 1,
+                                                               W_UK 1, core 2
                                                                (kernels/mla_decode.py), W_UV 1, o_proj (transformers
                                                                expands the whole cache through kv_b_proj each step)
     Qwen3_5MoeSparseMoeBlock       FusedSparseMoeBlock      one token: router 1 launch (GEMV, softmax, top-k, renorm,
