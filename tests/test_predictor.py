@@ -15,6 +15,8 @@ from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
 from localmoe.experts import predicted, predictor, thresholds
+from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.measure.evaluate import evaluate
 
 TOKENS = 512  # calibration tokens: enough for a fit of rank 16 on 8 experts, quick on two cores
@@ -150,3 +152,28 @@ def test_calibrate_fits_and_caches_the_predictor(capsys):
     assert out[1].startswith("gate predictor with 2 departments saved to ") and out[1].endswith(
         "-d2-r8-coact.safetensors"
     )
+
+
+def test_predicted_reference_keeps_candidates_over_tau():
+    """Stages 1-3 equal the whole gate masked by (candidate and |g| >= τ), and the counts add up."""
+    gen = torch.Generator().manual_seed(0)
+    E, I, H, N, r = 4, 16, 8, 2, 3
+    w = ExpertWeights(*(torch.randn(E, I, H, generator=gen) for _ in range(3)))
+    pred = LayerPredictor(
+        torch.randn(N, r, H, generator=gen), torch.randn(E, I, r, generator=gen), torch.tensor([0, 1, 0, 1]), 0.3
+    )
+    x, idx = torch.randn(3, H, generator=gen), torch.tensor([[0, 2], [1, 3], [0, 1]])
+    weights, tau = torch.rand(3, 2, generator=gen), torch.full((E,), 0.2)
+    y, kept = predicted_reference(x, w, idx, weights, tau, torch.nn.functional.silu, pred)
+    want, n = torch.zeros(3, H), 0
+    for t in range(3):
+        cand = pred.candidates(x[t].expand(2, H), idx[t], torch.nn.functional.silu)  # [2, I]
+        for j in range(2):
+            e = int(idx[t, j])
+            g = torch.nn.functional.silu(w.w_gate[e] @ x[t])
+            keep = cand[j] & (g.abs() >= 0.2)
+            n += int(keep.sum())
+            want[t] += weights[t, j] * ((g * keep * (w.w_up[e] @ x[t])) @ w.w_down_t[e])
+    assert int(kept) == n and 0 < n < 3 * 2 * I
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert pred.counts["slots"] == 6 and pred.counts["touches"] == 1 + 1 + 2  # B_d x once per touched department
