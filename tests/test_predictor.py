@@ -6,6 +6,7 @@ measured by `localmoe eval` (bench/RESULTS.md), not here."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -152,6 +153,14 @@ def test_calibrate_fits_and_caches_the_predictor(capsys):
     assert out[1].startswith("gate predictor with 2 departments saved to ") and out[1].endswith(
         "-d2-r8-coact.safetensors"
     )
+
+
+def test_bench_takes_departments(capsys):
+    """`bench --departments`: the sparse rows decode through the predictor (resident, CPU), named in the header."""
+    argv = ["bench", "localmoe-tiny", "--sparsity", "0.5", "--prompt-tokens", "16", "--decode-tokens", "4"]
+    assert main([*argv, "--departments", "2", "--rank", "8", "--device", "cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["departments"] == 2 and [r["sparsity"] for r in result["rows"]] == [0.5]
 
 
 def test_predicted_reference_keeps_candidates_over_tau():

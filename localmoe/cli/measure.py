@@ -162,6 +162,8 @@ def cmd_bench(args) -> int:
             experts=fmt,
             progress=stderr_progress(),
             repetition_penalty=args.repeat_penalty,
+            departments=args.departments,
+            rank=args.rank,
         )
         return result, table(result)
 

@@ -287,6 +287,8 @@ def bench(
     progress=None,
     experts: str = "full",
     repetition_penalty: float | None = None,
+    departments: int = 0,
+    rank: int | None = None,
 ) -> dict:
 
     if routing != "uniform" and not shape:
@@ -332,6 +334,8 @@ def bench(
             offload_miss=offload_miss,
             experts=experts,
         )
+    if departments:  # the gate predictor on the sparse rows (fitted on the calibration text when they calibrate)
+        engine.set_departments(departments, rank)
     default = engine.resolved.default_sparsity
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -375,6 +379,7 @@ def bench(
         "context": context,
         "routing": routing,
         "experts": experts_format,
+        "departments": departments,
         "rows": [asdict(r) for r in rows],
         "prefill_rows": [asdict(r) for r in prefills],
         "host_to_device_gb_s": h2d / 1e9,
@@ -387,7 +392,8 @@ def table(result: dict) -> str:
         f"copy bandwidth {result['copy_gb_s']:.0f} GB/s, prompt {result['prompt_tokens']}, "
         f"decode {result['decode_tokens']}, context {result.get('context', '?')}"
         + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else "")
-        + (f", {result['experts']} experts" if result.get("experts", "full") != "full" else ""),
+        + (f", {result['experts']} experts" if result.get("experts", "full") != "full" else "")
+        + (f", gate predictor with {result['departments']} departments" if result.get("departments") else ""),
         f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'step MB':>8} {'floor tok/s':>11} "
         f"{'of floor':>8} {'realised':>8} {'peak GB':>8}",
     ]
