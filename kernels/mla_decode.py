@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-BLOCK_L = 32  # cached positions per inner block
+BLOCK_L = 32  # cached positions per inner block (16 for fp32: sm_89's 99 KiB of shared memory, 74 KiB then)
 SPLIT_ROWS = 256  # positions per split (rounded to BLOCK_L); at most MAX_SPLITS splits
 MAX_SPLITS = 64
 
@@ -143,7 +143,8 @@ def mla_decode(q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, out: torc
         out = torch.empty_like(q_lat)
     elif tuple(out.shape) != (Hq, C) or not out.is_contiguous() or out.dtype != dt or out.device != dev:
         raise ValueError(f"out must be a contiguous [Hq, C] = {(Hq, C)} {dt} tensor")
-    chunk = triton.cdiv(max(triton.cdiv(L, MAX_SPLITS), SPLIT_ROWS), BLOCK_L) * BLOCK_L
+    block_l = BLOCK_L if dt != torch.float32 else 16  # fp32 at 32: 110 KiB of shared memory (offline sm_89 build)
+    chunk = triton.cdiv(max(triton.cdiv(L, MAX_SPLITS), SPLIT_ROWS), block_l) * block_l
     S = max(1, triton.cdiv(L, chunk))
     BLOCK_C = max(16, triton.next_power_of_2(C))
     BLOCK_H = max(16, triton.next_power_of_2(Hq))
@@ -151,10 +152,10 @@ def mla_decode(q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, out: torc
     ml = torch.empty(Hq, S, 2, dtype=torch.float32, device=dev)
     _mla_split_kernel[(S,)](
         q_lat, q_pe, c, k_pe, n, acc, ml, Hq, C, R, c.stride(0), k_pe.stride(0), chunk, float(scale),
-        BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_L=BLOCK_L,
+        BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_L=block_l,
         DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and dt != torch.float32,
         PREC="ieee" if dt == torch.float32 else "tf32",  # fp32 models: exact products, not TF32's
-        num_warps=4 if BLOCK_C <= 256 else 8,
+        num_warps=4 if BLOCK_C <= 256 else 8, num_stages=1 if dt == torch.float32 else 2,
     )  # fmt: skip
     _mla_combine_kernel[(Hq,)](acc, ml, out, C, S, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_C=BLOCK_C)
     return out
