@@ -74,6 +74,7 @@ def test_fused_decode_follows_the_replacements_table():
         "qwen3_moe",
         "olmoe",
         "mixtral",
+        "deepseek_v2",
         "granitemoe",
         "deamoe",
         "deamoe_qwen3_5_text",
