@@ -49,12 +49,15 @@ def test_absorbed_decode_equals_transformers(q_lora_rank, cache_kind, dtype):
     model = copy.deepcopy(ref)
     done = replacements.install(model, DEV, force=True)
     assert done["DeepseekV2Attention"] == 2 and done["DeepseekV2Moe"] == 1  # (layer 0: a dense MLP)
+    assert done["DeepseekV2DecoderLayer"] == 2
     got, got_toks = test_fused._run(model, cache_kind, prompt, steps=3)
     mla = [m for m in model.modules() if isinstance(m, FusedMLA)]
     assert [m.decode_calls for m in mla] == [3, 3]  # every decode step, not the prefill
     assert [m.static_writes for m in mla] == ([3, 3] if cache_kind == "static" else [0, 0])  # mla_rope_write
     blocks = [m for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)]
     assert [b.decode_calls for b in blocks] == [3]  # the fp32 router, the shared experts without a gate
+    layers = [m for m in model.modules() if isinstance(m, replacements.FusedDecoderLayer)]
+    assert [m.decode_calls for m in layers] == [3, 3]  # (layer 0: transformers' arithmetic around its dense MLP)
     assert got_toks == want_toks
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     assert replacements.uninstall(model) > 0

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
 
-from localmoe.decode.ops import concat_rows, linear_1, one_row
+from localmoe.decode.ops import concat_rows, linear_1, one_row, takes_norm
 from localmoe.kernels.mla_decode import mla_decode, mla_decode_ref
 from localmoe.kernels.mla_rope_write import mla_rope_write
 
@@ -76,15 +76,22 @@ class FusedMLA(nn.Module):
             return False
         return not (torch.is_grad_enabled() and (h.requires_grad or w.requires_grad))
 
-    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [1, 1, H] -> (q [1, 1, Hq·(Dn + R)], kv_a output [1, 1, C + R])."""
-        w, q_in = self._w_in, self._q_in()
-        if w is not None and q_in.weight.data_ptr() == w.data_ptr():
-            out = linear_1(h, w) if one_row(h, w) else F.linear(h, w)
+    def _joint(self) -> torch.Tensor | None:
+        """The q|kv_a weight buffer, None when the projections no longer share it (moved or replaced since install)."""
+        w = self._w_in
+        if w is not None and self._q_in().weight.data_ptr() != w.data_ptr():
+            self._w_in = w = None
+        return w
+
+    def _project(self, h: torch.Tensor, input_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [1, 1, H] -> (q [1, 1, Hq·(Dn + R)], kv_a output [1, 1, C + R]); `input_norm` (see forward) inside the
+        joint GEMV."""
+        w = self._joint()
+        if w is not None:
+            out = linear_1(h, w, input_norm) if one_row(h, w) else F.linear(h, w)
             q, ckv = out.split(self._in_sizes, dim=-1)
         else:
-            self._w_in = None  # weights moved or replaced since install: one projection at a time
-            q, ckv = q_in(h), self.kv_a_proj_with_mqa(h)
+            q, ckv = self._q_in()(h), self.kv_a_proj_with_mqa(h)
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, ckv
@@ -97,18 +104,27 @@ class FusedMLA(nn.Module):
         position_embeddings=None,
         *,
         past_key_values=None,
+        input_norm=None,
         **kwargs,
     ):
-        """hidden_states [B, T, H] -> ([B, T, H], None), as transformers' module."""
+        """hidden_states [B, T, H] -> ([B, T, H], None), as transformers' module. `input_norm` (the decoder layer's
+        input RMSNorm; localmoe's FusedDecoderLayer only) is applied to hidden_states first: inside the q|kv_a GEMV
+        on the absorbed step, else as its own module call."""
         cache = cache if cache is not None else past_key_values
-        if not self._fusable(hidden_states, attention_mask, cache):
+        fusable = self._fusable(hidden_states, attention_mask, cache)
+        w = self._joint() if fusable and input_norm is not None else None
+        if input_norm is not None and not (
+            w is not None and one_row(hidden_states, w) and takes_norm(input_norm, hidden_states)
+        ):
+            hidden_states, input_norm = input_norm(hidden_states), None
+        if not fusable:
             return self._hf(
                 hidden_states, attention_mask, position_embeddings=position_embeddings, **{self._cache_kw: cache},
                 **kwargs,
             )  # fmt: skip
         self.decode_calls += 1
         Hq, Dn, R, C = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
-        q, ckv = self._project(hidden_states)
+        q, ckv = self._project(hidden_states, input_norm)
         kernels = hidden_states.is_cuda or _interpreted()
         static = _static_latents(cache, self.layer_idx, C, R, hidden_states) if kernels else None
         if static is not None:  # norm, both ropes and the latents' write into the static cache: one launch

@@ -1,8 +1,8 @@
 """MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
 expert; or, from a decoder layer, `moe_front` (with the shared expert, if any) + the experts' `sparse_fused` with the
-residual add in its tail) and the Qwen3.5 / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE decoder layer, whose norms and
-residual adds ride in neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill and other calls run
-transformers' modules.
+residual add in its tail) and the Qwen3.5 / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE / DeepSeek-V2 decoder layer,
+whose norms and residual adds ride in neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill
+and other calls run transformers' modules.
 
 GraniteMoE: the block is the layer's `block_sparse_moe` (not `mlp`) and its router `router` (not `gate`); its router
 (top-k of the logits, softmax over those k) is the renormalised softmax top-k (the same weights up to fp32 rounding).
@@ -24,6 +24,7 @@ from torch import nn
 
 from localmoe.decode.attention import FusedAttention
 from localmoe.decode.deltanet import FusedGatedDeltaNet
+from localmoe.decode.mla import FusedMLA
 from localmoe.decode.ops import FusedLinear, FusedRMSNorm
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
@@ -263,10 +264,11 @@ class FusedSparseMoeBlock(nn.Module):
 
 
 class FusedDecoderLayer(nn.Module):
-    """Qwen3.5-MoE / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE decoder layer whose one-token call has no launch of its
-    own: the input RMSNorm goes into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention `input_norm=`); when
-    the experts run `sparse_fused` (`FusedSparseMoeBlock.takes_front`) the rest is `moe_front` (with the shared
-    expert, if any) + `sparse_fused` (with the residual in its tail); else the mixer's output + residual go into the
+    """Qwen3.5-MoE / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE / DeepSeek-V2 decoder layer whose one-token call has no
+    launch of its own: the input RMSNorm goes into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention /
+    FusedMLA `input_norm=`); when the experts run `sparse_fused` (`FusedSparseMoeBlock.takes_front`) the rest is
+    `moe_front` (with the shared expert, if any) + `sparse_fused` (with the residual in its tail); else (DeepSeek-V2:
+    its router is fp32) the mixer's output + residual go into the
     post-attention RMSNorm's launch and the MoE output + residual into the shared expert's last kernel (without a
     shared expert: one add launch). Only when its norm and MoE block are localmoe's fused modules and the call is one
     token on their device; other one-token calls run transformers' layer arithmetic with this layer's (fused)
@@ -323,7 +325,7 @@ class FusedDecoderLayer(nn.Module):
         else:  # GraniteMoE's layer takes position_ids in **kwargs
             position_ids = a["position_ids"] if "position_ids" in a else extra.pop("position_ids", None)
             attn, h = self.self_attn, hidden_states
-            norm_kw = {"input_norm": self.input_layernorm} if isinstance(attn, FusedAttention) else {}
+            norm_kw = {"input_norm": self.input_layernorm} if isinstance(attn, (FusedAttention, FusedMLA)) else {}
             if not norm_kw:
                 h = self.input_layernorm(hidden_states)
             h, _ = attn(

@@ -50,6 +50,9 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                o_proj: 5 launches
                                                                (was 28 with the fused Linears and norms); prefill
                                                                and uncached calls run the original module
+    DeepseekV2DecoderLayer         FusedDecoderLayer        one token: the input norm inside FusedMLA's q|kv_a GEMV,
+                                                               residual add + post-attention norm 1 launch, the MoE
+                                                               output's residual add in the shared experts' kernel
     DeepseekV2Moe                  FusedSparseMoeBlock      one token: router 1 launch (fp32 weight; greedy or
                                                                group-limited), routed_scaling_factor 1 multiply
                                                                when != 1, shared experts + the add 2 launches
@@ -210,6 +213,11 @@ REPLACEMENTS: dict[str, Replacement] = {
     "GraniteMoeAttention": Replacement(FusedAttention, "as MixtralAttention; attention_multiplier as the scale"),
     "GraniteMoeMoE": Replacement(
         FusedSparseMoeBlock, "T=1: router (top-k, softmax over k) 1 launch, experts unchanged"
+    ),
+    "DeepseekV2DecoderLayer": Replacement(
+        FusedDecoderLayer,
+        "T=1: input norm inside MLA's q|kv_a GEMV, residual add + norm 1 launch, the MoE output's add in the shared "
+        "experts' kernel; dense-MLP layers: transformers' arithmetic",
     ),
     "DeepseekV2Moe": Replacement(
         FusedSparseMoeBlock,
