@@ -21,12 +21,11 @@ pytest.importorskip("triton")
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35  # noqa: E402
 
 from localmoe.kernels.delta_rule_chunk import (  # noqa: E402
-    _prepare_triton,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
-    chunk_prepare,
     kernel_available,
 )
+from localmoe.kernels.delta_rule_prepare import chunk_prepare, chunk_prepare_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (B, T, H_k, H_v, d_k, d_v, initial state)
@@ -101,7 +100,7 @@ def test_triton_prepare_matches_torch_prepare(case, dtype):
     *shape, s0 = case
     q, k, v, g, beta, state = _inputs(*shape, s0, dtype, seed=7)
     want = chunk_prepare(q, k, v, g, beta)
-    got = _prepare_triton(q, k, v, g, beta, 64, True, "ieee")
+    got = chunk_prepare_triton(q, k, v, g, beta, 64, True, "ieee")
     for name, a, b in zip(("qd", "kd", "w", "u", "attn", "chunk_decay"), got, want):
         assert a.shape == b.shape, name
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
