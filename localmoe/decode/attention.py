@@ -33,7 +33,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from localmoe.decode import sdpa
-from localmoe.decode.ops import FusedRMSNorm, concat_rows, linear_1, one_row, takes_norm
+from localmoe.decode.ops import FusedRMSNorm, concat_rows, linear_1, norm_eps, one_row, static_layer, takes_norm
 from localmoe.kernels.qk_norm_rope import qk_norm_rope
 
 _NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred", "Qwen3MoeRMSNorm": "standard", "OlmoeRMSNorm": "standard"}
@@ -46,11 +46,6 @@ def _norm_kind(norm: nn.Module) -> str | None:
     if isinstance(norm, FusedRMSNorm):
         return norm.kind if norm.kind in ("zero_centred", "standard") else None
     return _NORM_KINDS.get(type(norm).__name__)
-
-
-def _norm_eps(norm: nn.Module) -> float | None:
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    return None if eps is None else float(eps)
 
 
 def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int) -> bool:
@@ -119,8 +114,8 @@ class FusedAttention(nn.Module):
             return "none", 0.0
         if qn is None or kn is None:
             return None, None
-        kind, eps = _norm_kind(hf.q_norm), _norm_eps(hf.q_norm)
-        if kind is None or _norm_kind(hf.k_norm) != kind or eps is None or _norm_eps(hf.k_norm) != eps:
+        kind, eps = _norm_kind(hf.q_norm), norm_eps(hf.q_norm)
+        if kind is None or _norm_kind(hf.k_norm) != kind or eps is None or norm_eps(hf.k_norm) != eps:
             return None, None
         return kind, eps
 
@@ -174,7 +169,7 @@ class FusedAttention(nn.Module):
             if one_row(hidden_states, self._w_qkv)
             else F.linear(hidden_states, self._w_qkv)
         )  # [1, 1, Hq*QW + 2*Hkv*D]
-        static = _static_layer(cache, self.layer_idx, Hkv, D, hidden_states)
+        static = static_layer(cache, self.layer_idx, Hkv, D, D, hidden_states)
         if static is not None:  # k and v written into the static cache by the same launch
             q, k, v, gate = self._norm_rope(
                 qkv, *position_embeddings, kv_cache=(static.keys[0], static.values[0], static.cumulative_length)
@@ -233,33 +228,3 @@ def _window(hf: nn.Module) -> int | None:
 def _clips(hf: nn.Module) -> bool:
     """OLMoE's clip_qkv (q, k, v clamped after the norms): not in the fused kernel."""
     return getattr(getattr(hf, "config", None), "clip_qkv", None) is not None
-
-
-def _static_layer(cache, layer_idx: int, Hkv: int, D: int, h: torch.Tensor):
-    """The cache's layer when it is a plain, initialised transformers StaticLayer of this shape on h's device (one
-    sequence, [1, Hkv, L, D] keys/values of h's dtype, a tensor position): then localmoe writes the token's k and v
-    itself, as StaticLayer.update would (transformers 5.17 and 5.2x). Else None: call cache.update."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or layer_idx >= len(layers) or type(layers[layer_idx]).__name__ != "StaticLayer":
-        return None
-    layer = layers[layer_idx]
-    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-    pos = getattr(layer, "cumulative_length", None)
-    if not (
-        getattr(layer, "is_initialized", False)
-        and isinstance(keys, torch.Tensor)
-        and isinstance(values, torch.Tensor)
-        and isinstance(pos, torch.Tensor)
-    ):
-        return None
-    ok = all(
-        t.dim() == 4
-        and t.shape[0] == 1
-        and t.shape[1] == Hkv
-        and t.shape[3] == D
-        and t.stride(3) == 1
-        and t.dtype == h.dtype
-        and t.device == h.device
-        for t in (keys, values)
-    )
-    return layer if ok and pos.numel() == 1 and pos.device == h.device and not pos.is_floating_point() else None

@@ -4,9 +4,8 @@ gated RMSNorm), then out_proj. Calls of more than one token (prefill, prompt pie
 `deltanet_prefill.py`: transformers' forward written out around the chunked delta rule of
 `kernels/delta_rule_chunk.py` (one Triton launch for the chunk scan on CUDA, transformers' torch function's twin
 elsewhere); the few calls it declines (its docstring) and uncached single tokens run transformers' module. Installed
-by `localmoe.decode.replacements`. (Under a FusedDecoderLayer a prefill runs the original decoder layer, whose
-`linear_attn` is transformers' module: the engine's prefill reaches this forward only once that layer hands it
-the fused mixer.)
+by `localmoe.decode.replacements`. (Under a FusedDecoderLayer a prefill runs the original decoder layer; `install`
+makes this module that layer's `linear_attn`, so the engine's prefill reaches this forward.)
 
 Shape legend: B batch, T tokens, H hidden, C conv channels, H_v value heads, d_v value head dim.
 """

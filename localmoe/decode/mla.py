@@ -24,15 +24,14 @@ Shape legend: Hq heads, Dn / R / Dv the no-rope query, rope and value head dims,
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
 
-from localmoe.decode.ops import concat_rows, linear_1, one_row, takes_norm
-from localmoe.kernels.mla_decode import mla_decode, mla_decode_ref
+from localmoe.decode.ops import concat_rows, linear_1, norm_eps, one_row, static_layer, takes_norm
+from localmoe.kernels.mla_decode import mla_decode
 from localmoe.kernels.mla_rope_write import mla_rope_write
 
 
@@ -125,17 +124,23 @@ class FusedMLA(nn.Module):
         self.decode_calls += 1
         Hq, Dn, R, C = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q, ckv = self._project(hidden_states, input_norm)
-        kernels = hidden_states.is_cuda or _interpreted()
-        static = _static_latents(cache, self.layer_idx, C, R, hidden_states) if kernels else None
-        if static is not None:  # norm, both ropes and the latents' write into the static cache: one launch
+        static = static_layer(cache, self.layer_idx, 1, C, R, hidden_states)
+        if static is not None and static.cumulative_length.dtype == torch.int64:  # norm, ropes, the write: 1 launch
             self.static_writes += 1
             q2 = q.view(Hq, Dn + R)
             norm = self.kv_a_layernorm
             freqs = torch.view_as_real(position_embeddings).view(R // 2, 2)
             keys, values = static.keys, static.values  # [1, 1, L, C], [1, 1, L, R]
-            eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
             q_pe = mla_rope_write(
-                q2, ckv.view(C + R), norm.weight, eps, freqs, keys[0, 0], values[0, 0], static.cumulative_length, Dn
+                q2,
+                ckv.view(C + R),
+                norm.weight,
+                norm_eps(norm),
+                freqs,
+                keys[0, 0],
+                values[0, 0],
+                static.cumulative_length,
+                Dn,
             )  # [Hq, R]; the layer's position advanced
             q_nope = q2[:, :Dn]
         else:
@@ -152,43 +157,17 @@ class FusedMLA(nn.Module):
         n = _valid_length(cache, self.layer_idx, keys)
         w_uk, w_uv = self._absorbed()
         q_lat = torch.bmm(q_nope.reshape(Hq, 1, Dn), w_uk).view(Hq, C)  # [Hq, C]
-        core = mla_decode if kernels else mla_decode_ref
-        o_lat = core(q_lat, q_pe, keys[0, 0], values[0, 0], n, self.scaling)  # [Hq, C]
+        o_lat = mla_decode(q_lat, q_pe, keys[0, 0], values[0, 0], n, self.scaling)  # [Hq, C]
         out = torch.bmm(o_lat.view(Hq, 1, C), w_uv.transpose(1, 2))  # [Hq, 1, Dv]
         return self.o_proj(out.view(1, 1, Hq * self.v_head_dim)), None
-
-
-def _interpreted() -> bool:
-    """The Triton interpreter is on (CPU tests run the kernel as a GPU would)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _static_latents(cache, layer_idx: int, C: int, R: int, h: torch.Tensor):
-    """The cache's layer when it is an initialised transformers StaticLayer holding this attention's latents (keys
-    [1, 1, L, C], values [1, 1, L, R] of h's dtype on h's device, an int64 position): then `mla_rope_write` writes the
-    token into it as StaticLayer.update would. Else None: call cache.update."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or layer_idx >= len(layers) or type(layers[layer_idx]).__name__ != "StaticLayer":
-        return None
-    layer = layers[layer_idx]
-    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-    pos = getattr(layer, "cumulative_length", None)
-    if not (getattr(layer, "is_initialized", False) and all(isinstance(t, torch.Tensor) for t in (keys, values, pos))):
-        return None
-    ok = all(
-        t.dim() == 4 and t.shape[:2] == (1, 1) and t.shape[3] == w and t.stride(3) == 1
-        for t, w in ((keys, C), (values, R))
-    )
-    same = {keys.dtype, values.dtype} == {h.dtype} and keys.device == values.device == pos.device == h.device
-    return layer if ok and same and pos.numel() == 1 and pos.dtype == torch.int64 else None
 
 
 def _valid_length(cache, layer_idx: int, keys: torch.Tensor) -> torch.Tensor:
     """The number of cached positions the token attends to, as a device int tensor: a StaticLayer's
     `cumulative_length` (already advanced by its update; the rest of its L rows are empty), else every row."""
-    layer = getattr(cache, "layers", [None] * (layer_idx + 1))[layer_idx]
-    if type(layer).__name__ == "StaticLayer":
-        pos = getattr(layer, "cumulative_length", None)
-        if isinstance(pos, torch.Tensor) and pos.numel() == 1 and pos.device == keys.device:
-            return pos.reshape(1)
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    pos = getattr(layer, "cumulative_length", None) if type(layer).__name__ == "StaticLayer" else None
+    if isinstance(pos, torch.Tensor) and pos.numel() == 1 and pos.device == keys.device:
+        return pos.reshape(1)
     return torch.full((1,), keys.shape[-2], dtype=torch.int64, device=keys.device)

@@ -90,21 +90,17 @@ class FusedSparseMoeBlock(nn.Module):
             and self._group is not None
             and isinstance(getattr(gate, "weight", None), torch.Tensor)
         )
-        # DeepSeek-V2: `shared_experts`, no gate; its router scales the top-k weights by routed_scaling_factor
-        self._shared_name = "shared_experts" if isinstance(getattr(hf, "shared_experts", None), nn.Module) else None
-        self._shared_name = self._shared_name or "shared_expert"
+        # the shared expert: Qwen3.5's `shared_expert` with a sigmoid `shared_expert_gate`, DeepSeek-V2's
+        # `shared_experts` without a gate; DeepSeek-V2's router scales the top-k weights by routed_scaling_factor
+        names = ("shared_expert", "shared_experts")
+        self._shared_name = next((n for n in names if isinstance(getattr(hf, n, None), nn.Module)), names[0])
         se, sg = getattr(hf, self._shared_name, None), getattr(hf, "shared_expert_gate", None)
         self.has_shared = se is not None
         self.shared_gated = sg is not None
-        self._scale = float(getattr(gate, "routed_scaling_factor", 1.0) or 1.0)
+        self._routed_scale = float(getattr(gate, "routed_scaling_factor", 1.0) or 1.0)
+        gate_ok = sg is None or (isinstance(sg, (nn.Linear, FusedLinear)) and sg.bias is None and sg.out_features == 1)
         self._shared_ok = not self.has_shared or (
-            (
-                sg is None
-                and self._shared_name == "shared_experts"
-                or isinstance(sg, (nn.Linear, FusedLinear))
-                and sg.bias is None
-                and sg.out_features == 1
-            )
+            gate_ok
             and all(
                 isinstance(getattr(se, n, None), (nn.Linear, FusedLinear)) and getattr(se, n).bias is None
                 for n in ("gate_proj", "up_proj", "down_proj")
@@ -154,8 +150,8 @@ class FusedSparseMoeBlock(nn.Module):
         B, T, H = hidden_states.shape
         x = hidden_states.view(-1, H)
         logits, top_k_weights, top_k_index = self._route(x)
-        if self._scale != 1.0:  # DeepSeek-V2's routed_scaling_factor, as its router applies it
-            top_k_weights = top_k_weights * self._scale
+        if self._routed_scale != 1.0:  # DeepSeek-V2's routed_scaling_factor, as its router applies it
+            top_k_weights = top_k_weights * self._routed_scale
         y = self.experts(x, top_k_index, top_k_weights)
         if self.has_shared:
             y = self._shared(x, y, None if residual is None else residual.view(-1, H))
@@ -168,7 +164,8 @@ class FusedSparseMoeBlock(nn.Module):
         `sparse_fused` (which then takes the residual add, and the shared expert's sum if there is one), or DeaMoE's
         department kernels on resident weights (experts/departments.py `tail=`)."""
         takes = getattr(self.experts, "takes_tail", None)
-        plain = self._gate.weight.dtype == h.dtype and self._scale == 1.0 and (self.shared_gated or not self.has_shared)
+        plain = self._gate.weight.dtype == h.dtype and self._routed_scale == 1.0
+        plain = plain and (self.shared_gated or not self.has_shared)  # moe_front: x's dtype, a gated shared expert
         return plain and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
     @torch.compiler.disable

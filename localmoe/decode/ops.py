@@ -108,3 +108,36 @@ class FusedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, kind={self.kind}"
+
+
+def norm_eps(norm: nn.Module) -> float | None:
+    """An RMSNorm module's epsilon (localmoe's FusedRMSNorm `eps`, transformers' `variance_epsilon` / `eps`)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if eps is None else float(eps)
+
+
+def static_layer(cache, layer_idx: int, heads: int, k_dim: int, v_dim: int, h: torch.Tensor):
+    """The cache's layer when it is a plain, initialised transformers StaticLayer of this shape on h's device (one
+    sequence, keys [1, heads, L, k_dim] and values [1, heads, L, v_dim] of h's dtype, rows contiguous, an integer
+    position tensor): then localmoe writes the token's keys and values itself, as StaticLayer.update would
+    (transformers 5.17 and 5.2x). Else None: call cache.update. (Full attention: heads Hkv, k_dim = v_dim = D;
+    DeepSeek-V2's MLA: one "head" of latents, k_dim C and v_dim R.)"""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers) or type(layers[layer_idx]).__name__ != "StaticLayer":
+        return None
+    layer = layers[layer_idx]
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    pos = getattr(layer, "cumulative_length", None)
+    if not (getattr(layer, "is_initialized", False) and all(isinstance(t, torch.Tensor) for t in (keys, values, pos))):
+        return None
+    ok = all(
+        t.dim() == 4
+        and t.shape[0] == 1
+        and t.shape[1] == heads
+        and t.shape[3] == width
+        and t.stride(3) == 1
+        and t.dtype == h.dtype
+        and t.device == h.device
+        for t, width in ((keys, k_dim), (values, v_dim))
+    )
+    return layer if ok and pos.numel() == 1 and pos.device == h.device and not pos.is_floating_point() else None
