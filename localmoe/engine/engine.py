@@ -161,7 +161,7 @@ class Engine:
             if self.use_graphs:  # the predicted path is a torch reference with host syncs: no CUDA graph
                 self.use_graphs = False
                 self._notice("--departments decodes without the CUDA graph (no predictor kernel yet)")
-        if hasattr(self.loaded.experts[0] if self.loaded.experts else None, "predictor"):
+        if any(hasattr(m, "predictor") for m in self.loaded.experts):  # LocalExperts (not DeaMoE's): set or clear
             predicted.apply(self.loaded, preds, device=self._device, dtype=self.dtype)
         self.sparsity = sparsity
         self._drop_graph()  # captured against the old thresholds / path: capture again
