@@ -1,0 +1,545 @@
+"""GPT-OSS's sparse decode over MXFP4 experts in ONE launch: gate + bias + clamped SwiGLU + threshold, then the kept
+up / down rows, optionally offload-aware.
+
+Owns `sparse_mxfp4` (Triton launcher), its torch reference `sparse_mxfp4_ref` and the kernel `_sparse_mxfp4_kernel`,
+grid (T*k, I / BLOCK_I). The structure and modes are kernels/sparse_fused.py's (its ticket tail `last_of_token` /
+`publish_token` and workspace `fused_workspace` are reused); the weights are `Mxfp4Tensor`s (kernels/mxfp4.py):
+gate / up blocks [E, I, H/2] + scales [E, I, H/32] along rows, the transposed down blocks [E, I, H/2] + scales
+[E, I/32, H].
+
+Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_ids[tj]:
+* gate: z_n = sum_blocks 2**(s - 127) * sum_{j in block} v_j x_j + b_gate[e, n] over the codes + scales of the
+  BLOCK_I rows (the only dense read); a_n = min(z, limit) * sigmoid(alpha * min(z, limit)); keep |a_n| >= tau[e];
+* nothing kept: done (the block-0 program still adds w * b_down[e]); else the kept up rows (codes + scales + bias,
+  clamped to +-limit), h_n = w * (u_n + 1) * a_n in fp32, and the kept down_t rows summed into y: sum_n h_n W[n, :]
+  with W[n, h] = v * 2**(scales[e, n // 32, h] - 127); when BLOCK_I divides 32 the program's neurons share one scale
+  row, loaded once; the program with b = 0 adds w * b_down[e] (always: the bias is exact, never thresholded);
+* codes decode as e2m1 bits placed in an fp16 (value * 2**-14, subnormals included); the 2**-14 is taken out once
+  per row sum (gate, up) or folded into h (down);
+* H goes in chunks of BLOCK_H columns (a power of two, multiple of 32; default the whole row padded to next_pow2(H)):
+  a static loop, each chunk one [BLOCK_I, BLOCK_H / 32, 16] byte tile (H = 2880: 4096 padded = 42 % masked lanes,
+  or 6 chunks of 512 = 6.7 %; the bench measures both).
+Output modes, offload addressing, stats and the CUDA-graph contract are sparse_fused's: default a self-cleaning fp32
+workspace with per-token tickets (the last program writes y[t] (+ residual) and the counts and re-zeroes it),
+`accumulate=True` adds into the caller's fp32 `out` / int32 `count`; with `slot_table` (+ `gate_table`) each program
+picks every part's base (blocks, scales) from its device pool slot or the host master copy. Biases are always read
+at the expert id (kept on the device). One launch, fixed grid, no host sync: capturable.
+
+Shape legend: T tokens, k experts per token, E experts, I expert width, H hidden, S pool slots, NB = H / 32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.kernels.checks import HostPointer, _on_device
+from localmoe.kernels.mxfp4 import BLOCK, Mxfp4Tensor, dequant_mxfp4_ref
+from localmoe.kernels.sparse_fused import fused_workspace
+
+try:  # Triton is optional at import time; the launcher needs it.
+    import triton
+    import triton.language as tl
+
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
+    from localmoe.kernels.sparse_fused import last_of_token, publish_token
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+    tl = None
+
+ALPHA = 1.702  # gpt-oss config.swiglu_alpha
+LIMIT = 7.0  # gpt-oss config.swiglu_limit
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+__all__ = ["ALPHA", "LIMIT", "sparse_mxfp4", "sparse_mxfp4_ref"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------------------
+def _routed(w: Mxfp4Tensor, eid) -> torch.Tensor:
+    return dequant_mxfp4_ref(w.blocks[eid], w.scales[eid], w.along_rows, torch.float32)  # [T, k, I, H]
+
+
+def sparse_mxfp4_ref(
+    x, w_gate, w_up, w_down_t, b_gate, b_up, b_down, expert_ids, weights, tau, alpha=ALPHA, limit=LIMIT
+):
+    """Reference in fp32 torch. Returns (y [T, H] fp32, count [T, k] int32 kept neurons per routed expert).
+
+    z = x . W_gate[e, n] + b_gate[e, n], g = min(z, limit), a = g * sigmoid(alpha * g), kept where |a| >= tau[e];
+    u = clamp(x . W_up[e, n] + b_up[e, n], -limit, limit); y[t] = sum_j w[t, j] (sum_{kept n} (u + 1) a W_down_t[e, n]
+    + b_down[e]), e = expert_ids[t, j]; the weights dequantized exactly (fp32)."""
+    eid = expert_ids.long()
+    xf = x.float()
+    z = torch.einsum("th,tkih->tki", xf, _routed(w_gate, eid)) + b_gate.float()[eid]
+    g = z.clamp(max=limit)
+    a = g * torch.sigmoid(alpha * g)
+    keep = a.abs() >= tau.float()[eid].unsqueeze(-1)
+    u = (torch.einsum("th,tkih->tki", xf, _routed(w_up, eid)) + b_up.float()[eid]).clamp(-limit, limit)
+    rw = weights.float()
+    h = torch.where(keep, (u + 1) * a, torch.zeros((), device=x.device)) * rw.unsqueeze(-1)
+    y = torch.einsum("tki,tkih->th", h, _routed(w_down_t, eid)) + torch.einsum("tk,tkh->th", rw, b_down.float()[eid])
+    return y, keep.sum(-1).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def fp4_scaled(code):
+        """e2m1 codes (int32 0..15) -> FP4_VALUES[code] * 2**-14 in fp32: the sign bit and the three exponent /
+        mantissa bits placed in an fp16 (bias 15 instead of e2m1's 1; its subnormals are e2m1's 0 and 0.5)."""
+        bits = ((code & 8) << 12) | ((code & 7) << 9)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def e8m0(s):
+        """uint8 biased exponents (int32) -> 2**(s - 127) in fp32, exactly (0 is the subnormal 2**-127)."""
+        return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def block_cols(c, BLOCK_B: tl.constexpr, NB: tl.constexpr):
+        """Chunk c: its 32-column blocks jb [BLOCK_B], their mask, and its columns [BLOCK_B, 32] (col < H <=> jb < NB,
+        spelled at full shape: the interpreter applies a broadcast mask of an atomic to its first element only)."""
+        jb = c * BLOCK_B + tl.arange(0, BLOCK_B)
+        col = jb[:, None] * 32 + tl.arange(0, 32)[None, :]
+        return jb, jb < NB, col, col < NB * 32
+
+    @triton.jit
+    def rows_dot(x_row, b_base, s_base, rows, rmask, NB: tl.constexpr, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
+        """x . W[n] * 2**-14 for rows n [R] of an along-rows MXFP4 stack (blocks at b_base, scales at s_base): per
+        32-block the codes' dot with x, times the block's scale, summed. [R] fp32 (0 on masked rows)."""
+        r64 = rows.to(tl.int64)
+        z = tl.zeros(rows.shape, dtype=tl.float32)
+        for c in tl.static_range(NCH):
+            jb, bm, col, _ = block_cols(c, BLOCK_B, NB)
+            xv = tl.load(x_row + col, mask=bm[:, None], other=0.0).to(tl.float32)
+            xe, xo = tl.split(tl.reshape(xv, [BLOCK_B, 16, 2]))  # x[2j], x[2j + 1]
+            boff = r64[:, None, None] * (NB * 16) + (jb[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
+            p = tl.load(b_base + boff, mask=rmask[:, None, None] & bm[None, :, None], other=0).to(tl.int32)
+            s = tl.load(s_base + r64[:, None] * NB + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
+            part = tl.sum(fp4_scaled(p & 15) * xe[None, :, :] + fp4_scaled(p >> 4) * xo[None, :, :], axis=2)
+            z += tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
+        return z
+
+    @triton.jit
+    def _sparse_mxfp4_kernel(
+        x_ptr,  # [T, H] any float, row stride stride_xt
+        gb_ptr,  # gate blocks [E, I, H/2] uint8 (OFFLOAD: the host masters)
+        gs_ptr,  # gate scales [E, I, NB] uint8
+        ub_ptr,  # up blocks [E, I, H/2]
+        us_ptr,  # up scales [E, I, NB]
+        db_ptr,  # down_t blocks [E, I, H/2]
+        ds_ptr,  # down_t scales [E, I/32, H]
+        pgb_ptr,  # the pools, same layouts with S (gate: Sg) slots (OFFLOAD only; else any valid pointer)
+        pgs_ptr,
+        pub_ptr,
+        pus_ptr,
+        pdb_ptr,
+        pds_ptr,
+        slot_ptr,  # [E] expert -> slot, -1 absent (OFFLOAD only)
+        gslot_ptr,  # [E] expert -> gate slot, -1 absent (GATE_TABLE only)
+        bg_ptr,  # [E, I] gate bias, contiguous, any float
+        bu_ptr,  # [E, I] up bias
+        bd_ptr,  # [E, H] down bias
+        eid_ptr,  # [T*k] int32/int64
+        rw_ptr,  # [T*k] routing weights, any float
+        tau_ptr,  # [E] fp32
+        y_ptr,  # [T, H]: FINALIZE: written (any float); else fp32, accumulated into
+        cnt_ptr,  # [T*k] int32: FINALIZE: written; else accumulated into
+        acc_ptr,  # [T, H] fp32 workspace (FINALIZE only)
+        cws_ptr,  # [T*k] int32 workspace (FINALIZE only)
+        tick_ptr,  # [T] int32 tickets (FINALIZE only)
+        kept_ptr,  # int64 running totals (KEPT_TOTAL / HOST_ROWS / READ_ROWS only)
+        host_ptr,
+        rows_ptr,
+        res_ptr,  # [T, H] residual, y's dtype (HAS_RES only)
+        alpha,
+        limit,
+        I,
+        K,
+        stride_xt,
+        s_gb,  # expert strides of the masters' parts, then slot strides of the pools'
+        s_gs,
+        s_ub,
+        s_us,
+        s_db,
+        s_ds,
+        s_pgb,
+        s_pgs,
+        s_pub,
+        s_pus,
+        s_pdb,
+        s_pds,
+        H: tl.constexpr,
+        H_P2: tl.constexpr,  # the finalising tail's full-width row
+        NB: tl.constexpr,  # H / 32 blocks per row
+        BLOCK_B: tl.constexpr,  # blocks per chunk (BLOCK_H / 32)
+        NCH: tl.constexpr,  # chunks per row
+        BLOCK_I: tl.constexpr,
+        K_P2: tl.constexpr,
+        SHARED_SCALE: tl.constexpr,  # BLOCK_I divides 32: the program's down rows share one scale row
+        OFFLOAD: tl.constexpr,
+        GATE_TABLE: tl.constexpr,
+        FINALIZE: tl.constexpr,
+        KEPT_TOTAL: tl.constexpr,
+        HOST_ROWS: tl.constexpr,
+        READ_ROWS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
+            gdc_wait()
+            gdc_launch_dependents()
+        tj = tl.program_id(0)
+        pid_i = tl.program_id(1)
+        t = tj // K
+        e = tl.load(eid_ptr + tj).to(tl.int64)
+        # ---- where each part of this expert lives: device pool slot, host master copy, or the resident stack ----
+        if OFFLOAD:
+            s = tl.load(slot_ptr + e).to(tl.int64)
+            res = s >= 0
+            s = tl.maximum(s, 0)
+            if GATE_TABLE:
+                gsl = tl.load(gslot_ptr + e).to(tl.int64)
+                g_res = gsl >= 0
+                g_s = tl.maximum(gsl, 0)
+            else:
+                g_res = res
+                g_s = s
+            g_b = tl.where(g_res, pgb_ptr + g_s * s_pgb, gb_ptr + e * s_gb)
+            g_sc = tl.where(g_res, pgs_ptr + g_s * s_pgs, gs_ptr + e * s_gs)
+            u_b = tl.where(res, pub_ptr + s * s_pub, ub_ptr + e * s_ub)
+            u_sc = tl.where(res, pus_ptr + s * s_pus, us_ptr + e * s_us)
+            d_b = tl.where(res, pdb_ptr + s * s_pdb, db_ptr + e * s_db)
+            d_sc = tl.where(res, pds_ptr + s * s_pds, ds_ptr + e * s_ds)
+        else:
+            g_b = gb_ptr + e * s_gb
+            g_sc = gs_ptr + e * s_gs
+            u_b = ub_ptr + e * s_ub
+            u_sc = us_ptr + e * s_us
+            d_b = db_ptr + e * s_db
+            d_sc = ds_ptr + e * s_ds
+        rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+        rmask = rows < I
+        x_row = x_ptr + t.to(tl.int64) * stride_xt
+        # ---- gate for BLOCK_I neurons (the only dense read), its bias, the clamped SwiGLU activation ----
+        z = rows_dot(x_row, g_b, g_sc, rows, rmask, NB, BLOCK_B, NCH) * 16384.0
+        z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
+        g = tl.minimum(z, limit)
+        a = g / (1.0 + tl.exp(-alpha * g))
+        keep = (tl.abs(a) >= tl.load(tau_ptr + e)) & rmask
+        nk = tl.sum(keep.to(tl.int32), axis=0)
+        rw = tl.load(rw_ptr + tj).to(tl.float32)
+        if FINALIZE:
+            ydst = acc_ptr + t.to(tl.int64) * H
+            cdst = cws_ptr
+        else:
+            ydst = y_ptr + t.to(tl.int64) * H
+            cdst = cnt_ptr
+        if pid_i == 0:  # the down bias, always (exact): once per routed expert
+            for c in tl.static_range(NCH):
+                jb, bm, col, cm = block_cols(c, BLOCK_B, NB)
+                bd = tl.load(bd_ptr + e * H + col, mask=cm, other=0.0).to(tl.float32)
+                tl.atomic_add(ydst + col, rw * bd, mask=cm, sem="relaxed")
+        # ---- up / down over the kept rows only; a program with nothing kept does no further traffic ----
+        if nk > 0:
+            u = rows_dot(x_row, u_b, u_sc, rows, keep, NB, BLOCK_B, NCH) * 16384.0
+            u += tl.load(bu_ptr + e * I + rows, mask=keep, other=0.0).to(tl.float32)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 16384.0  # the down codes' 2**-14 taken out here
+            h3 = h[:, None, None]
+            r64 = rows.to(tl.int64)
+            for c in tl.static_range(NCH):
+                jb, bm, col, cm = block_cols(c, BLOCK_B, NB)
+                boff = r64[:, None, None] * (NB * 16) + (jb[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
+                p = tl.load(d_b + boff, mask=keep[:, None, None] & bm[None, :, None], other=0).to(tl.int32)
+                if SHARED_SCALE:  # one scale row [H] for the program's neurons (all in group pid_i*BLOCK_I // 32)
+                    srow = d_sc + ((pid_i * BLOCK_I) // 32).to(tl.int64) * H
+                    sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
+                    se, so = tl.split(tl.reshape(sv, [BLOCK_B, 16, 2]))
+                    ce = tl.sum(fp4_scaled(p & 15) * h3, axis=0) * se
+                    co = tl.sum(fp4_scaled(p >> 4) * h3, axis=0) * so
+                else:  # each neuron's group's scale row
+                    soff = (r64 // 32)[:, None, None] * H + (jb[:, None] * 32 + 2 * tl.arange(0, 16)[None, :])[None]
+                    sm = keep[:, None, None] & bm[None, :, None]
+                    se = e8m0(tl.load(d_sc + soff, mask=sm, other=0).to(tl.int32))
+                    so = e8m0(tl.load(d_sc + soff + 1, mask=sm, other=0).to(tl.int32))
+                    ce = tl.sum(fp4_scaled(p & 15) * se * h3, axis=0)
+                    co = tl.sum(fp4_scaled(p >> 4) * so * h3, axis=0)
+                contrib = tl.reshape(tl.join(ce, co), [BLOCK_B, 32])  # columns 2j, 2j + 1 interleaved back
+                tl.atomic_add(ydst + col, contrib, mask=cm, sem="relaxed")
+            tl.atomic_add(cdst + tj, nk, sem="relaxed")
+        if FINALIZE:
+            # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
+            tl.debug_barrier()  # this program's atomics precede the release below
+            if last_of_token(tick_ptr, t, K * tl.num_programs(1)):
+                cols = tl.arange(0, H_P2)
+                cmask = cols < H
+                cnt = publish_token(
+                    acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H, H_P2, K_P2, HAS_RES
+                )
+                kk = tl.arange(0, K_P2)
+                km = kk < K
+                crow = t.to(tl.int64) * K + kk
+                if KEPT_TOTAL:
+                    tl.atomic_add(kept_ptr, tl.sum(cnt.to(tl.int64), axis=0), sem="relaxed")
+                if HOST_ROWS:  # absent experts: all gate rows + the kept up and down rows crossed PCIe
+                    ee = tl.load(eid_ptr + crow, mask=km, other=0).to(tl.int64)
+                    absent = km & (tl.load(slot_ptr + ee, mask=km, other=0) < 0)
+                    if GATE_TABLE:
+                        g_absent = km & (tl.load(gslot_ptr + ee, mask=km, other=0) < 0)
+                        hr = tl.where(g_absent, I, 0).to(tl.int64) + tl.where(absent, 2 * cnt, 0).to(tl.int64)
+                    else:
+                        hr = tl.where(absent, I + 2 * cnt, 0).to(tl.int64)
+                    tl.atomic_add(host_ptr, tl.sum(hr, axis=0), sem="relaxed")
+                if READ_ROWS:  # every routed expert: I gate rows + 2 per kept neuron, wherever they live
+                    tl.atomic_add(rows_ptr, tl.sum(tl.where(km, I + 2 * cnt, 0).to(tl.int64), axis=0), sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------------------
+def sparse_mxfp4(
+    x,
+    w_gate: Mxfp4Tensor,
+    w_up: Mxfp4Tensor,
+    w_down_t: Mxfp4Tensor,
+    b_gate,
+    b_up,
+    b_down,
+    expert_ids,
+    weights,
+    tau,
+    out=None,
+    *,
+    count=None,
+    accumulate: bool = False,
+    alpha: float = ALPHA,
+    limit: float = LIMIT,
+    slot_table=None,
+    pool_gate: Mxfp4Tensor | None = None,
+    pool_up: Mxfp4Tensor | None = None,
+    pool_down_t: Mxfp4Tensor | None = None,
+    gate_table=None,
+    workspace=None,
+    kept_total=None,
+    host_rows=None,
+    read_rows=None,
+    residual=None,
+    BLOCK_I: int = 8,
+    BLOCK_H: int | None = None,
+    num_warps: int = 8,
+    maxnreg: int | None = None,
+):
+    """GPT-OSS's routed experts over MXFP4 weights, one launch. Returns (y [T, H], count [T, k]).
+
+    x [T, H] bf16/fp16/fp32 (last dim contiguous); w_gate, w_up `Mxfp4Tensor`s along rows and w_down_t across
+    (logically [E, I, H], I and H multiples of 32); b_gate, b_up [E, I] and b_down [E, H] float, contiguous, on x's
+    device (read at the expert id, also when offloaded); expert_ids [T, k] int32/int64; weights [T, k] float (the
+    routing weights); tau [E] fp32 (keep n where |a_n| >= tau[e]); alpha, limit: the clamped SwiGLU's constants.
+    y and count as `sparse_mxfp4_ref`. Modes as kernels/sparse_fused.py's `sparse_fused`:
+    * accumulate=False: `out` ([T, H] bf16/fp16/fp32 contiguous, default fp32) and `count` (int32 [T, k]) are
+      overwritten through the self-cleaning `workspace` (`fused_workspace`); `residual` ([T, H], out's dtype) makes
+      y = residual + the experts' output; `kept_total`, `read_rows` (and `host_rows` with offload) one-element int64
+      running totals added in the tail.
+    * accumulate=True: `out` (fp32) and `count` (int32) required, added to; no residual / totals.
+    * offload: `slot_table` [E] (slot or -1), `pool_gate/pool_up/pool_down_t` Mxfp4Tensors [S, I, H] on x's device
+      (pool_gate [Sg, I, H] with `gate_table` [E]); w_* are then the host master copies (pinned on CUDA) or on x's
+      device. Each program reads every part of a resident expert from its slot, of an absent one from the master.
+    BLOCK_I (power of two; BLOCK_I <= 32 shares the down scale row), BLOCK_H (columns per chunk, a power of two
+    >= 32, default next_pow2(H): one chunk), num_warps and maxnreg are launch parameters. CUDA-graph capturable.
+    """
+    if triton is None:
+        raise RuntimeError("sparse_mxfp4 needs triton")
+    masters = (("w_gate", w_gate, True), ("w_up", w_up, True), ("w_down_t", w_down_t, False))
+    if not all(isinstance(w, Mxfp4Tensor) for _, w, _ in masters):
+        raise ValueError("w_gate, w_up and w_down_t must be Mxfp4Tensors (localmoe.kernels.mxfp4)")
+    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"x must be bf16/fp16/fp32 [T, H] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
+    T, H = x.shape
+    E, I = w_gate.shape[:2]
+    dev = x.device
+    offload = slot_table is not None
+    pools = (pool_gate, pool_up, pool_down_t)
+    if offload != all(p is not None for p in pools) or (not offload and any(p is not None for p in pools)):
+        raise ValueError(
+            "slot_table, pool_gate, pool_up and pool_down_t must be given together (offload) or not at all"
+        )
+    for name, w, rows in masters:
+        _check_mx(name, w, E, I, H, rows, dev, allow_host=offload)
+    for name, b, n in (("b_gate", b_gate, I), ("b_up", b_up, I), ("b_down", b_down, H)):
+        if tuple(b.shape) != (E, n) or b.dtype not in _FLOAT_DTYPES or not b.is_contiguous() or b.device != dev:
+            raise ValueError(
+                f"{name} must be a contiguous float [E, {n}] = {(E, n)} tensor on {dev}, got {b.dtype} "
+                f"{tuple(b.shape)} on {b.device}"
+            )
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
+        )
+    k = expert_ids.shape[1]
+    if tuple(weights.shape) != (T, k) or not weights.dtype.is_floating_point:
+        raise ValueError(
+            f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} {tuple(weights.shape)}"
+        )
+    if tau.dim() != 1 or tau.shape[0] != E or tau.dtype != torch.float32:
+        raise ValueError(f"tau must be a float32 [E] = [{E}] tensor, got {tau.dtype} {tuple(tau.shape)}")
+    for name, tns in (("expert_ids", expert_ids), ("weights", weights), ("tau", tau)):
+        if tns.device != dev:
+            raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
+    if offload:
+        _check_pools(masters, pools, slot_table, gate_table, E, I, H, dev)
+    elif gate_table is not None or host_rows is not None:
+        raise ValueError("gate_table and host_rows belong to offloaded experts: they need slot_table")
+    if accumulate and (out is None or count is None or out.dtype != torch.float32):
+        raise ValueError("accumulate=True needs out= (fp32 [T, H]) and count= (int32 [T, k]) buffers")
+    if accumulate and any(v is not None for v in (kept_total, host_rows, read_rows, residual)):
+        raise ValueError(
+            "kept_total, host_rows, read_rows and residual belong to the finalising tail: not with accumulate=True"
+        )
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.float32, device=dev)
+    elif tuple(out.shape) != (T, H) or out.dtype not in _FLOAT_DTYPES or not out.is_contiguous() or out.device != dev:
+        raise ValueError(f"out must be a contiguous bf16/fp16/fp32 [T, H] = {(T, H)} tensor on {dev}")
+    if count is None:
+        count = torch.empty(T, k, dtype=torch.int32, device=dev)
+    elif tuple(count.shape) != (T, k) or count.dtype != torch.int32 or not count.is_contiguous() or count.device != dev:
+        raise ValueError(f"count must be a contiguous int32 [T, k] = {(T, k)} tensor on {dev}")
+    for name, tot in (("kept_total", kept_total), ("host_rows", host_rows), ("read_rows", read_rows)):
+        if tot is not None and (tot.dtype != torch.int64 or tot.numel() != 1 or tot.device != dev):
+            raise ValueError(f"{name} must be a one-element int64 tensor on {dev}")
+    if residual is not None and (
+        tuple(residual.shape) != (T, H)
+        or residual.dtype != out.dtype
+        or not residual.is_contiguous()
+        or residual.device != dev
+    ):
+        raise ValueError(f"residual must be a contiguous {out.dtype} [T, H] = {(T, H)} tensor on {dev}")
+    bi = triton.next_power_of_2(max(1, BLOCK_I))
+    bh = BLOCK_H or triton.next_power_of_2(H)
+    if bh < BLOCK or bh & (bh - 1):
+        raise ValueError(f"BLOCK_H must be a power of two >= {BLOCK}, got {bh}")
+    if T == 0 or k == 0:
+        if not accumulate:
+            out.copy_(residual) if residual is not None else out.zero_()
+            count.zero_()
+        return out, count
+    need = T * H + T * k + T
+    if accumulate:
+        acc, cws, tick = out, count, count  # no workspace: never read by the kernel
+    else:
+        if workspace is None:
+            workspace = fused_workspace(dev, need)
+        elif (
+            workspace.dtype != torch.int32
+            or workspace.dim() != 1
+            or workspace.numel() < need
+            or not workspace.is_contiguous()
+            or workspace.device != dev
+        ):
+            raise ValueError(f"workspace must be a zeroed contiguous int32 1-D tensor of >= {need} elements on {dev}")
+        acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
+        cws = workspace[T * H : T * H + T * k]
+        tick = workspace[T * H + T * k : need]
+    cuda = dev.type == "cuda"
+
+    def ptr(t):  # host master copies: the launcher gets their (unified) address
+        return HostPointer(t) if cuda and t.device.type == "cpu" else t
+
+    parts = [ptr(t) for _, w, _ in masters for t in w.parts()]
+    strides = [t.stride(0) for _, w, _ in masters for t in w.parts()]
+    if offload:
+        pparts = [t for p in pools for t in p.parts()]
+        pstrides = [t.stride(0) for t in pparts]
+        st = slot_table
+    else:  # dummies, never read
+        pparts, pstrides, st = parts, [0] * 6, expert_ids
+    NB = H // BLOCK
+    BB = min(bh, triton.next_power_of_2(H)) // BLOCK
+    _sparse_mxfp4_kernel[(T * k, triton.cdiv(I, bi))](
+        x,
+        *parts,
+        *pparts,
+        st,
+        gate_table if gate_table is not None else st,
+        b_gate,
+        b_up,
+        b_down,
+        expert_ids.contiguous(),
+        weights.contiguous(),
+        tau,
+        out,
+        count,
+        acc,
+        cws,
+        tick,
+        kept_total if kept_total is not None else count,
+        host_rows if host_rows is not None else count,
+        read_rows if read_rows is not None else count,
+        residual if residual is not None else out,
+        float(alpha),
+        float(limit),
+        I,
+        k,
+        x.stride(0),
+        *strides,
+        *pstrides,
+        H=H,
+        H_P2=triton.next_power_of_2(H),
+        NB=NB,
+        BLOCK_B=BB,
+        NCH=triton.cdiv(NB, BB),
+        BLOCK_I=bi,
+        K_P2=triton.next_power_of_2(k),
+        SHARED_SCALE=bi <= BLOCK,
+        OFFLOAD=offload,
+        GATE_TABLE=gate_table is not None,
+        FINALIZE=not accumulate,
+        KEPT_TOTAL=kept_total is not None,
+        HOST_ROWS=host_rows is not None,
+        READ_ROWS=read_rows is not None,
+        HAS_RES=residual is not None,
+        num_warps=num_warps,
+        **pdl_kw(x),
+        **({"maxnreg": int(maxnreg)} if maxnreg else {}),
+    )
+    return out, count
+
+
+def _check_mx(name, w, E, I, H, along_rows: bool, dev, allow_host: bool = False) -> None:
+    """An Mxfp4Tensor logically [E, I, H] with `along_rows` as given: blocks [E, I, H/2] uint8 and scales ([E, I, H/32]
+    along rows, [E, I/32, H] across) uint8, each with contiguous rows (any expert stride); on `dev`, or with
+    `allow_host` host copies (pinned on CUDA)."""
+    if w.along_rows != along_rows:
+        raise ValueError(f"{name} must have along_rows={along_rows} (gate / up along rows, the down transposed across)")
+    if I % BLOCK or H % BLOCK:
+        raise ValueError(f"MXFP4 experts need I and H divisible by {BLOCK}, got I = {I}, H = {H}")
+    sshape = (E, I, H // BLOCK) if along_rows else (E, I // BLOCK, H)
+    for part, t, shape in (("blocks", w.blocks, (E, I, H // 2)), ("scales", w.scales, sshape)):
+        if t.dim() != 3 or tuple(t.shape) != shape or t.dtype != torch.uint8:
+            raise ValueError(
+                f"{name}.{part} must be uint8 {shape} (logical [E, I, H] = {(E, I, H)}), got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.stride(2) != 1 or t.stride(1) != shape[2]:
+            raise ValueError(f"{name}.{part} rows must be contiguous, got strides {t.stride()}")
+        _on_device(f"{name}.{part}", t, dev, allow_host)
+
+
+def _check_pools(masters, pools, slot_table, gate_table, E: int, I: int, H: int, dev) -> None:
+    """Slot tables [E] int32/int64 on x's device; pools Mxfp4Tensors [S, I, H] (pool_gate [Sg, I, H] with a
+    gate_table) in their masters' layouts, on x's device."""
+    for tname, tab in (("slot_table", slot_table), ("gate_table", gate_table)):
+        if tab is not None and (
+            tab.dim() != 1 or tab.shape[0] != E or tab.dtype not in _INT_DTYPES or tab.device != dev
+        ):
+            raise ValueError(f"{tname} must be int32/int64 [E] = [{E}] on {dev}, got {tab.dtype} {tuple(tab.shape)}")
+    if not all(isinstance(p, Mxfp4Tensor) for p in pools):
+        raise ValueError("pool_gate, pool_up and pool_down_t must be Mxfp4Tensors, as the master copies are")
+    S = pools[1].shape[0]
+    for (name, _, rows), pname, p in zip(masters, ("pool_gate", "pool_up", "pool_down_t"), pools):
+        n = p.shape[0] if (pname == "pool_gate" and gate_table is not None) else S
+        if n < 1:
+            raise ValueError("the pools need at least one slot")
+        _check_mx(pname, p, n, I, H, rows, dev)
