@@ -3,7 +3,8 @@
 Each family's tiny model is described in its module (localmoe/models/families/<family>.py: `SPEC.tiny`); this
 module adds the sizes they all share and the tokenizers. Each model is built from its transformers config, saved
 with `save_pretrained` (Qwen3.5 as the hub's multimodal checkpoint with fused experts: `save_original_format=False`;
-the others in their original per-expert or Granite/Mixtral layouts), given a character-level tokenizer with a ChatML
+the others in their original per-expert or Granite/Mixtral layouts; GPT-OSS then rewritten as the hub stores
+gpt-oss: MXFP4 expert blocks and scales, bf16 expert biases, config.json's `quantization_config`), given a character-level tokenizer with a ChatML
 chat template, and placed in a real Hugging Face cache layout (blobs + snapshots + refs) under `org/name` so it loads
 with HF_HUB_OFFLINE=1.
 """
@@ -28,7 +29,7 @@ CHAT_TEMPLATE = (
 VOCAB = 128
 
 # The families the tests build a tiny checkpoint of, by key (`qwen3_moe`), in the table's order: every family with a
-# tiny model (GPT-OSS included: its refusal is tested), and those localmoe runs.
+# tiny model, and those localmoe runs.
 BUILT = [s.key for s in FAMILIES.values() if s.tiny is not None]
 SUPPORTED = [s.key for s in FAMILIES.values() if s.tiny is not None and not s.unsupported]
 
@@ -102,9 +103,66 @@ def save_checkpoint(family: str, folder: Path, *, max_shard_size: str | None = N
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(folder, **kwargs)
+    if family == "gpt_oss":
+        mxfp4_folder(folder)
     char_tokenizer().save_pretrained(folder)
     gen = {"eos_token_id": 3, "bos_token_id": 1, "pad_token_id": 1}
     (folder / "generation_config.json").write_text(json.dumps(gen))
+    return folder
+
+
+# openai/gpt-oss-20b's config.json: the modules its MXFP4 quantization leaves in bf16
+GPT_OSS_QUANTIZATION = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+
+
+def mxfp4_folder(folder: Path) -> Path:
+    """A GPT-OSS checkpoint saved by transformers (experts `gate_up_proj` [E, H, 2I], gate and up columns interleaved,
+    and `down_proj` [E, I, H]) rewritten in place as the hub stores gpt-oss: each projection quantized to MXFP4
+    (kernels/mxfp4.py `quantize_mxfp4`) and stored as `*_blocks` / `*_scales` uint8 in the hub's layout, the expert
+    biases in bf16, config.json's `quantization_config` that of openai/gpt-oss-20b."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from localmoe.kernels.mxfp4 import down_t_to_hub, gate_up_to_hub, quantize_mxfp4
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        out = {}
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                if key.endswith("mlp.experts.gate_up_proj"):
+                    rows = t.transpose(1, 2)  # [E, 2I, H]: gate rows at even indices, up at odd
+                    gate, up = (quantize_mxfp4(rows[:, i::2].contiguous()) for i in (0, 1))
+                    out[key + "_blocks"], out[key + "_scales"] = gate_up_to_hub(gate, up)
+                elif key.endswith("mlp.experts.down_proj"):  # [E, I, H]: the transposed down, blocks along I
+                    out[key + "_blocks"], out[key + "_scales"] = down_t_to_hub(quantize_mxfp4(t, along_rows=False))
+                elif ".experts." in key and key.endswith("_bias"):
+                    out[key] = t.to(torch.bfloat16)
+                else:
+                    out[key] = t
+        save_file(out, str(shard), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        wm = data["weight_map"]
+        for shard in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(shard), "pt") as f:
+                wm.update({k: shard.name for k in f.keys()})
+        for key in [k for k in wm if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            del wm[key]
+        index.write_text(json.dumps(data))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = GPT_OSS_QUANTIZATION
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 

@@ -15,7 +15,7 @@ Qwen3.5-35B shapes; copy 8.5 and cpu 5.2 against direct's 29.7 in session 2):
   the GPU; misses are admitted after each step as in "direct".
 Every way the outputs equal the all-resident model (up to float rounding where the CPU computes).
 int4 experts (`--experts int4`, or nf4): slots and master copies are Int4Tensors (Nf4Tensors; localmoe/experts/int4.py),
-copied part by part;
+copied part by part; a gpt-oss checkpoint's MXFP4 experts likewise Mxfp4Tensors (`empty_stack` per projection);
 a row's bytes (`row_bytes`) include its scales.
 
 Shapes: E = experts per layer, I = expert width, H = hidden, S = cache slots.
@@ -28,7 +28,7 @@ from collections import OrderedDict
 import torch
 
 from localmoe.errors import UsageError
-from localmoe.experts.int4 import STORAGE, Int4Tensor, copy_expert, expert_bytes
+from localmoe.experts.int4 import QUANTIZED, copy_expert, empty_stack, expert_bytes
 from localmoe.experts.local_experts import ExpertWeights
 from localmoe.experts.staging import Staging
 
@@ -61,8 +61,8 @@ class ExpertCache:
             )
         self.mode, self.admit_per_step = mode, admit_per_step
         fmt = int4 if isinstance(int4, str) else "int4" if int4 else "full"  # int4: True (int4) or a format name
-        kind = STORAGE.get(fmt)  # 4-bit slots' class, None for full precision
-        self.row_bytes = expert_bytes(1, H, fmt) // 3 if kind else H * (torch.finfo(dtype).bits // 8)  # a neuron's row
+        quantized = fmt != "full"
+        self.row_bytes = expert_bytes(1, H, fmt) // 3 if quantized else H * (torch.finfo(dtype).bits // 8)  # a row
         self.width = I
         self.slots, self.num_experts = slots, E
         # gate tier (direct mode): `gate_slots` gates live in their own pool, placed once (`place_gates`), and the
@@ -71,14 +71,13 @@ class ExpertCache:
         self.gate_slots = gate_slots
         parts = 2 if gate_slots else 3
         n = max(slots, 1)  # the fused kernel needs a pool to point at even when every up/down row is on the host
-        make = (
-            (lambda m: kind.empty((m, I, H), dtype, device))
-            if kind  # 4-bit experts: slots of their format
-            else (lambda m: torch.empty((m, I, H), dtype=dtype, device=device))
-        )
-        self.pool = ExpertWeights(make(gate_slots if gate_slots else n), make(n), make(n))
+
+        def make(m: int, projection: str):  # m slots of `projection` in the experts' format
+            return empty_stack(fmt, (m, I, H), dtype, device, projection)
+
+        self.pool = ExpertWeights(make(gate_slots if gate_slots else n, "w_gate"), make(n, "w_up"), make(n, "w_down_t"))
         # the dense path's routed experts stream through two staging buffers (experts/staging.py)
-        self.staging = Staging(make, 3 * I * self.row_bytes, 3 * I * H * (torch.finfo(dtype).bits // 8), bool(kind))
+        self.staging = Staging(make, 3 * I * self.row_bytes, 3 * I * H * (torch.finfo(dtype).bits // 8), quantized)
         self.expert_bytes = parts * I * self.row_bytes  # one admission
         self.device = device
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first
@@ -146,7 +145,7 @@ class ExpertCache:
             if slot >= 0:
                 return pool[slot]
             self.copied_bytes += self.row_bytes * self.width
-            if isinstance(master, Int4Tensor):
+            if isinstance(master, QUANTIZED):
                 return master.expert_on(e, self.device)
             return master[e].to(self.device, non_blocking=True)
 

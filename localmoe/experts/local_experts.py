@@ -19,6 +19,10 @@ Two paths:
   reads only the predicted candidates' gate rows: the torch reference `predicted_reference` on every device (no
   kernel yet; resident experts only), and evaluation's masked grouped path keeps candidates with |g| >= τ.
 
+GPT-OSS's experts (`swiglu`: its clamped SwiGLU, `biases`: its expert biases; experts/clamped_swiglu.py) take the
+same paths with their biases added and their activation: the dense ones as they are (MXFP4 experts dequantized a span
+at a time, like int4), the sparse one by its torch reference here (on CUDA `kernels.mxfp4_sparse` where wired).
+
 Shapes: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden.
 """
 
@@ -30,8 +34,17 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from localmoe.experts.int4 import Int4Tensor, quantize_as
+from localmoe.experts.clamped_swiglu import (
+    CLAMPED_SWIGLU,
+    ClampedSwiGLU,
+    ExpertBiases,
+    down_out,
+    gate_pre,
+    up_value,
+)
+from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, Int4Tensor, quantize_as
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
+from localmoe.kernels.mxfp4 import Mxfp4Tensor
 
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -42,11 +55,12 @@ DEQUANT_BYTES = 256 << 20  # int4 experts' dense path: dequantized weights per s
 @dataclass
 class ExpertWeights:
     """One MoE layer's routed experts; every tensor [E, I, H], a neuron's weights contiguous in each. With
-    `--experts int4` each is an `Int4Tensor` (localmoe/experts/int4.py): indexing it dequantizes."""
+    `--experts int4` each is an `Int4Tensor` (localmoe/experts/int4.py), a gpt-oss checkpoint's an `Mxfp4Tensor`:
+    indexing either dequantizes."""
 
-    w_gate: torch.Tensor | Int4Tensor
-    w_up: torch.Tensor | Int4Tensor
-    w_down_t: torch.Tensor | Int4Tensor  # W_down transposed: row n is neuron n's output vector
+    w_gate: torch.Tensor | Int4Tensor | Mxfp4Tensor
+    w_up: torch.Tensor | Int4Tensor | Mxfp4Tensor
+    w_down_t: torch.Tensor | Int4Tensor | Mxfp4Tensor  # W_down transposed: row n is neuron n's output vector
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -54,17 +68,27 @@ class ExpertWeights:
 
     @property
     def int4(self) -> bool:
+        """Int4 or NF4 stacks (sparse_fused's QUANT mode reads them)."""
         return isinstance(self.w_gate, Int4Tensor)
+
+    @property
+    def mxfp4(self) -> bool:
+        return isinstance(self.w_gate, Mxfp4Tensor)
+
+    @property
+    def quantized(self) -> bool:
+        """Any 4-bit format: indexing dequantizes, so the dense path runs a span of experts at a time."""
+        return isinstance(self.w_gate, QUANTIZED)
 
     def nbytes(self) -> int:
         return sum(
-            t.nbytes() if isinstance(t, Int4Tensor) else t.numel() * t.element_size()
+            t.nbytes() if isinstance(t, QUANTIZED) else t.numel() * t.element_size()
             for t in (self.w_gate, self.w_up, self.w_down_t)
         )
 
     def to_int4(self, fmt: str = "int4") -> ExpertWeights:
-        """The same experts in the 4-bit format `fmt` ("int4" or "nf4"; quantized on their device)."""
-        return ExpertWeights(*(quantize_as(t, fmt) for t in (self.w_gate, self.w_up, self.w_down_t)))
+        """The same experts in the 4-bit format `fmt` ("int4", "nf4" or "mxfp4"; quantized on their device)."""
+        return ExpertWeights(*(quantize_as(getattr(self, p), fmt, p) for p in PROJECTIONS))
 
     def dequantized(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down_t) of experts [a, b) as plain tensors [b - a, I, H] (a view when not quantized)."""
@@ -133,14 +157,26 @@ class GateRecorder:
 
 
 class LocalExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, layer_idx: int):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        layer_idx: int,
+        swiglu: tuple[float, float] | None = None,
+    ):
+        """`swiglu` (alpha, limit): GPT-OSS's clamped SwiGLU instead of `hidden_act` (experts/clamped_swiglu.py)."""
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.layer_idx = layer_idx
-        self.hidden_act = hidden_act
-        self.act_fn = ACT2FN[hidden_act]
+        self.hidden_act = CLAMPED_SWIGLU if swiglu else hidden_act
+        self.act_fn = ClampedSwiGLU(*swiglu) if swiglu else ACT2FN[hidden_act]
+        self.up_fn = self.act_fn.up if swiglu else None  # the up projection's clamp and + 1 (GPT-OSS), or None
+        self.biases: ExpertBiases | None = None  # GPT-OSS: the experts' biases on the compute device (by expert id)
+        self._host_biases: ExpertBiases | None = None  # their copy in host memory (cpu misses compute there)
         self.weights: ExpertWeights | None = None  # all experts (resident), or the host master copies when offloaded
         self.cache = None  # localmoe.experts.cache.ExpertCache when experts are offloaded
         self.last_routing = None  # direct/cpu-miss modes: what the last decode call routed to (for the cache)
@@ -225,7 +261,7 @@ class LocalExperts(nn.Module):
             return self._predicted(hidden_states, top_k_index, top_k_weights)
         if tail is None and few and self.cache is not None and self.cache.mode == "cpu":
             return self._split(hidden_states, top_k_index, top_k_weights, sparse)
-        if tail is None and not (sparse or (few and hidden_states.is_cuda and self.hidden_act == "silu")):
+        if tail is None and not (sparse or (few and self._decode_kernel(hidden_states))):
             return self._dense(hidden_states, top_k_index, top_k_weights)
         if self.cache is not None and self.cache.mode == "direct":
             return self._direct(hidden_states, top_k_index, top_k_weights, sparse, tail)
@@ -235,11 +271,16 @@ class LocalExperts(nn.Module):
             if tau is not None:
                 tau = self.cache.slot_tau(ids, top_k_index, tau)
         if sparse:
-            return self._sparse(hidden_states, ids, top_k_weights, w, tau, tail)
+            return self._sparse(hidden_states, ids, top_k_weights, w, tau, tail, experts=top_k_index)
         if tail is not None:  # sparsity off: the dense math in the tail-taking kernel, threshold 0 keeps every neuron
             zeros = self._zeros_tau(hidden_states.device, w.w_gate.shape[0])  # [experts or pool slots]
             return self._sparse(hidden_states, ids, top_k_weights, w, zeros, tail, count=False)
-        return self._dense_decode(hidden_states, ids, top_k_weights, w)
+        return self._dense_decode(hidden_states, ids, top_k_weights, w, top_k_index)
+
+    def _decode_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a decode-sized call with sparsity off runs a kernel (CUDA): silu experts' dense decode kernel;
+        GPT-OSS's experts (no kernel of theirs wired yet) take the dense path."""
+        return x.is_cuda and self.hidden_act == "silu"
 
     @torch.compiler.disable
     def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None) -> torch.Tensor:
@@ -296,9 +337,9 @@ class LocalExperts(nn.Module):
                 experts = top_k_index[t, j]
                 slots = c.tables[layer][experts]
                 pool_tau = c.slot_tau(slots, experts, tau)
-                out[t] += self._sparse(x[t : t + 1], slots[None], top_k_weights[t, j][None], c.pool, pool_tau)[
-                    0
-                ].float()
+                out[t] += self._sparse(
+                    x[t : t + 1], slots[None], top_k_weights[t, j][None], c.pool, pool_tau, experts=experts[None]
+                )[0].float()
             if miss:
                 j = torch.tensor(miss)
                 experts = top_k_index[t].cpu()[j]
@@ -309,11 +350,21 @@ class LocalExperts(nn.Module):
                     top_k_weights[t].cpu()[j][None],
                     tau.cpu(),
                     self.act_fn,
+                    biases=self._biases_on_host(),
+                    up_fn=self.up_fn,
                 )
                 out[t] += y[0].to(x.device)
                 self._count(kept.to(self.kept.device), len(miss) * I)
         self.last_routing = top_k_index
         return out.to(x.dtype)
+
+    def _biases_on_host(self) -> ExpertBiases | None:
+        """The experts' biases in host memory (the CPU computes offloaded misses there), copied once."""
+        if self.biases is None or self.biases.device.type == "cpu":
+            return self.biases
+        if self._host_biases is None:
+            self._host_biases = self.biases.to("cpu")
+        return self._host_biases
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:
         if not x.is_cuda:
@@ -331,12 +382,13 @@ class LocalExperts(nn.Module):
         return self._params
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (graph break; the CUDA graph still holds them)
-    def _dense_decode(self, x, top_k_index, top_k_weights, w: ExpertWeights):
+    def _dense_decode(self, x, top_k_index, top_k_weights, w: ExpertWeights, experts=None):
         """Few tokens, sparsity off, CUDA: localmoe's dense decode kernel (no host sync); int4 experts take the fused
-        sparse kernel at threshold 0 (the dense kernel reads full-precision weights only)."""
-        if w.int4:
+        sparse kernel at threshold 0 (the dense kernel reads full-precision weights only), GPT-OSS's experts their
+        sparse path at threshold 0 (`experts`: the expert ids when `top_k_index` holds cache slots)."""
+        if w.quantized or self.up_fn is not None:
             zeros = self._zeros_tau(x.device, w.w_gate.shape[0])
-            return self._sparse(x, top_k_index, top_k_weights, w, zeros, count=False)
+            return self._sparse(x, top_k_index, top_k_weights, w, zeros, count=False, experts=experts)
         from localmoe.kernels.dense_experts import dense_experts
 
         p = self._launch(x, top_k_index.shape[1])["dense"]
@@ -369,15 +421,15 @@ class LocalExperts(nn.Module):
             start += n
             xs = x[tok]  # [n, H]
             w_gate, w_up, w_down_t = self._expert(e)
-            g = self.act_fn(xs @ w_gate.T)  # [n, I]
+            g = self.act_fn(gate_pre(xs @ w_gate.T, self.biases, e))  # [n, I]
             if self.recorder is not None:
                 self.recorder.add(g.abs(), e)
             if masked:
                 keep = self._mask(g, xs, torch.full((n,), e, device=x.device), tok)
                 g = g * keep
                 kept = kept + keep.sum()
-            h = g * (xs @ w_up.T)
-            y = h @ w_down_t  # [n, H]
+            h = g * up_value(xs @ w_up.T, self.biases, e, self.up_fn)
+            y = down_out(h @ w_down_t, self.biases, e)  # [n, H]
             y = y * top_k_weights.reshape(-1)[slots, None].to(y.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
         if masked:
@@ -429,15 +481,15 @@ class LocalExperts(nn.Module):
         ys, kept = [], 0
         for w_gate, w_up, w_down_t, offs, s0, s1 in self._span_weights(ends, T * k):
             xc = xs[s0:s1]
-            g = self.act_fn(_GROUPED_MM(xc, w_gate.transpose(1, 2), offs=offs))  # [n, I]
+            g = self.act_fn(gate_pre(_GROUPED_MM(xc, w_gate.transpose(1, 2), offs=offs), self.biases, ids[s0:s1]))
             if self.recorder is not None:
                 self.recorder.add_rows(g.abs(), ids[s0:s1])
             if masked:
                 keep = self._mask(g, xc, ids[s0:s1], tok[s0:s1])  # [n, I]
                 g = g * keep
                 kept = kept + keep.sum()
-            h = g * _GROUPED_MM(xc, w_up.transpose(1, 2), offs=offs)  # [n, I]
-            ys.append(_GROUPED_MM(h, w_down_t, offs=offs))  # [n, H]
+            h = g * up_value(_GROUPED_MM(xc, w_up.transpose(1, 2), offs=offs), self.biases, ids[s0:s1], self.up_fn)
+            ys.append(down_out(_GROUPED_MM(h, w_down_t, offs=offs), self.biases, ids[s0:s1]))  # [n, H]
         if masked:
             self._count(kept, T * k * I)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)  # [T*k, H]
@@ -464,7 +516,7 @@ class LocalExperts(nn.Module):
         """(first expert, end expert, first slot, end slot) of each grouped GEMM call: all experts at once, or for
         int4 experts spans of ~DEQUANT_BYTES of dequantized weights with at least one routed slot (one host sync)."""
         E = self.num_experts
-        if not self.weights.int4:
+        if not self.weights.quantized:
             return [(0, E, 0, slots)]
         expert = 3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize  # dequantized
         per = max(1, DEQUANT_BYTES // expert)
@@ -480,9 +532,18 @@ class LocalExperts(nn.Module):
     # -- sparse: decode ---------------------------------------------------------------------------------
     @torch.compiler.disable
     def _sparse(
-        self, x, top_k_index, top_k_weights, w: ExpertWeights, tau: torch.Tensor, tail=None, count: bool = True
+        self,
+        x,
+        top_k_index,
+        top_k_weights,
+        w: ExpertWeights,
+        tau: torch.Tensor,
+        tail=None,
+        count: bool = True,
+        experts=None,
     ) -> torch.Tensor:
-        """`count`: add the kept neurons to the sparsity stats (False: threshold 0, the dense path with a tail)."""
+        """`count`: add the kept neurons to the sparsity stats (False: threshold 0, the dense path with a tail);
+        `experts`: the expert ids [T, k] when `top_k_index` holds cache slots (biases are indexed by expert)."""
         if (x.is_cuda or self.kernel_on_cpu) and self.hidden_act == "silu":  # one launch, output in x's dtype
             from localmoe.kernels.sparse_fused import sparse_fused
 
@@ -503,13 +564,18 @@ class LocalExperts(nn.Module):
             if count:
                 self.seen += top_k_index.numel() * self.intermediate_size
             return y
-        y, kept = sparse_reference(x, w, top_k_index, top_k_weights, tau, self.act_fn)
-        self._count(kept, top_k_index.numel() * self.intermediate_size)
+        y, kept = sparse_reference(
+            x, w, top_k_index, top_k_weights, tau, self.act_fn, biases=self.biases, experts=experts, up_fn=self.up_fn
+        )
+        if count:
+            self._count(kept, top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
 
     @torch.compiler.disable
     def _predicted(self, x, top_k_index, top_k_weights) -> torch.Tensor:
         """The sparse path through the gate predictor (experts/predicted.py's stages 1-3; torch reference)."""
+        if self.biases is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: the gate predictor does not take GPT-OSS's expert biases")
         y, kept = predicted_reference(
             x, self.weights, top_k_index, top_k_weights, self.tau, self.act_fn, self.predictor
         )
@@ -524,22 +590,32 @@ def _tail_kw(tail) -> dict:
     return kw if tail.workspace is None else {**kw, "workspace": tail.workspace}
 
 
-def sparse_reference(x, w: ExpertWeights, top_k_index, top_k_weights, tau, act_fn):
+def sparse_reference(
+    x, w: ExpertWeights, top_k_index, top_k_weights, tau, act_fn, *, biases=None, experts=None, up_fn=None
+):
     """Torch reference of the sparse path; reads only the kept rows of W_up and W_down_t.
 
-    x [T,H], top_k_index/top_k_weights [T,k], tau [E] -> (y [T,H] fp32, kept neuron count as a 0-d tensor)."""
+    x [T,H], top_k_index/top_k_weights [T,k], tau [E] -> (y [T,H] fp32, kept neuron count as a 0-d tensor).
+    GPT-OSS: `biases` (ExpertBiases, indexed by `experts` [T,k], default top_k_index) and `up_fn` (the up
+    projection's clamp and + 1); the down bias is added whatever is kept. A 4-bit stack's expert is dequantized whole
+    (`w.w_up[e]`), then its kept rows taken: the same values the kernels read row by row."""
     T, k = top_k_index.shape
     y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     kept_total = torch.zeros((), dtype=torch.int64, device=x.device)
+    experts = top_k_index if experts is None else experts
     for t in range(T):
         xt = x[t]
         for j in range(k):
-            e = int(top_k_index[t, j])
-            g = act_fn(w.w_gate[e] @ xt)  # [I]
+            e, be = int(top_k_index[t, j]), int(experts[t, j])
+            g = act_fn(gate_pre(w.w_gate[e] @ xt, biases, be))  # [I]
             keep = (g.abs() >= tau[e]).nonzero().squeeze(1)  # kept neuron ids, ascending
             kept_total += keep.numel()
-            if keep.numel() == 0:
+            if keep.numel() == 0 and biases is None:
                 continue
-            h = g[keep] * (w.w_up[e].index_select(0, keep) @ xt)  # [n_kept]
-            y[t] += (top_k_weights[t, j].float() * (h @ w.w_down_t[e].index_select(0, keep))).float()
+            u = w.w_up[e].index_select(0, keep) @ xt  # [n_kept]
+            if biases is not None:
+                u = u + biases.up[be].index_select(0, keep)
+            h = g[keep] * (u if up_fn is None else up_fn(u))
+            out = down_out(h @ w.w_down_t[e].index_select(0, keep), biases, be)  # [H]
+            y[t] += (top_k_weights[t, j].float() * out).float()
     return y, kept_total

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from localmoe.experts.int4 import copy_expert, parts
+from localmoe.experts.int4 import PROJECTIONS, copy_expert, parts
 from localmoe.experts.local_experts import DEQUANT_BYTES, ExpertWeights
 from localmoe.kernels.gather_experts import gather_experts
 
@@ -36,8 +36,8 @@ class Staging:
     """Two staging buffers of `span` experts for one cache (made on first use, kept for the next calls)."""
 
     def __init__(self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool):
-        """`make(n)` -> an empty [n, I, H] stack in the cache's format on its device; bytes of one expert stored
-        (all three projections) and dequantized."""
+        """`make(n, projection)` -> an empty [n, I, H] stack of `projection` ("w_gate", "w_up", "w_down_t") in the
+        cache's format on its device; bytes of one expert stored (all three projections) and dequantized."""
         self.make = make
         per = STAGE_BYTES // max(expert_bytes, 1)
         if quantized:
@@ -50,9 +50,7 @@ class Staging:
 
     def _buffers(self) -> list[ExpertWeights]:
         if self.buffers is None:
-            self.buffers = [
-                ExpertWeights(self.make(self.span), self.make(self.span), self.make(self.span)) for _ in "ab"
-            ]
+            self.buffers = [ExpertWeights(*(self.make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
         return self.buffers
 
     def stream(self, cache, layer: int, experts: list[int]) -> Iterator[tuple[int, int, ExpertWeights]]:

@@ -26,7 +26,7 @@ from localmoe.decode import replacements
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts.int4 import EXPERT_FORMATS
-from localmoe.models import bnb
+from localmoe.models import bnb, gpt_oss_weights
 from localmoe.models.checkpoint import check_native, check_tokenizer, read_config, shard_files
 from localmoe.models.loaded import LoadedModel, attach_cache
 from localmoe.models.offload import HOST_STORAGE, dispatch_spilled, expert_store, plan_placement
@@ -40,7 +40,8 @@ class LoadOptions:
     plan keeps room for; `fused` localmoe's decode modules (CUDA); `offload_miss` the expert cache's miss mode
     ("auto", "direct", "copy", "cpu"); `host_storage` where offloaded experts' master copies live ("auto", "pinned",
     "mmap": memory-mapped files keyed by `store_key` = (model name, revision)); `experts_format` "full", "int4" or
-    "nf4" (each layer's routed experts quantized on the device as they load)."""
+    "nf4" (each layer's routed experts quantized on the device as they load), or "mxfp4" (a gpt-oss checkpoint's
+    own, read in place; "full" means it too for such a checkpoint)."""
 
     vram_bytes: int | None = None
     context: int = 8192
@@ -82,6 +83,13 @@ def load_model(
     if bnb.checkpoint_format(config):  # a bnb-4bit checkpoint: its experts load as they are, NF4
         options = replace(options, experts_format=bnb.check_experts_format(options.experts_format))
         bnb.require()
+    if gpt_oss_weights.checkpoint_format(config):  # gpt-oss's MXFP4 experts: read in place
+        options = replace(options, experts_format=gpt_oss_weights.check_experts_format(options.experts_format))
+    elif options.experts_format == "mxfp4":
+        raise UsageError(
+            "--experts mxfp4 reads a checkpoint's own MXFP4 experts (gpt-oss); this checkpoint's are not MXFP4: "
+            "use --experts int4 or nf4 to quantize them"
+        )
     check_tokenizer(path)
     if fam.no_int4 and options.experts_format != "full":
         raise UsageError(fam.no_int4)

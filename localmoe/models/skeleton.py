@@ -11,6 +11,7 @@ import re
 import torch
 
 from localmoe.errors import UsageError
+from localmoe.experts.clamped_swiglu import CLAMPED_SWIGLU
 from localmoe.experts.local_experts import LocalExperts
 from localmoe.models.families import FAMILIES, supported_families
 
@@ -35,9 +36,13 @@ def swap_experts(model, text_config) -> dict:
             swapped[f"{name}.experts"] = module.experts
             continue
         old = module.experts
-        E, two_i, H = old.gate_up_proj.shape
         layer = int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name + ".")) else len(swapped)
-        new = LocalExperts(E, H, two_i // 2, text_config.hidden_act, layer)
+        if FAMILIES[type(module).__name__].activation == CLAMPED_SWIGLU:  # GPT-OSS: gate_up_proj is [E, H, 2I]
+            swiglu = (float(text_config.swiglu_alpha), float(text_config.swiglu_limit))
+            new = LocalExperts(old.num_experts, old.hidden_size, old.intermediate_size, "", layer, swiglu=swiglu)
+        else:
+            E, two_i, H = old.gate_up_proj.shape
+            new = LocalExperts(E, H, two_i // 2, text_config.hidden_act, layer)
         module.experts = new
         swapped[f"{name}.experts"] = new
     if not swapped:

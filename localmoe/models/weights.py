@@ -19,7 +19,7 @@ from localmoe.events import ProgressFn
 from localmoe.experts.int4 import STORAGE, Int4Tensor
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 from localmoe.experts.placement import host_allocator
-from localmoe.models import bnb
+from localmoe.models import bnb, gpt_oss_weights
 from localmoe.models.checkpoint import map_keys, open_shard
 from localmoe.models.families import PER_EXPERT_NAMES
 from localmoe.models.offload import Placement, place_buffers
@@ -120,6 +120,16 @@ def _load_experts(prefix, mod, keys, handle, placed: Placement, files_store, dev
     are), int4 stacks (quantized on the device expert by expert as read, so VRAM never holds the layer in bf16; kept
     there or, offloaded, in host memory), or full-precision stacks on the device or in host memory."""
     shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
+    if experts_format == "mxfp4":  # a gpt-oss checkpoint's own MXFP4 experts, read as they are
+        mod.weights = gpt_oss_weights.load_layer(
+            prefix, mod, keys, handle, device=device, dtype=dtype, host=placed.host, pinned=placed.pinned
+        )
+        return
+    if gpt_oss_weights.stored_as_mxfp4(keys):
+        raise RuntimeFailure(
+            f"the experts under {for_line(prefix)} are stored as MXFP4 but config.json has no quantization_config "
+            "with quant_method mxfp4: checkpoint and config disagree; re-download the checkpoint"
+        )
     if files_store is not None:
         into, ready = files_store.open(prefix, shape)
         if not ready:
