@@ -11,7 +11,7 @@ In-memory layout (one `Mxfp4Tensor` per projection of a layer, each logically [E
 * transposed down (`along_rows=False`): blocks [E, I, H/2] uint8 (neuron n's H down weights, the checkpoint's codes
   transposed nibble by nibble: lossless), scales [E, I/32, H] uint8: weight (n, h) is scaled by
   2**(scales[e, n // 32, h] - 127) (the checkpoint's [E, H, I/32] transposed).
-Rows contiguous (stride(-1) == 1), any expert stride; H % 32 == 0 and I % 32 == 0.
+Rows contiguous (stride(-1) == 1), any expert stride; H % 32 == 0 and I % 32 == 0 (along rows only H's is needed).
 
 Hub layout (per layer): gate_up_proj_blocks [E, 2I, H/32, 16], gate_up_proj_scales [E, 2I, H/32] (gate rows at even
 indices, up at odd), down_proj_blocks [E, H, I/32, 16], down_proj_scales [E, H, I/32].
@@ -88,7 +88,7 @@ class Mxfp4Tensor:
         """Uninitialised storage for logical [E, I, H] weights; `alloc(shape, dtype)` makes each part instead of
         torch.empty on `device` (e.g. pinned host memory)."""
         E, I, H = shape
-        if H % BLOCK or I % BLOCK:
+        if H % BLOCK or (I % BLOCK and not along_rows):
             raise ValueError(f"MXFP4 experts need I and H divisible by {BLOCK}, got I = {I}, H = {H}")
         alloc = alloc or (lambda s, dt: torch.empty(s, dtype=dt, device=device))
         scales = (E, I, H // BLOCK) if along_rows else (E, I // BLOCK, H)

@@ -11,7 +11,8 @@ exponent (e8m0) shared by a block of 32 weights:
 * `along_rows=False` (transposed down): blocks [..., I, H/2], scales [..., I/32, H]: weight (n, h) uses
   scales[n // 32, h] (the 32 neurons of a group share one scale per column).
 Products FP4 * 2**k are exact in fp32 (2**-127 is an fp32 subnormal), rounded once to `dtype`, as transformers'
-`_convert_moe_packed_tensors` (ldexp) does.
+`_convert_moe_packed_tensors` (ldexp) does. (The kernel may flush results below fp32's normal range, scales 0 and 1
+only, to zero.)
 
 Shape legend: n experts, I expert width, H hidden.
 """
