@@ -80,7 +80,6 @@ def check() -> dict:
     res = {"ref_vs_transformers": float((want.float() - hf.float()).abs().max())}
     for name, prec, prep in (
         ("ieee", "ieee", "torch"),
-        ("tf32x3", "tf32x3", "torch"),
         ("tf32", "tf32", "torch"),
         ("tprep_ieee", "ieee", "triton"),
         ("tprep_tf32", "tf32", "triton"),
@@ -106,7 +105,6 @@ def rule_times(Ts, reps) -> list[dict]:
                 qr, kr, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True
             ),
             "localmoe": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
-            "localmoe_tf32x3": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="tf32x3"),
             "localmoe_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="tf32"),
             "localmoe_tprep": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton"),
             "localmoe_tprep_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", precision="tf32"),
@@ -130,7 +128,7 @@ def sweep(T, reps) -> list[dict]:
     """The scan kernel's launch keywords at one T (torch prepare): precision x block_v x num_warps x num_stages."""
     q, k, v, g, beta, _ = _inputs(T)
     rows = []
-    for prec in ("ieee", "tf32x3", "tf32"):
+    for prec in ("ieee", "tf32"):
         for bv in (16, 32, 64):
             for nw in (4, 8):
                 for ns in (1, 2):
@@ -205,7 +203,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  fla {'yes' if fla_chunk else 'no'}")
     res = {"check": check()}
     res["rule"] = rule_times(Ts, args.reps)
-    cols = ["transformers", "localmoe", "localmoe_tf32x3", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
+    cols = ["transformers", "localmoe", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
     cols += ["fla"] if fla_chunk is not None else []
     _table("delta rule, one layer (ms, median)", res["rule"], cols)
     res["sweep"] = sweep(2048, args.reps)

@@ -18,8 +18,9 @@ faster on a GPU is `bench/deltanet_prefill.py`'s to say; "torch" stays the defau
 
 `chunk_gated_delta_rule_ref` is the same first phase followed by transformers' own Python loop over the chunks: it
 equals `torch_chunk_gated_delta_rule` bit for bit on the CPU (tests/test_kernel_delta_rule_chunk.py). The dots in
-the kernels run in full fp32 (`precision="ieee"`, FMA) by default, like torch's fp32 matmuls; "tf32x3" (three TF32
-tensor-core products, about fp32's accuracy) and "tf32" (~1e-3 relative error) are tl.dot's other input precisions.
+the kernels run in full fp32 (`precision="ieee"`, FMA) by default, like torch's fp32 matmuls; "tf32" (~1e-3
+relative error) is the other input precision offered ("tf32x3" was dropped: on the H200 with triton 3.6 its scan
+returned NaN, then faulted with an illegal memory access).
 Compiled offline for sm_90 and sm_89 (triton 3.9, d_k 128; not yet run on a GPU) every scan variant fits in shared
 memory with `_scan_stages`, but all spill registers (0.2-13 KiB of stack a thread; ~1 KiB at block_v 16, the default
 at d_k 128): which launch is fastest is `bench/deltanet_prefill.py`'s sweep.
@@ -179,7 +180,7 @@ def _max_shared(device_index: int) -> int:
 def _scan_stages(prec: str, dk2: int, t: torch.Tensor) -> int:
     """Software-pipeline depth of the scan's chunk loop: 2 (the next chunk's tiles load during this one's dots) where
     its shared memory fits, i.e. on an H100/H200 (227 KiB a program; sm_90 builds at d_k 128: fp32 "ieee" dots
-    127-164 KiB, "tf32x3" 135-197 KiB at block_v 16-64), else 1 (53-98 KiB: desktop GPUs' ~99 KiB; and "tf32",
+    127-164 KiB at block_v 16-64), else 1 (53-98 KiB: desktop GPUs' ~99 KiB; and "tf32",
     whose 2 stages take 246-295 KiB)."""
     if not t.is_cuda:
         return 2
