@@ -277,6 +277,12 @@ class LocalExperts(nn.Module):
             return self._sparse(hidden_states, ids, top_k_weights, w, zeros, tail, count=False)
         return self._dense_decode(hidden_states, ids, top_k_weights, w, top_k_index)
 
+    @property
+    def direct_misses(self) -> bool:
+        """Whether offloaded misses can be read in place from host memory by a fused kernel ("direct": silu experts'
+        sparse_fused); GPT-OSS's experts are copied in until their kernel is wired."""
+        return self.hidden_act == "silu"
+
     def _decode_kernel(self, x: torch.Tensor) -> bool:
         """Whether a decode-sized call with sparsity off runs a kernel (CUDA): silu experts' dense decode kernel;
         GPT-OSS's experts (no kernel of theirs wired yet) take the dense path."""

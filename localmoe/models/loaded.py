@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from localmoe.errors import UsageError
 from localmoe.experts import cache as offload
 from localmoe.experts import placement
 from localmoe.experts.department_cache import DepartmentCache
@@ -39,7 +40,7 @@ class LoadedModel:
 def int4_hint(loaded: LoadedModel) -> str | None:
     """For offloaded full-precision experts that would all fit the budget in 4 bits: the notice naming the flag."""
     plan, m = loaded.offload, loaded.experts[0]
-    if plan is None or not plan.offloading or m.weights.int4 or isinstance(plan, DepartmentPlan):
+    if plan is None or not plan.offloading or m.weights.quantized or isinstance(plan, DepartmentPlan):
         return None
     try:
         need = (
@@ -66,9 +67,14 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
     if isinstance(loaded.offload, DepartmentPlan):
         attach_department_cache(loaded, dtype, device, pinned, miss)
         return
-    if miss == "auto":
-        miss = "direct" if torch.device(device).type == "cuda" and pinned else "copy"
     m0 = loaded.experts[0]
+    if miss == "auto":
+        miss = "direct" if torch.device(device).type == "cuda" and pinned and m0.direct_misses else "copy"
+    elif miss == "direct" and not m0.direct_misses:
+        raise UsageError(
+            f'direct expert misses have no kernel for {m0.hidden_act} experts yet: use offload_miss "copy" or '
+            '"cpu" (or "auto")'
+        )
     for m in loaded.experts:
         m.cache = None
     loaded.cache = None  # the old pools go before the new ones are allocated

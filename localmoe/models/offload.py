@@ -68,7 +68,7 @@ def plan_placement(
 def plan_offload(
     model, text_config, experts: dict, dtype, vram_bytes: int, context: int, on_notice=None, fmt: str = "full"
 ):
-    """The VRAM plan for `vram_bytes`, with experts of format `fmt` ("full", "int4" or "nf4")."""
+    """The VRAM plan for `vram_bytes`, with experts of format `fmt` ("full", "int4", "nf4" or "mxfp4")."""
     el = torch.finfo(dtype).bits // 8
     non_expert = sum(p.numel() * el for p in model.parameters())
     mods = list(experts.values())
@@ -181,7 +181,7 @@ def expert_store(placed: Placement, options, path: Path, files: list[Path], dtyp
     if fmt != "full" and placed.host and options.host_storage == "mmap":
         raise UsageError(
             f"--host-storage mmap keeps full-precision experts; {fmt} master copies live in host memory: "
-            "drop --host-storage mmap (or use --experts full)"
+            + ("drop --host-storage mmap" if fmt == "mxfp4" else "drop --host-storage mmap (or use --experts full)")
         )
     if fmt != "full" or placed.host_params:  # DeaMoE's master copies: parameters in host memory
         return None

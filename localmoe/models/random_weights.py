@@ -9,12 +9,16 @@ Shapes: E = experts per layer, H = hidden.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from localmoe.errors import RuntimeFailure, UsageError
-from localmoe.experts.int4 import Int4Tensor, quantize_as
+from localmoe.experts.clamped_swiglu import ExpertBiases
+from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, empty_stack, format_of, quantize_as
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 from localmoe.experts.placement import host_allocator
+from localmoe.models import gpt_oss_weights
 from localmoe.models.families import family_for_model_type, supported_families
 from localmoe.models.loaded import LoadedModel, attach_cache
 from localmoe.models.loader import LoadOptions, check_format, install_decode
@@ -75,11 +79,12 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
     return t.normal_(0.0, 0.02, generator=gen)
 
 
-def _host_copy(t, pinned: list):
-    """A master copy of t (a tensor or an Int4Tensor) in host memory, pinned while pinning works."""
+def _host_copy(t, pinned: list, projection: str = "w_gate"):
+    """A master copy of t (a tensor, or a 4-bit stack of ExpertWeights' `projection`) in host memory, pinned while
+    pinning works."""
     alloc = host_allocator(pinned)
-    if isinstance(t, Int4Tensor):
-        h = type(t).empty(t.shape, t.dtype, "cpu", alloc=alloc)
+    if isinstance(t, QUANTIZED):
+        h = empty_stack(format_of(t), t.shape, t.dtype, "cpu", projection, alloc=alloc)
         for dst, src in zip(h.parts(), t.parts()):
             dst.copy_(src)
         return h
@@ -111,6 +116,8 @@ def build_random(
     fam = family_for_model_type(text_config.model_type)
     if fam is None or fam.unsupported:
         raise UsageError(f"no random-weight build for {text_config.model_type!r}; supported: {supported_families()}")
+    if gpt_oss_weights.checkpoint_format(text_config):  # gpt-oss: MXFP4 experts, as its checkpoints store them
+        options = replace(options, experts_format=gpt_oss_weights.check_experts_format(options.experts_format))
     check_format(options.experts_format)
     model, experts = build(text_config, dtype)
     placed = plan_placement(model, text_config, experts, device, dtype, options, on_notice)
@@ -131,14 +138,19 @@ def build_random(
             continue
         shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
         mats = []
-        for _ in range(3):
+        for projection in PROJECTIONS:
             t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
             if options.experts_format != "full":  # quantized on the device
-                t = quantize_as(t, options.experts_format)
+                t = quantize_as(t, options.experts_format, projection)
             mats.append(
-                _host_copy(t, placed.pinned) if placed.host else t
+                _host_copy(t, placed.pinned, projection) if placed.host else t
             )  # offloaded: drawn on the device, then moved
         mod.weights = ExpertWeights(*mats)
+        if mod.up_fn is not None:  # GPT-OSS's expert biases: small, like the other vectors
+            E, I, H = shape
+            mod.biases = ExpertBiases.empty(E, I, H, dtype, device)
+            for b in (mod.biases.gate, mod.biases.up, mod.biases.down):
+                b.normal_(0.0, 0.02, generator=gen)
     install_decode(model, dmap, device, options.fused)
     loaded = LoadedModel(
         model=model, config=text_config, family=fam, experts=list(experts.values()), offload=placed.budget

@@ -1,0 +1,210 @@
+"""GPT-OSS end to end on CPU: the tiny checkpoint stored as the hub stores gpt-oss (MXFP4 expert blocks and scales,
+bf16 biases, `quantization_config`) loads with its experts in place (Mxfp4Tensor stacks, no bf16 copy), the experts'
+clamped SwiGLU with biases matches its formula on the dense and sparse paths, offloading (MXFP4 slots and host
+copies, staged prefill, CPU misses) changes no token, eval and random weights at a tiny shape run, and a checkpoint
+missing or misshaping an MXFP4 tensor is refused in one line naming it. Greedy tokens against transformers' are
+test_parity.py's (GPT-OSS is among its families). Never a time."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import tiny_models
+import torch
+from conftest import repo_id
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from localmoe.cli.main import main
+from localmoe.engine.engine import Engine
+from localmoe.errors import RuntimeFailure, UsageError
+from localmoe.events import GenerationSettings
+from localmoe.experts.local_experts import sparse_reference
+from localmoe.experts.placement import WORKSPACE_RESERVE
+from localmoe.kernels.mxfp4 import Mxfp4Tensor, dequant_mxfp4_ref, down_t_from_hub
+from localmoe.models.loaded import attach_cache
+from localmoe.models.loader import LoadOptions, load_model
+from localmoe.models.random_weights import build_random
+
+MODEL = repo_id("gpt_oss")
+PROMPT = "Sparse experts skip most neurons."
+GiB = 1 << 30
+
+
+def tokens(e, n=8, prompt=PROMPT) -> list[int]:
+    return [ev.token_id for ev in e.generate(e.encode_raw(prompt), GenerationSettings(max_new_tokens=n))]
+
+
+@pytest.fixture(scope="module")
+def resident():
+    return Engine.load(MODEL, device="cpu", sparsity=0.0)
+
+
+def test_experts_load_as_stored(resident, src_dir):
+    """Gate and up hold the checkpoint's own MXFP4 bytes (rows de-interleaved), down its codes transposed; the biases
+    its bf16 values; the experts take MXFP4's bytes and no more; the activation's limit is the config's."""
+    assert resident.experts_format == "mxfp4"
+    m = resident.loaded.experts[0]
+    w = m.weights
+    assert all(isinstance(t, Mxfp4Tensor) for t in (w.w_gate, w.w_up, w.w_down_t))
+    E, I, H = w.shape
+    assert w.nbytes() == 3 * E * I * (H // 2 + H // 32)
+    assert m.act_fn.limit == 1.5 and m.act_fn.alpha == pytest.approx(1.702)
+    with safe_open(str(src_dir / "gpt_oss" / "model.safetensors"), "pt") as f:
+        t = {n: f.get_tensor(f"model.layers.0.mlp.experts.{n}") for n in ("gate_up_proj_blocks", "down_proj_blocks")}
+        s = {n: f.get_tensor(f"model.layers.0.mlp.experts.{n}") for n in ("gate_up_proj_scales", "down_proj_scales")}
+        bias = f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_bias")
+    assert torch.equal(w.w_gate.blocks, t["gate_up_proj_blocks"][:, 0::2].flatten(2))
+    assert torch.equal(w.w_up.scales, s["gate_up_proj_scales"][:, 1::2])
+    blocks, scales = down_t_from_hub(t["down_proj_blocks"][3], s["down_proj_scales"][3])
+    assert torch.equal(w.w_down_t.blocks[3], blocks) and torch.equal(w.w_down_t.scales[3], scales)
+    assert torch.equal(m.biases.up, bias[:, 1::2].float())
+
+
+def _formula(m, x, idx, wts, tau):
+    """The task's formula on dequantized weights, one (token, expert) at a time: y = sum_k w_k (sum_n h_n Wd[:, n] +
+    bd), h_n = (clamp(up) + 1) * a_n where |a_n| >= tau[e], a_n = min(gate, L) * sigmoid(alpha * min(gate, L))."""
+    w, b, alpha, limit = m.weights, m.biases, m.act_fn.alpha, m.act_fn.limit
+    y = torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            gate = (w.w_gate[e] @ x[t] + b.gate[e]).clamp(max=limit)
+            a = gate * torch.sigmoid(alpha * gate)
+            up = (w.w_up[e] @ x[t] + b.up[e]).clamp(-limit, limit) + 1
+            h = torch.where(a.abs() >= tau[e], a * up, torch.zeros_like(a))
+            y[t] += wts[t, j] * (h @ w.w_down_t[e] + b.down[e])
+    return y
+
+
+def test_dense_and_sparse_paths_are_the_formula(resident):
+    m = resident.loaded.experts[1]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, m.hidden_size, generator=gen)
+    idx = torch.tensor([[0, 2], [3, 1], [2, 3]])
+    wts = torch.softmax(torch.randn(3, 2, generator=gen), -1)
+    zero = torch.zeros(m.num_experts)
+    want = _formula(m, x, idx, wts, zero)
+    torch.testing.assert_close(m._dense(x, idx, wts), want, rtol=1e-5, atol=1e-5)
+    m.grouped = False  # the per-expert loop
+    try:
+        torch.testing.assert_close(m._dense(x, idx, wts), want, rtol=1e-5, atol=1e-5)
+    finally:
+        m.grouped = True
+    tau = torch.full((m.num_experts,), 0.05)
+    y, kept = sparse_reference(x, m.weights, idx, wts, tau, m.act_fn, biases=m.biases, up_fn=m.up_fn)
+    torch.testing.assert_close(y, _formula(m, x, idx, wts, tau), rtol=1e-5, atol=1e-5)
+    assert 0 < int(kept) < idx.numel() * m.intermediate_size
+    up = m.weights.w_up
+    assert torch.equal(up[2], dequant_mxfp4_ref(up.blocks[2], up.scales[2], True, torch.float32))
+
+
+def _budget(slots: int) -> float:
+    """--vram (GiB) that leaves `slots` MXFP4 expert slots."""
+    probe = Engine.load(MODEL, device="cpu", sparsity=0.0, vram_gib=64.0).loaded.offload
+    fixed = probe.non_expert_bytes + probe.state_bytes + WORKSPACE_RESERVE
+    return (fixed + slots * probe.expert_bytes + probe.expert_bytes // 2) / GiB
+
+
+def test_offloaded_equals_resident(resident):
+    """MXFP4 slots and master copies behind the expert cache: greedy tokens at sparsity 0 and 0.5 (calibrated), by
+    copy misses and CPU misses, equal the resident model's; an offloaded prompt's staged prefill gives its logits."""
+    want = {s: None for s in (0.0, 0.5)}
+    for s in want:
+        resident.set_sparsity(s)
+        want[s] = tokens(resident)
+    resident.set_sparsity(0.0)
+    k = resident.loaded.config.num_experts_per_tok
+    e = Engine.load(MODEL, device="cpu", sparsity=0.0, vram_gib=_budget(k + 1))
+    cache = e.loaded.cache
+    assert cache is not None and cache.slots == k + 1 and isinstance(cache.pool.w_down_t, Mxfp4Tensor)
+    assert e.loaded.host_storage in ("pinned", "pageable")
+    for mode, s in (("copy", 0.0), ("copy", 0.5), ("cpu", 0.5)):
+        attach_cache(e.loaded, e.dtype, torch.device("cpu"), False, mode)
+        e.set_sparsity(s)
+        assert tokens(e) == want[s], (mode, s)
+    e.set_sparsity(0.0)
+    attach_cache(e.loaded, e.dtype, torch.device("cpu"), False, "copy")
+    e.loaded.cache.staging.span = 2
+    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
+    with torch.inference_mode():
+        torch.testing.assert_close(e.model(input_ids=ids).logits, resident.model(input_ids=ids).logits)
+
+
+def test_eval_runs(capsys):
+    code = main(["eval", MODEL, "--sparsity", "0.5", "--tokens", "64", "--json", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = json.loads(out.strip().splitlines()[-1])
+    assert rows
+
+
+@pytest.mark.parametrize(
+    ("model", "experts", "says"),
+    [
+        (MODEL, "int4", "this checkpoint's experts are MXFP4 already"),
+        (repo_id("qwen3_moe"), "mxfp4", "--experts mxfp4 reads a checkpoint's own MXFP4 experts"),
+    ],
+    ids=["int4-of-mxfp4", "mxfp4-of-bf16"],
+)
+def test_experts_format_refusals(model, experts, says):
+    with pytest.raises(UsageError, match=says):
+        Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
+
+
+FAULTS = [  # (id, tensor of layer 1's experts, what happens to it, the message)
+    ("missing-scales", "down_proj_scales", None, "checkpoint lacks model.layers.1.mlp.experts.down_proj_scales"),
+    ("missing-blocks", "gate_up_proj_blocks", None, "checkpoint lacks model.layers.1.mlp.experts.gate_up_proj_blocks"),
+    (
+        "short-scales",
+        "gate_up_proj_scales",
+        lambda t: t[:, :-1].contiguous(),
+        "gate_up_proj_scales has shape [4, 63, 2], config",
+    ),
+    ("bias-as-codes", "down_proj_bias", lambda t: t.to(torch.uint8), "down_proj_bias is U8, MXFP4 biases are floats"),
+]
+
+
+@pytest.mark.parametrize(("name", "change", "says"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
+def test_bad_mxfp4_tensor_is_one_line(src_dir, tmp_path, name, change, says):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(src_dir / "gpt_oss", folder)
+    shard = folder / "model.safetensors"
+    with safe_open(str(shard), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = f"model.layers.1.mlp.experts.{name}"
+    if change is None:
+        del tensors[key]
+    else:
+        tensors[key] = change(tensors[key])
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(RuntimeFailure, match=re.escape(says)) as e:
+        load_model(folder, device=torch.device("cpu"), dtype=torch.float32)
+    assert "\n" not in str(e.value)
+
+
+def test_random_weights_at_a_tiny_shape():
+    """`bench --shape`'s build: a GPT-OSS config with the hub's quantization_config gets random MXFP4 experts and
+    biases, resident and offloaded."""
+    from transformers import AutoConfig
+
+    cfg = tiny_models.spec("gpt_oss").tiny.config
+    text = AutoConfig.for_model(
+        "gpt_oss", **tiny_models._common(**cfg), quantization_config=tiny_models.GPT_OSS_QUANTIZATION
+    )
+    loaded = build_random(text, device=torch.device("cpu"), dtype=torch.float32)
+    m = loaded.experts[0]
+    assert isinstance(m.weights.w_down_t, Mxfp4Tensor) and not m.weights.w_down_t.along_rows
+    assert m.biases is not None and m.biases.down.shape == (m.num_experts, m.hidden_size)
+    with torch.no_grad():
+        logits = loaded.model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+    assert torch.isfinite(logits).all()
+    plan = build_random(text, device=torch.device("cpu"), dtype=torch.float32, options=LoadOptions(vram_bytes=GiB))
+    fixed = plan.offload.non_expert_bytes + plan.offload.state_bytes + WORKSPACE_RESERVE
+    budget = LoadOptions(vram_bytes=fixed + 3 * plan.offload.expert_bytes)
+    offloaded = build_random(text, device=torch.device("cpu"), dtype=torch.float32, options=budget)
+    assert offloaded.cache.slots == 3 and isinstance(offloaded.cache.pool.w_gate, Mxfp4Tensor)
+    assert isinstance(offloaded.experts[0].weights.w_up, Mxfp4Tensor)
