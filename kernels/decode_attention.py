@@ -19,6 +19,11 @@ Owns `decode_attention` (Triton launcher), its torch reference `decode_attention
    re-zeroes the ticket (no memset node, CUDA-graph capturable). One launch instead of two: one grid-wide wait
    fewer per attention layer in the decode step. A program with nothing kept writes no accumulator, and the
    combine reads none for it.
+3. GPT-OSS: `sinks` [Hq] (a learned logit per head) join the combine's denominator as exp(sink_h - M), M the
+   larger of the head's max score and its sink (no value: transformers' eager_attention_forward with s_aux);
+   `window` keeps only keys at index > last - window (last: the newest key the mask keeps), so one call serves a
+   full-length cache and transformers' StaticSlidingWindowLayer (its newest row last) alike; chunks wholly before
+   the window are skipped unread.
 
 Why: transformers' SDPA path on a static cache reads every one of its max_cache_len keys for each decode token
 (the mask hides the unused ones but the kernel still streams them): at the default 8192-token context that
@@ -53,20 +58,30 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ----------------------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
-def decode_attention_ref(q, k, v, mask=None, scale=None, gate=None):
+def decode_attention_ref(q, k, v, mask=None, scale=None, gate=None, sinks=None, window=None):
     """softmax(q kᵀ · scale, masked) v per query head, fp32 math. q [Hq,Dk], k [Hkv,L,Dk], v [Hkv,L,Dv],
-    mask [L] bool (True = attend) or None -> [Hq, Dv] in q's dtype; times sigmoid(gate [Hq, Dv]) with `gate`."""
+    mask [L] bool (True = attend) or None -> [Hq, Dv] in q's dtype; times sigmoid(gate [Hq, Dv]) with `gate`.
+    `sinks` [Hq]: one more logit per head in the softmax's denominator, with no value (GPT-OSS); `window`: only the
+    keys at index > last - window, last the largest index the mask keeps (L - 1 without a mask)."""
     if gate is not None:
-        return decode_attention_ref(q, k, v, mask, scale) * torch.sigmoid(gate)
+        return decode_attention_ref(q, k, v, mask, scale, sinks=sinks, window=window) * torch.sigmoid(gate)
     Hq, Dk = q.shape
-    Hkv = k.shape[0]
+    Hkv, L = k.shape[0], k.shape[1]
     scale = Dk**-0.5 if scale is None else scale
     kk = k.float().repeat_interleave(Hq // Hkv, dim=0)  # [Hq, L, Dk]
     vv = v.float().repeat_interleave(Hq // Hkv, dim=0)
     s = torch.einsum("hd,hld->hl", q.float(), kk) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask.bool()[None, :], float("-inf"))
-    return torch.einsum("hl,hld->hd", torch.softmax(s, dim=-1), vv).to(q.dtype)
+    keep = torch.ones(L, dtype=torch.bool, device=q.device) if mask is None else mask.bool()
+    if window is not None:
+        idx = torch.arange(L, device=q.device)
+        last = torch.where(keep, idx, -1).max()
+        keep = keep & (idx > last - window)
+    s = s.masked_fill(~keep[None, :], float("-inf"))
+    if sinks is not None:
+        p = torch.softmax(torch.cat([s, sinks.float().view(Hq, 1)], dim=-1), dim=-1)[:, :L]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.einsum("hl,hld->hd", p, vv).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -83,12 +98,14 @@ if triton is not None:
         part_ptr,  # [Hq, NP, 2 + Dv] fp32: m, l, acc of each program
         o_ptr,  # [Hq, Dv] out (q's dtype), row stride stride_oh
         g_ptr,  # [Hq, Dv] output gate (q's dtype), row stride stride_gh (HAS_GATE only)
+        s_ptr,  # [Hq] sinks (float; HAS_SINKS only)
         tick_ptr,  # [Hq] int32 tickets, zero between launches
         L,
         NS,  # chunks of CHUNK keys
         NP,  # programs per head: program p takes chunks p, p + NP, p + 2 NP, ... (at most NCH of them)
         GROUP,  # Hq // Hkv
         scale,
+        window,  # keys at index > last - window only (HAS_WINDOW)
         stride_qh,
         stride_kh,
         stride_kl,
@@ -106,6 +123,9 @@ if triton is not None:
         BLOCK_L: tl.constexpr,
         HAS_MASK: tl.constexpr,
         HAS_GATE: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        SCAN: tl.constexpr,  # mask positions a window's scan for the last kept key loads at a time
         PREFETCH: tl.constexpr,  # CHUNK == BLOCK_L: the first chunk's keys/values, every chunk's mask before the wait
         PDL: tl.constexpr,
     ):
@@ -121,6 +141,17 @@ if triton is not None:
         l_i = tl.zeros([], dtype=tl.float32)
         acc = tl.zeros([DV_P2], dtype=tl.float32)
         ci = tl.arange(0, NCH)  # this program's chunks: p + ci * NP
+        lo = tl.full([], 0, tl.int32)  # the first key index kept (a window's); the mask was made before the step
+        if HAS_WINDOW:
+            if HAS_MASK:  # the last kept key: a scan of the whole mask (L / SCAN loads, from L2 after the first)
+                last = tl.full([], -1, tl.int32)
+                for t0 in range(0, L, SCAN):
+                    sr = t0 + tl.arange(0, SCAN)
+                    mk = tl.load(m_ptr + sr, mask=sr < L, other=0)
+                    last = tl.maximum(last, tl.max(tl.where(mk != 0, sr, -1), axis=0))
+            else:
+                last = tl.full([], 0, tl.int32) + L - 1
+            lo = last - window + 1
         if PREFETCH:
             # The mask (made at the start of the step) and every cached key/value but the newest were written two
             # or more kernels back, which have completed when this kernel is launched (each kernel lets its
@@ -128,7 +159,7 @@ if triton is not None:
             # Only the newest kept row may be this step's token, written by the kernel just before: re-read after
             # the wait.
             rows = p * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] key positions
-            ok = rows < L
+            ok = (rows < L) & (rows >= lo)
             if HAS_MASK:
                 ok = ok & (tl.load(m_ptr + rows, mask=ok, other=0) != 0)
             r64 = rows.to(tl.int64)
@@ -147,7 +178,7 @@ if triton is not None:
             if NCH > 1:  # unused tail does not)
                 cs = p + ci * NP
                 crow = cs[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [NCH, CHUNK]
-                cin = (ci[:, None] >= 1) & (cs[:, None] < NS) & (crow < L)
+                cin = (ci[:, None] >= 1) & (cs[:, None] < NS) & (crow < L) & (crow >= lo)
                 if HAS_MASK:
                     later = tl.max(tl.load(m_ptr + crow, mask=cin, other=0).to(tl.int32), axis=1)  # [NCH]
                 else:
@@ -180,6 +211,7 @@ if triton is not None:
                         kvh,
                         (p + j * NP) * CHUNK,
                         L,
+                        lo,
                         scale,
                         m_i,
                         l_i,
@@ -201,9 +233,9 @@ if triton is not None:
                 base = (p + j * NP) * CHUNK
                 if HAS_MASK:  # a chunk whose keys are all masked (a static cache's unused tail): no further work
                     cl = base + tl.arange(0, CHUNK)
-                    live = tl.max(tl.load(m_ptr + cl, mask=cl < L, other=0).to(tl.int32), axis=0)
+                    live = tl.max(tl.load(m_ptr + cl, mask=(cl < L) & (cl >= lo), other=0).to(tl.int32), axis=0)
                 else:
-                    live = (base < L).to(tl.int32)
+                    live = ((base < L) & (base + CHUNK > lo)).to(tl.int32)
                 if live != 0:
                     m_i, l_i, acc = _chunk(
                         q,
@@ -213,6 +245,7 @@ if triton is not None:
                         kvh,
                         base,
                         L,
+                        lo,
                         scale,
                         m_i,
                         l_i,
@@ -241,6 +274,7 @@ if triton is not None:
                 part_ptr,
                 o_ptr,
                 g_ptr,
+                s_ptr,
                 h.to(tl.int64),
                 NP,
                 stride_oh,
@@ -249,6 +283,7 @@ if triton is not None:
                 DV_P2=DV_P2,
                 NS_P2=NP_P2,
                 HAS_GATE=HAS_GATE,
+                HAS_SINKS=HAS_SINKS,
             )
             tl.store(tick_ptr + h, 0)  # ready for the next launch / graph replay
 
@@ -261,6 +296,7 @@ if triton is not None:
         kvh,
         base,
         L,
+        lo,
         scale,
         m_i,
         l_i,
@@ -277,14 +313,15 @@ if triton is not None:
         BLOCK_L: tl.constexpr,
         HAS_MASK: tl.constexpr,
     ):
-        """Keys [base, base + CHUNK) in BLOCK_L tiles, folded into the running (m, l, acc) by the online softmax."""
+        """Keys [base, base + CHUNK) at index >= lo in BLOCK_L tiles, folded into the running (m, l, acc) by the online
+        softmax."""
         dk = tl.arange(0, DK_P2)
         dkm = dk < DK
         dv = tl.arange(0, DV_P2)
         dvm = dv < DV
         for t0 in range(0, CHUNK, BLOCK_L):
             rows = base + t0 + tl.arange(0, BLOCK_L)  # [BLOCK_L] key positions
-            ok = rows < L
+            ok = (rows < L) & (rows >= lo)
             if HAS_MASK:
                 ok = ok & (tl.load(m_ptr + rows, mask=rows < L, other=0) != 0)
             r64 = rows.to(tl.int64)
@@ -314,6 +351,7 @@ if triton is not None:
         part_ptr,
         o_ptr,
         g_ptr,
+        s_ptr,
         h,
         NS,
         stride_oh,
@@ -322,6 +360,7 @@ if triton is not None:
         DV_P2: tl.constexpr,
         NS_P2: tl.constexpr,
         HAS_GATE: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         """out[h] from head h's NS partials (m, l, acc), read through L2 (other programs wrote them)."""
         sp = tl.arange(0, NS_P2)
@@ -330,6 +369,9 @@ if triton is not None:
         m = tl.load(row, mask=sm, other=float("-inf"), cache_modifier=".cg")
         l = tl.load(row + 1, mask=sm, other=0.0, cache_modifier=".cg")
         M = tl.max(m, axis=0)
+        if HAS_SINKS:  # the head's sink logit: in the denominator, with no value
+            sk = tl.load(s_ptr + h).to(tl.float32)
+            M = tl.maximum(M, sk)
         w = tl.exp(m - tl.where(M == float("-inf"), 0.0, M))  # splits with nothing kept weigh 0
         dv = tl.arange(0, DV_P2)
         dvm = dv < DV
@@ -337,7 +379,10 @@ if triton is not None:
         acc = tl.load(
             row[:, None] + 2 + dv[None, :], mask=kept[:, None] & dvm[None, :], other=0.0, cache_modifier=".cg"
         )
-        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        den = tl.sum(l * w, axis=0)
+        if HAS_SINKS:
+            den += tl.exp(sk - M)
+        o = tl.sum(acc * w[:, None], axis=0) / den
         DT = o_ptr.dtype.element_ty
         o = round_to(o, DT)
         if HAS_GATE:  # (attn.to(DT) * sigmoid(gate).to(DT)).to(DT), as torch computes it on DT tensors
@@ -358,6 +403,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     *,
     gate: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
     chunk: int = 64,
     block_l: int = 64,
     num_warps: int = 4,
@@ -367,7 +414,13 @@ def decode_attention(
     """One query token's attention over a KV cache (module docstring). q [Hq,Dk]; k [Hkv,L,Dk]; v [Hkv,L,Dv];
     mask [L] bool (True = attend) or None (all L keys); scale default Dk^-0.5. Returns [Hq, Dv] in q's dtype (into
     `out` when given: [Hq, Dv] of q's dtype, last dim contiguous); with `gate` [Hq, Dv] (q's dtype, last dim
-    contiguous) the output is multiplied by sigmoid(gate) in the same launch. No host sync: CUDA-graph capturable.
+    contiguous) the output is multiplied by sigmoid(gate) in the same launch. `sinks` [Hq] (fp32, or any float dtype:
+    read in fp32; GPT-OSS's learned per-head logit): exp(sinks[h] - m) joins head h's softmax denominator, with no
+    value. `window` (>= 1; a sliding-window layer): only the keys at index > last - window count, last the largest
+    index the mask keeps (L - 1 without a mask) -- on a full-length cache indexed by position that is the query's
+    position, and on transformers' StaticSlidingWindowLayer (the last `window` positions in order, newest last) its
+    newest row, so the same call serves both; with a mask the kernel scans it once for `last` (L / 1024 loads a
+    program). No host sync: CUDA-graph capturable.
     Defaults: the best launch of `bench/decode_attention_sweep.py` on the H200 at Qwen3.5-35B heads with 640 of 8192
     cache positions used, 15.6 µs (SDPA over the masked cache: 22.8); at 140 of 1024 the best launch was chunk 32,
     block_l 32, 8 warps, 8.7 µs (SDPA 15.7; the defaults were not timed there). `prefetch` (default: whenever
@@ -409,6 +462,15 @@ def decode_attention(
         tuple(gate.shape) != (Hq, Dv) or gate.dtype != q.dtype or gate.stride(1) != 1 or gate.device != q.device
     ):
         raise ValueError(f"gate must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
+    if sinks is not None and (
+        tuple(sinks.shape) != (Hq,)
+        or sinks.dtype not in _FLOAT_DTYPES
+        or sinks.stride(0) != 1
+        or sinks.device != q.device
+    ):
+        raise ValueError(f"sinks must be a contiguous float [Hq] = [{Hq}] tensor on {q.device}")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be a positive int, got {window!r}")
     if L == 0:
         return out.zero_()
     chunk = max(16, triton.next_power_of_2(chunk))
@@ -437,12 +499,14 @@ def decode_attention(
         part,
         out,
         g,
+        sinks if sinks is not None else out,
         tickets,
         L,
         ns,
         npg,
         Hq // Hkv,
         scale,
+        window or 0,
         q.stride(0),
         k.stride(0),
         k.stride(1),
@@ -460,6 +524,9 @@ def decode_attention(
         BLOCK_L=bl,
         HAS_MASK=mask is not None,
         HAS_GATE=gate is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_WINDOW=window is not None,
+        SCAN=min(1024, triton.next_power_of_2(L)),
         PREFETCH=prefetch,
         num_warps=num_warps,
         **pdl_kw(q),

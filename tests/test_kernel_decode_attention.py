@@ -167,3 +167,59 @@ def test_output_gate(dtype):
     )
     with pytest.raises(ValueError, match="gate"):
         decode_attention(q, k, v, mask, gate=gate[:, :8])
+
+
+# (Hq, Hkv, L, D, valid keys, window): a window shorter than the tokens so far; longer (no effect); GPT-OSS's head
+# dim and group of 8 on a full cache of 200 rows with a window of 64 (the interpreter's time limits the heads)
+SINK_SHAPES = [(4, 2, 37, 24, 30, 5), (3, 3, 20, 16, 20, 40), (8, 1, 200, 64, 150, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SINK_SHAPES, ids=lambda s: "Hq{}Hkv{}L{}D{}n{}w{}".format(*s))
+def test_sinks_and_window(shape, dtype):
+    """Learned sinks in the denominator and a sliding window, with and without a mask, on both tile paths; keys
+    outside the window or the mask are never read (NaN there)."""
+    Hq, Hkv, L, D, n, win = shape
+    c = 16 if L < 100 else 32
+    gen = torch.Generator().manual_seed(Hq + L)
+    q = torch.randn(Hq, D, generator=gen).to(DEV, dtype)
+    k = torch.randn(Hkv, L, D, generator=gen).to(DEV, dtype)
+    v = torch.randn(Hkv, L, D, generator=gen).to(DEV, dtype)
+    sinks = (torch.randn(Hq, generator=gen) * 2).to(DEV)
+    for mask in (torch.arange(L, device=DEV) < n, None):
+        want = decode_attention_ref(q, k, v, mask, sinks=sinks, window=win)
+        kept = (torch.arange(L, device=DEV) < (n if mask is not None else L)) & (
+            torch.arange(L, device=DEV) > (n if mask is not None else L) - 1 - win
+        )
+        kn, vn = k.clone(), v.clone()
+        kn[:, ~kept], vn[:, ~kept] = float("nan"), float("nan")
+        for prefetch in (False, True):
+            got = decode_attention(
+                q, kn, vn, mask, sinks=sinks, window=win, chunk=c, block_l=c if prefetch else 8, prefetch=prefetch
+            )
+            assert torch.isfinite(got.float()).all()
+            torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("win", [None, 3], ids=["full", "window3"])
+def test_reference_is_transformers_eager_with_sinks(win):
+    """The reference with sinks (and a window) equals GPT-OSS's own eager_attention_forward (s_aux) with
+    transformers' additive mask, fp32; the window as transformers' sliding mask for one query at position n - 1."""
+    from torch import nn
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    Hq, Hkv, L, D, n = 6, 2, 12, 16, 9
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*s, generator=gen) for s in ((Hq, D), (Hkv, L, D), (Hkv, L, D)))
+    module = nn.Module()
+    module.num_key_value_groups, module.sinks = Hq // Hkv, nn.Parameter(torch.randn(Hq, generator=gen))
+    idx = torch.arange(L)
+    keep = (idx < n) & (idx > n - 1 - win if win else True)
+    additive = torch.zeros(1, 1, 1, L).masked_fill(~keep, torch.finfo(torch.float32).min)
+    want, _ = eager_attention_forward(module, q[None, :, None], k[None], v[None], additive, scaling=D**-0.5)
+    got = decode_attention_ref(q, k, v, idx < n, sinks=module.sinks.detach(), window=win)
+    torch.testing.assert_close(got, want[0, 0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="sinks"):
+        decode_attention(q, k, v, sinks=torch.zeros(Hq + 1))
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(q, k, v, window=0)
