@@ -87,8 +87,14 @@ def qk_norm_rope_ref(
     gated=True,
     whole=False,
     head_dim=None,
+    bias=None,
+    half_angles=False,
 ):
     """Same arguments and results as `qk_norm_rope`: (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None)."""
+    if bias is not None:
+        qkv = qkv.reshape(-1) + bias
+    if half_angles:
+        cos, sin = (torch.cat([t.reshape(-1), t.reshape(-1)]) for t in (cos, sin))
     Hq, Hkv = num_q_heads, num_kv_heads
     if kind == "none":
         D = head_dim
@@ -134,6 +140,7 @@ if triton is not None:
         vc_ptr,  # [Hkv, L, D] value cache, strides (stride_vh, stride_vl, 1)
         pos_ptr,  # [] int: the position written, advanced by one (CACHE only)
         tick_ptr,  # [1] int32 ticket of the key programs, zero between launches (CACHE only)
+        b_ptr,  # [Hq*QW + 2*Hkv*D] the projections' biases, qkv's dtype (HAS_BIAS only)
         HQ,
         HKV,
         eps,
@@ -148,6 +155,9 @@ if triton is not None:
         GATED: tl.constexpr,  # q heads are [q_h | gate_h] (QW = 2D); else [q_h] (QW = D)
         CACHE: tl.constexpr,
         WHOLE: tl.constexpr,  # norms over the whole q / k projection (weights [Hq*D] / [Hkv*D]); else per head
+        HAS_BIAS: tl.constexpr,  # q|k|v + bias (rounded to qkv's dtype) first; v (+ bias) also written to out
+        HALF_ANGLES: tl.constexpr,  # cos/sin [ROT/2], one angle per rotated pair (GPT-OSS); else [ROT]
+        RING: tl.constexpr,  # the cache row written is position % L (a sliding window's ring); else the position
         BLOCK_D: tl.constexpr,
         BLOCK_W: tl.constexpr,  # >= Hq*D and Hkv*D (WHOLE only)
         PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): the norm weights are read before the wait
@@ -161,31 +171,36 @@ if triton is not None:
         partner = tl.where(cols < HALF, cols + HALF, cols - HALF)  # rotate_half's source of each rotary column
         pm = m & rot
         if head < HQ:
-            src = qkv_ptr + head * QW
+            off = head * QW
             w_ptr = wq_ptr
             row = qkv_ptr  # WHOLE: the projection this head's norm spans, its length, the head's weight slice
             n_row = HQ * D
             w_off = head * D
         else:
-            src = qkv_ptr + HQ * QW + (head - HQ) * D
+            off = HQ * QW + (head - HQ) * D
             w_ptr = wk_ptr
             row = qkv_ptr + HQ * QW
             n_row = HKV * D
             w_off = (head - HQ) * D
+        src = qkv_ptr + off
         if not WHOLE:
             w_off = 0
         if KIND != 2:
             w = tl.load(w_ptr + w_off + cols, mask=m, other=0.0).to(tl.float32)
             wp = tl.load(w_ptr + w_off + partner, mask=pm, other=0.0).to(tl.float32)
         # cos, sin: made at the start of the step, with the q|k|v projection's kernel at least between: complete
-        c = tl.load(cos_ptr + cols, mask=pm, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + cols, mask=pm, other=0.0).to(tl.float32)
+        ang = tl.where(cols < HALF, cols, cols - HALF) if HALF_ANGLES else cols
+        c = tl.load(cos_ptr + ang, mask=pm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + ang, mask=pm, other=0.0).to(tl.float32)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         DT = out_ptr.dtype.element_ty
         x = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
         xp = tl.load(src + partner, mask=pm, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # F.linear's bias, rounded to qkv's dtype with the product
+            x = round_to(x + tl.load(b_ptr + off + cols, mask=m, other=0.0).to(tl.float32), DT)
+            xp = round_to(xp + tl.load(b_ptr + off + partner, mask=pm, other=0.0).to(tl.float32), DT)
         if KIND == 2:  # no norm: the projection's values (exact in fp32)
             y = x
             yp = xp
@@ -202,14 +217,24 @@ if triton is not None:
         r = round_to(round_to(y * c, DT) + round_to((sign * yp) * s, DT), DT)
         res = tl.where(rot, r, y).to(DT)
         tl.store(out_ptr + head * D + cols, res, mask=m)
+        if HAS_BIAS:
+            if head >= HQ:  # value head j + its bias, into out after the q, k (and gate) heads
+                jv = head - HQ
+                vb = tl.load(qkv_ptr + HQ * QW + HKV * D + jv * D + cols, mask=m, other=0.0).to(tl.float32)
+                vb = round_to(vb + tl.load(b_ptr + HQ * QW + HKV * D + jv * D + cols, mask=m, other=0.0), DT)
+                tl.store(out_ptr + (HQ + HKV + (HQ if GATED else 0) + jv) * D + cols, vb.to(DT), mask=m)
         if CACHE:
             if head >= HQ:  # key head j: its key and value at the cache position
                 j = (head - HQ).to(tl.int64)
                 pos = tl.load(pos_ptr).to(tl.int64)
-                cm = m & ((cols * 0 + pos) < L)  # (a tensor: the interpreter masks with tensors only)
-                tl.store(kc_ptr + j * stride_kh + pos * stride_kl + cols, res, mask=cm)
-                vv = tl.load(qkv_ptr + HQ * QW + HKV * D + j * D + cols, mask=m, other=0.0)
-                tl.store(vc_ptr + j * stride_vh + pos * stride_vl + cols, vv.to(vc_ptr.dtype.element_ty), mask=cm)
+                row = pos % L if RING else pos
+                cm = m & ((cols * 0 + row) < L)  # (a tensor: the interpreter masks with tensors only)
+                tl.store(kc_ptr + j * stride_kh + row * stride_kl + cols, res, mask=cm)
+                if HAS_BIAS:
+                    vv = vb
+                else:
+                    vv = tl.load(qkv_ptr + HQ * QW + HKV * D + j * D + cols, mask=m, other=0.0)
+                tl.store(vc_ptr + j * stride_vh + row * stride_vl + cols, vv.to(vc_ptr.dtype.element_ty), mask=cm)
                 tl.debug_barrier()  # this program has read the position before the release below
                 if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == HKV - 1:  # every key program has read it
                     tl.store(pos_ptr, (pos + 1).to(pos_ptr.dtype.element_ty))
@@ -217,6 +242,8 @@ if triton is not None:
         if GATED:
             if head < HQ:  # de-interleave the output gate: [q_h | gate_h] -> gate[h*D : (h+1)*D]
                 g = tl.load(src + D + cols, mask=m, other=0.0)
+                if HAS_BIAS:
+                    g = round_to(g.to(tl.float32) + tl.load(b_ptr + off + D + cols, mask=m, other=0.0), DT).to(DT)
                 tl.store(out_ptr + (HQ + HKV) * D + head * D + cols, g, mask=m)
 
 
@@ -268,6 +295,9 @@ def qk_norm_rope(
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     whole: bool = False,
     head_dim: int | None = None,
+    bias: torch.Tensor | None = None,
+    half_angles: bool = False,
+    ring: bool = False,
 ):
     """One token's q|k|v projection -> (q [Hq, D], k [Hkv, D], v [Hkv, D], gate [Hq*D] | None): q and k normed (per
     head, `kind`) and rotated by cos/sin [ROT] (one token's, qkv's dtype; ROT even, <= D), v a view of qkv, the gate
@@ -277,7 +307,12 @@ def qk_norm_rope(
     `whole`: q_weight [Hq*D] and k_weight [Hkv*D] normalise the whole q and k projections (OLMoE; not gated).
     kind "none" (Mixtral, GraniteMoE): no q/k norms, q_weight and k_weight None, D = `head_dim`, eps unused; RoPE only.
     No host sync: capturable. With PDL, cos and sin are read before the wait: they must not come from the kernel just
-    before this launch (the decode step makes them before its layers; the projection's GEMV runs between)."""
+    before this launch (the decode step makes them before its layers; the projection's GEMV runs between).
+    GPT-OSS: `bias` [Hq*QW + 2*Hkv*D] (qkv's dtype) is added to the projection first (rounded to its dtype, as
+    F.linear's output), and v is then a new [Hkv, D] tensor holding v + its bias; `half_angles`: cos/sin hold ROT/2
+    angles, rotated pair (i, i + ROT/2) by angle i (GPT-OSS's _apply_rotary_emb; rotate_half's with the angles
+    repeated); `ring`: the cache row written is position % L (a sliding window's ring of L rows), the position still
+    advanced by one."""
     if triton is None:
         raise RuntimeError("qk_norm_rope needs triton")
     if kind not in _KIND_ID:
@@ -306,8 +341,8 @@ def qk_norm_rope(
             f"2 x {Hkv} key/value heads of {D} need {Hq * QW + 2 * Hkv * D}"
         )
     c, s = _one_row("cos", cos), _one_row("sin", sin)
-    ROT = c.numel()
-    if s.numel() != ROT or ROT % 2 or not 2 <= ROT <= D:
+    ROT = c.numel() * (2 if half_angles else 1)
+    if s.numel() != c.numel() or ROT % 2 or not 2 <= ROT <= D:
         raise ValueError(
             f"cos and sin must be one token's [ROT] angles, ROT even and <= head dim {D}; got "
             f"{tuple(cos.shape)} and {tuple(sin.shape)}"
@@ -317,8 +352,19 @@ def qk_norm_rope(
             f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on {c.device}/{s.device}"
         )
     kc, vc, pos = _check_cache(kv_cache, Hkv, D, x)
+    if ring and kv_cache is None:
+        raise ValueError("ring writes need kv_cache")
+    if bias is not None and (
+        bias.dim() != 1
+        or bias.numel() != x.numel()
+        or bias.dtype != x.dtype
+        or bias.stride(0) != 1
+        or bias.device != x.device
+    ):
+        raise ValueError(f"bias must be a contiguous [{x.numel()}] tensor of {x.dtype} on {x.device}")
     tick = zeroed_int32("qk_norm_rope", x.device, 1) if kv_cache is not None else pos
-    out = torch.empty((Hq + Hkv + (Hq if gated else 0)) * D, dtype=x.dtype, device=x.device)
+    nv = Hkv if bias is not None else 0  # biased values are written after the q, k (and gate) heads
+    out = torch.empty((Hq + Hkv + (Hq if gated else 0) + nv) * D, dtype=x.dtype, device=x.device)
     _qk_norm_rope_kernel[(Hq + Hkv,)](
         x,
         q_weight,
@@ -330,6 +376,7 @@ def qk_norm_rope(
         vc,
         pos,
         tick,
+        bias if bias is not None else x,
         Hq,
         Hkv,
         float(eps),
@@ -344,14 +391,18 @@ def qk_norm_rope(
         GATED=gated,
         CACHE=kv_cache is not None,
         WHOLE=whole,
+        HAS_BIAS=bias is not None,
+        HALF_ANGLES=half_angles,
+        RING=ring,
         BLOCK_D=triton.next_power_of_2(D),
         BLOCK_W=triton.next_power_of_2(max(Hq, Hkv) * D) if whole else 1,
         num_warps=1 if D <= 128 else 2,
         **pdl_kw(x),
     )
     q, k = out[: Hq * D].view(Hq, D), out[Hq * D : (Hq + Hkv) * D].view(Hkv, D)
-    gate = out[(Hq + Hkv) * D :] if gated else None
-    v = x[Hq * QW + Hkv * D :].view(Hkv, D)
+    g_end = (Hq + Hkv + (Hq if gated else 0)) * D
+    gate = out[(Hq + Hkv) * D : g_end] if gated else None
+    v = out[g_end:].view(Hkv, D) if bias is not None else x[Hq * QW + Hkv * D :].view(Hkv, D)
     return q, k, v, gate
 
 
