@@ -9,6 +9,8 @@ Owns `router_topk` (checked launcher), its torch reference `router_topk_ref`, an
     w, idx = topk(probs, k)                            [T, k]   descending
     w      = w / w.sum(-1)          (if norm_topk_prob; Qwen3.5 always renormalises, Qwen3-MoE/OLMoE per config)
     return logits, w.to(logits.dtype), idx (int64)
+GPT-OSS's router adds a bias to the logits (`bias`, into the fp32 sum before the one rounding) and takes the softmax
+over its top-k logits: the renormalised softmax top-k (norm_topk_prob), equal up to fp32 rounding.
 
 Group-limited top-k (DeaMoE's two-stage routing; `group_size=n`, `topk_group=g`; departments d = 0..D-1, D = E / n,
 of the experts d·n .. d·n+n-1), as `localmoe.experts.departments.group_limited_topk` with score "max":
@@ -84,13 +86,13 @@ def group_args(E: int, top_k: int, group_size: int, topk_group: int) -> tuple[in
     return (0, 0) if topk_group >= D else (group_size, topk_group)
 
 
-def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None, *, group_size=0, topk_group=0):
+def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None, *, group_size=0, topk_group=0, bias=None):
     """(logits [T,E], top_k_weights [T,k] in x.dtype, top_k_index [T,k] int64); ties -> lowest index first.
     group_size n / topk_group g: only the experts of the g departments (n consecutive experts each) with the highest
     best logit may be chosen (ties between departments -> lowest department index); weights stay the softmax over
     all E logits (renormalised over the k chosen if norm_topk_prob)."""
     if logits is None:  # an fp32 router over a lower-precision x (DeepSeek-V2): x in fp32, as its router does
-        logits = torch.nn.functional.linear(x.to(weight.dtype) if weight.dtype == torch.float32 else x, weight)
+        logits = torch.nn.functional.linear(x.to(weight.dtype) if weight.dtype == torch.float32 else x, weight, bias)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     lf = logits.float()
     order = torch.sort(lf, dim=-1, descending=True, stable=True).indices  # ties: lowest index first
@@ -199,6 +201,7 @@ if triton is not None:
         tw_ptr,  # [T, K] out top-k weights (x.dtype)
         ti_ptr,  # [T, K] out top-k indices (int64)
         tick_ptr,  # [>= T] int32 tickets, zero between launches
+        b_ptr,  # [E] logit bias, weight's dtype (HAS_BIAS only: GPT-OSS's router)
         H,
         E,
         stride_x,
@@ -210,6 +213,7 @@ if triton is not None:
         E_P2: tl.constexpr,
         GROUP_N: tl.constexpr,  # department size n for group-limited top-k (0: plain top-k)
         GROUP_G: tl.constexpr,  # departments kept (topk_group)
+        HAS_BIAS: tl.constexpr,
         PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     ):
         t = tl.program_id(0).to(tl.int64)
@@ -233,6 +237,8 @@ if triton is not None:
             wv = tl.load(w_rows + h0 + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
             acc += wv.to(tl.float32) * xv[None, :]
         logit = tl.sum(acc, axis=1)  # [BLOCK_E] fp32
+        if HAS_BIAS:  # F.linear's bias: added to the fp32 sum, one rounding
+            logit += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         out_ty = logits_ptr.dtype.element_ty
         tl.store(logits_ptr + t * E + rows, round_to(logit, out_ty).to(out_ty), mask=rmask)
 
@@ -275,12 +281,14 @@ def router_topk(
     num_warps: int = 4,
     group_size: int = 0,
     topk_group: int = 0,
+    bias: torch.Tensor | None = None,
 ):
     """One-launch softmax top-k router (module docstring). x [T, H] (or [..., H]), weight [E, H], x's dtype or fp32
     (DeepSeek-V2's router: x read in fp32, logits and weights fp32).
     Returns (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k] int64), as transformers' router.
     group_size n > 0 with topk_group g: group-limited top-k over departments of n consecutive experts (module
-    docstring); needs E % n == 0, g >= 1, top_k <= min(g, E // n) * n; g >= E // n is plain top-k."""
+    docstring); needs E % n == 0, g >= 1, top_k <= min(g, E // n) * n; g >= E // n is plain top-k.
+    `bias` [E] (GPT-OSS's router; the weight's dtype): logits = x · Wᵀ + bias, the bias added to the fp32 sum."""
     if triton is None:
         raise RuntimeError("router_topk needs triton")
     H = x.shape[-1]
@@ -293,6 +301,10 @@ def router_topk(
         raise TypeError(f"x and weight must share a float dtype (or weight fp32), got {x.dtype} and {weight.dtype}")
     if weight.device != x.device:
         raise ValueError("x and weight must be on one device")
+    if bias is not None and (
+        tuple(bias.shape) != (E,) or bias.dtype != weight.dtype or bias.stride(0) != 1 or bias.device != x.device
+    ):
+        raise ValueError(f"bias must be a contiguous [{E}] tensor of the weight's dtype ({weight.dtype}) on {x.device}")
     group_n, group_g = group_args(E, top_k, group_size, topk_group)
     if block_e & (block_e - 1) or block_h & (block_h - 1):
         raise ValueError("block_e and block_h must be powers of two")
@@ -321,6 +333,7 @@ def router_topk(
         tw,
         ti,
         tickets,
+        bias if bias is not None else weight,
         H,
         E,
         x2.stride(0),
@@ -332,6 +345,7 @@ def router_topk(
         E_P2=triton.next_power_of_2(E),
         GROUP_N=group_n,
         GROUP_G=group_g,
+        HAS_BIAS=bias is not None,
         num_warps=num_warps,
         **pdl_kw(x),
     )
