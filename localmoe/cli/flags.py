@@ -100,7 +100,7 @@ def add_context_flag(p: argparse.ArgumentParser, text: str) -> None:
     p.add_argument("--context", type=ranged(int, 16, CONTEXT_MAX, what="--context"), default=None, help=text)
 
 
-EXPERTS_FORMATS = ("full", "int4", "nf4")
+EXPERTS_FORMATS = ("full", "int4", "nf4", "mxfp4")
 
 
 def experts_list(value: str) -> list[str]:
@@ -121,9 +121,8 @@ def add_experts_flag(p: argparse.ArgumentParser, many: bool = False) -> None:
         help="routed experts' weights: full (the model's dtype, offloaded when they do not fit), int4 "
         "(4-bit, groups of 128 with a bf16 scale and minimum; ~3.8x smaller, all kept in VRAM: "
         "Qwen3.5-35B-A3B fits a 24 GB card) or nf4 (bitsandbytes' 4-bit NormalFloat, blocks of 64; what "
-        "bnb-4bit checkpoints hold, which load as nf4)"
-        + ("; a comma-separated list measures each in turn" if many else "")
-        + " (default: full)",
+        "bnb-4bit checkpoints hold, which load as nf4); gpt-oss checkpoints' MXFP4 experts load as they are "
+        "(full or mxfp4)" + ("; a comma-separated list measures each in turn" if many else "") + " (default: full)",
     )
 
 

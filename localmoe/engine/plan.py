@@ -25,7 +25,7 @@ from localmoe.experts.placement import WORKSPACE_RESERVE, gate_tier_split, state
 from localmoe.models import hub
 from localmoe.models.checkpoint import read_config
 from localmoe.models.families import FAMILIES, family_for_model_type
-from localmoe.models.loader import check_format
+from localmoe.models.loader import check_format, format_for
 from localmoe.models.offload import plan_offload
 from localmoe.models.registry import DEFAULT_CONTEXT, UNKNOWN_MODEL_SPARSITY
 from localmoe.models.shapes import shape_config
@@ -361,6 +361,7 @@ def from_config(
     import torch
 
     check_format(experts_format)
+    experts_format = format_for(text_config, experts_format)  # gpt-oss: its checkpoints' MXFP4
     spec = family_for_model_type(text_config.model_type)
     if spec is not None and spec.no_int4 and experts_format != "full":
         raise UsageError(spec.no_int4)

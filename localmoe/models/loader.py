@@ -64,6 +64,20 @@ def check_format(experts_format: str) -> None:
         bnb.require()
 
 
+def format_for(config, experts_format: str) -> str:
+    """The experts format a checkpoint of `config` loads with when `experts_format` is asked for: an MXFP4
+    checkpoint's own (gpt-oss: "full", the default, and "mxfp4" read it in place; int4 and nf4 refused), else the
+    one asked for ("mxfp4" refused: localmoe reads MXFP4 experts, it does not make them)."""
+    if gpt_oss_weights.checkpoint_format(config):
+        return gpt_oss_weights.check_experts_format(experts_format)
+    if experts_format == "mxfp4":
+        raise UsageError(
+            "--experts mxfp4 reads a checkpoint's own MXFP4 experts (gpt-oss); this checkpoint's are not MXFP4: "
+            "use --experts int4 or nf4 to quantize them"
+        )
+    return experts_format
+
+
 def load_model(
     path: Path,
     *,
@@ -83,13 +97,7 @@ def load_model(
     if bnb.checkpoint_format(config):  # a bnb-4bit checkpoint: its experts load as they are, NF4
         options = replace(options, experts_format=bnb.check_experts_format(options.experts_format))
         bnb.require()
-    if gpt_oss_weights.checkpoint_format(config):  # gpt-oss's MXFP4 experts: read in place
-        options = replace(options, experts_format=gpt_oss_weights.check_experts_format(options.experts_format))
-    elif options.experts_format == "mxfp4":
-        raise UsageError(
-            "--experts mxfp4 reads a checkpoint's own MXFP4 experts (gpt-oss); this checkpoint's are not MXFP4: "
-            "use --experts int4 or nf4 to quantize them"
-        )
+    options = replace(options, experts_format=format_for(config, options.experts_format))
     check_tokenizer(path)
     if fam.no_int4 and options.experts_format != "full":
         raise UsageError(fam.no_int4)

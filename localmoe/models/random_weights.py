@@ -18,10 +18,9 @@ from localmoe.experts.clamped_swiglu import ExpertBiases
 from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, empty_stack, format_of, quantize_as
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 from localmoe.experts.placement import host_allocator
-from localmoe.models import gpt_oss_weights
 from localmoe.models.families import family_for_model_type, supported_families
 from localmoe.models.loaded import LoadedModel, attach_cache
-from localmoe.models.loader import LoadOptions, check_format, install_decode
+from localmoe.models.loader import LoadOptions, check_format, format_for, install_decode
 from localmoe.models.offload import place_buffers, plan_placement
 from localmoe.models.skeleton import build
 
@@ -116,9 +115,9 @@ def build_random(
     fam = family_for_model_type(text_config.model_type)
     if fam is None or fam.unsupported:
         raise UsageError(f"no random-weight build for {text_config.model_type!r}; supported: {supported_families()}")
-    if gpt_oss_weights.checkpoint_format(text_config):  # gpt-oss: MXFP4 experts, as its checkpoints store them
-        options = replace(options, experts_format=gpt_oss_weights.check_experts_format(options.experts_format))
     check_format(options.experts_format)
+    # gpt-oss (its config's quantization_config): MXFP4 experts, as its checkpoints store them
+    options = replace(options, experts_format=format_for(text_config, options.experts_format))
     model, experts = build(text_config, dtype)
     placed = plan_placement(model, text_config, experts, device, dtype, options, on_notice)
     dmap = placed.dmap
