@@ -10,10 +10,13 @@ from localmoe.safe_text import for_terminal
 
 class Detokenizer:
     """Incremental text for streaming: decodes only a short window of recent ids per token (not the whole reply),
-    and holds text back while the window ends inside a multi-byte character."""
+    and holds text back while the window ends inside a multi-byte character. Special tokens are skipped, or kept as
+    their text with `keep_specials` (a harmony model: its message markers are special tokens that the reasoning
+    split reads, in order with the text)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, keep_specials: bool = False):
         self.tok = tokenizer
+        self.skip = not keep_specials
         self.ids: list[int] = []
         self.prefix = 0  # window start: ids before it are already emitted
         self.read = 0  # ids decoded into emitted text
@@ -22,8 +25,8 @@ class Detokenizer:
         if self.tok is None:  # a random-weight bench engine: ids only
             return ""
         self.ids.append(token_id)
-        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        text = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
+        text = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=self.skip)
         if len(text) <= len(done) or text.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)

@@ -117,6 +117,7 @@ class Engine:
                 ids.add(src)
             elif isinstance(src, (list, tuple)):
                 ids.update(int(i) for i in src)
+        ids.update(prompts.stop_ids(self.tokenizer))  # harmony's <|return|> and <|call|>, whatever the config says
         return ids
 
     # -- sparsity -------------------------------------------------------------------------------------

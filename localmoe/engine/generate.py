@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from localmoe.decode.graph import GraphUnavailable
+from localmoe.engine import prompts
 from localmoe.engine import stats as figures
 from localmoe.engine.detokenize import Detokenizer, StopStrings
-from localmoe.engine.reasoning import ReasoningSplitter
+from localmoe.engine.reasoning import HarmonySplitter, ReasoningSplitter
 from localmoe.engine.sampling import Seen, make_generator, sample
 from localmoe.errors import RuntimeFailure
 from localmoe.events import EngineStats, GenerationSettings, TokenEvent
@@ -39,10 +40,11 @@ def cache_of(out):
 
 class ReplyText:
     """A reply's tokens as text events: detokenized, passed through the stop strings and, for a thinking model, the
-    reasoning splitter (events carry their channel)."""
+    reasoning splitter (events carry their channel). A harmony model's special tokens are kept in the text: its
+    splitter reads the message markers there (a raw reply keeps them, as it was written)."""
 
-    def __init__(self, tokenizer, stop, splitter: ReasoningSplitter | None):
-        self.detok = Detokenizer(tokenizer)
+    def __init__(self, tokenizer, stop, splitter: ReasoningSplitter | HarmonySplitter | None):
+        self.detok = Detokenizer(tokenizer, keep_specials=prompts.harmony(tokenizer))
         self.stopper = StopStrings(stop)
         self.splitter = splitter
 
@@ -232,7 +234,7 @@ def generate(
     max_new: int,
     t_call,
     cancelled: Callable[[], bool] | None = None,
-    splitter: ReasoningSplitter | None = None,
+    splitter: ReasoningSplitter | HarmonySplitter | None = None,
 ) -> Iterator[TokenEvent]:
     """Stream the reply to prompt_ids (checked by Engine.generate, under its lock); `engine.stats` is this reply's
     from the start and updated as it goes. `cancelled`: the reply's own cancel check, beside `engine.cancel()`;

@@ -10,7 +10,15 @@ returns what it held back once the reply ends.
 What counts: only a block that opens the reply (after whitespace) is reasoning; `<think>` later in an answer is
 text. Newlines are trimmed as Qwen3's chat template trims a past reply's `reasoning_content` and content: leading
 and trailing newlines of the reasoning, leading newlines of the answer after `</think>`. A reply without a block
-comes back exactly as it was given. Pure Python; imports nothing from localmoe.
+comes back exactly as it was given.
+
+GPT-OSS replies in OpenAI's harmony format: messages `<|channel|>analysis<|message|>…<|end|><|start|>assistant
+<|channel|>final<|message|>…<|return|>`, whose markers are special tokens. `HarmonySplitter` reads the reply's text
+decoded WITH its special tokens (detokenize.Detokenizer(keep_specials=True)): the markers stay in the text, in order
+with it, so stop strings and text held back while a multi-byte character completes can never move a message's text
+across a marker. `final` is the answer; `analysis`, `commentary` (tool calls are not wired: preambles and calls are
+shown as reasoning) and any other channel are reasoning; a message without a channel is answer. Pure Python; imports
+nothing from localmoe.
 """
 
 from __future__ import annotations
@@ -104,5 +112,164 @@ def opens_reasoning(prompt_text: str, open_tag: str = OPEN, close_tag: str = CLO
 def split(text: str, in_reasoning: bool = False) -> tuple[str, str]:
     """A whole reply -> (reasoning, answer)."""
     s = ReasoningSplitter(in_reasoning)
+    parts = s.push(text) + s.flush()
+    return ("".join(t for c, t in parts if c == REASONING), "".join(t for c, t in parts if c == ANSWER))
+
+
+# -- harmony (gpt-oss) -------------------------------------------------------------------------------------------------
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
+MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+HARMONY_STOPS = (RETURN, CALL)  # end the reply (generation_config's eos ids on the hub, with <|endoftext|>)
+ANSWER_CHANNELS = ("final",)
+MAX_HEADER = 256  # header text (role, recipient, channel, constraint) longer than this without a marker: not a header
+
+
+def channel_of(name: str | None) -> str:
+    """A harmony channel's name (None: the message has none) -> "answer" or "reasoning"."""
+    return ANSWER if name is None or name in ANSWER_CHANNELS else REASONING
+
+
+class HarmonySplitter:
+    """A harmony reply's text (markers included) -> [(channel, text)] as ReasoningSplitter's: the messages' bodies by
+    channel, the markers and headers (role, recipient, channel, constraint) removed. Markers may be split across
+    pieces (a tail that may begin one is held back). `after(prompt_tail)` starts where the prompt leaves off: after
+    the generation prompt's `<|start|>assistant` the reply begins inside a message header.
+
+    States: "header" (after <|start|>: role and recipient, then after <|channel|> the channel name and after
+    <|constrain|> the constraint, until <|message|>), "body" (until <|end|>, <|return|>, <|call|> or a <|start|>
+    that skips the <|end|>), "between" (after a message: stray text there is answer), "plain" (the reply began with
+    text that cannot be a header, such as a reply without any marker: all of it is answer, exactly as given)."""
+
+    def __init__(self):
+        self.state = "between"
+        self.buf = ""  # text held back: a possible marker's beginning
+        self.header = ""  # the header's text so far; the channel part after <|channel|>
+        self.in_channel = False  # the header's text is now the channel part
+        self.name: str | None = None  # the channel of the message being read (None: none named)
+        self.fresh = False  # no marker seen in the reply yet (a first header that is not one turns "plain")
+        self.gap = ""  # whitespace between messages, held: answer only if stray text follows it
+
+    @classmethod
+    def after(cls, prompt_tail: str) -> HarmonySplitter:
+        """A splitter for the reply to a prompt ending in `prompt_tail` (decoded with its markers)."""
+        s = cls()
+        s.push(prompt_tail)
+        s.buf, s.fresh = "", s.state == "between" or (s.state == "header" and not s.in_channel)
+        if s.state == "header" and not s.in_channel:
+            s.header = ""  # the prompt's role ("assistant"): the reply's header text starts here
+        return s
+
+    @property
+    def channel(self) -> str:
+        """The channel of the text being streamed now: a body's; a header's once its channel is named, "reasoning"
+        before (markup is not the answer); "answer" once the reply is plain."""
+        if self.state == "body":
+            return channel_of(self.name)
+        if self.state == "plain":
+            return ANSWER
+        if self.state == "header" and self.in_channel and self.header.strip():
+            return channel_of(self.header.split()[0])
+        return REASONING
+
+    def push(self, text: str) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if self.state == "plain":
+            _add(out, ANSWER, text)
+            return out
+        self.buf += text
+        while self.buf:
+            if self.state == "plain":  # what was held, markers and all, is answer text
+                _add(out, ANSWER, self.buf)
+                self.buf = ""
+                break
+            hits = [(i, m) for m in MARKERS if (i := self.buf.find(m)) >= 0]
+            if hits:
+                i, marker = min(hits)
+                head, self.buf = self.buf[:i], self.buf[i:]
+                self._text(out, head)
+                if self.state != "plain":
+                    self.buf = self.buf[len(marker) :]
+                    self._marker(marker)
+                continue
+            keep = max(_tail_prefix(self.buf, m) for m in MARKERS)
+            head, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+            self._text(out, head)
+            if self.state != "plain":
+                break
+        return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        """The reply ended: a held tail is text of the state it was held in; a header that never became one (no
+        marker in the reply) is answer; a header cut off is dropped."""
+        out: list[tuple[str, str]] = []
+        text, self.buf = self.buf, ""
+        if self.state == "header" and self.fresh:
+            _add(out, ANSWER, self.header + text)
+            self.header = ""
+        elif self.state != "header":
+            self._text(out, text)
+        return out
+
+    def _text(self, out: list, text: str) -> None:
+        """Text between markers, in the current state."""
+        if not text:
+            return
+        if self.state == "body":
+            _add(out, channel_of(self.name), text)
+        elif self.state == "between":  # stray text after a message is answer (whitespace alone is not); before any
+            if self.fresh:  # marker, the whole reply is
+                self.state = "plain"
+                _add(out, ANSWER, text)
+                return
+            self.gap += text
+            if self.gap.strip():
+                _add(out, ANSWER, self.gap)
+                self.gap = ""
+        elif self.state == "plain":
+            _add(out, ANSWER, text)
+        else:
+            self.header += text
+            if self.fresh and not self._may_be_header(self.header):
+                self.state = "plain"
+                _add(out, ANSWER, self.header)
+                self.header = ""
+
+    def _may_be_header(self, header: str) -> bool:
+        """A reply's first text could still be a message header (a recipient, " to=functions.f"), not plain text."""
+        if len(header) > MAX_HEADER:
+            return False
+        lead = header.lstrip(" ")
+        return header[:1] in (" ", "") and ("to=".startswith(lead) or lead.startswith("to="))
+
+    def _marker(self, marker: str) -> None:
+        self.fresh, self.gap = False, ""
+        if marker == START:
+            self.state, self.header, self.in_channel = "header", "", False
+        elif marker == CHANNEL:
+            self.state, self.header, self.in_channel = "header", "", True
+        elif marker == MESSAGE:
+            if self.state == "header":
+                words = self.header.split()
+                self.name = words[0] if self.in_channel and words else None
+            elif self.state == "between":
+                self.name = None
+            self.state, self.header, self.in_channel = "body", "", False
+        elif marker in (END, RETURN, CALL):
+            self.state, self.header, self.in_channel = "between", "", False
+        # CONSTRAIN: the header goes on (its text after the channel name is the constraint)
+
+
+def _add(out: list, channel: str, text: str) -> None:
+    if text:
+        if out and out[-1][0] == channel:
+            out[-1] = (channel, out[-1][1] + text)
+        else:
+            out.append((channel, text))
+
+
+def split_harmony(text: str, prompt_tail: str = "<|start|>assistant") -> tuple[str, str]:
+    """A whole harmony reply (markers included) -> (reasoning, answer)."""
+    s = HarmonySplitter.after(prompt_tail)
     parts = s.push(text) + s.flush()
     return ("".join(t for c, t in parts if c == REASONING), "".join(t for c, t in parts if c == ANSWER))
