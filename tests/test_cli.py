@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import tiny_models
 from conftest import repo_id
 
 from localmoe.cli.main import main
@@ -84,7 +85,6 @@ def test_prompt_from_stdin(monkeypatch, capsys):
         (["run", MODEL, "hi", "--sparsity", "1.5"], 2, "[0, 1)"),
         (["run", MODEL, "hi", "--temperature", "-1"], 2, "--temperature"),
         (["run", MODEL, "   "], 2, "empty"),
-        (["run", repo_id("gpt_oss"), "hi"], 2, "GPT-OSS is not yet supported"),
         (["run", repo_id("qwen3_dense"), "hi"], 2, "supported: Qwen3.5-MoE"),
         (["run", "someorg/not-downloaded", "hi"], 1, "localmoe pull"),
         (["run", MODEL, "hi", "--experts", "int8"], 2, "--experts"),
@@ -370,20 +370,23 @@ def test_models_json_types(capsys):
         assert (r["unsupported_reason"] is None) == r["supported"]
     assert [a for a, r in rows.items() if r["default"]] == ["localmoe-tiny"]
     assert rows["qwen3.5-35b"]["bf16_gb"] == 69.4 and rows["qwen3.5-35b"]["default_sparsity"] == 0.85
-    assert [a for a, r in rows.items() if not r["supported"]] == ["gpt-oss-20b"]
-    assert "MXFP4" in rows["gpt-oss-20b"]["unsupported_reason"]
+    assert [a for a, r in rows.items() if not r["supported"]] == []  # GPT-OSS runs (issue #25)
+    assert rows["gpt-oss-20b"]["supported"] and rows["gpt-oss-120b"]["supported"]
 
 
-def test_models_table_marks_unsupported(capsys):
+def test_models_table_marks_unsupported(capsys, monkeypatch):
+    reason = tiny_models.mark_unsupported(monkeypatch)
     code, out, _ = run(capsys, "models")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[-1] == "SUPPORTED"
-    assert [ln.split()[0] for ln in lines[1:] if ln.split()[-1] == "no" and "/" in ln] == ["gpt-oss-20b"]
-    assert lines[-1].startswith("gpt-oss-20b: not supported: GPT-OSS is not yet supported")
+    unsupported = ["gpt-oss-20b", "gpt-oss-120b"]
+    assert [ln.split()[0] for ln in lines[1:] if ln.split()[-1] == "no" and "/" in ln] == unsupported
+    assert lines[-2:] == [f"{a}: not supported: {reason}" for a in unsupported]
 
 
-# Unsupported registry models are refused before any download, by every command that would fetch them. The tests
-# run offline with nothing of gpt-oss cached: a refusal after a download attempt would say "not downloaded" (1).
+# Unsupported registry models are refused before any download, by every command that would fetch them (GPT-OSS, which
+# runs, marked unsupported for these tests). The tests run offline with nothing of gpt-oss cached: a refusal after a
+# download attempt would say "not downloaded" (1).
 REFUSED = [
     ("run", ["run", "gpt-oss-20b", "hi"]),
     ("run-repo-id", ["run", "openai/gpt-oss-20b", "hi"]),
@@ -398,10 +401,11 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("argv", [c[1] for c in REFUSED], ids=[c[0] for c in REFUSED])
-def test_unsupported_refused_before_download(capsys, argv):
+def test_unsupported_refused_before_download(capsys, monkeypatch, argv):
+    reason = tiny_models.mark_unsupported(monkeypatch)
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert err.startswith("localmoe: error: gpt-oss-20b (openai/gpt-oss-20b) cannot run: GPT-OSS is not yet supported")
+    assert err.startswith(f"localmoe: error: gpt-oss-20b (openai/gpt-oss-20b) cannot run: {reason}")
     assert "Use a supported model instead: e.g. " in err
 
 
@@ -442,11 +446,11 @@ NO_NETWORK = [  # (id, argv, exit code, the error line, or None for success)
         "`localmoe pull olmoe` again",
     ),
     (
-        "pull-unsupported-alias",
+        "pull-uncached-gpt-oss",
         ["pull", "gpt-oss-20b"],
-        2,
-        "localmoe: error: gpt-oss-20b (openai/gpt-oss-20b) cannot run",
-        "see `localmoe models`",
+        1,
+        "localmoe: error: cannot download gpt-oss-20b: the hub cannot be reached",
+        "`localmoe pull gpt-oss-20b` again",
     ),
     ("pull-cached-repo", ["pull", MODEL], 0, None, None),
 ]

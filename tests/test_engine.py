@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import tiny_models
 import torch
 from conftest import repo_id
 
@@ -199,9 +200,12 @@ BEFORE_TOKENIZER = [  # (id, files removed, config changes, the loader's message
 @pytest.mark.parametrize(
     ("removed", "config", "says"), [c[1:] for c in BEFORE_TOKENIZER], ids=[c[0] for c in BEFORE_TOKENIZER]
 )
-def test_config_and_tokenizer_checked_before_the_tokenizer_loads(src_dir, tmp_path, removed, config, says):
+def test_config_and_tokenizer_checked_before_the_tokenizer_loads(src_dir, tmp_path, monkeypatch, removed, config, says):
     """The loader's own messages (read_config, check_tokenizer) come before transformers builds a tokenizer."""
     from localmoe.errors import UsageError
+
+    if config and config.get("model_type") == "gpt_oss":  # every family runs: GPT-OSS marked unsupported here
+        tiny_models.mark_unsupported(monkeypatch)
 
     folder = _copy_without(src_dir / "qwen3_moe", tmp_path / "ckpt", *removed, config=config)
     with pytest.raises(UsageError, match=says.replace("(", "\\(")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import tiny_models
 
 from localmoe.models.registry import ModelSpec, load_registry, parse_registry
 
@@ -17,7 +18,8 @@ REQUIRED = {
     "granite-moe-3b": None,
     "deepseek-v2-lite": None,
     "mixtral-8x7b": None,
-    "gpt-oss-20b": None,
+    "gpt-oss-20b": "openai/gpt-oss-20b",
+    "gpt-oss-120b": "openai/gpt-oss-120b",
     "localmoe-tiny": None,
 }
 
@@ -66,7 +68,7 @@ def test_parses_good_entry_and_suggests():
 SUPPORT = [  # (id, family in models.toml, supported, a piece of the reason)
     ("qwen3-moe", "qwen3_moe", True, ""),
     ("qwen3.5-moe", "qwen3_5_moe", True, ""),
-    ("gpt-oss", "gpt_oss", False, "GPT-OSS is not yet supported"),
+    ("gpt-oss", "gpt_oss", True, ""),
     ("unknown-family", "llama", False, "its family 'llama' is not one localmoe runs (supported: "),
 ]
 
@@ -77,13 +79,17 @@ def test_support_follows_the_family_table(family, supported, reason):
     assert (spec.unsupported == "") == supported and reason in spec.unsupported
 
 
-def test_shipped_registry_support_and_alternative():
+def test_shipped_registry_support_and_alternative(monkeypatch):
+    """Every shipped model runs; a model of a family marked unsupported (GPT-OSS, for this test) is refused naming the
+    closest supported one."""
     from localmoe.models.registry import unsupported_model_error
 
+    assert [a for a, s in load_registry().models.items() if s.unsupported] == []
+    reason = tiny_models.mark_unsupported(monkeypatch)
     reg = load_registry()
-    assert [a for a, s in reg.models.items() if s.unsupported] == ["gpt-oss-20b"]
+    assert [a for a, s in reg.models.items() if s.unsupported] == ["gpt-oss-20b", "gpt-oss-120b"]
     alt = reg.alternative(reg.get("gpt-oss-20b"))
     assert alt is not None and not alt.unsupported and alt.packaged_dir is None
     message = str(unsupported_model_error(reg.get("gpt-oss-20b"), reg))
-    assert message.startswith("gpt-oss-20b (openai/gpt-oss-20b) cannot run: GPT-OSS is not yet supported")
+    assert message.startswith(f"gpt-oss-20b (openai/gpt-oss-20b) cannot run: {reason}")
     assert f"e.g. {alt.alias} (" in message and "\n" not in message
