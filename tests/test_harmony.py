@@ -56,6 +56,8 @@ SPLIT_CASES = [  # (id, prompt tail, reply text, reasoning, answer)
     ("no-channel", GEN, "<|message|>plain message<|end|>", "", "plain message"),
     ("stray-text-after-end", GEN, A + "r<|end|> tail", "r", " tail"),
     ("prompt-opens-analysis", GEN + A, "r<|end|>" + F + "a", "r", "a"),
+    ("prompt-ends-at-start", "<|start|>", "assistant<|channel|>final<|message|>a", "", "a"),
+    ("plain-reply-like-a-role", GEN, "as I said", "", "as I said"),
     ("prompt-without-markers", "hello", "<|start|>assistant<|channel|>final<|message|>a", "", "a"),
     ("raw-prompt-plain-reply", "hello", " world\n\n!", "", " world\n\n!"),
 ]

@@ -122,6 +122,7 @@ CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 HARMONY_STOPS = (RETURN, CALL)  # end the reply (generation_config's eos ids on the hub, with <|endoftext|>)
 ANSWER_CHANNELS = ("final",)
+HEADER_STARTS = ("assistant", "to=")  # what a reply's first header text begins with (after spaces)
 MAX_HEADER = 256  # header text (role, recipient, channel, constraint) longer than this without a marker: not a header
 
 
@@ -236,11 +237,10 @@ class HarmonySplitter:
                 self.header = ""
 
     def _may_be_header(self, header: str) -> bool:
-        """A reply's first text could still be a message header (a recipient, " to=functions.f"), not plain text."""
-        if len(header) > MAX_HEADER:
-            return False
+        """A reply's first text could still be a message header (its role when the prompt ends at `<|start|>`, a
+        recipient " to=functions.f"), not plain text."""
         lead = header.lstrip(" ")
-        return header[:1] in (" ", "") and ("to=".startswith(lead) or lead.startswith("to="))
+        return len(header) <= MAX_HEADER and any(w.startswith(lead) or lead.startswith(w) for w in HEADER_STARTS)
 
     def _marker(self, marker: str) -> None:
         self.fresh, self.gap = False, ""
