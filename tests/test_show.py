@@ -46,8 +46,11 @@ def _checkpoint_params(folder, family) -> int:
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as h:
             for key in h.keys():
-                if fam.rename(key) is not None:
-                    total += math.prod(h.get_slice(key).get_shape())
+                # MXFP4 experts (GPT-OSS): two weights per byte of blocks, a scale per 32; show counts the experts'
+                # matrices, not their biases (0.001% of gpt-oss's parameters)
+                if fam.rename(key) is None or key.endswith("_scales") or (".experts." in key and key.endswith("_bias")):
+                    continue
+                total += math.prod(h.get_slice(key).get_shape()) * (2 if key.endswith("_blocks") else 1)
     return total
 
 
