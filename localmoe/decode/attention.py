@@ -33,13 +33,28 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from localmoe.decode import sdpa
-from localmoe.decode.ops import FusedRMSNorm, concat_rows, linear_1, norm_eps, one_row, static_layer, takes_norm
+from localmoe.decode.ops import (
+    FusedLinear,
+    FusedRMSNorm,
+    concat_rows,
+    linear_1,
+    norm_eps,
+    one_row,
+    static_layer,
+    takes_norm,
+)
+from localmoe.decode.sliding import RING, ring_layer
+from localmoe.kernels.decode_attention import decode_attention
 from localmoe.kernels.qk_norm_rope import qk_norm_rope
+from localmoe.kernels.tuning import tuned
 
 _NORM_KINDS = {"Qwen3_5MoeRMSNorm": "zero_centred", "Qwen3MoeRMSNorm": "standard", "OlmoeRMSNorm": "standard"}
 _CORES = ("localmoe_sdpa", "sdpa")  # attention implementations the fused step calls (others: the original module)
 # attention classes whose forward hands the core `sliding_window=config.sliding_window` (no attribute of its own)
 _CONFIG_WINDOW = ("MixtralAttention",)
+# GPT-OSS: learned sinks (`sinks` [Hq]), q|k|v|o biases, a window on its sliding layers, cos/sin of ROT/2 angles
+_SINK_CLASSES = ("GptOssAttention",)
+_SINK_CORES = (*_CORES, "eager")  # the fused step calls localmoe's kernel itself: any of these masks is read
 
 
 def _norm_kind(norm: nn.Module) -> str | None:
@@ -48,16 +63,18 @@ def _norm_kind(norm: nn.Module) -> str | None:
     return _NORM_KINDS.get(type(norm).__name__)
 
 
-def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int) -> bool:
-    """(cos, sin) of one token in h's dtype and device: [..., ROT] rows, ROT even and <= head_dim."""
+def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int, half: bool = False) -> bool:
+    """(cos, sin) of one token in h's dtype and device: [..., ROT] rows, ROT even and <= head_dim ([..., ROT/2]
+    with `half`, GPT-OSS's angles)."""
     if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
         return False
     cos, sin = position_embeddings
     if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.shape != sin.shape:
         return False
-    rot = cos.shape[-1] if cos.dim() else 0
+    n = cos.shape[-1] if cos.dim() else 0
+    rot = 2 * n if half else n
     return (
-        cos.numel() == rot
+        cos.numel() == n
         and 2 <= rot <= head_dim
         and rot % 2 == 0
         and cos.stride(-1) == 1
@@ -96,14 +113,23 @@ class FusedAttention(nn.Module):
         self._whole = (
             self._kind != "none" and hf.q_norm.weight.numel() == self.num_heads * self.head_dim != self.head_dim
         )
-        self._w_qkv, sizes = concat_rows([self.q_proj, self.k_proj, self.v_proj])  # [Hq*QW + 2*Hkv*D, H]
+        self._sinks = type(hf).__name__ in _SINK_CLASSES and isinstance(getattr(hf, "sinks", None), torch.Tensor)
+        self._window = _window(hf)
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        self._b_qkv = None  # [Hq*D + 2*Hkv*D] the projections' biases in one buffer (GPT-OSS)
+        if self._sinks:
+            self._w_qkv, self._b_qkv, sizes = _concat_biased(projections)
+        else:
+            self._w_qkv, sizes = concat_rows(projections)  # [Hq*QW + 2*Hkv*D, H]
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
         # QW = 2D: Qwen3.5's gated layout ([q_h | gate_h] per head); D: Qwen3-MoE's plain one
         self._gated = {Hq * 2 * D: True, Hq * D: False}.get(sizes[0]) if sizes[1:] == [Hkv * D, Hkv * D] else None
         if self._whole and self._gated:
             self._gated = None
-        if self._gated is None or _window(hf) is not None or _clips(hf):
+        if self._gated is None or (self._window is not None and not self._sinks) or _clips(hf):
             self._w_qkv = None  # another layout, a sliding window, clipping: the original module does every call
+        if self._sinks and (self._gated or self._kind != "none"):
+            self._w_qkv = None
 
     @staticmethod
     def _norms(hf: nn.Module) -> tuple[str | None, float | None]:
@@ -137,6 +163,8 @@ class FusedAttention(nn.Module):
             if self._kind == "standard" and torch.promote_types(qn.dtype, h.dtype) != h.dtype:
                 return False
         impl = getattr(self.config, "_attn_implementation", None)
+        if self._sinks:
+            return impl in _SINK_CORES and _angles_ok(position_embeddings, h, self.head_dim, half=True)
         return impl in _CORES and _angles_ok(position_embeddings, h, self.head_dim)
 
     def forward(
@@ -161,6 +189,8 @@ class FusedAttention(nn.Module):
             hidden_states, input_norm = input_norm(hidden_states), None
         if not fusable:
             return self._hf(hidden_states, position_embeddings, attention_mask, **{self._cache_kw: cache}, **kwargs)
+        if self._sinks:
+            return self._sink_step(hidden_states, position_embeddings, attention_mask, cache, input_norm, kwargs)
         self.decode_calls += 1
         input_shape = hidden_states.shape[:-1]  # (1, 1)
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
@@ -196,8 +226,49 @@ class FusedAttention(nn.Module):
             out = out * torch.sigmoid(gate.view(*input_shape, -1))
         return self.o_proj(out), weights
 
+    def _sink_step(self, h, position_embeddings, attention_mask, cache, input_norm, kwargs):
+        """GPT-OSS's fused one-token call: q|k|v GEMV (the input norm inside), biases + RoPE + the k/v write
+        (qk_norm_rope, 1 launch; a ring row on a sliding layer localmoe keeps as one), the core with sinks and the
+        window (decode_attention, 1), o_proj with its bias (1)."""
+        self.decode_calls += 1
+        D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = linear_1(h, self._w_qkv, input_norm) if one_row(h, self._w_qkv) else F.linear(h, self._w_qkv)
+        layer = static_layer(cache, self.layer_idx, Hkv, D, D, h) or ring_layer(cache, self.layer_idx, Hkv, D, h)
+        ring = layer is not None and getattr(layer, RING, False)
+        if layer is not None:  # k and v written into the cache by the same launch, its position advanced
+            kv = (layer.keys[0], layer.values[0], layer.cumulative_length)
+            q, _, _, _ = self._norm_rope(qkv, *position_embeddings, kv_cache=kv, ring=ring)
+            key, value = layer.keys, layer.values  # [1, Hkv, L, D]
+            if ring:
+                layer.cumulative_length_int += 1  # transformers' host count (eager calls; not on graph replays)
+        else:
+            q, k, v, _ = self._norm_rope(qkv, *position_embeddings)
+            key, value = k.view(1, Hkv, 1, D), v.view(1, Hkv, 1, D)
+            if self._cache_kw == "cache":
+                key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+            else:
+                key, value = cache.update(key, value, self.layer_idx)
+        out = self._core(q, key[0], value[0], attention_mask, ring)
+        return self.o_proj(out.view(1, 1, Hq * D)), None
+
+    @torch.compiler.disable
+    def _core(self, q, key, value, attention_mask, ring: bool):
+        """q [Hq, D], key / value [Hkv, L, D], transformers' mask (bool, or eager's additive float: 0 = attend) or
+        localmoe's -> [Hq, D]. A ring's rows are in no position order: its mask says which hold tokens, no window and
+        no prefetch (the row this step wrote need not be the last kept)."""
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.reshape(-1)[-key.shape[1] :]
+            mask = mask if mask.dtype == torch.bool else mask == 0
+        Hq, D = q.shape
+        kw = tuned(q, "decode_attention", f"Hq{Hq}_Hkv{key.shape[0]}_D{D}")
+        if ring:
+            kw = dict(kw, prefetch=False)
+        window = None if ring else self._window
+        return decode_attention(q, key, value, mask, self.scaling, sinks=self.sinks, window=window, **kw)
+
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
-    def _norm_rope(self, qkv, cos, sin, kv_cache=None):
+    def _norm_rope(self, qkv, cos, sin, kv_cache=None, ring=False):
         normed = self._kind != "none"
         return qk_norm_rope(
             qkv,
@@ -213,6 +284,9 @@ class FusedAttention(nn.Module):
             kv_cache=kv_cache,
             whole=self._whole,
             head_dim=self.head_dim,
+            bias=self._b_qkv,
+            half_angles=self._sinks,
+            ring=ring,
         )
 
 
@@ -228,3 +302,24 @@ def _window(hf: nn.Module) -> int | None:
 def _clips(hf: nn.Module) -> bool:
     """OLMoE's clip_qkv (q, k, v clamped after the norms): not in the fused kernel."""
     return getattr(getattr(hf, "config", None), "clip_qkv", None) is not None
+
+
+def _concat_biased(linears: list[nn.Module]) -> tuple[torch.Tensor | None, torch.Tensor | None, list[int]]:
+    """As ops.concat_rows for Linears that all have biases (GPT-OSS's q/k/v): (weights [ΣN, H], biases [ΣN], sizes),
+    each Parameter's data a view of the shared buffers; (None, None, []) when they cannot share them."""
+    ws = [getattr(lin, "weight", None) for lin in linears]
+    bs = [getattr(lin, "bias", None) for lin in linears]
+    if (
+        not all(isinstance(lin, (nn.Linear, FusedLinear)) for lin in linears)
+        or any(b is None or b.dtype != w.dtype or b.device != w.device for w, b in zip(ws, bs))
+        or len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1
+        or ws[0].device.type == "meta"
+    ):
+        return None, None, []
+    with torch.no_grad():
+        w_cat, b_cat = torch.cat([w.detach() for w in ws]), torch.cat([b.detach() for b in bs])
+        sizes, at = [w.shape[0] for w in ws], 0
+        for w, b, n in zip(ws, bs, sizes):
+            w.data, b.data = w_cat[at : at + n], b_cat[at : at + n]
+            at += n
+    return w_cat, b_cat, sizes

@@ -43,6 +43,7 @@ _ROUTERS: dict[str, bool | None] = {
     "MixtralTopKRouter": True,  # softmax (fp32) -> top-k -> renormalise; its weights stay fp32 (here: x's dtype)
     "GraniteMoeTopKRouter": True,  # top-k of the logits, softmax over the k: the renormalised softmax top-k
     "DeepseekV2TopkRouter": False,  # fp32 weight, softmax top-k (group-limited: n_group), x routed_scaling_factor
+    "GptOssTopKRouter": True,  # logits + bias (router_topk's `bias`), top-k, softmax over the k: renormalised
 }
 _ROUTER_NAMES = ("gate", "router")  # the block's router child: Qwen/OLMoE/Mixtral/DeaMoE `gate`, GraniteMoE `router`
 _BLOCK_NAMES = ("mlp", "block_sparse_moe")  # the decoder layer's MoE block: GraniteMoE's is `block_sparse_moe`
@@ -166,6 +167,7 @@ class FusedSparseMoeBlock(nn.Module):
         takes = getattr(self.experts, "takes_tail", None)
         plain = self._gate.weight.dtype == h.dtype and self._routed_scale == 1.0
         plain = plain and (self.shared_gated or not self.has_shared)  # moe_front: x's dtype, a gated shared expert
+        plain = plain and getattr(self._gate, "bias", None) is None  # moe_front's router has no bias (GPT-OSS's has)
         return plain and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
     @torch.compiler.disable
@@ -241,8 +243,16 @@ class FusedSparseMoeBlock(nn.Module):
                 tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
                 tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {},
             )
+        bias = getattr(self._gate, "bias", None)  # GPT-OSS's router
         return router_topk(
-            x, self._gate.weight, self.top_k, self.norm_topk_prob, tickets=tickets, **self._group, **self._launch[0]
+            x,
+            self._gate.weight,
+            self.top_k,
+            self.norm_topk_prob,
+            tickets=tickets,
+            bias=bias if isinstance(bias, torch.Tensor) else None,
+            **self._group,
+            **self._launch[0],
         )
 
     @torch.compiler.disable

@@ -143,6 +143,7 @@ from torch import nn
 from localmoe.decode import sdpa
 from localmoe.decode.attention import FusedAttention
 from localmoe.decode.deltanet import FusedGatedDeltaNet
+from localmoe.decode.gpt_oss import FusedGptOssModel, gpt_oss_norm
 from localmoe.decode.mla import FusedMLA
 from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock
 from localmoe.decode.ops import FusedLinear, FusedRMSNorm
@@ -227,6 +228,20 @@ REPLACEMENTS: dict[str, Replacement] = {
         FusedMLA,
         "cached T=1 step absorbed over the compressed cache (W_UK, W_UV folded; core 2 launches); prefill unchanged",
     ),
+    "GptOssModel": Replacement(
+        FusedGptOssModel,
+        "T=1 on a StaticCache: embedding, cos|sin gather, full + sliding masks, final norm: 5 launches; sliding layers "
+        "kept as rings (localmoe.decode.sliding)",
+    ),
+    "GptOssDecoderLayer": Replacement(
+        FusedDecoderLayer, "T=1: input norm in the q|k|v GEMV, residual add + norm 1 launch, router, experts, add"
+    ),
+    "GptOssAttention": Replacement(
+        FusedAttention,
+        "cached T=1 step: q|k|v 1 GEMV, biases + RoPE + k/v write 1 launch, core with sinks and window 1, o_proj",
+    ),
+    "GptOssMLP": Replacement(FusedSparseMoeBlock, "T=1: router (+ bias; top-k, softmax over k) 1 launch, experts"),
+    "GptOssRMSNorm": Replacement(gpt_oss_norm, "(w·x̂).to(x.dtype) as zero_centred with w - 1, one launch"),
     "Linear": Replacement(FusedLinear, "one row: localmoe's GEMV (tuned per shape); else F.linear"),
     "Qwen3MoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
     "OlmoeRMSNorm": Replacement(_norm("standard"), "w·x̂, one launch"),
