@@ -14,6 +14,7 @@ message's channel is named.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import tiny_harmony
@@ -87,8 +88,12 @@ def test_harmony_is_found_from_the_tokenizer():
         assert not prompts.harmony(other) and prompts.stop_ids(other) == set()
     assert prompts.thinking(tiny_models.think_tokenizer())[1] == ("<think>", "</think>")
     ids = tok(A + "Why?<|end|>" + F + "OK", add_special_tokens=False)["input_ids"]
-    for keep, want in ((False, "analysisWhy?assistantfinalOK"), (True, A + "Why?<|end|>" + F + "OK")):
-        d = Detokenizer(tok, keep_specials=keep)
+    ids[3:3] = [tok.convert_tokens_to_ids("<|startoftext|>")]  # a special token that is no marker: skipped
+    for keep, want in (
+        (set(), "analysisWhy?assistantfinalOK"),
+        (prompts.marker_ids(tok), A + "Why?<|end|>" + F + "OK"),
+    ):
+        d = Detokenizer(tok, keep=keep)
         assert "".join(d.push(i) for i in ids) == want
     # the engine's text path on token ids: a stop string inside the final message ends it, the analysis intact
     text = ReplyText(tok, ["K"], HarmonySplitter.after(GEN))
@@ -194,3 +199,28 @@ async def test_chat_shows_the_analysis_collapsed_and_sends_back_the_final(harmon
         ("user", "more", None),
         ("assistant", "OK", "Why?"),
     ]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(src_dir, hub_cache, tmp_path_factory) -> Engine:
+    """The tiny random GPT-OSS of conftest with the harmony tokenizer and template in place of its own."""
+    folder = tmp_path_factory.mktemp("gpt-oss-harmony") / "tiny-gpt_oss-harmony"
+    shutil.copytree(src_dir / "gpt_oss", folder)
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    tiny_harmony.harmony_tokenizer().save_pretrained(folder)
+    tiny_models.place_in_hf_cache(folder, hub_cache, f"{tiny_models.ORG}/tiny-gpt_oss-harmony")
+    return Engine.load(f"{tiny_models.ORG}/tiny-gpt_oss-harmony", device="cpu", sparsity=0.0)
+
+
+def test_random_gpt_oss_streams_what_its_whole_reply_splits_into(gpt_oss):
+    """GPT-OSS itself (random weights) on a prompt that opens the analysis: whatever markers its tokens make, the
+    channels streamed are the whole raw reply split at once, and no split text carries a marker."""
+    tail = "<|start|>assistant" + A
+    prompt = gpt_oss.encode_chat(HI)[:-1] + gpt_oss.encode_raw(tail)
+    settings = GenerationSettings(max_new_tokens=24)
+    events = list(gpt_oss.generate(prompt, settings))
+    raw = "".join(e.text for e in gpt_oss.generate(prompt, settings, split_reasoning=False))
+    assert gpt_oss.stats.generated_tokens == len({e.index for e in events}) > 0
+    assert _split(events) == split_harmony(raw, tail) and not any("<|" in e.text for e in events)

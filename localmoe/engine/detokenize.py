@@ -4,25 +4,28 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 from localmoe.safe_text import for_terminal
 
 
 class Detokenizer:
     """Incremental text for streaming: decodes only a short window of recent ids per token (not the whole reply),
-    and holds text back while the window ends inside a multi-byte character. Special tokens are skipped, or kept as
-    their text with `keep_specials` (a harmony model: its message markers are special tokens that the reasoning
-    split reads, in order with the text)."""
+    and holds text back while the window ends inside a multi-byte character. Special tokens are skipped, but those
+    in `keep`, which stay as their text (a harmony model's message markers: special tokens that its reasoning split
+    reads, in order with the text)."""
 
-    def __init__(self, tokenizer, keep_specials: bool = False):
+    def __init__(self, tokenizer, keep: Collection[int] = ()):
         self.tok = tokenizer
-        self.skip = not keep_specials
+        self.skip = not keep
+        added = (getattr(tokenizer, "added_tokens_decoder", None) or {}) if keep else {}
+        self.drop = {i for i, t in added.items() if getattr(t, "special", False)} - set(keep)
         self.ids: list[int] = []
         self.prefix = 0  # window start: ids before it are already emitted
         self.read = 0  # ids decoded into emitted text
 
     def push(self, token_id: int) -> str:
-        if self.tok is None:  # a random-weight bench engine: ids only
+        if self.tok is None or token_id in self.drop:  # a random-weight bench engine: ids only
             return ""
         self.ids.append(token_id)
         done = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)

@@ -40,11 +40,12 @@ def cache_of(out):
 
 class ReplyText:
     """A reply's tokens as text events: detokenized, passed through the stop strings and, for a thinking model, the
-    reasoning splitter (events carry their channel). A harmony model's special tokens are kept in the text: its
-    splitter reads the message markers there (a raw reply keeps them, as it was written)."""
+    reasoning splitter (events carry their channel). A harmony model's message markers are kept in the text (its
+    other special tokens are skipped as every model's are): its splitter reads them there (a raw reply keeps them,
+    as it was written)."""
 
     def __init__(self, tokenizer, stop, splitter: ReasoningSplitter | HarmonySplitter | None):
-        self.detok = Detokenizer(tokenizer, keep_specials=prompts.harmony(tokenizer))
+        self.detok = Detokenizer(tokenizer, keep=prompts.marker_ids(tokenizer))
         self.stopper = StopStrings(stop)
         self.splitter = splitter
 

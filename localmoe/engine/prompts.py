@@ -12,6 +12,7 @@ from localmoe.engine.reasoning import (
     CHANNEL,
     CLOSE,
     HARMONY_STOPS,
+    MARKERS,
     MESSAGE,
     OPEN,
     HarmonySplitter,
@@ -64,6 +65,13 @@ def token_id(tokenizer, token: str) -> int | None:
 def harmony(tokenizer) -> bool:
     """The tokenizer speaks OpenAI's harmony format (gpt-oss): `<|channel|>` and `<|message|>` are tokens."""
     return token_id(tokenizer, CHANNEL) is not None and token_id(tokenizer, MESSAGE) is not None
+
+
+def marker_ids(tokenizer) -> set[int]:
+    """A harmony tokenizer's message markers (the special tokens a reply's text keeps for its split), else none."""
+    if not harmony(tokenizer):
+        return set()
+    return {i for i in (token_id(tokenizer, t) for t in MARKERS) if i is not None}
 
 
 def stop_ids(tokenizer) -> set[int]:
