@@ -1,5 +1,6 @@
 """`localmoe run`: one prompt's reply streamed to stdout (exact on a pipe, made safe on a terminal) or one JSON
-object with --json; a thinking model's reasoning on stderr with --show-reasoning; the stats line on stderr.
+object with --json; a thinking model's reasoning on stderr with --show-reasoning; the stats line on stderr. A harmony
+model (gpt-oss) prints its final message; its analysis (and commentary) is the reasoning.
 """
 
 from __future__ import annotations
