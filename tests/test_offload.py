@@ -376,3 +376,32 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
         figures.append((cache.hits, cache.misses, cache.copied_bytes))
     assert cache.staging.gathers and all(cache.staging.gathers.values())
     assert figures[0] == figures[1] and figures[1][0] > 0
+
+
+def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():
+    """experts/staging.py: after a layer that routed every expert, the next layer's first two spans are filled
+    ahead; `stream` takes the leading ones that match its spans (a routing without expert 2 takes the first only)
+    and refills the rest; every span it yields holds its experts' weights, counted once when used."""
+    cache, masters = _cache(slots=3, layers=3, E=6)
+    cache.staging.span = 2
+
+    def staged(layer, experts):
+        out = []
+        for first, n, buf in cache.stream(layer, experts):
+            for i, e in enumerate(experts[first : first + n]):
+                for name in ("w_gate", "w_up", "w_down_t"):
+                    assert torch.equal(getattr(buf, name)[i], getattr(masters[layer], name)[e]), (layer, e, name)
+            out.append(experts[first : first + n])
+        return out
+
+    assert staged(0, list(range(6))) == [[0, 1], [2, 3], [4, 5]]
+    assert cache.staging.ahead[0] == 1 and cache.staging.ahead[1] == [[0, 1], [2, 3]]
+    assert cache.staging._take_ahead(1, [[0, 1], [3, 4]]).keys() == {0}
+    staged(0, list(range(6)))
+    cache.reset_stats()
+    assert staged(1, [0, 1, 3, 4, 5]) == [[0, 1], [3, 4], [5]]  # span 0 filled ahead, the others refilled
+    assert cache.misses == 5 and cache.staging.ahead is None  # not every expert routed: nothing filled ahead
+    staged(1, list(range(6)))
+    assert cache.staging.ahead[0] == 2
+    cache.fetch(2, [0])  # decode admits into the pools: what was filled ahead is dropped
+    assert cache.staging.ahead is None

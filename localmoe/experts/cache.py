@@ -244,6 +244,7 @@ class ExpertCache:
     def fetch(self, layer: int, experts: list[int], keep: set | None = None, background: bool = False) -> None:
         """Make `experts` of `layer` resident (len(experts) <= slots), never evicting `keep` or `experts`; with
         `background`, copied on a side stream and live from a later step boundary (`observe_step`)."""
+        self.staging.settle(self.pool.w_up.device)  # a prefill's fill ahead may still read the pools
         needed = {(layer, e) for e in experts} | (keep or set())
         if len(needed) > self.slots:
             raise RuntimeError(f"{len(needed)} experts needed at once but the cache has {self.slots} slots")

@@ -8,7 +8,10 @@ stacks whose packed bytes cross the bus) and yields each span for the grouped GE
 current span is computed, so PCIe and the GEMMs overlap, with no host synchronisation per expert (the side stream
 waits for the compute stream before refilling a buffer; the compute stream waits for the span's copy event). Each
 part comes from its cache pool when resident, else from the host master copy; nothing is admitted into the cache
-(prefill does not evict the decode working set). With pinned master copies one kernel launch per part fills a span
+(prefill does not evict the decode working set). When a layer routed every expert (a long prompt piece), the next
+layer's first two spans of experts are filled ahead, on the side stream, as soon as this layer's last span is
+issued: the next layer's attention then runs while PCIe works, not before it (used when the next layer's first spans
+are the same experts; otherwise refilled). With pinned master copies one kernel launch per part fills a span
 (kernels/gather_experts.py: the device slot tables pick pool or host per expert, and the host rows are read through
 unified addressing); otherwise (memory-mapped or pageable master copies, the CPU) a copy per expert and part.
 
@@ -46,6 +49,7 @@ class Staging:
         self.buffers: list[ExpertWeights] | None = None
         self.stream_: torch.cuda.Stream | None = None
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
+        self.ahead: tuple[int, list[list[int]], list] | None = None  # (layer, its first spans' experts, events)
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
 
     def _buffers(self) -> list[ExpertWeights]:
@@ -58,6 +62,7 @@ class Staging:
         its first n rows) for each span of `experts` (ascending expert ids of `layer`), in order (module doc). The
         buffer is valid until the generator is resumed twice."""
         spans = [experts[i : i + self.span] for i in range(0, len(experts), self.span)]
+        ahead = self._take_ahead(layer, spans)
         if not spans:
             return
         bufs = self._buffers()
@@ -69,31 +74,77 @@ class Staging:
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
         ids = torch.tensor(experts, dtype=torch.int32).to(device) if gather else None
 
-        def fill(i: int) -> None:
-            if ids is None:
-                self._fill(cache, layer, spans[i], bufs[i % 2], sources)
-            else:
-                first = i * self.span
-                self._gather(cache, layer, spans[i], bufs[i % 2], sources, ids[first : first + len(spans[i])])
-
         def issue(i: int):
-            if not cuda:
-                fill(i)
-                return None
-            self.stream_.wait_stream(torch.cuda.current_stream(device))  # the buffer's previous span is computed
-            with torch.cuda.stream(self.stream_):
-                fill(i)
-                done = torch.cuda.Event()
-                done.record(self.stream_)
-            return done
+            if i in ahead:  # filled ahead, at the end of the layer before
+                return ahead[i]
+            return self._issue(cache, layer, spans[i], bufs[i % 2], ids[i * self.span :] if gather else None, cuda)
 
         ready = issue(0)
         for i, span in enumerate(spans):
             following = issue(i + 1) if i + 1 < len(spans) else None
             if ready is not None:
                 torch.cuda.current_stream(device).wait_event(ready)
+            _count(cache, span, sources)
             yield i * self.span, len(span), bufs[i % 2]
             ready = following
+        if len(experts) == cache.num_experts and layer + 1 in cache.masters:
+            self._fill_ahead(cache, layer + 1, device, cuda)
+
+    def _issue(self, cache, layer: int, span: list[int], buf: ExpertWeights, ids, cuda: bool):
+        """Fill `buf` with `span`'s experts: on the side stream after the compute stream's work so far (the buffer's
+        previous span is computed), returning the event that marks it done; on the CPU now (None). `ids`: the span's
+        expert ids on the device (from their first) for the gather kernel, None for a copy per expert."""
+
+        def fill() -> None:
+            if ids is None:
+                self._fill(cache, layer, span, buf)
+            else:
+                self._gather(cache, layer, buf, ids[: len(span)])
+
+        if not cuda:
+            fill()
+            return None
+        self.stream_.wait_stream(torch.cuda.current_stream(buf.w_gate.device))
+        with torch.cuda.stream(self.stream_):
+            fill()
+            done = torch.cuda.Event()
+            done.record(self.stream_)
+        return done
+
+    def _fill_ahead(self, cache, layer: int, device: torch.device, cuda: bool) -> None:
+        """Fill both buffers with `layer`'s first two spans of experts (all experts routed, as a long piece routes
+        them), for `stream` to take if they are that layer's first spans."""
+        bufs = self._buffers()
+        E = cache.num_experts
+        spans = [list(range(a, min(E, a + self.span))) for a in range(0, min(E, 2 * self.span), self.span)]
+        gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
+        ids = torch.arange(E, dtype=torch.int32, device=device) if gather else None
+        events = [
+            self._issue(cache, layer, span, bufs[i], ids[span[0] :] if gather else None, cuda)
+            for i, span in enumerate(spans)
+        ]
+        self.ahead = (layer, spans, events)
+
+    def _take_ahead(self, layer: int, spans: list[list[int]]) -> dict:
+        """{span index: its fill event (None on the CPU)} for the leading spans of `layer` filled ahead with the same
+        experts; clears what was filled ahead either way."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead[0] != layer:
+            return {}
+        taken = {}
+        for i, (span, event) in enumerate(zip(ahead[1], ahead[2])):
+            if i >= len(spans) or spans[i] != span:
+                break
+            taken[i] = event
+        return taken
+
+    def settle(self, device: torch.device) -> None:
+        """Before the cache writes its pools (decode admits experts): the compute stream waits for any fill ahead
+        still reading them, and it is dropped."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and device.type == "cuda":
+            for event in ahead[2]:
+                torch.cuda.current_stream(device).wait_event(event)
 
     def _gathers(self, cache, layer: int, device: torch.device) -> bool:
         """Whether `layer`'s master copies are on `device` or pinned: the gather kernel can read them in place."""
@@ -107,10 +158,9 @@ class Staging:
         return self.gathers[layer]
 
     @staticmethod
-    def _gather(cache, layer: int, span: list[int], buf: ExpertWeights, sources, ids: torch.Tensor) -> None:
-        """buf[i] = expert span[i] of `layer` (ids: the same on the device) by one gather_experts launch per part,
-        pool slot or host master per expert as the device slot tables say (counted in the cache's figures)."""
-        _count(cache, span, sources)
+    def _gather(cache, layer: int, buf: ExpertWeights, ids: torch.Tensor) -> None:
+        """buf[i] = expert ids[i] of `layer` (on the device) by one gather_experts launch per part, pool slot or host
+        master per expert as the device slot tables say."""
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
         for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
@@ -120,12 +170,11 @@ class Staging:
                 gather_experts(dst, pool, host, t, ids)
 
     @staticmethod
-    def _fill(cache, layer: int, span: list[int], buf: ExpertWeights, sources) -> None:
+    def _fill(cache, layer: int, span: list[int], buf: ExpertWeights) -> None:
         """buf[i] = expert span[i] of `layer`, each projection from its pool slot when resident, else from the host
-        master copy (counted in the cache's figures)."""
-        _count(cache, span, sources)
+        master copy."""
         master = cache.masters[layer]
-        gate_slots, slots = sources
+        gate_slots, slots = cache.sources(layer)
         for i, e in enumerate(span):
             for name, slot in (("w_gate", gate_slots[e]), ("w_up", slots[e]), ("w_down_t", slots[e])):
                 if slot >= 0:
@@ -135,8 +184,8 @@ class Staging:
 
 
 def _count(cache, span: list[int], sources) -> None:
-    """The cache's figures for staging `span`: a hit or a miss per expert (its up/down), and the bytes of each part
-    read from host memory."""
+    """The cache's figures for staging `span` (counted when it is used: a span filled ahead and not taken is not):
+    a hit or a miss per expert (its up/down), and the bytes of each part read from host memory."""
     gate_slots, slots = sources
     part = cache.row_bytes * cache.width
     for e in span:
