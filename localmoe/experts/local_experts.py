@@ -21,7 +21,9 @@ Two paths:
 
 GPT-OSS's experts (`swiglu`: its clamped SwiGLU, `biases`: its expert biases; experts/clamped_swiglu.py) take the
 same paths with their biases added and their activation: the dense ones as they are (MXFP4 experts dequantized a span
-at a time, like int4), the sparse one by its torch reference here (on CUDA `kernels.mxfp4_sparse` where wired).
+at a time, like int4); decode on CUDA in ONE launch of `localmoe.kernels.mxfp4_sparse` (sparse, or at threshold 0
+with sparsity off; resident, from the cache's slots, or with direct misses from the host copies), elsewhere the torch
+reference `sparse_reference` with biases.
 
 Shapes: T = tokens, k = experts per token, E = experts, I = expert width, H = hidden.
 """
@@ -45,6 +47,7 @@ from localmoe.experts.clamped_swiglu import (
 from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, Int4Tensor, quantize_as
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.kernels.mxfp4 import Mxfp4Tensor
+from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
 
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -265,6 +268,10 @@ class LocalExperts(nn.Module):
             return self._dense(hidden_states, top_k_index, top_k_weights)
         if self.cache is not None and self.cache.mode == "direct":
             return self._direct(hidden_states, top_k_index, top_k_weights, sparse, tail)
+        if self._mxfp4_kernel(hidden_states):  # GPT-OSS: its one launch, resident or from the cache's slots
+            if self.cache is not None:
+                self.cache.fetch(self.layer_idx, sorted(set(top_k_index.reshape(-1).tolist())))
+            return self._mxfp4(hidden_states, top_k_index, top_k_weights, sparse)
         w, ids, tau = self.weights, top_k_index, self.tau
         if self.cache is not None:  # offloaded: compute from cache slots (misses copied in first)
             w, ids = self.cache.pool, self.cache.slot_ids(self.layer_idx, top_k_index)
@@ -279,14 +286,63 @@ class LocalExperts(nn.Module):
 
     @property
     def direct_misses(self) -> bool:
-        """Whether offloaded misses can be read in place from host memory by a fused kernel ("direct": silu experts'
-        sparse_fused); GPT-OSS's experts are copied in until their kernel is wired."""
-        return self.hidden_act == "silu"
+        """Whether offloaded misses can be read in place from host memory by a fused kernel ("direct"): silu experts'
+        sparse_fused, GPT-OSS's MXFP4 experts' sparse_mxfp4."""
+        return self.hidden_act == "silu" or (self.up_fn is not None and self.weights is not None and self.weights.mxfp4)
 
     def _decode_kernel(self, x: torch.Tensor) -> bool:
-        """Whether a decode-sized call with sparsity off runs a kernel (CUDA): silu experts' dense decode kernel;
-        GPT-OSS's experts (no kernel of theirs wired yet) take the dense path."""
-        return x.is_cuda and self.hidden_act == "silu"
+        """Whether a decode-sized call with sparsity off runs a kernel: silu experts' dense decode kernel (CUDA),
+        GPT-OSS's MXFP4 experts' sparse one at threshold 0 (`_mxfp4_kernel`)."""
+        return (x.is_cuda and self.hidden_act == "silu") or self._mxfp4_kernel(x)
+
+    def _mxfp4_kernel(self, x: torch.Tensor) -> bool:
+        """Whether GPT-OSS's decode runs `sparse_mxfp4` (CUDA, or the CPU under the interpreter with
+        `kernel_on_cpu`): MXFP4 experts, resident or offloaded with master copies the kernel can read (pinned, or on
+        x's device); otherwise the torch reference."""
+        w = self.weights
+        if self.up_fn is None or w is None or not w.mxfp4 or not (x.is_cuda or self.kernel_on_cpu):
+            return False
+        blocks = w.w_gate.blocks
+        return blocks.device == x.device or blocks.is_pinned()
+
+    @torch.compiler.disable
+    def _mxfp4(self, x, top_k_index, top_k_weights, sparse: bool, direct: bool = False) -> torch.Tensor:
+        """GPT-OSS's routed experts in one `sparse_mxfp4` launch (threshold 0 when not `sparse`: the dense math).
+        Offloaded, every part is read from its cache slot (the slot tables) or, absent (`direct` misses only: copy
+        mode fetched them first), from the host master copy; the biases by expert id, on the device."""
+        tau = self.tau if sparse else self._zeros_tau(x.device)
+        w, b, c = self.weights, self.biases, self.cache
+        kw = {}
+        if c is not None:
+            kw = {
+                "slot_table": c.tables[self.layer_idx],
+                "pool_gate": c.pool.w_gate,
+                "pool_up": c.pool.w_up,
+                "pool_down_t": c.pool.w_down_t,
+                "gate_table": c.gate_tables.get(self.layer_idx),
+            }
+            if direct:
+                kw |= {"host_rows": c.host_rows, "read_rows": c.read_rows}
+        y, _ = sparse_mxfp4(
+            x,
+            w.w_gate,
+            w.w_up,
+            w.w_down_t,
+            b.gate,
+            b.up,
+            b.down,
+            top_k_index,
+            top_k_weights,
+            tau,
+            torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            alpha=self.act_fn.alpha,
+            limit=self.act_fn.limit,
+            kept_total=self._kept_on(x.device) if sparse else None,
+            **kw,
+        )
+        if sparse:
+            self.seen += top_k_index.numel() * self.intermediate_size
+        return y
 
     @torch.compiler.disable
     def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None) -> torch.Tensor:
@@ -294,6 +350,9 @@ class LocalExperts(nn.Module):
         (gate rows + kept rows only) from the host master copies. Routing and counts are kept for `observe`."""
         from localmoe.kernels.sparse_fused import sparse_fused
 
+        if self.up_fn is not None:  # GPT-OSS: its own kernel reads absent experts in place too
+            self.last_routing = top_k_index
+            return self._mxfp4(x, top_k_index, top_k_weights, sparse, direct=True)
         tau = self.tau if sparse else self._zeros_tau(x.device)
         c, m = self.cache, self.weights
         p = self._launch(x, top_k_index.shape[1])["fused"] if x.is_cuda else {}
