@@ -144,12 +144,13 @@ def test_offloaded_equals_resident(resident, calibration):
         torch.testing.assert_close(e.model(input_ids=ids).logits, resident.model(input_ids=ids).logits)
 
 
-def test_eval_runs(capsys):
+def test_eval_and_calibrate_run(capsys, calibration):
     code = main(["eval", MODEL, "--sparsity", "0", "--tokens", "64", "--json", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 0, out
-    rows = json.loads(out.strip().splitlines()[-1])
-    assert rows
+    assert json.loads(out.strip().splitlines()[-1])
+    code = main(["calibrate", MODEL, "--sparsity", "0.5", "--text", calibration, "--tokens", "64", "--device", "cpu"])
+    assert code == 0, capsys.readouterr()
 
 
 @pytest.mark.parametrize(
