@@ -79,6 +79,7 @@ def test_fused_decode_follows_the_replacements_table():
         "granitemoe",
         "deamoe",
         "deamoe_qwen3_5_text",
+        "gpt_oss",
     ]
 
 

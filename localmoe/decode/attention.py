@@ -2,7 +2,9 @@
 gate interleaved with the query in q_proj), Qwen3-MoE's (no gate, RoPE over the whole head, GQA), OLMoE's (as
 Qwen3-MoE's with q/k norms over the whole projection, not per head; no clip_qkv), Mixtral's and GraniteMoE's (no q/k
 norms; GraniteMoE's `attention_multiplier` is its module's `scaling`, used as it is; Mixtral with a `sliding_window`
-in its config: not fused). One GEMV for
+in its config: not fused), GPT-OSS's (q|k|v|o biases, learned `sinks`, a sliding window on alternate layers, YaRN
+angles of ROT/2 per position, no q/k norms; its "eager" implementation kept, the fused step calling localmoe's
+kernel itself). One GEMV for
 q|k|v (the three projections' weights share one buffer), one Triton launch for the per-head q/k RMSNorm + RoPE (+ the
 gate's de-interleave) and the k/v write into a static cache (`kernels/qk_norm_rope.py`; kind "none": RoPE alone),
 then the attention core (localmoe_sdpa's decode kernel, the sigmoid gate in its combine) and o_proj. Prefill and every
@@ -17,6 +19,14 @@ with localmoe's GEMV and RMSNorm children:
 * Qwen3-MoE 22: q/k/v projections 3, norms 2, RoPE 10, cache update 5, core 1, o_proj 1; here 4: q|k|v GEMV (with
   the input norm), qk_norm_rope (+ the k/v write), the core, o_proj; Mixtral and GraniteMoE 20 (no norms) -> the
   same 4.
+* GPT-OSS 37 on a sliding layer (36 full): q/k/v projections 3 (with their biases), RoPE 14 (GPT-OSS's chunked
+  halves), cache update 6 (the sliding layer's two rolls, two index writes, two copies; full: 5), core 8 (eager:
+  two bmm, scale, mask, the sinks' cat, max, sub, softmax), o_proj 1 (+ the input norm's 1 and the layer's 4 below
+  it, the experts apart); here 4: q|k|v GEMV (with the input norm; the biases go into qk_norm_rope: the GEMV has
+  none), qk_norm_rope (biases, RoPE on the half-width angles, the k/v write: a StaticLayer's row at the position,
+  a sliding layer's ring row at position % W, `localmoe.decode.sliding`), the core (sinks and window in its
+  launch), o_proj (F.linear with its bias: 1). transformers' modules alone: 49 / 48 launches per layer (the
+  experts apart: tests/test_fused_gpt_oss.py).
 Other caches go through `cache.update` (5 launches), other cores through transformers' gate ops (2).
 
 Shape legend: B batch, T tokens, H hidden, Hq / Hkv query / key-value heads, D head dim, ROT rotary dims,

@@ -12,6 +12,11 @@ into the k routing weights (one multiply of k values; sparse_fused then adds res
 transformers' residual + (Σ w_i·expert_i)·m up to fp32 rounding). So 2 launches more than Qwen3-MoE's layer (none
 when m is 1).
 
+GPT-OSS: the block is GptOssMLP (its router `router`, with a bias: router_topk's `bias`; top-k of the logits and a
+softmax over them, the renormalised softmax top-k). moe_front's router has no bias, so its layer is not `takes_front`:
+residual add + post-attention norm 1 launch, router 1, the experts module (LocalExperts: MXFP4 on sparse_mxfp4), the
+residual add 1 (2 launches more than a layer whose experts take sparse_fused's residual tail).
+
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
 """
 

@@ -111,6 +111,24 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                renormalised softmax top-k; the block is the layer's
                                                                `block_sparse_moe`, its router `router`. logits_scaling
                                                                is the LM head's (GraniteMoeForCausalLM), not replaced
+    GptOssModel                    FusedGptOssModel         as Qwen3MoeModel with the two masks (full; sliding over
+                                                               each sliding layer's ring of W rows): 5 launches
+                                                               around the layers (40 unfused); the sliding layers of
+                                                               the StaticCache kept as rings between transformers'
+                                                               calls (localmoe.decode.sliding)
+    GptOssDecoderLayer             FusedDecoderLayer        one token: input norm in the q|k|v GEMV, attention 4,
+                                                               residual add + norm 1, router 1, experts, add 1
+    GptOssAttention                FusedAttention           q|k|v GEMV, qk_norm_rope (biases, half-width angles,
+                                                               the k/v write, a ring row on sliding layers), the core
+                                                               with sinks and window, o_proj (bias): 4 (37 with the
+                                                               fused Linears and norms)
+    GptOssMLP                      FusedSparseMoeBlock      router (+ bias; top-k, softmax over k) 1 launch, experts
+    GptOssRMSNorm                  FusedGptOssRMSNorm       (w·x̂).to(x.dtype) as zero_centred with w - 1 (exact for
+                                                               bf16-precision weights; else not replaced)
+    A GPT-OSS decoder layer's decode step (tests/test_fused_gpt_oss.py::test_decode_step_launches; the experts
+    apart): 49 launches with transformers' modules (sliding layer; 48 full), 37 with the fused norms, Linears and
+    MoE block alone -> 7 (q|k|v GEMV with the input norm, qk_norm_rope, the core, o_proj, residual add + norm,
+    router, the MoE output's add).
     A Qwen3-MoE decoder layer's decode step (StaticCache, localmoe_sdpa, LocalExperts on sparse_fused; counted on the
     CPU with the interpreter, tests/test_fused_model.py::test_qwen3_moe_layer_launches): 28 launches with the fused
     norms, Linears and MoE block alone (3 norms, 3 projections, RoPE 10, cache update 5, core, o_proj, 2 residual
