@@ -243,7 +243,9 @@ class FusedAttention(nn.Module):
         self.decode_calls += 1
         D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
         qkv = linear_1(h, self._w_qkv, input_norm) if one_row(h, self._w_qkv) else F.linear(h, self._w_qkv)
-        layer = static_layer(cache, self.layer_idx, Hkv, D, D, h) or ring_layer(cache, self.layer_idx, Hkv, D, h)
+        layer = static_layer(cache, self.layer_idx, Hkv, D, D, h)
+        if layer is None:
+            layer = ring_layer(cache, self.layer_idx, Hkv, D, h)
         ring = layer is not None and getattr(layer, RING, False)
         if layer is not None:  # k and v written into the cache by the same launch, its position advanced
             kv = (layer.keys[0], layer.values[0], layer.cumulative_length)
