@@ -37,9 +37,9 @@ H = I = 2880
 K = 4
 SPARSITIES = (0.0, 0.5, 0.7, 0.85)
 QUICK = "--quick" in sys.argv
-SPACE = dict(BLOCK_I=[8, 16, 32] if QUICK else [4, 8, 16, 32], num_warps=[4, 8] if QUICK else [4, 8, 16],
-             BLOCK_H=[None, 512] if QUICK else [None, 1024, 512])  # fmt: skip
-EXTRA = [dict(BLOCK_I=64, num_warps=8, BLOCK_H=None)]  # BLOCK_I > 32: per-neuron down scale rows
+SPACE = dict(BLOCK_I=[4, 8, 16] if QUICK else [4, 8, 16, 32], num_warps=[4, 8] if QUICK else [4, 8, 16],
+             BLOCK_H=[1024, 512] if QUICK else [None, 1024, 512])  # fmt: skip
+EXTRA = [dict(BLOCK_I=8, num_warps=8, BLOCK_H=None)] if QUICK else [dict(BLOCK_I=64, num_warps=8, BLOCK_H=None)]
 
 
 def experts(E: int, gen):

@@ -14,8 +14,11 @@ Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_id
   clamped to +-limit), h_n = w * (u_n + 1) * a_n in fp32, and the kept down_t rows summed into y: sum_n h_n W[n, :]
   with W[n, h] = v * 2**(scales[e, n // 32, h] - 127); when BLOCK_I divides 32 the program's neurons share one scale
   row, loaded once; the program with b = 0 adds w * b_down[e] (always: the bias is exact, never thresholded);
-* codes decode as e2m1 bits placed in an fp16 (value * 2**-14, subnormals included); the 2**-14 is taken out once
-  per row sum (gate, up) or folded into h (down);
+* no conversion instructions (16 a clock per SM on Hopper: they made a first version compute-bound at ~750 GB/s):
+  a code's 3 exponent / mantissa bits go to fp32's bits 24..22 and its sign to bit 31 (3 integer ops), which is
+  FP4 * 2**-126 (e = 0: fp32 subnormals, exact without flush-to-zero, Triton's default for mul / fma); x (gate, up)
+  or h (down) comes in times 2**63 and each 32-block's sum goes out times 2**63 and its scale, so no product is
+  subnormal;
 * H goes in chunks of BLOCK_H columns (a power of two, multiple of 32; default the whole row padded to next_pow2(H)):
   a static loop, each chunk one [BLOCK_I, BLOCK_H / 32, 16] byte tile (H = 2880: 4096 padded = 42 % masked lanes,
   or 6 chunks of 512 = 6.7 %; the bench measures both).
@@ -87,11 +90,12 @@ def sparse_mxfp4_ref(
 if triton is not None:
 
     @triton.jit
-    def fp4_scaled(code):
-        """e2m1 codes (int32 0..15) -> FP4_VALUES[code] * 2**-14 in fp32: the sign bit and the three exponent /
-        mantissa bits placed in an fp16 (bias 15 instead of e2m1's 1; its subnormals are e2m1's 0 and 0.5)."""
-        bits = ((code & 8) << 12) | ((code & 7) << 9)
-        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    def fp4_pair(p):
+        """Bytes p (uint32) -> FP4_VALUES of their low and high nibbles times 2**-126, fp32 (e2m1's exponent and
+        mantissa bits at fp32's 24..22, its sign at 31: no conversion instruction)."""
+        lo = ((p << 22) & 0x01C00000) | ((p << 28) & 0x80000000)
+        hi = ((p << 18) & 0x01C00000) | ((p << 24) & 0x80000000)
+        return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
     @triton.jit
     def e8m0(s):
@@ -108,18 +112,19 @@ if triton is not None:
 
     @triton.jit
     def rows_dot(x_row, b_base, s_base, rows, rmask, NB: tl.constexpr, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
-        """x . W[n] * 2**-14 for rows n [R] of an along-rows MXFP4 stack (blocks at b_base, scales at s_base): per
+        """x . W[n] for rows n [R] of an along-rows MXFP4 stack (blocks at b_base, scales at s_base): per
         32-block the codes' dot with x, times the block's scale, summed. [R] fp32 (0 on masked rows)."""
         r64 = rows.to(tl.int64)
         z = tl.zeros(rows.shape, dtype=tl.float32)
         for c in tl.static_range(NCH):
             jb, bm, col, _ = block_cols(c, BLOCK_B, NB)
-            xv = tl.load(x_row + col, mask=bm[:, None], other=0.0).to(tl.float32)
+            xv = tl.load(x_row + col, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18  # 2**63
             xe, xo = tl.split(tl.reshape(xv, [BLOCK_B, 16, 2]))  # x[2j], x[2j + 1]
             boff = r64[:, None, None] * (NB * 16) + (jb[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
-            p = tl.load(b_base + boff, mask=rmask[:, None, None] & bm[None, :, None], other=0).to(tl.int32)
+            p = tl.load(b_base + boff, mask=rmask[:, None, None] & bm[None, :, None], other=0).to(tl.uint32)
             s = tl.load(s_base + r64[:, None] * NB + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
-            part = tl.sum(fp4_scaled(p & 15) * xe[None, :, :] + fp4_scaled(p >> 4) * xo[None, :, :], axis=2)
+            ve, vo = fp4_pair(p)
+            part = tl.sum(ve * xe[None, :, :] + vo * xo[None, :, :], axis=2) * 9.223372036854775808e18  # [R, BLOCK_B]
             z += tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
         return z
 
@@ -225,7 +230,7 @@ if triton is not None:
         rmask = rows < I
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         # ---- gate for BLOCK_I neurons (the only dense read), its bias, the clamped SwiGLU activation ----
-        z = rows_dot(x_row, g_b, g_sc, rows, rmask, NB, BLOCK_B, NCH) * 16384.0
+        z = rows_dot(x_row, g_b, g_sc, rows, rmask, NB, BLOCK_B, NCH)
         z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
         g = tl.minimum(z, limit)
         a = g / (1.0 + tl.exp(-alpha * g))
@@ -245,29 +250,30 @@ if triton is not None:
                 tl.atomic_add(ydst + col, rw * bd, mask=cm, sem="relaxed")
         # ---- up / down over the kept rows only; a program with nothing kept does no further traffic ----
         if nk > 0:
-            u = rows_dot(x_row, u_b, u_sc, rows, keep, NB, BLOCK_B, NCH) * 16384.0
+            u = rows_dot(x_row, u_b, u_sc, rows, keep, NB, BLOCK_B, NCH)
             u += tl.load(bu_ptr + e * I + rows, mask=keep, other=0.0).to(tl.float32)
             u = tl.minimum(tl.maximum(u, -limit), limit)
-            h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 16384.0  # the down codes' 2**-14 taken out here
+            h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 9.223372036854775808e18  # 2**63 (and out per column)
             h3 = h[:, None, None]
             r64 = rows.to(tl.int64)
             for c in tl.static_range(NCH):
                 jb, bm, col, cm = block_cols(c, BLOCK_B, NB)
                 boff = r64[:, None, None] * (NB * 16) + (jb[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
-                p = tl.load(d_b + boff, mask=keep[:, None, None] & bm[None, :, None], other=0).to(tl.int32)
+                p = tl.load(d_b + boff, mask=keep[:, None, None] & bm[None, :, None], other=0).to(tl.uint32)
+                ve, vo = fp4_pair(p)
                 if SHARED_SCALE:  # one scale row [H] for the program's neurons (all in group pid_i*BLOCK_I // 32)
                     srow = d_sc + ((pid_i * BLOCK_I) // 32).to(tl.int64) * H
                     sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
                     se, so = tl.split(tl.reshape(sv, [BLOCK_B, 16, 2]))
-                    ce = tl.sum(fp4_scaled(p & 15) * h3, axis=0) * se
-                    co = tl.sum(fp4_scaled(p >> 4) * h3, axis=0) * so
+                    ce = tl.sum(ve * h3, axis=0) * 9.223372036854775808e18 * se
+                    co = tl.sum(vo * h3, axis=0) * 9.223372036854775808e18 * so
                 else:  # each neuron's group's scale row
                     soff = (r64 // 32)[:, None, None] * H + (jb[:, None] * 32 + 2 * tl.arange(0, 16)[None, :])[None]
                     sm = keep[:, None, None] & bm[None, :, None]
                     se = e8m0(tl.load(d_sc + soff, mask=sm, other=0).to(tl.int32))
                     so = e8m0(tl.load(d_sc + soff + 1, mask=sm, other=0).to(tl.int32))
-                    ce = tl.sum(fp4_scaled(p & 15) * se * h3, axis=0)
-                    co = tl.sum(fp4_scaled(p >> 4) * so * h3, axis=0)
+                    ce = tl.sum(ve * h3 * se, axis=0) * 9.223372036854775808e18
+                    co = tl.sum(vo * h3 * so, axis=0) * 9.223372036854775808e18
                 contrib = tl.reshape(tl.join(ce, co), [BLOCK_B, 32])  # columns 2j, 2j + 1 interleaved back
                 tl.atomic_add(ydst + col, contrib, mask=cm, sem="relaxed")
             tl.atomic_add(cdst + tj, nk, sem="relaxed")
