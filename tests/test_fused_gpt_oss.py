@@ -194,3 +194,45 @@ def test_decode_step_launches(tiny_gpt_oss, monkeypatch):
     assert layer.ops[:6] == [*head, "triton:_rmsnorm_kernel", "triton:_router_topk_kernel"]
     assert layer.ops[-1] == "add.Tensor"
     assert glue.ops == ["embedding.default", "index_select.default", "le.Tensor", "le.Tensor", "triton:_rmsnorm_kernel"]
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs: GPU with compiled kernels only (bench/gpu_release_check.sh)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_cuda_graph_decode_equals_transformers(tiny_gpt_oss, dtype):
+    """The fused step captured once in a CUDA graph (warm-ups and capture on one prompt, as decode/graph.py does),
+    the cache reset and prefilled again, then 24 replays past the window (the rings wrap 6 times): the greedy tokens
+    equal transformers' eager modules (fp32; bf16 its eager fused path's), the logits within the eager test's
+    tolerances."""
+    P, steps = 13, 24
+    ref = copy.deepcopy(tiny_gpt_oss).to(dtype)
+    want, want_toks, _ = _run(ref, P, steps)
+    model = copy.deepcopy(ref)
+    replacements.install(model, DEV)
+    eager, eager_toks, _ = _run(model, P, steps)
+    prompt = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(1)).to(DEV)
+    cache = StaticCache(config=model.config, max_cache_len=P + steps + 1)
+    ids = torch.zeros((1, 1), dtype=torch.long, device=DEV)
+    model(input_ids=prompt, use_cache=True, cache=cache)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            model(input_ids=ids, use_cache=True, cache=cache)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        logits = model(input_ids=ids, use_cache=True, cache=cache).logits[0, -1]
+    cache.reset()
+    got = [model(input_ids=prompt, use_cache=True, cache=cache).logits[0, -1].float()]
+    for _ in range(steps):
+        ids.copy_(got[-1].argmax().view(1, 1))
+        graph.replay()
+        got.append(logits.float().clone())
+    got = torch.stack(got)
+    toks = [int(x.argmax()) for x in got]
+    assert toks == eager_toks
+    torch.testing.assert_close(got, eager, rtol=1e-3, atol=1e-3)
+    if dtype == torch.float32:
+        assert toks == want_toks
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
