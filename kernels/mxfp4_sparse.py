@@ -14,14 +14,19 @@ Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_id
   clamped to +-limit), h_n = w * (u_n + 1) * a_n in fp32, and the kept down_t rows summed into y: sum_n h_n W[n, :]
   with W[n, h] = v * 2**(scales[e, n // 32, h] - 127); when BLOCK_I divides 32 the program's neurons share one scale
   row, loaded once; the program with b = 0 adds w * b_down[e] (always: the bias is exact, never thresholded);
-* no conversion instructions (16 a clock per SM on Hopper: they made a first version compute-bound at ~750 GB/s):
-  a code's 3 exponent / mantissa bits go to fp32's bits 24..22 and its sign to bit 31 (3 integer ops), which is
-  FP4 * 2**-126 (e = 0: fp32 subnormals, exact without flush-to-zero, Triton's default for mul / fma); x (gate, up)
-  or h (down) comes in times 2**63 and each 32-block's sum goes out times 2**63 and its scale, so no product is
+* no conversion instructions (16 a clock per SM on Hopper; the launch note below says what they cost): a code's 3
+  exponent / mantissa bits go to fp32's bits 24..22 and its sign to bit 31 (3 integer ops), which is FP4 * 2**-126
+  (e = 0: fp32 subnormals, exact without flush-to-zero, Triton's default for mul / fma; checked on an H200); x (gate,
+  up) or h (down) comes in times 2**63 and each 32-block's sum goes out times 2**63 and its scale, so no product is
   subnormal;
-* H goes in chunks of BLOCK_H columns (a power of two, multiple of 32; default the whole row padded to next_pow2(H)):
-  a static loop, each chunk one [BLOCK_I, BLOCK_H / 32, 16] byte tile (H = 2880: 4096 padded = 42 % masked lanes,
-  or 6 chunks of 512 = 6.7 %; the bench measures both).
+* H goes in chunks of BLOCK_H columns (a power of two, multiple of 32; None: the whole row padded to next_pow2(H)),
+  a static loop, each chunk one [BLOCK_I, BLOCK_H / 32, 16] byte tile.
+Launch parameters (bench/mxfp4_kernel.py, H200, Triton 3.6, gpt-oss-20b / -120b experts, k 4, one bf16 token): BLOCK_I
+8, 8 warps, BLOCK_H 1024 (H 2880 in 3 chunks, 6.7 % padding) was the fastest at every sparsity: 66 / 64 / 63 / 55 µs
+at 0 / 50 / 70 / 85 % (20b; 120b within 2 µs); one full-width 4096 tile (42 % masked lanes) 115 µs, BLOCK_H 512
+82 µs, BLOCK_I 16 77 µs. That is 0.8 TB/s dense and 0.43 TB/s at 85 % against a 2.76 TB/s measured copy: the time
+barely follows the bytes, so the launch is latency bound (1440 programs each walking gate, up and down chunk by
+chunk), not byte or decode bound: the first decode (fp16 bit trick + two conversions a weight) measured within 6 %.
 Output modes, offload addressing, stats and the CUDA-graph contract are sparse_fused's: default a self-cleaning fp32
 workspace with per-token tickets (the last program writes y[t] (+ residual) and the counts and re-zeroes it),
 `accumulate=True` adds into the caller's fp32 `out` / int32 `count`; with `slot_table` (+ `gate_table`) each program
@@ -335,7 +340,7 @@ def sparse_mxfp4(
     read_rows=None,
     residual=None,
     BLOCK_I: int = 8,
-    BLOCK_H: int | None = None,
+    BLOCK_H: int | None = 1024,
     num_warps: int = 8,
     maxnreg: int | None = None,
 ):
@@ -355,7 +360,8 @@ def sparse_mxfp4(
       (pool_gate [Sg, I, H] with `gate_table` [E]); w_* are then the host master copies (pinned on CUDA) or on x's
       device. Each program reads every part of a resident expert from its slot, of an absent one from the master.
     BLOCK_I (power of two; BLOCK_I <= 32 shares the down scale row), BLOCK_H (columns per chunk, a power of two
-    >= 32, default next_pow2(H): one chunk), num_warps and maxnreg are launch parameters. CUDA-graph capturable.
+    >= 32; None: one full-width chunk), num_warps and maxnreg are launch parameters (defaults: the H200's best at
+    gpt-oss shapes). CUDA-graph capturable.
     """
     if triton is None:
         raise RuntimeError("sparse_mxfp4 needs triton")
