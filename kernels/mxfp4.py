@@ -94,9 +94,10 @@ class Mxfp4Tensor:
         scales = (E, I, H // BLOCK) if along_rows else (E, I // BLOCK, H)
         return cls(alloc((E, I, H // 2), torch.uint8), alloc(scales, torch.uint8), dtype, along_rows)
 
-    def put(self, e: int, w: torch.Tensor) -> None:
-        """Quantize expert e's weights w [I, H] (`quantize_mxfp4`) into place."""
-        q = quantize_mxfp4(w.unsqueeze(0), self.along_rows)
+    def put(self, e: int, w: torch.Tensor, work_device=None) -> None:
+        """Quantize expert e's weights w [I, H] (`quantize_mxfp4`, on `work_device`, default where this lives) into
+        place."""
+        q = quantize_mxfp4(w.unsqueeze(0), self.along_rows, device=work_device or self.device)
         for dst, src in zip(self.parts(), q.parts()):
             dst[e].copy_(src[0])
 
