@@ -217,24 +217,28 @@ if triton is not None:
         r = round_to(round_to(y * c, DT) + round_to((sign * yp) * s, DT), DT)
         res = tl.where(rot, r, y).to(DT)
         tl.store(out_ptr + head * D + cols, res, mask=m)
-        if HAS_BIAS:
-            if head >= HQ:  # value head j + its bias, into out after the q, k (and gate) heads
-                jv = head - HQ
-                vb = tl.load(qkv_ptr + HQ * QW + HKV * D + jv * D + cols, mask=m, other=0.0).to(tl.float32)
-                vb = round_to(vb + tl.load(b_ptr + HQ * QW + HKV * D + jv * D + cols, mask=m, other=0.0), DT)
-                tl.store(out_ptr + (HQ + HKV + (HQ if GATED else 0) + jv) * D + cols, vb.to(DT), mask=m)
+        if HAS_BIAS:  # value head j + its bias (key programs), into out after the q, k (and gate) heads; defined
+            # for every program (masked off for query heads): a value made under a runtime `if` would not reach the
+            # cache write below in a compiled kernel
+            jv = tl.maximum(head - HQ, 0)
+            vm = m & ((cols * 0 + head) >= HQ)
+            vb = tl.load(qkv_ptr + HQ * QW + HKV * D + jv * D + cols, mask=vm, other=0.0).to(tl.float32)
+            vb = round_to(
+                vb + tl.load(b_ptr + HQ * QW + HKV * D + jv * D + cols, mask=vm, other=0.0).to(tl.float32), DT
+            )
+            tl.store(out_ptr + (HQ + HKV + (HQ if GATED else 0) + jv) * D + cols, vb.to(DT), mask=vm)
         if CACHE:
             if head >= HQ:  # key head j: its key and value at the cache position
                 j = (head - HQ).to(tl.int64)
                 pos = tl.load(pos_ptr).to(tl.int64)
-                row = pos % L if RING else pos
-                cm = m & ((cols * 0 + row) < L)  # (a tensor: the interpreter masks with tensors only)
-                tl.store(kc_ptr + j * stride_kh + row * stride_kl + cols, res, mask=cm)
+                at = pos % L if RING else pos  # the cache row written
+                cm = m & ((cols * 0 + at) < L)  # (a tensor: the interpreter masks with tensors only)
+                tl.store(kc_ptr + j * stride_kh + at * stride_kl + cols, res, mask=cm)
                 if HAS_BIAS:
                     vv = vb
                 else:
                     vv = tl.load(qkv_ptr + HQ * QW + HKV * D + j * D + cols, mask=m, other=0.0)
-                tl.store(vc_ptr + j * stride_vh + row * stride_vl + cols, vv.to(vc_ptr.dtype.element_ty), mask=cm)
+                tl.store(vc_ptr + j * stride_vh + at * stride_vl + cols, vv.to(vc_ptr.dtype.element_ty), mask=cm)
                 tl.debug_barrier()  # this program has read the position before the release below
                 if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == HKV - 1:  # every key program has read it
                     tl.store(pos_ptr, (pos + 1).to(pos_ptr.dtype.element_ty))
