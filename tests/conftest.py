@@ -22,6 +22,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import tiny_models  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
 
+if os.environ.get("LOCALMOE_RECORD_LAUNCHES"):  # .ci/run: compile each launch for real GPUs afterwards
+    import launch_recorder
+
+    launch_recorder.install()
+
+    def pytest_sessionfinish(session):
+        launch_recorder.save(os.environ["LOCALMOE_RECORD_LAUNCHES"])
+
+
 FAMILIES = tiny_models.SUPPORTED  # every family localmoe runs (localmoe.models.families.FAMILIES), by key
 
 
