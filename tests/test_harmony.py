@@ -19,6 +19,7 @@ import shutil
 import pytest
 import tiny_harmony
 import tiny_models
+from conftest import repo_id
 from test_tui import replies, sync, type_and_send, wait_for
 
 from localmoe.cli.main import main
@@ -27,6 +28,7 @@ from localmoe.engine.detokenize import Detokenizer
 from localmoe.engine.engine import Engine
 from localmoe.engine.generate import ReplyText
 from localmoe.engine.reasoning import HarmonySplitter, split_harmony
+from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
 from localmoe.tui.app import ChatApp
 from localmoe.tui.history import HistoryStore
@@ -224,3 +226,22 @@ def test_random_gpt_oss_streams_what_its_whole_reply_splits_into(gpt_oss):
     raw = "".join(e.text for e in gpt_oss.generate(prompt, settings, split_reasoning=False))
     assert gpt_oss.stats.generated_tokens == len({e.index for e in events}) > 0
     assert _split(events) == split_harmony(raw, tail) and not any("<|" in e.text for e in events)
+
+
+def test_reasoning_effort_reaches_the_template(harmony, capsys):
+    """--reasoning-effort sets the harmony template's reasoning_effort (default medium); a template without it says
+    the flag does nothing; a value outside low/medium/high is a usage error."""
+    assert "Reasoning: medium" in harmony.tokenizer.decode(harmony.encode_chat(HI))
+    try:
+        assert harmony.set_reasoning_effort("high")
+        assert "Reasoning: high" in harmony.tokenizer.decode(harmony.encode_chat(HI))
+        with pytest.raises(UsageError):
+            harmony.set_reasoning_effort("max")
+    finally:
+        harmony.set_reasoning_effort(None)
+    code, out, err = _run(capsys, "run", REPO, "hi", "--reasoning-effort", "low")
+    assert code == 0 and out == "OK\n"
+    code, _, err = _run(capsys, "run", repo_id("qwen3_moe"), "hi", "--reasoning-effort", "low", "--max-new-tokens", "2")
+    assert code == 0 and "--reasoning-effort does nothing" in err
+    code, _, err = _run(capsys, "run", REPO, "hi", "--reasoning-effort", "max")
+    assert code == 2 and "invalid choice" in err

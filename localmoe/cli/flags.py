@@ -251,3 +251,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         help="a thinking model's reasoning before the answer: --think / --no-think set the chat "
         "template's enable_thinking (default: the template's)",
     )
+    p.add_argument(
+        "--reasoning-effort",
+        choices=("low", "medium", "high"),
+        default=None,
+        help="how long a gpt-oss model reasons before its answer: its chat template's reasoning_effort "
+        "(default: the template's, medium)",
+    )

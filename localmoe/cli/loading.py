@@ -58,7 +58,7 @@ def load_engine(args, progress=None, model: str | None = None):
             bar.end_line()
         say(f"localmoe: note: {text}")
 
-    return Engine.load(
+    engine = Engine.load(
         model or args.model,
         device=args.device,
         dtype=args.dtype,
@@ -74,6 +74,10 @@ def load_engine(args, progress=None, model: str | None = None):
         rank=args.rank,
         show_plan=not getattr(args, "json", False) and isatty(sys.stderr),
     )
+    effort = getattr(args, "reasoning_effort", None)
+    if effort is not None and not engine.set_reasoning_effort(effort) and not quiet:
+        notice("--reasoning-effort does nothing: this model's chat template has no reasoning_effort")
+    return engine
 
 
 def refuse_unsupported(model: str) -> None:

@@ -94,6 +94,7 @@ class Engine:
         self._defaults = generation_defaults(resolved.path) if tokenizer is not None else GenerationSettings()
         # a thinking model: its replies are split into reasoning and answer (reasoning.py)
         self.supports_thinking, self.reasoning_tags = prompts.thinking(tokenizer)
+        self.reasoning_effort: str | None = None  # a harmony template's reasoning_effort; None: the template's
 
     # -- construction (load.py: the signatures and what each step does) ---------------------------------
     load = classmethod(load_engine)  # Engine.load(model, *, device=None, ...): resolve, load and calibrate a model
@@ -187,7 +188,19 @@ class Engine:
         kwargs = {"tools": list(tools)} if tools else {}
         if think is not None and self.supports_thinking:
             kwargs["enable_thinking"] = bool(think)
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
         return prompts.TemplateArgs(self.tokenizer, **kwargs) if kwargs else self.tokenizer
+
+    def set_reasoning_effort(self, effort: str | None) -> bool:
+        """How much a harmony model (gpt-oss) reasons before its answer: "low", "medium" or "high", its chat
+        template's `reasoning_effort` (None: the template's default). False, and nothing set, when the template has
+        no such variable."""
+        if effort is not None and effort not in prompts.EFFORTS:
+            raise UsageError(f"reasoning effort must be one of {', '.join(prompts.EFFORTS)}, got {effort!r}")
+        takes = prompts.takes_effort(self.tokenizer)
+        self.reasoning_effort = effort if takes else None
+        return takes
 
     def encode_chat(
         self, messages: Sequence[Message], think: bool | None = None, tools: Sequence[dict] | None = None

@@ -81,6 +81,17 @@ def stop_ids(tokenizer) -> set[int]:
     return {i for i in (token_id(tokenizer, t) for t in HARMONY_STOPS) if i is not None}
 
 
+EFFORTS = ("low", "medium", "high")  # gpt-oss's reasoning efforts (its template's `reasoning_effort`)
+
+
+def takes_effort(tokenizer) -> bool:
+    """Whether the chat template reads a `reasoning_effort` variable (gpt-oss's harmony template)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return isinstance(template, str) and "reasoning_effort" in template
+
+
 def thinking(tokenizer) -> tuple[bool, tuple[str, str] | None]:
     """(the chat template has the `enable_thinking` switch, the reasoning tags of a thinking model or None; HARMONY
     for a harmony model): a thinking model's replies are split into reasoning and answer (reasoning.py)."""

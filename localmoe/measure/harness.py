@@ -76,6 +76,8 @@ def _lm_class():
                 )
                 text = ""
                 for ev in self.engine.generate(self.engine.encode_raw(context), settings):
+                    if ev.channel != "answer":  # a thinking or harmony model's reasoning is not its answer
+                        continue
                     text += ev.text
                     if any(u in text for u in until):
                         self.engine.cancel()
