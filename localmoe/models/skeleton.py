@@ -38,7 +38,8 @@ def swap_experts(model, text_config) -> dict:
         old = module.experts
         layer = int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name + ".")) else len(swapped)
         if FAMILIES[type(module).__name__].activation == CLAMPED_SWIGLU:  # GPT-OSS: gate_up_proj is [E, H, 2I]
-            swiglu = (float(text_config.swiglu_alpha), float(text_config.swiglu_limit))
+            # the replaced module's own values: transformers before 5.24 fixes alpha (1.702) in GptOssExperts
+            swiglu = (float(old.alpha), float(old.limit))
             new = LocalExperts(old.num_experts, old.hidden_size, old.intermediate_size, "", layer, swiglu=swiglu)
         else:
             E, two_i, H = old.gate_up_proj.shape
