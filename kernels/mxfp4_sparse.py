@@ -3,7 +3,7 @@ up / down rows, optionally offload-aware.
 
 Owns `sparse_mxfp4` (Triton launcher), its torch reference `sparse_mxfp4_ref` and the kernel `_sparse_mxfp4_kernel`,
 grid (T*k, I / BLOCK_I). The structure and modes are kernels/sparse_fused.py's (its ticket tail `last_of_token` /
-`publish_token` and workspace `fused_workspace` are reused); the weights are `Mxfp4Tensor`s (kernels/mxfp4.py):
+`publish_token` and the workspace split `tail_buffers` are reused); the weights are `Mxfp4Tensor`s (kernels/mxfp4.py):
 gate / up blocks [E, I, H/2] + scales [E, I, H/32] along rows, the transposed down blocks [E, I, H/2] + scales
 [E, I/32, H].
 
@@ -42,7 +42,7 @@ import torch
 
 from localmoe.kernels.checks import HostPointer, _on_device
 from localmoe.kernels.mxfp4 import BLOCK, Mxfp4Tensor, dequant_mxfp4_ref
-from localmoe.kernels.sparse_fused import fused_workspace
+from localmoe.kernels.sparse_fused import tail_buffers
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -438,23 +438,7 @@ def sparse_mxfp4(
             out.copy_(residual) if residual is not None else out.zero_()
             count.zero_()
         return out, count
-    need = T * H + T * k + T
-    if accumulate:
-        acc, cws, tick = out, count, count  # no workspace: never read by the kernel
-    else:
-        if workspace is None:
-            workspace = fused_workspace(dev, need)
-        elif (
-            workspace.dtype != torch.int32
-            or workspace.dim() != 1
-            or workspace.numel() < need
-            or not workspace.is_contiguous()
-            or workspace.device != dev
-        ):
-            raise ValueError(f"workspace must be a zeroed contiguous int32 1-D tensor of >= {need} elements on {dev}")
-        acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
-        cws = workspace[T * H : T * H + T * k]
-        tick = workspace[T * H + T * k : need]
+    acc, cws, tick = tail_buffers(out, count, workspace, accumulate, dev, T, H, k)
     cuda = dev.type == "cuda"
 
     def ptr(t):  # host master copies: the launcher gets their (unified) address

@@ -497,6 +497,26 @@ def fused_workspace(device, numel: int = 0) -> torch.Tensor:
     return zeroed_int32("sparse_fused", device, numel, minimum=1 << 14)
 
 
+def tail_buffers(out, count, workspace, accumulate: bool, dev, T: int, H: int, k: int):
+    """(fp32 sums [T*H], counts [T*k], tickets [T]) a launch with the self-cleaning tail adds into: views of the
+    (checked, or the shared) workspace; with `accumulate`, the caller's `out` and `count` (no tickets)."""
+    need = T * H + T * k + T
+    if accumulate:
+        return out, count, count  # no workspace: the tickets are never read
+    if workspace is None:
+        workspace = fused_workspace(dev, need)
+    elif (
+        workspace.dtype != torch.int32
+        or workspace.dim() != 1
+        or workspace.numel() < need
+        or not workspace.is_contiguous()
+        or workspace.device != dev
+    ):
+        raise ValueError(f"workspace must be a zeroed contiguous int32 1-D tensor of >= {need} elements on {dev}")
+    acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
+    return acc, workspace[T * H : T * H + T * k], workspace[T * H + T * k : need]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
@@ -656,23 +676,7 @@ def sparse_fused(
         return out, count
     bi = max(1, min(triton.next_power_of_2(BLOCK_I), triton.next_power_of_2(max(I, I_s))))
     npi = triton.cdiv(max(I, I_s), bi)  # neuron blocks: the grid's second dimension
-    need = T * H + T * k + T
-    if accumulate:
-        acc, cws, tick = out, count, count  # no workspace: never read by the kernel
-    else:
-        if workspace is None:
-            workspace = fused_workspace(dev, need)
-        elif (
-            workspace.dtype != torch.int32
-            or workspace.dim() != 1
-            or workspace.numel() < need
-            or not workspace.is_contiguous()
-            or workspace.device != dev
-        ):
-            raise ValueError(f"workspace must be a zeroed contiguous int32 1-D tensor of >= {need} elements on {dev}")
-        acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
-        cws = workspace[T * H : T * H + T * k]
-        tick = workspace[T * H + T * k : need]
+    acc, cws, tick = tail_buffers(out, count, workspace, accumulate, dev, T, H, k)
     cuda = dev.type == "cuda"
 
     def ptr(w):  # host master copies: the launcher gets their (unified) address
