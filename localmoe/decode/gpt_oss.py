@@ -30,7 +30,7 @@ from torch import nn
 from localmoe.decode.moe_layer import FusedDecoderLayer
 from localmoe.decode.ops import FusedRMSNorm
 from localmoe.decode.sliding import RING, to_ring, to_transformers
-from localmoe.decode.text_model import _OUTPUT_FLAGS, _PASSED, FusedTextModel
+from localmoe.decode.text_model import _OUTPUT_FLAGS, _PASSED, FusedTextModel, full_static_layer
 
 _IMPLS = ("eager", "sdpa", "localmoe_sdpa")  # GPT-OSS runs "eager" (no SDPA sinks); the fused step reads any mask
 _TYPES = {"full_attention", "sliding_attention"}
@@ -117,7 +117,7 @@ class FusedGptOssModel(FusedTextModel):
         n = self.config.num_hidden_layers
         if len(self.layers) < n or not all(isinstance(m, FusedDecoderLayer) for m in self.layers[:n]):
             return None
-        layer = _full_layer(cache, self._full, (ids if ids is not None else embeds).device)
+        layer = full_static_layer(cache, self._full, (ids if ids is not None else embeds).device)
         if layer is None or not self._rings_ok(cache):
             return None
         return (ids if embeds is None else embeds), cache, layer.cumulative_length, layer.keys.shape[2], extra
@@ -157,23 +157,3 @@ class FusedGptOssModel(FusedTextModel):
             )
         h = self.norm(h)  # 1 launch
         return self._out(last_hidden_state=h, **{self._out_cache: cache})
-
-
-def _full_layer(cache, full: int, device):
-    """The cache's full-attention StaticLayer `full` when `cache` is a transformers StaticCache and that layer is
-    initialised with its integer position tensor on `device` (text_model._static_length without its check that
-    transformers reads that tensor: GptOssModel reads a sliding layer's host count); else None."""
-    if type(cache).__name__ != "StaticCache" or type(cache).__module__ != "transformers.cache_utils":
-        return None
-    layers = getattr(cache, "layers", None)
-    if layers is None or full >= len(layers) or type(layers[full]).__name__ != "StaticLayer":
-        return None
-    layer = layers[full]
-    pos, keys = getattr(layer, "cumulative_length", None), getattr(layer, "keys", None)
-    if not (
-        getattr(layer, "is_initialized", False) and isinstance(pos, torch.Tensor) and isinstance(keys, torch.Tensor)
-    ):
-        return None
-    if pos.numel() != 1 or pos.is_floating_point() or pos.device != device or keys.dim() != 4:
-        return None
-    return layer

@@ -202,10 +202,9 @@ def _layer_types(config) -> list[str] | None:
     return types if len(types) == n and set(types) <= {"full_attention", "linear_attention"} else None
 
 
-def _static_length(cache, full: int, device) -> int | None:
-    """L when `cache` is a plain transformers StaticCache whose first full-attention layer (index `full`, the layer
-    transformers sizes the mask and reads the position from) is an initialised StaticLayer with its position tensor
-    on `device`; else None."""
+def full_static_layer(cache, full: int, device):
+    """The full-attention StaticLayer `full` of a plain transformers StaticCache, initialised, with its integer
+    position tensor on `device`; else None."""
     if type(cache).__name__ != "StaticCache" or type(cache).__module__ != "transformers.cache_utils":
         return None
     layers = getattr(cache, "layers", None)
@@ -217,7 +216,16 @@ def _static_length(cache, full: int, device) -> int | None:
         getattr(layer, "is_initialized", False) and isinstance(pos, torch.Tensor) and isinstance(keys, torch.Tensor)
     ):
         return None
-    if pos.numel() != 1 or pos.is_floating_point() or pos.device != device or cache.get_seq_length() is not pos:
+    if pos.numel() != 1 or pos.is_floating_point() or pos.device != device or keys.dim() != 4:
+        return None
+    return layer
+
+
+def _static_length(cache, full: int, device) -> int | None:
+    """L when `cache`'s first full-attention layer (index `full`, the layer transformers sizes the mask and reads the
+    position from) is a `full_static_layer` whose position tensor is the one transformers reads; else None."""
+    layer = full_static_layer(cache, full, device)
+    if layer is None or cache.get_seq_length() is not layer.cumulative_length:
         return None
     L, offset = layer.get_mask_sizes(1)
-    return L if offset == 0 and keys.dim() == 4 and keys.shape[2] == L else None
+    return L if offset == 0 and layer.keys.shape[2] == L else None
