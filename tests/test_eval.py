@@ -56,7 +56,7 @@ def test_eval_takes_a_list_of_expert_formats(capsys):
     text = capsys.readouterr().out
     assert "== --experts full" in text and "== --experts int4" in text
     assert main([*argv, "--experts", "full,int8"]) == 2
-    assert "choose from full, int4, nf4 (comma-separated), got 'int8'" in capsys.readouterr().err
+    assert "choose from full, int4, nf4, mxfp4 (comma-separated), got 'int8'" in capsys.readouterr().err
 
 
 TASK_YAML = """task: localmoe_tiny_choice

@@ -40,7 +40,7 @@ class LoadedModel:
 def int4_hint(loaded: LoadedModel) -> str | None:
     """For offloaded full-precision experts that would all fit the budget in 4 bits: the notice naming the flag."""
     plan, m = loaded.offload, loaded.experts[0]
-    if plan is None or not plan.offloading or m.weights.quantized or isinstance(plan, DepartmentPlan):
+    if plan is None or not plan.offloading or isinstance(plan, DepartmentPlan) or m.weights.quantized:
         return None
     try:
         need = (
