@@ -21,7 +21,7 @@ from localmoe.engine.generate import cache_of
 from localmoe.errors import UsageError
 from localmoe.experts import thresholds
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
-from localmoe.experts.local_experts import GateRecorder
+from localmoe.experts.gate_recorder import GateRecorder
 from localmoe.models.deamoe import DeaMoeConfig, DeaMoeForCausalLM
 from localmoe.models.deamoe.checkpoint import check_checkpoint
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localmoe.experts.local_experts import ExpertWeights, GateRecorder, LocalExperts
+from localmoe.experts.gate_recorder import GateRecorder
+from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

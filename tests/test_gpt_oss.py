@@ -23,8 +23,8 @@ from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import GenerationSettings
-from localmoe.experts.local_experts import sparse_reference
 from localmoe.experts.placement import WORKSPACE_RESERVE
+from localmoe.experts.sparse_reference import sparse_reference
 from localmoe.kernels.mxfp4 import Mxfp4Tensor, dequant_mxfp4_ref, down_t_from_hub
 from localmoe.models.loaded import attach_cache
 from localmoe.models.loader import LoadOptions, load_model

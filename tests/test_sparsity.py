@@ -13,7 +13,8 @@ from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts import thresholds
-from localmoe.experts.local_experts import ExpertWeights, sparse_reference
+from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.sparse_reference import sparse_reference
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "mixtral"])

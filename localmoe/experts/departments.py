@@ -153,7 +153,7 @@ class DepartmentExperts(nn.Module):
         self.sparse_enabled = False
         self.max_sparse_tokens = 1
         self.mask_all_tokens = False  # evaluation: the sparse mask on the dense path too (same function)
-        self.recorder = None  # localmoe.experts.local_experts.GateRecorder during calibration (keyed by department)
+        self.recorder = None  # localmoe.experts.gate_recorder.GateRecorder during calibration (keyed by department)
         self.kernel_on_cpu = False  # tests: the Triton path on CPU tensors (TRITON_INTERPRET=1)
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons (sparse paths), updated in place
         self.seen = torch.zeros((), dtype=torch.int64)  # neurons considered there (a device counter: no host sync)

@@ -44,8 +44,10 @@ from localmoe.experts.clamped_swiglu import (
     gate_pre,
     up_value,
 )
+from localmoe.experts.gate_recorder import GateRecorder
 from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, Int4Tensor, quantize_as
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
+from localmoe.experts.sparse_reference import sparse_reference
 from localmoe.kernels.mxfp4 import Mxfp4Tensor
 from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
 
@@ -96,67 +98,6 @@ class ExpertWeights:
     def dequantized(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down_t) of experts [a, b) as plain tensors [b - a, I, H] (a view when not quantized)."""
         return tuple(t[a:b] for t in (self.w_gate, self.w_up, self.w_down_t))
-
-
-class GateRecorder:
-    """Collects |g| samples of routed experts during calibration (bounded random subsample per layer),
-    with the expert each sample came from, so thresholds can be per layer or per expert."""
-
-    def __init__(self, max_samples: int = 1 << 21, seed: int = 0):
-        self.max_samples = max_samples
-        self.values: list[torch.Tensor] = []
-        self.experts: list[torch.Tensor] = []
-        self.count = 0
-        self.routed: dict[int, int] = {}  # expert -> calibration tokens routed to it (gate-tier placement)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def add(self, g_abs: torch.Tensor, expert: int = 0) -> None:
-        """g_abs [n, I]: |gate activations| of the n tokens routed to `expert`."""
-        self.routed[expert] = self.routed.get(expert, 0) + (g_abs.shape[0] if g_abs.dim() > 1 else 1)
-        v = g_abs.detach().flatten().float().cpu()
-        self.values.append(v)
-        self.experts.append(torch.full((v.numel(),), expert, dtype=torch.int32))
-        self.count += v.numel()
-        self._bound()
-
-    def add_rows(self, g_abs: torch.Tensor, experts: torch.Tensor) -> None:
-        """g_abs [n, I] with its rows' experts [n] in ascending order: the same record as `add` per expert in that
-        order (one host copy instead of one per expert)."""
-        e = experts.to(torch.int64)
-        for ex, c in zip(*(t.tolist() for t in torch.unique_consecutive(e, return_counts=True))):
-            self.routed[ex] = self.routed.get(ex, 0) + c
-        v = g_abs.detach().flatten().float().cpu()
-        self.values.append(v)
-        self.experts.append(e.repeat_interleave(g_abs.shape[1]).to(torch.int32).cpu())
-        self.count += v.numel()
-        self._bound()
-
-    def _bound(self) -> None:
-        if sum(c.numel() for c in self.values) > 2 * self.max_samples:
-            allv, alle = torch.cat(self.values), torch.cat(self.experts)
-            keep = torch.randperm(allv.numel(), generator=self.gen)[: self.max_samples]
-            self.values, self.experts = [allv[keep]], [alle[keep]]
-
-    @staticmethod
-    def _q(v: torch.Tensor, q: float) -> float:
-        if q <= 0.0 or v.numel() == 0:
-            return 0.0
-        kth = max(1, min(v.numel(), int(round(q * v.numel()))))
-        return float(torch.kthvalue(v, kth).values)
-
-    def quantile(self, q: float) -> float:
-        return self._q(torch.cat(self.values) if self.values else torch.zeros(0), q)
-
-    def expert_quantiles(self, q: float, num_experts: int, min_samples: int = 256) -> list[float]:
-        """Per-expert S-quantiles; experts seen too rarely fall back to the layer's."""
-        allv = torch.cat(self.values) if self.values else torch.zeros(0)
-        alle = torch.cat(self.experts) if self.experts else torch.zeros(0, dtype=torch.int32)
-        layer = self._q(allv, q)
-        out = []
-        for e in range(num_experts):
-            v = allv[alle == e]
-            out.append(self._q(v, q) if v.numel() >= min_samples else layer)
-        return out
 
 
 class LocalExperts(nn.Module):
@@ -653,34 +594,3 @@ def _tail_kw(tail) -> dict:
         return {}
     kw = {"shared": tail.shared, "residual": tail.residual}
     return kw if tail.workspace is None else {**kw, "workspace": tail.workspace}
-
-
-def sparse_reference(
-    x, w: ExpertWeights, top_k_index, top_k_weights, tau, act_fn, *, biases=None, experts=None, up_fn=None
-):
-    """Torch reference of the sparse path; reads only the kept rows of W_up and W_down_t.
-
-    x [T,H], top_k_index/top_k_weights [T,k], tau [E] -> (y [T,H] fp32, kept neuron count as a 0-d tensor).
-    GPT-OSS: `biases` (ExpertBiases, indexed by `experts` [T,k], default top_k_index) and `up_fn` (the up
-    projection's clamp and + 1); the down bias is added whatever is kept. A 4-bit stack's expert is dequantized whole
-    (`w.w_up[e]`), then its kept rows taken: the same values the kernels read row by row."""
-    T, k = top_k_index.shape
-    y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    kept_total = torch.zeros((), dtype=torch.int64, device=x.device)
-    experts = top_k_index if experts is None else experts
-    for t in range(T):
-        xt = x[t]
-        for j in range(k):
-            e, be = int(top_k_index[t, j]), int(experts[t, j])
-            g = act_fn(gate_pre(w.w_gate[e] @ xt, biases, be))  # [I]
-            keep = (g.abs() >= tau[e]).nonzero().squeeze(1)  # kept neuron ids, ascending
-            kept_total += keep.numel()
-            if keep.numel() == 0 and biases is None:
-                continue
-            u = w.w_up[e].index_select(0, keep) @ xt  # [n_kept]
-            if biases is not None:
-                u = u + biases.up[be].index_select(0, keep)
-            h = g[keep] * (u if up_fn is None else up_fn(u))
-            out = down_out(h @ w.w_down_t[e].index_select(0, keep), biases, be)  # [H]
-            y[t] += (top_k_weights[t, j].float() * out).float()
-    return y, kept_total

@@ -32,7 +32,7 @@ import torch
 from localmoe import __version__
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import ProgressFn
-from localmoe.experts.local_experts import GateRecorder
+from localmoe.experts.gate_recorder import GateRecorder
 from localmoe.paths import cache_root, slug
 from localmoe.safe_text import for_line
 
