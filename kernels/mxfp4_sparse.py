@@ -49,7 +49,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-    from localmoe.kernels.sparse_fused import last_of_token, publish_token
+    from localmoe.kernels.sparse_fused import last_of_token, publish_token, publish_totals
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
     tl = None
@@ -291,22 +291,10 @@ if triton is not None:
                 cnt = publish_token(
                     acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask, H, H_P2, K_P2, HAS_RES
                 )
-                kk = tl.arange(0, K_P2)
-                km = kk < K
-                crow = t.to(tl.int64) * K + kk
-                if KEPT_TOTAL:
-                    tl.atomic_add(kept_ptr, tl.sum(cnt.to(tl.int64), axis=0), sem="relaxed")
-                if HOST_ROWS:  # absent experts: all gate rows + the kept up and down rows crossed PCIe
-                    ee = tl.load(eid_ptr + crow, mask=km, other=0).to(tl.int64)
-                    absent = km & (tl.load(slot_ptr + ee, mask=km, other=0) < 0)
-                    if GATE_TABLE:
-                        g_absent = km & (tl.load(gslot_ptr + ee, mask=km, other=0) < 0)
-                        hr = tl.where(g_absent, I, 0).to(tl.int64) + tl.where(absent, 2 * cnt, 0).to(tl.int64)
-                    else:
-                        hr = tl.where(absent, I + 2 * cnt, 0).to(tl.int64)
-                    tl.atomic_add(host_ptr, tl.sum(hr, axis=0), sem="relaxed")
-                if READ_ROWS:  # every routed expert: I gate rows + 2 per kept neuron, wherever they live
-                    tl.atomic_add(rows_ptr, tl.sum(tl.where(km, I + 2 * cnt, 0).to(tl.int64), axis=0), sem="relaxed")
+                publish_totals(
+                    cnt, t, K, I, eid_ptr, slot_ptr, gslot_ptr, kept_ptr, host_ptr, rows_ptr,
+                    K_P2, KEPT_TOTAL, HOST_ROWS, GATE_TABLE, READ_ROWS,
+                )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -193,6 +193,44 @@ if triton is not None:
         return c
 
     @triton.jit
+    def publish_totals(
+        c,
+        t,
+        K,
+        I,
+        eid_ptr,
+        slot_ptr,
+        gslot_ptr,
+        kept_ptr,
+        host_ptr,
+        rows_ptr,
+        K_P2: tl.constexpr,
+        KEPT_TOTAL: tl.constexpr,
+        HOST_ROWS: tl.constexpr,
+        GATE_TABLE: tl.constexpr,
+        READ_ROWS: tl.constexpr,
+    ):
+        """The last program of token t adds its k kept counts `c` [K_P2] to the running totals the stats read (one
+        atomic each, no extra launch): kept neurons; rows read from host memory (an absent expert's gate rows and its
+        kept up and down rows); rows read wherever they live (I gate rows + 2 per kept neuron)."""
+        kk = tl.arange(0, K_P2)
+        km = kk < K
+        crow = t.to(tl.int64) * K + kk
+        if KEPT_TOTAL:
+            tl.atomic_add(kept_ptr, tl.sum(c.to(tl.int64), axis=0), sem="relaxed")
+        if HOST_ROWS:
+            ee = tl.load(eid_ptr + crow, mask=km, other=0).to(tl.int64)
+            absent = km & (tl.load(slot_ptr + ee, mask=km, other=0) < 0)
+            if GATE_TABLE:
+                g_absent = km & (tl.load(gslot_ptr + ee, mask=km, other=0) < 0)
+                hr = tl.where(g_absent, I, 0).to(tl.int64) + tl.where(absent, 2 * c, 0).to(tl.int64)
+            else:
+                hr = tl.where(absent, I + 2 * c, 0).to(tl.int64)
+            tl.atomic_add(host_ptr, tl.sum(hr, axis=0), sem="relaxed")
+        if READ_ROWS:
+            tl.atomic_add(rows_ptr, tl.sum(tl.where(km, I + 2 * c, 0).to(tl.int64), axis=0), sem="relaxed")
+
+    @triton.jit
     def int4_values(p, code_ptr, NF4: tl.constexpr):
         """Packed bytes p (uint8, any shape) -> the values of their even and odd elements in fp32: int4 q[2j] (low
         nibble), q[2j + 1] (high); NF4 (bitsandbytes: high nibble first) code[hi], code[lo] from the 16-entry
@@ -466,23 +504,11 @@ if triton is not None:
                     K_P2=K_P2,
                     HAS_RES=HAS_RES,
                 )
-                kk = tl.arange(0, K_P2)
-                km = kk < K
-                crow = t.to(tl.int64) * K + kk
                 # ---- running totals for stats, one atomic per token (no extra launch in the step) ----
-                if KEPT_TOTAL:
-                    tl.atomic_add(kept_ptr, tl.sum(c.to(tl.int64), axis=0), sem="relaxed")
-                if HOST_ROWS:  # absent experts: all gate rows + the kept up and down rows crossed PCIe
-                    ee = tl.load(eid_ptr + crow, mask=km, other=0).to(tl.int64)
-                    absent = km & (tl.load(slot_ptr + ee, mask=km, other=0) < 0)
-                    if GATE_TABLE:
-                        g_absent = km & (tl.load(gslot_ptr + ee, mask=km, other=0) < 0)
-                        hr = tl.where(g_absent, I, 0).to(tl.int64) + tl.where(absent, 2 * c, 0).to(tl.int64)
-                    else:
-                        hr = tl.where(absent, I + 2 * c, 0).to(tl.int64)
-                    tl.atomic_add(host_ptr, tl.sum(hr, axis=0), sem="relaxed")
-                if READ_ROWS:  # every routed expert: I gate rows + 2 per kept neuron, wherever they live
-                    tl.atomic_add(rows_ptr, tl.sum(tl.where(km, I + 2 * c, 0).to(tl.int64), axis=0), sem="relaxed")
+                publish_totals(
+                    c, t, K, I, eid_ptr, slot_ptr, gslot_ptr, kept_ptr, host_ptr, rows_ptr,
+                    K_P2, KEPT_TOTAL, HOST_ROWS, GATE_TABLE, READ_ROWS,
+                )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
