@@ -27,12 +27,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from localmoe.decode.moe_layer import FusedDecoderLayer
 from localmoe.decode.ops import FusedRMSNorm
 from localmoe.decode.sliding import RING, to_ring, to_transformers
-from localmoe.decode.text_model import _OUTPUT_FLAGS, _PASSED, FusedTextModel, full_static_layer
+from localmoe.decode.text_model import FusedTextModel, full_static_layer
 
-_IMPLS = ("eager", "sdpa", "localmoe_sdpa")  # GPT-OSS runs "eager" (no SDPA sinks); the fused step reads any mask
 _TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -89,38 +87,14 @@ class FusedGptOssModel(FusedTextModel):
         finally:
             to_ring(cache)
 
-    def _step_inputs(self, args, kwargs):
-        """As FusedTextModel's: (input_ids [1, 1] or inputs_embeds [1, 1, H], cache, position [], L, kwargs), the
-        position the first full-attention layer's tensor, every sliding layer a ring; else None."""
-        try:
-            a = self._sig.bind(*args, **kwargs).arguments
-        except TypeError:
-            return None
-        extra = dict(a.pop("kwargs", {}))
-        cache = a.pop(self._cache_kw, None)
-        if cache is None and self._cache_kw == "cache":
-            cache = extra.pop("past_key_values", None)
-        ids, embeds = a.pop("input_ids", None), a.pop("inputs_embeds", None)
-        if a.pop("use_cache", None) is not True or any(v is not None for v in a.values()):
-            return None
-        if self.training or self._out is None or self._full is None or not set(extra) <= _PASSED:
-            return None
-        if any(extra.get(k, getattr(self.config, k, False)) for k in _OUTPUT_FLAGS):
-            return None
-        if not getattr(self.config, "return_dict", True) or not self._shapes_ok(ids, embeds):
-            return None
-        rope = getattr(self.rotary_emb, "rope_type", None)
-        if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope":
-            return None
-        if getattr(self.config, "_attn_implementation", None) not in _IMPLS:
-            return None
-        n = self.config.num_hidden_layers
-        if len(self.layers) < n or not all(isinstance(m, FusedDecoderLayer) for m in self.layers[:n]):
-            return None
-        layer = full_static_layer(cache, self._full, (ids if ids is not None else embeds).device)
+    implementations = ("eager", "sdpa", "localmoe_sdpa")  # GPT-OSS runs "eager" (no SDPA sinks); any mask is read
+
+    def _step_cache(self, cache, device):
+        """(the first full-attention layer's position tensor, L) when every sliding layer is a ring; else None."""
+        layer = full_static_layer(cache, self._full, device)
         if layer is None or not self._rings_ok(cache):
             return None
-        return (ids if embeds is None else embeds), cache, layer.cumulative_length, layer.keys.shape[2], extra
+        return layer.cumulative_length, layer.keys.shape[2]
 
     def _rings_ok(self, cache) -> bool:
         """Every sliding layer of the cache a ring of one width W <= L (`sliding.RING`)."""

@@ -100,6 +100,8 @@ class FusedTextModel(nn.Module):
         if hf is not None and isinstance(value, nn.Module) and name in hf._modules:
             setattr(hf, name, value)  # a child swapped after install (the fused final norm): the original's slot too
 
+    implementations = _CORES  # the attention implementations the fused step runs under
+
     def forward(self, *args, **kwargs):
         step = self._step_inputs(args, kwargs)
         if step is None:
@@ -129,16 +131,20 @@ class FusedTextModel(nn.Module):
         rope = getattr(self.rotary_emb, "rope_type", None)
         if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope":
             return None  # the angles depend on more than the position (transformers' dynamic_rope_update)
-        if getattr(self.config, "_attn_implementation", None) not in _CORES:
+        if getattr(self.config, "_attn_implementation", None) not in self.implementations:
             return None
         n = self.config.num_hidden_layers
         if len(self.layers) < n or not all(isinstance(m, FusedDecoderLayer) for m in self.layers[:n]):
             return None
-        device = (ids if ids is not None else embeds).device
-        L = _static_length(cache, self._full, device)
-        if L is None:
+        found = self._step_cache(cache, (ids if ids is not None else embeds).device)
+        if found is None:
             return None
-        return (ids if embeds is None else embeds), cache, cache.get_seq_length(), L, extra
+        return (ids if embeds is None else embeds), cache, *found, extra
+
+    def _step_cache(self, cache, device):
+        """(the position tensor [], L) of the StaticCache the step decodes into; None when it is not one."""
+        L = _static_length(cache, self._full, device)
+        return None if L is None else (cache.get_seq_length(), L)
 
     def _shapes_ok(self, ids, embeds) -> bool:
         if (ids is None) == (embeds is None):
