@@ -47,7 +47,12 @@ for fam in tiny_models.SUPPORTED:
         fused = f"{replacements.installed(e.model)}{'+text' if text else ''}"
         from transformers import AutoModelForCausalLM
 
-        ref_model = AutoModelForCausalLM.from_pretrained(snap, dtype=torch.float32).cuda()
+        kw = {}
+        if fam == "gpt_oss":  # transformers' MXFP4 kernels (a hub download) are not here: its dequantized experts
+            from transformers import Mxfp4Config
+
+            kw["quantization_config"] = Mxfp4Config(dequantize=True)
+        ref_model = AutoModelForCausalLM.from_pretrained(snap, dtype=torch.float32, **kw).cuda()
         x = torch.tensor([ids], device="cuda")
         out = ref_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24)[
             0, len(ids) :
