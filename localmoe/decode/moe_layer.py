@@ -325,6 +325,9 @@ class FusedDecoderLayer(nn.Module):
         a = self._sig.bind(hidden_states, *args, **kwargs).arguments
         extra = dict(a.pop(self._var_kw, {})) if self._var_kw else {}
         cache = a.get(self._cache_kw)
+        for name in ("cache", "past_key_values"):  # the model may pass the other name (transformers 5.17's GPT-OSS)
+            other = extra.pop(name, None)
+            cache = other if cache is None else cache
         self.decode_calls += 1
         if isinstance(getattr(self, "linear_attn", None), FusedGatedDeltaNet):  # the input norm inside its GEMV
             h = self.linear_attn(
