@@ -84,6 +84,14 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="(default: bfloat16 on GPU, float32 on CPU)",
     )
+    p.add_argument(
+        "--embeddings",
+        choices=["gpu", "host"],
+        default=None,
+        help="where the input token embedding table lives: host = pinned host memory, read one row per token by "
+        "the GPU (its VRAM goes to the expert cache; a table tied to lm_head stays in VRAM), gpu = in VRAM "
+        "(default: host)",
+    )
 
 
 def add_vram_flag(p: argparse.ArgumentParser, text: str) -> None:

@@ -69,6 +69,7 @@ def load_engine(args, progress=None, model: str | None = None):
         context=args.context,
         on_notice=None if quiet else notice,
         host_storage=args.host_storage,
+        embeddings=args.embeddings,
         experts=args.experts,
         departments=args.departments,
         rank=args.rank,

@@ -35,6 +35,7 @@ def cmd_calibrate(args) -> int:
         sparsity=0.0,
         progress=bar,
         experts=args.experts,
+        embeddings=args.embeddings,
         on_notice=notice,
         show_plan=False,
     )
@@ -106,7 +107,13 @@ def cmd_eval(args) -> int:
 
     def measure(fmt: str):
         engine = Engine.load(
-            args.model, device=args.device, dtype=args.dtype, sparsity=0.0, progress=stderr_progress(), experts=fmt
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            sparsity=0.0,
+            progress=stderr_progress(),
+            experts=fmt,
+            embeddings=args.embeddings,
         )
         if args.tasks:
             from localmoe.measure.harness import run_tasks
@@ -164,6 +171,7 @@ def cmd_bench(args) -> int:
             repetition_penalty=args.repeat_penalty,
             departments=args.departments,
             rank=args.rank,
+            embeddings=args.embeddings,
         )
         return result, table(result)
 

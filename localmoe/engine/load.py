@@ -42,6 +42,7 @@ def load_engine(
     offload_miss: str = "auto",
     host_storage: str = "auto",
     experts: str = "full",
+    embeddings: str | None = None,
     show_plan: bool = False,
     departments: int = 0,
     rank: int | None = None,
@@ -69,6 +70,7 @@ def load_engine(
             host_storage=host_storage,
             store_key=(resolved.name, resolved.revision),
             experts_format=experts,
+            embeddings=embeddings or "auto",  # "host" / "gpu"; None: host memory on CUDA (models/host_embedding.py)
         )
         loaded = load_model(resolved.path, device=dev, dtype=dt, options=options, progress=progress, on_notice=notice)
     except torch.OutOfMemoryError:
@@ -106,6 +108,7 @@ def random_engine(
     offload_miss: str = "auto",
     routing: str = "uniform",
     experts: str = "full",
+    embeddings: str | None = None,
 ):
     """A random-weight engine with a registry model's real config (for `bench --shape`); `routing` as in
     `random_weights.build_random`."""
@@ -117,6 +120,7 @@ def random_engine(
         fused=fused,
         offload_miss=offload_miss,
         experts_format=experts,
+        embeddings=embeddings or "auto",
     )
     loaded = build_random(config, device=device, dtype=dtype, options=options, routing=routing, on_notice=on_notice)
     spec = load_registry().get(shape)

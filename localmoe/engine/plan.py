@@ -5,7 +5,8 @@ form (`ModelPlan.line`) as they load.
 The numbers come from the code that loads models, not from a second model of it: the transformers skeleton on the
 meta device with localmoe's experts swapped in (`models.skeleton.build_skeleton` / `swap_experts`, as
 `models.random_weights` builds a bench model), the offload plan of `models.offload.plan_offload` /
-`experts.placement` (what stays resident, expert slots, the gates-first split of direct misses), and the byte floor
+`experts.placement` (what stays resident, expert slots, the gates-first split of direct misses; an untied input
+embedding table in host memory, `models.host_embedding`, as a GPU load puts it by default), and the byte floor
 `measure.benchmark.step_bytes` reports (`step_floor`).
 
 Shape legend: E experts per MoE layer, I expert width, H hidden, k experts per token, L MoE layers.
@@ -22,7 +23,7 @@ from localmoe.experts.department_placement import DepartmentPlan
 from localmoe.experts.int4 import expert_bytes
 from localmoe.experts.int4 import expert_bytes as int4_bytes
 from localmoe.experts.placement import WORKSPACE_RESERVE, gate_tier_split, state_bytes
-from localmoe.models import hub
+from localmoe.models import host_embedding, hub
 from localmoe.models.checkpoint import read_config
 from localmoe.models.families import FAMILIES, family_for_model_type
 from localmoe.models.loader import check_format, format_for
@@ -173,6 +174,7 @@ class ModelPlan:
     source: str = ""  # where the config came from (hub.ConfigSource.how), for show
     repo: str | None = None
     sampling: dict = field(default_factory=dict)  # the checkpoint's sampling defaults (show)
+    host_embedding_bytes: int = 0  # the input embedding table in host memory (--embeddings host): no VRAM
 
     @property
     def total_expert_bytes(self) -> int:
@@ -180,9 +182,10 @@ class ModelPlan:
 
     @property
     def all_resident_bytes(self) -> int:
-        """VRAM that keeps everything resident: non-expert weights, KV/state, workspace and every expert."""
-
-        return int(self.facts.non_expert_bytes + self.state_bytes + WORKSPACE_RESERVE + self.total_expert_bytes)
+        """VRAM that keeps everything resident: non-expert weights (but a host-resident embedding table), KV/state,
+        workspace and every expert."""
+        non_expert = self.facts.non_expert_bytes - self.host_embedding_bytes
+        return int(non_expert + self.state_bytes + WORKSPACE_RESERVE + self.total_expert_bytes)
 
     def vram(self) -> dict | None:
         """The plan at the budget, in numbers (None without a budget)."""
@@ -198,6 +201,7 @@ class ModelPlan:
             "workspace_bytes": int(WORKSPACE_RESERVE),
             "expert_bytes": self.expert_bytes,
             "experts_total": self.facts.moe_layers * self.facts.experts,
+            "host_embedding_bytes": self.host_embedding_bytes,
         }
         p = self.offload
         if p is None:
@@ -232,13 +236,16 @@ class ModelPlan:
     def vram_text(self) -> str:
         """The plan at the budget, one clause."""
         gib = lambda b: f"{b / GiB:.2f} GiB" if b >= GiB / 10 else f"{b / (1 << 20):.1f} MiB"  # noqa: E731
+        on_host = (
+            f"; token embeddings {gib(self.host_embedding_bytes)} in host memory" if self.host_embedding_bytes else ""
+        )
         if self.budget_bytes is None:
             weights = gib(self.facts.non_expert_bytes + self.total_expert_bytes)
             if self.device == "cpu":
                 return f"on the CPU: {weights} of weights in host memory"
             return (
-                f"all resident needs {gib(self.all_resident_bytes)} of VRAM ({weights} of weights); no GPU here: "
-                "--vram GiB plans for a card"
+                f"all resident needs {gib(self.all_resident_bytes)} of VRAM ({weights} of weights{on_host}); no GPU "
+                "here: --vram GiB plans for a card"
             )
         head = f"at {gib(self.budget_bytes)} of VRAM"
         if self.error:
@@ -248,6 +255,11 @@ class ModelPlan:
             f"non-expert weights {gib(p.non_expert_bytes)}"
             + (f" ({gib(p.non_expert_gpu_bytes)} of them on the GPU)" if p.spills else "")
             + f" + KV/state {gib(p.state_bytes)} resident"
+            + (
+                f" (token embeddings {gib(self.host_embedding_bytes)} in host memory)"
+                if self.host_embedding_bytes
+                else ""
+            )
         )
         if not p.offloading:
             return f"{head}: {resident}, all {p.total_experts} experts too ({gib(self.total_expert_bytes)})"
@@ -354,10 +366,19 @@ def _finish(plan: ModelPlan, element_bytes: float) -> ModelPlan:
 
 
 def from_config(
-    name: str, text_config, *, budget_bytes: int | None, context: int, dtype, experts_format: str, sparsity: float
+    name: str,
+    text_config,
+    *,
+    budget_bytes: int | None,
+    context: int,
+    dtype,
+    experts_format: str,
+    sparsity: float,
+    embeddings: str = "host",
 ) -> ModelPlan:
     """The plan of a model from its text config: the skeleton built on the meta device (no weights), the loader's
-    offload plan at `budget_bytes` (None: no GPU). A budget too small is reported in `error`, not raised."""
+    offload plan at `budget_bytes` (None: no GPU) for a GPU load, whose untied input embedding table lives in host
+    memory unless `embeddings` is "gpu". A budget too small is reported in `error`, not raised."""
     import torch
 
     check_format(experts_format)
@@ -367,6 +388,8 @@ def from_config(
         raise UsageError(spec.no_int4)
     model = build_skeleton(text_config, dtype)
     experts = swap_experts(model, text_config)
+    if embeddings != "gpu":
+        host_embedding.install(model, text_config)  # the skeleton as a GPU load builds it (models/offload.py)
     f = facts(model, text_config, list(experts.values()))
     el = torch.finfo(dtype).bits // 8
     try:
@@ -388,6 +411,7 @@ def from_config(
         expert_bytes=one,
         budget_bytes=budget_bytes,
         state_bytes=state_bytes(text_config, context, dtype),
+        host_embedding_bytes=host_embedding.host_bytes(model, el),
     )
     if budget_bytes is not None:
         try:
@@ -417,6 +441,7 @@ def engine_plan(engine, sparsity: float) -> ModelPlan:
         offload=p,
         device=engine._device.type,
         state_bytes=p.state_bytes if p is not None else state_bytes(loaded.config, engine.context, engine.dtype),
+        host_embedding_bytes=host_embedding.host_bytes(engine.model),
     )
     el = m0.weights.w_gate.element_size() if m0.weights is not None else 2
     m = f.expert_width * f.hidden * el  # Int4Tensor.element_size: bytes per weight, scales included

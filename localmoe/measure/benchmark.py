@@ -289,6 +289,7 @@ def bench(
     repetition_penalty: float | None = None,
     departments: int = 0,
     rank: int | None = None,
+    embeddings: str | None = None,
 ) -> dict:
 
     if routing != "uniform" and not shape:
@@ -319,6 +320,7 @@ def bench(
             offload_miss=offload_miss,
             routing=routing,
             experts=experts,
+            embeddings=embeddings,
         )
     else:
         engine = Engine.load(
@@ -333,6 +335,7 @@ def bench(
             fused=fused,
             offload_miss=offload_miss,
             experts=experts,
+            embeddings=embeddings,
         )
     if departments:  # the gate predictor on the sparse rows (fitted on the calibration text when they calibrate)
         engine.set_departments(departments, rank)

@@ -7,11 +7,13 @@ checkpoint.check_native    a family of localmoe's own (DeaMoE): its tensors chec
 skeleton.build             the transformers model on the meta device (buffers real), each MoE block's `experts`
                            replaced by a parameter-free `LocalExperts` (families.FAMILIES; DeaMoE's
                            DepartmentExperts kept)
-offload.plan_placement     the VRAM plan for the budget, the non-expert units that spill to host memory
+offload.plan_placement     the token embeddings' place (pinned host memory on CUDA unless tied: host_embedding.py),
+                           the VRAM plan for the budget, the non-expert units that spill to host memory
 offload.expert_store       where offloaded experts' master copies live (host memory or memory-mapped files)
 weights.load_weights       every tensor streamed from the safetensors shards to where it lives, experts expert by
                            expert into localmoe's store (host memory never holds two copies of the weights)
-install_decode             localmoe's decode modules (decode/replacements.py), accelerate's hooks for spilled units
+install_decode             the host embedding table pinned, localmoe's decode modules (decode/replacements.py),
+                           accelerate's hooks for spilled units
 loaded.attach_cache        the GPU expert cache in front of offloaded experts' host copies
 """
 
@@ -26,10 +28,10 @@ from localmoe.decode import replacements
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts.int4 import EXPERT_FORMATS
-from localmoe.models import bnb, gpt_oss_weights
+from localmoe.models import bnb, gpt_oss_weights, host_embedding
 from localmoe.models.checkpoint import check_native, check_tokenizer, read_config, shard_files
 from localmoe.models.loaded import LoadedModel, attach_cache
-from localmoe.models.offload import HOST_STORAGE, dispatch_spilled, expert_store, plan_placement
+from localmoe.models.offload import EMBEDDINGS, HOST_STORAGE, dispatch_spilled, expert_store, plan_placement
 from localmoe.models.skeleton import build
 from localmoe.models.weights import load_weights
 
@@ -41,7 +43,9 @@ class LoadOptions:
     ("auto", "direct", "copy", "cpu"); `host_storage` where offloaded experts' master copies live ("auto", "pinned",
     "mmap": memory-mapped files keyed by `store_key` = (model name, revision)); `experts_format` "full", "int4" or
     "nf4" (each layer's routed experts quantized on the device as they load), or "mxfp4" (a gpt-oss checkpoint's
-    own, read in place; "full" means it too for such a checkpoint)."""
+    own, read in place; "full" means it too for such a checkpoint); `embeddings` where the input embedding table
+    lives ("auto": pinned host memory on CUDA, as "host" does on any device, unless tied to lm_head; "gpu": with
+    the other non-expert weights)."""
 
     vram_bytes: int | None = None
     context: int = 8192
@@ -50,10 +54,13 @@ class LoadOptions:
     host_storage: str = "auto"
     store_key: tuple[str, str] | None = None
     experts_format: str = "full"
+    embeddings: str = "auto"
 
     def check(self) -> None:
         if self.host_storage not in HOST_STORAGE:
             raise UsageError(f"host storage must be one of {', '.join(HOST_STORAGE)}, got {self.host_storage!r}")
+        if self.embeddings not in EMBEDDINGS:
+            raise UsageError(f"--embeddings must be one of gpu, host, got {self.embeddings!r}")
         check_format(self.experts_format)
 
 
@@ -119,7 +126,7 @@ def load_model(
         experts_format=options.experts_format,
         progress=progress,
     )
-    install_decode(model, placed.dmap, device, options.fused)
+    install_decode(model, placed.dmap, device, options.fused, on_notice)
     loaded = LoadedModel(
         model=model, config=text_config, family=fam, experts=list(experts.values()), offload=placed.budget
     )
@@ -129,13 +136,16 @@ def load_model(
     return loaded
 
 
-def install_decode(model, dmap: dict[str, torch.device], device: torch.device, fused: bool) -> None:
-    """The loaded model made ready to run: in eval mode without gradients; localmoe's fused decode modules
+def install_decode(model, dmap: dict[str, torch.device], device: torch.device, fused: bool, on_notice=None) -> None:
+    """The loaded model made ready to run: in eval mode without gradients; a host-resident embedding table pinned
+    (on the GPU instead, with a notice, when pinning fails); localmoe's fused decode modules
     (decode/replacements.py: RMSNorm, Gated DeltaNet step, router + shared expert) replace transformers' on CUDA
     (default; `--no-fused` opts out) after loading, since loading puts new Parameter objects on them, unless units
     spill (their weights come and go with accelerate's hooks: transformers' modules); then the spilled units' hooks."""
     model.eval()
     model.requires_grad_(False)
+    if not host_embedding.pin(model, device) and on_notice:
+        on_notice("pinned host memory is short: the token embeddings went to VRAM after all (--embeddings gpu)")
     if fused and not dmap:
         replacements.install(model, device)
     dispatch_spilled(model, dmap, device)

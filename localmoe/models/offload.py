@@ -1,7 +1,9 @@
-"""Where a model's weights go before any is read: the VRAM plan for a budget (`plan_offload`, experts/placement.py),
-which non-expert units spill to host memory (accelerate's device map) and the hooks that run them, where buffers
-live, and where offloaded experts' master copies live (pinned or pageable host memory, or memory-mapped files:
-experts/store.py). `plan_placement` is the loader's and random_weights' one step for all of it.
+"""Where a model's weights go before any is read: the token embeddings (host memory on CUDA unless tied:
+models/host_embedding.py, `--embeddings`), the VRAM plan for a budget (`plan_offload`, experts/placement.py; a
+host-resident embedding table counts as host bytes), which non-expert units spill to host memory (accelerate's
+device map) and the hooks that run them, where buffers live, and where offloaded experts' master copies live
+(pinned or pageable host memory, or memory-mapped files: experts/store.py). `plan_placement` is the loader's and
+random_weights' one step for all of it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import torch
 from localmoe.errors import UsageError
 from localmoe.experts import department_placement, placement, store
 from localmoe.experts.int4 import expert_bytes as int4_expert_bytes
+from localmoe.models import host_embedding
 from localmoe.models.skeleton import units
 
 HOST_STORAGE = ("auto", "pinned", "mmap")
+# where the input embedding table lives: "auto" host memory on CUDA (the CPU: unchanged), "host" host memory on any
+# device, "gpu" with the rest of the non-expert weights (a tied table always: it is lm_head's weight too)
+EMBEDDINGS = ("auto", "host", "gpu")
 
 
 @dataclass
@@ -28,6 +34,7 @@ class Placement:
     dmap: dict[str, torch.device]
     pinned: list[bool] = field(default_factory=list)
     host_params: tuple[str, ...] = ()  # offloaded DeaMoE: the experts modules whose parameters load to host memory
+    host_embedding: str = ""  # the HostEmbedding module's name when the token embeddings live in host memory
 
     @property
     def host(self) -> bool:
@@ -36,8 +43,11 @@ class Placement:
 
     def device_for(self, name: str, device: torch.device) -> torch.device:
         """Where parameter `name` loads: host memory for an offloaded DeaMoE experts module's (the department
-        cache's master copies), else its unit's device under the device map."""
+        cache's master copies) and for the host-resident embedding table, else its unit's device under the device
+        map."""
         if any(name.startswith(prefix + ".") for prefix in self.host_params):
+            return torch.device("cpu")
+        if self.host_embedding and name.startswith(self.host_embedding + "."):
             return torch.device("cpu")
         return device_of(name, self.dmap, device)
 
@@ -45,7 +55,9 @@ class Placement:
 def plan_placement(
     model, text_config, experts: dict, device: torch.device, dtype, options, on_notice=None
 ) -> Placement:
-    """The VRAM plan for `options.vram_bytes` (none without a budget) and the non-expert units' places."""
+    """The token embeddings' place (`embeddings_to_host`), the VRAM plan for `options.vram_bytes` (none without a
+    budget) and the non-expert units' places."""
+    emb = embeddings_to_host(model, text_config, device, dtype, options.embeddings, on_notice)
     budget = (
         plan_offload(
             model,
@@ -62,7 +74,28 @@ def plan_placement(
     )
     dmap = place_non_experts(model, budget, device, dtype)
     host = tuple(experts) if isinstance(budget, department_placement.DepartmentPlan) and budget.offloading else ()
-    return Placement(budget, dmap, [device.type == "cuda"], host)
+    return Placement(budget, dmap, [device.type == "cuda"], host, emb or "")
+
+
+def embeddings_to_host(model, text_config, device: torch.device, dtype, embeddings: str, on_notice=None) -> str | None:
+    """The input embedding swapped for a HostEmbedding on the skeleton when `embeddings` asks for host memory
+    ("auto": on CUDA; "host": any device) and it is not tied to lm_head -> its module name, else None. On CUDA a
+    notice says where the table went (or, asked for explicitly, why it stays on the GPU)."""
+    if embeddings == "gpu" or (embeddings == "auto" and device.type != "cuda"):
+        return None
+    reason = host_embedding.keep_reason(model, text_config)
+    if reason is not None:
+        if on_notice and embeddings == "host" and device.type == "cuda":
+            on_notice(f"token embeddings stay in VRAM: {reason}")
+        return None
+    name = host_embedding.install(model, text_config)
+    if on_notice and device.type == "cuda":
+        gb = host_embedding.host_bytes(model, torch.finfo(dtype).bits // 8) / 1e9
+        on_notice(
+            f"token embeddings ({gb:.2f} GB) live in pinned host memory, one row read per token "
+            "(--embeddings gpu keeps them in VRAM)"
+        )
+    return name
 
 
 def plan_offload(
@@ -70,7 +103,8 @@ def plan_offload(
 ):
     """The VRAM plan for `vram_bytes`, with experts of format `fmt` ("full", "int4", "nf4" or "mxfp4")."""
     el = torch.finfo(dtype).bits // 8
-    non_expert = sum(p.numel() * el for p in model.parameters())
+    # a host-resident embedding table (models/host_embedding.py) holds no VRAM: host bytes, not in the plan
+    non_expert = sum(p.numel() * el for p in model.parameters()) - host_embedding.host_bytes(model, el)
     mods = list(experts.values())
     if hasattr(mods[0], "num_departments"):  # DeaMoE: departments first, then private parts
         return _department_plan(text_config, mods, non_expert, el, vram_bytes, context, dtype, on_notice)
@@ -83,7 +117,8 @@ def plan_offload(
             expert_bytes = int4_expert_bytes(I, H, fmt)
         except ValueError as e:
             raise UsageError(f"{e}; use --experts full") from None
-    largest = max(units(model).values(), default=0)
+    with host_embedding.detached(model):
+        largest = max(units(model).values(), default=0)
     budget = placement.plan(
         budget_bytes=vram_bytes,
         non_expert_bytes=non_expert,
@@ -135,12 +170,13 @@ def place_non_experts(model, budget, device: torch.device, dtype) -> dict[str, t
     from accelerate import infer_auto_device_map
 
     no_split = list(getattr(model, "_no_split_modules", None) or [])
-    dmap = infer_auto_device_map(
-        model,
-        max_memory={0: budget.non_expert_gpu_bytes, "cpu": 1 << 50},
-        no_split_module_classes=no_split,
-        dtype=dtype,
-    )
+    with host_embedding.detached(model):  # a host-resident table takes none of the GPU's share
+        dmap = infer_auto_device_map(
+            model,
+            max_memory={0: budget.non_expert_gpu_bytes, "cpu": 1 << 50},
+            no_split_module_classes=no_split,
+            dtype=dtype,
+        )
     return {name: torch.device("cpu") if where in ("cpu", "disk") else device for name, where in dmap.items()}
 
 
@@ -168,9 +204,10 @@ def dispatch_spilled(model, dmap: dict[str, torch.device], device: torch.device)
         return
     from accelerate import dispatch_model
 
-    dispatch_model(
-        model, device_map={k: ("cpu" if v.type == "cpu" else v) for k, v in dmap.items()}, main_device=device
-    )
+    with host_embedding.detached(model):  # no hook copies a host-resident table to the GPU per forward
+        dispatch_model(
+            model, device_map={k: ("cpu" if v.type == "cpu" else v) for k, v in dmap.items()}, main_device=device
+        )
 
 
 def expert_store(placed: Placement, options, path: Path, files: list[Path], dtype, on_notice=None):
