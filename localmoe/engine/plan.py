@@ -237,7 +237,9 @@ class ModelPlan:
         """The plan at the budget, one clause."""
         gib = lambda b: f"{b / GiB:.2f} GiB" if b >= GiB / 10 else f"{b / (1 << 20):.1f} MiB"  # noqa: E731
         on_host = (
-            f"; token embeddings {gib(self.host_embedding_bytes)} in host memory" if self.host_embedding_bytes else ""
+            f", token embeddings {gib(self.host_embedding_bytes)} of them in host memory"
+            if self.host_embedding_bytes
+            else ""
         )
         if self.budget_bytes is None:
             weights = gib(self.facts.non_expert_bytes + self.total_expert_bytes)
