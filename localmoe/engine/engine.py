@@ -39,14 +39,14 @@ from localmoe.engine.reasoning import ReasoningSplitter
 from localmoe.engine.sampling import Seen, generation_defaults
 from localmoe.errors import UsageError
 from localmoe.events import EngineStats, GenerationSettings, Message, ProgressFn, TokenEvent
-from localmoe.experts import predicted, predictor, thresholds
+from localmoe.experts import predicted, predictor, prefill_budget, thresholds
 from localmoe.experts.int4 import format_of
 from localmoe.models import hub
 from localmoe.models.loaded import LoadedModel
 from localmoe.models.registry import DEFAULT_CONTEXT
 
 PIPELINE_DEPTH = 2  # CUDA decode steps in flight ahead of the host: the GPU never waits for Python between steps
-PREFILL_CHUNK = 2048  # prompt tokens per prefill forward: long prompts are prefilled piece by piece into the cache
+PREFILL_CHUNK = prefill_budget.MAX_CHUNK  # prompt tokens per prefill forward at most (a VRAM budget may lower it)
 
 
 class Engine:
@@ -75,6 +75,7 @@ class Engine:
         # would be 2 GB)
         self._logits_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.prefill_chunk = PREFILL_CHUNK
+        self.prefill_fit: prefill_budget.PrefillFit | None = None  # the chunk and staging span the budget chose
         self.context = min(DEFAULT_CONTEXT, self.max_positions) if self.max_positions else DEFAULT_CONTEXT
         self.use_graphs = device.type == "cuda"  # CUDA-graph decode (falls back to eager with a notice)
         # decode steps launched ahead of the token the host reads (see generate): 0 = one step at a time
@@ -95,6 +96,7 @@ class Engine:
         # a thinking model: its replies are split into reasoning and answer (reasoning.py)
         self.supports_thinking, self.reasoning_tags = prompts.thinking(tokenizer)
         self.reasoning_effort: str | None = None  # a harmony template's reasoning_effort; None: the template's
+        self.fit_prefill()
 
     # -- construction (load.py: the signatures and what each step does) ---------------------------------
     load = classmethod(load_engine)  # Engine.load(model, *, device=None, ...): resolve, load and calibrate a model
@@ -105,6 +107,17 @@ class Engine:
         cache = self.loaded.cache
         if cache is not None and cache.admits:
             cache.observe_step(self.loaded.experts)
+
+    def fit_prefill(self, left_bytes: int | None = None) -> prefill_budget.PrefillFit | None:
+        """Under a VRAM budget: the prefill chunk and the staging span from the bytes it leaves (or `left_bytes`),
+        experts/prefill_budget.fit_loaded; without one the chunk stays PREFILL_CHUNK. At load and on `set_context`."""
+        loaded = self.loaded
+        fit = prefill_budget.fit_loaded(
+            loaded.offload, loaded.experts, loaded.cache, loaded.config, self.dtype, self.context, left_bytes
+        )
+        if fit is not None:
+            self.prefill_chunk, self.prefill_fit = fit.chunk, fit
+        return fit
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -273,6 +286,7 @@ class Engine:
             self.context = tokens
             self._drop_graph()
             self._forget_prompt()
+            self.fit_prefill()  # the KV cache's size and the attention's span changed
 
     def _forget_prompt(self) -> None:
         """The next prompt is prefilled whole (a short prompt's prefill can take the sparse path: a cache filled
@@ -306,6 +320,10 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
+        """The reply's figures; under a VRAM budget `extra` holds the prefill chunk and staging span chosen."""
+        if self.prefill_fit is not None:
+            self._stats.extra.setdefault("prefill_chunk", self.prefill_chunk)
+            self._stats.extra.setdefault("staging_span", self.prefill_fit.span)
         return self._stats
 
     # -- the loop ---------------------------------------------------------------------------------------

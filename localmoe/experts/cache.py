@@ -77,7 +77,7 @@ class ExpertCache:
 
         self.pool = ExpertWeights(make(gate_slots if gate_slots else n, "w_gate"), make(n, "w_up"), make(n, "w_down_t"))
         # the dense path's routed experts stream through two staging buffers (experts/staging.py)
-        self.staging = Staging(make, 3 * I * self.row_bytes, 3 * I * H * (torch.finfo(dtype).bits // 8), quantized)
+        self.staging = Staging(make, 3 * I * self.row_bytes, 3 * I * H * (torch.finfo(dtype).bits // 8), quantized, E)
         self.expert_bytes = parts * I * self.row_bytes  # one admission
         self.device = device
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest first

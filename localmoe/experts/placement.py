@@ -1,6 +1,7 @@
 """What goes where under a VRAM budget (batch-1 decode): the offload plan, the gate tier's share, host buffers.
 
-The KV/recurrent state and a workspace reserve come first, then the non-expert weights, then experts. When the
+The KV/recurrent state and a workspace reserve (at least WORKSPACE_RESERVE; the loader passes what a prefill piece
+needs: experts/prefill_budget.reserve_bytes) come first, then the non-expert weights, then experts. When the
 non-expert weights do not fit beside one token's experts they spill: accelerate keeps what fits on the GPU (at
 least the largest module, which it never splits) and the rest in host memory (`models.offload.place_non_experts`); below
 that, a one-line error with the numbers. With direct misses the experts' bytes hold gates first
@@ -31,6 +32,12 @@ class OffloadPlan:
     total_experts: int
     slots: int  # GPU cache slots (== total_experts: everything resident, no offloading)
     non_expert_gpu_bytes: int = -1  # < non_expert_bytes: accelerate keeps the rest in host memory (-1: all)
+    workspace_bytes: int = int(WORKSPACE_RESERVE)  # set aside for activations (prefill pieces) and kernels
+
+    @property
+    def gpu_non_expert_bytes(self) -> int:
+        """Non-expert weights on the GPU (all of them unless they spill)."""
+        return self.non_expert_gpu_bytes if self.spills else self.non_expert_bytes
 
     @property
     def offloading(self) -> bool:
@@ -83,21 +90,34 @@ def plan(
     total_experts: int,
     top_k: int,
     largest_module_bytes: int = 0,
+    workspace: int = int(WORKSPACE_RESERVE),
+    resident_workspace: int | None = None,
 ) -> OffloadPlan:
-    """Experts' GPU cache slots under the budget. When the non-expert modules do not fit beside KV/state, the
+    """Experts' GPU cache slots under the budget. Every expert stays resident when they fit beside the weights,
+    KV/state and `resident_workspace` (default `workspace`: a resident model prefills in shorter pieces rather than
+    offload); otherwise `workspace` is set aside (prefill_budget.reserve_bytes: the longest piece's activations and
+    staging buffers) and the cache gets the rest. When the non-expert modules do not fit beside KV/state, the
     workspace and one token's experts, they spill: the GPU keeps what fits (at least the largest module, which
     accelerate never splits) and the cache gets one token's experts. Below that, a one-line error."""
-    fixed = state + WORKSPACE_RESERVE
+    workspace = int(max(workspace, 0))
+    least = workspace if resident_workspace is None else int(resident_workspace)
+    if budget_bytes >= state + least + non_expert_bytes + total_experts * expert_bytes:
+        return OffloadPlan(
+            budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, total_experts, workspace_bytes=least
+        )
+    fixed = state + workspace
     if budget_bytes >= fixed + non_expert_bytes + top_k * expert_bytes:
         slots = min(total_experts, int((budget_bytes - fixed - non_expert_bytes) // expert_bytes))
-        return OffloadPlan(budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, slots)
+        return OffloadPlan(
+            budget_bytes, non_expert_bytes, state, expert_bytes, total_experts, slots, workspace_bytes=workspace
+        )
     room = budget_bytes - fixed - top_k * expert_bytes
     if room < max(largest_module_bytes, 1):
         need = (fixed + top_k * expert_bytes + max(largest_module_bytes, 1)) / GiB
         raise UsageError(
             f"--vram {budget_bytes / GiB:.2f} GiB cannot hold the non-expert weights' largest module "
             f"({largest_module_bytes / GiB:.2f} GiB of {non_expert_bytes / GiB:.2f} GiB), KV/state "
-            f"({state / GiB:.2f} GiB), workspace ({WORKSPACE_RESERVE / GiB:.2f} GiB) and one token's {top_k} experts: "
+            f"({state / GiB:.2f} GiB), workspace ({workspace / GiB:.2f} GiB) and one token's {top_k} experts: "
             f"give at least --vram {need:.2f}, a shorter --context, or --device cpu"
         )
     return OffloadPlan(
@@ -108,6 +128,7 @@ def plan(
         total_experts,
         min(top_k, total_experts),
         non_expert_gpu_bytes=int(room),
+        workspace_bytes=workspace,
     )
 
 

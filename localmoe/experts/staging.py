@@ -16,8 +16,9 @@ are the same experts; otherwise refilled). With pinned master copies one kernel 
 unified addressing); otherwise (memory-mapped or pageable master copies, the CPU) a copy per expert and part.
 
 A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, whose span is
-dequantized for the GEMMs, DEQUANT_BYTES of dequantized ones: two buffers plus one dequantized span stay inside the
-plan's workspace reserve (experts/placement.WORKSPACE_RESERVE, 0.5 GiB).
+dequantized for the GEMMs, STAGE_DEQUANT_BYTES of dequantized ones (experts/prefill_budget.span_for); the engine sets
+it from the VRAM budget at load (`resize`, prefill_budget.fit: two buffers, two dequantized spans and the piece's
+activations inside what the plan left for prefill).
 
 Shapes: I expert width, H hidden; `span` experts per staging buffer.
 """
@@ -29,28 +30,34 @@ from collections.abc import Iterator
 import torch
 
 from localmoe.experts.int4 import PROJECTIONS, copy_expert, parts
-from localmoe.experts.local_experts import DEQUANT_BYTES, ExpertWeights
+from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.prefill_budget import span_for
 from localmoe.kernels.gather_experts import gather_experts
-
-STAGE_BYTES = 96 << 20  # stored expert bytes per staging buffer (two buffers)
 
 
 class Staging:
     """Two staging buffers of `span` experts for one cache (made on first use, kept for the next calls)."""
 
-    def __init__(self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool):
+    def __init__(self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30):
         """`make(n, projection)` -> an empty [n, I, H] stack of `projection` ("w_gate", "w_up", "w_down_t") in the
-        cache's format on its device; bytes of one expert stored (all three projections) and dequantized."""
+        cache's format on its device; bytes of one expert stored (all three projections) and dequantized; experts
+        per layer (a span holds at most that many)."""
         self.make = make
-        per = STAGE_BYTES // max(expert_bytes, 1)
-        if quantized:
-            per = min(per, DEQUANT_BYTES // max(dequantized_bytes, 1))
-        self.span = max(1, per)
+        self.span = span_for(expert_bytes, dequantized_bytes, quantized, experts)
         self.buffers: list[ExpertWeights] | None = None
         self.stream_: torch.cuda.Stream | None = None
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
         self.ahead: tuple[int, list[list[int]], list] | None = None  # (layer, its first spans' experts, events)
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
+
+    def resize(self, span: int) -> None:
+        """`span` experts per buffer from now on (the buffers are made again at the next use when it changed)."""
+        span = max(1, int(span))
+        if span != self.span:
+            if self.buffers is not None:  # a fill ahead may still write them: the compute stream waits before they go
+                self.settle(self.buffers[0].w_gate.device)
+            self.buffers = None
+            self.span = span
 
     def _buffers(self) -> list[ExpertWeights]:
         if self.buffers is None:

@@ -1,0 +1,146 @@
+"""The prefill chunk and staging span a VRAM budget holds (experts/prefill_budget.py, issue #29): the figures at
+Qwen3.5-35B's real shapes stay inside their budgets by the documented formula, the plan sets the reserve aside, and
+an offloaded tiny engine whose budget forces short pieces and spans prefills to the resident engine's logits and
+greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import repo_id
+
+from localmoe.engine.engine import Engine
+from localmoe.events import GenerationSettings
+from localmoe.experts import placement
+from localmoe.experts import prefill_budget as pb
+from localmoe.models.shapes import shape_config
+
+GiB = 1 << 30
+CONTEXT = 8192
+
+
+def _plan(config, fmt: str, budget: int) -> placement.OffloadPlan:
+    """The plan of `config` at `budget` with the prefill reserve, as the loader makes it (non-expert weights: the
+    config's parameters less the routed experts')."""
+    s = pb.PrefillShapes.of(config, torch.bfloat16, fmt)
+    layers = int(config.num_hidden_layers)
+    H, V = s.hidden, s.vocab
+    hk, dk, hv, dv = s.linear
+    linear = 3 * 2 * H * (2 * hk * dk + hv * dv) // 6 + H * hv * dv + hv * dv * H  # in_proj_qkv, z, out
+    attention = H * s.heads * s.head_dim * 2 + 2 * H * s.kv_heads * s.head_dim + s.heads * s.head_dim * H
+    moe = H * s.experts + 3 * H * s.shared_width + H
+    non_expert = 2 * (
+        2 * V * H + s.linear_layers * linear + s.full_layers * attention + layers * moe
+    )  # bf16, embeddings + lm_head
+    workspace, least = pb.workspaces(config, torch.bfloat16, fmt, CONTEXT, budget)
+    return placement.plan(
+        budget_bytes=budget,
+        non_expert_bytes=non_expert,
+        state=placement.state_bytes(config, CONTEXT, torch.bfloat16),
+        expert_bytes=s.stored,
+        total_experts=s.experts * layers,
+        top_k=s.top_k,
+        workspace=workspace,
+        resident_workspace=least,
+    )
+
+
+@pytest.mark.parametrize(("fmt", "gib"), [("int4", 16), ("full", 24)])
+def test_qwen35_35b_chunk_and_span_fit_the_budget(fmt, gib):
+    """At the issue's budgets the plan reserves the longest piece's peak; the fit from what the plan leaves is a
+    2048-token piece with at least MIN_SPAN experts a buffer, and weights + cache + KV/state + the formula's peak stay
+    within the budget. Without the reserve (the old 0.5 GiB) the fit takes shorter pieces, still within it."""
+    config = shape_config("qwen3.5-35b")
+    s = pb.PrefillShapes.of(config, torch.bfloat16, fmt)
+    budget = gib * GiB
+    plan = _plan(config, fmt, budget)
+    assert plan.offloading and plan.workspace_bytes > placement.WORKSPACE_RESERVE
+    used = plan.non_expert_bytes + plan.state_bytes + plan.slots * plan.expert_bytes
+    fit = pb.fit(s, budget - used, CONTEXT, offloaded=True)
+    assert fit.fits and fit.chunk == pb.MAX_CHUNK and pb.MIN_SPAN <= fit.span <= pb.default_span(s)
+    assert used + pb.peak_bytes(s, fit.chunk, fit.span, CONTEXT) <= budget
+    tight = pb.fit(s, int(placement.WORKSPACE_RESERVE), CONTEXT, offloaded=True)
+    assert tight.fits and 1024 <= tight.chunk < pb.MAX_CHUNK and tight.peak_bytes <= placement.WORKSPACE_RESERVE
+    # the formula's terms grow with the piece and the span; a short prompt's piece needs far less than the longest
+    assert pb.peak_bytes(s, 256, fit.span, CONTEXT) < pb.peak_bytes(s, 2048, fit.span, CONTEXT)
+    assert pb.peak_bytes(s, 2048, pb.MIN_SPAN, CONTEXT) < pb.peak_bytes(s, 2048, fit.span + 1, CONTEXT)
+
+
+def test_formula_terms_and_the_resident_plan():
+    """Terms by hand at a small shape (DeltaNet, MoE dispatch, attention); a budget that holds every expert beside
+    the shortest piece stays resident (shorter pieces), one that does not reserves the longest piece."""
+    config = shape_config("qwen3.5-35b")
+    s = pb.PrefillShapes.of(config, torch.bfloat16, "int4")
+    hk, dk, hv, dv = s.linear
+    C, Vd = 2 * hk * dk + hv * dv, hv * dv
+    assert pb._deltanet(s, 64) == 64 * ((3 * C + Vd) * 2 + (7 * hv * dk + 3 * Vd + 3 * hv * 64) * 4)
+    N, H, I = 64 * 8, s.hidden, s.width
+    deq = 2 * 10 * 3 * I * H * 2
+    fixed = 64 * s.experts * 2 + 64 * H * 2 + 64 * 8 * 10 + 24 * N + N * H * 2
+    assert pb._moe(s, 64, 10) == fixed + max(N * H * 2 + deq + 3 * N * I * 2, 3 * N * H * 2 + 64 * H * 2)
+    assert pb._attention(s, 64, 1024) > pb._attention(s, 64, 512)  # repeat_kv and the mask grow with the cache
+    plan = placement.plan(
+        budget_bytes=100 * GiB,
+        non_expert_bytes=GiB,
+        state=GiB,
+        expert_bytes=s.stored,
+        total_experts=s.experts * 40,
+        top_k=8,
+        workspace=2 * GiB,
+        resident_workspace=GiB,
+    )
+    assert not plan.offloading and plan.workspace_bytes == GiB
+    need = GiB + GiB + s.stored * s.experts * 40  # non-expert weights + the shortest piece + every expert
+    resident = placement.plan(
+        budget_bytes=need,
+        non_expert_bytes=GiB,
+        state=0,
+        expert_bytes=s.stored,
+        total_experts=s.experts * 40,
+        top_k=8,
+        workspace=2 * GiB,
+        resident_workspace=GiB,
+    )
+    assert not resident.offloading  # with the longest piece's reserve it would offload
+    assert placement.plan(
+        budget_bytes=need,
+        non_expert_bytes=GiB,
+        state=0,
+        expert_bytes=s.stored,
+        total_experts=s.experts * 40,
+        top_k=8,
+        workspace=2 * GiB,
+    ).offloading
+
+
+def _greedy(engine, ids, n=6):
+    return [ev.token_id for ev in engine.generate(ids, GenerationSettings(max_new_tokens=n))]
+
+
+def test_offloaded_engine_with_short_pieces_equals_resident():
+    """An offloaded tiny engine whose bytes left force 16-token pieces (fit_prefill with the formula's own figure;
+    the chosen chunk and span in the stats), staged 2 experts a span, prefills a prompt of several pieces to the
+    resident engine's last logits and greedy tokens."""
+    model = repo_id("qwen3_5_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.0)
+    probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0).loaded.offload
+    slots = 3
+    fixed = probe.non_expert_bytes + probe.state_bytes + placement.WORKSPACE_RESERVE
+    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=(fixed + slots * probe.expert_bytes + 1) / GiB)
+    assert e.loaded.cache is not None and e.prefill_fit is not None and e.prefill_chunk == pb.MAX_CHUNK
+    m0 = e.loaded.experts[0]
+    s = pb.PrefillShapes.of(e.loaded.config, e.dtype, "full", experts=m0.num_experts, width=m0.intermediate_size)
+    span = min(pb.MIN_SPAN, m0.num_experts)
+    fit = e.fit_prefill(left_bytes=pb.peak_bytes(s, 16, span, e.context))
+    assert fit.fits and (fit.chunk, fit.span, e.prefill_chunk, e.loaded.cache.staging.span) == (16, span, 16, span)
+    assert e.stats.as_json()["prefill_chunk"] == 16 and e.stats.as_json()["staging_span"] == span
+    e.loaded.cache.staging.resize(2)  # several spans a layer (tiny layers have few experts)
+    ids = resident.encode_raw("Offloaded prompts go piece by piece, a span of experts at a time. " * 2)
+    assert len(ids) > 3 * fit.chunk
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        want = resident._prefill(x)[1]
+        got = e._prefill(x)[1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert e.loaded.cache.staging.buffers[0].w_up.shape[0] == 2
+    assert _greedy(e, ids) == _greedy(resident, ids)
