@@ -69,12 +69,13 @@ def test_plan_counts_the_table_as_host_bytes(pair):
     assert small_gpu.loaded.offload.slots == 3
     room = int(budget * GiB) - (fixed - table)
     assert small_host.loaded.offload.slots == min(g.total_experts, room // g.expert_bytes) > 3
-    assert tokens(small_host) == tokens(small_gpu) == tokens(gpu)
+    assert tokens(small_host) == tokens(small_gpu)
 
 
 def test_spilled_units_leave_the_host_table_alone(hub_cache):
     """A budget where accelerate keeps only some non-expert units on the device: the host table is no unit of its
-    map (no hook copies it to the GPU), it stays in host memory, and the tokens are those of the resident load."""
+    map (no hook copies it to the GPU), it stays in host memory, and the tokens are those of the same budget with the
+    table in VRAM."""
     model = repo_id("qwen3_moe")
     probe = Engine.load(model, device=DEV, sparsity=0.0, vram_gib=64.0, embeddings=HOST).loaded
     k, p = probe.config.num_experts_per_tok, probe.offload
@@ -85,8 +86,8 @@ def test_spilled_units_leave_the_host_table_alone(hub_cache):
     assert e.loaded.offload.spills
     emb = e.model.get_input_embeddings()
     assert isinstance(emb, HostEmbedding) and emb.weight.device.type == "cpu" and not hasattr(emb, "_hf_hook")
-    want = Engine.load(model, device=DEV, sparsity=0.0, embeddings="gpu")
-    assert tokens(e, 6) == tokens(want, 6)
+    want = Engine.load(model, device=DEV, sparsity=0.0, vram_gib=vram, embeddings="gpu")  # the same modules run
+    assert want.loaded.offload.spills and tokens(e, 6) == tokens(want, 6)
 
 
 def test_show_plans_the_table_in_host_memory():
