@@ -9,14 +9,18 @@ import pytest
 import torch
 from conftest import repo_id
 
+from localmoe.cli.run import _stats_json
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts import placement
 from localmoe.experts import prefill_budget as pb
+from localmoe.measure.benchmark import table
 from localmoe.models.shapes import shape_config
 
 GiB = 1 << 30
 CONTEXT = 8192
+_BENCH = {"model": "m", "device": "cpu", "dtype": "float32", "load_s": 0.0, "copy_gb_s": 0.0, "prompt_tokens": 1}
+_BENCH = {**_BENCH, "decode_tokens": 1, "rows": []}
 
 
 def _plan(config, fmt: str, budget: int) -> placement.OffloadPlan:
@@ -133,7 +137,8 @@ def test_offloaded_engine_with_short_pieces_equals_resident():
     span = min(pb.MIN_SPAN, m0.num_experts)
     fit = e.fit_prefill(left_bytes=pb.peak_bytes(s, 16, span, e.context))
     assert fit.fits and (fit.chunk, fit.span, e.prefill_chunk, e.loaded.cache.staging.span) == (16, span, 16, span)
-    assert e.stats.as_json()["prefill_chunk"] == 16 and e.stats.as_json()["staging_span"] == span
+    assert _stats_json(e.stats)["prefill_chunk"] == 16 and _stats_json(e.stats)["staging_span"] == span  # run --json
+    assert fit.line() in table({**_BENCH, "prefill_fit": fit.line()}).splitlines()[1]  # bench's line
     e.loaded.cache.staging.resize(2)  # several spans a layer (tiny layers have few experts)
     ids = resident.encode_raw("Offloaded prompts go piece by piece, a span of experts at a time. " * 2)
     assert len(ids) > 3 * fit.chunk

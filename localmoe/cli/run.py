@@ -164,6 +164,8 @@ def _stats_json(stats) -> dict:
         "load_s",
         "ttft_s",
         "wall_s",
+        "prefill_chunk",  # under a VRAM budget: prompt tokens per prefill piece and experts per staging buffer
+        "staging_span",
     )
     d = stats.as_json()
     return {k: d.get(k) for k in keys}

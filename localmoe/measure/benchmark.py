@@ -361,6 +361,7 @@ def bench(
     config = engine.loaded.config
     name = engine.model_name
     experts_format = engine.experts_format
+    chunk, fit = engine.prefill_chunk, engine.prefill_fit
     del engine
     gc.collect()
     if dev.type == "cuda":
@@ -386,6 +387,9 @@ def bench(
         "rows": [asdict(r) for r in rows],
         "prefill_rows": [asdict(r) for r in prefills],
         "host_to_device_gb_s": h2d / 1e9,
+        "prefill_chunk": chunk,
+        "staging_span": fit.span if fit is not None else None,
+        "prefill_fit": fit.line() if fit is not None else f"prefill pieces of up to {chunk} tokens (no VRAM budget)",
     }
 
 
@@ -400,6 +404,8 @@ def table(result: dict) -> str:
         f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'step MB':>8} {'floor tok/s':>11} "
         f"{'of floor':>8} {'realised':>8} {'peak GB':>8}",
     ]
+    if result.get("prefill_fit"):
+        lines.insert(1, result["prefill_fit"])
     for r in result["rows"]:
         name = (
             r["name"]
