@@ -95,12 +95,15 @@ def sparse_mxfp4_ref(
 if triton is not None:
 
     @triton.jit
-    def fp4_pair(p):
-        """Bytes p (uint32) -> FP4_VALUES of their low and high nibbles times 2**-126, fp32 (e2m1's exponent and
-        mantissa bits at fp32's 24..22, its sign at 31: no conversion instruction)."""
-        lo = ((p << 22) & 0x01C00000) | ((p << 28) & 0x80000000)
-        hi = ((p << 18) & 0x01C00000) | ((p << 24) & 0x80000000)
-        return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+    def fp4_nibble(w, J: tl.constexpr):
+        """Nibble J (0..7: element 8c + J of word c) of uint32 words w -> its FP4 value times 2**-126, fp32: the code's
+        exponent / mantissa bits go to fp32's bits 24..22 and its sign to bit 31 (a shift and a mask each, no
+        conversion instruction; e = 0 gives fp32 subnormals, exact without flush-to-zero)."""
+        if J <= 5:
+            em = (w << (22 - 4 * J)) & 0x01C00000
+        else:
+            em = (w >> (4 * J - 22)) & 0x01C00000
+        return (em | ((w << (28 - 4 * J)) & 0x80000000)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def e8m0(s):
@@ -108,39 +111,59 @@ if triton is not None:
         return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def block_cols(c, BLOCK_B: tl.constexpr, NB: tl.constexpr):
-        """Chunk c: its 32-column blocks jb [BLOCK_B], their mask, and its columns [BLOCK_B, 32] (col < H <=> jb < NB,
-        spelled at full shape: the interpreter applies a broadcast mask of an atomic to its first element only)."""
-        jb = c * BLOCK_B + tl.arange(0, BLOCK_B)
-        col = jb[:, None] * 32 + tl.arange(0, 32)[None, :]
-        return jb, jb < NB, col, col < NB * 32
+    def part_words(base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """One load of rows' code words [R, NBP, 4] (uint32, 8 codes each) for the 32-blocks J0 .. J0 + NBP - 1 of an
+        along-H MXFP4 row (NB blocks, 4 words a block); masked rows and blocks >= NB read nothing (0)."""
+        jb = J0 + tl.arange(0, NBP)
+        off = rows.to(tl.int64)[:, None, None] * (NB * 4) + (jb[:, None] * 4 + tl.arange(0, 4)[None, :])[None]
+        m = rmask[:, None, None] & (jb < NB)[None, :, None]
+        return tl.load(base + off, mask=m, other=0).to(tl.uint32, bitcast=True)
 
     @triton.jit
-    def rows_dot(x_row, b_base, s_base, rows, rmask, NB: tl.constexpr, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
-        """x . W[n] for rows n [R] of an along-rows MXFP4 stack (blocks at b_base, scales at s_base): per
-        32-block the codes' dot with x, times the block's scale, summed. [R] fp32 (0 on masked rows)."""
-        r64 = rows.to(tl.int64)
-        z = tl.zeros(rows.shape, dtype=tl.float32)
-        for c in tl.static_range(NCH):
-            jb, bm, col, _ = block_cols(c, BLOCK_B, NB)
-            xv = tl.load(x_row + col, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18  # 2**63
-            xe, xo = tl.split(tl.reshape(xv, [BLOCK_B, 16, 2]))  # x[2j], x[2j + 1]
-            boff = r64[:, None, None] * (NB * 16) + (jb[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
-            p = tl.load(b_base + boff, mask=rmask[:, None, None] & bm[None, :, None], other=0).to(tl.uint32)
-            s = tl.load(s_base + r64[:, None] * NB + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
-            ve, vo = fp4_pair(p)
-            part = tl.sum(ve * xe[None, :, :] + vo * xo[None, :, :], axis=2) * 9.223372036854775808e18  # [R, BLOCK_B]
-            z += tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
-        return z
+    def part_dot(w, x_row, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """x . W[n] over the blocks of `part_words` w: per 32-block the codes' dot with x (x in times 2**63, the sum
+        out times 2**63), times the block's scale; [R] fp32."""
+        jb = J0 + tl.arange(0, NBP)
+        bm = jb < NB
+        xcol = (jb[:, None] * 4 + tl.arange(0, 4)[None, :]) * 8  # [NBP, 4]: element 8c of each word c
+        acc = tl.zeros(w.shape, dtype=tl.float32)
+        for J in tl.static_range(8):
+            xj = tl.load(x_row + xcol + J, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
+            acc += fp4_nibble(w, J) * xj[None, :, :]
+        part = tl.sum(acc, axis=2) * 9.223372036854775808e18  # [R, NBP]
+        s = tl.load(s_base + rows.to(tl.int64)[:, None] * NB + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
+        return tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
+
+    @triton.jit
+    def part_down(w, h3, ydst, srow, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """Adds sum_n h_n W[n, c] into ydst for the columns of the blocks J0 .. J0 + NBP - 1: w the kept rows' down
+        code words [R, NBP, 4] (`part_words`), h3 [R, 1, 1] (times 2**63), srow the rows' shared scale row [H]."""
+        jb = J0 + tl.arange(0, NBP)
+        bm = jb < NB
+        c0 = tl.sum(fp4_nibble(w, 0) * h3, axis=0)  # [NBP, 4]: column 32 jb + 8 q + J
+        c1 = tl.sum(fp4_nibble(w, 1) * h3, axis=0)
+        c2 = tl.sum(fp4_nibble(w, 2) * h3, axis=0)
+        c3 = tl.sum(fp4_nibble(w, 3) * h3, axis=0)
+        c4 = tl.sum(fp4_nibble(w, 4) * h3, axis=0)
+        c5 = tl.sum(fp4_nibble(w, 5) * h3, axis=0)
+        c6 = tl.sum(fp4_nibble(w, 6) * h3, axis=0)
+        c7 = tl.sum(fp4_nibble(w, 7) * h3, axis=0)
+        # nested joins put J last: [NBP, 4, 2, 2, 2][.., a, b, c] = c_{4a + 2b + c}, i.e. columns in order
+        j = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+        col = jb[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBP, 32]
+        cm = bm[:, None] & (col >= 0)  # full shape (the interpreter applies a broadcast atomic mask to one element)
+        sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
+        contrib = tl.reshape(j, [NBP, 32]) * 9.223372036854775808e18 * sv
+        tl.atomic_add(ydst + col, contrib, mask=cm, sem="relaxed")
 
     @triton.jit
     def _sparse_mxfp4_kernel(
         x_ptr,  # [T, H] any float, row stride stride_xt
-        gb_ptr,  # gate blocks [E, I, H/2] uint8 (OFFLOAD: the host masters)
+        gb_ptr,  # gate code words [E, I, H/8] int32 (OFFLOAD: the host masters)
         gs_ptr,  # gate scales [E, I, NB] uint8
-        ub_ptr,  # up blocks [E, I, H/2]
+        ub_ptr,  # up code words [E, I, H/8]
         us_ptr,  # up scales [E, I, NB]
-        db_ptr,  # down_t blocks [E, I, H/2]
+        db_ptr,  # down_t code words [E, I, H/8]
         ds_ptr,  # down_t scales [E, I/32, H]
         pgb_ptr,  # the pools, same layouts with S (gate: Sg) slots (OFFLOAD only; else any valid pointer)
         pgs_ptr,
@@ -170,7 +193,7 @@ if triton is not None:
         I,
         K,
         stride_xt,
-        s_gb,  # expert strides of the masters' parts, then slot strides of the pools'
+        s_gb,  # expert strides of the masters' parts (words for the codes), then slot strides of the pools'
         s_gs,
         s_ub,
         s_us,
@@ -185,11 +208,10 @@ if triton is not None:
         H: tl.constexpr,
         H_P2: tl.constexpr,  # the finalising tail's full-width row
         NB: tl.constexpr,  # H / 32 blocks per row
-        BLOCK_B: tl.constexpr,  # blocks per chunk (BLOCK_H / 32)
-        NCH: tl.constexpr,  # chunks per row
-        BLOCK_I: tl.constexpr,
+        NBP1: tl.constexpr,  # blocks of the first part (a power of two <= NB)
+        NBP2: tl.constexpr,  # blocks of the second part (next power of two of NB - NBP1; 0: none)
+        BLOCK_I: tl.constexpr,  # divides 32: the program's down rows share one scale row
         K_P2: tl.constexpr,
-        SHARED_SCALE: tl.constexpr,  # BLOCK_I divides 32: the program's down rows share one scale row
         OFFLOAD: tl.constexpr,
         GATE_TABLE: tl.constexpr,
         FINALIZE: tl.constexpr,
@@ -234,8 +256,13 @@ if triton is not None:
         rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
         rmask = rows < I
         x_row = x_ptr + t.to(tl.int64) * stride_xt
-        # ---- gate for BLOCK_I neurons (the only dense read), its bias, the clamped SwiGLU activation ----
-        z = rows_dot(x_row, g_b, g_sc, rows, rmask, NB, BLOCK_B, NCH)
+        # ---- gate for BLOCK_I neurons (the only dense read: every part's words in flight at once), bias, act ----
+        gw1 = part_words(g_b, rows, rmask, 0, NBP1, NB)
+        if NBP2 > 0:
+            gw2 = part_words(g_b, rows, rmask, NBP1, NBP2, NB)
+        z = part_dot(gw1, x_row, g_sc, rows, rmask, 0, NBP1, NB)
+        if NBP2 > 0:
+            z += part_dot(gw2, x_row, g_sc, rows, rmask, NBP1, NBP2, NB)
         z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
         g = tl.minimum(z, limit)
         a = g / (1.0 + tl.exp(-alpha * g))
@@ -249,38 +276,28 @@ if triton is not None:
             ydst = y_ptr + t.to(tl.int64) * H
             cdst = cnt_ptr
         if pid_i == 0:  # the down bias, always (exact): once per routed expert
-            for c in tl.static_range(NCH):
-                jb, bm, col, cm = block_cols(c, BLOCK_B, NB)
-                bd = tl.load(bd_ptr + e * H + col, mask=cm, other=0.0).to(tl.float32)
-                tl.atomic_add(ydst + col, rw * bd, mask=cm, sem="relaxed")
-        # ---- up / down over the kept rows only; a program with nothing kept does no further traffic ----
+            cols = tl.arange(0, H_P2)
+            cm = cols < H
+            bd = tl.load(bd_ptr + e * H + cols, mask=cm, other=0.0).to(tl.float32)
+            tl.atomic_add(ydst + cols, rw * bd, mask=cm, sem="relaxed")
+        # ---- up / down over the kept rows only, both issued before either is used; nothing kept: no traffic ----
         if nk > 0:
-            u = rows_dot(x_row, u_b, u_sc, rows, keep, NB, BLOCK_B, NCH)
+            uw1 = part_words(u_b, rows, keep, 0, NBP1, NB)
+            dw1 = part_words(d_b, rows, keep, 0, NBP1, NB)
+            if NBP2 > 0:
+                uw2 = part_words(u_b, rows, keep, NBP1, NBP2, NB)
+                dw2 = part_words(d_b, rows, keep, NBP1, NBP2, NB)
+            u = part_dot(uw1, x_row, u_sc, rows, keep, 0, NBP1, NB)
+            if NBP2 > 0:
+                u += part_dot(uw2, x_row, u_sc, rows, keep, NBP1, NBP2, NB)
             u += tl.load(bu_ptr + e * I + rows, mask=keep, other=0.0).to(tl.float32)
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 9.223372036854775808e18  # 2**63 (and out per column)
             h3 = h[:, None, None]
-            r64 = rows.to(tl.int64)
-            for c in tl.static_range(NCH):
-                jb, bm, col, cm = block_cols(c, BLOCK_B, NB)
-                boff = r64[:, None, None] * (NB * 16) + (jb[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
-                p = tl.load(d_b + boff, mask=keep[:, None, None] & bm[None, :, None], other=0).to(tl.uint32)
-                ve, vo = fp4_pair(p)
-                if SHARED_SCALE:  # one scale row [H] for the program's neurons (all in group pid_i*BLOCK_I // 32)
-                    srow = d_sc + ((pid_i * BLOCK_I) // 32).to(tl.int64) * H
-                    sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
-                    se, so = tl.split(tl.reshape(sv, [BLOCK_B, 16, 2]))
-                    ce = tl.sum(ve * h3, axis=0) * 9.223372036854775808e18 * se
-                    co = tl.sum(vo * h3, axis=0) * 9.223372036854775808e18 * so
-                else:  # each neuron's group's scale row
-                    soff = (r64 // 32)[:, None, None] * H + (jb[:, None] * 32 + 2 * tl.arange(0, 16)[None, :])[None]
-                    sm = keep[:, None, None] & bm[None, :, None]
-                    se = e8m0(tl.load(d_sc + soff, mask=sm, other=0).to(tl.int32))
-                    so = e8m0(tl.load(d_sc + soff + 1, mask=sm, other=0).to(tl.int32))
-                    ce = tl.sum(ve * h3 * se, axis=0) * 9.223372036854775808e18
-                    co = tl.sum(vo * h3 * so, axis=0) * 9.223372036854775808e18
-                contrib = tl.reshape(tl.join(ce, co), [BLOCK_B, 32])  # columns 2j, 2j + 1 interleaved back
-                tl.atomic_add(ydst + col, contrib, mask=cm, sem="relaxed")
+            srow = d_sc + ((pid_i * BLOCK_I) // 32).to(tl.int64) * H  # the program's 32-neuron group's scale row
+            part_down(dw1, h3, ydst, srow, 0, NBP1, NB)
+            if NBP2 > 0:
+                part_down(dw2, h3, ydst, srow, NBP1, NBP2, NB)
             tl.atomic_add(cdst + tj, nk, sem="relaxed")
         if FINALIZE:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
@@ -328,7 +345,6 @@ def sparse_mxfp4(
     read_rows=None,
     residual=None,
     BLOCK_I: int = 8,
-    BLOCK_H: int | None = 1024,
     num_warps: int = 8,
     maxnreg: int | None = None,
 ):
@@ -347,9 +363,8 @@ def sparse_mxfp4(
     * offload: `slot_table` [E] (slot or -1), `pool_gate/pool_up/pool_down_t` Mxfp4Tensors [S, I, H] on x's device
       (pool_gate [Sg, I, H] with `gate_table` [E]); w_* are then the host master copies (pinned on CUDA) or on x's
       device. Each program reads every part of a resident expert from its slot, of an absent one from the master.
-    BLOCK_I (power of two; BLOCK_I <= 32 shares the down scale row), BLOCK_H (columns per chunk, a power of two
-    >= 32; None: one full-width chunk), num_warps and maxnreg are launch parameters (defaults: the H200's best at
-    gpt-oss shapes). CUDA-graph capturable.
+    BLOCK_I (a power of two <= 32: the program's neurons share one down scale row), num_warps and maxnreg are
+    launch parameters (defaults: the H200's best at gpt-oss shapes). CUDA-graph capturable.
     """
     if triton is None:
         raise RuntimeError("sparse_mxfp4 needs triton")
@@ -417,10 +432,8 @@ def sparse_mxfp4(
         or residual.device != dev
     ):
         raise ValueError(f"residual must be a contiguous {out.dtype} [T, H] = {(T, H)} tensor on {dev}")
-    bi = triton.next_power_of_2(max(1, BLOCK_I))
-    bh = BLOCK_H or triton.next_power_of_2(H)
-    if bh < BLOCK or bh & (bh - 1):
-        raise ValueError(f"BLOCK_H must be a power of two >= {BLOCK}, got {bh}")
+    if BLOCK_I < 1 or BLOCK_I > BLOCK or BLOCK_I & (BLOCK_I - 1):
+        raise ValueError(f"BLOCK_I must be a power of two <= {BLOCK}, got {BLOCK_I}")
     if T == 0 or k == 0:
         if not accumulate:
             out.copy_(residual) if residual is not None else out.zero_()
@@ -432,17 +445,18 @@ def sparse_mxfp4(
     def ptr(t):  # host master copies: the launcher gets their (unified) address
         return HostPointer(t) if cuda and t.device.type == "cpu" else t
 
-    parts = [ptr(t) for _, w, _ in masters for t in w.parts()]
-    strides = [t.stride(0) for _, w, _ in masters for t in w.parts()]
+    parts = [ptr(t) for _, w, _ in masters for t in _words(w)]
+    strides = [t.stride(0) for _, w, _ in masters for t in _words(w)]
     if offload:
-        pparts = [t for p in pools for t in p.parts()]
+        pparts = [t for p in pools for t in _words(p)]
         pstrides = [t.stride(0) for t in pparts]
         st = slot_table
     else:  # dummies, never read
         pparts, pstrides, st = parts, [0] * 6, expert_ids
     NB = H // BLOCK
-    BB = min(bh, triton.next_power_of_2(H)) // BLOCK
-    _sparse_mxfp4_kernel[(T * k, triton.cdiv(I, bi))](
+    nbp1 = 1 << (NB.bit_length() - 1)  # the largest power of two <= NB, then the rest rounded up
+    nbp2 = triton.next_power_of_2(NB - nbp1) if NB > nbp1 else 0
+    _sparse_mxfp4_kernel[(T * k, triton.cdiv(I, BLOCK_I))](
         x,
         *parts,
         *pparts,
@@ -473,11 +487,10 @@ def sparse_mxfp4(
         H=H,
         H_P2=triton.next_power_of_2(H),
         NB=NB,
-        BLOCK_B=BB,
-        NCH=triton.cdiv(NB, BB),
-        BLOCK_I=bi,
+        NBP1=nbp1,
+        NBP2=nbp2,
+        BLOCK_I=BLOCK_I,
         K_P2=triton.next_power_of_2(k),
-        SHARED_SCALE=bi <= BLOCK,
         OFFLOAD=offload,
         GATE_TABLE=gate_table is not None,
         FINALIZE=not accumulate,
@@ -490,6 +503,11 @@ def sparse_mxfp4(
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     return out, count
+
+
+def _words(w: Mxfp4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes as int32 words [E, I, H/8]: 8 codes each, the kernel's loads; scales as stored)."""
+    return w.blocks.view(torch.int32), w.scales
 
 
 def _check_mx(name, w, E, I, H, along_rows: bool, dev, allow_host: bool = False) -> None:
@@ -508,6 +526,8 @@ def _check_mx(name, w, E, I, H, along_rows: bool, dev, allow_host: bool = False)
             )
         if t.stride(2) != 1 or t.stride(1) != shape[2]:
             raise ValueError(f"{name}.{part} rows must be contiguous, got strides {t.stride()}")
+        if part == "blocks" and (t.stride(0) % 4 or t.storage_offset() % 4):
+            raise ValueError(f"{name}.blocks must start each expert on a 4-byte boundary (read as int32 words)")
         _on_device(f"{name}.{part}", t, dev, allow_host)
 
 

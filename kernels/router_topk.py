@@ -276,8 +276,8 @@ def router_topk(
     norm_topk_prob: bool = True,
     *,
     tickets: torch.Tensor | None = None,
-    block_e: int = 8,
-    block_h: int = 512,
+    block_e: int | None = None,
+    block_h: int | None = None,
     num_warps: int = 4,
     group_size: int = 0,
     topk_group: int = 0,
@@ -288,7 +288,10 @@ def router_topk(
     Returns (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k] int64), as transformers' router.
     group_size n > 0 with topk_group g: group-limited top-k over departments of n consecutive experts (module
     docstring); needs E % n == 0, g >= 1, top_k <= min(g, E // n) * n; g >= E // n is plain top-k.
-    `bias` [E] (GPT-OSS's router; the weight's dtype): logits = x · Wᵀ + bias, the bias added to the fp32 sum."""
+    `bias` [E] (GPT-OSS's router; the weight's dtype): logits = x · Wᵀ + bias, the bias added to the fp32 sum.
+    Untuned launch (block_e / block_h None): E // 128 rows a program (1..8), so even 32 experts make 32 programs
+    (8 rows a program left GPT-OSS's 32 x 2880 router to 4 programs: 13 µs on an H200), one tile of up to 4096
+    columns a row."""
     if triton is None:
         raise RuntimeError("router_topk needs triton")
     H = x.shape[-1]
@@ -306,6 +309,10 @@ def router_topk(
     ):
         raise ValueError(f"bias must be a contiguous [{E}] tensor of the weight's dtype ({weight.dtype}) on {x.device}")
     group_n, group_g = group_args(E, top_k, group_size, topk_group)
+    if block_e is None:
+        block_e = min(8, max(1, 1 << (E // 128).bit_length() - 1)) if E >= 128 else 1
+    if block_h is None:
+        block_h = min(triton.next_power_of_2(H), max(512, 4096 // block_e))
     if block_e & (block_e - 1) or block_h & (block_h - 1):
         raise ValueError("block_e and block_h must be powers of two")
     x2 = x.reshape(-1, H)

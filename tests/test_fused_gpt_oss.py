@@ -9,6 +9,7 @@ Shape legend: P prompt tokens, W sliding window, Hq / Hkv query / key-value head
 """
 
 import copy
+import inspect
 import os
 from functools import partial
 
@@ -73,11 +74,12 @@ def _run(model, P, steps, seed=1):
     """Greedy prefill of P random tokens + `steps` decode steps on a StaticCache -> (logits [1+steps, V], tokens)."""
     prompt = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(seed))
     cache = StaticCache(config=model.config, max_cache_len=P + steps + 1)
-    out = model(input_ids=prompt.to(DEV), use_cache=True, cache=cache)
+    kw = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}  # 5.17
+    out = model(input_ids=prompt.to(DEV), use_cache=True, **kw)
     logits = [out.logits[0, -1].float()]
     for _ in range(steps):
         ids = logits[-1].argmax().view(1, 1)
-        logits.append(model(input_ids=ids, use_cache=True, cache=cache).logits[0, -1].float())
+        logits.append(model(input_ids=ids, use_cache=True, **kw).logits[0, -1].float())
     return torch.stack(logits), [int(x.argmax()) for x in logits], cache
 
 
@@ -215,19 +217,20 @@ def test_cuda_graph_decode_equals_transformers(tiny_gpt_oss, dtype):
     eager, eager_toks, _ = _run(model, P, steps)
     prompt = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(1)).to(DEV)
     cache = StaticCache(config=model.config, max_cache_len=P + steps + 1)
+    kw = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}  # 5.17
     ids = torch.zeros((1, 1), dtype=torch.long, device=DEV)
-    model(input_ids=prompt, use_cache=True, cache=cache)
+    model(input_ids=prompt, use_cache=True, **kw)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            model(input_ids=ids, use_cache=True, cache=cache)
+            model(input_ids=ids, use_cache=True, **kw)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        logits = model(input_ids=ids, use_cache=True, cache=cache).logits[0, -1]
+        logits = model(input_ids=ids, use_cache=True, **kw).logits[0, -1]
     cache.reset()
-    got = [model(input_ids=prompt, use_cache=True, cache=cache).logits[0, -1].float()]
+    got = [model(input_ids=prompt, use_cache=True, **kw).logits[0, -1].float()]
     for _ in range(steps):
         ids.copy_(got[-1].argmax().view(1, 1))
         graph.replay()

@@ -121,16 +121,16 @@ def test_matches_reference(experts, T, dtype, sparsities):
             assert torch.count_nonzero(c) == 0 and rel_err(y, (rw.float()[..., None] * bd.float()[ids]).sum(1)) < 1e-6
 
 
-def test_accumulate_chunks_and_per_neuron_scales(experts):
-    """accumulate=True adds to what the caller put in out / count; BLOCK_I 64 > 32 reads each neuron's down scale
-    row, BLOCK_H 128 splits H = 160 into two chunks."""
+def test_accumulate_small_blocks(experts):
+    """accumulate=True adds to what the caller put in out / count; BLOCK_I 8: four programs share a down scale row
+    (H = 160 is 5 blocks of 32: a first part of 4 and a second of 1)."""
     wg, wu, wd, bg, bu, bd = experts
     x, ids, rw = problem(1, torch.float32, seed=5)
     tau = tau_for(act_abs(x, wg, bg, ids), ids, 0.5)
     y_ref, c_ref = sparse_mxfp4_ref(x, wg, wu, wd, bg, bu, bd, ids, rw, tau)
     out = torch.full((1, H), 0.25, device=DEV)
     cnt = torch.full((1, K), 3, dtype=torch.int32, device=DEV)
-    sparse_mxfp4(x, wg, wu, wd, bg, bu, bd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=64, BLOCK_H=128)
+    sparse_mxfp4(x, wg, wu, wd, bg, bu, bd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8)
     assert torch.equal(cnt, c_ref + 3) and rel_err(out, y_ref + 0.25) < 1e-5
 
 
@@ -179,7 +179,7 @@ def test_offload_addressing_totals_and_residual(experts, gates):
         ("tau-dtype", "tau must be a float32"),
         ("accumulate-no-out", "accumulate=True needs out="),
         ("pools-partial", "must be given together"),
-        ("block-h", "BLOCK_H must be a power of two"),
+        ("block-i", "BLOCK_I must be a power of two <= 32"),
     ],
 )
 def test_rejects(experts, case, match):
@@ -201,6 +201,6 @@ def test_rejects(experts, case, match):
     elif case == "pools-partial":
         kw = {"slot_table": torch.zeros(E, dtype=torch.int32, device=DEV), "pool_gate": wg}
     else:
-        kw = {"BLOCK_H": 48}
+        kw = {"BLOCK_I": 64}
     with pytest.raises(ValueError, match=match):
         sparse_mxfp4(*args, **kw)
