@@ -117,6 +117,8 @@ class Engine:
         )
         if fit is not None:
             self.prefill_chunk, self.prefill_fit = fit.chunk, fit
+            if not fit.fits:
+                self._notice(fit.line())
         return fit
 
     def _eos_ids(self) -> set[int]:
@@ -322,8 +324,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """The reply's figures; under a VRAM budget `extra` holds the prefill chunk and staging span chosen."""
         if self.prefill_fit is not None:
-            self._stats.extra.setdefault("prefill_chunk", self.prefill_chunk)
-            self._stats.extra.setdefault("staging_span", self.prefill_fit.span)
+            self._stats.extra.update(prefill_chunk=self.prefill_chunk, staging_span=self.prefill_fit.span)
         return self._stats
 
     # -- the loop ---------------------------------------------------------------------------------------

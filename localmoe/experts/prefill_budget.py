@@ -32,8 +32,14 @@ the CUDA-graph decoder's StaticCache), V vocab):
         k decayed, u, w, q/k decayed and three [Hv, T/64, 64, 64] matrices), C = 2·Hk·dk + Hv·dv, Vd = Hv·dv,
         Qh = Hv·dk
     dense MLP layers (DeepSeek's first layers): 3·T·Idense·el + T·H·el
-Checked on the CPU at Qwen3.5-35B shapes with a live-tensor counter: the DeltaNet formula 240 KiB/token against 225
-measured; the experts' 526 MiB (int4, span 42, T 256) against 519, 33 MiB (bf16) against 32.
+Checked on the CPU at Qwen3.5-35B shapes with a counter of live tensors (every aten op's new storages, freed with
+their last tensor): deltanet_prefill with the kernel's launcher 225 KiB/token measured against the formula's 240; the
+offloaded experts' call 519 MiB (int4, span 42, T 256) against 526, 32 MiB (bf16) against 33; the whole two-piece
+prefill of a 4-layer model of those shapes (3 DeltaNet + 1 attention layer; less KERNEL_WORKSPACE) 150 / 172 MiB
+(int4, T 256 / 512) against 149 / 177 and 176 / 216 MiB (bf16) against 173 / 226 (the CPU runs transformers' own
+DeltaNet there, not deltanet_prefill). Not counted: CUDA-only allocations outside the caching allocator's view of
+these ops (SDPA's backend choice: a math fallback would materialise the scores), accelerate's per-forward copies of
+spilled non-expert modules.
 
 Shapes: T tokens, k experts per token, E experts, I expert width, H hidden, L cache length, Hq / Hkv heads, Dh head dim.
 """
