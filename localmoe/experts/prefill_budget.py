@@ -3,8 +3,8 @@
 A prompt is prefilled in pieces of at most `chunk` tokens (decode/prefix.piece_cuts: equal pieces, no padding; a
 short prompt is one piece of its own length). Offloaded, every piece streams nearly every absent expert through two
 staging buffers of `span` experts (experts/staging.py), so a piece's PCIe time hardly depends on its length: the
-longer the piece, the fewer times each expert crosses the bus per prompt (Qwen3.5-35B int4 at 16 GiB: ~10 GB a
-piece, ~0.3 s on PCIe 5.0, whether the piece has 256 tokens or 2,048). `fit` therefore takes the longest chunk up
+longer the piece, the fewer times each expert crosses the bus per prompt (Qwen3.5-35B int4 at 16 GiB: ~6 GB of
+absent expert parts a piece, whether it has 256 tokens or 2,048). `fit` therefore takes the longest chunk up
 to MAX_CHUNK whose activations fit the bytes left after weights, expert cache and KV/state with a span of MIN_SPAN
 experts, then the largest span (up to `default_span`) the rest holds. `reserve_bytes` is what the plan sets aside
 for it (`placement.plan(workspace=...)`), so the expert cache is sized after it.
@@ -24,7 +24,8 @@ the CUDA-graph decoder's StaticCache), V vocab):
         with Dspan = span·3·I·H·el for 4-bit experts (each span dequantized; the generator dequantizes the next span
         while the loop still holds the last one: two alive), resident 4-bit experts local_experts.DEQUANT_BYTES'
         span, 0 for plain experts (staging buffers are used as they are)
-    full attention (sdpa): T·Hq·Dh·(3·el + 8) (q projection, the gate's copy, fp32 q-norm) + 2·T·Hkv·Dh·el
+    full attention (sdpa): T·Hq·Dh·(3·el + 8) (q projection, Qwen3.5's gate copy (2·el without), fp32 q-norm)
+        + 2·T·Hkv·Dh·el
         + 2·Hq·L·Dh·el (repeat_kv of the cache when a mask is given and Hq > Hkv) + T·L·(1 + el) (the mask's negation
         and its float copy inside SDPA); eager attention adds the scores Hq·T·L·max(3·el, 2·el + 4)
     Gated DeltaNet (decode/deltanet_prefill.py + the chunk rule's torch prepare): (3·C + Vd)·el·T (in_proj_qkv,
