@@ -4,10 +4,11 @@
                        into localmoe's store) → notices (notices.py) → sparsity thresholds (experts/thresholds: cached
                        calibration) → ready; Engine.random(SHAPE) the same with random weights (bench --shape)
     engine.chat(messages) / engine.generate(ids) → the request checked, then generate.py's steps: prefill (dense
-                       path, 2048-token chunks; a chat's history the cache already holds is not prefilled again:
-                       decode/prefix.py) → decode loop (sparse path; on CUDA one captured graph per step, steps N+1, N+2
-                       launched before token N is streamed) → TokenEvent per token; `stats` (stats.py) updated as it
-                       goes; `cancel()` from any thread, or a reply's own `cancelled` check (the server's);
+                       path, pieces of up to 2048 tokens, shorter where a VRAM budget is tight: fit_prefill; a chat's
+                       history the cache already holds is not prefilled again: decode/prefix.py) → decode loop (sparse
+                       path; on CUDA one captured graph per step, steps N+1, N+2 launched before token N is streamed)
+                       → TokenEvent per token; `stats` (stats.py) updated as it goes; `cancel()` from any thread, or
+                       a reply's own `cancelled` check (the server's);
                        engine.chat_prompt(messages) encodes a chat (tools too) for a later generate (the server)
 
 Sampling: `default_settings()` is the checkpoint's generation_config.json; the repetition penalty keeps a seen-token
