@@ -140,17 +140,20 @@ if triton is not None:
         code words [R, NBP, 4] (`part_words`), h3 [R, 1, 1] (times 2**63), srow the rows' shared scale row [H]."""
         jb = J0 + tl.arange(0, NBP)
         bm = jb < NB
-        # nested joins put J last and in-thread: [R, NBP, 4, 2, 2, 2][.., a, b, c] = nibble 4a + 2b + c, i.e. the
-        # columns in order; one reduction over the rows for all eight (not eight cross-warp reductions)
-        v = tl.join(
-            tl.join(tl.join(fp4_nibble(w, 0), fp4_nibble(w, 4)), tl.join(fp4_nibble(w, 2), fp4_nibble(w, 6))),
-            tl.join(tl.join(fp4_nibble(w, 1), fp4_nibble(w, 5)), tl.join(fp4_nibble(w, 3), fp4_nibble(w, 7))),
-        )
-        j = tl.sum(tl.reshape(v, [w.shape[0], NBP, 32]) * h3, axis=0)  # [NBP, 32]
+        c0 = tl.sum(fp4_nibble(w, 0) * h3, axis=0)  # [NBP, 4]: column 32 jb + 8 q + J
+        c1 = tl.sum(fp4_nibble(w, 1) * h3, axis=0)
+        c2 = tl.sum(fp4_nibble(w, 2) * h3, axis=0)
+        c3 = tl.sum(fp4_nibble(w, 3) * h3, axis=0)
+        c4 = tl.sum(fp4_nibble(w, 4) * h3, axis=0)
+        c5 = tl.sum(fp4_nibble(w, 5) * h3, axis=0)
+        c6 = tl.sum(fp4_nibble(w, 6) * h3, axis=0)
+        c7 = tl.sum(fp4_nibble(w, 7) * h3, axis=0)
+        # nested joins put J last: [NBP, 4, 2, 2, 2][.., a, b, c] = c_{4a + 2b + c}, i.e. columns in order
+        j = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
         col = jb[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBP, 32]
         cm = bm[:, None] & (col >= 0)  # full shape (the interpreter applies a broadcast atomic mask to one element)
         sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
-        contrib = j * 9.223372036854775808e18 * sv
+        contrib = tl.reshape(j, [NBP, 32]) * 9.223372036854775808e18 * sv
         tl.atomic_add(ydst + col, contrib, mask=cm, sem="relaxed")
 
     @triton.jit
