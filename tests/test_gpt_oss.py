@@ -18,6 +18,7 @@ import torch
 from conftest import repo_id
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
@@ -62,7 +63,9 @@ def test_experts_load_as_stored(resident, src_dir):
     assert all(isinstance(t, Mxfp4Tensor) for t in (w.w_gate, w.w_up, w.w_down_t))
     E, I, H = w.shape
     assert w.nbytes() == 3 * E * I * (H // 2 + H // 32)
-    assert m.act_fn.limit == 1.5 and m.act_fn.alpha == pytest.approx(1.702)
+    with torch.device("meta"):  # the constants transformers' own module uses (5.2x: the config's; 5.17: 7.0, 1.702)
+        hf = GptOssExperts(resident.loaded.config)
+    assert m.act_fn.limit == hf.limit and m.act_fn.alpha == pytest.approx(hf.alpha)
     with safe_open(str(src_dir / "gpt_oss" / "model.safetensors"), "pt") as f:
         t = {n: f.get_tensor(f"model.layers.0.mlp.experts.{n}") for n in ("gate_up_proj_blocks", "down_proj_blocks")}
         s = {n: f.get_tensor(f"model.layers.0.mlp.experts.{n}") for n in ("gate_up_proj_scales", "down_proj_scales")}
