@@ -146,6 +146,8 @@ def test_offloaded_engine_with_short_pieces_equals_resident():
     with torch.inference_mode():
         want = resident._prefill(x)[1]
         got = e._prefill(x)[1]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # pieces of 16 tokens take transformers' DeltaNet per piece: 1e-4 here, ~1e-3 with transformers 5.17's reference
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=5e-3)
+    assert int(got.argmax()) == int(want.argmax())
     assert e.loaded.cache.staging.buffers[0].w_up.shape[0] == 2
     assert _greedy(e, ids) == _greedy(resident, ids)
