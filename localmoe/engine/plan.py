@@ -185,7 +185,13 @@ class ModelPlan:
         """VRAM that keeps everything resident: non-expert weights (but a host-resident embedding table), KV/state,
         workspace and every expert."""
         non_expert = self.facts.non_expert_bytes - self.host_embedding_bytes
-        return int(non_expert + self.state_bytes + WORKSPACE_RESERVE + self.total_expert_bytes)
+        return int(non_expert + self.state_bytes + self.workspace_bytes + self.total_expert_bytes)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """VRAM set aside for activations: the offload plan's (a prefill piece's peak, experts/prefill_budget), at
+        least WORKSPACE_RESERVE."""
+        return int(getattr(self.offload, "workspace_bytes", WORKSPACE_RESERVE))
 
     def vram(self) -> dict | None:
         """The plan at the budget, in numbers (None without a budget)."""
@@ -198,7 +204,7 @@ class ModelPlan:
             "error": self.error or None,
             "all_resident_bytes": self.all_resident_bytes,
             "state_bytes": self.state_bytes,
-            "workspace_bytes": int(WORKSPACE_RESERVE),
+            "workspace_bytes": self.workspace_bytes,
             "expert_bytes": self.expert_bytes,
             "experts_total": self.facts.moe_layers * self.facts.experts,
             "host_embedding_bytes": self.host_embedding_bytes,

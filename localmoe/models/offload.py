@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from localmoe.errors import UsageError
-from localmoe.experts import department_placement, placement, store
+from localmoe.experts import department_placement, placement, prefill_budget, store
 from localmoe.experts.int4 import expert_bytes as int4_expert_bytes
 from localmoe.models import host_embedding
 from localmoe.models.skeleton import units
@@ -119,6 +119,11 @@ def plan_offload(
             raise UsageError(f"{e}; use --experts full") from None
     with host_embedding.detached(model):
         largest = max(units(model).values(), default=0)
+    # set aside what the longest prefill piece needs (its activations, the staging buffers), so the cache is sized
+    # after it and the budget holds while a long prompt is prefilled
+    workspace, resident = prefill_budget.workspaces(
+        text_config, dtype, fmt, context, vram_bytes, experts=E, width=I, hidden=H
+    )
     budget = placement.plan(
         budget_bytes=vram_bytes,
         non_expert_bytes=non_expert,
@@ -127,6 +132,8 @@ def plan_offload(
         total_experts=E * len(mods),
         top_k=int(getattr(text_config, "num_experts_per_tok", 1)),
         largest_module_bytes=largest,
+        workspace=workspace,
+        resident_workspace=resident,
     )
     warning = placement.host_ram_notice(budget, placement.available_ram())
     if warning and on_notice:
