@@ -93,7 +93,8 @@ def run(E: int, space: list[dict], peak: float) -> list:
     for s in SPARSITIES:
         v = a.sort(dim=1).values  # tau between two neighbours: rounding cannot flip a neuron
         m = max(1, int(s * I))
-        tau = (v[:, m - 1] + v[:, m]) / 2 if 0 < s < 1 else torch.full((E,), 0.0 if s == 0 else float("inf"), device=DEV)
+        edge = torch.full((E,), 0.0 if s == 0 else float("inf"), device=DEV)  # keep all / nothing
+        tau = (v[:, m - 1] + v[:, m]) / 2 if 0 < s < 1 else edge
         nbytes = sum(call_bytes(a[i[0].long()] >= tau[i[0].long()].unsqueeze(-1)) for i in ids) / len(ids)
         y_ref, c_ref = sparse_mxfp4_ref(x, wg, wu, wd, bg, bu, bd, ids[0], rw, tau)
         for kw in space:

@@ -155,7 +155,8 @@ def test_kernel_options_equal_transformers(dtype):
         x[: Hq * D].view(1, Hq, 1, D), x[Hq * D : (Hq + Hkv) * D].view(1, Hkv, 1, D), cos[None, None], sin[None, None]
     )
     # bit for bit in bf16 and on the CPU; compiled fp32 may contract x*cos - y*sin into one FMA (1 ulp)
-    same = torch.equal if dtype == torch.bfloat16 or torch.device(DEV).type == "cpu" else partial(torch.allclose, rtol=2e-7, atol=1e-6)
+    exact = dtype == torch.bfloat16 or torch.device(DEV).type == "cpu"
+    same = torch.equal if exact else partial(torch.allclose, rtol=2e-7, atol=1e-6)
     assert same(q, want_q[0, :, 0]) and same(k, want_k[0, :, 0])
     assert torch.equal(v, x[(Hq + Hkv) * D :].view(Hkv, D))
     assert int(pos) == 10 and torch.equal(kc[:, 9 % W], k) and torch.equal(vc[:, 9 % W], v)
