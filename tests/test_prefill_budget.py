@@ -83,38 +83,24 @@ def test_formula_terms_and_the_resident_plan():
     fixed = 64 * s.experts * 2 + 64 * H * 2 + 64 * 8 * 10 + 24 * N + N * H * 2
     assert pb._moe(s, 64, 10) == fixed + max(N * H * 2 + deq + 3 * N * I * 2, 3 * N * H * 2 + 64 * H * 2)
     assert pb._attention(s, 64, 1024) > pb._attention(s, 64, 512)  # repeat_kv and the mask grow with the cache
-    plan = placement.plan(
-        budget_bytes=100 * GiB,
-        non_expert_bytes=GiB,
-        state=GiB,
-        expert_bytes=s.stored,
-        total_experts=s.experts * 40,
-        top_k=8,
-        workspace=2 * GiB,
-        resident_workspace=GiB,
-    )
-    assert not plan.offloading and plan.workspace_bytes == GiB
+
+    def plan(budget, state=0, **kw):  # 40 layers of Qwen3.5-35B's int4 experts, 1 GiB of other weights
+        return placement.plan(
+            budget_bytes=budget,
+            non_expert_bytes=GiB,
+            state=state,
+            expert_bytes=s.stored,
+            total_experts=s.experts * 40,
+            top_k=8,
+            workspace=2 * GiB,
+            **kw,
+        )
+
+    roomy = plan(100 * GiB, state=GiB, resident_workspace=GiB)
+    assert not roomy.offloading and roomy.workspace_bytes == GiB
     need = GiB + GiB + s.stored * s.experts * 40  # non-expert weights + the shortest piece + every expert
-    resident = placement.plan(
-        budget_bytes=need,
-        non_expert_bytes=GiB,
-        state=0,
-        expert_bytes=s.stored,
-        total_experts=s.experts * 40,
-        top_k=8,
-        workspace=2 * GiB,
-        resident_workspace=GiB,
-    )
-    assert not resident.offloading  # with the longest piece's reserve it would offload
-    assert placement.plan(
-        budget_bytes=need,
-        non_expert_bytes=GiB,
-        state=0,
-        expert_bytes=s.stored,
-        total_experts=s.experts * 40,
-        top_k=8,
-        workspace=2 * GiB,
-    ).offloading
+    assert not plan(need, resident_workspace=GiB).offloading  # with the longest piece's reserve it would offload
+    assert plan(need).offloading
 
 
 def _greedy(engine, ids, n=6):
