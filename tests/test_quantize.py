@@ -17,8 +17,7 @@ from conftest import repo_id
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.experts import local_experts as experts_mod
-from localmoe.experts import thresholds
+from localmoe.experts import dense_path, thresholds
 from localmoe.experts.int4 import Int4Tensor, dequantize, group_for, quantize
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 
@@ -76,7 +75,7 @@ def test_int4_dense_paths_span_by_span(monkeypatch):
     x = torch.randn(T, H, generator=gen)
     idx = torch.stack([torch.randperm(E - 2, generator=gen)[:k] for _ in range(T)])  # experts 7, 8 never routed
     wts = torch.rand(T, k, generator=gen)
-    monkeypatch.setattr(experts_mod, "DEQUANT_BYTES", 3 * I * H * 4 * 2)  # two experts a span
+    monkeypatch.setattr(dense_path, "DEQUANT_BYTES", 3 * I * H * 4 * 2)  # two experts a span
     spans = m._spans(torch.cumsum(torch.bincount(idx.reshape(-1), minlength=E), 0), T * k)
     assert len(spans) == 4 and spans[-1][1] == 8  # experts 8's span has no slot
     tau = torch.full((E,), 0.1)

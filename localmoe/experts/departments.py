@@ -47,14 +47,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from localmoe.experts.dense_path import _GROUPED_MM
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
 from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
 from localmoe.kernels.department_slots import department_slots, department_slots_ref
 from localmoe.kernels.residual_publish import residual_publish
 from localmoe.kernels.sparse_fused import Tail, shared_expert_term
 from localmoe.kernels.tuning import tuned
-
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def group_limited_topk(probs: torch.Tensor, n: int, k: int, group: int, score: str = "max"):

@@ -22,7 +22,7 @@ the CUDA-graph decoder's StaticCache), V vocab):
         T·E·el (router logits) + T·H·el (shared expert's output) + T·k·(el + 8) + 24·N (sort order, token, expert)
         + N·H·el (xs) + max(N·H·el (ys) + 2·Dspan + 3·N·I·el (gate, up, h),   3·N·H·el (ys, cat, weighted) + T·H·el)
         with Dspan = span·3·I·H·el for 4-bit experts (each span dequantized; the generator dequantizes the next span
-        while the loop still holds the last one: two alive), resident 4-bit experts local_experts.DEQUANT_BYTES'
+        while the loop still holds the last one: two alive), resident 4-bit experts dense_path.DEQUANT_BYTES'
         span, 0 for plain experts (staging buffers are used as they are)
     full attention (sdpa): T·Hq·Dh·(3·el + 8) (q projection, Qwen3.5's gate copy (2·el without), fp32 q-norm)
         + 2·T·Hkv·Dh·el
@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
+from localmoe.experts.dense_path import DEQUANT_BYTES
 from localmoe.experts.int4 import expert_bytes as quantized_expert_bytes
 from localmoe.experts.int4 import format_of, parts
-from localmoe.experts.local_experts import DEQUANT_BYTES
 from localmoe.experts.placement import WORKSPACE_RESERVE, GiB, OffloadPlan, state_bytes
 
 MAX_CHUNK = 2048  # the longest prompt piece (tokens)

@@ -1,0 +1,164 @@
+"""The experts' dense path: many tokens at once (prefill, calibration, sparsity off), tokens grouped by expert.
+
+Owns `DensePath`, the mixin `LocalExperts` (experts/local_experts.py) takes its dense path from, and the span sizing
+constant `DEQUANT_BYTES`. Three grouped GEMMs (torch's grouped_mm) over the (token, expert) slots sorted by expert
+where torch has one for the device and dtype (`_grouped`: no Python loop, no host sync); elsewhere, or for a
+decode-sized call on offloaded experts, a loop of per-expert matmuls (`_dense`, which admits experts into the cache).
+4-bit experts (int4, NF4, MXFP4) are dequantized a span of experts at a time; offloaded experts stream a staged span
+at a time through the cache (experts/staging.py). The same arithmetic and roundings as transformers' experts, with
+GPT-OSS's biases and clamped SwiGLU (experts/clamped_swiglu.py).
+
+The mixin reads the module's state: `weights` (ExpertWeights), `cache`, `layer_idx`, `num_experts`,
+`intermediate_size`, `hidden_size`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`, `grouped`,
+`mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens` and `_count`. Imports: torch and experts/clamped_swiglu only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from localmoe.experts.clamped_swiglu import down_out, gate_pre, up_value
+
+# torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
+_GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+DEQUANT_BYTES = 256 << 20  # int4 experts' dense path: dequantized weights per span of grouped GEMMs
+
+
+class DensePath:
+    """The dense path of `LocalExperts` (module docstring)."""
+
+    def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I,H], up [I,H], down_t [I,H]) of expert e, from the cache when offloaded."""
+        if self.cache is not None:
+            return self.cache.expert(self.layer_idx, e)
+        w = self.weights
+        return w.w_gate[e], w.w_up[e], w.w_down_t[e]
+
+    def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        masked = self.mask_all_tokens and self.sparse_enabled and self.tau is not None and self.recorder is None
+        if self._groups(x):
+            return self._grouped(x, top_k_index, top_k_weights, masked)
+        out = torch.zeros_like(x)
+        kept = torch.zeros((), dtype=torch.int64, device=x.device)
+        flat = top_k_index.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tok_of = order // top_k_index.shape[1]  # token of each sorted slot
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[start : start + n]
+            tok = tok_of[start : start + n]
+            start += n
+            xs = x[tok]  # [n, H]
+            w_gate, w_up, w_down_t = self._expert(e)
+            g = self.act_fn(gate_pre(xs @ w_gate.T, self.biases, e))  # [n, I]
+            if self.recorder is not None:
+                self.recorder.add(g.abs(), e)
+            if masked:
+                keep = self._mask(g, xs, torch.full((n,), e, device=x.device), tok)
+                g = g * keep
+                kept = kept + keep.sum()
+            h = g * up_value(xs @ w_up.T, self.biases, e, self.up_fn)
+            y = down_out(h @ w_down_t, self.biases, e)  # [n, H]
+            y = y * top_k_weights.reshape(-1)[slots, None].to(y.dtype)
+            out.index_add_(0, tok, y.to(out.dtype))
+        if masked:
+            self._count(kept, top_k_index.numel() * self.intermediate_size)
+        return out
+
+    def _mask(self, g, xs, experts, tokens) -> torch.Tensor:
+        """The sparse path's mask on rows g [n, I] (inputs xs [n, H], experts [n], tokens [n]): |g| >= τ, and with a
+        predictor only among its candidates (its recall and counts observed)."""
+        keep = g.abs() >= self.tau[experts].unsqueeze(1)
+        if self.predictor is None:
+            return keep
+        cand = self.predictor.candidates(xs, experts, self.act_fn)
+        self.predictor.observe(g.abs(), keep, cand, experts, tokens)
+        return keep & cand
+
+    def _groups(self, x: torch.Tensor) -> bool:
+        """Whether `_grouped` runs this dense call: torch has a grouped GEMM for this device and dtype (CUDA: bf16
+        on sm80+; CPU: any float dtype from torch 2.11, whose CPU kernel needs no 16-byte alignment) and the
+        experts are on x's device, or offloaded behind a cache there and the call is longer than a decode step
+        (streamed through the cache's staging buffers, nothing admitted; a decode-sized call takes the loop, which
+        admits its experts into the cache for the next steps)."""
+        if not self.grouped or _GROUPED_MM is None or self.weights is None or x.shape[0] == 0:
+            return False
+        if self.cache is not None and x.shape[0] <= self.max_sparse_tokens:
+            return False
+        w = self.weights.w_gate
+        where = self.cache.pool.w_up.device if self.cache is not None else w.device  # a tensor's: cuda:0, not cuda
+        if where != x.device or w.dtype != x.dtype:
+            return False
+        if x.is_cuda:
+            return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        return x.device.type == "cpu" and x.dtype.is_floating_point and _TORCH >= (2, 11)
+
+    def _grouped(self, x, top_k_index, top_k_weights, masked: bool) -> torch.Tensor:
+        """The dense path as three grouped GEMMs (torch's grouped_mm: one launch per projection for all experts)
+        over the (token, expert) slots sorted by expert: no Python loop and no host sync, the same arithmetic and
+        roundings as the per-expert loop (and transformers' experts). Calibration's recorder takes all the gate
+        activations in one host copy (the loop: one per expert). int4 experts are dequantized a span of experts at a
+        time (`_spans`), three grouped GEMMs per span; offloaded experts a staged span at a time (`_span_weights`)."""
+        T, k = top_k_index.shape
+        I = self.intermediate_size
+        flat = top_k_index.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # slots sorted by expert
+        tok = order // k  # [T*k] token of each sorted slot
+        ids = flat[order]  # [T*k] expert of each sorted slot
+        ends = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)  # [E] group ends
+        xs = x[tok]  # [T*k, H]
+        ys, kept = [], 0
+        for w_gate, w_up, w_down_t, offs, s0, s1 in self._span_weights(ends, T * k):
+            xc = xs[s0:s1]
+            g = self.act_fn(gate_pre(_GROUPED_MM(xc, w_gate.transpose(1, 2), offs=offs), self.biases, ids[s0:s1]))
+            if self.recorder is not None:
+                self.recorder.add_rows(g.abs(), ids[s0:s1])
+            if masked:
+                keep = self._mask(g, xc, ids[s0:s1], tok[s0:s1])  # [n, I]
+                g = g * keep
+                kept = kept + keep.sum()
+            h = g * up_value(_GROUPED_MM(xc, w_up.transpose(1, 2), offs=offs), self.biases, ids[s0:s1], self.up_fn)
+            ys.append(down_out(_GROUPED_MM(h, w_down_t, offs=offs), self.biases, ids[s0:s1]))  # [n, H]
+        if masked:
+            self._count(kept, T * k * I)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)  # [T*k, H]
+        y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+    def _span_weights(self, ends: torch.Tensor, slots: int):
+        """(gate, up, down_t [n, I, H], group ends within the span [n] int32, first slot, end slot) of each grouped
+        GEMM call: resident experts by `_spans`; offloaded, the routed experts streamed through the cache's staging
+        buffers (experts/staging.py: one span's copies overlap the previous span's GEMMs; one host sync)."""
+        if self.cache is None:
+            for a, b, s0, s1 in self._spans(ends, slots):
+                yield (*self.weights.dequantized(a, b), ends[a:b] - s0 if s0 else ends[a:b], s0, s1)
+            return
+        end = ends.tolist()
+        routed = [e for e in range(self.num_experts) if end[e] > (end[e - 1] if e else 0)]
+        for first, n, buf in self.cache.stream(self.layer_idx, routed):
+            span = routed[first : first + n]
+            s0 = end[span[0] - 1] if span[0] else 0
+            offs = ends[torch.tensor(span, device=ends.device)] - s0
+            yield (*buf.dequantized(0, n), offs.to(torch.int32), s0, end[span[-1]])
+
+    def _spans(self, ends: torch.Tensor, slots: int) -> list[tuple[int, int, int, int]]:
+        """(first expert, end expert, first slot, end slot) of each grouped GEMM call: all experts at once, or for
+        int4 experts spans of ~DEQUANT_BYTES of dequantized weights with at least one routed slot (one host sync)."""
+        E = self.num_experts
+        if not self.weights.quantized:
+            return [(0, E, 0, slots)]
+        expert = 3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize  # dequantized
+        per = max(1, DEQUANT_BYTES // expert)
+        end = ends.tolist()
+        spans = []
+        for a in range(0, E, per):
+            b = min(E, a + per)
+            s0 = end[a - 1] if a else 0
+            if end[b - 1] > s0:
+                spans.append((a, b, s0, end[b - 1]))
+        return spans
