@@ -6,12 +6,15 @@ recurrent state) keeps ONE state, which the rest of the prefill and the decoding
 `PromptReuse` keeps a copy of the recurrent layers' state at a point the engine names, `stable` (`repeated_prefix`:
 for a chat, the whole prompt when the template renders the next turn right after it, else the history without the
 generation header), and when a prompt starts with exactly those tokens it rewinds the cache there: attention layers
-back to that length, recurrent layers to the copy. Only the rest of the prompt is prefilled; with the copy at the
-prompt's end its logits are kept too, so the same prompt again (regenerate) runs nothing.
+back to that length, recurrent layers to the copy. A sliding-window layer (GPT-OSS: its last W positions, a ring in
+the CUDA-graph step, decode/sliding.py) is like a recurrent one: the decoding past `stable` overwrites the rows it
+would need, so its rows and counters are copied at `stable` too (W rows a layer: MBs, not the history's GBs) and put
+back whole. Only the rest of the prompt is prefilled; with the copy at the prompt's end its logits are kept too, so
+the same prompt again (regenerate) runs nothing.
 
 Caches: transformers' StaticCache (the CUDA-graph decoder's; rewound in place, so the captured graph keeps its
-addresses) and DynamicCache (eager decoding). A cache with a layer it does not know (sliding window, quantized, ...)
-is never rewound: its prompt is prefilled whole.
+addresses) and DynamicCache (eager decoding), with their sliding-window layers. A cache with a layer it does not
+know (quantized, offloaded, ...) is never rewound: its prompt is prefilled whole.
 
 Shape legend: P = prompt tokens, L = tokens reused from the cache, S = `stable`.
 """
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from localmoe.decode.sliding import RING
+
 # a recurrent layer's state (transformers 5.17 and 5.2x LinearAttention layers): tensors or dicts of tensors / flags
 _STATE_ATTRS = (
     "conv_states",
@@ -31,13 +36,21 @@ _STATE_ATTRS = (
     "is_conv_states_initialized",
     "is_recurrent_states_initialized",
 )
-_UNSUPPORTED = ("Sliding", "Quantized", "Indexed", "Dummy", "Offloaded")
+# a sliding-window layer's state: its rows (transformers' order, or the fused step's ring: `RING`) and counters
+_WINDOW_ATTRS = ("keys", "values", "cumulative_length", "cumulative_length_int", "is_initialized", RING)
+_WINDOW = ("StaticSlidingWindowLayer", "DynamicSlidingWindowLayer")
+_UNSUPPORTED = ("Quantized", "Indexed", "Dummy", "Offloaded")
 
 
 def _kinds(layer) -> set[str] | None:
-    """{"recurrent", "static", "dynamic"} parts of a cache layer, or None for a layer that cannot be rewound."""
+    """{"recurrent", "window", "static", "dynamic"} parts of a cache layer, or None for a layer that cannot be
+    rewound."""
     names = {c.__name__ for c in type(layer).__mro__}
     if any(u in n for n in names for u in _UNSUPPORTED):
+        return None
+    if type(layer).__name__ in _WINDOW:
+        return {"window"}
+    if any("Sliding" in n for n in names):  # another windowed layer: its rows are not known here
         return None
     kinds = set()
     if hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states"):
@@ -59,6 +72,16 @@ def _copy(v, device):
     if isinstance(v, dict):
         return {k: _copy(x, device) for k, x in v.items()}
     return v
+
+
+def _state(layer, device) -> dict | None:
+    """A recurrent or sliding-window layer's attributes to copy (None: the layer's positions stay as written)."""
+    kinds = _kinds(layer)
+    if "window" in kinds:  # unmarked: transformers' row order (the mark is put back with the rows)
+        return {n: _copy(getattr(layer, n, False), device) for n in _WINDOW_ATTRS if n == RING or hasattr(layer, n)}
+    if "recurrent" in kinds:
+        return {n: _copy(getattr(layer, n), device) for n in _STATE_ATTRS if hasattr(layer, n)}
+    return None
 
 
 def _put(live, saved, home):
@@ -134,6 +157,8 @@ class PromptReuse:
                 return 0
             if "static" in kinds and int(layer.cumulative_length) < L:
                 return 0
+        if any(saved is None for layer, saved in zip(layers, c.states) if "window" in _kinds(layer)):
+            return 0
         return L
 
     def rewind(self, cache, ids: Sequence[int]) -> tuple[int, torch.Tensor | None]:
@@ -165,12 +190,7 @@ class PromptReuse:
         if cache is not self._cache:
             self._copies = []
         dev = torch.device("cpu") if self.host_copy else None
-        states = [
-            {n: _copy(getattr(layer, n), dev) for n in _STATE_ATTRS if hasattr(layer, n)}
-            if "recurrent" in _kinds(layer)
-            else None
-            for layer in layers
-        ]
+        states = [_state(layer, dev) for layer in layers]
         tokens = tuple(tokens)
         keep = [x for x in self._copies if len(x.tokens) < len(tokens)]
         self._copies = keep + [_Copy(tokens, states, None if logits is None else _copy(logits, None))]

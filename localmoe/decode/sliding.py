@@ -12,8 +12,9 @@ The two layouts agree while at most W tokens are cached. `to_ring(cache)` (after
 modules on the cache: the prefill) rolls each such layer's rows by N % W once N > W tokens were seen, sets its
 position tensor to N and marks it (`RING`); `to_transformers(cache)` (before such a call) rolls them back and clears
 the mark. Both read the layer's host count N, which the fused step advances on its eager calls; a graph replay
-does not, so after replays the cache must be reset before transformers' modules see it again (the engine's prefill
-does: its prompt reuse never rewinds a sliding layer).
+does not, so after replays the cache must be reset before transformers' modules see it again, or put back whole: the
+engine's prefill does one or the other (its prompt reuse restores a copy of the rows, counters and mark taken where
+the history ended, decode/prefix.py).
 
 Shape legend: W ring rows, N tokens seen, Hkv key/value heads, D head dim.
 """
