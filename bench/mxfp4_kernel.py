@@ -127,28 +127,6 @@ def best(rows, n=4) -> list[dict]:
     return [kw for _, kw in sorted(tot.values(), key=lambda v: v[0])[:n]]
 
 
-def tail_cost(kw: dict) -> None:
-    """The self-cleaning tail's share: the best launch at 85 % with accumulate=True (no per-token ticket, no
-    publishing program) against the default mode, same calls."""
-    gen = torch.Generator(device=DEV).manual_seed(32)
-    (wg, wu, wd), (bg, bu, bd) = experts(32, gen)
-    x = torch.randn(1, H, device=DEV, generator=gen).to(DT)
-    a = act_abs(x, wg, bg)
-    v = a.sort(dim=1).values
-    tau = (v[:, int(0.85 * I) - 1] + v[:, int(0.85 * I)]) / 2
-    ids = [torch.arange(i, i + K, device=DEV).view(1, K).to(torch.int32) for i in range(0, 32, K)]
-    rw = torch.full((1, K), 1.0 / K, device=DEV, dtype=DT)
-    outs = [torch.empty(1, H, device=DEV, dtype=DT) for _ in ids]
-    acc = [torch.zeros(1, H, device=DEV) for _ in ids]
-    cnt = [torch.zeros(1, K, device=DEV, dtype=torch.int32) for _ in ids]
-    tail = graph_us([lambda i=i, o=o: sparse_mxfp4(x, wg, wu, wd, bg, bu, bd, i, rw, tau, o, **kw)
-                     for i, o in zip(ids, outs)], warmup=10, rep=50)  # fmt: skip
-    plain = graph_us([lambda i=i, o=o, c=c: sparse_mxfp4(x, wg, wu, wd, bg, bu, bd, i, rw, tau, o, count=c,
-                                                         accumulate=True, **kw)
-                      for i, o, c in zip(ids, acc, cnt)], warmup=10, rep=50)  # fmt: skip
-    print(f"85 % {kw}: self-cleaning tail {tail:.1f} µs, accumulate (no tickets) {plain:.1f} µs")
-
-
 def main():
     peak = copy_gbs()
     print(f"device copy bandwidth: {peak:.0f} GB/s (the byte floor's ceiling)")
@@ -157,7 +135,6 @@ def main():
     top = best(rows20)
     rows120 = run(128, top, peak)
     print("\nbest launches at 20b (sum of µs over the sparsities):", top)
-    tail_cost(top[0])
     print(f"{'model':6s} {'sparsity':>8s} {'launch':55s} {'µs':>7s} {'MB':>6s} {'GB/s':>6s} {'eff':>5s}")
     for E, s, kw, us, nb, gbs, eff in [r for r in rows20 if r[2] in top] + rows120:
         print(
