@@ -253,7 +253,7 @@ def test_full_model_local_experts_sparse(tiny_text_model, dtype):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert toks == want_toks
     else:  # on CUDA the decoder tail keeps the shared expert in fp32: a few borderline neurons flip
-        assert all(abs(k - r) <= 0.03 * r for k, r in zip(kept, ref_kept)), (kept, ref_kept)
+        assert all(abs(k - r) <= max(2, 0.03 * r) for k, r in zip(kept, ref_kept)), (kept, ref_kept)
         _bf16_close(got, want, toks, want_toks)
     replacements.uninstall(model)
     assert [layer.mlp.experts for layer in model.model.layers] == experts
