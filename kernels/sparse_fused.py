@@ -41,6 +41,17 @@ the gate table for gates), each tensor with its own expert stride, so an absent 
 kept rows' bytes + scales cross PCIe. No `shared=` (the caller runs the shared expert in kernels/moe_front.py);
 every other mode (accumulate, workspace, residual, stats) is the same.
 
+Gate predictor (optional, `predictor=GatePredictor(...)` from kernels/gate_predictor.py, issue #23; a constexpr mode,
+compiled out without it): stages 2 + 3 of the department-shared predictor inside the same program. Program (tj, b)
+of expert e (the predictor's id: `predictor.experts[tj]` in copy mode, else expert_ids[tj]) loads z[t, dept_of[e],
+:r] (written by `department_basis`, the launch before) and C_e's BLOCK_I x r rows, and makes its candidates
+cand = |silu(C_e . z)| >= tau'. The gate tile (bf16 or int4: packed bytes and scales alike) is loaded under the
+candidates' row mask, so a non-candidate's gate row issues no memory traffic, keep = cand & (|g| >= tau[e]), and a
+block without candidates stops after stage 2. Everything else is as above; the shared expert's programs stay dense
+(no C rows). The row stats count the gate rows actually read (the candidates): the count words of the workspace then
+carry kept + (candidates << 16) (I < 2^15), so the workspace keeps its size. tau' = 0 makes every neuron a
+candidate: the launch without a predictor. C and z are not counted as weight rows.
+
 One launch, fixed grid and output sizes, no host sync: CUDA-graph capturable (pass `out=`, `count=` and
 `workspace=` to keep every address fixed across replays).
 
@@ -49,7 +60,9 @@ and at >= 127 registers only up to 64 tile elements per thread (BLOCK_I * H_P2 /
 H 2048: BLOCK_I 8 / 8 warps (127 regs), 4 / 8 (64 regs); H 3072: 8 / 16, 4 / 8. BLOCK_I 8 / 4 warps at H 2048
 already needs 248 registers; 16 / 4 spills. int4 tiles hold as many elements (NG_P2 * G = H_P2 per row) but need
 more registers (H200, Triton 3.6, H 2048: 8 / 8 warps 128 vs 64 for bf16, 4 / 8 64; 16 / 8 spills), so int4
-wants its own tuned BLOCK_I / num_warps.
+wants its own tuned BLOCK_I / num_warps. The predictor's BLOCK_I x next_pow2(r) C tile is small beside it (r 64, 8 / 8
+warps: 2 elements a thread): Triton 3.9's sm_90 build of H 2048 bf16 8 / 8 is spill-free with and without it (178
+registers without, 188 with, 117 with copy-mode ids and row stats; cuobjdump --dump-resource-usage).
 
 Shape legend: T = tokens, k = experts per token, E = experts, I = expert width (neurons), H = hidden, S = slots,
 G = int4 group size along H, NG = H / G groups per row, NG_P2 = next_pow2(NG).
@@ -67,6 +80,7 @@ import torch
 
 from localmoe.kernels.checks import HostPointer, expert_weights, int4_expert_weights, tokens_and_experts
 from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
+from localmoe.kernels.gate_predictor import GatePredictor
 from localmoe.kernels.int4 import Int4Tensor
 from localmoe.kernels.nf4 import Nf4Tensor, dequant_nf4_ref, nf4_code
 from localmoe.kernels.workspace import zeroed_int32
@@ -127,17 +141,20 @@ def _routed_fp32(w, eid) -> torch.Tensor:
     return w[eid].float()
 
 
-def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau):
+def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau, candidates=None):
     """Reference in fp32 torch. Returns (y [T,H] fp32, count [T,k] int32 kept neurons per routed expert).
 
     y[t] = sum_j w[t,j] sum_{n: |g_n| >= tau[e]} g_n (x[t] . W_up[e,n]) W_down_t[e,n,:], g = silu(x[t] . W_gate[e]),
     e = expert_ids[t,j]; every tensor is read at its expert id (the resident layout). The weights are [E,I,H] tensors
     or Int4Tensors (dequantized to fp32: q * scale + minimum, what the kernel's QUANT mode computes with; an
-    Nf4Tensor code[q] * absmax)."""
+    Nf4Tensor code[q] * absmax). `candidates` (bool [T,k,I], the gate predictor's: kernels/gate_predictor.py
+    `candidates_ref`): only those neurons may be kept (the `predictor=` launch)."""
     eid = expert_ids.long()
     xf = x.float()
     g = torch.nn.functional.silu(torch.einsum("th,tkih->tki", xf, _routed_fp32(w_gate, eid)))  # [T,k,I]
     keep = g.abs() >= tau.float()[eid].unsqueeze(-1)
+    if candidates is not None:
+        keep &= candidates
     u = torch.einsum("th,tkih->tki", xf, _routed_fp32(w_up, eid))
     h = torch.where(keep, g * u, torch.zeros((), device=x.device)) * weights.float().unsqueeze(-1)
     y = torch.einsum("tki,tkih->th", h, _routed_fp32(w_down_t, eid))
@@ -172,9 +189,12 @@ if triton is not None:
         H_P2: tl.constexpr,
         K_P2: tl.constexpr,
         HAS_RES: tl.constexpr,
+        PACKED: tl.constexpr = False,
     ):
         """The last program of token t: y[t] (+ residual) from the fp32 workspace row, the k kept counts, and the
-        workspace row, counts and ticket zeroed for the next launch. Returns the counts [K_P2] (0 past K)."""
+        workspace row, counts and ticket zeroed for the next launch. Returns the counts [K_P2] (0 past K). PACKED:
+        each count word holds kept + (candidate rows << 16) (sparse_fused's predictor with row stats); the kept part
+        is stored, the whole words returned."""
         arow = acc_ptr + t.to(tl.int64) * H + cols
         a = tl.load(arow, mask=cmask, other=0.0, cache_modifier=".cg")  # other programs' sums: via L2
         YT = y_ptr.dtype.element_ty
@@ -187,7 +207,10 @@ if triton is not None:
         km = kk < K
         crow = t.to(tl.int64) * K + kk
         c = tl.load(cws_ptr + crow, mask=km, other=0, cache_modifier=".cg")
-        tl.store(cnt_ptr + crow, c, mask=km)
+        if PACKED:
+            tl.store(cnt_ptr + crow, c & 0xFFFF, mask=km)
+        else:
+            tl.store(cnt_ptr + crow, c, mask=km)
         tl.store(cws_ptr + crow, tl.zeros([K_P2], dtype=tl.int32), mask=km)
         tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
         return c
@@ -212,7 +235,8 @@ if triton is not None:
     ):
         """The last program of token t adds its k kept counts `c` [K_P2] to the running totals the stats read (one
         atomic each, no extra launch): kept neurons; rows read from host memory (an absent expert's gate rows and its
-        kept up and down rows); rows read wherever they live (I gate rows + 2 per kept neuron)."""
+        kept up and down rows); rows read wherever they live (I gate rows + 2 per kept neuron). `I`: the gate rows
+        each routed expert read, the width I, or [K_P2] counts (sparse_fused's predictor: its candidates)."""
         kk = tl.arange(0, K_P2)
         km = kk < K
         crow = t.to(tl.int64) * K + kk
@@ -300,6 +324,10 @@ if triton is not None:
         pdsc_ptr,  # [S, I, NG] down_t pool scales
         pdmn_ptr,  # [S, I, NG] down_t pool minimums
         code_ptr,  # [16] fp32 NF4 codebook (NF4 only)
+        z_ptr,  # [T, N, r] fp32: B_d x per (token, department) (PRED only)
+        pc_ptr,  # [E_p, I, r] the experts' private maps C, rows contiguous (PRED only)
+        pdept_ptr,  # [E_p] int32/int64 each expert's department (PRED only)
+        pexp_ptr,  # [T*k] int32/int64 the predictor's expert ids (PRED_IDS only: eid_ptr holds cache slots)
         I,
         I_S,  # shared expert width (SHARED only)
         TK,  # T * k: programs pid_tj >= TK are the shared expert's (one per token)
@@ -323,6 +351,10 @@ if triton is not None:
         stride_pumn,
         stride_pdsc,
         stride_pdmn,
+        R,  # predictor rank r (PRED only)
+        NDEPT,  # departments N (PRED only)
+        stride_ce,  # C's expert stride (PRED only)
+        tau_p,  # fp32 predictor threshold tau' (PRED only)
         H: tl.constexpr,
         H_P2: tl.constexpr,  # next power of two >= H: one full-width tile per program, no serial H loop
         BLOCK_I: tl.constexpr,
@@ -339,6 +371,10 @@ if triton is not None:
         G: tl.constexpr,  # QUANT: group size along H, a power of two
         NG_P2: tl.constexpr,  # QUANT: next power of two >= NG = H / G
         NF4: tl.constexpr,  # QUANT: bitsandbytes' NF4 bytes (w = code[q] * absmax; the minimums never read)
+        PRED: tl.constexpr,  # gate predictor: only the candidates' gate rows are read
+        PRED_IDS: tl.constexpr,  # PRED: the predictor's expert ids from pexp_ptr (else eid_ptr's)
+        R_P2: tl.constexpr,  # PRED: next power of two >= r
+        CAND_ROWS: tl.constexpr,  # PRED and FINALIZE with host/read row stats: count words carry candidates << 16
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
@@ -403,86 +439,126 @@ if triton is not None:
             # byte (n, g, j) of a packed row: n * H/2 + g * G/2 + j  [BLOCK_I, NG_P2, G/2]
             poff = rows.to(tl.int64)[:, None, None] * (H // 2) + (gi[None, :, None] * (G // 2) + ji[None, None, :])
             soff = rows.to(tl.int64)[:, None] * NG + gi[None, :]  # [BLOCK_I, NG_P2] (scale, minimum)
-            # ---- gate GEMV for BLOCK_I neurons (the only dense read): packed bytes + per-group scale / min ----
-            xg = tl.load(x_ptr + t.to(tl.int64) * stride_xt + gcol, mask=gm[:, None], other=0.0)  # [NG_P2, G]
-            xe, xo = tl.split(tl.reshape(xg, [NG_P2, G // 2, 2]))  # x[2j], x[2j + 1] of each group: [NG_P2, G/2]
-            pg = tl.load(g_base + poff, mask=rmask[:, None, None] & gm[None, :, None], other=0)
-            sm = rmask[:, None] & gm[None, :]
-            # scale / minimum bases: OFFLOAD's per-program choice above, else the resident tensors at e (a constexpr
-            # choice: only the taken side is compiled)
-            sg = tl.load((g_sc if OFFLOAD else gsc_ptr + e * stride_gsc) + soff, mask=sm, other=0.0)
-            if not NF4:
-                mg = tl.load((g_mn if OFFLOAD else gmn_ptr + e * stride_gmn) + soff, mask=sm, other=0.0)
         else:
             roff = rows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_I, H_P2]
-            # ---- gate GEMV for BLOCK_I neurons (the only dense read) ----
-            xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
-            wg = tl.load(g_base + roff, mask=rmask[:, None] & cmask[None, :], other=0.0)
-        tau = tl.load(tau_ptr + e)
-        rw = tl.load(rw_ptr + tj).to(tl.float32)
-        if SHARED:  # the shared expert is dense (threshold 0) and weighted by its gate
-            tau = tl.where(is_sh, 0.0, tau)
-            rw = tl.where(is_sh, tl.load(sw_ptr + t).to(tl.float32), rw)
-        if QUANT:  # z_n = sum_g scale[n,g] (sum_{j in g} q x) + minimum[n,g] (sum_{j in g} x)
-            xs = tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1)  # [NG_P2] sum of x over each group
-            if NF4:  # z_n = sum_g absmax[n,g] (sum_{j in g} code[q] x)
-                z = tl.sum(sg.to(tl.float32) * int4_group_dots(pg, xe, xo, code_ptr, NF4), axis=1)
+        # ---- stage 2 (PRED): candidates |silu(C_e . z_d(e))| >= tau'; only their gate rows are read ----
+        if PRED:
+            if PRED_IDS:  # eid_ptr holds cache slots (copy mode): C and dept_of are indexed by expert id
+                pe = tl.load(pexp_ptr + tj).to(tl.int64)
             else:
-                z = tl.sum(
-                    sg.to(tl.float32) * int4_group_dots(pg, xe, xo, code_ptr, NF4) + mg.to(tl.float32) * xs[None, :],
-                    axis=1,
-                )
-        else:
-            z = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_I]
-        g = z / (1.0 + tl.exp(-z))  # silu
-        keep = (tl.abs(g) >= tau) & rmask
-        nk = tl.sum(keep.to(tl.int32), axis=0)
-        if FINALIZE:
-            ydst = acc_ptr
-            cdst = cws_ptr
-        else:
-            ydst = y_ptr
-            cdst = cnt_ptr
-        # ---- up/down over the kept rows only; a program with nothing kept does no further traffic ----
-        if nk > 0:
-            if QUANT:
-                mk = keep[:, None, None] & gm[None, :, None]
-                ks = keep[:, None] & gm[None, :]
-                # every tile issued before any arithmetic: one memory round trip for the kept bytes and scales
-                pu = tl.load(u_base + poff, mask=mk, other=0)
-                pd = tl.load(d_base + poff, mask=mk, other=0)
-                su = tl.load((u_sc if OFFLOAD else usc_ptr + e * stride_usc) + soff, mask=ks, other=0.0)
-                sd = tl.load((d_sc if OFFLOAD else dsc_ptr + e * stride_dsc) + soff, mask=ks, other=0.0)
-                if NF4:  # no minimums
-                    mu = su
-                    md = sd
-                else:
-                    mu = tl.load((u_mn if OFFLOAD else umn_ptr + e * stride_umn) + soff, mask=ks, other=0.0)
-                    md = tl.load((d_mn if OFFLOAD else dmn_ptr + e * stride_dmn) + soff, mask=ks, other=0.0)
-                zu = su.to(tl.float32) * int4_group_dots(pu, xe, xo, code_ptr, NF4)  # [BLOCK_I, NG_P2]
-                if not NF4:
-                    zu += mu.to(tl.float32) * xs[None, :]
-                h = tl.sum(zu, axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
-                # [NG_P2, G/2] each
-                ce, co = int4_weighted_rows(pd, sd.to(tl.float32), md.to(tl.float32), h, code_ptr, NF4)
-                # columns 2j and 2j + 1 interleaved back into [NG_P2, G]: contiguous, so the atomics vectorize as
-                # the bf16 path's do (two stride-2 atomic_adds measured 2-4x slower on an H200)
-                contrib = tl.reshape(tl.join(ce, co), [NG_P2, G])
-                # the mask spelled out at full [NG_P2, G] shape (gcol < H <=> gm): Triton 3.8's interpreter
-                # (TRITON_INTERPRET=1) applies a broadcast one-element mask to the first element only, so with
-                # one group per row (NG_P2 = 1: H <= 128) gm[:, None] dropped all of a row but its column 0
-                tl.atomic_add(ydst + t.to(tl.int64) * H + gcol, contrib, mask=gcol < H, sem="relaxed")
+                pe = e
+            dpt = tl.load(pdept_ptr + pe).to(tl.int64)
+            rr = tl.arange(0, R_P2)
+            rrm = rr < R
+            zd = tl.load(z_ptr + (t.to(tl.int64) * NDEPT + dpt) * R + rr, mask=rrm, other=0.0)  # [R_P2] fp32
+            if SHARED:  # the shared expert's programs are dense: no predictor rows read
+                crm = rows < tl.where(is_sh, 0, I)
             else:
-                mk = keep[:, None] & cmask[None, :]
-                # both tiles issued before any arithmetic: one memory round trip for the kept bytes
-                wu = tl.load(u_base + roff, mask=mk, other=0.0)
-                wd = tl.load(d_base + roff, mask=mk, other=0.0)
-                h = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
-                contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)  # [H_P2]
-                tl.atomic_add(ydst + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
+                crm = rows < I
+            cp = tl.load(
+                pc_ptr + pe * stride_ce + rows.to(tl.int64)[:, None] * R + rr[None, :],
+                mask=crm[:, None] & rrm[None, :],
+                other=0.0,
+            )  # [BLOCK_I, R_P2]
+            zp = tl.sum(cp.to(tl.float32) * zd[None, :], axis=1)  # [BLOCK_I]
+            grow = (tl.abs(zp / (1.0 + tl.exp(-zp))) >= tau_p) & rmask  # |silu|
             if SHARED:
-                nk = tl.where(is_sh, 0, nk)  # kept counts are the routed experts'
-            tl.atomic_add(cdst + tj, nk, sem="relaxed")
+                grow = tl.where(is_sh, rmask, grow)
+            nc = tl.sum(grow.to(tl.int32), axis=0)
+        else:
+            grow = rmask  # every row of the block: the gate tile is read whole
+            nc = 1  # a constant: the test below is compiled out
+        if nc > 0:  # a block without candidates reads nothing more
+            if QUANT:
+                # ---- gate GEMV for BLOCK_I neurons (the only dense read): packed bytes + per-group scale / min ----
+                xg = tl.load(x_ptr + t.to(tl.int64) * stride_xt + gcol, mask=gm[:, None], other=0.0)  # [NG_P2, G]
+                xe, xo = tl.split(tl.reshape(xg, [NG_P2, G // 2, 2]))  # x[2j], x[2j + 1] of each group: [NG_P2, G/2]
+                pg = tl.load(g_base + poff, mask=grow[:, None, None] & gm[None, :, None], other=0)
+                sm = grow[:, None] & gm[None, :]
+                # scale / minimum bases: OFFLOAD's per-program choice above, else the resident tensors at e (a constexpr
+                # choice: only the taken side is compiled)
+                sg = tl.load((g_sc if OFFLOAD else gsc_ptr + e * stride_gsc) + soff, mask=sm, other=0.0)
+                if not NF4:
+                    mg = tl.load((g_mn if OFFLOAD else gmn_ptr + e * stride_gmn) + soff, mask=sm, other=0.0)
+            else:
+                # ---- gate GEMV for BLOCK_I neurons (the only dense read) ----
+                xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=cmask, other=0.0).to(tl.float32)
+                wg = tl.load(g_base + roff, mask=grow[:, None] & cmask[None, :], other=0.0)
+            tau = tl.load(tau_ptr + e)
+            rw = tl.load(rw_ptr + tj).to(tl.float32)
+            if SHARED:  # the shared expert is dense (threshold 0) and weighted by its gate
+                tau = tl.where(is_sh, 0.0, tau)
+                rw = tl.where(is_sh, tl.load(sw_ptr + t).to(tl.float32), rw)
+            if QUANT:  # z_n = sum_g scale[n,g] (sum_{j in g} q x) + minimum[n,g] (sum_{j in g} x)
+                xs = tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1)  # [NG_P2] sum of x over each group
+                if NF4:  # z_n = sum_g absmax[n,g] (sum_{j in g} code[q] x)
+                    z = tl.sum(sg.to(tl.float32) * int4_group_dots(pg, xe, xo, code_ptr, NF4), axis=1)
+                else:
+                    z = tl.sum(
+                        sg.to(tl.float32) * int4_group_dots(pg, xe, xo, code_ptr, NF4)
+                        + mg.to(tl.float32) * xs[None, :],
+                        axis=1,
+                    )
+            else:
+                z = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)  # [BLOCK_I]
+            g = z / (1.0 + tl.exp(-z))  # silu
+            keep = (tl.abs(g) >= tau) & grow
+            nk = tl.sum(keep.to(tl.int32), axis=0)
+            if FINALIZE:
+                ydst = acc_ptr
+                cdst = cws_ptr
+            else:
+                ydst = y_ptr
+                cdst = cnt_ptr
+            # ---- up/down over the kept rows only; a program with nothing kept does no further traffic ----
+            if nk > 0:
+                if QUANT:
+                    mk = keep[:, None, None] & gm[None, :, None]
+                    ks = keep[:, None] & gm[None, :]
+                    # every tile issued before any arithmetic: one memory round trip for the kept bytes and scales
+                    pu = tl.load(u_base + poff, mask=mk, other=0)
+                    pd = tl.load(d_base + poff, mask=mk, other=0)
+                    su = tl.load((u_sc if OFFLOAD else usc_ptr + e * stride_usc) + soff, mask=ks, other=0.0)
+                    sd = tl.load((d_sc if OFFLOAD else dsc_ptr + e * stride_dsc) + soff, mask=ks, other=0.0)
+                    if NF4:  # no minimums
+                        mu = su
+                        md = sd
+                    else:
+                        mu = tl.load((u_mn if OFFLOAD else umn_ptr + e * stride_umn) + soff, mask=ks, other=0.0)
+                        md = tl.load((d_mn if OFFLOAD else dmn_ptr + e * stride_dmn) + soff, mask=ks, other=0.0)
+                    zu = su.to(tl.float32) * int4_group_dots(pu, xe, xo, code_ptr, NF4)  # [BLOCK_I, NG_P2]
+                    if not NF4:
+                        zu += mu.to(tl.float32) * xs[None, :]
+                    h = tl.sum(zu, axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
+                    # [NG_P2, G/2] each
+                    ce, co = int4_weighted_rows(pd, sd.to(tl.float32), md.to(tl.float32), h, code_ptr, NF4)
+                    # columns 2j and 2j + 1 interleaved back into [NG_P2, G]: contiguous, so the atomics vectorize as
+                    # the bf16 path's do (two stride-2 atomic_adds measured 2-4x slower on an H200)
+                    contrib = tl.reshape(tl.join(ce, co), [NG_P2, G])
+                    # the mask spelled out at full [NG_P2, G] shape (gcol < H <=> gm): Triton 3.8's interpreter
+                    # (TRITON_INTERPRET=1) applies a broadcast one-element mask to the first element only, so with
+                    # one group per row (NG_P2 = 1: H <= 128) gm[:, None] dropped all of a row but its column 0
+                    tl.atomic_add(ydst + t.to(tl.int64) * H + gcol, contrib, mask=gcol < H, sem="relaxed")
+                else:
+                    mk = keep[:, None] & cmask[None, :]
+                    # both tiles issued before any arithmetic: one memory round trip for the kept bytes
+                    wu = tl.load(u_base + roff, mask=mk, other=0.0)
+                    wd = tl.load(d_base + roff, mask=mk, other=0.0)
+                    h = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1) * g * rw  # [BLOCK_I], 0 on dropped rows
+                    contrib = tl.sum(wd.to(tl.float32) * h[:, None], axis=0)  # [H_P2]
+                    tl.atomic_add(ydst + t.to(tl.int64) * H + cols, contrib, mask=cmask, sem="relaxed")
+                if not PRED:
+                    if SHARED:
+                        nk = tl.where(is_sh, 0, nk)  # kept counts are the routed experts'
+                    tl.atomic_add(cdst + tj, nk, sem="relaxed")
+            if PRED:  # the count word: kept (+ candidates << 16 for the row stats), routed experts only
+                cw = nk
+                if CAND_ROWS:
+                    cw += nc * 65536
+                if SHARED:
+                    cw = tl.where(is_sh, 0, cw)
+                if cw != 0:
+                    tl.atomic_add(cdst + tj, cw, sem="relaxed")
         if FINALIZE:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
             tl.debug_barrier()  # this program's atomics precede the release below
@@ -503,10 +579,16 @@ if triton is not None:
                     H_P2=H_P2,
                     K_P2=K_P2,
                     HAS_RES=HAS_RES,
+                    PACKED=CAND_ROWS,
                 )
+                if CAND_ROWS:  # the gate rows read: the candidates (kept in the count words' high half)
+                    gate_rows = c >> 16
+                    c = c & 0xFFFF
+                else:
+                    gate_rows = I
                 # ---- running totals for stats, one atomic per token (no extra launch in the step) ----
                 publish_totals(
-                    c, t, K, I, eid_ptr, slot_ptr, gslot_ptr, kept_ptr, host_ptr, rows_ptr,
+                    c, t, K, gate_rows, eid_ptr, slot_ptr, gslot_ptr, kept_ptr, host_ptr, rows_ptr,
                     K_P2, KEPT_TOTAL, HOST_ROWS, GATE_TABLE, READ_ROWS,
                 )  # fmt: skip
 
@@ -571,6 +653,7 @@ def sparse_fused(
     read_rows=None,
     shared: SharedExpert | None = None,
     residual=None,
+    predictor: GatePredictor | None = None,
     BLOCK_I: int = 8,
     num_warps: int = 8,
     maxnreg: int | None = None,
@@ -600,7 +683,7 @@ def sparse_fused(
       `host_rows` (int64 one-element, offload only) += the weight rows read from host memory (I gate rows + 2 per
       kept neuron of each absent routed expert); `read_rows` (int64 one-element) += all weight rows read (I + 2 per
       kept neuron of each routed expert, resident or not). Added in the kernel's tail: no extra launch in a
-      captured step.
+      captured step. With a predictor, the gate rows counted are its candidates' (instead of I).
 
     * decoder-layer tail (accumulate=False only): `shared` (SharedExpert) adds a dense expert to every token, run
       by T more programs; `residual` ([T,H] in out's dtype, contiguous) makes y = residual + the block's output.
@@ -611,6 +694,13 @@ def sparse_fused(
       with their masters' group size and scale / minimum dtypes, any expert stride per part; the masters (each part)
       on x's device or in host memory (pinned when x is on CUDA). host_rows still counts rows (an int4 row: H/2
       bytes + its H/G scales and H/G minimums). Not with `shared=`; everything else as above.
+
+    * gate predictor: `predictor` (kernels/gate_predictor.py `GatePredictor`): z [T,N,r] fp32 contiguous (from
+      `department_basis` this step), C [E_p,I,r] bf16/fp16/fp32 with contiguous rows, dept_of [E_p] int32/int64,
+      tau' a number, and in copy mode (expert_ids hold cache slots) experts [T,k], the expert ids C and dept_of are
+      indexed by (else E_p must be E). Only neurons with |silu(C_e . z_d(e))| >= tau' are candidates: only their gate
+      rows are read and only they can be kept. Any r (padded to a power of two with a mask), N >= 1; with host_rows
+      / read_rows, I < 32768. Every mode above (int4 included).
 
     Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable. `maxnreg` caps the
     registers per thread (more programs resident per SM; a tuned launch parameter like BLOCK_I and num_warps).
@@ -693,6 +783,10 @@ def sparse_fused(
         if read_rows.dtype != torch.int64 or read_rows.numel() != 1 or read_rows.device != dev:
             raise ValueError(f"read_rows must be a one-element int64 tensor on {dev}")
     I_s = _check_tail(shared, residual, accumulate, T, H, x, out)
+    pred = _check_predictor(predictor, x, T, k, E, I)
+    cand_rows = predictor is not None and not accumulate and (host_rows is not None or read_rows is not None)
+    if cand_rows and I >= 1 << 15:
+        raise ValueError(f"the gate predictor counts rows for host_rows / read_rows up to I = 32767, got I = {I}")
     if T == 0 or k == 0:
         if shared is not None or residual is not None:
             raise ValueError("shared= and residual= need at least one token and one routed expert")
@@ -762,6 +856,7 @@ def sparse_fused(
         *qt,
         *pqt,
         nf4_code(dev) if nf4 else x,
+        *pred["tensors"],
         I,
         I_s,
         T * k,
@@ -771,6 +866,7 @@ def sparse_fused(
         *sp,
         *qs,
         *pqs,
+        *pred["scalars"],
         H=H,
         H_P2=triton.next_power_of_2(H),
         BLOCK_I=bi,
@@ -787,6 +883,10 @@ def sparse_fused(
         G=G,
         NG_P2=ng_p2,
         NF4=nf4,
+        PRED=predictor is not None,
+        PRED_IDS=predictor is not None and predictor.experts is not None,
+        R_P2=pred["R_P2"],
+        CAND_ROWS=cand_rows,
         num_warps=num_warps,
         **pdl_kw(x),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
@@ -862,6 +962,53 @@ def _check_offload(masters, pools, slot_table, gate_table, quant: bool, E: int, 
             if pdt != mdt:
                 raise ValueError(f"{pname}.{part} ({pdt}) and its master copy {name}.{part} ({mdt}) must share a dtype")
     return pt
+
+
+def _check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int) -> dict:
+    """Checks `predictor=` against the launch (x, T tokens, k experts each, E experts or cache slots, width I) and
+    returns the kernel's arguments for it: pointers (z, C, dept_of, the predictor's expert ids), scalars (r, N,
+    C's expert stride, tau') and R_P2; without a predictor, dummies that are never read."""
+    if p is None:
+        return {"tensors": (x, x, x, x), "scalars": (1, 1, 0, 0.0), "R_P2": 1}
+    dev = x.device
+    z, C, dept = p.z, p.C, p.dept_of
+    if z.dim() != 3 or z.shape[0] != T or z.dtype != torch.float32 or not z.is_contiguous() or z.device != dev:
+        raise ValueError(
+            f"predictor.z must be a contiguous fp32 [T, N, r] tensor with T = {T} on {dev}, got {z.dtype} "
+            f"{tuple(z.shape)} on {z.device}"
+        )
+    _, N, r = z.shape
+    if N < 1 or r < 1:
+        raise ValueError(f"predictor.z needs N >= 1 departments and rank r >= 1, got shape {tuple(z.shape)}")
+    if C.dim() != 3 or C.shape[1:] != (I, r) or C.dtype not in _FLOAT_DTYPES or C.device != dev:
+        raise ValueError(
+            f"predictor.C must be a bf16/fp16/fp32 [E, I, r] tensor with I = {I}, r = {r} on {dev}, got {C.dtype} "
+            f"{tuple(C.shape)} on {C.device}"
+        )
+    if C.stride(2) != 1 or (I > 1 and C.stride(1) != r):
+        raise ValueError(f"predictor.C rows must be contiguous (stride(2) == 1, stride(1) == r), got {C.stride()}")
+    E_p = C.shape[0]
+    if dept.dim() != 1 or dept.shape[0] != E_p or dept.dtype not in _INT_DTYPES or dept.device != dev:
+        raise ValueError(
+            f"predictor.dept_of must be an int32/int64 [E] = [{E_p}] tensor on {dev} (C's experts), got "
+            f"{dept.dtype} {tuple(dept.shape)} on {dept.device}"
+        )
+    ids = p.experts
+    if ids is None:
+        if E_p != E:
+            raise ValueError(
+                f"predictor.C has {E_p} experts, the weights {E}: in copy mode (expert_ids hold cache slots) give "
+                f"predictor.experts, the expert ids"
+            )
+    elif tuple(ids.shape) != (T, k) or ids.dtype not in _INT_DTYPES or ids.device != dev:
+        raise ValueError(
+            f"predictor.experts must be int32/int64 [T, k] = {(T, k)} on {dev}, got {ids.dtype} {tuple(ids.shape)}"
+        )
+    tp = float(p.tau_prime)
+    if tp != tp:
+        raise ValueError("predictor.tau_prime must be a number, got NaN")
+    pexp = ids.contiguous() if ids is not None else dept
+    return {"tensors": (z, C, dept, pexp), "scalars": (r, N, C.stride(0), tp), "R_P2": triton.next_power_of_2(r)}
 
 
 def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:
