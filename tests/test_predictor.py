@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -15,11 +16,12 @@ from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.experts import predicted, predictor, thresholds
+from localmoe.experts import placement, predicted, predictor, thresholds
 from localmoe.experts.local_experts import ExpertWeights
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.measure.evaluate import evaluate
 
+GiB = 1 << 30
 TOKENS = 512  # calibration tokens: enough for a fit of rank 16 on 8 experts, quick on two cores
 SPARSITY = 0.85
 
@@ -186,3 +188,89 @@ def test_predicted_reference_keeps_candidates_over_tau():
     assert int(kept) == n and 0 < n < 3 * 2 * I
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     assert pred.counts["slots"] == 6 and pred.counts["touches"] == 1 + 1 + 2  # B_d x once per touched department
+
+
+def _sparse_again(tiny) -> None:
+    """The fixture's engine at 85% with its thresholds (an earlier test may have left it dense)."""
+    engine, table, *_ = tiny
+    thresholds.apply(engine.loaded, table, device=engine._device)
+    engine.sparsity = SPARSITY
+
+
+def _kernels_on_cpu(engine, on: bool) -> None:
+    for m in engine.loaded.experts:
+        m.kernel_on_cpu = on
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "0", reason="a CPU engine's kernels need the interpreter")
+def test_fused_predictor_decodes_the_reference_tokens(tiny):
+    """The kernels' path (department_basis + sparse_fused with its predictor, as on CUDA) decodes the tokens of the
+    torch reference path, resident."""
+    pytest.importorskip("triton")
+    _sparse_again(tiny)
+    engine, _, preds, _ = tiny
+    predicted.apply(engine.loaded, preds, device=engine._device, dtype=engine.dtype)
+    try:
+        want = _tokens(engine, 6)
+        m = engine.loaded.experts[0]
+        kept = int(m.kept)  # this reply's kept neurons (counters restart with each reply)
+        assert m.predictor.counts["slots"] > 0  # the reference path ran (it counts slots; the kernels do not)
+        _kernels_on_cpu(engine, True)
+        assert m.predictor_fused(engine._device)
+        m.predictor.reset()
+        assert _tokens(engine, 6) == want
+        assert int(m.kept) == kept > 0 and m.predictor.counts["slots"] == 0  # the same neurons, kept by the kernels
+    finally:
+        _kernels_on_cpu(engine, False)
+        predicted.apply(engine.loaded, None, device=engine._device, dtype=engine.dtype)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "0", reason="a CPU engine's kernels need the interpreter")
+def test_offloaded_predictor_gives_gate_slots_to_b_and_c(tiny, monkeypatch):
+    """Offloaded with direct misses and a gate tier: set_departments takes VRAM from the gates for B and C (and gives
+    it back at 0), and the tokens equal the resident engine's with the same predictor."""
+    pytest.importorskip("triton")
+    _sparse_again(tiny)
+    engine, _, preds, path = tiny
+    monkeypatch.setenv("XDG_CACHE_HOME", str(path.parents[3]))  # thresholds and predictor from the fixture's fit
+    predicted.apply(engine.loaded, preds, device=engine._device, dtype=engine.dtype)
+    _kernels_on_cpu(engine, True)
+    try:
+        want = _tokens(engine, 4)
+    finally:
+        _kernels_on_cpu(engine, False)
+        predicted.apply(engine.loaded, None, device=engine._device, dtype=engine.dtype)
+    probe = engine.loaded.offload or Engine.load("localmoe-tiny", device="cpu", vram_gib=64.0).loaded.offload
+    fixed = probe.non_expert_bytes + probe.state_bytes + placement.WORKSPACE_RESERVE
+    vram = (fixed + 12.5 * probe.expert_bytes) / GiB
+    off = Engine.load("localmoe-tiny", device="cpu", vram_gib=vram, offload_miss="direct")
+    cache = off.loaded.cache
+    assert cache.mode == "direct" and cache.gate_slots == 36 and cache.slots == 0  # 36 of 64 gates, no up/down
+    _kernels_on_cpu(off, True)
+    off.calibration_tokens = TOKENS
+    with pytest.raises(UsageError, match="needs direct misses on CUDA"):
+        _kernels_on_cpu(off, False) or off.set_departments(4, 16)
+    _kernels_on_cpu(off, True)
+    off.set_departments(4, 16)
+    off.set_sparsity(SPARSITY)
+    need = -(-predicted.device_bytes(preds, off.dtype) // (cache.row_bytes * cache.width))
+    assert cache.gate_slots == 36 - need and cache.pool.w_gate.shape[0] == 36 - need
+    assert _tokens(off, 4) == want
+    off.set_departments(0)
+    off.set_sparsity(SPARSITY)
+    assert cache.gate_slots == 36 and all(m.predictor is None for m in off.loaded.experts)
+
+
+def test_synthetic_predictor_for_random_weights():
+    """Random weights (bench --shape) get a synthetic predictor: balanced contiguous departments, C = W_gate B^T,
+    and τ′ letting the requested share of routed neurons through."""
+    engine = Engine.load("localmoe-tiny", device="cpu", sparsity=0.0)
+    ids = list(range(5, 133))
+    preds = predictor.synthetic(engine, ids, 4, 16, candidates=0.25)
+    m = engine.loaded.experts[0]
+    p = preds[0]
+    assert p.B.shape == (4, 16, m.hidden_size) and p.C.shape == (m.num_experts, m.intermediate_size, 16)
+    assert torch.bincount(p.dept_of).tolist() == [2, 2, 2, 2]
+    torch.testing.assert_close(p.B[0] @ p.B[0].T, torch.eye(16), rtol=0, atol=1e-5)
+    torch.testing.assert_close(p.C[3], m.weights.w_gate[3].float() @ p.B[int(p.dept_of[3])].T, rtol=1e-4, atol=1e-4)
+    assert all(abs(q.candidate_share - 0.25) < 0.02 and q.tau_prime > 0 for q in preds)

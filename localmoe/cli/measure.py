@@ -102,8 +102,6 @@ def cmd_eval(args) -> int:
         text_file(args.text, "--text")
     check_rank(args)
     departments = args.departments if max(args.departments) > 0 else None
-    if departments is not None and args.tasks:
-        raise UsageError("--departments is scored on text, not with --tasks (yet): leave one of them out")
 
     def measure(fmt: str):
         engine = Engine.load(
@@ -125,6 +123,8 @@ def cmd_eval(args) -> int:
                 limit=args.limit,
                 include_path=args.include_path,
                 progress=stderr_progress(),
+                departments=departments,
+                rank=args.rank,
             )
             return results, results["table"]
         from localmoe.measure.evaluate import evaluate

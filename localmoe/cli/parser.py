@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="load time, prefill and decode tok/s, memory, byte floor")
     p.add_argument("model", metavar="MODEL", nargs="?", default=None)
-    add_predictor_flags(p)
+    add_predictor_flags(p, many=True)
     p.add_argument(
         "--shape",
         metavar="ALIAS",

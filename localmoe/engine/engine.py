@@ -153,8 +153,16 @@ class Engine:
             raise UsageError(f"--departments is for vanilla MoEs; {self.model_name} has DeaMoE departments already")
         if mods and hasattr(mods[0], "intermediate_size"):
             predictor.check_request(departments, rank, mods[0].num_experts, mods[0].hidden_size, self.model_name)
-        if departments and self.loaded.cache is not None:
-            raise UsageError("--departments does not work with offloaded experts yet: give a larger --vram")
+        if departments and mods and getattr(mods[0], "up_fn", None) is not None:
+            raise UsageError(f"--departments predicts silu gates; {self.model_name}'s experts use a clamped SwiGLU")
+        cache = self.loaded.cache
+        if departments and cache is not None and (cache.mode != "direct" or not mods[0].predictor_fused(self._device)):
+            raise UsageError(
+                "--departments with offloaded experts needs direct misses on CUDA (--offload-miss direct): "
+                "give a larger --vram or leave --departments out"
+            )
+        if (departments, rank) != (self.departments, self.rank):
+            self._drop_graph()  # captured with the old predictor: the next set_sparsity applies the new one
         self.departments, self.rank = departments, rank
 
     def _set_sparsity(self, sparsity: float, progress: ProgressFn | None, calibration_text: str | None) -> None:
@@ -176,10 +184,12 @@ class Engine:
                 tokens=self.calibration_tokens,
                 progress=progress,
             )
-            if self.use_graphs:  # the predicted path is a torch reference with host syncs: no CUDA graph
+            fused = all(m.predictor_fused(self._device) for m in self.loaded.experts)
+            if self.use_graphs and not fused:  # the predictor's torch reference syncs with the host: no CUDA graph
                 self.use_graphs = False
-                self._notice("--departments decodes without the CUDA graph (no predictor kernel yet)")
+                self._notice("--departments decodes without the CUDA graph (these experts have no predictor kernel)")
         if any(hasattr(m, "predictor") for m in self.loaded.experts):  # LocalExperts (not DeaMoE's): set or clear
+            predicted.make_room(self.loaded, preds, self.dtype)  # offloaded: B and C take the VRAM of some gates
             predicted.apply(self.loaded, preds, device=self._device, dtype=self.dtype)
         self.sparsity = sparsity
         self._drop_graph()  # captured against the old thresholds / path: capture again

@@ -69,12 +69,14 @@ class ExpertCache:
         # S slots hold up/down only. A gate is read whole for every routed expert while up/down rows are read only
         # where kept, so at sparsity s a byte of gate saves 1/(1-s) times the host reads of a byte of up/down
         self.gate_slots = gate_slots
+        self.planned_gate_slots = gate_slots  # what the plan gave the tier (resize_gates may lend some to others)
         parts = 2 if gate_slots else 3
         n = max(slots, 1)  # the fused kernel needs a pool to point at even when every up/down row is on the host
 
         def make(m: int, projection: str):  # m slots of `projection` in the experts' format
             return empty_stack(fmt, (m, I, H), dtype, device, projection)
 
+        self._make_gates = lambda m: make(m, "w_gate")  # resize_gates makes the gate pool again
         self.pool = ExpertWeights(make(gate_slots if gate_slots else n, "w_gate"), make(n, "w_up"), make(n, "w_down_t"))
         # the dense path's routed experts stream through two staging buffers (experts/staging.py)
         self.staging = Staging(make, 3 * I * self.row_bytes, 3 * I * H * (torch.finfo(dtype).bits // 8), quantized, E)
@@ -115,6 +117,7 @@ class ExpertCache:
             return
         if order is None:
             order = [(layer, e) for e in range(self.num_experts) for layer in sorted(self.masters)]
+        self._gate_order = order
         want = order[: self.gate_slots]
         now = {(layer, e): s for layer, row in self.gate_rows.items() for e, s in enumerate(row) if s >= 0}
         rows = {layer: [-1] * self.num_experts for layer in self.gate_tables}
@@ -130,6 +133,24 @@ class ExpertCache:
         for layer, t in self.gate_tables.items():  # same tensors: a captured CUDA graph keeps reading them
             t.copy_(torch.tensor(rows[layer], dtype=t.dtype))
         self.gate_rows = rows
+
+    def resize_gates(self, gate_slots: int) -> None:
+        """The gate tier reallocated with `gate_slots` slots (at least one: the fused kernel needs a pool to point at)
+        and filled again in the last `place_gates` order: the department predictor (--departments) takes the VRAM of
+        the gates it frees, and gives it back when turned off. The old pool is freed before the new one is made, so
+        the budget holds; the tables are rewritten in place (a CUDA graph captured before must be captured again)."""
+        gate_slots = max(1, gate_slots)
+        if not self.gate_slots or gate_slots == self.gate_slots:
+            return
+        template = self.pool.w_gate
+        self.pool.w_gate = None
+        del template
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.pool.w_gate = self._make_gates(gate_slots)
+        self.gate_slots = gate_slots
+        self.gate_rows = {layer: [-1] * self.num_experts for layer in self.gate_rows}  # the new pool holds none
+        self.place_gates(getattr(self, "_gate_order", None))
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down_t) [I,H] of expert e of `layer` on the device, for the dense grouped path (prefill):

@@ -16,8 +16,11 @@ Two paths:
   The two-kernel split (`sparse_gate` + `sparse_updown`) stays in `kernels/` as the benchmarked alternative: its
   kernels are as fast, but with the count it costs four launches per layer to this path's one.
   With a department-shared gate predictor (`predictor`, `--departments N`; experts/predicted.py) the sparse path
-  reads only the predicted candidates' gate rows: the torch reference `predicted_reference` on every device (no
-  kernel yet; resident experts only), and evaluation's masked grouped path keeps candidates with |g| >= τ.
+  reads only the predicted candidates' gate rows: on CUDA two launches, `kernels.gate_predictor.department_basis`
+  (z_d = B_d x once per touched department) then `sparse_fused` with its predictor (candidates from C_e z_d, then
+  their gate rows, kept up/down rows; int4 too), resident or offloaded with direct misses, inside the CUDA graph;
+  elsewhere the torch reference `predicted_reference` (resident only), and evaluation's masked grouped path keeps
+  candidates with |g| >= τ.
 
 GPT-OSS's experts (`swiglu`: its clamped SwiGLU, `biases`: its expert biases; experts/clamped_swiglu.py) take the
 same paths with their biases added and their activation: the dense ones as they are (MXFP4 experts dequantized a span
@@ -46,6 +49,7 @@ from localmoe.experts.gate_recorder import GateRecorder
 from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, Int4Tensor, quantize_as
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.experts.sparse_reference import sparse_reference
+from localmoe.kernels.gate_predictor import GatePredictor, department_basis
 from localmoe.kernels.mxfp4 import Mxfp4Tensor
 from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
 
@@ -176,8 +180,8 @@ class LocalExperts(DensePath, nn.Module):
         ):
             return False
         sparse = self.sparse_enabled and self.tau is not None
-        if sparse and self.predictor is not None:
-            return False  # the predicted path has no fused kernel yet
+        if sparse and self.predictor is not None and not self.predictor_fused(hidden_states.device):
+            return False  # the predictor's torch reference runs instead
         if self.cache is None:
             return sparse or self.dense_tail
         return self.cache.mode == "direct" or (self.cache.mode == "copy" and (sparse or self.dense_tail))
@@ -194,7 +198,9 @@ class LocalExperts(DensePath, nn.Module):
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
         sparse = few and self.sparse_enabled and self.tau is not None
-        if sparse and tail is None and self.predictor is not None and self.cache is None:
+        if sparse and self.predictor is not None and not self.predictor_fused(hidden_states.device):
+            if self.cache is not None:
+                raise RuntimeError(f"layer {self.layer_idx}: the gate predictor reads offloaded experts on CUDA only")
             return self._predicted(hidden_states, top_k_index, top_k_weights)
         if tail is None and few and self.cache is not None and self.cache.mode == "cpu":
             return self._split(hidden_states, top_k_index, top_k_weights, sparse)
@@ -217,6 +223,22 @@ class LocalExperts(DensePath, nn.Module):
             zeros = self._zeros_tau(hidden_states.device, w.w_gate.shape[0])  # [experts or pool slots]
             return self._sparse(hidden_states, ids, top_k_weights, w, zeros, tail, count=False)
         return self._dense_decode(hidden_states, ids, top_k_weights, w, top_k_index)
+
+    def predictor_fused(self, device) -> bool:
+        """Whether the gate predictor (when set) runs in the fused kernels on `device` (silu experts, full
+        precision or int4/nf4, CUDA or the interpreter with `kernel_on_cpu`); else its torch reference."""
+        w = self.weights
+        on = torch.device(device).type == "cuda" or self.kernel_on_cpu
+        return on and self.hidden_act == "silu" and w is not None and (w.int4 or not w.quantized)
+
+    def _predictor_kw(self, x: torch.Tensor, experts: torch.Tensor) -> dict:
+        """sparse_fused's `predictor=` for this call (stage 1 launched here: z_d = B_d x per touched department),
+        or {} without a predictor. `experts` [T, k]: the expert ids (the kernel's ids may be cache slots)."""
+        p = self.predictor
+        if p is None:
+            return {}
+        z = department_basis(x, p.B, p.dept_of, experts)
+        return {"predictor": GatePredictor(z, p.C, p.dept_of, p.tau_prime, experts=experts)}
 
     @property
     def direct_misses(self) -> bool:
@@ -308,6 +330,7 @@ class LocalExperts(DensePath, nn.Module):
             host_rows=c.host_rows,
             read_rows=c.read_rows,
             **_tail_kw(tail),
+            **(self._predictor_kw(x, top_k_index) if sparse else {}),
             **p,
         )
         self.last_routing = top_k_index  # graph replays rewrite this tensor in place
@@ -423,6 +446,7 @@ class LocalExperts(DensePath, nn.Module):
                 torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 kept_total=self._kept_on(x.device) if count else None,
                 **_tail_kw(tail),
+                **(self._predictor_kw(x, top_k_index if experts is None else experts) if count else {}),
                 **p,
             )
             if count:

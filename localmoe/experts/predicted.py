@@ -29,6 +29,7 @@ class LayerPredictor:
     C: torch.Tensor  # [E, I, r] the experts' private maps
     dept_of: torch.Tensor  # [E] int64: each expert's department
     tau_prime: float  # candidates: |act(C_e B_d x)| >= tau_prime
+    candidate_share: float | None = None  # the share of routed neurons that were candidates when fitted (None: unknown)
     counts: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -47,7 +48,11 @@ class LayerPredictor:
 
     def to(self, device, dtype) -> LayerPredictor:
         return LayerPredictor(
-            self.B.to(device, dtype), self.C.to(device, dtype), self.dept_of.to(device), self.tau_prime
+            self.B.to(device, dtype),
+            self.C.to(device, dtype),
+            self.dept_of.to(device),
+            self.tau_prime,
+            self.candidate_share,
         )
 
     def predicted_abs(self, x: torch.Tensor, experts: torch.Tensor, act_fn) -> torch.Tensor:
@@ -110,6 +115,36 @@ def predicted_reference(x, w, top_k_index, top_k_weights, tau, act_fn, pred: Lay
             y[t] += (top_k_weights[t, j].float() * (h @ w.w_down_t[e].index_select(0, keep))).float()
         c["touches"] += len(z)
     return y, kept_total
+
+
+def routed_gate_bytes(p: LayerPredictor, matrix: float, top_k: int, element: int) -> float:
+    """Gate-side bytes one token's k routed experts read in one layer with predictor `p` (uniform routing): each
+    touched department's B_d once (N (1 - (1 - 1/N)^k) of them expected), each expert's C_e, and its candidates'
+    gate rows (`p.candidate_share` of a `matrix`-byte gate); without a predictor it is k * matrix."""
+    N, r, H = p.B.shape
+    _, I, _ = p.C.shape
+    touched = N * (1.0 - (1.0 - 1.0 / N) ** top_k)
+    return top_k * (p.candidate_share * matrix + I * r * element) + touched * r * H * element
+
+
+def device_bytes(preds: list[LayerPredictor] | None, dtype) -> int:
+    """VRAM the predictors take on the device: every layer's B and C in the experts' dtype."""
+    el = torch.finfo(dtype).bits // 8
+    return sum((p.B.numel() + p.C.numel()) * el + p.dept_of.numel() * 8 for p in preds or [])
+
+
+def make_room(loaded, preds: list[LayerPredictor] | None, dtype) -> None:
+    """Offloaded with a gate tier (direct misses): B and C live in VRAM in place of whole gates. The tier gives up
+    as many gates as the predictors' bytes (rounded up) and takes them back when the predictor is turned off; the
+    up/down slots keep their share. A predictor makes each absent gate cost only its candidates' rows, so per byte
+    a resident gate still saves more host reads than an up/down row (candidate share > 1 - sparsity), and the gates
+    stay first (experts/placement.py's gate_tier_split)."""
+    cache = loaded.cache
+    if cache is None or not cache.gate_slots:
+        return
+    gate_bytes = cache.row_bytes * cache.width
+    need = -(-device_bytes(preds, dtype) // gate_bytes)
+    cache.resize_gates(cache.planned_gate_slots - need)
 
 
 def apply(loaded, preds: list[LayerPredictor] | None, *, device, dtype) -> None:

@@ -13,6 +13,7 @@ Per MoE layer, from the routed inputs x of the calibration text (the thresholds'
   * τ′ (the predictor threshold): the largest value such that the candidates |act(C_e B_d x)| >= τ′ hold at least
     `recall` (default DEFAULT_RECALL = 0.98) of the exact mask's |act| mass (|act(W_gate_e x)| >= τ) over the
     calibration (token, expert) pairs of the layer.
+Random weights (`bench --shape`) get a synthetic predictor instead (`synthetic`: for speed only).
 Fitting runs on the CPU in float64 and keeps the layers' routed inputs in host memory (tokens x H x 8 bytes per
 layer). The result is cached under `$XDG_CACHE_HOME/localmoe/predictors/` as one safetensors file with the metadata
 that made it (model, revision, checkpoint fingerprint, sparsity, N, r, method, recall, calibration set and its hash,
@@ -51,6 +52,8 @@ from localmoe.safe_text import for_line
 
 METHODS = ("coact", "rows")
 DEFAULT_RANK = 64  # capped at H: bench/gate_predictor.py, recall needs about a quarter of localmoe-tiny's H
+SYNTHETIC_CANDIDATES = 0.30  # random weights: the candidate share of localmoe-tiny's predictors at ~98% recall
+SYNTHETIC_TOKENS = 256  # random weights: routed inputs that set the synthetic predictor's τ′
 DEFAULT_RECALL = 0.98  # share of the exact mask's |act| mass the candidates must hold on the calibration text
 RIDGE = 1e-6
 ROW_SPACE = 32  # the "rows" similarity: singular directions per expert compared
@@ -216,11 +219,54 @@ def fit(
         B, C, dept_of = fit_layer(w, x, idx, departments, rank, method)
         exact, pred = exact_and_predicted(w, x, idx, B, C, dept_of, m.act_fn)
         tp = tau_for_recall(exact, pred, tau, recall)
-        out.append(LayerPredictor(B, C, dept_of, tp))
+        out.append(LayerPredictor(B, C, dept_of, tp, float((pred >= tp).double().mean()) if pred.numel() else None))
         recalls.append(mass_recall(exact, pred, tau, tp))
         if progress:
             progress("fit predictor", i + 1, len(acts))
     return out, recalls
+
+
+def synthetic(
+    engine,
+    ids: list[int],
+    departments: int,
+    rank: int,
+    *,
+    candidates: float | None = None,
+    progress: ProgressFn | None = None,
+) -> list[LayerPredictor]:
+    """Random weights (bench --shape, speed only): the closed-form fit costs minutes of CPU per layer at real shapes
+    and random gates have nothing to predict, so each layer gets contiguous balanced departments, an orthonormal
+    random basis B_d [r, H] and C_e = W_gate_e B_d^T (the gate seen through the basis), with τ′ the quantile that
+    makes `candidates` (default SYNTHETIC_CANDIDATES, the share localmoe-tiny's fitted predictors let through at
+    ~98% recall) of the routed neurons candidates on the routed inputs of `ids`. C is computed on the engine's
+    device, a few experts at a time."""
+    frac = SYNTHETIC_CANDIDATES if candidates is None else candidates
+    acts = routed_inputs(engine, ids)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i, (m, (x, idx)) in enumerate(zip(engine.loaded.experts, acts)):
+        E, I, H = m.num_experts, m.intermediate_size, m.hidden_size
+        dept_of = torch.arange(E) * departments // E  # balanced: sizes differ by at most one
+        B = torch.stack([torch.linalg.qr(torch.randn(H, rank, generator=gen))[0].T for _ in range(departments)])
+        C = torch.empty(E, I, rank)
+        dev = engine._device
+        Bd = B.to(dev)
+        step = max(1, (64 << 20) // max(1, I * H * 4))  # experts per chunk: ~64 MiB of float32 gates at a time
+        for a in range(0, E, step):
+            b = min(E, a + step)
+            g = m.weights.dequantized(a, b)[0].to(dev, torch.float32)  # [n, I, H]
+            C[a:b] = (g @ Bd[dept_of[a:b].to(dev)].transpose(1, 2)).cpu()  # [n, I, r]
+        pred = []
+        for e in torch.unique(idx).tolist():
+            xe = x[(idx == e).any(1)].float()
+            pred.append(m.act_fn(xe @ B[int(dept_of[e])].T @ C[e].T).abs().reshape(-1))
+        p = torch.cat(pred)
+        tp = float(torch.quantile(p[: 1 << 24], 1.0 - frac)) if p.numel() else 0.0
+        out.append(LayerPredictor(B, C, dept_of, tp, float((p >= tp).float().mean()) if p.numel() else frac))
+        if progress:
+            progress("synthetic predictor", i + 1, len(acts))
+    return out
 
 
 # -- the cache -------------------------------------------------------------------------------------------------
@@ -302,6 +348,7 @@ def _read_cache(path: Path, meta: dict, shapes: list[tuple]) -> tuple[list[Layer
                         f.get_tensor(f"{i}.C"),
                         f.get_tensor(f"{i}.dept").long(),
                         float(f.get_tensor(f"{i}.tau_prime")),
+                        float(f.get_tensor(f"{i}.candidate_share")) if f"{i}.candidate_share" in f.keys() else None,
                     )
                     for i in range(len(shapes))
                 ]
@@ -319,6 +366,8 @@ def _write_cache(path: Path, preds: list[LayerPredictor], meta: dict) -> str | N
     for i, p in enumerate(preds):
         tensors.update({f"{i}.B": p.B, f"{i}.C": p.C, f"{i}.dept": p.dept_of})
         tensors[f"{i}.tau_prime"] = torch.tensor(p.tau_prime, dtype=torch.float64)
+        if p.candidate_share is not None:
+            tensors[f"{i}.candidate_share"] = torch.tensor(p.candidate_share, dtype=torch.float64)
     tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
     return write_atomically(path, save_tensors(tensors, metadata={"localmoe": json.dumps(meta)}))
 
@@ -347,10 +396,14 @@ def predictors_for(
     rank = rank or default_rank(H)
     taus = [float(max(t)) if isinstance(t, (tuple, list)) else float(t) for t in table.taus]
     notice = getattr(engine, "on_notice", None) or (lambda _text: None)
-    if engine.tokenizer is None:  # random weights: random ids, nothing cached
+    if engine.tokenizer is None:  # random weights (bench --shape): a synthetic predictor, nothing cached
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, engine.loaded.config.vocab_size, (min(tokens, 1024),), generator=gen).tolist()
-        return fit(engine, ids, taus, departments, rank, method=method, recall=recall, progress=progress)[0], None
+        ids = torch.randint(0, engine.loaded.config.vocab_size, (min(tokens, SYNTHETIC_TOKENS),), generator=gen)
+        notice(
+            f"random weights: a synthetic gate predictor ({departments} departments, rank {rank}, "
+            f"{SYNTHETIC_CANDIDATES:.0%} of neurons candidates), for speed only: its recall means nothing"
+        )
+        return synthetic(engine, ids.tolist(), departments, rank, progress=progress), None
     body, name = read_calibration_text(text)
     meta = _meta(engine, table.sparsity, departments, rank, method, recall, body, name, tokens)
     path = cache_path(

@@ -24,6 +24,7 @@ from localmoe.engine import plan
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
+from localmoe.experts import predicted, predictor
 from localmoe.models.random_weights import param_owners, random_value
 
 
@@ -119,7 +120,14 @@ def step_bytes(engine, sparsity: float) -> float:
 
     f = plan.facts(engine.model, engine.loaded.config, engine.loaded.experts)
     w = engine.loaded.experts[0].weights  # DeaMoE: a department's [h, H] matrices (f.expert_width = h)
-    return plan.step_floor(f, f.expert_width * f.hidden * w.w_gate.element_size(), sparsity)
+    matrix = f.expert_width * f.hidden * w.w_gate.element_size()
+    need = plan.step_floor(f, matrix, sparsity)
+    preds = [getattr(m, "predictor", None) for m in engine.loaded.experts]
+    if sparsity and preds and all(p is not None and p.candidate_share is not None for p in preds):
+        # the gate predictor: B_d per touched department, C_e and the candidates' gate rows instead of whole gates
+        el = w.w_gate.element_size()
+        need += sum(predicted.routed_gate_bytes(p, matrix, f.top_k, el) - f.top_k * matrix for p in preds)
+    return need
 
 
 def _run(engine, sparsity, prompt, n_decode, name, bw, progress, penalty: float = 1.0) -> BenchRow:
@@ -287,10 +295,12 @@ def bench(
     progress=None,
     experts: str = "full",
     repetition_penalty: float | None = None,
-    departments: int = 0,
+    departments: int | list[int] = 0,
     rank: int | None = None,
     embeddings: str | None = None,
 ) -> dict:
+    """`departments`: the gate predictor's department count, or a list of them measured in turn on the same engine
+    (0: today's exact sparse path; each count > 0 adds a row per sparsity > 0 named after it)."""
 
     if routing != "uniform" and not shape:
         raise UsageError("--routing needs --shape: it sets random weights' routers; a real model routes as trained")
@@ -337,8 +347,8 @@ def bench(
             experts=experts,
             embeddings=embeddings,
         )
-    if departments:  # the gate predictor on the sparse rows (fitted on the calibration text when they calibrate)
-        engine.set_departments(departments, rank)
+    counts = departments if isinstance(departments, list) else [departments]
+    engine.set_departments(counts[0], rank)  # the gate predictor on the sparse rows (fitted when they calibrate)
     default = engine.resolved.default_sparsity
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -351,7 +361,15 @@ def bench(
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
     bw = copy_bandwidth(dev)
     penalties = [1.0] + ([repetition_penalty] if repetition_penalty not in (None, 1.0) else [])
-    rows = [_run(engine, s, prompt, decode_tokens, "localmoe", bw, progress, p) for s in sparsities for p in penalties]
+    rows = []
+    for n in counts:
+        r = rank or (n and predictor.default_rank(engine.loaded.experts[0].hidden_size))
+        name = f"localmoe, predictor {n}x{r}" if n else "localmoe"
+        engine.set_departments(n, rank)  # fitted and applied by the next set_sparsity (_run's)
+        for s in sparsities:
+            if n and not s:
+                continue  # the predictor only acts on the sparse path: its dense row is the plain one
+            rows += [_run(engine, s, prompt, decode_tokens, name, bw, progress, p) for p in penalties]
     h2d = host_bandwidth(dev) if longer and engine.loaded.cache is not None else 0.0
     prefills = [
         _prefill(engine, s, torch.randint(0, vocab, (n,), generator=gen).tolist(), progress, h2d)
@@ -383,7 +401,7 @@ def bench(
         "context": context,
         "routing": routing,
         "experts": experts_format,
-        "departments": departments,
+        "departments": counts if len(counts) > 1 else counts[0],
         "rows": [asdict(r) for r in rows],
         "prefill_rows": [asdict(r) for r in prefills],
         "host_to_device_gb_s": h2d / 1e9,
@@ -400,7 +418,11 @@ def table(result: dict) -> str:
         f"decode {result['decode_tokens']}, context {result.get('context', '?')}"
         + (f", {result['routing']} routing" if result.get("routing", "uniform") != "uniform" else "")
         + (f", {result['experts']} experts" if result.get("experts", "full") != "full" else "")
-        + (f", gate predictor with {result['departments']} departments" if result.get("departments") else ""),
+        + (
+            f", gate predictor with {result['departments']} departments"
+            if result.get("departments") and not isinstance(result["departments"], list)
+            else ""
+        ),
         f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'step MB':>8} {'floor tok/s':>11} "
         f"{'of floor':>8} {'realised':>8} {'peak GB':>8}",
     ]

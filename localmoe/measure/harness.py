@@ -97,18 +97,24 @@ def run_tasks(
     limit: int | None = None,
     include_path: str | None = None,
     progress: ProgressFn | None = None,
+    departments: list[int] | None = None,
+    rank: int | None = None,
 ) -> dict:
-    """{"results": {sparsity: {task: {metric: value}}}, "table": str}."""
+    """{"results": {key: {task: {metric: value}}}, "table": str}; key is the sparsity ("0.85"), or with the gate
+    predictor's `departments` (a list of counts, 0 = the exact mask) "0.85@d8" for each count > 0 at each sparsity
+    > 0 (the predictor acts on the sparse mask only; its candidates gate the mask on every scored token)."""
     LocalmoeLM = _lm_class()
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     lm = LocalmoeLM(engine)
-    previous = engine.sparsity
+    previous = engine.sparsity, engine.departments, engine.rank
+    runs = [(s, n) for n in (departments or [0]) for s in sparsities if s > 0 or not n]
     results: dict[str, dict] = {}
     try:
-        for i, s in enumerate(sparsities):
+        for i, (s, n) in enumerate(runs):
+            engine.set_departments(n, rank)
             engine.set_sparsity(s, progress)
             for m in engine.loaded.experts:
                 m.mask_all_tokens = s > 0
@@ -118,16 +124,18 @@ def run_tasks(
             finally:
                 for m in engine.loaded.experts:
                     m.mask_all_tokens = False
-            results[f"{s:g}"] = {
+            results[f"{s:g}@d{n}" if n else f"{s:g}"] = {
                 t: {k: v for k, v in r.items() if isinstance(v, (int, float))} for t, r in res["results"].items()
             }
             if progress:
-                progress("lm-eval", i + 1, len(sparsities))
+                progress("lm-eval", i + 1, len(runs))
     finally:
-        engine.set_sparsity(previous)
-    lines = [f"{'sparsity':>8}  {'task':<20} metrics"]
-    for s, per_task in results.items():
+        engine.set_departments(*previous[1:])
+        engine.set_sparsity(previous[0])
+    lines = [f"{'sparsity':>8}  {'departments':>11}  {'task':<20} metrics"]
+    for key, per_task in results.items():
+        s, _, n = key.partition("@d")
         for t, metrics in per_task.items():
             shown = ", ".join(f"{k.split(',')[0]}={v:.4f}" for k, v in metrics.items() if "stderr" not in k)
-            lines.append(f"{float(s):>8.0%}  {t:<20} {shown}")
+            lines.append(f"{float(s):>8.0%}  {n or '–':>11}  {t:<20} {shown}")
     return {"model": engine.model_name, "results": results, "table": "\n".join(lines)}

@@ -1,0 +1,135 @@
+"""The department-shared gate predictor (`--departments`, issue #23) on a GPU: correctness first, then speed.
+
+1. tokens: localmoe-tiny in float32 at 85% with `--departments 4 --rank 16` (fitted on the CPU, cached, then read by
+   the CUDA engines): the CPU engine's greedy tokens (the torch reference of the predicted path) against the CUDA
+   engine's (department_basis + sparse_fused with its predictor, CUDA graph) and an offloaded CUDA engine's (direct
+   misses, a gate tier smaller than the gates, B and C in place of some of them). Prints one line each; exit 1 on a
+   difference.
+2. kernel: the routed-expert launch at real shapes (Qwen3.5-35B-A3B: H 2048, I 512, E 256, k 8; Qwen3-30B-A3B:
+   H 2048, I 768, E 128, k 8), bf16, random weights, 85% sparsity: `sparse_fused` alone against
+   `department_basis` + `sparse_fused(predictor=)` with a synthetic predictor (N 8, r 64; τ′ at the candidate
+   share of --candidates), µs per call (CUDA graph of 40 layers' weights in rotation, median of replays).
+3. engine (unless --skip-engine): `localmoe bench --shape S --sparsity 0.85 --departments 0,8` for each shape,
+   resident, and qwen3.5-35b at `--vram 16` (bf16 experts offloaded): today's sparse path and the predictor's rows
+   from one engine.
+Random weights cannot show recall (synthetic predictors, speed only).
+
+    PYTHONUNBUFFERED=1 python bench/predictor_check.py [--skip-engine] [--candidates 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+root = Path(tempfile.mkdtemp())
+os.environ.setdefault("XDG_CACHE_HOME", str(root / "xdg"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from localmoe.engine.engine import Engine  # noqa: E402
+from localmoe.events import GenerationSettings  # noqa: E402
+from localmoe.kernels.gate_predictor import GatePredictor, department_basis  # noqa: E402
+from localmoe.kernels.sparse_fused import sparse_fused  # noqa: E402
+from localmoe.measure.benchmark import bench, table  # noqa: E402
+
+SHAPES = [("qwen3.5-35b", 2048, 512, 256), ("qwen3-30b", 2048, 768, 128)]
+K, N, R, LAYERS = 8, 8, 64, 40
+
+
+def tokens(engine, n: int = 12) -> list[int]:
+    ids = engine.encode_raw("The requests library sends HTTP requests")
+    return [e.token_id for e in engine.generate(ids, GenerationSettings(max_new_tokens=n, temperature=0.0))]
+
+
+def check_tokens() -> bool:
+    kw = dict(sparsity=0.85, dtype="float32", departments=4, rank=16)
+    want = tokens(Engine.load("localmoe-tiny", device="cpu", **kw))
+    p = Engine.load("localmoe-tiny", device="cuda", sparsity=0.0, dtype="float32", vram_gib=64.0).loaded.offload
+    fixed = p.non_expert_bytes + p.state_bytes + p.workspace_bytes
+    half = (fixed + 16.5 * p.expert_bytes) / (1 << 30)  # 16 experts' bytes: 48 of the 64 gates, no up/down rows
+    ok = True
+    for name, extra in (("cuda graph", {}), ("cuda offloaded (direct)", {"vram_gib": half})):
+        engine = Engine.load("localmoe-tiny", device="cuda", offload_miss="direct", **kw, **extra)
+        got = tokens(engine)
+        cache = engine.loaded.cache
+        where = f", {cache.gate_slots} gate slots, {cache.slots} up/down slots" if cache else ""
+        graph = engine._graph is not None
+        print(f"tokens {name}: equal {got == want}, graph {graph}{where}", flush=True)
+        ok &= got == want and graph
+    return ok
+
+
+def synthetic(E: int, I: int, H: int, share: float, gen):
+    """B [N, r, H] orthonormal rows, C = W_gate B^T, τ′ at the `share` quantile over random x (bf16)."""
+    w = [torch.randn(E, I, H, device="cuda", generator=gen, dtype=torch.bfloat16) * H**-0.5 for _ in range(3)]
+    B = torch.linalg.qr(torch.randn(N, H, R, device="cuda", generator=gen))[0].transpose(1, 2).contiguous()
+    dept = torch.arange(E, device="cuda") * N // E
+    C = (w[0].float() @ B[dept].transpose(1, 2)).to(torch.bfloat16).contiguous()
+    x = torch.randn(64, H, device="cuda", generator=gen)
+    p = torch.nn.functional.silu(torch.einsum("nh,erh,eir->nei", x, B[dept], C.float())).abs()
+    return w, B.to(torch.bfloat16), C, dept.to(torch.int32), float(torch.quantile(p.reshape(-1)[: 1 << 24], 1 - share))
+
+
+def kernel_rows(share: float) -> list[str]:
+    rows = []
+    for name, H, I, E in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        sets = [synthetic(E, I, H, share, gen) for _ in range(4)]  # rotated: L2 must not hold the working set
+        x = torch.randn(1, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+        ids = torch.randperm(E, device="cuda", generator=gen)[:K].view(1, K)
+        wts = torch.rand(1, K, device="cuda", generator=gen)
+        g = (x.float() @ sets[0][0][0][ids[0, 0]].float().T).flatten()
+        tau = torch.full((E,), float(torch.quantile(torch.nn.functional.silu(g).abs(), 0.85)), device="cuda")
+        out = torch.empty(1, H, device="cuda", dtype=torch.bfloat16)
+        z = torch.empty(1, N, R, device="cuda", dtype=torch.float32)
+
+        def plain(s):
+            sparse_fused(x, *s[0], ids, wts, tau, out)
+
+        def pred(s):
+            department_basis(x, s[1], s[3], ids, out=z)
+            sparse_fused(x, *s[0], ids, wts, tau, out, predictor=GatePredictor(z, s[2], s[3], s[4]))
+
+        times = {}
+        for label, fn in (("today", plain), ("predictor", pred)):
+            for s in sets:
+                fn(s)  # compile
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(LAYERS):
+                    fn(sets[i % len(sets)])
+            times[label] = triton.testing.do_bench(graph.replay, warmup=25, rep=200) * 1e3 / LAYERS
+        ratio = times["today"] / times["predictor"]
+        rows.append(f"| {name} | {times['today']:.1f} | {times['predictor']:.1f} | {ratio:.2f}x |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--candidates", type=float, default=0.3, help="synthetic predictor's candidate share")
+    a = ap.parse_args()
+    ok = check_tokens()
+    print(f"\nrouted-expert launch, bf16, 85%, synthetic predictor N {N} r {R}, {a.candidates:.0%} candidates")
+    print("| shape | today µs | predictor µs | speed-up |\n|---|---:|---:|---:|")
+    print("\n".join(kernel_rows(a.candidates)), flush=True)
+    if not a.skip_engine:
+        for shape, vram in (("qwen3.5-35b", None), ("qwen3-30b", None), ("qwen3.5-35b", 16.0)):
+            result = bench(
+                None, shape=shape, sparsities=[0.85], device="cuda", dtype="bfloat16", prompt_tokens=256,
+                decode_tokens=128, vram_gib=vram, departments=[0, 8],
+            )  # fmt: skip
+            print(table(result), flush=True)
+    print("PREDICTOR CHECK:", "passed" if ok else "FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
