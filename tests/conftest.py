@@ -18,6 +18,12 @@ os.environ["XDG_CACHE_HOME"] = str(_ROOT / "xdg-cache")
 os.environ["XDG_DATA_HOME"] = str(_ROOT / "xdg-data")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU in CI
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `pytest -n N`: the workers share the cores, torch's threads too
+    # (N workers of one thread each on N cores; torch's default, a thread per core in every worker, oversubscribes
+    # them and its threads spin waiting for each other: tiny models' steps run several times slower). Subprocesses
+    # the tests start (the CLI, the chat in a terminal) inherit it.
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest  # noqa: E402
 import tiny_models  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
