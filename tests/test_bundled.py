@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
@@ -21,8 +23,19 @@ def test_is_the_default_and_small():
     assert not any(f.suffix in {".bin", ".pt", ".py"} for f in files)
 
 
-def test_generates_language_offline():
-    engine = Engine.load("localmoe-tiny", device="cpu")  # registry default sparsity: the sparse path
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """(engine, XDG cache dir): the first run on a fresh cache (it calibrates the registry's sparsity: most of the
+    load), loaded once; the CLI test runs on the cache it wrote, as a user's second run does."""
+    cache = tmp_path_factory.mktemp("bundled-xdg-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        engine = Engine.load("localmoe-tiny", device="cpu")  # registry default sparsity: the sparse path
+    return engine, cache
+
+
+def test_generates_language_offline(first_run):
+    engine, _ = first_run
     assert engine.sparsity == load_registry().get("localmoe-tiny").sparsity > 0
     text = "".join(
         ev.text
@@ -37,7 +50,8 @@ def test_generates_language_offline():
     assert abs(engine.stats.sparsity_realized - engine.sparsity) < 0.1
 
 
-def test_run_json_on_bundled_model(capsys):
+def test_run_json_on_bundled_model(first_run, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(first_run[1]))  # the thresholds the first run calibrated
     code = main(["run", "localmoe-tiny", "Hello", "--json", "--max-new-tokens", "30"])
     obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and obj["model"] == "localmoe-tiny" and obj["text"].strip()
