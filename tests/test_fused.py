@@ -26,7 +26,8 @@ import tiny_models  # noqa: E402
 
 from localmoe.decode import replacements, sdpa
 
-STEPS = 3  # cached decode steps after the prefill (3: positions 0-2 past the prompt; interpreter time)
+STEPS = 2  # cached decode steps after the prefill (2: the first reads the state the prefill left, the second
+# the state a fused step wrote; interpreter time)
 # CPU + interpreter by default (conftest sets TRITON_INTERPRET=1); TRITON_INTERPRET=0 on a GPU runs compiled kernels
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
@@ -297,7 +298,7 @@ def test_full_model_front_and_tail(tiny_model, family, dtype, sparsity, in_front
     (sparsity 0: threshold 0, against transformers' own model and experts); `shared_in_front=False`: the shared expert
     in sparse_fused's launch instead. Sparse: against the same LocalExperts run eagerly (the unfused layers)."""
     sparse = sparsity > 0
-    steps = STEPS if family == "qwen3_5_moe" else 3  # (the other families: the same paths, fewer interpreter steps)
+    steps = STEPS
     ref_model = copy.deepcopy(tiny_model).to(DEV, dtype)
     prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(12)).to(DEV)
     if not sparse:  # transformers' model as it is, experts included
