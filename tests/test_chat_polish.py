@@ -440,9 +440,14 @@ async def test_layout_at_80x24_is_not_cut(long_engine, tmp_path):
         await type_and_send(pilot, "hello")
         await streaming(pilot, app)
         for n in range(1, 13):
-            if n > 1:
+            if n == 12:
                 await type_and_send(pilot, f"queued {n}")
+            elif n > 1:  # the message Enter posts: a key press waits twice for an idle process, which a streaming
+                # reply never leaves (1 s each)
+                app.query_one(ChatInput).post_message(ChatInput.Submitted(f"queued {n}"))
+                await wait_for(pilot, lambda n=n: len(app.queue) == n - 1)
             assert len(hint(app)) <= 76, hint(app)  # 80 columns less the padding
+        assert len(app.queue) == 11
         app.action_cancel_reply()
         await pilot.press("escape")
         await type_and_send(pilot, "/cancel")
