@@ -113,7 +113,9 @@ def _run(model, cache_kind, prompt, steps=STEPS):
     return torch.stack(logits), toks
 
 
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+# (a StaticCache, the engine's, through the fused text model: test_fused_model.test_decode_equals_transformers, with the
+# same tolerance and per-module decode counts; uninstall after a static run: its test_install_uninstall_round_trip)
+@pytest.mark.parametrize("cache_kind", ["dynamic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @torch.no_grad()
 def test_full_model_logits_equal(tiny_text_model, cache_kind, dtype):

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 import test_fused  # noqa: E402
 
-from localmoe.decode import replacements  # noqa: E402
+from localmoe.decode import replacements, sdpa  # noqa: E402
 from localmoe.decode.text_model import FusedTextModel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
@@ -71,7 +71,8 @@ def _static_prefill(model, prompt, extra=2):
 @torch.no_grad()
 def test_decode_equals_transformers(tiny_model, family, dtype):
     """Greedy prefill + a few decode steps on a StaticCache: the fused text model takes every decode step (not the
-    prefill); logits equal the same install without it exactly, transformers' unfused model as in test_fused."""
+    prefill), and through it the fused DeltaNet, attention kernel, MoE block and decoder layers; logits equal the same
+    install without it exactly, transformers' unfused model as in test_fused (whose logits test runs a DynamicCache)."""
     steps = 2  # the first reads the prefill's state, the second a fused step's (interpreter time)
     ref = copy.deepcopy(tiny_model).to(DEV, dtype)
     text = type(ref.model).__name__
@@ -81,9 +82,19 @@ def test_decode_equals_transformers(tiny_model, family, dtype):
     same, same_toks = _run(base, "static", prompt, steps)
     model, done = _installed(ref)
     assert done == {**done0, text: 1} and isinstance(model.model, FusedTextModel)
+    calls0 = sdpa.decode_calls
     got, toks = _run(model, "static", prompt, steps)
     assert model.model.decode_calls == steps
-    assert all(m.decode_calls == steps for m in model.modules() if isinstance(m, replacements.FusedDecoderLayer))
+    cfg = model.config
+    layers = [m.decode_calls for m in model.modules() if isinstance(m, replacements.FusedDecoderLayer)]
+    assert layers == [steps] * cfg.num_hidden_layers  # both residual adds fused on every decode step
+    blocks = [m.decode_calls for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)]
+    assert blocks == [steps] * cfg.num_hidden_layers
+    if family == "qwen3_5_moe":
+        n_linear = sum(t == "linear_attention" for t in cfg.layer_types)
+        deltanets = [m.decode_calls for m in model.modules() if isinstance(m, replacements.FusedGatedDeltaNet)]
+        assert deltanets == [steps] * n_linear  # every decode step took the fused path, prefill did not
+        assert sdpa.decode_calls - calls0 == steps * (cfg.num_hidden_layers - n_linear)  # decode attention kernel
     torch.testing.assert_close(got, same, rtol=0, atol=0)  # the layers got exactly transformers' inputs
     assert toks == same_toks
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
