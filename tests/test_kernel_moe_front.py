@@ -95,9 +95,15 @@ def _shared_weights(I_s, H, dtype, seed):
     return tuple((torch.randn(I_s, H, generator=gen) / H**0.5).to(DEV, dtype) for _ in range(3))
 
 
-@pytest.mark.parametrize("block_s,num_warps", [(4, 4), (1, 2)])
+# the launch's parameters (4 neurons / 4 warps) at the real shape; 1 / 2 as well on the odd one (at the real shape its
+# 512 programs of one neuron cost the interpreter ~15 s)
+SHARED_CASES = [((2048, 256, 8, 512), 4, 4), ((100, 60, 4, 37), 4, 4), ((100, 60, 4, 37), 1, 2)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(2048, 256, 8, 512), (100, 60, 4, 37)], ids=lambda s: "H{}E{}k{}Is{}".format(*s))
+@pytest.mark.parametrize(
+    "shape,block_s,num_warps", SHARED_CASES, ids=["H{}E{}k{}Is{}-{}-{}".format(*s, b, w) for s, b, w in SHARED_CASES]
+)
 @torch.no_grad()
 def test_shared_expert_into_acc(shape, dtype, block_s, num_warps):
     """shared_expert=: acc += sg * the shared expert's output (fp32, as sparse_fused's shared programs), added to
