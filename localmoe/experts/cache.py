@@ -142,6 +142,7 @@ class ExpertCache:
         gate_slots = max(1, gate_slots)
         if not self.gate_slots or gate_slots == self.gate_slots:
             return
+        self.staging.settle(self.device)  # a prefill's fill ahead may still read the old gate pool
         template = self.pool.w_gate
         self.pool.w_gate = None
         del template

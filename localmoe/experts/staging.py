@@ -112,6 +112,8 @@ class Staging:
             fill()
             return None
         self.stream_.wait_stream(torch.cuda.current_stream(buf.w_gate.device))
+        if ids is not None:  # made on the compute stream, read on the side one: not reused before that read
+            ids.record_stream(self.stream_)
         with torch.cuda.stream(self.stream_):
             fill()
             done = torch.cuda.Event()
