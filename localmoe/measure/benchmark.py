@@ -449,7 +449,7 @@ def table(result: dict) -> str:
             f"{name:<34} {r['sparsity']:>8.0%} {r['prefill_tok_s']:>13.1f} {r['decode_tok_s']:>12.1f} "
             + step
             + floor
-            + (f"{r['sparsity_realized']:>8.1%} " if r["name"] == "localmoe" else f"{'–':>8} ")
+            + (f"{r['sparsity_realized']:>8.1%} " if r["name"].startswith("localmoe") else f"{'–':>8} ")
             + f"{r['peak_gpu_mem_gb']:>8.1f}"
             + (
                 f"  cache {r['cache_hit_rate']:.0%} hits{dept}, {r['h2d_mb_per_token']:.0f} MB/token H2D"
