@@ -61,7 +61,7 @@ CHUNK_STEP = 64  # chunks are multiples of this (the DeltaNet rule's chunk), the
 MIN_CHUNK = 16
 MIN_SPAN = 8  # experts per staging buffer at least (each span costs three grouped GEMMs and a gather per part)
 STAGE_BYTES = 96 << 20  # stored expert bytes per staging buffer the span aims at (two buffers)
-STAGE_DEQUANT_BYTES = 256 << 20  # 4-bit experts: dequantized bytes of one staged span (two alive at once; 128 MiB: s21)
+STAGE_DEQUANT_BYTES = 512 << 20  # 4-bit experts: dequantized bytes of one staged span (two alive at once)
 KERNEL_WORKSPACE = 64 << 20
 RESERVE_SHARE = 8  # the plan's prefill reserve takes at most 1/RESERVE_SHARE of the budget (beyond WORKSPACE_RESERVE)
 
