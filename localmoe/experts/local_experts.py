@@ -49,9 +49,12 @@ from localmoe.experts.gate_recorder import GateRecorder
 from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, Int4Tensor, quantize_as
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.experts.sparse_reference import sparse_reference
+from localmoe.kernels.dense_experts import dense_experts
 from localmoe.kernels.gate_predictor import GatePredictor, department_basis
 from localmoe.kernels.mxfp4 import Mxfp4Tensor
 from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
+from localmoe.kernels.sparse_fused import sparse_fused
+from localmoe.kernels.tuning import launch_params
 
 
 @dataclass
@@ -304,8 +307,6 @@ class LocalExperts(DensePath, nn.Module):
     def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None) -> torch.Tensor:
         """Offloaded, direct misses: one fused launch reads resident experts from the cache pool and absent ones
         (gate rows + kept rows only) from the host master copies. Routing and counts are kept for `observe`."""
-        from localmoe.kernels.sparse_fused import sparse_fused
-
         if self.up_fn is not None:  # GPT-OSS: its own kernel reads absent experts in place too
             self.last_routing = top_k_index
             return self._mxfp4(x, top_k_index, top_k_weights, sparse, direct=True)
@@ -392,8 +393,6 @@ class LocalExperts(DensePath, nn.Module):
         if not x.is_cuda:
             return {"fused": {}, "dense": {}}
         if self._params is None:
-            from localmoe.kernels.tuning import launch_params
-
             self._params = launch_params(
                 torch.cuda.get_device_name(x.device),
                 self.hidden_size,
@@ -411,8 +410,6 @@ class LocalExperts(DensePath, nn.Module):
         if w.quantized or self.up_fn is not None:
             zeros = self._zeros_tau(x.device, w.w_gate.shape[0])
             return self._sparse(x, top_k_index, top_k_weights, w, zeros, count=False, experts=experts)
-        from localmoe.kernels.dense_experts import dense_experts
-
         p = self._launch(x, top_k_index.shape[1])["dense"]
         return dense_experts(x, w.w_gate, w.w_up, w.w_down_t, top_k_index, top_k_weights, **p).to(x.dtype)
 
@@ -432,8 +429,6 @@ class LocalExperts(DensePath, nn.Module):
         """`count`: add the kept neurons to the sparsity stats (False: threshold 0, the dense path with a tail);
         `experts`: the expert ids [T, k] when `top_k_index` holds cache slots (biases are indexed by expert)."""
         if (x.is_cuda or self.kernel_on_cpu) and self.hidden_act == "silu":  # one launch, output in x's dtype
-            from localmoe.kernels.sparse_fused import sparse_fused
-
             p = self._launch(x, top_k_index.shape[1])["fused"]
             y, _ = sparse_fused(
                 x,
