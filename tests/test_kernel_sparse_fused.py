@@ -397,11 +397,13 @@ def test_shared_expert_and_residual_tail(shape, dtype, offload):
         kw = dict(slot_table=table, pool_gate=wg[:S].clone(), pool_up=wu[:S].clone(), pool_down_t=wd[:S].clone())
     y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
     want = (res.float() + (y_ref + shared_expert_term(x, shared)).to(dtype).float()).to(dtype)
-    for _ in range(2):  # the workspace is clean again after each launch
+    for _ in range(2 if H < 100 else 1):  # the workspace is clean again after each launch (odd shapes; 35B's: once)
         out = torch.full((T, H), float("nan"), dtype=dtype, device=DEV)
         y, c = sparse_fused(x, wg, wu, wd, ids, rw, tau, out, shared=shared, residual=res, BLOCK_I=bi, **kw)
         assert torch.equal(c, c_ref)
         assert rel_err(y.float() - res.float(), want.float() - res.float()) < (1e-5 if dtype == torch.float32 else 2e-2)
+    if H > 100:
+        return  # 35B's shape: one launch (interpreter time); the odd shapes also run it without the residual
     y2, _ = sparse_fused(
         x, wg, wu, wd, ids, rw, tau, torch.empty(T, H, dtype=dtype, device=DEV), shared=shared, BLOCK_I=bi, **kw
     )  # shared expert without the residual
