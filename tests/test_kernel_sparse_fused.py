@@ -53,7 +53,8 @@ def test_sparse_fused_matches_reference(shape, dtype):
     ga = gate_abs(x, wg, ids)
     out = torch.empty(T, H, device=DEV)
     cnt = torch.empty(T, k, dtype=torch.int32, device=DEV)
-    for s in SPARSITIES:  # the same buffers and workspace every time: each launch must leave it clean
+    for s in SPARSITIES if H < 100 else (0.0, 0.9):  # the same buffers and workspace every time: each launch must
+        # leave it clean (35B's shape: dense and 90% only, interpreter time; the odd shapes run every case)
         tau = tau_for(ga, ids, s, E)
         y_ref, c_ref = sparse_fused_ref(x, wg, wu, wd, ids, rw, tau)
         out.fill_(float("nan"))  # poisoned: the kernel must overwrite every element
