@@ -59,7 +59,6 @@ ALPHA = 1.702  # gpt-oss config.swiglu_alpha
 LIMIT = 7.0  # gpt-oss config.swiglu_limit
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
-LAUNCH = {"BLOCK_I": 8, "BLOCK_R": 4, "num_warps": 8}  # the launcher's defaults (see the launch note above)
 __all__ = ["ALPHA", "LIMIT", "sparse_mxfp4", "sparse_mxfp4_ref"]
 
 
@@ -97,65 +96,66 @@ def sparse_mxfp4_ref(
 if triton is not None:
 
     @triton.jit
+    def fp4_nibble(w, J: tl.constexpr):
+        """Nibble J (0..7: element 8c + J of word c) of uint32 words w -> its FP4 value times 2**-126, fp32: the code's
+        exponent / mantissa bits go to fp32's bits 24..22 and its sign to bit 31 (a shift and a mask each, no
+        conversion instruction; e = 0 gives fp32 subnormals, exact without flush-to-zero)."""
+        if J <= 5:
+            em = (w << (22 - 4 * J)) & 0x01C00000
+        else:
+            em = (w >> (4 * J - 22)) & 0x01C00000
+        return (em | ((w << (28 - 4 * J)) & 0x80000000)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def e8m0(s):
         """uint8 biased exponents (int32) -> 2**(s - 127) in fp32, exactly (0 is the subnormal 2**-127)."""
         return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def fp4_pairs(w):
-        """uint32 code words [R, W] (8 codes each) -> (codes 0..3, codes 4..7) of each word as two [R, W, 4] fp32, the
-        FP4 values times 2**-126. Codes j and j + 4 sit 16 bits apart, so one set of shifts and masks places both as
-        bf16 bit patterns in the two halves of a word (exponent / mantissa bits at 8..6, sign at 15), each half then
-        read as fp32 (no conversion instruction; e = 0 gives fp32 subnormals, exact without flush-to-zero)."""
-        t = w[:, :, None] >> (tl.arange(0, 4) * 4).to(tl.uint32)[None, None, :]
-        p = ((t << 6) & 0x01C001C0) | ((t << 12) & 0x80008000)
-        return (p << 16).to(tl.float32, bitcast=True), (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+    def part_words(base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """One load of rows' code words [R, NBP, 4] (uint32, 8 codes each) for the 32-blocks J0 .. J0 + NBP - 1 of an
+        along-H MXFP4 row (NB blocks, 4 words a block); masked rows and blocks >= NB read nothing (0)."""
+        jb = J0 + tl.arange(0, NBP)
+        off = rows.to(tl.int64)[:, None, None] * (NB * 4) + (jb[:, None] * 4 + tl.arange(0, 4)[None, :])[None]
+        m = rmask[:, None, None] & (jb < NB)[None, :, None]
+        return tl.load(base + off, mask=m, other=0).to(tl.uint32, bitcast=True)
 
     @triton.jit
-    def x_words(x_row, W0: tl.constexpr, NWP: tl.constexpr, NW: tl.constexpr):
-        """x's elements under code words W0 .. W0 + NWP - 1 as (elements 0..3, elements 4..7 of each word), two
-        [NWP, 4] fp32 times 2**63 (0 past the row's NW words): loaded once a program, kept in registers for every row
-        it reads."""
-        c = W0 + tl.arange(0, NWP)
-        j = tl.arange(0, 4)
-        m = (c < NW)[:, None] & (j >= 0)[None, :]
-        at = x_row + c[:, None] * 8 + j[None, :]
-        lo = tl.load(at, mask=m, other=0.0).to(tl.float32) * 9.223372036854775808e18
-        return lo, tl.load(at + 4, mask=m, other=0.0).to(tl.float32) * 9.223372036854775808e18
+    def part_dot(w, x_row, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """x . W[n] over the blocks of `part_words` w: per 32-block the codes' dot with x (x in times 2**63, the sum
+        out times 2**63), times the block's scale; [R] fp32."""
+        jb = J0 + tl.arange(0, NBP)
+        bm = jb < NB
+        xcol = (jb[:, None] * 4 + tl.arange(0, 4)[None, :]) * 8  # [NBP, 4]: element 8c of each word c
+        acc = tl.zeros(w.shape, dtype=tl.float32)
+        for J in tl.static_range(8):
+            xj = tl.load(x_row + xcol + J, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
+            acc += fp4_nibble(w, J) * xj[None, :, :]
+        part = tl.sum(acc, axis=2) * 9.223372036854775808e18  # [R, NBP]
+        s = tl.load(s_base + rows.to(tl.int64)[:, None] * NB + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
+        return tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
 
     @triton.jit
-    def rows_dot(base, s_base, rows, rmask, xlo, xhi, W0: tl.constexpr, NWP: tl.constexpr, NW: tl.constexpr, NB):
-        """x . W[n] for the rows n [R] of an along-H MXFP4 matrix over its words W0 .. W0 + NWP - 1 (codes at base,
-        [rows, NW] int32 words; scales at s_base, [rows, NB]); xlo, xhi from `x_words`. Masked rows read nothing. [R]
-        fp32."""
-        c = W0 + tl.arange(0, NWP)
-        m = rmask[:, None] & (c < NW)[None, :]
-        r = rows.to(tl.int64)[:, None]
-        w = tl.load(base + r * NW + c[None, :], mask=m, other=0).to(tl.uint32, bitcast=True)
-        s = tl.load(s_base + r * NB + (c // 4)[None, :], mask=m, other=0)
-        lo, hi = fp4_pairs(w)
-        part = tl.sum(lo * xlo[None, :, :] + hi * xhi[None, :, :], axis=2)  # [R, NWP]: each word's codes, x 2**-63
-        return tl.sum(part * e8m0(s.to(tl.int32)), axis=1) * 9.223372036854775808e18
-
-    @triton.jit
-    def rows_down(base, rows, rmask, h, W0: tl.constexpr, NWP: tl.constexpr, NW: tl.constexpr):
-        """sum_n h_n W[n, :] over the rows n [R] of the transposed down's codes (no scales: a program's rows share
-        one scale row, applied by `add_down`) for the columns under words W0 .. W0 + NWP - 1, as `x_words`' halves:
-        two [NWP, 4] fp32."""
-        c = W0 + tl.arange(0, NWP)
-        m = rmask[:, None] & (c < NW)[None, :]
-        w = tl.load(base + rows.to(tl.int64)[:, None] * NW + c[None, :], mask=m, other=0).to(tl.uint32, bitcast=True)
-        lo, hi = fp4_pairs(w)
-        return tl.sum(lo * h[:, None, None], axis=0), tl.sum(hi * h[:, None, None], axis=0)
-
-    @triton.jit
-    def add_down(ydst, srow, acc, J0: tl.constexpr, W0: tl.constexpr, NWP: tl.constexpr, H: tl.constexpr):
-        """Adds `rows_down`'s half J0 (0: elements 0..3 of each word, 4: 4..7) acc [NWP, 4] (times 2**63 / 2**-126),
-        times the shared scale row srow [H], into ydst's columns under words W0 .. W0 + NWP - 1."""
-        col = (W0 + tl.arange(0, NWP))[:, None] * 8 + (J0 + tl.arange(0, 4))[None, :]
-        cm = col < H
+    def part_down(w, h3, ydst, srow, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """Adds sum_n h_n W[n, c] into ydst for the columns of the blocks J0 .. J0 + NBP - 1: w the kept rows' down
+        code words [R, NBP, 4] (`part_words`), h3 [R, 1, 1] (times 2**63), srow the rows' shared scale row [H]."""
+        jb = J0 + tl.arange(0, NBP)
+        bm = jb < NB
+        c0 = tl.sum(fp4_nibble(w, 0) * h3, axis=0)  # [NBP, 4]: column 32 jb + 8 q + J
+        c1 = tl.sum(fp4_nibble(w, 1) * h3, axis=0)
+        c2 = tl.sum(fp4_nibble(w, 2) * h3, axis=0)
+        c3 = tl.sum(fp4_nibble(w, 3) * h3, axis=0)
+        c4 = tl.sum(fp4_nibble(w, 4) * h3, axis=0)
+        c5 = tl.sum(fp4_nibble(w, 5) * h3, axis=0)
+        c6 = tl.sum(fp4_nibble(w, 6) * h3, axis=0)
+        c7 = tl.sum(fp4_nibble(w, 7) * h3, axis=0)
+        # nested joins put J last: [NBP, 4, 2, 2, 2][.., a, b, c] = c_{4a + 2b + c}, i.e. columns in order
+        j = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+        col = jb[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBP, 32]
+        cm = bm[:, None] & (col >= 0)  # full shape (the interpreter applies a broadcast atomic mask to one element)
         sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
-        tl.atomic_add(ydst + col, acc * 9.223372036854775808e18 * sv, mask=cm, sem="relaxed")
+        contrib = tl.reshape(j, [NBP, 32]) * 9.223372036854775808e18 * sv
+        tl.atomic_add(ydst + col, contrib, mask=cm, sem="relaxed")
 
     @triton.jit
     def _sparse_mxfp4_kernel(
@@ -208,12 +208,10 @@ if triton is not None:
         s_pds,
         H: tl.constexpr,
         H_P2: tl.constexpr,  # the finalising tail's full-width row
-        NB: tl.constexpr,  # H / 32 blocks (scales) per row
-        NW: tl.constexpr,  # H / 8 code words per row
-        NWP1: tl.constexpr,  # words of the first part (the largest power of two <= NW)
-        NWP2: tl.constexpr,  # words of the second part (the rest, rounded up to a power of two; at least 1)
+        NB: tl.constexpr,  # H / 32 blocks per row
+        NBP1: tl.constexpr,  # blocks of the first part (a power of two <= NB)
+        NBP2: tl.constexpr,  # blocks of the second part (next power of two of NB - NBP1; 0: none)
         BLOCK_I: tl.constexpr,  # divides 32: the program's down rows share one scale row
-        R: tl.constexpr,  # rows read at a time (divides BLOCK_I)
         K_P2: tl.constexpr,
         OFFLOAD: tl.constexpr,
         GATE_TABLE: tl.constexpr,
@@ -256,29 +254,21 @@ if triton is not None:
             u_sc = us_ptr + e * s_us
             d_b = db_ptr + e * s_db
             d_sc = ds_ptr + e * s_ds
-        row0 = pid_i * BLOCK_I
+        rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+        rmask = rows < I
         x_row = x_ptr + t.to(tl.int64) * stride_xt
-        xl1, xh1 = x_words(x_row, 0, NWP1, NW)  # the token, in registers for every row this program reads
-        xl2, xh2 = x_words(x_row, NWP1, NWP2, NW)
-        # ---- gate for BLOCK_I neurons, R rows at a time (the only dense read), bias, clamped SwiGLU, threshold ----
-        ar = tl.arange(0, BLOCK_I)
-        ar_r = tl.arange(0, R)
-        tau = tl.load(tau_ptr + e)
-        a_all = tl.zeros([BLOCK_I], dtype=tl.float32)
-        keep_all = tl.zeros([BLOCK_I], dtype=tl.int32)
-        for gi in tl.static_range(BLOCK_I // R):
-            rows = row0 + gi * R + ar_r
-            rmask = rows < I
-            z = rows_dot(g_b, g_sc, rows, rmask, xl1, xh1, 0, NWP1, NW, NB)
-            z += rows_dot(g_b, g_sc, rows, rmask, xl2, xh2, NWP1, NWP2, NW, NB)
-            z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
-            g = tl.minimum(z, limit)
-            a = g / (1.0 + tl.exp(-alpha * g))
-            keep = ((tl.abs(a) >= tau) & rmask).to(tl.int32)
-            put = ar[:, None] == (gi * R + ar_r)[None, :]  # [BLOCK_I, R]: these R rows in the program's BLOCK_I
-            a_all += tl.sum(tl.where(put, a[None, :], 0.0), axis=1)
-            keep_all += tl.sum(tl.where(put, keep[None, :], 0), axis=1)
-        nk = tl.sum(keep_all, axis=0)
+        # ---- gate for BLOCK_I neurons (the only dense read: every part's words in flight at once), bias, act ----
+        gw1 = part_words(g_b, rows, rmask, 0, NBP1, NB)
+        if NBP2 > 0:
+            gw2 = part_words(g_b, rows, rmask, NBP1, NBP2, NB)
+        z = part_dot(gw1, x_row, g_sc, rows, rmask, 0, NBP1, NB)
+        if NBP2 > 0:
+            z += part_dot(gw2, x_row, g_sc, rows, rmask, NBP1, NBP2, NB)
+        z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
+        g = tl.minimum(z, limit)
+        a = g / (1.0 + tl.exp(-alpha * g))
+        keep = (tl.abs(a) >= tl.load(tau_ptr + e)) & rmask
+        nk = tl.sum(keep.to(tl.int32), axis=0)
         rw = tl.load(rw_ptr + tj).to(tl.float32)
         if FINALIZE:
             ydst = acc_ptr + t.to(tl.int64) * H
@@ -291,36 +281,24 @@ if triton is not None:
             cm = cols < H
             bd = tl.load(bd_ptr + e * H + cols, mask=cm, other=0.0).to(tl.float32)
             tl.atomic_add(ydst + cols, rw * bd, mask=cm, sem="relaxed")
-        # ---- the kept rows only, R at a time (compacted: the p-th kept row is the one with p kept before it): up,
-        # h = w (u + 1) a, and h times the down rows summed in registers; one atomic add per column at the end ----
+        # ---- up / down over the kept rows only, both issued before either is used; nothing kept: no traffic ----
         if nk > 0:
-            pos = tl.cumsum(keep_all, axis=0) - 1
-            yl1 = tl.zeros([NWP1, 4], dtype=tl.float32)
-            yh1 = tl.zeros([NWP1, 4], dtype=tl.float32)
-            yl2 = tl.zeros([NWP2, 4], dtype=tl.float32)
-            yh2 = tl.zeros([NWP2, 4], dtype=tl.float32)
-            for it in range(0, tl.cdiv(nk, R)):
-                p = it * R + ar_r
-                sel = (keep_all[:, None] > 0) & (pos[:, None] == p[None, :])  # [BLOCK_I, R]
-                valid = p < nk
-                rows = row0 + tl.sum(tl.where(sel, ar[:, None], 0), axis=0)
-                ak = tl.sum(tl.where(sel, a_all[:, None], 0.0), axis=0)
-                u = rows_dot(u_b, u_sc, rows, valid, xl1, xh1, 0, NWP1, NW, NB)
-                u += rows_dot(u_b, u_sc, rows, valid, xl2, xh2, NWP1, NWP2, NW, NB)
-                u += tl.load(bu_ptr + e * I + rows, mask=valid, other=0.0).to(tl.float32)
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-                h = tl.where(valid, (u + 1.0) * ak * rw, 0.0) * 9.223372036854775808e18  # 2**63 (and out per column)
-                dl, dh = rows_down(d_b, rows, valid, h, 0, NWP1, NW)
-                yl1 += dl
-                yh1 += dh
-                dl, dh = rows_down(d_b, rows, valid, h, NWP1, NWP2, NW)
-                yl2 += dl
-                yh2 += dh
-            srow = d_sc + (row0 // 32).to(tl.int64) * H  # the program's 32-neuron group's scale row
-            add_down(ydst, srow, yl1, 0, 0, NWP1, H)
-            add_down(ydst, srow, yh1, 4, 0, NWP1, H)
-            add_down(ydst, srow, yl2, 0, NWP1, NWP2, H)
-            add_down(ydst, srow, yh2, 4, NWP1, NWP2, H)
+            uw1 = part_words(u_b, rows, keep, 0, NBP1, NB)
+            dw1 = part_words(d_b, rows, keep, 0, NBP1, NB)
+            if NBP2 > 0:
+                uw2 = part_words(u_b, rows, keep, NBP1, NBP2, NB)
+                dw2 = part_words(d_b, rows, keep, NBP1, NBP2, NB)
+            u = part_dot(uw1, x_row, u_sc, rows, keep, 0, NBP1, NB)
+            if NBP2 > 0:
+                u += part_dot(uw2, x_row, u_sc, rows, keep, NBP1, NBP2, NB)
+            u += tl.load(bu_ptr + e * I + rows, mask=keep, other=0.0).to(tl.float32)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 9.223372036854775808e18  # 2**63 (and out per column)
+            h3 = h[:, None, None]
+            srow = d_sc + ((pid_i * BLOCK_I) // 32).to(tl.int64) * H  # the program's 32-neuron group's scale row
+            part_down(dw1, h3, ydst, srow, 0, NBP1, NB)
+            if NBP2 > 0:
+                part_down(dw2, h3, ydst, srow, NBP1, NBP2, NB)
             tl.atomic_add(cdst + tj, nk, sem="relaxed")
         if FINALIZE:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
@@ -367,9 +345,8 @@ def sparse_mxfp4(
     host_rows=None,
     read_rows=None,
     residual=None,
-    BLOCK_I: int | None = None,
-    BLOCK_R: int | None = None,
-    num_warps: int | None = None,
+    BLOCK_I: int = 8,
+    num_warps: int = 8,
     maxnreg: int | None = None,
 ):
     """GPT-OSS's routed experts over MXFP4 weights, one launch. Returns (y [T, H], count [T, k]).
@@ -456,13 +433,8 @@ def sparse_mxfp4(
         or residual.device != dev
     ):
         raise ValueError(f"residual must be a contiguous {out.dtype} [T, H] = {(T, H)} tensor on {dev}")
-    BLOCK_I = LAUNCH["BLOCK_I"] if BLOCK_I is None else BLOCK_I
-    BLOCK_R = LAUNCH["BLOCK_R"] if BLOCK_R is None else BLOCK_R
-    num_warps = LAUNCH["num_warps"] if num_warps is None else num_warps
     if BLOCK_I < 1 or BLOCK_I > BLOCK or BLOCK_I & (BLOCK_I - 1):
         raise ValueError(f"BLOCK_I must be a power of two <= {BLOCK}, got {BLOCK_I}")
-    if BLOCK_R < 1 or BLOCK_R & (BLOCK_R - 1):
-        raise ValueError(f"BLOCK_R must be a power of two, got {BLOCK_R}")
     if T == 0 or k == 0:
         if not accumulate:
             out.copy_(residual) if residual is not None else out.zero_()
@@ -482,9 +454,9 @@ def sparse_mxfp4(
         st = slot_table
     else:  # dummies, never read
         pparts, pstrides, st = parts, [0] * 6, expert_ids
-    NW = H // 8
-    nwp1 = 1 << (NW.bit_length() - 1)  # the largest power of two <= NW, then the rest rounded up (at least one)
-    nwp2 = triton.next_power_of_2(max(NW - nwp1, 1))
+    NB = H // BLOCK
+    nbp1 = 1 << (NB.bit_length() - 1)  # the largest power of two <= NB, then the rest rounded up
+    nbp2 = triton.next_power_of_2(NB - nbp1) if NB > nbp1 else 0
     _sparse_mxfp4_kernel[(T * k, triton.cdiv(I, BLOCK_I))](
         x,
         *parts,
@@ -515,12 +487,10 @@ def sparse_mxfp4(
         *pstrides,
         H=H,
         H_P2=triton.next_power_of_2(H),
-        NB=H // BLOCK,
-        NW=NW,
-        NWP1=nwp1,
-        NWP2=nwp2,
+        NB=NB,
+        NBP1=nbp1,
+        NBP2=nbp2,
         BLOCK_I=BLOCK_I,
-        R=min(BLOCK_R, BLOCK_I),
         K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload,
         GATE_TABLE=gate_table is not None,
