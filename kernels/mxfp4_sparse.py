@@ -18,16 +18,19 @@ Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_id
   expert must start on a 4-byte boundary); H goes as two power-of-two parts of 32-blocks (NB = 90 at H 2880: 64 + 32,
   6.7 % padding), each one [BLOCK_I, blocks, 4] word tile, every part's loads issued before any is used; the kept
   up and down rows are loaded together, before the up dot;
-* no conversion instructions: a code's 3 exponent / mantissa bits go to fp32's bits 24..22 and its sign to bit 31 (a
-  shift and a mask each), which is FP4 * 2**-126 (e = 0: fp32 subnormals, exact without flush-to-zero, Triton's
-  default for mul / fma; checked on an H200); x (gate, up) or h (down) comes in times 2**63 and each 32-block's sum
+* no conversion instructions: codes j and j + 4 of a word (16 bits apart) are decoded together (`fp4_pair`): their
+  3 exponent / mantissa bits go to bits 8..6 and their signs to bit 15 of the word's two halves, each half then read
+  as fp32 (bits 24..22 and 31), which is FP4 * 2**-126 (e = 0: fp32 subnormals, exact without flush-to-zero,
+  Triton's default for mul / fma; checked on an H200); 3.5 integer ops a weight, against 5 decoding one code at a
+  time (1.5-2 % faster at gpt-oss-20b shapes); x (gate, up) or h (down) comes in times 2**63 and each 32-block's sum
   goes out times 2**63 and its scale, so no product is subnormal;
 * BLOCK_I divides 32, so a program's neurons share one down scale row (H bytes), loaded once.
 Launch parameters (bench/mxfp4_kernel.py, H200, Triton 3.6, gpt-oss-20b experts, k 4, one bf16 token; RESULTS.md):
-BLOCK_I 8, 8 warps: 67.9 / 65.7 / 65.0 / 57.7 µs at 0 / 50 / 70 / 85 %, the gate pass alone 26.8 µs; 4 / 4 is
-55.3 at 85 % but 82.2 dense; 16 / 8 is slower everywhere. 0.78 TB/s dense against a 4.2 TB/s copy: ncu puts the
-launch on the SM's L1 / shared-memory pipe (74 %) and instruction issue (~28M warp-instructions a call, ~5 integer
-ops a decoded weight), with DRAM at 7 % and occupancy register-bound at 37.5 %.
+BLOCK_I 8, 8 warps: 66.9 / 64.4 / 63.5 / 56.7 µs at 0 / 50 / 70 / 85 %, the gate pass alone 26.5 µs; 4 / 4 is
+56.0 at 85 % but 83.0 dense; 16 / 8 and 8 / 4 are slower everywhere. 0.79 TB/s dense against a 4.2 TB/s copy: ncu
+(before the pair decode) puts the launch on the SM's L1 / shared-memory pipe (74 %) and instruction issue (~28M
+warp-instructions a call), with DRAM at 7 % and occupancy register-bound at 37.5 %. A row-loop layout (x in
+registers for the whole program, rows R at a time, down rows summed in registers: f608325) was slower.
 Output modes, offload addressing, stats and the CUDA-graph contract are sparse_fused's: default a self-cleaning fp32
 workspace with per-token tickets (the last program writes y[t] (+ residual) and the counts and re-zeroes it),
 `accumulate=True` adds into the caller's fp32 `out` / int32 `count`; with `slot_table` (+ `gate_table`) each program
@@ -96,15 +99,18 @@ def sparse_mxfp4_ref(
 if triton is not None:
 
     @triton.jit
-    def fp4_nibble(w, J: tl.constexpr):
-        """Nibble J (0..7: element 8c + J of word c) of uint32 words w -> its FP4 value times 2**-126, fp32: the code's
-        exponent / mantissa bits go to fp32's bits 24..22 and its sign to bit 31 (a shift and a mask each, no
-        conversion instruction; e = 0 gives fp32 subnormals, exact without flush-to-zero)."""
-        if J <= 5:
-            em = (w << (22 - 4 * J)) & 0x01C00000
+    def fp4_pair(w, J: tl.constexpr):
+        """Nibbles J and J + 4 (J 0..3: elements 8c + J and 8c + J + 4 of word c) of uint32 words w -> their FP4 values
+        times 2**-126, two fp32. The two nibbles sit 16 bits apart, so one set of shifts and masks places both as bf16
+        bit patterns in the two halves of a word (exponent / mantissa bits at 8..6, sign at 15), each half then read
+        as fp32: 3.5 integer ops a weight, no conversion instruction (e = 0 gives fp32 subnormals, exact without
+        flush-to-zero, Triton's default for mul / fma)."""
+        if J <= 1:
+            em = (w << (6 - 4 * J)) & 0x01C001C0
         else:
-            em = (w >> (4 * J - 22)) & 0x01C00000
-        return (em | ((w << (28 - 4 * J)) & 0x80000000)).to(tl.float32, bitcast=True)
+            em = (w >> (4 * J - 6)) & 0x01C001C0
+        p = em | ((w << (12 - 4 * J)) & 0x80008000)
+        return (p << 16).to(tl.float32, bitcast=True), (p & 0xFFFF0000).to(tl.float32, bitcast=True)
 
     @triton.jit
     def e8m0(s):
@@ -128,9 +134,11 @@ if triton is not None:
         bm = jb < NB
         xcol = (jb[:, None] * 4 + tl.arange(0, 4)[None, :]) * 8  # [NBP, 4]: element 8c of each word c
         acc = tl.zeros(w.shape, dtype=tl.float32)
-        for J in tl.static_range(8):
-            xj = tl.load(x_row + xcol + J, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
-            acc += fp4_nibble(w, J) * xj[None, :, :]
+        for J in tl.static_range(4):
+            xl = tl.load(x_row + xcol + J, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
+            xh = tl.load(x_row + xcol + J + 4, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
+            lo, hi = fp4_pair(w, J)
+            acc += lo * xl[None, :, :] + hi * xh[None, :, :]
         part = tl.sum(acc, axis=2) * 9.223372036854775808e18  # [R, NBP]
         s = tl.load(s_base + rows.to(tl.int64)[:, None] * NB + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
         return tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
@@ -141,14 +149,18 @@ if triton is not None:
         code words [R, NBP, 4] (`part_words`), h3 [R, 1, 1] (times 2**63), srow the rows' shared scale row [H]."""
         jb = J0 + tl.arange(0, NBP)
         bm = jb < NB
-        c0 = tl.sum(fp4_nibble(w, 0) * h3, axis=0)  # [NBP, 4]: column 32 jb + 8 q + J
-        c1 = tl.sum(fp4_nibble(w, 1) * h3, axis=0)
-        c2 = tl.sum(fp4_nibble(w, 2) * h3, axis=0)
-        c3 = tl.sum(fp4_nibble(w, 3) * h3, axis=0)
-        c4 = tl.sum(fp4_nibble(w, 4) * h3, axis=0)
-        c5 = tl.sum(fp4_nibble(w, 5) * h3, axis=0)
-        c6 = tl.sum(fp4_nibble(w, 6) * h3, axis=0)
-        c7 = tl.sum(fp4_nibble(w, 7) * h3, axis=0)
+        lo, hi = fp4_pair(w, 0)
+        c0 = tl.sum(lo * h3, axis=0)  # [NBP, 4]: column 32 jb + 8 q + J
+        c4 = tl.sum(hi * h3, axis=0)
+        lo, hi = fp4_pair(w, 1)
+        c1 = tl.sum(lo * h3, axis=0)
+        c5 = tl.sum(hi * h3, axis=0)
+        lo, hi = fp4_pair(w, 2)
+        c2 = tl.sum(lo * h3, axis=0)
+        c6 = tl.sum(hi * h3, axis=0)
+        lo, hi = fp4_pair(w, 3)
+        c3 = tl.sum(lo * h3, axis=0)
+        c7 = tl.sum(hi * h3, axis=0)
         # nested joins put J last: [NBP, 4, 2, 2, 2][.., a, b, c] = c_{4a + 2b + c}, i.e. columns in order
         j = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
         col = jb[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBP, 32]
