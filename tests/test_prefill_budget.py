@@ -70,6 +70,17 @@ def test_qwen35_35b_chunk_and_span_fit_the_budget(fmt, gib):
     assert pb.peak_bytes(s, 2048, pb.MIN_SPAN, CONTEXT) < pb.peak_bytes(s, 2048, fit.span + 1, CONTEXT)
 
 
+def test_short_context_reserves_only_the_pieces_it_holds():
+    """A prompt must leave room in the cache, so no piece reaches the context: at context 640, gpt-oss-120b's
+    (MXFP4, eager attention) reserve is a 639-token piece's, under half of a 2,048-token piece's at context 2112;
+    the cache gets the difference."""
+    s = pb.PrefillShapes.of(shape_config("gpt-oss-120b"), torch.bfloat16, "mxfp4")
+    short, long = (pb.fit(s, 3 * GiB, ctx, offloaded=True) for ctx in (640, 2112))
+    assert short.chunk == 639 and long.chunk == pb.MAX_CHUNK and short.span == long.span
+    assert pb.reserve_bytes(s, 640, 24 * GiB) < pb.reserve_bytes(s, 2112, 24 * GiB) / 2
+    assert pb.fit(s, 3 * GiB, 100, offloaded=True).chunk == 99
+
+
 def test_formula_terms_and_the_resident_plan():
     """Terms by hand at a small shape (DeltaNet, MoE dispatch, attention); a budget that holds every expert beside
     the shortest piece stays resident (shorter pieces), one that does not reserves the longest piece."""
@@ -117,7 +128,9 @@ def test_offloaded_engine_with_short_pieces_equals_resident():
     slots = 3
     fixed = probe.non_expert_bytes + probe.state_bytes + placement.WORKSPACE_RESERVE
     e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=(fixed + slots * probe.expert_bytes + 1) / GiB)
-    assert e.loaded.cache is not None and e.prefill_fit is not None and e.prefill_chunk == pb.MAX_CHUNK
+    assert (
+        e.loaded.cache is not None and e.prefill_fit is not None and e.prefill_chunk == min(pb.MAX_CHUNK, e.context - 1)
+    )
     m0 = e.loaded.experts[0]
     s = pb.PrefillShapes.of(e.loaded.config, e.dtype, "full", experts=m0.num_experts, width=m0.intermediate_size)
     span = min(pb.MIN_SPAN, m0.num_experts)

@@ -237,11 +237,13 @@ def _chunks(longest: int) -> list[int]:
 
 
 def fit(s: PrefillShapes, left: int, context: int, offloaded: bool, longest: int = MAX_CHUNK) -> PrefillFit:
-    """The longest chunk (up to `longest`) whose peak fits `left` bytes with a span of MIN_SPAN experts, then the
-    largest span up to `default_span` that still fits (resident experts: span 0)."""
+    """The longest chunk (up to `longest`, and shorter than `context`: a prompt must leave room in the cache) whose
+    peak fits `left` bytes with a span of MIN_SPAN experts, then the largest span up to `default_span` that still
+    fits (resident experts: span 0). A short context thus reserves only the pieces it can hold: gpt-oss-120b at
+    `--vram 24` and context 640 set 2.4 GiB aside for 2,048-token pieces, taking every up/down slot from decode."""
     top = default_span(s) if offloaded else 0
     least = min(MIN_SPAN, top)
-    chunks = _chunks(longest)
+    chunks = _chunks(min(longest, context - 1))
     for chunk in chunks:
         if peak_bytes(s, chunk, least, context) > left:
             continue
