@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from localmoe.decode import sdpa
+from localmoe.decode import sdpa, sinks
 from localmoe.decode.ops import (
     FusedLinear,
     FusedRMSNorm,
@@ -64,7 +64,7 @@ _CORES = ("localmoe_sdpa", "sdpa")  # attention implementations the fused step c
 _CONFIG_WINDOW = ("MixtralAttention",)
 # GPT-OSS: learned sinks (`sinks` [Hq]), q|k|v|o biases, a window on its sliding layers, cos/sin of ROT/2 angles
 _SINK_CLASSES = ("GptOssAttention",)
-_SINK_CORES = (*_CORES, "eager")  # the fused step calls localmoe's kernel itself: any of these masks is read
+_SINK_CORES = (*_CORES, "eager", sinks.NAME)  # the fused step calls its own kernel: any mask is read
 
 
 def _norm_kind(norm: nn.Module) -> str | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from localmoe.decode import sinks
 from localmoe.decode.ops import FusedRMSNorm
 from localmoe.decode.sliding import RING, to_ring, to_transformers
 from localmoe.decode.text_model import FusedTextModel, full_static_layer
@@ -87,7 +88,7 @@ class FusedGptOssModel(FusedTextModel):
         finally:
             to_ring(cache)
 
-    implementations = ("eager", "sdpa", "localmoe_sdpa")  # GPT-OSS runs "eager" (no SDPA sinks); any mask is read
+    implementations = ("eager", sinks.NAME, "sdpa", "localmoe_sdpa")  # GPT-OSS: "localmoe_sinks"; any mask is read
 
     def _step_cache(self, cache, device):
         """(the first full-attention layer's position tensor, L) when every sliding layer is a ring; else None."""

@@ -28,6 +28,9 @@ the CUDA-graph decoder's StaticCache), V vocab):
         + 2·T·Hkv·Dh·el
         + 2·Hq·L·Dh·el (repeat_kv of the cache when a mask is given and Hq > Hkv) + T·L·(1 + el) (the mask's negation
         and its float copy inside SDPA); eager attention adds the scores Hq·T·L·max(3·el, 2·el + 4)
+    attention with sinks (GPT-OSS, decode/sinks.py): T·Hq·D·(2·el + 8) + 2·T·Hkv·D·el + T·Hq·Dp·el (the padded
+        query, Dp = D + 1 rounded up to 8) + 2·(Hq + Hkv)·(L + 1)·Dp·el (padded keys and values, repeated)
+        + 2·T·(L + 1) (the mask with its sink column)
     Gated DeltaNet (decode/deltanet_prefill.py + the chunk rule's torch prepare): (3·C + Vd)·el·T (in_proj_qkv,
         the conv's output, q/k/v copies, z) + (7·Qh + 3·Vd + 3·Hv·64)·4·T (chunk_prepare's fp32 q, k, v, k·β, v·β,
         k decayed, u, w, q/k decayed and three [Hv, T/64, 64, 64] matrices), C = 2·Hk·dk + Hv·dv, Vd = Hv·dv,
@@ -81,7 +84,8 @@ class PrefillShapes:
     kv_heads: int
     head_dim: int
     q_gate: bool  # Qwen3.5: q_proj also yields the output gate
-    eager: bool  # attention scores materialised (GPT-OSS runs transformers' eager attention)
+    eager: bool  # attention scores materialised (transformers' eager attention)
+    sinks: bool  # GPT-OSS: learned sinks through SDPA (decode/sinks.py, which the loader always installs)
     full_layers: int
     sliding_layers: int
     window: int
@@ -125,7 +129,8 @@ class PrefillShapes:
             kv_heads=kv_heads,
             head_dim=head_dim,
             q_gate=model_type.startswith("qwen3_5"),
-            eager=impl == "eager" or model_type == "gpt_oss",
+            eager=impl == "eager" and model_type != "gpt_oss",
+            sinks=model_type == "gpt_oss",
             full_layers=sum(t not in ("linear_attention", "sliding_attention") for t in types),
             sliding_layers=sum(t == "sliding_attention" for t in types),
             window=g("sliding_window"),
@@ -164,6 +169,9 @@ def span_for(stored: int, dequantized: int, quantized: bool, experts: int) -> in
 def _attention(s: PrefillShapes, T: int, L: int) -> int:
     el, Hq, Hkv, D = s.el, s.heads, s.kv_heads, s.head_dim
     per_token = Hq * D * ((3 if s.q_gate else 2) * el + 8) + 2 * Hkv * D * el
+    if s.sinks:  # the padded query, keys and values (repeated to the query heads), the mask and its sink column
+        Dp = -(-(D + 1) // 8) * 8
+        return T * (per_token + Hq * Dp * el) + 2 * (Hq + Hkv) * (L + 1) * Dp * el + 2 * T * (L + 1)
     cached = (2 * Hq * L * D * el if Hq > Hkv else 0) + T * L * (1 + el)
     scores = Hq * T * L * max(3 * el, 2 * el + 4) if s.eager else 0
     return T * per_token + cached + scores

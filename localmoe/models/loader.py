@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from localmoe.decode import replacements
+from localmoe.decode import replacements, sinks
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts.int4 import EXPERT_FORMATS
@@ -141,9 +141,11 @@ def install_decode(model, dmap: dict[str, torch.device], device: torch.device, f
     (on the GPU instead, with a notice, when pinning fails); localmoe's fused decode modules
     (decode/replacements.py: RMSNorm, Gated DeltaNet step, router + shared expert) replace transformers' on CUDA
     (default; `--no-fused` opts out) after loading, since loading puts new Parameter objects on them, unless units
-    spill (their weights come and go with accelerate's hooks: transformers' modules); then the spilled units' hooks."""
+    spill (their weights come and go with accelerate's hooks: transformers' modules); then the spilled units' hooks.
+    Attention with learned sinks (GPT-OSS) runs through SDPA on every device (decode/sinks.py: no score matrix)."""
     model.eval()
     model.requires_grad_(False)
+    sinks.install(model)
     if not host_embedding.pin(model, device) and on_notice:
         on_notice("pinned host memory is short: the token embeddings went to VRAM after all (--embeddings gpu)")
     if fused and not dmap:
