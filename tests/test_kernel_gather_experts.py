@@ -4,6 +4,7 @@ copies, experts at a stride, bad arguments refused. Runs under TRITON_INTERPRET=
 import pytest
 import torch
 
+import localmoe.kernels.gather_experts as ge
 from localmoe.kernels.gather_experts import gather_experts, gather_experts_ref
 from localmoe.kernels.int4 import quantize
 
@@ -74,3 +75,16 @@ def test_gather_refuses_bad_arguments():
         gather_experts(dst, pool, host, table, ids.float())
     with pytest.raises(ValueError, match="contiguous"):
         gather_experts(dst, pool, torch.zeros(4, 3, 2).transpose(1, 2), table, ids)
+
+
+@pytest.mark.parametrize("programs", [0, 1, 5])
+def test_any_number_of_programs(monkeypatch, programs):
+    """One program a tile (0), one program for every tile, or a few striding over them: the same gather."""
+    monkeypatch.setattr(ge, "PROGRAMS", programs)
+    monkeypatch.setattr(ge, "BLOCK", 8)  # several tiles an expert
+    gen = torch.Generator().manual_seed(2)
+    host, pool = _stacks(9, 4, (4, 9), torch.float32, gen)
+    table = torch.tensor([2, -1, -1, 0, -1, 3, -1, 1, -1], device=DEV)
+    ids = torch.tensor([8, 0, 1, 3, 4, 7], dtype=torch.int32, device=DEV)
+    want = gather_experts_ref(torch.zeros((6, 4, 9)), pool.cpu(), host.cpu(), table.cpu(), ids)
+    assert torch.equal(gather_experts(torch.zeros((6, 4, 9), device=DEV), pool, host, table, ids).cpu(), want)
