@@ -18,20 +18,33 @@ import torch
 from localmoe.kernels.tuning import tuned
 
 NAME = "localmoe_sdpa"
-_registered = False
 decode_calls = 0  # one-token calls taken by the kernel (eager calls; a CUDA graph replay does not count)
+_registered: set[str] = set()
 
 
-def _register() -> None:
-    global _registered
-    if _registered:
+def register(name: str, fn) -> None:
+    """`fn` as attention implementation `name` in transformers' AttentionInterface, with sdpa's boolean masks
+    (once a process; also localmoe.decode.sinks')."""
+    if name in _registered:
         return
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    AttentionInterface.register(NAME, localmoe_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    _registered = True
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    _registered.add(name)
+
+
+def switch(model, old: str, new: str, fn=None) -> bool:
+    """Switch a model's attention implementation from `old` to `new` (registering `fn` as `new` first when given);
+    True when switched."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != old:
+        return False
+    if fn is not None:
+        register(new, fn)
+    model.set_attn_implementation(new)
+    return model.config._attn_implementation == new
 
 
 def takes(query, key, value, attention_mask, dropout, kwargs) -> bool:
@@ -83,17 +96,8 @@ def decode(query, key, value, attention_mask, scaling, gate=None):
 
 def install(model) -> bool:
     """Switch a model that uses "sdpa" to "localmoe_sdpa"; True when switched."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    _register()
-    model.set_attn_implementation(NAME)
-    return model.config._attn_implementation == NAME
+    return switch(model, "sdpa", NAME, localmoe_attention)
 
 
 def uninstall(model) -> bool:
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != NAME:
-        return False
-    model.set_attn_implementation("sdpa")
-    return True
+    return switch(model, NAME, "sdpa")

@@ -23,20 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localmoe.decode import sdpa
+
 NAME = "localmoe_sinks"
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(NAME, sinks_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    _registered = True
 
 
 def sinks_attention(
@@ -77,17 +66,8 @@ def _has_sinks(model: nn.Module) -> bool:
 
 def install(model) -> bool:
     """Switch a model with sink attention layers from "eager" to "localmoe_sinks"; True when switched."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "eager" or not _has_sinks(model):
-        return False
-    _register()
-    model.set_attn_implementation(NAME)
-    return model.config._attn_implementation == NAME
+    return _has_sinks(model) and sdpa.switch(model, "eager", NAME, sinks_attention)
 
 
 def uninstall(model) -> bool:
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != NAME:
-        return False
-    model.set_attn_implementation("eager")
-    return True
+    return sdpa.switch(model, NAME, "eager")
