@@ -5,9 +5,11 @@ Random weights at --shape, experts offloaded at --vram, sparsity 0.85: time to f
 --prompt-tokens length, each way, --reps times (median), alternating; the engine's pieces are its own. Against the
 PCIe ceiling as `bench --prompt-tokens` computes it (every absent expert part once per piece at the measured pinned
 host-to-device bandwidth), then decode tok/s (512-token prompt, 128 tokens) after gathered prefills.
+`--programs A,B` instead compares two grids of the gather (`kernels/gather_experts.PROGRAMS`; 0: one program a
+tile): A in the "copies" columns, B in the "gather" ones.
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
-       [--prompt-tokens 2048,8192] [--reps 2]
+       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64]
 """
 
 import argparse
@@ -18,6 +20,7 @@ import torch
 from localmoe.decode.prefix import piece_cuts
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
+from localmoe.kernels import gather_experts
 from localmoe.measure.benchmark import host_bandwidth
 
 p = argparse.ArgumentParser()
@@ -26,8 +29,10 @@ p.add_argument("--vram", type=float, default=24)
 p.add_argument("--experts", default="full")
 p.add_argument("--prompt-tokens", default="2048,8192")
 p.add_argument("--reps", type=int, default=2)
+p.add_argument("--programs", default=None, help="A,B: two gather grids instead of copies against the gather")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
+grids = [int(n) for n in a.programs.split(",")] if a.programs else None
 
 e = Engine.random(
     a.shape,
@@ -45,7 +50,11 @@ vocab = e.loaded.config.vocab_size
 
 
 def ttft(n: int, gather: bool) -> float:
-    staging.gathers = {} if gather else dict.fromkeys(e.loaded.cache.masters, False)
+    """Time to first token of a random n-token prompt; `gather` picks the B way (module doc), else the A way."""
+    if grids:
+        gather_experts.PROGRAMS = grids[int(gather)]
+    else:
+        staging.gathers = {} if gather else dict.fromkeys(e.loaded.cache.masters, False)
     prompt = torch.randint(0, vocab, (n,), generator=gen).tolist()
     for _ in e.generate(prompt, GenerationSettings(max_new_tokens=1)):
         pass
@@ -59,6 +68,8 @@ print(
     f"{a.shape} --experts {a.experts} --vram {a.vram:g}, sparsity 0.85, median of {a.reps}, "
     f"pinned H2D {h2d / 1e9:.1f} GB/s"
 )
+if grids:
+    print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 print("prompt  copies TTFT s  tok/s   gather TTFT s  tok/s   speed-up  PCIe s  of PCIe (gather)")
 for n in lengths:
     t = {True: [], False: []}
