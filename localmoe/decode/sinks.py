@@ -6,8 +6,9 @@ gpt-oss-120b's 64 heads, which the prefill reserve (experts/prefill_budget.py) h
 A sink is one more key per head whose logit is the learned s_h and whose value is zero. Given to SDPA as one more
 coordinate of every query, s_h / scaling, against one more key (0, ..., 0, 1) (the real keys hold 0 there), the
 softmax over [q·k, s_h] is eager's exactly and no score matrix is kept: SDPA's fused kernels take the masked call.
-The head dim is padded with zeros to a multiple of 8 (the fused kernels' granularity); keys and values are repeated
-to the query heads (the sink's coordinate is per query head).
+The head dim is padded with zeros to a multiple of 8 (the fused kernels' granularity). The sink key is shared by
+every head (its per-head logit rides in the query), but keys and values are still repeated to the query heads, as
+transformers' own SDPA path does for a masked call: grouped heads with a mask are not taken by every fused kernel.
 
 `install(model)` registers the implementation in transformers' AttentionInterface (with sdpa's boolean masks in
 AttentionMaskInterface) and switches a model whose attention layers carry `sinks` from "eager" to it; the loader
