@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localmoe.experts.dense_path import token_sum
 from localmoe.experts.gate_recorder import GateRecorder
 from localmoe.experts.local_experts import ExpertWeights, LocalExperts
 
@@ -61,6 +62,20 @@ def test_grouped_equals_loop_and_reference(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, loop, **tol)
     torch.testing.assert_close(got.float(), _reference(m, x, idx, wts.to(dtype)), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_token_sum_equals_index_add(dtype):
+    """The CUDA grouped path's final sum (a token's k rows gathered back, fp32) against index_add_ in fp64."""
+    T, k, E, H = 23, 4, 9, 33
+    idx, _ = _routing(T, k, E)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    y = torch.randn(T * k, H, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    want = torch.zeros(T, H, dtype=torch.float64, device=DEV).index_add_(0, order // k, y.double())
+    got = token_sum(y, order, k)
+    assert got.dtype == torch.float32 and got.shape == (T, H)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
 def test_grouped_masked_and_recorded():

@@ -387,7 +387,8 @@ def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():
 
     def staged(layer, experts):
         out = []
-        for first, n, buf in cache.stream(layer, experts):
+        for first, n, buf, ids in cache.stream(layer, experts):
+            assert ids.tolist() == experts[first : first + n]
             for i, e in enumerate(experts[first : first + n]):
                 for name in ("w_gate", "w_up", "w_down_t"):
                     assert torch.equal(getattr(buf, name)[i], getattr(masters[layer], name)[e]), (layer, e, name)
