@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     tl = None
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-__all__ = ["dequant_int4", "dequant_int4_ref", "dequant_nf4_ref"]
+__all__ = ["dequant_bytes", "dequant_int4", "dequant_int4_ref", "dequant_nf4_ref"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -64,6 +64,20 @@ def dequant_nf4_ref(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
 if triton is not None:
 
     @triton.jit
+    def dequant_bytes(p, s, m, c_ptr, NF4: tl.constexpr):
+        """Bytes p [R, J] uint8 with their group's scale s and minimum m [R, J] fp32 (NF4: s the absmax, m unused,
+        c_ptr the [16] fp32 codebook) -> the weights [R, 2J] fp32, w[2j] and w[2j + 1] of byte j."""
+        if NF4:
+            lo = tl.load(c_ptr + (p >> 4)) * s  # w[2j]: high nibble first
+            hi = tl.load(c_ptr + (p & 15)) * s  # w[2j + 1]
+        else:
+            lo = (p & 15).to(tl.float32) * s + m  # w[2j]
+            hi = (p >> 4).to(tl.float32) * s + m  # w[2j + 1]
+        R: tl.constexpr = p.shape[0]
+        J: tl.constexpr = p.shape[1]
+        return tl.reshape(tl.join(lo, hi), [R, 2 * J])  # interleaved back: [.., 2j], [.., 2j + 1]
+
+    @triton.jit
     def _dequant_kernel(
         p_ptr,  # [R, H/2] uint8, contiguous
         s_ptr,  # [R, NG] scales, contiguous
@@ -86,14 +100,8 @@ if triton is not None:
         p = tl.load(p_ptr + r64 * H2 + j[None, :], mask=mask, other=0)
         grp = r64 * NG + (j // HALF_G)[None, :]  # the group of bytes j (and of weights 2j, 2j+1)
         s = tl.load(s_ptr + grp, mask=mask, other=0.0).to(tl.float32)
-        if NF4:
-            lo = tl.load(c_ptr + (p >> 4)) * s  # w[2j]
-            hi = tl.load(c_ptr + (p & 15)) * s  # w[2j + 1]
-        else:
-            m = tl.load(m_ptr + grp, mask=mask, other=0.0).to(tl.float32)
-            lo = (p & 15).to(tl.float32) * s + m  # w[2j]
-            hi = (p >> 4).to(tl.float32) * s + m  # w[2j + 1]
-        w = tl.reshape(tl.join(lo, hi), [BLOCK_R, 2 * BLOCK_J])  # interleaved back: [.., 2j], [.., 2j + 1]
+        m = s if NF4 else tl.load(m_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+        w = dequant_bytes(p, s, m, c_ptr, NF4)
         cols = tl.arange(0, 2 * BLOCK_J)
         omask = rmask[:, None] & (cols < 2 * H2)[None, :]
         tl.store(o_ptr + r64 * (2 * H2) + cols[None, :], w.to(o_ptr.dtype.element_ty), mask=omask)

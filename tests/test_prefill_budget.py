@@ -93,9 +93,14 @@ def test_formula_terms_and_the_resident_plan():
     C, Vd = 2 * hk * dk + hv * dv, hv * dv
     assert pb._deltanet(s, 64) == 64 * ((3 * C + Vd) * 2 + (7 * hv * dk + 3 * Vd + 3 * hv * 64) * 4)
     N, H, I = 64 * 8, s.hidden, s.width
-    deq = 2 * 10 * 3 * I * H * 2
     fixed = 64 * s.experts * 2 + 64 * H * 2 + 64 * 8 * 10 + 24 * N + N * H * 2
-    assert pb._moe(s, 64, 10) == fixed + max(N * H * 2 + deq + 3 * N * I * 2, 3 * N * H * 2 + 64 * H * 2)
+    # int4 spans are staged dequantized (the buffers are the GEMMs' weights); MXFP4 ones dequantized per span, two alive
+    assert pb._moe(s, 64, 10) == fixed + max(N * H * 2 + 3 * N * I * 2, 3 * N * H * 2 + 64 * H * 2)
+    assert pb.peak_bytes(s, 64, 11, 1024) - pb.peak_bytes(s, 64, 10, 1024) == 2 * s.dequantized
+    mx = pb.PrefillShapes.of(config, torch.bfloat16, "mxfp4")
+    deq = 2 * 10 * 3 * I * H * 2
+    assert pb._moe(mx, 64, 10) == fixed + max(N * H * 2 + deq + 3 * N * I * 2, 3 * N * H * 2 + 64 * H * 2)
+    assert pb.peak_bytes(mx, 64, 11, 1024) - pb.peak_bytes(mx, 64, 10, 1024) == 2 * mx.stored + 2 * mx.dequantized
     assert pb._attention(s, 64, 1024) > pb._attention(s, 64, 512)  # repeat_kv and the mask grow with the cache
 
     def plan(budget, state=0, **kw):  # 40 layers of Qwen3.5-35B's int4 experts, 1 GiB of other weights

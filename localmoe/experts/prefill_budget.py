@@ -13,7 +13,8 @@ Peak bytes of one piece of T tokens (`peak_bytes`; read off the code that runs i
 N = T·k, H hidden, I expert width, E experts, L = the cache length a full-attention layer attends to (the context:
 the CUDA-graph decoder's StaticCache), V vocab):
     KERNEL_WORKSPACE (64 MiB: cuBLAS workspace, launch scratch, small tensors not itemised)
-  + staging: 2·span·S (S one expert's stored bytes; offloaded only; the buffers outlive the piece)
+  + staging: 2·span·S (S one expert's stored bytes, int4 / NF4 its dequantized bytes D; offloaded only; the buffers
+            outlive the piece)
   + stream: 4·T·H·el (the embeddings, the layer's input, the residual after its mixer, the normed input)
             + 2·T·Dh·el (RoPE cos/sin) + T·L bytes (the boolean mask, pieces after the first)
   + V·(el + 4) (the last position's logits)
@@ -21,9 +22,9 @@ the CUDA-graph decoder's StaticCache), V vocab):
     MoE (transformers' block around LocalExperts._grouped):
         T·E·el (router logits) + T·H·el (shared expert's output) + T·k·(el + 8) + 24·N (sort order, token, expert)
         + N·H·el (xs) + max(N·H·el (ys) + 2·Dspan + 3·N·I·el (gate, up, h),   3·N·H·el (ys, cat, weighted) + T·H·el)
-        with Dspan = span·3·I·H·el for 4-bit experts (each span dequantized; the generator dequantizes the next span
-        while the loop still holds the last one: two alive), resident 4-bit experts dense_path.DEQUANT_BYTES'
-        span, 0 for plain experts (staging buffers are used as they are)
+        with Dspan = span·3·I·H·el for staged MXFP4 experts (each span dequantized; the generator dequantizes the next
+        span while the loop still holds the last one: two alive), resident 4-bit experts dense_path.DEQUANT_BYTES'
+        span, 0 for plain and staged int4 / NF4 experts (staging buffers are used as they are)
     full attention (sdpa): T·Hq·Dh·(3·el + 8) (q projection, Qwen3.5's gate copy (2·el without), fp32 q-norm)
         + 2·T·Hkv·Dh·el
         + 2·Hq·L·Dh·el (repeat_kv of the cache when a mask is given and Hq > Hkv) + T·L·(1 + el) (the mask's negation
@@ -36,14 +37,14 @@ the CUDA-graph decoder's StaticCache), V vocab):
         k decayed, u, w, q/k decayed and three [Hv, T/64, 64, 64] matrices), C = 2·Hk·dk + Hv·dv, Vd = Hv·dv,
         Qh = Hv·dk
     dense MLP layers (DeepSeek's first layers): 3·T·Idense·el + T·H·el
-Checked on the CPU at Qwen3.5-35B shapes with a counter of live tensors (every aten op's new storages, freed with
-their last tensor): deltanet_prefill with the kernel's launcher 225 KiB/token measured against the formula's 240; the
-offloaded experts' call 519 MiB (int4, span 42, T 256) against 526, 32 MiB (bf16) against 33; the whole two-piece
-prefill of a 4-layer model of those shapes (3 DeltaNet + 1 attention layer; less KERNEL_WORKSPACE) 150 / 172 MiB
-(int4, T 256 / 512) against 149 / 177 and 176 / 216 MiB (bf16) against 173 / 226 (the CPU runs transformers' own
-DeltaNet there, not deltanet_prefill). Not counted: CUDA-only allocations outside the caching allocator's view of
-these ops (SDPA's backend choice: a math fallback would materialise the scores), accelerate's per-forward copies of
-spilled non-expert modules.
+Checked on the CPU at Qwen3.5-35B shapes with a counter of live tensors (every aten op's new storages, freed with their
+last tensor): deltanet_prefill with the kernel's launcher 225 KiB/token measured against the formula's 240; the
+offloaded experts' call 519 MiB (int4 staged packed, before kernels/gather_dequant.py; span 42, T 256) against 526, 32
+MiB (bf16) against 33; the whole two-piece prefill of a 4-layer model of those shapes (3 DeltaNet + 1 attention layer;
+less KERNEL_WORKSPACE) 150 / 172 MiB (int4, T 256 / 512) against 149 / 177 and 176 / 216 MiB (bf16) against 173 / 226
+(the CPU runs transformers' own DeltaNet there, not deltanet_prefill). Not counted: CUDA-only allocations outside the
+caching allocator's view of these ops (SDPA's backend choice: a math fallback would materialise the scores),
+accelerate's per-forward copies of spilled non-expert modules.
 
 Shapes: T tokens, k experts per token, E experts, I expert width, H hidden, L cache length, Hq / Hkv heads, Dh head dim.
 """
@@ -94,6 +95,7 @@ class PrefillShapes:
     dense_width: int  # dense MLP layers' width (0: none)
     stored: int  # one expert's stored bytes (gate + up + down, its format)
     quantized: bool  # 4-bit experts: dequantized a span at a time
+    staged_dequantized: bool = False  # int4 / NF4: offloaded spans are staged dequantized (kernels/gather_dequant.py)
 
     @classmethod
     def of(cls, config, dtype: torch.dtype, fmt: str = "full", *, experts=None, width=None, hidden=None, top_k=None):
@@ -144,6 +146,7 @@ class PrefillShapes:
             dense_width=dense,
             stored=stored,
             quantized=fmt != "full",
+            staged_dequantized=fmt in ("int4", "nf4"),
         )
 
     @property
@@ -185,9 +188,9 @@ def _deltanet(s: PrefillShapes, T: int) -> int:
 
 def _moe(s: PrefillShapes, T: int, span: int) -> int:
     el, H, I, N = s.el, s.hidden, s.width, T * s.top_k
-    if not s.quantized:
+    if not s.quantized or (span and s.staged_dequantized):  # plain experts, or staging buffers used as they are
         dspan = 0
-    elif span:  # staged (offloaded)
+    elif span:  # staged (offloaded) MXFP4
         dspan = span * s.dequantized
     else:  # resident 4-bit experts: local_experts._spans
         dspan = max(1, DEQUANT_BYTES // s.dequantized) * s.dequantized
@@ -211,7 +214,8 @@ def peak_bytes(s: PrefillShapes, chunk: int, span: int, context: int) -> int:
     if s.dense_width:
         mixers.append(3 * T * s.dense_width * el + T * s.hidden * el)
     stream = 4 * T * s.hidden * el + 2 * T * s.head_dim * el + T * ((L if s.full_layers else 0) + Ls)
-    return KERNEL_WORKSPACE + 2 * span * s.stored + stream + s.vocab * (el + 4) + max(mixers)
+    staged = s.dequantized if s.staged_dequantized else s.stored  # one expert in a staging buffer
+    return KERNEL_WORKSPACE + 2 * span * staged + stream + s.vocab * (el + 4) + max(mixers)
 
 
 @dataclass(frozen=True)

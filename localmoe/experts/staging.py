@@ -2,23 +2,24 @@
 
 The dense path of an offloaded layer (a prompt piece, calibration, evaluation) needs nearly every expert of the
 layer once. `Staging.stream(cache, layer, experts)` copies the routed experts, a span of `span` experts at a time,
-into one of two staging buffers ([span, I, H] per projection, in the cache's format: plain tensors, or int4 / nf4
-stacks whose packed bytes cross the bus) and yields each span for the grouped GEMMs
-(`LocalExperts._grouped`). On CUDA the copies run on a side stream: the next span's copies are issued before the
-current span is computed, so PCIe and the GEMMs overlap, with no host synchronisation per expert (the side stream
-waits for the compute stream before refilling a buffer; the compute stream waits for the span's copy event). Each
+into one of two staging buffers ([span, I, H] per projection: plain tensors in the model's dtype, int4 / NF4 experts
+dequantized as they arrive (their packed bytes cross the bus), MXFP4 stacks as stored) and yields each span for the
+grouped GEMMs (`LocalExperts._grouped`). On CUDA the copies run on a side stream: the next span's copies are issued
+before the current span is computed, so PCIe and the GEMMs overlap, with no host synchronisation per expert (the side
+stream waits for the compute stream before refilling a buffer; the compute stream waits for the span's copy event). Each
 part comes from its cache pool when resident, else from the host master copy; nothing is admitted into the cache
 (prefill does not evict the decode working set). When a layer routed every expert (a long prompt piece), the next
 layer's first two spans of experts are filled ahead, on the side stream, as soon as this layer's last span is
 issued: the next layer's attention then runs while PCIe works, not before it (used when the next layer's first spans
-are the same experts; otherwise refilled). With pinned master copies one kernel launch per part fills a span
-(kernels/gather_experts.py: the device slot tables pick pool or host per expert, and the host rows are read through
-unified addressing); otherwise (memory-mapped or pageable master copies, the CPU) a copy per expert and part.
+are the same experts; otherwise refilled). With pinned master copies one kernel launch per projection (int4 / NF4:
+kernels/gather_dequant.py) or per part (kernels/gather_experts.py) fills a span: the device slot tables pick pool or
+host per expert, and the host rows are read through unified addressing; otherwise (memory-mapped or pageable master
+copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device).
 
-A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, whose span is
-dequantized for the GEMMs, STAGE_DEQUANT_BYTES of dequantized ones (experts/prefill_budget.span_for); the engine sets
-it from the VRAM budget at load (`resize`, prefill_budget.fit: two buffers, two dequantized spans and the piece's
-activations inside what the plan left for prefill).
+A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, STAGE_DEQUANT_BYTES of
+dequantized ones (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
+prefill_budget.fit: two buffers (MXFP4: and two dequantized spans) and the piece's activations inside what the plan
+left for prefill).
 
 Shapes: I expert width, H hidden; `span` experts per staging buffer.
 """
@@ -29,20 +30,26 @@ from collections.abc import Iterator
 
 import torch
 
-from localmoe.experts.int4 import PROJECTIONS, copy_expert, parts
+from localmoe.experts.int4 import PROJECTIONS, Nf4Tensor, copy_expert, parts
 from localmoe.experts.local_experts import ExpertWeights
 from localmoe.experts.prefill_budget import span_for
+from localmoe.kernels.gather_dequant import gather_dequant
 from localmoe.kernels.gather_experts import gather_experts
+from localmoe.kernels.nf4 import nf4_code
 
 
 class Staging:
     """Two staging buffers of `span` experts for one cache (made on first use, kept for the next calls)."""
 
-    def __init__(self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30):
+    def __init__(
+        self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
+    ):
         """`make(n, projection)` -> an empty [n, I, H] stack of `projection` ("w_gate", "w_up", "w_down_t") in the
         cache's format on its device; bytes of one expert stored (all three projections) and dequantized; experts
-        per layer (a span holds at most that many)."""
+        per layer (a span holds at most that many). `plain(n)`: int4 / NF4 experts are staged dequantized, in
+        [n, I, H] stacks of the model's dtype that `plain` makes (filled by kernels/gather_dequant.py)."""
         self.make = make
+        self.plain = plain
         self.span = span_for(expert_bytes, dequantized_bytes, quantized, experts)
         self.buffers: list[ExpertWeights] | None = None
         self.stream_: torch.cuda.Stream | None = None
@@ -61,7 +68,8 @@ class Staging:
 
     def _buffers(self) -> list[ExpertWeights]:
         if self.buffers is None:
-            self.buffers = [ExpertWeights(*(self.make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
+            make = (lambda n, p: self.plain(n)) if self.plain is not None else self.make
+            self.buffers = [ExpertWeights(*(make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
         return self.buffers
 
     def stream(self, cache, layer: int, experts: list[int]) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
@@ -168,27 +176,36 @@ class Staging:
             )
         return self.gathers[layer]
 
-    @staticmethod
-    def _gather(cache, layer: int, buf: ExpertWeights, ids: torch.Tensor) -> None:
-        """buf[i] = expert ids[i] of `layer` (on the device) by one gather_experts launch per part, pool slot or host
-        master per expert as the device slot tables say."""
+    def _gather(self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor) -> None:
+        """buf[i] = expert ids[i] of `layer` (on the device), pool slot or host master per expert as the device slot
+        tables say: one gather_dequant launch per projection into plain buffers, else one gather_experts per part."""
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
         for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
+            if self.plain is not None:
+                src = getattr(master, name)
+                code = nf4_code(ids.device) if isinstance(src, Nf4Tensor) else None
+                gather_dequant(getattr(buf, name), getattr(cache.pool, name), src, t, ids, code=code)
+                continue
             for dst, pool, host in zip(
                 parts(getattr(buf, name)), parts(getattr(cache.pool, name)), parts(getattr(master, name))
             ):
                 gather_experts(dst, pool, host, t, ids)
 
-    @staticmethod
-    def _fill(cache, layer: int, span: list[int], buf: ExpertWeights) -> None:
+    def _fill(self, cache, layer: int, span: list[int], buf: ExpertWeights) -> None:
         """buf[i] = expert span[i] of `layer`, each projection from its pool slot when resident, else from the host
-        master copy."""
+        master copy (dequantized on the device into plain buffers)."""
         master = cache.masters[layer]
         gate_slots, slots = cache.sources(layer)
         for i, e in enumerate(span):
             for name, slot in (("w_gate", gate_slots[e]), ("w_up", slots[e]), ("w_down_t", slots[e])):
-                if slot >= 0:
+                if self.plain is not None:
+                    dst = getattr(buf, name)[i]
+                    src = (
+                        getattr(cache.pool, name)[slot] if slot >= 0 else getattr(master, name).expert_on(e, dst.device)
+                    )
+                    dst.copy_(src)
+                elif slot >= 0:
                     copy_expert(getattr(buf, name), i, getattr(cache.pool, name), slot, non_blocking=True)
                 else:
                     copy_expert(getattr(buf, name), i, getattr(master, name), e, non_blocking=True)

@@ -1,0 +1,95 @@
+"""kernels/gather_dequant.py against its reference: int4 and NF4 experts from the pool or the host copy by the slot
+table, dequantized to bf16 and fp32, odd and real (Qwen3.5-35B-A3B) shapes, a pool at an expert stride, any number
+of programs, bad arguments refused. Runs under TRITON_INTERPRET=1 on the CPU, compiled on a GPU."""
+
+import pytest
+import torch
+
+import localmoe.kernels.gather_dequant as gd
+from localmoe.kernels.gather_dequant import gather_dequant, gather_dequant_ref
+from localmoe.kernels.int4 import Int4Tensor, quantize
+from localmoe.kernels.nf4 import Nf4Tensor, nf4_code
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TABLE = [2, -1, -1, 0, -1, 3, -1, 1, -1]  # experts 0, 3, 5, 7 resident in slots 2, 0, 3, 1
+
+
+def _pin(w):
+    parts = [t.pin_memory() if DEV == "cuda" else t for t in w.parts()]
+    return Int4Tensor(*parts, w.dtype) if len(parts) == 3 else Nf4Tensor(*parts, None, w.dtype)
+
+
+def _int4(E, I, H, seed, group=None):
+    w = torch.randn(E, I, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return quantize(w, group=group)
+
+
+def _nf4(E, I, H, block, seed):
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (E, I, H // 2), generator=gen, dtype=torch.uint8)
+    return Nf4Tensor(packed, torch.rand(E, I, H // block, generator=gen), None, torch.bfloat16)
+
+
+def _run(host, pool, dtype, ids, code=None):
+    table = torch.tensor(TABLE, device=DEV)
+    ids = torch.tensor(ids, dtype=torch.int32, device=DEV)
+    n, (_, I, H) = len(ids), host.shape
+    want = gather_dequant_ref(torch.zeros((n + 1, I, H), dtype=dtype), pool, host, table.cpu(), ids.cpu(), code)
+    dst = torch.zeros((n + 1, I, H), dtype=dtype, device=DEV)
+    got = gather_dequant(dst, pool, _pin(host), table, ids, code=None if code is None else code.to(DEV))
+    tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)  # a GPU's fma
+    torch.testing.assert_close(got.cpu(), want, **tol)  # may round once where torch rounds twice; exact on the CPU
+    assert not got[n].any()  # rows past n untouched
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("I, H, group", [(5, 256, 128), (3, 64, 16), (512, 2048, 128)], ids=["odd", "small", "real"])
+def test_int4_matches_reference(dtype, I, H, group):
+    host = _int4(9, I, H, 0, group)
+    pool = _int4(4, I, H, 1, group)
+    pool = Int4Tensor(*(t.to(DEV) for t in pool.parts()), pool.dtype)
+    got = _run(host, pool, dtype, [0, 1, 3, 4, 7, 8])
+    torch.testing.assert_close(got[1].cpu(), host[1].to(dtype), rtol=8e-3, atol=1e-6)  # host expert 1
+    torch.testing.assert_close(got[2].cpu(), pool[0].cpu().to(dtype), rtol=8e-3, atol=1e-6)  # expert 3, slot 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_nf4_matches_reference(dtype):
+    host, pool = _nf4(9, 6, 256, 64, 2), _nf4(4, 6, 256, 64, 3)
+    pool = Nf4Tensor(*(t.to(DEV) for t in pool.parts()), None, pool.dtype)
+    _run(host, pool, dtype, [8, 5, 0, 2], code=nf4_code("cpu"))
+
+
+@pytest.mark.parametrize("programs", [1, 3, 1000])
+def test_any_number_of_programs_and_a_pool_at_a_stride(monkeypatch, programs):
+    """One program for every tile, a few striding over them, or more programs than tiles; the pool a view of every
+    other expert of a larger stack (an expert stride that is not its size)."""
+    monkeypatch.setattr(gd, "PROGRAMS", programs)
+    host = _int4(9, 7, 128, 4, 32)
+    big = _int4(8, 7, 128, 5, 32)
+    pool = Int4Tensor(*(t.to(DEV)[::2] for t in big.parts()), big.dtype)
+    _run(host, pool, torch.bfloat16, [7, 0, 3, 4, 8])
+
+
+def test_refuses_bad_arguments():
+    host, pool = _int4(9, 4, 64, 6, 16), _int4(4, 4, 64, 7, 16)
+    table, ids = torch.full((9,), -1), torch.arange(3)
+    dst = torch.zeros(3, 4, 64)
+    with pytest.raises(ValueError, match="contiguous float"):
+        gather_dequant(dst.to(torch.int32), pool, host, table, ids)
+    with pytest.raises(ValueError, match="groups of a power-of-two size"):
+        gather_dequant(torch.zeros(3, 4, 66), pool, host, table, ids)
+    with pytest.raises(ValueError, match=r"pool.packed must be torch.uint8 \[N, 5, 32\]"):
+        gather_dequant(torch.zeros(3, 5, 64), pool, host, table, ids)
+    with pytest.raises(ValueError, match="n <= 3"):
+        gather_dequant(dst, pool, host, table, torch.arange(4))
+    with pytest.raises(ValueError, match="table"):
+        gather_dequant(dst, pool, host, torch.full((5,), -1), ids)
+    with pytest.raises(ValueError, match="int32/int64"):
+        gather_dequant(dst, pool, host, table, ids.float())
+    with pytest.raises(ValueError, match="Nf4Tensor"):
+        gather_dequant(dst, _nf4(4, 4, 64, 16, 8), _nf4(9, 4, 64, 16, 9), table, ids, code=None)
+    odd = Int4Tensor(host.packed, host.scale.transpose(1, 2).contiguous().transpose(1, 2), host.minimum, host.dtype)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_dequant(dst, pool, odd, table, ids)
