@@ -6,10 +6,12 @@ Random weights at --shape, experts offloaded at --vram, sparsity 0.85: time to f
 PCIe ceiling as `bench --prompt-tokens` computes it (every absent expert part once per piece at the measured pinned
 host-to-device bandwidth), then decode tok/s (512-token prompt, 128 tokens) after gathered prefills.
 `--programs A,B` instead compares two grids of the gather (`kernels/gather_experts.PROGRAMS`; 0: one program a
-tile): A in the "copies" columns, B in the "gather" ones.
+tile): A in the "copies" columns, B in the "gather" ones. `--packed` (int4 / NF4 experts) instead compares spans
+staged packed (a gather_experts launch per part, then three dequantizing launches on the compute stream) in the
+"copies" columns against spans staged dequantized (kernels/gather_dequant.py, the default) in the "gather" ones.
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
-       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64]
+       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed]
 """
 
 import argparse
@@ -30,6 +32,7 @@ p.add_argument("--experts", default="full")
 p.add_argument("--prompt-tokens", default="2048,8192")
 p.add_argument("--reps", type=int, default=2)
 p.add_argument("--programs", default=None, help="A,B: two gather grids instead of copies against the gather")
+p.add_argument("--packed", action="store_true", help="int4 / NF4: packed staging against dequantized staging")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
@@ -45,6 +48,9 @@ e = Engine.random(
 e.set_sparsity(0.85)
 e.eos_ids = set()  # random weights: decode the full count
 staging = e.loaded.cache.staging
+plain = staging.plain
+if a.packed and plain is None:
+    raise SystemExit("--packed compares int4 / NF4 staging: give --experts int4 or nf4")
 gen = torch.Generator().manual_seed(1)
 vocab = e.loaded.config.vocab_size
 
@@ -53,6 +59,10 @@ def ttft(n: int, gather: bool) -> float:
     """Time to first token of a random n-token prompt; `gather` picks the B way (module doc), else the A way."""
     if grids:
         gather_experts.PROGRAMS = grids[int(gather)]
+    elif a.packed:
+        if (staging.plain is not None) != gather:  # the other buffers: made again at the next use
+            staging.settle(torch.device("cuda"))
+            staging.plain, staging.buffers = (plain if gather else None), None
     else:
         staging.gathers = {} if gather else dict.fromkeys(e.loaded.cache.masters, False)
     prompt = torch.randint(0, vocab, (n,), generator=gen).tolist()
@@ -70,6 +80,8 @@ print(
 )
 if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
+if a.packed:
+    print("'copies': spans staged packed, then dequantized; 'gather': staged dequantized (gather_dequant)")
 print("prompt  copies TTFT s  tok/s   gather TTFT s  tok/s   speed-up  PCIe s  of PCIe (gather)")
 for n in lengths:
     t = {True: [], False: []}

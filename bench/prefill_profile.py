@@ -1,0 +1,140 @@
+"""Where an offloaded prompt piece spends its time: one profiled prefill, its GPU time split by what overlaps what,
+and the host syncs by call site (not a test; run on the H200).
+
+Random weights at --shape, experts offloaded at --vram (0: resident), sparsity 0.85. After two warm-up prompts, time
+to first token of --reps random prompts of --prompt-tokens (median), then one under torch.profiler:
+- the GPU span split into staging only (`gather_*` kernels: the side stream's copies), compute only, both, idle;
+- kernel time by kind (staging, GEMM, dequantize, DeltaNet, other) with the largest kernels of each;
+- the host syncs of one more prefill by call site (torch.cuda.set_sync_debug_mode): each drains the GPU's queue, and
+  a prefill that is launch bound between them idles while Python issues the next launches.
+The profiler slows the host side, so its span is longer than the timed TTFT; compare splits, not totals.
+
+Usage: PYTHONUNBUFFERED=1 python bench/prefill_profile.py [--shape qwen3.5-35b] [--experts int4] [--vram 16]
+       [--prompt-tokens 2048] [--reps 3]
+"""
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import tempfile
+import traceback
+import warnings
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from localmoe.engine.engine import Engine
+from localmoe.events import GenerationSettings
+from localmoe.measure.benchmark import host_bandwidth
+
+p = argparse.ArgumentParser()
+p.add_argument("--shape", default="qwen3.5-35b")
+p.add_argument("--experts", default="int4")
+p.add_argument("--vram", type=float, default=16)
+p.add_argument("--prompt-tokens", type=int, default=2048)
+p.add_argument("--reps", type=int, default=3)
+a = p.parse_args()
+n = a.prompt_tokens
+e = Engine.random(
+    a.shape,
+    device=torch.device("cuda"),
+    dtype=torch.bfloat16,
+    vram_gib=a.vram or None,
+    context=n + 64,
+    experts=a.experts,
+)
+e.set_sparsity(0.85)
+cache = e.loaded.cache
+gen = torch.Generator().manual_seed(1)
+vocab = e.loaded.config.vocab_size
+
+
+def prefill() -> float:
+    prompt = torch.randint(0, vocab, (n,), generator=gen).tolist()
+    for _ in e.generate(prompt, GenerationSettings(max_new_tokens=1)):
+        pass
+    return e.stats.ttft_s
+
+
+for _ in range(2):
+    prefill()
+times = [prefill() for _ in range(a.reps)]
+ttft = statistics.median(times)
+line = f"{a.shape} --experts {a.experts} --vram {a.vram:g}, {n} tokens: TTFT {ttft:.3f} s ({n / ttft:.0f} tok/s)"
+if cache is not None:
+    h2d = host_bandwidth(torch.device("cuda"))
+    pcie = -(-n // e.prefill_chunk) * cache.absent_bytes() / h2d
+    line += f", PCIe-bound {pcie:.3f} s at {h2d / 1e9:.1f} GB/s ({pcie / ttft:.1%} of the ceiling)"
+    line += f"; pieces {e.prefill_chunk}, span {cache.staging.span}"
+print(line, flush=True)
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    if "gather_" in low:
+        return "staging"
+    if any(w in low for w in ("gemm", "grouped", "cutlass", "nvjet", "wgmma", "sm90")):
+        return "gemm"
+    if "dequant" in low:
+        return "dequantize"
+    if "delta" in low or "chunk_scan" in low:
+        return "deltanet"
+    return "other"
+
+
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    prefill()
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+ks = sorted(
+    (x for x in events if x.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in x), key=lambda x: x["ts"]
+)
+lo, hi = ks[0]["ts"], max(x["ts"] + x["dur"] for x in ks)
+edges = []
+for x in ks:
+    staging = x["cat"] == "kernel" and kind(x["name"]) == "staging"
+    edges += [(x["ts"], 1, staging), (x["ts"] + x["dur"], -1, staging)]
+edges.sort(key=lambda t: (t[0], t[1]))
+split = dict.fromkeys(("staging only", "compute only", "both", "idle"), 0.0)
+busy = {True: 0, False: 0}
+last = lo
+for t, d, staging in edges:
+    if t > last:
+        s, c = busy[True] > 0, busy[False] > 0
+        split["both" if s and c else "staging only" if s else "compute only" if c else "idle"] += t - last
+    last = t
+    busy[staging] += d
+print(f"\nprofiled prefill: GPU span {(hi - lo) / 1e3:.1f} ms (TTFT {e.stats.ttft_s * 1e3:.1f} ms under the profiler)")
+print("  " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in split.items()))
+by_kind = collections.defaultdict(collections.Counter)
+calls = collections.Counter()
+for x in ks:
+    k = kind(x["name"]) if x["cat"] == "kernel" else x["cat"]
+    by_kind[k][x["name"][:70]] += x["dur"]
+    calls[x["name"][:70]] += 1
+for k, names in sorted(by_kind.items(), key=lambda kv: -sum(kv[1].values())):
+    print(f"  {k:<11} {sum(names.values()) / 1e3:8.1f} ms")
+    for name, us in names.most_common(3):
+        print(f"      {us / 1e3:8.1f} ms {calls[name]:>6}x  {name}")
+
+sites = collections.Counter()
+
+
+def record(message, category, filename, lineno, file=None, line=None):
+    frames = [f for f in traceback.extract_stack()[:-2] if "/localmoe/" in f.filename or "/kernels/" in f.filename]
+    sites[" < ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-3:][::-1]) or "(outside)"] += 1
+
+
+warnings.showwarning = record
+warnings.simplefilter("always")
+torch.cuda.set_sync_debug_mode("warn")
+prefill()
+torch.cuda.set_sync_debug_mode(0)
+print(f"\nhost syncs in one prefill: {sum(sites.values())}")
+for site, count in sites.most_common(10):
+    print(f"  {count:>5}  {site}")
