@@ -356,8 +356,9 @@ def test_offloaded_prefill_streams_spans_of_experts(experts):
 @pytest.mark.parametrize("experts", ["full", "int4"])
 def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
     """With master copies the device can read (pinned on CUDA; here the CPU under the interpreter) a span fills by
-    one gather_experts launch per part (int4: one gather_dequant launch per projection): resident experts from their pool slots, the others from the host copies;
-    the logits equal the resident model's and the cache's figures count the same hits, misses and bytes."""
+    one gather_experts launch per part (int4: one gather_dequant launch per projection): resident experts from their
+    pool slots, the others from the host copies; the logits equal the resident model's and the cache's figures count
+    the same hits, misses and bytes."""
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
     e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
