@@ -53,6 +53,9 @@ for fam in tiny_models.SUPPORTED:
 
             kw["quantization_config"] = Mxfp4Config(dequantize=True)
         ref_model = AutoModelForCausalLM.from_pretrained(snap, dtype=torch.float32, **kw).cuda()
+        for t in (*ref_model.parameters(), *ref_model.buffers()):  # CUDA: its MXFP4 experts dequantize to bf16
+            if t.is_floating_point():
+                t.data = t.data.float()
         x = torch.tensor([ids], device="cuda")
         out = ref_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24)[
             0, len(ids) :

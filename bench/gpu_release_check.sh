@@ -44,12 +44,12 @@ echo
 echo "== release check on $(python -c 'import torch; print(torch.cuda.get_device_name())') (logs under $OUT)"
 cat "$OUT/steps.txt"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20
-grep -A6 "^family" "$OUT/engine.log"
+grep -A8 "^family" "$OUT/engine.log" | grep -v "^$"
 grep -B1 -A3 "^engine " "$OUT/engine.log"
 grep -h -B1 -A1 "^engine " "$OUT/offload.log" "$OUT/int4.log" | grep -v "^engine \|^--"
 grep -h -A2 "^  prompt sparsity" "$OUT/offload.log" "$OUT/int4.log" | grep -v "^  prompt\|^--"
 grep -A20 "^family        experts" "$OUT/prefill.log"
-if grep -q " exit [^0]" "$OUT/steps.txt" || grep -A6 "^family" "$OUT/engine.log" | grep -qE "False|ERROR"; then
+if grep -q " exit [^0]" "$OUT/steps.txt" || grep -A8 "^family" "$OUT/engine.log" | grep -qE "False|ERROR"; then
     echo "RELEASE CHECK: FAILED"; exit 1
 fi
 echo "RELEASE CHECK: passed"
