@@ -1,4 +1,5 @@
-"""Argument checks the expert kernels' launchers share: expert weight stacks [n, I, H] (plain or int4).
+"""Argument checks the expert kernels' launchers share: expert weight stacks [n, I, H] (plain or int4), the staging
+gathers' ids and slot table.
 
 Each launcher still checks its own inputs top to bottom; this is only the part that is the same in all of them.
 """
@@ -79,6 +80,21 @@ def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_h
             )
     for part, t in (("packed", p), *parts):
         _on_device(f"{name}.{part}", t, device, allow_host)
+
+
+def gather_ids(ids: torch.Tensor, table: torch.Tensor, n_host: int, capacity: int, device: torch.device) -> int:
+    """The staging gathers' `ids` [n] (n <= the buffer's `capacity`) and `table` [n_host] (one pool slot per host
+    expert, -1: absent), int32/int64 on `device`; returns n."""
+    n = ids.shape[0]
+    if ids.dim() != 1 or n > capacity or table.dim() != 1 or table.shape[0] != n_host:
+        raise ValueError(
+            f"ids must be [n] with n <= {capacity} and table [{n_host}] (one slot per host expert); got "
+            f"{tuple(ids.shape)}, {tuple(table.shape)}"
+        )
+    for name, t in (("table", table), ("ids", ids)):
+        if t.dtype not in (torch.int32, torch.int64) or t.device != device:
+            raise ValueError(f"{name} must be int32/int64 on {device}; got {t.dtype} on {t.device}")
+    return n
 
 
 class HostPointer:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from localmoe.kernels.checks import HostPointer
+from localmoe.kernels.checks import HostPointer, gather_ids
 from localmoe.kernels.dequant_int4 import dequant_bytes, dequant_int4_ref, dequant_nf4_ref
 from localmoe.kernels.rounding import round_to
 
@@ -119,15 +119,7 @@ def gather_dequant(dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torc
         raise ValueError(f"host must be on {dst.device} or in pinned host memory")
     if nf4 and (code.shape != (16,) or code.dtype != torch.float32 or code.device != dst.device):
         raise ValueError(f"code must be [16] fp32 on {dst.device}")
-    n = ids.shape[0]
-    if ids.dim() != 1 or n > dst.shape[0] or table.dim() != 1 or table.shape[0] != host.packed.shape[0]:
-        raise ValueError(
-            f"ids must be [n] with n <= {dst.shape[0]} and table [{host.packed.shape[0]}] (one slot per host "
-            f"expert); got {tuple(ids.shape)}, {tuple(table.shape)}"
-        )
-    for name, t in (("table", table), ("ids", ids)):
-        if t.dtype not in (torch.int32, torch.int64) or t.device != dst.device:
-            raise ValueError(f"{name} must be int32/int64 on {dst.device}; got {t.dtype} on {t.device}")
+    n = gather_ids(ids, table, host.packed.shape[0], dst.shape[0], dst.device)
     if n == 0:
         return dst
 

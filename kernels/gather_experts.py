@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from localmoe.kernels.checks import HostPointer
+from localmoe.kernels.checks import HostPointer, gather_ids
 
 BLOCK = 4096  # words per tile: 16 KiB of int32
 PROGRAMS = 64  # programs a launch (grid-stride over the tiles); 0: one program a tile
@@ -92,15 +92,7 @@ def gather_experts(dst: torch.Tensor, pool: torch.Tensor, host: torch.Tensor, ta
     cuda = dst.device.type == "cuda"
     if host.device != dst.device and not (cuda and host.device.type == "cpu" and host.is_pinned()):
         raise ValueError(f"host is on {host.device}, dst on {dst.device}: it must be there or in pinned host memory")
-    n = ids.shape[0]
-    if ids.dim() != 1 or n > dst.shape[0] or table.dim() != 1 or table.shape[0] != host.shape[0]:
-        raise ValueError(
-            f"ids must be [n] with n <= {dst.shape[0]} and table [{host.shape[0]}] (one slot per host expert); got "
-            f"{tuple(ids.shape)}, {tuple(table.shape)}"
-        )
-    for name, t in (("table", table), ("ids", ids)):
-        if t.dtype not in (torch.int32, torch.int64) or t.device != dst.device:
-            raise ValueError(f"{name} must be int32/int64 on {dst.device}; got {t.dtype} on {t.device}")
+    n = gather_ids(ids, table, host.shape[0], dst.shape[0], dst.device)
     if n == 0:
         return dst
     d, p, h = _flat("dst", dst), _flat("pool", pool), _flat("host", host)
