@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens",
         type=token_counts,
         default=[512],
-        help="random prompt length in tokens; a comma-separated list also times the longer prompts' first token "
-        "(decode runs after the shortest) (default: 512)",
+        help="random prompt length in tokens; a comma-separated list also times each length's first token (median "
+        "of 3; decode runs after the shortest) (default: 512)",
     )
     p.add_argument(
         "--decode-tokens",

@@ -85,7 +85,7 @@ def host_bandwidth(device) -> float:
 
 
 @dataclass
-class PrefillRow:  # a longer prompt's prefill at one sparsity
+class PrefillRow:  # a timed prompt length's prefill at one sparsity (the median of TTFT_REPS)
     prompt_tokens: int
     sparsity: float
     prefill_tok_s: float
@@ -94,23 +94,28 @@ class PrefillRow:  # a longer prompt's prefill at one sparsity
     of_pcie: float | None = None  # pcie_s / ttft_s
 
 
+TTFT_REPS = 3  # timed prefills per prompt length (the median is reported): one run moves by up to ~35% offloaded
+
+
 def _prefill(engine, sparsity: float, prompt: list[int], progress, h2d: float) -> PrefillRow:
-    """Time to first token of `prompt` (a warm-up call first, so first-call costs are not counted). Offloaded,
-    against the PCIe ceiling: pieces of `engine.prefill_chunk` tokens, each moving every expert part absent from
-    VRAM once (`cache.absent_bytes()`) at the measured pinned bandwidth `h2d`."""
+    """Time to first token of `prompt`: a warm-up call (first-call costs not counted), then the median of TTFT_REPS
+    timed calls. Offloaded, against the PCIe ceiling: pieces of `engine.prefill_chunk` tokens, each moving every
+    expert part absent from VRAM once (`cache.absent_bytes()`; prefill admits nothing) at the measured pinned
+    bandwidth `h2d`."""
     if engine.sparsity != sparsity:
         engine.set_sparsity(sparsity, progress)
-    for _ in range(2):
+    timed = []
+    for rep in range(1 + TTFT_REPS):
         for _ in engine.generate(prompt, GenerationSettings(max_new_tokens=1)):
             pass
-    st = engine.stats
-    cache = engine.loaded.cache
-    absent = getattr(cache, "absent_bytes", None)
+        if rep:
+            timed.append((engine.stats.ttft_s, engine.stats.prefill_tok_s))
+    ttft, tok_s = sorted(timed)[len(timed) // 2]
+    absent = getattr(engine.loaded.cache, "absent_bytes", None)
     if absent is None or not h2d:
-        return PrefillRow(len(prompt), sparsity, st.prefill_tok_s, st.ttft_s)
-    pieces = -(-len(prompt) // engine.prefill_chunk)
-    pcie = pieces * absent() / h2d
-    return PrefillRow(len(prompt), sparsity, st.prefill_tok_s, st.ttft_s, pcie, pcie / max(st.ttft_s, 1e-9))
+        return PrefillRow(len(prompt), sparsity, tok_s, ttft)
+    pcie = -(-len(prompt) // engine.prefill_chunk) * absent() / h2d
+    return PrefillRow(len(prompt), sparsity, tok_s, ttft, pcie, pcie / max(ttft, 1e-9))
 
 
 def step_bytes(engine, sparsity: float) -> float:
@@ -309,7 +314,8 @@ def bench(
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     lengths = sorted(set(prompt_tokens)) if isinstance(prompt_tokens, list) else [prompt_tokens]
-    prompt_tokens, longer = lengths[0], lengths[1:]  # decode after the shortest; the others: time to first token
+    prompt_tokens = lengths[0]  # decode after the shortest; given several, each one's time to first token
+    timed_lengths = lengths if len(lengths) > 1 else []
     t0 = time.perf_counter()
     note = progress and (lambda s: progress(f"note: {s}", 0, None))
     context = context or max(lengths[-1] + 1, prompt_tokens + decode_tokens) + 64
@@ -370,10 +376,10 @@ def bench(
             if n and not s:
                 continue  # the predictor only acts on the sparse path: its dense row is the plain one
             rows += [_run(engine, s, prompt, decode_tokens, name, bw, progress, p) for p in penalties]
-    h2d = host_bandwidth(dev) if longer and engine.loaded.cache is not None else 0.0
+    h2d = host_bandwidth(dev) if timed_lengths and engine.loaded.cache is not None else 0.0
     prefills = [
         _prefill(engine, s, torch.randint(0, vocab, (n,), generator=gen).tolist(), progress, h2d)
-        for n in longer
+        for n in timed_lengths
         for s in sparsities
     ]
     config = engine.loaded.config
@@ -460,7 +466,7 @@ def table(result: dict) -> str:
     if result.get("prefill_rows"):
         h2d = result.get("host_to_device_gb_s") or 0.0
         lines.append(
-            "longer prompts (time to first token)"
+            f"time to first token (median of {TTFT_REPS})"
             + (
                 f"; pinned host→GPU {h2d:.1f} GB/s, PCIe-bound time: absent experts' bytes per piece / that"
                 if h2d
