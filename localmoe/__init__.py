@@ -18,4 +18,14 @@ Leaf modules here (`errors`, `events`, `paths`, `safe_text`, `devices`) may be i
 Importing this package must stay cheap (no torch): `localmoe --help` and `localmoe models` rely on it.
 """
 
+import os
+import sys
+
 __version__ = "0.1.0"
+
+# A clone's root holds kernels/ and tui/, installed as localmoe.kernels and localmoe.tui. Run from that root
+# (`python -m localmoe`, `python -c`, PYTHONPATH=.), the root sits on sys.path and its kernels/ would shadow Hugging
+# Face's `kernels` package, which transformers imports: the root leaves sys.path once localmoe itself is imported.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) and os.path.isdir(os.path.join(_ROOT, "kernels")):
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.realpath(_ROOT)]

@@ -162,16 +162,22 @@ def test_every_flag_states_its_default():
     assert not missing, "\n".join(missing)
 
 
-def test_import_kernels_is_not_this_repo(tmp_path):
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("where", ["elsewhere", "clone-root"])
+def test_import_kernels_is_not_this_repo(tmp_path, where):
+    """`kernels` and `tui` are never this clone's folders, also run from the clone's root (where `python -c` and
+    `python -m` put the root first on sys.path): transformers imports Hugging Face's `kernels` package."""
     code = (
         "import importlib.util as u, localmoe.kernels as k, localmoe.tui as t; "
         "print(u.find_spec('kernels')); print(u.find_spec('tui')); print(k.__name__, t.__name__)"
     )
-    r = _fresh_python(code, tmp_path)
+    r = _fresh_python(code, tmp_path if where == "elsewhere" else REPO)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert lines[0] == "None" or repo not in lines[0]  # Hugging Face's `kernels`, if installed, never ours
+    ours = os.path.join(REPO, "kernels", "__init__.py")  # (a venv inside the clone holds Hugging Face's)
+    assert lines[0] == "None" or ours not in lines[0]  # Hugging Face's `kernels`, if installed, never ours
     assert lines[1] == "None"
     assert lines[2] == "localmoe.kernels localmoe.tui"
 

@@ -23,9 +23,15 @@ def run_json(capsys, *args) -> dict:
 
 
 def reference_tokens(path, prompt_ids: list[int]) -> list[int]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    kw = {}
+    qc = getattr(AutoConfig.from_pretrained(path), "quantization_config", None) or {}
+    if qc.get("quant_method") == "mxfp4":  # gpt-oss: transformers' MXFP4 kernels are a hub download (with the
+        from transformers import Mxfp4Config  # `kernels` package, 5.25 on), not here: its dequantized experts
+
+        kw["quantization_config"] = Mxfp4Config(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     ids = torch.tensor([prompt_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N_NEW)
     gen = out[0, len(prompt_ids) :].tolist()

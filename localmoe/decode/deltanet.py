@@ -23,9 +23,11 @@ from localmoe.kernels.tuning import tuned
 
 
 def _decode_states(cache, layer_idx: int):
-    """(conv_state [B,C,K], recurrent_state [B,H_v,d_k,d_v]) — the cache's own tensors — when this call is a cached
-    single-token step in transformers' sense (the layer has a previous state and does not record the past); else
-    None. Works with the LinearAttention cache layers of transformers 5.17 and 5.2x."""
+    """(conv_state [B,C,K], recurrent_state [B,H_v,d_k,d_v], count [] or None) — the cache's own tensors — when this
+    call is a cached single-token step in transformers' sense (the layer has a previous state and does not record the
+    past); else None. `count` is the layer's token count from transformers 5.25 on (`cumulative_length_linear`,
+    which a Qwen3.5 cache's `get_seq_length()` reads: the step adds 1 to it, as transformers' `increase_count`
+    does). Works with the LinearAttention cache layers of transformers 5.17 to 5.25."""
     layers = getattr(cache, "layers", None)
     if layers is None or layer_idx >= len(layers):
         return None
@@ -39,7 +41,10 @@ def _decode_states(cache, layer_idx: int):
         return None
     if not (isinstance(conv, torch.Tensor) and isinstance(rec, torch.Tensor)):
         return None
-    return conv, rec
+    count = getattr(layer, "cumulative_length_linear", None)
+    if count is not None and not (isinstance(count, torch.Tensor) and count.device == conv.device):
+        return None
+    return conv, rec, count
 
 
 class FusedGatedDeltaNet(nn.Module):
@@ -124,7 +129,10 @@ class FusedGatedDeltaNet(nn.Module):
             z = self.in_proj_z(hidden_states)[:, 0]  # [B, H_v*d_v]
             b = self.in_proj_b(hidden_states)[:, 0]  # [B, H_v]
             a = self.in_proj_a(hidden_states)[:, 0]  # [B, H_v]
-        out = self._step(mixed_qkv, z, a, b, *states)  # [B, H_v*d_v]
+        conv_state, rec_state, count = states
+        out = self._step(mixed_qkv, z, a, b, conv_state, rec_state)  # [B, H_v*d_v]
+        if count is not None:  # transformers 5.25's token count (in place: a captured step keeps its address)
+            count.add_(1)
         return self.out_proj(out.view(B, 1, -1))
 
     @torch.compiler.disable

@@ -4,7 +4,7 @@
 loops over 64-token chunks in Python) and elsewhere that file's torch reference (transformers' function op for op,
 so a CPU prefill equals transformers' bit for bit).
 
-The cache is left as transformers leaves it, in 5.17 and 5.2x alike: the initial recurrent state is the layer's
+The cache is left as transformers leaves it, in 5.17 to 5.25 alike: the initial recurrent state is the layer's
 when `has_previous_state[0]` is set before the call (5.2x `get_recurrent_state`, 5.17 `has_previous_state`), the
 conv state goes through the cache's own `update_conv_state` (which pads a short prompt, prepends the previous window
 on a second piece, keeps the whole past when recording it, and sets `has_previous_state`), and the final state
@@ -13,7 +13,8 @@ through `update_recurrent_state`.
 `deltanet_prefill` returns None where it does not apply and the caller runs transformers' module: one token (the
 caller's cached step or transformers' recurrent path), an activation other than SiLU, packed sequences
 (`cu_seq_lens_q` / `seq_idx`), a mask that is not 2-D [B, T], a conv1d with accelerate hooks, a cache layer without
-the LinearAttention attributes.
+the LinearAttention attributes, a layer recording its last recurrent states for a later `crop` (transformers 5.25's
+`activate_past_recording(recurrent_states_to_keep=n)`, assisted decoding; localmoe never asks for it).
 
 Shape legend: B batch, T tokens, H hidden, C conv channels, K conv width, H_k / H_v key / value heads, d_k / d_v
 head dims.
@@ -60,6 +61,8 @@ def deltanet_prefill(mod: nn.Module, hidden_states: torch.Tensor, cache, attenti
         layer = _cache_layer(cache, mod.layer_idx)
         if layer is None:
             return None
+        if getattr(layer, "record_past", False) and getattr(layer, "recurrent_states_to_keep", None):
+            return None  # transformers 5.25 records the last steps' recurrent states one by one: its module does
     if attention_mask is not None:  # transformers' apply_mask_to_padding_states
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     initial = None

@@ -28,8 +28,10 @@ import torch
 
 from localmoe.decode.sliding import RING
 
-# a recurrent layer's state (transformers 5.17 and 5.2x LinearAttention layers): tensors or dicts of tensors / flags
+# a recurrent layer's state (transformers 5.17 to 5.25 LinearAttention layers): tensors or dicts of tensors / flags,
+# and from 5.25 the layer's token count (a Qwen3.5 cache's `get_seq_length()`)
 _STATE_ATTRS = (
+    "cumulative_length_linear",
     "conv_states",
     "recurrent_states",
     "has_previous_state",

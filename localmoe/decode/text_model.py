@@ -15,10 +15,11 @@ per step (348 -> 367 tok/s).
 
 The table holds transformers' own values: made once (lazily, on the first such call; again when the cache length,
 the dtype or the device changes) by calling the model's ORIGINAL rotary module on positions 0..L-1, so row p is what
-transformers computes for position p. The position is the cache's own device tensor, the one transformers reads
-(`cache.get_seq_length()`, the first full-attention StaticLayer's `cumulative_length`; the `cache_position` keyword
-is passed on to the layers as transformers passes it, and ignored as transformers ignores it); it is never read on
-the host, so the step stays capturable.
+transformers computes for position p. The position is the cache's own device tensor: the first full-attention
+StaticLayer's `cumulative_length`, which `cache.get_seq_length()` returns up to transformers 5.24 (from 5.25 a
+Qwen3.5 cache returns its first linear-attention layer's count, which the fused DeltaNet step advances as
+transformers does, so the two stay equal); the `cache_position` keyword is passed on to the layers as transformers
+passes it, and ignored as transformers ignores it. It is never read on the host, so the step stays capturable.
 
 Taken: input_ids [1, 1] (or inputs_embeds [1, 1, H]); no attention_mask / position_ids; a transformers StaticCache
 already holding the prompt; use_cache; no hidden-state / attention / router-logit outputs; sdpa / localmoe_sdpa
@@ -144,7 +145,7 @@ class FusedTextModel(nn.Module):
     def _step_cache(self, cache, device):
         """(the position tensor [], L) of the StaticCache the step decodes into; None when it is not one."""
         L = _static_length(cache, self._full, device)
-        return None if L is None else (cache.get_seq_length(), L)
+        return None if L is None else (cache.layers[self._full].cumulative_length, L)
 
     def _shapes_ok(self, ids, embeds) -> bool:
         if (ids is None) == (embeds is None):
@@ -228,10 +229,16 @@ def full_static_layer(cache, full: int, device):
 
 
 def _static_length(cache, full: int, device) -> int | None:
-    """L when `cache`'s first full-attention layer (index `full`, the layer transformers sizes the mask and reads the
-    position from) is a `full_static_layer` whose position tensor is the one transformers reads; else None."""
+    """L when `cache`'s first full-attention layer (index `full`, the layer transformers sizes the mask by) is a
+    `full_static_layer` whose position tensor is the one transformers reads (`cache.get_seq_length()`), or, from
+    transformers 5.25 on, where that is the first layer's own token count (a Qwen3.5 linear-attention layer's
+    `cumulative_length_linear`, kept equal by the layers' steps); else None."""
     layer = full_static_layer(cache, full, device)
-    if layer is None or cache.get_seq_length() is not layer.cumulative_length:
+    if layer is None:
+        return None
+    seen = cache.get_seq_length()
+    first = getattr(cache.layers[0], "cumulative_length_linear", None)
+    if seen is not layer.cumulative_length and (first is None or seen is not first or first.device != device):
         return None
     L, offset = layer.get_mask_sizes(1)
     return L if offset == 0 and layer.keys.shape[2] == L else None
