@@ -120,6 +120,7 @@ def test_two_pieces_and_a_step_on_a_dynamic_cache(dtype):
             tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(got, want, **tol)
             assert mod.decode_calls == 1
+            assert int(caches[0].get_seq_length()) == int(caches[1].get_seq_length())  # 5.25: 71, this layer's
     assert mod.prefill_calls == 2
 
 
