@@ -237,8 +237,7 @@ def _static_length(cache, full: int, device) -> int | None:
     if layer is None:
         return None
     seen = cache.get_seq_length()
-    first = getattr(cache.layers[0], "cumulative_length_linear", None)
-    if seen is not layer.cumulative_length and (first is None or seen is not first or first.device != device):
+    if seen is not layer.cumulative_length and seen is not getattr(cache.layers[0], "cumulative_length_linear", None):
         return None
     L, offset = layer.get_mask_sizes(1)
     return L if offset == 0 and layer.keys.shape[2] == L else None
