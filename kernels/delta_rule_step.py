@@ -9,7 +9,9 @@ Owns one Triton kernel `_gdn_step_kernel` and two checked launchers over it, plu
 * `gated_deltanet_step(mixed_qkv, z, a, b, ...)`: everything `Qwen3_5MoeGatedDeltaNet.forward` does for one
   cached decode token between its four input projections and `out_proj`, fused: causal conv1d update (conv state
   updated in place, SiLU), split into q/k/v heads, beta = sigmoid(b), g = -exp(A_log)·softplus(a + dt_bias), the
-  delta rule above, and the gated RMSNorm (`Qwen3_5MoeRMSNormGated`) with z. Reference: `gated_deltanet_step_ref`.
+  delta rule above, and the gated RMSNorm (`Qwen3_5MoeRMSNormGated`) with z; with `count`, the cache layer's token
+  count (transformers 5.25's `cumulative_length_linear`) advanced by 1 in the same launch. Reference:
+  `gated_deltanet_step_ref`.
 
 Default grid (B * H_k,): one program per key head; it owns that head's q/k conv channels and its R = H_v / H_k value
 heads
@@ -93,8 +95,9 @@ def gated_deltanet_step_ref(
     head_k_dim,
     num_v_heads,
     head_v_dim,
+    count=None,
 ):
-    """Reference for `gated_deltanet_step`; updates conv_state and state in place, returns out [B, H_v·d_v]."""
+    """Reference for `gated_deltanet_step`; updates conv_state, state (and count) in place, returns out [B, H_v·d_v]."""
     B, C = mixed_qkv.shape
     K = conv_state.shape[-1]
     new = torch.cat([conv_state, mixed_qkv.unsqueeze(-1)], dim=-1).to(conv_weight.dtype)
@@ -115,6 +118,8 @@ def gated_deltanet_step_ref(
     h = o.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps)
     h = (norm_weight * h.to(dt)) * F.silu(zz.float())
+    if count is not None:
+        count.add_(1)
     return h.to(dt).reshape(B, -1)
 
 
@@ -249,6 +254,7 @@ if triton is not None:
         nw_ptr,  # NORM: norm weight [d_v]
         s_ptr,  # state [B, H_v, d_k, d_v] any float dtype, strides (ss_b, ss_h, ss_k, 1), updated in place
         o_ptr,  # out [B, H_v, d_v] contiguous, q's dtype
+        cnt_ptr,  # COUNT: the cache layer's int64 token count [] (one program adds 1)
         DK,
         DV,
         R,  # value heads per key head
@@ -278,12 +284,16 @@ if triton is not None:
         ROUND_PROD: tl.constexpr,  # NORM: norm_weight * x̂ rounds to the core output dtype
         DK_P2: tl.constexpr,
         DV_P2: tl.constexpr,
+        COUNT: tl.constexpr,
         PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
             gdc_wait()
             gdc_launch_dependents()
         pid = tl.program_id(0)
+        if COUNT:
+            if pid == 0:
+                tl.store(cnt_ptr, tl.load(cnt_ptr) + 1)
         bi = (pid // HK).to(tl.int64)
         hk = pid % HK
         ik = tl.arange(0, DK_P2)
@@ -407,6 +417,7 @@ if triton is not None:
         nw_ptr,  # norm weight [d_v]
         s_ptr,  # state [B, H_v, d_k, d_v], strides (ss_b, ss_h, ss_k, 1), updated in place
         o_ptr,  # out [B, H_v, d_v] contiguous
+        cnt_ptr,  # COUNT: the cache layer's int64 token count [] (one program adds 1)
         ws_ptr,  # fp32 [B, H_v, d_v] workspace: core output before the gated norm (fully rewritten each launch)
         tk_ptr,  # int32 [B * H_k] tickets (zero between launches): q/k conv-state writers; ONE_TICKET: int64
         th_ptr,  # int32 [B * H_v] tickets (zero between launches): gated-norm finishers (unused with ONE_TICKET)
@@ -435,6 +446,7 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
         ONE_TICKET: tl.constexpr,  # W > 0: both tickets in one int64 word per key head, W bits per count
         W: tl.constexpr,
+        COUNT: tl.constexpr,
         PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)  # one (batch row, value head)
@@ -470,6 +482,9 @@ if triton is not None:
         if PDL:  # programmatic dependent launch (kernels/pdl.py): the projections are read after the wait
             gdc_wait()
             gdc_launch_dependents()
+        if COUNT:
+            if (pid == 0) & (vb == 0):
+                tl.store(cnt_ptr, tl.load(cnt_ptr) + 1)
         wdt: tl.constexpr = cw_ptr.dtype.element_ty
         # q, k of the key head: every program of it reads the OLD conv window; the last one writes the new
         q, qnew, qsp, qsm = _conv_apply(
@@ -605,6 +620,7 @@ def delta_rule_step(q, k, v, g, beta, state, *, out=None):
         v,
         state,
         out,
+        out,
         DK,
         DV,
         HV // HK,
@@ -634,6 +650,7 @@ def delta_rule_step(q, k, v, g, beta, state, *, out=None):
         ROUND_PROD=False,
         DK_P2=dk2,
         DV_P2=dv2,
+        COUNT=False,
         num_warps=_warps(dk2, dv2),
         **pdl_kw(q),
     )
@@ -659,13 +676,16 @@ def gated_deltanet_step(
     num_v_heads,
     head_v_dim,
     out=None,
+    count=None,
     num_warps: int | None = None,
     block_v: int | None = None,
     one_ticket: bool = True,
 ):
     """One cached decode token of `Qwen3_5MoeGatedDeltaNet` between the input projections and out_proj, one launch.
     mixed_qkv [B, C], z [B, H_v·d_v], a, b [B, H_v] (rows may be strided, last dim contiguous); conv_state
-    [B, C, K] and state [B, H_v, d_k, d_v] are updated in place. Returns out [B, H_v·d_v] in mixed_qkv's dtype."""
+    [B, C, K] and state [B, H_v, d_k, d_v] are updated in place; `count` (optional, an int64 [] on the same device:
+    the cache layer's token count of transformers 5.25) is advanced by 1 inside the launch. Returns out [B, H_v·d_v]
+    in mixed_qkv's dtype."""
     if triton is None:
         raise RuntimeError("gated_deltanet_step needs triton")
     HK, DK, HV, DV = int(num_k_heads), int(head_k_dim), int(num_v_heads), int(head_v_dim)
@@ -682,6 +702,8 @@ def gated_deltanet_step(
     if A_log.shape != (HV,) or dt_bias.shape != (HV,):
         raise ValueError("A_log and dt_bias must be [H_v]")
     _check_state(state, B, HV, DK, DV)
+    if count is not None and (count.dtype != torch.int64 or count.numel() != 1 or count.device != mixed_qkv.device):
+        raise ValueError(f"count must be one int64 on {mixed_qkv.device}, got {count.dtype} {tuple(count.shape)}")
     if any(t.stride(-1) != 1 for t in (mixed_qkv, z, a, b)):
         raise ValueError("mixed_qkv, z, a, b need a contiguous last dim")
     cw = conv_weight if conv_weight.is_contiguous() else conv_weight.contiguous()
@@ -713,6 +735,7 @@ def gated_deltanet_step(
             norm_weight,
             state,
             out,
+            count if count is not None else tk,
             ws,
             tk,
             th,
@@ -741,6 +764,7 @@ def gated_deltanet_step(
             BLOCK_V=bv,
             ONE_TICKET=width > 0,
             W=width,
+            COUNT=count is not None,
             num_warps=num_warps or 4,
             **pdl_kw(mixed_qkv),
         )
@@ -760,6 +784,7 @@ def gated_deltanet_step(
         norm_weight,
         state,
         out,
+        count if count is not None else out,
         DK,
         DV,
         HV // HK,
@@ -789,6 +814,7 @@ def gated_deltanet_step(
         ROUND_PROD=round_prod,
         DK_P2=dk2,
         DV_P2=dv2,
+        COUNT=count is not None,
         num_warps=num_warps or _warps(dk2, dv2),
         **pdl_kw(mixed_qkv),
     )

@@ -148,9 +148,13 @@ def test_gated_deltanet_step_matches_transformers(shape, dtype, block_v, one_tic
     ref = gated_deltanet_step_ref(mixed_qkv, z, a, b, conv_state=cs_ref, state=st_ref, **kw)
     torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-6)
     cs_got, st_got = conv_state.clone(), state.clone()
+    count = torch.tensor(7, dtype=torch.int64, device=DEV)  # transformers 5.25's token count: advanced in the launch
     got = gated_deltanet_step(
-        mixed_qkv, z, a, b, conv_state=cs_got, state=st_got, block_v=block_v, one_ticket=one_ticket, **kw
+        mixed_qkv, z, a, b, conv_state=cs_got, state=st_got, count=count, block_v=block_v, one_ticket=one_ticket, **kw
     )
+    assert int(count) == 8
+    with pytest.raises(ValueError, match="count must be one int64"):
+        gated_deltanet_step(mixed_qkv, z, a, b, conv_state=cs_ref, state=st_ref, count=count.int(), **kw)
     if block_v is not None:  # the split grid's tickets are left zeroed for the next launch (graph replays)
         from localmoe.kernels.delta_rule_step import _split_workspace
         from localmoe.kernels.workspace import zeroed_int32

@@ -130,13 +130,11 @@ class FusedGatedDeltaNet(nn.Module):
             b = self.in_proj_b(hidden_states)[:, 0]  # [B, H_v]
             a = self.in_proj_a(hidden_states)[:, 0]  # [B, H_v]
         conv_state, rec_state, count = states
-        out = self._step(mixed_qkv, z, a, b, conv_state, rec_state)  # [B, H_v*d_v]
-        if count is not None:  # transformers 5.25's token count (in place: a captured step keeps its address)
-            count.add_(1)
+        out = self._step(mixed_qkv, z, a, b, conv_state, rec_state, count)  # [B, H_v*d_v]; count += 1 inside
         return self.out_proj(out.view(B, 1, -1))
 
     @torch.compiler.disable
-    def _step(self, mixed_qkv, z, a, b, conv_state, rec_state):
+    def _step(self, mixed_qkv, z, a, b, conv_state, rec_state, count):
         if self._launch is None:
             self._launch = tuned(
                 mixed_qkv, "gated_deltanet_step", f"HK{self.num_k_heads}_HV{self.num_v_heads}_D{self.head_v_dim}"
@@ -154,6 +152,7 @@ class FusedGatedDeltaNet(nn.Module):
             norm_weight=self.norm.weight,
             norm_eps=self.norm.variance_epsilon,
             state=rec_state,
+            count=count,
             num_k_heads=self.num_k_heads,
             head_k_dim=self.head_k_dim,
             num_v_heads=self.num_v_heads,
