@@ -122,6 +122,29 @@ def test_formula_terms_and_the_resident_plan():
     assert plan(need).offloading
 
 
+def test_resident_int4_dequantized_span_from_the_budget():
+    """Resident 4-bit experts: the fit takes the largest dequantized span (DEQUANT_MAX_BYTES halved down to
+    DEQUANT_BYTES) whose piece still fits, counted in the peak; a tight budget keeps the default; offloaded plans and
+    plain experts have none. A resident int4 engine's layers take the fit's span."""
+    config = shape_config("qwen3.5-35b")
+    s = pb.PrefillShapes.of(config, torch.bfloat16, "int4")
+    roomy = pb.fit(s, 8 * GiB, CONTEXT, offloaded=False)
+    assert roomy.fits and roomy.span == 0 and roomy.dequant_bytes == pb.DEQUANT_MAX_BYTES
+    assert roomy.peak_bytes == pb.peak_bytes(s, roomy.chunk, 0, CONTEXT, pb.DEQUANT_MAX_BYTES)
+    assert f"{pb.DEQUANT_MAX_BYTES >> 20} MiB" in roomy.line()
+    least = pb.peak_bytes(s, pb.MAX_CHUNK, 0, CONTEXT)
+    mid = pb.peak_bytes(s, pb.MAX_CHUNK, 0, CONTEXT, pb.DEQUANT_MAX_BYTES // 2)
+    assert least < mid < roomy.peak_bytes  # two dequantized spans alive: each step doubles twice the span's bytes
+    assert pb.fit(s, mid, CONTEXT, offloaded=False).dequant_bytes == pb.DEQUANT_MAX_BYTES // 2
+    assert pb.fit(s, least, CONTEXT, offloaded=False).dequant_bytes == pb.DEQUANT_BYTES
+    assert pb.fit(s, 8 * GiB, CONTEXT, offloaded=True).dequant_bytes == 0
+    plain = pb.PrefillShapes.of(config, torch.bfloat16, "full")
+    assert pb.fit(plain, 8 * GiB, CONTEXT, offloaded=False).dequant_bytes == 0
+    e = Engine.load(repo_id("qwen3_5_moe"), device="cpu", sparsity=0.0, vram_gib=64.0, experts="int4")
+    assert e.loaded.cache is None and e.prefill_fit.dequant_bytes == pb.DEQUANT_MAX_BYTES
+    assert {m.dequant_bytes for m in e.loaded.experts} == {pb.DEQUANT_MAX_BYTES}
+
+
 def _greedy(engine, ids, n=6):
     return [ev.token_id for ev in engine.generate(ids, GenerationSettings(max_new_tokens=n))]
 

@@ -78,6 +78,13 @@ def test_int4_dense_paths_span_by_span(monkeypatch):
     monkeypatch.setattr(dense_path, "DEQUANT_BYTES", 3 * I * H * 4 * 2)  # two experts a span
     spans = m._spans(torch.cumsum(torch.bincount(idx.reshape(-1), minlength=E), 0), T * k)
     assert len(spans) == 4 and spans[-1][1] == 8  # experts 8's span has no slot
+    m.dequant_bytes = 3 * I * H * 4 * 3  # the budget's span (prefill_budget.fit) wins over the default: three a span
+    assert [s[:2] for s in m._spans(torch.cumsum(torch.bincount(idx.reshape(-1), minlength=E), 0), T * k)] == [
+        (0, 3),
+        (3, 6),
+        (6, 9),
+    ]
+    m.dequant_bytes = None
     tau = torch.full((E,), 0.1)
     for mod in (m, plain):
         mod.tau, mod.sparse_enabled, mod.mask_all_tokens = tau, True, True

@@ -140,6 +140,7 @@ class LocalExperts(DensePath, nn.Module):
         # (bench/step_ab.py, session 7): 2392 µs against 2558 (session 4, before PDL early loads: 3065 against 3022).
         self.dense_tail = True
         self.grouped = True  # dense calls through torch's grouped GEMM where it can (`_groups`); False: the loop
+        self.dequant_bytes: int | None = None  # resident 4-bit experts: bytes a dequantized span (None: DEQUANT_BYTES)
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons on the sparse path (updated in place)
         self.seen = 0  # neurons considered on the sparse path (host int; a CUDA graph's replays add theirs)
 

@@ -23,8 +23,9 @@ the CUDA-graph decoder's StaticCache), V vocab):
         T·E·el (router logits) + T·H·el (shared expert's output) + T·k·(el + 8) + 24·N (sort order, token, expert)
         + N·H·el (xs) + max(N·H·el (ys) + 2·Dspan + 3·N·I·el (gate, up, h),   3·N·H·el (ys, cat, weighted) + T·H·el)
         with Dspan = span·3·I·H·el for staged MXFP4 experts (each span dequantized; the generator dequantizes the next
-        span while the loop still holds the last one: two alive), resident 4-bit experts dense_path.DEQUANT_BYTES'
-        span, 0 for plain and staged int4 / NF4 experts (staging buffers are used as they are)
+        span while the loop still holds the last one: two alive), resident 4-bit experts the dequantized span `fit`
+        chooses (dense_path.DEQUANT_BYTES up to DEQUANT_MAX_BYTES), 0 for plain and staged int4 / NF4 experts
+        (staging buffers are used as they are)
     full attention (sdpa): T·Hq·Dh·(3·el + 8) (q projection, Qwen3.5's gate copy (2·el without), fp32 q-norm)
         + 2·T·Hkv·Dh·el
         + 2·Hq·L·Dh·el (repeat_kv of the cache when a mask is given and Hq > Hkv) + T·L·(1 + el) (the mask's negation
@@ -55,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.experts.dense_path import DEQUANT_BYTES
+from localmoe.experts.dense_path import DEQUANT_BYTES, DEQUANT_MAX_BYTES
 from localmoe.experts.int4 import expert_bytes as quantized_expert_bytes
 from localmoe.experts.int4 import format_of, parts
 from localmoe.experts.placement import WORKSPACE_RESERVE, GiB, OffloadPlan, state_bytes
@@ -186,25 +187,26 @@ def _deltanet(s: PrefillShapes, T: int) -> int:
     return T * ((3 * C + Vd) * s.el + (7 * Qh + 3 * Vd + 3 * hv * 64) * 4)
 
 
-def _moe(s: PrefillShapes, T: int, span: int) -> int:
+def _moe(s: PrefillShapes, T: int, span: int, dequant: int = DEQUANT_BYTES) -> int:
     el, H, I, N = s.el, s.hidden, s.width, T * s.top_k
     if not s.quantized or (span and s.staged_dequantized):  # plain experts, or staging buffers used as they are
         dspan = 0
     elif span:  # staged (offloaded) MXFP4
         dspan = span * s.dequantized
-    else:  # resident 4-bit experts: local_experts._spans
-        dspan = max(1, DEQUANT_BYTES // s.dequantized) * s.dequantized
+    else:  # resident 4-bit experts: dense_path._spans, `dequant` bytes a span (at most every expert)
+        dspan = max(1, min(s.experts, dequant // s.dequantized)) * s.dequantized
     fixed = T * s.experts * el + (T * H * el if s.shared_width else 0) + T * s.top_k * (el + 8) + 24 * N + N * H * el
     return fixed + max(N * H * el + 2 * dspan + 3 * N * I * el, 3 * N * H * el + T * H * el)
 
 
-def peak_bytes(s: PrefillShapes, chunk: int, span: int, context: int) -> int:
+def peak_bytes(s: PrefillShapes, chunk: int, span: int, context: int, dequant: int = DEQUANT_BYTES) -> int:
     """Bytes a prefill piece of `chunk` tokens allocates at its peak, staging buffers of `span` experts included
-    (span 0: resident experts, no staging), the cache `context` tokens long (the module docstring's formula)."""
+    (span 0: resident experts, no staging), the cache `context` tokens long, resident 4-bit experts dequantized
+    `dequant` bytes a span (the module docstring's formula)."""
     T, el = chunk, s.el
     L = max(context, T)
     Ls = min(L, s.window + T) if s.sliding_layers else 0
-    mixers = [_moe(s, T, span)]
+    mixers = [_moe(s, T, span, dequant)]
     if s.full_layers:
         mixers.append(_attention(s, T, L))
     if s.sliding_layers:
@@ -225,9 +227,12 @@ class PrefillFit:
     peak_bytes: int  # the formula's peak at (chunk, span)
     left_bytes: int  # the bytes it had: budget - weights on the GPU - expert cache - KV/state
     fits: bool  # False: not even MIN_CHUNK with MIN_SPAN fits (the smallest is used; the budget may not hold)
+    dequant_bytes: int = 0  # resident 4-bit experts: dequantized bytes a span of grouped GEMMs (0: not such experts)
 
     def line(self) -> str:
         span = f", staging {self.span} experts a buffer" if self.span else ""
+        if self.dequant_bytes:
+            span += f", dequantizing {self.dequant_bytes >> 20} MiB of experts a span"
         return (
             f"prefill pieces of up to {self.chunk} tokens{span}: ~{self.peak_bytes / GiB:.2f} GiB of the "
             f"{self.left_bytes / GiB:.2f} GiB left after weights, expert cache and KV/state"
@@ -264,9 +269,20 @@ def fit(s: PrefillShapes, left: int, context: int, offloaded: bool, longest: int
             if peak_bytes(s, chunk, n, context) <= left:
                 span = n
                 break
-        return PrefillFit(chunk, span, peak_bytes(s, chunk, span, context), int(left), True)
+        dq = _dequant(s, chunk, context, left) if s.quantized and not offloaded else 0
+        return PrefillFit(chunk, span, peak_bytes(s, chunk, span, context, dq or DEQUANT_BYTES), int(left), True, dq)
     chunk = chunks[-1]
-    return PrefillFit(chunk, least, peak_bytes(s, chunk, least, context), int(left), False)
+    dq = DEQUANT_BYTES if s.quantized and not offloaded else 0
+    return PrefillFit(chunk, least, peak_bytes(s, chunk, least, context), int(left), False, dq)
+
+
+def _dequant(s: PrefillShapes, chunk: int, context: int, left: int) -> int:
+    """Resident 4-bit experts: the largest dequantized span, DEQUANT_MAX_BYTES halved down to DEQUANT_BYTES, whose
+    piece of `chunk` tokens still fits `left` (fewer, longer spans: fewer launches and host syncs a layer)."""
+    size = DEQUANT_MAX_BYTES
+    while size > DEQUANT_BYTES and peak_bytes(s, chunk, 0, context, size) > left:
+        size //= 2
+    return max(size, DEQUANT_BYTES)
 
 
 def reserve_bytes(s: PrefillShapes, context: int, budget_bytes: int, offloaded: bool = True) -> int:
@@ -316,4 +332,6 @@ def fit_loaded(plan, mods, cache, config, dtype, context: int, left: int | None 
     chosen = fit(shapes, left, context, offloaded=cache is not None)
     if cache is not None:
         cache.staging.resize(chosen.span)
+    for m in mods:  # resident 4-bit experts' dequantized span (the dense path's default where 0)
+        m.dequant_bytes = chosen.dequant_bytes or None
     return chosen
