@@ -143,6 +143,7 @@ def test_resident_int4_dequantized_span_from_the_budget():
     e = Engine.load(repo_id("qwen3_5_moe"), device="cpu", sparsity=0.0, vram_gib=64.0, experts="int4")
     assert e.loaded.cache is None and e.prefill_fit.dequant_bytes == pb.DEQUANT_MAX_BYTES
     assert {m.dequant_bytes for m in e.loaded.experts} == {pb.DEQUANT_MAX_BYTES}
+    assert _stats_json(e.stats)["dequant_bytes"] == pb.DEQUANT_MAX_BYTES  # run --json
 
 
 def _greedy(engine, ids, n=6):

@@ -166,6 +166,7 @@ def _stats_json(stats) -> dict:
         "wall_s",
         "prefill_chunk",  # under a VRAM budget: prompt tokens per prefill piece and experts per staging buffer
         "staging_span",
+        "dequant_bytes",  # resident 4-bit experts: dequantized bytes a span of grouped GEMMs (0: none)
     )
     d = stats.as_json()
     return {k: d.get(k) for k in keys}

@@ -333,9 +333,13 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        """The reply's figures; under a VRAM budget `extra` holds the prefill chunk and staging span chosen."""
-        if self.prefill_fit is not None:
-            self._stats.extra.update(prefill_chunk=self.prefill_chunk, staging_span=self.prefill_fit.span)
+        """The reply's figures; under a VRAM budget `extra` holds the prefill chunk, the staging span and the resident
+        4-bit experts' dequantized span (bytes; 0: none) chosen."""
+        fit = self.prefill_fit
+        if fit is not None:
+            self._stats.extra.update(
+                prefill_chunk=self.prefill_chunk, staging_span=fit.span, dequant_bytes=fit.dequant_bytes
+            )
         return self._stats
 
     # -- the loop ---------------------------------------------------------------------------------------

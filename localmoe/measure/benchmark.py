@@ -413,6 +413,7 @@ def bench(
         "host_to_device_gb_s": h2d / 1e9,
         "prefill_chunk": chunk,
         "staging_span": fit.span if fit is not None else None,
+        "dequant_bytes": fit.dequant_bytes if fit is not None else None,
         "prefill_fit": fit.line() if fit is not None else f"prefill pieces of up to {chunk} tokens (no VRAM budget)",
     }
 
