@@ -308,6 +308,40 @@ def test_gate_tier_follows_calibration_routing():
     assert tokens(e, n=8) == want
 
 
+@pytest.mark.parametrize("mode", ["direct", "copy"])
+def test_up_down_slots_are_filled_at_load_by_calibration_routing(mode):
+    """The load fills the up/down (copy: whole-expert) slots, so a first prompt finds them resident; once
+    calibration's routing counts are known the most-routed experts hold them; after decode has admitted others, a
+    later apply of the same thresholds keeps decode's working set; tokens equal all-resident."""
+    if os.environ.get("TRITON_INTERPRET") == "0":
+        pytest.skip("a CPU engine's Triton kernels need the interpreter")
+    from localmoe.experts import thresholds
+
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.5)
+    want = tokens(resident, n=8)
+    total = sum(m.num_experts for m in resident.loaded.experts)
+    slots = total // 3 + 2 if mode == "direct" else 3  # direct: every gate resident, and a few up/down slots
+    e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, slots), offload_miss=mode)
+    cache = e.loaded.cache
+    assert 0 < cache.slots < total and cache.placed and len(cache.lru) == cache.slots and not cache.free
+    table = thresholds.thresholds_for(e, 0.5)
+    by_layer = {m.layer_idx: row for m, row in zip(e.loaded.experts, table.meta["routing_counts"])}
+    up = [by_layer[layer][ex] for layer, ex in cache.lru]
+    rest = [c for layer, row in by_layer.items() for ex, c in enumerate(row) if (layer, ex) not in cache.lru]
+    assert min(up) >= max(rest)
+    for (layer, ex), slot in cache.lru.items():
+        assert int(cache.tables[layer][ex]) == slot
+        assert torch.equal(cache.pool.w_up[slot], cache.masters[layer].w_up[ex])
+    absent = cache.absent_bytes()
+    assert absent < cache.row_bytes * cache.width * (2 if cache.gate_slots else 3) * total
+    assert tokens(e, n=8) == want
+    assert not cache.placed  # decode looked experts up: what it admits stays
+    lru = dict(cache.lru)
+    thresholds.apply(e.loaded, table, device=torch.device("cpu"))
+    assert dict(cache.lru) == lru
+
+
 def test_sparse_piece_tokens_follow_host_bytes():
     """Direct misses: the longest prefill piece for the sparse path is where its per-token host reads (absent gates,
     kept rows of absent up/down) reach the dense path's per-piece copies (every absent expert's up/down)."""
@@ -341,15 +375,18 @@ def test_offloaded_prefill_streams_spans_of_experts(experts):
     assert cache is not None and cache.slots == 3
     cache.staging.span = 2
     cache.reset_stats()
+    placed = dict(cache.lru)  # the load filled the slots (place_experts): layers interleaved, in id order
+    assert list(placed) == [(0, 1), (1, 0), (0, 0)] and cache.placed
     ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
     with torch.no_grad():
         want = resident.model(input_ids=ids).logits
         got = e.model(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(cache.lru) == 0 and cache.misses > 2 * len(e.loaded.experts) and cache.copied_bytes > 0
+    assert dict(cache.lru) == placed and cache.misses > 2 * len(e.loaded.experts) and cache.copied_bytes > 0
+    assert cache.hits > 0  # the placed experts serve the prompt from their slots
     assert cache.staging.buffers is not None and cache.staging.buffers[0].w_up.shape[0] == 2
-    part = cache.row_bytes * cache.width  # nothing resident: a pass over every expert copies every part
-    assert cache.absent_bytes() == 3 * part * sum(m.num_experts for m in e.loaded.experts)
+    part = cache.row_bytes * cache.width  # a pass over every expert copies every part of all but the 3 placed
+    assert cache.absent_bytes() == 3 * part * (sum(m.num_experts for m in e.loaded.experts) - 3)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU tensors needs the interpreter")

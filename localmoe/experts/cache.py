@@ -4,9 +4,10 @@ The cache is shared by all layers. Each layer has slot tables on the device (exp
 the compute kernels read the pool through them inside a CUDA graph. Up/down (or whole-expert) slots are
 least-recently-used first out, never evicting an expert the current layer call needs. With direct misses the
 gates have a tier of their own (`gate_slots`), filled once (`place_gates`: by calibration routing counts when
-known). Three ways to serve a miss (MISS_MODES; the loader's "auto" picks direct on CUDA with pinned memory, the
-fastest on the H200: gates first 103.8 tok/s, whole-expert slots 35.7, accelerate 0.13 at 24 GiB, 85%,
-Qwen3.5-35B shapes; copy 8.5 and cpu 5.2 against direct's 29.7 in session 2):
+known); the up/down slots are filled at load the same way (`place_experts`), then follow decode's admissions.
+Three ways to serve a miss (MISS_MODES; the loader's "auto" picks direct on CUDA with pinned memory, the fastest on
+the H200: gates first 103.8 tok/s, whole-expert slots 35.7, accelerate 0.13 at 24 GiB, 85%, Qwen3.5-35B shapes; copy
+8.5 and cpu 5.2 against direct's 29.7 in session 2):
 - "copy": copy-then-compute — the expert's three matrices are copied into a slot, then computed from it;
 - "direct": the fused sparse kernel reads the gate rows and only the kept up/down rows of an absent
   expert straight from pinned host memory, inside the CUDA graph; after each step the routing it saw is observed
@@ -97,6 +98,7 @@ class ExpertCache:
         self.host_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.read_rows = torch.zeros((), dtype=torch.int64, device=device)
         self._admitted = 0
+        self.placed = False  # `place_experts` filled the slots and no decode step has looked up or admitted since
         # direct/cpu admissions in the background (experimental, off until measured on a GPU): the copy runs on a
         # side stream and the slot table flips to the new slot at the first step boundary after it completed, so
         # the next step is not held up by it; until then the expert is read from host memory (and counts a miss)
@@ -136,6 +138,40 @@ class ExpertCache:
         for layer, t in self.gate_tables.items():  # same tensors: a captured CUDA graph keeps reading them
             t.copy_(torch.tensor(rows[layer], dtype=t.dtype))
         self.gate_rows = rows
+
+    def place_experts(self, order: list[tuple[int, int]] | None = None) -> None:
+        """Fill the up/down slots (whole-expert slots without a gate tier) with the first `slots` experts of `order`
+        [(layer, expert), most wanted first; default: `place_gates`' interleaved id order], so the first prompt and the
+        first decode steps find them resident instead of an empty cache that admissions fill 16 experts a step.
+        Experts of `order` already resident keep their slots (nothing copied); others are evicted for them; the most
+        wanted end up most recently used. At load, and again when calibration's routing counts are known, while no
+        decode step has looked up or admitted an expert (`placed`; calibration's own passes may have): a decode's
+        working set is never thrown away for them."""
+        if not self.slots or not self.masters:
+            return
+        self.staging.settle(self.device)  # a prefill's fill ahead may still read the pools
+        if order is None:
+            order = [(layer, e) for e in range(self.num_experts) for layer in sorted(self.masters)]
+        want = order[: self.slots]
+        wanted = set(want)
+        for key in [k for k in self.lru if k not in wanted and k not in self.pending]:
+            self.free.append(self.lru.pop(key))
+            self.tables[key[0]][key[1]] = -1
+        for layer, e in reversed(want):  # least wanted first: the first out when decode admits others
+            key = (layer, e)
+            if key in self.lru:
+                self.lru.move_to_end(key)
+                continue
+            if not self.free:
+                break
+            slot = self.free.pop()
+            src = self.masters[layer]
+            for name in self._parts():
+                copy_expert(getattr(self.pool, name), slot, getattr(src, name), e, non_blocking=True)
+            self.tables[layer][e] = slot
+            self.copied_bytes += self.expert_bytes
+            self.lru[key] = slot
+        self.placed = True
 
     def resize_gates(self, gate_slots: int) -> None:
         """The gate tier reallocated with `gate_slots` slots (at least one: the fused kernel needs a pool to point at)
@@ -337,6 +373,7 @@ class ExpertCache:
 
     def observe(self, layer: int, routed: list[int]) -> None:
         """After a step (direct/cpu misses): count hits/misses of what `layer` routed to, admit some misses."""
+        self.placed = False
         seen: set[int] = set()
         admit: list[int] = []
         for e in routed:
@@ -388,5 +425,6 @@ class ExpertCache:
 
     def slot_ids(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
         """Fetch what `top_k_index` [T,k] routes to and return the same-shape slot ids (device)."""
+        self.placed = False  # a decode step (copy misses) decides what stays from here on
         self.fetch(layer, sorted(set(top_k_index.reshape(-1).tolist())))
         return self.tables[layer][top_k_index]

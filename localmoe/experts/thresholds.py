@@ -413,13 +413,16 @@ def gate_order(loaded, counts) -> list[tuple[int, int]] | None:
 
 
 def apply(loaded, table: ThresholdTable, *, device: torch.device) -> None:
-    """Thresholds into the experts modules; with an expert cache whose gate tier cannot hold every gate, the gates
-    the calibration text routed to most take its slots."""
+    """Thresholds into the experts modules; with an expert cache that cannot hold every gate (or up/down pair), the
+    experts the calibration text routed to most take its slots (up/down ones only before any decode admitted
+    others)."""
     cache = loaded.cache
-    if cache is not None and cache.gate_slots and cache.gate_slots < cache.num_experts * len(cache.masters):
+    if cache is not None and cache.slots < cache.num_experts * len(cache.masters):
         order = gate_order(loaded, table.meta.get("routing_counts"))
-        if order is not None:
+        if order is not None and cache.gate_slots and cache.gate_slots < cache.num_experts * len(cache.masters):
             cache.place_gates(order)
+        if order is not None and cache.placed:  # up/down slots still as placed at load: the most routed take them
+            cache.place_experts(order)
     limit = sparse_token_limit(loaded, device, table.sparsity)
     for m, tau in zip(loaded.experts, table.taus):
         if isinstance(tau, (tuple, list)):

@@ -94,6 +94,7 @@ def attach_cache(loaded: LoadedModel, dtype, device, pinned: bool, miss: str = "
         cache.add_layer(m.layer_idx, m.weights)
         m.cache = cache
     cache.place_gates()
+    cache.place_experts()
     loaded.cache = cache
     loaded.host_pinned = pinned
 
