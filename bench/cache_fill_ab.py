@@ -31,9 +31,7 @@ for mode in ("placed", "empty", "placed"):
     e.reuse_prompts = False
     cache = e.loaded.cache
     if mode == "empty":  # what the load left before place_experts: every up/down slot free
-        for (layer, x), slot in list(cache.lru.items()):
-            cache.tables[layer][x] = -1
-            cache.free.append(cache.lru.pop((layer, x)))
+        cache.place_experts([])
     gen = torch.Generator().manual_seed(1)
     V = e.loaded.config.vocab_size
 

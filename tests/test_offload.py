@@ -74,6 +74,11 @@ def test_cache_hits_misses_eviction_and_slot_table():
         assert int(cache.tables[layer][e]) == slot
         assert torch.equal(cache.pool.w_up[slot], masters[layer].w_up[e])
     assert cache.h2d_bytes == 4 * cache.expert_bytes
+    for layer in (0, 1):  # the host view the staging reads (rebuilt after each change) agrees with the device tables
+        assert cache.sources(layer)[1] == cache.tables[layer].tolist()
+    cache.place_experts([])  # every slot freed
+    assert not cache.lru and cache.sources(1)[1] == [-1] * cache.num_experts == cache.tables[1].tolist()
+    cache.fetch(1, [4, 5])
     ids = cache.slot_ids(1, torch.tensor([[4, 5]]))
     assert ids.tolist() == [[cache.lru[(1, 4)], cache.lru[(1, 5)]]]
 

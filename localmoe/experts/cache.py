@@ -98,6 +98,7 @@ class ExpertCache:
         self.host_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.read_rows = torch.zeros((), dtype=torch.int64, device=device)
         self._admitted = 0
+        self._where: dict[int, list[int]] | None = None  # `sources`' per-layer slot lists (None: to rebuild)
         self.placed = False  # `place_experts` filled the slots and no decode step has looked up or admitted since
         # direct/cpu admissions in the background (experimental, off until measured on a GPU): the copy runs on a
         # side stream and the slot table flips to the new slot at the first step boundary after it completed, so
@@ -156,6 +157,7 @@ class ExpertCache:
         wanted = set(want)
         for key in [k for k in self.lru if k not in wanted and k not in self.pending]:
             self.free.append(self.lru.pop(key))
+            self._where = None
             self.tables[key[0]][key[1]] = -1
         for layer, e in reversed(want):  # least wanted first: the first out when decode admits others
             key = (layer, e)
@@ -171,6 +173,7 @@ class ExpertCache:
             self.tables[layer][e] = slot
             self.copied_bytes += self.expert_bytes
             self.lru[key] = slot
+            self._where = None
         self.placed = True
 
     def resize_gates(self, gate_slots: int) -> None:
@@ -225,10 +228,12 @@ class ExpertCache:
     def sources(self, layer: int) -> tuple[list[int], list[int]]:
         """Where each expert of `layer` is resident, on the host: (gate slot, up/down slot) per expert, -1 for
         absent (a copy in flight counts as absent); no device read."""
-        slots = [-1] * self.num_experts
-        for (lay, e), slot in self.lru.items():
-            if lay == layer and (lay, e) not in self.pending:
-                slots[e] = slot
+        if self._where is None:  # rebuilt after the LRU changed, all layers in one pass (a prefill asks every layer)
+            self._where = {lay: [-1] * self.num_experts for lay in self.masters}
+            for key, slot in self.lru.items():
+                if key not in self.pending:
+                    self._where[key[0]][key[1]] = slot
+        slots = list(self._where[layer])
         gates = self.gate_rows[layer] if self.gate_slots else slots
         return gates, slots
 
@@ -248,6 +253,7 @@ class ExpertCache:
 
     def add_layer(self, layer: int, master: ExpertWeights) -> None:
         self.masters[layer] = master
+        self._where = None
         self.tables[layer] = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.device)
         if self.gate_slots:
             self.gate_tables[layer] = torch.full((self.num_experts,), -1, dtype=torch.long, device=self.device)
@@ -329,6 +335,7 @@ class ExpertCache:
                 self.tables[layer][e] = slot
             self.copied_bytes += self.expert_bytes
             self.lru[key] = slot
+            self._where = None
 
     def _copy_in_background(self, layer: int, e: int, slot: int):
         """Copy expert e of `layer` into `slot` on a side stream (after everything queued so far); its event."""
@@ -358,6 +365,7 @@ class ExpertCache:
             elif not ev.query():
                 return False
         del self.pending[key]
+        self._where = None
         self.tables[key[0]][key[1]] = self.lru[key]
         return True
 
@@ -367,6 +375,7 @@ class ExpertCache:
                 if key in self.pending:  # its copy may still be writing the slot: later work waits for it
                     self._settle(key, wait=True)
                 slot = self.lru.pop(key)
+                self._where = None
                 self.tables[key[0]][key[1]] = -1
                 return slot
         raise RuntimeError("expert cache: every slot holds an expert the current call needs")
