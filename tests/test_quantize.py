@@ -102,7 +102,7 @@ def test_int4_dense_paths_span_by_span(monkeypatch):
 def test_int4_sparse_reference():
     """One token on the sparse path (CPU: the torch reference) reads the int4 experts as the dequantized model."""
     m, plain = _int4_experts(6, 24, 32, seed=2)
-    x = torch.randn(1, 32)
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))  # not the global RNG: test order moved it
     idx, wts = torch.tensor([[4, 1]]), torch.tensor([[0.7, 0.3]])
     tau = torch.full((6,), 0.05)
     ys = []

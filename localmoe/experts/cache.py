@@ -157,8 +157,6 @@ class ExpertCache:
         wanted = set(want)
         for key in [k for k in self.lru if k not in wanted and k not in self.pending]:
             self.free.append(self.lru.pop(key))
-            self._where = None
-            self.tables[key[0]][key[1]] = -1
         for layer, e in reversed(want):  # least wanted first: the first out when decode admits others
             key = (layer, e)
             if key in self.lru:
@@ -170,10 +168,12 @@ class ExpertCache:
             src = self.masters[layer]
             for name in self._parts():
                 copy_expert(getattr(self.pool, name), slot, getattr(src, name), e, non_blocking=True)
-            self.tables[layer][e] = slot
             self.copied_bytes += self.expert_bytes
             self.lru[key] = slot
-            self._where = None
+        self._where = None
+        rows = {layer: self.sources(layer)[1] for layer in self.tables}
+        for layer, t in self.tables.items():  # one write a layer, queued after the copies; the same tensors
+            t.copy_(torch.tensor(rows[layer], dtype=t.dtype))
         self.placed = True
 
     def resize_gates(self, gate_slots: int) -> None:
