@@ -417,11 +417,15 @@ def apply(loaded, table: ThresholdTable, *, device: torch.device) -> None:
     experts the calibration text routed to most take its slots (up/down ones only before any decode admitted
     others)."""
     cache = loaded.cache
-    if cache is not None and cache.slots < cache.num_experts * len(cache.masters):
-        order = gate_order(loaded, table.meta.get("routing_counts"))
-        if order is not None and cache.gate_slots and cache.gate_slots < cache.num_experts * len(cache.masters):
+    if cache is not None:
+        total = cache.num_experts * len(cache.masters)
+        gates = 0 < cache.gate_slots < total
+        # up/down slots still as placed at load, no decode has admitted others (a DeaMoE department cache: no such)
+        up_down = getattr(cache, "placed", False) and cache.slots < total
+        order = gate_order(loaded, table.meta.get("routing_counts")) if gates or up_down else None
+        if order is not None and gates:
             cache.place_gates(order)
-        if order is not None and cache.placed:  # up/down slots still as placed at load: the most routed take them
+        if order is not None and up_down:
             cache.place_experts(order)
     limit = sparse_token_limit(loaded, device, table.sparsity)
     for m, tau in zip(loaded.experts, table.taus):
