@@ -31,6 +31,18 @@ def tokens(engine, prompt="Sparse experts skip most neurons.", n=24):
     return [ev.token_id for ev in engine.generate(engine.encode_raw(prompt), GenerationSettings(max_new_tokens=n))]
 
 
+def few_slots_engine(mode: str, n: int) -> tuple[Engine, list[int], int]:
+    """qwen3_moe at sparsity 0.5 offloaded with miss `mode` and a few slots (direct: every gate resident and a few
+    up/down slots; else 3 whole-expert slots): (the engine, all-resident greedy tokens of `n`, experts in all)."""
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.5)
+    want = tokens(resident, n=n)
+    total = sum(m.num_experts for m in resident.loaded.experts)
+    slots = total // 3 + 2 if mode == "direct" else 3
+    e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, slots), offload_miss=mode)
+    return e, want, total
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
 @pytest.mark.parametrize("sparsity", [0.0, 0.5])
 def test_greedy_tokens_equal_all_resident(family, sparsity):
@@ -254,12 +266,7 @@ def test_background_admissions_go_live_a_step_later(mode):
     resident; an admitted expert counts as a miss until it is live; the tables end up consistent."""
     if mode == "direct" and os.environ.get("TRITON_INTERPRET") == "0":
         pytest.skip("a CPU engine's Triton kernels need the interpreter")
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.5)
-    want = tokens(resident, n=12)
-    total = sum(m.num_experts for m in resident.loaded.experts)
-    slots = total // 3 + 2 if mode == "direct" else 3  # direct: every gate resident, and a few up/down slots
-    e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, slots), offload_miss=mode)
+    e, want, _ = few_slots_engine(mode, 12)
     cache = e.loaded.cache
     assert cache.slots > 0
     cache.background = True
@@ -322,12 +329,7 @@ def test_up_down_slots_are_filled_at_load_by_calibration_routing(mode):
         pytest.skip("a CPU engine's Triton kernels need the interpreter")
     from localmoe.experts import thresholds
 
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.5)
-    want = tokens(resident, n=8)
-    total = sum(m.num_experts for m in resident.loaded.experts)
-    slots = total // 3 + 2 if mode == "direct" else 3  # direct: every gate resident, and a few up/down slots
-    e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, slots), offload_miss=mode)
+    e, want, total = few_slots_engine(mode, 8)
     cache = e.loaded.cache
     assert 0 < cache.slots < total and cache.placed and len(cache.lru) == cache.slots and not cache.free
     table = thresholds.thresholds_for(e, 0.5)
