@@ -200,10 +200,11 @@ def layer_part(out: Path, z_sparsities: list[float]) -> None:
 
 
 TUNE = (
-    ("SPLIT_ROWS", (48, 192)),
-    ("BLOCK_Z", (64, 256)),
+    ("BLOCK_N", (4, 16)),
+    ("BLOCK_Z", (256, 512)),
     ("BLOCK_O", (64, 256)),
-    ("BLOCK_N", (8,)),
+    ("SPLIT_ROWS", (48, 192)),
+    ("BLOCK_I", (32,)),
     ("num_warps", (8,)),
 )
 TUNED = Path(__file__).resolve().parents[1] / "kernels" / "tuned" / "nvidia_h200.json"

@@ -42,6 +42,9 @@ kw = engine._cache_kw
 # kernel name (lower case) substring -> part; first match wins
 PARTS = [
     ("_sparse_fused", "routed (+ shared) experts, residual add"),
+    ("_dept_", "routed experts (DeaMoE departments)"),
+    ("_slots_kernel", "DeaMoE department slotting"),
+    ("_residual_publish", "residual add"),
     ("_moe_front", "MoE front (add, norm, router)"),
     ("_qk_norm_rope", "attention q/k norm + RoPE"),
     ("_dense_experts", "routed experts"),
@@ -133,3 +136,8 @@ print("|---|---:|---:|---:|---|")
 for name, (us, n, ks) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
     big = max(ks.items(), key=lambda kv: kv[1])
     print(f"| {name} | {us:.0f} | {us / total:.1%} | {n:.0f} | {big[0][:50]} ({big[1]:.0f}) |")
+print("\nkernels over 1% of the step:")
+every = sorted(((k, us, name) for name, (_, _, ks) in parts.items() for k, us in ks.items()), key=lambda r: -r[1])
+for k, us, name in every:
+    if us >= 0.01 * total:
+        print(f"  {us:7.0f} µs/step  {us / total:6.1%}  {k[:70]}")

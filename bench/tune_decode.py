@@ -46,6 +46,13 @@ I_S = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # shared expert w
 DELTANET = hasattr(cfg, "linear_num_key_heads")
 KIND = "zero_centred" if cfg.model_type.startswith("qwen3_5") else "standard"
 NORM_TOPK = getattr(cfg, "norm_topk_prob", None) is not False  # None: the family always renormalises
+KIND = "zero_centred" if "qwen3_5" in cfg.model_type else KIND  # DeaMoE's Qwen3.5 twin too
+# DeaMoE (`--shape qwen3.5-35b-deamoe`): moe_front's group-limited top-k (departments of n experts, g of them kept)
+GROUP = (
+    {"group_size": cfg.experts_per_department, "topk_group": cfg.topk_group}
+    if hasattr(cfg, "experts_per_department")
+    else {}
+)
 if DELTANET:
     HK, HV, D, KS = (
         cfg.linear_num_key_heads,
@@ -203,12 +210,14 @@ if DELTANET:
 res = [rnd(1, H, scale=1.0) for _ in range(N)]
 nw = [rnd(H, scale=0.1) for _ in range(N)]
 wsg = [rnd(1, H) if I_S else None for _ in range(N)]
-ref_front = [moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i]) for i in range(N)]
+ref_front = [moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], **GROUP) for i in range(N)]
 
 
 def front_calls(kw):
     return [
-        lambda i=i: moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], tickets=tick, **kw)
+        lambda i=i: moe_front(
+            xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], tickets=tick, **GROUP, **kw
+        )
         for i in range(N)
     ]
 
@@ -216,7 +225,7 @@ def front_calls(kw):
 def front_check(kw):
     err = 0.0
     for i in range(N):
-        got = moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], tickets=tick, **kw)
+        got = moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], tickets=tick, **GROUP, **kw)
         err = max(err, float((got[2].float() - ref_front[i][2].float()).abs().max()))
         if not torch.equal(got[4].sort(1).values, ref_front[i][4].sort(1).values):
             err = max(err, 1.0)

@@ -1,26 +1,26 @@
 """DeaMoE's department-grouped sparse decode (a step of T <= 8 tokens, T = 1 the usual case).
 
-Owns `department_experts` (launcher), its torch reference `department_experts_ref`, and three kernels. The step's
+Owns `department_experts` (launcher), its torch reference `department_experts_ref`, and two kernels. The step's
 departments sit in S fixed slots (`dept` [S], -1 = unused: the grid never depends on the routing, so the step can be
 captured in a CUDA graph); `weights` [S, T, n] holds token t's routing weight for expert j of the slot's department
 (0 = not chosen). For a slot s with department d, token t, a = silu(x_t W_gate_d^T), kept neurons K = {i : |a_i| >=
 tau[d]} (only tokens with a chosen expert in d):
 
-    u[s,t,i] = a_i (x_t . W_up_d[i])                            i in K, else 0             `_dept_up_kernel`
-    z[s,t,:] = sum_j weights[s,t,j] sum_{i in K} u[s,t,i] P_{d,j}[i, :]                    `_dept_private_kernel`
+    u[s,t,i] = a_i (x_t . W_up_d[i])                            i in K, else 0             `_dept_up_private_kernel`
+    z[s,t,:] = sum_j weights[s,t,j] sum_{i in K} u[s,t,i] P_{d,j}[i, :]                    (the same launch)
     y[t, :] += sum_i z[s,t,i] W_down_t_d[i, :]                                             `_dept_down_kernel`
 
 (with `tau_z` [D], z entries with |z| < tau_z[d] are dropped first, and a W_down_t row no token keeps is not read).
 
-Grids: up (S, h / BLOCK_N) reads a block of gate rows once for all T tokens, and up rows only where kept;
-private (S * n, h / BLOCK_Z, row splits) reads each chosen expert's P rows of kept neurons once for all T tokens (a
-program per (slot, expert, column block, block of ROWS input rows); experts no token chose end at once) and adds into
-z atomically; down (H / BLOCK_O, S, row splits) reads the department's W_down_t in full once (z is dense) and adds
-into y atomically. The row splits (about SPLIT_ROWS rows each) give a step of a few departments enough programs to
-fill the GPU: at the Qwen3.5-35B twin's shape (S = 4, n = 20, h = 768, H = 2048) the private kernel has ~8 x 6 x 8
-live programs, the down kernel 16 x 4 x 8. u, z and y live in one fp32 workspace ([y | z | u]; the up kernel zeroes
-y and z, which the later two add into atomically: no memset launch). The kept count (tokens x kept neurons) is added
-into `kept_total`.
+Grids: up/private (S, h / BLOCK_N): a program reads a block of gate rows once for all T tokens, up rows only where
+kept, computes u for its neurons in registers and adds their share of z (z is linear in u: the product is split over
+neurons), reading the kept rows of each chosen expert's P once for all T tokens (experts no token chose are skipped);
+down (H / BLOCK_O, S, row splits) reads the department's W_down_t once (z is dense unless tau_z) and adds into y
+atomically. z and the down kernel's tickets live in a zeroed workspace (kernels/workspace.py): the last down program
+of each slot re-zeroes the slot's z, and the first kernel zeroes y (unless accumulating): no memset launch. With
+`residual` the last slot to finish publishes residual + y and zeroes y (a fused decoder layer's tail). Both kernels
+use programmatic dependent launch (kernels/pdl.py). The kept count (tokens x kept neurons) is added into
+`kept_total`.
 
 Shape legend: T tokens, D departments, n experts per department, h department width, H hidden, S slots.
 Weight layout: w_gate, w_up, w_down_t [D, h, H] and private [D, n, h, h] (row i = input neuron i), rows contiguous.
@@ -31,10 +31,15 @@ from __future__ import annotations
 import torch
 
 from localmoe.kernels.checks import FLOAT_DTYPES, expert_weights
+from localmoe.kernels.workspace import zeroed_int32
 
 try:
     import triton
     import triton.language as tl
+
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
+    from localmoe.kernels.residual_publish import residual_publish
+    from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -121,137 +126,123 @@ def department_experts_ref(
 if triton is not None:
 
     @triton.jit
-    def _dept_up_kernel(
-        x_ptr, wg_ptr, wu_ptr, dept_ptr, w_ptr, tau_ptr, u_ptr, kept_ptr, seen_ptr,
-        gp_ptr, up_ptr, dmap_ptr, hc_ptr, z_ptr, y_ptr, y_chunk,
-        T, h, n, stride_xt, stride_gd, stride_ud, stride_pool, up_slots,
+    def _dept_up_private_kernel(
+        x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr,
+        ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
+        T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-        COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
+        BLOCK_Z: tl.constexpr, COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
+        INDEXED: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        # program (slot, block of BLOCK_N neurons): u of its neurons for every token, then their share of z for each
+        # expert of the slot's department some token chose (the product split over neurons: z is added atomically)
+        if PDL:  # the slot's department comes from the step's routing: nothing is read before the wait
+            gdc_wait()
+            gdc_launch_dependents()
         s = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        # the launch zeroes what the later kernels add into atomically: y (a chunk per program) and z (below)
-        y0 = (s * tl.num_programs(1) + tl.program_id(1)) * y_chunk
+        y0 = (s * tl.num_programs(1) + tl.program_id(1)) * y_chunk  # y zeroed here (a chunk per program)
         for o in range(y0, tl.minimum(y0 + y_chunk, T * H), 256):
             zo = o + tl.arange(0, 256)
             tl.store(y_ptr + zo, tl.zeros((256,), dtype=tl.float32), mask=zo < tl.minimum(y0 + y_chunk, T * H))
         d = tl.load(dept_ptr + s)
-        valid = (rows < h) & ((rows * 0 + d) >= 0)
-        dd = tl.maximum(d, 0).to(tl.int64)
-        cols = tl.arange(0, H_P2)
-        cmask = cols < H
-        roff = rows.to(tl.int64)[:, None] * H + cols[None, :]
-        m2 = valid[:, None] & cmask[None, :]
-        if DIRECT:  # the department's pool slot, or -1: read from the host master copy
-            slot = tl.load(dmap_ptr + dd)
-            pool = tl.maximum(slot, 0).to(tl.int64) * stride_pool
-            res = ((rows * 0 + slot) >= 0)[:, None]  # masks are blocks, not scalars
-            host = ((rows * 0 + slot) < 0)[:, None]
-            on_host = (slot < 0).to(tl.int64)
-            up_res = ((rows * 0 + slot) >= 0)[:, None] & ((rows * 0 + slot) < up_slots)[:, None]
-            up_on_host = ((slot < 0) | (slot >= up_slots)).to(tl.int64)
-            wg = tl.load(gp_ptr + pool + roff, mask=m2 & res, other=0.0).to(tl.float32)
-            wg += tl.load(wg_ptr + dd * stride_gd + roff, mask=m2 & host, other=0.0).to(tl.float32)
-            host_rows = on_host * tl.sum(valid.to(tl.int64), axis=0)
-        else:
-            wg = tl.load(wg_ptr + dd * stride_gd + roff, mask=m2, other=0.0).to(tl.float32)
-        tau = tl.load(tau_ptr + dd)
-        jj = tl.arange(0, N_P2)
-        total = 0
-        considered = 0
-        for t in tl.static_range(T_P2):
-            live_t = (jj * 0 + t) < T  # token t exists (a block, not a scalar: masks must be blocks)
-            wt = tl.load(w_ptr + (s * T + t) * n + jj, mask=(jj < n) & live_t, other=0.0)
-            used = (tl.zeros((BLOCK_N,), dtype=tl.float32) + tl.sum(tl.abs(wt), axis=0)) > 0  # token t uses d
-            xv = tl.load(x_ptr + t * stride_xt + cols, mask=cmask & ((cols * 0 + t) < T), other=0.0).to(tl.float32)
-            g = tl.sum(wg * xv[None, :], axis=1)
-            a = g / (1.0 + tl.exp(-g))
-            keep = (tl.abs(a) >= tau) & valid & used
-            km = keep[:, None] & cmask[None, :]
-            if DIRECT:
-                wu = tl.load(up_ptr + pool + roff, mask=km & up_res, other=0.0).to(tl.float32)
-                wu += tl.load(wu_ptr + dd * stride_ud + roff, mask=km & (up_res == 0), other=0.0).to(tl.float32)
-                host_rows += up_on_host * tl.sum(keep.to(tl.int64), axis=0)
+        if d >= 0:
+            dd = d.to(tl.int64)
+            valid = rows < h
+            cols = tl.arange(0, H_P2)
+            cmask = cols < H
+            roff = rows.to(tl.int64)[:, None] * H + cols[None, :]
+            m2 = valid[:, None] & cmask[None, :]
+            host_elems = 0
+            if DIRECT:  # the department's pool slot, or -1: read from the host master copy
+                slot = tl.load(dmap_ptr + dd)
+                pool = tl.maximum(slot, 0).to(tl.int64) * stride_pool
+                res = ((rows * 0 + slot) >= 0)[:, None]  # masks are blocks, not scalars
+                host = ((rows * 0 + slot) < 0)[:, None]
+                up_res = ((rows * 0 + slot) >= 0)[:, None] & ((rows * 0 + slot) < up_slots)[:, None]
+                up_on_host = ((slot < 0) | (slot >= up_slots)).to(tl.int64)
+                wg = tl.load(gp_ptr + pool + roff, mask=m2 & res, other=0.0).to(tl.float32)
+                wg += tl.load(wg_ptr + dd * stride_gd + roff, mask=m2 & host, other=0.0).to(tl.float32)
+                host_elems += (slot < 0).to(tl.int64) * tl.sum(valid.to(tl.int64), axis=0) * H
             else:
-                wu = tl.load(wu_ptr + dd * stride_ud + roff, mask=km, other=0.0)
-            u = tl.where(keep, a * tl.sum(wu.to(tl.float32) * xv[None, :], axis=1), 0.0)
-            tl.store(u_ptr + (s * T + t) * h + rows, u, mask=(rows < h) & ((rows * 0 + t) < T))
-            tl.store(z_ptr + (s * T + t) * h + rows, u * 0.0, mask=(rows < h) & ((rows * 0 + t) < T))
-            total += tl.sum(keep.to(tl.int64), axis=0)
-            considered += tl.sum((valid & used).to(tl.int64), axis=0)
-        if COUNT:
-            tl.atomic_add(kept_ptr, total, sem="relaxed")
-        if SEEN:
-            tl.atomic_add(seen_ptr, considered, sem="relaxed")
-        if DIRECT:
-            tl.atomic_add(hc_ptr, host_rows * H, sem="relaxed")
-
-    @triton.jit
-    def _dept_private_kernel(
-        p_ptr, dept_ptr, w_ptr, u_ptr, z_ptr, ps_ptr, pp_ptr, pmap_ptr, hc_ptr, T, h, n, stride_pd, stride_pe,
-        stride_pp,
-        T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_Z: tl.constexpr, ROWS: tl.constexpr, INDEXED: tl.constexpr,
-        DIRECT: tl.constexpr,
-    ):  # fmt: skip
-        # program (s * n + j, column block, row split): expert j of slot s, rows [split * ROWS, +ROWS) of its P;
-        # experts no token chose (most programs) and unused slots end at once
-        s = tl.program_id(0) // n
-        j = tl.program_id(0) % n
-        cols = tl.program_id(1) * BLOCK_Z + tl.arange(0, BLOCK_Z)
-        cmask = cols < h
-        d = tl.load(dept_ptr + s)
-        dd = tl.maximum(d, 0).to(tl.int64)
-        tt = tl.arange(0, T_P2)
-        tmask = tt < T
-        wj = tl.load(w_ptr + (s * T + tt) * n + j, mask=tmask & ((tt * 0 + d) >= 0), other=0.0)  # [T_P2]
-        if tl.sum(tl.abs(wj), axis=0) > 0:
-            if INDEXED:  # a pool of private parts: expert j of slot s sits at private_slots[s, j]
-                pbase = tl.load(ps_ptr + s * n + j).to(tl.int64) * stride_pe
-            else:
-                pbase = dd * stride_pd + j * stride_pe
-            if DIRECT:  # the expert's private pool slot, or -1: read from the host master copy
-                pslot = tl.load(pmap_ptr + dd * n + j)
-                pool = tl.maximum(pslot, 0).to(tl.int64) * stride_pp
-                res = ((tl.arange(0, BLOCK_I) * 0 + pslot) >= 0)[:, None]  # masks are blocks, not scalars
-                host = ((tl.arange(0, BLOCK_I) * 0 + pslot) < 0)[:, None]
-                on_host = (pslot < 0).to(tl.int64)
-            read = tl.zeros((BLOCK_I,), dtype=tl.int64)  # P rows read, by row position in the block
-            acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
-            r0 = tl.program_id(2) * ROWS
-            for i0 in range(0, ROWS, BLOCK_I):
-                ii = r0 + i0 + tl.arange(0, BLOCK_I)
-                u = tl.load(
-                    u_ptr + (s * T + tt[:, None]) * h + ii[None, :],
-                    mask=tmask[:, None] & (ii < h)[None, :],
-                    other=0.0,
-                )  # [T_P2, BLOCK_I]
-                live = tl.sum(tl.abs(u) * (wj[:, None] != 0), axis=0) > 0  # a kept neuron of a chosen token
-                poff = ii.to(tl.int64)[:, None] * h + cols[None, :]
-                pm = live[:, None] & cmask[None, :]
+                wg = tl.load(wg_ptr + dd * stride_gd + roff, mask=m2, other=0.0).to(tl.float32)
+            tau = tl.load(tau_ptr + dd)
+            jj = tl.arange(0, N_P2)
+            tt = tl.arange(0, T_P2)
+            tmask = tt < T
+            u = tl.zeros((T_P2, BLOCK_N), dtype=tl.float32)  # [token, neuron], 0 where not kept
+            total = 0
+            considered = 0
+            for t in tl.static_range(T_P2):
+                live_t = (jj * 0 + t) < T  # token t exists (a block, not a scalar: masks must be blocks)
+                wt = tl.load(w_ptr + (s * T + t) * n + jj, mask=(jj < n) & live_t, other=0.0)
+                used = (tl.zeros((BLOCK_N,), dtype=tl.float32) + tl.sum(tl.abs(wt), axis=0)) > 0  # token t uses d
+                xv = tl.load(x_ptr + t * stride_xt + cols, mask=cmask & ((cols * 0 + t) < T), other=0.0)
+                xv = xv.to(tl.float32)
+                g = tl.sum(wg * xv[None, :], axis=1)
+                a = g / (1.0 + tl.exp(-g))
+                keep = (tl.abs(a) >= tau) & valid & used
+                km = keep[:, None] & cmask[None, :]
                 if DIRECT:
-                    p = tl.load(pp_ptr + pool + poff, mask=pm & res, other=0.0).to(tl.float32)
-                    p += tl.load(p_ptr + pbase + poff, mask=pm & host, other=0.0).to(tl.float32)
-                    read += live.to(tl.int64)
+                    wu = tl.load(up_ptr + pool + roff, mask=km & up_res, other=0.0).to(tl.float32)
+                    wu += tl.load(wu_ptr + dd * stride_ud + roff, mask=km & (up_res == 0), other=0.0).to(tl.float32)
+                    host_elems += up_on_host * tl.sum(keep.to(tl.int64), axis=0) * H
                 else:
-                    p = tl.load(p_ptr + pbase + poff, mask=pm, other=0.0).to(tl.float32)  # [BLOCK_I, BLOCK_Z]
-                acc += tl.sum((u * wj[:, None])[:, :, None] * p[None, :, :], axis=1)
-            tl.atomic_add(
-                z_ptr + (s * T + tt[:, None]) * h + cols[None, :],
-                acc,
-                mask=tmask[:, None] & cmask[None, :],
-                sem="relaxed",
-            )
+                    wu = tl.load(wu_ptr + dd * stride_ud + roff, mask=km, other=0.0).to(tl.float32)
+                ut = tl.where(keep, a * tl.sum(wu * xv[None, :], axis=1), 0.0)
+                u = tl.where(tt[:, None] == t, ut[None, :], u)
+                total += tl.sum(keep.to(tl.int64), axis=0)
+                considered += tl.sum((valid & used).to(tl.int64), axis=0)
+            if COUNT:
+                tl.atomic_add(kept_ptr, total, sem="relaxed")
+            if SEEN:
+                tl.atomic_add(seen_ptr, considered, sem="relaxed")
+            # z[s, t, :] += sum_j weights[s, t, j] sum_{i in block} u[t, i] P_j[i, :]: P rows of kept neurons only
+            for c0 in range(0, h, BLOCK_Z):
+                zc = c0 + tl.arange(0, BLOCK_Z)
+                zmask = zc < h
+                poff = rows.to(tl.int64)[:, None] * h + zc[None, :]
+                acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
+                for j in range(0, n):
+                    wj = tl.load(w_ptr + (s * T + tt) * n + j, mask=tmask, other=0.0)  # [T_P2]
+                    if tl.sum(tl.abs(wj), axis=0) > 0:  # an expert some token chose (most are not)
+                        if INDEXED:  # a pool of private parts: expert j of slot s sits at private_slots[s, j]
+                            pbase = tl.load(ps_ptr + s * n + j).to(tl.int64) * stride_pe
+                        else:
+                            pbase = dd * stride_pd + j * stride_pe
+                        live = tl.sum(tl.abs(u) * (wj[:, None] != 0), axis=0) > 0  # kept by a token choosing j
+                        pm = live[:, None] & zmask[None, :]
+                        if DIRECT:  # the expert's private pool slot, or -1: read from the host master copy
+                            pslot = tl.load(pmap_ptr + dd * n + j)
+                            pres = ((rows * 0 + pslot) >= 0)[:, None]
+                            ppool = tl.maximum(pslot, 0).to(tl.int64) * stride_pp
+                            p = tl.load(pp_ptr + ppool + poff, mask=pm & pres, other=0.0).to(tl.float32)
+                            p += tl.load(p_ptr + pbase + poff, mask=pm & (pres == 0), other=0.0).to(tl.float32)
+                            read = tl.sum(live.to(tl.int64), axis=0) * tl.sum(zmask.to(tl.int64), axis=0)
+                            host_elems += (pslot < 0).to(tl.int64) * read
+                        else:
+                            p = tl.load(p_ptr + pbase + poff, mask=pm, other=0.0).to(tl.float32)
+                        acc += tl.sum((u * wj[:, None])[:, :, None] * p[None, :, :], axis=1)
+                tl.atomic_add(
+                    z_ptr + (s * T + tt[:, None]) * h + zc[None, :],
+                    acc,
+                    mask=tmask[:, None] & zmask[None, :],
+                    sem="relaxed",
+                )
             if DIRECT:
-                elems = tl.sum(read, axis=0) * tl.sum(cmask.to(tl.int64), axis=0)
-                tl.atomic_add(hc_ptr, on_host * elems, sem="relaxed")
+                tl.atomic_add(hc_ptr, host_elems, sem="relaxed")
 
     @triton.jit
     def _dept_down_kernel(
-        wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, T, h, stride_dd, stride_pool,
-        H: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, ROWS: tl.constexpr,
-        DIRECT: tl.constexpr, ZMASK: tl.constexpr,
+        wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, tick_ptr, res_ptr, out_ptr,
+        T, h, S, stride_dd, stride_pool, stride_res, stride_out,
+        H: tl.constexpr, H_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr,
+        ROWS: tl.constexpr, DIRECT: tl.constexpr, ZMASK: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # program (column block, slot, row split): rows [split * ROWS, +ROWS) of the slot's W_down_t, all T tokens
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         cols = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
         s = tl.program_id(1)
         cmask = cols < H
@@ -275,7 +266,10 @@ if triton is not None:
                 ii = r0 + i0 + tl.arange(0, BLOCK_I)
                 imask = ii < h
                 z = tl.load(
-                    z_ptr + (s * T + tt[:, None]) * h + ii[None, :], mask=tmask[:, None] & imask[None, :], other=0.0
+                    z_ptr + (s * T + tt[:, None]) * h + ii[None, :],
+                    mask=tmask[:, None] & imask[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",  # the up kernel's atomic sums: via L2
                 )
                 doff = ii.to(tl.int64)[:, None] * H + cols[None, :]
                 rmask = imask
@@ -296,6 +290,26 @@ if triton is not None:
             if DIRECT:
                 elems = tl.sum(read, axis=0) * tl.sum(cmask.to(tl.int64), axis=0)
                 tl.atomic_add(hc_ptr, on_host * elems, sem="relaxed")
+        # the last program of a slot (acq_rel ticket: the others' z reads and y adds are visible to it) re-zeroes the
+        # slot's z and its ticket for the next launch; with TAIL, the last of those publishes out = residual + y and
+        # zeroes y (a second ticket, after the S slot tickets)
+        if tl.atomic_add(tick_ptr + s, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * tl.num_programs(2) - 1:
+            z0 = s * T * h
+            for o in range(z0, z0 + T * h, 1024):
+                zo = o + tl.arange(0, 1024)
+                tl.store(z_ptr + zo, tl.zeros((1024,), dtype=tl.float32), mask=zo < z0 + T * h)
+            tl.store(tick_ptr + s, 0)
+            if TAIL:
+                if tl.atomic_add(tick_ptr + S, 1, sem="acq_rel", scope="gpu") == S - 1:
+                    hh = tl.arange(0, H_P2)
+                    hm = hh < H
+                    DT = out_ptr.dtype.element_ty
+                    for t in range(0, T):
+                        a = tl.load(y_ptr + t * H + hh, mask=hm, other=0.0, cache_modifier=".cg")
+                        r = tl.load(res_ptr + t * stride_res + hh, mask=hm, other=0.0).to(tl.float32)
+                        tl.store(out_ptr + t * stride_out + hh, round_to(r + a, DT).to(DT), mask=hm)
+                        tl.store(y_ptr + t * H + hh, tl.zeros((H_P2,), dtype=tl.float32), mask=hm)
+                    tl.store(tick_ptr + S, 0)
 
 
 def _split(rows: int, block: int, target: int) -> tuple[int, int]:
@@ -306,8 +320,8 @@ def _split(rows: int, block: int, target: int) -> tuple[int, int]:
 
 def department_experts(
     x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, accumulate=False, kept_total=None,
-    seen_total=None, private_slots=None, pools=None, host_elems=None, tau_z=None,
-    BLOCK_N: int = 4, BLOCK_I: int = 0, BLOCK_Z: int = 128, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
+    seen_total=None, private_slots=None, pools=None, host_elems=None, tau_z=None, residual=None,
+    BLOCK_N: int = 8, BLOCK_I: int = 0, BLOCK_Z: int = 1024, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
     num_warps: int = 4,
 ):  # fmt: skip
     """y [T, H] fp32 = the department-grouped DeaMoE experts of a step (module doc); `out` is zeroed and filled, or
@@ -326,7 +340,11 @@ def department_experts(
     read through unified addressing), dept holds department numbers, and a department / expert whose map entry is a slot
     >= 0 is read from that pool slot (its up projection only when the slot is below up_slots, default the up pool's
     size: the up pool may be shorter), any other straight from host memory (no copy, no host sync: graph capturable).
-    `host_elems` (0-d int64 on x's device) gets the elements read from host memory added."""
+    `host_elems` (0-d int64 on x's device) gets the elements read from host memory added.
+
+    `residual` [T, H] (with out= a workspace row and accumulate=True: a fused decoder layer's tail): the launch
+    returns residual + out in residual's dtype, rounded once, and leaves out zeroed (as kernels/residual_publish.py
+    does, in the down kernel's last program: no launch of its own)."""
     if triton is None:
         raise RuntimeError("department_experts needs triton")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
@@ -402,51 +420,66 @@ def department_experts(
         raise ValueError(f"out must be a contiguous fp32 [T, H] = {(T, H)} tensor on {x.device}")
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into out=: give the fp32 [T, H] tensor")
-    # one fp32 workspace: [y (T*H, unless `out`) | z (S*T*h) | u (S*T*h)]; y and z accumulate atomically: the first
-    # kernel zeroes them (no memset launch; y not with `accumulate`)
-    own = 0 if out is not None else T * H
-    buf = torch.empty(own + 2 * S * T * h, dtype=torch.float32, device=x.device)
+    residual_out = _check_residual(residual, accumulate, T, H, x)
     if out is None:
-        out = buf[:own].view(T, H)
+        out = torch.empty(T, H, dtype=torch.float32, device=x.device)
     if S == 0:
+        if residual_out is not None:
+            return residual_publish(out, residual.view(T, H), out=residual_out)
         return out if accumulate else out.zero_()
-    z_ws = buf[own : own + S * T * h]
-    u_ws = buf[own + S * T * h :]
+    # z (S*T*h fp32, added into atomically) and the down kernel's tickets (one per slot, one for the tail): a zeroed
+    # workspace the launch leaves zeroed
+    ws = zeroed_int32("department_experts", x.device, S * T * h + S + 1)
+    z_ws, tick = ws[: S * T * h].view(torch.float32), ws[S * T * h :]
     t_p2 = triton.next_power_of_2(T)
     bn = max(1, min(triton.next_power_of_2(BLOCK_N), triton.next_power_of_2(h)))
     bz = min(triton.next_power_of_2(BLOCK_Z), triton.next_power_of_2(h))
-    block_i = BLOCK_I or (64 if t_p2 == 1 else 32 if t_p2 == 2 else 16)  # the [T, BLOCK_I, BLOCK_Z] product's size
+    block_i = BLOCK_I or (64 if t_p2 == 1 else 32 if t_p2 == 2 else 16)  # the [T, BLOCK_I, BLOCK_O] product's size
     bi = min(triton.next_power_of_2(block_i), triton.next_power_of_2(h))
     bo = min(triton.next_power_of_2(BLOCK_O), triton.next_power_of_2(H))
     rows, splits = _split(h, bi, SPLIT_ROWS)
     count, see = kept_total is not None, seen_total is not None
-    kept = kept_total if count else buf  # any pointer when not counting
-    seen = seen_total if see else buf
+    kept = kept_total if count else ws  # any pointer when not counting
+    seen = seen_total if see else ws
     if direct:
         gp, upp, dp, pp, dmap, pmap, up_slots = _unpack_pools(pools)
         hc, pool_stride, pp_stride = host_elems, gp.stride(0), pp.stride(0)
     else:  # any tensors of the right kind: never read
         gp = upp = dp = w_gate
-        pp, dmap, pmap, hc, pool_stride, pp_stride, up_slots = private, dept, dept, buf, 0, 0, 0
-    up_grid = (S, triton.cdiv(h, bn))
-    _dept_up_kernel[up_grid](
-        x, w_gate, w_up, dept, weights, tau, u_ws, kept, seen, gp, upp, dmap, hc, z_ws, out,
-        0 if accumulate else triton.cdiv(T * H, up_grid[0] * up_grid[1]), T, h, n, x.stride(0), w_gate.stride(0),
-        w_up.stride(0), pool_stride, up_slots,
-        H=H, H_P2=triton.next_power_of_2(H), N_P2=triton.next_power_of_2(n), T_P2=t_p2, BLOCK_N=bn, COUNT=count,
-        SEEN=see, DIRECT=direct, num_warps=num_warps,
-    )  # fmt: skip
+        pp, dmap, pmap, hc, pool_stride, pp_stride, up_slots = private, dept, dept, ws, 0, 0, 0
     if indexed and tuple(private_slots.shape) != (S, n):
         raise ValueError(f"private_slots must be [S, n] = {(S, n)}, got {tuple(private_slots.shape)}")
     pstride_d, pstride_e = (0, private.stride(0)) if indexed else (private.stride(0), private.stride(1))
-    _dept_private_kernel[(S * n, triton.cdiv(h, bz), splits)](
-        private, dept, weights, u_ws, z_ws, private_slots if indexed else dept, pp, pmap, hc,
-        T, h, n, pstride_d, pstride_e, pp_stride,
-        T_P2=t_p2, BLOCK_I=bi, BLOCK_Z=bz, ROWS=rows, INDEXED=indexed, DIRECT=direct, num_warps=num_warps,
+    grid = (S, triton.cdiv(h, bn))
+    _dept_up_private_kernel[grid](
+        x, w_gate, w_up, private, dept, weights, tau, z_ws, out,
+        0 if accumulate else triton.cdiv(T * H, grid[0] * grid[1]), kept, seen,
+        private_slots if indexed else dept, gp, upp, pp, dmap, pmap, hc,
+        T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0), pstride_d, pstride_e, pool_stride, pp_stride,
+        up_slots,
+        H=H, H_P2=triton.next_power_of_2(H), N_P2=triton.next_power_of_2(n), T_P2=t_p2, BLOCK_N=bn, BLOCK_Z=bz,
+        COUNT=count, SEEN=see, DIRECT=direct, INDEXED=indexed, num_warps=num_warps, **pdl_kw(x),
     )  # fmt: skip
+    tail = residual_out is not None
+    res = residual.view(T, H) if tail else x
     _dept_down_kernel[(triton.cdiv(H, bo), S, splits)](
-        w_down_t, dept, z_ws, out, dp, dmap, hc, tau if tau_z is None else tau_z, T, h, w_down_t.stride(0),
-        pool_stride, H=H, T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo, ROWS=rows, DIRECT=direct, ZMASK=tau_z is not None,
-        num_warps=num_warps,
+        w_down_t, dept, z_ws, out, dp, dmap, hc, tau if tau_z is None else tau_z, tick, res,
+        residual_out if tail else x, T, h, S, w_down_t.stride(0), pool_stride, res.stride(0),
+        residual_out.stride(0) if tail else 0,
+        H=H, H_P2=triton.next_power_of_2(H), T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo, ROWS=rows, DIRECT=direct,
+        ZMASK=tau_z is not None, TAIL=tail, num_warps=num_warps, **pdl_kw(x),
     )  # fmt: skip
-    return out
+    return residual_out if tail else out
+
+
+def _check_residual(residual, accumulate: bool, T: int, H: int, x) -> torch.Tensor | None:
+    """With `residual` [T, H] (accumulate=True into a workspace row): the tensor the tail publishes into."""
+    if residual is None:
+        return None
+    if not accumulate:
+        raise ValueError("residual= publishes the row accumulate=True added into: give out= and accumulate=True")
+    if residual.numel() != T * H or residual.stride(-1) != 1 or not residual.dtype.is_floating_point:
+        raise ValueError(f"residual must be a float [T, H] = {(T, H)} tensor with a contiguous last dim")
+    if residual.device != x.device:
+        raise ValueError(f"residual must be on {x.device}")
+    return torch.empty((T, H), dtype=residual.dtype, device=x.device)

@@ -17,7 +17,8 @@ hits and misses ((token, expert) pairs) into counts[0..3]: the offloaded figures
 The kernel is one program over the T * k (token, expert) pairs: pair p is its department's first when no earlier
 pair has the same department, and the slot of a department is the number of distinct departments below it (a
 [T*k, T*k] comparison, T * k <= 64). It zeroes `weights`, fills `dept` with -1, then (after a CTA barrier) writes
-each first pair's department into its slot and each pair's weight into (slot, t, j).
+each first pair's department into its slot and each pair's weight into (slot, t, j). Programmatic dependent launch
+(kernels/pdl.py) where the device has it.
 
 Shape legend: T tokens, k experts per token, n experts per department, S slots.
 """
@@ -29,6 +30,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -66,8 +69,11 @@ if triton is not None:
     @triton.jit
     def _slots_kernel(
         idx_ptr, w_ptr, dept_ptr, out_ptr, dmap_ptr, pmap_ptr, cnt_ptr, TK, K, T, n, S,
-        TK_P2: tl.constexpr, S_P2: tl.constexpr, Z_P2: tl.constexpr, MAPS: tl.constexpr,
+        TK_P2: tl.constexpr, S_P2: tl.constexpr, Z_P2: tl.constexpr, MAPS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # the routing is the kernel before's output: nothing is read before the wait
+            gdc_wait()
+            gdc_launch_dependents()
         p = tl.arange(0, TK_P2)
         pm = p < TK
         e = tl.load(idx_ptr + p, mask=pm, other=0).to(tl.int32)
@@ -130,6 +136,6 @@ def department_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: 
     _slots_kernel[(1,)](
         idx, wts, dept, w, dmap, pmap, counts, T * k, k, T, n, slots,
         TK_P2=triton.next_power_of_2(T * k), S_P2=triton.next_power_of_2(slots),
-        Z_P2=triton.next_power_of_2(slots * T * n), MAPS=maps is not None, num_warps=4,
+        Z_P2=triton.next_power_of_2(slots * T * n), MAPS=maps is not None, num_warps=4, **pdl_kw(idx),
     )  # fmt: skip
     return dept, w

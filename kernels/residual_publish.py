@@ -3,8 +3,9 @@ rounded once to the residual's dtype, and acc zeroed for the next user, in one l
 
 DeaMoE's fused front (localmoe/experts/departments.py `tail=`): kernels/moe_front.py adds the shared expert into an
 fp32 row of the experts' workspace, kernels/department_experts.py adds the departments' output into the same row
-(`accumulate=True`), and this kernel publishes the layer's output and leaves the row zeroed, as sparse_fused's tail
-does for the vanilla experts (the workspace is shared by every layer). Replaces a cast, an add and a memset.
+(`accumulate=True`) and publishes the layer's output from its down kernel's last program; this kernel is the same
+publish for a step with no department slot (and the reference of that tail): the layer's output written and the row
+left zeroed, as sparse_fused's tail does for the vanilla experts (the workspace is shared by every layer).
 
 Grid (T, cdiv(H, BLOCK)). Shapes: acc [T, H] fp32 contiguous, residual [T, H] any float dtype, last dim contiguous.
 """

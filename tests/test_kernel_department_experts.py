@@ -15,6 +15,8 @@ pytest.importorskip("triton")
 
 from localmoe.experts.departments import step_slots  # noqa: E402
 from localmoe.kernels.department_experts import department_experts, department_experts_ref  # noqa: E402
+from localmoe.kernels.residual_publish import residual_publish_ref  # noqa: E402
+from localmoe.kernels.workspace import zeroed_int32  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,6 +75,30 @@ def test_accumulate_adds_into_out(T):
     assert torch.equal(out, held)
     with pytest.raises(ValueError, match="accumulate"):
         department_experts(x, wg, wu, wd, private, dept, w, taus, accumulate=True)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_residual_tail_publishes_and_leaves_workspaces_zeroed(T, dtype):
+    """residual= (a fused decoder layer's tail): residual + (row + experts) in residual's dtype, rounded once, the row
+    zeroed, as residual_publish does; the launch leaves its z workspace and ticket zeroed for the next one."""
+    H, h, D, n, k = 72, 40, 5, 3, 3
+    x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, dtype, seed=5)
+    taus = torch.full((D,), 0.1, device=DEV)
+    gen = torch.Generator().manual_seed(11)
+    held = torch.randn(T, H, generator=gen).to(DEV)
+    residual = torch.randn(T, H, generator=gen).to(dtype).to(DEV)
+    ref, _ = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
+    expect = residual_publish_ref(held + ref, residual)
+    for _ in range(2):  # the second launch starts from what the first left behind
+        row = held.clone()
+        y = department_experts(x, wg, wu, wd, private, dept, w, taus, out=row, accumulate=True, residual=residual)
+        assert y.dtype == dtype and tuple(y.shape) == (T, H)
+        torch.testing.assert_close(y.float(), expect.float(), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 2e-2)
+        assert not row.any()
+        assert not zeroed_int32("department_experts", DEV, 0).any()
+    with pytest.raises(ValueError, match="accumulate"):
+        department_experts(x, wg, wu, wd, private, dept, w, taus, residual=residual)
 
 
 def test_padded_slots_and_repeated_departments():

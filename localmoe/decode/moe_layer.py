@@ -183,8 +183,9 @@ class FusedSparseMoeBlock(nn.Module):
         add, post-attention norm, router top-k, the shared expert into the experts' workspace row), then the
         experts' `sparse_fused` with the residual add in its tail (`shared_in_front=False`: the shared expert in
         sparse_fused's launch; a block without one: moe_front without it). DeaMoE's DepartmentExperts take the same
-        tail: moe_front routes group-limited, then the slotting, the three department kernels adding into the
-        workspace row and `residual_publish` (6 launches, was 9). mixed, residual [B, T, H] -> the layer's output.
+        tail: moe_front routes group-limited, then the slotting and the two department kernels adding into the
+        workspace row, the last publishing residual + row (4 launches, was 9). mixed, residual [B, T, H] -> the
+        layer's output.
         `scale` (GraniteMoE's residual_multiplier; no shared expert): the block's output is scaled before
         the add, through the k routing weights (one more launch)."""
         if scale != 1.0 and self.has_shared:

@@ -26,9 +26,9 @@ routing weights final, indices are flat expert numbers e = d * n + j):
   graph capturable), each touched department's weights read once for all T tokens; on CUDA (or `kernel_on_cpu`) the
   Triton kernel `localmoe.kernels.department_experts`, elsewhere its torch reference; with `tail=` (a fused decoder
   layer's step: kernels/moe_front.py did the residual add, norm, group-limited routing and the shared expert into
-  the workspace row) the kernel adds into that row and `residual_publish` writes residual + row in x's dtype and
-  zeroes the row: the block is moe_front, the slotting, the three department kernels and the publish (was 9
-  launches: norm, router, slotting, 3, cast, the shared expert's 2);
+  the workspace row) the kernel adds into that row, and its last program writes residual + row in x's dtype and
+  zeroes the row: the block is moe_front, the slotting and the two department kernels (was 9 launches: norm,
+  router, slotting, 3, cast, the shared expert's 2);
 - offloaded (`cache`: experts/department_cache.py, the parameters are host master copies): decode looks the step's
   departments and chosen experts up on the host, copies misses into the cache's pools and runs the same kernel on
   them (department slot ids in place of department numbers, `private_slots` mapping (slot, expert) into the private
@@ -51,7 +51,6 @@ from localmoe.experts.dense_path import _GROUPED_MM
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
 from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
 from localmoe.kernels.department_slots import department_slots, department_slots_ref
-from localmoe.kernels.residual_publish import residual_publish
 from localmoe.kernels.sparse_fused import Tail, shared_expert_term
 from localmoe.kernels.tuning import tuned
 
@@ -280,8 +279,9 @@ class DepartmentExperts(nn.Module):
         return self._run_kernel(x, args, w, sparse, self._tau_z(x.device), **out)
 
     def _decode_tail(self, x: torch.Tensor, top_k_index, top_k_weights, tail: Tail) -> torch.Tensor:
-        """`_decode` adding into the workspace row (the shared expert's output when moe_front put it there), then
-        residual + row in x's dtype, the row zeroed (`takes_tail` holds; module doc) -> [T, H]."""
+        """`_decode` adding into the workspace row (the shared expert's output when moe_front put it there), and
+        publishing residual + row in x's dtype in the same launch, the row zeroed (`takes_tail` holds; module doc)
+        -> [T, H]."""
         T, H = x.shape
         if tail.workspace is not None:
             acc = tail.workspace[: T * H].view(torch.float32).view(T, H)
@@ -289,12 +289,12 @@ class DepartmentExperts(nn.Module):
             acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         if tail.shared is not None:  # the shared expert not in moe_front's launch
             acc += shared_expert_term(x, tail.shared)
-        self._decode(x, top_k_index, top_k_weights, out=acc, accumulate=True)
-        return residual_publish(acc, tail.residual.view(T, H))
+        return self._decode(x, top_k_index, top_k_weights, out=acc, accumulate=True, residual=tail.residual.view(T, H))
 
     def _run_kernel(self, x, args, w, sparse: bool, tau_z=None, **where) -> torch.Tensor:
         """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading), or out= with
-        accumulate=True (the kernel only; the fp32 row is returned as it is); `tau_z` [D or department slots] applies
+        accumulate=True (the kernel only; the fp32 row is returned as it is; with residual= the published [T, H]
+        residual + row); `tau_z` [D or department slots] applies
         with the sparse path only. -> [T, H] in x's dtype."""
         if sparse and tau_z is not None:
             where["tau_z"] = tau_z
@@ -309,7 +309,7 @@ class DepartmentExperts(nn.Module):
             y, kept = department_experts_ref(*args, **where)
             if sparse:
                 self._count(kept, (w.abs().sum(-1) > 0).sum() * self.width)  # (token, department) pairs x h
-        return y if where.get("accumulate") else y.to(x.dtype)
+        return y if where.get("accumulate") and "residual" not in where else y.to(x.dtype)
 
     # -- offloaded: the same paths reading the department cache's pools (experts/department_cache.py) -------------
     def _through_cache(self, x: torch.Tensor, top_k_index, top_k_weights, few: bool) -> torch.Tensor:
