@@ -48,10 +48,12 @@ MAX_TOKENS = 8
 
 
 def _unpack_pools(pools) -> tuple:
-    """`pools` (gate, up, down, private pools, dept_map, private_map[, up_slots]) -> the same with up_slots (the
-    department slots whose up projection is in the up pool: slots [0, up_slots); default: the up pool's size)."""
+    """`pools` (gate, up, down, private pools, dept_map, private_map[, up_slots[, down_slots]]) -> the same with
+    up_slots and down_slots (the department slots whose up / down projection is in its pool: slots [0, up_slots) and
+    [0, down_slots); defaults: the up and down pools' sizes). A slot >= 0 always has its gate in the gate pool."""
     gp, upp, dp, pp, dmap, pmap, *rest = pools
-    return gp, upp, dp, pp, dmap, pmap, int(rest[0]) if rest else upp.shape[0]
+    up_slots = int(rest[0]) if rest else upp.shape[0]
+    return gp, upp, dp, pp, dmap, pmap, up_slots, int(rest[1]) if len(rest) > 1 else dp.shape[0]
 
 
 def department_experts_ref(
@@ -65,7 +67,7 @@ def department_experts_ref(
     dropped, and W_down rows no token keeps are not read."""
     ps = private_slots.tolist() if private_slots is not None else None
     if pools is not None:
-        gp, upp, dp, pp, dmap, pmap, up_slots = _unpack_pools(pools)
+        gp, upp, dp, pp, dmap, pmap, up_slots, down_slots = _unpack_pools(pools)
         dmap, pmap = dmap.tolist(), pmap.tolist()
     T, H = x.shape
     h = w_gate.shape[1]
@@ -79,10 +81,13 @@ def department_experts_ref(
         g_w, u_w, d_w = w_gate[d], w_up[d], w_down_t[d]
         on_host = pools is not None and dmap[d] < 0
         up_host = pools is not None and not 0 <= dmap[d] < up_slots
+        down_host = pools is not None and not 0 <= dmap[d] < down_slots
         if pools is not None and not on_host:
-            g_w, d_w = gp[dmap[d]], dp[dmap[d]]
+            g_w = gp[dmap[d]]
             if not up_host:
                 u_w = upp[dmap[d]]
+            if not down_host:
+                d_w = dp[dmap[d]]
         if on_host:
             from_host += h * H  # the gate, read once for the slot
         z_rows: set = set()  # W_down rows some token keeps (read once for the slot)
@@ -116,7 +121,7 @@ def department_experts_ref(
                 z_rows.update(range(h))
             y[t] += z @ d_w.float()
         from_host += sum(len(rows) for rows in live.values()) * h
-        if on_host:
+        if down_host:
             from_host += len(z_rows) * H
     if host_elems is not None:
         host_elems += from_host
@@ -235,7 +240,7 @@ if triton is not None:
     @triton.jit
     def _dept_down_kernel(
         wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, tick_ptr, res_ptr, out_ptr,
-        T, h, S, stride_dd, stride_pool, stride_res, stride_out,
+        T, h, S, stride_dd, stride_pool, stride_res, stride_out, down_slots,
         H: tl.constexpr, H_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr,
         ROWS: tl.constexpr, DIRECT: tl.constexpr, ZMASK: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
@@ -252,11 +257,12 @@ if triton is not None:
         tmask = tt < T
         if d >= 0:
             if DIRECT:
-                slot = tl.load(dmap_ptr + dd)
+                slot = tl.load(dmap_ptr + dd)  # its down projection in the pool when 0 <= slot < down_slots
                 pool = tl.maximum(slot, 0).to(tl.int64) * stride_pool
-                res = ((tl.arange(0, BLOCK_I) * 0 + slot) >= 0)[:, None]  # masks are blocks, not scalars
-                host = ((tl.arange(0, BLOCK_I) * 0 + slot) < 0)[:, None]
-                on_host = (slot < 0).to(tl.int64)
+                in_pool = (slot >= 0) & (slot < down_slots)
+                res = ((tl.arange(0, BLOCK_I) * 0 + in_pool.to(tl.int32)) > 0)[:, None]  # masks are blocks
+                host = ((tl.arange(0, BLOCK_I) * 0 + in_pool.to(tl.int32)) == 0)[:, None]
+                on_host = (in_pool == 0).to(tl.int64)
             read = tl.zeros((BLOCK_I,), dtype=tl.int64)  # W_down rows read, by row position in the block
             acc = tl.zeros((T_P2, BLOCK_O), dtype=tl.float32)
             if ZMASK:
@@ -336,10 +342,11 @@ def department_experts(
     never read).
 
     Direct offloading, `pools` = (gate_pool, up_pool, down_pool [P, h, H], private_pool [Q, h, h], dept_map [D] int32,
-    private_map [D * n] int32[, up_slots]): w_gate... and private are the host master copies (pinned when x is on CUDA:
-    read through unified addressing), dept holds department numbers, and a department / expert whose map entry is a slot
-    >= 0 is read from that pool slot (its up projection only when the slot is below up_slots, default the up pool's
-    size: the up pool may be shorter), any other straight from host memory (no copy, no host sync: graph capturable).
+    private_map [D * n] int32[, up_slots[, down_slots]]): w_gate... and private are the host master copies (pinned when
+    x is on CUDA: read through unified addressing), dept holds department numbers, and a department / expert whose map
+    entry is a slot >= 0 is read from that pool slot (its up projection only when the slot is below up_slots, its down
+    projection only below down_slots, defaults the up and down pools' sizes: those pools may be shorter), any other
+    straight from host memory (no copy, no host sync: graph capturable).
     `host_elems` (0-d int64 on x's device) gets the elements read from host memory added.
 
     `residual` [T, H] (with out= a workspace row and accumulate=True: a fused decoder layer's tail): the launch
@@ -382,9 +389,11 @@ def department_experts(
     if private.device != x.device and x.is_cuda and not private.is_pinned():
         raise ValueError("a host copy of private must be pinned (the GPU reads it through unified addressing)")
     if direct:
-        gp, upp, dp, pp, dmap, pmap, up_slots = _unpack_pools(pools)
+        gp, upp, dp, pp, dmap, pmap, up_slots, down_slots = _unpack_pools(pools)
         if not 0 <= up_slots <= upp.shape[0]:
             raise ValueError(f"up_slots must be within the up pool's {upp.shape[0]} slots, got {up_slots}")
+        if not 0 <= down_slots <= dp.shape[0]:
+            raise ValueError(f"down_slots must be within the down pool's {dp.shape[0]} slots, got {down_slots}")
         for name, w in (("gate_pool", gp), ("up_pool", upp), ("down_pool", dp)):
             expert_weights(name, w, w.shape[0], h, H, x.device)
         if pp.dim() != 3 or tuple(pp.shape[1:]) != (h, h) or not pp.is_contiguous() or pp.device != x.device:
@@ -442,11 +451,11 @@ def department_experts(
     kept = kept_total if count else ws  # any pointer when not counting
     seen = seen_total if see else ws
     if direct:
-        gp, upp, dp, pp, dmap, pmap, up_slots = _unpack_pools(pools)
+        gp, upp, dp, pp, dmap, pmap, up_slots, down_slots = _unpack_pools(pools)
         hc, pool_stride, pp_stride = host_elems, gp.stride(0), pp.stride(0)
     else:  # any tensors of the right kind: never read
         gp = upp = dp = w_gate
-        pp, dmap, pmap, hc, pool_stride, pp_stride, up_slots = private, dept, dept, ws, 0, 0, 0
+        pp, dmap, pmap, hc, pool_stride, pp_stride, up_slots, down_slots = private, dept, dept, ws, 0, 0, 0, 0
     if indexed and tuple(private_slots.shape) != (S, n):
         raise ValueError(f"private_slots must be [S, n] = {(S, n)}, got {tuple(private_slots.shape)}")
     pstride_d, pstride_e = (0, private.stride(0)) if indexed else (private.stride(0), private.stride(1))
@@ -465,7 +474,7 @@ def department_experts(
     _dept_down_kernel[(triton.cdiv(H, bo), S, splits)](
         w_down_t, dept, z_ws, out, dp, dmap, hc, tau if tau_z is None else tau_z, tick, res,
         residual_out if tail else x, T, h, S, w_down_t.stride(0), pool_stride, res.stride(0),
-        residual_out.stride(0) if tail else 0,
+        residual_out.stride(0) if tail else 0, down_slots,
         H=H, H_P2=triton.next_power_of_2(H), T_P2=t_p2, BLOCK_I=bi, BLOCK_O=bo, ROWS=rows, DIRECT=direct,
         ZMASK=tau_z is not None, TAIL=tail, num_warps=num_warps, **pdl_kw(x),
     )  # fmt: skip

@@ -229,32 +229,41 @@ def test_direct_offloading_tokens_equal_resident(engines, direct, tau):
             _sparse(e, 0.0)
 
 
-def test_direct_split_spends_the_plan_bytes_on_gate_down_pairs_then_up_then_private():
-    """Direct misses read a department's gate and down whole, its up and the private parts at kept rows only: the
-    plan's cache bytes go to gate/down pairs first, then up projections, then private parts."""
+def test_direct_split_spends_the_plan_bytes_on_gates_then_downs_then_ups_then_private():
+    """Direct misses read a department's gate whole, its down whole (kept z rows with tau_z), its up and the private
+    parts at kept rows only: the plan's cache bytes go to gates first, then down projections, then up projections,
+    then private parts."""
     p = _plan(2.5, 4)  # of 8 departments: bytes for 2.5 whole ones and 4 private parts
     assert (p.department_slots, p.private_slots) == (2, 7)  # copy mode: whole units (half a department: 3 privates)
-    room = p.cache_bytes
-    pairs, ups, privs = direct_split(p)
-    assert pairs == room // (2 * DEPT // 3) > p.department_slots
-    assert ups == (room - pairs * 2 * DEPT // 3) // (DEPT // 3)
-    assert privs == (room - pairs * 2 * DEPT // 3 - ups * DEPT // 3) // PRIV
-    assert f"gate and down projections of {pairs} departments" in p.summary()
+    room, third = p.cache_bytes, DEPT // 3
+    gates, downs, ups, privs = direct_split(p)
+    assert gates == min(8, room // third) == 8 > p.department_slots  # room for 8 gates and a few downs
+    assert 0 < downs == (room - gates * third) // third < 8 and ups == 0
+    assert privs == (room - (gates + downs) * third) // PRIV
+    assert f"gate projections of {gates} departments, the down projections of {downs}" in p.summary()
+    gates, downs, ups, _ = direct_split(_plan(8 * 2 / 3 + 0.5, 4))  # every gate and down, then some ups
+    assert (gates, downs) == (8, 8) and 0 < ups < 8
     full = _plan(8, 24)
-    assert direct_split(full) == (8, 8, 24) and "direct" not in full.summary()
+    assert direct_split(full) == (8, 8, 8, 24) and "direct" not in full.summary()
 
 
-def test_direct_up_tier_tokens_equal_resident(engines):
-    """A budget holding every department's gate and down projections, the up projections of only some and a few
-    private parts: the kernels read the other ups' kept rows from the host copies; tokens equal the resident
-    engine's at a threshold."""
+@pytest.mark.parametrize("tier", ["up", "down"])
+def test_direct_tiers_tokens_equal_resident(engines, tier):
+    """A budget holding every department's gate, and the down and up projections of only some ("down": half the
+    downs, no ups; "up": every down, half the ups) and a few private parts: the kernels read the other projections'
+    rows from the host copies; tokens equal the resident engine's at a threshold."""
     resident, _, _ = engines
     p = resident.loaded.offload
     fixed = p.non_expert_bytes + p.state_bytes + WORKSPACE_RESERVE
-    budget = (fixed + p.departments_total * p.department_bytes * 5 // 6 + 10 * p.private_bytes) / GiB
+    share = {"up": 5 / 6, "down": 1 / 2}[tier]  # of every department's three projections
+    budget = (fixed + int(p.departments_total * p.department_bytes * share) + 10 * p.private_bytes) / GiB
     e = Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=budget, offload_miss="direct")
-    cache = e.loaded.cache
-    assert cache.departments.slots == p.departments_total and 0 < cache.up_slots < p.departments_total
+    cache, total = e.loaded.cache, p.departments_total
+    assert cache.departments.slots == total
+    if tier == "up":
+        assert cache.down_slots == total and 0 < cache.up_slots < total
+    else:
+        assert 0 < cache.down_slots < total and cache.up_slots == 0
     for x in (resident, e):
         _sparse(x, 0.05)
     try:

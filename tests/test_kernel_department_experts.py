@@ -160,14 +160,14 @@ def _pooled(wg, wu, wd, private, resident_depts, resident_experts, n):
     return (*pools, pp, dmap, pmap)
 
 
-@pytest.mark.parametrize("T,up_tier", [(1, False), (3, True)], ids=["T1", "T3-up-tier"])
+@pytest.mark.parametrize("T,tier", [(1, ()), (3, (2,)), (2, (2, 2))], ids=["T1", "T3-up-tier", "T2-up-down-tier"])
 @pytest.mark.parametrize("tau", [0.0, 0.1], ids=["tau0", "tau0.1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_direct_reads_pools_and_host(T, up_tier, tau, dtype):
+def test_direct_reads_pools_and_host(T, tier, tau, dtype):
     """Direct offloading: resident units read from their pool slots (their host copies are NaN, so a wrong read
     shows), the others from the host master copies; y equals the reference on the true weights, and the elements
-    read from host memory equal the reference's count. `up_tier`: only the first resident department's up
-    projection sits in the up pool (up_slots 2: the spare slot and it); the others' up rows come from the host."""
+    read from host memory equal the reference's count. `tier` (up_slots[, down_slots]) 2: only the first resident
+    department's up (and down) projection sits in its pool (slot 0 is a spare); the others' come from the host."""
     D, n, h, H, k = 5, 3, 40, 96, 3
     x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, dtype)
     taus = torch.full((D,), tau, device=DEV)
@@ -176,21 +176,22 @@ def test_direct_reads_pools_and_host(T, up_tier, tau, dtype):
     resident_depts = used[::2]  # half of the step's departments resident
     chosen = sorted({e for e in range(D * n) if bool((w[:, :, e % n] != 0).any()) and e // n in used})
     resident_experts = chosen[1::2]
-    tier = (2,) if up_tier else ()
     pools = (*_pooled(wg, wu, wd, private, resident_depts, resident_experts, n), *tier)
     hg, hu, hd, hp = (t.clone() for t in (wg, wu, wd, private))
     for i, d in enumerate(resident_depts):
-        hg[d] = hd[d] = float("nan")
-        if not up_tier or i == 0:
+        hg[d] = float("nan")
+        if not tier or i == 0:
             hu[d] = float("nan")
+        if len(tier) < 2 or i == 0:
+            hd[d] = float("nan")
     for e in resident_experts:
         hp[e // n, e % n] = float("nan")
-    if up_tier:
-        assert len(resident_depts) > 1
-        pools[1][2:] = float("nan")  # up slots past up_slots are never read
     ref_pools = (*_pooled(wg, wu, wd, private, resident_depts, resident_experts, n), *tier)
-    if up_tier:
-        ref_pools[1][2:] = float("nan")
+    if tier:
+        assert len(resident_depts) > 1
+        for p in (pools, ref_pools):  # slots past up_slots / down_slots are never read from those pools
+            for pool in (p[1], p[2])[: len(tier)]:
+                pool[2:] = float("nan")
     hc_ref = torch.zeros((), dtype=torch.int64, device=DEV)
     ref, _ = department_experts_ref(x, hg, hu, hd, hp, dept, w, taus, pools=ref_pools, host_elems=hc_ref)
     hc = torch.zeros((), dtype=torch.int64, device=DEV)

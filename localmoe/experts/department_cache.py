@@ -11,8 +11,9 @@ pin it: the copy is then asynchronous on the current stream) and the kernels rea
 (`DepartmentExperts`: department slot ids in place of department numbers, a [S, n] map into the private pool).
 
 Direct mode (`direct=True`; on CUDA with pinned master copies, the default there): the pools are filled once (`place`:
-round-robin over the layers so each layer holds an equal share; the gate and down projections of departments first, the
-up projections of the first `up_slots` of them next, then private parts: department_placement.direct_split) and never
+round-robin over the layers so each layer holds an equal share; the gate projections of departments first, the down
+projections of the first `down_slots` of them, the up projections of the first `up_slots`, then private parts:
+department_placement.direct_split) and never
 change; device maps (layer -> [D] department slot, [D * n] private slot, -1: in host memory) let the decode kernels read
 a resident unit from its pool slot and any other straight from pinned host memory (kernels/department_experts.py
 `pools=`), with no lookup on the host: the decode step is captured in a CUDA graph. The step's hits and misses and the
@@ -84,6 +85,7 @@ class DepartmentCache:
         device,
         direct: bool = False,
         up_slots: int | None = None,
+        down_slots: int | None = None,
     ):
         # "copy": misses copied in before the compute (the engine decodes eagerly); "direct": module doc
         self.mode = "direct" if direct else "copy"
@@ -97,9 +99,12 @@ class DepartmentCache:
             return torch.empty(s, dtype=dtype, device=self.device)
 
         ds, ps = max(department_slots, 1), max(private_slots, 1)  # a kernel needs a pool to point at
-        # direct mode: department slots [0, up_slots) hold their up projection too (copy mode: every slot)
+        # direct mode: department slots [0, down_slots) hold their down projection too, [0, up_slots) their up
+        # projection (copy mode: every slot all three)
+        self.down_slots = department_slots if down_slots is None or not direct else min(down_slots, department_slots)
         self.up_slots = department_slots if up_slots is None or not direct else min(up_slots, department_slots)
-        self.gate, self.up, self.down_t = make(ds, h, H), make(max(self.up_slots, 1), h, H), make(ds, h, H)
+        self.gate, self.up = make(ds, h, H), make(max(self.up_slots, 1), h, H)
+        self.down_t = make(max(self.down_slots, 1), h, H)
         self.private = make(ps, h, h)
         self.masters: dict[int, object] = {}  # layer -> DepartmentWeights (host master copies)
         self.departments = Pool(department_slots, 3 * h * H * el, self._copy_department)
@@ -124,7 +129,8 @@ class DepartmentCache:
 
     def place(self) -> None:
         """Direct mode: fill the pools once, departments round-robin over the layers (department 0 of every layer,
-        then 1, ...; the up projection only in slots below `up_slots`), then private parts the same way, and write
+        then 1, ...; the down / up projection only in slots below `down_slots` / `up_slots`), then private parts the
+        same way, and write
         the maps (kept on the host too, in `_placed`);
         nothing is evicted afterwards."""
         layers = sorted(self.masters)
@@ -136,8 +142,9 @@ class DepartmentCache:
         units = [(layer, d) for d in range(D) for layer in layers][: self.departments.slots]
         for slot, (layer, d) in enumerate(units):
             m = self.masters[layer]
-            for dst, src in ((self.gate, m.w_gate), (self.down_t, m.w_down_t)):
-                dst[slot].copy_(src[d])
+            self.gate[slot].copy_(m.w_gate[d])
+            if slot < self.down_slots:
+                self.down_t[slot].copy_(m.w_down_t[d])
             if slot < self.up_slots:
                 self.up[slot].copy_(m.w_up[d])
             self._placed[(layer, d)] = host[layer][0][d] = slot
@@ -151,7 +158,8 @@ class DepartmentCache:
 
     def direct_pools(self, layer: int) -> tuple:
         """department_experts' `pools=` for `layer` (direct mode)."""
-        return self.gate, self.up, self.down_t, self.private, self.dept_map[layer], self.priv_map[layer], self.up_slots
+        maps = (self.dept_map[layer], self.priv_map[layer])
+        return self.gate, self.up, self.down_t, self.private, *maps, self.up_slots, self.down_slots
 
     def _copy_department(self, key: tuple[int, int], slot: int) -> None:
         layer, d = key
@@ -182,10 +190,14 @@ class DepartmentCache:
             if slot < 0:
                 self.copied_bytes += self.departments.unit_bytes
                 return tuple(t[d].to(self.device, non_blocking=True) for t in (m.w_gate, m.w_up, m.w_down_t))
-            if slot < self.up_slots:
-                return self.gate[slot], self.up[slot], self.down_t[slot]
-            self.copied_bytes += self.departments.unit_bytes // 3
-            return self.gate[slot], m.w_up[d].to(self.device, non_blocking=True), self.down_t[slot]
+            parts = []
+            for pool, master, below in ((self.up, m.w_up, self.up_slots), (self.down_t, m.w_down_t, self.down_slots)):
+                if slot < below:
+                    parts.append(pool[slot])
+                else:  # a temporary copy of the projection the pool does not hold
+                    self.copied_bytes += self.departments.unit_bytes // 3
+                    parts.append(master[d].to(self.device, non_blocking=True))
+            return self.gate[slot], *parts
         (s,) = self.department_slots(layer, [d])
         return self.gate[s], self.up[s], self.down_t[s]
 

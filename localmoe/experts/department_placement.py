@@ -7,9 +7,11 @@ worth more VRAM than any one private unit: it serves every expert of its departm
 the non-expert weights, the KV/recurrent state and the workspace reserve holds department units first (all of them when
 they fit), then private units; every unit's master copy stays in host memory (pinned when possible, as for vanilla MoEs:
 placement.host_buffer). Direct offloading (misses read in place from pinned host memory, experts/department_cache.py)
-spends the same bytes by what a miss costs (`direct_split`): a department's gate and down_t are read whole on every step
-that touches it, its up_t and the private parts only at kept rows, so the gate/down pairs of as many departments as fit
-come first, then their up projections, then private parts. Below one token's need of a layer
+spends the same bytes by what a miss costs (`direct_split`): a department's gate is read whole on every step that
+touches it, its down_t whole too (only the rows of kept z entries with DeaMoE's second threshold `tau_z`), its up_t and
+the private parts only at kept rows, so the gates of as many departments as fit come first, then their down
+projections, then their up projections, then private parts (without tau_z, gates then downs saves what gate/down
+pairs would: a byte of either is read on every touch). Below one token's need of a layer
 (`max_departments_per_token` department units and k private units) the budget is refused in one line that says what
 would fit. The cache that fills the plan is localmoe.experts.department_cache.
 """
@@ -65,25 +67,27 @@ class DepartmentPlan(OffloadPlan):
         """How direct offloading spends the same bytes (`direct_split`), when it differs."""
         if not self.offloading:
             return ""
-        pairs, ups, privs = direct_split(self)
+        gates, downs, ups, privs = direct_split(self)
         return (
-            f"; with direct misses, the gate and down projections of {pairs} departments, the up projections of "
-            f"{ups}, and {privs} private parts"
+            f"; with direct misses, the gate projections of {gates} departments, the down projections of {downs}, "
+            f"the up projections of {ups}, and {privs} private parts"
         )
 
 
-def direct_split(plan: DepartmentPlan) -> tuple[int, int, int]:
-    """Direct offloading's use of the plan's cache bytes: (departments whose gate and down_t are resident, how many
-    of those (the first ones) have their up projection resident too, private parts resident); module doc."""
+def direct_split(plan: DepartmentPlan) -> tuple[int, int, int, int]:
+    """Direct offloading's use of the plan's cache bytes: (departments whose gate is resident, how many of those
+    (the first ones) have their down projection resident too, how many of those their up projection, private parts
+    resident); module doc."""
+    total = plan.departments_total
     if not plan.offloading:
-        return plan.departments_total, plan.departments_total, plan.total_experts
+        return total, total, total, plan.total_experts
     third = plan.department_bytes // 3  # one of the department's three [h, H] projections
     room = plan.cache_bytes
-    pairs = min(plan.departments_total, room // (2 * third))
-    room -= pairs * 2 * third
-    ups = min(pairs, room // third)
-    room -= ups * third
-    return int(pairs), int(ups), int(min(plan.total_experts, room // plan.private_bytes))
+    gates = min(total, room // third)
+    downs = min(gates, (room - gates * third) // third)
+    ups = min(downs, (room - (gates + downs) * third) // third)
+    room -= (gates + downs + ups) * third
+    return int(gates), int(downs), int(ups), int(min(plan.total_experts, room // plan.private_bytes))
 
 
 def plan_departments(

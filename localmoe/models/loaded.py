@@ -119,8 +119,8 @@ def attach_department_cache(loaded: LoadedModel, dtype, device, pinned: bool, mi
     shape = (m0.num_departments, m0.per_department, m0.width, m0.hidden_size)
     direct = miss == "direct" or (miss == "auto" and torch.device(device).type == "cuda" and pinned)
     if direct:  # the same bytes, spent by what a miss costs there: gate/down pairs, then up, then private parts
-        pairs, ups, privs = direct_split(plan)
-        cache = DepartmentCache(pairs, privs, shape, dtype, device, direct=True, up_slots=ups)
+        gates, downs, ups, privs = direct_split(plan)
+        cache = DepartmentCache(gates, privs, shape, dtype, device, direct=True, up_slots=ups, down_slots=downs)
     else:
         cache = DepartmentCache(plan.department_slots, plan.private_slots, shape, dtype, device)
     for m in loaded.experts:
