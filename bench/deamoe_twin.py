@@ -13,7 +13,7 @@ Two parts, each printing a table and writing JSON under --out:
 
     PYTHONUNBUFFERED=1 python bench/deamoe_twin.py layer --out $OUT [--z 0,0.5]    # --z: tau_z rows at 85%
     PYTHONUNBUFFERED=1 python bench/deamoe_twin.py tune --out $OUT    # department_experts' launch keywords
-    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py engine --vram 12 --sparsity 0.85 --out $OUT
+    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py engine --vram 12 --sparsity 0.85 --out $OUT [--engine-z 0,0.5]
 """
 
 from __future__ import annotations
@@ -242,9 +242,12 @@ def tune_part(out: Path) -> None:
     (out / "department_tuned.json").write_text(json.dumps(found, indent=1))
 
 
-def engine_part(out: Path, pair: str, vram: float | None, sparsities: list[float], prompt: int, decode: int) -> None:
+def engine_part(
+    out: Path, pair: str, vram: float | None, sparsities: list[float], prompt: int, decode: int, zs: list[float]
+) -> None:
+    """The vanilla shape, then the DeaMoE one at each z sparsity in `zs` (a fresh engine each)."""
     results = []
-    for shape in PAIRS[pair]:
+    for shape, z in [(PAIRS[pair][0], 0.0)] + [(PAIRS[pair][1], z) for z in zs]:
         res = bench(
             None,
             shape=shape,
@@ -254,16 +257,20 @@ def engine_part(out: Path, pair: str, vram: float | None, sparsities: list[float
             prompt_tokens=prompt,
             decode_tokens=decode,
             vram_gib=vram,
+            z_sparsity=z,
         )
         print(table(res), flush=True)
         results.append(res)
         gc.collect()
         torch.cuda.empty_cache()
-    base, twin = ({r["sparsity"]: r for r in res["rows"]} for res in results)
+    base = {r["sparsity"]: r for r in results[0]["rows"]}
     print(f"\n{PAIRS[pair][1]} / {PAIRS[pair][0]} decode tok/s at --vram {vram or 'resident'}:")
-    for s in sparsities:
-        if s in base and s in twin:
-            print(f"  sparsity {s:.0%}: {twin[s]['decode_tok_s'] / base[s]['decode_tok_s']:.2f}x")
+    for z, res in zip(zs, results[1:]):
+        twin = {r["sparsity"]: r for r in res["rows"]}
+        for s in sparsities:
+            if s in base and s in twin:
+                zt = f", z sparsity {z:.0%}" if z and s else ""
+                print(f"  sparsity {s:.0%}{zt}: {twin[s]['decode_tok_s'] / base[s]['decode_tok_s']:.2f}x")
     name = f"deamoe_engine_{pair}_{'resident' if vram is None else f'vram{vram:g}'}.json"
     (out / name).write_text(json.dumps(results, indent=1))
 
@@ -278,6 +285,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
     ap.add_argument("--z", default="0", help="layer: z sparsities (tau_z quantiles) for the DeaMoE rows at 85%%")
+    ap.add_argument("--engine-z", default="0", help="engine: the DeaMoE engine's z sparsities (one engine each)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.part == "layer":
@@ -286,7 +294,8 @@ def main() -> None:
         tune_part(a.out)
     else:
         sp = [float(s) for s in a.sparsity.split(",")]
-        engine_part(a.out, a.pair, a.vram, sp, a.prompt_tokens, a.decode_tokens)
+        zs = [float(z) for z in a.engine_z.split(",")]
+        engine_part(a.out, a.pair, a.vram, sp, a.prompt_tokens, a.decode_tokens, zs)
 
 
 if __name__ == "__main__":

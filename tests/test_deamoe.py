@@ -251,6 +251,71 @@ def test_thresholds_calibrate_and_apply_per_department(engine, mode):
     assert engine.realized_sparsity() == 0.0
 
 
+def test_z_sparsity_calibrates_tau_z_caches_it_and_decodes(engine, monkeypatch):
+    """--z-sparsity Q: a second pass records |z| with tau's mask on; tau_z per layer is its Q-quantile, cached in a
+    file of its own (read back without calibrating), applied to every department, the sparse decode runs with it,
+    and `set_z_sparsity(0)` clears it at the next `set_sparsity`."""
+    table = thresholds.thresholds_for(engine, 0.3, tokens=256, z_sparsity=0.5)
+    assert table.path is not None and table.path.name.endswith("-z0.5000.json")
+    assert table.taus_z is not None and len(table.taus_z) == 8 and all(t > 0 for t in table.taus_z)
+    saved = json.loads(table.path.read_text())
+    assert saved["z_sparsity"] == 0.5 and saved["z_thresholds"] == list(table.taus_z)
+    plain = thresholds.thresholds_for(engine, 0.3, tokens=256)
+    assert plain.taus_z is None and plain.path != table.path and plain.taus == table.taus
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(thresholds, "calibrate_ids", no_calibration)
+    again = thresholds.thresholds_for(engine, 0.3, tokens=256, z_sparsity=0.5)
+    assert again.taus_z == table.taus_z
+    monkeypatch.undo()
+    try:
+        engine.set_z_sparsity(0.5)
+        engine.set_sparsity(0.3)
+        for m in engine.loaded.experts:  # (the engine calibrates on its own token count: its own table)
+            assert m.tau_z is not None and m.tau_z.shape == (6,) and float(m.tau_z.min()) > 0
+        _, got = _reply(engine, 4)
+        assert len(got) == 4
+    finally:
+        engine.set_z_sparsity(0.0)
+        engine.set_sparsity(0.0)
+    engine.set_sparsity(0.3)
+    try:
+        assert all(m.tau_z is None for m in engine.loaded.experts)
+    finally:
+        engine.set_sparsity(0.0)
+
+
+def test_z_thresholds_drop_about_q_of_z_on_the_calibration_text(engine):
+    """tau_z at the 0.5-quantile of |z| (with tau's mask on) drops about half of z's entries on the text it was
+    calibrated on."""
+    table = thresholds.thresholds_for(engine, 0.3, tokens=512, z_sparsity=0.5)
+    m = engine.loaded.experts[3]
+    rec = GateRecorder()
+    thresholds.apply(engine.loaded, table, device=engine._device)
+    try:
+        for x in engine.loaded.experts:
+            x.mask_all_tokens = True
+        m.z_recorder = rec
+        ids = engine.tokenizer(thresholds.DEFAULT_TEXT.read_text(), add_special_tokens=False)["input_ids"][:512]
+        with torch.no_grad():
+            engine.model(input_ids=torch.tensor([ids]), use_cache=False)
+    finally:
+        m.z_recorder = None
+        for x in engine.loaded.experts:
+            x.mask_all_tokens = False
+        engine.set_sparsity(0.0)
+    z = torch.cat(rec.values)
+    assert 0.4 < float((z < table.taus_z[3]).float().mean()) < 0.6
+
+
+def test_z_sparsity_is_refused_for_a_model_without_departments(capsys):
+    code, err = _cli(capsys, "run", "localmoe-tiny", "hi", "--z-sparsity", "0.5")
+    assert code == 2 and err.startswith("localmoe: error: ") and err.count("\n") == 1
+    assert "--z-sparsity is for DeaMoE models" in err
+
+
 def _cli(capsys, *args):
     from localmoe.cli.main import main
 

@@ -166,6 +166,18 @@ def add_predictor_flags(p: argparse.ArgumentParser, many: bool = False) -> None:
     )
 
 
+def add_z_sparsity_flag(p: argparse.ArgumentParser) -> None:
+    """`--z-sparsity Q`: DeaMoE's second threshold (experts/thresholds.py)."""
+    p.add_argument(
+        "--z-sparsity",
+        type=sparsity,
+        default=0.0,
+        metavar="Q",
+        help="DeaMoE models: also drop the Q smallest shares of each department's down-projection input (z) on the "
+        "sparse path and skip those W_down rows; fewer bytes read, some quality lost (0 = off) (default: 0)",
+    )
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_experts_flag(p)
     p.add_argument(
@@ -196,6 +208,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     add_context_flag(p, "context length in tokens, prompt + reply (default: 8192, or the model's maximum if smaller)")
     add_predictor_flags(p)
+    add_z_sparsity_flag(p)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -73,6 +73,7 @@ def load_engine(args, progress=None, model: str | None = None):
         experts=args.experts,
         departments=args.departments,
         rank=args.rank,
+        z_sparsity=getattr(args, "z_sparsity", 0.0),
         show_plan=not getattr(args, "json", False) and isatty(sys.stderr),
     )
     effort = getattr(args, "reasoning_effort", None)

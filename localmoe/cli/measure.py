@@ -39,6 +39,7 @@ def cmd_calibrate(args) -> int:
         on_notice=notice,
         show_plan=False,
     )
+    engine.set_z_sparsity(args.z_sparsity)  # refused in one line for a model without departments
     table = thresholds.thresholds_for(
         engine,
         args.sparsity,
@@ -46,6 +47,7 @@ def cmd_calibrate(args) -> int:
         text=args.text,
         tokens=args.tokens or thresholds.DEFAULT_TOKENS,
         force=True,
+        z_sparsity=args.z_sparsity,
     )
     fitted = None
     if args.departments:
@@ -60,8 +62,9 @@ def cmd_calibrate(args) -> int:
             progress=bar,
             force=True,
         )
+    z = f" and z sparsity {args.z_sparsity:.1%}" if args.z_sparsity else ""
     done = (
-        f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%} on {table.meta.get('tokens')} "
+        f"calibrated {engine.model_name} at sparsity {args.sparsity:.1%}{z} on {table.meta.get('tokens')} "
         f"tokens of {table.meta['calibration_set']}"
     )
     if table.path is None:
@@ -113,6 +116,7 @@ def cmd_eval(args) -> int:
             experts=fmt,
             embeddings=args.embeddings,
         )
+        engine.set_z_sparsity(args.z_sparsity)  # DeaMoE: τ_z on every sparse row (refused for other models)
         if args.tasks:
             from localmoe.measure.harness import run_tasks
 
@@ -172,6 +176,7 @@ def cmd_bench(args) -> int:
             departments=args.departments,
             rank=args.rank,
             embeddings=args.embeddings,
+            z_sparsity=args.z_sparsity,
         )
         return result, table(result)
 

@@ -18,6 +18,7 @@ from localmoe.cli.flags import (
     add_predictor_flags,
     add_sampling_flags,
     add_vram_flag,
+    add_z_sparsity_flag,
     ranged,
     sparsity,
     sparsity_list,
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--include-path", default=None, help="lm-eval: folder with extra task YAMLs (default: none)")
     add_predictor_flags(p, many=True)
+    add_z_sparsity_flag(p)
     add_experts_flag(p, many=True)
     add_json_flag(p, "one JSON object instead of the table")
     add_device_flags(p)
@@ -164,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="load time, prefill and decode tok/s, memory, byte floor")
     p.add_argument("model", metavar="MODEL", nargs="?", default=None)
     add_predictor_flags(p, many=True)
+    add_z_sparsity_flag(p)
     p.add_argument(
         "--shape",
         metavar="ALIAS",
@@ -251,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens of the text to calibrate on (default: 4096)",
     )
     add_predictor_flags(p)
+    add_z_sparsity_flag(p)
     add_experts_flag(p)
     add_device_flags(p)
     add_debug_flag(p)

@@ -64,6 +64,7 @@ class Engine:
         self.sparsity = 0.0
         self.departments = 0  # the gate predictor's departments per layer (--departments; 0 = off)
         self.rank: int | None = None  # its rank r (None: predictor.default_rank)
+        self.z_sparsity = 0.0  # DeaMoE's second threshold τ_z at this quantile of |z| (--z-sparsity; 0 = off)
         self.calibration_tokens = thresholds.DEFAULT_TOKENS  # tokens of calibration text for τ and the predictor
         self._cancel = threading.Event()
         self._stats = EngineStats()
@@ -165,12 +166,30 @@ class Engine:
             self._drop_graph()  # captured with the old predictor: the next set_sparsity applies the new one
         self.departments, self.rank = departments, rank
 
+    def set_z_sparsity(self, z_sparsity: float) -> None:
+        """DeaMoE's second threshold from the next `set_sparsity` on: z entries under the z_sparsity-quantile of |z|
+        dropped and their W_down rows not read (0 = off). DeaMoE models only; a bad value is a one-line usage error."""
+        if not 0.0 <= z_sparsity < 1.0:
+            raise UsageError(f"--z-sparsity must be in [0, 1), got {z_sparsity}")
+        if z_sparsity and not all(hasattr(m, "tau_z") for m in self.loaded.experts):
+            raise UsageError(
+                f"--z-sparsity is for DeaMoE models (departments); {self.model_name} has none: leave it out"
+            )
+        if z_sparsity != self.z_sparsity:
+            self._drop_graph()  # captured with the old τ_z: the next set_sparsity applies the new one
+        self.z_sparsity = z_sparsity
+
     def _set_sparsity(self, sparsity: float, progress: ProgressFn | None, calibration_text: str | None) -> None:
         if sparsity == 0.0:
             thresholds.disable(self.loaded, device=self._device)
         else:
             table = thresholds.thresholds_for(
-                self, sparsity, progress=progress, text=calibration_text, tokens=self.calibration_tokens
+                self,
+                sparsity,
+                progress=progress,
+                text=calibration_text,
+                tokens=self.calibration_tokens,
+                z_sparsity=self.z_sparsity,
             )
             thresholds.apply(self.loaded, table, device=self._device)
         preds = None

@@ -46,8 +46,10 @@ def load_engine(
     show_plan: bool = False,
     departments: int = 0,
     rank: int | None = None,
+    z_sparsity: float = 0.0,
 ):
-    """Resolve, load and calibrate MODEL (`departments`, `rank`: the gate predictor, Engine.set_departments).
+    """Resolve, load and calibrate MODEL (`departments`, `rank`: the gate predictor, Engine.set_departments;
+    `z_sparsity`: DeaMoE's second threshold, Engine.set_z_sparsity).
     Notices go to `on_notice` and `engine.notes`; the plan line
     (`plan_line`, `localmoe show`'s one-line plan) is the first of `notes`, and goes to `on_notice` too with
     `show_plan` (the CLI's run on a terminal)."""
@@ -89,6 +91,7 @@ def load_engine(
     engine._defaults = generation_defaults(resolved.path, notice)
     _offload_notices(engine)
     engine.set_departments(departments, rank)
+    engine.set_z_sparsity(z_sparsity)
     engine.set_sparsity(sparsity, progress, calibration_text=calibration_text)
     engine.on_notice = on_notice  # later notices (recalibration, graph fallbacks) go to the caller only
     _loaded_in(engine, t0)

@@ -152,6 +152,7 @@ class DepartmentExperts(nn.Module):
         self.max_sparse_tokens = 1
         self.mask_all_tokens = False  # evaluation: the sparse mask on the dense path too (same function)
         self.recorder = None  # localmoe.experts.gate_recorder.GateRecorder during calibration (keyed by department)
+        self.z_recorder = None  # the same for |z| (tau_z's calibration: the dense path with tau's mask on)
         self.kernel_on_cpu = False  # tests: the Triton path on CPU tensors (TRITON_INTERPRET=1)
         self.kept = torch.zeros((), dtype=torch.int64)  # kept neurons (sparse paths), updated in place
         self.seen = torch.zeros((), dtype=torch.int64)  # neurons considered there (a device counter: no host sync)
@@ -248,6 +249,8 @@ class DepartmentExperts(nn.Module):
         zp = _mm_by_group(u[slot_pair], self.private.view(D * n, h, h), e_ends_t.tolist(), e_ends_t)  # [T*k, h]
         zp = zp * top_k_weights.reshape(-1)[order, None].to(zp.dtype)
         z = torch.zeros(u.shape[0], h, dtype=zp.dtype, device=x.device).index_add(0, slot_pair, zp)  # [P, h]
+        if self.z_recorder is not None:
+            self.z_recorder.add_rows(z.abs(), pd)
         if masked and self.tau_z is not None:
             z = z * (z.abs() >= self.tau_z.to(z.device)[pd].unsqueeze(1))
         y = _mm_by_group(z, self.down_t, ends, ends_t)  # [P, H]
@@ -396,6 +399,8 @@ def dense_cached(m: DepartmentExperts, x: torch.Tensor, top_k_index, top_k_weigh
             g = (wts * hit).sum(1)[r]
             zp = (u[r] @ cache.private_of(layer, d, j).to(u.dtype)) * g[:, None].to(u.dtype)
             z = z.index_add(0, r, zp)
+        if m.z_recorder is not None:
+            m.z_recorder.add_rows(z.abs(), torch.full((z.shape[0],), d, dtype=torch.int64, device=x.device))
         if masked and m.tau_z is not None:
             z = z * (z.abs() >= m.tau_z.to(z.device)[d])
         y = y.index_add(0, rows, (z @ down_t.to(z.dtype)).to(x.dtype))

@@ -11,6 +11,11 @@ written leaves the thresholds in memory for the run, with a notice. The default 
 package (works offline). The same pass counts the tokens routed to each expert (`routing_counts`, kept in the file):
 an expert cache whose gate tier cannot hold every gate gives its slots to the most-routed experts' gates (`apply`).
 
+DeaMoE's second threshold (`z_sparsity` Q > 0, DepartmentExperts only): after τ is set, a second pass over the same
+text records |z| (what a department's down projection reads: z = Σ_j g_j · u P_j, with τ's mask on u) and τ_z[layer]
+is its Q-quantile; the decode kernels then drop z entries under τ_z and skip the W_down rows no token keeps. The file
+of a table with Q > 0 is its own (`-z{Q}` in its name) and holds `z_thresholds`, one per layer.
+
 A `loaded` argument is the loader's LoadedModel, read through `.model`, `.config`, `.experts` and `.cache` only:
 this module sits below the loader and does not import it.
 """
@@ -50,15 +55,19 @@ class ThresholdTable:
     taus: tuple  # per MoE layer in layer order: a float (mode "layer") or a tuple of E floats (mode "expert")
     meta: dict
     path: Path | None = None  # the cache file holding it (None: calibrated for this run only, or random ids)
+    taus_z: tuple | None = None  # DeaMoE's τ_z per MoE layer (meta "z_sparsity" > 0), else None
 
 
 def cache_dir() -> Path:
     return cache_root() / "thresholds"
 
 
-def cache_path(model_name: str, revision: str, sparsity: float, mode: str = "layer", experts: str = "full") -> Path:
-    """int4 experts have their own thresholds (their gates' activations differ slightly)."""
+def cache_path(
+    model_name: str, revision: str, sparsity: float, mode: str = "layer", experts: str = "full", z: float = 0.0
+) -> Path:
+    """int4 experts have their own thresholds (their gates' activations differ slightly); so has each z sparsity."""
     suffix = ("" if mode == "layer" else f"-{mode}") + ("" if experts == "full" else f"-{experts}")
+    suffix += f"-z{z:.4f}" if z > 0 else ""
     return cache_dir() / f"{slug(model_name)}-{slug(revision)[:24]}" / f"s{sparsity:.4f}{suffix}.json"
 
 
@@ -113,7 +122,7 @@ def checkpoint_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _meta(engine, sparsity: float, text: str, name: str, tokens: int, mode: str) -> dict:
+def _meta(engine, sparsity: float, text: str, name: str, tokens: int, mode: str, z: float = 0.0) -> dict:
     return {
         "model": engine.model_name,
         "revision": engine.resolved.revision,
@@ -126,6 +135,7 @@ def _meta(engine, sparsity: float, text: str, name: str, tokens: int, mode: str)
         "layers": len(engine.loaded.experts),
         "localmoe_version": __version__,
         **({} if engine.experts_format == "full" else {"experts": engine.experts_format}),
+        **({"z_sparsity": round(float(z), 6)} if z > 0 else {}),
     }
 
 
@@ -138,7 +148,7 @@ MAX_TAU = 1e4
 MAX_CACHE_BYTES = 16 << 20  # a cache file is KBs (expert mode, 60 layers x 512 experts: ~0.5 MB); larger is not one
 # Metadata that names the file (cache_path) or the model's shape: a mismatch means the file is not what it should be.
 # Other metadata (calibration set, tokens, localmoe version, checkpoint fingerprint) only makes it stale.
-_IDENTITY = ("model", "revision", "sparsity", "mode", "experts", "layers")
+_IDENTITY = ("model", "revision", "sparsity", "mode", "experts", "layers", "z_sparsity")
 
 
 def _number_problem(x) -> str | None:
@@ -191,7 +201,8 @@ def _cache_problem(saved, meta: dict, experts: list[int]) -> tuple[str, str] | N
     """(kind, reason) when a parsed cache file cannot be used for `meta` (kind "invalid" or "stale"), else None."""
     if not isinstance(saved, dict):
         return "invalid", f"a JSON {type(saved).__name__}, not an object"
-    for key in (*meta, "thresholds", "routing_counts", "tokens"):
+    z_keys = ("z_thresholds",) if "z_sparsity" in meta else ()
+    for key in (*meta, "thresholds", "routing_counts", "tokens", *z_keys):
         if key not in saved:
             if key in ("checkpoint", "routing_counts"):  # files of older localmoe versions
                 return "stale", f"made by an older localmoe: no {key!r}"
@@ -209,6 +220,9 @@ def _cache_problem(saved, meta: dict, experts: list[int]) -> tuple[str, str] | N
     why = check_thresholds(saved["thresholds"], meta["mode"], experts) or _check_counts(
         saved["routing_counts"], experts
     )
+    if why is None and z_keys:
+        why = check_thresholds(saved["z_thresholds"], "layer", experts)
+        why = None if why is None else f"z_thresholds: {why}"
     if why is None and (
         isinstance(saved["tokens"], bool) or not isinstance(saved["tokens"], int) or saved["tokens"] < 0
     ):
@@ -246,8 +260,10 @@ def _read_cache(path: Path, meta: dict, experts: list[int]) -> tuple[dict | None
 def _write_cache(path: Path, table: ThresholdTable) -> str | None:
     """Write `table` to `path` atomically (a temporary file in the same folder, then os.replace: a crash leaves the
     old file or the new one, never half of one). None when written, else why not."""
+    z = {} if table.taus_z is None else {"z_thresholds": list(table.taus_z)}
     body = json.dumps(
-        {**table.meta, "thresholds": [list(t) if isinstance(t, tuple) else t for t in table.taus]}, allow_nan=False
+        {**table.meta, "thresholds": [list(t) if isinstance(t, tuple) else t for t in table.taus], **z},
+        allow_nan=False,
     )
     return write_atomically(path, body.encode())
 
@@ -282,8 +298,10 @@ def thresholds_for(
     tokens: int = DEFAULT_TOKENS,
     force: bool = False,
     mode: str = "layer",
+    z_sparsity: float = 0.0,
 ) -> ThresholdTable:
-    """Cached thresholds for (model, revision, S, calibration set, mode); calibrates when absent, stale or invalid
+    """Cached thresholds for (model, revision, S, calibration set, mode[, DeaMoE's z sparsity: τ_z too, module
+    doc]); calibrates when absent, stale or invalid
     (the file is validated in full: every value finite, non-negative, at most MAX_TAU, the shapes the model's) and
     overwrites the file, saying why through `engine.on_notice`. When the file cannot be written the thresholds
     serve this run only (a notice says so; the returned table's `path` is None)."""
@@ -293,20 +311,20 @@ def thresholds_for(
         gen = torch.Generator().manual_seed(0)
         n = min(tokens, 1024)  # random weights: a rough quantile is all a benchmark needs
         ids = torch.randint(0, engine.loaded.config.vocab_size, (n,), generator=gen).tolist()
-        return calibrate_ids(
-            engine, sparsity, ids, progress=progress, meta={"calibration_set": "random ids", "mode": mode}
-        )
+        meta = {"calibration_set": "random ids", "mode": mode, **({"z_sparsity": z_sparsity} if z_sparsity else {})}
+        return calibrate_ids(engine, sparsity, ids, progress=progress, meta=meta)
     notice = getattr(engine, "on_notice", None) or (lambda _text: None)
     body, name = read_calibration_text(text)
-    meta = _meta(engine, sparsity, body, name, tokens, mode)
-    path = cache_path(engine.model_name, engine.resolved.revision, sparsity, mode, engine.experts_format)
+    meta = _meta(engine, sparsity, body, name, tokens, mode, z_sparsity)
+    path = cache_path(engine.model_name, engine.resolved.revision, sparsity, mode, engine.experts_format, z_sparsity)
     experts = [m.tau_groups for m in engine.loaded.experts]
     why = ""
     if not force:
         saved, why = _read_cache(path, meta, experts)
         if saved is not None:
             taus = tuple(tuple(float(x) for x in t) if isinstance(t, list) else float(t) for t in saved["thresholds"])
-            return ThresholdTable(sparsity, taus, saved, path)
+            taus_z = tuple(float(t) for t in saved["z_thresholds"]) if "z_sparsity" in meta else None
+            return ThresholdTable(sparsity, taus, saved, path, taus_z)
     table = calibrate(engine, sparsity, body, tokens=tokens, progress=progress, meta=meta)
     if why:
         notice(why)
@@ -365,7 +383,37 @@ def calibrate_ids(
             "with --sparsity 0"
         )
     counts = [[r.routed.get(e, 0) for e in range(m.tau_groups)] for r, m in zip(recorders, experts)]
-    return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids), "routing_counts": counts})
+    z = float(meta.get("z_sparsity", 0.0))
+    taus_z = _calibrate_z(engine, taus, chunks, z, progress) if z > 0 else None
+    return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids), "routing_counts": counts}, taus_z=taus_z)
+
+
+def _calibrate_z(engine, taus: tuple, chunks: list, z: float, progress: ProgressFn | None) -> tuple:
+    """DeaMoE's τ_z per layer (module doc): the calibration text again with τ's mask on the dense path, |z|
+    recorded, its z-quantile taken; the experts' state is restored after."""
+    experts = engine.loaded.experts
+    if not all(hasattr(m, "z_recorder") for m in experts):
+        raise UsageError(f"a z sparsity is for DeaMoE models (departments); {for_line(engine.model_name)} has none")
+    saved = [(m.tau, m.tau_z, m.sparse_enabled, m.mask_all_tokens) for m in experts]
+    recorders = [GateRecorder(seed=100 + i) for i in range(len(experts))]
+    try:
+        for m, tau, r in zip(experts, taus, recorders):
+            groups = torch.tensor(tau) if isinstance(tau, tuple) else torch.full((m.tau_groups,), float(tau))
+            m.tau, m.tau_z, m.sparse_enabled, m.mask_all_tokens = groups.float(), None, True, True
+            m.z_recorder = r
+        for i, c in enumerate(chunks):
+            engine.model(input_ids=torch.tensor([c], device=engine._device), use_cache=False, **engine._logits_kw)
+            if progress:
+                progress("calibrate z", i + 1, len(chunks))
+    finally:
+        for m, (tau, tau_z, on, mask) in zip(experts, saved):
+            m.tau, m.tau_z, m.sparse_enabled, m.mask_all_tokens = tau, tau_z, on, mask
+            m.z_recorder = None
+    taus_z = tuple(r.quantile(z) for r in recorders)
+    bad = check_thresholds(taus_z, "layer", [m.tau_groups for m in experts])
+    if bad is not None:
+        raise RuntimeFailure(f"calibrating z thresholds of {for_line(engine.model_name)} failed ({bad})")
+    return taus_z
 
 
 def crossover_tokens(loaded, device: torch.device) -> int:
@@ -428,11 +476,14 @@ def apply(loaded, table: ThresholdTable, *, device: torch.device) -> None:
         if order is not None and up_down:
             cache.place_experts(order)
     limit = sparse_token_limit(loaded, device, table.sparsity)
-    for m, tau in zip(loaded.experts, table.taus):
+    for i, (m, tau) in enumerate(zip(loaded.experts, table.taus)):
         if isinstance(tau, (tuple, list)):
             m.tau = torch.tensor(tau, dtype=torch.float32, device=device)
         else:
             m.tau = torch.full((m.tau_groups,), tau, dtype=torch.float32, device=device)
+        if hasattr(m, "tau_z"):  # DeaMoE: τ_z with a z sparsity, else none
+            tz = None if table.taus_z is None else table.taus_z[i]
+            m.tau_z = None if tz is None else torch.full((m.tau_groups,), tz, dtype=torch.float32, device=device)
         _counters_on(m, device)
         m.max_sparse_tokens = limit
         m.sparse_enabled = True

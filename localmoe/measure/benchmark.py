@@ -303,9 +303,11 @@ def bench(
     departments: int | list[int] = 0,
     rank: int | None = None,
     embeddings: str | None = None,
+    z_sparsity: float = 0.0,
 ) -> dict:
     """`departments`: the gate predictor's department count, or a list of them measured in turn on the same engine
-    (0: today's exact sparse path; each count > 0 adds a row per sparsity > 0 named after it)."""
+    (0: today's exact sparse path; each count > 0 adds a row per sparsity > 0 named after it). `z_sparsity`:
+    DeaMoE's second threshold on the sparse rows (Engine.set_z_sparsity)."""
 
     if routing != "uniform" and not shape:
         raise UsageError("--routing needs --shape: it sets random weights' routers; a real model routes as trained")
@@ -355,6 +357,7 @@ def bench(
         )
     counts = departments if isinstance(departments, list) else [departments]
     engine.set_departments(counts[0], rank)  # the gate predictor on the sparse rows (fitted when they calibrate)
+    engine.set_z_sparsity(z_sparsity)  # DeaMoE: τ_z on the sparse rows (calibrated with them)
     default = engine.resolved.default_sparsity
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -408,6 +411,7 @@ def bench(
         "routing": routing,
         "experts": experts_format,
         "departments": counts if len(counts) > 1 else counts[0],
+        "z_sparsity": z_sparsity,
         "rows": [asdict(r) for r in rows],
         "prefill_rows": [asdict(r) for r in prefills],
         "host_to_device_gb_s": h2d / 1e9,
@@ -429,7 +433,8 @@ def table(result: dict) -> str:
             f", gate predictor with {result['departments']} departments"
             if result.get("departments") and not isinstance(result["departments"], list)
             else ""
-        ),
+        )
+        + (f", z sparsity {result['z_sparsity']:.0%}" if result.get("z_sparsity") else ""),
         f"{'engine':<34} {'sparsity':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'step MB':>8} {'floor tok/s':>11} "
         f"{'of floor':>8} {'realised':>8} {'peak GB':>8}",
     ]

@@ -52,6 +52,7 @@ class EvalReport:
     tokens: int
     rows: tuple[EvalRow, ...]
     rank: int | None = None  # the predictor's rank when departments were asked for, else None
+    z_sparsity: float = 0.0  # DeaMoE's second threshold on the sparse rows (Engine.z_sparsity)
 
     @property
     def best_within_bar(self) -> float:
@@ -68,6 +69,7 @@ class EvalReport:
                 for r in self.rows
             ],
             **({} if self.rank is None else {"rank": self.rank}),
+            **({"z_sparsity": self.z_sparsity} if self.z_sparsity else {}),
             "best_sparsity_within_5pct": self.best_within_bar,
         }
 
@@ -76,7 +78,9 @@ class EvalReport:
         head = f"{'sparsity':>8}  {'ppl':>9}  {'ppl/dense':>9}  {'top-1 agree':>11}  {'realised':>8}"
         if pred:
             head = f"{'depts':>5}  {head}  {'recall':>7}  {'KB/token':>9}  {'vs sparse':>9}"
-        lines = [f"{self.model}: {self.tokens} tokens of {self.text}" + (f", rank {self.rank}" if pred else ""), head]
+        title = f"{self.model}: {self.tokens} tokens of {self.text}" + (f", rank {self.rank}" if pred else "")
+        title += f", z sparsity {self.z_sparsity:.0%} on the sparse rows" if self.z_sparsity else ""
+        lines = [title, head]
         for r in self.rows:
             line = (
                 f"{r.sparsity:>8.0%}  {r.perplexity:>9.3f}  {r.ratio_to_dense:>9.3f}  "
@@ -184,7 +188,14 @@ def evaluate(
     rank_used = None
     if asked:
         rank_used = rank or predictor.default_rank(engine.loaded.experts[0].hidden_size)
-    return EvalReport(model=engine.model_name, text=name, tokens=scored, rows=tuple(rows), rank=rank_used)
+    return EvalReport(
+        model=engine.model_name,
+        text=name,
+        tokens=scored,
+        rows=tuple(rows),
+        rank=rank_used,
+        z_sparsity=engine.z_sparsity,
+    )
 
 
 def routed_bytes(experts, itemsize: int) -> tuple[float, float]:
