@@ -129,7 +129,7 @@ def cmd_run(args) -> int:
                     "text": "".join(text),
                     "reasoning": "".join(reasoning),
                     "token_ids": token_ids,
-                    "stats": _stats_json(stats),
+                    "stats": {**_stats_json(stats), "z_sparsity": engine.z_sparsity},
                 }
             )
             + "\n"
@@ -178,6 +178,7 @@ def _stats_line(stats, engine) -> str:
         f"{stats.prefill_tok_s:.1f} tok/s prefill, first token {stats.ttft_s:.2f} s | "
         f"{stats.generated_tokens} tok, {stats.decode_tok_s:.1f} tok/s decode, {stats.wall_s:.2f} s"
         f" | sparsity {stats.sparsity_target:.0%} target, {stats.sparsity_realized:.1%} realised"
+        + (f", z {engine.z_sparsity:.0%}" if engine.z_sparsity and stats.sparsity_target else "")
         + (f" | peak GPU {stats.peak_gpu_mem_gb:.2f} GB" if stats.peak_gpu_mem_gb else "")
         + (
             f" | expert cache {stats.cache_hit_rate:.0%} hits, {stats.h2d_bytes_per_token / 1e6:.1f} MB/token copied"
