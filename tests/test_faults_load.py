@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from localmoe import paths
 from localmoe.engine.engine import Engine
 from localmoe.errors import RuntimeFailure, UsageError
-from localmoe.experts import thresholds
+from localmoe.experts import threshold_files, thresholds
 from localmoe.models.loader import load_model
 
 TOKENS = 256  # calibration tokens: enough for a tiny model's quantiles, quick on the CPU
@@ -93,7 +93,7 @@ CACHE_CASES = [
     ("negative-threshold", "layer", _tau(1, -0.25), "layer 1 threshold -0.25 is negative"),
     ("huge-integer-threshold", "layer", _raw_tau(b"1" + b"0" * 400), "layer 0 threshold a 401-digit number is above"),
     ("negative-huge-integer", "layer", _raw_tau(b"-" + b"9" * 400), "layer 0 threshold a 400-digit number is negative"),
-    ("oversized-file", "layer", _raw(b" " * (thresholds.MAX_CACHE_BYTES + 1)), "bytes, not a threshold file"),
+    ("oversized-file", "layer", _raw(b" " * (threshold_files.MAX_CACHE_BYTES + 1)), "bytes, not a threshold file"),
     ("string-threshold", "layer", _tau(0, "0.3"), "layer 0 threshold is str"),
     ("bool-threshold", "layer", _tau(0, True), "layer 0 threshold is bool"),
     ("list-in-layer-mode", "layer", _tau(0, [0.1] * 8), "layer 0 threshold is list"),
@@ -171,7 +171,7 @@ def test_stale_cache_is_recalibrated_with_a_notice(engine):
         assert thresholds.thresholds_for(engine, 0.6, tokens=TOKENS).taus == fresh.taus
         assert notes == [
             f"cached thresholds at {fresh.path} were stale (made with localmoe_version '0.0.1', this run "
-            f"has {thresholds.__version__!r}); recalibrated"
+            f"has {threshold_files.__version__!r}); recalibrated"
         ]
     finally:
         engine.on_notice = None
@@ -278,7 +278,7 @@ def test_unwritable_cache_keeps_thresholds_for_the_run(block, reason):
     assert saved == [f"could not save thresholds to {path} ({reason}); using them for this run only"], notes
     assert engine.sparsity == 0.6 and all(m.sparse_enabled and m.tau is not None for m in engine.loaded.experts)
     table = thresholds.thresholds_for(engine, 0.6)
-    assert table.path is None and all(0 < t < thresholds.MAX_TAU for t in table.taus)
+    assert table.path is None and all(0 < t < threshold_files.MAX_TAU for t in table.taus)
     assert not path.is_file()
     if path.parent.is_dir():
         assert not list(path.parent.glob("*.tmp"))  # no temporary file left behind

@@ -40,13 +40,8 @@ from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
 from localmoe.experts.local_experts import LocalExperts
 from localmoe.experts.predicted import LayerPredictor
-from localmoe.experts.thresholds import (
-    CHUNK,
-    DEFAULT_TOKENS,
-    checkpoint_fingerprint,
-    read_calibration_text,
-    write_atomically,
-)
+from localmoe.experts.threshold_files import checkpoint_fingerprint, write_atomically
+from localmoe.experts.thresholds import CHUNK, DEFAULT_TOKENS, read_calibration_text
 from localmoe.paths import cache_root, slug
 from localmoe.safe_text import for_line
 
