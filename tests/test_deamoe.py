@@ -310,6 +310,21 @@ def test_z_thresholds_drop_about_q_of_z_on_the_calibration_text(engine):
     assert 0.4 < float((z < table.taus_z[3]).float().mean()) < 0.6
 
 
+def test_z_sparsity_on_calibrate_and_eval(capsys):
+    """`calibrate --z-sparsity` says what it calibrated and saves the z thresholds; `eval --z-sparsity --json` reports
+    it and scores the sparse rows with it."""
+    from localmoe.cli.main import main
+
+    capsys.readouterr()
+    assert main(["calibrate", BUNDLED, "--sparsity", "0.3", "--z-sparsity", "0.5", "--tokens", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "at sparsity 30.0% and z sparsity 50.0%" in out and "-z0.5000.json" in out
+    args = ["eval", BUNDLED, "--sparsity", "0,0.3", "--z-sparsity", "0.5", "--tokens", "64", "--window", "32"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["z_sparsity"] == 0.5 and [r["sparsity"] for r in report["rows"]] == [0.0, 0.3]
+
+
 def test_z_sparsity_is_refused_for_a_model_without_departments(capsys):
     code, err = _cli(capsys, "run", "localmoe-tiny", "hi", "--z-sparsity", "0.5")
     assert code == 2 and err.startswith("localmoe: error: ") and err.count("\n") == 1
