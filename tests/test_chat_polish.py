@@ -61,7 +61,9 @@ def long_copy(src: Path, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def long_engine(src_dir, tmp_path_factory) -> Engine:
     folder = long_copy(src_dir / "qwen3_moe", tmp_path_factory.mktemp("long") / "tiny-long")
-    return Engine.load(str(folder), device="cpu", sparsity=0.0)
+    engine = Engine.load(str(folder), device="cpu", sparsity=0.0)
+    engine.eos_ids = set()  # a sampled end-of-text token would end a reply the test means to act on while it streams
+    return engine
 
 
 class Loader:
