@@ -74,7 +74,9 @@ def test_cache_round_trip_and_invalidation(tiny, monkeypatch):
         refit, _ = predictor.predictors_for(engine, table, 4, 16, tokens=TOKENS)
         assert len(notes) == 1 and "was invalid" in notes[0] and "fitted again" in notes[0]
         assert all(torch.equal(a.B, b.B) for a, b in zip(preds, refit))
-        meta = predictor._meta(engine, SPARSITY, 4, 16, "coact", 0.98, *thresholds.read_calibration_text(None), TOKENS)
+        meta = predictor._meta(
+            engine, SPARSITY, 4, 16, "coact", predictor.DEFAULT_RECALL, *thresholds.read_calibration_text(None), TOKENS
+        )
         shapes = [(8, 160, 256)] * 8
         assert predictor._read_cache(path, meta, shapes)[0] is not None
         stale = predictor._read_cache(path, {**meta, "rank": 8}, shapes)[1]
