@@ -13,12 +13,11 @@ pin it: the copy is then asynchronous on the current stream) and the kernels rea
 Direct mode (`direct=True`; on CUDA with pinned master copies, the default there): the pools are filled once (`place`:
 round-robin over the layers so each layer holds an equal share; the gate projections of departments first, the down
 projections of the first `down_slots` of them, the up projections of the first `up_slots`, then private parts:
-department_placement.direct_split) and never
-change; device maps (layer -> [D] department slot, [D * n] private slot, -1: in host memory) let the decode kernels read
-a resident unit from its pool slot and any other straight from pinned host memory (kernels/department_experts.py
-`pools=`), with no lookup on the host: the decode step is captured in a CUDA graph. The step's hits and misses and the
-elements read from host memory are counted on the device (kernels/department_slots.py `maps=`). Prefill and calibration
-read a non-resident unit through a temporary copy.
+department_placement.direct_split) and never change; device maps (layer -> [D] department slot, [D * n] private slot,
+-1: in host memory) let the decode kernels read a resident unit from its pool slot and any other straight from pinned
+host memory (kernels/department_experts.py `pools=`), with no lookup on the host: the decode step is captured in a CUDA
+graph. The step's hits and misses and the elements read from host memory are counted on the device
+(kernels/department_slots.py `maps=`). Prefill and calibration read a non-resident unit through a temporary copy.
 
 Figures since `reset_stats`: department and private hits/misses, host→device bytes (copied, or read directly); the
 overall hit rate is byte-weighted (the share of looked-up expert bytes that were already resident).
@@ -130,9 +129,7 @@ class DepartmentCache:
     def place(self) -> None:
         """Direct mode: fill the pools once, departments round-robin over the layers (department 0 of every layer,
         then 1, ...; the down / up projection only in slots below `down_slots` / `up_slots`), then private parts the
-        same way, and write
-        the maps (kept on the host too, in `_placed`);
-        nothing is evicted afterwards."""
+        same way, and write the maps (kept on the host too, in `_placed`); nothing is evicted afterwards."""
         layers = sorted(self.masters)
         D, n = self.num_departments, self.per_department
         host = {

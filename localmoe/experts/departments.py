@@ -297,8 +297,7 @@ class DepartmentExperts(nn.Module):
     def _run_kernel(self, x, args, w, sparse: bool, tau_z=None, **where) -> torch.Tensor:
         """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading), or out= with
         accumulate=True (the kernel only; the fp32 row is returned as it is; with residual= the published [T, H]
-        residual + row); `tau_z` [D or department slots] applies
-        with the sparse path only. -> [T, H] in x's dtype."""
+        residual + row); `tau_z` [D or department slots] applies with the sparse path only. -> [T, H] in x's dtype."""
         if sparse and tau_z is not None:
             where["tau_z"] = tau_z
         if x.is_cuda or self.kernel_on_cpu:  # the kernel adds into the module's counters (no launch of their own)

@@ -151,12 +151,7 @@ def calibrate_ids(
     for m, r in zip(experts, recorders):
         m.recorder = r
     try:
-        for i, c in enumerate(chunks):
-            engine.model(
-                input_ids=torch.tensor([c], device=engine._device), use_cache=False, **engine._logits_kw
-            )  # only the experts' gate values are wanted, not every position's logits
-            if progress:
-                progress("calibrate", i + 1, len(chunks))
+        _forward_chunks(engine, chunks, progress, "calibrate")
     finally:
         for m in experts:
             m.recorder = None
@@ -177,6 +172,15 @@ def calibrate_ids(
     return ThresholdTable(sparsity, taus, {**meta, "tokens": len(ids), "routing_counts": counts}, taus_z=taus_z)
 
 
+def _forward_chunks(engine, chunks: list, progress: ProgressFn | None, stage: str) -> None:
+    """The calibration text through the model a chunk at a time, for what the experts' recorders collect (only
+    the last position's logits are computed)."""
+    for i, c in enumerate(chunks):
+        engine.model(input_ids=torch.tensor([c], device=engine._device), use_cache=False, **engine._logits_kw)
+        if progress:
+            progress(stage, i + 1, len(chunks))
+
+
 def _calibrate_z(engine, taus: tuple, chunks: list, z: float, progress: ProgressFn | None) -> tuple:
     """DeaMoE's τ_z per layer (module doc): the calibration text again with τ's mask on the dense path, |z|
     recorded, its z-quantile taken; the experts' state is restored after."""
@@ -190,10 +194,7 @@ def _calibrate_z(engine, taus: tuple, chunks: list, z: float, progress: Progress
             groups = torch.tensor(tau) if isinstance(tau, tuple) else torch.full((m.tau_groups,), float(tau))
             m.tau, m.tau_z, m.sparse_enabled, m.mask_all_tokens = groups.float(), None, True, True
             m.z_recorder = r
-        for i, c in enumerate(chunks):
-            engine.model(input_ids=torch.tensor([c], device=engine._device), use_cache=False, **engine._logits_kw)
-            if progress:
-                progress("calibrate z", i + 1, len(chunks))
+        _forward_chunks(engine, chunks, progress, "calibrate z")
     finally:
         for m, (tau, tau_z, on, mask) in zip(experts, saved):
             m.tau, m.tau_z, m.sparse_enabled, m.mask_all_tokens = tau, tau_z, on, mask
