@@ -175,13 +175,17 @@ if triton is not None:
             jj = tl.arange(0, N_P2)
             tt = tl.arange(0, T_P2)
             tmask = tt < T
+            # the slot's routing weights [token, expert] in one load (no load per token or expert below)
+            wall = tl.load(
+                w_ptr + (s * T + tt[:, None]) * n + jj[None, :], mask=tmask[:, None] & (jj < n)[None, :], other=0.0
+            )
+            uses = tl.sum(tl.abs(wall), axis=1)  # [T_P2] > 0: token t chose an expert of d
             u = tl.zeros((T_P2, BLOCK_N), dtype=tl.float32)  # [token, neuron], 0 where not kept
             total = 0
             considered = 0
             for t in tl.static_range(T_P2):
-                live_t = (jj * 0 + t) < T  # token t exists (a block, not a scalar: masks must be blocks)
-                wt = tl.load(w_ptr + (s * T + t) * n + jj, mask=(jj < n) & live_t, other=0.0)
-                used = (tl.zeros((BLOCK_N,), dtype=tl.float32) + tl.sum(tl.abs(wt), axis=0)) > 0  # token t uses d
+                used_t = tl.sum(tl.where(tt == t, uses, 0.0), axis=0)
+                used = (tl.zeros((BLOCK_N,), dtype=tl.float32) + used_t) > 0  # token t uses d (a block: masks are)
                 xv = tl.load(x_ptr + t * stride_xt + cols, mask=cmask & ((cols * 0 + t) < T), other=0.0)
                 xv = xv.to(tl.float32)
                 g = tl.sum(wg * xv[None, :], axis=1)
@@ -203,14 +207,16 @@ if triton is not None:
             if SEEN:
                 tl.atomic_add(seen_ptr, considered, sem="relaxed")
             # z[s, t, :] += sum_j weights[s, t, j] sum_{i in block} u[t, i] P_j[i, :]: P rows of kept neurons only
-            for c0 in range(0, h, BLOCK_Z):
-                zc = c0 + tl.arange(0, BLOCK_Z)
-                zmask = zc < h
-                poff = rows.to(tl.int64)[:, None] * h + zc[None, :]
-                acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
-                for j in range(0, n):
-                    wj = tl.load(w_ptr + (s * T + tt) * n + j, mask=tmask, other=0.0)  # [T_P2]
-                    if tl.sum(tl.abs(wj), axis=0) > 0:  # an expert some token chose (most are not)
+            if total > 0:  # a block with no kept neuron adds nothing to z: no P reads, no atomics
+                for c0 in range(0, h, BLOCK_Z):
+                    zc = c0 + tl.arange(0, BLOCK_Z)
+                    zmask = zc < h
+                    poff = rows.to(tl.int64)[:, None] * h + zc[None, :]
+                    acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
+                    chosen = tl.sum(tl.abs(wall), axis=0) > 0  # [N_P2]: experts some token chose (most are not)
+                    j = tl.min(tl.where(chosen, jj, N_P2), axis=0)
+                    while j < n:  # the chosen experts only, in order
+                        wj = tl.sum(tl.where(jj[None, :] == j, wall, 0.0), axis=1)  # [T_P2]
                         if INDEXED:  # a pool of private parts: expert j of slot s sits at private_slots[s, j]
                             pbase = tl.load(ps_ptr + s * n + j).to(tl.int64) * stride_pe
                         else:
@@ -228,12 +234,13 @@ if triton is not None:
                         else:
                             p = tl.load(p_ptr + pbase + poff, mask=pm, other=0.0).to(tl.float32)
                         acc += tl.sum((u * wj[:, None])[:, :, None] * p[None, :, :], axis=1)
-                tl.atomic_add(
-                    z_ptr + (s * T + tt[:, None]) * h + zc[None, :],
-                    acc,
-                    mask=tmask[:, None] & zmask[None, :],
-                    sem="relaxed",
-                )
+                        j = tl.min(tl.where(chosen & (jj > j), jj, N_P2), axis=0)
+                    tl.atomic_add(
+                        z_ptr + (s * T + tt[:, None]) * h + zc[None, :],
+                        acc,
+                        mask=tmask[:, None] & zmask[None, :],
+                        sem="relaxed",
+                    )
             if DIRECT:
                 tl.atomic_add(hc_ptr, host_elems, sem="relaxed")
 
