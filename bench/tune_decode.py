@@ -42,7 +42,8 @@ cfg = shape_config(SHAPE)
 cfg = getattr(cfg, "text_config", None) or cfg
 E = next(getattr(cfg, a) for a in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(cfg, a, None))
 H, K, I = cfg.hidden_size, cfg.num_experts_per_tok, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-I_S = getattr(cfg, "shared_expert_intermediate_size", 0) or 0  # shared expert width (0: none)
+# shared expert width (0: none): Qwen's one shared expert, or DeepSeek-V2's n_shared_experts run as one MLP
+I_S = getattr(cfg, "shared_expert_intermediate_size", 0) or (getattr(cfg, "n_shared_experts", 0) or 0) * I
 DELTANET = hasattr(cfg, "linear_num_key_heads")
 KIND = "zero_centred" if cfg.model_type.startswith("qwen3_5") else "standard"
 NORM_TOPK = getattr(cfg, "norm_topk_prob", None) is not False  # None: the family always renormalises
@@ -151,9 +152,9 @@ results.append(
         f"H{H}_I{IS}",
         {
             "block_i": [2, 4, 8],
-            "block_h": [1024, 2048],
-            "down_block_h": [8, 16],
-            "down_block_i": [512],
+            "block_h": [2048],
+            "down_block_h": [2, 4, 8],
+            "down_block_i": [512, 1024],
             "num_warps": [4, 8],
         },
         se_calls,
