@@ -6,7 +6,8 @@ routed experts through the staging buffers (pinned master copies: filled by `gat
 (room for ~1/3 of the experts; decode steps first, so its pools hold some; its sparse-token limit lowered under
 the prompt) against the resident one: last-position
 prefill logits (max abs difference; 0 expected: each expert's grouped GEMM is the same arithmetic whatever its span)
-and greedy tokens at sparsity 0, and the staging path's own figures (spans filled by the kernel).
+and greedy tokens at sparsity 0, and the staging path's own figures (spans filled by the kernel). The bundled
+localmoe-tiny-deamoe too (its prompt staged a group of departments at a time: the bytes staged, the cache's mode).
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py   (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
 smoke run, the staging spans filled by per-expert copies there)
 """
@@ -27,6 +28,7 @@ from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 
 DEV = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
+DEAMOE = "localmoe-tiny-deamoe"  # bundled: DeaMoE's departments staged instead of experts
 try:
     import bitsandbytes  # noqa: F401
 
@@ -65,8 +67,38 @@ def check(repo: str, fmt: str) -> tuple:
     return len(ids), diff, same, hits, f"{gathered}/{len(cache.masters)}"
 
 
+def check_deamoe() -> tuple:
+    """The bundled localmoe-tiny-deamoe with room for half its departments' shared projections and a few private
+    parts: the prompt takes the dense path through staged groups of departments (experts/department_dense.py)."""
+    resident = Engine.load(DEAMOE, device=DEV, dtype="bfloat16", sparsity=0.0)
+    p = resident.loaded.offload
+    room = p.departments_total // 2 * p.department_bytes + 16 * p.private_bytes
+    budget = (p.non_expert_bytes + p.state_bytes + p.workspace_bytes + room) / 2**30
+    off = Engine.load(DEAMOE, device=DEV, dtype="bfloat16", sparsity=0.0, vram_gib=budget)
+    cache = off.loaded.cache
+    ids = resident.encode_raw("Departments of experts share their projections; a prompt stages them in groups. " * 4)
+    for m in off.loaded.experts:
+        m.max_sparse_tokens = min(m.max_sparse_tokens, 8)
+    x = torch.tensor([ids], device=DEV)
+    cache.copied_bytes = 0
+    with torch.inference_mode():
+        want = resident.model(input_ids=x, logits_to_keep=1).logits.float()
+        got = off.model(input_ids=x, logits_to_keep=1).logits.float()
+    diff = float((got - want).abs().max())
+    s = GenerationSettings(max_new_tokens=16)
+    same = [ev.token_id for ev in off.generate(ids, s)] == [ev.token_id for ev in resident.generate(ids, s)]
+    return len(ids), diff, same, f"{cache.copied_bytes / 2**20:.0f} MiB", f"{cache.mode} mode"
+
+
 def main() -> None:
     rows = []
+    try:
+        rows.append(("deamoe", "full", *check_deamoe()))
+    except Exception as ex:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        rows.append(("deamoe", "full", "-", "ERROR", f"{type(ex).__name__}: {ex}"[:80], "-", "-"))
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"
         folder = tiny_models.save_checkpoint(fam, root / "src" / fam)

@@ -16,10 +16,10 @@ from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import EngineStats, GenerationSettings
+from localmoe.experts import department_dense
 from localmoe.experts.department_cache import DepartmentCache
-from localmoe.experts.department_placement import direct_split, plan_departments
+from localmoe.experts.department_placement import direct_split, plan_departments, workspace_bytes
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
-from localmoe.experts.placement import WORKSPACE_RESERVE
 from localmoe.experts.thresholds import sparse_token_limit
 from localmoe.kernels.department_experts import MAX_TOKENS
 from localmoe.tui.stats_view import stats_rows
@@ -33,7 +33,7 @@ DEPT, PRIV = 3 * W * H * 4, W * W * 4  # fp32 bytes of a department unit, of a p
 
 def _plan(depts: float, privs: float, **kw):
     """The plan of 2 layers of the shape above at a budget with room for `depts` departments and `privs` privates."""
-    fixed = 1000 + 2000 + WORKSPACE_RESERVE
+    fixed = 1000 + 2000 + workspace_bytes(D, N, DEPT, PRIV)
     args = dict(non_expert_bytes=1000, state=2000, departments=D, per_department=N, hidden=H, width=W, layers=2)
     args |= dict(element_bytes=4, departments_per_token=2, top_k=3) | kw
     return plan_departments(budget_bytes=int(fixed + depts * DEPT + privs * PRIV), **args)
@@ -121,6 +121,44 @@ def test_offloaded_layer_equals_resident(T, kernel, sparse):
         assert f["department_hits"] > 0 and f["private_hits"] > 0
 
 
+@pytest.mark.parametrize("mode", ["copy", "direct"])
+@pytest.mark.parametrize("stage_bytes", [1, 1 << 30], ids=["a-department-a-group", "one-group"])
+def test_dense_path_stages_groups_of_departments_and_equals_resident(monkeypatch, mode, stage_bytes):
+    """A prompt piece offloaded: the touched departments staged in groups (pool slots where resident, the host copies
+    otherwise; direct mode with some departments' up / down projections not in the pools), the grouped GEMMs on each
+    group, the same output as the resident layer, masked too; the pools are left as they were."""
+    monkeypatch.setattr(department_dense, "STAGE_BYTES", stage_bytes)
+    direct = mode == "direct"
+    cache = DepartmentCache(3, 4, (D, N, W, H), torch.float32, "cpu", direct=direct, up_slots=1, down_slots=2)
+    m = DepartmentExperts(D, N, H, W, layer_idx=0)
+    for prm in m.parameters():
+        torch.nn.init.normal_(prm, std=0.1)
+    m = m.requires_grad_(False).eval()
+    cache.add_layer(0, m.weights)
+    if direct:
+        cache.place()
+    else:  # two departments and three privates resident, through lookups
+        cache.department_slots(0, [1, 3])
+        cache.private_slots(0, [(1, 0), (3, 2), (0, 1)])
+    g = torch.Generator().manual_seed(5)
+    idx, wts = group_limited_topk(torch.softmax(torch.randn(9, D * N, generator=g), -1), N, 3, 2)
+    x = torch.randn(9, H, generator=g)
+    for masked in (False, True):
+        m.cache = None
+        m.tau, m.sparse_enabled, m.mask_all_tokens = torch.full((D,), 0.02), masked, masked
+        want = m(x, idx, wts)
+        m.cache = cache
+        before = (cache.gate.clone(), cache.private.clone(), dict(cache.departments.lru))
+        torch.testing.assert_close(m(x, idx, wts), want, atol=1e-5, rtol=1e-5)
+        for now, then in zip((cache.gate, cache.private), before):  # (unfilled slots hold whatever memory did)
+            torch.testing.assert_close(now, then, rtol=0, atol=0, equal_nan=True)
+        assert dict(cache.departments.lru) == before[2]
+    assert cache.copied_bytes > 0
+    if not direct:
+        f = cache.department_figures()
+        assert f["department_hits"] > 0 and f["department_misses"] > 0 and f["private_hits"] > 0
+
+
 # -- the bundled model through the engine and the CLI ----------------------------------------------------------------
 def _tokens(engine, n=10):
     ids = engine.encode_raw("Sparse experts skip most neurons.")
@@ -138,7 +176,7 @@ def engines():
     resident = Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=64.0)
     p = resident.loaded.offload
     assert type(p).__name__ == "DepartmentPlan" and not p.offloading and resident.loaded.cache is None
-    fixed = p.non_expert_bytes + p.state_bytes + WORKSPACE_RESERVE
+    fixed = p.non_expert_bytes + p.state_bytes + p.workspace_bytes
     budget = (fixed + p.departments_total * p.department_bytes + 60 * p.private_bytes + 100) / GiB
     return resident, Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=budget), budget
 
@@ -254,7 +292,7 @@ def test_direct_tiers_tokens_equal_resident(engines, tier):
     rows from the host copies; tokens equal the resident engine's at a threshold."""
     resident, _, _ = engines
     p = resident.loaded.offload
-    fixed = p.non_expert_bytes + p.state_bytes + WORKSPACE_RESERVE
+    fixed = p.non_expert_bytes + p.state_bytes + p.workspace_bytes
     share = {"up": 5 / 6, "down": 1 / 2}[tier]  # of every department's three projections
     budget = (fixed + int(p.departments_total * p.department_bytes * share) + 10 * p.private_bytes) / GiB
     e = Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=budget, offload_miss="direct")

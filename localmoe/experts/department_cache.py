@@ -17,7 +17,7 @@ department_placement.direct_split) and never change; device maps (layer -> [D] d
 -1: in host memory) let the decode kernels read a resident unit from its pool slot and any other straight from pinned
 host memory (kernels/department_experts.py `pools=`), with no lookup on the host: the decode step is captured in a CUDA
 graph. The step's hits and misses and the elements read from host memory are counted on the device
-(kernels/department_slots.py `maps=`). Prefill and calibration read a non-resident unit through a temporary copy.
+(kernels/department_slots.py `maps=`). Prefill and calibration stage a group of departments at a time (`stage`).
 
 Figures since `reset_stats`: department and private hits/misses, host→device bytes (copied, or read directly); the
 overall hit rate is byte-weighted (the share of looked-up expert bytes that were already resident).
@@ -178,37 +178,64 @@ class DepartmentCache:
         """Slots of (department, expert-in-department) pairs of `layer`."""
         return self.privates.lookup([(layer, d, j) for d, j in experts])
 
-    def department(self, layer: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate, up, down_t) [h, H] of department d of `layer` on the device (the dense path, one at a time; direct
-        mode: the pool slot, or a temporary copy)."""
-        if self.mode == "direct":
-            slot = self._placed.get((layer, d), -1)  # the host's copy of the map: no device read
-            m = self.masters[layer]
-            if slot < 0:
-                self.copied_bytes += self.departments.unit_bytes
-                return tuple(t[d].to(self.device, non_blocking=True) for t in (m.w_gate, m.w_up, m.w_down_t))
-            parts = []
-            for pool, master, below in ((self.up, m.w_up, self.up_slots), (self.down_t, m.w_down_t, self.down_slots)):
-                if slot < below:
-                    parts.append(pool[slot])
-                else:  # a temporary copy of the projection the pool does not hold
-                    self.copied_bytes += self.departments.unit_bytes // 3
-                    parts.append(master[d].to(self.device, non_blocking=True))
-            return self.gate[slot], *parts
-        (s,) = self.department_slots(layer, [d])
-        return self.gate[s], self.up[s], self.down_t[s]
+    def department_stage_bytes(self) -> int:
+        """Device bytes one department takes in a dense-path staging group: its shared projections and n privates."""
+        return self.departments.unit_bytes + self.per_department * self.privates.unit_bytes
 
-    def private_of(self, layer: int, d: int, j: int) -> torch.Tensor:
-        """Expert j of department d's private [h, h] on the device (the dense path, one at a time; direct mode: the
-        pool slot, or a temporary copy)."""
+    def _resident(self, key: tuple) -> int:
+        """The pool slot holding `key` ((layer, d) or (layer, d, j)), or -1; no LRU touch, no count."""
         if self.mode == "direct":
-            slot = self._placed.get((layer, d, j), -1)
-            if slot >= 0:
-                return self.private[slot]
-            self.copied_bytes += self.privates.unit_bytes
-            return self.masters[layer].private[d, j].to(self.device, non_blocking=True)
-        (s,) = self.private_slots(layer, [(d, j)])
-        return self.private[s]
+            return self._placed.get(key, -1)
+        pool = self.departments if len(key) == 2 else self.privates
+        return pool.lru.get(key, -1)
+
+    def stage(self, layer: int, departments: list[int], chosen: torch.Tensor) -> tuple:
+        """(gate, up, down_t [G, h, H], private [G, n, h, h]) of `departments` of `layer` on the device, for the dense
+        path (prefill, calibration): each unit copied from its pool slot when resident, else from the host master
+        copy (asynchronous from pinned memory; a department's privates in one copy when most are chosen and none is
+        resident). Nothing is admitted to the pools, so a prompt does not evict what decode keeps (copy mode counts
+        the lookups as hits and misses). `chosen` [G, n] bool (host): the
+        experts some token chose; the others' private parts are left unset (never read)."""
+        m = self.masters[layer]
+        G, n, h, H = len(departments), self.per_department, self.width, self.hidden
+        dt, dev = self.gate.dtype, self.device
+        shared = [torch.empty(G, h, H, dtype=dt, device=dev) for _ in range(3)]
+        private = torch.empty(G, n, h, h, dtype=dt, device=dev)
+        pools = (self.gate, self.up, self.down_t)
+        masters = (m.w_gate, m.w_up, m.w_down_t)
+        below = (self.departments.slots, self.up_slots, self.down_slots)  # a pool slot holds the projection
+        third, unit = self.departments.unit_bytes // 3, self.privates.unit_bytes
+        count = self.mode == "copy"  # its pools' hits and misses count lookups (direct mode: the device counters)
+        for i, d in enumerate(departments):
+            slot = self._resident((layer, d))
+            for dst, pool, master, limit in zip(shared, pools, masters, below):
+                if 0 <= slot < limit:
+                    dst[i].copy_(pool[slot])
+                else:
+                    dst[i].copy_(master[d], non_blocking=True)
+                    self.copied_bytes += third
+            js = chosen[i].nonzero().squeeze(1).tolist()
+            slots = [self._resident((layer, d, j)) for j in js]
+            if count:
+                self._tally(self.departments, [slot])
+                self._tally(self.privates, slots)
+            if max(slots, default=0) < 0 and 2 * len(js) > n:  # most chosen, none resident: one copy of them all
+                private[i].copy_(m.private[d], non_blocking=True)
+                self.copied_bytes += n * unit
+                continue
+            for j, ps in zip(js, slots):
+                if ps >= 0:
+                    private[i, j].copy_(self.private[ps])
+                else:
+                    private[i, j].copy_(m.private[d, j], non_blocking=True)
+                    self.copied_bytes += unit
+        return (*shared, private)
+
+    @staticmethod
+    def _tally(pool: Pool, slots: list[int]) -> None:
+        hit = sum(s >= 0 for s in slots)
+        pool.hits += hit
+        pool.misses += len(slots) - hit
 
     def sparse_piece_tokens(self, k: int, sparsity: float) -> int:
         """Direct mode: the longest prefill piece the decode kernels take (they read a non-resident unit's gate and

@@ -33,7 +33,8 @@ routing weights final, indices are flat expert numbers e = d * n + j):
   departments and chosen experts up on the host, copies misses into the cache's pools and runs the same kernel on
   them (department slot ids in place of department numbers, `private_slots` mapping (slot, expert) into the private
   pool, tau following its department); a step needing more units than a pool holds, prefill, calibration and
-  training run `dense_cached`, one department at a time through the cache. The resident paths are unchanged.
+  training run `dense_cached` (experts/department_dense.py: groups of departments staged by the cache, then the
+  grouped GEMMs). The resident paths are unchanged.
 
 Shapes: T tokens, k experts per token, D departments, n experts per department, h department width, H hidden,
 S = slots (departments one step may touch: min(D, T * min(k, topk_group))).
@@ -45,9 +46,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from localmoe.experts.dense_path import _GROUPED_MM
+from localmoe.experts.department_dense import dense_cached, grouped_dense
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
 from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
 from localmoe.kernels.department_slots import department_slots, department_slots_ref
@@ -94,28 +94,6 @@ def step_slots(
     if use and top_k_index.numel() <= SLOT_PAIRS:
         return department_slots(top_k_index, top_k_weights, n, slots, maps=maps)
     return department_slots_ref(top_k_index, top_k_weights, n, slots, maps=maps)
-
-
-def _mm_by_group(a: torch.Tensor, w: torch.Tensor, ends: list[int], ends_t: torch.Tensor) -> torch.Tensor:
-    """a [S, K] rows sorted by group, w [G, K, N] -> [S, N] (row r of group g: a[r] @ w[g]). torch's grouped GEMM
-    where it runs (CUDA bf16 sm80+, or CPU without autograd, 16-byte aligned strides), else a loop over groups."""
-    grad = torch.is_grad_enabled() and (a.requires_grad or w.requires_grad)
-    if a.is_cuda and torch.is_autocast_enabled("cuda"):
-        dt = torch.get_autocast_dtype("cuda")
-        a, w = a.to(dt), w.to(dt)
-    strides = (max(a.stride()), max(w.stride(1), w.stride(2)), w.stride(0))  # each matrix's leading stride
-    aligned = all(s * a.element_size() % 16 == 0 for s in strides) and a.shape[0] > 0
-    fits = (
-        (a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)) if a.is_cuda else not grad
-    )
-    if _GROUPED_MM is not None and aligned and fits and a.dtype == w.dtype:
-        return _GROUPED_MM(a, w, offs=ends_t)
-    out, start = [], 0
-    for g, end in enumerate(ends):
-        if end > start:
-            out.append(a[start:end] @ w[g].to(a.dtype))
-        start = end
-    return torch.cat(out) if out else a.new_zeros(0, w.shape[-1])
 
 
 @dataclass
@@ -220,41 +198,9 @@ class DepartmentExperts(nn.Module):
 
     # -- dense: (token, department) pairs grouped by department ---------------------------------------------------
     def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        T, k = top_k_index.shape
-        D, n, h = self.num_departments, self.per_department, self.width
         masked = self.mask_all_tokens and self.sparse_enabled and self.tau is not None and self.recorder is None
-        dep = top_k_index // n  # [T, k]
-        touched = torch.zeros(D, T, dtype=torch.bool, device=x.device)
-        touched[dep, torch.arange(T, device=x.device)[:, None].expand(T, k)] = True  # [D, T]
-        pair_of = touched.reshape(-1).long().cumsum(0).view(D, T) - 1  # pair number of (d, t), pairs sorted by d
-        pd, pt = touched.nonzero(as_tuple=True)  # [P] department and token of each pair
-        dcount = touched.sum(1)
-        ends_t = dcount.cumsum(0).to(torch.int32)
-        ends = ends_t.tolist()
-        xs = x[pt]  # [P, H]
-        a = F.silu(_mm_by_group(xs, self.gate_proj.transpose(1, 2), ends, ends_t))  # [P, h]
-        if self.recorder is not None:
-            self.recorder.add_rows(a.abs(), pd)
-        if masked:
-            keep = a.abs() >= self.tau.to(a.device)[pd].unsqueeze(1)
-            a = a * keep
-            self._count(keep.sum(), a.numel())
-        u = a * _mm_by_group(xs, self.up_proj.transpose(1, 2), ends, ends_t)  # [P, h]
-        # private parts: the (token, expert) slots sorted by expert, each reads its pair's u
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        slot_t = order // k
-        slot_pair = pair_of[flat[order] // n, slot_t]  # [T*k]
-        e_ends_t = torch.bincount(flat, minlength=D * n).cumsum(0).to(torch.int32)
-        zp = _mm_by_group(u[slot_pair], self.private.view(D * n, h, h), e_ends_t.tolist(), e_ends_t)  # [T*k, h]
-        zp = zp * top_k_weights.reshape(-1)[order, None].to(zp.dtype)
-        z = torch.zeros(u.shape[0], h, dtype=zp.dtype, device=x.device).index_add(0, slot_pair, zp)  # [P, h]
-        if self.z_recorder is not None:
-            self.z_recorder.add_rows(z.abs(), pd)
-        if masked and self.tau_z is not None:
-            z = z * (z.abs() >= self.tau_z.to(z.device)[pd].unsqueeze(1))
-        y = _mm_by_group(z, self.down_t, ends, ends_t)  # [P, H]
-        return torch.zeros_like(x).index_add(0, pt, y.to(x.dtype))
+        parts = (self.gate_proj, self.up_proj, self.down_t, self.private)
+        return grouped_dense(self, x, top_k_index, top_k_weights, parts, None, masked)
 
     # -- decode: the step's departments in fixed slots -------------------------------------------------------------
     def _tau(self, device) -> tuple[bool, torch.Tensor]:
@@ -317,8 +263,8 @@ class DepartmentExperts(nn.Module):
     def _through_cache(self, x: torch.Tensor, top_k_index, top_k_weights, few: bool) -> torch.Tensor:
         """Decode: the step's departments and chosen experts looked up on the host (one readback), misses copied in,
         the kernel run on the pools (department slot ids for departments, a [S, n] map into the private pool). When
-        the step needs more units than a pool holds, or for prefill, calibration and training: one department at a
-        time (`dense_cached`)."""
+        the step needs more units than a pool holds, or for prefill, calibration and training: groups of departments
+        staged by the cache (`dense_cached`)."""
         if not few:
             return dense_cached(self, x, top_k_index, top_k_weights, self.mask_all_tokens)
         if self.cache.mode == "direct":
@@ -367,40 +313,3 @@ class DepartmentExperts(nn.Module):
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
         pools = cache.direct_pools(layer)
         return self._run_kernel(x, args, w, sparse, self._tau_z(x.device), pools=pools, host_elems=cache.host_elems)
-
-
-def dense_cached(m: DepartmentExperts, x: torch.Tensor, top_k_index, top_k_weights, mask: bool) -> torch.Tensor:
-    """The dense path of an offloaded layer: one touched department at a time, its shared projections and then each
-    chosen expert's private part fetched through the cache (`m.cache`), with the recorder as in
-    `DepartmentExperts._dense` (same formulas; the loop replaces the grouped GEMMs). `mask`: the thresholds apply
-    (evaluation's mask on every token, or a decode step too large for the pools: the decode path's function)."""
-    n, h, cache, layer = m.per_department, m.width, m.cache, m.layer_idx
-    masked = mask and m.sparse_enabled and m.tau is not None and m.recorder is None
-    dep = top_k_index // n  # [T, k]
-    y = torch.zeros_like(x)
-    for d in sorted(set(dep.reshape(-1).tolist())):
-        rows = (dep == d).any(1).nonzero().squeeze(1)  # tokens routed into d
-        gate, up, down_t = cache.department(layer, d)
-        xs = x[rows]
-        a = F.silu(xs @ gate.to(xs.dtype).T)  # [r, h]
-        if m.recorder is not None:
-            m.recorder.add_rows(a.abs(), torch.full((a.shape[0],), d, dtype=torch.int64, device=x.device))
-        if masked:
-            keep = a.abs() >= m.tau.to(a.device)[d]
-            a = a * keep
-            m._count(keep.sum(), a.numel())
-        u = a * (xs @ up.to(xs.dtype).T)
-        idx, wts = top_k_index[rows], top_k_weights[rows]
-        z = torch.zeros(rows.shape[0], h, dtype=u.dtype, device=x.device)
-        for j in sorted(set((idx[dep[rows] == d] % n).tolist())):
-            hit = idx == d * n + j  # [r, k]
-            r = hit.any(1).nonzero().squeeze(1)
-            g = (wts * hit).sum(1)[r]
-            zp = (u[r] @ cache.private_of(layer, d, j).to(u.dtype)) * g[:, None].to(u.dtype)
-            z = z.index_add(0, r, zp)
-        if m.z_recorder is not None:
-            m.z_recorder.add_rows(z.abs(), torch.full((z.shape[0],), d, dtype=torch.int64, device=x.device))
-        if masked and m.tau_z is not None:
-            z = z * (z.abs() >= m.tau_z.to(z.device)[d])
-        y = y.index_add(0, rows, (z @ down_t.to(z.dtype)).to(x.dtype))
-    return y
