@@ -70,7 +70,7 @@ def check(repo: str, fmt: str) -> tuple:
 def check_deamoe() -> tuple:
     """The bundled localmoe-tiny-deamoe with room for half its departments' shared projections and a few private
     parts: the prompt takes the dense path through staged groups of departments (experts/department_dense.py)."""
-    resident = Engine.load(DEAMOE, device=DEV, dtype="bfloat16", sparsity=0.0)
+    resident = Engine.load(DEAMOE, device=DEV, dtype="bfloat16", sparsity=0.0, vram_gib=64.0)
     p = resident.loaded.offload
     room = p.departments_total // 2 * p.department_bytes + 16 * p.private_bytes
     budget = (p.non_expert_bytes + p.state_bytes + p.workspace_bytes + room) / 2**30
