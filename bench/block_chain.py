@@ -15,7 +15,8 @@ import torch
 from graph_timing import graph_us
 
 from localmoe.kernels.moe_front import moe_front
-from localmoe.kernels.sparse_fused import SharedExpert, fused_workspace, sparse_fused
+from localmoe.kernels.sparse_fused import sparse_fused
+from localmoe.kernels.token_tail import SharedExpert, fused_workspace
 from localmoe.measure.benchmark import copy_bandwidth
 
 

@@ -33,7 +33,8 @@ from localmoe.kernels.delta_rule_step import gated_deltanet_step
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
-from localmoe.kernels.sparse_fused import SharedExpert, sparse_fused
+from localmoe.kernels.sparse_fused import sparse_fused
+from localmoe.kernels.token_tail import SharedExpert
 from localmoe.models.shapes import shape_config
 
 DEV, DT, N = torch.device("cuda"), torch.bfloat16, 12

@@ -2,10 +2,10 @@
 up / down rows, optionally offload-aware.
 
 Owns `sparse_mxfp4` (Triton launcher), its torch reference `sparse_mxfp4_ref` and the kernel `_sparse_mxfp4_kernel`,
-grid (T*k, I / BLOCK_I). The structure and modes are kernels/sparse_fused.py's (its ticket tail `last_of_token` /
-`publish_token` and the workspace split `tail_buffers` are reused); the weights are `Mxfp4Tensor`s (kernels/mxfp4.py):
-gate / up blocks [E, I, H/2] + scales [E, I, H/32] along rows, the transposed down blocks [E, I, H/2] + scales
-[E, I/32, H].
+grid (T*k, I / BLOCK_I). The structure and modes are kernels/sparse_fused.py's (the ticket tail `last_of_token` /
+`publish_token` and the workspace split `tail_buffers` of kernels/token_tail.py are shared); the weights are
+`Mxfp4Tensor`s (kernels/mxfp4.py): gate / up blocks [E, I, H/2] + scales [E, I, H/32] along rows, the transposed
+down blocks [E, I, H/2] + scales [E, I/32, H].
 
 Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_ids[tj]:
 * gate: z_n = sum_blocks 2**(s - 127) * sum_{j in block} v_j x_j + b_gate[e, n] over the codes + scales of the
@@ -46,14 +46,14 @@ import torch
 
 from localmoe.kernels.checks import HostPointer, _on_device
 from localmoe.kernels.mxfp4 import BLOCK, Mxfp4Tensor, dequant_mxfp4_ref
-from localmoe.kernels.sparse_fused import tail_buffers
+from localmoe.kernels.token_tail import tail_buffers
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-    from localmoe.kernels.sparse_fused import last_of_token, publish_token, publish_totals
+    from localmoe.kernels.token_tail import last_of_token, publish_token, publish_totals
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
     tl = None

@@ -1,7 +1,8 @@
 """Sparse decode in ONE launch: dense gate + threshold + up/down over the kept neurons, optionally offload-aware.
 
-Owns `sparse_fused` (Triton launcher), its torch reference `sparse_fused_ref`, the workspace helper
-`fused_workspace`, and one Triton kernel `_sparse_fused_kernel`, grid (T*k, ceil(I / BLOCK_I)):
+Owns `sparse_fused` (Triton launcher), its torch reference `sparse_fused_ref` and one Triton kernel
+`_sparse_fused_kernel`, grid (T*k, ceil(I / BLOCK_I)); the per-token tail it shares with kernels/mxfp4_sparse.py (the
+workspace, tickets, publishing, the shared expert's and the decoder layer's handles) is kernels/token_tail.py:
 
 * program (tj, b) takes neurons [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_ids[tj]: one full-width load
   of its BLOCK_I x H gate tile (no serial loop over H: a batch-1 step is latency bound), g = silu(x . W_gate),
@@ -74,8 +75,6 @@ stride.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from localmoe.kernels.checks import HostPointer, expert_weights, int4_expert_weights, tokens_and_experts
@@ -83,14 +82,14 @@ from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
 from localmoe.kernels.gate_predictor import GatePredictor
 from localmoe.kernels.int4 import Int4Tensor
 from localmoe.kernels.nf4 import Nf4Tensor, dequant_nf4_ref, nf4_code
-from localmoe.kernels.workspace import zeroed_int32
+from localmoe.kernels.token_tail import SharedExpert, check_tail, tail_buffers
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
-    from localmoe.kernels.rounding import round_to
+    from localmoe.kernels.token_tail import last_of_token, publish_token, publish_totals
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
     tl = None
@@ -99,39 +98,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
-@dataclass(frozen=True)
-class SharedExpert:
-    """A dense expert every token goes through, run by extra programs of the same launch. w_gate, w_up, w_down_t
-    [I_s, H] in x's dtype with rows contiguous (w_down_t: W_down transposed); weight [T] any float (Qwen3.5: the
-    sigmoid gate), applied after down like a routing weight."""
-
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down_t: torch.Tensor
-    weight: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Tail:
-    """What a decoder layer hands its experts for one decode step: `sparse_fused(..., shared=, residual=,
-    workspace=)`. A `workspace` whose sums row already holds the shared expert (kernels/moe_front.py
-    `shared_expert=`, the launch just before) comes with shared=None."""
-
-    shared: SharedExpert | None
-    residual: torch.Tensor | None
-    workspace: torch.Tensor | None = None
-
-
 # ----------------------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
-def shared_expert_term(x, shared: SharedExpert) -> torch.Tensor:
-    """fp32 [T, H]: weight[t] * silu(x . W_gate_s) * (x . W_up_s) @ W_down_t_s (what `shared=` adds)."""
-    xf = x.float()
-    a = torch.nn.functional.silu(xf @ shared.w_gate.float().T) * (xf @ shared.w_up.float().T)
-    return shared.weight.float().reshape(-1, 1) * (a @ shared.w_down_t.float())
-
-
 def _routed_fp32(w, eid) -> torch.Tensor:
     """w[eid] in fp32 [T,k,I,H]; an Int4Tensor dequantized exactly (w[eid] would round to its logical dtype)."""
     if isinstance(w, Nf4Tensor):
@@ -165,94 +134,6 @@ def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau, candid
 # Triton kernel
 # ----------------------------------------------------------------------------------------------------------
 if triton is not None:
-
-    @triton.jit
-    def last_of_token(tick_ptr, t, n_programs):
-        """Whether this program is the last of token t's n_programs to finish (acq_rel ticket: everything the others
-        wrote before their ticket is visible to it). `publish_token` re-zeroes the ticket for the next launch. (A
-        two-level ticket, per neuron block then per token, measured no faster in the decode step: sessions 5-6.)"""
-        return tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu") == n_programs - 1
-
-    @triton.jit
-    def publish_token(
-        acc_ptr,
-        y_ptr,
-        res_ptr,
-        cnt_ptr,
-        cws_ptr,
-        tick_ptr,
-        t,
-        K,
-        cols,
-        cmask,
-        H: tl.constexpr,
-        H_P2: tl.constexpr,
-        K_P2: tl.constexpr,
-        HAS_RES: tl.constexpr,
-        PACKED: tl.constexpr = False,
-    ):
-        """The last program of token t: y[t] (+ residual) from the fp32 workspace row, the k kept counts, and the
-        workspace row, counts and ticket zeroed for the next launch. Returns the counts [K_P2] (0 past K). PACKED:
-        each count word holds kept + (candidate rows << 16) (sparse_fused's predictor with row stats); the kept part
-        is stored, the whole words returned."""
-        arow = acc_ptr + t.to(tl.int64) * H + cols
-        a = tl.load(arow, mask=cmask, other=0.0, cache_modifier=".cg")  # other programs' sums: via L2
-        YT = y_ptr.dtype.element_ty
-        if HAS_RES:  # y = residual + the block's output, each rounded as transformers' adds round
-            rv = tl.load(res_ptr + t.to(tl.int64) * H + cols, mask=cmask, other=0.0).to(tl.float32)
-            a = round_to(rv + round_to(a, YT), YT)
-        tl.store(y_ptr + t.to(tl.int64) * H + cols, a.to(YT), mask=cmask)
-        tl.store(arow, tl.zeros([H_P2], dtype=tl.float32), mask=cmask)
-        kk = tl.arange(0, K_P2)
-        km = kk < K
-        crow = t.to(tl.int64) * K + kk
-        c = tl.load(cws_ptr + crow, mask=km, other=0, cache_modifier=".cg")
-        if PACKED:
-            tl.store(cnt_ptr + crow, c & 0xFFFF, mask=km)
-        else:
-            tl.store(cnt_ptr + crow, c, mask=km)
-        tl.store(cws_ptr + crow, tl.zeros([K_P2], dtype=tl.int32), mask=km)
-        tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
-        return c
-
-    @triton.jit
-    def publish_totals(
-        c,
-        t,
-        K,
-        I,
-        eid_ptr,
-        slot_ptr,
-        gslot_ptr,
-        kept_ptr,
-        host_ptr,
-        rows_ptr,
-        K_P2: tl.constexpr,
-        KEPT_TOTAL: tl.constexpr,
-        HOST_ROWS: tl.constexpr,
-        GATE_TABLE: tl.constexpr,
-        READ_ROWS: tl.constexpr,
-    ):
-        """The last program of token t adds its k kept counts `c` [K_P2] to the running totals the stats read (one
-        atomic each, no extra launch): kept neurons; rows read from host memory (an absent expert's gate rows and its
-        kept up and down rows); rows read wherever they live (I gate rows + 2 per kept neuron). `I`: the gate rows
-        each routed expert read, the width I, or [K_P2] counts (sparse_fused's predictor: its candidates)."""
-        kk = tl.arange(0, K_P2)
-        km = kk < K
-        crow = t.to(tl.int64) * K + kk
-        if KEPT_TOTAL:
-            tl.atomic_add(kept_ptr, tl.sum(c.to(tl.int64), axis=0), sem="relaxed")
-        if HOST_ROWS:
-            ee = tl.load(eid_ptr + crow, mask=km, other=0).to(tl.int64)
-            absent = km & (tl.load(slot_ptr + ee, mask=km, other=0) < 0)
-            if GATE_TABLE:
-                g_absent = km & (tl.load(gslot_ptr + ee, mask=km, other=0) < 0)
-                hr = tl.where(g_absent, I, 0).to(tl.int64) + tl.where(absent, 2 * c, 0).to(tl.int64)
-            else:
-                hr = tl.where(absent, I + 2 * c, 0).to(tl.int64)
-            tl.atomic_add(host_ptr, tl.sum(hr, axis=0), sem="relaxed")
-        if READ_ROWS:
-            tl.atomic_add(rows_ptr, tl.sum(tl.where(km, I + 2 * c, 0).to(tl.int64), axis=0), sem="relaxed")
 
     @triton.jit
     def int4_values(p, code_ptr, NF4: tl.constexpr):
@@ -565,22 +446,9 @@ if triton is not None:
             group = K + 1 if SHARED else K  # programs of token t per neuron block
             if last_of_token(tick_ptr, t, group * tl.num_programs(1)):
                 c = publish_token(
-                    acc_ptr,
-                    y_ptr,
-                    res_ptr,
-                    cnt_ptr,
-                    cws_ptr,
-                    tick_ptr,
-                    t,
-                    K,
-                    cols,
-                    cmask,
-                    H=H,
-                    H_P2=H_P2,
-                    K_P2=K_P2,
-                    HAS_RES=HAS_RES,
-                    PACKED=CAND_ROWS,
-                )
+                    acc_ptr, y_ptr, res_ptr, cnt_ptr, cws_ptr, tick_ptr, t, K, cols, cmask,
+                    H=H, H_P2=H_P2, K_P2=K_P2, HAS_RES=HAS_RES, PACKED=CAND_ROWS,
+                )  # fmt: skip
                 if CAND_ROWS:  # the gate rows read: the candidates (kept in the count words' high half)
                     gate_rows = c >> 16
                     c = c & 0xFFFF
@@ -591,38 +459,6 @@ if triton is not None:
                     c, t, K, gate_rows, eid_ptr, slot_ptr, gslot_ptr, kept_ptr, host_ptr, rows_ptr,
                     K_P2, KEPT_TOTAL, HOST_ROWS, GATE_TABLE, READ_ROWS,
                 )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------------------
-# workspace
-# ----------------------------------------------------------------------------------------------------------
-def fused_workspace(device, numel: int = 0) -> torch.Tensor:
-    """Zeroed int32 workspace with >= numel elements, one per (device, stream); kernels leave it zeroed.
-
-    A launch with T tokens, k experts, hidden H uses T*H + T*k + T elements (fp32 sums, counts, tickets).
-    Allocate it before CUDA-graph capture (or pass your own zeroed int32 buffer as `workspace=`): a first
-    allocation during capture lands in the graph's private pool."""
-    return zeroed_int32("sparse_fused", device, numel, minimum=1 << 14)
-
-
-def tail_buffers(out, count, workspace, accumulate: bool, dev, T: int, H: int, k: int):
-    """(fp32 sums [T*H], counts [T*k], tickets [T]) a launch with the self-cleaning tail adds into: views of the
-    (checked, or the shared) workspace; with `accumulate`, the caller's `out` and `count` (no tickets)."""
-    need = T * H + T * k + T
-    if accumulate:
-        return out, count, count  # no workspace: the tickets are never read
-    if workspace is None:
-        workspace = fused_workspace(dev, need)
-    elif (
-        workspace.dtype != torch.int32
-        or workspace.dim() != 1
-        or workspace.numel() < need
-        or not workspace.is_contiguous()
-        or workspace.device != dev
-    ):
-        raise ValueError(f"workspace must be a zeroed contiguous int32 1-D tensor of >= {need} elements on {dev}")
-    acc = workspace[: T * H].view(torch.float32)  # int32 zeros are fp32 zeros
-    return acc, workspace[T * H : T * H + T * k], workspace[T * H + T * k : need]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -782,7 +618,7 @@ def sparse_fused(
             raise ValueError("read_rows is counted in the finalising tail: not with accumulate=True")
         if read_rows.dtype != torch.int64 or read_rows.numel() != 1 or read_rows.device != dev:
             raise ValueError(f"read_rows must be a one-element int64 tensor on {dev}")
-    I_s = _check_tail(shared, residual, accumulate, T, H, x, out)
+    I_s = check_tail(shared, residual, accumulate, T, H, x, out)
     pred = _check_predictor(predictor, x, T, k, E, I)
     cand_rows = predictor is not None and not accumulate and (host_rows is not None or read_rows is not None)
     if cand_rows and I >= 1 << 15:
@@ -1009,36 +845,3 @@ def _check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int)
         raise ValueError("predictor.tau_prime must be a number, got NaN")
     pexp = ids.contiguous() if ids is not None else dept
     return {"tensors": (z, C, dept, pexp), "scalars": (r, N, C.stride(0), tp), "R_P2": triton.next_power_of_2(r)}
-
-
-def _check_tail(shared: SharedExpert | None, residual, accumulate: bool, T: int, H: int, x, out) -> int:
-    """Checks `shared` and `residual`; returns the shared expert's width (0 without one)."""
-    if (shared is not None or residual is not None) and accumulate:
-        raise ValueError("shared= and residual= belong to the finalising tail: not with accumulate=True")
-    if residual is not None:
-        dt = out.dtype if out is not None else torch.float32
-        if (
-            tuple(residual.shape) != (T, H)
-            or residual.dtype != dt
-            or not residual.is_contiguous()
-            or residual.device != x.device
-        ):
-            raise ValueError(
-                f"residual must be a contiguous {dt} [T, H] = {(T, H)} tensor on {x.device} (the output's dtype)"
-            )
-    if shared is None:
-        return 0
-    I_s = shared.w_gate.shape[0] if shared.w_gate.dim() == 2 else -1
-    for name in ("w_gate", "w_up", "w_down_t"):
-        w = getattr(shared, name)
-        if w.dim() != 2 or tuple(w.shape) != (I_s, H) or w.stride(1) != 1 or w.stride(0) != H:
-            raise ValueError(
-                f"shared.{name} must be a contiguous [I_s, H] = [{I_s}, {H}] tensor, got "
-                f"{tuple(w.shape)} strides {w.stride()}"
-            )
-        if w.dtype != x.dtype or w.device != x.device:
-            raise ValueError(f"shared.{name} must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
-    wt = shared.weight
-    if wt.numel() != T or not wt.dtype.is_floating_point or wt.device != x.device or not wt.is_contiguous():
-        raise ValueError(f"shared.weight must be a contiguous float tensor of T = {T} values on {x.device}")
-    return I_s

@@ -36,7 +36,8 @@ from localmoe.kernels.gate_predictor import (  # noqa: E402
     department_basis,
     department_basis_ref,
 )
-from localmoe.kernels.sparse_fused import SharedExpert, shared_expert_term, sparse_fused, sparse_fused_ref  # noqa: E402
+from localmoe.kernels.sparse_fused import sparse_fused, sparse_fused_ref  # noqa: E402
+from localmoe.kernels.token_tail import SharedExpert, shared_expert_term  # noqa: E402
 
 
 def predictor_inputs(H, I, E, N, r, dtype, seed, dept_of=None):

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from localmoe.kernels.moe_front import moe_front, moe_front_ref  # noqa: E402
 from localmoe.kernels.router_topk import router_tickets, router_topk_ref  # noqa: E402
-from localmoe.kernels.sparse_fused import SharedExpert, shared_expert_term  # noqa: E402
+from localmoe.kernels.token_tail import SharedExpert, shared_expert_term  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 SHAPES = [(2048, 256, 8), (2048, 128, 8), (100, 60, 4), (33, 7, 1)]  # H, E, k (E 128: Qwen3-30B-A3B, no shared expert)

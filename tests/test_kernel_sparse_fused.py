@@ -381,7 +381,7 @@ TAIL_CASES = [
 def test_shared_expert_and_residual_tail(shape, dtype, offload):
     """shared= runs a dense expert beside the routed ones (counts stay the routed experts'); residual= adds the
     residual stream in the tail: y = residual + (routed + shared), in the output dtype."""
-    from localmoe.kernels.sparse_fused import SharedExpert, shared_expert_term
+    from localmoe.kernels.token_tail import SharedExpert, shared_expert_term
 
     T, H, I, E, k, I_s, bi = shape
     x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, dtype, seed=17 + I_s)
@@ -414,7 +414,7 @@ def test_shared_expert_and_residual_tail(shape, dtype, offload):
 
 
 def test_tail_validation():
-    from localmoe.kernels.sparse_fused import SharedExpert
+    from localmoe.kernels.token_tail import SharedExpert
 
     T, H, I, E, k = 1, 72, 40, 5, 3
     x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=3)
@@ -446,7 +446,7 @@ def test_tail_validation():
 def test_caller_workspace_left_zeroed(T, shared):
     """A caller's workspace of exactly T*H + T*k + T elements: repeated launches give the same output and leave it
     zeroed for the next launch (what a captured graph's replays rely on)."""
-    from localmoe.kernels.sparse_fused import SharedExpert
+    from localmoe.kernels.token_tail import SharedExpert
 
     H, I, E, k, bi = 72, 40, 6, 3, 8
     x, wg, wu, wd, ids, rw = expert_inputs(T, H, I, E, k, torch.float32, seed=21 + T)
@@ -581,7 +581,7 @@ def test_int4_reads_only_kept_rows():
 
 
 def test_int4_validation():
-    from localmoe.kernels.sparse_fused import SharedExpert
+    from localmoe.kernels.token_tail import SharedExpert
 
     T, H, I, E, k, G = 1, 96, 37, 5, 3, 32
     x, qg, qu, qd, ids, rw = int4_inputs(T, H, I, E, k, G, torch.float32, seed=3)
@@ -801,7 +801,7 @@ def test_int4_offload_real_shape():
 
 
 def test_int4_offload_validation():
-    from localmoe.kernels.sparse_fused import SharedExpert
+    from localmoe.kernels.token_tail import SharedExpert
 
     T, H, I, E, k, G = 1, 96, 37, 5, 3, 32
     x, qg, qu, qd, ids, rw = int4_inputs(T, H, I, E, k, G, torch.float32, seed=3)

@@ -35,7 +35,7 @@ from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
 from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
-from localmoe.kernels.sparse_fused import SharedExpert, Tail, fused_workspace
+from localmoe.kernels.token_tail import SharedExpert, Tail, fused_workspace
 from localmoe.kernels.tuning import tuned
 
 # router class -> renormalises the top-k weights (True), or per its `norm_topk_prob` (None). DeaMoE's router is

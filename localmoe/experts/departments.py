@@ -51,7 +51,7 @@ from localmoe.experts.department_dense import dense_cached, grouped_dense
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
 from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
 from localmoe.kernels.department_slots import department_slots, department_slots_ref
-from localmoe.kernels.sparse_fused import Tail, shared_expert_term
+from localmoe.kernels.token_tail import Tail, shared_expert_term
 from localmoe.kernels.tuning import tuned
 
 
