@@ -238,7 +238,7 @@ results.append(
     sweep("moe_front", f"H{H}_E{E}_k{K}", {"block_e": [1, 2, 4, 8], "num_warps": [2, 4, 8]}, front_calls, front_check)
 )
 # -- sparse_fused with the shared expert and the residual (85%) -------------------------------------------------------
-EX = 64  # experts per weight set (the routed 8 are drawn from them; 12 sets do not fit L2)
+EX = min(64, E)  # experts per weight set (the routed k drawn from them; 12 sets do not fit L2; Mixtral: its 8)
 ew = [(rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05)) for _ in range(N)]
 ids = [torch.randperm(EX, device=DEV)[:K].view(1, K) for _ in range(N)]
 rws = [torch.softmax(torch.randn(1, K, device=DEV), -1).to(DT) for _ in range(N)]
