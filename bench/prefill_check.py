@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
+from localmoe.experts.placement import WORKSPACE_RESERVE  # noqa: E402
 
 DEV = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
 DEAMOE = "localmoe-tiny-deamoe"  # bundled: DeaMoE's departments staged instead of experts
@@ -73,7 +74,7 @@ def check_deamoe() -> tuple:
     resident = Engine.load(DEAMOE, device=DEV, dtype="bfloat16", sparsity=0.0, vram_gib=64.0)
     p = resident.loaded.offload
     room = p.departments_total // 2 * p.department_bytes + 16 * p.private_bytes
-    budget = (p.non_expert_bytes + p.state_bytes + p.workspace_bytes + room) / 2**30
+    budget = (p.non_expert_bytes + p.state_bytes + WORKSPACE_RESERVE + room) / 2**30
     off = Engine.load(DEAMOE, device=DEV, dtype="bfloat16", sparsity=0.0, vram_gib=budget)
     cache = off.loaded.cache
     ids = resident.encode_raw("Departments of experts share their projections; a prompt stages them in groups. " * 4)

@@ -18,8 +18,9 @@ from localmoe.errors import UsageError
 from localmoe.events import EngineStats, GenerationSettings
 from localmoe.experts import department_dense
 from localmoe.experts.department_cache import DepartmentCache
-from localmoe.experts.department_placement import direct_split, plan_departments, workspace_bytes
+from localmoe.experts.department_placement import direct_split, plan_departments
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk
+from localmoe.experts.placement import WORKSPACE_RESERVE
 from localmoe.experts.thresholds import sparse_token_limit
 from localmoe.kernels.department_experts import MAX_TOKENS
 from localmoe.tui.stats_view import stats_rows
@@ -33,7 +34,7 @@ DEPT, PRIV = 3 * W * H * 4, W * W * 4  # fp32 bytes of a department unit, of a p
 
 def _plan(depts: float, privs: float, **kw):
     """The plan of 2 layers of the shape above at a budget with room for `depts` departments and `privs` privates."""
-    fixed = 1000 + 2000 + workspace_bytes(D, N, DEPT, PRIV)
+    fixed = 1000 + 2000 + WORKSPACE_RESERVE
     args = dict(non_expert_bytes=1000, state=2000, departments=D, per_department=N, hidden=H, width=W, layers=2)
     args |= dict(element_bytes=4, departments_per_token=2, top_k=3) | kw
     return plan_departments(budget_bytes=int(fixed + depts * DEPT + privs * PRIV), **args)
@@ -176,7 +177,7 @@ def engines():
     resident = Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=64.0)
     p = resident.loaded.offload
     assert type(p).__name__ == "DepartmentPlan" and not p.offloading and resident.loaded.cache is None
-    fixed = p.non_expert_bytes + p.state_bytes + p.workspace_bytes
+    fixed = p.non_expert_bytes + p.state_bytes + WORKSPACE_RESERVE
     budget = (fixed + p.departments_total * p.department_bytes + 60 * p.private_bytes + 100) / GiB
     return resident, Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=budget), budget
 
@@ -292,7 +293,7 @@ def test_direct_tiers_tokens_equal_resident(engines, tier):
     rows from the host copies; tokens equal the resident engine's at a threshold."""
     resident, _, _ = engines
     p = resident.loaded.offload
-    fixed = p.non_expert_bytes + p.state_bytes + p.workspace_bytes
+    fixed = p.non_expert_bytes + p.state_bytes + WORKSPACE_RESERVE
     share = {"up": 5 / 6, "down": 1 / 2}[tier]  # of every department's three projections
     budget = (fixed + int(p.departments_total * p.department_bytes * share) + 10 * p.private_bytes) / GiB
     e = Engine.load(BUNDLED, device="cpu", sparsity=0.0, vram_gib=budget, offload_miss="direct")

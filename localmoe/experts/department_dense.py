@@ -17,7 +17,9 @@ from torch.nn import functional as F
 
 from localmoe.experts.dense_path import _GROUPED_MM
 
-STAGE_BYTES = 256 << 20  # an offloaded layer's staging group: departments whose weights fit (at least one)
+# an offloaded layer's staging group: the departments whose weights fit (at least one), inside the workspace the
+# VRAM plan keeps free (experts/placement.WORKSPACE_RESERVE, 0.5 GiB) beside the piece's activations
+STAGE_BYTES = 128 << 20
 
 
 def stage_departments(unit_bytes: int, departments: int) -> int:

@@ -4,8 +4,7 @@ A DeaMoE layer's experts are two kinds of unit (localmoe.experts.departments): a
 projections (3·h·H weights, read once per step by every token routed into the department, whichever of its experts they
 chose) and an expert's private [h, h] (h² weights, read only when that expert is chosen). A department unit is therefore
 worth more VRAM than any one private unit: it serves every expert of its department. Under a budget, what is left after
-the non-expert weights, the KV/recurrent state and the workspace (the reserve, and one staging group of the dense
-path: experts/department_dense.py) holds department units first (all of them when
+the non-expert weights, the KV/recurrent state and the workspace reserve holds department units first (all of them when
 they fit), then private units; every unit's master copy stays in host memory (pinned when possible, as for vanilla MoEs:
 placement.host_buffer). Direct offloading (misses read in place from pinned host memory, experts/department_cache.py)
 spends the same bytes by what a miss costs (`direct_split`): a department's gate is read whole on every step that
@@ -22,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localmoe.errors import UsageError
-from localmoe.experts.department_dense import stage_departments
 from localmoe.experts.placement import WORKSPACE_RESERVE, GiB, OffloadPlan
 
 
@@ -41,7 +39,6 @@ class DepartmentPlan(OffloadPlan):
     department_slots: int = 0  # department units resident in VRAM
     private_bytes: int = 0  # one expert's private [h, h]
     private_slots: int = 0  # private units resident in VRAM (== slots)
-    workspace_bytes: int = WORKSPACE_RESERVE  # kept free: the reserve and the dense path's staging group
 
     @property
     def offloading(self) -> bool:
@@ -93,13 +90,6 @@ def direct_split(plan: DepartmentPlan) -> tuple[int, int, int, int]:
     return int(gates), int(downs), int(ups), int(min(plan.total_experts, room // plan.private_bytes))
 
 
-def workspace_bytes(departments: int, per_department: int, dept_bytes: int, priv_bytes: int) -> int:
-    """What a DeaMoE plan keeps free besides the weights and the state: the workspace reserve, and one staging group
-    of the dense path (experts/department_dense.py: departments' shared projections and private parts)."""
-    unit = dept_bytes + per_department * priv_bytes
-    return int(WORKSPACE_RESERVE + stage_departments(unit, departments) * unit)
-
-
 def plan_departments(
     *,
     budget_bytes: int,
@@ -121,8 +111,7 @@ def plan_departments(
     priv_bytes = width * width * element_bytes
     n_dept, n_priv = departments * layers, departments * per_department * layers
     expert_total = n_dept * dept_bytes + n_priv * priv_bytes
-    workspace = workspace_bytes(departments, per_department, dept_bytes, priv_bytes)
-    room = int(budget_bytes - non_expert_bytes - state - workspace)
+    room = int(budget_bytes - non_expert_bytes - state - WORKSPACE_RESERVE)
     min_d, min_p = min(departments_per_token, departments), min(top_k, departments * per_department)
     if room >= expert_total:
         d_slots, p_slots = n_dept, n_priv
@@ -130,11 +119,11 @@ def plan_departments(
         d_slots = max(0, min(n_dept, (room - min_p * priv_bytes) // dept_bytes))
         p_slots = max(0, min(n_priv, (room - d_slots * dept_bytes) // priv_bytes))
         if d_slots < min_d or p_slots < min_p:
-            need = non_expert_bytes + state + workspace + min_d * dept_bytes + min_p * priv_bytes
+            need = non_expert_bytes + state + WORKSPACE_RESERVE + min_d * dept_bytes + min_p * priv_bytes
             raise UsageError(
                 f"--vram {budget_bytes / GiB:.3f} GiB leaves {_size(max(0, room))} for DeaMoE experts after the "
                 f"non-expert weights ({_size(non_expert_bytes)}), KV/state ({_size(state)}) and workspace "
-                f"({_size(workspace)}): room for {d_slots} department(s)' shared projections "
+                f"({_size(WORKSPACE_RESERVE)}): room for {d_slots} department(s)' shared projections "
                 f"({_size(dept_bytes)} each) beside {min_p} private parts ({_size(priv_bytes)} each), but one token "
                 f"needs {min_d} departments and {min_p} private parts of a layer: give at least --vram "
                 f"{need / GiB:.3f}, a shorter --context, or --device cpu"
@@ -151,5 +140,4 @@ def plan_departments(
         department_slots=int(d_slots),
         private_bytes=priv_bytes,
         private_slots=int(p_slots),
-        workspace_bytes=workspace,
     )
