@@ -4,10 +4,12 @@ Owns `grouped_dense` (the layer's formulas, experts/departments.py's module doc,
 pairs of a set of departments, given those departments' weights stacked), `dense_cached` (an offloaded layer: the
 touched departments in groups of at most `STAGE_BYTES`, each group's weights staged on the device by the cache in
 large copies, then `grouped_dense` on them) and `_mm_by_group` (torch's grouped GEMM, or a loop where it cannot run).
-A resident layer calls `grouped_dense` once with its parameters. No per-token or per-expert host sync: a group costs
-two small readbacks (its pair counts), whatever the prompt length.
+A resident layer calls `grouped_dense` once with its parameters. No per-token or per-expert host sync: a layer costs
+one readback (the experts its tokens chose), a group three small ones (its pair and slot counts), whatever the prompt
+length.
 
-May import torch only; the module (`m`: a DepartmentExperts) is passed in, never imported (it imports this).
+May import torch and experts/dense_path (torch's grouped GEMM); the module (`m`: a DepartmentExperts) is passed in,
+never imported (it imports this).
 """
 
 from __future__ import annotations
