@@ -12,10 +12,11 @@ not hold the weights; `triton.testing.do_bench` median, µs per call). Prints th
 
 Also moe_front (residual add + norm + router top-k + shared gate, one launch) and the experts' `sparse_fused` with
 the shared expert and the residual in its tail (the decoder layer's two launches on the sparse path; thresholds at
-85%, its best launch goes to `launch_params` "fused" by hand).
+the model's registry default sparsity, or `--sparsity S`, 0.85 for a shape the registry does not list; its best
+launch goes to `launch_params` "fused" by hand).
 
-Usage: PYTHONUNBUFFERED=1 python bench/tune_decode.py [--shape ALIAS] [--only router_topk,shared_expert,
-       gated_deltanet_step,moe_front,sparse_tail]
+Usage: PYTHONUNBUFFERED=1 python bench/tune_decode.py [--shape ALIAS] [--sparsity S] [--only router_topk,
+       shared_expert,gated_deltanet_step,moe_front,sparse_tail]
 """
 
 from __future__ import annotations
@@ -35,10 +36,17 @@ from localmoe.kernels.router_topk import router_topk
 from localmoe.kernels.shared_expert import shared_expert
 from localmoe.kernels.sparse_fused import sparse_fused
 from localmoe.kernels.token_tail import SharedExpert
+from localmoe.models.registry import load_registry
 from localmoe.models.shapes import shape_config
 
 DEV, DT, N = torch.device("cuda"), torch.bfloat16, 12
 SHAPE = sys.argv[sys.argv.index("--shape") + 1] if "--shape" in sys.argv else "qwen3.5-35b"
+_spec = load_registry().get(SHAPE)
+SPARSITY = (  # sparse_tail's thresholds: the sparsity the model decodes at by default
+    float(sys.argv[sys.argv.index("--sparsity") + 1])
+    if "--sparsity" in sys.argv
+    else (_spec.sparsity if _spec is not None and _spec.sparsity > 0 else 0.85)
+)
 cfg = shape_config(SHAPE)
 cfg = getattr(cfg, "text_config", None) or cfg
 E = next(getattr(cfg, a) for a in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(cfg, a, None))
@@ -74,7 +82,9 @@ ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv
 SKIP = {"shared_expert"} if not I_S else set()
 SKIP |= {"gated_deltanet_step"} if not DELTANET else set()
 print(
-    f"{SHAPE}: H {H}, E {E}, k {K}, I {I}, shared expert {I_S or 'none'}, DeltaNet {DELTANET}, norm {KIND}", flush=True
+    f"{SHAPE}: H {H}, E {E}, k {K}, I {I}, shared expert {I_S or 'none'}, DeltaNet {DELTANET}, norm {KIND}, "
+    f"sparse_tail at {SPARSITY:.0%}",
+    flush=True,
 )
 
 
@@ -237,7 +247,7 @@ def front_check(kw):
 results.append(
     sweep("moe_front", f"H{H}_E{E}_k{K}", {"block_e": [1, 2, 4, 8], "num_warps": [2, 4, 8]}, front_calls, front_check)
 )
-# -- sparse_fused with the shared expert and the residual (85%) -------------------------------------------------------
+# -- sparse_fused with the shared expert and the residual (at SPARSITY) ----------------------------------------------
 EX = min(64, E)  # experts per weight set (the routed k drawn from them; 12 sets do not fit L2; Mixtral: its 8)
 ew = [(rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05), rnd(EX, I, H, scale=0.05)) for _ in range(N)]
 ids = [torch.randperm(EX, device=DEV)[:K].view(1, K) for _ in range(N)]
@@ -253,7 +263,7 @@ sh = [
 taus = []
 for i in range(N):
     gate = torch.nn.functional.silu(torch.einsum("h,eih->ei", xs[i][0].float(), ew[i][0].float())).abs()
-    taus.append(torch.full((EX,), float(torch.quantile(gate.flatten()[: 1 << 20], 0.85)), device=DEV))
+    taus.append(torch.full((EX,), float(torch.quantile(gate.flatten()[: 1 << 20], SPARSITY)), device=DEV))
 outs = [torch.empty(1, H, device=DEV, dtype=DT) for _ in range(N)]
 ref_tail = [
     sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i], residual=res[i])[0]
