@@ -66,8 +66,9 @@ def grouped_dense(m, x, top_k_index, top_k_weights, parts, dsel: torch.Tensor | 
         dep = local[dep]
     valid = dep >= 0  # [T, k]
     tok = torch.arange(T, device=x.device)[:, None].expand(T, k)
-    touched = torch.zeros(G, T, dtype=torch.bool, device=x.device)
-    touched[dep[valid], tok[valid]] = True  # [G, T]
+    touched = torch.zeros(G + 1, T, dtype=torch.bool, device=x.device)  # row G: the pairs outside the group
+    touched[torch.where(valid, dep, G), tok] = True
+    touched = touched[:G]  # [G, T]
     pair_of = touched.reshape(-1).long().cumsum(0).view(G, T) - 1  # pair number of (g, t), pairs sorted by g
     pg, pt = touched.nonzero(as_tuple=True)  # [P] group place and token of each pair
     ends_t = touched.sum(1).cumsum(0).to(torch.int32)
@@ -84,7 +85,9 @@ def grouped_dense(m, x, top_k_index, top_k_weights, parts, dsel: torch.Tensor | 
     u = a * _mm_by_group(xs, up.transpose(1, 2), ends, ends_t)  # [P, h]
     # private parts: the group's (token, expert) slots sorted by expert, each reads its pair's u
     flat = torch.where(valid, dep * n + top_k_index % n, G * n).reshape(-1)  # G * n: a slot outside the group
-    order = torch.argsort(flat, stable=True)[: int(valid.sum())]  # (the outside slots sort last)
+    order = torch.argsort(flat, stable=True)
+    if dsel is not None:  # the outside slots sort last: dropped (every slot is inside when dsel is None)
+        order = order[: int(valid.sum())]
     slot_t = order // k
     slot_pair = pair_of[flat[order] // n, slot_t]  # [Q]
     e_ends_t = torch.bincount(flat[order], minlength=G * n).cumsum(0).to(torch.int32)
