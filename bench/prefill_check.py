@@ -15,6 +15,7 @@ smoke run, the staging spans filled by per-expert copies there)
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 root = Path(tempfile.mkdtemp())
@@ -56,16 +57,23 @@ def check(repo: str, fmt: str) -> tuple:
     ids = resident.encode_raw("Long prompts stream their experts through the staging buffers. " * 5)
     for m in off.loaded.experts:  # the tiny model's limit could pass the prompt: force the dense (staging) path
         m.max_sparse_tokens = min(m.max_sparse_tokens, 16)
-    x = torch.tensor([ids], device=DEV)
     cache.reset_stats()
+    diff, same = compare(resident, off, ids)
+    gathered = sum(cache.staging.gathers.values())
+    hits = f"{cache.hits}/{cache.hits + cache.misses}"
+    return len(ids), diff, same, hits, f"{gathered}/{len(cache.masters)}"
+
+
+def compare(resident, off, ids: list[int]) -> tuple[float, bool]:
+    """(max |last-position prefill logit difference|, greedy tokens equal) of the offloaded engine against the
+    resident one on the prompt `ids`."""
+    x = torch.tensor([ids], device=DEV)
     with torch.inference_mode():
         want = resident.model(input_ids=x, logits_to_keep=1).logits.float()
         got = off.model(input_ids=x, logits_to_keep=1).logits.float()
-    diff = float((got - want).abs().max())
-    gathered = sum(cache.staging.gathers.values())
-    hits = f"{cache.hits}/{cache.hits + cache.misses}"
+    s = GenerationSettings(max_new_tokens=16)
     same = [ev.token_id for ev in off.generate(ids, s)] == [ev.token_id for ev in resident.generate(ids, s)]
-    return len(ids), diff, same, hits, f"{gathered}/{len(cache.masters)}"
+    return float((got - want).abs().max()), same
 
 
 def check_deamoe() -> tuple:
@@ -80,38 +88,28 @@ def check_deamoe() -> tuple:
     ids = resident.encode_raw("Departments of experts share their projections; a prompt stages them in groups. " * 4)
     for m in off.loaded.experts:
         m.max_sparse_tokens = min(m.max_sparse_tokens, 8)
-    x = torch.tensor([ids], device=DEV)
     cache.copied_bytes = 0
-    with torch.inference_mode():
-        want = resident.model(input_ids=x, logits_to_keep=1).logits.float()
-        got = off.model(input_ids=x, logits_to_keep=1).logits.float()
-    diff = float((got - want).abs().max())
-    s = GenerationSettings(max_new_tokens=16)
-    same = [ev.token_id for ev in off.generate(ids, s)] == [ev.token_id for ev in resident.generate(ids, s)]
+    diff, same = compare(resident, off, ids)
     return len(ids), diff, same, f"{cache.copied_bytes / 2**20:.0f} MiB", f"{cache.mode} mode"
 
 
-def main() -> None:
-    rows = []
+def row(family: str, fmt: str, check_fn, *args) -> tuple:
+    """The table row of one check, or an ERROR row (with the traceback printed) if it raised."""
     try:
-        rows.append(("deamoe", "full", *check_deamoe()))
-    except Exception as ex:  # noqa: BLE001
-        import traceback
-
+        return (family, fmt, *check_fn(*args))
+    except Exception as ex:  # noqa: BLE001 - one check's failure is a row, not the end of the table
         traceback.print_exc()
-        rows.append(("deamoe", "full", "-", "ERROR", f"{type(ex).__name__}: {ex}"[:80], "-", "-"))
+        return (family, fmt, "-", "ERROR", f"{type(ex).__name__}: {ex}"[:80], "-", "-")
+
+
+def main() -> None:
+    rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"
         folder = tiny_models.save_checkpoint(fam, root / "src" / fam)
         tiny_models.place_in_hf_cache(folder, root / "hub", repo)
         for fmt in FORMATS if fam != "gpt_oss" else ("full",):  # GPT-OSS: its checkpoint's MXFP4 (int4/nf4 refused)
-            try:
-                rows.append((fam, fmt, *check(repo, fmt)))
-            except Exception as ex:  # noqa: BLE001
-                import traceback
-
-                traceback.print_exc()
-                rows.append((fam, fmt, "-", "ERROR", f"{type(ex).__name__}: {ex}"[:80], "-", "-"))
+            rows.append(row(fam, fmt, check, repo, fmt))
     print("\nfamily        experts  prompt  max |logit diff|  tokens equal  staged hits  layers gathered")
     for fam, fmt, n, diff, same, hits, gathered in rows:
         d = f"{diff:.3g}" if isinstance(diff, float) else diff
