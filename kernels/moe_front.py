@@ -116,8 +116,8 @@ if triton is not None:
         wsg_ptr,  # [H] shared expert gate weight (SHARED_GATE / SHARED_EXPERT)
         s_ptr,  # [H] out: x + residual (x's dtype)
         h_ptr,  # [H] out: RMSNorm(s) (x's dtype)
-        logits_ptr,  # [E] out (x's dtype); also the programs' exchange buffer
-        tw_ptr,  # [k] out top-k weights (x's dtype)
+        logits_ptr,  # [E] out (the router's dtype: x's or fp32); also the programs' exchange buffer
+        tw_ptr,  # [k] out top-k weights (the router's dtype)
         ti_ptr,  # [k] out top-k ids (int64)
         sg_ptr,  # [1] out sigmoid gate (SHARED_GATE without SHARED_EXPERT)
         tick_ptr,  # [1] int32 ticket, zero between launches
@@ -174,7 +174,8 @@ if triton is not None:
             tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
             # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
             logit = tl.sum(wv.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_E]
-            tl.store(logits_ptr + rows, round_to(logit, DT).to(DT), mask=rmask)
+            LT = logits_ptr.dtype.element_ty  # x's dtype, or fp32 (an fp32 router)
+            tl.store(logits_ptr + rows, round_to(logit, LT).to(LT), mask=rmask)
             if STORE_SG:
                 if pid == 0:
                     tl.store(sg_ptr, _shared_gate(ws, h, DT).to(DT))
@@ -228,7 +229,8 @@ def moe_front(
     topk_group: int = 0,
 ):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
-    dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] and w_sg (H elements, or None) in x's
+    dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] in x's dtype or fp32 (DeepSeek-V2's
+    router: logits and top-k weights then fp32, as kernels/router_topk.py), w_sg (H elements, or None) in x's
     dtype. Returns (s [H], h [H], router logits [1, E], top-k weights [1, k], top-k ids [1, k] int64, sg [1] | None);
     sg is None without w_sg, and with `shared_expert` (the gate is applied inside, nobody else needs it).
     `residual_early`: the residual was not written by the kernel just before this launch (a decoder layer's input,
@@ -250,10 +252,10 @@ def moe_front(
             f"moe_front is for one token: x and residual must hold H = {H} values, got "
             f"{x.numel()} and {residual.numel()}"
         )
-    if x.dtype not in _FLOAT_DTYPES or residual.dtype != x.dtype or router_weight.dtype != x.dtype:
+    if x.dtype not in _FLOAT_DTYPES or residual.dtype != x.dtype or router_weight.dtype not in (x.dtype, torch.float32):
         raise TypeError(
-            f"x, residual and router_weight must share a float dtype, got {x.dtype}, {residual.dtype}, "
-            f"{router_weight.dtype}"
+            f"x and residual must share a float dtype and router_weight have it (or be fp32), got {x.dtype}, "
+            f"{residual.dtype}, {router_weight.dtype}"
         )
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {sorted(_KINDS)}, got {kind!r}")
@@ -298,8 +300,9 @@ def moe_front(
     w = router_weight if router_weight.is_contiguous() else router_weight.contiguous()
     dev, dt = x.device, x.dtype
     s, h = torch.empty(H, dtype=dt, device=dev), torch.empty(H, dtype=dt, device=dev)
-    logits = torch.empty((1, E), dtype=dt, device=dev)
-    tw = torch.empty((1, top_k), dtype=dt, device=dev)
+    lt = router_weight.dtype  # x's, or fp32 for an fp32 router (DeepSeek-V2: its logits and weights stay fp32)
+    logits = torch.empty((1, E), dtype=lt, device=dev)
+    tw = torch.empty((1, top_k), dtype=lt, device=dev)
     ti = torch.empty((1, top_k), dtype=torch.int64, device=dev)
     sg = torch.empty(1, dtype=dt, device=dev) if w_sg is not None and shared_expert is None else None
     if tickets is None:

@@ -24,10 +24,10 @@ DEV = test_fused.DEV
 
 
 def _tiny(q_lora_rank=None, **kw):
-    kw = {"n_group": 1, "topk_group": 1, **kw}
+    kw = {"n_group": 1, "topk_group": 1, "n_shared_experts": 1, **kw}
     cfg = DeepseekV2Config(
         vocab_size=96, hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, max_position_embeddings=64, **kw,
     )  # fmt: skip
@@ -62,3 +62,59 @@ def test_absorbed_decode_equals_transformers(q_lora_rank, cache_kind, dtype):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     assert replacements.uninstall(model) > 0
     assert not any(isinstance(m, FusedMLA) for m in model.modules())
+
+
+def _local_experts(model, sparsity: float) -> list:
+    """The MoE layers' transformers experts swapped for LocalExperts (same weights), τ at the `sparsity` quantile of
+    |act| on random inputs, the sparse path on when sparsity > 0 (threshold 0 otherwise: the dense tail)."""
+    from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+
+    out, gen = [], torch.Generator().manual_seed(5)
+    for i, layer in enumerate(model.model.layers):
+        old = getattr(layer.mlp, "experts", None)
+        if old is None:  # layer 0: a dense MLP
+            continue
+        E, two_i, H = old.gate_up_proj.shape
+        I = two_i // 2
+        new = LocalExperts(E, H, I, model.config.hidden_act, i)
+        gu = old.gate_up_proj.detach()
+        new.weights = ExpertWeights(
+            gu[:, :I].contiguous(), gu[:, I:].contiguous(), old.down_proj.detach().mT.contiguous()
+        )
+        xs = torch.randn(64, H, generator=gen).to(gu.device, gu.dtype)
+        g = new.act_fn(torch.einsum("th,eih->eti", xs, new.weights.w_gate).float()).abs().reshape(E, -1)
+        new.tau = torch.quantile(g, max(sparsity, 0.3), dim=1).float()
+        new.kept = torch.zeros((), dtype=torch.int64)
+        new.max_sparse_tokens, new.sparse_enabled = 1, sparsity > 0
+        layer.mlp.experts = new
+        out.append(new)
+    return out
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.5], ids=["dense", "sparse"])
+@pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["lite-2-shared", "q_lora-grouped-scaled"])
+@torch.no_grad()
+def test_front_and_tail_equal_transformers(q_lora_rank, sparsity):
+    """The MoE layer from the attention output on in two launches, as Qwen's: moe_front (residual add, norm, the fp32
+    router's group-limited top-k) and sparse_fused with the ungated shared experts in its shared programs (weight 1),
+    routed_scaling_factor folded into the routing weights and the residual add in its tail. Sparsity 0 against
+    transformers' model; sparse against the same LocalExperts run eagerly (the unfused layers)."""
+    group = dict(topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5)
+    two_shared = dict(n_shared_experts=2)  # the shared experts wider than a routed one (V2-Lite: 2 x 1408)
+    ref = _tiny(q_lora_rank, **(group if q_lora_rank else two_shared)).to(DEV, torch.float32)
+    prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(7)).to(DEV)
+    if sparsity == 0:
+        want, want_toks = test_fused._run(ref, "static", prompt, steps=2)
+    _local_experts(ref, sparsity)
+    if sparsity > 0:
+        want, want_toks = test_fused._run(ref, "static", prompt, steps=2)
+    model = copy.deepcopy(ref)
+    experts = [m for m in model.modules() if type(m).__name__ == "LocalExperts"]
+    for m in experts:
+        m.kernel_on_cpu = DEV == "cpu"  # the Triton path under the interpreter, as on a GPU
+    replacements.install(model, DEV, force=True)
+    got, toks = test_fused._run(model, "static", prompt, steps=2)
+    blocks = [m for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)]
+    assert [b.front_calls for b in blocks] == [2]
+    assert toks == want_toks
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

@@ -168,6 +168,25 @@ def test_group_limited_routing(shape, dtype):
     torch.testing.assert_close(logits[0], want[2], **one_step)
 
 
+@pytest.mark.parametrize("shape", [(2048, 64, 6, 8, 1), (40, 12, 3, 3, 2)], ids=lambda s: "H{}E{}k{}n{}g{}".format(*s))
+@torch.no_grad()
+def test_fp32_router_with_bf16_activations(shape):
+    """DeepSeek-V2's front: a bf16 token and an fp32 router (transformers computes its logits in fp32): logits and
+    top-k weights stay fp32 (no rounding to x's dtype), as router_topk's reference on the kernel's h, group-limited."""
+    H, E, k, n, g = shape
+    x, r, nw, w, _ = _inputs(H, E, torch.bfloat16, seed=E)
+    w = w.float()
+    s, h, logits, tw, ti, _ = moe_front(x, r, nw, 1e-6, "standard", w, k, False, None, group_size=n, topk_group=g)
+    assert logits.dtype == torch.float32 and tw.dtype == torch.float32 and h.dtype == torch.bfloat16
+    want_logits, rw, ri = router_topk_ref(h[None], w, k, False, group_size=n, topk_group=g)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    _, rw, ri = router_topk_ref(h[None], w, k, False, logits=logits, group_size=n, topk_group=g)
+    assert torch.equal(ti, ri)
+    torch.testing.assert_close(tw, rw, rtol=1e-6, atol=1e-7)
+    want = moe_front_ref(x, r, nw, 1e-6, "standard", w, k, False, group_size=n, topk_group=g)
+    assert torch.equal(s, want[0]) and torch.equal(h, want[1])
+
+
 def test_launcher_checks():
     x, r, nw, w, sg = _inputs(32, 8, torch.float32, seed=1)
     with pytest.raises(ValueError, match="one token"):

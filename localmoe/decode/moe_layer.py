@@ -124,6 +124,7 @@ class FusedSparseMoeBlock(nn.Module):
         # after the router); False: in sparse_fused's, after the router (sessions 4-6)
         self.shared_in_front = True
         self._down_t: tuple[int, torch.Tensor] | None = None  # (source data_ptr, shared down_proj weight [I, H])
+        self._unit: torch.Tensor | None = None  # [1] = 1: an ungated shared expert's weight in sparse_fused
 
     @property
     def _gate(self) -> nn.Module:
@@ -170,8 +171,7 @@ class FusedSparseMoeBlock(nn.Module):
         `sparse_fused` (which then takes the residual add, and the shared expert's sum if there is one), or DeaMoE's
         department kernels on resident weights (experts/departments.py `tail=`)."""
         takes = getattr(self.experts, "takes_tail", None)
-        plain = self._gate.weight.dtype == h.dtype and self._routed_scale == 1.0
-        plain = plain and (self.shared_gated or not self.has_shared)  # moe_front: x's dtype, a gated shared expert
+        plain = self._gate.weight.dtype in (h.dtype, torch.float32)  # moe_front: x's dtype, or DeepSeek-V2's fp32
         plain = plain and getattr(self._gate, "bias", None) is None  # moe_front's router has no bias (GPT-OSS's has)
         return plain and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
@@ -197,7 +197,10 @@ class FusedSparseMoeBlock(nn.Module):
             self._front = tuned(mixed, "moe_front", f"H{H}_E{self._gate.weight.shape[0]}_k{self.top_k}")
         se = self._se
         weights = (se.gate_proj.weight, se.up_proj.weight, self._shared_down_t()) if se is not None else None
-        if se is not None and self.shared_in_front:  # the shared expert in moe_front's launch, into the workspace
+        # the shared expert in moe_front's launch, into the workspace (its programs apply the sigmoid gate: Qwen3.5);
+        # DeepSeek-V2's ungated shared experts run in sparse_fused's shared programs with weight 1
+        in_front = se is not None and self.shared_in_front and self.shared_gated
+        if in_front:
             ws = fused_workspace(mixed.device, H + self.top_k + 1)
             front = {"shared_expert": weights, "acc": ws[:H].view(torch.float32)}
         else:
@@ -213,18 +216,26 @@ class FusedSparseMoeBlock(nn.Module):
             self._gate.weight,
             self.top_k,
             self.norm_topk_prob,
-            self.shared_expert_gate.weight if se is not None else None,
+            self.shared_expert_gate.weight if se is not None and self.shared_gated else None,
             tickets=self._tickets_on(mixed.device),
             residual_early=True,
             **front,
             **self._group,  # DeaMoE: group-limited top-k
             **self._front,
         )
-        shared = None if se is None or self.shared_in_front else SharedExpert(*weights, sg)
+        shared = None if se is None or in_front else SharedExpert(*weights, sg if self.shared_gated else self._one(h))
+        if self._routed_scale != 1.0:  # DeepSeek-V2's routed_scaling_factor, as its router applies it
+            tw = tw * self._routed_scale
         if scale != 1.0:
             tw = tw * scale  # [1, k]: residual + Σ (w_i·m)·expert_i
         y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws))
         return y.view(B, T, H)
+
+    def _one(self, like: torch.Tensor) -> torch.Tensor:
+        """[1] = 1 in like's dtype on its device (an ungated shared expert's weight), made once."""
+        if self._unit is None or self._unit.device != like.device or self._unit.dtype != like.dtype:
+            self._unit = torch.ones(1, dtype=like.dtype, device=like.device)
+        return self._unit
 
     def _shared_down_t(self) -> torch.Tensor:
         """The shared expert's W_down transposed, [I, H] contiguous (a neuron's output row contiguous, as the routed
@@ -280,13 +291,14 @@ class FusedDecoderLayer(nn.Module):
     """Qwen3.5-MoE / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE / DeepSeek-V2 decoder layer whose one-token call has no
     launch of its own: the input RMSNorm goes into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention /
     FusedMLA `input_norm=`); when the experts run `sparse_fused` (`FusedSparseMoeBlock.takes_front`) the rest is
-    `moe_front` (with the shared expert, if any) + `sparse_fused` (with the residual in its tail); else (DeepSeek-V2:
-    its router is fp32) the mixer's output + residual go into the
-    post-attention RMSNorm's launch and the MoE output + residual into the shared expert's last kernel (without a
-    shared expert: one add launch). Only when its norm and MoE block are localmoe's fused modules and the call is one
-    token on their device; other one-token calls run transformers' layer arithmetic with this layer's (fused)
-    children, and more tokens (prefill) the original layer, whose children are the originals. GraniteMoE: both
-    branches scaled by `residual_multiplier` before their residual adds (module docstring)."""
+    `moe_front` (with the shared expert, if any; DeepSeek-V2's fp32 router, its ungated shared experts in
+    sparse_fused's shared programs) + `sparse_fused` (with the residual in its tail); else (experts off that path,
+    GPT-OSS's biased router) the mixer's output + residual go into the post-attention RMSNorm's launch and the MoE
+    output + residual into the shared expert's last kernel (without a shared expert: one add launch). Only when its
+    norm and MoE block are localmoe's fused modules and the call is one token on their device; other one-token calls
+    run transformers' layer arithmetic with this layer's (fused) children, and more tokens (prefill) the original
+    layer, whose children are the originals. GraniteMoE: both branches scaled by `residual_multiplier` before their
+    residual adds (module docstring)."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
