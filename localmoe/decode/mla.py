@@ -6,17 +6,17 @@ transformers already caches MLA's latents (per position: the normalised compress
 the rotary key k_pe [R] as its values, one "head"), but its module expands the whole cache through kv_b_proj on every
 step. Here W_UK and W_UV, row blocks of kv_b_proj's weight [Hq·(Dn + Dv), C], are absorbed (no copy):
 
-    q_lat[h] = q_nope[h] · W_UK[h]           [Hq, Dn] x [Hq, Dn, C] -> [Hq, C]   (one batched GEMV)
+    q_lat[h] = q_nope[h] · W_UK[h]           [Hq, Dn] x [Hq, Dn, C] -> [Hq, C]   (kernels/mla_absorb.py)
     o_lat    = softmax((q_lat·cᵀ + q_pe·k_peᵀ) · scale) · c                        (kernels/mla_decode.py)
-    o[h]     = o_lat[h] · W_UV[h]ᵀ            [Hq, C] x [Hq, C, Dv] -> [Hq, Dv]  (one batched GEMV)
+    o[h]     = o_lat[h] · W_UV[h]ᵀ            [Hq, C] x [Hq, C, Dv] -> [Hq, Dv]  (kernels/mla_absorb.py)
 
 which equals q_nope·k_nopeᵀ with k_nope = c·W_UKᵀ and o = p·(c·W_UVᵀ), the expanded form, up to rounding. Bytes per
 step and layer: L·(C + R) cached elements instead of L·Hq·(Dn + Dv) expanded ones written and read again.
 
 Launches per decode call on a StaticCache (q_lora_rank None, DeepSeek-V2-Lite): q|kv_a GEMV 1 (the two projections
 share one buffer; the decoder layer's input norm stays its own launch), kv_a_layernorm + both ropes + the latents'
-write 1 (kernels/mla_rope_write.py), W_UK 1, the core 2, W_UV 1, o_proj 1: 7. Other caches: the norm, transformers'
-rotary embedding (~8) and the cache's update instead of the one launch.
+write 1 (kernels/mla_rope_write.py), W_UK 1, the core 2, W_UV 1 (kernels/mla_absorb.py), o_proj 1: 7. Other
+caches: the norm, transformers' rotary embedding (~8) and the cache's update instead of the one launch.
 
 Shape legend: Hq heads, Dn / R / Dv the no-rope query, rope and value head dims, C kv_lora_rank, L cache length.
 """
@@ -31,6 +31,7 @@ from torch import nn
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
 
 from localmoe.decode.ops import concat_rows, linear_1, norm_eps, one_row, static_layer, takes_norm
+from localmoe.kernels.mla_absorb import absorb
 from localmoe.kernels.mla_decode import mla_decode
 from localmoe.kernels.mla_rope_write import mla_rope_write
 
@@ -156,9 +157,9 @@ class FusedMLA(nn.Module):
             q_pe = q_pe.reshape(Hq, R).contiguous()
         n = _valid_length(cache, self.layer_idx, keys)
         w_uk, w_uv = self._absorbed()
-        q_lat = torch.bmm(q_nope.reshape(Hq, 1, Dn), w_uk).view(Hq, C)  # [Hq, C]
+        q_lat = absorb(q_nope.reshape(Hq, Dn), w_uk)  # [Hq, C]
         o_lat = mla_decode(q_lat, q_pe, keys[0, 0], values[0, 0], n, self.scaling)  # [Hq, C]
-        out = torch.bmm(o_lat.view(Hq, 1, C), w_uv.transpose(1, 2))  # [Hq, 1, Dv]
+        out = absorb(o_lat, w_uv.transpose(1, 2))  # [Hq, Dv]
         return self.o_proj(out.view(1, 1, Hq * self.v_head_dim)), None
 
 
