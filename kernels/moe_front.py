@@ -59,12 +59,13 @@ _KINDS = {"standard": 0, "zero_centred": 1}
 # ----------------------------------------------------------------------------------------------------------
 def moe_front_ref(
     x, residual, norm_weight, eps, kind, router_weight, top_k, norm_topk_prob=True, w_sg=None, *, group_size=0,
-    topk_group=0,
+    topk_group=0, x_scale=1.0, w_scale=1.0,
 ):  # fmt: skip
     """x, residual [H] (or [1, H]) -> (s [H], h [H], logits [E], top-k weights [k], top-k ids [k], sg [1] | None).
-    group_size / topk_group: DeaMoE's group-limited top-k (kernels/router_topk.py)."""
+    group_size / topk_group: DeaMoE's group-limited top-k (kernels/router_topk.py); x_scale / w_scale: `moe_front`."""
     dt = x.dtype
-    s = (x.reshape(-1).float() + residual.reshape(-1).float()).to(dt)
+    xs = x.reshape(-1) if x_scale == 1.0 else x.reshape(-1) * x_scale
+    s = (xs.float() + residual.reshape(-1).float()).to(dt)
     v = s.float()
     n = v * torch.rsqrt(v.pow(2).mean() + eps)
     w = norm_weight.float()
@@ -75,6 +76,8 @@ def moe_front_ref(
     sg = None
     if w_sg is not None:
         sg = torch.sigmoid((h.float() @ w_sg.reshape(-1).float()).to(dt).float()).to(dt).reshape(1)
+    if w_scale != 1.0:
+        tw = tw * w_scale
     return s, h, logits[0], tw[0], ti[0], sg
 
 
@@ -85,15 +88,20 @@ if triton is not None:
 
     @triton.jit
     def _residual_norm(
-        x_ptr, r_ptr, rv, nw, cols, cm, eps, H: tl.constexpr, KIND: tl.constexpr, EARLY_RES: tl.constexpr
-    ):
+        x_ptr, r_ptr, rv, nw, cols, cm, eps, x_scale, H: tl.constexpr, KIND: tl.constexpr, EARLY_RES: tl.constexpr,
+        X_SCALED: tl.constexpr,
+    ):  # fmt: skip
         """After a program's PDL wait: (s, h) in fp32, each rounded to x's dtype: s = x + residual, h = RMSNorm(s)
-        (module docstring). rv is the residual when EARLY_RES loaded it before the wait."""
+        (module docstring; X_SCALED: s = round(x · x_scale) + residual). rv is the residual when EARLY_RES loaded it
+        before the wait."""
         xin = tl.load(x_ptr + cols, mask=cm, other=0.0)
         if not EARLY_RES:
             rv = tl.load(r_ptr + cols, mask=cm, other=0.0)
         DT = xin.dtype
-        s = round_to(xin.to(tl.float32) + rv.to(tl.float32), DT)
+        xf = xin.to(tl.float32)
+        if X_SCALED:  # GraniteMoE: the mixer's output times residual_multiplier, rounded, before the add
+            xf = round_to(xf * x_scale, DT)
+        s = round_to(xf + rv.to(tl.float32), DT)
         n = s * tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
         if KIND == 1:
             h = round_to(n * (1.0 + nw), DT)
@@ -129,6 +137,8 @@ if triton is not None:
         NR,  # router programs (cdiv(E, BLOCK_E)); programs NR.. run the shared expert
         I_S,
         eps,
+        x_scale,  # X_SCALED: the mixer's output times x_scale before the residual add
+        w_scale,  # W_SCALED: the top-k weights times w_scale
         H: tl.constexpr,
         H_P2: tl.constexpr,
         KIND: tl.constexpr,  # 0 standard, 1 zero_centred
@@ -144,6 +154,8 @@ if triton is not None:
         PDL: tl.constexpr,
         GROUP_N: tl.constexpr = 0,  # group-limited top-k: department size (0: plain top-k)
         GROUP_G: tl.constexpr = 0,  # departments kept
+        X_SCALED: tl.constexpr = False,
+        W_SCALED: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         DT = x_ptr.dtype.element_ty
@@ -169,7 +181,7 @@ if triton is not None:
                 gdc_wait()
                 gdc_launch_dependents()
             # ---- residual add and RMSNorm, in every program ----
-            s, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES)
+            s, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, x_scale, H, KIND, EARLY_RES, X_SCALED)
             tl.store(s_ptr + cols, s.to(DT), mask=cm & first)
             tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
             # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
@@ -181,7 +193,7 @@ if triton is not None:
                     tl.store(sg_ptr, _shared_gate(ws, h, DT).to(DT))
             topk_tail(
                 logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, NR, K=K, K_P2=K_P2, NORM=NORM, E_P2=E_P2,
-                GROUP_N=GROUP_N, GROUP_G=GROUP_G,
+                GROUP_N=GROUP_N, GROUP_G=GROUP_G, W_SCALED=W_SCALED, w_scale=w_scale,
             )  # fmt: skip
         elif SHARED_EXPERT:
             # ---- the shared expert (needs no routing): BLOCK_S neurons' gate, up and down rows before the wait ----
@@ -195,7 +207,7 @@ if triton is not None:
             if PDL:
                 gdc_wait()
                 gdc_launch_dependents()
-            _, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, H, KIND, EARLY_RES)
+            _, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, x_scale, H, KIND, EARLY_RES, X_SCALED)
             sg = _shared_gate(ws, h, DT)
             # as kernels/sparse_fused.py's shared programs: silu(h . W_gate) * (h . W_up) * sg, then down
             zg = tl.sum(wg.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_S]
@@ -227,6 +239,8 @@ def moe_front(
     shared_block: int = 4,
     group_size: int = 0,
     topk_group: int = 0,
+    x_scale: float = 1.0,
+    w_scale: float = 1.0,
 ):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] in x's dtype or fp32 (DeepSeek-V2's
@@ -243,6 +257,9 @@ def moe_front(
     department output (kernels/department_experts.py adds into it with `accumulate=True`).
     `group_size` n / `topk_group` g: DeaMoE's group-limited top-k (only the experts of the g departments of n
     consecutive experts with the best logits may be chosen; kernels/router_topk.py's group mode).
+    `x_scale` / `w_scale` (GraniteMoE's residual_multiplier m on both branches): s = round(x · m) + residual, and the
+    top-k weights are returned times m (each rounded as transformers' `h * m` and the layer's scaled MoE output,
+    folded into the k weights, round them): the two multiplies' launches go into this one.
     """
     if triton is None:
         raise RuntimeError("moe_front needs triton")
@@ -333,6 +350,8 @@ def moe_front(
         nr,
         I_s,
         float(eps),
+        float(x_scale),
+        float(w_scale),
         H=H,
         H_P2=triton.next_power_of_2(H),
         KIND=_KINDS[kind],
@@ -347,6 +366,8 @@ def moe_front(
         EARLY_RES=bool(residual_early),
         GROUP_N=group_n,
         GROUP_G=group_g,
+        X_SCALED=x_scale != 1.0,
+        W_SCALED=w_scale != 1.0,
         num_warps=num_warps,
         **pdl_kw(x),
     )

@@ -132,6 +132,8 @@ if triton is not None:
         E_P2: tl.constexpr,
         GROUP_N: tl.constexpr = 0,  # department size n (0: plain top-k)
         GROUP_G: tl.constexpr = 0,  # departments kept (topk_group), 1 <= G < E // n when GROUP_N
+        W_SCALED: tl.constexpr = False,  # the stored weights times w_scale (GraniteMoE's residual_multiplier)
+        w_scale=1.0,
     ):
         """Called by every program of token t after storing its logits: the last one to take the token's ticket
         reads the E logits back through L2, does softmax, top-k (max, lowest index among equal maxima, mask it
@@ -189,7 +191,10 @@ if triton is not None:
                 vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
             km = kk < K
             w_ty = tw_ptr.dtype.element_ty
-            tl.store(tw_ptr + t * K + kk, round_to(vals, w_ty).to(w_ty), mask=km)
+            vals = round_to(vals, w_ty)
+            if W_SCALED:  # as `weights * m` on the rounded weights: one more rounding
+                vals = round_to(vals * w_scale, w_ty)
+            tl.store(tw_ptr + t * K + kk, vals.to(w_ty), mask=km)
             tl.store(ti_ptr + t * K + kk, ids.to(tl.int64), mask=km)
             tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
 

@@ -187,6 +187,22 @@ def test_fp32_router_with_bf16_activations(shape):
     assert torch.equal(s, want[0]) and torch.equal(h, want[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_granite_scales(dtype):
+    """GraniteMoE's residual_multiplier on both branches inside the launch: s = round(x · m) + residual (as
+    transformers' `h * m`, then the add) and the top-k weights times m, each rounded as the two multiplies did."""
+    H, E, k, m = 96, 10, 4, 0.22
+    x, r, nw, w, _ = _inputs(H, E, dtype, seed=9)
+    s, h, logits, tw, ti, _ = moe_front(x, r, nw, 1e-6, "standard", w, k, True, None, x_scale=m, w_scale=m)
+    plain = moe_front(x * m, r, nw, 1e-6, "standard", w, k, True, None)  # the scale as its own multiply, before
+    assert torch.equal(s, plain[0]) and torch.equal(h, plain[1]) and torch.equal(ti, plain[4])
+    assert torch.equal(tw, plain[3] * m)  # and after
+    want = moe_front_ref(x, r, nw, 1e-6, "standard", w, k, True, x_scale=m, w_scale=m)
+    assert torch.equal(s, want[0]) and torch.equal(ti[0], want[4])
+    torch.testing.assert_close(tw[0], want[3], rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
 def test_launcher_checks():
     x, r, nw, w, sg = _inputs(32, 8, torch.float32, seed=1)
     with pytest.raises(ValueError, match="one token"):

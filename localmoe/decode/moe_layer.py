@@ -6,11 +6,11 @@ and other calls run transformers' modules.
 
 GraniteMoE: the block is the layer's `block_sparse_moe` (not `mlp`) and its router `router` (not `gate`); its router
 (top-k of the logits, softmax over those k) is the renormalised softmax top-k (the same weights up to fp32 rounding).
-Its layer scales both branches by `residual_multiplier` m before each residual add: the attention branch by one
-multiply (transformers' own op, so moe_front's s = residual + h·m is transformers' value), the MoE branch by m folded
-into the k routing weights (one multiply of k values; sparse_fused then adds residual + Σ (w_i·m)·expert_i: equal to
-transformers' residual + (Σ w_i·expert_i)·m up to fp32 rounding). So 2 launches more than Qwen3-MoE's layer (none
-when m is 1).
+Its layer scales both branches by `residual_multiplier` m before each residual add, both inside moe_front
+(`x_scale`, `w_scale`): the attention branch rounded as transformers' `h * m` before the add, so s = residual + h·m
+is transformers' value, and the MoE branch by m folded into the k routing weights (sparse_fused then adds residual
++ Σ (w_i·m)·expert_i: equal to transformers' residual + (Σ w_i·expert_i)·m up to fp32 rounding). So as many launches
+as Qwen3-MoE's layer (two more before, the multiplies).
 
 GPT-OSS: the block is GptOssMLP (its router `router`, with a bias: router_topk's `bias`; top-k of the logits and a
 softmax over them, the renormalised softmax top-k). moe_front's router has no bias, so its layer is not `takes_front`:
@@ -186,8 +186,9 @@ class FusedSparseMoeBlock(nn.Module):
         tail: moe_front routes group-limited, then the slotting and the two department kernels adding into the
         workspace row, the last publishing residual + row (4 launches, was 9). mixed, residual [B, T, H] -> the
         layer's output.
-        `scale` (GraniteMoE's residual_multiplier; no shared expert): the block's output is scaled before
-        the add, through the k routing weights (one more launch)."""
+        `scale` (GraniteMoE's residual_multiplier; no shared expert): the mixer's output is scaled before its add
+        and the block's output before its own, through the k routing weights, both inside moe_front (`mixed` comes
+        unscaled)."""
         if scale != 1.0 and self.has_shared:
             raise ValueError("a scaled MoE output is folded into the routing weights: not with a shared expert")
         self.decode_calls += 1
@@ -222,12 +223,11 @@ class FusedSparseMoeBlock(nn.Module):
             **front,
             **self._group,  # DeaMoE: group-limited top-k
             **self._front,
+            x_scale=scale,  # GraniteMoE: the attention branch times m before the add, and the MoE branch through
+            # the k routing weights (residual + Σ (w_i·m)·expert_i); DeepSeek-V2's routed_scaling_factor there too
+            w_scale=scale * self._routed_scale,
         )
         shared = None if se is None or in_front else SharedExpert(*weights, sg if self.shared_gated else self._one(h))
-        if self._routed_scale != 1.0:  # DeepSeek-V2's routed_scaling_factor, as its router applies it
-            tw = tw * self._routed_scale
-        if scale != 1.0:
-            tw = tw * scale  # [1, k]: residual + Σ (w_i·m)·expert_i
         y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws))
         return y.view(B, T, H)
 
@@ -366,13 +366,13 @@ class FusedDecoderLayer(nn.Module):
                 **extra,
             )
         norm, moe = self.post_attention_layernorm, self._moe
+        if self._fusable(hidden_states) and moe.takes_front(h):  # sparse decode: 2 launches from here (GraniteMoE's
+            return moe.step_front(h, hidden_states, norm, self._scale)  # scales inside moe_front)
         h = self._scaled(h)  # (GraniteMoE: 1 launch)
         if not self._fusable(hidden_states):  # e.g. the MoE block left out of the table: transformers' layer's
             s = hidden_states + h  # arithmetic, with this layer's children (fused where they are)
             m = moe(norm(s))
             return s + self._scaled(m[0] if isinstance(m, tuple) else m)
-        if moe.takes_front(h):  # sparse decode: 2 launches from here (GraniteMoE: 3, the scale in the weights)
-            return moe.step_front(h, hidden_states, norm, self._scale)
         h, residual = _add_norm(h, hidden_states, norm)
         if moe.has_shared:  # the residual add in the shared expert's last kernel
             return moe.step(h, residual)[0]
