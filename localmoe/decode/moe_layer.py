@@ -176,12 +176,14 @@ class FusedSparseMoeBlock(nn.Module):
         # DeepSeek-V2's ungated shared experts on the sparse path: the five launches (norm, router_topk, sparse_fused,
         # the shared experts' two) measured faster than moe_front + sparse_fused with them in its shared programs
         # (V2-Lite, H200, 75%: 443 against 432 tok/s; at sparsity 0 the front wins, 385 against 325)
-        plain = plain and (self.shared_gated or not self.has_shared or not self._sparse_experts())
+        # (and 4-bit experts: sparse_fused runs no shared programs beside them)
+        plain = plain and (self.shared_gated or not self.has_shared or self._dense_unquantized_experts())
         return plain and self._fusable(h) and takes is not None and takes(h.view(-1, h.shape[-1]))
 
-    def _sparse_experts(self) -> bool:
-        """Whether the routed experts decode on the sparse path (thresholds set and enabled): a host-side flag."""
-        return bool(getattr(self.experts, "sparse_enabled", False)) and getattr(self.experts, "tau", None) is not None
+    def _dense_unquantized_experts(self) -> bool:
+        """Whether the routed experts decode dense (no thresholds enabled) on unquantized weights: host-side flags."""
+        sparse = bool(getattr(self.experts, "sparse_enabled", False)) and getattr(self.experts, "tau", None) is not None
+        return not sparse and not getattr(getattr(self.experts, "weights", None), "quantized", False)
 
     @torch.compiler.disable
     def step_front(

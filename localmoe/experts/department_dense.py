@@ -51,11 +51,15 @@ def _mm_by_group(a: torch.Tensor, w: torch.Tensor, ends: list[int], ends_t: torc
     return torch.cat(out) if out else a.new_zeros(0, w.shape[-1])
 
 
-def grouped_dense(m, x, top_k_index, top_k_weights, parts, dsel: torch.Tensor | None, masked: bool) -> torch.Tensor:
+def grouped_dense(
+    m, x, top_k_index, top_k_weights, parts, dsel: torch.Tensor | None, masked: bool, acc: torch.Tensor | None = None
+) -> torch.Tensor:
     """y [T, H] (x's dtype): what departments `dsel` (int64 [G] on x's device, department numbers; None = all D) add
     for the tokens routed into them. parts = (gate, up, down_t [G, h, H], private [G, n, h, h]): those departments'
     weights in dsel's order. `masked`: the thresholds apply (m.tau, m.tau_z, per department); m.recorder /
-    m.z_recorder get |a| / |z| keyed by department number; m._count the kept neurons."""
+    m.z_recorder get |a| / |z| keyed by department number; m._count the kept neurons. A token's departments are
+    summed in fp32 and rounded once, so staged groups (`dense_cached`: `acc`, an fp32 [T, H] the groups add into,
+    returned as it is) give the resident layer's output whatever the grouping."""
     gate, up, down_t, private = parts
     T, k = top_k_index.shape
     G, n, h = gate.shape[0], m.per_department, m.width
@@ -99,7 +103,9 @@ def grouped_dense(m, x, top_k_index, top_k_weights, parts, dsel: torch.Tensor | 
     if masked and m.tau_z is not None:
         z = z * (z.abs() >= m.tau_z.to(z.device)[number].unsqueeze(1))
     y = _mm_by_group(z, down_t, ends, ends_t)  # [P, H]
-    return torch.zeros_like(x).index_add(0, pt, y.to(x.dtype))
+    if acc is not None:
+        return acc.index_add_(0, pt, y.float())
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, pt, y.float()).to(x.dtype)
 
 
 def dense_cached(m, x: torch.Tensor, top_k_index, top_k_weights, mask: bool) -> torch.Tensor:
@@ -114,10 +120,10 @@ def dense_cached(m, x: torch.Tensor, top_k_index, top_k_weights, mask: bool) -> 
     chosen = chosen.view(m.num_departments, n).cpu()  # one readback: the touched departments and their experts
     departments = chosen.any(1).nonzero().squeeze(1).tolist()
     per = stage_departments(cache.department_stage_bytes(), m.num_departments)
-    y = torch.zeros_like(x)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # the groups' sums, rounded once
     for i in range(0, len(departments), per):
         group = departments[i : i + per]
         parts = cache.stage(m.layer_idx, group, chosen[group])
         dsel = torch.tensor(group, dtype=torch.int64, device=x.device)
-        y += grouped_dense(m, x, top_k_index, top_k_weights, parts, dsel, masked)
-    return y
+        grouped_dense(m, x, top_k_index, top_k_weights, parts, dsel, masked, acc)
+    return acc.to(x.dtype)
