@@ -118,6 +118,7 @@ class DepartmentCache:
         self._placed: dict[tuple, int] = {}  # the same placement on the host: (layer, d) / (layer, d, j) -> slot
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         self.host_elems = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._stage_stream: torch.cuda.Stream | None = None  # the dense path's copies on CUDA (`stage_stream`)
 
     def add_layer(self, layer: int, master) -> None:
         self.masters[layer] = master
@@ -177,6 +178,14 @@ class DepartmentCache:
     def private_slots(self, layer: int, experts: list[tuple[int, int]]) -> list[int]:
         """Slots of (department, expert-in-department) pairs of `layer`."""
         return self.privates.lookup([(layer, d, j) for d, j in experts])
+
+    def stage_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The side stream `stage` copies run on during a dense pass on CUDA (made once); None elsewhere."""
+        if device.type != "cuda":
+            return None
+        if self._stage_stream is None:
+            self._stage_stream = torch.cuda.Stream(device)
+        return self._stage_stream
 
     def department_stage_bytes(self) -> int:
         """Device bytes one department takes in a dense-path staging group: its shared projections and n privates."""

@@ -3,7 +3,8 @@
 Owns `grouped_dense` (the layer's formulas, experts/departments.py's module doc, for the tokens' (token, department)
 pairs of a set of departments, given those departments' weights stacked), `dense_cached` (an offloaded layer: the
 touched departments in groups of at most `STAGE_BYTES`, each group's weights staged on the device by the cache in
-large copies, then `grouped_dense` on them) and `_mm_by_group` (torch's grouped GEMM, or a loop where it cannot run).
+large copies, then `grouped_dense` on them; on CUDA the next group's copies run on a side stream while a group
+computes) and `_mm_by_group` (torch's grouped GEMM, or a loop where it cannot run).
 A resident layer calls `grouped_dense` once with its parameters. No per-token or per-expert host sync: a layer costs
 one readback (the experts its tokens chose), a group three small ones (its pair and slot counts), whatever the prompt
 length.
@@ -19,8 +20,9 @@ from torch.nn import functional as F
 
 from localmoe.experts.dense_path import _GROUPED_MM
 
-# an offloaded layer's staging group: the departments whose weights fit (at least one), inside the workspace the
-# VRAM plan keeps free (experts/placement.WORKSPACE_RESERVE, 0.5 GiB) beside the piece's activations
+# an offloaded layer's staging group: the departments whose weights fit (at least one); two groups in flight (CUDA:
+# one computed while the next is copied on a side stream) inside the workspace the VRAM plan keeps free
+# (experts/placement.WORKSPACE_RESERVE, 0.5 GiB) beside the piece's activations
 STAGE_BYTES = 128 << 20
 
 
@@ -120,10 +122,28 @@ def dense_cached(m, x: torch.Tensor, top_k_index, top_k_weights, mask: bool) -> 
     chosen = chosen.view(m.num_departments, n).cpu()  # one readback: the touched departments and their experts
     departments = chosen.any(1).nonzero().squeeze(1).tolist()
     per = stage_departments(cache.department_stage_bytes(), m.num_departments)
+    groups = [departments[i : i + per] for i in range(0, len(departments), per)]
+    side = cache.stage_stream(x.device)  # CUDA: the next group's copies run while this group computes
+
+    def issue(group: list[int]) -> tuple:
+        if side is None:
+            return cache.stage(m.layer_idx, group, chosen[group]), None
+        side.wait_stream(torch.cuda.current_stream(x.device))  # the buffers it may reuse are computed
+        with torch.cuda.stream(side):
+            parts = cache.stage(m.layer_idx, group, chosen[group])
+            done = torch.cuda.Event()
+            done.record(side)
+        return parts, done
+
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # the groups' sums, rounded once
-    for i in range(0, len(departments), per):
-        group = departments[i : i + per]
-        parts = cache.stage(m.layer_idx, group, chosen[group])
+    pending = issue(groups[0]) if groups else None
+    for i, group in enumerate(groups):
+        parts, done = pending
+        pending = issue(groups[i + 1]) if i + 1 < len(groups) else None
+        if done is not None:
+            torch.cuda.current_stream(x.device).wait_event(done)
+            for t in parts:  # made on the side stream, read on this one: not reused before that
+                t.record_stream(torch.cuda.current_stream(x.device))
         dsel = torch.tensor(group, dtype=torch.int64, device=x.device)
         grouped_dense(m, x, top_k_index, top_k_weights, parts, dsel, masked, acc)
     return acc.to(x.dtype)
