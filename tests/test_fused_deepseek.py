@@ -121,3 +121,22 @@ def test_front_and_tail_equal_transformers(q_lora_rank, sparsity):
     assert [b.decode_calls for b in blocks] == [2]
     assert toks == want_toks
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+@torch.no_grad()
+def test_front_only_with_dense_unquantized_experts():
+    """The ungated shared experts join sparse_fused's shared programs only on the dense path over plain weights:
+    sparse, or with 4-bit experts (sparse_fused runs no shared programs beside them), the layer keeps its five
+    launches (`takes_front` is False)."""
+    model = _tiny().to(DEV, torch.float32)
+    (experts,) = _local_experts(model, 0.0)
+    experts.kernel_on_cpu = True
+    replacements.install(model, DEV, force=True)
+    (block,) = [m for m in model.modules() if isinstance(m, replacements.FusedSparseMoeBlock)]
+    h = torch.randn(1, 1, 64, device=DEV)
+    assert block.takes_front(h)
+    experts.sparse_enabled = True
+    assert not block.takes_front(h)
+    experts.sparse_enabled = False
+    experts.weights = experts.weights.to_int4()
+    assert experts.weights.quantized and not block.takes_front(h)
