@@ -301,14 +301,14 @@ class FusedDecoderLayer(nn.Module):
     """Qwen3.5-MoE / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE / DeepSeek-V2 decoder layer whose one-token call has no
     launch of its own: the input RMSNorm goes into the mixer's input GEMV (FusedGatedDeltaNet / FusedAttention /
     FusedMLA `input_norm=`); when the experts run `sparse_fused` (`FusedSparseMoeBlock.takes_front`) the rest is
-    `moe_front` (with the shared expert, if any; DeepSeek-V2's fp32 router, its ungated shared experts in
-    sparse_fused's shared programs) + `sparse_fused` (with the residual in its tail); else (experts off that path,
-    GPT-OSS's biased router) the mixer's output + residual go into the post-attention RMSNorm's launch and the MoE
-    output + residual into the shared expert's last kernel (without a shared expert: one add launch). Only when its
-    norm and MoE block are localmoe's fused modules and the call is one token on their device; other one-token calls
-    run transformers' layer arithmetic with this layer's (fused) children, and more tokens (prefill) the original
-    layer, whose children are the originals. GraniteMoE: both branches scaled by `residual_multiplier` before their
-    residual adds (module docstring)."""
+    `moe_front` (with the shared expert, if any; DeepSeek-V2's fp32 router, its ungated shared experts in sparse_fused's
+    shared programs, so only over dense, unquantized experts) + `sparse_fused` (with the residual in its tail); else
+    (experts off that path, GPT-OSS's biased router) the mixer's output + residual go into the post-attention RMSNorm's
+    launch and the MoE output + residual into the shared expert's last kernel (without a shared expert: one add launch).
+    Only when its norm and MoE block are localmoe's fused modules and the call is one token on their device; other
+    one-token calls run transformers' layer arithmetic with this layer's (fused) children, and more tokens (prefill) the
+    original layer, whose children are the originals. GraniteMoE: both branches scaled by `residual_multiplier` before
+    their residual adds (module docstring)."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
