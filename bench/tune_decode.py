@@ -88,6 +88,12 @@ print(
 )
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want|: a launch's accumulation order against the default's, at any output scale
+    (an absolute bound rejected every Mixtral sparse_tail launch, whose outputs run to the hundreds)."""
+    return float((got.float() - want.float()).abs().max()) / max(float(want.float().abs().max()), 1e-6)
+
+
 def sweep(name, shape_key, space, make_calls, check):
     if (ONLY is not None and name not in ONLY) or name in SKIP:
         return name, shape_key, 0.0, []
@@ -125,7 +131,7 @@ def router_check(kw):
     err = 0.0
     for i in range(N):
         lg, w, idx = router_topk(xs[i], wr[i], K, NORM_TOPK, tickets=tick, **kw)
-        err = max(err, float((lg.float() - ref[i][0].float()).abs().max()))
+        err = max(err, rel_err(lg, ref[i][0]))
         if not torch.equal(idx.sort(1).values, ref[i][2].sort(1).values):
             err = max(err, 1.0)  # a different expert set counts as a failure
     return err
@@ -152,9 +158,7 @@ def se_calls(kw):
 
 
 def se_check(kw):
-    return max(
-        float((shared_expert(xs[i], *se[i], routed[i], **kw).float() - ref_se[i].float()).abs().max()) for i in range(N)
-    )
+    return max(rel_err(shared_expert(xs[i], *se[i], routed[i], **kw), ref_se[i]) for i in range(N))
 
 
 results.append(
@@ -206,7 +210,7 @@ if DELTANET:
         return [lambda i=i: gated_deltanet_step(**gd[i], **kw) for i in range(N)]
 
     def gd_check(kw):  # against the default launch from the same (timed runs advance the states) inputs
-        return max(float((gd_call(i, kw).float() - gd_call(i, {}).float()).abs().max()) for i in range(N))
+        return max(rel_err(gd_call(i, kw), gd_call(i, {})) for i in range(N))
 
     results.append(
         sweep(
@@ -238,7 +242,7 @@ def front_check(kw):
     err = 0.0
     for i in range(N):
         got = moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], tickets=tick, **GROUP, **kw)
-        err = max(err, float((got[2].float() - ref_front[i][2].float()).abs().max()))
+        err = max(err, rel_err(got[2], ref_front[i][2]))
         if not torch.equal(got[4].sort(1).values, ref_front[i][4].sort(1).values):
             err = max(err, 1.0)
     return err
@@ -280,15 +284,11 @@ def tail_calls(kw):
 
 def tail_check(kw):
     return max(
-        float(
-            (
-                sparse_fused(
-                    xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i], residual=res[i], **kw
-                )[0].float()
-                - ref_tail[i].float()
-            )
-            .abs()
-            .max()
+        rel_err(
+            sparse_fused(xs[i], *ew[i], ids[i], rws[i], taus[i], outs[i].clone(), shared=sh[i], residual=res[i], **kw)[
+                0
+            ],
+            ref_tail[i],
         )
         for i in range(N)
     )
@@ -298,14 +298,17 @@ results.append(
     sweep("sparse_tail", f"H{H}_I{I}_k{K}", {"BLOCK_I": [4, 8, 16], "num_warps": [4, 8, 16]}, tail_calls, tail_check)
 )
 
-print("\n| kernel | shape | default µs | best µs | best launch | max abs diff vs default |")
+print("\n| kernel | shape | default µs | best µs | best launch | max rel diff vs default |")
 print("|---|---|---:|---:|---|---:|")
 out = {}
 for name, key, default_us, rows in results:
-    ok = [r for r in rows if r[2] < 0.05]
+    ok = [r for r in rows if r[2] < 1e-2]  # a different expert set counts 1.0
     if not ok:
         continue
     us, kw, err = ok[0]
+    if us >= default_us:  # nothing beats the default launch: no entry (the default stays)
+        print(f"| {name} | {key} | {default_us:.2f} | {us:.2f} | default kept | {err:.1e} |")
+        continue
     print(f"| {name} | {key} | {default_us:.2f} | {us:.2f} | {kw} | {err:.1e} |")
     out.setdefault(name, {})[key] = kw
 o = os.environ.get("OUT")
