@@ -208,13 +208,14 @@ if triton is not None:
                 tl.atomic_add(seen_ptr, considered, sem="relaxed")
             # z[s, t, :] += sum_j weights[s, t, j] sum_{i in block} u[t, i] P_j[i, :]: P rows of kept neurons only
             if total > 0:  # a block with no kept neuron adds nothing to z: no P reads, no atomics
+                chosen = tl.sum(tl.abs(wall), axis=0) > 0  # [N_P2]: experts some token chose (most are not)
+                first = tl.min(tl.where(chosen, jj, N_P2), axis=0)
                 for c0 in range(0, h, BLOCK_Z):
                     zc = c0 + tl.arange(0, BLOCK_Z)
                     zmask = zc < h
                     poff = rows.to(tl.int64)[:, None] * h + zc[None, :]
                     acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
-                    chosen = tl.sum(tl.abs(wall), axis=0) > 0  # [N_P2]: experts some token chose (most are not)
-                    j = tl.min(tl.where(chosen, jj, N_P2), axis=0)
+                    j = first
                     while j < n:  # the chosen experts only, in order
                         wj = tl.sum(tl.where(jj[None, :] == j, wall, 0.0), axis=1)  # [T_P2]
                         if INDEXED:  # a pool of private parts: expert j of slot s sits at private_slots[s, j]
