@@ -62,6 +62,12 @@ class Pool:
             out.append(slot)
         return out
 
+    def tally(self, slots: list[int]) -> None:
+        """Count lookups that admit nothing (the dense path's staging): a slot >= 0 a hit, -1 a miss."""
+        hit = sum(s >= 0 for s in slots)
+        self.hits += hit
+        self.misses += len(slots) - hit
+
     def _evict(self, keep: set) -> int:
         for key in self.lru:
             if key not in keep:
@@ -226,8 +232,8 @@ class DepartmentCache:
             js = chosen[i].nonzero().squeeze(1).tolist()
             slots = [self._resident((layer, d, j)) for j in js]
             if count:
-                self._tally(self.departments, [slot])
-                self._tally(self.privates, slots)
+                self.departments.tally([slot])
+                self.privates.tally(slots)
             if max(slots, default=0) < 0 and 2 * len(js) > n:  # most chosen, none resident: one copy of them all
                 private[i].copy_(m.private[d], non_blocking=True)
                 self.copied_bytes += n * unit
@@ -239,12 +245,6 @@ class DepartmentCache:
                     private[i, j].copy_(m.private[d, j], non_blocking=True)
                     self.copied_bytes += unit
         return (*shared, private)
-
-    @staticmethod
-    def _tally(pool: Pool, slots: list[int]) -> None:
-        hit = sum(s >= 0 for s in slots)
-        pool.hits += hit
-        pool.misses += len(slots) - hit
 
     def sparse_piece_tokens(self, k: int, sparsity: float) -> int:
         """Direct mode: the longest prefill piece the decode kernels take (they read a non-resident unit's gate and
