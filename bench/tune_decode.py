@@ -8,12 +8,13 @@ from the registry model's config (`localmoe/models/shapes.json`): e.g. `--shape 
 no shared expert, no DeltaNet; standard RMSNorm). Each configuration is checked against the default launch (same
 outputs up to accumulation order) and timed as a CUDA graph of 12 calls over 12 different weight sets (so L2 does
 not hold the weights; `triton.testing.do_bench` median, µs per call). Prints the table of the best per kernel and writes
-`$OUT/decode_params.json` ({"decode_params": {kernel: {shape: kwargs}}}) to merge into kernels/tuned/<device>.json.
+`$OUT/decode_params.json` ({"decode_params": {kernel: {shape: kwargs}}, "launch_params": {shape: {"fused": kwargs}}})
+to merge into kernels/tuned/<device>.json.
 
 Also moe_front (residual add + norm + router top-k + shared gate, one launch) and the experts' `sparse_fused` with
 the shared expert and the residual in its tail (the decoder layer's two launches on the sparse path; thresholds at
 the model's registry default sparsity, or `--sparsity S`, 0.85 for a shape the registry does not list; its best
-launch goes to `launch_params` "fused" by hand).
+launch is written as `launch_params`' "fused" entry, which the engine's experts read).
 
 Usage: PYTHONUNBUFFERED=1 python bench/tune_decode.py [--shape ALIAS] [--sparsity S] [--only router_topk,
        shared_expert,gated_deltanet_step,moe_front,sparse_tail]
@@ -300,7 +301,7 @@ results.append(
 
 print("\n| kernel | shape | default µs | best µs | best launch | max rel diff vs default |")
 print("|---|---|---:|---:|---|---:|")
-out = {}
+out, fused = {}, {}
 for name, key, default_us, rows in results:
     ok = [r for r in rows if r[2] < 1e-2]  # a different expert set counts 1.0
     if not ok:
@@ -310,7 +311,10 @@ for name, key, default_us, rows in results:
         print(f"| {name} | {key} | {default_us:.2f} | {us:.2f} | default kept | {err:.1e} |")
         continue
     print(f"| {name} | {key} | {default_us:.2f} | {us:.2f} | {kw} | {err:.1e} |")
-    out.setdefault(name, {})[key] = kw
+    if name == "sparse_tail":  # sparse_fused's launch: the engine reads it from launch_params' "fused"
+        fused[key] = {"fused": kw}
+    else:
+        out.setdefault(name, {})[key] = kw
 o = os.environ.get("OUT")
 if o:
-    Path(o, "decode_params.json").write_text(json.dumps({"decode_params": out}, indent=1))
+    Path(o, "decode_params.json").write_text(json.dumps({"decode_params": out, "launch_params": fused}, indent=1))
