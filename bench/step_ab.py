@@ -1,8 +1,9 @@
 """A/B of launch settings on the whole CUDA-graph decode step (GPU, not a test).
 
 Kernel benches time a launch alone or in a short chain; what counts is the step, where each kernel overlaps its
-neighbours (PDL) and shares the SMs with them. This builds the random-weight Qwen3.5-35B-A3B engine once (85 %,
-context 1024 unless --context) and, for each case, applies a setting, captures the graph again and decodes 129
+neighbours (PDL) and shares the SMs with them. This builds a random-weight engine once (`--shape ALIAS`, default
+qwen3.5-35b; at the model's registry default sparsity unless --sparsity; context 1024 unless --context) and, for
+each case, applies a setting, captures the graph again and decodes 129
 tokens after a 128-token prompt, then replays the captured step 200 times back to back (the greedy chain continues
 inside the graph: the step's GPU time without the host loop, steadier than the decode's tok/s); the cases run in
 rounds (A B C A B C ...) so drift between machines' minutes shows as spread.
@@ -18,9 +19,13 @@ Cases (comma-separated; settings joined by "+" apply together):
                                 before session 8 (Engine.graph_greedy)
   unfuse:CLASS                  the modules of that localmoe class put back to transformers' (e.g. FusedTextModel)
   table:KERNEL:SHAPE:K=V[;K=V]  a decode_params entry of kernels/tuned/<device>.json replaced for this case, e.g.
-                                table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or table:moe_front:H2048_E256_k8:block_e=2
-Usage: PYTHONUNBUFFERED=1 python bench/step_ab.py CASE[,CASE...] [--rounds 3] [--sparsity 0.85] [--prompt 128]
-       [--context 1024]
+                                table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or
+                                table:moe_front:H2048_E256_k8:block_e=2; nothing after the last colon: the
+                                launcher's defaults (is a tuned entry worth it?)
+Usage: PYTHONUNBUFFERED=1 python bench/step_ab.py CASE[,CASE...] [--shape ALIAS] [--rounds 3] [--sparsity S]
+       [--prompt 128] [--context 1024]
+e.g. a tuned entry against the default launch: bench/step_ab.py "base,fused:BLOCK_I=8;num_warps=8" --shape olmoe,
+     bench/step_ab.py base,table:decode_attention:Hq32_Hkv4_D128: --shape qwen3-30b
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts.local_experts import LocalExperts
 from localmoe.kernels import pdl, tuning
+from localmoe.models.registry import load_registry
 
 
 def _kv(spec: str) -> dict:
@@ -97,7 +103,8 @@ def _apply_one(engine, case: str) -> None:
         kw = _kv(case[len("fused:") :])
         for m in engine.model.modules():
             if isinstance(m, LocalExperts):
-                m._launch(torch.empty(1, device="cuda"), engine.loaded.config.num_experts_per_tok)["fused"].update(kw)
+                cfg = getattr(engine.loaded.config, "text_config", None) or engine.loaded.config
+                m._launch(torch.empty(1, device="cuda"), cfg.num_experts_per_tok)["fused"].update(kw)
     elif case.startswith("depth:"):
         _UNDO["attrs"].setdefault((engine, "pipeline_depth"), engine.pipeline_depth)
         engine.pipeline_depth = int(case[len("depth:") :])
@@ -127,14 +134,17 @@ def _apply_one(engine, case: str) -> None:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    args = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and not sys.argv[i - 1].startswith("--")]
     cases = args[0].split(",") if args else ["base"]
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
-    sparsity = float(sys.argv[sys.argv.index("--sparsity") + 1]) if "--sparsity" in sys.argv else 0.85
+    shape = sys.argv[sys.argv.index("--shape") + 1] if "--shape" in sys.argv else "qwen3.5-35b"
+    spec = load_registry().get(shape)
+    default = spec.sparsity if spec is not None else 0.85
+    sparsity = float(sys.argv[sys.argv.index("--sparsity") + 1]) if "--sparsity" in sys.argv else default
     n_prompt = int(sys.argv[sys.argv.index("--prompt") + 1]) if "--prompt" in sys.argv else 128
     global CONTEXT
     CONTEXT = int(sys.argv[sys.argv.index("--context") + 1]) if "--context" in sys.argv else 1024
-    engine = Engine.random("qwen3.5-35b", device=torch.device("cuda"), dtype=torch.bfloat16)
+    engine = Engine.random(shape, device=torch.device("cuda"), dtype=torch.bfloat16)
     engine.set_sparsity(sparsity)
     engine.eos_ids = set()
     prompt = torch.randint(0, engine.loaded.config.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(0))
@@ -157,7 +167,8 @@ def main() -> None:
             )
     base = statistics.median(results[cases[0]])
     print(
-        f"\nsparsity {sparsity:.0%}, context {CONTEXT}, prompt {n_prompt}, {rounds} rounds (median; spread = max - min)"
+        f"\n{shape}, sparsity {sparsity:.0%}, context {CONTEXT}, prompt {n_prompt}, {rounds} rounds "
+        "(median; spread = max - min)"
     )
     rbase = statistics.median(replays[cases[0]]) if all(replays[cases[0]]) else 0.0
     print(
