@@ -4,9 +4,10 @@ Builds a random-weight engine at a registry model's real shapes (`--shape`, defa
 Qwen3-30B-A3B; the engine's defaults: fused decode modules on), profiles eager decode steps on a StaticCache (what
 the graph step runs) with programmatic dependent launch off (so a kernel's time is its own, not its wait for the one
 before) with torch.profiler, sorts every CUDA kernel of a step into a part by its name (projection GEMVs, lm_head,
-routed experts, router, shared expert, DeltaNet step, attention, norms, glue), then times the captured CUDA-graph
-step (PDL as configured). Kernel time per part is exact; the graph step also pays ~1 µs between kernels. The
-launches per step tell whether the fused path ran: Qwen3-30B-A3B fused is 6 per layer (288) + ~6 around them.
+routed experts, router, shared expert, DeltaNet step, attention, MLA's absorbed products, norms, glue), then times
+the captured CUDA-graph step (PDL as configured). Kernel time per part is exact; the graph step also pays ~1 µs
+between kernels. The launches per step tell whether the fused path ran: Qwen3-30B-A3B fused is 6 per layer (288) +
+~6 around them.
 Usage: python bench/step_breakdown.py [sparsity] [--shape qwen3-30b] [--no-fused] [--dense-tail] [--prompt 128]
 """
 
@@ -42,6 +43,11 @@ kw = engine._cache_kw
 # kernel name (lower case) substring -> part; first match wins
 PARTS = [
     ("_sparse_fused", "routed (+ shared) experts, residual add"),
+    ("_sparse_mxfp4", "routed experts (MXFP4)"),
+    ("_department_basis", "gate predictor (department bases)"),
+    ("_absorb_kernel", "MLA absorbed products (W_UK, W_UV)"),
+    ("_mla_rope_write", "attention q/k norm + RoPE"),
+    ("_mla_", "attention core"),
     ("_dept_", "routed experts (DeaMoE departments)"),
     ("_slots_kernel", "DeaMoE department slotting"),
     ("_residual_publish", "residual add"),
