@@ -1,6 +1,7 @@
 """Loader for tuned launch parameters of the decode kernels (data in `kernels/tuned/*.json`).
 
-One JSON file per device, written by `bench/bench_moe_block.py`:
+One JSON file per device, merged from the sweeps' outputs (`bench/bench_moe_block.py`, `bench/tune_decode.py`,
+`bench/gemv_sweep.py`, `bench/decode_attention_sweep.py`):
 
     {"device": "NVIDIA H200",
      "launch_params":   {"H2048_I512_k8": {"dense": {"BLOCK_N": 4, "num_warps": 8},
@@ -9,8 +10,10 @@ One JSON file per device, written by `bench/bench_moe_block.py`:
      "decode_params":   {"router_topk": {"H2048_E256_k8": {"block_e": 1, ...}}, "shared_expert": {...},
                          "gated_deltanet_step": {...}}}
 
-The dicts are keyword arguments of `dense_experts` and `sparse_fused`; `decode_params` (written
-by `bench/tune_decode.py`) holds keyword arguments of the fused decode launchers, looked up by `decode_params`.
+The `launch_params` dicts are keyword arguments of `dense_experts` and `sparse_fused` ("fused"; "fused_int4" with int4
+experts); `decode_params` holds keyword arguments of the fused decode launchers (router_topk, moe_front,
+shared_expert, gated_deltanet_step, gemv, decode_attention, department_experts), looked up by `tuned(x, kernel,
+shape)`; tests/test_tuned_tables.py checks that every entry is one the code reads.
 `launch_params(device_name, H, I, k)` returns the entry for that shape (or the defaults);
 `crossover_tokens(device_name, H, I, E, k)` returns the largest token count at which the sparse kernels beat the
 dense grouped path (1 when unmeasured). Device names match `torch.cuda.get_device_name()` case-insensitively.
@@ -95,8 +98,8 @@ def crossover_tokens(device_name: str, H: int, I: int, E: int, k: int) -> int:
 
 
 def decode_params(device_name: str, kernel: str, shape_key: str) -> dict:
-    """Tuned keyword arguments of a fused decode launcher (`router_topk`, `shared_expert`, `gated_deltanet_step`)
-    for one shape key (e.g. "H2048_E256_k8"); {} (the launcher's defaults) when unmeasured."""
+    """Tuned keyword arguments of a fused decode launcher (`router_topk`, `gemv`, `decode_attention`, ...) for one
+    shape key (e.g. "H2048_E256_k8"); {} (the launcher's defaults) when unmeasured."""
     kw = _device_table(device_name).get("decode_params", {}).get(kernel, {}).get(shape_key, {})
     return dict(kw) if isinstance(kw, dict) else {}
 
