@@ -9,7 +9,7 @@ holds them; `triton.testing.do_bench` median, µs per call). Prints µs and GB/s
 launch per shape to `$OUT/gemv_params.json` ({"decode_params": {"gemv": {"N{N}_K{K}": kwargs}}}).
 
 `--shape ALIAS` (another registry model; default Qwen3.5-35B-A3B as above): lm_head, the attention's q|k|v (one
-buffer, input norm inside) and o_proj at that model's widths.
+buffer, input norm inside; DeepSeek-V2: its MLA's q|kv_a GEMV) and o_proj at that model's widths.
 
 Usage: PYTHONUNBUFFERED=1 python bench/gemv_sweep.py [--shape ALIAS] [--skip lm_head]
 """
@@ -45,6 +45,12 @@ if "--shape" in sys.argv and sys.argv[sys.argv.index("--shape") + 1] != "qwen3.5
         "attn q|k|v": ((c.num_attention_heads + 2 * kv) * hd, c.hidden_size, True),
         "attn o_proj": (c.hidden_size, c.num_attention_heads * hd, False),
     }
+    if getattr(c, "kv_lora_rank", None):  # DeepSeek-V2's MLA: q (or q_a) | kv_a in one GEMV, o_proj from Hq·Dv
+        rope = c.qk_rope_head_dim
+        q_in = c.q_lora_rank or c.num_attention_heads * (c.qk_nope_head_dim + rope)
+        del SHAPES["attn q|k|v"]
+        SHAPES["mla q|kv_a"] = (q_in + c.kv_lora_rank + rope, c.hidden_size, True)
+        SHAPES["attn o_proj"] = (c.hidden_size, c.num_attention_heads * c.v_head_dim, False)
 SPACE = dict(BLOCK_N=[1, 2, 4, 8, 16], BLOCK_K=[None, 512], num_warps=[2, 4, 8])
 SKIP = sys.argv[sys.argv.index("--skip") + 1].split(",") if "--skip" in sys.argv else []
 
