@@ -14,7 +14,7 @@ which equals q_nope·k_nopeᵀ with k_nope = c·W_UKᵀ and o = p·(c·W_UVᵀ),
 step and layer: L·(C + R) cached elements instead of L·Hq·(Dn + Dv) expanded ones written and read again.
 
 Launches per decode call on a StaticCache (q_lora_rank None, DeepSeek-V2-Lite): q|kv_a GEMV 1 (the two projections
-share one buffer; the decoder layer's input norm stays its own launch), kv_a_layernorm + both ropes + the latents'
+share one buffer; the decoder layer's input norm inside, `input_norm=`), kv_a_layernorm + both ropes + the latents'
 write 1 (kernels/mla_rope_write.py), W_UK 1, the core 2, W_UV 1 (kernels/mla_absorb.py), o_proj 1: 7. Other
 caches: the norm, transformers' rotary embedding (~8) and the cache's update instead of the one launch.
 
