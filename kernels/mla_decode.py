@@ -11,11 +11,14 @@ once for all heads, as multi-query attention with a C + R wide key and a C wide 
     s[h, j] = (q_lat[h]·c[j] + q_pe[h]·k_pe[j]) · scale,   j < n
     o_lat[h] = softmax_j(s[h]) · c
 
-Two launches (flash decoding): `_mla_split_kernel`, grid (S,): split i runs positions [i·chunk, min((i+1)·chunk,
-n)) in blocks of BLOCK_L, every head at once (q_lat [BLOCK_H, C] x c [BLOCK_L, C]^T on the tensor cores), with an
-online softmax; it writes its fp32 partial output and (max, sum) per head. `_mla_combine_kernel`, grid (Hq,): the
-splits merged, rounded to q's dtype. n (the valid length) is read from a device int tensor, so the launch is fixed
-for a CUDA graph over a static cache of L >= n rows (a split past n writes an empty partial).
+Two launches (flash decoding): `_mla_split_kernel`, grid (S,): program i takes the blocks of BLOCK_L positions
+i, i + S, i + 2S, ... below n (strided, so a short context's few blocks run side by side in as many programs, one
+block each, instead of one after another in the first split; S = min(MAX_SPLITS, ceil(L / BLOCK_L))), every head
+at once (q_lat [BLOCK_H, C] x c [BLOCK_L, C]^T on the tensor cores), with an online softmax; it writes its fp32
+partial output and (max, sum) per head (a program with no position below n writes (-inf, 0) and no output).
+`_mla_combine_kernel`, grid (Hq,): the splits merged, BLOCK_S of them at a time, rounded to q's dtype. n (the valid
+length) is read from a device int tensor, so the launch is fixed for a CUDA graph over a static cache of L >= n
+rows.
 
 Shapes: q_lat [Hq, C] · q_pe [Hq, R] · c [L, C] · k_pe [L, R] (rows contiguous, any row stride: views into a
 transformers StaticLayer's keys [1, 1, L, C] and values [1, 1, L, R]) · n [1] int32/int64 · out [Hq, C].
@@ -34,9 +37,9 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-BLOCK_L = 32  # cached positions per inner block (16 for fp32: sm_89's 99 KiB of shared memory, 74 KiB then)
-SPLIT_ROWS = 256  # positions per split (rounded to BLOCK_L); at most MAX_SPLITS splits
-MAX_SPLITS = 64
+BLOCK_L = 32  # cached positions per block (16 for fp32: sm_89's 99 KiB of shared memory, 74 KiB then)
+MAX_SPLITS = 64  # programs of the split launch (fewer for a cache of fewer blocks)
+COMBINE_SPLITS = 16  # splits the combine merges at a time
 
 
 def mla_decode_ref(q_lat, q_pe, c, k_pe, n, scale: float) -> torch.Tensor:
@@ -52,7 +55,7 @@ if triton is not None:
     @triton.jit
     def _mla_split_kernel(
         q_ptr, qp_ptr, c_ptr, p_ptr, n_ptr, acc_ptr, ml_ptr,
-        Hq, C, R, stride_c, stride_p, chunk, scale,
+        Hq, C, R, stride_c, stride_p, scale,
         BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
         DOT_F32: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
@@ -67,14 +70,12 @@ if triton is not None:
         if DOT_F32:
             q, qp = q.to(tl.float32), qp.to(tl.float32)
         n = tl.load(n_ptr).to(tl.int32)
-        lo = i * chunk
-        hi = tl.minimum(lo + chunk, n)
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
-        for start in range(lo, hi, BLOCK_L):
+        for start in range(i * BLOCK_L, n, S * BLOCK_L):  # this program's blocks: i, i + S, ... below n
             j = start + tl.arange(0, BLOCK_L)
-            jm = j < hi
+            jm = j < n
             kc = tl.load(c_ptr + j[:, None] * stride_c + cc[None, :], mask=jm[:, None] & (cc[None, :] < C), other=0.0)
             kp = tl.load(p_ptr + j[:, None] * stride_p + rr[None, :], mask=jm[:, None] & (rr[None, :] < R), other=0.0)
             if DOT_F32:  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.x): the same products in fp32
@@ -88,26 +89,34 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision=PREC, out_dtype=tl.float32)
             m_i = m_new
-        base = (h * S + i)[:, None] * BLOCK_C + cc[None, :]
-        tl.store(acc_ptr + base, acc, mask=hm[:, None])
         tl.store(ml_ptr + (h * S + i) * 2, m_i, mask=hm)
         tl.store(ml_ptr + (h * S + i) * 2 + 1, l_i, mask=hm)
+        if i * BLOCK_L < n:  # a program with no position below n writes no output (the combine skips it)
+            base = (h * S + i)[:, None] * BLOCK_C + cc[None, :]
+            tl.store(acc_ptr + base, acc, mask=hm[:, None])
 
     @triton.jit
-    def _mla_combine_kernel(acc_ptr, ml_ptr, out_ptr, C, S, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _mla_combine_kernel(
+        acc_ptr, ml_ptr, out_ptr, C, S, BLOCK_S: tl.constexpr, S_P2: tl.constexpr, BLOCK_C: tl.constexpr
+    ):  # fmt: skip
         h = tl.program_id(0)
-        s = tl.arange(0, BLOCK_S)
-        sm = s < S
-        m = tl.load(ml_ptr + (h * S + s) * 2, mask=sm, other=float("-inf"))
-        ll = tl.load(ml_ptr + (h * S + s) * 2 + 1, mask=sm, other=0.0)
-        m_all = tl.max(m, axis=0)
-        w = tl.where(sm & (ll > 0), tl.exp(m - m_all), 0.0)
-        denom = tl.sum(w * ll, axis=0)
+        sa = tl.arange(0, S_P2)
+        m_all = tl.max(tl.load(ml_ptr + (h * S + sa) * 2, mask=sa < S, other=float("-inf")), axis=0)
         cc = tl.arange(0, BLOCK_C)
-        parts = tl.load(acc_ptr + (h * S + s)[:, None] * BLOCK_C + cc[None, :], mask=sm[:, None], other=0.0)
-        o = tl.sum(parts * w[:, None], axis=0) / denom
+        o = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        denom = tl.zeros((), dtype=tl.float32)
+        for s0 in range(0, S, BLOCK_S):  # BLOCK_S splits at a time: the [BLOCK_S, C] tile stays in registers
+            s = s0 + tl.arange(0, BLOCK_S)
+            sm = s < S
+            m = tl.load(ml_ptr + (h * S + s) * 2, mask=sm, other=float("-inf"))
+            ll = tl.load(ml_ptr + (h * S + s) * 2 + 1, mask=sm, other=0.0)
+            live = sm & (ll > 0)  # splits with a position below n: only they wrote an output
+            w = tl.where(live, tl.exp(m - m_all), 0.0)
+            denom += tl.sum(w * ll, axis=0)
+            parts = tl.load(acc_ptr + (h * S + s)[:, None] * BLOCK_C + cc[None, :], mask=live[:, None], other=0.0)
+            o += tl.sum(parts * w[:, None], axis=0)
         DT = out_ptr.dtype.element_ty
-        tl.store(out_ptr + h * C + cc, o.to(DT), mask=cc < C)
+        tl.store(out_ptr + h * C + cc, (o / denom).to(DT), mask=cc < C)
 
 
 def _rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, device) -> None:
@@ -144,18 +153,20 @@ def mla_decode(q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, out: torc
     elif tuple(out.shape) != (Hq, C) or not out.is_contiguous() or out.dtype != dt or out.device != dev:
         raise ValueError(f"out must be a contiguous [Hq, C] = {(Hq, C)} {dt} tensor")
     block_l = BLOCK_L if dt != torch.float32 else 16  # fp32 at 32: 110 KiB of shared memory (offline sm_89 build)
-    chunk = triton.cdiv(max(triton.cdiv(L, MAX_SPLITS), SPLIT_ROWS), block_l) * block_l
-    S = max(1, triton.cdiv(L, chunk))
+    S = max(1, min(MAX_SPLITS, triton.cdiv(L, block_l)))
     BLOCK_C = max(16, triton.next_power_of_2(C))
     BLOCK_H = max(16, triton.next_power_of_2(Hq))
     acc = torch.empty(Hq, S, BLOCK_C, dtype=torch.float32, device=dev)
     ml = torch.empty(Hq, S, 2, dtype=torch.float32, device=dev)
     _mla_split_kernel[(S,)](
-        q_lat, q_pe, c, k_pe, n, acc, ml, Hq, C, R, c.stride(0), k_pe.stride(0), chunk, float(scale),
+        q_lat, q_pe, c, k_pe, n, acc, ml, Hq, C, R, c.stride(0), k_pe.stride(0), float(scale),
         BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_L=block_l,
         DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and dt != torch.float32,
         PREC="ieee" if dt == torch.float32 else "tf32",  # fp32 models: exact products, not TF32's
         num_warps=4 if BLOCK_C <= 256 else 8, num_stages=1 if dt == torch.float32 else 2,
     )  # fmt: skip
-    _mla_combine_kernel[(Hq,)](acc, ml, out, C, S, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_C=BLOCK_C)
+    bs = min(COMBINE_SPLITS, triton.next_power_of_2(S))
+    _mla_combine_kernel[(Hq,)](
+        acc, ml, out, C, S, BLOCK_S=max(2, bs), S_P2=max(2, triton.next_power_of_2(S)), BLOCK_C=BLOCK_C
+    )
     return out

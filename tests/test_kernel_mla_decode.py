@@ -1,6 +1,7 @@
 """kernels/mla_decode.py against its reference: the absorbed MLA core over the first n rows of a longer (static)
 cache, odd shapes and DeepSeek-V2's (16 heads, C 512, R 64), bf16 and fp32, rows strided as a StaticLayer's views;
-bad arguments refused. Runs under TRITON_INTERPRET=1 on the CPU, compiled on a GPU."""
+a cache of more blocks than splits (each split takes every S-th block; the combine merges the splits in several
+rounds); bad arguments refused. Runs under TRITON_INTERPRET=1 on the CPU, compiled on a GPU."""
 
 import pytest
 import torch
@@ -20,8 +21,8 @@ def _case(Hq, C, R, L, dtype, seed):
 
 @pytest.mark.parametrize(
     "Hq, C, R, L, n",
-    [(3, 24, 8, 5, 5), (5, 40, 12, 300, 1), (4, 32, 16, 700, 513), (16, 512, 64, 96, 70)],
-    ids=["tiny", "one-valid", "three-splits", "deepseek-v2"],
+    [(3, 24, 8, 5, 5), (5, 40, 12, 300, 1), (4, 32, 16, 700, 513), (4, 32, 16, 2100, 2050), (16, 512, 64, 96, 70)],
+    ids=["tiny", "one-valid", "many-splits", "strided-blocks", "deepseek-v2"],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_matches_reference(Hq, C, R, L, n, dtype):
