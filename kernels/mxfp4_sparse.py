@@ -127,18 +127,32 @@ if triton is not None:
         return tl.load(base + off, mask=m, other=0).to(tl.uint32, bitcast=True)
 
     @triton.jit
-    def part_dot(w, x_row, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
-        """x . W[n] over the blocks of `part_words` w: per 32-block the codes' dot with x (x in times 2**63, the sum
+    def part_x(x_row, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """x (times 2**63) for the blocks J0 .. J0 + NBP - 1 as 8 tensors [NBP, 4]: element 8c + J of word c for J =
+        0..7. One contiguous load (a word's 8 elements in one thread), split in registers; gate and up share it
+        (instead of 8 strided loads a part and projection, each touching every cache line of x)."""
+        jb = J0 + tl.arange(0, NBP)
+        col = jb[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        xv = tl.load(x_row + col, mask=(jb < NB)[:, None, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
+        c0, c1 = tl.split(tl.reshape(xv, [NBP, 4, 2, 2, 2]))  # [.., a, b, c]: J = 4a + 2b + c; c = 0 / 1
+        b00, b01 = tl.split(c0)  # (c 0, b 0) / (c 0, b 1)
+        b10, b11 = tl.split(c1)
+        x0, x4 = tl.split(b00)
+        x2, x6 = tl.split(b01)
+        x1, x5 = tl.split(b10)
+        x3, x7 = tl.split(b11)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def part_dot(w, xs, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """x . W[n] over the blocks of `part_words` w with `part_x`'s xs: per 32-block the codes' dot with x (the sum
         out times 2**63), times the block's scale; [R] fp32."""
         jb = J0 + tl.arange(0, NBP)
         bm = jb < NB
-        xcol = (jb[:, None] * 4 + tl.arange(0, 4)[None, :]) * 8  # [NBP, 4]: element 8c of each word c
         acc = tl.zeros(w.shape, dtype=tl.float32)
         for J in tl.static_range(4):
-            xl = tl.load(x_row + xcol + J, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
-            xh = tl.load(x_row + xcol + J + 4, mask=bm[:, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
             lo, hi = fp4_pair(w, J)
-            acc += lo * xl[None, :, :] + hi * xh[None, :, :]
+            acc += lo * xs[J][None, :, :] + hi * xs[J + 4][None, :, :]
         part = tl.sum(acc, axis=2) * 9.223372036854775808e18  # [R, NBP]
         s = tl.load(s_base + rows.to(tl.int64)[:, None] * NB + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
         return tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
@@ -273,9 +287,11 @@ if triton is not None:
         gw1 = part_words(g_b, rows, rmask, 0, NBP1, NB)
         if NBP2 > 0:
             gw2 = part_words(g_b, rows, rmask, NBP1, NBP2, NB)
-        z = part_dot(gw1, x_row, g_sc, rows, rmask, 0, NBP1, NB)
+        xs1 = part_x(x_row, 0, NBP1, NB)
+        z = part_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB)
         if NBP2 > 0:
-            z += part_dot(gw2, x_row, g_sc, rows, rmask, NBP1, NBP2, NB)
+            xs2 = part_x(x_row, NBP1, NBP2, NB)
+            z += part_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB)
         z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
         g = tl.minimum(z, limit)
         a = g / (1.0 + tl.exp(-alpha * g))
@@ -300,9 +316,9 @@ if triton is not None:
             if NBP2 > 0:
                 uw2 = part_words(u_b, rows, keep, NBP1, NBP2, NB)
                 dw2 = part_words(d_b, rows, keep, NBP1, NBP2, NB)
-            u = part_dot(uw1, x_row, u_sc, rows, keep, 0, NBP1, NB)
+            u = part_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB)
             if NBP2 > 0:
-                u += part_dot(uw2, x_row, u_sc, rows, keep, NBP1, NBP2, NB)
+                u += part_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB)
             u += tl.load(bu_ptr + e * I + rows, mask=keep, other=0.0).to(tl.float32)
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 9.223372036854775808e18  # 2**63 (and out per column)
