@@ -25,10 +25,12 @@ Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_id
   time (1.5-2 % faster at gpt-oss-20b shapes); x (gate, up) or h (down) comes in times 2**63 and each 32-block's sum
   goes out times 2**63 and its scale, so no product is subnormal;
 * BLOCK_I divides 32, so a program's neurons share one down scale row (H bytes), loaded once.
-Launch parameters (bench/mxfp4_kernel.py, H200, Triton 3.6, gpt-oss-20b experts, k 4, one bf16 token; RESULTS.md):
-BLOCK_I 8, 8 warps: 66.9 / 64.4 / 63.5 / 56.7 µs at 0 / 50 / 70 / 85 %, the gate pass alone 26.5 µs; 4 / 4 is
-56.0 at 85 % but 83.0 dense; 16 / 8 and 8 / 4 are slower everywhere. 0.79 TB/s dense against a 4.2 TB/s copy: ncu
-(before the pair decode) puts the launch on the SM's L1 / shared-memory pipe (74 %) and instruction issue (~28M
+Launch parameters (bench/mxfp4_kernel.py --quick, H200, Triton 3.6, gpt-oss-20b experts, k 4, one bf16 token;
+RESULTS.md): BLOCK_I 4, 4 warps: 69.3 / 64.5 / 56.8 / 47.0 µs at 0 / 50 / 70 / 85 %, the gate pass alone 29.4 µs;
+8 / 8 (the default before x was loaded once a program) 93.5 / 91.1 / 88.0 / 77.7; 8 / 4 and 16 / 8 are slower at
+every sparsity. Before x was loaded once (eight strided loads a part and projection) the best launch was 8 / 8:
+66.9 / 64.5 / 63.5 / 56.7, gate pass 26.4. 0.79 TB/s dense against a 4.2 TB/s copy: ncu (before the pair decode and
+the single x load) put the launch on the SM's L1 / shared-memory pipe (74 %) and instruction issue (~28M
 warp-instructions a call), with DRAM at 7 % and occupancy register-bound at 37.5 %. A row-loop layout (x in
 registers for the whole program, rows R at a time, down rows summed in registers: f608325) was slower.
 Output modes, offload addressing, stats and the CUDA-graph contract are sparse_fused's: default a self-cleaning fp32
@@ -373,8 +375,8 @@ def sparse_mxfp4(
     host_rows=None,
     read_rows=None,
     residual=None,
-    BLOCK_I: int = 8,
-    num_warps: int = 8,
+    BLOCK_I: int = 4,
+    num_warps: int = 4,
     maxnreg: int | None = None,
 ):
     """GPT-OSS's routed experts over MXFP4 weights, one launch. Returns (y [T, H], count [T, k]).
