@@ -18,7 +18,9 @@ at once (q_lat [BLOCK_H, C] x c [BLOCK_L, C]^T on the tensor cores), with an onl
 partial output and (max, sum) per head (a program with no position below n writes (-inf, 0) and no output).
 `_mla_combine_kernel`, grid (Hq,): the splits merged, BLOCK_S of them at a time, rounded to q's dtype. n (the valid
 length) is read from a device int tensor, so the launch is fixed for a CUDA graph over a static cache of L >= n
-rows.
+rows. Both are programmatic dependent launches (kernels/pdl.py): the cache, n and q_pe come from
+kernels/mla_rope_write.py two launches back, so the split loads them and its first block before the wait and only
+q_lat (the W_UK absorb's, the launch just before) after it; the combine reads only the split's output, after it.
 
 Shapes: q_lat [Hq, C] · q_pe [Hq, R] · c [L, C] · k_pe [L, R] (rows contiguous, any row stride: views into a
 transformers StaticLayer's keys [1, 1, L, C] and values [1, 1, L, R]) · n [1] int32/int64 · out [Hq, C].
@@ -33,6 +35,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -57,7 +61,7 @@ if triton is not None:
         q_ptr, qp_ptr, c_ptr, p_ptr, n_ptr, acc_ptr, ml_ptr,
         Hq, C, R, stride_c, stride_p, scale,
         BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
-        DOT_F32: tl.constexpr, PREC: tl.constexpr,
+        DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         i = tl.program_id(0)
         S = tl.num_programs(0)
@@ -65,19 +69,25 @@ if triton is not None:
         cc = tl.arange(0, BLOCK_C)
         rr = tl.arange(0, BLOCK_R)
         hm = h < Hq
-        q = tl.load(q_ptr + h[:, None] * C + cc[None, :], mask=hm[:, None] & (cc[None, :] < C), other=0.0)
+        # The cache, its length n and q_pe were written by kernels/mla_rope_write.py two launches back, which has
+        # completed when this kernel is launched (each kernel lets its dependents launch only after its own wait):
+        # they and the first block are loaded while the kernel before (the W_UK absorb, writing q_lat) runs.
+        n = tl.load(n_ptr).to(tl.int32)
         qp = tl.load(qp_ptr + h[:, None] * R + rr[None, :], mask=hm[:, None] & (rr[None, :] < R), other=0.0)
+        j = i * BLOCK_L + tl.arange(0, BLOCK_L)
+        jm = j < n
+        kc = tl.load(c_ptr + j[:, None] * stride_c + cc[None, :], mask=jm[:, None] & (cc[None, :] < C), other=0.0)
+        kp = tl.load(p_ptr + j[:, None] * stride_p + rr[None, :], mask=jm[:, None] & (rr[None, :] < R), other=0.0)
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): q_lat follows the wait
+            gdc_wait()
+            gdc_launch_dependents()
+        q = tl.load(q_ptr + h[:, None] * C + cc[None, :], mask=hm[:, None] & (cc[None, :] < C), other=0.0)
         if DOT_F32:
             q, qp = q.to(tl.float32), qp.to(tl.float32)
-        n = tl.load(n_ptr).to(tl.int32)
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
         for start in range(i * BLOCK_L, n, S * BLOCK_L):  # this program's blocks: i, i + S, ... below n
-            j = start + tl.arange(0, BLOCK_L)
-            jm = j < n
-            kc = tl.load(c_ptr + j[:, None] * stride_c + cc[None, :], mask=jm[:, None] & (cc[None, :] < C), other=0.0)
-            kp = tl.load(p_ptr + j[:, None] * stride_p + rr[None, :], mask=jm[:, None] & (rr[None, :] < R), other=0.0)
             if DOT_F32:  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.x): the same products in fp32
                 kc, kp = kc.to(tl.float32), kp.to(tl.float32)
             s = tl.dot(q, tl.trans(kc), input_precision=PREC, out_dtype=tl.float32)
@@ -89,6 +99,10 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision=PREC, out_dtype=tl.float32)
             m_i = m_new
+            j = start + S * BLOCK_L + tl.arange(0, BLOCK_L)  # the next block (none past n: nothing is fetched)
+            jm = j < n
+            kc = tl.load(c_ptr + j[:, None] * stride_c + cc[None, :], mask=jm[:, None] & (cc[None, :] < C), other=0.0)
+            kp = tl.load(p_ptr + j[:, None] * stride_p + rr[None, :], mask=jm[:, None] & (rr[None, :] < R), other=0.0)
         tl.store(ml_ptr + (h * S + i) * 2, m_i, mask=hm)
         tl.store(ml_ptr + (h * S + i) * 2 + 1, l_i, mask=hm)
         if i * BLOCK_L < n:  # a program with no position below n writes no output (the combine skips it)
@@ -97,8 +111,12 @@ if triton is not None:
 
     @triton.jit
     def _mla_combine_kernel(
-        acc_ptr, ml_ptr, out_ptr, C, S, BLOCK_S: tl.constexpr, S_P2: tl.constexpr, BLOCK_C: tl.constexpr
+        acc_ptr, ml_ptr, out_ptr, C, S,
+        BLOCK_S: tl.constexpr, S_P2: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # everything it reads is the split launch's, the kernel just before
+            gdc_wait()
+            gdc_launch_dependents()
         h = tl.program_id(0)
         sa = tl.arange(0, S_P2)
         m_all = tl.max(tl.load(ml_ptr + (h * S + sa) * 2, mask=sa < S, other=float("-inf")), axis=0)
@@ -163,10 +181,18 @@ def mla_decode(q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, out: torc
         BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_L=block_l,
         DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and dt != torch.float32,
         PREC="ieee" if dt == torch.float32 else "tf32",  # fp32 models: exact products, not TF32's
-        num_warps=4 if BLOCK_C <= 256 else 8, num_stages=1 if dt == torch.float32 else 2,
+        num_warps=4 if BLOCK_C <= 256 else 8, num_stages=1 if dt == torch.float32 else 2, **pdl_kw(q_lat),
     )  # fmt: skip
     bs = min(COMBINE_SPLITS, triton.next_power_of_2(S))
     _mla_combine_kernel[(Hq,)](
-        acc, ml, out, C, S, BLOCK_S=max(2, bs), S_P2=max(2, triton.next_power_of_2(S)), BLOCK_C=BLOCK_C
+        acc,
+        ml,
+        out,
+        C,
+        S,
+        BLOCK_S=max(2, bs),
+        S_P2=max(2, triton.next_power_of_2(S)),
+        BLOCK_C=BLOCK_C,
+        **pdl_kw(q_lat),
     )
     return out

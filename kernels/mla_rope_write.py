@@ -9,7 +9,8 @@ latents into a transformers StaticLayer (advancing its position), as `DeepseekV2
 
 freqs_cis (complex64 [R/2], its magnitude carrying yarn's attention scaling) is read as (re, im) pairs. Every
 rounding transformers makes is reproduced with `round_to`. Grid (1,): one program does it all (Hq·R + C + R values;
-the position is advanced by the same program after its writes).
+the position is advanced by the same program after its writes). A programmatic dependent launch (kernels/pdl.py):
+the norm's weight, the frequencies and the position are loaded before the wait, q and ckv (the GEMV's) after it.
 
 Shapes: q [Hq, Dn + R] (rows contiguous, any row stride: the q projection's output) · ckv [C + R] · norm_w [C] ·
 freqs [R/2, 2] fp32 · keys [L, C], values [L, R] (rows contiguous: a StaticLayer's [1, 1, L, *] views) ·
@@ -24,6 +25,7 @@ try:
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
@@ -51,42 +53,48 @@ def mla_rope_write_ref(q, ckv, norm_w, eps, freqs, keys, values, pos, Dn):
 if triton is not None:
 
     @triton.jit
-    def _rope_pairs(x_ptr, stride_row, rows, R, f_ptr, HALF: tl.constexpr):
-        """[ROWS, HALF] (even, odd) rotated, fp32, of rows `rows` (each R wide, pairs contiguous)."""
+    def _rope_pairs(x_ptr, stride_row, rows, R, fr, fi, HALF: tl.constexpr):
+        """[ROWS, HALF] (even, odd) rotated, fp32, of rows `rows` (each R wide, pairs contiguous); fr / fi [1, HALF]
+        the frequencies' real and imaginary parts."""
         i = tl.arange(0, HALF)
         m = (rows[:, None] >= 0) & (i[None, :] < R // 2)
         base = x_ptr + rows[:, None] * stride_row + 2 * i[None, :]
         xe = tl.load(base, mask=m, other=0.0).to(tl.float32)
         xo = tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
-        fr = tl.load(f_ptr + 2 * i, mask=i < R // 2, other=0.0)[None, :]
-        fi = tl.load(f_ptr + 2 * i + 1, mask=i < R // 2, other=0.0)[None, :]
         return xe * fr - xo * fi, xe * fi + xo * fr, m
 
     @triton.jit
     def _mla_rope_write_kernel(
         q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
         Hq, Dn, C, R, stride_q, stride_k, stride_v, eps,
-        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, HALF: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         DT = out_ptr.dtype.element_ty
         KT = k_ptr.dtype.element_ty
+        i = tl.arange(0, HALF)
+        cc = tl.arange(0, BLOCK_C)
+        cm = cc < C
+        # the norm's weight, the frequencies (the step's rotary embedding, made at its start) and the position (this
+        # kernel's own write of the step before) do not come from the kernel just before: loaded before the wait
+        w = tl.load(w_ptr + cc, mask=cm, other=0.0).to(tl.float32)
+        fr = tl.load(f_ptr + 2 * i, mask=i < R // 2, other=0.0)[None, :]
+        fi = tl.load(f_ptr + 2 * i + 1, mask=i < R // 2, other=0.0)[None, :]
+        p = tl.load(pos_ptr)
+        if PDL:  # programmatic dependent launch (kernels/pdl.py): q and ckv (the GEMV's output) follow the wait
+            gdc_wait()
+            gdc_launch_dependents()
         h = tl.arange(0, BLOCK_H)
         hrow = tl.where(h < Hq, h, -1)
-        qe, qo, qm = _rope_pairs(q_ptr + Dn, stride_q, hrow, R, f_ptr, HALF)
-        i = tl.arange(0, HALF)
+        qe, qo, qm = _rope_pairs(q_ptr + Dn, stride_q, hrow, R, fr, fi, HALF)
         ob = out_ptr + h[:, None] * R + 2 * i[None, :]
         tl.store(ob, round_to(qe, DT).to(DT), mask=qm)
         tl.store(ob + 1, round_to(qo, DT).to(DT), mask=qm)
         one = tl.zeros((1,), dtype=tl.int32)
-        ke, ko, km = _rope_pairs(ckv_ptr + C, 0, one, R, f_ptr, HALF)
-        cc = tl.arange(0, BLOCK_C)
-        cm = cc < C
+        ke, ko, km = _rope_pairs(ckv_ptr + C, 0, one, R, fr, fi, HALF)
         x = tl.load(ckv_ptr + cc, mask=cm, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / C + eps)
         n = round_to(x * r, DT)
-        w = tl.load(w_ptr + cc, mask=cm, other=0.0).to(tl.float32)
         c = round_to(round_to(w * n, DT), KT)
-        p = tl.load(pos_ptr)
         tl.store(k_ptr + p * stride_k + cc, c.to(KT), mask=cm)
         vb = v_ptr + p * stride_v + 2 * i[None, :]
         tl.store(vb, round_to(ke, DT).to(DT), mask=km)
@@ -123,6 +131,6 @@ def mla_rope_write(q, ckv, norm_w, eps: float, freqs, keys, values, pos, Dn: int
     _mla_rope_write_kernel[(1,)](
         q, ckv, norm_w, freqs.to(dev), keys, values, pos, out, Hq, Dn, C, R, q.stride(0), keys.stride(0),
         values.stride(0), float(eps), BLOCK_H=max(2, triton.next_power_of_2(Hq)),
-        BLOCK_C=triton.next_power_of_2(C), HALF=max(2, triton.next_power_of_2(R // 2)),
+        BLOCK_C=triton.next_power_of_2(C), HALF=max(2, triton.next_power_of_2(R // 2)), **pdl_kw(q),
     )  # fmt: skip
     return out
