@@ -16,14 +16,18 @@ i, i + S, i + 2S, ... below n (strided, so a short context's few blocks run side
 block each, instead of one after another in the first split; S = min(MAX_SPLITS, ceil(L / BLOCK_L))), every head
 at once (q_lat [BLOCK_H, C] x c [BLOCK_L, C]^T on the tensor cores), with an online softmax; it writes its fp32
 partial output and (max, sum) per head (a program with no position below n writes (-inf, 0) and no output).
-`_mla_combine_kernel`, grid (Hq,): the splits merged, BLOCK_S of them at a time, rounded to q's dtype. n (the valid
+`_mla_combine_kernel`, grid (Hq,): the splits merged, BLOCK_S of them at a time, rounded to q's dtype; with `w_uv`
+(W_UV, the absorbed value projection behind the core) grid (Hq, Dv / BLOCK_N): each program merges its head's splits
+and multiplies the rounded o_lat by its BLOCK_N rows of W_UV[h] (loaded before the PDL wait), so the core and W_UV
+are two launches, not three (the merge is repeated by a head's Dv / BLOCK_N programs, from L2). n (the valid
 length) is read from a device int tensor, so the launch is fixed for a CUDA graph over a static cache of L >= n
 rows. Both are programmatic dependent launches (kernels/pdl.py): the cache, n and q_pe come from
 kernels/mla_rope_write.py two launches back, so the split loads them and its first block before the wait and only
 q_lat (the W_UK absorb's, the launch just before) after it; the combine reads only the split's output, after it.
 
 Shapes: q_lat [Hq, C] · q_pe [Hq, R] · c [L, C] · k_pe [L, R] (rows contiguous, any row stride: views into a
-transformers StaticLayer's keys [1, 1, L, C] and values [1, 1, L, R]) · n [1] int32/int64 · out [Hq, C].
+transformers StaticLayer's keys [1, 1, L, C] and values [1, 1, L, R]) · n [1] int32/int64 · w_uv [Hq, Dv, C] (C
+contiguous) · out [Hq, C], or [Hq, Dv] with w_uv.
 """
 
 from __future__ import annotations
@@ -46,12 +50,16 @@ MAX_SPLITS = 64  # programs of the split launch (fewer for a cache of fewer bloc
 COMBINE_SPLITS = 16  # splits the combine merges at a time
 
 
-def mla_decode_ref(q_lat, q_pe, c, k_pe, n, scale: float) -> torch.Tensor:
-    """Absorbed MLA core in fp32 over the first n cached positions; [Hq, C] in q_lat's dtype."""
+def mla_decode_ref(q_lat, q_pe, c, k_pe, n, scale: float, w_uv=None) -> torch.Tensor:
+    """Absorbed MLA core in fp32 over the first n cached positions; [Hq, C] in q_lat's dtype, or with `w_uv`
+    [Hq, Dv, C] that times W_UV per head ([Hq, Dv], fp32 sums of the rounded o_lat, rounded once)."""
     n = int(n.reshape(-1)[0]) if isinstance(n, torch.Tensor) else int(n)
     cf, pf = c[:n].float(), k_pe[:n].float()
     s = (q_lat.float() @ cf.T + q_pe.float() @ pf.T) * scale  # [Hq, n]
-    return (torch.softmax(s, dim=-1) @ cf).to(q_lat.dtype)
+    o_lat = (torch.softmax(s, dim=-1) @ cf).to(q_lat.dtype)
+    if w_uv is None:
+        return o_lat
+    return torch.einsum("hc,hnc->hn", o_lat.float(), w_uv.float()).to(q_lat.dtype)
 
 
 if triton is not None:
@@ -111,16 +119,22 @@ if triton is not None:
 
     @triton.jit
     def _mla_combine_kernel(
-        acc_ptr, ml_ptr, out_ptr, C, S,
-        BLOCK_S: tl.constexpr, S_P2: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+        acc_ptr, ml_ptr, out_ptr, w_ptr, C, S, Dv, stride_wh, stride_wn,
+        BLOCK_S: tl.constexpr, S_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+        ABSORB: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        if PDL:  # everything it reads is the split launch's, the kernel just before
+        h = tl.program_id(0)
+        cc = tl.arange(0, BLOCK_C)
+        if ABSORB:  # W_UV[h]'s rows of this program's outputs: weights, loaded before the wait
+            nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nm = nn < Dv
+            wrow = w_ptr + h.to(tl.int64) * stride_wh + nn.to(tl.int64)[:, None] * stride_wn + cc[None, :]
+            w = tl.load(wrow, mask=nm[:, None] & (cc[None, :] < C), other=0.0)
+        if PDL:  # everything else it reads is the split launch's, the kernel just before
             gdc_wait()
             gdc_launch_dependents()
-        h = tl.program_id(0)
         sa = tl.arange(0, S_P2)
         m_all = tl.max(tl.load(ml_ptr + (h * S + sa) * 2, mask=sa < S, other=float("-inf")), axis=0)
-        cc = tl.arange(0, BLOCK_C)
         o = tl.zeros((BLOCK_C,), dtype=tl.float32)
         denom = tl.zeros((), dtype=tl.float32)
         for s0 in range(0, S, BLOCK_S):  # BLOCK_S splits at a time: the [BLOCK_S, C] tile stays in registers
@@ -129,12 +143,17 @@ if triton is not None:
             m = tl.load(ml_ptr + (h * S + s) * 2, mask=sm, other=float("-inf"))
             ll = tl.load(ml_ptr + (h * S + s) * 2 + 1, mask=sm, other=0.0)
             live = sm & (ll > 0)  # splits with a position below n: only they wrote an output
-            w = tl.where(live, tl.exp(m - m_all), 0.0)
-            denom += tl.sum(w * ll, axis=0)
+            wt = tl.where(live, tl.exp(m - m_all), 0.0)
+            denom += tl.sum(wt * ll, axis=0)
             parts = tl.load(acc_ptr + (h * S + s)[:, None] * BLOCK_C + cc[None, :], mask=live[:, None], other=0.0)
-            o += tl.sum(parts * w[:, None], axis=0)
+            o += tl.sum(parts * wt[:, None], axis=0)
         DT = out_ptr.dtype.element_ty
-        tl.store(out_ptr + h * C + cc, (o / denom).to(DT), mask=cc < C)
+        o_lat = (o / denom).to(DT)  # the core's output, rounded as the unfused core returns it
+        if ABSORB:  # o[h, n] = o_lat[h] . W_UV[h, n], fp32 sums rounded once (as kernels/mla_absorb.py)
+            y = tl.sum(w.to(tl.float32) * o_lat.to(tl.float32)[None, :], axis=1)
+            tl.store(out_ptr + h * Dv + nn, y.to(DT), mask=nm)
+        else:
+            tl.store(out_ptr + h * C + cc, o_lat, mask=cc < C)
 
 
 def _rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, device) -> None:
@@ -144,8 +163,12 @@ def _rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, device) ->
         raise ValueError(f"{name} must be {dtype} on {device} (as q_lat), got {t.dtype} on {t.device}")
 
 
-def mla_decode(q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, out: torch.Tensor | None = None):
-    """The absorbed MLA core (module docstring) in two launches; returns out [Hq, C] in q_lat's dtype."""
+def mla_decode(
+    q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, w_uv=None, out: torch.Tensor | None = None, BLOCK_N=16
+):
+    """The absorbed MLA core (module docstring) in two launches; returns out [Hq, C] in q_lat's dtype, or with
+    `w_uv` (W_UV [Hq, Dv, C], C contiguous: a view of kv_b_proj's weight) [Hq, Dv], the core's output times W_UV
+    per head inside the second launch (BLOCK_N of a head's Dv outputs a program)."""
     if triton is None:
         raise RuntimeError("mla_decode needs triton")
     if (
@@ -166,10 +189,17 @@ def mla_decode(q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, out: torc
         raise ValueError(f"c and k_pe must cover the same positions, got {L} and {k_pe.shape[0]}")
     if n.numel() != 1 or n.dtype not in (torch.int32, torch.int64) or n.device != dev:
         raise ValueError(f"n must be one int32/int64 on {dev} (the valid cached length), got {n.dtype} {n.shape}")
+    Dv = C
+    if w_uv is not None:
+        if w_uv.dim() != 3 or w_uv.shape[0] != Hq or w_uv.shape[2] != C or w_uv.stride(2) != 1:
+            raise ValueError(f"w_uv must be [Hq, Dv, C] = [{Hq}, Dv, {C}] with C contiguous, got {tuple(w_uv.shape)}")
+        if w_uv.dtype != dt or w_uv.device != dev:
+            raise ValueError(f"w_uv must be {dt} on {dev} (as q_lat), got {w_uv.dtype} on {w_uv.device}")
+        Dv = w_uv.shape[1]
     if out is None:
-        out = torch.empty_like(q_lat)
-    elif tuple(out.shape) != (Hq, C) or not out.is_contiguous() or out.dtype != dt or out.device != dev:
-        raise ValueError(f"out must be a contiguous [Hq, C] = {(Hq, C)} {dt} tensor")
+        out = torch.empty(Hq, Dv, dtype=dt, device=dev)
+    elif tuple(out.shape) != (Hq, Dv) or not out.is_contiguous() or out.dtype != dt or out.device != dev:
+        raise ValueError(f"out must be a contiguous [Hq, {Dv}] {dt} tensor")
     block_l = BLOCK_L if dt != torch.float32 else 16  # fp32 at 32: 110 KiB of shared memory (offline sm_89 build)
     S = max(1, min(MAX_SPLITS, triton.cdiv(L, block_l)))
     BLOCK_C = max(16, triton.next_power_of_2(C))
@@ -184,15 +214,11 @@ def mla_decode(q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, out: torc
         num_warps=4 if BLOCK_C <= 256 else 8, num_stages=1 if dt == torch.float32 else 2, **pdl_kw(q_lat),
     )  # fmt: skip
     bs = min(COMBINE_SPLITS, triton.next_power_of_2(S))
-    _mla_combine_kernel[(Hq,)](
-        acc,
-        ml,
-        out,
-        C,
-        S,
-        BLOCK_S=max(2, bs),
-        S_P2=max(2, triton.next_power_of_2(S)),
-        BLOCK_C=BLOCK_C,
-        **pdl_kw(q_lat),
-    )
+    bn = min(triton.next_power_of_2(max(1, BLOCK_N)), triton.next_power_of_2(Dv))
+    absorb = w_uv is not None
+    _mla_combine_kernel[(Hq, triton.cdiv(Dv, bn) if absorb else 1)](
+        acc, ml, out, w_uv if absorb else acc, C, S, Dv, w_uv.stride(0) if absorb else 0,
+        w_uv.stride(1) if absorb else 0, BLOCK_S=max(2, bs), S_P2=max(2, triton.next_power_of_2(S)),
+        BLOCK_C=BLOCK_C, BLOCK_N=bn, ABSORB=absorb, **pdl_kw(q_lat),
+    )  # fmt: skip
     return out

@@ -8,14 +8,15 @@ step. Here W_UK and W_UV, row blocks of kv_b_proj's weight [Hq·(Dn + Dv), C], a
 
     q_lat[h] = q_nope[h] · W_UK[h]           [Hq, Dn] x [Hq, Dn, C] -> [Hq, C]   (kernels/mla_absorb.py)
     o_lat    = softmax((q_lat·cᵀ + q_pe·k_peᵀ) · scale) · c                        (kernels/mla_decode.py)
-    o[h]     = o_lat[h] · W_UV[h]ᵀ            [Hq, C] x [Hq, C, Dv] -> [Hq, Dv]  (kernels/mla_absorb.py)
+    o[h]     = o_lat[h] · W_UV[h]ᵀ            [Hq, C] x [Hq, C, Dv] -> [Hq, Dv]  (the core's second launch)
 
 which equals q_nope·k_nopeᵀ with k_nope = c·W_UKᵀ and o = p·(c·W_UVᵀ), the expanded form, up to rounding. Bytes per
 step and layer: L·(C + R) cached elements instead of L·Hq·(Dn + Dv) expanded ones written and read again.
 
 Launches per decode call on a StaticCache (q_lora_rank None, DeepSeek-V2-Lite): q|kv_a GEMV 1 (the two projections
 share one buffer; the decoder layer's input norm inside, `input_norm=`), kv_a_layernorm + both ropes + the latents'
-write 1 (kernels/mla_rope_write.py), W_UK 1, the core 2, W_UV 1 (kernels/mla_absorb.py), o_proj 1: 7. Other
+write 1 (kernels/mla_rope_write.py), W_UK 1 (kernels/mla_absorb.py), the core 2 (W_UV inside its second), o_proj 1:
+6. Other
 caches: the norm, transformers' rotary embedding (~8) and the cache's update instead of the one launch.
 
 Shape legend: Hq heads, Dn / R / Dv the no-rope query, rope and value head dims, C kv_lora_rank, L cache length.
@@ -158,8 +159,7 @@ class FusedMLA(nn.Module):
         n = _valid_length(cache, self.layer_idx, keys)
         w_uk, w_uv = self._absorbed()
         q_lat = absorb(q_nope.reshape(Hq, Dn), w_uk)  # [Hq, C]
-        o_lat = mla_decode(q_lat, q_pe, keys[0, 0], values[0, 0], n, self.scaling)  # [Hq, C]
-        out = absorb(o_lat, w_uv.transpose(1, 2))  # [Hq, Dv]
+        out = mla_decode(q_lat, q_pe, keys[0, 0], values[0, 0], n, self.scaling, w_uv=w_uv)  # [Hq, Dv]: o_lat · W_UVᵀ
         return self.o_proj(out.view(1, 1, Hq * self.v_head_dim)), None
 
 
