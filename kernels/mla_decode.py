@@ -5,8 +5,9 @@ transformers caches MLA's latents, not per-head keys and values: per position th
 c [C] (C = kv_lora_rank, 512) and the rotary key k_pe [R] (R = qk_rope_head_dim, 64), shared by every head. Its
 module expands the whole cache through kv_b_proj on every step (a [L, C] x [C, Hq·(D_nope + D_v)] GEMM, reading and
 writing L·Hq·(D_nope + D_v) elements). Absorbed, W_UK moves into the query (q_lat = q_nope·W_UK, [Hq, C]) and W_UV
-behind the core (localmoe/decode/mla.py does both, one batched GEMV each), so the core reads each cached position
-once for all heads, as multi-query attention with a C + R wide key and a C wide value (the key's first C columns):
+behind the core (localmoe/decode/mla.py: W_UK with kernels/mla_absorb.py, W_UV in this core's second launch), so
+the core reads each cached position once for all heads, as multi-query attention with a C + R wide key and a C wide
+value (the key's first C columns):
 
     s[h, j] = (q_lat[h]·c[j] + q_pe[h]·k_pe[j]) · scale,   j < n
     o_lat[h] = softmax_j(s[h]) · c
