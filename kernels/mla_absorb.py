@@ -1,7 +1,7 @@
 """DeepSeek-V2's absorbed MLA projections for one decode token: per head, a GEMV against a slice of kv_b_proj's weight.
 
-localmoe/decode/mla.py absorbs W_UK into the query with this kernel and W_UV behind the attention core (in
-kernels/mla_decode.py's second launch; this kernel computes the same product) (module docstring there):
+localmoe/decode/mla.py (module docstring there) absorbs W_UK into the query with this kernel and W_UV behind the
+attention core, inside kernels/mla_decode.py's second launch (this kernel computes the same product: its reference):
 
     q_lat[h, :] = q_nope[h, :] · W_UK[h]        [Hq, Dn] x [Hq, Dn, C] -> [Hq, C]
     o[h, :]     = o_lat[h, :] · W_UV[h]ᵀ        [Hq, C] x [Hq, Dv, C]  -> [Hq, Dv]

@@ -16,8 +16,7 @@ step and layer: L·(C + R) cached elements instead of L·Hq·(Dn + Dv) expanded 
 Launches per decode call on a StaticCache (q_lora_rank None, DeepSeek-V2-Lite): q|kv_a GEMV 1 (the two projections
 share one buffer; the decoder layer's input norm inside, `input_norm=`), kv_a_layernorm + both ropes + the latents'
 write 1 (kernels/mla_rope_write.py), W_UK 1 (kernels/mla_absorb.py), the core 2 (W_UV inside its second), o_proj 1:
-6. Other
-caches: the norm, transformers' rotary embedding (~8) and the cache's update instead of the one launch.
+6. Other caches: the norm, transformers' rotary embedding (~8) and the cache's update instead of the one launch.
 
 Shape legend: Hq heads, Dn / R / Dv the no-rope query, rope and value head dims, C kv_lora_rank, L cache length.
 """
