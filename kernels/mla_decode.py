@@ -42,6 +42,7 @@ try:
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
+    from localmoe.kernels.workspace import zeroed_int32
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -51,9 +52,11 @@ MAX_SPLITS = 64  # programs of the split launch (fewer for a cache of fewer bloc
 COMBINE_SPLITS = 16  # splits the combine merges at a time
 
 
-def mla_decode_ref(q_lat, q_pe, c, k_pe, n, scale: float, w_uv=None) -> torch.Tensor:
+def mla_decode_ref(q_lat, q_pe, c, k_pe, n, scale: float, w_uv=None, advance: bool = False) -> torch.Tensor:
     """Absorbed MLA core in fp32 over the first n cached positions; [Hq, C] in q_lat's dtype, or with `w_uv`
     [Hq, Dv, C] that times W_UV per head ([Hq, Dv], fp32 sums of the rounded o_lat, rounded once)."""
+    if advance:  # n: this step's row; advanced in place
+        n += 1
     n = int(n.reshape(-1)[0]) if isinstance(n, torch.Tensor) else int(n)
     cf, pf = c[:n].float(), k_pe[:n].float()
     s = (q_lat.float() @ cf.T + q_pe.float() @ pf.T) * scale  # [Hq, n]
@@ -67,10 +70,10 @@ if triton is not None:
 
     @triton.jit
     def _mla_split_kernel(
-        q_ptr, qp_ptr, c_ptr, p_ptr, n_ptr, acc_ptr, ml_ptr,
+        q_ptr, qp_ptr, c_ptr, p_ptr, n_ptr, acc_ptr, ml_ptr, tick_ptr,
         Hq, C, R, stride_c, stride_p, scale,
         BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
-        DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+        DOT_F32: tl.constexpr, PREC: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         i = tl.program_id(0)
         S = tl.num_programs(0)
@@ -78,18 +81,30 @@ if triton is not None:
         cc = tl.arange(0, BLOCK_C)
         rr = tl.arange(0, BLOCK_R)
         hm = h < Hq
-        # The cache, its length n and q_pe were written by kernels/mla_rope_write.py two launches back, which has
-        # completed when this kernel is launched (each kernel lets its dependents launch only after its own wait):
-        # they and the first block are loaded while the kernel before (the W_UK absorb, writing q_lat) runs.
-        n = tl.load(n_ptr).to(tl.int32)
-        qp = tl.load(qp_ptr + h[:, None] * R + rr[None, :], mask=hm[:, None] & (rr[None, :] < R), other=0.0)
+        # Cache rows written two or more launches back have completed when this kernel is launched (each kernel lets
+        # its dependents launch only after its own wait): the first block is loaded while the kernel before runs.
+        # Without ADVANCE the cache, n and q_pe come from kernels/mla_rope_write.py two launches back (the W_UK
+        # absorb between); with it n is this step's row, which the launch just before wrote with q_pe (and q_lat)
+        # and which this launch's last program advances: only the rows below it are loaded before the wait.
+        pos = tl.load(n_ptr).to(tl.int32)
+        n = pos + 1 if ADVANCE else pos  # the valid length
         j = i * BLOCK_L + tl.arange(0, BLOCK_L)
-        jm = j < n
+        jm = j < pos
         kc = tl.load(c_ptr + j[:, None] * stride_c + cc[None, :], mask=jm[:, None] & (cc[None, :] < C), other=0.0)
         kp = tl.load(p_ptr + j[:, None] * stride_p + rr[None, :], mask=jm[:, None] & (rr[None, :] < R), other=0.0)
+        if not ADVANCE:
+            qp = tl.load(qp_ptr + h[:, None] * R + rr[None, :], mask=hm[:, None] & (rr[None, :] < R), other=0.0)
         if PDL:  # programmatic dependent launch (kernels/pdl.py): q_lat follows the wait
             gdc_wait()
             gdc_launch_dependents()
+        if ADVANCE:
+            qp = tl.load(qp_ptr + h[:, None] * R + rr[None, :], mask=hm[:, None] & (rr[None, :] < R), other=0.0)
+            new = j == pos  # this step's row, if in the first block: read now
+            kc = tl.where(new[:, None], tl.load(c_ptr + j[:, None] * stride_c + cc[None, :],
+                                                mask=new[:, None] & (cc[None, :] < C), other=0.0), kc)  # fmt: skip
+            kp = tl.where(new[:, None], tl.load(p_ptr + j[:, None] * stride_p + rr[None, :],
+                                                mask=new[:, None] & (rr[None, :] < R), other=0.0), kp)  # fmt: skip
+            jm = j < n
         q = tl.load(q_ptr + h[:, None] * C + cc[None, :], mask=hm[:, None] & (cc[None, :] < C), other=0.0)
         if DOT_F32:
             q, qp = q.to(tl.float32), qp.to(tl.float32)
@@ -112,6 +127,11 @@ if triton is not None:
             jm = j < n
             kc = tl.load(c_ptr + j[:, None] * stride_c + cc[None, :], mask=jm[:, None] & (cc[None, :] < C), other=0.0)
             kp = tl.load(p_ptr + j[:, None] * stride_p + rr[None, :], mask=jm[:, None] & (rr[None, :] < R), other=0.0)
+        if ADVANCE:  # every program has read the position (before its wait): the last one advances it
+            tl.debug_barrier()
+            if tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu") == S - 1:
+                tl.store(n_ptr, (pos + 1).to(n_ptr.dtype.element_ty))
+                tl.store(tick_ptr, 0)
         tl.store(ml_ptr + (h * S + i) * 2, m_i, mask=hm)
         tl.store(ml_ptr + (h * S + i) * 2 + 1, l_i, mask=hm)
         if i * BLOCK_L < n:  # a program with no position below n writes no output (the combine skips it)
@@ -165,11 +185,23 @@ def _rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype, device) ->
 
 
 def mla_decode(
-    q_lat, q_pe, c, k_pe, n: torch.Tensor, scale: float, *, w_uv=None, out: torch.Tensor | None = None, BLOCK_N=16
+    q_lat,
+    q_pe,
+    c,
+    k_pe,
+    n: torch.Tensor,
+    scale: float,
+    *,
+    w_uv=None,
+    out: torch.Tensor | None = None,
+    advance: bool = False,
+    BLOCK_N=16,
 ):
     """The absorbed MLA core (module docstring) in two launches; returns out [Hq, C] in q_lat's dtype, or with
     `w_uv` (W_UV [Hq, Dv, C], C contiguous: a view of kv_b_proj's weight) [Hq, Dv], the core's output times W_UV
-    per head inside the second launch (BLOCK_N of a head's Dv outputs a program)."""
+    per head inside the second launch (BLOCK_N of a head's Dv outputs a program). `advance`: n is this step's row
+    (the valid length n + 1; kernels/mla_rope_write.py with advance=False wrote it in the launch just before), and
+    the split launch advances n by one."""
     if triton is None:
         raise RuntimeError("mla_decode needs triton")
     if (
@@ -207,10 +239,11 @@ def mla_decode(
     BLOCK_H = max(16, triton.next_power_of_2(Hq))
     acc = torch.empty(Hq, S, BLOCK_C, dtype=torch.float32, device=dev)
     ml = torch.empty(Hq, S, 2, dtype=torch.float32, device=dev)
+    tick = zeroed_int32("mla_decode", dev, 1)  # self-cleaning: the advancing program re-zeroes it
     _mla_split_kernel[(S,)](
-        q_lat, q_pe, c, k_pe, n, acc, ml, Hq, C, R, c.stride(0), k_pe.stride(0), float(scale),
+        q_lat, q_pe, c, k_pe, n, acc, ml, tick, Hq, C, R, c.stride(0), k_pe.stride(0), float(scale),
         BLOCK_H=BLOCK_H, BLOCK_C=BLOCK_C, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_L=block_l,
-        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and dt != torch.float32,
+        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and dt != torch.float32, ADVANCE=bool(advance),
         PREC="ieee" if dt == torch.float32 else "tf32",  # fp32 models: exact products, not TF32's
         num_warps=4 if BLOCK_C <= 256 else 8, num_stages=1 if dt == torch.float32 else 2, **pdl_kw(q_lat),
     )  # fmt: skip

@@ -9,8 +9,11 @@ latents into a transformers StaticLayer (advancing its position), as `DeepseekV2
 
 freqs_cis (complex64 [R/2], its magnitude carrying yarn's attention scaling) is read as (re, im) pairs. Every
 rounding transformers makes is reproduced with `round_to`. Grid (1,): one program does it all (Hq·R + C + R values;
-the position is advanced by the same program after its writes). A programmatic dependent launch (kernels/pdl.py):
-the norm's weight, the frequencies and the position are loaded before the wait, q and ckv (the GEMV's) after it.
+the position is advanced by the same program after its writes, or left to the core: `advance=False`). With `w_uk`
+the absorbed query q_lat = q_nope · W_UK (kernels/mla_absorb.py's product, which needs only the projection) comes
+from Hq·C/BLOCK_N more programs of the same launch, one launch fewer per layer. A programmatic dependent launch
+(kernels/pdl.py): the norm's weight, the frequencies, the position and W_UK are loaded before the wait, q and ckv
+(the GEMV's) after it.
 
 Shapes: q [Hq, Dn + R] (rows contiguous, any row stride: the q projection's output) · ckv [C + R] · norm_w [C] ·
 freqs [R/2, 2] fp32 · keys [L, C], values [L, R] (rows contiguous: a StaticLayer's [1, 1, L, *] views) ·
@@ -65,9 +68,27 @@ if triton is not None:
 
     @triton.jit
     def _mla_rope_write_kernel(
-        q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
-        Hq, Dn, C, R, stride_q, stride_k, stride_v, eps,
-        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+        q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, wuk_ptr, lat_ptr,
+        Hq, Dn, C, R, stride_q, stride_k, stride_v, eps, stride_uh, stride_uk, NB,
+        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, ABSORB: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        if ABSORB:
+            if pid < Hq * NB:  # q_lat[h, n-block] = q_nope[h] . W_UK[h][:, n-block]: independent of the write
+                _uk_tile(q_ptr, wuk_ptr, lat_ptr, pid // NB, pid % NB, Dn, C, stride_q, stride_uh, stride_uk,
+                         BLOCK_K, BLOCK_N, PDL)  # fmt: skip
+            else:  # the last program: the norm, the ropes and the write
+                _rope_write(q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, Hq, Dn, C, R, stride_q,
+                            stride_k, stride_v, eps, BLOCK_H, BLOCK_C, HALF, ADVANCE, PDL)  # fmt: skip
+        else:
+            _rope_write(q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, Hq, Dn, C, R, stride_q,
+                        stride_k, stride_v, eps, BLOCK_H, BLOCK_C, HALF, ADVANCE, PDL)  # fmt: skip
+
+    @triton.jit
+    def _rope_write(
+        q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, Hq, Dn, C, R, stride_q, stride_k, stride_v, eps,
+        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, HALF: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         DT = out_ptr.dtype.element_ty
         KT = k_ptr.dtype.element_ty
@@ -99,12 +120,36 @@ if triton is not None:
         vb = v_ptr + p * stride_v + 2 * i[None, :]
         tl.store(vb, round_to(ke, DT).to(DT), mask=km)
         tl.store(vb + 1, round_to(ko, DT).to(DT), mask=km)
-        tl.debug_barrier()
-        tl.store(pos_ptr, p + 1)
+        if ADVANCE:  # (else kernels/mla_decode.py's split advances it, after reading it before its wait)
+            tl.debug_barrier()
+            tl.store(pos_ptr, p + 1)
+
+    @triton.jit
+    def _uk_tile(q_ptr, wuk_ptr, lat_ptr, h, j, Dn, C, stride_q, stride_uh, stride_uk,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """One program's [BLOCK_N] of q_lat[h] = q[h, :Dn] . W_UK[h] (W_UK [Hq, Dn, C], C contiguous): the weight
+        tile before the wait, fp32 sums rounded once to q's dtype (as kernels/mla_absorb.py)."""
+        h = h.to(tl.int64)
+        nn = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = nn < C
+        kk = tl.arange(0, BLOCK_K)
+        w = tl.load(wuk_ptr + h * stride_uh + kk.to(tl.int64)[:, None] * stride_uk + nn[None, :],
+                    mask=(kk < Dn)[:, None] & nm[None, :], other=0.0)  # fmt: skip
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        xv = tl.load(q_ptr + h * stride_q + kk, mask=kk < Dn, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * xv[:, None], axis=0)
+        tl.store(lat_ptr + h * C + nn, acc.to(lat_ptr.dtype.element_ty), mask=nm)
 
 
-def mla_rope_write(q, ckv, norm_w, eps: float, freqs, keys, values, pos, Dn: int) -> torch.Tensor:
-    """The module docstring's step in one launch; returns q_pe [Hq, R] (rotated, q's dtype)."""
+def mla_rope_write(
+    q, ckv, norm_w, eps: float, freqs, keys, values, pos, Dn: int, *, w_uk=None, advance: bool = True, BLOCK_N=64
+):
+    """The module docstring's step in one launch; returns q_pe [Hq, R] (rotated, q's dtype), or with `w_uk` (W_UK
+    [Hq, Dn, C], C contiguous: a view of kv_b_proj's weight) (q_pe, q_lat [Hq, C]): q_lat = q[:, :Dn] · W_UK per head,
+    computed by Hq·C/BLOCK_N more programs of the same launch (it does not depend on the write). `advance=False`
+    leaves the position for the core to advance (kernels/mla_decode.py's `advance=True`)."""
     if triton is None:
         raise RuntimeError("mla_rope_write needs triton")
     if q.dim() != 2 or q.stride(1) != 1 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -127,10 +172,21 @@ def mla_rope_write(q, ckv, norm_w, eps: float, freqs, keys, values, pos, Dn: int
         raise ValueError("keys and values must hold the same positions")
     if pos.numel() != 1 or pos.dtype != torch.int64 or pos.device != dev:
         raise ValueError(f"pos must be one int64 on {dev} (a StaticLayer's cumulative_length)")
+    if w_uk is not None and (
+        w_uk.dim() != 3 or tuple(w_uk.shape) != (Hq, Dn, C) or w_uk.stride(2) != 1 or w_uk.dtype != dt
+        or w_uk.device != dev
+    ):  # fmt: skip
+        raise ValueError(f"w_uk must be [Hq, Dn, C] = {(Hq, Dn, C)} {dt} on {dev} with C contiguous")
     out = torch.empty(Hq, R, dtype=dt, device=dev)
-    _mla_rope_write_kernel[(1,)](
-        q, ckv, norm_w, freqs.to(dev), keys, values, pos, out, Hq, Dn, C, R, q.stride(0), keys.stride(0),
-        values.stride(0), float(eps), BLOCK_H=max(2, triton.next_power_of_2(Hq)),
-        BLOCK_C=triton.next_power_of_2(C), HALF=max(2, triton.next_power_of_2(R // 2)), **pdl_kw(q),
+    absorb = w_uk is not None
+    bn = min(triton.next_power_of_2(max(1, BLOCK_N)), triton.next_power_of_2(C))
+    nb = triton.cdiv(C, bn) if absorb else 0
+    lat = torch.empty(Hq, C, dtype=dt, device=dev) if absorb else out
+    _mla_rope_write_kernel[(Hq * nb + 1,)](
+        q, ckv, norm_w, freqs.to(dev), keys, values, pos, out, w_uk if absorb else out, lat, Hq, Dn, C, R,
+        q.stride(0), keys.stride(0), values.stride(0), float(eps), w_uk.stride(0) if absorb else 0,
+        w_uk.stride(1) if absorb else 0, nb, BLOCK_H=max(2, triton.next_power_of_2(Hq)),
+        BLOCK_C=triton.next_power_of_2(C), HALF=max(2, triton.next_power_of_2(R // 2)),
+        BLOCK_K=triton.next_power_of_2(Dn), BLOCK_N=bn, ABSORB=absorb, ADVANCE=bool(advance), **pdl_kw(q),
     )  # fmt: skip
-    return out
+    return (out, lat) if absorb else out

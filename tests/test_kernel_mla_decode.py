@@ -60,6 +60,23 @@ def test_w_uv_in_the_combine_matches_reference(Hq, C, R, L, n, Dv, block_n, dtyp
     torch.testing.assert_close(got.float(), two.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("L, pos", [(96, 70), (2100, 2080), (40, 3)], ids=["first-block", "later-block", "short"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_advance(L, pos, dtype):
+    """advance=True: n is this step's row (valid length n + 1), advanced by the split launch; with W_UV as in mla.py."""
+    Hq, C, R = 4, 32, 16
+    q_lat, q_pe, c, k_pe = _case(Hq, C, R, L, dtype, seed=L)
+    w_uv = (torch.randn(Hq, 8, C, generator=torch.Generator().manual_seed(1)) * C**-0.5).to(DEV, dtype)
+    n, n_ref = torch.tensor([pos], device=DEV), torch.tensor([pos], device=DEV)
+    got = mla_decode(q_lat, q_pe, c, k_pe, n, 0.05, w_uv=w_uv, advance=True)
+    want = mla_decode_ref(q_lat, q_pe, c, k_pe, n_ref, 0.05, w_uv=w_uv, advance=True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert int(n) == int(n_ref) == pos + 1
+    plain = mla_decode(q_lat, q_pe, c, k_pe, torch.tensor([pos + 1], device=DEV), 0.05, w_uv=w_uv)
+    torch.testing.assert_close(got.float(), plain.float(), atol=tol, rtol=tol)
+
+
 def test_refuses_bad_arguments():
     q_lat, q_pe, c, k_pe = _case(2, 16, 8, 4, torch.float32, seed=0)
     n = torch.tensor([4], device=DEV)

@@ -15,8 +15,9 @@ step and layer: L·(C + R) cached elements instead of L·Hq·(Dn + Dv) expanded 
 
 Launches per decode call on a StaticCache (q_lora_rank None, DeepSeek-V2-Lite): q|kv_a GEMV 1 (the two projections
 share one buffer; the decoder layer's input norm inside, `input_norm=`), kv_a_layernorm + both ropes + the latents'
-write 1 (kernels/mla_rope_write.py), W_UK 1 (kernels/mla_absorb.py), the core 2 (W_UV inside its second), o_proj 1:
-6. Other caches: the norm, transformers' rotary embedding (~8) and the cache's update instead of the one launch.
+write and W_UK 1 (kernels/mla_rope_write.py), the core 2 (the position advanced by the first, W_UV inside the
+second), o_proj 1: 5. Other caches: the norm, transformers' rotary embedding (~8) and the cache's update instead of
+the one launch.
 
 Shape legend: Hq heads, Dn / R / Dv the no-rope query, rope and value head dims, C kv_lora_rank, L cache length.
 """
@@ -126,37 +127,31 @@ class FusedMLA(nn.Module):
         Hq, Dn, R, C = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q, ckv = self._project(hidden_states, input_norm)
         static = static_layer(cache, self.layer_idx, 1, C, R, hidden_states)
-        if static is not None and static.cumulative_length.dtype == torch.int64:  # norm, ropes, the write: 1 launch
-            self.static_writes += 1
-            q2 = q.view(Hq, Dn + R)
-            norm = self.kv_a_layernorm
-            freqs = torch.view_as_real(position_embeddings).view(R // 2, 2)
-            keys, values = static.keys, static.values  # [1, 1, L, C], [1, 1, L, R]
-            q_pe = mla_rope_write(
-                q2,
-                ckv.view(C + R),
-                norm.weight,
-                norm_eps(norm),
-                freqs,
-                keys[0, 0],
-                values[0, 0],
-                static.cumulative_length,
-                Dn,
-            )  # [Hq, R]; the layer's position advanced
-            q_nope = q2[:, :Dn]
-        else:
-            q = q.view(1, 1, Hq, Dn + R).transpose(1, 2)  # [1, Hq, 1, Dn + R], as transformers' q
-            q_nope, q_pe = torch.split(q, [Dn, R], dim=-1)
-            c, k_pe = torch.split(ckv, [C, R], dim=-1)
-            c = self.kv_a_layernorm(c).view(1, 1, 1, C)
-            q_pe, k_pe = apply_rotary_emb(q_pe, k_pe.view(1, 1, 1, R), position_embeddings.to(q_pe.device))
-            if self._cache_kw == "cache":  # exactly as the original calls it (transformers 5.2x / 5.17)
-                keys, values = cache.update(c, k_pe, self.layer_idx, kwargs=kwargs)  # [1, 1, L, C], [1, 1, L, R]
-            else:
-                keys, values = cache.update(c, k_pe, self.layer_idx)
-            q_pe = q_pe.reshape(Hq, R).contiguous()
-        n = _valid_length(cache, self.layer_idx, keys)
         w_uk, w_uv = self._absorbed()
+        if static is not None and static.cumulative_length.dtype == torch.int64:
+            # norm, ropes, the write and W_UK: 1 launch; the core: 2 (its split advances the position)
+            self.static_writes += 1
+            norm = self.kv_a_layernorm
+            keys, values = static.keys[0, 0], static.values[0, 0]  # [L, C], [L, R]
+            pos = static.cumulative_length
+            q_pe, q_lat = mla_rope_write(
+                q.view(Hq, Dn + R), ckv.view(C + R), norm.weight, norm_eps(norm),
+                torch.view_as_real(position_embeddings).view(R // 2, 2), keys, values, pos, Dn, w_uk=w_uk,
+                advance=False,
+            )  # fmt: skip
+            out = mla_decode(q_lat, q_pe, keys, values, pos.view(1), self.scaling, w_uv=w_uv, advance=True)
+            return self.o_proj(out.view(1, 1, Hq * self.v_head_dim)), None
+        q = q.view(1, 1, Hq, Dn + R).transpose(1, 2)  # [1, Hq, 1, Dn + R], as transformers' q
+        q_nope, q_pe = torch.split(q, [Dn, R], dim=-1)
+        c, k_pe = torch.split(ckv, [C, R], dim=-1)
+        c = self.kv_a_layernorm(c).view(1, 1, 1, C)
+        q_pe, k_pe = apply_rotary_emb(q_pe, k_pe.view(1, 1, 1, R), position_embeddings.to(q_pe.device))
+        if self._cache_kw == "cache":  # exactly as the original calls it (transformers 5.2x / 5.17)
+            keys, values = cache.update(c, k_pe, self.layer_idx, kwargs=kwargs)  # [1, 1, L, C], [1, 1, L, R]
+        else:
+            keys, values = cache.update(c, k_pe, self.layer_idx)
+        q_pe = q_pe.reshape(Hq, R).contiguous()
+        n = _valid_length(cache, self.layer_idx, keys)
         q_lat = absorb(q_nope.reshape(Hq, Dn), w_uk)  # [Hq, C]
         out = mla_decode(q_lat, q_pe, keys[0, 0], values[0, 0], n, self.scaling, w_uv=w_uv)  # [Hq, Dv]: o_lat · W_UVᵀ
         return self.o_proj(out.view(1, 1, Hq * self.v_head_dim)), None
