@@ -25,6 +25,9 @@ length) is read from a device int tensor, so the launch is fixed for a CUDA grap
 rows. Both are programmatic dependent launches (kernels/pdl.py): the cache, n and q_pe come from
 kernels/mla_rope_write.py two launches back, so the split loads them and its first block before the wait and only
 q_lat (the W_UK absorb's, the launch just before) after it; the combine reads only the split's output, after it.
+`advance=True` (mla.py on a static cache, behind mla_rope_write's launch that also makes q_lat and leaves the
+position): n is this step's row, written by the launch just before, so the split prefetches only the rows below it,
+reads q_pe, q_lat and that row after the wait, and its last program (a ticket) advances n.
 
 Shapes: q_lat [Hq, C] · q_pe [Hq, R] · c [L, C] · k_pe [L, R] (rows contiguous, any row stride: views into a
 transformers StaticLayer's keys [1, 1, L, C] and values [1, 1, L, R]) · n [1] int32/int64 · w_uv [Hq, Dv, C] (C
