@@ -74,36 +74,45 @@ if triton is not None:
         BLOCK_N: tl.constexpr, ABSORB: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        if ABSORB:
-            if pid < Hq * NB:  # q_lat[h, n-block] = q_nope[h] . W_UK[h][:, n-block]: independent of the write
-                _uk_tile(q_ptr, wuk_ptr, lat_ptr, pid // NB, pid % NB, Dn, C, stride_q, stride_uh, stride_uk,
-                         BLOCK_K, BLOCK_N, PDL)  # fmt: skip
-            else:  # the last program: the norm, the ropes and the write
-                _rope_write(q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, Hq, Dn, C, R, stride_q,
-                            stride_k, stride_v, eps, BLOCK_H, BLOCK_C, HALF, ADVANCE, PDL)  # fmt: skip
-        else:
-            _rope_write(q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, Hq, Dn, C, R, stride_q,
-                        stride_k, stride_v, eps, BLOCK_H, BLOCK_C, HALF, ADVANCE, PDL)  # fmt: skip
-
-    @triton.jit
-    def _rope_write(
-        q_ptr, ckv_ptr, w_ptr, f_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, Hq, Dn, C, R, stride_q, stride_k, stride_v, eps,
-        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, HALF: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        DT = out_ptr.dtype.element_ty
-        KT = k_ptr.dtype.element_ty
         i = tl.arange(0, HALF)
         cc = tl.arange(0, BLOCK_C)
         cm = cc < C
-        # the norm's weight, the frequencies (the step's rotary embedding, made at its start) and the position (this
-        # kernel's own write of the step before) do not come from the kernel just before: loaded before the wait
+        # the norm's weight, the frequencies (the step's rotary embedding, made at its start), the position (its
+        # last write was the step before's) and W_UK do not come from the kernel just before: loaded before the wait
         w = tl.load(w_ptr + cc, mask=cm, other=0.0).to(tl.float32)
         fr = tl.load(f_ptr + 2 * i, mask=i < R // 2, other=0.0)[None, :]
         fi = tl.load(f_ptr + 2 * i + 1, mask=i < R // 2, other=0.0)[None, :]
         p = tl.load(pos_ptr)
+        if ABSORB:  # programs pid < Hq * NB: q_lat[h, n-block] = q_nope[h] . W_UK[h][:, n-block]; the last: the write
+            hu = (pid // NB).to(tl.int64)
+            nn = (pid % NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nm = (nn < C) & ((nn * 0 + pid) < Hq * NB)  # (a tensor: the interpreter masks with tensors only)
+            kk = tl.arange(0, BLOCK_K)
+            wt = tl.load(wuk_ptr + hu * stride_uh + kk.to(tl.int64)[:, None] * stride_uk + nn[None, :],
+                         mask=(kk < Dn)[:, None] & nm[None, :], other=0.0)  # fmt: skip
         if PDL:  # programmatic dependent launch (kernels/pdl.py): q and ckv (the GEMV's output) follow the wait
             gdc_wait()
             gdc_launch_dependents()
+        if ABSORB:
+            if pid < Hq * NB:  # fp32 sums rounded once to q's dtype (as kernels/mla_absorb.py)
+                xv = tl.load(q_ptr + hu * stride_q + kk, mask=kk < Dn, other=0.0).to(tl.float32)
+                acc = tl.sum(wt.to(tl.float32) * xv[:, None], axis=0)
+                tl.store(lat_ptr + hu * C + nn, acc.to(lat_ptr.dtype.element_ty), mask=nm)
+            else:
+                _rope_write(q_ptr, ckv_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, w, fr, fi, p, i, cc, cm, Hq, Dn, C, R,
+                            stride_q, stride_k, stride_v, eps, BLOCK_H, HALF, ADVANCE)  # fmt: skip
+        else:
+            _rope_write(q_ptr, ckv_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, w, fr, fi, p, i, cc, cm, Hq, Dn, C, R,
+                        stride_q, stride_k, stride_v, eps, BLOCK_H, HALF, ADVANCE)  # fmt: skip
+
+    @triton.jit
+    def _rope_write(
+        q_ptr, ckv_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, w, fr, fi, p, i, cc, cm, Hq, Dn, C, R, stride_q, stride_k,
+        stride_v, eps, BLOCK_H: tl.constexpr, HALF: tl.constexpr, ADVANCE: tl.constexpr,
+    ):  # fmt: skip
+        """After the wait: q_pe for every head, the latents normed and written at p (and p advanced)."""
+        DT = out_ptr.dtype.element_ty
+        KT = k_ptr.dtype.element_ty
         h = tl.arange(0, BLOCK_H)
         hrow = tl.where(h < Hq, h, -1)
         qe, qo, qm = _rope_pairs(q_ptr + Dn, stride_q, hrow, R, fr, fi, HALF)
@@ -123,24 +132,6 @@ if triton is not None:
         if ADVANCE:  # (else kernels/mla_decode.py's split advances it, after reading it before its wait)
             tl.debug_barrier()
             tl.store(pos_ptr, p + 1)
-
-    @triton.jit
-    def _uk_tile(q_ptr, wuk_ptr, lat_ptr, h, j, Dn, C, stride_q, stride_uh, stride_uk,
-                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """One program's [BLOCK_N] of q_lat[h] = q[h, :Dn] . W_UK[h] (W_UK [Hq, Dn, C], C contiguous): the weight
-        tile before the wait, fp32 sums rounded once to q's dtype (as kernels/mla_absorb.py)."""
-        h = h.to(tl.int64)
-        nn = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = nn < C
-        kk = tl.arange(0, BLOCK_K)
-        w = tl.load(wuk_ptr + h * stride_uh + kk.to(tl.int64)[:, None] * stride_uk + nn[None, :],
-                    mask=(kk < Dn)[:, None] & nm[None, :], other=0.0)  # fmt: skip
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        xv = tl.load(q_ptr + h * stride_q + kk, mask=kk < Dn, other=0.0).to(tl.float32)
-        acc = tl.sum(w.to(tl.float32) * xv[:, None], axis=0)
-        tl.store(lat_ptr + h * C + nn, acc.to(lat_ptr.dtype.element_ty), mask=nm)
 
 
 def mla_rope_write(
