@@ -1,6 +1,6 @@
 """Attention for ONE query token over a KV cache, in time proportional to the keys the mask keeps (flash decoding).
 
-Owns `decode_attention` (Triton launcher), its torch reference `decode_attention_ref`, and one kernel
+Owns `decode_attention` and `decode_attention_qk` (Triton launchers), their torch references, and one kernel
 `_split_kernel`, grid (Hq, NP), with the combine in its tail:
 
 1. program (h, p) takes chunks p, p + NP, p + 2 NP, ... of CHUNK keys of query head h's KV head (GQA: kv = h //
@@ -24,6 +24,13 @@ Owns `decode_attention` (Triton launcher), its torch reference `decode_attention
    `window` keeps only keys at index > last - window (last: the newest key the mask keeps), so one call serves a
    full-length cache and transformers' StaticSlidingWindowLayer (its newest row last) alike; chunks wholly before
    the window are skipped unread.
+4. `decode_attention_qk` (QK): kernels/qk_norm_rope.py's step joins the launch. q is read from the q|k|v projection
+   (gated: the output gate beside it, read in place by the combine) and normed and rotated by each program after the
+   PDL wait (`norm_rope_head`, the same jit code and roundings), as is its KV head's new key; program 0 of each KV
+   head's first query head writes the new key and value at the position (the norm weights, the angles and the
+   position are read before the wait), every program skips that cache row, program 0 of each query head folds the
+   new key and value into its softmax from registers, and the last program of the launch (a ticket after the heads')
+   advances the position. One launch fewer per attention layer (the projection's GEMV, this, o_proj).
 
 Why: transformers' SDPA path on a static cache reads every one of its max_cache_len keys for each decode token
 (the mask hides the unused ones but the kernel still streams them): at the default 8192-token context that
@@ -41,11 +48,14 @@ import math
 
 import torch
 
+from localmoe.kernels.qk_norm_rope import KINDS, qk_layout, qk_norm_rope_ref
+
 try:
     import triton
     import triton.language as tl
 
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
+    from localmoe.kernels.qk_norm_rope import norm_rope_head
     from localmoe.kernels.rounding import round_to
     from localmoe.kernels.workspace import zeroed_int32
 except ImportError:  # pragma: no cover
@@ -84,6 +94,24 @@ def decode_attention_ref(q, k, v, mask=None, scale=None, gate=None, sinks=None, 
     return torch.einsum("hl,hld->hd", p, vv).to(q.dtype)
 
 
+def decode_attention_qk_ref(
+    qkv, keys, values, position, mask=None, scale=None, *, q_weight, k_weight, cos, sin, eps, num_q_heads,
+    num_kv_heads, kind="standard", gated=False, whole=False, head_dim=None,
+):  # fmt: skip
+    """`decode_attention_qk` as the two steps it joins: kernels/qk_norm_rope.py's reference, the key and value written
+    at the position (advanced by one; keys / values / position updated in place), then `decode_attention_ref`."""
+    q, k, v, gate = qk_norm_rope_ref(
+        qkv, q_weight, k_weight, cos, sin, eps, num_q_heads, num_kv_heads, kind=kind, gated=gated, whole=whole,
+        head_dim=head_dim,
+    )  # fmt: skip
+    p = int(position.reshape(-1)[0])
+    if p < keys.shape[1]:
+        keys[:, p] = k
+        values[:, p] = v
+    position += 1
+    return decode_attention_ref(q, keys, values, mask, scale, gate=None if gate is None else gate.view(q.shape))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------
@@ -99,13 +127,22 @@ if triton is not None:
         o_ptr,  # [Hq, Dv] out (q's dtype), row stride stride_oh
         g_ptr,  # [Hq, Dv] output gate (q's dtype), row stride stride_gh (HAS_GATE only)
         s_ptr,  # [Hq] sinks (float; HAS_SINKS only)
-        tick_ptr,  # [Hq] int32 tickets, zero between launches
+        tick_ptr,  # [Hq (+ 1 with QK)] int32 tickets, zero between launches
+        qw_ptr,  # QK: [D] (WHOLE: [Hq*D]) q norm weight
+        kw_ptr,  # QK: [D] (WHOLE: [Hkv*D]) k norm weight
+        cos_ptr,  # QK: [ROT] the token's angles (q's dtype)
+        sin_ptr,  # QK: [ROT]
+        pos_ptr,  # QK: [] int, the cache row this step writes, advanced by one
+        kn_ptr,  # QK: [Hkv, Dk] the token's raw keys (the projection's k part)
+        vn_ptr,  # QK: [Hkv, Dv] the token's values
         L,
         NS,  # chunks of CHUNK keys
         NP,  # programs per head: program p takes chunks p, p + NP, p + 2 NP, ... (at most NCH of them)
         GROUP,  # Hq // Hkv
         scale,
         window,  # keys at index > last - window only (HAS_WINDOW)
+        eps,  # QK: the q/k norms' epsilon
+        HKV,  # QK: key/value heads
         stride_qh,
         stride_kh,
         stride_kl,
@@ -127,6 +164,11 @@ if triton is not None:
         HAS_WINDOW: tl.constexpr,
         SCAN: tl.constexpr,  # mask positions a window's scan for the last kept key loads at a time
         PREFETCH: tl.constexpr,  # CHUNK == BLOCK_L: the first chunk's keys/values, every chunk's mask before the wait
+        QK: tl.constexpr,  # q/k norm + RoPE and the k/v cache write in this launch (kernels/qk_norm_rope.py's step)
+        KIND: tl.constexpr,  # QK: qk_norm_rope's norm kind (0 standard, 1 zero_centred, 2 none)
+        WHOLE: tl.constexpr,  # QK: norms over the whole q / k projection (OLMoE)
+        ROT: tl.constexpr,  # QK: rotary dims (even, <= Dk)
+        BLOCK_W: tl.constexpr,  # QK and WHOLE: >= Hq*Dk and Hkv*Dk
         PDL: tl.constexpr,
     ):
         h = tl.program_id(0)
@@ -152,6 +194,27 @@ if triton is not None:
             else:
                 last = tl.full([], 0, tl.int32) + L - 1
             lo = last - window + 1
+        skip = tl.full([], -1, tl.int32)  # QK: the row this step writes (read from registers, never from the cache)
+        if QK:  # the norm weights, the angles (made at the start of the step) and the position (this kernel's own
+            # write of the step before): constants of this launch, read before the wait
+            HALF: tl.constexpr = ROT // 2
+            partner = tl.where(dk < HALF, dk + HALF, dk - HALF)  # rotate_half's source of each rotary column
+            pm = dkm & (dk < ROT)
+            rc = tl.load(cos_ptr + dk, mask=pm, other=0.0).to(tl.float32)  # (cs: the chunk starts below)
+            rs = tl.load(sin_ptr + dk, mask=pm, other=0.0).to(tl.float32)
+            wq = tl.zeros([DK_P2], dtype=tl.float32)
+            wqp = wq
+            wk = wq
+            wkp = wq
+            if KIND != 2:
+                qo = h.to(tl.int64) * DK if WHOLE else 0
+                ko = kvh * DK if WHOLE else 0
+                wq = tl.load(qw_ptr + qo + dk, mask=dkm, other=0.0).to(tl.float32)
+                wqp = tl.load(qw_ptr + qo + partner, mask=pm, other=0.0).to(tl.float32)
+                wk = tl.load(kw_ptr + ko + dk, mask=dkm, other=0.0).to(tl.float32)
+                wkp = tl.load(kw_ptr + ko + partner, mask=pm, other=0.0).to(tl.float32)
+            pos = tl.load(pos_ptr).to(tl.int32)
+            skip = pos
         if PREFETCH:
             # The mask (made at the start of the step) and every cached key/value but the newest were written two
             # or more kernels back, which have completed when this kernel is launched (each kernel lets its
@@ -159,7 +222,7 @@ if triton is not None:
             # Only the newest kept row may be this step's token, written by the kernel just before: re-read after
             # the wait.
             rows = p * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] key positions
-            ok = (rows < L) & (rows >= lo)
+            ok = (rows < L) & (rows >= lo) & (rows != skip)
             if HAS_MASK:
                 ok = ok & (tl.load(m_ptr + rows, mask=ok, other=0) != 0)
             r64 = rows.to(tl.int64)
@@ -186,15 +249,28 @@ if triton is not None:
         if PDL:  # programmatic dependent launch (kernels/pdl.py): q and the newest key/value follow the wait
             gdc_wait()
             gdc_launch_dependents()
-        q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
+        DT = o_ptr.dtype.element_ty
+        if QK:  # q and this step's key normed and rotated here; the key and value written by one program a KV head
+            q = norm_rope_head(q_ptr + h.to(tl.int64) * stride_qh, q_ptr, tl.num_programs(0) * DK, wq, wqp, rc, rs,
+                               eps, dk, dkm, partner, pm, DK, HALF, KIND, WHOLE, BLOCK_W, DT)  # fmt: skip
+            k_new = norm_rope_head(kn_ptr + kvh * DK, kn_ptr, HKV * DK, wk, wkp, rc, rs,
+                                   eps, dk, dkm, partner, pm, DK, HALF, KIND, WHOLE, BLOCK_W, DT)  # fmt: skip
+            v_new = tl.load(vn_ptr + kvh * DV + dv, mask=dvm, other=0.0)
+            p64 = pos.to(tl.int64)
+            if (p == 0) & (h % GROUP == 0) & (pos < L):
+                tl.store(k_ptr + kvh * stride_kh + p64 * stride_kl + dk, k_new.to(DT), mask=dkm)
+                tl.store(v_ptr + kvh * stride_vh + p64 * stride_vl + dv, v_new, mask=dvm)
+        else:
+            q = tl.load(q_ptr + h.to(tl.int64) * stride_qh + dk, mask=dkm, other=0.0).to(tl.float32)
         if PREFETCH:
             if newest >= 0:
-                n64 = newest.to(tl.int64)
-                kn = tl.load(k_ptr + kvh * stride_kh + n64 * stride_kl + dk, mask=dkm, other=0.0)
-                vn = tl.load(v_ptr + kvh * stride_vh + n64 * stride_vl + dv, mask=dvm, other=0.0)
-                is_new = (rows == newest)[:, None]
-                kt = tl.where(is_new, kn[None, :], kt)
-                vt = tl.where(is_new, vn[None, :], vt)
+                if not QK:  # the newest kept row may be this step's, written by the kernel just before: re-read
+                    n64 = newest.to(tl.int64)
+                    kn = tl.load(k_ptr + kvh * stride_kh + n64 * stride_kl + dk, mask=dkm, other=0.0)
+                    vn = tl.load(v_ptr + kvh * stride_vh + n64 * stride_vl + dv, mask=dvm, other=0.0)
+                    is_new = (rows == newest)[:, None]
+                    kt = tl.where(is_new, kn[None, :], kt)
+                    vt = tl.where(is_new, vn[None, :], vt)
                 sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [CHUNK]
                 sc = tl.where(ok, sc, float("-inf"))
                 m_i = tl.max(sc, axis=0)
@@ -227,6 +303,7 @@ if triton is not None:
                         CHUNK,
                         BLOCK_L,
                         HAS_MASK,
+                        skip,
                     )
         else:
             for j in range(0, NCH):
@@ -261,7 +338,26 @@ if triton is not None:
                         CHUNK,
                         BLOCK_L,
                         HAS_MASK,
+                        skip,
                     )
+        if QK:
+            keep_new = (p == 0) & (pos < L) & (pos >= lo)
+            if HAS_MASK:
+                keep_new = keep_new & (tl.load(m_ptr + pos, mask=pos < L, other=0) != 0)
+            if keep_new:  # this step's key and value, from registers, into program 0's running softmax
+                s_new = tl.sum(k_new * q, axis=0) * scale
+                m_new = tl.maximum(m_i, s_new)
+                a = tl.exp(m_i - m_new)  # nothing kept yet: exp(-inf) = 0
+                b = tl.exp(s_new - m_new)
+                l_i = l_i * a + b
+                acc = acc * a + b * v_new.to(tl.float32)
+                m_i = m_new
+            tl.debug_barrier()  # this program has read the position (before the wait) before the release below
+            if tl.atomic_add(tick_ptr + tl.num_programs(0), 1, sem="acq_rel", scope="gpu") == (
+                tl.num_programs(0) * NP - 1
+            ):  # every program has read it: advance it for the next step
+                tl.store(pos_ptr, (pos + 1).to(pos_ptr.dtype.element_ty))
+                tl.store(tick_ptr + tl.num_programs(0), 0)
         tl.store(out, m_i)
         tl.store(out + 1, l_i)
         if m_i > float("-inf"):  # a program with nothing kept writes no accumulator: m = -inf says it all
@@ -312,16 +408,17 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCK_L: tl.constexpr,
         HAS_MASK: tl.constexpr,
+        skip,
     ):
-        """Keys [base, base + CHUNK) at index >= lo in BLOCK_L tiles, folded into the running (m, l, acc) by the online
-        softmax."""
+        """Keys [base, base + CHUNK) at index >= lo but `skip` (this step's row with QK; -1) in BLOCK_L tiles, folded
+        into the running (m, l, acc) by the online softmax."""
         dk = tl.arange(0, DK_P2)
         dkm = dk < DK
         dv = tl.arange(0, DV_P2)
         dvm = dv < DV
         for t0 in range(0, CHUNK, BLOCK_L):
             rows = base + t0 + tl.arange(0, BLOCK_L)  # [BLOCK_L] key positions
-            ok = (rows < L) & (rows >= lo)
+            ok = (rows < L) & (rows >= lo) & (rows != skip)
             if HAS_MASK:
                 ok = ok & (tl.load(m_ptr + rows, mask=rows < L, other=0) != 0)
             r64 = rows.to(tl.int64)
@@ -448,16 +545,8 @@ def decode_attention(
         raise ValueError("q, k and v need a contiguous last dim")
     if len({q.device, k.device, v.device}) != 1:
         raise ValueError("q, k and v must be on one device")
-    if mask is not None:
-        if mask.dtype != torch.bool or mask.shape != (L,) or mask.device != q.device:
-            raise ValueError(
-                f"mask must be a bool [L] = [{L}] tensor on {q.device}, got {mask.dtype} {tuple(mask.shape)}"
-            )
-        mask = mask.contiguous().view(torch.int8)
-    if out is None:
-        out = torch.empty(Hq, Dv, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != (Hq, Dv) or out.dtype != q.dtype or out.stride(1) != 1 or out.device != q.device:
-        raise ValueError(f"out must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
+    mask = _mask_int8(mask, L, q.device)
+    out = _out(out, Hq, Dv, q)
     if gate is not None and (
         tuple(gate.shape) != (Hq, Dv) or gate.dtype != q.dtype or gate.stride(1) != 1 or gate.device != q.device
     ):
@@ -473,6 +562,95 @@ def decode_attention(
         raise ValueError(f"window must be a positive int, got {window!r}")
     if L == 0:
         return out.zero_()
+    return _launch(q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits)
+
+
+def _mask_int8(mask, L: int, device):
+    """A bool [L] mask (or None) checked, as the kernel's int8."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool or mask.shape != (L,) or mask.device != device:
+        raise ValueError(f"mask must be a bool [L] = [{L}] tensor on {device}, got {mask.dtype} {tuple(mask.shape)}")
+    return mask.contiguous().view(torch.int8)
+
+
+def _out(out, Hq: int, Dv: int, q):
+    if out is None:
+        return torch.empty(Hq, Dv, dtype=q.dtype, device=q.device)
+    if tuple(out.shape) != (Hq, Dv) or out.dtype != q.dtype or out.stride(1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
+    return out
+
+
+def decode_attention_qk(
+    qkv: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    num_q_heads: int,
+    num_kv_heads: int,
+    kind: str = "standard",
+    gated: bool = False,
+    whole: bool = False,
+    head_dim: int | None = None,
+    chunk: int = 64,
+    block_l: int = 64,
+    num_warps: int = 4,
+    prefetch: bool | None = None,
+    max_splits: int = 16,
+) -> torch.Tensor:
+    """kernels/qk_norm_rope.py's step (`qk_norm_rope(qkv, ..., kv_cache=(keys, values, position))`: its arguments
+    and checks) and `decode_attention(q, keys, values, mask, scale, gate=gate)` in ONE launch: after the PDL wait each
+    program norms and rotates its query head and its KV head's new key from the projection, one program a KV head
+    writes the key and value at the position, program 0 of each query head folds the new key and value into its
+    softmax from registers (every program skips that cache row: it may not be written yet), and the last program
+    advances the position. The norm weights, the angles and the position are read before the wait (the angles are
+    made at the start of the step). Returns [Hq, D] in qkv's dtype (gated: times sigmoid(gate), as
+    `decode_attention`). A static cache of L >= 1 rows in position order: no ring, no biases, no sinks or window."""
+    if triton is None:
+        raise RuntimeError("decode_attention_qk needs triton")
+    x, qw, kw, D, QW, ROT, c, s, kc, vc, pos = qk_layout(
+        qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, kind, gated, (keys, values, position), whole,
+        head_dim,
+    )  # fmt: skip
+    Hq, Hkv, L = num_q_heads, num_kv_heads, kc.shape[1]
+    if L == 0:
+        raise ValueError("decode_attention_qk needs a cache of at least one row")
+    rows = x[: Hq * QW].view(Hq, QW)
+    q, gate = rows[:, :D], (rows[:, D:] if gated else None)
+    qk = {
+        "q_weight": qw,
+        "k_weight": kw,
+        "cos": c,
+        "sin": s,
+        "position": pos,
+        "k_new": x[Hq * QW : Hq * QW + Hkv * D],
+        "v_new": x[Hq * QW + Hkv * D :],
+        "eps": eps,
+        "kind": KINDS.index(kind),
+        "whole": whole,
+        "rot": ROT,
+        "block_w": triton.next_power_of_2(max(Hq, Hkv) * D) if whole else 1,
+    }
+    mask = _mask_int8(mask, L, x.device)
+    out = _out(out, Hq, D, q)
+    return _launch(q, kc, vc, mask, scale, out, gate, None, None, chunk, block_l, num_warps, prefetch, max_splits, qk)
+
+
+def _launch(q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits, qk=None):
+    """The split kernel's launch for checked arguments (mask as int8); `qk`: the QK prologue's tensors and modes
+    (`decode_attention_qk`)."""
+    Hq, Dk = q.shape
+    Hkv, L, Dv = v.shape
     chunk = max(16, triton.next_power_of_2(chunk))
     bl = min(triton.next_power_of_2(block_l), chunk)
     prefetch = bl == chunk if prefetch is None else bool(prefetch)
@@ -490,7 +668,10 @@ def decode_attention(
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     g = gate if gate is not None else out
-    tickets = zeroed_int32("decode_attention", q.device, Hq)  # self-cleaning: the combining program re-zeroes
+    # self-cleaning: the combining program re-zeroes its head's, the last program the position's (QK)
+    tickets = zeroed_int32("decode_attention", q.device, Hq + 1)
+    qk = qk or {}
+    qkt = [qk.get(n, out) for n in ("q_weight", "k_weight", "cos", "sin", "position", "k_new", "v_new")]
     _split_kernel[(Hq, npg)](
         q,
         k,
@@ -501,12 +682,15 @@ def decode_attention(
         g,
         sinks if sinks is not None else out,
         tickets,
+        *qkt,
         L,
         ns,
         npg,
         Hq // Hkv,
         scale,
         window or 0,
+        float(qk.get("eps", 0.0)),
+        Hkv,
         q.stride(0),
         k.stride(0),
         k.stride(1),
@@ -528,6 +712,11 @@ def decode_attention(
         HAS_WINDOW=window is not None,
         SCAN=min(1024, triton.next_power_of_2(L)),
         PREFETCH=prefetch,
+        QK=bool(qk),
+        KIND=qk.get("kind", 2),
+        WHOLE=qk.get("whole", False),
+        ROT=qk.get("rot", 2),
+        BLOCK_W=qk.get("block_w", 1),
         num_warps=num_warps,
         **pdl_kw(q),
     )

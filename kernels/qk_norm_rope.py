@@ -129,6 +129,42 @@ if triton is not None:
             return round_to(h * (1.0 + w), DT)  # (KIND 2, no norm, never comes here)
 
     @triton.jit
+    def norm_rope(
+        x, xp, row, n_row, w, wp, c, s, eps, cols,
+        D: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr, WHOLE: tl.constexpr, BLOCK_W: tl.constexpr,
+        DT: tl.constexpr,
+    ):  # fmt: skip
+        """One head x (fp32; xp: x at rotate_half's partner columns) normed (`KIND`; WHOLE: over the n_row values
+        at `row`) and rotated by (c, s) over its first 2 HALF columns, every step rounded to DT as transformers
+        rounds it: fp32 holding DT values. Shared with kernels/decode_attention.py's QK prologue."""
+        if KIND == 2:  # no norm: the projection's values (exact in fp32)
+            y = x
+            yp = xp
+        else:
+            if WHOLE:
+                wc = tl.arange(0, BLOCK_W)
+                xa = tl.load(row + wc, mask=wc < n_row, other=0.0).to(tl.float32)
+                rstd = tl.math.rsqrt(tl.sum(xa * xa, axis=0) / n_row + eps)
+            else:
+                rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            y = _normed(x * rstd, w, KIND, DT)
+            yp = _normed(xp * rstd, wp, KIND, DT)
+        sign = tl.where(cols < HALF, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
+        r = round_to(round_to(y * c, DT) + round_to((sign * yp) * s, DT), DT)
+        return tl.where(cols < 2 * HALF, r, y)
+
+    @triton.jit
+    def norm_rope_head(
+        src, row, n_row, w, wp, c, s, eps, cols, m, partner, pm,
+        D: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr, WHOLE: tl.constexpr, BLOCK_W: tl.constexpr,
+        DT: tl.constexpr,
+    ):  # fmt: skip
+        """`norm_rope` of the head at `src` (D values, loaded here at `cols` and at their `partner`s)."""
+        x = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner, mask=pm, other=0.0).to(tl.float32)
+        return norm_rope(x, xp, row, n_row, w, wp, c, s, eps, cols, D, HALF, KIND, WHOLE, BLOCK_W, DT)
+
+    @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr,  # [Hq*QW + 2*Hkv*D] one token's q|k|v projection, contiguous
         wq_ptr,  # [D] q norm weight
@@ -201,21 +237,10 @@ if triton is not None:
         if HAS_BIAS:  # F.linear's bias, rounded to qkv's dtype with the product
             x = round_to(x + tl.load(b_ptr + off + cols, mask=m, other=0.0).to(tl.float32), DT)
             xp = round_to(xp + tl.load(b_ptr + off + partner, mask=pm, other=0.0).to(tl.float32), DT)
-        if KIND == 2:  # no norm: the projection's values (exact in fp32)
-            y = x
-            yp = xp
-        else:
-            if WHOLE:
-                wc = tl.arange(0, BLOCK_W)
-                xa = tl.load(row + wc, mask=wc < n_row, other=0.0).to(tl.float32)
-                rstd = tl.math.rsqrt(tl.sum(xa * xa, axis=0) / n_row + eps)
-            else:
-                rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-            y = _normed(x * rstd, w, KIND, DT)
-            yp = _normed(xp * rstd, wp, KIND, DT)
-        sign = tl.where(cols < HALF, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
-        r = round_to(round_to(y * c, DT) + round_to((sign * yp) * s, DT), DT)
-        res = tl.where(rot, r, y).to(DT)
+        if KIND == 2:
+            w = x  # (unread)
+            wp = x
+        res = norm_rope(x, xp, row, n_row, w, wp, c, s, eps, cols, D, HALF, KIND, WHOLE, BLOCK_W, DT).to(DT)
         tl.store(out_ptr + head * D + cols, res, mask=m)
         if HAS_BIAS:  # value head j + its bias (key programs), into out after the q, k (and gate) heads; defined
             # for every program (masked off for query heads): a value made under a runtime `if` would not reach the
@@ -319,43 +344,11 @@ def qk_norm_rope(
     advanced by one."""
     if triton is None:
         raise RuntimeError("qk_norm_rope needs triton")
-    if kind not in _KIND_ID:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if num_q_heads < 1 or num_kv_heads < 1:
-        raise ValueError(f"head counts must be positive, got {num_q_heads} query and {num_kv_heads} key/value heads")
-    x = _one_row("qkv", qkv)
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"qkv must be bf16/fp16/fp32, got {x.dtype}")
+    x, q_weight, k_weight, D, QW, ROT, c, s, kc, vc, pos = qk_layout(
+        qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, kind, gated, kv_cache, whole, head_dim,
+        half_angles,
+    )  # fmt: skip
     Hq, Hkv = num_q_heads, num_kv_heads
-    if whole and gated:
-        raise ValueError("whole-projection norms are for ungated layers (OLMoE)")
-    if kind == "none":
-        if q_weight is not None or k_weight is not None or whole or not isinstance(head_dim, int) or head_dim < 1:
-            raise ValueError("kind 'none' (no q/k norms) takes no norm weights and no `whole`, and needs head_dim")
-        D = head_dim
-        q_weight = k_weight = x  # dummies, never read
-    else:
-        D = _check_weights(q_weight, k_weight, kind, x.dtype, x.device, whole, Hq, Hkv)
-        if head_dim is not None and head_dim != D:
-            raise ValueError(f"head_dim {head_dim} differs from the norm weights' head dim {D}")
-    QW = 2 * D if gated else D
-    if x.numel() != Hq * QW + 2 * Hkv * D:
-        raise ValueError(
-            f"qkv has {x.numel()} features; {Hq} query heads ({'gated, ' if gated else ''}{QW} each) + "
-            f"2 x {Hkv} key/value heads of {D} need {Hq * QW + 2 * Hkv * D}"
-        )
-    c, s = _one_row("cos", cos), _one_row("sin", sin)
-    ROT = c.numel() * (2 if half_angles else 1)
-    if s.numel() != c.numel() or ROT % 2 or not 2 <= ROT <= D:
-        raise ValueError(
-            f"cos and sin must be one token's [ROT] angles, ROT even and <= head dim {D}; got "
-            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
-        )
-    if c.dtype != x.dtype or s.dtype != x.dtype or c.device != x.device or s.device != x.device:
-        raise ValueError(
-            f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on {c.device}/{s.device}"
-        )
-    kc, vc, pos = _check_cache(kv_cache, Hkv, D, x)
     if ring and kv_cache is None:
         raise ValueError("ring writes need kv_cache")
     if bias is not None and (
@@ -408,6 +401,51 @@ def qk_norm_rope(
     gate = out[(Hq + Hkv) * D : g_end] if gated else None
     v = out[g_end:].view(Hkv, D) if bias is not None else x[Hq * QW + Hkv * D :].view(Hkv, D)
     return q, k, v, gate
+
+
+def qk_layout(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, kind, gated, kv_cache, whole, head_dim,
+              half_angles=False):  # fmt: skip
+    """`qk_norm_rope`'s arguments checked -> (qkv as one flat row, q_weight, k_weight (dummies for kind "none"), D,
+    QW, ROT, cos, sin (flat), keys, values, position (dummies without `kv_cache`)); also for
+    kernels/decode_attention.py's `decode_attention_qk`, which takes the same step into its launch."""
+    if kind not in _KIND_ID:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if num_q_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"head counts must be positive, got {num_q_heads} query and {num_kv_heads} key/value heads")
+    x = _one_row("qkv", qkv)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"qkv must be bf16/fp16/fp32, got {x.dtype}")
+    Hq, Hkv = num_q_heads, num_kv_heads
+    if whole and gated:
+        raise ValueError("whole-projection norms are for ungated layers (OLMoE)")
+    if kind == "none":
+        if q_weight is not None or k_weight is not None or whole or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError("kind 'none' (no q/k norms) takes no norm weights and no `whole`, and needs head_dim")
+        D = head_dim
+        q_weight = k_weight = x  # dummies, never read
+    else:
+        D = _check_weights(q_weight, k_weight, kind, x.dtype, x.device, whole, Hq, Hkv)
+        if head_dim is not None and head_dim != D:
+            raise ValueError(f"head_dim {head_dim} differs from the norm weights' head dim {D}")
+    QW = 2 * D if gated else D
+    if x.numel() != Hq * QW + 2 * Hkv * D:
+        raise ValueError(
+            f"qkv has {x.numel()} features; {Hq} query heads ({'gated, ' if gated else ''}{QW} each) + "
+            f"2 x {Hkv} key/value heads of {D} need {Hq * QW + 2 * Hkv * D}"
+        )
+    c, s = _one_row("cos", cos), _one_row("sin", sin)
+    ROT = c.numel() * (2 if half_angles else 1)
+    if s.numel() != c.numel() or ROT % 2 or not 2 <= ROT <= D:
+        raise ValueError(
+            f"cos and sin must be one token's [ROT] angles, ROT even and <= head dim {D}; got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if c.dtype != x.dtype or s.dtype != x.dtype or c.device != x.device or s.device != x.device:
+        raise ValueError(
+            f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on {c.device}/{s.device}"
+        )
+    kc, vc, pos = _check_cache(kv_cache, Hkv, D, x)
+    return x, q_weight, k_weight, D, QW, ROT, c, s, kc, vc, pos
 
 
 def _check_cache(kv_cache, Hkv: int, D: int, x: torch.Tensor):

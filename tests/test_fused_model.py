@@ -302,8 +302,8 @@ def test_glue_launches_drop(tiny_text_model, monkeypatch):
 def test_qwen3_moe_layer_launches(tiny_qwen3_moe, monkeypatch):
     """A Qwen3-MoE decoder layer's decode step (LocalExperts at sparsity 0.5, sparse_fused on the CPU): 28 launches
     with the fused norms, Linears and MoE block alone (attention's RoPE and cache update, the residual adds:
-    transformers' ops) -> 6: q|k|v GEMV with the input norm, qk_norm_rope with the k/v write, decode attention,
-    o_proj, moe_front, sparse_fused with the residual add in its tail."""
+    transformers' ops) -> 5: q|k|v GEMV with the input norm, decode attention with the q/k norms, RoPE and the k/v
+    write in its launch, o_proj, moe_front, sparse_fused with the residual add in its tail."""
     ref = copy.deepcopy(tiny_qwen3_moe).to(DEV)
     for m in test_fused._with_local_experts(ref, 0.5):
         m.kernel_on_cpu = DEV == "cpu"
@@ -314,7 +314,6 @@ def test_qwen3_moe_layer_launches(tiny_qwen3_moe, monkeypatch):
     assert len(before.ops) == 28 and after.syncs == 0
     assert after.ops == [
         "triton:_gemv_kernel",
-        "triton:_qk_norm_rope_kernel",
         "triton:_split_kernel",
         "triton:_gemv_kernel",
         "triton:_moe_front_kernel",
@@ -327,8 +326,8 @@ def test_qwen3_moe_layer_launches(tiny_qwen3_moe, monkeypatch):
 # layers GraniteMoE's text model has one launch more: embedding_multiplier's multiply
 _GLUE = ["embedding.default", "index_select.default", "le.Tensor", "triton:_rmsnorm_kernel"]
 _LAYER_LAUNCHES = {
-    "mixtral": (26, ["gemv", "qk_norm_rope", "split", "gemv", "moe_front", "sparse_fused"]),
-    "granitemoe": (28, ["gemv", "qk_norm_rope", "split", "gemv", "moe_front", "sparse_fused"]),  # m inside moe_front
+    "mixtral": (26, ["gemv", "split", "gemv", "moe_front", "sparse_fused"]),
+    "granitemoe": (28, ["gemv", "split", "gemv", "moe_front", "sparse_fused"]),  # m inside moe_front
 }
 
 
@@ -338,7 +337,7 @@ _LAYER_LAUNCHES = {
 def test_layer_launches(tiny_model, family, monkeypatch):
     """A Mixtral / GraniteMoE decoder layer's decode step (LocalExperts at sparsity 0.5, sparse_fused on the CPU), as
     test_qwen3_moe_layer_launches: with the fused norms, Linears and MoE block alone -> q|k|v GEMV with the input
-    norm, qk_norm_rope (RoPE alone) with the k/v write, decode attention, o_proj, moe_front (GraniteMoE: its two
+    norm, decode attention with RoPE and the k/v write in its launch, o_proj, moe_front (GraniteMoE: its two
     residual_multiplier multiplies inside), sparse_fused with the residual add in its tail; around the layers the 4
     launches of test_glue_launches_drop (GraniteMoE: + embedding_multiplier's multiply)."""
     ref = copy.deepcopy(tiny_model).to(DEV)

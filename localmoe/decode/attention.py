@@ -5,20 +5,22 @@ norms; GraniteMoE's `attention_multiplier` is its module's `scaling`, used as it
 in its config: not fused), GPT-OSS's (q|k|v|o biases, learned `sinks`, a sliding window on alternate layers, YaRN
 angles of ROT/2 per position, no q/k norms; its "eager" implementation kept, the fused step calling localmoe's
 kernel itself). One GEMV for
-q|k|v (the three projections' weights share one buffer), one Triton launch for the per-head q/k RMSNorm + RoPE (+ the
-gate's de-interleave) and the k/v write into a static cache (`kernels/qk_norm_rope.py`; kind "none": RoPE alone),
-then the attention core (localmoe_sdpa's decode kernel, the sigmoid gate in its combine) and o_proj. Prefill and every
-other call run transformers' module. Installed by `localmoe.decode.replacements`.
+q|k|v (the three projections' weights share one buffer), then on a StaticCache with localmoe_sdpa one Triton launch
+for the per-head q/k RMSNorm + RoPE, the k/v write into the cache and the attention core (localmoe_sdpa's
+`decode_qk`: kernels/decode_attention.py's `decode_attention_qk`; the sigmoid gate read from the projection in its
+combine; kind "none": RoPE alone), and o_proj. Other caches and cores: `kernels/qk_norm_rope.py` (norms, RoPE, the
+gate's de-interleave), the cache's update, the core. Prefill and every other call run transformers' module.
+Installed by `localmoe.decode.replacements`.
 
 Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter), transformers' module
 with localmoe's GEMV and RMSNorm children:
 * Qwen3.5 28: q/k/v projections 3, the gate's copy 1, norms 2, RoPE 12 (products, rotate_half's neg and cat, sums,
-  the partial-rotary cat), cache update 5, core 2, sigmoid 1, multiply 1, o_proj 1; here 5: q|k|v GEMV (with the
-  decoder layer's input norm inside), qk_norm_rope (which also writes k and v into a StaticLayer's tensors and
-  advances its position), the core's 2 (the sigmoid gate in its combine kernel), o_proj;
-* Qwen3-MoE 22: q/k/v projections 3, norms 2, RoPE 10, cache update 5, core 1, o_proj 1; here 4: q|k|v GEMV (with
-  the input norm), qk_norm_rope (+ the k/v write), the core, o_proj; Mixtral and GraniteMoE 20 (no norms) -> the
-  same 4.
+  the partial-rotary cat), cache update 5, core 2, sigmoid 1, multiply 1, o_proj 1; here 3: q|k|v GEMV (with the
+  decoder layer's input norm inside), the core (norms, RoPE, the k/v write into a StaticLayer's tensors and its
+  position's advance, the sigmoid gate in its combine), o_proj;
+* Qwen3-MoE 22: q/k/v projections 3, norms 2, RoPE 10, cache update 5, core 1, o_proj 1; here 3: q|k|v GEMV (with
+  the input norm), the core (+ norms, RoPE, the k/v write), o_proj; Mixtral and GraniteMoE 20 (no norms) -> the
+  same 3.
 * GPT-OSS 37 on a sliding layer (36 full): q/k/v projections 3 (with their biases), RoPE 14 (GPT-OSS's chunked
   halves), cache update 6 (the sliding layer's two rolls, two index writes, two copies; full: 5), core 8 (eager:
   two bmm, scale, mask, the sinks' cat, max, sub, softmax), o_proj 1 (+ the input norm's 1 and the layer's 4 below
@@ -210,6 +212,18 @@ class FusedAttention(nn.Module):
             else F.linear(hidden_states, self._w_qkv)
         )  # [1, 1, Hq*QW + 2*Hkv*D]
         static = static_layer(cache, self.layer_idx, Hkv, D, D, hidden_states)
+        impl = self.config._attn_implementation
+        if static is not None and impl == sdpa.NAME:  # norm, RoPE, the k/v write and the core: one launch
+            cos, sin = position_embeddings
+            normed = self._kind != "none"
+            out = sdpa.decode_qk(
+                qkv, static.keys, static.values, static.cumulative_length, attention_mask, self.scaling, kwargs,
+                q_weight=self.q_norm.weight if normed else None, k_weight=self.k_norm.weight if normed else None,
+                cos=cos, sin=sin, eps=self._eps, num_q_heads=Hq, num_kv_heads=Hkv, kind=self._kind,
+                gated=self._gated, whole=self._whole, head_dim=D,
+            )  # fmt: skip
+            if out is not None:
+                return self.o_proj(out.view(*input_shape, -1)), None
         if static is not None:  # k and v written into the static cache by the same launch
             q, k, v, gate = self._norm_rope(
                 qkv, *position_embeddings, kv_cache=(static.keys[0], static.values[0], static.cumulative_length)
@@ -224,7 +238,6 @@ class FusedAttention(nn.Module):
             else:
                 key, value = cache.update(key, value, self.layer_idx)
         query = q.view(1, 1, Hq, D).transpose(1, 2)  # [1, Hq, 1, D], as transformers' query_states
-        impl = self.config._attn_implementation
         if impl == sdpa.NAME and sdpa.takes(query, key, value, attention_mask, 0.0, kwargs):
             g = None if gate is None else gate.view(Hq, D)
             out = sdpa.decode(query, key, value, attention_mask, self.scaling, gate=g)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.kernels.decode_attention import decode_attention, decode_attention_qk
 from localmoe.kernels.tuning import tuned
 
 NAME = "localmoe_sdpa"
@@ -83,8 +84,6 @@ def localmoe_attention(
 def decode(query, key, value, attention_mask, scaling, gate=None):
     """The one-token call `takes` accepted -> out [1, 1, Hq, Dv]; with `gate` [Hq, Dv] (Qwen3.5's output gate) the
     result is out · sigmoid(gate), in the same launches (localmoe.decode.attention)."""
-    from localmoe.kernels.decode_attention import decode_attention
-
     global decode_calls
     decode_calls += 1
     mask = None if attention_mask is None else attention_mask[0, 0, 0]  # [L]
@@ -92,6 +91,23 @@ def decode(query, key, value, attention_mask, scaling, gate=None):
     kw = tuned(query, "decode_attention", f"Hq{Hq}_Hkv{key.shape[1]}_D{Dk}")  # chunk, block_l, num_warps, prefetch
     out = decode_attention(query[0, :, 0], key[0], value[0], mask, scaling, gate=gate, **kw)  # [Hq, Dv]
     return out.view(1, 1, *out.shape)
+
+
+@torch.compiler.disable
+def decode_qk(qkv, key, value, position, attention_mask, scaling, kwargs, **qk):
+    """localmoe.decode.attention's one-token step from its q|k|v projection: q/k norm + RoPE, the k/v write into a
+    static layer's key / value [1, Hkv, L, D] at `position` (advanced) and the core in one launch
+    (`decode_attention_qk`; `qk`: qk_norm_rope's norm and head arguments) -> out [Hq, D], or None when `takes`
+    would not take the call (then the caller runs the two launches)."""
+    global decode_calls
+    Hq, D = qk["num_q_heads"], key.shape[-1]
+    query = qkv.reshape(-1)[: Hq * D].view(1, Hq, 1, D)  # the query's shape, dtype and device, for `takes`
+    if not takes(query, key, value, attention_mask, 0.0, kwargs):
+        return None
+    decode_calls += 1
+    mask = None if attention_mask is None else attention_mask[0, 0, 0]  # [L]
+    kw = tuned(query, "decode_attention", f"Hq{Hq}_Hkv{key.shape[1]}_D{D}")
+    return decode_attention_qk(qkv, key[0], value[0], position, mask, scaling, **qk, **kw)
 
 
 def install(model) -> bool:
