@@ -5,8 +5,9 @@ OLMoE's whole-projection, Mixtral's none), GQA, odd head dims; the step's row in
 later one (contexts past the programs' first chunks), with and without the prefetch, a position past the cache's end
 (nothing written, still advanced), two steps in a row (the second reads the first's write), bf16 and fp32.
 
-Runs under TRITON_INTERPRET=1 on the CPU, compiled on a GPU. The cache rows written equal qk_norm_rope's bit for bit;
-the outputs agree to rounding (the step's key is folded into program 0's softmax last instead of in its chunk).
+Runs under TRITON_INTERPRET=1 on the CPU, compiled on a GPU. The step's cache row equals qk_norm_rope's to rounding,
+the others are untouched; the outputs agree to rounding (the step's key is folded into program 0's softmax last instead
+of in its chunk).
 Shape legend: Hq query heads, Hkv key/value heads, D head dim, ROT rotary dims, L cache rows.
 """
 
@@ -87,7 +88,12 @@ def test_equals_the_two_launches(name, dtype, L, pos, launch):
     got = decode_attention_qk(qkv, k1, v1, p1, mask, scale, **call, **launch)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)  # the same rows written, bit for bit (none past the end)
+    # the same rows written: every other row untouched, bit for bit (none past the end); the step's row to rounding
+    # (compiled, the two kernels may contract the fp32 norm and rotation's multiply-adds differently)
+    rest = torch.arange(L, device=DEV) != pos
+    assert torch.equal(k1[:, rest], k2[:, rest]) and torch.equal(v1[:, rest], v2[:, rest])
+    torch.testing.assert_close(k1.float(), k2.float(), **TOL[dtype])
+    torch.testing.assert_close(v1.float(), v2.float(), **TOL[dtype])
     assert int(p1) == int(p2) == pos + 1
     kr, vr, pr = keys.clone(), values.clone(), torch.tensor([pos], device=DEV)
     ref = decode_attention_qk_ref(qkv, kr, vr, pr, mask, scale, **call)
