@@ -12,8 +12,6 @@ Cases (comma-separated; settings joined by "+" apply together):
   base                          the tuned defaults
   pdl0                          programmatic dependent launch off
   fused:K=V[;K=V]               sparse_fused launch keywords for every layer, e.g. fused:maxnreg=64;BLOCK_I=4
-  split:[K=V[;K=V]]             the resident sparse path through kernels/sparse_split.py's two launches, e.g.
-                                split:BLOCK_G=8;warps_g=4;BLOCK_I=8;num_warps=8 (nothing: its defaults)
   attr:CLASS.NAME=V             an attribute of every module of that class, e.g.
                                 attr:LocalExperts.dense_tail=1 (sparsity 0 through sparse_fused's tail)
   depth:N                       decode steps launched ahead of the host's token read (Engine.pipeline_depth)
@@ -107,12 +105,6 @@ def _apply_one(engine, case: str) -> None:
             if isinstance(m, LocalExperts):
                 cfg = getattr(engine.loaded.config, "text_config", None) or engine.loaded.config
                 m._launch(torch.empty(1, device="cuda"), cfg.num_experts_per_tok)["fused"].update(kw)
-    elif case.startswith("split:"):  # kernels/sparse_split.py's two launches with these keywords (may be none)
-        kw = _kv(case[len("split:") :])
-        for m in engine.model.modules():
-            if isinstance(m, LocalExperts):
-                cfg = getattr(engine.loaded.config, "text_config", None) or engine.loaded.config
-                m._launch(torch.empty(1, device="cuda"), cfg.num_experts_per_tok)["split"] = kw
     elif case.startswith("depth:"):
         _UNDO["attrs"].setdefault((engine, "pipeline_depth"), engine.pipeline_depth)
         engine.pipeline_depth = int(case[len("depth:") :])

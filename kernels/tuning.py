@@ -68,8 +68,7 @@ def _device_table(device_name: str) -> dict:
 
 
 def launch_params(device_name: str, H: int, I: int, k: int, int4: bool = False) -> dict:
-    """Launch parameters {"dense": {...}, "fused": {...}[, "split": {...}]} for one shape on one device; "split"
-    (kernels/sparse_split.py's launch) only where the table has one: the resident sparse path then takes it.
+    """Launch parameters {"dense": {...}, "fused": {...}} for one shape on one device.
 
     int4 experts: sparse_fused's unpacked tiles need about twice the registers per element, so its untuned rule
     allows 32 tile elements per thread instead of 64 (H 2048: BLOCK_I 4 / 8 warps; on the H200 at ~20% kept 14.2 µs
@@ -79,8 +78,6 @@ def launch_params(device_name: str, H: int, I: int, k: int, int4: bool = False) 
     for kernel, kw in entry.items():
         if kernel in params and isinstance(kw, dict):
             params[kernel].update(kw)
-    if isinstance(entry.get("split"), dict) and not int4:  # sparse_split's two launches instead of sparse_fused's one
-        params["split"] = dict(entry["split"])
     fused_key = "fused_int4" if int4 else "fused"
     if int4:
         params["fused"] = dict(INT4_FUSED, **entry.get("fused_int4", {}))

@@ -25,7 +25,6 @@ pytest.importorskip("triton")
 import tiny_models  # noqa: E402
 
 from localmoe.decode import replacements, sdpa
-from localmoe.experts import local_experts
 
 STEPS = 2  # cached decode steps after the prefill (2: the first reads the state the prefill left, the second
 # the state a fused step wrote; interpreter time)
@@ -333,38 +332,6 @@ def test_full_model_front_and_tail(tiny_model, family, dtype, sparsity, in_front
         assert toks == want_toks
     else:
         _bf16_close(got, want, toks, want_toks)
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
-@torch.no_grad()
-def test_full_model_split_experts(tiny_model, family, monkeypatch):
-    """A launch table with a "split" entry (kernels/sparse_split.py: the gate pass, then the kept rows, with the
-    residual in the second launch's tail) in the fused decoder layers, against the same LocalExperts run eagerly.
-    Qwen3.5: moe_front's shared expert already in the workspace the split's tail publishes."""
-    calls, real = [], local_experts.sparse_split
-
-    def counted(*a, **kw):  # the real launcher, counted
-        calls.append(1)
-        return real(*a, **kw)
-
-    ref_model = copy.deepcopy(tiny_model).to(DEV, torch.float32)
-    prompt = torch.randint(0, ref_model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(12)).to(DEV)
-    for m in _with_local_experts(ref_model, 0.5):
-        m.sparse_enabled = True
-    want, want_toks = _run(ref_model, "static", prompt, STEPS)
-    model = copy.deepcopy(ref_model)
-    experts = [moe_block(layer).experts for layer in model.model.layers]
-    for m in experts:
-        m.reset_counters()
-        m.kernel_on_cpu = DEV == "cpu"
-        m._params = {"fused": {}, "dense": {}, "split": dict(BLOCK_G=4, warps_g=2, BLOCK_I=8, num_warps=2)}
-    replacements.install(model, DEV, force=True)
-    monkeypatch.setattr(local_experts, "sparse_split", counted)
-    got, toks = _run(model, "static", prompt, STEPS)
-    assert len(calls) == STEPS * model.config.num_hidden_layers
-    assert all(0 < int(m.kept) < m.seen for m in experts)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert toks == want_toks
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])

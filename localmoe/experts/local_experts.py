@@ -54,7 +54,6 @@ from localmoe.kernels.gate_predictor import GatePredictor, department_basis
 from localmoe.kernels.mxfp4 import Mxfp4Tensor
 from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
 from localmoe.kernels.sparse_fused import sparse_fused
-from localmoe.kernels.sparse_split import sparse_split
 from localmoe.kernels.tuning import launch_params
 
 
@@ -392,8 +391,8 @@ class LocalExperts(DensePath, nn.Module):
         return self._host_biases
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:
-        if not x.is_cuda:  # the launchers' defaults (a launch set on the module, e.g. by a test, still applies)
-            return self._params if self._params is not None else {"fused": {}, "dense": {}}
+        if not x.is_cuda:
+            return {"fused": {}, "dense": {}}
         if self._params is None:
             self._params = launch_params(
                 torch.cuda.get_device_name(x.device),
@@ -431,32 +430,7 @@ class LocalExperts(DensePath, nn.Module):
         """`count`: add the kept neurons to the sparsity stats (False: threshold 0, the dense path with a tail);
         `experts`: the expert ids [T, k] when `top_k_index` holds cache slots (biases are indexed by expert)."""
         if (x.is_cuda or self.kernel_on_cpu) and self.hidden_act == "silu":  # one launch, output in x's dtype
-            launch = self._launch(x, top_k_index.shape[1])
-            split = launch.get("split")
-            if (
-                split is not None
-                and not w.quantized
-                and self.predictor is None
-                and getattr(tail, "shared", None) is None
-            ):
-                y, _ = sparse_split(  # the tuned table's choice for this shape: gate pass, then the kept rows
-                    x,
-                    w.w_gate,
-                    w.w_up,
-                    w.w_down_t,
-                    top_k_index,
-                    top_k_weights,
-                    tau,
-                    torch.empty(x.shape, dtype=x.dtype, device=x.device),
-                    kept_total=self._kept_on(x.device) if count else None,
-                    residual=None if tail is None else tail.residual,
-                    workspace=None if tail is None else tail.workspace,
-                    **split,
-                )
-                if count:
-                    self.seen += top_k_index.numel() * self.intermediate_size
-                return y
-            p = launch["fused"]
+            p = self._launch(x, top_k_index.shape[1])["fused"]
             y, _ = sparse_fused(
                 x,
                 w.w_gate,
