@@ -101,7 +101,12 @@ class FusedAttention(nn.Module):
     GEMV -> qk_norm_rope (1 launch) -> the cache's update -> the attention core (transformers' AttentionInterface)
     [-> · sigmoid(gate), Qwen3.5] -> o_proj. Other calls (prefill, no cache, batch > 1, biases, a sliding window,
     clip_qkv, other dtypes/devices or attention implementations, training) run the original module, kept
-    unregistered as `_hf`."""
+    unregistered as `_hf`.
+
+    `fold_qk` (default on): on a StaticCache with localmoe_sdpa, the norms, RoPE and the k/v write inside the core's
+    launch (`sdpa.decode_qk`); off, qk_norm_rope's launch and then the core (bench/step_ab.py A/Bs the two)."""
+
+    fold_qk = True
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -213,7 +218,7 @@ class FusedAttention(nn.Module):
         )  # [1, 1, Hq*QW + 2*Hkv*D]
         static = static_layer(cache, self.layer_idx, Hkv, D, D, hidden_states)
         impl = self.config._attn_implementation
-        if static is not None and impl == sdpa.NAME:  # norm, RoPE, the k/v write and the core: one launch
+        if static is not None and impl == sdpa.NAME and self.fold_qk:  # norm, RoPE, the k/v write, the core: 1 launch
             cos, sin = position_embeddings
             normed = self._kind != "none"
             out = sdpa.decode_qk(
