@@ -44,12 +44,11 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                original layer (`install` points that layer's
                                                                linear_attn at the fused module)
     Qwen3_5MoeAttention            FusedAttention           cached T=1 step: 1 q|k|v GEMV (one weight buffer) + 1
-                                                               launch (q/k norms, partial RoPE, gate de-interleave)
-                                                               and the k/v write into a static cache) + attention
-                                                               core (2, the sigmoid gate in its combine kernel) +
-                                                               o_proj: 5 launches
-                                                               (was 28 with the fused Linears and norms); prefill
-                                                               and uncached calls run the original module
+                                                               launch on a static cache (q/k norms, partial RoPE,
+                                                               the k/v write and the attention core, the sigmoid
+                                                               gate in its combine: decode_attention_qk) + o_proj:
+                                                               3 launches (was 28 with the fused Linears and norms);
+                                                               prefill and uncached calls run the original module
     DeepseekV2DecoderLayer         FusedDecoderLayer        one token: the input norm inside FusedMLA's q|kv_a GEMV,
                                                                residual add + post-attention norm 1 launch, the MoE
                                                                output's residual add in the shared experts' kernel
@@ -57,10 +56,10 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                group-limited), routed_scaling_factor 1 multiply
                                                                when != 1, shared experts + the add 2 launches
     DeepseekV2Attention            FusedMLA                 cached T=1 step absorbed over the compressed latent
-                                                               cache: q|kv_a 1 GEMV, norm + ropes + latent write 1,
-                                                               W_UK 1, core 2
-                                                               (kernels/mla_decode.py), W_UV 1, o_proj (transformers
-                                                               expands the whole cache through kv_b_proj each step)
+                                                               cache: q|kv_a 1 GEMV, norm + ropes + latent write +
+                                                               W_UK 1, core 2 (kernels/mla_decode.py; W_UV in the
+                                                               combine), o_proj: 5 launches (transformers expands
+                                                               the whole cache through kv_b_proj each step)
     Qwen3_5MoeSparseMoeBlock       FusedSparseMoeBlock      one token: router 1 launch (GEMV, softmax, top-k, renorm,
                                                                casts; was ~6) -> the block's own `experts` (localmoe's
                                                                LocalExperts, unchanged) -> shared expert 2 launches
@@ -84,14 +83,14 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                an add. Layers with a dense MLP (mlp_only_layers):
                                                                transformers' arithmetic around the fused children
     Qwen3MoeAttention              FusedAttention           cached T=1 step as Qwen3.5's, without the gate and with
-                                                               RoPE over the whole head: q|k|v GEMV, qk_norm_rope
-                                                               (standard norms, k/v written into the static cache),
-                                                               the core, o_proj: 4 launches (was 22 with the fused
-                                                               Linears and norms; also DeaMoE's attention)
+                                                               RoPE over the whole head: q|k|v GEMV, the core with
+                                                               the standard norms, RoPE and the k/v write inside,
+                                                               o_proj: 3 launches (was 22 with the fused Linears
+                                                               and norms; also DeaMoE's attention)
     OlmoeModel, OlmoeDecoderLayer, as Qwen3-MoE's; OLMoE's q/k norms span the whole q / k projection (qk_norm_rope's
     OlmoeAttention                 `whole` mode: each program reduces over its whole row); clip_qkv: not fused
     MixtralModel,                  FusedTextModel,          as Qwen3-MoE's; the attention has no q/k norms
-    MixtralDecoderLayer,           FusedDecoderLayer,          (qk_norm_rope's kind "none": RoPE and the k/v write, 1
+    MixtralDecoderLayer,           FusedDecoderLayer,          (kind "none": RoPE and the k/v write inside the core's
     MixtralAttention,              FusedAttention,             launch); the router softmax -> top-k -> renormalise (its
     MixtralSparseMoeBlock          FusedSparseMoeBlock         weights in x's dtype, transformers keeps them fp32: equal
                                                                in fp32, one bf16 rounding apart in bf16). A config with
