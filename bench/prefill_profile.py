@@ -5,6 +5,8 @@ Random weights at --shape, experts offloaded at --vram (0: resident), sparsity 0
 to first token of --reps random prompts of --prompt-tokens (median), then one under torch.profiler:
 - the GPU span split into staging only (`gather_*` kernels: the side stream's copies), compute only, both, idle;
 - kernel time by kind (staging, GEMM, dequantize, DeltaNet, other) with the largest kernels of each;
+- the GPU's idle stretches charged to the host code that launched the kernel after each (the profiler's Python
+  stacks): where a launch-bound prefill's host is slow;
 - the host syncs of one more prefill by call site (torch.cuda.set_sync_debug_mode): each drains the GPU's queue, and
   a prefill that is launch bound between them idles while Python issues the next launches.
 The profiler slows the host side, so its span is longer than the timed TTFT; compare splits, not totals.
@@ -14,6 +16,7 @@ Usage: PYTHONUNBUFFERED=1 python bench/prefill_profile.py [--shape qwen3.5-35b] 
 """
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -84,7 +87,7 @@ def kind(name: str) -> str:
     return "other"
 
 
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
     prefill()
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "trace.json")
@@ -103,10 +106,13 @@ edges.sort(key=lambda t: (t[0], t[1]))
 split = dict.fromkeys(("staging only", "compute only", "both", "idle"), 0.0)
 busy = {True: 0, False: 0}
 last = lo
+gaps = []  # (start, length) of each stretch with nothing running on the GPU
 for t, d, staging in edges:
     if t > last:
         s, c = busy[True] > 0, busy[False] > 0
         split["both" if s and c else "staging only" if s else "compute only" if c else "idle"] += t - last
+        if not (s or c):
+            gaps.append((last, t - last))
     last = t
     busy[staging] += d
 print(f"\nprofiled prefill: GPU span {(hi - lo) / 1e3:.1f} ms (TTFT {e.stats.ttft_s * 1e3:.1f} ms under the profiler)")
@@ -121,6 +127,48 @@ for k, names in sorted(by_kind.items(), key=lambda kv: -sum(kv[1].values())):
     print(f"  {k:<11} {sum(names.values()) / 1e3:8.1f} ms")
     for name, us in names.most_common(3):
         print(f"      {us / 1e3:8.1f} ms {calls[name]:>6}x  {name}")
+
+
+def idle_sites(events, kernels, gaps, depth=2):
+    """{python site: (µs, gaps)} of the GPU's idle stretches, each charged to where the host launched the kernel that
+    ended it: the innermost localmoe frames (`depth` of them) around that launch (the profiler's python_function
+    events, same thread). A host that issues launches slower than the GPU runs them shows up here."""
+    launch = {
+        x["args"]["correlation"]: x
+        for x in events
+        if x.get("cat") == "cuda_runtime" and "Launch" in x.get("name", "") and "correlation" in x.get("args", {})
+    }
+    starts = sorted(k["ts"] for k in kernels)
+    queries = []  # (host time of the launch, its thread, the gap's length)
+    for g0, glen in gaps:
+        i = bisect.bisect_left(starts, g0 + glen)
+        nxt = [k for k in kernels[i : i + 4] if k["ts"] >= g0 + glen and k.get("cat") == "kernel"]
+        rt = launch.get(nxt[0].get("args", {}).get("correlation")) if nxt else None
+        if rt is not None:
+            queries.append((rt["ts"], rt.get("tid"), glen))
+    frames = sorted(
+        (x for x in events if x.get("cat") == "python_function" and "dur" in x and "localmoe" in x.get("name", "")),
+        key=lambda x: x["ts"],
+    )
+    out = collections.defaultdict(lambda: [0.0, 0])
+    j, active = 0, []
+    for t, tid, glen in sorted(queries, key=lambda q: q[0]):
+        while j < len(frames) and frames[j]["ts"] <= t:
+            active.append(frames[j])
+            j += 1
+        active = [f for f in active if f["ts"] + f["dur"] >= t]
+        inner = sorted((f for f in active if f.get("tid") == tid), key=lambda f: f["ts"])[-depth:]
+        site = " < ".join(f["name"].split("localmoe/")[-1] for f in inner[::-1]) or "(no localmoe frame)"
+        out[site][0] += glen
+        out[site][1] += 1
+    return out
+
+
+idle = idle_sites(events, ks, gaps)
+total = sum(g for _, g in gaps) / 1e3
+print(f"\nGPU idle stretches: {len(gaps)}, {total:.1f} ms; by where the host launched the kernel after each:")
+for site, (us, count) in sorted(idle.items(), key=lambda kv: -kv[1][0])[:12]:
+    print(f"  {us / 1e3:7.1f} ms {count:>6}x  {site}")
 
 sites = collections.Counter()
 
