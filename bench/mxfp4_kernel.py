@@ -17,7 +17,7 @@ Launch parameters: BLOCK_I x num_warps, the pairs that compile without spills fo
 120b; also the prefill's dequantizer (`dequant_mxfp4`, 8 experts) in GB/s. Figures: kernels/mxfp4_sparse.py's launch
 note.
 
-Usage: PYTHONUNBUFFERED=1 python bench/mxfp4_kernel.py [--quick]
+Usage: PYTHONUNBUFFERED=1 python bench/mxfp4_kernel.py [--quick] [--pairs BLOCK_I/WARPS,...] [--only-20b]
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ QUICK = "--quick" in sys.argv
 PAIRS = [(4, 4), (8, 4), (8, 8), (16, 8)]  # BLOCK_I, num_warps: spill-free on sm_90
 if not QUICK:
     PAIRS += [(4, 2), (16, 16), (32, 16), (32, 8), (8, 16)]
+if "--pairs" in sys.argv:  # e.g. --pairs 4/4,2/1: these launches only
+    PAIRS = [tuple(map(int, p.split("/"))) for p in sys.argv[sys.argv.index("--pairs") + 1].split(",")]
+ONLY_20B = "--only-20b" in sys.argv  # no 120b rows, no dequantizer
 
 
 def experts(E: int, gen):
@@ -133,13 +136,15 @@ def main():
     space = [dict(BLOCK_I=b, num_warps=w) for b, w in PAIRS]
     rows20 = run(32, space, peak)
     top = best(rows20)
-    rows120 = run(128, top, peak)
+    rows120 = [] if ONLY_20B else run(128, top, peak)
     print("\nbest launches at 20b (sum of µs over the sparsities):", top)
     print(f"{'model':6s} {'sparsity':>8s} {'launch':55s} {'µs':>7s} {'MB':>6s} {'GB/s':>6s} {'eff':>5s}")
     for E, s, kw, us, nb, gbs, eff in [r for r in rows20 if r[2] in top] + rows120:
         print(
             f"{'20b' if E == 32 else '120b':6s} {s:8.2f} {str(kw):55s} {us:7.1f} {nb / 1e6:6.2f} {gbs:6.0f} {eff:5.2f}"
         )
+    if ONLY_20B:
+        return
     # the prefill's dequantizer: 8 experts of gate (along rows) and down_t (across) into bf16
     gen = torch.Generator(device=DEV).manual_seed(1)
     (wg, _, wd), _ = experts(8, gen)
