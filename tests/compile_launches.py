@@ -1,6 +1,6 @@
 """Compile every distinct Triton launch the tests recorded (tests/launch_recorder.py) for sm_90 and sm_89, no GPU
-needed: `python tests/compile_launches.py DIR`. Prints one line per kernel, every failure with its constexprs, and
-exits 1 if any launch does not compile."""
+needed: `python tests/compile_launches.py DIR`, with the divisibility hints the GPU's JIT would give each launch.
+Prints one line per kernel, every failure with its constexprs, and exits 1 if any launch does not compile."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ def _compile(launch) -> tuple[str, str | None]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    module, name, names, sig, const, options = launch
+    module, name, names, sig, const, options, aligned = launch
     fn = getattr(importlib.import_module(module), name)
     signature = {n: sig.get(n, "constexpr") for n in names}
     constexprs = {(names.index(k),): v for k, v in const.items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the JIT specialises them
     where = f"{module.rsplit('.', 1)[-1]}.{name}"
     for arch in ARCHS:
         try:
-            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+            src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
             triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
         except Exception as e:  # noqa: BLE001 (report every failing launch)
             return where, f"sm_{arch} {const} {options}: {type(e).__name__}: {str(e)[-800:]}"
@@ -38,8 +39,9 @@ def main(directory: str) -> int:
     launches = {}
     for path in sorted(Path(directory).glob("launches-*.pkl")):
         for launch in pickle.loads(path.read_bytes()):
-            module, name, _, sig, const, options = launch
-            launches.setdefault((module, name, repr(sig), repr(sorted(const.items())), repr(options)), launch)
+            module, name, _, sig, const, options, aligned = launch
+            key = (module, name, repr(sig), repr(sorted(const.items())), repr(options), aligned)
+            launches.setdefault(key, launch)
     if not launches:
         print(f"no launches recorded in {directory}", file=sys.stderr)
         return 1

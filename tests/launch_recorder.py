@@ -3,7 +3,8 @@
 Under TRITON_INTERPRET=1 a kernel runs as Python, so a kernel the interpreter runs may still not compile: a name
 rebound to another type across a runtime `if`, a value made under a runtime `if` used after it, shared memory
 beyond a GPU's. With LOCALMOE_RECORD_LAUNCHES=DIR (tests/conftest.py installs this) every launch's kernel, argument
-types, constexpr values and num_warps / num_stages are recorded, one file per pytest process;
+types, constexpr values, num_warps / num_stages and which arguments a GPU launch would specialise as divisible by 16
+are recorded, one file per pytest process;
 `python tests/compile_launches.py DIR` then compiles each distinct launch for sm_90 and sm_89 without a GPU (.ci/run
 does, after the pinned pass). Test tooling only: nothing here is imported by localmoe.
 """
@@ -55,7 +56,7 @@ def _record(fn, names: list[str], args: tuple, kwargs: dict) -> None:
         _CONSTEXPRS[fn] = {p.name for p in params if "constexpr" in str(p.annotation)}
     constexprs = _CONSTEXPRS[fn]
     bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    sig, const = {}, {}
+    sig, const, aligned = {}, {}, []
     for name in names:
         if name not in bound:
             continue  # a constexpr left to its default
@@ -65,9 +66,23 @@ def _record(fn, names: list[str], args: tuple, kwargs: dict) -> None:
             const[name] = v
         else:
             sig[name] = t
+            if _divisible(v):
+                aligned.append(name)
     options = {k: kwargs[k] for k in OPTIONS if kwargs.get(k) is not None}
-    key = (fn.__module__, fn.__qualname__, tuple(sig.items()), repr(sorted(const.items())), tuple(options.items()))
-    _SEEN.setdefault(key, (fn.__module__, fn.__name__, names, sig, const, options))
+    key = (
+        fn.__module__, fn.__qualname__, tuple(sig.items()), repr(sorted(const.items())), tuple(options.items()),
+        tuple(aligned),
+    )  # fmt: skip
+    _SEEN.setdefault(key, (fn.__module__, fn.__name__, names, sig, const, options, tuple(aligned)))
+
+
+def _divisible(v) -> bool:
+    """Whether a GPU launch would specialise this argument as divisible by 16, as Triton's JIT does: a pointer aligned
+    to 16 bytes, an integer that is a multiple of 16 (bools never). The compile check passes the same `tt.divisibility`
+    hints, so it builds the vectorised loads the GPU builds (without them every load compiles scalar)."""
+    if hasattr(v, "data_ptr"):
+        return v.data_ptr() % 16 == 0
+    return isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
 
 
 def install() -> None:
