@@ -93,15 +93,14 @@ if triton is not None:
         if PDL:  # programmatic dependent launch (kernels/pdl.py): q and ckv (the GEMV's output) follow the wait
             gdc_wait()
             gdc_launch_dependents()
+        write = True  # this program norms, rotates and writes (with ABSORB only the last one)
         if ABSORB:
+            write = pid == Hq * NB
             if pid < Hq * NB:  # fp32 sums rounded once to q's dtype (as kernels/mla_absorb.py)
                 xv = tl.load(q_ptr + hu * stride_q + kk, mask=kk < Dn, other=0.0).to(tl.float32)
                 acc = tl.sum(wt.to(tl.float32) * xv[:, None], axis=0)
                 tl.store(lat_ptr + hu * C + nn, acc.to(lat_ptr.dtype.element_ty), mask=nm)
-            else:
-                _rope_write(q_ptr, ckv_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, w, fr, fi, p, i, cc, cm, Hq, Dn, C, R,
-                            stride_q, stride_k, stride_v, eps, BLOCK_H, HALF, ADVANCE)  # fmt: skip
-        else:
+        if write:
             _rope_write(q_ptr, ckv_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, w, fr, fi, p, i, cc, cm, Hq, Dn, C, R,
                         stride_q, stride_k, stride_v, eps, BLOCK_H, HALF, ADVANCE)  # fmt: skip
 
