@@ -17,7 +17,8 @@ Launch parameters: BLOCK_I x num_warps, the pairs that compile without spills fo
 120b; also the prefill's dequantizer (`dequant_mxfp4`, 8 experts) in GB/s. Figures: kernels/mxfp4_sparse.py's launch
 note.
 
-Usage: PYTHONUNBUFFERED=1 python bench/mxfp4_kernel.py [--quick] [--pairs BLOCK_I/WARPS,...] [--only-20b]
+Usage: PYTHONUNBUFFERED=1 python bench/mxfp4_kernel.py [--quick] [--pairs BLOCK_I/WARPS[r],...] [--only-20b]
+       (a pair ending in "r" launches with rows_last=True: the code word tiles loaded rows last)
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ QUICK = "--quick" in sys.argv
 PAIRS = [(4, 4), (8, 4), (8, 8), (16, 8)]  # BLOCK_I, num_warps: spill-free on sm_90
 if not QUICK:
     PAIRS += [(4, 2), (16, 16), (32, 16), (32, 8), (8, 16)]
-if "--pairs" in sys.argv:  # e.g. --pairs 4/4,2/1: these launches only
-    PAIRS = [tuple(map(int, p.split("/"))) for p in sys.argv[sys.argv.index("--pairs") + 1].split(",")]
+if "--pairs" in sys.argv:  # e.g. --pairs 4/4,2/1,4/4r: these launches only ("r": the word tiles rows last)
+    PAIRS = [p for p in sys.argv[sys.argv.index("--pairs") + 1].split(",")]
 ONLY_20B = "--only-20b" in sys.argv  # no 120b rows, no dequantizer
 
 
@@ -122,6 +123,14 @@ def run(E: int, space: list[dict], peak: float) -> list:
     return rows
 
 
+def launch(pair) -> dict:
+    """sparse_mxfp4's launch keywords of a (BLOCK_I, num_warps) pair or a "B/W" string ("B/Wr": rows_last)."""
+    if isinstance(pair, tuple):
+        return dict(BLOCK_I=pair[0], num_warps=pair[1])
+    b, w = pair.rstrip("r").split("/")
+    return dict(BLOCK_I=int(b), num_warps=int(w), **({"rows_last": True} if pair.endswith("r") else {}))
+
+
 def best(rows, n=4) -> list[dict]:
     """The n launches with the least total time over the sparsities."""
     tot = {}
@@ -133,7 +142,7 @@ def best(rows, n=4) -> list[dict]:
 def main():
     peak = copy_gbs()
     print(f"device copy bandwidth: {peak:.0f} GB/s (the byte floor's ceiling)")
-    space = [dict(BLOCK_I=b, num_warps=w) for b, w in PAIRS]
+    space = [launch(p) for p in PAIRS]
     rows20 = run(32, space, peak)
     top = best(rows20)
     rows120 = [] if ONLY_20B else run(128, top, peak)

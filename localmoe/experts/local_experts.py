@@ -54,7 +54,7 @@ from localmoe.kernels.gate_predictor import GatePredictor, department_basis
 from localmoe.kernels.mxfp4 import Mxfp4Tensor
 from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
 from localmoe.kernels.sparse_fused import sparse_fused
-from localmoe.kernels.tuning import launch_params
+from localmoe.kernels.tuning import launch_params, tuned
 
 
 @dataclass
@@ -269,7 +269,8 @@ class LocalExperts(DensePath, nn.Module):
     def _mxfp4(self, x, top_k_index, top_k_weights, sparse: bool, direct: bool = False) -> torch.Tensor:
         """GPT-OSS's routed experts in one `sparse_mxfp4` launch (threshold 0 when not `sparse`: the dense math).
         Offloaded, every part is read from its cache slot (the slot tables) or, absent (`direct` misses only: copy
-        mode fetched them first), from the host master copy; the biases by expert id, on the device."""
+        mode fetched them first), from the host master copy; the biases by expert id, on the device. Launch keywords
+        from the device's tuned table (`sparse_mxfp4`, "H{H}_I{I}_k{k}"), else the launcher's defaults."""
         tau = self.tau if sparse else self._zeros_tau(x.device)
         w, b, c = self.weights, self.biases, self.cache
         kw = {}
@@ -299,6 +300,7 @@ class LocalExperts(DensePath, nn.Module):
             limit=self.act_fn.limit,
             kept_total=self._kept_on(x.device) if sparse else None,
             **kw,
+            **tuned(x, "sparse_mxfp4", f"H{x.shape[-1]}_I{self.intermediate_size}_k{top_k_index.shape[-1]}"),
         )
         if sparse:
             self.seen += top_k_index.numel() * self.intermediate_size
