@@ -28,6 +28,7 @@ import gc
 import torch
 
 from localmoe.decode.prefix import PromptReuse, prefill
+from localmoe.kernels.argmax import argmax_next
 
 RING = 8  # greedy tokens kept on the device and the host: more than the steps the engine launches ahead
 
@@ -137,8 +138,6 @@ class GraphDecoder:
     def _choose(self, logits: torch.Tensor) -> None:
         if not self.chooses:
             return
-        from localmoe.kernels.argmax import argmax_next
-
         seen = getattr(self.engine, "_seen", None)
         penalty = {"seen": seen.mask, "penalty": self.penalty} if seen is not None else {}
         try:

@@ -37,6 +37,7 @@ from localmoe.experts.threshold_files import (
     read_cache,
     write_cache,
 )
+from localmoe.kernels.tuning import crossover_tokens as measured_crossover
 from localmoe.safe_text import for_line
 
 DEFAULT_TEXT = Path(__file__).parent.parent / "data" / "calibration.txt"
@@ -210,13 +211,11 @@ def crossover_tokens(loaded, device: torch.device) -> int:
     """Largest token count that takes the sparse path (measured per GPU and shape; 1 on CPU and for DeaMoE)."""
     if device.type != "cuda" or not hasattr(loaded.experts[0], "intermediate_size"):
         return 1  # DeaMoE: the department decode path's crossover against its dense path is not measured yet
-    try:
-        from localmoe.kernels.tuning import crossover_tokens as measured
-    except ImportError:
-        return 1
     m = loaded.experts[0]
     k = int(getattr(loaded.config, "num_experts_per_tok", 8))
-    return int(measured(torch.cuda.get_device_name(device), m.hidden_size, m.intermediate_size, m.num_experts, k))
+    return int(
+        measured_crossover(torch.cuda.get_device_name(device), m.hidden_size, m.intermediate_size, m.num_experts, k)
+    )
 
 
 MAX_SPARSE_PIECE = 512  # offloaded prefill pieces past this take the dense path whatever the bytes say (s10c)

@@ -16,7 +16,7 @@ Adding a family: write its module here (copy the closest one) and add it to `_MO
 experts are a gated MLP in one of the two layouts the loader reads (per-expert gate/up/down, or fused gate_up_proj
 and down_proj, after renames); the tests then build and run its tiny model too. Fused decode kernels for it, if
 any, are rows keyed by transformers class name in localmoe/decode/replacements.py (that table stays the one place
-decode replacements live; `FamilySpec.fused_decode` follows from it). Real configs of registry models for
+decode replacements live). Real configs of registry models for
 `bench --shape` and `show` offline are per model, in localmoe/data/shapes.json beside models.toml.
 
 Imports no torch.

@@ -53,15 +53,6 @@ class FamilySpec:
         """The family's short name: its first model_type (`qwen3_moe`), the name of its module here."""
         return self.model_types[0]
 
-    @property
-    def fused_decode(self) -> bool:
-        """Whether localmoe/decode/replacements.py fuses this family's MoE block for decode (Qwen3.5: its whole
-        step); the other families decode through transformers' modules around localmoe's experts (their norms and
-        Linears fused). Follows from that table alone; reading it imports torch."""
-        from localmoe.decode.replacements import REPLACEMENTS
-
-        return self.block_class in REPLACEMENTS
-
     def rename(self, key: str) -> str | None:
         """Module-namespace name for a checkpoint key, or None when the key is to be skipped."""
         for pattern in self.skip:
