@@ -8,6 +8,7 @@ the benchmarks drive. It emits events (`localmoe.events`) and stats.
     prompts.py     the tokenizer, the chat template and its thinking switch
     notices.py     the load's one-line notices (offloading, pinning, the int4 hint)
     plan.py        what a model needs, from its config alone (`localmoe show`, the plan line at load)
+    model_facts.py a model's counts and the byte floor of a decode step (plan.py's and bench's)
     sampling.py    sampling, the repetition penalty's seen-token mask, generation_config.json's defaults
     reasoning.py   a thinking model's reply split into reasoning and answer as it streams
     detokenize.py  token ids to text as they stream, stop strings

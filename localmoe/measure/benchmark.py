@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from localmoe.devices import pick_device, pick_dtype
-from localmoe.engine import plan
+from localmoe.engine import model_facts
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
@@ -121,12 +121,12 @@ def _prefill(engine, sparsity: float, prompt: list[int], progress, h2d: float) -
 def step_bytes(engine, sparsity: float) -> float:
     """Bytes one decode step must read: every non-expert weight except the embedding table (one row; all of it when
     lm_head shares it), plus the k routed experts' gate rows (dense) and their kept up/down rows per MoE layer
-    (plan.step_floor, as `localmoe show` reports it)."""
+    (model_facts.step_floor, as `localmoe show` reports it)."""
 
-    f = plan.facts(engine.model, engine.loaded.config, engine.loaded.experts)
+    f = model_facts.facts(engine.model, engine.loaded.config, engine.loaded.experts)
     w = engine.loaded.experts[0].weights  # DeaMoE: a department's [h, H] matrices (f.expert_width = h)
     matrix = f.expert_width * f.hidden * w.w_gate.element_size()
-    need = plan.step_floor(f, matrix, sparsity)
+    need = model_facts.step_floor(f, matrix, sparsity)
     preds = [getattr(m, "predictor", None) for m in engine.loaded.experts]
     if sparsity and preds and all(p is not None and p.candidate_share is not None for p in preds):
         # the gate predictor: B_d per touched department, C_e and the candidates' gate rows instead of whole gates
