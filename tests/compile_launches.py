@@ -1,6 +1,8 @@
-"""Compile every distinct Triton launch the tests recorded (tests/launch_recorder.py) for sm_90 and sm_89, no GPU
-needed: `python tests/compile_launches.py DIR`, with the divisibility hints the GPU's JIT would give each launch.
-Prints one line per kernel, every failure with its constexprs, and exits 1 if any launch does not compile."""
+"""Compile every distinct Triton launch the tests recorded (tests/launch_recorder.py) for sm_90, sm_89, sm_86 and
+sm_120 (`ARCHS`), no GPU needed: `python tests/compile_launches.py DIR`, with the divisibility hints the GPU's JIT
+would give each launch and the launch parameters a GPU of that arch gets (`_as_on`). Prints one line per kernel, every
+failure with its constexprs, and exits 1 if any launch does not compile or needs more shared memory a program than
+the arch gives (`SHARED_LIMIT`: a desktop card has less than an H200)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,26 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler (before triton is imported)
-ARCHS = (90, 89)  # H100/H200, RTX 40xx
+# H100/H200, RTX 40xx, RTX 30xx, RTX 50xx (the desktop cards of 16-24 GB); LOCALMOE_COMPILE_ARCHS="90" for others
+ARCHS = (90, 89, 86, 120)
+if os.environ.get("LOCALMOE_COMPILE_ARCHS"):
+    ARCHS = tuple(int(a) for a in os.environ["LOCALMOE_COMPILE_ARCHS"].split(","))
+
+
+# the most shared memory one program may take (bytes, opt-in), by arch: a launch compiled for an arch is refused at
+# run time beyond it ("out of resource: shared memory"), so what fits the H200 can fail on a desktop card
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+def _as_on(arch: int, name: str, const: dict, options: dict) -> tuple[dict, dict]:
+    """The recorded launch as a GPU of `arch` gets it, where the launcher decides by the device rather than by the
+    test's shapes: mla_decode's fp32 products (`DOT_F32`) run under the interpreter only; delta_rule_chunk's scan
+    pipelines two stages only with >= 200 KiB of shared memory a program (`_scan_stages`), one on desktop cards."""
+    if "DOT_F32" in const:
+        const = dict(const, DOT_F32=False)
+    if name == "_chunk_scan_kernel" and SHARED_LIMIT.get(arch, 1 << 30) < 200 * 1024:
+        options = dict(options, num_stages=1)
+    return const, options
 
 
 def _compile(launch) -> tuple[str, str | None]:
@@ -23,15 +44,19 @@ def _compile(launch) -> tuple[str, str | None]:
     module, name, names, sig, const, options, aligned = launch
     fn = getattr(importlib.import_module(module), name)
     signature = {n: sig.get(n, "constexpr") for n in names}
-    constexprs = {(names.index(k),): v for k, v in const.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the JIT specialises them
     where = f"{module.rsplit('.', 1)[-1]}.{name}"
     for arch in ARCHS:
+        c, o = _as_on(arch, name, const, options)
         try:
+            constexprs = {(names.index(k),): v for k, v in c.items()}
             src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=o)
         except Exception as e:  # noqa: BLE001 (report every failing launch)
-            return where, f"sm_{arch} {const} {options}: {type(e).__name__}: {str(e)[-800:]}"
+            return where, f"sm_{arch} {c} {o}: {type(e).__name__}: {str(e)[-800:]}"
+        need, limit = k.metadata.shared, SHARED_LIMIT.get(arch, 1 << 30)
+        if need > limit:
+            return where, f"sm_{arch} {c} {o}: needs {need} B of shared memory a program, more than {limit}"
     return where, None
 
 
@@ -55,7 +80,8 @@ def main(directory: str) -> int:
     for where, n in sorted(per_kernel.items()):
         print(f"  {where}: {n} launches")
     print(
-        f"compiled {len(launches)} distinct launches of {len(per_kernel)} kernels for sm_{ARCHS[0]} and sm_{ARCHS[1]}"
+        f"compiled {len(launches)} distinct launches of {len(per_kernel)} kernels for "
+        + ", ".join(f"sm_{a}" for a in ARCHS)
     )
     for f in failures:
         print("FAILED", f)
