@@ -1,5 +1,5 @@
-"""Compile every distinct Triton launch the tests recorded (tests/launch_recorder.py) for sm_90, sm_89, sm_86 and
-sm_120 (`ARCHS`), no GPU needed: `python tests/compile_launches.py DIR`, with the divisibility hints the GPU's JIT
+"""Compile every distinct Triton launch the tests recorded (tests/launch_recorder.py) for sm_90, sm_89 and sm_120
+(`ARCHS`), no GPU needed: `python tests/compile_launches.py DIR`, with the divisibility hints the GPU's JIT
 would give each launch and the launch parameters a GPU of that arch gets (`_as_on`). Prints one line per kernel, every
 failure with its constexprs, and exits 1 if any launch does not compile or needs more shared memory a program than
 the arch gives (`SHARED_LIMIT`: a desktop card has less than an H200)."""
@@ -14,8 +14,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler (before triton is imported)
-# H100/H200, RTX 40xx, RTX 30xx, RTX 50xx (the desktop cards of 16-24 GB); LOCALMOE_COMPILE_ARCHS="90" for others
-ARCHS = (90, 89, 86, 120)
+# H100/H200, RTX 40xx, RTX 50xx (sm_86, RTX 30xx, has sm_89's shared memory and builds alike: all launches compiled
+# for it in session 33; LOCALMOE_COMPILE_ARCHS="86" checks it again, or any other list)
+ARCHS = (90, 89, 120)
 if os.environ.get("LOCALMOE_COMPILE_ARCHS"):
     ARCHS = tuple(int(a) for a in os.environ["LOCALMOE_COMPILE_ARCHS"].split(","))
 
@@ -27,10 +28,13 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120
 
 def _as_on(arch: int, name: str, const: dict, options: dict) -> tuple[dict, dict]:
     """The recorded launch as a GPU of `arch` gets it, where the launcher decides by the device rather than by the
-    test's shapes: mla_decode's fp32 products (`DOT_F32`) run under the interpreter only; delta_rule_chunk's scan
-    pipelines two stages only with >= 200 KiB of shared memory a program (`_scan_stages`), one on desktop cards."""
+    test's shapes: mla_decode's fp32 products (`DOT_F32`) run under the interpreter only; programmatic dependent
+    launch (`PDL`) on sm_90 and later; delta_rule_chunk's scan pipelines two stages only with >= 200 KiB of shared
+    memory a program (`_scan_stages`), one on desktop cards."""
     if "DOT_F32" in const:
         const = dict(const, DOT_F32=False)
+    if "PDL" in const and arch >= 90:  # kernels/pdl.py's pdl_kw on compute capability >= 9
+        const, options = dict(const, PDL=True), dict(options, launch_pdl=True)
     if name == "_chunk_scan_kernel" and SHARED_LIMIT.get(arch, 1 << 30) < 200 * 1024:
         options = dict(options, num_stages=1)
     return const, options
