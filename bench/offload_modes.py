@@ -58,7 +58,7 @@ def emit(row: dict) -> None:
 
 
 if args.baseline_only:
-    from localmoe.measure.benchmark import accelerate_baseline
+    from localmoe.measure.baselines import accelerate_baseline
     from localmoe.models.shapes import shape_config
 
     config = shape_config(args.shape)
