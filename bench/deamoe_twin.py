@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from localmoe.experts.departments import DepartmentExperts, group_limited_topk, step_slots  # noqa: E402
-from localmoe.experts.local_experts import ExpertWeights, LocalExperts  # noqa: E402
+from localmoe.experts.expert_weights import ExpertWeights  # noqa: E402
+from localmoe.experts.local_experts import LocalExperts  # noqa: E402
 from localmoe.measure.benchmark import bench, table  # noqa: E402
 
 H, LAYERS = 2048, 6

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
-from localmoe.experts.local_experts import ExpertWeights  # noqa: E402
+from localmoe.experts.expert_weights import ExpertWeights  # noqa: E402
 
 
 def tokens(e, ids, s):

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from localmoe.experts.dense_path import token_sum
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.gate_recorder import GateRecorder
-from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+from localmoe.experts.local_experts import LocalExperts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -201,7 +201,8 @@ def _with_local_experts(model, sparsity=0.3):
     """Swap every block's transformers experts for localmoe's LocalExperts (same weights) and turn the sparse path on
     the way localmoe.experts.thresholds.apply does (τ per expert: the `sparsity` quantile of |act(x·W_gate)| on random
     x)."""
-    from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+    from localmoe.experts.expert_weights import ExpertWeights
+    from localmoe.experts.local_experts import LocalExperts
 
     cfg = model.config
     gen = torch.Generator().manual_seed(5)

@@ -67,7 +67,8 @@ def test_absorbed_decode_equals_transformers(q_lora_rank, cache_kind, dtype):
 def _local_experts(model, sparsity: float) -> list:
     """The MoE layers' transformers experts swapped for LocalExperts (same weights), τ at the `sparsity` quantile of
     |act| on random inputs, the sparse path on when sparsity > 0 (threshold 0 otherwise: the dense tail)."""
-    from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+    from localmoe.experts.expert_weights import ExpertWeights
+    from localmoe.experts.local_experts import LocalExperts
 
     out, gen = [], torch.Generator().manual_seed(5)
     for i, layer in enumerate(model.model.layers):

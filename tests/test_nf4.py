@@ -17,7 +17,7 @@ from conftest import repo_id
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts import thresholds
-from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.kernels.dequant_int4 import dequant_nf4_ref
 from localmoe.kernels.nf4 import NF4_CODE, Nf4Tensor, block_for, nf4_code, quantize_nf4
 

@@ -15,7 +15,7 @@ from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts import cache as offload
 from localmoe.experts import placement
-from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.expert_weights import ExpertWeights
 
 GiB = 1 << 30
 

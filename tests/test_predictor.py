@@ -17,7 +17,7 @@ from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
 from localmoe.experts import placement, predicted, predictor, thresholds
-from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.measure.evaluate import evaluate
 

@@ -18,8 +18,9 @@ from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
 from localmoe.experts import dense_path, thresholds
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import Int4Tensor, dequantize, group_for, quantize
-from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+from localmoe.experts.local_experts import LocalExperts
 
 
 def test_group_size():

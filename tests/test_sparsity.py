@@ -13,7 +13,7 @@ from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts import thresholds
-from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.sparse_reference import sparse_reference
 
 

@@ -29,8 +29,8 @@ from collections import OrderedDict
 import torch
 
 from localmoe.errors import UsageError
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import QUANTIZED, copy_expert, empty_stack, expert_bytes
-from localmoe.experts.local_experts import ExpertWeights
 from localmoe.experts.staging import Staging
 
 MISS_MODES = ("copy", "direct", "cpu")

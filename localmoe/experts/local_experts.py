@@ -33,8 +33,6 @@ Shapes: T = tokens, k = experts per token, E = experts, I = expert width, H = hi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -45,59 +43,15 @@ from localmoe.experts.clamped_swiglu import (
     ExpertBiases,
 )
 from localmoe.experts.dense_path import DensePath
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.gate_recorder import GateRecorder
-from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, Int4Tensor, quantize_as
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.experts.sparse_reference import sparse_reference
 from localmoe.kernels.dense_experts import dense_experts
 from localmoe.kernels.gate_predictor import GatePredictor, department_basis
-from localmoe.kernels.mxfp4 import Mxfp4Tensor
 from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
 from localmoe.kernels.sparse_fused import sparse_fused
 from localmoe.kernels.tuning import launch_params, tuned
-
-
-@dataclass
-class ExpertWeights:
-    """One MoE layer's routed experts; every tensor [E, I, H], a neuron's weights contiguous in each. With
-    `--experts int4` each is an `Int4Tensor` (localmoe/experts/int4.py), a gpt-oss checkpoint's an `Mxfp4Tensor`:
-    indexing either dequantizes."""
-
-    w_gate: torch.Tensor | Int4Tensor | Mxfp4Tensor
-    w_up: torch.Tensor | Int4Tensor | Mxfp4Tensor
-    w_down_t: torch.Tensor | Int4Tensor | Mxfp4Tensor  # W_down transposed: row n is neuron n's output vector
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return tuple(self.w_gate.shape)  # (E, I, H)
-
-    @property
-    def int4(self) -> bool:
-        """Int4 or NF4 stacks (sparse_fused's QUANT mode reads them)."""
-        return isinstance(self.w_gate, Int4Tensor)
-
-    @property
-    def mxfp4(self) -> bool:
-        return isinstance(self.w_gate, Mxfp4Tensor)
-
-    @property
-    def quantized(self) -> bool:
-        """Any 4-bit format: indexing dequantizes, so the dense path runs a span of experts at a time."""
-        return isinstance(self.w_gate, QUANTIZED)
-
-    def nbytes(self) -> int:
-        return sum(
-            t.nbytes() if isinstance(t, QUANTIZED) else t.numel() * t.element_size()
-            for t in (self.w_gate, self.w_up, self.w_down_t)
-        )
-
-    def to_int4(self, fmt: str = "int4") -> ExpertWeights:
-        """The same experts in the 4-bit format `fmt` ("int4", "nf4" or "mxfp4"; quantized on their device)."""
-        return ExpertWeights(*(quantize_as(getattr(self, p), fmt, p) for p in PROJECTIONS))
-
-    def dequantized(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate, up, down_t) of experts [a, b) as plain tensors [b - a, I, H] (a view when not quantized)."""
-        return tuple(t[a:b] for t in (self.w_gate, self.w_up, self.w_down_t))
 
 
 class LocalExperts(DensePath, nn.Module):

@@ -30,8 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, Nf4Tensor, copy_expert, parts
-from localmoe.experts.local_experts import ExpertWeights
 from localmoe.experts.prefill_budget import span_for
 from localmoe.kernels.gather_dequant import gather_dequant
 from localmoe.kernels.gather_experts import gather_experts

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from localmoe.errors import RuntimeFailure
-from localmoe.experts.local_experts import ExpertWeights
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.paths import cache_root
 from localmoe.paths import slug as _slug
 from localmoe.safe_text import for_line

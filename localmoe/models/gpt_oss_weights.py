@@ -26,8 +26,8 @@ import torch
 
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts.clamped_swiglu import ExpertBiases
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, empty_stack
-from localmoe.experts.local_experts import ExpertWeights
 from localmoe.experts.placement import host_allocator
 from localmoe.kernels.mxfp4 import down_t_from_hub, gate_up_from_hub
 from localmoe.safe_text import for_line

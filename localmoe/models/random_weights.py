@@ -15,8 +15,9 @@ import torch
 
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts.clamped_swiglu import ExpertBiases
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, empty_stack, format_of, quantize_as
-from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+from localmoe.experts.local_experts import LocalExperts
 from localmoe.experts.placement import host_allocator
 from localmoe.models.families import family_for_model_type, supported_families
 from localmoe.models.loaded import LoadedModel, attach_cache

@@ -16,8 +16,9 @@ import torch
 
 from localmoe.errors import RuntimeFailure
 from localmoe.events import ProgressFn
+from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import STORAGE, Int4Tensor
-from localmoe.experts.local_experts import ExpertWeights, LocalExperts
+from localmoe.experts.local_experts import LocalExperts
 from localmoe.experts.placement import host_allocator
 from localmoe.models import bnb, gpt_oss_weights
 from localmoe.models.checkpoint import map_keys, open_shard
