@@ -1,0 +1,188 @@
+"""A grouped GEMM whose group boundaries stay on the device: a span of experts' GEMM with no host sync.
+
+Owns `grouped_gemm` (Triton launcher), its torch reference `grouped_gemm_ref` and the kernel `_grouped_gemm_kernel`:
+
+    out[r] = x[r] @ w[g - g0].T    for each group g of the span [g0, g0 + G) and each of its rows r,
+                                   rows [ends[g - 1], ends[g]) (ends[-1] read as 0)
+
+x [M, K] holds the rows sorted by group (the dense path's (token, expert) slots sorted by expert), w [G, N, K] the
+span's weights (a staging buffer's or a dequantized span's [n, I, H] gate or up stack; the down projection's [n, I,
+H] stack transposed, any strides), `ends` [E] int32 the cumulative group
+ends over all E groups, on the device. Only the span's rows of `out` [M, N] are written (fp32 accumulation, stored
+in out's dtype); every other row is left as it was, so the spans of a layer fill one output between them.
+
+Why: torch's grouped_mm takes the span's rows as a host slice (x[s0:s1]) and its offsets relative to it, so the dense
+path reads the layer's routing back to the host once a layer (`ends.tolist()` in experts/dense_path.py) and the GPU
+drains there: an offloaded 2048-token int4 piece at Qwen3.5-35B-A3B shapes idles 112.6 of 374.6 profiled ms, bound by
+the host issuing its ~4,500 launches (bench/RESULTS.md, session 32). This kernel needs only M, the host's bound on the
+rows (T·k), and the span's first group: grid (cdiv(M, BLOCK_M) + G, cdiv(N, BLOCK_N)), the sum over the span's groups
+of cdiv(rows, BLOCK_M) row tiles being at most cdiv(M, BLOCK_M) + G. Program (t, n) walks the span's G group ends (G
+scalar loads, L2 hits after the first programs) to find its group and rows; a program past the span's tiles returns
+at once. Fixed grid, no host sync: capturable. Not yet on the dense path, and not yet timed against torch's
+grouped_mm on a GPU (`python bench/grouped_gemm.py`).
+
+Under TRITON_INTERPRET=1 bf16 / fp16 tiles are multiplied in fp32 (`DOT_F32`: the interpreter's low-precision
+tl.dot is wrong in triton 3.x, as kernels/mla_decode.py notes); fp32 inputs use full fp32 dots ("ieee"), like torch's
+fp32 matmuls.
+
+Shape legend: M rows (slots), K input width (H), N output width (I), E groups (experts) of the layer, G groups of the
+span, g0 the span's first group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional at import time; the launcher needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+    tl = None
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+__all__ = ["grouped_gemm", "grouped_gemm_ref"]
+
+
+def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, g0: int, out: torch.Tensor) -> torch.Tensor:
+    """Reference (fp32 products, reads `ends` on the host): out[r] = x[r] @ w[g - g0].T for the span's rows; returns
+    out, its other rows untouched."""
+    end = [0] + ends.tolist()
+    for i in range(w.shape[0]):
+        a, b = end[g0 + i], end[g0 + i + 1]
+        if b > a:
+            out[a:b] = (x[a:b].float() @ w[i].float().T).to(out.dtype)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_gemm_kernel(
+        x_ptr,  # [M, K], rows sorted by group
+        w_ptr,  # [G, N, K]
+        ends_ptr,  # [E] int32 cumulative group ends
+        out_ptr,  # [M, N]
+        g0,
+        G,
+        N,
+        K,
+        stride_xm,
+        stride_wg,
+        stride_wn,
+        stride_wk,
+        stride_om,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        # ---- which group and rows: walk the span's group ends, counting each group's row tiles ----
+        start = tl.load(ends_ptr + tl.maximum(g0 - 1, 0))
+        start = tl.where(g0 > 0, start, 0)
+        tiles = pid_m * 0
+        grp = pid_m * 0 - 1
+        row0 = pid_m * 0
+        rend = pid_m * 0
+        for i in range(0, G):
+            end = tl.load(ends_ptr + g0 + i)
+            nt = (end - start + BLOCK_M - 1) // BLOCK_M
+            hit = (pid_m >= tiles) & (pid_m < tiles + nt)
+            grp = tl.where(hit, i, grp)
+            row0 = tl.where(hit, start + (pid_m - tiles) * BLOCK_M, row0)
+            rend = tl.where(hit, end, rend)
+            tiles += nt
+            start = end
+        if grp >= 0:
+            rows = row0 + tl.arange(0, BLOCK_M)
+            rmask = rows < rend
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            cmask = cols < N
+            xrow = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+            wcol = w_ptr + grp.to(tl.int64) * stride_wg + cols.to(tl.int64)[None, :] * stride_wn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                km = ks < K
+                a = tl.load(xrow + ks[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+                b = tl.load(
+                    wcol + ks.to(tl.int64)[:, None] * stride_wk, mask=km[:, None] & cmask[None, :], other=0.0
+                )  # [BLOCK_K, BLOCK_N]
+                if DOT_F32:
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc, input_precision=PREC)
+            optr = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ends: torch.Tensor,
+    g0: int,
+    out: torch.Tensor,
+    *,
+    BLOCK_M: int = 64,
+    BLOCK_N: int = 64,
+    BLOCK_K: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """out[r] = x[r] @ w[g - g0].T for the rows r of each group g of the span [g0, g0 + G) (module docstring); returns
+    out. x [M, K] (contiguous last dim) and w [G, N, K] (any strides: the down projection passes its [G, K, N] stack
+    transposed) of one float dtype; `ends` int32
+    [E] (E >= g0 + G, ends[-1] <= M) on x's device; `out` [M, N] float with a contiguous last dim. BLOCK_* (powers of
+    two, >= 16), num_warps and num_stages are launch parameters. No host sync; CUDA-graph capturable."""
+    if triton is None:
+        raise RuntimeError("grouped_gemm needs triton")
+    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"x must be a float [M, K] tensor with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
+    M, K = x.shape
+    if w.dim() != 3 or w.dtype != x.dtype or w.shape[2] != K:
+        raise ValueError(f"w must be {x.dtype} [G, N, K = {K}], got {w.dtype} {tuple(w.shape)}")
+    G, N = w.shape[:2]
+    if ends.dim() != 1 or ends.dtype != torch.int32 or ends.shape[0] < g0 + G or g0 < 0:
+        raise ValueError(
+            f"ends must be int32 [E] with E >= g0 + G = {g0 + G} (g0 >= 0), got {ends.dtype} {tuple(ends.shape)}, "
+            f"g0 {g0}"
+        )
+    if out.dim() != 2 or tuple(out.shape) != (M, N) or out.dtype not in _FLOAT_DTYPES or out.stride(1) != 1:
+        raise ValueError(f"out must be a float [M, N] = {(M, N)} tensor with a contiguous last dim")
+    for name, t in (("w", w), ("ends", ends), ("out", out)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x is on {x.device}: all inputs must share a device")
+    for name, b in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {b}")
+    if M == 0 or G == 0 or N == 0:
+        return out
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    _grouped_gemm_kernel[(triton.cdiv(M, BLOCK_M) + G, triton.cdiv(N, BLOCK_N))](
+        x,
+        w,
+        ends,
+        out,
+        int(g0),
+        G,
+        N,
+        K,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        DOT_F32=interp and x.dtype != torch.float32,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
