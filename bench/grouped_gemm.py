@@ -1,4 +1,5 @@
-"""The device-side grouped GEMM (`kernels/grouped_gemm.py`) against torch's grouped_mm on one prefill piece's MoE layer
+"""The device-side grouped GEMMs (`kernels/grouped_gemm.py`, `grouped_gate_up.py`: gate and up with the SwiGLU as
+their epilogue) against torch's grouped_mm on one prefill piece's MoE layer
 (GPU, not a test): does reading the group ends on the device cost GEMM speed, and what does the layer save by not
 reading its routing back to the host?
 
@@ -6,7 +7,8 @@ Qwen3.5-35B-A3B shapes: a 2048-token piece, k 8, E 256, H 2048, I 512, bf16, uni
 --span experts (60: int4 at `--vram 16`'s default span; 256: one span, resident bf16). First a check (each
 projection's span output against torch's, relative error), then:
 - per span and projection, median µs of a CUDA graph (`graph_timing.graph_us`) of torch's call (x[s0:s1] sliced with
-  host offsets, offsets relative to it) and of `grouped_gemm` over the launch parameters below;
+  host offsets, offsets relative to it) and of `grouped_gemm` over the launch parameters below; then the span's
+  gate, up and SwiGLU: torch's two GEMMs, silu and product against one `grouped_gate_up`;
 - the layer as the dense path would issue it, eager, --reps layers back to back, wall time per layer: torch's
   (`ends.tolist()` once a layer, draining the queue, then per span gate, up and down) against the device-side one
   (no host read), alternating twice.
@@ -22,6 +24,7 @@ import time
 import torch
 from graph_timing import graph_us
 
+from localmoe.kernels.grouped_gate_up import grouped_gate_up
 from localmoe.kernels.grouped_gemm import grouped_gemm
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
@@ -100,6 +103,40 @@ def main() -> None:
             )
             print(f"  {name:8s} grouped_gemm {str(launch):20s} {us:8.1f} ({flop / us / 1e6:6.1f})")
 
+    # ---- gate, up and the SwiGLU of the span ----
+    def torch_gate_up():
+        return torch.nn.functional.silu(torch_span(x, gate[g0:g1].transpose(1, 2), g0, g1)) * torch_span(
+            x, up[g0:g1].transpose(1, 2), g0, g1
+        )
+
+    hbuf = torch.empty(M, I, device=DEV, dtype=DT)
+    ref = torch_gate_up().float()
+    grouped_gate_up(x, gate[g0:g1], up[g0:g1], ends, g0, hbuf)
+    err = float((hbuf[s0:s1].float() - ref).norm() / ref.norm())
+    assert err < 2e-2, f"grouped_gate_up: relative error {err:.2e}"
+    us = graph_us([torch_gate_up])
+    print(f"  gate+up+silu torch (2 GEMMs, silu, product) {us:8.1f} ({2 * flop / us / 1e6:6.1f})")
+    for launch in LAUNCHES:
+        bm, bn, bk, nw, ns = launch
+        us = graph_us(
+            [
+                lambda bm=bm, bn=bn, bk=bk, nw=nw, ns=ns: grouped_gate_up(
+                    x,
+                    gate[g0:g1],
+                    up[g0:g1],
+                    ends,
+                    g0,
+                    hbuf,
+                    BLOCK_M=bm,
+                    BLOCK_N=bn,
+                    BLOCK_K=bk,
+                    num_warps=nw,
+                    num_stages=ns,
+                )  # fmt: skip
+            ]
+        )
+        print(f"  gate+up+silu grouped_gate_up {str(launch):20s} {us:8.1f} ({2 * flop / us / 1e6:6.1f})")
+
     # ---- the layer, eager, host included ----
     def layer_torch():
         e = [0] + ends.tolist()  # the host read the device-side GEMM removes
@@ -111,15 +148,12 @@ def main() -> None:
             u = mm(xs, up[a0:a1].transpose(1, 2), offs=offs)
             mm(torch.nn.functional.silu(g) * u, down_t[a0:a1], offs=offs)
 
-    gbuf, ubuf, ybuf = (torch.empty(M, n, device=DEV, dtype=DT) for n in (I, I, H))
+    ybuf = torch.empty(M, H, device=DEV, dtype=DT)
 
-    def layer_device():
+    def layer_device():  # per span, as the staging buffers allow: gate+up+SwiGLU, then down
         for a0, a1 in spans:
-            grouped_gemm(x, gate[a0:a1], ends, a0, gbuf)
-            grouped_gemm(x, up[a0:a1], ends, a0, ubuf)
-        hh = torch.nn.functional.silu(gbuf) * ubuf
-        for a0, a1 in spans:
-            grouped_gemm(hh, down_t[a0:a1].transpose(1, 2), ends, a0, ybuf)
+            grouped_gate_up(x, gate[a0:a1], up[a0:a1], ends, a0, hbuf)
+            grouped_gemm(hbuf, down_t[a0:a1].transpose(1, 2), ends, a0, ybuf)
 
     for name, fn in (("torch, host offsets", layer_torch), ("grouped_gemm, device ends", layer_device)) * 2:
         fn()

@@ -1,5 +1,5 @@
-"""Argument checks the expert kernels' launchers share: expert weight stacks [n, I, H] (plain or int4), the staging
-gathers' ids and slot table.
+"""Argument checks the expert kernels' launchers share: expert weight stacks [n, I, H] (plain or int4), the grouped
+GEMMs' span of groups, the staging gathers' ids and slot table.
 
 Each launcher still checks its own inputs top to bottom; this is only the part that is the same in all of them.
 """
@@ -80,6 +80,35 @@ def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_h
             )
     for part, t in (("packed", p), *parts):
         _on_device(f"{name}.{part}", t, device, allow_host)
+
+
+def grouped_span(
+    x, w, ends, g0: int, out, blocks, w_name: str = "w", out_name: str = "out"
+) -> tuple[int, int, int, int]:
+    """The grouped GEMMs over a span of groups (kernels/grouped_gemm.py, grouped_gate_up.py): x float [M, K] with a
+    contiguous last dim, `w_name` [G, N, K] of x's dtype (any strides), `ends` int32 [E] with E >= g0 + G, `out_name`
+    float [M, N] with a contiguous last dim, all on x's device; the tiles (BLOCK_M, BLOCK_N, BLOCK_K) powers of two
+    >= 16. Returns (M, K, G, N)."""
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"x must be a float [M, K] tensor with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
+    M, K = x.shape
+    if w.dim() != 3 or w.dtype != x.dtype or w.shape[2] != K:
+        raise ValueError(f"{w_name} must be {x.dtype} [G, N, K = {K}], got {w.dtype} {tuple(w.shape)}")
+    G, N = w.shape[:2]
+    if ends.dim() != 1 or ends.dtype != torch.int32 or ends.shape[0] < g0 + G or g0 < 0:
+        raise ValueError(
+            f"ends must be int32 [E] with E >= g0 + G = {g0 + G} (g0 >= 0), got {ends.dtype} {tuple(ends.shape)}, "
+            f"g0 {g0}"
+        )
+    if out.dim() != 2 or tuple(out.shape) != (M, N) or out.dtype not in FLOAT_DTYPES or out.stride(1) != 1:
+        raise ValueError(f"{out_name} must be a float [M, N] = {(M, N)} tensor with a contiguous last dim")
+    for name, t in ((w_name, w), ("ends", ends), (out_name, out)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x is on {x.device}: all inputs must share a device")
+    for name, b in zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), blocks):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {b}")
+    return M, K, G, N
 
 
 def gather_ids(ids: torch.Tensor, table: torch.Tensor, n_host: int, capacity: int, device: torch.device) -> int:

@@ -35,6 +35,8 @@ import os
 
 import torch
 
+from localmoe.kernels.checks import grouped_span
+
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
@@ -42,7 +44,6 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     triton = None
     tl = None
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = ["grouped_gemm", "grouped_gemm_ref"]
 
 
@@ -141,25 +142,7 @@ def grouped_gemm(
     two, >= 16), num_warps and num_stages are launch parameters. No host sync; CUDA-graph capturable."""
     if triton is None:
         raise RuntimeError("grouped_gemm needs triton")
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
-        raise ValueError(f"x must be a float [M, K] tensor with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
-    M, K = x.shape
-    if w.dim() != 3 or w.dtype != x.dtype or w.shape[2] != K:
-        raise ValueError(f"w must be {x.dtype} [G, N, K = {K}], got {w.dtype} {tuple(w.shape)}")
-    G, N = w.shape[:2]
-    if ends.dim() != 1 or ends.dtype != torch.int32 or ends.shape[0] < g0 + G or g0 < 0:
-        raise ValueError(
-            f"ends must be int32 [E] with E >= g0 + G = {g0 + G} (g0 >= 0), got {ends.dtype} {tuple(ends.shape)}, "
-            f"g0 {g0}"
-        )
-    if out.dim() != 2 or tuple(out.shape) != (M, N) or out.dtype not in _FLOAT_DTYPES or out.stride(1) != 1:
-        raise ValueError(f"out must be a float [M, N] = {(M, N)} tensor with a contiguous last dim")
-    for name, t in (("w", w), ("ends", ends), ("out", out)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x is on {x.device}: all inputs must share a device")
-    for name, b in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K)):
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {b}")
+    M, K, G, N = grouped_span(x, w, ends, g0, out, (BLOCK_M, BLOCK_N, BLOCK_K))
     if M == 0 or G == 0 or N == 0:
         return out
     interp = os.environ.get("TRITON_INTERPRET") == "1"
