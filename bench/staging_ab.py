@@ -9,9 +9,12 @@ host-to-device bandwidth), then decode tok/s (512-token prompt, 128 tokens) afte
 tile): A in the "copies" columns, B in the "gather" ones. `--packed` (int4 / NF4 experts) instead compares spans
 staged packed (a gather_experts launch per part, then three dequantizing launches on the compute stream) in the
 "copies" columns against spans staged dequantized (kernels/gather_dequant.py, the default) in the "gather" ones.
+`--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
+("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
+kernels/grouped_gate_up.py and grouped_gemm.py; "gather").
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
-       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed]
+       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans]
 """
 
 import argparse
@@ -33,6 +36,7 @@ p.add_argument("--prompt-tokens", default="2048,8192")
 p.add_argument("--reps", type=int, default=2)
 p.add_argument("--programs", default=None, help="A,B: two gather grids instead of copies against the gather")
 p.add_argument("--packed", action="store_true", help="int4 / NF4: packed staging against dequantized staging")
+p.add_argument("--device-spans", action="store_true", help="torch's grouped_mm against the device-side grouped GEMMs")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
@@ -59,6 +63,9 @@ def ttft(n: int, gather: bool) -> float:
     """Time to first token of a random n-token prompt; `gather` picks the B way (module doc), else the A way."""
     if grids:
         gather_experts.PROGRAMS = grids[int(gather)]
+    elif a.device_spans:
+        for m in e.loaded.experts:
+            m.device_spans = gather
     elif a.packed:
         if (staging.plain is not None) != gather:  # the other buffers: made again at the next use
             staging.settle(torch.device("cuda"))
@@ -82,6 +89,8 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if a.packed:
     print("'copies': spans staged packed, then dequantized; 'gather': staged dequantized (gather_dequant)")
+if a.device_spans:
+    print("'copies': torch's grouped_mm, the routing read on the host; 'gather': device_spans (no host read)")
 print("prompt  copies TTFT s  tok/s   gather TTFT s  tok/s   speed-up  PCIe s  of PCIe (gather)")
 for n in lengths:
     t = {True: [], False: []}

@@ -9,6 +9,8 @@ Shape legend: T tokens, k experts per token, E experts, I expert width, H hidden
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -114,6 +116,39 @@ def test_grouped_masked_and_recorded():
     assert routed == routed_l and E - 1 not in routed
     assert torch.equal(e, e_l)
     torch.testing.assert_close(v, v_l, **tol)
+
+
+@pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="kernels on CPU: interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "masked"])
+def test_device_spans_equal_grouped(dtype, masked):
+    """`device_spans` (every expert in fixed spans, group ends read on the device by the grouped kernels) gives the
+    grouped path's output and kept count, resident and with int4 experts dequantized a few at a time; unrouted
+    experts (E - 1) are spanned too."""
+    if DEV == "cuda" and dtype != torch.bfloat16:
+        pytest.skip("torch's CUDA grouped GEMM is taken for bf16 only")
+    T, k, E, I, H = 33, 3, 7, 24, 48
+    m = _experts(E, I, H, dtype, seed=6)
+    m.kernel_on_cpu = True
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(DEV, dtype)
+    idx, wts = _routing(T, k, E, seed=8)
+    if masked:
+        m.tau, m.sparse_enabled, m.mask_all_tokens = torch.full((E,), 0.15, device=DEV), True, True
+    for fmt in ("plain", "int4"):
+        if fmt == "int4":
+            m.weights = m.weights.to_int4()
+            m.dequant_bytes = 3 * I * H * dtype.itemsize * 2  # spans of two experts
+        outs, kept = [], []
+        for device_spans in (False, True):
+            m.device_spans = device_spans
+            assert m._device_ok(x, idx) == device_spans
+            m.reset_counters()
+            outs.append(m(x, idx, wts.to(dtype)).float())
+            kept.append(int(m.kept))
+        err = float((outs[1] - outs[0]).norm() / outs[0].norm())
+        assert err < (1e-5 if dtype == torch.float32 else 3e-2), (fmt, err)
+        if masked:
+            assert abs(kept[0] - kept[1]) <= (0 if dtype == torch.float32 else 0.01 * kept[0]) and kept[0] > 0
 
 
 def test_loop_where_no_grouped_gemm():

@@ -14,7 +14,7 @@ from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts import cache as offload
-from localmoe.experts import placement
+from localmoe.experts import dense_path, placement
 from localmoe.experts.expert_weights import ExpertWeights
 
 GiB = 1 << 30
@@ -421,6 +421,40 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
         figures.append((cache.hits, cache.misses, cache.copied_bytes))
     assert cache.staging.gathers and all(cache.staging.gathers.values())
     assert figures[0] == figures[1] and figures[1][0] > 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
+@pytest.mark.parametrize("experts", ["full", "int4"])
+def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
+    """The dense path with no host read of the routing (`DensePath.device_spans`: every expert in fixed spans, the
+    group ends read by kernels/grouped_gate_up.py and grouped_gemm.py): an offloaded prompt (spans of 2 staged) and a
+    resident one give the resident model's logits; the offloaded one stages every expert of every layer once. The
+    span launches are counted (the kernel still runs) to show the path was taken."""
+    launches = []
+    real = dense_path.grouped_gate_up
+    monkeypatch.setattr(dense_path, "grouped_gate_up", lambda *a, **kw: launches.append(a[4]) or real(*a, **kw))
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
+    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
+    with torch.inference_mode():
+        want = resident.model(input_ids=ids).logits
+    e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
+    cache = e.loaded.cache
+    cache.staging.span = 2
+    for engine in (resident, e):
+        for m in engine.loaded.experts:
+            m.device_spans = m.kernel_on_cpu = True
+            assert m._device_ok(torch.zeros(1, m.hidden_size), torch.zeros(ids.shape[1], 2, dtype=torch.long))
+    cache.reset_stats()
+    with torch.inference_mode():
+        got_resident = resident.model(input_ids=ids).logits
+        got = e.model(input_ids=ids).logits
+    torch.testing.assert_close(got_resident, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert cache.hits + cache.misses == sum(m.num_experts for m in e.loaded.experts)  # every expert, once a layer
+    E, layers = e.loaded.experts[0].num_experts, len(e.loaded.experts)
+    assert launches.count(0) == 2 * layers  # each engine's first span of every layer
+    assert set(range(0, E, 2)) <= set(launches)  # the offloaded spans of 2 experts
 
 
 def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():

@@ -11,9 +11,9 @@ the grouped path sums a token's k expert outputs in fp32, where transformers add
 and clamped SwiGLU (experts/clamped_swiglu.py).
 
 The mixin reads the module's state: `weights` (ExpertWeights), `cache`, `layer_idx`, `num_experts`,
-`intermediate_size`, `hidden_size`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`, `grouped`,
-`mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens`, `dequant_bytes` and `_count`. Imports: torch and
-experts/clamped_swiglu only.
+`intermediate_size`, `hidden_size`, `hidden_act`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`,
+`grouped`, `mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens`, `dequant_bytes`, `kernel_on_cpu` and `_count`.
+Imports: torch, experts/clamped_swiglu and the two grouped GEMM kernels (`_grouped_device`, off by default).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from localmoe.experts.clamped_swiglu import down_out, gate_pre, up_value
+from localmoe.kernels.grouped_gate_up import grouped_gate_up
+from localmoe.kernels.grouped_gemm import grouped_gemm
 
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -37,6 +39,11 @@ DEQUANT_MAX_BYTES = 1 << 30
 class DensePath:
     """The dense path of `LocalExperts` (module docstring)."""
 
+    # The layer with no host read of its routing (`_grouped_device`): every expert in fixed spans, the group ends read
+    # on the device by kernels/grouped_gate_up.py and grouped_gemm.py. Off until timed on a GPU against torch's
+    # grouped_mm (bench/grouped_gemm.py, then the prefill); tests turn it on with `kernel_on_cpu`.
+    device_spans = False
+
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,H], up [I,H], down_t [I,H]) of expert e, from the cache when offloaded."""
         if self.cache is not None:
@@ -47,6 +54,8 @@ class DensePath:
     def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         masked = self.mask_all_tokens and self.sparse_enabled and self.tau is not None and self.recorder is None
         if self._groups(x):
+            if self._device_ok(x, top_k_index):
+                return self._grouped_device(x, top_k_index, top_k_weights, masked)
             return self._grouped(x, top_k_index, top_k_weights, masked)
         out = torch.zeros_like(x)
         kept = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -142,6 +151,63 @@ class DensePath:
         if x.is_cuda:
             return token_sum(y, order, k).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))  # ascending expert order, as transformers adds
+
+    def _device_ok(self, x: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+        """Whether `_grouped_device` runs this call: switched on, its kernels there (CUDA, or the interpreter with
+        `kernel_on_cpu`), a plain SwiGLU (no GPT-OSS biases or clamp, no MXFP4 stacks), no gate recorder or predictor
+        (they read the activations), and a call that routes to nearly every expert (T·k >= 4E: the fixed spans stage
+        every expert; a shorter call keeps the routed ones only)."""
+        if not self.device_spans or not (x.is_cuda or self.kernel_on_cpu):
+            return False
+        if self.hidden_act != "silu" or self.biases is not None or self.up_fn is not None or self.weights.mxfp4:
+            return False
+        if self.recorder is not None or self.predictor is not None:
+            return False
+        return top_k_index.numel() >= 4 * self.num_experts
+
+    def _grouped_device(self, x, top_k_index, top_k_weights, masked: bool) -> torch.Tensor:
+        """The dense path with no host read of the routing: the slots sorted by expert and the group ends made on the
+        device, then per fixed span of experts (`_fixed_spans`) one launch for gate, up, the SwiGLU and the mask
+        (grouped_gate_up) and one for the down projection (grouped_gemm), each reading the ends on the device; the
+        token sums as `_grouped`'s. Same arithmetic and roundings as `_grouped` but for the GEMMs' summation order."""
+        T, k = top_k_index.shape
+        M, I, H = T * k, self.intermediate_size, self.hidden_size
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        ends = torch.cumsum(counts, 0).to(torch.int32)
+        xs = x[order // k]
+        h = torch.empty(M, I, dtype=x.dtype, device=x.device)
+        y = torch.empty(M, H, dtype=x.dtype, device=x.device)
+        kept = torch.zeros(1, dtype=torch.int64, device=x.device) if masked else None
+        tau = self.tau.to(device=x.device, dtype=torch.float32) if masked else None
+        for w_gate, w_up, w_down_t, g0 in self._fixed_spans():
+            grouped_gate_up(xs, w_gate, w_up, ends, g0, h, tau=tau, kept=kept)
+            grouped_gemm(h, w_down_t.transpose(1, 2), ends, g0, y)
+        if masked:
+            self._count(kept[0], M * I)
+        y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+        if x.is_cuda:
+            return token_sum(y, order, k).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, order // k, y.to(x.dtype))
+
+    def _fixed_spans(self):
+        """(gate, up, down_t [n, I, H], first expert) of every expert in order, with no host read: resident plain
+        experts in one span, 4-bit ones dequantized `dequant_bytes` at a time, offloaded ones streamed through the
+        staging buffers (all experts: the layer ahead is filled ahead too)."""
+        E = self.num_experts
+        if self.cache is not None:
+            for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E))):
+                yield (*buf.dequantized(0, n), first)
+            return
+        if not self.weights.quantized:
+            yield self.weights.w_gate, self.weights.w_up, self.weights.w_down_t, 0
+            return
+        expert = 3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize
+        per = max(1, (self.dequant_bytes or DEQUANT_BYTES) // expert)
+        for a in range(0, E, per):
+            yield (*self.weights.dequantized(a, min(E, a + per)), a)
 
     def _span_weights(self, ends: torch.Tensor, slots: int):
         """(gate, up, down_t [n, I, H], group ends within the span [n] int32, first slot, end slot) of each grouped
