@@ -11,7 +11,7 @@ staged packed (a gather_experts launch per part, then three dequantizing launche
 "copies" columns against spans staged dequantized (kernels/gather_dequant.py, the default) in the "gather" ones.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
-kernels/grouped_gate_up.py and grouped_gemm.py; "gather").
+kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans]
@@ -45,14 +45,17 @@ e = Engine.random(
     a.shape,
     device=torch.device("cuda"),
     dtype=torch.bfloat16,
-    vram_gib=a.vram,
+    vram_gib=a.vram or None,
     context=max(lengths) + 64,
     experts=a.experts,
 )
 e.set_sparsity(0.85)
 e.eos_ids = set()  # random weights: decode the full count
-staging = e.loaded.cache.staging
-plain = staging.plain
+cache = e.loaded.cache
+if cache is None and not a.device_spans:
+    raise SystemExit("--vram 0 (experts resident) compares --device-spans only: there is no staging")
+staging = cache.staging if cache is not None else None
+plain = staging.plain if staging is not None else None
 if a.packed and plain is None:
     raise SystemExit("--packed compares int4 / NF4 staging: give --experts int4 or nf4")
 gen = torch.Generator().manual_seed(1)
@@ -98,7 +101,7 @@ for n in lengths:
         for gather in (False, True):
             t[gather].append(ttft(n, gather))
     c, g = statistics.median(t[False]), statistics.median(t[True])
-    pcie = (len(piece_cuts(0, n, e.prefill_chunk)) - 1) * e.loaded.cache.absent_bytes() / h2d
+    pcie = (len(piece_cuts(0, n, e.prefill_chunk)) - 1) * cache.absent_bytes() / h2d if cache is not None else 0.0
     print(
         f"{n:>6}  {c:>13.3f}  {n / c:>5.0f}   {g:>13.3f}  {n / g:>5.0f}   {c / g:>7.2f}x  "
         f"{pcie:>6.2f}  {pcie / g:>6.1%}",
