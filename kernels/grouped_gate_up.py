@@ -30,6 +30,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.grouped_gemm import span_tile
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
@@ -91,21 +92,7 @@ if triton is not None:
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        start = tl.load(ends_ptr + tl.maximum(g0 - 1, 0))
-        start = tl.where(g0 > 0, start, 0)
-        tiles = pid_m * 0
-        grp = pid_m * 0 - 1
-        row0 = pid_m * 0
-        rend = pid_m * 0
-        for i in range(0, G):
-            end = tl.load(ends_ptr + g0 + i)
-            nt = (end - start + BLOCK_M - 1) // BLOCK_M
-            hit = (pid_m >= tiles) & (pid_m < tiles + nt)
-            grp = tl.where(hit, i, grp)
-            row0 = tl.where(hit, start + (pid_m - tiles) * BLOCK_M, row0)
-            rend = tl.where(hit, end, rend)
-            tiles += nt
-            start = end
+        grp, row0, rend = span_tile(ends_ptr, g0, G, pid_m, BLOCK_M)  # kernels/grouped_gemm.py
         if grp >= 0:
             rows = row0 + tl.arange(0, BLOCK_M)
             rmask = rows < rend

@@ -61,6 +61,28 @@ def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, g0: i
 if triton is not None:
 
     @triton.jit
+    def span_tile(ends_ptr, g0, G, pid_m, BLOCK_M: tl.constexpr):
+        """Row tile pid_m of the span [g0, g0 + G) of groups: (its group's index in the span, its first row, its
+        group's end row), the group -1 past the span's tiles. Walks the span's group ends on the device, counting each
+        group's cdiv(rows, BLOCK_M) tiles."""
+        start = tl.load(ends_ptr + tl.maximum(g0 - 1, 0))
+        start = tl.where(g0 > 0, start, 0)
+        tiles = pid_m * 0
+        grp = pid_m * 0 - 1
+        row0 = pid_m * 0
+        rend = pid_m * 0
+        for i in range(0, G):
+            end = tl.load(ends_ptr + g0 + i)
+            nt = (end - start + BLOCK_M - 1) // BLOCK_M
+            hit = (pid_m >= tiles) & (pid_m < tiles + nt)
+            grp = tl.where(hit, i, grp)
+            row0 = tl.where(hit, start + (pid_m - tiles) * BLOCK_M, row0)
+            rend = tl.where(hit, end, rend)
+            tiles += nt
+            start = end
+        return grp, row0, rend
+
+    @triton.jit
     def _grouped_gemm_kernel(
         x_ptr,  # [M, K], rows sorted by group
         w_ptr,  # [G, N, K]
@@ -83,22 +105,7 @@ if triton is not None:
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        # ---- which group and rows: walk the span's group ends, counting each group's row tiles ----
-        start = tl.load(ends_ptr + tl.maximum(g0 - 1, 0))
-        start = tl.where(g0 > 0, start, 0)
-        tiles = pid_m * 0
-        grp = pid_m * 0 - 1
-        row0 = pid_m * 0
-        rend = pid_m * 0
-        for i in range(0, G):
-            end = tl.load(ends_ptr + g0 + i)
-            nt = (end - start + BLOCK_M - 1) // BLOCK_M
-            hit = (pid_m >= tiles) & (pid_m < tiles + nt)
-            grp = tl.where(hit, i, grp)
-            row0 = tl.where(hit, start + (pid_m - tiles) * BLOCK_M, row0)
-            rend = tl.where(hit, end, rend)
-            tiles += nt
-            start = end
+        grp, row0, rend = span_tile(ends_ptr, g0, G, pid_m, BLOCK_M)
         if grp >= 0:
             rows = row0 + tl.arange(0, BLOCK_M)
             rmask = rows < rend
