@@ -11,8 +11,8 @@ each intermediate rounded to h's dtype as torch's ops on that dtype round them (
 path's `act_fn(grouped_mm(..)) * grouped_mm(..)` and its mask), accumulation in fp32. Rows, groups and the grid as
 kernels/grouped_gemm.py's (its module docstring says why the ends stay on the device): grid (cdiv(M, BLOCK_M) + G,
 cdiv(N, BLOCK_N)), one program a row tile and column tile of both projections (two accumulators over the same x
-tile). Only the span's rows of `h` are written. Fixed grid, no host sync: capturable. Not yet on the dense path, and
-not yet timed (`python bench/grouped_gemm.py`).
+tile). Only the span's rows of `h` are written. Fixed grid, no host sync: capturable. On the dense path behind
+`DensePath.device_spans` (off), not yet timed (`python bench/grouped_gemm.py`).
 
 Shape legend: M rows (slots), K input width (H), N expert width (I), E groups (experts) of the layer, G groups of
 the span, g0 its first.
@@ -86,13 +86,14 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        G_P2: tl.constexpr,  # the span's groups rounded up to a power of two
         HAS_TAU: tl.constexpr,
         DOT_F32: tl.constexpr,
         PREC: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        grp, row0, rend = span_tile(ends_ptr, g0, G, pid_m, BLOCK_M)  # kernels/grouped_gemm.py
+        grp, row0, rend = span_tile(ends_ptr, g0, G, pid_m, BLOCK_M, G_P2)  # kernels/grouped_gemm.py
         if grp >= 0:
             rows = row0 + tl.arange(0, BLOCK_M)
             rmask = rows < rend
@@ -186,6 +187,7 @@ def grouped_gate_up(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
+        G_P2=triton.next_power_of_2(G),
         HAS_TAU=tau is not None,
         DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",

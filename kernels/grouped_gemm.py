@@ -16,10 +16,10 @@ path reads the layer's routing back to the host once a layer (`ends.tolist()` in
 drains there: an offloaded 2048-token int4 piece at Qwen3.5-35B-A3B shapes idles 112.6 of 374.6 profiled ms, bound by
 the host issuing its ~4,500 launches (bench/RESULTS.md, session 32). This kernel needs only M, the host's bound on the
 rows (T·k), and the span's first group: grid (cdiv(M, BLOCK_M) + G, cdiv(N, BLOCK_N)), the sum over the span's groups
-of cdiv(rows, BLOCK_M) row tiles being at most cdiv(M, BLOCK_M) + G. Program (t, n) walks the span's G group ends (G
-scalar loads, L2 hits after the first programs) to find its group and rows; a program past the span's tiles returns
-at once. Fixed grid, no host sync: capturable. Not yet on the dense path, and not yet timed against torch's
-grouped_mm on a GPU (`python bench/grouped_gemm.py`).
+of cdiv(rows, BLOCK_M) row tiles being at most cdiv(M, BLOCK_M) + G. Program (t, n) finds its group and rows from
+one vector load of the span's G group ends and their tiles' running sum (`span_tile`); a program past the span's
+tiles returns at once. Fixed grid, no host sync: capturable. On the dense path behind `DensePath.device_spans` (off),
+not yet timed against torch's grouped_mm on a GPU (`python bench/grouped_gemm.py`).
 
 Under TRITON_INTERPRET=1 bf16 / fp16 tiles are multiplied in fp32 (`DOT_F32`: the interpreter's low-precision
 tl.dot is wrong in triton 3.x, as kernels/mla_decode.py notes); fp32 inputs use full fp32 dots ("ieee"), like torch's
@@ -61,25 +61,21 @@ def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, g0: i
 if triton is not None:
 
     @triton.jit
-    def span_tile(ends_ptr, g0, G, pid_m, BLOCK_M: tl.constexpr):
+    def span_tile(ends_ptr, g0, G, pid_m, BLOCK_M: tl.constexpr, G_P2: tl.constexpr):
         """Row tile pid_m of the span [g0, g0 + G) of groups: (its group's index in the span, its first row, its
-        group's end row), the group -1 past the span's tiles. Walks the span's group ends on the device, counting each
-        group's cdiv(rows, BLOCK_M) tiles."""
-        start = tl.load(ends_ptr + tl.maximum(g0 - 1, 0))
-        start = tl.where(g0 > 0, start, 0)
-        tiles = pid_m * 0
-        grp = pid_m * 0 - 1
-        row0 = pid_m * 0
-        rend = pid_m * 0
-        for i in range(0, G):
-            end = tl.load(ends_ptr + g0 + i)
-            nt = (end - start + BLOCK_M - 1) // BLOCK_M
-            hit = (pid_m >= tiles) & (pid_m < tiles + nt)
-            grp = tl.where(hit, i, grp)
-            row0 = tl.where(hit, start + (pid_m - tiles) * BLOCK_M, row0)
-            rend = tl.where(hit, end, rend)
-            tiles += nt
-            start = end
+        group's end row), the group -1 past the span's tiles. One vector load of the span's group ends (G_P2 >= G, a
+        power of two), each group's cdiv(rows, BLOCK_M) tiles and their running sum: no loop of dependent scalar
+        loads before the program's first tile load."""
+        i = tl.arange(0, G_P2)
+        m = i < G
+        end = tl.load(ends_ptr + g0 + i, mask=m, other=0)
+        start = tl.load(ends_ptr + g0 + i - 1, mask=m & (g0 + i > 0), other=0)
+        nt = tl.where(m, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
+        cum = tl.cumsum(nt, 0)  # tiles up to and with group i
+        hit = (pid_m >= cum - nt) & (pid_m < cum)
+        grp = tl.max(tl.where(hit, i, -1), 0)
+        row0 = tl.sum(tl.where(hit, start + (pid_m - (cum - nt)) * BLOCK_M, 0), 0)
+        rend = tl.sum(tl.where(hit, end, 0), 0)
         return grp, row0, rend
 
     @triton.jit
@@ -100,12 +96,13 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        G_P2: tl.constexpr,  # the span's groups rounded up to a power of two
         DOT_F32: tl.constexpr,
         PREC: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        grp, row0, rend = span_tile(ends_ptr, g0, G, pid_m, BLOCK_M)
+        grp, row0, rend = span_tile(ends_ptr, g0, G, pid_m, BLOCK_M, G_P2)
         if grp >= 0:
             rows = row0 + tl.arange(0, BLOCK_M)
             rmask = rows < rend
@@ -170,6 +167,7 @@ def grouped_gemm(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
+        G_P2=triton.next_power_of_2(G),
         DOT_F32=interp and x.dtype != torch.float32,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
