@@ -12,7 +12,8 @@ to first token of --reps random prompts of --prompt-tokens (median), then one un
 The profiler slows the host side, so its span is longer than the timed TTFT; compare splits, not totals.
 
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_profile.py [--shape qwen3.5-35b] [--experts int4] [--vram 16]
-       [--prompt-tokens 2048] [--reps 3]
+       [--prompt-tokens 2048] [--reps 3] [--device-spans]
+`--device-spans` profiles the dense path with no host read of the routing (`DensePath.device_spans`).
 """
 
 import argparse
@@ -38,6 +39,7 @@ p.add_argument("--experts", default="int4")
 p.add_argument("--vram", type=float, default=16)
 p.add_argument("--prompt-tokens", type=int, default=2048)
 p.add_argument("--reps", type=int, default=3)
+p.add_argument("--device-spans", action="store_true", help="DensePath.device_spans: the layer with no host read")
 a = p.parse_args()
 n = a.prompt_tokens
 e = Engine.random(
@@ -49,6 +51,8 @@ e = Engine.random(
     experts=a.experts,
 )
 e.set_sparsity(0.85)
+for m in e.loaded.experts:
+    m.device_spans = a.device_spans
 cache = e.loaded.cache
 gen = torch.Generator().manual_seed(1)
 vocab = e.loaded.config.vocab_size
