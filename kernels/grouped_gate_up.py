@@ -20,11 +20,10 @@ the span, g0 its first.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from localmoe.kernels.checks import grouped_span
+from localmoe.kernels.grouped_gemm import span_launch
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -168,7 +167,8 @@ def grouped_gate_up(
             raise ValueError(f"kept must be a one-element int64 tensor on {x.device}")
     if M == 0 or G == 0 or N == 0:
         return h
-    _grouped_gate_up_kernel[(triton.cdiv(M, BLOCK_M) + G, triton.cdiv(N, BLOCK_N))](
+    grid, kw = span_launch(x, M, N, G, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    _grouped_gate_up_kernel[grid](
         x,
         w_gate,
         w_up,
@@ -184,14 +184,7 @@ def grouped_gate_up(
         *w_gate.stride(),
         *w_up.stride(),
         h.stride(0),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        G_P2=triton.next_power_of_2(G),
         HAS_TAU=tau is not None,
-        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
+        **kw,
     )
     return h

@@ -149,8 +149,8 @@ def grouped_gemm(
     M, K, G, N = grouped_span(x, w, ends, g0, out, (BLOCK_M, BLOCK_N, BLOCK_K))
     if M == 0 or G == 0 or N == 0:
         return out
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    _grouped_gemm_kernel[(triton.cdiv(M, BLOCK_M) + G, triton.cdiv(N, BLOCK_N))](
+    grid, kw = span_launch(x, M, N, G, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    _grouped_gemm_kernel[grid](
         x,
         w,
         ends,
@@ -164,13 +164,24 @@ def grouped_gemm(
         w.stride(1),
         w.stride(2),
         out.stride(0),
+        **kw,
+    )
+    return out
+
+
+def span_launch(x, M: int, N: int, G: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, num_warps: int, num_stages: int):
+    """(grid, launch keywords) shared by the span kernels (this one and kernels/grouped_gate_up.py): a row tile per
+    program over the host's bound on the span's tiles, cdiv(M, BLOCK_M) + G; fp32 products under the interpreter for
+    bf16 / fp16 (`DOT_F32`), full fp32 dots for fp32 inputs."""
+    grid = (triton.cdiv(M, BLOCK_M) + G, triton.cdiv(N, BLOCK_N))
+    kw = dict(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         G_P2=triton.next_power_of_2(G),
-        DOT_F32=interp and x.dtype != torch.float32,
+        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out
+    return grid, kw

@@ -124,13 +124,9 @@ class DensePath:
         time (`_spans`), three grouped GEMMs per span; offloaded experts a staged span at a time (`_span_weights`)."""
         T, k = top_k_index.shape
         I = self.intermediate_size
-        flat = top_k_index.reshape(-1)  # [T*k]
-        order = torch.argsort(flat, stable=True)  # slots sorted by expert
+        flat, order, ends = self._sorted_slots(top_k_index)
         tok = order // k  # [T*k] token of each sorted slot
         ids = flat[order]  # [T*k] expert of each sorted slot
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host sync (it reads the max)
-        ends = torch.cumsum(counts, 0).to(torch.int32)  # [E] group ends
         xs = x[tok]  # [T*k, H]
         ys, kept = [], 0
         for w_gate, w_up, w_down_t, offs, s0, s1 in self._span_weights(ends, T * k):
@@ -152,6 +148,21 @@ class DensePath:
             return token_sum(y, order, k).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))  # ascending expert order, as transformers adds
 
+    def _sorted_slots(self, top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the slots' experts [T*k], the slots sorted by expert [T*k], each expert's group end [E] int32), all on the
+        device: no host sync (bincount would read the max)."""
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        return flat, order, torch.cumsum(counts, 0).to(torch.int32)
+
+    def _experts_per_span(self) -> int:
+        """4-bit experts dequantized at once: as many as fit `dequant_bytes` (DEQUANT_BYTES when unset) in the
+        model's dtype."""
+        expert = 3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize
+        return max(1, (self.dequant_bytes or DEQUANT_BYTES) // expert)
+
     def _device_ok(self, x: torch.Tensor, top_k_index: torch.Tensor) -> bool:
         """Whether `_grouped_device` runs this call: switched on, its kernels there (CUDA, or the interpreter with
         `kernel_on_cpu`), a plain SwiGLU (no GPT-OSS biases or clamp, no MXFP4 stacks), no gate recorder or predictor
@@ -172,11 +183,7 @@ class DensePath:
         token sums as `_grouped`'s. Same arithmetic and roundings as `_grouped` but for the GEMMs' summation order."""
         T, k = top_k_index.shape
         M, I, H = T * k, self.intermediate_size, self.hidden_size
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        ends = torch.cumsum(counts, 0).to(torch.int32)
+        _, order, ends = self._sorted_slots(top_k_index)
         xs = x[order // k]
         h = torch.empty(M, I, dtype=x.dtype, device=x.device)
         y = torch.empty(M, H, dtype=x.dtype, device=x.device)
@@ -204,8 +211,7 @@ class DensePath:
         if not self.weights.quantized:
             yield self.weights.w_gate, self.weights.w_up, self.weights.w_down_t, 0
             return
-        expert = 3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize
-        per = max(1, (self.dequant_bytes or DEQUANT_BYTES) // expert)
+        per = self._experts_per_span()
         for a in range(0, E, per):
             yield (*self.weights.dequantized(a, min(E, a + per)), a)
 
@@ -230,8 +236,7 @@ class DensePath:
         E = self.num_experts
         if not self.weights.quantized:
             return [(0, E, 0, slots)]
-        expert = 3 * self.intermediate_size * self.hidden_size * self.weights.w_gate.dtype.itemsize  # dequantized
-        per = max(1, (self.dequant_bytes or DEQUANT_BYTES) // expert)
+        per = self._experts_per_span()
         end = ends.tolist()
         spans = []
         for a in range(0, E, per):
