@@ -5,7 +5,8 @@ Choices where the issue was silent: the plan is for bf16 (the GPU's dtype) at `-
 card has free, else none (then what keeping everything resident takes); a budget too small is part of the answer
 (`vram.fits` false, its reason), not an error; active parameters count every non-expert weight (embeddings and
 lm_head included, as model cards do) and k experts per MoE layer; the download size is the files on disk when
-downloaded, the hub's file list when reachable, else parameters x the checkpoint's dtype (`download_source`).
+downloaded, the hub's file list when reachable, else parameters x the checkpoint's dtype (`download_source`), the
+routed experts in MXFP4 where the config says the checkpoint stores them so (GPT-OSS; `download_estimate` says which).
 """
 
 from __future__ import annotations
@@ -126,6 +127,20 @@ SHAPE_CASES = [  # (id, argv, checks on the JSON)
 ]
 
 
+def test_show_estimates_mxfp4_experts_as_stored(capsys):
+    """gpt-oss-20b ships its experts in MXFP4 (4-bit values, a byte of scale per 32): offline, the download estimate
+    counts them so (about 13.8 GB, the size of openai's files), not as bf16 (about 42 GB)."""
+    code, out, _ = show(capsys, "gpt-oss-20b", "--json")
+    obj = json.loads(out)
+    assert code == 0 and obj["download_source"] == "estimate"
+    assert obj["download_estimate"] == "experts in MXFP4, the rest in bfloat16"
+    L, E, I, H = obj["moe_layers"], obj["experts"], obj["expert_width"], obj["hidden"]
+    experts = L * E * 3 * I * H
+    assert obj["download_bytes"] == 2 * (obj["params_total"] - experts) + experts * (0.5 + 1 / 32)
+    assert 13.5e9 < obj["download_bytes"] < 14e9
+    assert "(estimated: experts in MXFP4, the rest in bfloat16)" in show(capsys, "gpt-oss-20b")[1]
+
+
 @pytest.mark.parametrize(("argv", "want"), [c[1:] for c in SHAPE_CASES], ids=[c[0] for c in SHAPE_CASES])
 def test_show_registry_alias_offline(capsys, argv, want):
     """Not downloaded and offline: the config of localmoe's table of shapes, the size estimated from parameters."""
@@ -135,6 +150,7 @@ def test_show_registry_alias_offline(capsys, argv, want):
     _numbers(obj)
     assert obj["config_source"] == "shapes" and obj["download_source"] == "estimate"
     assert obj["download_bytes"] == 2 * obj["params_total"] and obj["default_sparsity"] > 0.8
+    assert obj["download_estimate"] == "parameters in bfloat16"
     assert {k: obj[k] for k in ("layers", "experts", "top_k", "expert_width")} == {
         k: want[k] for k in ("layers", "experts", "top_k", "expert_width")
     }

@@ -68,6 +68,7 @@ class ModelPlan:
     floor_sparse: float = 0.0
     download_bytes: int | None = None
     download_source: str = ""  # "disk", "hub", or "estimate"
+    estimate_note: str = ""  # what an estimate assumes ("parameters in bfloat16")
     device: str = "cuda"  # where it would run: "cpu" (an engine on the CPU), "cuda"
     source: str = ""  # where the config came from (hub.ConfigSource.how), for show
     repo: str | None = None
@@ -207,6 +208,7 @@ class ModelPlan:
             "default_sparsity": self.sparsity,
             "download_bytes": self.download_bytes,
             "download_source": self.download_source or None,
+            "download_estimate": self.estimate_note or None,
             "vram": self.vram(),
             "bytes_per_token": {"dense": self.floor_dense, "sparse": self.floor_sparse, "sparsity": self.sparsity},
             "sampling": self.sampling or None,
@@ -231,7 +233,7 @@ class ModelPlan:
             + {
                 "disk": " on disk",
                 "hub": " (hub file list)",
-                "estimate": f" (estimated: parameters in {self.dtype})",
+                "estimate": f" (estimated: {self.estimate_note})",
             }.get(self.download_source, "")
         )
         shared = f", shared expert width {f.shared_expert_width}" if f.shared_expert_width else ""
@@ -401,13 +403,21 @@ def show(
         if size is not None:
             plan.download_bytes, plan.download_source = size, "hub"
         else:
-            el = _checkpoint_element_bytes(text_config)
-            plan.download_bytes, plan.download_source = int(plan.facts.total_params * el), "estimate"
+            plan.download_bytes, plan.estimate_note = _download_estimate(text_config, plan.facts)
+            plan.download_source = "estimate"
     return plan
 
 
-def _checkpoint_element_bytes(config) -> int:
-    """Bytes per parameter of the checkpoint's stored dtype (config `dtype` / `torch_dtype`; bf16 when unset)."""
+def _download_estimate(config, f: ModelFacts) -> tuple[int, str]:
+    """(bytes, what they assume) of a checkpoint not on disk and not listed by the hub: its parameters in the stored
+    dtype (config `dtype` / `torch_dtype`; bf16 when unset), and where the config says the experts are stored in
+    MXFP4 (GPT-OSS's `quantization_config`) the routed experts in that format, as the checkpoint holds them."""
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     name = str(dt).replace("torch.", "") if dt is not None else "bfloat16"
-    return {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}.get(name, 2)
+    el = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}.get(name, 2)
+    q = getattr(config, "quantization_config", None)
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    if method == "mxfp4" and f.expert_params and not f.departments:
+        experts = f.moe_layers * f.experts * 3 * matrix_bytes(f, el, "mxfp4")
+        return int(f.non_expert_params * el + experts), f"experts in MXFP4, the rest in {name}"
+    return int(f.total_params * el), f"parameters in {name}"
