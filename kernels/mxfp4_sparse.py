@@ -25,9 +25,9 @@ Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_id
   time (1.5-2 % faster at gpt-oss-20b shapes); x (gate, up) or h (down) comes in times 2**63 and each 32-block's sum
   goes out times 2**63 and its scale, so no product is subnormal;
 * BLOCK_I divides 32, so a program's neurons share one down scale row (H bytes), loaded once.
-Launch parameters (bench/mxfp4_kernel.py --quick, H200, Triton 3.6, gpt-oss-20b experts, k 4, one bf16 token;
-RESULTS.md): BLOCK_I 4, 4 warps: 69.3 / 64.5 / 56.8 / 47.0 µs at 0 / 50 / 70 / 85 %, the gate pass alone 29.4 µs;
-8 / 8 (the default before x was loaded once a program) 93.5 / 91.1 / 88.0 / 77.7; 8 / 4 and 16 / 8 are slower at
+Launch parameters (bench/mxfp4_kernel.py, H200, Triton 3.6, gpt-oss-20b experts, k 4, one bf16 token; RESULTS.md,
+session 31): BLOCK_I 4, 4 warps: 69.1 / 64.4 / 56.7 / 47.1 µs at 0 / 50 / 70 / 85 %, the gate pass alone 29.4 µs;
+8 / 8 (the default before x was loaded once a program) 93.4 / 91.0 / 88.0 / 77.7; 8 / 4 and 16 / 8 are slower at
 every sparsity. Before x was loaded once (eight strided loads a part and projection) the best launch was 8 / 8:
 66.9 / 64.5 / 63.5 / 56.7, gate pass 26.4. 0.79 TB/s dense against a 4.2 TB/s copy: ncu (before the pair decode and
 the single x load) put the launch on the SM's L1 / shared-memory pipe (74 %) and instruction issue (~28M

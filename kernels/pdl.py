@@ -2,12 +2,12 @@
 finishes, so its launch and its weight loads overlap the tail of the kernel before it.
 
 A batch-1 decode step is ~600 short kernels; on the H200 each costs ~1 µs of launch gap plus a ramp in which its
-first loads are in flight and nothing else is (bench/RESULTS.md, session 3). With PDL (Hopper and later, captured
-into CUDA graphs as programmatic edges) a kernel launched with `launch_pdl=True` may be scheduled once every program
-of the kernel before it has called `gdc_launch_dependents()`. It must then call `gdc_wait()` before it reads
-anything the earlier kernels wrote and before it writes anything (the wait returns when the kernel before has
-completed and its memory is visible; by induction, every earlier kernel too). What it reads before the wait must
-be constant during the step: weights, never activations, caches or counters.
+first loads are in flight and nothing else is (bench/RESULTS.md, "Tried": kernel boundaries, `s5i` / `s6`). With
+PDL (Hopper and later, captured into CUDA graphs as programmatic edges) a kernel launched with `launch_pdl=True` may
+be scheduled once every program of the kernel before it has called `gdc_launch_dependents()`. It must then call
+`gdc_wait()` before it reads anything the earlier kernels wrote and before it writes anything (the wait returns when
+the kernel before has completed and its memory is visible; by induction, every earlier kernel too). What it reads
+before the wait must be constant during the step: weights, never activations, caches or counters.
 
 Every localmoe kernel follows one pattern, with a `PDL: tl.constexpr` argument:
 
