@@ -396,6 +396,25 @@ def test_offloaded_prefill_streams_spans_of_experts(experts):
     assert cache.absent_bytes() == 3 * part * (sum(m.num_experts for m in e.loaded.experts) - 3)
 
 
+@pytest.mark.parametrize("mode", ["copy", "direct", "cpu"])
+def test_offloaded_prefill_equals_the_resident_model_in_every_miss_mode(mode):
+    """However decode serves its misses (copy-then-compute, direct reads, the CPU), a prompt streams its experts
+    through the staging buffers: prompt logits and greedy tokens equal the resident model's."""
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.0)
+    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3), offload_miss=mode)
+    cache = e.loaded.cache
+    assert cache is not None and cache.mode == mode
+    cache.staging.span = 2
+    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
+    with torch.no_grad():
+        want = resident.model(input_ids=ids).logits
+        got = e.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert cache.staging.buffers is not None and cache.staging.buffers[0].w_up.shape[0] == 2
+    assert tokens(e, n=8) == tokens(resident, n=8)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU tensors needs the interpreter")
 @pytest.mark.parametrize("experts", ["full", "int4"])
 def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
