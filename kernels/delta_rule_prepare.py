@@ -8,9 +8,11 @@ the intra-chunk phase, every chunk independent of the others.
   w = (I + A)⁻¹·(beta·k·exp(cg)) (`torch.linalg.solve_triangular`), the causal intra-chunk attention (q·kᵀ)·decay,
   q·exp(cg), k·exp(cg_last − cg) and exp(cg_last). It is also the reference of the kernel below.
 * `chunk_prepare_triton`: the same in ONE launch of `_chunk_prepare_kernel` (grid B·H_v x N, one chunk of one head
-  per program): l2norm, cumsum, the [C, C] products, (I + A)⁻¹ by forward substitution over its rows (transformers'
-  export branch) and u, w as two dots; equal to `chunk_prepare` within fp32 rounding. Opt-in
-  (`chunk_gated_delta_rule(prepare="triton")`) until `bench/deltanet_prefill.py` times it on a GPU.
+  per program): l2norm, cumsum, the [C, C] products, (I + A)⁻¹ by doubling inverted diagonal blocks (X ← X − X·E·X,
+  log2(C) levels of two [C, C] dots) and u, w as two dots; equal to `chunk_prepare` within fp32 rounding. Opt-in
+  (`chunk_gated_delta_rule(prepare="triton")`) until `bench/deltanet_prefill.py` times it on a GPU: session 26's
+  version, forward substitution over the C rows (63 dependent steps on a [C, C] tile), took 3.885 ms against the
+  torch phase's 2.274 at T 2048 (bench/RESULTS.md, "Tried"). The torch phase is ~30 launches a layer, this one.
 
 Shape legend: B batch, T tokens, H_k key heads, H_v value heads, d_k key head dim, d_v value head dim, C chunk size,
 N = ceil(T / C) chunks, T_p = N·C.
@@ -111,13 +113,14 @@ if triton is not None:
         sb_t,
         scale,
         C: tl.constexpr,
+        LOG_C: tl.constexpr,
         DK_P2: tl.constexpr,
         DV_P2: tl.constexpr,
         L2: tl.constexpr,
         PREC: tl.constexpr,
     ):
-        """One (batch row, value head, chunk): transformers' intra-chunk phase. The inverse (I + A)^-1 by forward
-        substitution over the rows (transformers' export branch), then u and w as two dots."""
+        """One (batch row, value head, chunk): transformers' intra-chunk phase. The inverse (I + A)^-1 by doubling
+        inverted diagonal blocks (2 log2(C) dots), then u and w as two dots."""
         pid = tl.program_id(0)
         c = tl.program_id(1)
         bi = (pid // H).to(tl.int64)
@@ -143,13 +146,20 @@ if triton is not None:
         if L2:
             k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
         kb = k * bb[:, None]
-        m = -(tl.dot(kb, tl.trans(k), input_precision=PREC) * decay)
-        m = tl.where(ic[:, None] > ic[None, :], m, 0.0)  # -A, strictly lower
-        for i in range(1, C):  # row i += row i @ rows < i (already final): M becomes (I + A)^-1 - I
-            row = tl.sum(tl.where(ic[:, None] == i, m, 0.0), 0)  # [C], nonzero at columns < i
-            new = row + tl.sum(row[:, None] * m, 0)
-            m = tl.where(ic[:, None] == i, new[None, :], m)
-        tinv = m + tl.where(ic[:, None] == ic[None, :], 1.0, 0.0)
+        a = tl.dot(kb, tl.trans(k), input_precision=PREC) * decay
+        a = tl.where(ic[:, None] > ic[None, :], a, 0.0)  # A, strictly lower: L = I + A
+        # L^-1 by doubling the inverted diagonal blocks: X, the inverse of L's block diagonal of s x s blocks, gives
+        # that of 2s x 2s blocks as X - X E X, E = L's blocks below X's within each 2s block ([[P, 0], [Q, R]]^-1 =
+        # [[P^-1, 0], [-R^-1 Q P^-1, R^-1]]). log2(C) levels of two [C, C] dots, no row-by-row loop, and every X is a
+        # true inverse (no growing powers of A, as a Neumann product would have).
+        tinv = tl.where(ic[:, None] == ic[None, :], 1.0, 0.0)  # s = 1: the unit diagonal
+        for lvl in tl.static_range(LOG_C):
+            s2 = 2 << lvl
+            below = (
+                (ic[:, None] // s2 == ic[None, :] // s2) & (ic[:, None] % s2 >= s2 // 2) & (ic[None, :] % s2 < s2 // 2)
+            )
+            e = tl.where(below, a, 0.0)
+            tinv = tinv - tl.dot(tl.dot(tinv, e, input_precision=PREC), tinv, input_precision=PREC)
         row0 = pid.to(tl.int64) * N * C + c * C  # this chunk's first row in the [B*H_v, T_p, .] outputs
         orow = (row0 + ic).to(tl.int64)
         kall = km[None, :] & (ic[:, None] < C)
@@ -218,6 +228,7 @@ def chunk_prepare_triton(q, k, v, g, beta, C, l2, prec):
         beta.stride(1),
         float(DK**-0.5),
         C=C,
+        LOG_C=C.bit_length() - 1,
         DK_P2=dk2,
         DV_P2=dv2,
         L2=bool(l2),

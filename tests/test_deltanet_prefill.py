@@ -28,7 +28,7 @@ import test_fused  # noqa: E402
 from transformers import DynamicCache, StaticCache  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35  # noqa: E402
 
-from localmoe.decode import replacements  # noqa: E402
+from localmoe.decode import deltanet_prefill, replacements  # noqa: E402
 from localmoe.decode.deltanet import FusedGatedDeltaNet  # noqa: E402
 
 tiny_text_model = test_fused.tiny_text_model  # the fixture, shared with test_fused
@@ -100,6 +100,26 @@ def test_prefill_without_cache():
     x = _x(1, 70)
     _close(_call(mod, x, None), _call(hf, x, None))
     assert mod.prefill_calls == 1
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
+@pytest.mark.parametrize("prepare", ["torch", "triton"])
+@torch.no_grad()
+def test_prefill_with_the_chunk_kernel(prepare, monkeypatch):
+    """The path a GPU takes (the chunked rule's Triton scan, its intra-chunk phase as torch ops or one Triton launch:
+    `FusedGatedDeltaNet.prefill_prepare`), here on CPU tensors under the interpreter: transformers' output and cache,
+    two pieces on a DynamicCache."""
+    monkeypatch.setattr(deltanet_prefill, "kernel_available", lambda t: True)
+    monkeypatch.setattr(FusedGatedDeltaNet, "prefill_prepare", prepare)
+    cfg, hf, mod = _layer()
+    got_cache, want_cache = DynamicCache(config=cfg), DynamicCache(config=cfg)
+    for T, seed in ((3, 1), (67, 2)):
+        x = _x(1, T, seed=seed)
+        torch.testing.assert_close(_call(mod, x, got_cache), _call(hf, x, want_cache), rtol=1e-4, atol=1e-4)
+    a, b = got_cache.layers[0], want_cache.layers[0]
+    torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.conv_states[0], b.conv_states[0], rtol=0, atol=0)
+    assert mod.prefill_calls == 2
 
 
 @pytest.mark.skipif(

@@ -95,8 +95,8 @@ def test_chunk_rule_matches_transformers(case, dtype):
 )
 @torch.no_grad()
 def test_triton_prepare_matches_torch_prepare(case, dtype):
-    """prepare="triton" (the intra-chunk phase in one launch, the inverse by forward substitution) gives what the
-    torch phase gives, and the rule transformers' result."""
+    """prepare="triton" (the intra-chunk phase in one launch, the inverse by doubling inverted diagonal blocks) gives
+    what the torch phase gives, and the rule transformers' result."""
     *shape, s0 = case
     q, k, v, g, beta, state = _inputs(*shape, s0, dtype, seed=7)
     want = chunk_prepare(q, k, v, g, beta)
@@ -109,6 +109,26 @@ def test_triton_prepare_matches_torch_prepare(case, dtype):
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(st, ref_state, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_triton_prepare_inverts_near_singular_chunks():
+    """Keys that repeat (a repeated phrase: every key of a chunk nearly equal), beta near 1 and no decay make
+    A = beta·k·kᵀ nearly all ones below the diagonal, where (I + A)⁻¹ has entries of both signs that cancel in
+    products. The doubling inverse keeps every partial result a true inverse, so it stays at the torch phase's
+    triangular solve (fp32) in every output."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, D = 1, 128, 1, 16
+    base = torch.randn(1, 1, H, D, generator=gen)
+    k = (base + 0.01 * torch.randn(B, T, H, D, generator=gen)).to(DEV)
+    q = torch.randn(B, T, H, D, generator=gen).to(DEV)
+    v = torch.randn(B, T, H, D, generator=gen).to(DEV)
+    g = torch.zeros(B, T, H, device=DEV)
+    beta = (0.95 + 0.05 * torch.rand(B, T, H, generator=gen)).to(DEV)
+    want = chunk_prepare(q, k, v, g, beta)
+    got = chunk_prepare_triton(q, k, v, g, beta, 64, True, "ieee")
+    for name, a, b in zip(("qd", "kd", "w", "u", "attn", "chunk_decay"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
 
 
 @torch.no_grad()

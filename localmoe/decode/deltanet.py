@@ -51,6 +51,10 @@ class FusedGatedDeltaNet(nn.Module):
     """Qwen3.5 Gated DeltaNet whose cached single-token step is 4 projections + one fused kernel + out_proj, and
     whose prefill runs the chunked delta rule kernel."""
 
+    # The chunked rule's intra-chunk phase on CUDA: "torch" (~30 launches a layer) or "triton" (one launch,
+    # kernels/delta_rule_prepare.py; off until timed: `python bench/staging_ab.py --vram 0 --prepare-triton`).
+    prefill_prepare = "torch"
+
     def __init__(self, hf: nn.Module):
         super().__init__()
         object.__setattr__(self, "_hf", hf)  # prefill / uncached calls, and uninstall

@@ -92,10 +92,11 @@ def deltanet_prefill(mod: nn.Module, hidden_states: torch.Tensor, cache, attenti
     v = v.reshape(B, T, -1, mod.head_v_dim)
     beta = b.sigmoid()
     g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
-    rule = chunk_gated_delta_rule if kernel_available(q) else chunk_gated_delta_rule_ref
-    core, last = rule(
-        q, k, v, g, beta, initial_state=initial, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True
-    )
+    kw = dict(initial_state=initial, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+    if kernel_available(q):
+        core, last = chunk_gated_delta_rule(q, k, v, g, beta, prepare=getattr(mod, "prefill_prepare", "torch"), **kw)
+    else:
+        core, last = chunk_gated_delta_rule_ref(q, k, v, g, beta, **kw)
     if cache is not None:
         cache.update_recurrent_state(last, mod.layer_idx)
     core = mod.norm(core.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim))
