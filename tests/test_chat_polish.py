@@ -36,7 +36,9 @@ from localmoe.tui.widgets import INPUT_HINT, ChatInput, LoadingView, MessageView
 
 SMALL = (80, 24)
 SHORT = GenerationSettings(max_new_tokens=8)
-LONG = GenerationSettings(max_new_tokens=3000)  # with long_engine: 9 s or more on a CPU, time to act while it streams
+# with long_engine: the context's ~8000 tokens, 25 s or more on a CPU: time to act while it streams (every test cancels
+# it; 3000 tokens ran out under torch 2.15 on a loaded 2-core machine while the queue test still acted on the reply)
+LONG = GenerationSettings(max_new_tokens=16000)
 QWEN = repo_id("qwen3_moe")
 OLMOE = repo_id("olmoe")
 
@@ -47,13 +49,13 @@ def engine(hub_cache) -> Engine:
 
 
 def long_copy(src: Path, folder: Path) -> Path:
-    """The checkpoint at `src` with 4096 positions (same weights): replies long enough to act on while they stream."""
+    """The checkpoint at `src` with 16384 positions (same weights): replies long enough to act on while they stream."""
     import json
     import shutil
 
     shutil.copytree(src, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["max_position_embeddings"] = 4096
+    config["max_position_embeddings"] = 16384
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
