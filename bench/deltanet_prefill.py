@@ -83,6 +83,8 @@ def check() -> dict:
         ("tf32", "tf32", "torch"),
         ("tprep_ieee", "ieee", "triton"),
         ("tprep_tf32", "tf32", "triton"),
+        ("3xtf32", "3xtf32", "torch"),
+        ("tprep_3xtf32", "3xtf32", "triton"),
     ):
         got, got_s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, precision=prec, prepare=prep)
         res[f"{name}_out"] = float((got.float() - want.float()).abs().max())
@@ -108,6 +110,8 @@ def rule_times(Ts, reps) -> list[dict]:
             "localmoe_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="tf32"),
             "localmoe_tprep": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton"),
             "localmoe_tprep_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", precision="tf32"),
+            "localmoe_3x": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="3xtf32"),
+            "localmoe_tprep_3x": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", precision="3xtf32"),
         }
         if fla_chunk is not None:
             fns["fla"] = lambda: fla_chunk(

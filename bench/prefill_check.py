@@ -9,7 +9,9 @@ prefill logits (max abs difference; 0 expected: each expert's grouped GEMM is th
 and greedy tokens at sparsity 0, and the staging path's own figures (spans filled by the kernel). The bundled
 localmoe-tiny-deamoe too (its prompt staged a group of departments at a time: the bytes staged, the cache's mode).
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py   (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
-smoke run, the staging spans filled by per-expert copies there)
+smoke run, the staging spans filled by per-expert copies there; `--device-spans` / `--deltanet PREPARE/PRECISION`:
+the same check with `DensePath.device_spans` on / the Gated DeltaNet prefill's rule that way (e.g. triton/3xtf32:
+`FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) in both engines, before either becomes a default)
 """
 
 import os
@@ -25,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
+from localmoe.decode.deltanet import FusedGatedDeltaNet  # noqa: E402
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
+from localmoe.experts.dense_path import DensePath  # noqa: E402
 from localmoe.experts.placement import WORKSPACE_RESERVE  # noqa: E402
 
 DEV = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
@@ -106,6 +110,13 @@ def row(family: str, fmt: str, check_fn, *args) -> tuple:
 
 
 def main() -> None:
+    if "--device-spans" in sys.argv:
+        DensePath.device_spans = True
+    if "--deltanet" in sys.argv:
+        way = sys.argv[sys.argv.index("--deltanet") + 1].split("/")
+        FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = way
+    rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
+    print(f"device_spans {DensePath.device_spans}, DeltaNet prefill {rule}")
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

@@ -12,12 +12,13 @@ staged packed (a gather_experts launch per part, then three dequantizing launche
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
-`--prepare-triton` instead compares the Gated DeltaNet prefill's intra-chunk phase as torch ops ("copies", ~30
-launches a layer) against one Triton launch (`FusedGatedDeltaNet.prefill_prepare = "triton"`: the inverse by doubling
-inverted diagonal blocks; "gather"); `--vram 0` too.
+`--deltanet A,B` instead compares two ways of the Gated DeltaNet prefill's delta rule, each PREPARE/PRECISION
+(`FusedGatedDeltaNet.prefill_prepare`: the intra-chunk phase as torch ops, ~30 launches a layer, or one Triton launch;
+`prefill_precision`: the dots' "ieee", "tf32" or "3xtf32"), e.g. torch/ieee,triton/3xtf32: A in the "copies" columns,
+B in the "gather" ones; `--vram 0` too.
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
-       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans | --prepare-triton]
+       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans | --deltanet A,B]
 """
 
 import argparse
@@ -41,10 +42,11 @@ p.add_argument("--reps", type=int, default=2)
 p.add_argument("--programs", default=None, help="A,B: two gather grids instead of copies against the gather")
 p.add_argument("--packed", action="store_true", help="int4 / NF4: packed staging against dequantized staging")
 p.add_argument("--device-spans", action="store_true", help="torch's grouped_mm against the device-side grouped GEMMs")
-p.add_argument("--prepare-triton", action="store_true", help="DeltaNet prefill's first phase: torch against Triton")
+p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
+rules = [tuple(w.split("/")) for w in a.deltanet.split(",")] if a.deltanet else None
 
 e = Engine.random(
     a.shape,
@@ -57,8 +59,8 @@ e = Engine.random(
 e.set_sparsity(0.85)
 e.eos_ids = set()  # random weights: decode the full count
 cache = e.loaded.cache
-if cache is None and not (a.device_spans or a.prepare_triton):
-    raise SystemExit("--vram 0 (experts resident) compares --device-spans or --prepare-triton only: no staging")
+if cache is None and not (a.device_spans or rules):
+    raise SystemExit("--vram 0 (experts resident) compares --device-spans or --deltanet only: no staging")
 staging = cache.staging if cache is not None else None
 plain = staging.plain if staging is not None else None
 if a.packed and plain is None:
@@ -74,8 +76,8 @@ def ttft(n: int, gather: bool) -> float:
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather
-    elif a.prepare_triton:
-        FusedGatedDeltaNet.prefill_prepare = "triton" if gather else "torch"
+    elif rules:
+        FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = rules[int(gather)]
     elif a.packed:
         if (staging.plain is not None) != gather:  # the other buffers: made again at the next use
             staging.settle(torch.device("cuda"))
@@ -101,8 +103,8 @@ if a.packed:
     print("'copies': spans staged packed, then dequantized; 'gather': staged dequantized (gather_dequant)")
 if a.device_spans:
     print("'copies': torch's grouped_mm, the routing read on the host; 'gather': device_spans (no host read)")
-if a.prepare_triton:
-    print("'copies': DeltaNet's intra-chunk phase as torch ops; 'gather': in one Triton launch")
+if rules:
+    print(f"DeltaNet prefill (prepare/precision) 'copies': {a.deltanet}".replace(",", ", 'gather': "))
 print("prompt  copies TTFT s  tok/s   gather TTFT s  tok/s   speed-up  PCIe s  of PCIe (gather)")
 for n in lengths:
     t = {True: [], False: []}

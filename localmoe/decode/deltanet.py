@@ -52,8 +52,11 @@ class FusedGatedDeltaNet(nn.Module):
     whose prefill runs the chunked delta rule kernel."""
 
     # The chunked rule's intra-chunk phase on CUDA: "torch" (~30 launches a layer) or "triton" (one launch,
-    # kernels/delta_rule_prepare.py; off until timed: `python bench/staging_ab.py --vram 0 --prepare-triton`).
+    # kernels/delta_rule_prepare.py), and its dots' precision (delta_rule_prepare.PRECISIONS): fp32 "ieee", or
+    # "3xtf32" (three TF32 tensor-core dots a product, fp32-level error). Timed on a GPU by
+    # `python bench/staging_ab.py --vram 0 --deltanet torch/ieee,triton/3xtf32`.
     prefill_prepare = "torch"
+    prefill_precision = "ieee"
 
     def __init__(self, hf: nn.Module):
         super().__init__()

@@ -94,7 +94,9 @@ def deltanet_prefill(mod: nn.Module, hidden_states: torch.Tensor, cache, attenti
     g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
     kw = dict(initial_state=initial, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
     if kernel_available(q):
-        core, last = chunk_gated_delta_rule(q, k, v, g, beta, prepare=mod.prefill_prepare, **kw)
+        core, last = chunk_gated_delta_rule(
+            q, k, v, g, beta, prepare=mod.prefill_prepare, precision=mod.prefill_precision, **kw
+        )
     else:
         core, last = chunk_gated_delta_rule_ref(q, k, v, g, beta, **kw)
     if cache is not None:
