@@ -7,10 +7,10 @@ output and the final state. Then the times (median ms, CUDA events around each c
 Gated DeltaNet layer's delta rule (H_k 16, H_v 32, d_k = d_v 128, bf16 q/k/v, fp32 g) at T 512 / 2048 / 8192, for:
 transformers' `torch_chunk_gated_delta_rule`, the kernel (fp32 dots, 3xTF32 and TF32; the intra-chunk phase in torch,
 and in Triton: `_tprep`), fla's kernel; then the whole layer (`Qwen3_5MoeGatedDeltaNet` vs localmoe's
-`FusedGatedDeltaNet`, hidden 2048, no cache); between them a sweep of the scan launch (precision x block_v x
-num_warps x num_stages) at T 2048. Prints the tables; with $OUT set writes `$OUT/deltanet_prefill.json`.
+`FusedGatedDeltaNet`, hidden 2048, no cache); between them, with --sweep, a sweep of the scan launch (precision x
+block_v x num_warps x num_stages) at T 2048. Prints the tables; with $OUT set writes `$OUT/deltanet_prefill.json`.
 
-    python bench/deltanet_prefill.py [--T 512,2048,8192] [--reps 10]
+    python bench/deltanet_prefill.py [--T 512,2048,8192] [--reps 10] [--sweep]
 
 Run from the repository root with localmoe importable (see README.md: `pip install -e .`, or PYTHONPATH with
 kernels/ linked in as localmoe/kernels as gpu_release_check.sh does).
@@ -30,6 +30,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
 
 from localmoe.decode.deltanet import FusedGatedDeltaNet
 from localmoe.kernels.delta_rule_chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_ref
+from localmoe.kernels.delta_rule_prepare import PRECISIONS
 
 try:  # optional: the package transformers would use if it were installed
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -132,7 +133,7 @@ def sweep(T, reps) -> list[dict]:
     """The scan kernel's launch keywords at one T (torch prepare): precision x block_v x num_warps x num_stages."""
     q, k, v, g, beta, _ = _inputs(T)
     rows = []
-    for prec in ("ieee", "tf32"):
+    for prec in PRECISIONS:
         for bv in (16, 32, 64):
             for nw in (4, 8):
                 for ns in (1, 2):
@@ -199,6 +200,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", default="512,2048,8192", help="comma-separated token counts")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true", help="also sweep the scan's launch keywords at T 2048")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -208,9 +210,11 @@ def main(argv=None) -> int:
     res = {"check": check()}
     res["rule"] = rule_times(Ts, args.reps)
     cols = ["transformers", "localmoe", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
+    cols += ["localmoe_3x", "localmoe_tprep_3x"]
     cols += ["fla"] if fla_chunk is not None else []
     _table("delta rule, one layer (ms, median)", res["rule"], cols)
-    res["sweep"] = sweep(2048, args.reps)
+    if args.sweep:
+        res["sweep"] = sweep(2048, args.reps)
     res["layer"] = layer_times(Ts, args.reps)
     layer_title = "whole Gated DeltaNet layer, no cache (ms, median; transformers' module uses fla when it imports)"
     _table(layer_title, res["layer"], ["transformers", "localmoe", "max_err"])
