@@ -5,7 +5,7 @@ First a check: the kernel against its torch reference (transformers' function op
 partial last chunk), with an initial state, each dot precision, either prepare; max absolute error of the
 output and the final state. Then the times (median ms, CUDA events around each call, warm) of one Qwen3.5-35B-A3B
 Gated DeltaNet layer's delta rule (H_k 16, H_v 32, d_k = d_v 128, bf16 q/k/v, fp32 g) at T 512 / 2048 / 8192, for:
-transformers' `torch_chunk_gated_delta_rule`, the kernel (fp32 dots, 3xTF32 and TF32; the intra-chunk phase in torch,
+transformers' `torch_chunk_gated_delta_rule`, the kernel (fp32 dots and TF32; the intra-chunk phase in torch,
 and in Triton: `_tprep`), fla's kernel; then the whole layer (`Qwen3_5MoeGatedDeltaNet` vs localmoe's
 `FusedGatedDeltaNet`, hidden 2048, no cache); between them, with --sweep, a sweep of the scan launch (precision x
 block_v x num_warps x num_stages) at T 2048. Prints the tables; with $OUT set writes `$OUT/deltanet_prefill.json`.
@@ -84,8 +84,6 @@ def check() -> dict:
         ("tf32", "tf32", "torch"),
         ("tprep_ieee", "ieee", "triton"),
         ("tprep_tf32", "tf32", "triton"),
-        ("3xtf32", "3xtf32", "torch"),
-        ("tprep_3xtf32", "3xtf32", "triton"),
     ):
         got, got_s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, precision=prec, prepare=prep)
         res[f"{name}_out"] = float((got.float() - want.float()).abs().max())
@@ -111,8 +109,6 @@ def rule_times(Ts, reps) -> list[dict]:
             "localmoe_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="tf32"),
             "localmoe_tprep": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton"),
             "localmoe_tprep_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", precision="tf32"),
-            "localmoe_3x": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="3xtf32"),
-            "localmoe_tprep_3x": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", precision="3xtf32"),
         }
         if fla_chunk is not None:
             fns["fla"] = lambda: fla_chunk(
@@ -210,7 +206,6 @@ def main(argv=None) -> int:
     res = {"check": check()}
     res["rule"] = rule_times(Ts, args.reps)
     cols = ["transformers", "localmoe", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
-    cols += ["localmoe_3x", "localmoe_tprep_3x"]
     cols += ["fla"] if fla_chunk is not None else []
     _table("delta rule, one layer (ms, median)", res["rule"], cols)
     if args.sweep:

@@ -9,8 +9,8 @@ prefill logits (max abs difference; 0 expected: each expert's grouped GEMM is th
 and greedy tokens at sparsity 0, and the staging path's own figures (spans filled by the kernel). The bundled
 localmoe-tiny-deamoe too (its prompt staged a group of departments at a time: the bytes staged, the cache's mode).
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py   (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
-smoke run, the staging spans filled by per-expert copies there; `--device-spans` / `--deltanet PREPARE/PRECISION`:
-the same check with `DensePath.device_spans` on / the Gated DeltaNet prefill's rule that way (e.g. triton/3xtf32:
+smoke run, the staging spans filled by per-expert copies there; `--host-spans` / `--deltanet PREPARE/PRECISION`:
+the same check with `DensePath.device_spans` off / the Gated DeltaNet prefill's rule that way (e.g. triton/ieee:
 `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) in both engines, before either becomes a default)
 """
 
@@ -110,8 +110,8 @@ def row(family: str, fmt: str, check_fn, *args) -> tuple:
 
 
 def main() -> None:
-    if "--device-spans" in sys.argv:
-        DensePath.device_spans = True
+    if "--host-spans" in sys.argv:
+        DensePath.device_spans = False
     if "--deltanet" in sys.argv:
         way = sys.argv[sys.argv.index("--deltanet") + 1].split("/")
         FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = way

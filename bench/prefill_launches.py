@@ -10,7 +10,7 @@ own argument copies left out) and Triton launches, the aten ops by the innermost
 Counts, not times: the interpreter is far slower than a GPU.
 
 Usage: TRITON_INTERPRET=1 python bench/prefill_launches.py [--shape qwen3.5-35b] [--prompt-tokens 2048]
-       [--prepare torch|triton] [--device-spans] [--vram GiB [--span N]] [--top 20]
+       [--prepare torch|triton] [--host-spans] [--vram GiB [--span N]] [--top 20]
 --vram (> 0.5: the workspace reserve) offloads experts behind a cache on the CPU, staged by the gather kernel, --span
 experts a staging span (at tiny widths every expert fits one span; Qwen3.5-35B-A3B int4 at `--vram 16` takes 60).
 """
@@ -41,7 +41,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--shape", default="qwen3.5-35b")
 p.add_argument("--prompt-tokens", type=int, default=2048)
 p.add_argument("--prepare", default="torch", choices=("torch", "triton"), help="the DeltaNet rule's first phase")
-p.add_argument("--device-spans", action="store_true", help="DensePath.device_spans (no host read of the routing)")
+p.add_argument("--host-spans", action="store_true", help="DensePath.device_spans off (a host read of the routing)")
 p.add_argument("--vram", type=float, default=0.0)
 p.add_argument("--span", type=int, default=0, help="offloaded: experts a staging span (int4 at --vram 16 takes 60)")
 p.add_argument("--top", type=int, default=20)
@@ -72,7 +72,7 @@ e = Engine.random(
 replacements.install(e.model, "cpu", force=True)  # the fused modules a GPU load installs
 e.set_sparsity(0.85)
 for m in e.loaded.experts:
-    m.device_spans, m.kernel_on_cpu = a.device_spans, True
+    m.device_spans, m.kernel_on_cpu = not a.host_spans, True
 if e.loaded.cache is not None:
     e.loaded.cache.staging.kernel_on_cpu = True
     e.loaded.cache.staging.span = a.span or e.loaded.cache.staging.span
@@ -131,7 +131,7 @@ aten, tri = sum(count.by_site.values()), sum(triton_launches.values())
 cache = e.loaded.cache
 print(
     f"{a.shape} structure at tiny widths, {len(e.loaded.experts)} MoE layers, a {a.prompt_tokens}-token piece, "
-    f"prepare {a.prepare}, device spans {'on' if a.device_spans else 'off'}, "
+    f"prepare {a.prepare}, device spans {'off' if a.host_spans else 'on'}, "
     + (f"experts offloaded ({cache.slots} slots, spans of {cache.staging.span})" if cache else "experts resident")
 )
 print(f"launches: {aten + tri} ({aten} aten ops, {tri} Triton: {dict(triton_launches.most_common())})")

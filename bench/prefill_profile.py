@@ -12,8 +12,9 @@ to first token of --reps random prompts of --prompt-tokens (median), then one un
 The profiler slows the host side, so its span is longer than the timed TTFT; compare splits, not totals.
 
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_profile.py [--shape qwen3.5-35b] [--experts int4] [--vram 16]
-       [--prompt-tokens 2048] [--reps 3] [--device-spans]
-`--device-spans` profiles the dense path with no host read of the routing (`DensePath.device_spans`).
+       [--prompt-tokens 2048] [--reps 3] [--host-spans]
+`--host-spans` profiles the dense path with torch's grouped_mm and a host read of the routing each layer (the default
+before session 35) instead of `DensePath.device_spans`.
 """
 
 import argparse
@@ -39,7 +40,7 @@ p.add_argument("--experts", default="int4")
 p.add_argument("--vram", type=float, default=16)
 p.add_argument("--prompt-tokens", type=int, default=2048)
 p.add_argument("--reps", type=int, default=3)
-p.add_argument("--device-spans", action="store_true", help="DensePath.device_spans: the layer with no host read")
+p.add_argument("--host-spans", action="store_true", help="the layer with a host read (DensePath.device_spans off)")
 a = p.parse_args()
 n = a.prompt_tokens
 e = Engine.random(
@@ -52,7 +53,7 @@ e = Engine.random(
 )
 e.set_sparsity(0.85)
 for m in e.loaded.experts:
-    m.device_spans = a.device_spans
+    m.device_spans = not a.host_spans
 cache = e.loaded.cache
 gen = torch.Generator().manual_seed(1)
 vocab = e.loaded.config.vocab_size

@@ -14,7 +14,7 @@ staged packed (a gather_experts launch per part, then three dequantizing launche
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
 `--deltanet A,B` instead compares two ways of the Gated DeltaNet prefill's delta rule, each PREPARE/PRECISION
 (`FusedGatedDeltaNet.prefill_prepare`: the intra-chunk phase as torch ops, ~30 launches a layer, or one Triton launch;
-`prefill_precision`: the dots' "ieee", "tf32" or "3xtf32"), e.g. torch/ieee,triton/3xtf32: A in the "copies" columns,
+`prefill_precision`: the dots' "ieee" or "tf32"), e.g. torch/ieee,triton/tf32: A in the "copies" columns,
 B in the "gather" ones; `--vram 0` too.
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]

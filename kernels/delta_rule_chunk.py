@@ -19,9 +19,8 @@ faster on a GPU is `bench/deltanet_prefill.py`'s to say; "torch" stays the defau
 `chunk_gated_delta_rule_ref` is the same first phase followed by transformers' own Python loop over the chunks: it
 equals `torch_chunk_gated_delta_rule` bit for bit on the CPU (tests/test_kernel_delta_rule_chunk.py). The dots in
 the kernels run in full fp32 (`precision="ieee"`, FMA) by default, like torch's fp32 matmuls; "tf32" (~1e-3
-relative error) and "3xtf32" (each dot as three TF32 tensor-core dots of split operands, fp32-level error;
-delta_rule_prepare.dot_prec) are the others. Triton's own "tf32x3" was dropped: on the H200 with triton 3.6 its scan
-returned NaN, then faulted with an illegal memory access.
+relative error) is the other input precision offered ("tf32x3" was dropped: on the H200 with triton 3.6 its scan
+returned NaN, then faulted with an illegal memory access).
 Compiled offline for sm_90 and sm_89 (triton 3.9, d_k 128; not yet run on a GPU) every scan variant fits in shared
 memory with `_scan_stages`, but all spill registers (0.2-13 KiB of stack a thread; ~1 KiB at block_v 16, the default
 at d_k 128): which launch is fastest is `bench/deltanet_prefill.py`'s sweep.
@@ -42,7 +41,7 @@ import functools
 
 import torch
 
-from localmoe.kernels.delta_rule_prepare import PRECISIONS, chunk_prepare, chunk_prepare_triton, dot_prec
+from localmoe.kernels.delta_rule_prepare import PRECISIONS, chunk_prepare, chunk_prepare_triton
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
@@ -155,15 +154,15 @@ if triton is not None:
             voff = base_v + rows[:, None].to(tl.int64) * DV + jv[None, :]
             w = tl.load(w_ptr + koff, mask=kmask, other=0.0)  # [C, DK_P2]
             u = tl.load(u_ptr + voff, mask=vm[None, :], other=0.0)  # [C, BLOCK_V]
-            v_new = u - dot_prec(w, s, PREC)
+            v_new = u - tl.dot(w, s, input_precision=PREC)
             qd = tl.load(qd_ptr + koff, mask=kmask, other=0.0)
             a = tl.load(a_ptr + base_a + i * C * C + ic[:, None] * C + ic[None, :])  # [C, C]
-            o = dot_prec(qd, s, PREC) + dot_prec(a, v_new, PREC)
+            o = tl.dot(qd, s, input_precision=PREC) + tl.dot(a, v_new, input_precision=PREC)
             om = (rows < T)[:, None] & vm[None, :]
             tl.store(o_base + rows[:, None].to(tl.int64) * so_t + jv[None, :], o.to(o_ptr.dtype.element_ty), mask=om)
             kd = tl.load(kd_ptr + koff, mask=kmask, other=0.0)
             cd = tl.load(cd_ptr + pid.to(tl.int64) * N + i)
-            s = s * cd + dot_prec(tl.trans(kd), v_new, PREC)
+            s = s * cd + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
         if STORE_S:
             fp = sf_ptr + pid.to(tl.int64) * DK * DV + ik[:, None] * DV + jv[None, :]
             tl.store(fp, s, mask=km[:, None] & vm[None, :])

@@ -31,14 +31,8 @@ try:  # Triton is optional at import time; the launcher needs it.
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
-    dot_prec = None
 
-# The dots' precision: tl.dot's input_precision "ieee" (fp32 FMA) or "tf32" (~1e-3 relative error), or "3xtf32":
-# each fp32 operand split into a TF32 head (its low 13 mantissa bits cleared) and the fp32 rest, and the product
-# taken as three TF32 tensor-core dots, lo·hi + hi·lo + hi·hi (the lo·lo term, ~2^-22 relative, dropped): fp32-level
-# error at tensor-core speed, the split CUTLASS calls 3xTF32. Triton's own "tf32x3" returned NaN, then faulted with an
-# illegal memory access (H200, triton 3.6).
-PRECISIONS = ("ieee", "tf32", "3xtf32")
+PRECISIONS = ("ieee", "tf32")  # tl.dot's input_precision ("tf32x3": NaN, then an illegal access, H200 triton 3.6)
 
 
 def _l2norm(x, eps=1e-6):
@@ -84,24 +78,6 @@ def chunk_prepare(q, k, v, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=True)
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tf32_split(x):
-        """(head, rest) of fp32 x: head has x's sign, exponent and top 10 mantissa bits (exact in TF32)."""
-        head = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # -8192 = 0xFFFFE000
-        return head, x - head
-
-    @triton.jit
-    def dot_prec(a, b, PREC: tl.constexpr):
-        """a·b (fp32 [M, K] x [K, N]) at PREC (PRECISIONS): tl.dot's precision, or three TF32 dots for "3xtf32"."""
-        if PREC == "3xtf32":
-            a_hi, a_lo = _tf32_split(a)
-            b_hi, b_lo = _tf32_split(b)
-            acc = tl.dot(a_lo, b_hi, input_precision="tf32")
-            acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-            return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-        else:
-            return tl.dot(a, b, input_precision=PREC)
 
     @triton.jit
     def _chunk_prepare_kernel(
@@ -170,7 +146,7 @@ if triton is not None:
         if L2:
             k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
         kb = k * bb[:, None]
-        a = dot_prec(kb, tl.trans(k), PREC) * decay
+        a = tl.dot(kb, tl.trans(k), input_precision=PREC) * decay
         a = tl.where(ic[:, None] > ic[None, :], a, 0.0)  # A, strictly lower: L = I + A
         # L^-1 by doubling the inverted diagonal blocks: X, the inverse of L's block diagonal of s x s blocks, gives
         # that of 2s x 2s blocks as X - X E X, E = L's blocks below X's within each 2s block ([[P, 0], [Q, R]]^-1 =
@@ -183,11 +159,11 @@ if triton is not None:
                 (ic[:, None] // s2 == ic[None, :] // s2) & (ic[:, None] % s2 >= s2 // 2) & (ic[None, :] % s2 < s2 // 2)
             )
             e = tl.where(below, a, 0.0)
-            tinv = tinv - dot_prec(dot_prec(tinv, e, PREC), tinv, PREC)
+            tinv = tinv - tl.dot(tl.dot(tinv, e, input_precision=PREC), tinv, input_precision=PREC)
         row0 = pid.to(tl.int64) * N * C + c * C  # this chunk's first row in the [B*H_v, T_p, .] outputs
         orow = (row0 + ic).to(tl.int64)
         kall = km[None, :] & (ic[:, None] < C)
-        w = dot_prec(tinv, kb * tl.exp(cg)[:, None], PREC)
+        w = tl.dot(tinv, kb * tl.exp(cg)[:, None], input_precision=PREC)
         tl.store(w_ptr + orow[:, None] * DK + ik[None, :], w, mask=kall)
         tl.store(kd_ptr + orow[:, None] * DK + ik[None, :], k * tl.exp(cg_last - cg)[:, None], mask=kall)
         q = tl.load(q_ptr + bi * sq_b + t64[:, None] * sq_t + hk * sq_h + ik[None, :], mask=kmask, other=0.0)
@@ -195,12 +171,12 @@ if triton is not None:
         if L2:
             q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
         q = q * scale
-        attn = dot_prec(q, tl.trans(k), PREC) * decay
+        attn = tl.dot(q, tl.trans(k), input_precision=PREC) * decay
         tl.store(a_ptr + (pid.to(tl.int64) * N + c) * C * C + ic[:, None] * C + ic[None, :], attn)
         tl.store(qd_ptr + orow[:, None] * DK + ik[None, :], q * tl.exp(cg)[:, None], mask=kall)
         vmask = tm[:, None] & vm[None, :]
         v = tl.load(v_ptr + bi * sv_b + t64[:, None] * sv_t + h * sv_h + jv[None, :], mask=vmask, other=0.0)
-        u = dot_prec(tinv, v.to(tl.float32) * bb[:, None], PREC)
+        u = tl.dot(tinv, v.to(tl.float32) * bb[:, None], input_precision=PREC)
         tl.store(u_ptr + orow[:, None] * DV + jv[None, :], u, mask=vm[None, :] & (ic[:, None] < C))
         tl.store(cd_ptr + pid.to(tl.int64) * N + c, tl.exp(cg_last))
 

@@ -111,19 +111,6 @@ def test_triton_prepare_matches_torch_prepare(case, dtype):
     torch.testing.assert_close(st, ref_state, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("prepare", ["torch", "triton"])
-@torch.no_grad()
-def test_3xtf32_dots_match_transformers_at_fp32_tolerance(prepare):
-    """precision="3xtf32" (every dot as three TF32 dots of operands split into a TF32 head and the fp32 rest) keeps
-    the fp32 tolerance of the "ieee" dots, in the scan and in the Triton intra-chunk phase (on the GPU the TF32 dots
-    are tensor-core ones; under the interpreter numpy's fp32, so there the test checks the split's algebra)."""
-    q, k, v, g, beta, state = _inputs(1, 70, 1, 2, 16, 24, True, torch.float32, seed=11)
-    want, want_state = _hf(q, k, v, g, beta, state)
-    got, got_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, precision="3xtf32", prepare=prepare)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_state, want_state, rtol=1e-4, atol=1e-4)
-
-
 @torch.no_grad()
 def test_triton_prepare_inverts_near_singular_chunks():
     """Keys that repeat (a repeated phrase: every key of a chunk nearly equal), beta near 1 and no decay make

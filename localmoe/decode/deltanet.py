@@ -52,9 +52,9 @@ class FusedGatedDeltaNet(nn.Module):
     whose prefill runs the chunked delta rule kernel."""
 
     # The chunked rule's intra-chunk phase on CUDA: "torch" (~30 launches a layer) or "triton" (one launch,
-    # kernels/delta_rule_prepare.py), and its dots' precision (delta_rule_prepare.PRECISIONS): fp32 "ieee", or
-    # "3xtf32" (three TF32 tensor-core dots a product, fp32-level error). Timed on a GPU by
-    # `python bench/staging_ab.py --vram 0 --deltanet torch/ieee,triton/3xtf32`.
+    # kernels/delta_rule_prepare.py), and its dots' precision (delta_rule_prepare.PRECISIONS): fp32 "ieee", or "tf32"
+    # (~5e-4 on outputs of ~0.1). Timed on a GPU by
+    # `python bench/staging_ab.py --vram 0 --deltanet torch/ieee,triton/tf32`.
     prefill_prepare = "torch"
     prefill_precision = "ieee"
 

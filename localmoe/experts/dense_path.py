@@ -40,9 +40,11 @@ class DensePath:
     """The dense path of `LocalExperts` (module docstring)."""
 
     # The layer with no host read of its routing (`_grouped_device`): every expert in fixed spans, the group ends read
-    # on the device by kernels/grouped_gate_up.py and grouped_gemm.py. Off until timed on a GPU against torch's
-    # grouped_mm (bench/grouped_gemm.py, then the prefill); tests turn it on with `kernel_on_cpu`.
-    device_spans = False
+    # on the device by kernels/grouped_gate_up.py and grouped_gemm.py. H200, Qwen3.5-35B-A3B shapes, 85%, TTFT against
+    # torch's grouped_mm with the host read (`python bench/staging_ab.py --device-spans`): int4 resident 1.04x at
+    # 2048 tokens, 2.61x at 8192; int4 at --vram 16 1.05x / 1.75x; bf16 at --vram 24 1.00x / 1.01x (session 35).
+    # On CUDA only: on the CPU tests turn it on with `kernel_on_cpu`.
+    device_spans = True
 
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,H], up [I,H], down_t [I,H]) of expert e, from the cache when offloaded."""
