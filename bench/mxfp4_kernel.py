@@ -17,8 +17,7 @@ Launch parameters: BLOCK_I x num_warps, the pairs that compile without spills fo
 120b; also the prefill's dequantizer (`dequant_mxfp4`, 8 experts) in GB/s. Figures: kernels/mxfp4_sparse.py's launch
 note.
 
-Usage: PYTHONUNBUFFERED=1 python bench/mxfp4_kernel.py [--quick] [--pairs BLOCK_I/WARPS[r],...] [--only-20b]
-       (a pair ending in "r" launches with rows_last=True: the code word tiles loaded rows last)
+Usage: PYTHONUNBUFFERED=1 python bench/mxfp4_kernel.py [--quick] [--pairs BLOCK_I/WARPS,...] [--only-20b]
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ QUICK = "--quick" in sys.argv
 PAIRS = [(4, 4), (8, 4), (8, 8), (16, 8)]  # BLOCK_I, num_warps: spill-free on sm_90
 if not QUICK:
     PAIRS += [(4, 2), (16, 16), (32, 16), (32, 8), (8, 16)]
-if "--pairs" in sys.argv:  # e.g. --pairs 4/4,2/1,4/4r: these launches only ("r": the word tiles rows last)
+if "--pairs" in sys.argv:  # e.g. --pairs 4/4,2/1: these launches only
     PAIRS = [p for p in sys.argv[sys.argv.index("--pairs") + 1].split(",")]
 ONLY_20B = "--only-20b" in sys.argv  # no 120b rows, no dequantizer
 
@@ -124,11 +123,11 @@ def run(E: int, space: list[dict], peak: float) -> list:
 
 
 def launch(pair) -> dict:
-    """sparse_mxfp4's launch keywords of a (BLOCK_I, num_warps) pair or a "B/W" string ("B/Wr": rows_last)."""
+    """sparse_mxfp4's launch keywords of a (BLOCK_I, num_warps) pair or a "B/W" string."""
     if isinstance(pair, tuple):
         return dict(BLOCK_I=pair[0], num_warps=pair[1])
-    b, w = pair.rstrip("r").split("/")
-    return dict(BLOCK_I=int(b), num_warps=int(w), **({"rows_last": True} if pair.endswith("r") else {}))
+    b, w = pair.split("/")
+    return dict(BLOCK_I=int(b), num_warps=int(w))
 
 
 def best(rows, n=4) -> list[dict]:

@@ -25,9 +25,7 @@ Cases (comma-separated; settings joined by "+" apply together):
 Usage: PYTHONUNBUFFERED=1 python bench/step_ab.py CASE[,CASE...] [--shape ALIAS] [--rounds 3] [--sparsity S]
        [--prompt 128] [--context 1024]
 e.g. a tuned entry against the default launch: bench/step_ab.py "base,fused:BLOCK_I=8;num_warps=8" --shape olmoe,
-     bench/step_ab.py base,table:decode_attention:Hq32_Hkv4_D128: --shape qwen3-30b,
-     GPT-OSS's expert kernel with its word tiles rows last:
-     bench/step_ab.py base,table:sparse_mxfp4:H2880_I2880_k4:rows_last=1 --shape gpt-oss-20b
+     bench/step_ab.py base,table:decode_attention:Hq32_Hkv4_D128: --shape qwen3-30b
 """
 
 from __future__ import annotations

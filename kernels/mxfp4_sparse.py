@@ -33,11 +33,6 @@ every sparsity. Before x was loaded once (eight strided loads a part and project
 the single x load) put the launch on the SM's L1 / shared-memory pipe (74 %) and instruction issue (~28M
 warp-instructions a call), with DRAM at 7 % and occupancy register-bound at 37.5 %. A row-loop layout (x in
 registers for the whole program, rows R at a time, down rows summed in registers: f608325) was slower.
-`rows_last=True` loads each word tile [blocks, 4, rows] instead of [rows, blocks, 4]: a block's 4 words in a thread
-and the rows across lanes, so the down projection's sums over rows are shuffles within a warp and the scale tiles
-load in the words' layout. Compiled for sm_90 at gpt-oss-20b's shape (4 / 4, a real launch's divisibility hints):
-30 layout conversions through shared memory, 72 `bar.sync`, 156 registers, against 45 / 194 / 127 rows first (the
-ncu bound above); not yet timed on a GPU, so off by default (`bench/mxfp4_kernel.py --pairs 4/4,4/4r`).
 Output modes, offload addressing, stats and the CUDA-graph contract are sparse_fused's: default a self-cleaning fp32
 workspace with per-token tickets (the last program writes y[t] (+ residual) and the counts and re-zeroes it),
 `accumulate=True` adds into the caller's fp32 `out` / int32 `count`; with `slot_table` (+ `gate_table`) each program
@@ -125,19 +120,15 @@ if triton is not None:
         return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def part_words(base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr, ROWS_LAST: tl.constexpr):
-        """One load of rows' code words [R, NBP, 4] (ROWS_LAST: [NBP, 4, R]; uint32, 8 codes each) for the 32-blocks
+    def part_words(base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """One load of rows' code words [R, NBP, 4] (uint32, 8 codes each) for the 32-blocks
         J0 .. J0 + NBP - 1 of an along-H MXFP4 row (NB blocks, 4 words a block); masked rows and blocks >= NB read
         nothing (0)."""
         jb = J0 + tl.arange(0, NBP)
         w4 = jb[:, None] * 4 + tl.arange(0, 4)[None, :]  # [NBP, 4]
         r64 = rows.to(tl.int64) * (NB * 4)
-        if ROWS_LAST:
-            off = w4[:, :, None] + r64[None, None, :]
-            m = (jb < NB)[:, None, None] & rmask[None, None, :]
-        else:
-            off = r64[:, None, None] + w4[None]
-            m = rmask[:, None, None] & (jb < NB)[None, :, None]
+        off = r64[:, None, None] + w4[None]
+        m = rmask[:, None, None] & (jb < NB)[None, :, None]
         return tl.load(base + off, mask=m, other=0).to(tl.uint32, bitcast=True)
 
     @triton.jit
@@ -158,50 +149,38 @@ if triton is not None:
         return x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
-    def part_dot(
-        w, xs, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr, ROWS_LAST: tl.constexpr
-    ):
+    def part_dot(w, xs, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
         """x . W[n] over the blocks of `part_words` w with `part_x`'s xs: per 32-block the codes' dot with x (the sum
         out times 2**63), times the block's scale; [R] fp32."""
         jb = J0 + tl.arange(0, NBP)
         bm = jb < NB
         acc = tl.zeros(w.shape, dtype=tl.float32)
         r64 = rows.to(tl.int64) * NB
-        if ROWS_LAST:
-            for J in tl.static_range(4):
-                lo, hi = fp4_pair(w, J)
-                acc += lo * xs[J][:, :, None] + hi * xs[J + 4][:, :, None]
-            part = tl.sum(acc, axis=1) * 9.223372036854775808e18  # [NBP, R]
-            s = tl.load(s_base + r64[None, :] + jb[:, None], mask=bm[:, None] & rmask[None, :], other=0)
-            return tl.sum(part * e8m0(s.to(tl.int32)), axis=0)
-        else:
-            for J in tl.static_range(4):
-                lo, hi = fp4_pair(w, J)
-                acc += lo * xs[J][None, :, :] + hi * xs[J + 4][None, :, :]
-            part = tl.sum(acc, axis=2) * 9.223372036854775808e18  # [R, NBP]
-            s = tl.load(s_base + r64[:, None] + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
-            return tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
+        for J in tl.static_range(4):
+            lo, hi = fp4_pair(w, J)
+            acc += lo * xs[J][None, :, :] + hi * xs[J + 4][None, :, :]
+        part = tl.sum(acc, axis=2) * 9.223372036854775808e18  # [R, NBP]
+        s = tl.load(s_base + r64[:, None] + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
+        return tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
 
     @triton.jit
-    def part_down(w, h3, ydst, srow, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr, ROWS_LAST: tl.constexpr):
+    def part_down(w, h3, ydst, srow, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
         """Adds sum_n h_n W[n, c] into ydst for the columns of the blocks J0 .. J0 + NBP - 1: w the kept rows' down
-        code words [R, NBP, 4] (`part_words`), h3 [R, 1, 1] (times 2**63), srow the rows' shared scale row [H];
-        ROWS_LAST: w [NBP, 4, R], h3 [1, 1, R]."""
+        code words [R, NBP, 4] (`part_words`), h3 [R, 1, 1] (times 2**63), srow the rows' shared scale row [H]."""
         jb = J0 + tl.arange(0, NBP)
         bm = jb < NB
-        RA: tl.constexpr = 2 if ROWS_LAST else 0  # the rows' axis
         lo, hi = fp4_pair(w, 0)
-        c0 = tl.sum(lo * h3, axis=RA)  # [NBP, 4]: column 32 jb + 8 q + J
-        c4 = tl.sum(hi * h3, axis=RA)
+        c0 = tl.sum(lo * h3, axis=0)  # [NBP, 4]: column 32 jb + 8 q + J
+        c4 = tl.sum(hi * h3, axis=0)
         lo, hi = fp4_pair(w, 1)
-        c1 = tl.sum(lo * h3, axis=RA)
-        c5 = tl.sum(hi * h3, axis=RA)
+        c1 = tl.sum(lo * h3, axis=0)
+        c5 = tl.sum(hi * h3, axis=0)
         lo, hi = fp4_pair(w, 2)
-        c2 = tl.sum(lo * h3, axis=RA)
-        c6 = tl.sum(hi * h3, axis=RA)
+        c2 = tl.sum(lo * h3, axis=0)
+        c6 = tl.sum(hi * h3, axis=0)
         lo, hi = fp4_pair(w, 3)
-        c3 = tl.sum(lo * h3, axis=RA)
-        c7 = tl.sum(hi * h3, axis=RA)
+        c3 = tl.sum(lo * h3, axis=0)
+        c7 = tl.sum(hi * h3, axis=0)
         # nested joins put J last: [NBP, 4, 2, 2, 2][.., a, b, c] = c_{4a + 2b + c}, i.e. columns in order
         j = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
         col = jb[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBP, 32]
@@ -265,7 +244,6 @@ if triton is not None:
         NBP1: tl.constexpr,  # blocks of the first part (a power of two <= NB)
         NBP2: tl.constexpr,  # blocks of the second part (next power of two of NB - NBP1; 0: none)
         BLOCK_I: tl.constexpr,  # divides 32: the program's down rows share one scale row
-        ROWS_LAST: tl.constexpr,  # the word tiles' layout (`part_words`)
         K_P2: tl.constexpr,
         OFFLOAD: tl.constexpr,
         GATE_TABLE: tl.constexpr,
@@ -312,14 +290,14 @@ if triton is not None:
         rmask = rows < I
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         # ---- gate for BLOCK_I neurons (the only dense read: every part's words in flight at once), bias, act ----
-        gw1 = part_words(g_b, rows, rmask, 0, NBP1, NB, ROWS_LAST)
+        gw1 = part_words(g_b, rows, rmask, 0, NBP1, NB)
         if NBP2 > 0:
-            gw2 = part_words(g_b, rows, rmask, NBP1, NBP2, NB, ROWS_LAST)
+            gw2 = part_words(g_b, rows, rmask, NBP1, NBP2, NB)
         xs1 = part_x(x_row, 0, NBP1, NB)
-        z = part_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB, ROWS_LAST)
+        z = part_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB)
         if NBP2 > 0:
             xs2 = part_x(x_row, NBP1, NBP2, NB)
-            z += part_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB, ROWS_LAST)
+            z += part_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB)
         z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
         g = tl.minimum(z, limit)
         a = g / (1.0 + tl.exp(-alpha * g))
@@ -339,22 +317,22 @@ if triton is not None:
             tl.atomic_add(ydst + cols, rw * bd, mask=cm, sem="relaxed")
         # ---- up / down over the kept rows only, both issued before either is used; nothing kept: no traffic ----
         if nk > 0:
-            uw1 = part_words(u_b, rows, keep, 0, NBP1, NB, ROWS_LAST)
-            dw1 = part_words(d_b, rows, keep, 0, NBP1, NB, ROWS_LAST)
+            uw1 = part_words(u_b, rows, keep, 0, NBP1, NB)
+            dw1 = part_words(d_b, rows, keep, 0, NBP1, NB)
             if NBP2 > 0:
-                uw2 = part_words(u_b, rows, keep, NBP1, NBP2, NB, ROWS_LAST)
-                dw2 = part_words(d_b, rows, keep, NBP1, NBP2, NB, ROWS_LAST)
-            u = part_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB, ROWS_LAST)
+                uw2 = part_words(u_b, rows, keep, NBP1, NBP2, NB)
+                dw2 = part_words(d_b, rows, keep, NBP1, NBP2, NB)
+            u = part_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB)
             if NBP2 > 0:
-                u += part_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB, ROWS_LAST)
+                u += part_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB)
             u += tl.load(bu_ptr + e * I + rows, mask=keep, other=0.0).to(tl.float32)
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 9.223372036854775808e18  # 2**63 (and out per column)
-            h3 = h[None, None, :] if ROWS_LAST else h[:, None, None]
+            h3 = h[:, None, None]
             srow = d_sc + ((pid_i * BLOCK_I) // 32).to(tl.int64) * H  # the program's 32-neuron group's scale row
-            part_down(dw1, h3, ydst, srow, 0, NBP1, NB, ROWS_LAST)
+            part_down(dw1, h3, ydst, srow, 0, NBP1, NB)
             if NBP2 > 0:
-                part_down(dw2, h3, ydst, srow, NBP1, NBP2, NB, ROWS_LAST)
+                part_down(dw2, h3, ydst, srow, NBP1, NBP2, NB)
             tl.atomic_add(cdst + tj, nk, sem="relaxed")
         if FINALIZE:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
@@ -404,7 +382,6 @@ def sparse_mxfp4(
     BLOCK_I: int = 4,
     num_warps: int = 4,
     maxnreg: int | None = None,
-    rows_last: bool = False,
 ):
     """GPT-OSS's routed experts over MXFP4 weights, one launch. Returns (y [T, H], count [T, k]).
 
@@ -421,8 +398,7 @@ def sparse_mxfp4(
     * offload: `slot_table` [E] (slot or -1), `pool_gate/pool_up/pool_down_t` Mxfp4Tensors [S, I, H] on x's device
       (pool_gate [Sg, I, H] with `gate_table` [E]); w_* are then the host master copies (pinned on CUDA) or on x's
       device. Each program reads every part of a resident expert from its slot, of an absent one from the master.
-    BLOCK_I (a power of two <= 32: the program's neurons share one down scale row), num_warps, maxnreg and
-    rows_last (the word tiles loaded [blocks, 4, rows] instead of [rows, blocks, 4]: module docstring) are launch
+    BLOCK_I (a power of two <= 32: the program's neurons share one down scale row), num_warps and maxnreg are launch
     parameters (defaults: the H200's best at gpt-oss shapes). CUDA-graph capturable.
     """
     if triton is None:
@@ -549,7 +525,6 @@ def sparse_mxfp4(
         NBP1=nbp1,
         NBP2=nbp2,
         BLOCK_I=BLOCK_I,
-        ROWS_LAST=bool(rows_last),
         K_P2=triton.next_power_of_2(k),
         OFFLOAD=offload,
         GATE_TABLE=gate_table is not None,

@@ -102,8 +102,7 @@ def test_reference_equals_model_formula(experts):
     [(2, torch.float32, [0.5, 0.9, "all"]), (1, torch.bfloat16, [0.0, 0.9])],  # the interpreter is slow: 5 launches
     ids=["T2-fp32", "T1-bf16"],
 )
-@pytest.mark.parametrize("rows_last", [False, True], ids=["rows-first", "rows-last"])
-def test_matches_reference(experts, T, dtype, sparsities, rows_last):
+def test_matches_reference(experts, T, dtype, sparsities):
     wg, wu, wd, bg, bu, bd = experts
     x, ids, rw = problem(T, dtype, seed=T)
     a_abs = act_abs(x, wg, bg, ids)
@@ -114,7 +113,7 @@ def test_matches_reference(experts, T, dtype, sparsities, rows_last):
         y_ref, c_ref = sparse_mxfp4_ref(x, wg, wu, wd, bg, bu, bd, ids, rw, tau)
         out.fill_(float("nan"))  # poisoned: the kernel must overwrite every element
         cnt.fill_(-7)
-        y, c = sparse_mxfp4(x, wg, wu, wd, bg, bu, bd, ids, rw, tau, out, count=cnt, BLOCK_I=32, rows_last=rows_last)
+        y, c = sparse_mxfp4(x, wg, wu, wd, bg, bu, bd, ids, rw, tau, out, count=cnt, BLOCK_I=32)
         assert y is out and c is cnt and not torch.isnan(y).any()
         assert torch.equal(c, c_ref), f"sparsity {s}"
         assert rel_err(y, y_ref) < 1e-5, f"sparsity {s}"
@@ -122,8 +121,7 @@ def test_matches_reference(experts, T, dtype, sparsities, rows_last):
             assert torch.count_nonzero(c) == 0 and rel_err(y, (rw.float()[..., None] * bd.float()[ids]).sum(1)) < 1e-6
 
 
-@pytest.mark.parametrize("rows_last", [False, True], ids=["rows-first", "rows-last"])
-def test_accumulate_small_blocks(experts, rows_last):
+def test_accumulate_small_blocks(experts):
     """accumulate=True adds to what the caller put in out / count; BLOCK_I 8: four programs share a down scale row
     (H = 160 is 5 blocks of 32: a first part of 4 and a second of 1); both word layouts."""
     wg, wu, wd, bg, bu, bd = experts
@@ -132,9 +130,7 @@ def test_accumulate_small_blocks(experts, rows_last):
     y_ref, c_ref = sparse_mxfp4_ref(x, wg, wu, wd, bg, bu, bd, ids, rw, tau)
     out = torch.full((1, H), 0.25, device=DEV)
     cnt = torch.full((1, K), 3, dtype=torch.int32, device=DEV)
-    sparse_mxfp4(
-        x, wg, wu, wd, bg, bu, bd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8, rows_last=rows_last
-    )
+    sparse_mxfp4(x, wg, wu, wd, bg, bu, bd, ids, rw, tau, out, count=cnt, accumulate=True, BLOCK_I=8)
     assert torch.equal(cnt, c_ref + 3) and rel_err(out, y_ref + 0.25) < 1e-5
 
 
@@ -164,7 +160,6 @@ def test_offload_addressing_totals_and_residual(experts, gates):
         x, mg, mu, md, bg, bu, bd, ids, rw, tau, torch.empty(2, H, dtype=torch.bfloat16, device=DEV),
         slot_table=table, pool_gate=pg, pool_up=pu, pool_down_t=pd, gate_table=gate_table,
         kept_total=totals[0], read_rows=totals[1], host_rows=totals[2], residual=residual, BLOCK_I=32,
-        rows_last=gates == "gate-table",
     )  # fmt: skip
     assert torch.equal(c, c_ref)
     assert rel_err(y, (residual.float() + y_ref.to(torch.bfloat16).float()).to(torch.bfloat16)) < 1e-2
