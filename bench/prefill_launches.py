@@ -10,7 +10,7 @@ own argument copies left out) and Triton launches, the aten ops by the innermost
 Counts, not times: the interpreter is far slower than a GPU.
 
 Usage: TRITON_INTERPRET=1 python bench/prefill_launches.py [--shape qwen3.5-35b] [--prompt-tokens 2048]
-       [--prepare torch|triton] [--host-spans] [--vram GiB [--span N]] [--top 20]
+       [--prepare torch|triton] [--host-spans] [--prefill-norms] [--vram GiB [--span N]] [--top 20]
 --vram (> 0.5: the workspace reserve) offloads experts behind a cache on the CPU, staged by the gather kernel, --span
 experts a staging span (at tiny widths every expert fits one span; Qwen3.5-35B-A3B int4 at `--vram 16` takes 60).
 """
@@ -42,6 +42,7 @@ p.add_argument("--shape", default="qwen3.5-35b")
 p.add_argument("--prompt-tokens", type=int, default=2048)
 p.add_argument("--prepare", default="torch", choices=("torch", "triton"), help="the DeltaNet rule's first phase")
 p.add_argument("--host-spans", action="store_true", help="DensePath.device_spans off (a host read of the routing)")
+p.add_argument("--prefill-norms", action="store_true", help="FusedDecoderLayer.prefill_norms on")
 p.add_argument("--vram", type=float, default=0.0)
 p.add_argument("--span", type=int, default=0, help="offloaded: experts a staging span (int4 at --vram 16 takes 60)")
 p.add_argument("--top", type=int, default=20)
@@ -66,6 +67,7 @@ def narrow(alias: str):
 load.shape_config = narrow  # the shape's structure at tiny widths
 deltanet_prefill.kernel_available = lambda t: True  # the chunk rule's Triton path, as on CUDA
 FusedGatedDeltaNet.prefill_prepare = a.prepare
+replacements.FusedDecoderLayer.prefill_norms = a.prefill_norms
 e = Engine.random(
     a.shape, device=torch.device("cpu"), dtype=torch.float32, vram_gib=a.vram or None, context=a.prompt_tokens + 64
 )
@@ -131,7 +133,7 @@ aten, tri = sum(count.by_site.values()), sum(triton_launches.values())
 cache = e.loaded.cache
 print(
     f"{a.shape} structure at tiny widths, {len(e.loaded.experts)} MoE layers, a {a.prompt_tokens}-token piece, "
-    f"prepare {a.prepare}, device spans {'off' if a.host_spans else 'on'}, "
+    f"prepare {a.prepare}, device spans {'off' if a.host_spans else 'on'}, prefill norms {a.prefill_norms}, "
     + (f"experts offloaded ({cache.slots} slots, spans of {cache.staging.span})" if cache else "experts resident")
 )
 print(f"launches: {aten + tri} ({aten} aten ops, {tri} Triton: {dict(triton_launches.most_common())})")

@@ -15,10 +15,12 @@ kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on th
 `--deltanet A,B` instead compares two ways of the Gated DeltaNet prefill's delta rule, each PREPARE/PRECISION
 (`FusedGatedDeltaNet.prefill_prepare`: the intra-chunk phase as torch ops, ~30 launches a layer, or one Triton launch;
 `prefill_precision`: the dots' "ieee" or "tf32"), e.g. torch/ieee,triton/tf32: A in the "copies" columns,
-B in the "gather" ones; `--vram 0` too.
+B in the "gather" ones; `--vram 0` too. `--prefill-norms` instead compares transformers' decoder layer for prefill
+("copies") against `FusedDecoderLayer.prefill_norms` (the layer's arithmetic with the fused norms; "gather").
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
-       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans | --deltanet A,B]
+       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans | --deltanet A,B
+       | --prefill-norms]
 """
 
 import argparse
@@ -27,6 +29,7 @@ import statistics
 import torch
 
 from localmoe.decode.deltanet import FusedGatedDeltaNet
+from localmoe.decode.moe_layer import FusedDecoderLayer
 from localmoe.decode.prefix import piece_cuts
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
@@ -42,6 +45,7 @@ p.add_argument("--reps", type=int, default=2)
 p.add_argument("--programs", default=None, help="A,B: two gather grids instead of copies against the gather")
 p.add_argument("--packed", action="store_true", help="int4 / NF4: packed staging against dequantized staging")
 p.add_argument("--device-spans", action="store_true", help="torch's grouped_mm against the device-side grouped GEMMs")
+p.add_argument("--prefill-norms", action="store_true", help="the original layer against the fused norms in prefill")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
@@ -59,8 +63,10 @@ e = Engine.random(
 e.set_sparsity(0.85)
 e.eos_ids = set()  # random weights: decode the full count
 cache = e.loaded.cache
-if cache is None and not (a.device_spans or rules):
-    raise SystemExit("--vram 0 (experts resident) compares --device-spans or --deltanet only: no staging")
+if cache is None and not (a.device_spans or rules or a.prefill_norms):
+    raise SystemExit(
+        "--vram 0 (experts resident) compares --device-spans, --deltanet or --prefill-norms only: no staging"
+    )
 staging = cache.staging if cache is not None else None
 plain = staging.plain if staging is not None else None
 if a.packed and plain is None:
@@ -78,6 +84,8 @@ def ttft(n: int, gather: bool) -> float:
             m.device_spans = gather
     elif rules:
         FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = rules[int(gather)]
+    elif a.prefill_norms:
+        FusedDecoderLayer.prefill_norms = gather
     elif a.packed:
         if (staging.plain is not None) != gather:  # the other buffers: made again at the next use
             staging.settle(torch.device("cuda"))
@@ -101,6 +109,8 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if a.packed:
     print("'copies': spans staged packed, then dequantized; 'gather': staged dequantized (gather_dequant)")
+if a.prefill_norms:
+    print("'copies': transformers' decoder layer for prefill; 'gather': its arithmetic with the fused norms")
 if a.device_spans:
     print("'copies': torch's grouped_mm, the routing read on the host; 'gather': device_spans (no host read)")
 if rules:

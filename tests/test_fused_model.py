@@ -355,3 +355,55 @@ def test_layer_launches(tiny_model, family, monkeypatch):
     assert len(before.ops) == n_before
     glue = _count_step(model, monkeypatch)  # the same model: its table is built (the same prompt, the same length)
     assert glue.ops == _GLUE[:1] + ["mul.Tensor"] * (family == "granitemoe") + _GLUE[1:]
+
+
+def _count_call(model, prompt, monkeypatch) -> _Launches:
+    """Every launch of one uncached call of the model on `prompt` (aten ops that compute, Triton launches)."""
+    from triton.runtime import interpreter
+
+    mode = _Launches()
+    mode.inside = True
+    launch = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        if mode.counting():
+            mode.ops.append("triton:" + self.fn.__name__)
+        mode.triton += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            mode.triton -= 1
+
+    with monkeypatch.context() as mp:
+        mp.setattr(interpreter.GridExecutor, "__call__", counted)
+        with mode:
+            model(input_ids=prompt)
+    return mode
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches of the interpreter")
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "mixtral", "granitemoe"])
+@torch.no_grad()
+def test_prefill_norms_equal_the_original_layer(tiny_model, family, monkeypatch):
+    """`FusedDecoderLayer.prefill_norms`: a prompt runs each layer's arithmetic with its fused norms (the input norm
+    one launch, the residual add and post-attention norm one) instead of transformers' layer; prefill logits and the
+    greedy continuation equal the original layer's within fp32 tolerance, the decode steps stay the fused ones, the
+    prefill is not counted as a decode call, and the piece makes fewer launches (GraniteMoE: its residual_multiplier
+    on both branches)."""
+    ref = copy.deepcopy(tiny_model).to(DEV)
+    test_fused.nontrivial(ref)
+    model, _ = _installed(ref)
+    prompt = _prompt(model, P=7)
+    want, want_toks = _run(model, "static", prompt, 2)
+    off = _count_call(model, prompt, monkeypatch)
+    monkeypatch.setattr(replacements.FusedDecoderLayer, "prefill_norms", True)
+    layers = [m for m in model.modules() if isinstance(m, replacements.FusedDecoderLayer)]
+    calls = [m.decode_calls for m in layers]
+    got, toks = _run(model, "static", prompt, 2)
+    assert [m.decode_calls - c for m, c in zip(layers, calls)] == [2] * len(layers)  # the decode steps only
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert toks == want_toks
+    on = _count_call(model, prompt, monkeypatch)
+    n = model.config.num_hidden_layers
+    print(f"\n{family} prefill launches: {len(off.ops)} -> {len(on.ops)} ({n} layers)")
+    assert len(on.ops) <= len(off.ops) - 8 * n

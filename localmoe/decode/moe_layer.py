@@ -307,8 +307,16 @@ class FusedDecoderLayer(nn.Module):
     launch and the MoE output + residual into the shared expert's last kernel (without a shared expert: one add launch).
     Only when its norm and MoE block are localmoe's fused modules and the call is one token on their device; other
     one-token calls run transformers' layer arithmetic with this layer's (fused) children, and more tokens (prefill) the
-    original layer, whose children are the originals. GraniteMoE: both branches scaled by `residual_multiplier` before
-    their residual adds (module docstring)."""
+    original layer, whose children are the originals, or, with `prefill_norms` on and both norms localmoe's, the same
+    arithmetic with the fused norms (the input norm one launch, the residual add and post-attention norm one) and the
+    children's own prefill paths. GraniteMoE: both branches scaled by `residual_multiplier` before their residual adds
+    (module docstring)."""
+
+    # Prefill through the fused norms: ~17 launches a layer fewer than transformers' RMSNorms and residual add (its
+    # norm alone ~8: fp32 casts, pow, mean, rsqrt, products); the numerics are the decode step's (fp32 inside one
+    # kernel, not torch's op by op). Off until a GPU times it and checks the families' tokens (`bench/staging_ab.py
+    # --prefill-norms`, `bench/prefill_check.py --prefill-norms`): prefill is bound by the host's launches.
+    prefill_norms = False
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -342,8 +350,14 @@ class FusedDecoderLayer(nn.Module):
             and (self._scale == 1.0 or not self._moe.has_shared)
         )
 
+    def _prefill_fused(self, h: torch.Tensor) -> bool:
+        """Whether a call of more than one token runs this layer's arithmetic with its fused norms (`prefill_norms`)."""
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        return self.prefill_norms and h.dim() == 3 and all(isinstance(n, FusedRMSNorm) for n in norms)
+
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # [B, T, H]
-        if hidden_states.dim() != 3 or hidden_states.shape[0] * hidden_states.shape[1] != 1:
+        prefill = hidden_states.dim() != 3 or hidden_states.shape[0] * hidden_states.shape[1] != 1
+        if prefill and not self._prefill_fused(hidden_states):
             return self._hf(hidden_states, *args, **kwargs)  # prefill: the original layer
         a = self._sig.bind(hidden_states, *args, **kwargs).arguments
         extra = dict(a.pop(self._var_kw, {})) if self._var_kw else {}
@@ -351,7 +365,7 @@ class FusedDecoderLayer(nn.Module):
         for name in ("cache", "past_key_values"):  # the model may pass the other name (transformers 5.17's GPT-OSS)
             other = extra.pop(name, None)
             cache = other if cache is None else cache
-        self.decode_calls += 1
+        self.decode_calls += not prefill
         if isinstance(getattr(self, "linear_attn", None), FusedGatedDeltaNet):  # the input norm inside its GEMV
             h = self.linear_attn(
                 hidden_states, cache, attention_mask=a.get("attention_mask"), input_norm=self.input_layernorm, **extra
@@ -379,9 +393,13 @@ class FusedDecoderLayer(nn.Module):
         if self._fusable(hidden_states) and moe.takes_front(h):  # sparse decode: 2 launches from here (GraniteMoE's
             return moe.step_front(h, hidden_states, norm, self._scale)  # scales inside moe_front)
         h = self._scaled(h)  # (GraniteMoE: 1 launch)
-        if not self._fusable(hidden_states):  # e.g. the MoE block left out of the table: transformers' layer's
-            s = hidden_states + h  # arithmetic, with this layer's children (fused where they are)
-            m = moe(norm(s))
+        if not self._fusable(hidden_states):  # prefill, or e.g. the MoE block left out of the table: transformers'
+            if prefill:  # layer's arithmetic, with this layer's children (fused where they are)
+                hn, s = _add_norm(h, hidden_states, norm)
+            else:
+                s = hidden_states + h
+                hn = norm(s)
+            m = moe(hn)
             return s + self._scaled(m[0] if isinstance(m, tuple) else m)
         h, residual = _add_norm(h, hidden_states, norm)
         if moe.has_shared:  # the residual add in the shared expert's last kernel
