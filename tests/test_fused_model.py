@@ -240,16 +240,10 @@ class _Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_step(model, monkeypatch, warm=False, layer=None) -> _Launches:
-    """The launches outside the decoder layers (or inside decoder layer `layer`) of one decode step after a
-    static-cache prefill (and, with `warm`, one uncounted decode step)."""
+def _counted_launch(mode: _Launches):
+    """The interpreter's launch, counted into `mode` (its own aten ops not counted)."""
     from triton.runtime import interpreter
 
-    prompt = _prompt(model, seed=9)
-    cache = _static_prefill(model, prompt)
-    if warm:
-        model(input_ids=prompt[:, -1:], use_cache=True, **{_cache_kw(model): cache})
-    mode = _Launches(layer)
     launch = interpreter.GridExecutor.__call__
 
     def counted(self, *args, **kwargs):
@@ -261,7 +255,20 @@ def _count_step(model, monkeypatch, warm=False, layer=None) -> _Launches:
         finally:
             mode.triton -= 1
 
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    return counted
+
+
+def _count_step(model, monkeypatch, warm=False, layer=None) -> _Launches:
+    """The launches outside the decoder layers (or inside decoder layer `layer`) of one decode step after a
+    static-cache prefill (and, with `warm`, one uncounted decode step)."""
+    from triton.runtime import interpreter
+
+    prompt = _prompt(model, seed=9)
+    cache = _static_prefill(model, prompt)
+    if warm:
+        model(input_ids=prompt[:, -1:], use_cache=True, **{_cache_kw(model): cache})
+    mode = _Launches(layer)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", _counted_launch(mode))
     hooks = [
         model.model.register_forward_pre_hook(lambda *_: setattr(mode, "inside", True)),
         model.model.register_forward_hook(lambda *_: setattr(mode, "inside", False)),
@@ -363,19 +370,8 @@ def _count_call(model, prompt, monkeypatch) -> _Launches:
 
     mode = _Launches()
     mode.inside = True
-    launch = interpreter.GridExecutor.__call__
-
-    def counted(self, *args, **kwargs):
-        if mode.counting():
-            mode.ops.append("triton:" + self.fn.__name__)
-        mode.triton += 1
-        try:
-            return launch(self, *args, **kwargs)
-        finally:
-            mode.triton -= 1
-
     with monkeypatch.context() as mp:
-        mp.setattr(interpreter.GridExecutor, "__call__", counted)
+        mp.setattr(interpreter.GridExecutor, "__call__", _counted_launch(mode))
         with mode:
             model(input_ids=prompt)
     return mode

@@ -312,8 +312,8 @@ class FusedDecoderLayer(nn.Module):
     children's own prefill paths. GraniteMoE: both branches scaled by `residual_multiplier` before their residual adds
     (module docstring)."""
 
-    # Prefill through the fused norms: ~17 launches a layer fewer than transformers' RMSNorms and residual add (its
-    # norm alone ~8: fp32 casts, pow, mean, rsqrt, products); the numerics are the decode step's (fp32 inside one
+    # Prefill through the fused norms: ~11 launches a layer fewer than transformers' RMSNorms and residual add (the
+    # tiny models of tests/test_fused_model.py); the numerics are the decode step's (fp32 inside one
     # kernel, not torch's op by op). Off until a GPU times it and checks the families' tokens (`bench/staging_ab.py
     # --prefill-norms`, `bench/prefill_check.py --prefill-norms`): prefill is bound by the host's launches.
     prefill_norms = False
