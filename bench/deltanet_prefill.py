@@ -82,6 +82,7 @@ def check() -> dict:
     for name, prec, prep in (
         ("ieee", "ieee", "torch"),
         ("tf32", "tf32", "torch"),
+        ("split_ieee", "ieee", "split"),
         ("tprep_ieee", "ieee", "triton"),
         ("tprep_tf32", "tf32", "triton"),
     ):
@@ -107,6 +108,7 @@ def rule_times(Ts, reps) -> list[dict]:
             ),
             "localmoe": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
             "localmoe_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, precision="tf32"),
+            "localmoe_split": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="split"),
             "localmoe_tprep": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton"),
             "localmoe_tprep_tf32": lambda: chunk_gated_delta_rule(q, k, v, g, beta, prepare="triton", precision="tf32"),
         }
@@ -205,7 +207,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  fla {'yes' if fla_chunk else 'no'}")
     res = {"check": check()}
     res["rule"] = rule_times(Ts, args.reps)
-    cols = ["transformers", "localmoe", "localmoe_tf32", "localmoe_tprep", "localmoe_tprep_tf32"]
+    cols = ["transformers", "localmoe", "localmoe_tf32", "localmoe_split", "localmoe_tprep", "localmoe_tprep_tf32"]
     cols += ["fla"] if fla_chunk is not None else []
     _table("delta rule, one layer (ms, median)", res["rule"], cols)
     if args.sweep:

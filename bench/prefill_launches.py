@@ -10,7 +10,7 @@ own argument copies left out) and Triton launches, the aten ops by the innermost
 Counts, not times: the interpreter is far slower than a GPU.
 
 Usage: TRITON_INTERPRET=1 python bench/prefill_launches.py [--shape qwen3.5-35b] [--prompt-tokens 2048]
-       [--prepare torch|triton] [--host-spans] [--prefill-norms] [--vram GiB [--span N]] [--top 20]
+       [--prepare torch|split|triton] [--host-spans] [--prefill-norms] [--vram GiB [--span N]] [--top 20]
 --vram (> 0.5: the workspace reserve) offloads experts behind a cache on the CPU, staged by the gather kernel, --span
 experts a staging span (at tiny widths every expert fits one span; Qwen3.5-35B-A3B int4 at `--vram 16` takes 60).
 """
@@ -40,7 +40,9 @@ from localmoe.models.shapes import shape_config
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="qwen3.5-35b")
 p.add_argument("--prompt-tokens", type=int, default=2048)
-p.add_argument("--prepare", default="torch", choices=("torch", "triton"), help="the DeltaNet rule's first phase")
+p.add_argument(
+    "--prepare", default="torch", choices=("torch", "split", "triton"), help="the DeltaNet rule's first phase"
+)
 p.add_argument("--host-spans", action="store_true", help="DensePath.device_spans off (a host read of the routing)")
 p.add_argument("--prefill-norms", action="store_true", help="FusedDecoderLayer.prefill_norms on")
 p.add_argument("--vram", type=float, default=0.0)

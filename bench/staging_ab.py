@@ -13,7 +13,8 @@ staged packed (a gather_experts launch per part, then three dequantizing launche
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
 `--deltanet A,B` instead compares two ways of the Gated DeltaNet prefill's delta rule, each PREPARE/PRECISION
-(`FusedGatedDeltaNet.prefill_prepare`: the intra-chunk phase as torch ops, ~30 launches a layer, or one Triton launch;
+(`FusedGatedDeltaNet.prefill_prepare`: the intra-chunk phase as torch ops, ~30 launches a layer, "split", ~7, or one
+Triton launch;
 `prefill_precision`: the dots' "ieee" or "tf32"), e.g. torch/ieee,triton/tf32: A in the "copies" columns,
 B in the "gather" ones; `--vram 0` too. `--prefill-norms` instead compares transformers' decoder layer for prefill
 ("copies") against `FusedDecoderLayer.prefill_norms` (the layer's arithmetic with the fused norms; "gather").

@@ -13,8 +13,10 @@ Qwen3.5's Gated DeltaNet runs for every call but the cached one-token step), in 
        v_new = u − w·S;   o = (q·exp(cg))·S + attn·v_new;   S = S·exp(cg_last) + (k·exp(cg_last − cg))ᵀ·v_new
    and stores o (rows t < T, cast to q's dtype) and, at the end, S (fp32).
 
-`prepare="triton"` runs part 1 as one launch too (kernels/delta_rule_prepare.py `chunk_prepare_triton`); which is
-faster on a GPU is `bench/deltanet_prefill.py`'s to say; "torch" stays the default until measured.
+`prepare="triton"` runs part 1 as one launch too (kernels/delta_rule_prepare.py `chunk_prepare_triton`);
+`prepare="split"` its elementwise and per-chunk work as one launch and its [C, C] products and triangular solves in
+fp32 torch (kernels/delta_rule_inputs.py `chunk_prepare_split`, ~7 launches). Which is faster on a GPU is
+`bench/deltanet_prefill.py`'s and `bench/staging_ab.py --deltanet`'s to say; "torch" stays the default until measured.
 
 `chunk_gated_delta_rule_ref` is the same first phase followed by transformers' own Python loop over the chunks: it
 equals `torch_chunk_gated_delta_rule` bit for bit on the CPU (tests/test_kernel_delta_rule_chunk.py). The dots in
@@ -41,6 +43,7 @@ import functools
 
 import torch
 
+from localmoe.kernels.delta_rule_inputs import chunk_prepare_split
 from localmoe.kernels.delta_rule_prepare import PRECISIONS, chunk_prepare, chunk_prepare_triton
 
 try:  # Triton is optional at import time; the launcher needs it.
@@ -51,6 +54,7 @@ except ImportError:  # pragma: no cover
     tl = None
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PREPARES = ("torch", "split", "triton")  # the intra-chunk phase: torch ops, one Triton launch + torch dots, one launch
 
 
 def kernel_available(t: torch.Tensor) -> bool:
@@ -219,8 +223,9 @@ def chunk_gated_delta_rule(
     """transformers' `torch_chunk_gated_delta_rule` with the chunk loop in one Triton launch (module docstring).
     q, k [B, T, H_k|H_v, d_k]; v [B, T, H_v, d_v]; g, beta [B, T, H_v]; initial_state [B, H_v, d_k, d_v] or None.
     Returns (out [B, T, H_v, d_v] in q's dtype, final state [B, H_v, d_k, d_v] fp32, or None when not asked for).
-    `prepare`: the intra-chunk phase as transformers' torch ops ("torch", ~30 launches whatever T) or in one Triton
-    launch ("triton", kernels/delta_rule_prepare.py: 2 launches in all)."""
+    `prepare` (PREPARES): the intra-chunk phase as transformers' torch ops ("torch", ~30 launches whatever T), in one
+    Triton launch ("triton", kernels/delta_rule_prepare.py: 2 launches in all), or its elementwise work in one launch
+    and its products and solves in torch ("split", kernels/delta_rule_inputs.py: ~7 launches)."""
     if triton is None:
         raise RuntimeError("chunk_gated_delta_rule needs triton")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -250,13 +255,15 @@ def chunk_gated_delta_rule(
             raise ValueError("initial_state must be on q's device")
     if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
-    if prepare not in ("torch", "triton"):
-        raise ValueError(f"prepare must be 'torch' or 'triton', got {prepare!r}")
+    if prepare not in PREPARES:
+        raise ValueError(f"prepare must be one of {PREPARES}, got {prepare!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     prec = precision
     if prepare == "torch":
         prepared = chunk_prepare(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel)
+    elif prepare == "split":
+        prepared = chunk_prepare_split(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel)
     else:
         prepared = chunk_prepare_triton(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, prec)
     qd, kd, w, u, attn, chunk_decay = (x.contiguous() for x in prepared)  # solve_triangular's may be column-major

@@ -103,7 +103,7 @@ def test_prefill_without_cache():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("prepare", ["torch", "triton"])
+@pytest.mark.parametrize("prepare", ["torch", "split", "triton"])
 @torch.no_grad()
 def test_prefill_with_the_chunk_kernel(prepare, monkeypatch):
     """The path a GPU takes (the chunked rule's Triton scan, its intra-chunk phase as torch ops or one Triton launch:

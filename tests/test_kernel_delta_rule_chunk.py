@@ -5,7 +5,7 @@ The reference equals transformers' function bit for bit; the kernel equals it wi
 TRITON_INTERPRET=1 on the CPU its dots are numpy's). T = 1, 63, 64, 130 (one partial chunk, one full, three with a
 partial last one), with and without an initial state, q/k with H_v heads (as transformers passes them) and with H_k
 heads, a real head size (d_k = d_v = 128) once, fp32 and bf16 inputs; the intra-chunk phase in torch (the default)
-and in Triton (`prepare="triton"`). Interpreter time keeps the shapes small.
+, in Triton (`prepare="triton"`) and split (`prepare="split"`). Interpreter time keeps the shapes small.
 Shape legend: B batch, T tokens, H_k/H_v key/value heads, d_k/d_v head dims.
 """
 
@@ -24,6 +24,14 @@ from localmoe.kernels.delta_rule_chunk import (  # noqa: E402
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
     kernel_available,
+)
+from localmoe.kernels.delta_rule_inputs import (  # noqa: E402
+    NAMES,
+    chunk_inputs,
+    chunk_inputs_ref,
+    chunk_prepare_split,
+    gate_beta,
+    gate_beta_ref,
 )
 from localmoe.kernels.delta_rule_prepare import chunk_prepare, chunk_prepare_triton  # noqa: E402
 
@@ -162,3 +170,58 @@ def test_checks():
         chunk_gated_delta_rule(q, k, v, g[:, :4], beta)
     with pytest.raises(ValueError):  # integer input
         chunk_gated_delta_rule(q, k, v.long(), g, beta)
+
+
+@pytest.mark.parametrize(
+    "case,dtype",
+    [
+        ((1, 1, 2, 2, 16, 16, False), torch.float32),
+        ((1, 130, 1, 2, 16, 24, True), torch.float32),
+        ((2, 63, 2, 2, 8, 16, True), torch.bfloat16),
+        ((1, 70, 1, 1, 128, 128, True), torch.bfloat16),
+    ],
+    ids=["T1", "T130_grouped", "T63_b2_bf16", "T70_d128_bf16"],
+)
+@torch.no_grad()
+def test_split_prepare_matches_torch_prepare(case, dtype):
+    """prepare="split" (kernels/delta_rule_inputs.py: l2norm, decays and the beta products in one launch, then torch's
+    products and solves): its kernel equals its torch reference, the phase equals the torch phase, and the rule
+    transformers' result; q, k and v as strided views of one tensor, as the conv output hands them over."""
+    B, T, HK, HV, DK, DV, s0 = case
+    q, k, v, g, beta, state = _inputs(B, T, HK, HV, DK, DV, s0, dtype, seed=11)
+    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # [B, T, 2 H_k d_k + H_v d_v]
+    q, k, v = torch.split(mixed, [HK * DK, HK * DK, HV * DV], dim=-1)
+    q, k, v = q.reshape(B, T, HK, DK), k.reshape(B, T, HK, DK), v.reshape(B, T, HV, DV)
+    for name, a, b in zip(NAMES, chunk_inputs(q, k, v, g, beta), chunk_inputs_ref(q, k, v, g, beta)):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    for name, a, b in zip(
+        ("qd", "kd", "w", "u", "attn", "chunk_decay"),
+        chunk_prepare_split(q, k, v, g, beta),
+        chunk_prepare(q, k, v, g, beta),
+    ):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    out, st = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, prepare="split")
+    ref, ref_state = _hf(q, k, v, g, beta, state)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(st, ref_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_gate_beta_matches_transformers_ops(dtype):
+    """gate_beta (one launch) gives transformers' g = -exp(A_log)·softplus(a + dt_bias) (fp32) and beta = sigmoid(b)
+    (b's dtype), a spanning softplus's linear range past 20; a length that is not a multiple of the block."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, H = 2, 37, 6
+    a = (torch.randn(B, T, H, generator=gen) * 12).to(DEV, dtype)
+    b = (torch.randn(B, T, H, generator=gen) * 3).to(DEV, dtype)
+    A_log = torch.randn(H, generator=gen).to(DEV)
+    dt_bias = torch.randn(H, generator=gen).to(DEV, dtype)
+    g, beta = gate_beta(a, b, A_log, dt_bias, block=128)
+    want_g, want_beta = gate_beta_ref(a, b, A_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype and g.shape == beta.shape == (B, T, H)
+    torch.testing.assert_close(g, want_g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(beta, want_beta, rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)

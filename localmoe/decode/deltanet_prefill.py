@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from localmoe.kernels.delta_rule_chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_ref, kernel_available
+from localmoe.kernels.delta_rule_inputs import gate_beta
 
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
@@ -90,8 +91,11 @@ def deltanet_prefill(mod: nn.Module, hidden_states: torch.Tensor, cache, attenti
     q = q.reshape(B, T, -1, mod.head_k_dim)  # [B, T, H_k, d_k]: the chunk rule serves H_v / H_k heads from each
     k = k.reshape(B, T, -1, mod.head_k_dim)
     v = v.reshape(B, T, -1, mod.head_v_dim)
-    beta = b.sigmoid()
-    g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
+    if kernel_available(q) and mod.prefill_prepare == "split":  # one launch for both (8 as torch ops)
+        g, beta = gate_beta(a, b, mod.A_log, mod.dt_bias)
+    else:
+        beta = b.sigmoid()
+        g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
     kw = dict(initial_state=initial, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
     if kernel_available(q):
         core, last = chunk_gated_delta_rule(
