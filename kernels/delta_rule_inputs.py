@@ -77,17 +77,20 @@ def gate_beta_ref(a, b, A_log, dt_bias):
 if triton is not None:
 
     @triton.jit
-    def _gate_beta_kernel(a_ptr, b_ptr, al_ptr, dt_ptr, g_ptr, beta_ptr, n, H, BLOCK: tl.constexpr):
+    def _gate_beta_kernel(a_ptr, b_ptr, al_ptr, dt_ptr, g_ptr, beta_ptr, n, H, sa, sb, BLOCK: tl.constexpr):
         """g = -exp(A_log[h]) * softplus(a + dt_bias[h]) (fp32; softplus x past 20, as torch's threshold) and
-        beta = sigmoid(b) rounded to beta's dtype, over n = B*T*H_v contiguous elements (h = i % H_v)."""
+        beta = sigmoid(b) rounded to beta's dtype, over n = B*T*H_v elements i = r*H_v + h (a, b rows r at strides
+        sa, sb; g and beta contiguous)."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
+        r = (i // H).to(tl.int64)
         h = i % H
-        x = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32) + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(a_ptr + r * sa + h, mask=m, other=0.0).to(tl.float32)
+        x += tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
         sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         g = -tl.exp(tl.load(al_ptr + h, mask=m, other=0.0).to(tl.float32)) * sp
         tl.store(g_ptr + i, g, mask=m)
-        bb = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+        bb = tl.load(b_ptr + r * sb + h, mask=m, other=0.0).to(tl.float32)
         tl.store(beta_ptr + i, (1.0 / (1.0 + tl.exp(-bb))).to(beta_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -229,8 +232,9 @@ def chunk_inputs(q, k, v, g, beta, chunk_size: int = 64, l2: bool = True, num_wa
 
 
 def gate_beta(a, b, A_log, dt_bias, block: int = 1024):
-    """`gate_beta_ref` in one launch of `_gate_beta_kernel`: a, b [B, T, H_v] float (contiguous), A_log and dt_bias
-    [H_v] float. Returns (g fp32, beta in b's dtype), [B, T, H_v] contiguous."""
+    """`gate_beta_ref` in one launch of `_gate_beta_kernel`: a, b [B, T, H_v] float, each with its last dim
+    contiguous and rows at one stride (views of a wider projection's output are read in place); A_log and dt_bias [H_v]
+    float. Returns (g fp32, beta in b's dtype), [B, T, H_v] contiguous."""
     if triton is None:
         raise RuntimeError("gate_beta needs triton")
     H = A_log.numel()
@@ -242,12 +246,14 @@ def gate_beta(a, b, A_log, dt_bias, block: int = 1024):
         raise ValueError("a, b, A_log, dt_bias must be bf16/fp16/fp32")
     if len({x.device for x in (a, b, A_log, dt_bias)}) != 1:
         raise ValueError("a, b, A_log, dt_bias must be on one device")
-    a, b, A_log, dt_bias = (x.contiguous() for x in (a, b, A_log, dt_bias))
+    a, b = (x if x.stride(2) == 1 and x.stride(0) == x.shape[1] * x.stride(1) else x.contiguous() for x in (a, b))
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
     g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
-    beta = torch.empty_like(b)
+    beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     n = a.numel()
     if n:
-        _gate_beta_kernel[(triton.cdiv(n, block),)](a, b, A_log, dt_bias, g, beta, n, H, BLOCK=block)
+        grid = (triton.cdiv(n, block),)
+        _gate_beta_kernel[grid](a, b, A_log, dt_bias, g, beta, n, H, a.stride(1), b.stride(1), BLOCK=block)
     return g, beta
 
 

@@ -213,11 +213,12 @@ def test_split_prepare_matches_torch_prepare(case, dtype):
 @torch.no_grad()
 def test_gate_beta_matches_transformers_ops(dtype):
     """gate_beta (one launch) gives transformers' g = -exp(A_log)·softplus(a + dt_bias) (fp32) and beta = sigmoid(b)
-    (b's dtype), a spanning softplus's linear range past 20; a length that is not a multiple of the block."""
+    (b's dtype), a spanning softplus's linear range past 20; a and b strided views; a length that is not a multiple
+    of the block."""
     gen = torch.Generator().manual_seed(3)
     B, T, H = 2, 37, 6
-    a = (torch.randn(B, T, H, generator=gen) * 12).to(DEV, dtype)
-    b = (torch.randn(B, T, H, generator=gen) * 3).to(DEV, dtype)
+    wide = torch.randn(B, T, 5 * H, generator=gen) * torch.tensor([12.0] * H + [3.0] * H + [1.0] * 3 * H)
+    a, b, _ = torch.split(wide.to(DEV, dtype), [H, H, 3 * H], dim=-1)  # views of one projection's output
     A_log = torch.randn(H, generator=gen).to(DEV)
     dt_bias = torch.randn(H, generator=gen).to(DEV, dtype)
     g, beta = gate_beta(a, b, A_log, dt_bias, block=128)
@@ -225,3 +226,5 @@ def test_gate_beta_matches_transformers_ops(dtype):
     assert g.dtype == torch.float32 and beta.dtype == dtype and g.shape == beta.shape == (B, T, H)
     torch.testing.assert_close(g, want_g, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(beta, want_beta, rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    again = gate_beta(a.contiguous(), b.contiguous(), A_log, dt_bias, block=128)
+    assert torch.equal(again[0], g) and torch.equal(again[1], beta)

@@ -69,10 +69,15 @@ def deltanet_prefill(mod: nn.Module, hidden_states: torch.Tensor, cache, attenti
     initial = None
     if layer is not None and layer.has_previous_state.get(0, False):  # read before update_conv_state sets it
         initial = layer.recurrent_states[0]
-    mixed_qkv = mod.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, C, T]
-    z = mod.in_proj_z(hidden_states).reshape(B, T, -1, mod.head_v_dim)
-    b = mod.in_proj_b(hidden_states)  # [B, T, H_v]
-    a = mod.in_proj_a(hidden_states)
+    lean = kernel_available(hidden_states) and mod.prefill_prepare == "split"  # few launches (FusedGatedDeltaNet)
+    w_in = getattr(mod, "_w_in", None) if lean else None
+    if w_in is not None and mod.in_proj_qkv.weight.data_ptr() == w_in.data_ptr():  # one GEMM, split into views
+        mixed_qkv, z, b, a = torch.split(F.linear(hidden_states, w_in), mod._in_sizes, dim=-1)
+    else:
+        mixed_qkv, z = mod.in_proj_qkv(hidden_states), mod.in_proj_z(hidden_states)
+        b, a = mod.in_proj_b(hidden_states), mod.in_proj_a(hidden_states)  # [B, T, H_v]
+    mixed_qkv = mixed_qkv.transpose(1, 2)  # [B, C, T]
+    z = z.reshape(B, T, -1, mod.head_v_dim)
     if cache is not None:  # [B, C, T + the previous window on a second piece]; the conv state written
         mixed_qkv = cache.update_conv_state(mixed_qkv, mod.layer_idx, conv_kernel_size=mod.conv_kernel_size)
     weight = mod.conv1d.weight.squeeze(1)  # [C, K]; transformers' causal_conv1d_fn
@@ -91,7 +96,7 @@ def deltanet_prefill(mod: nn.Module, hidden_states: torch.Tensor, cache, attenti
     q = q.reshape(B, T, -1, mod.head_k_dim)  # [B, T, H_k, d_k]: the chunk rule serves H_v / H_k heads from each
     k = k.reshape(B, T, -1, mod.head_k_dim)
     v = v.reshape(B, T, -1, mod.head_v_dim)
-    if kernel_available(q) and mod.prefill_prepare == "split":  # one launch for both (8 as torch ops)
+    if lean:  # one launch for both (8 as torch ops)
         g, beta = gate_beta(a, b, mod.A_log, mod.dt_bias)
     else:
         beta = b.sigmoid()
