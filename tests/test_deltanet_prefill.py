@@ -103,21 +103,27 @@ def test_prefill_without_cache():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("prepare", ["torch", "split", "triton"])
+@pytest.mark.parametrize(
+    "prepare,dtype",
+    [("torch", torch.float32), ("split", torch.float32), ("split", torch.bfloat16), ("triton", torch.float32)],
+    ids=["torch", "split", "split_bf16", "triton"],
+)
 @torch.no_grad()
-def test_prefill_with_the_chunk_kernel(prepare, monkeypatch):
-    """The path a GPU takes (the chunked rule's Triton scan, its intra-chunk phase as torch ops or one Triton launch:
-    `FusedGatedDeltaNet.prefill_prepare`), here on CPU tensors under the interpreter: transformers' output and cache,
+def test_prefill_with_the_chunk_kernel(prepare, dtype, monkeypatch):
+    """The path a GPU takes (the chunked rule's Triton scan, its intra-chunk phase as torch ops, split or one Triton
+    launch: `FusedGatedDeltaNet.prefill_prepare`; "split" also joins the input projections and runs the gates and
+    the gated norm as one launch each), here on CPU tensors under the interpreter: transformers' output and cache,
     two pieces on a DynamicCache."""
     monkeypatch.setattr(deltanet_prefill, "kernel_available", lambda t: True)
     monkeypatch.setattr(FusedGatedDeltaNet, "prefill_prepare", prepare)
-    cfg, hf, mod = _layer()
+    cfg, hf, mod = _layer(dtype)
     got_cache, want_cache = DynamicCache(config=cfg), DynamicCache(config=cfg)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for T, seed in ((3, 1), (67, 2)):
-        x = _x(1, T, seed=seed)
-        torch.testing.assert_close(_call(mod, x, got_cache), _call(hf, x, want_cache), rtol=1e-4, atol=1e-4)
+        x = _x(1, T, dtype, seed=seed)
+        torch.testing.assert_close(_call(mod, x, got_cache), _call(hf, x, want_cache), **tol)
     a, b = got_cache.layers[0], want_cache.layers[0]
-    torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], **tol)
     torch.testing.assert_close(a.conv_states[0], b.conv_states[0], rtol=0, atol=0)
     assert mod.prefill_calls == 2
 
