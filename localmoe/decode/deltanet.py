@@ -52,10 +52,11 @@ class FusedGatedDeltaNet(nn.Module):
     whose prefill runs the chunked delta rule kernel."""
 
     # The chunked rule's intra-chunk phase on CUDA (delta_rule_chunk.PREPARES): "torch" (~30 launches a layer),
-    # "split" (its elementwise work in one launch, its products and solves in torch: ~7, kernels/delta_rule_inputs.py)
-    # or "triton" (one launch, kernels/delta_rule_prepare.py), and its dots' precision (delta_rule_prepare.PRECISIONS):
-    # fp32 "ieee", or "tf32" (~5e-4 on outputs of ~0.1). Timed on a GPU by
-    # `python bench/staging_ab.py --vram 0 --deltanet torch/ieee,split/ieee`.
+    # "split" (its elementwise work in one launch, its products and solves in torch: ~7, kernels/delta_rule_inputs.py;
+    # deltanet_prefill then also joins the four input projections in one GEMM and runs g / beta and the gated norm as
+    # one launch each: a layer's prefill ~61 launches -> ~14) or "triton" (one launch, kernels/delta_rule_prepare.py),
+    # and its dots' precision (delta_rule_prepare.PRECISIONS): fp32 "ieee", or "tf32" (~5e-4 on outputs of ~0.1).
+    # Timed on a GPU by `python bench/staging_ab.py --vram 0 --deltanet torch/ieee,split/ieee`.
     prefill_prepare = "torch"
     prefill_precision = "ieee"
 

@@ -2,7 +2,10 @@
 `Qwen3_5MoeGatedDeltaNet.forward` written out, with its chunked delta rule on CUDA in `kernels/delta_rule_chunk.py`
 (the intra-chunk phase batched over all chunks, the chunk scan in one Triton launch; transformers' torch fallback
 loops over 64-token chunks in Python) and elsewhere that file's torch reference (transformers' function op for op,
-so a CPU prefill equals transformers' bit for bit).
+so a CPU prefill equals transformers' bit for bit). With `FusedGatedDeltaNet.prefill_prepare == "split"` (CUDA) the
+layer is lean in launches: the four input projections as one GEMM split into views (the decode step's joined
+weight), g and beta in one launch (`kernels/delta_rule_inputs.gate_beta`), the rule's split intra-chunk phase, and the
+gated norm in one launch (`kernels/rmsnorm`, kind "gated").
 
 The cache is left as transformers leaves it, in 5.17 to 5.25 alike: the initial recurrent state is the layer's
 when `has_previous_state[0]` is set before the call (5.2x `get_recurrent_state`, 5.17 `has_previous_state`), the
