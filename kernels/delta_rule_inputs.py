@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.kernels.delta_rule_prepare import rule_strides
+
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
+
+    from localmoe.kernels.delta_rule_prepare import chunk_gates, chunk_rows
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -147,30 +151,19 @@ if triton is not None:
         km = ik < DK
         jv = tl.arange(0, DV_P2)
         vm = jv < DV
-        gg = tl.load(g_ptr + bi * sg_b + t64 * sg_t + h, mask=tm, other=0.0).to(tl.float32)  # padding: g = 0
-        bb = tl.load(b_ptr + bi * sb_b + t64 * sb_t + h, mask=tm, other=0.0).to(tl.float32)  # and beta = 0
-        cg = tl.cumsum(gg, 0)
-        cg_last = tl.sum(tl.where(ic == C - 1, cg, 0.0), 0)
+        bb, cg, cg_last = chunk_gates(g_ptr, b_ptr, bi, h, t64, tm, ic, sg_b, sg_t, sb_b, sb_t, C)
         e = tl.exp(cg)[:, None]
         row0 = pid.to(tl.int64) * N * C + c * C  # this chunk's first row in the [B*H_v, N*C, .] outputs
         orow = (row0 + ic).to(tl.int64)
         kall = km[None, :] & (ic[:, None] < C)
         okk = orow[:, None] * DK + ik[None, :]
-        kmask = tm[:, None] & km[None, :]
-        k = tl.load(k_ptr + bi * sk_b + t64[:, None] * sk_t + hk * sk_h + ik[None, :], mask=kmask, other=0.0)
-        k = k.to(tl.float32)
-        if L2:
-            k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        k = chunk_rows(k_ptr, bi, hk, t64, tm, ik, km, sk_b, sk_t, sk_h, L2)
         kb = k * bb[:, None]
         tl.store(ko_ptr + okk, k, mask=kall)
         tl.store(kb_ptr + okk, kb, mask=kall)
         tl.store(kx_ptr + okk, kb * e, mask=kall)
         tl.store(kd_ptr + okk, k * tl.exp(cg_last - cg)[:, None], mask=kall)
-        q = tl.load(q_ptr + bi * sq_b + t64[:, None] * sq_t + hk * sq_h + ik[None, :], mask=kmask, other=0.0)
-        q = q.to(tl.float32)
-        if L2:
-            q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-        q = q * scale
+        q = chunk_rows(q_ptr, bi, hk, t64, tm, ik, km, sq_b, sq_t, sq_h, L2) * scale
         tl.store(qo_ptr + okk, q, mask=kall)
         tl.store(qd_ptr + okk, q * e, mask=kall)
         vmask = tm[:, None] & vm[None, :]
@@ -220,10 +213,7 @@ def chunk_inputs(q, k, v, g, beta, chunk_size: int = 64, l2: bool = True, num_wa
     _chunk_inputs_kernel[(B * HV, N)](
         q, k, v, g, beta, qo, ko, kb, kx, qd, kd, vb, decay, chunk_decay,
         T, N, HV, HV // HK, DK, DV,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        *rule_strides(q, k, v, g, beta),
         float(DK**-0.5),
         C=C, DK_P2=dk2, DV_P2=dv2, L2=bool(l2),
         num_warps=num_warps or (8 if max(dk2, dv2) >= 128 else 4),

@@ -80,6 +80,27 @@ def chunk_prepare(q, k, v, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=True)
 if triton is not None:
 
     @triton.jit
+    def chunk_gates(g_ptr, b_ptr, bi, h, t64, tm, ic, sg_b, sg_t, sb_b, sb_t, C: tl.constexpr):
+        """One chunk of one value head: beta [C], the cumulative log-decay cg [C] and cg's last entry, fp32 (rows past
+        T: g = 0 and beta = 0). Shared with kernels/delta_rule_inputs.py."""
+        gg = tl.load(g_ptr + bi * sg_b + t64 * sg_t + h, mask=tm, other=0.0).to(tl.float32)
+        bb = tl.load(b_ptr + bi * sb_b + t64 * sb_t + h, mask=tm, other=0.0).to(tl.float32)
+        cg = tl.cumsum(gg, 0)
+        return bb, cg, tl.sum(tl.where(ic == C - 1, cg, 0.0), 0)
+
+    @triton.jit
+    def chunk_rows(ptr, bi, hk, t64, tm, ik, km, s_b, s_t, s_h, L2: tl.constexpr):
+        """One chunk's rows of q or k [C, d_k] from key head hk in fp32, l2-normalised (eps 1e-6) when L2; rows past
+        T are 0. Shared with kernels/delta_rule_inputs.py."""
+        x = tl.load(
+            ptr + bi * s_b + t64[:, None] * s_t + hk * s_h + ik[None, :], mask=tm[:, None] & km[None, :], other=0.0
+        )
+        x = x.to(tl.float32)
+        if L2:
+            x = x * tl.math.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+        return x
+
+    @triton.jit
     def _chunk_prepare_kernel(
         q_ptr,  # [B, T, H_k, d_k] (any float dtype; last dim contiguous)
         k_ptr,
@@ -134,17 +155,10 @@ if triton is not None:
         km = ik < DK
         jv = tl.arange(0, DV_P2)
         vm = jv < DV
-        gg = tl.load(g_ptr + bi * sg_b + t64 * sg_t + h, mask=tm, other=0.0).to(tl.float32)  # padding: g = 0
-        bb = tl.load(b_ptr + bi * sb_b + t64 * sb_t + h, mask=tm, other=0.0).to(tl.float32)  # and beta = 0
-        cg = tl.cumsum(gg, 0)
-        cg_last = tl.sum(tl.where(ic == C - 1, cg, 0.0), 0)
+        bb, cg, cg_last = chunk_gates(g_ptr, b_ptr, bi, h, t64, tm, ic, sg_b, sg_t, sb_b, sb_t, C)
         lower = ic[:, None] >= ic[None, :]
         decay = tl.where(lower, tl.exp(tl.where(lower, cg[:, None] - cg[None, :], 0.0)), 0.0)  # [C, C]
-        kmask = tm[:, None] & km[None, :]
-        k = tl.load(k_ptr + bi * sk_b + t64[:, None] * sk_t + hk * sk_h + ik[None, :], mask=kmask, other=0.0)
-        k = k.to(tl.float32)
-        if L2:
-            k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        k = chunk_rows(k_ptr, bi, hk, t64, tm, ik, km, sk_b, sk_t, sk_h, L2)
         kb = k * bb[:, None]
         a = tl.dot(kb, tl.trans(k), input_precision=PREC) * decay
         a = tl.where(ic[:, None] > ic[None, :], a, 0.0)  # A, strictly lower: L = I + A
@@ -166,11 +180,7 @@ if triton is not None:
         w = tl.dot(tinv, kb * tl.exp(cg)[:, None], input_precision=PREC)
         tl.store(w_ptr + orow[:, None] * DK + ik[None, :], w, mask=kall)
         tl.store(kd_ptr + orow[:, None] * DK + ik[None, :], k * tl.exp(cg_last - cg)[:, None], mask=kall)
-        q = tl.load(q_ptr + bi * sq_b + t64[:, None] * sq_t + hk * sq_h + ik[None, :], mask=kmask, other=0.0)
-        q = q.to(tl.float32)
-        if L2:
-            q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-        q = q * scale
+        q = chunk_rows(q_ptr, bi, hk, t64, tm, ik, km, sq_b, sq_t, sq_h, L2) * scale
         attn = tl.dot(q, tl.trans(k), input_precision=PREC) * decay
         tl.store(a_ptr + (pid.to(tl.int64) * N + c) * C * C + ic[:, None] * C + ic[None, :], attn)
         tl.store(qd_ptr + orow[:, None] * DK + ik[None, :], q * tl.exp(cg)[:, None], mask=kall)
@@ -179,6 +189,11 @@ if triton is not None:
         u = tl.dot(tinv, v.to(tl.float32) * bb[:, None], input_precision=PREC)
         tl.store(u_ptr + orow[:, None] * DV + jv[None, :], u, mask=vm[None, :] & (ic[:, None] < C))
         tl.store(cd_ptr + pid.to(tl.int64) * N + c, tl.exp(cg_last))
+
+
+def rule_strides(q, k, v, g, beta) -> list[int]:
+    """The chunk kernels' stride arguments: q, k, v's batch / token / head strides, then g's, beta's batch / token."""
+    return [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride()[:2], *beta.stride()[:2]]
 
 
 def chunk_prepare_triton(q, k, v, g, beta, C, l2, prec):
@@ -213,19 +228,7 @@ def chunk_prepare_triton(q, k, v, g, beta, C, l2, prec):
         HV // HK,
         DK,
         DV,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        g.stride(0),
-        g.stride(1),
-        beta.stride(0),
-        beta.stride(1),
+        *rule_strides(q, k, v, g, beta),
         float(DK**-0.5),
         C=C,
         LOG_C=C.bit_length() - 1,
