@@ -88,6 +88,13 @@ class FusedGatedDeltaNet(nn.Module):
         self._launch: dict | None = None  # tuned launch keywords, looked up on the first fused step
         self._w_in, self._in_sizes = concat_rows([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
+    def joined_in(self) -> torch.Tensor | None:
+        """The four input projections' joined weight [ΣN, H] (`_in_sizes` rows each), or None: none could be made, or
+        the weights were moved or replaced since install (then for good: they are projected one by one)."""
+        if self._w_in is not None and self.in_proj_qkv.weight.data_ptr() != self._w_in.data_ptr():
+            self._w_in = None
+        return self._w_in
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -109,8 +116,7 @@ class FusedGatedDeltaNet(nn.Module):
             input_norm is not None
             and states is not None
             and attention_mask is None
-            and self._w_in is not None
-            and self.in_proj_qkv.weight.data_ptr() == self._w_in.data_ptr()
+            and self.joined_in() is not None
             and one_row(hidden_states[:, 0], self._w_in)
             and takes_norm(input_norm, hidden_states)
         )
@@ -127,9 +133,7 @@ class FusedGatedDeltaNet(nn.Module):
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         self.decode_calls += 1
         B = hidden_states.shape[0]
-        if self._w_in is not None and self.in_proj_qkv.weight.data_ptr() != self._w_in.data_ptr():
-            self._w_in = None  # the weights were moved or replaced since install: project them one by one
-        if self._w_in is not None:  # the four input projections as one GEMV, split into views (rows strided)
+        if self.joined_in() is not None:  # the four input projections as one GEMV, split into views (rows strided)
             h = hidden_states[:, 0]  # [B, H]
             proj = linear_1(h, self._w_in, input_norm) if one_row(h, self._w_in) else F.linear(h, self._w_in)
             mixed_qkv, z, b, a = proj.split(self._in_sizes, dim=-1)

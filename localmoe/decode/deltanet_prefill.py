@@ -74,8 +74,8 @@ def deltanet_prefill(mod: nn.Module, hidden_states: torch.Tensor, cache, attenti
     if layer is not None and layer.has_previous_state.get(0, False):  # read before update_conv_state sets it
         initial = layer.recurrent_states[0]
     lean = kernel_available(hidden_states) and mod.prefill_prepare == "split"  # few launches (FusedGatedDeltaNet)
-    w_in = getattr(mod, "_w_in", None) if lean else None
-    if w_in is not None and mod.in_proj_qkv.weight.data_ptr() == w_in.data_ptr():  # one GEMM, split into views
+    w_in = mod.joined_in() if lean else None
+    if w_in is not None:  # one GEMM, split into views
         mixed_qkv, z, b, a = torch.split(F.linear(hidden_states, w_in), mod._in_sizes, dim=-1)
     else:
         mixed_qkv, z = mod.in_proj_qkv(hidden_states), mod.in_proj_z(hidden_states)
