@@ -83,15 +83,19 @@ def int4_expert_weights(name: str, w, E: int, I: int, H: int, device, *, allow_h
 
 
 def grouped_span(
-    x, w, ends, g0: int, out, blocks, w_name: str = "w", out_name: str = "out"
+    x, w, ends, g0: int, out, blocks, w_name: str = "w", out_name: str = "out", x_rows=None
 ) -> tuple[int, int, int, int]:
     """The grouped GEMMs over a span of groups (kernels/grouped_gemm.py, grouped_gate_up.py): x float [M, K] with a
-    contiguous last dim, `w_name` [G, N, K] of x's dtype (any strides), `ends` int32 [E] with E >= g0 + G, `out_name`
-    float [M, N] with a contiguous last dim, all on x's device; the tiles (BLOCK_M, BLOCK_N, BLOCK_K) powers of two
-    >= 16. Returns (M, K, G, N)."""
+    contiguous last dim (or, with `x_rows` [M] int64, any rows count: row r reads x[x_rows[r]]), `w_name` [G, N, K] of
+    x's dtype (any strides), `ends` int32 [E] with E >= g0 + G, `out_name` float [M, N] with a contiguous last dim,
+    all on x's device; the tiles (BLOCK_M, BLOCK_N, BLOCK_K) powers of two >= 16. Returns (M, K, G, N)."""
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be a float [M, K] tensor with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
     M, K = x.shape
+    if x_rows is not None:
+        if x_rows.dim() != 1 or x_rows.dtype != torch.int64 or x_rows.device != x.device:
+            raise ValueError(f"x_rows must be an int64 [M] tensor on {x.device}")
+        M = x_rows.shape[0]
     if w.dim() != 3 or w.dtype != x.dtype or w.shape[2] != K:
         raise ValueError(f"{w_name} must be {x.dtype} [G, N, K = {K}], got {w.dtype} {tuple(w.shape)}")
     G, N = w.shape[:2]

@@ -38,9 +38,12 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
 __all__ = ["grouped_gate_up", "grouped_gate_up_ref"]
 
 
-def grouped_gate_up_ref(x, w_gate, w_up, ends, g0: int, h, tau=None, kept=None) -> torch.Tensor:
+def grouped_gate_up_ref(x, w_gate, w_up, ends, g0: int, h, tau=None, kept=None, x_rows=None) -> torch.Tensor:
     """Reference (reads `ends` on the host): the span's rows of h as the dense path computes them in h's dtype (fp32
-    products rounded once per op); returns h, its other rows untouched. `kept` (int64, one element) += kept neurons."""
+    products rounded once per op); returns h, its other rows untouched. `kept` (int64, one element) += kept neurons.
+    `x_rows` [M]: row r's input is x[x_rows[r]]."""
+    if x_rows is not None:
+        x = x[x_rows]
     end = [0] + ends.tolist()
     dt = h.dtype
     for i in range(w_gate.shape[0]):
@@ -63,7 +66,8 @@ if triton is not None:
 
     @triton.jit
     def _grouped_gate_up_kernel(
-        x_ptr,  # [M, K], rows sorted by group
+        x_ptr,  # [M, K], rows sorted by group; HAS_ROWS: [T, K], row r is x[x_rows[r]]
+        xr_ptr,  # [M] int64 (HAS_ROWS)
         wg_ptr,  # [G, N, K]
         wu_ptr,  # [G, N, K]
         ends_ptr,  # [E] int32 cumulative group ends
@@ -87,6 +91,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         G_P2: tl.constexpr,  # the span's groups rounded up to a power of two
         HAS_TAU: tl.constexpr,
+        HAS_ROWS: tl.constexpr,
         DOT_F32: tl.constexpr,
         PREC: tl.constexpr,
     ):
@@ -98,7 +103,11 @@ if triton is not None:
             rmask = rows < rend
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             cmask = cols < N
-            xrow = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+            if HAS_ROWS:  # the slots' tokens: x read in place, no gathered copy
+                src = tl.load(xr_ptr + rows, mask=rmask, other=0)
+            else:
+                src = rows.to(tl.int64)
+            xrow = x_ptr + src[:, None] * stride_xm
             c64 = cols.to(tl.int64)[None, :]
             gcol = wg_ptr + grp.to(tl.int64) * stride_gg + c64 * stride_gn
             ucol = wu_ptr + grp.to(tl.int64) * stride_ug + c64 * stride_un
@@ -141,6 +150,7 @@ def grouped_gate_up(
     *,
     tau: torch.Tensor | None = None,
     kept: torch.Tensor | None = None,
+    x_rows: torch.Tensor | None = None,
     BLOCK_M: int = 64,
     BLOCK_N: int = 64,
     BLOCK_K: int = 32,
@@ -150,10 +160,13 @@ def grouped_gate_up(
     """h[r] = silu(x[r] @ w_gate[g - g0].T) * (x[r] @ w_up[g - g0].T) for the rows r of each group g of the span
     [g0, g0 + G), the activation zeroed where |silu| < tau[g] when `tau` ([E] fp32) is given, with the kept count
     added to `kept` (one-element int64, required with tau); returns h. x [M, K], w_gate / w_up [G, N, K] (any
-    strides), h [M, N] of x's dtype; `ends` as kernels/grouped_gemm.py's `grouped_gemm`. No host sync; capturable."""
+    strides), h [M, N] of x's dtype; `ends` as kernels/grouped_gemm.py's `grouped_gemm`. With `x_rows` [M] int64
+    (the sorted slots' tokens) x is [T, K] and row r reads x[x_rows[r]] in place (no gathered [M, K] copy). No host
+    sync; capturable."""
     if triton is None:
         raise RuntimeError("grouped_gate_up needs triton")
-    M, K, G, N = grouped_span(x, w_gate, ends, g0, h, (BLOCK_M, BLOCK_N, BLOCK_K), "w_gate", "h")
+    blocks = (BLOCK_M, BLOCK_N, BLOCK_K)
+    M, K, G, N = grouped_span(x, w_gate, ends, g0, h, blocks, "w_gate", "h", x_rows=x_rows)
     if tuple(w_up.shape) != tuple(w_gate.shape) or w_up.dtype != w_gate.dtype or w_up.device != x.device:
         raise ValueError(f"w_up must match w_gate: {w_gate.dtype} {tuple(w_gate.shape)} on {x.device}")
     if h.dtype != x.dtype:
@@ -170,6 +183,7 @@ def grouped_gate_up(
     grid, kw = span_launch(x, M, N, G, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
     _grouped_gate_up_kernel[grid](
         x,
+        x_rows if x_rows is not None else ends,
         w_gate,
         w_up,
         ends,
@@ -185,6 +199,7 @@ def grouped_gate_up(
         *w_up.stride(),
         h.stride(0),
         HAS_TAU=tau is not None,
+        HAS_ROWS=x_rows is not None,
         **kw,
     )
     return h

@@ -91,6 +91,31 @@ def test_transposed_weights_and_default_tiles():
     assert rel_err(h[a:b].float(), ref[a:b].float()) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_read_in_place(dtype):
+    """`x_rows`: each sorted row reads its token's row of x [T, K] in place (tokens repeated, out of order), equal to
+    the kernel on the gathered copy x[x_rows]; with the threshold, the same kept count."""
+    counts, K, N, g0, G = [5, 0, 37, 9, 4], 40, 24, 1, 3
+    xs, wg, wu, ends, h = problem(counts, K, N, G, dtype, seed=5)
+    M, T = xs.shape[0], 11
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(T, K, generator=gen).to(dtype).to(DEV)
+    rows = torch.randint(0, T, (M,), generator=gen).to(DEV)
+    tau = torch.full((len(counts),), 0.2, device=DEV)
+    kept, kept_copy = (torch.zeros(1, dtype=torch.int64, device=DEV) for _ in range(2))
+    got = grouped_gate_up(x, wg, wu, ends, g0, h, tau=tau, kept=kept, x_rows=rows, BLOCK_M=16, BLOCK_N=16)
+    want = grouped_gate_up(x[rows], wg, wu, ends, g0, torch.full_like(h, float("nan")), tau=tau, kept=kept_copy,
+                           BLOCK_M=16, BLOCK_N=16)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert int(kept) == int(kept_copy) > 0
+    ref = grouped_gate_up_ref(x, wg, wu, ends, g0, torch.zeros_like(h), x_rows=rows)  # dense: tau 0 keeps all
+    grouped_gate_up(x, wg, wu, ends, g0, got, tau=tau * 0, kept=kept, x_rows=rows, BLOCK_M=16, BLOCK_N=16)
+    a, b = 5, 51
+    assert rel_err(got[a:b].float(), ref[a:b].float()) < 1e-2
+    with pytest.raises(ValueError, match="x_rows"):
+        grouped_gate_up(x, wg, wu, ends, g0, h, x_rows=rows.int())
+
+
 @pytest.mark.parametrize(
     "case,match",
     [

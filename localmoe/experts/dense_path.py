@@ -13,7 +13,8 @@ and clamped SwiGLU (experts/clamped_swiglu.py).
 The mixin reads the module's state: `weights` (ExpertWeights), `cache`, `layer_idx`, `num_experts`,
 `intermediate_size`, `hidden_size`, `hidden_act`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`,
 `grouped`, `mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens`, `dequant_bytes`, `kernel_on_cpu` and `_count`.
-Imports: torch, experts/clamped_swiglu and the two grouped GEMM kernels (`_grouped_device`, off by default).
+Imports: torch, experts/clamped_swiglu and the kernels of `_grouped_device` (the two grouped GEMMs, the slot sort and
+the token combine).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from torch import nn
 from localmoe.experts.clamped_swiglu import down_out, gate_pre, up_value
 from localmoe.kernels.grouped_gate_up import grouped_gate_up
 from localmoe.kernels.grouped_gemm import grouped_gemm
+from localmoe.kernels.slot_sort import slot_sort
+from localmoe.kernels.token_combine import token_combine
 
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -53,11 +56,16 @@ class DensePath:
         w = self.weights
         return w.w_gate[e], w.w_up[e], w.w_down_t[e]
 
-    def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def takes_shared(self, x: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+        """Whether a call on these tokens runs `_grouped_device` (a call longer than a decode step), so it can take
+        `shared=` (a block's shared expert output and gate logit, added in its last launch)."""
+        return x.shape[0] > self.max_sparse_tokens and self._groups(x) and self._device_ok(x, top_k_index)
+
+    def _dense(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, shared=None):
         masked = self.mask_all_tokens and self.sparse_enabled and self.tau is not None and self.recorder is None
         if self._groups(x):
             if self._device_ok(x, top_k_index):
-                return self._grouped_device(x, top_k_index, top_k_weights, masked)
+                return self._grouped_device(x, top_k_index, top_k_weights, masked, shared)
             return self._grouped(x, top_k_index, top_k_weights, masked)
         out = torch.zeros_like(x)
         kept = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -178,28 +186,28 @@ class DensePath:
             return False
         return top_k_index.numel() >= 4 * self.num_experts
 
-    def _grouped_device(self, x, top_k_index, top_k_weights, masked: bool) -> torch.Tensor:
+    def _grouped_device(self, x, top_k_index, top_k_weights, masked: bool, shared=None) -> torch.Tensor:
         """The dense path with no host read of the routing: the slots sorted by expert and the group ends made on the
-        device, then per fixed span of experts (`_fixed_spans`) one launch for gate, up, the SwiGLU and the mask
-        (grouped_gate_up) and one for the down projection (grouped_gemm), each reading the ends on the device; the
-        token sums as `_grouped`'s. Same arithmetic and roundings as `_grouped` but for the GEMMs' summation order."""
+        device in one launch (kernels/slot_sort.py), then per fixed span of experts (`_fixed_spans`) one launch for
+        gate, up, the SwiGLU and the mask reading each slot's token row in place (grouped_gate_up) and one for the
+        down projection (grouped_gemm), each reading the ends on the device; the weighting and the tokens' fp32 sums
+        in one launch (kernels/token_combine.py), with `shared` (s [T, H], gate logit [T, 1] or None) added there.
+        Same arithmetic and roundings as `_grouped` but for the GEMMs' and the k-term sums' order."""
         T, k = top_k_index.shape
         M, I, H = T * k, self.intermediate_size, self.hidden_size
-        _, order, ends = self._sorted_slots(top_k_index)
-        xs = x[order // k]
+        _, tok, pos, ends = slot_sort(top_k_index, self.num_experts)
         h = torch.empty(M, I, dtype=x.dtype, device=x.device)
         y = torch.empty(M, H, dtype=x.dtype, device=x.device)
         kept = torch.zeros(1, dtype=torch.int64, device=x.device) if masked else None
         tau = self.tau.to(device=x.device, dtype=torch.float32) if masked else None
+        x = x if x.stride(-1) == 1 else x.contiguous()
         for w_gate, w_up, w_down_t, g0 in self._fixed_spans():
-            grouped_gate_up(xs, w_gate, w_up, ends, g0, h, tau=tau, kept=kept)
+            grouped_gate_up(x, w_gate, w_up, ends, g0, h, tau=tau, kept=kept, x_rows=tok)
             grouped_gemm(h, w_down_t.transpose(1, 2), ends, g0, y)
         if masked:
             self._count(kept[0], M * I)
-        y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
-        if x.is_cuda:
-            return token_sum(y, order, k).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, order // k, y.to(x.dtype))
+        s, g = shared if shared is not None else (None, None)
+        return token_combine(y, pos, top_k_weights, x.dtype, shared=s, shared_gate=g)
 
     def _fixed_spans(self):
         """(gate, up, down_t [n, I, H], first expert) of every expert in order, with no host read: resident plain

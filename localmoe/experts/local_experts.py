@@ -145,12 +145,23 @@ class LocalExperts(DensePath, nn.Module):
         return self.cache.mode == "direct" or (self.cache.mode == "copy" and (sparse or self.dense_tail))
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, tail=None
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        *,
+        tail=None,
+        shared=None,
     ):
         """transformers' experts call; `tail` (a `kernels.sparse_fused.Tail`, only where `takes_tail` holds) adds
-        the shared expert and the residual inside the same launch."""
+        the shared expert and the residual inside the same launch; `shared` ((s [T, H], gate logit [T, 1] or None),
+        only where `takes_shared` holds: a prompt piece) adds the shared expert in the dense path's last launch."""
         if self.weights is None:
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
+        if shared is not None:
+            if tail is not None or not self.takes_shared(hidden_states, top_k_index):
+                raise ValueError(f"layer {self.layer_idx}: this call does not run the device dense path, no shared=")
+            return self._dense(hidden_states, top_k_index, top_k_weights, shared=shared)
         if tail is not None and not self.takes_tail(hidden_states):
             raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
         T = hidden_states.shape[0]
