@@ -1,8 +1,10 @@
 """Softmax top-k MoE router for decode in one Triton launch: logits GEMV, fp32 softmax, top-k, renormalise, cast.
 
 Owns `router_topk` (checked launcher), its torch reference `router_topk_ref`, and one Triton kernel
-`_router_topk_kernel`. It computes exactly what transformers' `Qwen3_5MoeTopKRouter` / `Qwen3MoeTopKRouter` /
-`OlmoeTopKRouter` compute for each token row:
+`_router_topk_kernel`; for a prompt piece, whose logits are one GEMM (F.linear, as transformers' router), also
+`router_topk_of_logits` and `_topk_rows_kernel` (one program a token: the softmax / top-k part, `topk_row`). It
+computes exactly what transformers' `Qwen3_5MoeTopKRouter` / `Qwen3MoeTopKRouter` / `OlmoeTopKRouter` compute for
+each token row:
 
     logits = (x · Wᵀ).to(x.dtype)                      [T, E]   (fp32 accumulation, one rounding, as F.linear)
     probs  = softmax(logits.float())                   [T, E]   fp32
@@ -118,6 +120,81 @@ def router_topk_ref(x, weight, top_k, norm_topk_prob=True, logits=None, *, group
 if triton is not None:
 
     @triton.jit
+    def topk_row(
+        logits_ptr,
+        tw_ptr,
+        ti_ptr,
+        t,
+        E,
+        stride_l,  # the logits' row stride
+        K: tl.constexpr,
+        K_P2: tl.constexpr,
+        NORM: tl.constexpr,
+        E_P2: tl.constexpr,
+        GROUP_N: tl.constexpr,
+        GROUP_G: tl.constexpr,
+        W_SCALED: tl.constexpr,
+        w_scale,
+    ):
+        """Token t's routing from its E logits: softmax, top-k (max, lowest index among equal maxima, mask it out;
+        k rounds, no sort), the renormalisation and the casts; stores the k weights and indices. With GROUP_N, G
+        department rounds come first (max, mask out its whole department) and the k rounds run on the experts of
+        the G departments picked."""
+        offs = tl.arange(0, E_P2)
+        em = offs < E
+        lg = tl.load(logits_ptr + t * stride_l + offs, mask=em, other=float("-inf"), cache_modifier=".cg")
+        lg = lg.to(tl.float32)
+        mx = tl.max(lg, axis=0)
+        ex = tl.where(em, tl.exp(lg - mx), 0.0)
+        den = tl.sum(ex, axis=0)
+        kk = tl.arange(0, K_P2)
+        ids = tl.zeros([K_P2], dtype=tl.int32)
+        # one max per round over (the logit as an order-preserving integer, then E_P2-1-index), so the max is the
+        # largest logit and, among equal ones, the lowest index. 16-bit logits pack into an int32 (half the
+        # shuffle traffic of an int64 per round); the probabilities are gathered after the rounds, off their chain
+        LT = logits_ptr.dtype.element_ty
+        if LT == tl.float32:
+            bits = tl.where(em, lg, float("-inf")).to(tl.int32, bitcast=True)
+            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+            cand = (key << 32) | (E_P2 - 1 - offs).to(tl.int64)
+            low = 0xFFFFFFFF
+            least = -9223372036854775807 - 1
+        else:
+            tl.static_assert(E_P2 <= 65536, "the index takes the key's low 16 bits")
+            b16 = tl.where(em, lg, float("-inf")).to(LT).to(tl.int16, bitcast=True).to(tl.int32)
+            key = tl.where(b16 >= 0, b16, b16 ^ 0x7FFF)
+            cand = (key << 16) | (E_P2 - 1 - offs)
+            low = 0xFFFF
+            least = -2147483647 - 1
+        if GROUP_N > 0:
+            # G rounds on a copy: the max (lowest index among equal maxima) names a department, all of whose
+            # experts leave the copy; then the k rounds see only the experts of the G departments named
+            dept = offs // GROUP_N
+            dcand = cand
+            keep = offs < 0
+            for _g in tl.static_range(GROUP_G):
+                d = (E_P2 - 1 - (tl.max(dcand, axis=0) & low)).to(tl.int32) // GROUP_N
+                dcand = tl.where(dept == d, least, dcand)
+                keep = keep | (dept == d)
+            cand = tl.where(keep, cand, least)
+        for j in tl.static_range(K):
+            best = tl.max(cand, axis=0)
+            i = (E_P2 - 1 - (best & low)).to(tl.int32)
+            ids = tl.where(kk == j, i, ids)
+            cand = tl.where(offs == i, least, cand)
+        # one term per column: exact (the softmax prob of the j-th pick, ex[i] / den)
+        vals = tl.sum(tl.where(offs[:, None] == ids[None, :], (ex / den)[:, None], 0.0), axis=0)  # [K_P2]
+        if NORM:
+            vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
+        km = kk < K
+        w_ty = tw_ptr.dtype.element_ty
+        vals = round_to(vals, w_ty)
+        if W_SCALED:  # as `weights * m` on the rounded weights: one more rounding
+            vals = round_to(vals * w_scale, w_ty)
+        tl.store(tw_ptr + t * K + kk, vals.to(w_ty), mask=km)
+        tl.store(ti_ptr + t * K + kk, ids.to(tl.int64), mask=km)
+
+    @triton.jit
     def topk_tail(
         logits_ptr,
         tw_ptr,
@@ -136,66 +213,11 @@ if triton is not None:
         w_scale=1.0,
     ):
         """Called by every program of token t after storing its logits: the last one to take the token's ticket
-        reads the E logits back through L2, does softmax, top-k (max, lowest index among equal maxima, mask it
-        out; k rounds, no sort), the renormalisation and the casts, stores the outputs and re-zeroes the ticket.
-        With GROUP_N, G department rounds come first (max, mask out its whole department) and the k rounds run
-        on the experts of the G departments picked."""
+        reads the E logits back through L2 and routes them (`topk_row`), then re-zeroes the ticket."""
         tl.debug_barrier()  # this program's logits stores precede the release below
         done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
         if done == programs - 1:
-            offs = tl.arange(0, E_P2)
-            em = offs < E
-            lg = tl.load(logits_ptr + t * E + offs, mask=em, other=float("-inf"), cache_modifier=".cg")
-            lg = lg.to(tl.float32)
-            mx = tl.max(lg, axis=0)
-            ex = tl.where(em, tl.exp(lg - mx), 0.0)
-            den = tl.sum(ex, axis=0)
-            kk = tl.arange(0, K_P2)
-            ids = tl.zeros([K_P2], dtype=tl.int32)
-            # one max per round over (the logit as an order-preserving integer, then E_P2-1-index), so the max is the
-            # largest logit and, among equal ones, the lowest index. 16-bit logits pack into an int32 (half the
-            # shuffle traffic of an int64 per round); the probabilities are gathered after the rounds, off their chain
-            LT = logits_ptr.dtype.element_ty
-            if LT == tl.float32:
-                bits = tl.where(em, lg, float("-inf")).to(tl.int32, bitcast=True)
-                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-                cand = (key << 32) | (E_P2 - 1 - offs).to(tl.int64)
-                low = 0xFFFFFFFF
-                least = -9223372036854775807 - 1
-            else:
-                tl.static_assert(E_P2 <= 65536, "the index takes the key's low 16 bits")
-                b16 = tl.where(em, lg, float("-inf")).to(LT).to(tl.int16, bitcast=True).to(tl.int32)
-                key = tl.where(b16 >= 0, b16, b16 ^ 0x7FFF)
-                cand = (key << 16) | (E_P2 - 1 - offs)
-                low = 0xFFFF
-                least = -2147483647 - 1
-            if GROUP_N > 0:
-                # G rounds on a copy: the max (lowest index among equal maxima) names a department, all of whose
-                # experts leave the copy; then the k rounds see only the experts of the G departments named
-                dept = offs // GROUP_N
-                dcand = cand
-                keep = offs < 0
-                for _g in tl.static_range(GROUP_G):
-                    d = (E_P2 - 1 - (tl.max(dcand, axis=0) & low)).to(tl.int32) // GROUP_N
-                    dcand = tl.where(dept == d, least, dcand)
-                    keep = keep | (dept == d)
-                cand = tl.where(keep, cand, least)
-            for j in tl.static_range(K):
-                best = tl.max(cand, axis=0)
-                i = (E_P2 - 1 - (best & low)).to(tl.int32)
-                ids = tl.where(kk == j, i, ids)
-                cand = tl.where(offs == i, least, cand)
-            # one term per column: exact (the softmax prob of the j-th pick, ex[i] / den)
-            vals = tl.sum(tl.where(offs[:, None] == ids[None, :], (ex / den)[:, None], 0.0), axis=0)  # [K_P2]
-            if NORM:
-                vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
-            km = kk < K
-            w_ty = tw_ptr.dtype.element_ty
-            vals = round_to(vals, w_ty)
-            if W_SCALED:  # as `weights * m` on the rounded weights: one more rounding
-                vals = round_to(vals * w_scale, w_ty)
-            tl.store(tw_ptr + t * K + kk, vals.to(w_ty), mask=km)
-            tl.store(ti_ptr + t * K + kk, ids.to(tl.int64), mask=km)
+            topk_row(logits_ptr, tw_ptr, ti_ptr, t, E, E, K, K_P2, NORM, E_P2, GROUP_N, GROUP_G, W_SCALED, w_scale)
             tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
 
     @triton.jit
@@ -263,6 +285,23 @@ if triton is not None:
             GROUP_N=GROUP_N,
             GROUP_G=GROUP_G,
         )
+
+    @triton.jit
+    def _topk_rows_kernel(
+        logits_ptr,  # [T, E] row stride stride_l, last dim contiguous
+        tw_ptr,  # [T, K] out top-k weights (the logits' dtype)
+        ti_ptr,  # [T, K] out top-k indices (int64)
+        E,
+        stride_l,
+        K: tl.constexpr,
+        K_P2: tl.constexpr,
+        NORM: tl.constexpr,
+        E_P2: tl.constexpr,
+        GROUP_N: tl.constexpr,
+        GROUP_G: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        topk_row(logits_ptr, tw_ptr, ti_ptr, t, E, stride_l, K, K_P2, NORM, E_P2, GROUP_N, GROUP_G, False, 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -362,3 +401,45 @@ def router_topk(
         **pdl_kw(x),
     )
     return logits, tw, ti
+
+
+def router_topk_of_logits(
+    logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool = True,
+    *,
+    group_size: int = 0,
+    topk_group: int = 0,
+    num_warps: int = 4,
+):
+    """The router's softmax, top-k, renormalisation and casts on logits [T, E] already computed (a prompt piece:
+    F.linear's GEMM, as transformers' router runs it), one launch of one program a token, the selection and the
+    ties as `router_topk`'s. Returns (top_k_weights [T, k] in the logits' dtype, top_k_index [T, k] int64)."""
+    if triton is None:
+        raise RuntimeError("router_topk_of_logits needs triton")
+    if logits.dim() != 2 or logits.dtype not in _FLOAT_DTYPES or logits.stride(1) != 1:
+        raise ValueError(f"logits must be a float [T, E] tensor with a contiguous last dim, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")  # fmt: skip
+    T, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k {top_k} out of range for {E} experts")
+    group_n, group_g = group_args(E, top_k, group_size, topk_group)
+    tw = torch.empty((T, top_k), dtype=logits.dtype, device=logits.device)
+    ti = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return tw, ti
+    _topk_rows_kernel[(T,)](
+        logits,
+        tw,
+        ti,
+        E,
+        logits.stride(0),
+        K=top_k,
+        K_P2=triton.next_power_of_2(top_k),
+        NORM=bool(norm_topk_prob),
+        E_P2=triton.next_power_of_2(E),
+        GROUP_N=group_n,
+        GROUP_G=group_g,
+        num_warps=num_warps,
+    )
+    return tw, ti

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 import test_fused  # noqa: E402
 
-from localmoe.decode import replacements, sdpa  # noqa: E402
+from localmoe.decode import moe_layer, replacements, sdpa  # noqa: E402
 from localmoe.decode.text_model import FusedTextModel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
@@ -403,3 +403,39 @@ def test_prefill_norms_equal_the_original_layer(tiny_model, family, monkeypatch)
     n = model.config.num_hidden_layers
     print(f"\n{family} prefill launches: {len(off.ops)} -> {len(on.ops)} ({n} layers)")
     assert len(on.ops) <= len(off.ops) - 8 * n
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches of the interpreter")
+@pytest.mark.parametrize("experts", ["transformers", "local"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+@torch.no_grad()
+def test_prefill_block_equals_the_original_block(tiny_model, family, experts, monkeypatch):
+    """`FusedSparseMoeBlock.prefill_fused`: a prompt's MoE blocks route by F.linear and one top-k launch, Qwen3.5's
+    shared expert by its SwiGLU GEMM launch, down GEMM and gate GEMV, added in the experts' last launch (localmoe's
+    experts on the device dense path: kernels/token_combine.py) or by torch's ops (transformers' experts); prefill
+    logits and the greedy continuation equal the original block's within fp32 tolerance, with fewer launches."""
+    ref = copy.deepcopy(tiny_model).to(DEV)
+    test_fused.nontrivial(ref)
+    local = experts == "local"
+    if local:
+        for m in test_fused._with_local_experts(ref, 0.5):
+            m.kernel_on_cpu = True
+    model, _ = _installed(ref)
+    cfg = model.config
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    prompt = _prompt(model, P=4 * E // k + 3)  # T·k >= 4E: the dense path's device spans
+    want, want_toks = _run(model, "static", prompt, 2)
+    off = _count_call(model, prompt, monkeypatch)
+    monkeypatch.setattr(moe_layer.FusedSparseMoeBlock, "prefill_fused", True)
+    got, toks = _run(model, "static", prompt, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert toks == want_toks
+    on = _count_call(model, prompt, monkeypatch)
+    n = cfg.num_hidden_layers
+    print(f"\n{family} ({experts} experts) prefill launches: {len(off.ops)} -> {len(on.ops)} ({n} layers)")
+    assert on.ops.count("triton:_topk_rows_kernel") == n
+    shared = family == "qwen3_5_moe"
+    assert on.ops.count("triton:_token_combine_kernel") == (n if local else 0)
+    assert on.ops.count("triton:_grouped_gate_up_kernel") == (n if shared else 0) + (n if local else 0)
+    # fp32 on the CPU: no launch for transformers' casts to the model's dtype (bf16 on a GPU: one or two more saved)
+    assert len(on.ops) <= len(off.ops) - (3 + 2 * shared + 3 * (shared and local)) * n

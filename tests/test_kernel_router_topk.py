@@ -8,6 +8,8 @@ Runs on CPU under TRITON_INTERPRET=1 (on a GPU with TRITON_INTERPRET=0, compiled
 * vs transformers' `Qwen3_5MoeTopKRouter` (renormalises) / `OlmoeTopKRouter` (norm_topk_prob False): same indices in
   the same order on every row without a tie at the k-th value (torch.topk on CPU breaks ties by nth_element, not by
   index; on CUDA every row is compared), weights close;
+* `router_topk_of_logits` (a prompt piece's logits from F.linear, strided rows) exactly equal to the reference on the
+  same logits, plain and group-limited, and the transformers router's picks on tie-free rows;
 * forced ties: lowest indices win; the ticket buffer is zero after each launch (reusable, graph-capturable);
 * group-limited top-k (DeaMoE departments: group_size n, topk_group g): kernel == ref (tiny DeaMoE E 30 n 5, odd
   and E 768 n 12 shapes), ref == departments.group_limited_topk on tie-free rows, department ties -> lowest
@@ -24,7 +26,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from localmoe.kernels.router_topk import router_tickets, router_topk, router_topk_ref  # noqa: E402
+from localmoe.kernels.router_topk import (  # noqa: E402
+    router_tickets,
+    router_topk,
+    router_topk_of_logits,
+    router_topk_ref,
+)
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 # T, H, E, k
@@ -244,3 +251,34 @@ def test_deepseek_fp32_router(method):
     order = idx.sort(-1)
     assert torch.equal(got_i.sort(-1).values, order.values)
     torch.testing.assert_close(got_w.gather(1, got_i.sort(-1).indices), w.gather(1, order.indices))
+
+
+@pytest.mark.parametrize("group", [(0, 0), (8, 4)], ids=["plain", "group"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_of_logits_matches_ref_and_transformers(dtype, group):
+    """A prompt piece's routing from F.linear's logits (read through a strided view, as a joined GEMM's columns):
+    equal to the reference on those logits; plain, the transformers router's picks on rows without a tie."""
+    T, H, E, k = 37, 64, 256, 8
+    n, g = group
+    router = _hf_router(E, H, k, True).to(DEV, dtype)
+    gen = torch.Generator().manual_seed(11)
+    router.weight.copy_((torch.randn(E, H, generator=gen) / H**0.5).to(dtype))
+    x = torch.randn(T, H, generator=gen).to(DEV, dtype)
+    wide = torch.nn.functional.linear(x, torch.cat([router.weight, router.weight[:3]]))  # [T, E + 3]
+    logits = wide[:, :E]
+    tw, ti = router_topk_of_logits(logits, k, True, group_size=n, topk_group=g)
+    _, ref_w, ref_i = router_topk_ref(x, router.weight, k, True, logits=logits, group_size=n, topk_group=g)
+    assert tw.dtype == dtype and torch.equal(ti, ref_i)
+    torch.testing.assert_close(
+        tw, ref_w, **(dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else {"rtol": 0, "atol": 0})
+    )
+    if n == 0:
+        want_logits, want_w, want_i = router(x)
+        rows = (logits == want_logits).all(1) & ~_tie_at_kth(want_logits.float(), want_i)
+        assert rows.sum() > T // 2
+        assert torch.equal(ti[rows].sort(1).values, want_i[rows].sort(1).values)
+    with pytest.raises(ValueError, match="top_k"):
+        router_topk_of_logits(logits, E + 1)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        router_topk_of_logits(logits.t(), k)

@@ -2,7 +2,9 @@
 expert; or, from a decoder layer, `moe_front` (with the shared expert, if any) + the experts' `sparse_fused` with the
 residual add in its tail) and the Qwen3.5 / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE / DeepSeek-V2 decoder layer,
 whose norms and residual adds ride in neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill
-and other calls run transformers' modules.
+and other calls run transformers' modules, or, with `FusedSparseMoeBlock.prefill_fused` on, a prompt piece runs the
+block's own few launches (`prefill`: the router's GEMM and one top-k launch, the shared expert's SwiGLU GEMM, down
+GEMM and gate GEMV, added in the experts' last launch).
 
 GraniteMoE: the block is the layer's `block_sparse_moe` (not `mlp`) and its router `router` (not `gate`); its router
 (top-k of the logits, softmax over those k) is the renormalised softmax top-k (the same weights up to fp32 rounding).
@@ -25,15 +27,17 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from localmoe.decode.attention import FusedAttention
 from localmoe.decode.deltanet import FusedGatedDeltaNet
 from localmoe.decode.mla import FusedMLA
 from localmoe.decode.ops import FusedLinear, FusedRMSNorm
+from localmoe.kernels.grouped_gate_up import grouped_gate_up
 from localmoe.kernels.moe_front import moe_front
 from localmoe.kernels.rmsnorm import rmsnorm
-from localmoe.kernels.router_topk import router_topk
+from localmoe.kernels.router_topk import router_topk, router_topk_of_logits
 from localmoe.kernels.shared_expert import shared_expert
 from localmoe.kernels.token_tail import SharedExpert, Tail, fused_workspace
 from localmoe.kernels.tuning import tuned
@@ -50,6 +54,9 @@ _ROUTERS: dict[str, bool | None] = {
     "DeepseekV2TopkRouter": False,  # fp32 weight, softmax top-k (group-limited: n_group), x routed_scaling_factor
     "GptOssTopKRouter": True,  # logits + bias (router_topk's `bias`), top-k, softmax over the k: renormalised
 }
+# routers whose prompt-piece routing `FusedSparseMoeBlock.prefill` reproduces: logits one F.linear in x's dtype, then
+# the softmax top-k (group-limited for DeaMoE) with the weights cast to x's dtype
+_PREFILL_ROUTERS = {"Qwen3_5MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter", "DeaMoeRouter"}
 _ROUTER_NAMES = ("gate", "router")  # the block's router child: Qwen/OLMoE/Mixtral/DeaMoE `gate`, GraniteMoE `router`
 _BLOCK_NAMES = ("mlp", "block_sparse_moe")  # the decoder layer's MoE block: GraniteMoE's is `block_sparse_moe`
 
@@ -76,7 +83,15 @@ class FusedSparseMoeBlock(nn.Module):
     """A softmax-top-k MoE block (Qwen3.5 with its sigmoid-gated shared expert; Qwen3-MoE / OLMoE / Mixtral /
     GraniteMoE without; DeaMoE and its Qwen3.5 twin, group-limited, their experts DepartmentExperts) whose
     one-token call is: fused router (1 launch) -> the block's `experts` module, called as transformers calls it ->
-    fused shared expert (2 launches, the add into the routed output included). Other calls run the original block."""
+    fused shared expert (2 launches, the add into the routed output included). A prompt piece runs `prefill` when
+    `prefill_fused` is on; other calls run the original block."""
+
+    # A prompt piece through the block's own launches (`prefill`): the router's GEMM and one top-k launch, the shared
+    # expert's gate | up GEMM with its SwiGLU (grouped_gate_up over one group of every token), its down GEMM and gate
+    # GEMV, added in the experts' last launch (kernels/token_combine.py): 6 launches where transformers' Qwen3.5
+    # block takes 15 around the experts (the tiny models of bench/prefill_launches.py). Off until a GPU times it
+    # (`bench/staging_ab.py --prefill-block`); the numerics are the decode step's (fp32 sums inside one kernel).
+    prefill_fused = False
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -142,7 +157,25 @@ class FusedSparseMoeBlock(nn.Module):
         w = self._gate.weight  # x's dtype, or an fp32 router (DeepSeek-V2)
         return w.dtype in (h.dtype, torch.float32) and h.device == w.device
 
+    def _prefill_ok(self, h: torch.Tensor) -> bool:
+        """Whether `prefill` runs this call: switched on, more than one token, a router it reproduces
+        (`_PREFILL_ROUTERS`) with its weight in x's dtype on x's device, a plain shared expert or none."""
+        gate = self._gate
+        return (
+            self.prefill_fused
+            and h.dim() == 3
+            and h.shape[0] * h.shape[1] > 1
+            and type(gate).__name__ in _PREFILL_ROUTERS
+            and self._router_ok
+            and self._shared_ok
+            and gate.weight.dtype == h.dtype
+            and gate.weight.device == h.device
+        )
+
     def forward(self, hidden_states: torch.Tensor):  # [B, T, H]
+        if self._prefill_ok(hidden_states):
+            y, logits = self.prefill(hidden_states)
+            return (y, logits) if self._tuple_out else y
         if not self._fusable(hidden_states):
             out = self._hf(hidden_states)
             self._tuple_out = isinstance(out, tuple)
@@ -165,6 +198,36 @@ class FusedSparseMoeBlock(nn.Module):
         elif residual is not None:
             raise ValueError("a residual is fused into the shared expert's kernel: this block has none")
         return y.reshape(B, T, H), logits
+
+    @torch.compiler.disable
+    def prefill(self, hidden_states: torch.Tensor):
+        """A prompt piece (`_prefill_ok` holds) -> (y [B, T, H], router logits [B·T, E]): logits by F.linear (as
+        transformers' router), the softmax top-k in one launch, the experts, and the shared expert (`_shared_rows`)
+        added in the experts' last launch where their call takes it (`takes_shared`), else by torch's ops."""
+        B, T, H = hidden_states.shape
+        x = hidden_states.reshape(-1, H)
+        logits = F.linear(x, self._gate.weight)
+        tw, ti = router_topk_of_logits(logits, self.top_k, self.norm_topk_prob, **self._group)
+        if not self.has_shared:
+            return self.experts(x, ti, tw).reshape(B, T, H), logits
+        s, g = self._shared_rows(x)
+        if getattr(self.experts, "takes_shared", None) is not None and self.experts.takes_shared(x, ti):
+            y = self.experts(x, ti, tw, shared=(s, g))
+        else:  # transformers' ops: y + sigmoid(g) * s
+            y = self.experts(x, ti, tw) + (s if g is None else torch.sigmoid(g) * s)
+        return y.reshape(B, T, H), logits
+
+    def _shared_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The shared expert on every token of x [T, H]: (its output [T, H], its gate logit [T, 1], None ungated).
+        gate | up with the SwiGLU in one launch (grouped_gate_up, one group of all T rows: the same roundings as
+        transformers' gate_proj, act, up_proj and product), down_proj and the gate by F.linear."""
+        se, T = self._se, x.shape[0]
+        wg, wu = se.gate_proj.weight, se.up_proj.weight
+        h = torch.empty(T, wg.shape[0], dtype=x.dtype, device=x.device)
+        ends = torch.full((1,), T, dtype=torch.int32, device=x.device)
+        grouped_gate_up(x, wg.unsqueeze(0), wu.unsqueeze(0), ends, 0, h)
+        s = F.linear(h, se.down_proj.weight)
+        return s, F.linear(x, self.shared_expert_gate.weight) if self.shared_gated else None
 
     def takes_front(self, h: torch.Tensor) -> bool:
         """Whether `step_front` can run this one-token call: the fused call holds and the block's experts run
