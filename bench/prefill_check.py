@@ -10,9 +10,10 @@ and greedy tokens at sparsity 0, and the staging path's own figures (spans fille
 localmoe-tiny-deamoe too (its prompt staged a group of departments at a time: the bytes staged, the cache's mode).
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py   (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
 smoke run, the staging spans filled by per-expert copies there; `--host-spans` / `--deltanet PREPARE/PRECISION` /
-`--prefill-norms`: the same check with `DensePath.device_spans` off / the Gated DeltaNet prefill's rule that way
-(e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) / `FusedDecoderLayer.prefill_norms` on,
-in both engines, before one becomes a default)
+`--prefill-norms` / `--prefill-block`: the same check with `DensePath.device_spans` off / the Gated DeltaNet prefill's
+rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) /
+`FusedDecoderLayer.prefill_norms` on / `FusedSparseMoeBlock.prefill_fused` on, in both engines, before one becomes a
+default)
 """
 
 import os
@@ -29,7 +30,7 @@ import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
 from localmoe.decode.deltanet import FusedGatedDeltaNet  # noqa: E402
-from localmoe.decode.moe_layer import FusedDecoderLayer  # noqa: E402
+from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock  # noqa: E402
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 from localmoe.experts.dense_path import DensePath  # noqa: E402
@@ -119,9 +120,12 @@ def main() -> None:
         FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = way
     if "--prefill-norms" in sys.argv:
         FusedDecoderLayer.prefill_norms = True
+    if "--prefill-block" in sys.argv:
+        FusedSparseMoeBlock.prefill_fused = True
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
-    print(f"device_spans {DensePath.device_spans}, DeltaNet prefill {rule}, prefill_norms {norms}")
+    block = FusedSparseMoeBlock.prefill_fused
+    print(f"device_spans {DensePath.device_spans}, DeltaNet prefill {rule}, prefill_norms {norms}, block {block}")
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

@@ -63,10 +63,14 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
     Qwen3_5MoeSparseMoeBlock       FusedSparseMoeBlock      one token: router 1 launch (GEMV, softmax, top-k, renorm,
                                                                casts; was ~6) -> the block's own `experts` (localmoe's
                                                                LocalExperts, unchanged) -> shared expert 2 launches
-                                                               (gate|up+silu·mul+sigmoid gate; down+scale+add; was ~10)
+                                                               (gate|up+silu·mul+sigmoid gate; down+scale+add; was ~10);
+                                                               a prompt piece with `prefill_fused` (off): router
+                                                               GEMM + top-k 2, shared expert 3 + its add inside the
+                                                               experts' last launch (was 15)
     Qwen3MoeSparseMoeBlock,
     OlmoeSparseMoeBlock            FusedSparseMoeBlock      one token: router 1 launch -> `experts` (no shared expert)
-                                                               more tokens (prefill) run the original block
+                                                               more tokens (prefill) run the original block (with
+                                                               `prefill_fused`: the router's GEMM + top-k, 2 launches)
     DeaMoeSparseMoeBlock,          FusedSparseMoeBlock      one token: group-limited router 1 launch (router_topk's
     DeaMoeQwen35SparseMoeBlock                                 department mode) -> DepartmentExperts (its Triton
                                                                kernel) -> the twin's shared expert 2 launches
