@@ -9,11 +9,11 @@ prefill logits (max abs difference; 0 expected: each expert's grouped GEMM is th
 and greedy tokens at sparsity 0, and the staging path's own figures (spans filled by the kernel). The bundled
 localmoe-tiny-deamoe too (its prompt staged a group of departments at a time: the bytes staged, the cache's mode).
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py   (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
-smoke run, the staging spans filled by per-expert copies there; `--host-spans` / `--deltanet PREPARE/PRECISION` /
-`--prefill-norms` / `--prefill-block`: the same check with `DensePath.device_spans` off / the Gated DeltaNet prefill's
-rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) /
-`FusedDecoderLayer.prefill_norms` on / `FusedSparseMoeBlock.prefill_fused` on, in both engines, before one becomes a
-default)
+smoke run, the staging spans filled by per-expert copies there). With `--host-spans` / `--deltanet PREPARE/PRECISION`
+/ `--prefill-norms` / `--prefill-block` / `--prefill-attention` the same check runs with `DensePath.device_spans`
+off / the Gated DeltaNet prefill's rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`,
+`prefill_precision`) / `FusedDecoderLayer.prefill_norms` / `FusedSparseMoeBlock.prefill_fused` /
+`FusedAttention.prefill_fused` on, in both engines, before one becomes a default.
 """
 
 import os
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
+from localmoe.decode.attention import FusedAttention  # noqa: E402
 from localmoe.decode.deltanet import FusedGatedDeltaNet  # noqa: E402
 from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock  # noqa: E402
 from localmoe.engine.engine import Engine  # noqa: E402
@@ -122,10 +123,13 @@ def main() -> None:
         FusedDecoderLayer.prefill_norms = True
     if "--prefill-block" in sys.argv:
         FusedSparseMoeBlock.prefill_fused = True
+    if "--prefill-attention" in sys.argv:
+        FusedAttention.prefill_fused = True
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
-    block = FusedSparseMoeBlock.prefill_fused
-    print(f"device_spans {DensePath.device_spans}, DeltaNet prefill {rule}, prefill_norms {norms}, block {block}")
+    block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
+    print(f"device_spans {DensePath.device_spans}, DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
+          f"attention {attention}")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

@@ -10,8 +10,8 @@ own argument copies left out) and Triton launches, the aten ops by the innermost
 Counts, not times: the interpreter is far slower than a GPU.
 
 Usage: TRITON_INTERPRET=1 python bench/prefill_launches.py [--shape qwen3.5-35b] [--prompt-tokens 2048]
-       [--prepare torch|split|triton] [--host-spans] [--prefill-norms] [--prefill-block] [--vram GiB [--span N]]
-       [--top 20]
+       [--prepare torch|split|triton] [--host-spans] [--prefill-norms] [--prefill-block] [--prefill-attention]
+       [--vram GiB [--span N]] [--top 20]
 --vram (> 0.5: the workspace reserve) offloads experts behind a cache on the CPU, staged by the gather kernel, --span
 experts a staging span (at tiny widths every expert fits one span; Qwen3.5-35B-A3B int4 at `--vram 16` takes 60).
 """
@@ -47,6 +47,7 @@ p.add_argument(
 p.add_argument("--host-spans", action="store_true", help="DensePath.device_spans off (a host read of the routing)")
 p.add_argument("--prefill-norms", action="store_true", help="FusedDecoderLayer.prefill_norms on")
 p.add_argument("--prefill-block", action="store_true", help="FusedSparseMoeBlock.prefill_fused on")
+p.add_argument("--prefill-attention", action="store_true", help="FusedAttention.prefill_fused on")
 p.add_argument("--vram", type=float, default=0.0)
 p.add_argument("--span", type=int, default=0, help="offloaded: experts a staging span (int4 at --vram 16 takes 60)")
 p.add_argument("--top", type=int, default=20)
@@ -73,6 +74,7 @@ deltanet_prefill.kernel_available = lambda t: True  # the chunk rule's Triton pa
 FusedGatedDeltaNet.prefill_prepare = a.prepare
 replacements.FusedDecoderLayer.prefill_norms = a.prefill_norms
 replacements.FusedSparseMoeBlock.prefill_fused = a.prefill_block
+replacements.FusedAttention.prefill_fused = a.prefill_attention
 e = Engine.random(
     a.shape, device=torch.device("cpu"), dtype=torch.float32, vram_gib=a.vram or None, context=a.prompt_tokens + 64
 )
@@ -139,7 +141,7 @@ cache = e.loaded.cache
 print(
     f"{a.shape} structure at tiny widths, {len(e.loaded.experts)} MoE layers, a {a.prompt_tokens}-token piece, "
     f"prepare {a.prepare}, device spans {'off' if a.host_spans else 'on'}, prefill norms {a.prefill_norms}, "
-    f"fused block {a.prefill_block}, "
+    f"fused block {a.prefill_block}, fused attention {a.prefill_attention}, "
     + (f"experts offloaded ({cache.slots} slots, spans of {cache.staging.span})" if cache else "experts resident")
 )
 print(f"launches: {aten + tri} ({aten} aten ops, {tri} Triton: {dict(triton_launches.most_common())})")

@@ -19,12 +19,13 @@ Triton launch;
 B in the "gather" ones; `--vram 0` too. `--prefill-norms` instead compares transformers' decoder layer for prefill
 ("copies") against `FusedDecoderLayer.prefill_norms` (the layer's arithmetic with the fused norms; "gather").
 `--prefill-block` instead compares transformers' MoE block for prefill against `FusedSparseMoeBlock.prefill_fused`
-(F.linear + one top-k launch, the shared expert in the experts' last launch); `--prefill-all` all three prefill
-switches off ("copies") against all on (split/ieee DeltaNet rule, fused norms, fused block).
+(F.linear + one top-k launch, the shared expert in the experts' last launch); `--prefill-attention` transformers'
+attention module against `FusedAttention.prefill_fused` (decode/attention_prefill.py); `--prefill-all` the four
+prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused norms, block and attention).
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans | --deltanet A,B
-       | --prefill-norms | --prefill-block | --prefill-all]
+       | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
 
 import argparse
@@ -32,6 +33,7 @@ import statistics
 
 import torch
 
+from localmoe.decode.attention import FusedAttention
 from localmoe.decode.deltanet import FusedGatedDeltaNet
 from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock
 from localmoe.decode.prefix import piece_cuts
@@ -51,13 +53,14 @@ p.add_argument("--packed", action="store_true", help="int4 / NF4: packed staging
 p.add_argument("--device-spans", action="store_true", help="torch's grouped_mm against the device-side grouped GEMMs")
 p.add_argument("--prefill-norms", action="store_true", help="the original layer against the fused norms in prefill")
 p.add_argument("--prefill-block", action="store_true", help="the original MoE block against the fused one in prefill")
-p.add_argument("--prefill-all", action="store_true", help="the three prefill switches off against on")
+p.add_argument("--prefill-attention", action="store_true", help="the original attention against the fused one")
+p.add_argument("--prefill-all", action="store_true", help="the four prefill switches off against on")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
 rules = [tuple(w.split("/")) for w in a.deltanet.split(",")] if a.deltanet else None
-fused_prefill = a.prefill_norms or a.prefill_block or a.prefill_all
+fused_prefill = a.prefill_norms or a.prefill_block or a.prefill_attention or a.prefill_all
 
 e = Engine.random(
     a.shape,
@@ -93,8 +96,10 @@ def ttft(n: int, gather: bool) -> float:
         FusedDecoderLayer.prefill_norms = gather
     elif a.prefill_block:
         FusedSparseMoeBlock.prefill_fused = gather
+    elif a.prefill_attention:
+        FusedAttention.prefill_fused = gather
     elif a.prefill_all:
-        FusedDecoderLayer.prefill_norms = FusedSparseMoeBlock.prefill_fused = gather
+        FusedDecoderLayer.prefill_norms = FusedSparseMoeBlock.prefill_fused = FusedAttention.prefill_fused = gather
         FusedGatedDeltaNet.prefill_prepare = "split" if gather else "torch"
     elif a.packed:
         if (staging.plain is not None) != gather:  # the other buffers: made again at the next use
@@ -123,8 +128,10 @@ if a.prefill_norms:
     print("'copies': transformers' decoder layer for prefill; 'gather': its arithmetic with the fused norms")
 if a.prefill_block:
     print("'copies': transformers' MoE block for prefill; 'gather': FusedSparseMoeBlock.prefill_fused")
+if a.prefill_attention:
+    print("'copies': transformers' attention for prefill; 'gather': FusedAttention.prefill_fused")
 if a.prefill_all:
-    print("'copies': the prefill switches off; 'gather': split DeltaNet rule, fused norms, fused MoE block")
+    print("'copies': the prefill switches off; 'gather': split DeltaNet rule, fused norms, MoE block, attention")
 if a.device_spans:
     print("'copies': torch's grouped_mm, the routing read on the host; 'gather': device_spans (no host read)")
 if rules:

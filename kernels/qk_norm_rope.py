@@ -289,7 +289,7 @@ def _one_row(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
-def _check_weights(q_weight, k_weight, kind, x_dtype, device, whole: bool, Hq: int, Hkv: int) -> int:
+def check_weights(q_weight, k_weight, kind, x_dtype, device, whole: bool, Hq: int, Hkv: int) -> int:
     """The head dim D (the norm weights' length; with `whole`, q_weight's / Hq) after checking the weights."""
     n = q_weight.shape[0] if q_weight.dim() == 1 else -1
     D = n // Hq if whole and n % Hq == 0 else (-1 if whole else n)
@@ -424,7 +424,7 @@ def qk_layout(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, kind
         D = head_dim
         q_weight = k_weight = x  # dummies, never read
     else:
-        D = _check_weights(q_weight, k_weight, kind, x.dtype, x.device, whole, Hq, Hkv)
+        D = check_weights(q_weight, k_weight, kind, x.dtype, x.device, whole, Hq, Hkv)
         if head_dim is not None and head_dim != D:
             raise ValueError(f"head_dim {head_dim} differs from the norm weights' head dim {D}")
     QW = 2 * D if gated else D
@@ -444,11 +444,11 @@ def qk_layout(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, kind
         raise ValueError(
             f"cos/sin must be {x.dtype} on {x.device} like qkv, got {c.dtype}/{s.dtype} on {c.device}/{s.device}"
         )
-    kc, vc, pos = _check_cache(kv_cache, Hkv, D, x)
+    kc, vc, pos = check_cache(kv_cache, Hkv, D, x)
     return x, q_weight, k_weight, D, QW, ROT, c, s, kc, vc, pos
 
 
-def _check_cache(kv_cache, Hkv: int, D: int, x: torch.Tensor):
+def check_cache(kv_cache, Hkv: int, D: int, x: torch.Tensor):
     """(keys, values, position) to launch with; dummies (never written) without a cache."""
     if kv_cache is None:
         return x.view(1, 1, -1), x.view(1, 1, -1), x

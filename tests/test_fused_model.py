@@ -439,3 +439,52 @@ def test_prefill_block_equals_the_original_block(tiny_model, family, experts, mo
     assert on.ops.count("triton:_grouped_gate_up_kernel") == (n if shared else 0) + (n if local else 0)
     # fp32 on the CPU: no launch for transformers' casts to the model's dtype (bf16 on a GPU: one or two more saved)
     assert len(on.ops) <= len(off.ops) - (3 + 2 * shared + 3 * (shared and local)) * n
+
+
+def _two_pieces(model, prompt, steps=2):
+    """A prompt in two pieces on one StaticCache (the second on an initialised layer), then greedy decode steps:
+    (logits of each piece's last position and of each step, fp32, tokens)."""
+    from transformers import StaticCache
+
+    P, cut = prompt.shape[1], prompt.shape[1] // 2
+    cache = StaticCache(config=model.config, max_cache_len=P + steps + 1)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    logits = []
+    for a, b in ((0, cut), (cut, P)):
+        out = model(
+            input_ids=prompt[:, a:b], cache_position=torch.arange(a, b, device=DEV), use_cache=True, **{kw: cache}
+        )
+        logits.append(out.logits[0, -1].float())
+    toks = [int(logits[-1].argmax())]
+    for i in range(steps):
+        ids = torch.tensor([[toks[-1]]], device=DEV)
+        out = model(input_ids=ids, cache_position=torch.tensor([P + i], device=DEV), use_cache=True, **{kw: cache})
+        logits.append(out.logits[0, -1].float())
+        toks.append(int(logits[-1].argmax()))
+    return torch.stack(logits), toks
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches of the interpreter")
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "mixtral", "granitemoe"])
+@torch.no_grad()
+def test_prefill_attention_equals_the_original_module(tiny_model, family, monkeypatch):
+    """`FusedAttention.prefill_fused`: a prompt's attention layers run `attention_prefill` (one q|k|v GEMM, the norms,
+    RoPE and the static layer's k/v write in one launch, the core, the gate, o_proj): a prompt in two pieces (the
+    first through the cache's update on a fresh StaticCache, the second written by the kernel) gives the original
+    module's logits and greedy continuation within fp32 tolerance, the decode steps after it equal, fewer launches."""
+    ref = copy.deepcopy(tiny_model).to(DEV)
+    test_fused.nontrivial(ref)
+    model, _ = _installed(ref)
+    prompt = _prompt(model, P=9)
+    want, want_toks = _two_pieces(model, prompt)
+    off = _count_call(model, prompt, monkeypatch)
+    monkeypatch.setattr(replacements.FusedAttention, "prefill_fused", True)
+    attn = [m for m in model.modules() if isinstance(m, replacements.FusedAttention)]
+    got, toks = _two_pieces(model, prompt)
+    assert all(m.prefill_calls == 2 for m in attn)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert toks == want_toks
+    on = _count_call(model, prompt, monkeypatch)
+    print(f"\n{family} prefill launches: {len(off.ops)} -> {len(on.ops)} ({len(attn)} attention layers)")
+    assert on.ops.count("triton:_qk_norm_rope_rows_kernel") == len(attn)
+    assert len(on.ops) <= len(off.ops) - 8 * len(attn)

@@ -9,7 +9,8 @@ q|k|v (the three projections' weights share one buffer), then on a StaticCache w
 for the per-head q/k RMSNorm + RoPE, the k/v write into the cache and the attention core (localmoe_sdpa's
 `decode_qk`: kernels/decode_attention.py's `decode_attention_qk`; the sigmoid gate read from the projection in its
 combine; kind "none": RoPE alone), and o_proj. Other caches and cores: `kernels/qk_norm_rope.py` (norms, RoPE, the
-gate's de-interleave), the cache's update, the core. Prefill and every other call run transformers' module.
+gate's de-interleave), the cache's update, the core. A prompt piece runs `attention_prefill`
+(decode/attention_prefill.py) when `FusedAttention.prefill_fused` is on; every other call runs transformers' module.
 Installed by `localmoe.decode.replacements`.
 
 Launches per decode call (StaticCache, localmoe_sdpa; counted on the CPU with the interpreter), transformers' module
@@ -45,6 +46,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from localmoe.decode import sdpa, sinks
+from localmoe.decode.attention_prefill import attention_prefill
 from localmoe.decode.ops import (
     FusedLinear,
     FusedRMSNorm,
@@ -75,9 +77,9 @@ def _norm_kind(norm: nn.Module) -> str | None:
     return _NORM_KINDS.get(type(norm).__name__)
 
 
-def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int, half: bool = False) -> bool:
-    """(cos, sin) of one token in h's dtype and device: [..., ROT] rows, ROT even and <= head_dim ([..., ROT/2]
-    with `half`, GPT-OSS's angles)."""
+def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int, half: bool = False, rows: int = 1) -> bool:
+    """(cos, sin) of one token (`rows` tokens: contiguous [..., rows, ROT]) in h's dtype and device: [..., ROT] rows,
+    ROT even and <= head_dim ([..., ROT/2] with `half`, GPT-OSS's angles)."""
     if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
         return False
     cos, sin = position_embeddings
@@ -85,8 +87,10 @@ def _angles_ok(position_embeddings, h: torch.Tensor, head_dim: int, half: bool =
         return False
     n = cos.shape[-1] if cos.dim() else 0
     rot = 2 * n if half else n
+    if rows > 1 and not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
     return (
-        cos.numel() == n
+        cos.numel() == rows * n
         and 2 <= rot <= head_dim
         and rot % 2 == 0
         and cos.stride(-1) == 1
@@ -104,9 +108,12 @@ class FusedAttention(nn.Module):
     unregistered as `_hf`.
 
     `fold_qk` (default on): on a StaticCache with localmoe_sdpa, the norms, RoPE and the k/v write inside the core's
-    launch (`sdpa.decode_qk`); off, qk_norm_rope's launch and then the core (bench/step_ab.py A/Bs the two)."""
+    launch (`sdpa.decode_qk`); off, qk_norm_rope's launch and then the core (bench/step_ab.py A/Bs the two).
+    `prefill_fused` (off until a GPU times it: `bench/staging_ab.py --prefill-attention`): a prompt piece of one
+    sequence through `attention_prefill` (~7 launches a Qwen3.5 layer where the module takes ~40)."""
 
     fold_qk = True
+    prefill_fused = False
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -125,6 +132,7 @@ class FusedAttention(nn.Module):
         self.num_heads = int(hf.config.num_attention_heads)
         self.num_kv_heads = int(hf.config.num_key_value_heads)
         self.decode_calls = 0  # fused steps taken (eager calls; a CUDA graph replay does not count)
+        self.prefill_calls = 0  # prompt pieces through attention_prefill
         self._kind, self._eps = self._norms(hf)
         # OLMoE: q_norm [Hq*D] / k_norm [Hkv*D] over the whole projections; per head: both [D]
         self._whole = (
@@ -162,11 +170,11 @@ class FusedAttention(nn.Module):
             return None, None
         return kind, eps
 
-    def _fusable(self, h: torch.Tensor, position_embeddings, cache) -> bool:
+    def _weights_ok(self, h: torch.Tensor) -> bool:
+        """The fused paths' weights for h: the joined q|k|v weight still the projections' (x's dtype and device), the
+        norms' kind and weights usable, no autograd, not training."""
         w = self._w_qkv
-        if w is None or self._kind is None or cache is None or self.training:
-            return False
-        if h.dim() != 3 or h.shape[0] != 1 or h.shape[1] != 1 or h.dtype != w.dtype or h.device != w.device:
+        if w is None or self._kind is None or self.training or h.dtype != w.dtype or h.device != w.device:
             return False
         if self.q_proj.weight.data_ptr() != w.data_ptr():  # weights moved or replaced since install
             self._w_qkv = None
@@ -179,10 +187,27 @@ class FusedAttention(nn.Module):
                 return False
             if self._kind == "standard" and torch.promote_types(qn.dtype, h.dtype) != h.dtype:
                 return False
+        return True
+
+    def _fusable(self, h: torch.Tensor, position_embeddings, cache) -> bool:
+        if cache is None or h.dim() != 3 or h.shape[0] != 1 or h.shape[1] != 1 or not self._weights_ok(h):
+            return False
         impl = getattr(self.config, "_attn_implementation", None)
         if self._sinks:
             return impl in _SINK_CORES and _angles_ok(position_embeddings, h, self.head_dim, half=True)
         return impl in _CORES and _angles_ok(position_embeddings, h, self.head_dim)
+
+    def _prefill_ok(self, h: torch.Tensor, position_embeddings) -> bool:
+        """Whether `attention_prefill` runs this call: `prefill_fused` on, several tokens of one sequence, no sinks
+        (GPT-OSS's prompt runs its module), a core of `_CORES`, the angles as contiguous [1, T, ROT] rows."""
+        if not self.prefill_fused or self._sinks or h.dim() != 3 or h.shape[0] != 1 or h.shape[1] < 2:
+            return False
+        impl = getattr(self.config, "_attn_implementation", None)
+        return (
+            self._weights_ok(h)
+            and impl in _CORES
+            and _angles_ok(position_embeddings, h, self.head_dim, rows=h.shape[1])
+        )
 
     def forward(
         self,
@@ -205,6 +230,9 @@ class FusedAttention(nn.Module):
         ):
             hidden_states, input_norm = input_norm(hidden_states), None
         if not fusable:
+            if self._prefill_ok(hidden_states, position_embeddings):
+                self.prefill_calls += 1
+                return attention_prefill(self, hidden_states, position_embeddings, attention_mask, cache, kwargs)
             return self._hf(hidden_states, position_embeddings, attention_mask, **{self._cache_kw: cache}, **kwargs)
         if self._sinks:
             return self._sink_step(hidden_states, position_embeddings, attention_mask, cache, input_norm, kwargs)

@@ -312,10 +312,12 @@ def install(
         _set_child(model, name, rep.make(module))
         done[cls] = done.get(cls, 0) + 1
     for module in model.modules():  # a fused layer's prefill runs its original layer: give that one the fused
-        if not isinstance(module, FusedDecoderLayer):  # DeltaNet and MoE block (their own prefill paths)
+        if not isinstance(module, FusedDecoderLayer):  # DeltaNet, attention and MoE block (their prefill paths)
             continue
         if isinstance(getattr(module, "linear_attn", None), FusedGatedDeltaNet):
             module._hf.linear_attn = module.linear_attn
+        if isinstance(getattr(module, "self_attn", None), FusedAttention):
+            module._hf.self_attn = module.self_attn
         if isinstance(module._moe, FusedSparseMoeBlock):
             setattr(module._hf, module._moe_name, module._moe)
     if ATTENTION not in exclude and sdpa.install(model):  # the attention core, by implementation name
