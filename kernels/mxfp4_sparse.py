@@ -158,8 +158,7 @@ if triton is not None:
         r64 = rows.to(tl.int64) * NB
         for J in tl.static_range(4):
             lo, hi = fp4_pair(w, J)
-            acc = tl.fma(lo, xs[J][None, :, :], acc)  # two FFMA a pair (lo * x + hi * x' + acc: three ops)
-            acc = tl.fma(hi, xs[J + 4][None, :, :], acc)
+            acc += lo * xs[J][None, :, :] + hi * xs[J + 4][None, :, :]
         part = tl.sum(acc, axis=2) * 9.223372036854775808e18  # [R, NBP]
         s = tl.load(s_base + r64[:, None] + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
         return tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
