@@ -364,6 +364,17 @@ def test_layer_launches(tiny_model, family, monkeypatch):
     assert glue.ops == _GLUE[:1] + ["mul.Tensor"] * (family == "granitemoe") + _GLUE[1:]
 
 
+def _prefill_switches(monkeypatch, on: bool) -> None:
+    """The four prefill switches (fused norms, MoE block, attention: on by default; the DeltaNet rule's "split" on
+    CUDA) all on or off."""
+    from localmoe.decode.deltanet import FusedGatedDeltaNet
+
+    monkeypatch.setattr(replacements.FusedDecoderLayer, "prefill_norms", on)
+    monkeypatch.setattr(moe_layer.FusedSparseMoeBlock, "prefill_fused", on)
+    monkeypatch.setattr(replacements.FusedAttention, "prefill_fused", on)
+    monkeypatch.setattr(FusedGatedDeltaNet, "prefill_prepare", "split" if on else "torch")
+
+
 def _count_call(model, prompt, monkeypatch) -> _Launches:
     """Every launch of one uncached call of the model on `prompt` (aten ops that compute, Triton launches)."""
     from triton.runtime import interpreter
@@ -386,6 +397,7 @@ def test_prefill_norms_equal_the_original_layer(tiny_model, family, monkeypatch)
     greedy continuation equal the original layer's within fp32 tolerance, the decode steps stay the fused ones, the
     prefill is not counted as a decode call, and the piece makes fewer launches (GraniteMoE: its residual_multiplier
     on both branches)."""
+    _prefill_switches(monkeypatch, False)  # the baseline: transformers' modules
     ref = copy.deepcopy(tiny_model).to(DEV)
     test_fused.nontrivial(ref)
     model, _ = _installed(ref)
@@ -414,6 +426,7 @@ def test_prefill_block_equals_the_original_block(tiny_model, family, experts, mo
     shared expert by its SwiGLU GEMM launch, down GEMM and gate GEMV, added in the experts' last launch (localmoe's
     experts on the device dense path: kernels/token_combine.py) or by torch's ops (transformers' experts); prefill
     logits and the greedy continuation equal the original block's within fp32 tolerance, with fewer launches."""
+    _prefill_switches(monkeypatch, False)  # the baseline: transformers' modules
     ref = copy.deepcopy(tiny_model).to(DEV)
     test_fused.nontrivial(ref)
     local = experts == "local"
@@ -472,6 +485,7 @@ def test_prefill_attention_equals_the_original_module(tiny_model, family, monkey
     RoPE and the static layer's k/v write in one launch, the core, the gate, o_proj): a prompt in two pieces (the
     first through the cache's update on a fresh StaticCache, the second written by the kernel) gives the original
     module's logits and greedy continuation within fp32 tolerance, the decode steps after it equal, fewer launches."""
+    _prefill_switches(monkeypatch, False)  # the baseline: transformers' modules
     ref = copy.deepcopy(tiny_model).to(DEV)
     test_fused.nontrivial(ref)
     model, _ = _installed(ref)

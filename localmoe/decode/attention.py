@@ -109,11 +109,11 @@ class FusedAttention(nn.Module):
 
     `fold_qk` (default on): on a StaticCache with localmoe_sdpa, the norms, RoPE and the k/v write inside the core's
     launch (`sdpa.decode_qk`); off, qk_norm_rope's launch and then the core (bench/step_ab.py A/Bs the two).
-    `prefill_fused` (off until a GPU times it: `bench/staging_ab.py --prefill-attention`): a prompt piece of one
-    sequence through `attention_prefill` (~7 launches a Qwen3.5 layer where the module takes ~40)."""
+    `prefill_fused` (default on): a prompt piece of one sequence through `attention_prefill` (~11 launches a Qwen3.5
+    layer where the module takes ~40; `bench/staging_ab.py --prefill-attention`: 1.02x TTFT on an H100)."""
 
     fold_qk = True
-    prefill_fused = False
+    prefill_fused = True
 
     def __init__(self, hf: nn.Module):
         super().__init__()

@@ -1,5 +1,5 @@
 """Full attention for a prompt piece (more than one token of one sequence) in few launches: `FusedAttention`'s
-prefill when `FusedAttention.prefill_fused` is on (off until a GPU times it). transformers' module makes ~40 launches
+prefill when `FusedAttention.prefill_fused` is on (the default). transformers' module makes ~40 launches
 a Qwen3.5 attention layer for a piece (three projections, the norms and RoPE op by op, the gate's copy, the cache's
 update, the core, the gate); here: the q|k|v projections as one GEMM (the decode step's joined weight), the norms,
 RoPE, the gate's de-interleave and a StaticLayer's k/v write in one launch (`kernels/qk_norm_rope_rows.py`), the core

@@ -56,8 +56,9 @@ class FusedGatedDeltaNet(nn.Module):
     # deltanet_prefill then also joins the four input projections in one GEMM and runs g / beta and the gated norm as
     # one launch each: a layer's prefill ~61 launches -> ~14) or "triton" (one launch, kernels/delta_rule_prepare.py),
     # and its dots' precision (delta_rule_prepare.PRECISIONS): fp32 "ieee", or "tf32" (~5e-4 on outputs of ~0.1).
-    # Timed on a GPU by `python bench/staging_ab.py --vram 0 --deltanet torch/ieee,split/ieee`.
-    prefill_prepare = "torch"
+    # "split" is the default: 1.08x TTFT over "torch" (H100, Qwen3.5-35B-A3B int4 at --vram 16, a 2048-token prompt,
+    # `python bench/staging_ab.py --experts int4 --vram 16 --deltanet torch/ieee,split/ieee`, session 37).
+    prefill_prepare = "split"
     prefill_precision = "ieee"
 
     def __init__(self, hf: nn.Module):

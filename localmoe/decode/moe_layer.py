@@ -1,10 +1,10 @@
 """MoE decode modules: the softmax-top-k MoE block for one token (fused router, localmoe's experts, fused shared
 expert; or, from a decoder layer, `moe_front` (with the shared expert, if any) + the experts' `sparse_fused` with the
 residual add in its tail) and the Qwen3.5 / Qwen3-MoE / OLMoE / Mixtral / GraniteMoE / DeepSeek-V2 decoder layer,
-whose norms and residual adds ride in neighbouring kernels. Installed by `localmoe.decode.replacements`; prefill
-and other calls run transformers' modules, or, with `FusedSparseMoeBlock.prefill_fused` on, a prompt piece runs the
-block's own few launches (`prefill`: the router's GEMM and one top-k launch, the shared expert's SwiGLU GEMM, down
-GEMM and gate GEMV, added in the experts' last launch).
+whose norms and residual adds ride in neighbouring kernels. Installed by `localmoe.decode.replacements`. A prompt
+piece runs the layer's arithmetic with the fused norms (`prefill_norms`) and the block's own few launches
+(`FusedSparseMoeBlock.prefill_fused`; both on by default): the router's GEMM and one top-k launch, the shared
+expert's SwiGLU GEMM, down GEMM and gate GEMV, added in the experts' last launch.
 
 GraniteMoE: the block is the layer's `block_sparse_moe` (not `mlp`) and its router `router` (not `gate`); its router
 (top-k of the logits, softmax over those k) is the renormalised softmax top-k (the same weights up to fp32 rounding).
@@ -89,9 +89,10 @@ class FusedSparseMoeBlock(nn.Module):
     # A prompt piece through the block's own launches (`prefill`): the router's GEMM and one top-k launch, the shared
     # expert's gate | up GEMM with its SwiGLU (grouped_gate_up over one group of every token), its down GEMM and gate
     # GEMV, added in the experts' last launch (kernels/token_combine.py): 6 launches where transformers' Qwen3.5
-    # block takes 15 around the experts (the tiny models of bench/prefill_launches.py). Off until a GPU times it
-    # (`bench/staging_ab.py --prefill-block`); the numerics are the decode step's (fp32 sums inside one kernel).
-    prefill_fused = False
+    # block takes 15 around the experts (the tiny models of tests/test_fused_model.py); the numerics are the decode
+    # step's (fp32 sums inside one kernel). On by default: alone 1.00x TTFT (`bench/staging_ab.py --prefill-block`,
+    # H100, int4 at --vram 16, 2048 tokens), with the other three prefill switches 1.09x (`--prefill-all`).
+    prefill_fused = True
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -377,9 +378,9 @@ class FusedDecoderLayer(nn.Module):
 
     # Prefill through the fused norms: ~11 launches a layer fewer than transformers' RMSNorms and residual add (the
     # tiny models of tests/test_fused_model.py); the numerics are the decode step's (fp32 inside one
-    # kernel, not torch's op by op). Off until a GPU times it and checks the families' tokens (`bench/staging_ab.py
-    # --prefill-norms`, `bench/prefill_check.py --prefill-norms`): prefill is bound by the host's launches.
-    prefill_norms = False
+    # kernel, not torch's op by op). On by default: 1.02x TTFT alone (`bench/staging_ab.py --prefill-norms`, H100,
+    # int4 at --vram 16, 2048 tokens); `bench/prefill_check.py` passed with all four prefill switches on.
+    prefill_norms = True
 
     def __init__(self, hf: nn.Module):
         super().__init__()

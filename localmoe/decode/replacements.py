@@ -64,7 +64,7 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                casts; was ~6) -> the block's own `experts` (localmoe's
                                                                LocalExperts, unchanged) -> shared expert 2 launches
                                                                (gate|up+silu·mul+sigmoid gate; down+scale+add; was ~10);
-                                                               a prompt piece with `prefill_fused` (off): router
+                                                               a prompt piece with `prefill_fused` (on): router
                                                                GEMM + top-k 2, shared expert 3 + its add inside the
                                                                experts' last launch (was 15)
     Qwen3MoeSparseMoeBlock,
