@@ -165,6 +165,27 @@ if triton is not None:
         return norm_rope(x, xp, row, n_row, w, wp, c, s, eps, cols, D, HALF, KIND, WHOLE, BLOCK_W, DT)
 
     @triton.jit
+    def head_source(head, x_row, wq_ptr, wk_ptr, HQ, HKV, D: tl.constexpr, QW: tl.constexpr, WHOLE: tl.constexpr):
+        """Program `head`'s place in one token's q|k|v row x_row (query heads 0 .. HQ-1, then key heads): (its offset,
+        its norm weight, and for WHOLE norms the projection the norm spans, that projection's length and the head's
+        slice of the weight; w_off 0 for per-head norms). Shared with kernels/qk_norm_rope_rows.py."""
+        if head < HQ:
+            off = head * QW
+            w_ptr = wq_ptr
+            row = x_row
+            n_row = HQ * D
+            w_off = head * D
+        else:
+            off = HQ * QW + (head - HQ) * D
+            w_ptr = wk_ptr
+            row = x_row + HQ * QW
+            n_row = HKV * D
+            w_off = (head - HQ) * D
+        if not WHOLE:
+            w_off = 0
+        return off, w_ptr, row, n_row, w_off
+
+    @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr,  # [Hq*QW + 2*Hkv*D] one token's q|k|v projection, contiguous
         wq_ptr,  # [D] q norm weight
@@ -206,21 +227,8 @@ if triton is not None:
         rot = cols < ROT
         partner = tl.where(cols < HALF, cols + HALF, cols - HALF)  # rotate_half's source of each rotary column
         pm = m & rot
-        if head < HQ:
-            off = head * QW
-            w_ptr = wq_ptr
-            row = qkv_ptr  # WHOLE: the projection this head's norm spans, its length, the head's weight slice
-            n_row = HQ * D
-            w_off = head * D
-        else:
-            off = HQ * QW + (head - HQ) * D
-            w_ptr = wk_ptr
-            row = qkv_ptr + HQ * QW
-            n_row = HKV * D
-            w_off = (head - HQ) * D
+        off, w_ptr, row, n_row, w_off = head_source(head, qkv_ptr, wq_ptr, wk_ptr, HQ, HKV, D, QW, WHOLE)
         src = qkv_ptr + off
-        if not WHOLE:
-            w_off = 0
         if KIND != 2:
             w = tl.load(w_ptr + w_off + cols, mask=m, other=0.0).to(tl.float32)
             wp = tl.load(w_ptr + w_off + partner, mask=pm, other=0.0).to(tl.float32)

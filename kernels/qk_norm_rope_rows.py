@@ -30,7 +30,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
-    from localmoe.kernels.qk_norm_rope import norm_rope_head
+    from localmoe.kernels.qk_norm_rope import head_source, norm_rope_head
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -98,20 +98,7 @@ if triton is not None:
         partner = tl.where(cols < HALF, cols + HALF, cols - HALF)  # rotate_half's source of each rotary column
         pm = m & (cols < ROT)
         x_row = qkv_ptr + t * stride_x
-        if head < HQ:
-            off = head * QW
-            w_ptr = wq_ptr
-            row = x_row  # WHOLE: the projection this head's norm spans, its length, the head's weight slice
-            n_row = HQ * D
-            w_off = head * D
-        else:
-            off = HQ * QW + (head - HQ) * D
-            w_ptr = wk_ptr
-            row = x_row + HQ * QW
-            n_row = HKV * D
-            w_off = (head - HQ) * D
-        if not WHOLE:
-            w_off = 0
+        off, w_ptr, row, n_row, w_off = head_source(head, x_row, wq_ptr, wk_ptr, HQ, HKV, D, QW, WHOLE)
         if KIND != 2:
             w = tl.load(w_ptr + w_off + cols, mask=m, other=0.0).to(tl.float32)
             wp = tl.load(w_ptr + w_off + partner, mask=pm, other=0.0).to(tl.float32)
