@@ -11,7 +11,8 @@ Two parts, each printing a table and writing JSON under --out:
   engine  `localmoe bench --shape` rows for a pair of shapes in one process: qwen3.5-35b and qwen3.5-35b-deamoe
           (or deamoe-7b-vanilla and deamoe-7b with --pair 7b) at --vram (resident when absent).
 
-    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py layer --out $OUT [--z 0,0.5]    # --z: tau_z rows at 85%
+    PYTHONUNBUFFERED=1 python bench/deamoe_twin.py layer --out $OUT [--z 0,0.5] [--launch two,one]
+                                                                 # --z: tau_z rows at 85%; --launch: kernel modes
     PYTHONUNBUFFERED=1 python bench/deamoe_twin.py tune --out $OUT    # department_experts' launch keywords
     PYTHONUNBUFFERED=1 python bench/deamoe_twin.py engine --vram 12 --sparsity 0.85 --out $OUT [--engine-z 0,0.5]
 """
@@ -28,7 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from localmoe.experts.departments import DepartmentExperts, group_limited_topk, step_slots  # noqa: E402
+from localmoe.experts.departments import (  # noqa: E402
+    DepartmentExperts,
+    group_limited_topk,
+    launch_keywords,
+    step_slots,
+)
 from localmoe.experts.expert_weights import ExpertWeights  # noqa: E402
 from localmoe.experts.local_experts import LocalExperts  # noqa: E402
 from localmoe.measure.benchmark import bench, table  # noqa: E402
@@ -167,16 +173,24 @@ def time_layers(mods, kind: str, T: int, sparsity: float, gen, steps: int = 24, 
     return times[len(times) // 2], step_bytes(kind, idx, sparsity, z_sparsity)
 
 
-def layer_part(out: Path, z_sparsities: list[float]) -> None:
+def layer_part(out: Path, z_sparsities: list[float], launches: list[str]) -> None:
+    """`launches`: the DeaMoE kernel's launch modes to time ("two": up/private then down, "one": ONE_LAUNCH)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for kind, make in (("vanilla", vanilla_layers), ("deamoe", twin_layers)):
         mods = make(gen)
         for T in (1, 4):
             for sp in (0.0, 0.85):
-                for zs in z_sparsities if kind == "deamoe" and sp > 0 else (0.0,):
+                for zs, mode in [
+                    (zs, mode)
+                    for zs in (z_sparsities if kind == "deamoe" and sp > 0 else (0.0,))
+                    for mode in (launches if kind == "deamoe" else ("two",))
+                ]:
+                    for m in mods if kind == "deamoe" else ():
+                        x1 = torch.empty(T, H, device="cuda")
+                        m.launch = {**launch_keywords(x1, m.width, m.per_department), "ONE_LAUNCH": mode == "one"}
                     us, nbytes = time_layers(mods, kind, T, sp, gen, z_sparsity=zs)
-                    name = kind if zs == 0 else f"{kind} z{zs:.0%}"
+                    name = (kind if zs == 0 else f"{kind} z{zs:.0%}") + (" 1L" if mode == "one" else "")
                     rows.append(dict(layer=name, tokens=T, sparsity=sp, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3))
                     r = rows[-1]
                     print(
@@ -286,11 +300,12 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
     ap.add_argument("--z", default="0", help="layer: z sparsities (tau_z quantiles) for the DeaMoE rows at 85%%")
+    ap.add_argument("--launch", default="two", help="layer: the DeaMoE kernel's launch modes, two,one (ONE_LAUNCH)")
     ap.add_argument("--engine-z", default="0", help="engine: the DeaMoE engine's z sparsities (one engine each)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.part == "layer":
-        layer_part(a.out, [float(z) for z in a.z.split(",")])
+        layer_part(a.out, [float(z) for z in a.z.split(",")], a.launch.split(","))
     elif a.part == "tune":
         tune_part(a.out)
     else:

@@ -64,7 +64,8 @@ def _device_table(device_name: str) -> dict:
     for name, data in tables.items():  # e.g. "NVIDIA H200 NVL" falls back to "NVIDIA H200"
         if key.startswith(name) or name.startswith(key):
             return data
-    return {}
+    return tables.setdefault(key, {"device": device_name})  # unmeasured: an empty table of its own (a bench's A/B
+    # may add entries to it, as to a measured device's)
 
 
 def launch_params(device_name: str, H: int, I: int, k: int, int4: bool = False) -> dict:

@@ -39,14 +39,17 @@ def _case(T, H, h, D, n, k, dtype, seed=0):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tau", [0.0, 0.1], ids=["tau0", "tau0.1"])
-def test_department_experts_matches_reference(shape, dtype, tau):
+@pytest.mark.parametrize("one", [False, True], ids=["two-launches", "one-launch"])
+def test_department_experts_matches_reference(shape, dtype, tau, one):
     T, H, h, D, n, k = shape
     x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, dtype)
     taus = torch.full((D,), tau, device=DEV)
     kept = torch.zeros((), dtype=torch.int64, device=DEV)
     seen = torch.full((), 5, dtype=torch.int64, device=DEV)
     out = torch.full((T, H), float("nan"), device=DEV)
-    y = department_experts(x, wg, wu, wd, private, dept, w, taus, out=out, kept_total=kept, seen_total=seen)
+    y = department_experts(
+        x, wg, wu, wd, private, dept, w, taus, out=out, kept_total=kept, seen_total=seen, ONE_LAUNCH=one
+    )
     ref, kept_ref = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
     assert y is out and not torch.isnan(y).any()
     assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
@@ -79,7 +82,8 @@ def test_accumulate_adds_into_out(T):
 
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_residual_tail_publishes_and_leaves_workspaces_zeroed(T, dtype):
+@pytest.mark.parametrize("one", [False, True], ids=["two-launches", "one-launch"])
+def test_residual_tail_publishes_and_leaves_workspaces_zeroed(T, dtype, one):
     """residual= (a fused decoder layer's tail): residual + (row + experts) in residual's dtype, rounded once, the row
     zeroed, as residual_publish does; the launch leaves its z workspace and ticket zeroed for the next one."""
     H, h, D, n, k = 72, 40, 5, 3, 3
@@ -92,7 +96,9 @@ def test_residual_tail_publishes_and_leaves_workspaces_zeroed(T, dtype):
     expect = residual_publish_ref(held + ref, residual)
     for _ in range(2):  # the second launch starts from what the first left behind
         row = held.clone()
-        y = department_experts(x, wg, wu, wd, private, dept, w, taus, out=row, accumulate=True, residual=residual)
+        y = department_experts(
+            x, wg, wu, wd, private, dept, w, taus, out=row, accumulate=True, residual=residual, ONE_LAUNCH=one
+        )
         assert y.dtype == dtype and tuple(y.shape) == (T, H)
         torch.testing.assert_close(y.float(), expect.float(), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 2e-2)
         assert not row.any()
@@ -163,7 +169,8 @@ def _pooled(wg, wu, wd, private, resident_depts, resident_experts, n):
 @pytest.mark.parametrize("T,tier", [(1, ()), (3, (2,)), (2, (2, 2))], ids=["T1", "T3-up-tier", "T2-up-down-tier"])
 @pytest.mark.parametrize("tau", [0.0, 0.1], ids=["tau0", "tau0.1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_direct_reads_pools_and_host(T, tier, tau, dtype):
+@pytest.mark.parametrize("one", [False, True], ids=["two-launches", "one-launch"])
+def test_direct_reads_pools_and_host(T, tier, tau, dtype, one):
     """Direct offloading: resident units read from their pool slots (their host copies are NaN, so a wrong read
     shows), the others from the host master copies; y equals the reference on the true weights, and the elements
     read from host memory equal the reference's count. `tier` (up_slots[, down_slots]) 2: only the first resident
@@ -196,7 +203,9 @@ def test_direct_reads_pools_and_host(T, tier, tau, dtype):
     ref, _ = department_experts_ref(x, hg, hu, hd, hp, dept, w, taus, pools=ref_pools, host_elems=hc_ref)
     hc = torch.zeros((), dtype=torch.int64, device=DEV)
     kept = torch.zeros((), dtype=torch.int64, device=DEV)
-    y = department_experts(x, hg, hu, hd, hp, dept, w, taus, pools=pools, host_elems=hc, kept_total=kept)
+    y = department_experts(
+        x, hg, hu, hd, hp, dept, w, taus, pools=pools, host_elems=hc, kept_total=kept, ONE_LAUNCH=one
+    )
     assert not torch.isnan(y).any() and not torch.isnan(ref).any()
     for got in (y, ref):
         assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-5
@@ -204,7 +213,8 @@ def test_direct_reads_pools_and_host(T, tier, tau, dtype):
 
 
 @pytest.mark.parametrize("T,dtype", [(1, torch.bfloat16), (3, torch.float32)], ids=["T1-bf16", "T3-fp32"])
-def test_z_threshold_drops_entries_and_down_rows(T, dtype):
+@pytest.mark.parametrize("one", [False, True], ids=["two-launches", "one-launch"])
+def test_z_threshold_drops_entries_and_down_rows(T, dtype, one):
     """tau_z near the median |z|: the kernel equals the reference (z entries under it dropped per token), and read
     directly from host memory, the W_down rows no token keeps are not read (fewer host elements than without)."""
     D, n, h, H, k = 5, 3, 40, 96, 3
@@ -221,14 +231,14 @@ def test_z_threshold_drops_entries_and_down_rows(T, dtype):
     tau_z = torch.full((D,), float(v[m - 1] + v[m]) / 2, device=DEV)  # between two values: no tie to round
     ref, _ = department_experts_ref(x, wg, wu, wd, private, dept, w, taus, tau_z=tau_z)
     full, _ = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
-    y = department_experts(x, wg, wu, wd, private, dept, w, taus, tau_z=tau_z)
+    y = department_experts(x, wg, wu, wd, private, dept, w, taus, tau_z=tau_z, ONE_LAUNCH=one)
     assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
     assert float((full.double() - ref.double()).norm() / full.double().norm()) > 1e-3  # it did drop something
     pools = _pooled(wg, wu, wd, private, [], [], n)  # nothing resident: every row from the host copies
     counts = []
     for tz in (None, tau_z):
         hc, hc_ref = (torch.zeros((), dtype=torch.int64, device=DEV) for _ in range(2))
-        department_experts(x, wg, wu, wd, private, dept, w, taus, pools=pools, host_elems=hc, tau_z=tz)
+        department_experts(x, wg, wu, wd, private, dept, w, taus, pools=pools, host_elems=hc, tau_z=tz, ONE_LAUNCH=one)
         department_experts_ref(x, wg, wu, wd, private, dept, w, taus, pools=pools, host_elems=hc_ref, tau_z=tz)
         assert int(hc) == int(hc_ref)
         counts.append(int(hc))
