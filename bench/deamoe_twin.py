@@ -189,7 +189,6 @@ def layer_part(out: Path, z_sparsities: list[float], launches: list[str]) -> Non
                     for m in mods if kind == "deamoe" else ():
                         x1 = torch.empty(T, H, device="cuda")
                         m.launch = {**launch_keywords(x1, m.width, m.per_department), "ONE_LAUNCH": mode == "one"}
-                        m.slot_in_launch = mode == "one"
                     us, nbytes = time_layers(mods, kind, T, sp, gen, z_sparsity=zs)
                     name = (kind if zs == 0 else f"{kind} z{zs:.0%}") + (" 1L" if mode == "one" else "")
                     rows.append(dict(layer=name, tokens=T, sparsity=sp, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3))

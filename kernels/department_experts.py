@@ -47,7 +47,6 @@ except ImportError:  # pragma: no cover
     tl = None
 
 MAX_TOKENS = 8
-MAX_PAIRS = 64  # (token, expert) pairs the kernel slots itself (routing=)
 
 
 def _unpack_pools(pools) -> tuple:
@@ -134,38 +133,8 @@ def department_experts_ref(
 if triton is not None:
 
     @triton.jit
-    def _slot_stored(s, dept_ptr, w_ptr, T, n, N_P2: tl.constexpr, T_P2: tl.constexpr):
-        # slot s's department and routing weights [token, expert] as kernels/department_slots.py stored them
-        tt = tl.arange(0, T_P2)
-        jj = tl.arange(0, N_P2)
-        m = (tt < T)[:, None] & (jj < n)[None, :]
-        return tl.load(dept_ptr + s), tl.load(w_ptr + (s * T + tt[:, None]) * n + jj[None, :], mask=m, other=0.0)
-
-    @triton.jit
-    def _slot_routed(
-        s, idx_ptr, tw_ptr, TK, K, n, TK_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr
-    ):  # fmt: skip
-        # the same from the step's routing (top_k_index, top_k_weights [T, K]), as department_slots computes them:
-        # a department's slot is the number of distinct departments below it
-        p = tl.arange(0, TK_P2)
-        pm = p < TK
-        e = tl.load(idx_ptr + p, mask=pm, other=0).to(tl.int32)
-        dep = tl.where(pm, e // n, 2147483647)  # padding matches no department
-        wv = tl.load(tw_ptr + p, mask=pm, other=0.0).to(tl.float32)
-        q = tl.arange(0, TK_P2)
-        earlier = (dep[:, None] == dep[None, :]) & (q[None, :] < p[:, None])
-        first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & pm
-        slot = tl.sum(((dep[None, :] < dep[:, None]) & first[None, :]).to(tl.int32), axis=1)
-        d = tl.max(tl.where(first & (slot == s), dep, -1), axis=0)
-        tt = tl.arange(0, T_P2)
-        jj = tl.arange(0, N_P2)
-        hit = ((slot == s) & pm)[:, None, None] & ((p // K)[:, None, None] == tt[None, :, None])
-        hit = hit & ((e % n)[:, None, None] == jj[None, None, :])
-        return d, tl.sum(tl.where(hit, wv[:, None, None], 0.0), axis=0)
-
-    @triton.jit
     def _up_private_program(
-        s, blk, NB, d, wall, x_ptr, wg_ptr, wu_ptr, p_ptr, tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr,
+        s, blk, NB, x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr,
         seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
         T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -174,12 +143,13 @@ if triton is not None:
     ):  # fmt: skip
         # program (slot s, block blk of BLOCK_N neurons; NB blocks a slot): u of its neurons for every token, then
         # their share of z for each expert of the slot's department some token chose (the product split over
-        # neurons: z is added atomically); d: the slot's department (-1: none), wall [T_P2, N_P2]: its routing weights
+        # neurons: z is added atomically)
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         y0 = (s * NB + blk) * y_chunk  # y zeroed here (a chunk per program)
         for o in range(y0, tl.minimum(y0 + y_chunk, T * H), 256):
             zo = o + tl.arange(0, 256)
             tl.store(y_ptr + zo, tl.zeros((256,), dtype=tl.float32), mask=zo < tl.minimum(y0 + y_chunk, T * H))
+        d = tl.load(dept_ptr + s)
         if d >= 0:
             dd = d.to(tl.int64)
             valid = rows < h
@@ -204,6 +174,10 @@ if triton is not None:
             jj = tl.arange(0, N_P2)
             tt = tl.arange(0, T_P2)
             tmask = tt < T
+            # the slot's routing weights [token, expert] in one load (no load per token or expert below)
+            wall = tl.load(
+                w_ptr + (s * T + tt[:, None]) * n + jj[None, :], mask=tmask[:, None] & (jj < n)[None, :], other=0.0
+            )
             uses = tl.sum(tl.abs(wall), axis=1)  # [T_P2] > 0: token t chose an expert of d
             u = tl.zeros((T_P2, BLOCK_N), dtype=tl.float32)  # [token, neuron], 0 where not kept
             total = 0
@@ -282,27 +256,26 @@ if triton is not None:
         if PDL:  # the slot's department comes from the step's routing: nothing is read before the wait
             gdc_wait()
             gdc_launch_dependents()
-        d, wall = _slot_stored(tl.program_id(0), dept_ptr, w_ptr, T, n, N_P2, T_P2)
         _up_private_program(
-            tl.program_id(0), tl.program_id(1), tl.num_programs(1), d, wall, x_ptr, wg_ptr, wu_ptr, p_ptr, tau_ptr,
-            z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr, T,
-            h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
+            tl.program_id(0), tl.program_id(1), tl.num_programs(1), x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr,
+            tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr,
+            hc_ptr, T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
             H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED,
         )  # fmt: skip
 
     @triton.jit
     def _down_program(
-        cb, s, split, per_slot, d, wd_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, tick_ptr,
+        cb, s, split, per_slot, wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, tick_ptr,
         res_ptr, out_ptr, T, h, S, stride_dd, stride_pool, stride_res, stride_out, down_slots, wd_pre, done_ptr,
         H: tl.constexpr, H_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr,
         ROWS: tl.constexpr, DIRECT: tl.constexpr, ZMASK: tl.constexpr, TAIL: tl.constexpr, PRE: tl.constexpr,
         ONE: tl.constexpr,
     ):  # fmt: skip
         # program (column block cb, slot s, row split): rows [split * ROWS, +ROWS) of the slot's W_down_t, all T
-        # tokens; per_slot programs a slot, d its department (-1: none). PRE: wd_pre holds the block's rows (ROWS =
-        # BLOCK_I, loaded by the caller)
+        # tokens; per_slot programs a slot. PRE: wd_pre holds the block's rows (ROWS = BLOCK_I, loaded by the caller)
         cols = cb * BLOCK_O + tl.arange(0, BLOCK_O)
         cmask = cols < H
+        d = tl.load(dept_ptr + s)
         dd = tl.maximum(d, 0).to(tl.int64)
         tt = tl.arange(0, T_P2)
         tmask = tt < T
@@ -384,9 +357,9 @@ if triton is not None:
             gdc_wait()
             gdc_launch_dependents()
         _down_program(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0) * tl.num_programs(2),
-            tl.load(dept_ptr + tl.program_id(1)), wd_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, tick_ptr,
-            res_ptr, out_ptr, T, h, S, stride_dd, stride_pool, stride_res, stride_out, down_slots, 0.0, tick_ptr,
+            tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0) * tl.num_programs(2), wd_ptr,
+            dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, tick_ptr, res_ptr, out_ptr, T, h, S, stride_dd,
+            stride_pool, stride_res, stride_out, down_slots, 0.0, tick_ptr,
             H, H_P2, T_P2, BLOCK_I, BLOCK_O, ROWS, DIRECT, ZMASK, TAIL, False, False,
         )  # fmt: skip
 
@@ -394,22 +367,20 @@ if triton is not None:
     def _dept_one_kernel(
         x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr,
         ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
-        wd_ptr, dp_ptr, tz_ptr, tick_ptr, res_ptr, out_ptr, role_ptr, done_ptr, NB, NCB, NSPLIT, idx_ptr, tw_ptr,
-        TK, K,
+        wd_ptr, dp_ptr, tz_ptr, tick_ptr, res_ptr, out_ptr, role_ptr, done_ptr, NB, NCB, NSPLIT,
         T, h, n, S, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
         stride_dd, stride_res, stride_out, down_slots,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_O: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr, SEEN: tl.constexpr,
         DIRECT: tl.constexpr, INDEXED: tl.constexpr, ZMASK: tl.constexpr, TAIL: tl.constexpr, PRE: tl.constexpr,
-        ROUTED: tl.constexpr, TK_P2: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         # both phases in one launch: a program takes a ticket (the order programs start in) and is an up/private
         # program for tickets [0, S * NB), a down program after; a down program loads its W_down rows first, then
         # waits until every up program has added its share of z. A waiting program's ticket is higher than every up
         # program's, and those started before it (they took their tickets): the wait always ends. The program with
         # the last ticket re-zeroes the ticket counter (every program has read it), the down phase's last program
-        # the done counter. ROUTED: each program finds its slot's department and weights in the step's routing
-        # (idx_ptr, tw_ptr: top_k_index, top_k_weights [T, K]) instead of reading department_slots' tables.
+        # the done counter.
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -417,26 +388,22 @@ if triton is not None:
         ticket = tl.atomic_add(role_ptr, 1, sem="relaxed")
         if ticket == n_up + NCB * S * NSPLIT - 1:
             tl.store(role_ptr, 0)
-        up = ticket < n_up
-        r = ticket - n_up
-        s = tl.where(up, ticket // NB, (r // NCB) % S)
-        if ROUTED:
-            d, wall = _slot_routed(s, idx_ptr, tw_ptr, TK, K, n, TK_P2, N_P2, T_P2)
-        else:
-            d, wall = _slot_stored(s, dept_ptr, w_ptr, T, n, N_P2, T_P2)
-        if up:
+        if ticket < n_up:
             _up_private_program(
-                s, ticket % NB, NB, d, wall, x_ptr, wg_ptr, wu_ptr, p_ptr, tau_ptr, z_ptr, y_ptr,
+                ticket // NB, ticket % NB, NB, x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr,
                 y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
                 T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
                 H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED,
             )  # fmt: skip
             tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")  # after this program's z and y writes
         else:
+            r = ticket - n_up
             cb = r % NCB
+            s = (r // NCB) % S
             split = r // (NCB * S)
             wd = 0.0
             if PRE:  # (neither DIRECT nor ZMASK) the rows this program multiplies, loaded while the up programs run
+                d = tl.load(dept_ptr + s)
                 cols = cb * BLOCK_O + tl.arange(0, BLOCK_O)
                 ii = split * ROWS + tl.arange(0, ROWS)
                 dm = ((ii < h) & ((ii * 0 + d) >= 0))[:, None] & (cols < H)[None, :]  # masks are blocks
@@ -446,7 +413,7 @@ if triton is not None:
             while done < n_up:
                 done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
             _down_program(
-                cb, s, split, NCB * NSPLIT, d, wd_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr,
+                cb, s, split, NCB * NSPLIT, wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr,
                 tick_ptr, res_ptr, out_ptr, T, h, S, stride_dd, stride_pool, stride_res, stride_out, down_slots, wd,
                 done_ptr, H, H_P2, T_P2, ROWS, BLOCK_O, ROWS, DIRECT, ZMASK, TAIL, PRE, True,
             )  # fmt: skip
@@ -460,8 +427,8 @@ def _split(rows: int, block: int, target: int) -> tuple[int, int]:
 
 def department_experts(
     x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, accumulate=False, kept_total=None,
-    seen_total=None, private_slots=None, pools=None, host_elems=None, tau_z=None, residual=None, routing=None,
-    slots: int = 0, BLOCK_N: int = 8, BLOCK_I: int = 0, BLOCK_Z: int = 1024, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
+    seen_total=None, private_slots=None, pools=None, host_elems=None, tau_z=None, residual=None,
+    BLOCK_N: int = 8, BLOCK_I: int = 0, BLOCK_Z: int = 1024, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
     ONE_LAUNCH: bool | None = None, ONE_ROWS: int = 0, num_warps: int = 4,
 ):  # fmt: skip
     """y [T, H] fp32 = the department-grouped DeaMoE experts of a step (module doc); `out` is zeroed and filled, or
@@ -489,9 +456,7 @@ def department_experts(
 
     `ONE_LAUNCH` (default: one token read from VRAM, not `pools`): both phases in one launch (`_dept_one_kernel`,
     module doc), each down program's W_down rows (`ONE_ROWS` a program, default 128 / T) loaded while the up programs
-    run; else the up/private and down kernels. `routing` = (top_k_index, top_k_weights [T, k], T * k <= MAX_PAIRS)
-    with dept = weights = None and `slots` S (one launch, no pools): each program finds its slot's department and
-    weights in the routing itself, as kernels/department_slots.py would (no slotting launch before this one)."""
+    run; else the up/private and down kernels."""
     if triton is None:
         raise RuntimeError("department_experts needs triton")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
@@ -545,15 +510,21 @@ def department_experts(
                 raise ValueError(f"{name} must be a contiguous int32 [{size}] tensor on {x.device}")
         if host_elems is None or host_elems.dtype != torch.int64 or host_elems.numel() != 1:
             raise ValueError("direct offloading needs host_elems, a one-element int64 tensor")
-    if routing is not None:
-        if direct or indexed or ONE_LAUNCH is False:
-            raise ValueError("routing= takes one launch reading every weight from VRAM (no pools, no private_slots)")
-        ONE_LAUNCH = True
-    S, dept, weights, top_index, top_weights = _slot_tables(dept, weights, routing, slots, T, n, x)
+    if dept.dim() != 1 or dept.dtype != torch.int32 or not dept.is_contiguous() or dept.device != x.device:
+        raise ValueError(
+            f"dept must be a contiguous int32 [S] tensor on {x.device}, got {dept.dtype} {tuple(dept.shape)}"
+        )
+    S = dept.shape[0]
+    if tuple(weights.shape) != (S, T, n) or weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(
+            f"weights must be a contiguous fp32 [S, T, n] = {(S, T, n)} tensor, got {tuple(weights.shape)}"
+        )
     if tuple(tau.shape) != (D,) or tau.dtype != torch.float32 or tau.device != x.device:
         raise ValueError(f"tau must be an fp32 [D] = ({D},) tensor on {x.device}")
     if tau_z is not None and (tuple(tau_z.shape) != (D,) or tau_z.dtype != torch.float32 or tau_z.device != x.device):
         raise ValueError(f"tau_z must be an fp32 [D] = ({D},) tensor on {x.device}")
+    if weights.device != x.device:
+        raise ValueError("weights must be on x's device")
     for name, c in (("kept_total", kept_total), ("seen_total", seen_total)):
         if c is not None and (c.dtype != torch.int64 or c.numel() != 1 or c.device != x.device):
             raise ValueError(f"{name} must be a one-element int64 tensor on {x.device}")
@@ -606,20 +577,15 @@ def department_experts(
     if ONE_LAUNCH:
         one_rows = min(triton.next_power_of_2(ONE_ROWS or max(16, 128 // t_p2)), triton.next_power_of_2(h))
         ncb, nsplit = triton.cdiv(H, bo), triton.cdiv(h, one_rows)
-        try:
-            _dept_one_kernel[(S * nb + ncb * S * nsplit,)](
-                x, w_gate, w_up, private, dept, weights, tau, z_ws, out, y_chunk, kept, seen, ps, gp, upp, pp, dmap,
-                pmap, hc, w_down_t, dp, tau if tau_z is None else tau_z, tick, res, residual_out if tail else x, role,
-                done, nb, ncb, nsplit, top_index, top_weights, top_index.numel(), top_index.shape[-1], T, h, n, S,
-                x.stride(0), w_gate.stride(0), w_up.stride(0), pstride_d, pstride_e, pool_stride, pp_stride, up_slots,
-                w_down_t.stride(0), res.stride(0), residual_out.stride(0) if tail else 0, down_slots,
-                BLOCK_O=bo, ROWS=one_rows, PRE=not direct and tau_z is None, ROUTED=routing is not None,
-                TK_P2=triton.next_power_of_2(top_index.numel()), **consts, **up_consts, num_warps=num_warps,
-                **pdl_kw(x),
-            )  # fmt: skip
-        except Exception:  # a launch that stopped part-way (the interpreter) leaves no ticket behind to wait on
-            ws.zero_()
-            raise
+        _dept_one_kernel[(S * nb + ncb * S * nsplit,)](
+            x, w_gate, w_up, private, dept, weights, tau, z_ws, out, y_chunk, kept, seen, ps, gp, upp, pp, dmap,
+            pmap, hc, w_down_t, dp, tau if tau_z is None else tau_z, tick, res, residual_out if tail else x, role,
+            done, nb, ncb, nsplit, T, h, n, S, x.stride(0), w_gate.stride(0), w_up.stride(0), pstride_d, pstride_e,
+            pool_stride, pp_stride, up_slots, w_down_t.stride(0), res.stride(0),
+            residual_out.stride(0) if tail else 0, down_slots,
+            BLOCK_O=bo, ROWS=one_rows, PRE=not direct and tau_z is None, **consts, **up_consts,
+            num_warps=num_warps, **pdl_kw(x),
+        )  # fmt: skip
         return residual_out if tail else out
     _dept_up_private_kernel[(S, nb)](
         x, w_gate, w_up, private, dept, weights, tau, z_ws, out, y_chunk, kept, seen, ps, gp, upp, pp, dmap, pmap, hc,
@@ -633,39 +599,6 @@ def department_experts(
         BLOCK_I=bi, BLOCK_O=bo, ROWS=rows, **consts, num_warps=num_warps, **pdl_kw(x),
     )  # fmt: skip
     return residual_out if tail else out
-
-
-def _slot_tables(dept, weights, routing, slots: int, T: int, n: int, x) -> tuple:
-    """-> (S, dept, weights, top_k_index, top_k_weights): the step's slot tables checked, or with `routing` =
-    (top_k_index, top_k_weights [T, k]) those checked and `slots` slots (the kernel finds each slot's department and
-    weights itself; any tensors stand in for the absent ones)."""
-    if routing is None:
-        if dept.dim() != 1 or dept.dtype != torch.int32 or not dept.is_contiguous() or dept.device != x.device:
-            raise ValueError(
-                f"dept must be a contiguous int32 [S] tensor on {x.device}, got {dept.dtype} {tuple(dept.shape)}"
-            )
-        S = dept.shape[0]
-        if tuple(weights.shape) != (S, T, n) or weights.dtype != torch.float32 or not weights.is_contiguous():
-            raise ValueError(
-                f"weights must be a contiguous fp32 [S, T, n] = {(S, T, n)} tensor, got {tuple(weights.shape)}"
-            )
-        if weights.device != x.device:
-            raise ValueError("weights must be on x's device")
-        return S, dept, weights, dept, weights
-    if dept is not None or weights is not None:
-        raise ValueError("routing= replaces dept and weights: pass None for both")
-    index, w = routing
-    if index.dim() != 2 or index.shape[0] != T or index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"routing's top_k_index must be an int [T, k] tensor with T={T}, got {tuple(index.shape)}")
-    if tuple(w.shape) != tuple(index.shape) or not w.is_floating_point():
-        raise ValueError(f"routing's top_k_weights must be a float {tuple(index.shape)} tensor")
-    if not index.is_contiguous() or not w.is_contiguous() or index.device != x.device or w.device != x.device:
-        raise ValueError(f"routing's tensors must be contiguous and on {x.device}")
-    if not 0 < index.numel() <= MAX_PAIRS:
-        raise ValueError(f"routing= takes 1 to {MAX_PAIRS} (token, expert) pairs, got {index.numel()}")
-    if slots < 1:
-        raise ValueError(f"routing= needs slots >= 1 (the step's most departments), got {slots}")
-    return slots, x, x, index, w
 
 
 def _check_residual(residual, accumulate: bool, T: int, H: int, x) -> torch.Tensor | None:

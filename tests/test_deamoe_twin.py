@@ -151,10 +151,9 @@ def test_fused_decode_equals_unfused(which):
 @torch.no_grad()
 def test_twin_moe_block_launches(monkeypatch):
     """The twin's decoder layer from the mixer's output on (resident, sparsity 0.5): moe_front (residual add, norm,
-    group-limited top-k, the shared expert into the workspace row), then the department kernel (for one token both
-    phases and the slotting in one launch) adding into the row and publishing residual + row: 2 launches (was 9:
-    norm with the add, router, slotting, 3, cast, the shared expert's 2; 4 with the slotting, the up/private and the
-    down kernels apart)."""
+    group-limited top-k, the shared expert into the workspace row), the slotting, the department kernel (both phases
+    in one launch for one token) adding into the row and publishing residual + row: 3 launches (was 9: norm with the
+    add, router, slotting, 3, cast, the shared expert's 2; 4 with the up/private and down kernels apart)."""
     torch.manual_seed(0)
     model = (
         test_fused.nontrivial(DeaMoeQwen35ForCausalLM(twin_config(num_hidden_layers=1, layer_types=["full_attention"])))
@@ -172,6 +171,7 @@ def test_twin_moe_block_launches(monkeypatch):
     moe = ops[ops.index("triton:_moe_front_kernel") :]
     assert moe == [
         "triton:_moe_front_kernel",
+        "triton:_slots_kernel",
         "triton:_dept_one_kernel",
     ]
 

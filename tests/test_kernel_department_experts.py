@@ -243,31 +243,3 @@ def test_z_threshold_drops_entries_and_down_rows(T, dtype, one):
         assert int(hc) == int(hc_ref)
         counts.append(int(hc))
     assert counts[1] < counts[0]
-
-
-@pytest.mark.parametrize("T,k", [(1, 3), (1, 8), (2, 3)], ids=["T1-k3", "T1-k8", "T2-k3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_routing_in_the_launch_equals_the_slot_tables(T, k, dtype):
-    """routing= (the step's top-k index and weights, no slotting launch before): the kernel's y and kept count equal
-    the reference on department_slots' tables, and the launch leaves its workspace zeroed; padded slots (more slots
-    than departments) add nothing."""
-    D, n, h, H = 6, 5, 40, 72
-    x, wg, wu, wd, private, dept, w = _case(T, H, h, D, n, k, dtype, seed=7)
-    gen = torch.Generator().manual_seed(3)
-    index = torch.stack([torch.randperm(D * n, generator=gen)[:k] for _ in range(T)]).to(DEV)
-    weights = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype).to(DEV)
-    slots = min(D, T * k) + 1
-    dept, w = step_slots(index, weights, n, slots)
-    taus = torch.full((D,), 0.1, device=DEV)
-    ref, kept_ref = department_experts_ref(x, wg, wu, wd, private, dept, w, taus)
-    kept = torch.zeros((), dtype=torch.int64, device=DEV)
-    y = department_experts(
-        x, wg, wu, wd, private, None, None, taus, kept_total=kept, routing=(index, weights), slots=slots
-    )
-    assert float((y.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
-    assert int(kept) == int(kept_ref)
-    assert not zeroed_int32("department_experts", DEV, 0).any()
-    with pytest.raises(ValueError, match="routing"):
-        department_experts(x, wg, wu, wd, private, dept, w, taus, routing=(index, weights), slots=slots)
-    with pytest.raises(ValueError, match="slots"):
-        department_experts(x, wg, wu, wd, private, None, None, taus, routing=(index, weights))

@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from localmoe.experts.department_dense import dense_cached, grouped_dense
-from localmoe.kernels.department_experts import MAX_PAIRS as ROUTED_PAIRS
 from localmoe.kernels.department_experts import department_experts, department_experts_ref
 from localmoe.kernels.department_slots import MAX_PAIRS as SLOT_PAIRS
 from localmoe.kernels.department_slots import department_slots, department_slots_ref
@@ -139,7 +138,6 @@ class DepartmentExperts(nn.Module):
         self.last_departments: torch.Tensor | None = None  # decode: the step's slot table (for a department cache)
         self.cache = None  # offloaded: the DepartmentCache (experts/department_cache.py) the paths read through
         self.launch: dict | None = None  # department_experts' launch keywords (a bench's sweep); None: tuned table
-        self.slot_in_launch = True  # one decode token: the kernel finds the slots in the routing (`_decode`)
 
     # -- what the rest of localmoe reads of an experts module (LocalExperts has the same names) ---------------------
     @property
@@ -220,15 +218,9 @@ class DepartmentExperts(nn.Module):
         return self.tau_z
 
     def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **out) -> torch.Tensor:
-        """`out`: out= and accumulate=True, the kernel adding into that fp32 row (`_decode_tail`). One token on the
-        kernel path (`slot_in_launch`): the kernel slots the routing itself, no department_slots launch."""
+        """`out`: out= and accumulate=True, the kernel adding into that fp32 row (`_decode_tail`)."""
         T = x.shape[0]
         slots = min(self.num_departments, T * self.slots)
-        if self.slot_in_launch and T == 1 and (x.is_cuda or self.kernel_on_cpu) and top_k_index.numel() <= ROUTED_PAIRS:
-            sparse, tau = self._tau(x.device)
-            args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, None, None, tau)
-            routing = (top_k_index.contiguous(), top_k_weights.contiguous())
-            return self._run_kernel(x, args, None, sparse, self._tau_z(x.device), routing=routing, slots=slots, **out)
         dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots, x.is_cuda or self.kernel_on_cpu)
         self.last_departments = dept
         sparse, tau = self._tau(x.device)
@@ -249,10 +241,9 @@ class DepartmentExperts(nn.Module):
         return self._decode(x, top_k_index, top_k_weights, out=acc, accumulate=True, residual=tail.residual.view(T, H))
 
     def _run_kernel(self, x, args, w, sparse: bool, tau_z=None, **where) -> torch.Tensor:
-        """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading), or routing= and
-        slots= (the kernel only; args' dept and weights None), or out= with accumulate=True (the kernel only; the
-        fp32 row is returned as it is; with residual= the published [T, H] residual + row); `tau_z` [D or department
-        slots] applies with the sparse path only. -> [T, H] in x's dtype."""
+        """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading), or out= with
+        accumulate=True (the kernel only; the fp32 row is returned as it is; with residual= the published [T, H]
+        residual + row); `tau_z` [D or department slots] applies with the sparse path only. -> [T, H] in x's dtype."""
         if sparse and tau_z is not None:
             where["tau_z"] = tau_z
         if x.is_cuda or self.kernel_on_cpu:  # the kernel adds into the module's counters (no launch of their own)
