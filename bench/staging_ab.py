@@ -22,12 +22,10 @@ B in the "gather" ones; `--vram 0` too. `--prefill-norms` instead compares trans
 (F.linear + one top-k launch, the shared expert in the experts' last launch); `--prefill-attention` transformers'
 attention module against `FusedAttention.prefill_fused` (decode/attention_prefill.py); `--prefill-all` the four
 prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused norms, block and attention).
-`--stage-buffers DxS,DxS` compares two stagings: D buffers of S experts each (experts/staging.py; e.g. 2x60,3x40, the
-same bytes: with 3 a span's copies may run two spans ahead of the GEMMs).
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans | --deltanet A,B
-       | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all | --stage-buffers A,B]
+       | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
 
 import argparse
@@ -57,13 +55,11 @@ p.add_argument("--prefill-norms", action="store_true", help="the original layer 
 p.add_argument("--prefill-block", action="store_true", help="the original MoE block against the fused one in prefill")
 p.add_argument("--prefill-attention", action="store_true", help="the original attention against the fused one")
 p.add_argument("--prefill-all", action="store_true", help="the four prefill switches off against on")
-p.add_argument("--stage-buffers", default=None, help="A,B: two DEPTHxSPAN staging settings, e.g. 2x60,3x40")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
 rules = [tuple(w.split("/")) for w in a.deltanet.split(",")] if a.deltanet else None
-stagings = [tuple(int(v) for v in w.split("x")) for w in a.stage_buffers.split(",")] if a.stage_buffers else None
 fused_prefill = a.prefill_norms or a.prefill_block or a.prefill_attention or a.prefill_all
 
 e = Engine.random(
@@ -105,9 +101,6 @@ def ttft(n: int, gather: bool) -> float:
     elif a.prefill_all:
         FusedDecoderLayer.prefill_norms = FusedSparseMoeBlock.prefill_fused = FusedAttention.prefill_fused = gather
         FusedGatedDeltaNet.prefill_prepare = "split" if gather else "torch"
-    elif stagings:
-        depth, span = stagings[int(gather)]
-        staging.resize(span, depth)
     elif a.packed:
         if (staging.plain is not None) != gather:  # the other buffers: made again at the next use
             staging.settle(torch.device("cuda"))
@@ -129,8 +122,6 @@ print(
 )
 if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
-if stagings:
-    print(f"staging buffers x experts a span, 'copies': {a.stage_buffers}".replace(",", ", 'gather': "))
 if a.packed:
     print("'copies': spans staged packed, then dequantized; 'gather': staged dequantized (gather_dequant)")
 if a.prefill_norms:

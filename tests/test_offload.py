@@ -370,18 +370,17 @@ def test_sparse_piece_tokens_follow_host_bytes():
     assert piece(total, total, 0.85) >= 1 << 20  # everything resident: no host bytes either way, no limit by them
 
 
-@pytest.mark.parametrize("experts,depth", [("full", 2), ("int4", 2), ("full", 3)])
-def test_offloaded_prefill_streams_spans_of_experts(experts, depth):
+@pytest.mark.parametrize("experts", ["full", "int4"])
+def test_offloaded_prefill_streams_spans_of_experts(experts):
     """A prompt on an offloaded model takes the grouped path, its routed experts staged a few at a time
-    (experts/staging.py; spans of 2 here, so every layer takes several, through `depth` buffers): the logits equal the
-    resident model's, each routed expert is counted once per layer as a hit or a miss, and prefill admits nothing
-    into the cache."""
+    (experts/staging.py; spans of 2 here, so every layer takes several): the logits equal the resident model's,
+    each routed expert is counted once per layer as a hit or a miss, and prefill admits nothing into the cache."""
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
     e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
     cache = e.loaded.cache
     assert cache is not None and cache.slots == 3
-    cache.staging.resize(2, depth)
+    cache.staging.span = 2
     cache.reset_stats()
     placed = dict(cache.lru)  # the load filled the slots (place_experts): layers interleaved, in id order
     assert list(placed) == [(0, 1), (1, 0), (0, 0)] and cache.placed
@@ -477,14 +476,12 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     assert set(range(0, E, 2)) <= set(launches)  # the offloaded spans of 2 experts
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead(depth):
-    """experts/staging.py: after a layer that routed every expert, the next layer's first `depth` spans (one a
-    staging buffer) are filled ahead; `stream` takes the leading ones that match its spans (a routing without expert
-    2 takes the first only) and refills the rest; every span it yields holds its experts' weights, counted once when
-    used."""
+def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():
+    """experts/staging.py: after a layer that routed every expert, the next layer's first two spans are filled
+    ahead; `stream` takes the leading ones that match its spans (a routing without expert 2 takes the first only)
+    and refills the rest; every span it yields holds its experts' weights, counted once when used."""
     cache, masters = _cache(slots=3, layers=3, E=6)
-    cache.staging.resize(2, depth)
+    cache.staging.span = 2
 
     def staged(layer, experts):
         out = []
@@ -497,8 +494,7 @@ def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead(de
         return out
 
     assert staged(0, list(range(6))) == [[0, 1], [2, 3], [4, 5]]
-    assert cache.staging.ahead[0] == 1 and cache.staging.ahead[1] == [[0, 1], [2, 3], [4, 5]][:depth]
-    assert len(cache.staging.buffers) == depth
+    assert cache.staging.ahead[0] == 1 and cache.staging.ahead[1] == [[0, 1], [2, 3]]
     assert cache.staging._take_ahead(1, [[0, 1], [3, 4]]).keys() == {0}
     staged(0, list(range(6)))
     cache.reset_stats()

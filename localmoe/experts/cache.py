@@ -79,7 +79,7 @@ class ExpertCache:
 
         self._make_gates = lambda m: make(m, "w_gate")  # resize_gates makes the gate pool again
         self.pool = ExpertWeights(make(gate_slots if gate_slots else n, "w_gate"), make(n, "w_up"), make(n, "w_down_t"))
-        # the dense path's routed experts stream through staging buffers (experts/staging.py)
+        # the dense path's routed experts stream through two staging buffers (experts/staging.py)
         plain = (lambda m: torch.empty((m, I, H), dtype=dtype, device=device)) if fmt in ("int4", "nf4") else None
         self.staging = Staging(
             make, 3 * I * self.row_bytes, 3 * I * H * (torch.finfo(dtype).bits // 8), quantized, E, plain=plain

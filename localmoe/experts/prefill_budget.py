@@ -1,11 +1,11 @@
 """The prefill chunk and the staging span a VRAM budget holds (issue #29): what a prompt piece allocates, by formula.
 
 A prompt is prefilled in pieces of at most `chunk` tokens (decode/prefix.piece_cuts: equal pieces, no padding; a
-short prompt is one piece of its own length). Offloaded, every piece streams nearly every absent expert through
-STAGE_BUFFERS (two) staging buffers of `span` experts (experts/staging.py), so a piece's PCIe time hardly depends
-on its length: the longer the piece, the fewer times each expert crosses the bus per prompt (Qwen3.5-35B int4 at 16
-GiB: ~6 GB of absent expert parts a piece, whether it has 256 tokens or 2,048). `fit` therefore takes the longest chunk
-up to MAX_CHUNK whose activations fit the bytes left after weights, expert cache and KV/state with a span of MIN_SPAN
+short prompt is one piece of its own length). Offloaded, every piece streams nearly every absent expert through two
+staging buffers of `span` experts (experts/staging.py), so a piece's PCIe time hardly depends on its length: the
+longer the piece, the fewer times each expert crosses the bus per prompt (Qwen3.5-35B int4 at 16 GiB: ~6 GB of
+absent expert parts a piece, whether it has 256 tokens or 2,048). `fit` therefore takes the longest chunk up
+to MAX_CHUNK whose activations fit the bytes left after weights, expert cache and KV/state with a span of MIN_SPAN
 experts, then the largest span (up to `default_span`) the rest holds. `reserve_bytes` is what the plan sets aside
 for it (`placement.plan(workspace=...)`), so the expert cache is sized after it.
 
@@ -13,8 +13,8 @@ Peak bytes of one piece of T tokens (`peak_bytes`; read off the code that runs i
 N = T·k, H hidden, I expert width, E experts, L = the cache length a full-attention layer attends to (the context:
 the CUDA-graph decoder's StaticCache), V vocab):
     KERNEL_WORKSPACE (64 MiB: cuBLAS workspace, launch scratch, small tensors not itemised)
-  + staging: STAGE_BUFFERS·span·S (S one expert's stored bytes, int4 / NF4 its dequantized bytes D; offloaded only;
-            the buffers outlive the piece)
+  + staging: 2·span·S (S one expert's stored bytes, int4 / NF4 its dequantized bytes D; offloaded only; the buffers
+            outlive the piece)
   + stream: 4·T·H·el (the embeddings, the layer's input, the residual after its mixer, the normed input)
             + 2·T·Dh·el (RoPE cos/sin) + T·L bytes (the boolean mask, pieces after the first)
   + V·(el + 4) (the last position's logits)
@@ -65,8 +65,7 @@ MAX_CHUNK = 2048  # the longest prompt piece (tokens)
 CHUNK_STEP = 64  # chunks are multiples of this (the DeltaNet rule's chunk), then halves of it down to MIN_CHUNK
 MIN_CHUNK = 16
 MIN_SPAN = 8  # experts per staging buffer at least (each span costs three grouped GEMMs and a gather per part)
-STAGE_BYTES = 96 << 20  # stored expert bytes per staging buffer the span aims at
-STAGE_BUFFERS = 2  # staging buffers (experts/staging.py: the next STAGE_BUFFERS - 1 spans fill while one computes)
+STAGE_BYTES = 96 << 20  # stored expert bytes per staging buffer the span aims at (two buffers)
 STAGE_DEQUANT_BYTES = 512 << 20  # 4-bit experts: dequantized bytes of one staged span (two alive at once)
 KERNEL_WORKSPACE = 64 << 20
 RESERVE_SHARE = 8  # the plan's prefill reserve takes at most 1/RESERVE_SHARE of the budget (beyond WORKSPACE_RESERVE)
@@ -218,7 +217,7 @@ def peak_bytes(s: PrefillShapes, chunk: int, span: int, context: int, dequant: i
         mixers.append(3 * T * s.dense_width * el + T * s.hidden * el)
     stream = 4 * T * s.hidden * el + 2 * T * s.head_dim * el + T * ((L if s.full_layers else 0) + Ls)
     staged = s.dequantized if s.staged_dequantized else s.stored  # one expert in a staging buffer
-    return KERNEL_WORKSPACE + STAGE_BUFFERS * span * staged + stream + s.vocab * (el + 4) + max(mixers)
+    return KERNEL_WORKSPACE + 2 * span * staged + stream + s.vocab * (el + 4) + max(mixers)
 
 
 @dataclass(frozen=True)

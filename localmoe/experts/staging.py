@@ -1,26 +1,25 @@
-"""Offloaded prefill: a layer's routed experts streamed through a few device staging buffers (issue #29's first step).
+"""Offloaded prefill: a layer's routed experts streamed through two device staging buffers (issue #29's first step).
 
 The dense path of an offloaded layer (a prompt piece, calibration, evaluation) needs nearly every expert of the
 layer once. `Staging.stream(cache, layer, experts)` copies the routed experts, a span of `span` experts at a time,
-into one of `depth` staging buffers (prefill_budget.STAGE_BUFFERS: two) ([span, I, H] per projection: plain tensors in
-the model's dtype, int4 / NF4 experts dequantized as they arrive (their packed bytes cross the bus), MXFP4 stacks as
-stored) and yields each span for the grouped GEMMs (`LocalExperts._grouped`). On CUDA the copies run on a side
-stream: the next depth - 1 spans' copies are issued before the current span is computed, so PCIe and the GEMMs
-overlap, with no host synchronisation per expert (the side stream waits for the compute stream before refilling a
-buffer; the compute stream waits for the span's copy event). Each part comes from its cache pool when resident, else
-from the host master copy; nothing is admitted into the cache (prefill does not evict the decode working set). When
-a layer routed every expert (a long prompt piece), the next layer's first `depth` spans of experts are filled ahead,
-on the side stream, as soon as this layer's last span is issued: the next layer's attention then runs while PCIe
-works, not before it (used when the next layer's first spans are the same experts; otherwise refilled). With pinned
-master copies one kernel launch per projection (int4 / NF4: kernels/gather_dequant.py) or per part
-(kernels/gather_experts.py) fills a span: the device slot tables pick pool or host per expert, and the host rows are
-read through unified addressing; otherwise (memory-mapped or pageable master copies, the CPU) a copy per expert and
-part (int4 / NF4: dequantized on the device).
+into one of two staging buffers ([span, I, H] per projection: plain tensors in the model's dtype, int4 / NF4 experts
+dequantized as they arrive (their packed bytes cross the bus), MXFP4 stacks as stored) and yields each span for the
+grouped GEMMs (`LocalExperts._grouped`). On CUDA the copies run on a side stream: the next span's copies are issued
+before the current span is computed, so PCIe and the GEMMs overlap, with no host synchronisation per expert (the side
+stream waits for the compute stream before refilling a buffer; the compute stream waits for the span's copy event). Each
+part comes from its cache pool when resident, else from the host master copy; nothing is admitted into the cache
+(prefill does not evict the decode working set). When a layer routed every expert (a long prompt piece), the next
+layer's first two spans of experts are filled ahead, on the side stream, as soon as this layer's last span is
+issued: the next layer's attention then runs while PCIe works, not before it (used when the next layer's first spans
+are the same experts; otherwise refilled). With pinned master copies one kernel launch per projection (int4 / NF4:
+kernels/gather_dequant.py) or per part (kernels/gather_experts.py) fills a span: the device slot tables pick pool or
+host per expert, and the host rows are read through unified addressing; otherwise (memory-mapped or pageable master
+copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device).
 
 A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, STAGE_DEQUANT_BYTES of
 dequantized ones (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
-prefill_budget.fit: STAGE_BUFFERS buffers (MXFP4: and two dequantized spans) and the piece's activations inside what
-the plan left for prefill).
+prefill_budget.fit: two buffers (MXFP4: and two dequantized spans) and the piece's activations inside what the plan
+left for prefill).
 
 Shapes: I expert width, H hidden; `span` experts per staging buffer.
 """
@@ -33,14 +32,14 @@ import torch
 
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, Nf4Tensor, copy_expert, parts
-from localmoe.experts.prefill_budget import STAGE_BUFFERS, span_for
+from localmoe.experts.prefill_budget import span_for
 from localmoe.kernels.gather_dequant import gather_dequant
 from localmoe.kernels.gather_experts import gather_experts
 from localmoe.kernels.nf4 import nf4_code
 
 
 class Staging:
-    """`depth` staging buffers of `span` experts for one cache (made on first use, kept for the next calls)."""
+    """Two staging buffers of `span` experts for one cache (made on first use, kept for the next calls)."""
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -52,34 +51,32 @@ class Staging:
         self.make = make
         self.plain = plain
         self.span = span_for(expert_bytes, dequantized_bytes, quantized, experts)
-        self.depth = STAGE_BUFFERS
         self.buffers: list[ExpertWeights] | None = None
         self.stream_: torch.cuda.Stream | None = None
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
         self.ahead: tuple[int, list[list[int]], list] | None = None  # (layer, its first spans' experts, events)
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
 
-    def resize(self, span: int, depth: int | None = None) -> None:
-        """`span` experts per buffer (and `depth` buffers) from now on (the buffers are made again at the next use
-        when either changed)."""
-        span, depth = max(1, int(span)), max(2, int(depth or self.depth))
-        if (span, depth) != (self.span, self.depth):
+    def resize(self, span: int) -> None:
+        """`span` experts per buffer from now on (the buffers are made again at the next use when it changed)."""
+        span = max(1, int(span))
+        if span != self.span:
             if self.buffers is not None:  # a fill ahead may still write them: the compute stream waits before they go
                 self.settle(self.buffers[0].w_gate.device)
             self.buffers = None
-            self.span, self.depth = span, depth
+            self.span = span
 
     def _buffers(self) -> list[ExpertWeights]:
         if self.buffers is None:
             make = (lambda n, p: self.plain(n)) if self.plain is not None else self.make
-            self.buffers = [ExpertWeights(*(make(self.span, p) for p in PROJECTIONS)) for _ in range(self.depth)]
+            self.buffers = [ExpertWeights(*(make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
         return self.buffers
 
     def stream(self, cache, layer: int, experts: list[int]) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
         """(index in `experts` of the span's first expert, experts in the span n, the staging buffer holding them in
         its first n rows, their ids [n] int32 on the device) for each span of `experts` (ascending expert ids of
-        `layer`), in order (module doc). The buffer is valid until the generator is resumed `depth` times. No host
-        sync: the ids cross once, from pinned memory."""
+        `layer`), in order (module doc). The buffer is valid until the generator is resumed twice. No host sync: the
+        ids cross once, from pinned memory."""
         spans = [experts[i : i + self.span] for i in range(0, len(experts), self.span)]
         ahead = self._take_ahead(layer, spans)
         if not spans:
@@ -93,24 +90,20 @@ class Staging:
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
         ids = upload(experts, device)
 
-        D = len(bufs)
-
         def issue(i: int):
             if i in ahead:  # filled ahead, at the end of the layer before
                 return ahead[i]
-            return self._issue(cache, layer, spans[i], bufs[i % D], ids[i * self.span :] if gather else None, cuda)
+            return self._issue(cache, layer, spans[i], bufs[i % 2], ids[i * self.span :] if gather else None, cuda)
 
-        # span j fills buffer j % D once span j - D, which used it, is computed: issued before span j - D + 1 is
-        events = {j: issue(j) for j in range(min(D - 1, len(spans)))}
+        ready = issue(0)
         for i, span in enumerate(spans):
-            if i + D - 1 < len(spans):
-                events[i + D - 1] = issue(i + D - 1)
-            ready = events.pop(i)
+            following = issue(i + 1) if i + 1 < len(spans) else None
             if ready is not None:
                 torch.cuda.current_stream(device).wait_event(ready)
             _count(cache, span, sources)
             first = i * self.span
-            yield first, len(span), bufs[i % D], ids[first : first + len(span)]
+            yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
+            ready = following
         if len(experts) == cache.num_experts and layer + 1 in cache.masters:
             self._fill_ahead(cache, layer + 1, device, cuda)
 
@@ -138,11 +131,11 @@ class Staging:
         return done
 
     def _fill_ahead(self, cache, layer: int, device: torch.device, cuda: bool) -> None:
-        """Fill every buffer with `layer`'s first spans of experts (all experts routed, as a long piece routes them),
-        for `stream` to take if they are that layer's first spans."""
+        """Fill both buffers with `layer`'s first two spans of experts (all experts routed, as a long piece routes
+        them), for `stream` to take if they are that layer's first spans."""
         bufs = self._buffers()
         E = cache.num_experts
-        spans = [list(range(a, min(E, a + self.span))) for a in range(0, min(E, len(bufs) * self.span), self.span)]
+        spans = [list(range(a, min(E, a + self.span))) for a in range(0, min(E, 2 * self.span), self.span)]
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
         ids = torch.arange(E, dtype=torch.int32, device=device) if gather else None
         events = [
