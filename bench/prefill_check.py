@@ -30,8 +30,9 @@ import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
 from localmoe.decode.attention import FusedAttention  # noqa: E402
+from localmoe.decode.decoder_layer import FusedDecoderLayer  # noqa: E402
 from localmoe.decode.deltanet import FusedGatedDeltaNet  # noqa: E402
-from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock  # noqa: E402
+from localmoe.decode.moe_layer import FusedSparseMoeBlock  # noqa: E402
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 from localmoe.experts.dense_path import DensePath  # noqa: E402

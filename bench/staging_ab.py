@@ -34,8 +34,9 @@ import statistics
 import torch
 
 from localmoe.decode.attention import FusedAttention
+from localmoe.decode.decoder_layer import FusedDecoderLayer
 from localmoe.decode.deltanet import FusedGatedDeltaNet
-from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock
+from localmoe.decode.moe_layer import FusedSparseMoeBlock
 from localmoe.decode.prefix import piece_cuts
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings

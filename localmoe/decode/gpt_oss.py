@@ -1,7 +1,7 @@
 """GPT-OSS's decode step on localmoe's fused path: its RMSNorm as a fused norm, and its text model (embedding ->
 alternating sliding-window / full-attention decoder layers -> final norm) for the one-token StaticCache step inside
 the CUDA graph. Installed by `localmoe.decode.replacements`; the attention (learned sinks, biases, the window) is
-`attention.FusedAttention`'s GPT-OSS path, the layer `moe_layer.FusedDecoderLayer`, the MoE block (router with a
+`attention.FusedAttention`'s GPT-OSS path, the layer `decoder_layer.FusedDecoderLayer`, the MoE block (router with a
 bias) `moe_layer.FusedSparseMoeBlock`.
 
 GptOssRMSNorm computes (w · x̂).to(x.dtype), x̂ = x·rsqrt(mean(x²)+eps) in fp32, the product in fp32 (its weight is

@@ -1,8 +1,8 @@
 """Fused decode kernels in place of transformers modules: ONE table, applied explicitly at load time.
 
 The modules live in `ops` (FusedLinear, FusedRMSNorm), `deltanet` (FusedGatedDeltaNet), `attention`
-(FusedAttention), `mla` (FusedMLA), `moe_layer` (FusedSparseMoeBlock, FusedDecoderLayer) and `text_model`
-(FusedTextModel), all in localmoe/decode/; this module owns the table and `install` / `uninstall`.
+(FusedAttention), `mla` (FusedMLA), `moe_layer` (FusedSparseMoeBlock), `decoder_layer` (FusedDecoderLayer) and
+`text_model` (FusedTextModel), all in localmoe/decode/; this module owns the table and `install` / `uninstall`.
 
 `REPLACEMENTS` maps a transformers class name to the localmoe module that replaces it for decode. `install(model)`
 walks `model.named_modules()` once and, for every module whose class is in the table, puts the localmoe module in
@@ -163,10 +163,11 @@ from torch import nn
 
 from localmoe.decode import sdpa
 from localmoe.decode.attention import FusedAttention
+from localmoe.decode.decoder_layer import FusedDecoderLayer
 from localmoe.decode.deltanet import FusedGatedDeltaNet
 from localmoe.decode.gpt_oss import FusedGptOssModel, gpt_oss_norm
 from localmoe.decode.mla import FusedMLA
-from localmoe.decode.moe_layer import FusedDecoderLayer, FusedSparseMoeBlock
+from localmoe.decode.moe_layer import FusedSparseMoeBlock
 from localmoe.decode.ops import FusedLinear, FusedRMSNorm
 from localmoe.decode.text_model import FusedTextModel
 

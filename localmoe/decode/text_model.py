@@ -45,7 +45,7 @@ import sys
 import torch
 from torch import nn
 
-from localmoe.decode.moe_layer import FusedDecoderLayer
+from localmoe.decode.decoder_layer import FusedDecoderLayer
 
 _CORES = ("sdpa", "localmoe_sdpa")  # attention implementations whose mask is transformers' boolean sdpa_mask
 _OUTPUT_FLAGS = ("output_hidden_states", "output_attentions", "output_router_logits")
