@@ -5,10 +5,12 @@ Random weights at --shape, experts offloaded at --vram, sparsity 0.85: time to f
 --prompt-tokens length, each way, --reps times (median), alternating; the engine's pieces are its own. Against the
 PCIe ceiling as `bench --prompt-tokens` computes it (every absent expert part once per piece at the measured pinned
 host-to-device bandwidth), then decode tok/s (512-token prompt, 128 tokens) after gathered prefills.
-`--programs A,B` instead compares two grids of the gather (`kernels/gather_experts.PROGRAMS`; 0: one program a
-tile): A in the "copies" columns, B in the "gather" ones. `--packed` (int4 / NF4 experts) instead compares spans
-staged packed (a gather_experts launch per part, then three dequantizing launches on the compute stream) in the
-"copies" columns against spans staged dequantized (kernels/gather_dequant.py, the default) in the "gather" ones.
+`--programs A,B` instead compares two grids of the gather (`kernels/gather_experts.PROGRAMS`; 0: one program a tile): A
+in the "copies" columns, B in the "gather" ones; `--dequant-grid PxR,PxR` two grids of int4 / NF4 staging's
+`kernels/gather_dequant.py` (PROGRAMS programs, BLOCK_R rows a tile; the default 128x4). `--packed` (int4 / NF4 experts)
+instead compares spans staged packed (a gather_experts launch per part, then three dequantizing launches on the compute
+stream) in the "copies" columns against spans staged dequantized (kernels/gather_dequant.py, the default) in the
+"gather" ones.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
@@ -24,8 +26,8 @@ attention module against `FusedAttention.prefill_fused` (decode/attention_prefil
 prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused norms, block and attention).
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
-       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --packed | --device-spans | --deltanet A,B
-       | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
+       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
+       | --device-spans | --deltanet A,B | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
 
 import argparse
@@ -40,7 +42,7 @@ from localmoe.decode.moe_layer import FusedSparseMoeBlock
 from localmoe.decode.prefix import piece_cuts
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.kernels import gather_experts
+from localmoe.kernels import gather_dequant, gather_experts
 from localmoe.measure.benchmark import host_bandwidth
 
 p = argparse.ArgumentParser()
@@ -56,10 +58,12 @@ p.add_argument("--prefill-norms", action="store_true", help="the original layer 
 p.add_argument("--prefill-block", action="store_true", help="the original MoE block against the fused one in prefill")
 p.add_argument("--prefill-attention", action="store_true", help="the original attention against the fused one")
 p.add_argument("--prefill-all", action="store_true", help="the four prefill switches off against on")
+p.add_argument("--dequant-grid", default=None, help="A,B: int4 / NF4 staging's gather_dequant PROGRAMSxBLOCK_R")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
+dq_grids = [tuple(int(v) for v in w.split("x")) for w in a.dequant_grid.split(",")] if a.dequant_grid else None
 rules = [tuple(w.split("/")) for w in a.deltanet.split(",")] if a.deltanet else None
 fused_prefill = a.prefill_norms or a.prefill_block or a.prefill_attention or a.prefill_all
 
@@ -88,6 +92,8 @@ def ttft(n: int, gather: bool) -> float:
     """Time to first token of a random n-token prompt; `gather` picks the B way (module doc), else the A way."""
     if grids:
         gather_experts.PROGRAMS = grids[int(gather)]
+    elif dq_grids:
+        gather_dequant.PROGRAMS, gather_dequant.BLOCK_R = dq_grids[int(gather)]
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather
@@ -123,6 +129,8 @@ print(
 )
 if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
+if dq_grids:
+    print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
 if a.packed:
     print("'copies': spans staged packed, then dequantized; 'gather': staged dequantized (gather_dequant)")
 if a.prefill_norms:

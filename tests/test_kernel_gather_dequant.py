@@ -61,11 +61,13 @@ def test_nf4_matches_reference(dtype):
     _run(host, pool, dtype, [8, 5, 0, 2], code=nf4_code("cpu"))
 
 
-@pytest.mark.parametrize("programs", [1, 3, 1000])
-def test_any_number_of_programs_and_a_pool_at_a_stride(monkeypatch, programs):
-    """One program for every tile, a few striding over them, or more programs than tiles; the pool a view of every
-    other expert of a larger stack (an expert stride that is not its size)."""
+@pytest.mark.parametrize("programs,rows", [(1, 4), (3, 4), (1000, 4), (3, 8), (2, 1)])
+def test_any_number_of_programs_and_a_pool_at_a_stride(monkeypatch, programs, rows):
+    """One program for every tile, a few striding over them, or more programs than tiles, with tiles of 4 rows (the
+    default), 8 (a partial last tile at I 7) or 1 (`bench/staging_ab.py --dequant-grid` sets both); the pool a view
+    of every other expert of a larger stack (an expert stride that is not its size)."""
     monkeypatch.setattr(gd, "PROGRAMS", programs)
+    monkeypatch.setattr(gd, "BLOCK_R", rows)
     host = _int4(9, 7, 128, 4, 32)
     big = _int4(8, 7, 128, 5, 32)
     pool = Int4Tensor(*(t.to(DEV)[::2] for t in big.parts()), big.dtype)
