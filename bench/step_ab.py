@@ -18,6 +18,8 @@ Cases (comma-separated; settings joined by "+" apply together):
   choice0                       greedy token chosen outside the graph (torch argmax, copies between replays), as
                                 before session 8 (Engine.graph_greedy)
   unfuse:CLASS                  the modules of that localmoe class put back to transformers' (e.g. FusedTextModel)
+  tablefrom:DEVICE              another device's whole tuned table on this one (e.g. tablefrom:NVIDIA H200 on an
+                                H100, which has none: would the H200's entries help it?)
   table:KERNEL:SHAPE:K=V[;K=V]  a decode_params entry of kernels/tuned/<device>.json replaced for this case, e.g.
                                 table:gemv:N12352_K2048:BLOCK_N=4;num_warps=4 or
                                 table:moe_front:H2048_E256_k8:block_e=2; nothing after the last colon: the
@@ -30,6 +32,7 @@ e.g. a tuned entry against the default launch: bench/step_ab.py "base,fused:BLOC
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 
@@ -52,7 +55,7 @@ def _kv(spec: str) -> dict:
 
 # what the current case changed, undone before the next: table entries (None: absent before), modules swapped out,
 # attributes set
-_UNDO: dict[str, dict] = {"table": {}, "modules": {}, "attrs": {}}
+_UNDO: dict[str, dict] = {"table": {}, "modules": {}, "attrs": {}, "whole": {}}
 CONTEXT = 1024  # the static cache's length (--context)
 
 
@@ -79,6 +82,9 @@ def reset(engine) -> None:
             table["decode_params"].get(kern, {}).pop(shape, None)
         else:
             table["decode_params"][kern][shape] = kw
+    if "table" in _UNDO["whole"]:  # a tablefrom: case: this device's own table back
+        table.clear()
+        table.update(_UNDO["whole"]["table"])
     for name, m in _UNDO["modules"].items():
         _set(engine.model, name, m)
     for (m, attr), v in _UNDO["attrs"].items():
@@ -124,6 +130,13 @@ def _apply_one(engine, case: str) -> None:
             if type(m).__name__ == cls:
                 _UNDO["modules"][name] = m
                 _set(engine.model, name, m._hf)
+    elif case.startswith("tablefrom:"):
+        other = tuning._device_table(case[len("tablefrom:") :])
+        if other is table or "decode_params" not in other:
+            raise SystemExit(f"no other device's tuned table matches {case[len('tablefrom:') :]!r}")
+        _UNDO["whole"].setdefault("table", copy.deepcopy(table))
+        table.clear()
+        table.update(copy.deepcopy(other))
     elif case.startswith("table:"):
         _, kern, shape, spec = case.split(":", 3)
         entry = table["decode_params"].setdefault(kern, {})
