@@ -541,8 +541,8 @@ def department_experts(
         if residual_out is not None:
             return residual_publish(out, residual.view(T, H), out=residual_out)
         return out if accumulate else out.zero_()
-    # z (S*T*h fp32, added into atomically) and the down kernel's tickets (one per slot, one for the tail): a zeroed
-    # workspace the launch leaves zeroed
+    # z (S*T*h fp32, added into atomically), the down programs' tickets (one per slot, one for the last slot: the tail
+    # and the one-launch reset) and the one launch's role and done counters: a zeroed workspace the launch leaves zeroed
     ws = zeroed_int32("department_experts", x.device, S * T * h + S + 3)
     z_ws, tick = ws[: S * T * h].view(torch.float32), ws[S * T * h : S * T * h + S + 1]
     role, done = ws[S * T * h + S + 1 :], ws[S * T * h + S + 2 :]
