@@ -5,12 +5,12 @@ Random weights at --shape, experts offloaded at --vram, sparsity 0.85: time to f
 --prompt-tokens length, each way, --reps times (median), alternating; the engine's pieces are its own. Against the
 PCIe ceiling as `bench --prompt-tokens` computes it (every absent expert part once per piece at the measured pinned
 host-to-device bandwidth), then decode tok/s (512-token prompt, 128 tokens) after gathered prefills.
-`--programs A,B` instead compares two grids of the gather (`kernels/gather_experts.PROGRAMS`; 0: one program a tile): A
-in the "copies" columns, B in the "gather" ones; `--dequant-grid PxR,PxR` two grids of int4 / NF4 staging's
-`kernels/gather_dequant.py` (PROGRAMS programs, BLOCK_R rows a tile; the default 128x4). `--packed` (int4 / NF4 experts)
-instead compares spans staged packed (a gather_experts launch per part, then three dequantizing launches on the compute
-stream) in the "copies" columns against spans staged dequantized (kernels/gather_dequant.py, the default) in the
-"gather" ones.
+`--programs A,B` instead compares two grids of the gather (`kernels/gather_experts.PROGRAMS`; 0: one program a tile):
+A in the "copies" columns, B in the "gather" ones; `--dequant-grid PxR,PxR` two grids of int4 / NF4 staging's
+`kernels/gather_dequant.py` (PROGRAMS programs, BLOCK_R rows a tile, optionally xNUM_WARPS (4); the default 128x4).
+`--packed` (int4 / NF4 experts) instead compares spans staged packed (a gather_experts launch per part, then three
+dequantizing launches on the compute stream) in the "copies" columns against spans staged dequantized
+(kernels/gather_dequant.py, the default) in the "gather" ones.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
@@ -58,12 +58,14 @@ p.add_argument("--prefill-norms", action="store_true", help="the original layer 
 p.add_argument("--prefill-block", action="store_true", help="the original MoE block against the fused one in prefill")
 p.add_argument("--prefill-attention", action="store_true", help="the original attention against the fused one")
 p.add_argument("--prefill-all", action="store_true", help="the four prefill switches off against on")
-p.add_argument("--dequant-grid", default=None, help="A,B: int4 / NF4 staging's gather_dequant PROGRAMSxBLOCK_R")
+p.add_argument(
+    "--dequant-grid", default=None, help="A,B: int4 / NF4 staging's gather_dequant PROGRAMSxBLOCK_R[xNUM_WARPS]"
+)
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
-dq_grids = [tuple(int(v) for v in w.split("x")) for w in a.dequant_grid.split(",")] if a.dequant_grid else None
+dq_grids = [(*map(int, w.split("x")), 4)[:3] for w in a.dequant_grid.split(",")] if a.dequant_grid else None
 rules = [tuple(w.split("/")) for w in a.deltanet.split(",")] if a.deltanet else None
 fused_prefill = a.prefill_norms or a.prefill_block or a.prefill_attention or a.prefill_all
 
@@ -93,7 +95,7 @@ def ttft(n: int, gather: bool) -> float:
     if grids:
         gather_experts.PROGRAMS = grids[int(gather)]
     elif dq_grids:
-        gather_dequant.PROGRAMS, gather_dequant.BLOCK_R = dq_grids[int(gather)]
+        gather_dequant.PROGRAMS, gather_dequant.BLOCK_R, gather_dequant.NUM_WARPS = dq_grids[int(gather)]
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather

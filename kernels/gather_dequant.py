@@ -30,6 +30,7 @@ from localmoe.kernels.rounding import round_to
 
 BLOCK_R = 4  # rows a tile: 4 KiB of packed bytes at H 2048, 16 KiB written in bf16
 PROGRAMS = 128  # programs a launch (grid-stride over the tiles)
+NUM_WARPS = 4  # bench/staging_ab.py --dequant-grid PxRxW sweeps it
 
 
 def gather_dequant_ref(dst: torch.Tensor, pool, host, table, ids, code=None) -> torch.Tensor:
@@ -133,6 +134,7 @@ def gather_dequant(dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torc
     _gather_dequant_kernel[(min(tiles, PROGRAMS),)](
         dst, pp, ps, pm, arg(hp), arg(hs), arg(hm), code if nf4 else ps, table, ids, tiles, per_expert, I,
         pp.stride(0), ps.stride(0), pm.stride(0), hp.stride(0), hs.stride(0), hm.stride(0), dst.stride(0),
-        H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(H2), NF4=nf4, num_warps=4,
+        H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(H2), NF4=nf4,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return dst

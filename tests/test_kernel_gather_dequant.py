@@ -44,8 +44,13 @@ def _run(host, pool, dtype, ids, code=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("I, H, group", [(5, 256, 128), (3, 64, 16), (512, 2048, 128)], ids=["odd", "small", "real"])
+@pytest.mark.parametrize(
+    "I, H, group",
+    [(5, 256, 128), (3, 64, 16), (3, 384, 32), (2, 12, 2), (512, 2048, 128)],
+    ids=["odd", "small", "12-groups", "pairs", "real"],
+)
 def test_int4_matches_reference(dtype, I, H, group):
+    """12 groups a row (a row's bytes not a power of two); groups of 2 weights (one byte a group)."""
     host = _int4(9, I, H, 0, group)
     pool = _int4(4, I, H, 1, group)
     pool = Int4Tensor(*(t.to(DEV) for t in pool.parts()), pool.dtype)
