@@ -11,6 +11,8 @@ A in the "copies" columns, B in the "gather" ones; `--dequant-grid PxR,PxR` two 
 `--packed` (int4 / NF4 experts) instead compares spans staged packed (a gather_experts launch per part, then three
 dequantizing launches on the compute stream) in the "copies" columns against spans staged dequantized
 (kernels/gather_dequant.py, the default) in the "gather" ones.
+`--int4-in-place` instead compares int4 experts dequantized a span at a time before the grouped GEMMs ("copies")
+against the GEMMs reading them in place (`DensePath.int4_in_place`, "gather"); `--vram 0` too.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
@@ -27,7 +29,8 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --device-spans | --deltanet A,B | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
+       | --device-spans | --int4-in-place | --deltanet A,B | --prefill-norms | --prefill-block
+       | --prefill-attention | --prefill-all]
 """
 
 import argparse
@@ -42,6 +45,7 @@ from localmoe.decode.moe_layer import FusedSparseMoeBlock
 from localmoe.decode.prefix import piece_cuts
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
+from localmoe.experts.dense_path import DensePath
 from localmoe.kernels import gather_dequant, gather_experts
 from localmoe.measure.benchmark import host_bandwidth
 
@@ -61,6 +65,7 @@ p.add_argument("--prefill-all", action="store_true", help="the four prefill swit
 p.add_argument(
     "--dequant-grid", default=None, help="A,B: int4 / NF4 staging's gather_dequant PROGRAMSxBLOCK_R[xNUM_WARPS]"
 )
+p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
@@ -80,8 +85,10 @@ e = Engine.random(
 e.set_sparsity(0.85)
 e.eos_ids = set()  # random weights: decode the full count
 cache = e.loaded.cache
-if cache is None and not (a.device_spans or rules or fused_prefill):
-    raise SystemExit("--vram 0 (experts resident) compares --device-spans, --deltanet or --prefill-*: no staging")
+if cache is None and not (a.device_spans or rules or fused_prefill or a.int4_in_place):
+    raise SystemExit(
+        "--vram 0 (experts resident) compares --device-spans, --int4-in-place, --deltanet or --prefill-*: no staging"
+    )
 staging = cache.staging if cache is not None else None
 plain = staging.plain if staging is not None else None
 if a.packed and plain is None:
@@ -99,6 +106,8 @@ def ttft(n: int, gather: bool) -> float:
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather
+    elif a.int4_in_place:
+        DensePath.int4_in_place = gather
     elif rules:
         FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = rules[int(gather)]
     elif a.prefill_norms:
@@ -133,6 +142,8 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if dq_grids:
     print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
+if a.int4_in_place:
+    print("'copies': int4 spans dequantized, then grouped GEMMs; 'gather': grouped GEMMs reading int4 in place")
 if a.packed:
     print("'copies': spans staged packed, then dequantized; 'gather': staged dequantized (gather_dequant)")
 if a.prefill_norms:

@@ -123,8 +123,8 @@ def test_grouped_masked_and_recorded():
 @pytest.mark.parametrize("masked", [False, True], ids=["dense", "masked"])
 def test_device_spans_equal_grouped(dtype, masked):
     """`device_spans` (every expert in fixed spans, group ends read on the device by the grouped kernels) gives the
-    grouped path's output and kept count, resident and with int4 experts dequantized a few at a time; unrouted
-    experts (E - 1) are spanned too."""
+    grouped path's output and kept count, resident, with int4 experts read in place (`int4_in_place`) and with int4
+    experts dequantized a few at a time; unrouted experts (E - 1) are spanned too."""
     if DEV == "cuda" and dtype != torch.bfloat16:
         pytest.skip("torch's CUDA grouped GEMM is taken for bf16 only")
     T, k, E, I, H = 33, 3, 7, 24, 48
@@ -134,10 +134,11 @@ def test_device_spans_equal_grouped(dtype, masked):
     idx, wts = _routing(T, k, E, seed=8)
     if masked:
         m.tau, m.sparse_enabled, m.mask_all_tokens = torch.full((E,), 0.15, device=DEV), True, True
-    for fmt in ("plain", "int4"):
+    for fmt in ("plain", "int4", "int4-dequantized"):
         if fmt == "int4":
             m.weights = m.weights.to_int4()
-            m.dequant_bytes = 3 * I * H * dtype.itemsize * 2  # spans of two experts
+            m.dequant_bytes = 3 * I * H * dtype.itemsize * 2  # spans of two experts (when dequantized)
+        m.int4_in_place = fmt == "int4"
         outs, kept = [], []
         for device_spans in (False, True):
             m.device_spans = device_spans

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from kernel_cases import DEV, rel_err  # noqa: E402
 
 from localmoe.kernels.grouped_gate_up import grouped_gate_up, grouped_gate_up_ref  # noqa: E402
+from localmoe.kernels.int4 import Int4Tensor, quantize  # noqa: E402
 
 
 def problem(counts, K, N, G, dtype, seed=0):
@@ -142,3 +143,59 @@ def test_rejects(case, match):
         args["h"] = h[:, :8]
     with pytest.raises(ValueError, match=match):
         grouped_gate_up(**args, **kw)
+
+
+def int4_pair(G, N, K, group, dtype, seed=8, every=1):
+    """Gate and up Int4Tensor stacks [G, N, K] (packed along K, as stored) on DEV; `every` > 1: views of every
+    `every`-th expert of larger stacks."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):
+        q = quantize(torch.randn(G * every, N, K, generator=gen) * 2 / K**0.5, group=group)
+        out.append(Int4Tensor(*(t.to(DEV)[::every] for t in q.parts()), dtype))
+    return out
+
+
+@pytest.mark.parametrize(
+    "counts,K,N,group,g0,blocks,every,sparsity",
+    [
+        ([3, 0, 70, 5, 0, 17, 2], 64, 24, 32, 1, (16, 16, 32), 1, None),  # mid span, a K step of one group
+        ([9, 33, 1], 96, 40, 16, 0, (32, 32, 64), 2, 0.6),  # a K step over four groups, partial tiles, tau
+        ([20, 41, 13], 2048, 64, 128, 0, (64, 64, 32), 1, None),  # Qwen3.5-35B-A3B's hidden size, default tiles
+    ],
+    ids=["mid-span", "groups-in-step", "real"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_in_place_matches_the_dequantized_weights(counts, K, N, group, g0, blocks, every, sparsity, dtype):
+    G = len(counts) - g0
+    x, _, _, ends, h = problem(counts, K, N, G, dtype)
+    wg, wu = int4_pair(G, N, K, group, dtype, every=every)
+    bm, bn, bk = blocks
+    kw, kw_plain, kept_ref = {}, {}, None
+    if sparsity is not None:
+        tau = midpoint_tau(x, wg.dequantize(dtype), ends, g0, len(counts), sparsity)
+        kept, kept_plain, kept_ref = (torch.zeros(1, dtype=torch.int64, device=DEV) for _ in range(3))
+        kw, kw_plain = {"tau": tau, "kept": kept}, {"tau": tau, "kept": kept_plain}
+    grouped_gate_up(x, wg, wu, ends, g0, h, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
+    end = [0] + ends.tolist()
+    a, b = end[g0], end[g0 + G]
+    assert torch.isnan(h[:a]).all() and torch.isnan(h[b:]).all() and not torch.isnan(h[a:b]).any()
+    ref = grouped_gate_up_ref(x, wg, wu, ends, g0, torch.zeros_like(h), kw.get("tau"), kept_ref)
+    assert rel_err(h[a:b].float(), ref[a:b].float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    plain = torch.zeros_like(h)  # the same launch over the dequantized stacks
+    grouped_gate_up(x, wg.dequantize(dtype), wu.dequantize(dtype), ends, g0, plain, BLOCK_M=bm, BLOCK_N=bn,
+                    BLOCK_K=bk, **kw_plain)  # fmt: skip
+    assert rel_err(h[a:b].float(), plain[a:b].float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    if sparsity is not None:
+        assert abs(int(kw["kept"]) - int(kept_ref)) <= max(2, int(kept_ref) // 50)
+
+
+def test_int4_refusals():
+    x, _, _, ends, h = problem([2, 3, 4], 64, 16, 3, torch.float32)
+    wg, wu = int4_pair(3, 16, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="tile of >= 32"):
+        grouped_gate_up(x, wg, wu, ends, 0, h, BLOCK_K=16)
+    with pytest.raises(ValueError, match="w_up must match w_gate"):
+        grouped_gate_up(x, wg, wu.dequantize(torch.float32), ends, 0, h, BLOCK_K=32)
+    with pytest.raises(ValueError, match="group size"):
+        grouped_gate_up(x, wg, int4_pair(3, 16, 64, 32, torch.float32)[1], ends, 0, h, BLOCK_K=32)

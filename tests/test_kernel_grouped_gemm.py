@@ -19,6 +19,8 @@ pytest.importorskip("triton")
 from kernel_cases import DEV, rel_err  # noqa: E402
 
 from localmoe.kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref  # noqa: E402
+from localmoe.kernels.int4 import Int4Tensor, quantize  # noqa: E402
+from localmoe.kernels.nf4 import Nf4Tensor  # noqa: E402
 
 
 def problem(counts, K, N, g0, G, dtype, spare=5, seed=0):
@@ -108,3 +110,51 @@ def test_rejects(case, match):
         kw["BLOCK_M"] = 24
     with pytest.raises(ValueError, match=match):
         grouped_gemm(**args, **kw)
+
+
+def int4_stack(G, K, N, group, dtype, seed=7, every=1):
+    """An Int4Tensor [G, K, N] (packed along N, the down projection's w_down_t as stored) on DEV; `every` > 1: a view
+    of every `every`-th expert of a larger stack (an expert stride that is not its size)."""
+    w = torch.randn(G * every, K, N, generator=torch.Generator().manual_seed(seed)) / K**0.5
+    q = quantize(w, group=group)
+    return Int4Tensor(*(t.to(DEV)[::every] for t in q.parts()), dtype)
+
+
+@pytest.mark.parametrize(
+    "counts,K,N,group,g0,blocks,every",
+    [
+        ([3, 0, 70, 5, 0, 17, 2], 40, 64, 32, 1, (16, 32, 16), 1),  # mid span, empty groups, tiles of one group
+        ([0, 9, 33, 1], 72, 96, 16, 0, (32, 64, 32), 2),  # a tile over four groups, odd K, a partial column tile
+        ([20, 41, 13], 512, 2048, 128, 0, (64, 64, 32), 1),  # Qwen3.5-35B-A3B's down projection, the default tiles
+    ],
+    ids=["mid-span", "groups-in-tile", "real"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_in_place_matches_the_dequantized_weights(counts, K, N, group, g0, blocks, every, dtype):
+    G = len(counts) - g0
+    x, _, ends, out = problem(counts, K, N, g0, G, dtype)
+    w4 = int4_stack(G, K, N, group, dtype, every=every)
+    bm, bn, bk = blocks
+    grouped_gemm(x, w4, ends, g0, out, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    a, b = span_rows(ends, g0, G)
+    assert torch.isnan(out[:a]).all() and torch.isnan(out[b:]).all(), "rows outside the span must be untouched"
+    ref = grouped_gemm_ref(x, w4, ends, g0, torch.zeros_like(out))
+    assert rel_err(out[a:b].float(), ref[a:b].float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    plain = torch.zeros_like(out)  # the same launch over the dequantized stack
+    grouped_gemm(x, w4.dequantize(dtype).transpose(1, 2), ends, g0, plain, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    assert rel_err(out[a:b].float(), plain[a:b].float()) < (1e-6 if dtype == torch.float32 else 4e-3)
+
+
+def test_int4_refusals():
+    x, _, ends, out = problem([2, 3, 4], 16, 64, 0, 3, torch.float32)
+    w4 = int4_stack(3, 16, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="tile of >= 32"):
+        grouped_gemm(x, w4, ends, 0, out, BLOCK_N=16)
+    odd = Int4Tensor(w4.packed, w4.scale, w4.minimum.transpose(1, 2).contiguous().transpose(1, 2), w4.dtype)
+    with pytest.raises(ValueError, match="one stride"):
+        grouped_gemm(x, odd, ends, 0, out)
+    with pytest.raises(ValueError, match="out must be"):
+        grouped_gemm(x, int4_stack(3, 16, 32, 16, torch.float32), ends, 0, out)
+    nf4 = Nf4Tensor(w4.packed, w4.scale.float(), None, w4.dtype)
+    with pytest.raises(ValueError, match="only int4"):
+        grouped_gemm(x, nf4, ends, 0, out)

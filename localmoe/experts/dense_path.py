@@ -13,8 +13,8 @@ and clamped SwiGLU (experts/clamped_swiglu.py).
 The mixin reads the module's state: `weights` (ExpertWeights), `cache`, `layer_idx`, `num_experts`,
 `intermediate_size`, `hidden_size`, `hidden_act`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`,
 `grouped`, `mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens`, `dequant_bytes`, `kernel_on_cpu` and `_count`.
-Imports: torch, experts/clamped_swiglu and the kernels of `_grouped_device` (the two grouped GEMMs, the slot sort and
-the token combine).
+Imports: torch, experts/clamped_swiglu, the int4 format and the kernels of `_grouped_device` (the two grouped GEMMs,
+the slot sort and the token combine).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 from localmoe.experts.clamped_swiglu import down_out, gate_pre, up_value
 from localmoe.kernels.grouped_gate_up import grouped_gate_up
 from localmoe.kernels.grouped_gemm import grouped_gemm
+from localmoe.kernels.int4 import Int4Tensor
 from localmoe.kernels.slot_sort import slot_sort
 from localmoe.kernels.token_combine import token_combine
 
@@ -48,6 +49,10 @@ class DensePath:
     # 2048 tokens, 2.61x at 8192; int4 at --vram 16 1.05x / 1.75x; bf16 at --vram 24 1.00x / 1.01x (session 35).
     # On CUDA only: on the CPU tests turn it on with `kernel_on_cpu`.
     device_spans = True
+    # int4 experts (not NF4 / MXFP4) read in place by the device path's grouped GEMMs (kernels/grouped_gemm.py,
+    # grouped_gate_up.py: dequantized in registers): no span of the model's dtype written and read back, one span a
+    # layer when resident.
+    int4_in_place = True
 
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,H], up [I,H], down_t [I,H]) of expert e, from the cache when offloaded."""
@@ -203,23 +208,25 @@ class DensePath:
         x = x if x.stride(-1) == 1 else x.contiguous()
         for w_gate, w_up, w_down_t, g0 in self._fixed_spans():
             grouped_gate_up(x, w_gate, w_up, ends, g0, h, tau=tau, kept=kept, x_rows=tok)
-            grouped_gemm(h, w_down_t.transpose(1, 2), ends, g0, y)
+            down = w_down_t if isinstance(w_down_t, Int4Tensor) else w_down_t.transpose(1, 2)  # int4: as stored
+            grouped_gemm(h, down, ends, g0, y)
         if masked:
             self._count(kept[0], M * I)
         s, g = shared if shared is not None else (None, None)
         return token_combine(y, pos, top_k_weights, x.dtype, shared=s, shared_gate=g)
 
     def _fixed_spans(self):
-        """(gate, up, down_t [n, I, H], first expert) of every expert in order, with no host read: resident plain
-        experts in one span, 4-bit ones dequantized `dequant_bytes` at a time, offloaded ones streamed through the
-        staging buffers (all experts: the layer ahead is filled ahead too)."""
+        """(gate, up, down_t [n, I, H], first expert) of every expert in order, with no host read: resident plain or
+        int4 experts (`int4_in_place`) in one span as stored, other 4-bit ones dequantized `dequant_bytes` at a
+        time, offloaded ones streamed through the staging buffers (all experts: the layer ahead is filled ahead
+        too)."""
         E = self.num_experts
         if self.cache is not None:
             for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E))):
                 yield (*buf.dequantized(0, n), first)
             return
-        if not self.weights.quantized:
-            yield self.weights.w_gate, self.weights.w_up, self.weights.w_down_t, 0
+        if not self.weights.quantized or (self.int4_in_place and self.weights.affine_int4):
+            yield (*self.weights.in_place(0, E), 0)
             return
         per = self._experts_per_span()
         for a in range(0, E, per):

@@ -35,6 +35,22 @@ class ExpertWeights:
         return isinstance(self.w_gate, Int4Tensor)
 
     @property
+    def affine_int4(self) -> bool:
+        """Int4 stacks proper (scale and minimum; not NF4's codebook): the dense path's grouped GEMMs read them in
+        place (kernels/grouped_gemm.py)."""
+        return isinstance(self.w_gate, Int4Tensor) and self.w_gate.minimum is not None
+
+    def in_place(self, a: int, b: int) -> tuple:
+        """(gate, up, down_t) of experts [a, b) as the dense path's grouped GEMMs read them in place: views of plain
+        or int4 stacks (`affine_int4`; other 4-bit formats are dequantized: `dequantized`)."""
+        if self.quantized and not self.affine_int4:
+            raise ValueError("only plain and int4 experts are read in place")
+        return tuple(
+            Int4Tensor(t.packed[a:b], t.scale[a:b], t.minimum[a:b], t.dtype) if isinstance(t, Int4Tensor) else t[a:b]
+            for t in (self.w_gate, self.w_up, self.w_down_t)
+        )
+
+    @property
     def mxfp4(self) -> bool:
         return isinstance(self.w_gate, Mxfp4Tensor)
 
