@@ -443,12 +443,16 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("experts", ["full", "int4"])
+@pytest.mark.parametrize("experts", ["full", "int4", "int4-dequantized"])
 def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     """The dense path with no host read of the routing (`DensePath.device_spans`: every expert in fixed spans, the
     group ends read by kernels/grouped_gate_up.py and grouped_gemm.py): an offloaded prompt (spans of 2 staged) and a
     resident one give the resident model's logits; the offloaded one stages every expert of every layer once. The
-    span launches are counted (the kernel still runs) to show the path was taken."""
+    span launches are counted (the kernel still runs) to show the path was taken. int4 experts are read in place
+    (`DensePath.int4_in_place`: spans staged packed, in the staging buffers' memory) or dequantized (staged so)."""
+    in_place = experts == "int4"
+    experts = experts.split("-")[0]
+    monkeypatch.setattr(dense_path.DensePath, "int4_in_place", in_place)
     launches = []
     real = dense_path.grouped_gate_up
     monkeypatch.setattr(dense_path, "grouped_gate_up", lambda *a, **kw: launches.append(a[4]) or real(*a, **kw))
@@ -474,6 +478,7 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     E, layers = e.loaded.experts[0].num_experts, len(e.loaded.experts)
     assert launches.count(0) == 2 * layers  # each engine's first span of every layer
     assert set(range(0, E, 2)) <= set(launches)  # the offloaded spans of 2 experts
+    assert (cache.staging.packed_buffers is not None) == in_place
 
 
 def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():

@@ -222,8 +222,9 @@ class DensePath:
         too)."""
         E = self.num_experts
         if self.cache is not None:
-            for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E))):
-                yield (*buf.dequantized(0, n), first)
+            packed = self.int4_in_place and self.cache.pool.affine_int4
+            for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E)), packed=packed):
+                yield (*(buf.in_place(0, n) if packed else buf.dequantized(0, n)), first)
             return
         if not self.weights.quantized or (self.int4_in_place and self.weights.affine_int4):
             yield (*self.weights.in_place(0, E), 0)

@@ -14,7 +14,10 @@ issued: the next layer's attention then runs while PCIe works, not before it (us
 are the same experts; otherwise refilled). With pinned master copies one kernel launch per projection (int4 / NF4:
 kernels/gather_dequant.py) or per part (kernels/gather_experts.py) fills a span: the device slot tables pick pool or
 host per expert, and the host rows are read through unified addressing; otherwise (memory-mapped or pageable master
-copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device).
+copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device). `stream(packed=True)` (int4
+experts whose grouped GEMMs read them in place, experts/dense_path.py `int4_in_place`) stages spans as int4 stacks
+laid in the same buffers' memory, one gather_experts launch per part: the packed bytes cross and nothing is
+dequantized.
 
 A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, STAGE_DEQUANT_BYTES of
 dequantized ones (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
@@ -31,7 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from localmoe.experts.expert_weights import ExpertWeights
-from localmoe.experts.int4 import PROJECTIONS, Nf4Tensor, copy_expert, parts
+from localmoe.experts.int4 import PROJECTIONS, Int4Tensor, Nf4Tensor, copy_expert, parts
 from localmoe.experts.prefill_budget import span_for
 from localmoe.kernels.gather_dequant import gather_dequant
 from localmoe.kernels.gather_experts import gather_experts
@@ -52,9 +55,10 @@ class Staging:
         self.plain = plain
         self.span = span_for(expert_bytes, dequantized_bytes, quantized, experts)
         self.buffers: list[ExpertWeights] | None = None
+        self.packed_buffers: list[ExpertWeights] | None = None  # int4 views of `buffers` (`stream(packed=True)`)
         self.stream_: torch.cuda.Stream | None = None
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
-        self.ahead: tuple[int, list[list[int]], list] | None = None  # (layer, its first spans' experts, events)
+        self.ahead: tuple[int, list[list[int]], list, bool] | None = None  # (layer, first spans, events, packed)
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
 
     def resize(self, span: int) -> None:
@@ -66,22 +70,33 @@ class Staging:
             self.buffers = None
             self.span = span
 
-    def _buffers(self) -> list[ExpertWeights]:
+    def _buffers(self, packed: bool = False) -> list[ExpertWeights]:
+        """The two buffers; `packed`: int4 stacks of `span` experts laid in the plain buffers' memory (`_packed`)."""
         if self.buffers is None:
             make = (lambda n, p: self.plain(n)) if self.plain is not None else self.make
             self.buffers = [ExpertWeights(*(make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
-        return self.buffers
+            self.packed_buffers = None
+        if not packed:
+            return self.buffers
+        if self.packed_buffers is None:
+            self.packed_buffers = [ExpertWeights(*(_packed(getattr(b, p), self.make) for p in PROJECTIONS))
+                                   for b in self.buffers]  # fmt: skip
+        return self.packed_buffers
 
-    def stream(self, cache, layer: int, experts: list[int]) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
+    def stream(
+        self, cache, layer: int, experts: list[int], packed: bool = False
+    ) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
         """(index in `experts` of the span's first expert, experts in the span n, the staging buffer holding them in
         its first n rows, their ids [n] int32 on the device) for each span of `experts` (ascending expert ids of
         `layer`), in order (module doc). The buffer is valid until the generator is resumed twice. No host sync: the
-        ids cross once, from pinned memory."""
+        ids cross once, from pinned memory. `packed` (int4 experts staged dequantized otherwise): the spans stay
+        int4, in the same memory (the grouped GEMMs read them in place)."""
         spans = [experts[i : i + self.span] for i in range(0, len(experts), self.span)]
-        ahead = self._take_ahead(layer, spans)
+        packed = packed and self.plain is not None
+        ahead = self._take_ahead(layer, spans, packed)
         if not spans:
             return
-        bufs = self._buffers()
+        bufs = self._buffers(packed)
         device = bufs[0].w_gate.device
         cuda = device.type == "cuda"
         if cuda and self.stream_ is None:
@@ -93,7 +108,9 @@ class Staging:
         def issue(i: int):
             if i in ahead:  # filled ahead, at the end of the layer before
                 return ahead[i]
-            return self._issue(cache, layer, spans[i], bufs[i % 2], ids[i * self.span :] if gather else None, cuda)
+            return self._issue(
+                cache, layer, spans[i], bufs[i % 2], ids[i * self.span :] if gather else None, cuda, packed
+            )
 
         ready = issue(0)
         for i, span in enumerate(spans):
@@ -105,18 +122,18 @@ class Staging:
             yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
             ready = following
         if len(experts) == cache.num_experts and layer + 1 in cache.masters:
-            self._fill_ahead(cache, layer + 1, device, cuda)
+            self._fill_ahead(cache, layer + 1, device, cuda, packed)
 
-    def _issue(self, cache, layer: int, span: list[int], buf: ExpertWeights, ids, cuda: bool):
+    def _issue(self, cache, layer: int, span: list[int], buf: ExpertWeights, ids, cuda: bool, packed: bool = False):
         """Fill `buf` with `span`'s experts: on the side stream after the compute stream's work so far (the buffer's
         previous span is computed), returning the event that marks it done; on the CPU now (None). `ids`: the span's
         expert ids on the device (from their first) for the gather kernel, None for a copy per expert."""
 
         def fill() -> None:
             if ids is None:
-                self._fill(cache, layer, span, buf)
+                self._fill(cache, layer, span, buf, packed)
             else:
-                self._gather(cache, layer, buf, ids[: len(span)])
+                self._gather(cache, layer, buf, ids[: len(span)], packed)
 
         if not cuda:
             fill()
@@ -130,25 +147,25 @@ class Staging:
             done.record(self.stream_)
         return done
 
-    def _fill_ahead(self, cache, layer: int, device: torch.device, cuda: bool) -> None:
+    def _fill_ahead(self, cache, layer: int, device: torch.device, cuda: bool, packed: bool = False) -> None:
         """Fill both buffers with `layer`'s first two spans of experts (all experts routed, as a long piece routes
-        them), for `stream` to take if they are that layer's first spans."""
-        bufs = self._buffers()
+        them), for `stream` to take if they are that layer's first spans (staged the same way: `packed`)."""
+        bufs = self._buffers(packed)
         E = cache.num_experts
         spans = [list(range(a, min(E, a + self.span))) for a in range(0, min(E, 2 * self.span), self.span)]
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
         ids = torch.arange(E, dtype=torch.int32, device=device) if gather else None
         events = [
-            self._issue(cache, layer, span, bufs[i], ids[span[0] :] if gather else None, cuda)
+            self._issue(cache, layer, span, bufs[i], ids[span[0] :] if gather else None, cuda, packed)
             for i, span in enumerate(spans)
         ]
-        self.ahead = (layer, spans, events)
+        self.ahead = (layer, spans, events, packed)
 
-    def _take_ahead(self, layer: int, spans: list[list[int]]) -> dict:
+    def _take_ahead(self, layer: int, spans: list[list[int]], packed: bool = False) -> dict:
         """{span index: its fill event (None on the CPU)} for the leading spans of `layer` filled ahead with the same
-        experts; clears what was filled ahead either way."""
+        experts, staged the same way; clears what was filled ahead either way."""
         ahead, self.ahead = self.ahead, None
-        if ahead is None or ahead[0] != layer:
+        if ahead is None or ahead[0] != layer or ahead[3] != packed:
             return {}
         taken = {}
         for i, (span, event) in enumerate(zip(ahead[1], ahead[2])):
@@ -176,13 +193,14 @@ class Staging:
             )
         return self.gathers[layer]
 
-    def _gather(self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor) -> None:
+    def _gather(self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor, packed: bool = False) -> None:
         """buf[i] = expert ids[i] of `layer` (on the device), pool slot or host master per expert as the device slot
-        tables say: one gather_dequant launch per projection into plain buffers, else one gather_experts per part."""
+        tables say: one gather_dequant launch per projection into plain buffers, else (and `packed`) one
+        gather_experts per part."""
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
         for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
-            if self.plain is not None:
+            if self.plain is not None and not packed:
                 src = getattr(master, name)
                 code = nf4_code(ids.device) if isinstance(src, Nf4Tensor) else None
                 gather_dequant(getattr(buf, name), getattr(cache.pool, name), src, t, ids, code=code)
@@ -192,14 +210,14 @@ class Staging:
             ):
                 gather_experts(dst, pool, host, t, ids)
 
-    def _fill(self, cache, layer: int, span: list[int], buf: ExpertWeights) -> None:
+    def _fill(self, cache, layer: int, span: list[int], buf: ExpertWeights, packed: bool = False) -> None:
         """buf[i] = expert span[i] of `layer`, each projection from its pool slot when resident, else from the host
-        master copy (dequantized on the device into plain buffers)."""
+        master copy (dequantized on the device into plain buffers unless `packed`)."""
         master = cache.masters[layer]
         gate_slots, slots = cache.sources(layer)
         for i, e in enumerate(span):
             for name, slot in (("w_gate", gate_slots[e]), ("w_up", slots[e]), ("w_down_t", slots[e])):
-                if self.plain is not None:
+                if self.plain is not None and not packed:
                     dst = getattr(buf, name)[i]
                     src = (
                         getattr(cache.pool, name)[slot] if slot >= 0 else getattr(master, name).expert_on(e, dst.device)
@@ -209,6 +227,23 @@ class Staging:
                     copy_expert(getattr(buf, name), i, getattr(cache.pool, name), slot, non_blocking=True)
                 else:
                     copy_expert(getattr(buf, name), i, getattr(master, name), e, non_blocking=True)
+
+
+def _packed(plain: torch.Tensor, make) -> Int4Tensor:
+    """An int4 stack of plain's experts [n, I, H] laid in plain's own memory (packed bytes, then the scales, then the
+    minimums: each part contiguous, under half plain's bytes for a 2-byte dtype), the dtype and group `make` gives the
+    format (a one-expert stack made to read them)."""
+    like = make(1, "w_gate")
+    if not isinstance(like, Int4Tensor) or like.minimum is None:
+        raise ValueError("only int4 experts are staged packed for the grouped GEMMs to read in place")
+    n, I, H = plain.shape
+    raw = plain.view(-1).view(torch.uint8)
+    out, at = [], 0
+    for t in like.parts():
+        size = n * t[0].numel() * t.element_size()
+        out.append(raw[at : at + size].view(t.dtype).view(n, *t.shape[1:]))
+        at += size
+    return Int4Tensor(*out, like.dtype)
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:
