@@ -8,12 +8,13 @@ the prompt) against the resident one: last-position
 prefill logits (max abs difference; 0 expected: each expert's grouped GEMM is the same arithmetic whatever its span)
 and greedy tokens at sparsity 0, and the staging path's own figures (spans filled by the kernel). The bundled
 localmoe-tiny-deamoe too (its prompt staged a group of departments at a time: the bytes staged, the cache's mode).
-Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py   (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
-smoke run, the staging spans filled by per-expert copies there). With `--host-spans` / `--deltanet PREPARE/PRECISION`
-/ `--prefill-norms` / `--prefill-block` / `--prefill-attention` the same check runs with `DensePath.device_spans`
-off / the Gated DeltaNet prefill's rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`,
-`prefill_precision`) / `FusedDecoderLayer.prefill_norms` / `FusedSparseMoeBlock.prefill_fused` /
-`FusedAttention.prefill_fused` on, in both engines, before one becomes a default.
+Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
+smoke run, the staging spans filled by per-expert copies there). With `--host-spans` / `--int4-in-place` / `--deltanet
+PREPARE/PRECISION` / `--prefill-norms` / `--prefill-block` / `--prefill-attention` the same check runs with
+`DensePath.device_spans` off / `DensePath.int4_in_place` on / the Gated DeltaNet prefill's rule that way (e.g.
+triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) / `FusedDecoderLayer.prefill_norms` /
+`FusedSparseMoeBlock.prefill_fused` / `FusedAttention.prefill_fused` on, in both engines, before one becomes a
+default.
 """
 
 import os
@@ -117,6 +118,8 @@ def row(family: str, fmt: str, check_fn, *args) -> tuple:
 def main() -> None:
     if "--host-spans" in sys.argv:
         DensePath.device_spans = False
+    if "--int4-in-place" in sys.argv:
+        DensePath.int4_in_place = True
     if "--deltanet" in sys.argv:
         way = sys.argv[sys.argv.index("--deltanet") + 1].split("/")
         FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = way
@@ -129,8 +132,8 @@ def main() -> None:
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
-    print(f"device_spans {DensePath.device_spans}, DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
-          f"attention {attention}")  # fmt: skip
+    print(f"device_spans {DensePath.device_spans}, int4_in_place {DensePath.int4_in_place}, DeltaNet prefill {rule}, "
+          f"prefill_norms {norms}, block {block}, attention {attention}")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

@@ -11,6 +11,10 @@ issue cost (~5 µs each, ~770 per layer for bf16 experts, three times that for i
 Each expert's block (t[e]) must be contiguous; experts may sit at any stride. The launcher copies 32-bit words when
 every block's byte size and stride allow it, else elements of the stack's own dtype.
 
+Up to three parts in one launch (an int4 / NF4 stack's packed bytes, scales and minimums: the offloaded prefill's
+spans staged packed, experts/staging.py), each with its own shape, dtype and word or element copies: the tiles of part
+0 first, then part 1's, then part 2's.
+
 Grid: PROGRAMS programs striding over the n experts' tiles of BLOCK words (0: one program a tile, which queues
 thousands of programs whose host reads wait on PCIe ahead of the grouped GEMMs the gather should overlap). On the
 H200 (one engine, alternating settings, Qwen3.5-35B-A3B shapes at 85%): bf16 at --vram 24 prefills 2048 tokens at
@@ -32,8 +36,12 @@ BLOCK = 4096  # words per tile: 16 KiB of int32
 PROGRAMS = 64  # programs a launch (grid-stride over the tiles); 0: one program a tile
 
 
-def gather_experts_ref(dst: torch.Tensor, pool: torch.Tensor, host: torch.Tensor, table, ids) -> torch.Tensor:
-    """Reference: the same gather one expert at a time with torch copies."""
+def gather_experts_ref(dst, pool, host, table, ids):
+    """Reference: the same gather one expert at a time with torch copies (tuples of parts: part by part)."""
+    if not isinstance(dst, torch.Tensor):
+        for d, p, h in zip(dst, pool, host):
+            gather_experts_ref(d, p, h, table, ids)
+        return dst
     slots = [int(s) for s in table]
     for i, e in enumerate(int(e) for e in ids):
         dst[i].copy_(pool[slots[e]] if slots[e] >= 0 else host[e])
@@ -41,22 +49,36 @@ def gather_experts_ref(dst: torch.Tensor, pool: torch.Tensor, host: torch.Tensor
 
 
 @triton.jit
+def _copy_tile(dst_ptr, pool_ptr, host_ptr, table_ptr, id_ptr, t, numel, dst_stride, pool_stride, host_stride,
+               per_expert, BLOCK: tl.constexpr):  # fmt: skip
+    """Tile t of one part: block t % per_expert of the t // per_expert-th expert, from its pool slot or the host."""
+    i = t // per_expert
+    expert = tl.load(id_ptr + i).to(tl.int64)
+    slot = tl.load(table_ptr + expert).to(tl.int64)
+    offs = (t % per_expert) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    if slot >= 0:
+        v = tl.load(pool_ptr + slot * pool_stride + offs, mask=mask)
+    else:
+        v = tl.load(host_ptr + expert * host_stride + offs, mask=mask)
+    tl.store(dst_ptr + i.to(tl.int64) * dst_stride + offs, v, mask=mask)
+
+
+@triton.jit
 def _gather_experts_kernel(
-    dst_ptr, pool_ptr, host_ptr, table_ptr, id_ptr, numel, dst_stride, pool_stride, host_stride, tiles, per_expert,
-    BLOCK: tl.constexpr,
+    d0, p0, h0, d1, p1, h1, d2, p2, h2, table_ptr, id_ptr,
+    numel0, ds0, ps0, hs0, per0, numel1, ds1, ps1, hs1, per1, numel2, ds2, ps2, hs2, per2, n, tiles,
+    BLOCK: tl.constexpr, PARTS: tl.constexpr,
 ):  # fmt: skip
-    # grid-stride over the n * per_expert tiles: tile t is block t % per_expert of the t // per_expert-th expert
+    # grid-stride over the tiles of every part: part 0's n * per0 first, then part 1's, then part 2's
     for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        i = t // per_expert
-        expert = tl.load(id_ptr + i).to(tl.int64)
-        slot = tl.load(table_ptr + expert).to(tl.int64)
-        offs = (t % per_expert) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        if slot >= 0:
-            v = tl.load(pool_ptr + slot * pool_stride + offs, mask=mask)
-        else:
-            v = tl.load(host_ptr + expert * host_stride + offs, mask=mask)
-        tl.store(dst_ptr + i.to(tl.int64) * dst_stride + offs, v, mask=mask)
+        if t < n * per0:
+            _copy_tile(d0, p0, h0, table_ptr, id_ptr, t, numel0, ds0, ps0, hs0, per0, BLOCK)
+        elif PARTS >= 2:
+            if t < n * (per0 + per1):
+                _copy_tile(d1, p1, h1, table_ptr, id_ptr, t - n * per0, numel1, ds1, ps1, hs1, per1, BLOCK)
+            elif PARTS == 3:
+                _copy_tile(d2, p2, h2, table_ptr, id_ptr, t - n * (per0 + per1), numel2, ds2, ps2, hs2, per2, BLOCK)
 
 
 def _flat(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -77,34 +99,43 @@ def _words(flat: torch.Tensor) -> bool:
     return (flat.shape[1] * size) % 4 == 0 and (flat.stride(0) * size) % 4 == 0 and flat.data_ptr() % 4 == 0
 
 
-def gather_experts(dst: torch.Tensor, pool: torch.Tensor, host: torch.Tensor, table: torch.Tensor, ids: torch.Tensor):
+def gather_experts(dst, pool, host, table: torch.Tensor, ids: torch.Tensor):
     """dst[i] = pool[table[ids[i]]] if that slot is >= 0 else host[ids[i]], for i < n = len(ids), in one launch on
-    the current stream (module doc). table [E], ids [n]: int32/int64 on dst's device; host on dst's device or in
-    pinned host memory."""
-    for name, t in (("pool", pool), ("host", host)):
-        if t.dtype != dst.dtype or t.shape[1:] != dst.shape[1:]:
-            raise ValueError(
-                f"{name} must match dst's dtype {dst.dtype} and expert shape {tuple(dst.shape[1:])}; got {t.dtype} "
-                f"{tuple(t.shape[1:])}"
-            )
-    if pool.device != dst.device:
-        raise ValueError(f"pool is on {pool.device}, dst on {dst.device}: the pool must be on dst's device")
-    cuda = dst.device.type == "cuda"
-    if host.device != dst.device and not (cuda and host.device.type == "cpu" and host.is_pinned()):
-        raise ValueError(f"host is on {host.device}, dst on {dst.device}: it must be there or in pinned host memory")
-    n = gather_ids(ids, table, host.shape[0], dst.shape[0], dst.device)
+    the current stream (module doc). dst, pool, host: stacks, or tuples of up to three (the parts of an int4 stack:
+    packed bytes, scales, minimums; part j of each together), all copied in the one launch. table [E], ids [n]:
+    int32/int64 on dst's device; host on dst's device or in pinned host memory."""
+    dsts, pools, hosts = ((t,) if isinstance(t, torch.Tensor) else tuple(t) for t in (dst, pool, host))
+    if not 1 <= len(dsts) <= 3 or len(pools) != len(dsts) or len(hosts) != len(dsts):
+        raise ValueError(f"dst, pool and host must be stacks or tuples of one to three parts alike; got {len(dsts)}")
+    cuda = dsts[0].device.type == "cuda"
+    args, n = [], None
+    for d, p, h in zip(dsts, pools, hosts):
+        for name, t in (("pool", p), ("host", h)):
+            if t.dtype != d.dtype or t.shape[1:] != d.shape[1:]:
+                raise ValueError(
+                    f"{name} must match dst's dtype {d.dtype} and expert shape {tuple(d.shape[1:])}; got {t.dtype} "
+                    f"{tuple(t.shape[1:])}"
+                )
+        if p.device != d.device or d.device != dsts[0].device:
+            raise ValueError(f"pool is on {p.device}, dst on {d.device}: the pool must be on dst's device")
+        if h.device != d.device and not (cuda and h.device.type == "cpu" and h.is_pinned()):
+            raise ValueError(f"host is on {h.device}, dst on {d.device}: it must be there or in pinned host memory")
+        n = gather_ids(ids, table, h.shape[0], d.shape[0], d.device)
+        fd, fp, fh = _flat("dst", d), _flat("pool", p), _flat("host", h)
+        if all(map(_words, (fd, fp, fh))):
+            fd, fp, fh = (t.view(torch.int32) for t in (fd, fp, fh))
+        numel = fd.shape[1]
+        host_arg = HostPointer(fh) if cuda and fh.device.type == "cpu" else fh
+        args.append((fd, fp, host_arg, numel, fd.stride(0), fp.stride(0), fh.stride(0), triton.cdiv(numel, BLOCK)))
     if n == 0:
         return dst
-    d, p, h = _flat("dst", dst), _flat("pool", pool), _flat("host", host)
-    if all(map(_words, (d, p, h))):
-        d, p, h = (t.view(torch.int32) for t in (d, p, h))
-    numel = d.shape[1]
-    host_arg = HostPointer(h) if cuda and h.device.type == "cpu" else h
-    per_expert = triton.cdiv(numel, BLOCK)
-    tiles = n * per_expert
+    tiles = n * sum(a[-1] for a in args)
+    parts = len(args)
+    while len(args) < 3:  # unused slots: the first part again (never reached: PARTS)
+        args.append(args[0])
     grid = (min(tiles, PROGRAMS) if PROGRAMS > 0 else tiles,)
     _gather_experts_kernel[grid](
-        d, p, host_arg, table, ids, numel, d.stride(0), p.stride(0), h.stride(0), tiles, per_expert,
-        BLOCK=BLOCK, num_warps=4,
+        *args[0][:3], *args[1][:3], *args[2][:3], table, ids, *args[0][3:], *args[1][3:], *args[2][3:], n, tiles,
+        BLOCK=BLOCK, PARTS=parts, num_warps=4,
     )  # fmt: skip
     return dst

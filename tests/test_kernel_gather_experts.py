@@ -62,6 +62,29 @@ def test_gather_int4_parts_at_a_stride():
         assert torch.equal(dst.cpu(), want)
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("block", [8, 4096], ids=["several-tiles", "one-tile"])
+def test_parts_in_one_launch(monkeypatch, parts, block):
+    """An int4 stack's parts (packed bytes as words, bf16 scales and minimums; an odd group count: scales copied
+    element by element) in one launch, the pool at an expert stride; each part as the reference gathers it. Two parts:
+    the packed bytes and scales only."""
+    monkeypatch.setattr(ge, "BLOCK", block)
+    gen = torch.Generator().manual_seed(3)
+    E, I, H = 7, 3, 96  # 3 groups of 32 a row: 9 scales an expert, 18 bytes, not whole words
+    host = quantize(torch.randn(E, I, H, generator=gen, dtype=torch.bfloat16), group=32)
+    big = quantize(torch.randn(2 * E, I, H, generator=gen, dtype=torch.bfloat16).to(DEV), group=32)
+    table = torch.tensor([-1, 1, -1, 3, 0, -1, 2], device=DEV)
+    ids = torch.tensor([6, 0, 3, 4, 1], dtype=torch.int32, device=DEV)
+    hosts = [t.pin_memory() if DEV == "cuda" else t for t in host.parts()][:parts]
+    pools = [b[::2] for b in big.parts()][:parts]
+    dsts = [torch.zeros((6, *h.shape[1:]), dtype=h.dtype, device=DEV) for h in hosts]
+    want = gather_experts_ref([d.cpu().clone() for d in dsts], [p.cpu() for p in pools], [h.cpu() for h in hosts],
+                              table.cpu(), ids.cpu())  # fmt: skip
+    gather_experts(tuple(dsts), tuple(pools), tuple(hosts), table, ids)
+    for got, w in zip(dsts, want):
+        assert torch.equal(got.cpu(), w) and not got[5].any()
+
+
 def test_gather_refuses_bad_arguments():
     host, pool = torch.zeros(4, 2, 3), torch.zeros(2, 2, 3)
     dst, table, ids = torch.zeros(3, 2, 3), torch.full((4,), -1), torch.arange(3)
@@ -75,6 +98,10 @@ def test_gather_refuses_bad_arguments():
         gather_experts(dst, pool, host, table, ids.float())
     with pytest.raises(ValueError, match="contiguous"):
         gather_experts(dst, pool, torch.zeros(4, 3, 2).transpose(1, 2), table, ids)
+    with pytest.raises(ValueError, match="one to three parts"):
+        gather_experts((dst,) * 4, (pool,) * 4, (host,) * 4, table, ids)
+    with pytest.raises(ValueError, match="one to three parts"):
+        gather_experts((dst, dst), (pool,), (host, host), table, ids)
 
 
 @pytest.mark.parametrize("programs", [0, 1, 5])

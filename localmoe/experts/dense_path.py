@@ -51,8 +51,10 @@ class DensePath:
     device_spans = True
     # int4 experts (not NF4 / MXFP4) read in place by the device path's grouped GEMMs (kernels/grouped_gemm.py,
     # grouped_gate_up.py: dequantized in registers): no span of the model's dtype written and read back, one span a
-    # layer when resident.
-    int4_in_place = True
+    # layer when resident, offloaded spans staged packed. Off until a GPU times it (session 39 had none after its
+    # first call; compiled for sm_90 without spills): `python bench/staging_ab.py --experts int4 --vram 0|16
+    # --int4-in-place --prompt-tokens 2048,2048,8192,8192`.
+    int4_in_place = False
 
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,H], up [I,H], down_t [I,H]) of expert e, from the cache when offloaded."""

@@ -1,23 +1,23 @@
 """Offloaded prefill: a layer's routed experts streamed through two device staging buffers (issue #29's first step).
 
-The dense path of an offloaded layer (a prompt piece, calibration, evaluation) needs nearly every expert of the
-layer once. `Staging.stream(cache, layer, experts)` copies the routed experts, a span of `span` experts at a time,
-into one of two staging buffers ([span, I, H] per projection: plain tensors in the model's dtype, int4 / NF4 experts
+The dense path of an offloaded layer (a prompt piece, calibration, evaluation) needs nearly every expert of the layer
+once. `Staging.stream(cache, layer, experts)` copies the routed experts, a span of `span` experts at a time, into one
+of two staging buffers ([span, I, H] per projection: plain tensors in the model's dtype, int4 / NF4 experts
 dequantized as they arrive (their packed bytes cross the bus), MXFP4 stacks as stored) and yields each span for the
 grouped GEMMs (`LocalExperts._grouped`). On CUDA the copies run on a side stream: the next span's copies are issued
 before the current span is computed, so PCIe and the GEMMs overlap, with no host synchronisation per expert (the side
-stream waits for the compute stream before refilling a buffer; the compute stream waits for the span's copy event). Each
-part comes from its cache pool when resident, else from the host master copy; nothing is admitted into the cache
+stream waits for the compute stream before refilling a buffer; the compute stream waits for the span's copy event).
+Each part comes from its cache pool when resident, else from the host master copy; nothing is admitted into the cache
 (prefill does not evict the decode working set). When a layer routed every expert (a long prompt piece), the next
-layer's first two spans of experts are filled ahead, on the side stream, as soon as this layer's last span is
-issued: the next layer's attention then runs while PCIe works, not before it (used when the next layer's first spans
-are the same experts; otherwise refilled). With pinned master copies one kernel launch per projection (int4 / NF4:
-kernels/gather_dequant.py) or per part (kernels/gather_experts.py) fills a span: the device slot tables pick pool or
-host per expert, and the host rows are read through unified addressing; otherwise (memory-mapped or pageable master
-copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device). `stream(packed=True)` (int4
-experts whose grouped GEMMs read them in place, experts/dense_path.py `int4_in_place`) stages spans as int4 stacks
-laid in the same buffers' memory, one gather_experts launch per part: the packed bytes cross and nothing is
-dequantized.
+layer's first two spans of experts are filled ahead, on the side stream, as soon as this layer's last span is issued:
+the next layer's attention then runs while PCIe works, not before it (used when the next layer's first spans are the
+same experts; otherwise refilled). With pinned master copies one kernel launch per projection (int4 / NF4:
+kernels/gather_dequant.py; otherwise kernels/gather_experts.py, all its parts) fills a span: the device slot tables
+pick pool or host per expert, and the host rows are read through unified addressing; otherwise (memory-mapped or
+pageable master copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device).
+`stream(packed=True)` (int4 experts whose grouped GEMMs read them in place, experts/dense_path.py `int4_in_place`)
+stages spans as int4 stacks laid in the same buffers' memory, one gather_experts launch per projection (its three
+parts): the packed bytes cross and nothing is dequantized.
 
 A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, STAGE_DEQUANT_BYTES of
 dequantized ones (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
@@ -196,7 +196,7 @@ class Staging:
     def _gather(self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor, packed: bool = False) -> None:
         """buf[i] = expert ids[i] of `layer` (on the device), pool slot or host master per expert as the device slot
         tables say: one gather_dequant launch per projection into plain buffers, else (and `packed`) one
-        gather_experts per part."""
+        gather_experts launch per projection for all its parts."""
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
         for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
@@ -205,10 +205,9 @@ class Staging:
                 code = nf4_code(ids.device) if isinstance(src, Nf4Tensor) else None
                 gather_dequant(getattr(buf, name), getattr(cache.pool, name), src, t, ids, code=code)
                 continue
-            for dst, pool, host in zip(
-                parts(getattr(buf, name)), parts(getattr(cache.pool, name)), parts(getattr(master, name))
-            ):
-                gather_experts(dst, pool, host, t, ids)
+            gather_experts(
+                parts(getattr(buf, name)), parts(getattr(cache.pool, name)), parts(getattr(master, name)), t, ids
+            )
 
     def _fill(self, cache, layer: int, span: list[int], buf: ExpertWeights, packed: bool = False) -> None:
         """buf[i] = expert span[i] of `layer`, each projection from its pool slot when resident, else from the host
