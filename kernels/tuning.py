@@ -12,11 +12,12 @@ One JSON file per device, merged from the sweeps' outputs (`bench/bench_moe_bloc
 
 The `launch_params` dicts are keyword arguments of `dense_experts` and `sparse_fused` ("fused"; "fused_int4" with int4
 experts); `decode_params` holds keyword arguments of the fused decode launchers (router_topk, moe_front,
-shared_expert, gated_deltanet_step, gemv, decode_attention, department_experts), looked up by `tuned(x, kernel,
-shape)`; tests/test_tuned_tables.py checks that every entry is one the code reads.
-`launch_params(device_name, H, I, k)` returns the entry for that shape (or the defaults);
-`crossover_tokens(device_name, H, I, E, k)` returns the largest token count at which the sparse kernels beat the
-dense grouped path (1 when unmeasured). Device names match `torch.cuda.get_device_name()` case-insensitively.
+shared_expert, gated_deltanet_step, gemv, decode_attention, department_experts) and of the prefill's grouped GEMMs
+(grouped_gate_up, grouped_gemm: `bench/tune_prefill.py`), looked up by `tuned(x, kernel, shape)`;
+tests/test_tuned_tables.py checks that every entry is one the code reads. `launch_params(device_name, H, I, k)`
+returns the entry for that shape (or the defaults); `crossover_tokens(device_name, H, I, E, k)` returns the largest
+token count at which the sparse kernels beat the dense grouped path (1 when unmeasured). Device names match
+`torch.cuda.get_device_name()` case-insensitively.
 """
 
 from __future__ import annotations

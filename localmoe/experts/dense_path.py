@@ -14,7 +14,7 @@ The mixin reads the module's state: `weights` (ExpertWeights), `cache`, `layer_i
 `intermediate_size`, `hidden_size`, `hidden_act`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`,
 `grouped`, `mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens`, `dequant_bytes`, `kernel_on_cpu` and `_count`.
 Imports: torch, experts/clamped_swiglu, the int4 format and the kernels of `_grouped_device` (the two grouped GEMMs,
-the slot sort and the token combine).
+the slot sort and the token combine) with their tuned tables.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from localmoe.kernels.grouped_gemm import grouped_gemm
 from localmoe.kernels.int4 import Int4Tensor
 from localmoe.kernels.slot_sort import slot_sort
 from localmoe.kernels.token_combine import token_combine
+from localmoe.kernels.tuning import tuned
 
 # torch's grouped GEMM (mat_a [S, K], mat_b [G, K, N], offs [G] int32 group ends): F.grouped_mm from torch 2.10
 _GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -199,7 +200,8 @@ class DensePath:
         gate, up, the SwiGLU and the mask reading each slot's token row in place (grouped_gate_up) and one for the
         down projection (grouped_gemm), each reading the ends on the device; the weighting and the tokens' fp32 sums
         in one launch (kernels/token_combine.py), with `shared` (s [T, H], gate logit [T, 1] or None) added there.
-        Same arithmetic and roundings as `_grouped` but for the GEMMs' and the k-term sums' order."""
+        The two GEMMs' tiles come from the device's tuned table (kernels/tuned/, `bench/tune_prefill.py`) when it
+        has them. Same arithmetic and roundings as `_grouped` but for the GEMMs' and the k-term sums' order."""
         T, k = top_k_index.shape
         M, I, H = T * k, self.intermediate_size, self.hidden_size
         _, tok, pos, ends = slot_sort(top_k_index, self.num_experts)
@@ -209,9 +211,11 @@ class DensePath:
         tau = self.tau.to(device=x.device, dtype=torch.float32) if masked else None
         x = x if x.stride(-1) == 1 else x.contiguous()
         for w_gate, w_up, w_down_t, g0 in self._fixed_spans():
-            grouped_gate_up(x, w_gate, w_up, ends, g0, h, tau=tau, kept=kept, x_rows=tok)
-            down = w_down_t if isinstance(w_down_t, Int4Tensor) else w_down_t.transpose(1, 2)  # int4: as stored
-            grouped_gemm(h, down, ends, g0, y)
+            w4 = "_int4" if isinstance(w_gate, Int4Tensor) else ""  # read in place
+            kw = tuned(x, "grouped_gate_up", f"K{H}_N{I}{w4}")
+            grouped_gate_up(x, w_gate, w_up, ends, g0, h, tau=tau, kept=kept, x_rows=tok, **kw)
+            down = w_down_t if w4 else w_down_t.transpose(1, 2)  # int4: as stored, [n, I, H] packed along H
+            grouped_gemm(h, down, ends, g0, y, **tuned(x, "grouped_gemm", f"K{I}_N{H}{w4}"))
         if masked:
             self._count(kept[0], M * I)
         s, g = shared if shared is not None else (None, None)
