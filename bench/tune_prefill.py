@@ -13,7 +13,7 @@ dense path looks up, `K{K}_N{N}` with `_int4` for int4) to merge into kernels/tu
 not beat the default gets no entry.
 
 Usage: PYTHONUNBUFFERED=1 python bench/tune_prefill.py [--shape ALIAS] [--tokens 2048] [--quick]
-`--quick` sweeps 8 launches a kernel instead of 32.
+`--quick` sweeps 12 launches a kernel instead of 24 (4 warps only).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from localmoe.kernels.slot_sort import slot_sort
 from localmoe.models.shapes import shape_config
 
 DEV, DT = torch.device("cuda"), torch.bfloat16
-SPACE = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "BLOCK_K": (32, 64), "num_warps": (4, 8), "num_stages": (3, 4)}
-QUICK = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "BLOCK_K": (32, 64), "num_warps": (4,), "num_stages": (3,)}
+# int4 in place loads BLOCK_K / 2 bytes of each gate / up row a step: 64 fill a 32-byte sector, 32 half of one
+SPACE = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "BLOCK_K": (32, 64, 128), "num_warps": (4, 8), "num_stages": (3,)}
+QUICK = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "BLOCK_K": (32, 64, 128), "num_warps": (4,), "num_stages": (3,)}
 
 
 def layer(shape: str, tokens: int):
