@@ -9,9 +9,11 @@ every Triton kernel under the interpreter on CPU tensors (the path a GPU takes),
 own argument copies left out) and Triton launches, the aten ops by the innermost localmoe / transformers source line.
 Counts, not times: the interpreter is far slower than a GPU.
 
-Usage: TRITON_INTERPRET=1 python bench/prefill_launches.py [--shape qwen3.5-35b] [--prompt-tokens 2048]
-       [--prepare torch|split|triton] [--host-spans] [--prefill-norms] [--prefill-block] [--prefill-attention]
+Usage: TRITON_INTERPRET=1 python bench/prefill_launches.py [--shape qwen3.5-35b] [--prompt-tokens 256]
+       [--experts full|int4] [--int4-in-place] [--prepare torch|split|triton] [--host-spans] [--prefill-off]
        [--vram GiB [--span N]] [--top 20]
+The engine's prefill defaults unless a flag says otherwise (`--prefill-off`: the fused norms, MoE block and attention
+off, as before session 37). A 2048-token piece takes over 20 minutes here; 256 tokens a few.
 --vram (> 0.5: the workspace reserve) offloads experts behind a cache on the CPU, staged by the gather kernel, --span
 experts a staging span (at tiny widths every expert fits one span; Qwen3.5-35B-A3B int4 at `--vram 16` takes 60).
 """
@@ -36,18 +38,17 @@ from localmoe.decode import replacements
 from localmoe.decode.deltanet import FusedGatedDeltaNet
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
+from localmoe.experts.dense_path import DensePath
 from localmoe.models.shapes import shape_config
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="qwen3.5-35b")
 p.add_argument("--prompt-tokens", type=int, default=2048)
-p.add_argument(
-    "--prepare", default="torch", choices=("torch", "split", "triton"), help="the DeltaNet rule's first phase"
-)
+p.add_argument("--prepare", default=None, choices=("torch", "split", "triton"), help="the DeltaNet rule's first phase")
 p.add_argument("--host-spans", action="store_true", help="DensePath.device_spans off (a host read of the routing)")
-p.add_argument("--prefill-norms", action="store_true", help="FusedDecoderLayer.prefill_norms on")
-p.add_argument("--prefill-block", action="store_true", help="FusedSparseMoeBlock.prefill_fused on")
-p.add_argument("--prefill-attention", action="store_true", help="FusedAttention.prefill_fused on")
+p.add_argument("--prefill-off", action="store_true", help="the prefill's fused norms, block and attention off")
+p.add_argument("--experts", default="full", choices=("full", "int4"), help="the experts' format")
+p.add_argument("--int4-in-place", action="store_true", help="DensePath.int4_in_place on (int4 read in place)")
 p.add_argument("--vram", type=float, default=0.0)
 p.add_argument("--span", type=int, default=0, help="offloaded: experts a staging span (int4 at --vram 16 takes 60)")
 p.add_argument("--top", type=int, default=20)
@@ -71,12 +72,18 @@ def narrow(alias: str):
 
 load.shape_config = narrow  # the shape's structure at tiny widths
 deltanet_prefill.kernel_available = lambda t: True  # the chunk rule's Triton path, as on CUDA
-FusedGatedDeltaNet.prefill_prepare = a.prepare
-replacements.FusedDecoderLayer.prefill_norms = a.prefill_norms
-replacements.FusedSparseMoeBlock.prefill_fused = a.prefill_block
-replacements.FusedAttention.prefill_fused = a.prefill_attention
+FusedGatedDeltaNet.prefill_prepare = a.prepare or FusedGatedDeltaNet.prefill_prepare
+if a.prefill_off:
+    replacements.FusedDecoderLayer.prefill_norms = False
+    replacements.FusedSparseMoeBlock.prefill_fused = replacements.FusedAttention.prefill_fused = False
+DensePath.int4_in_place = a.int4_in_place
 e = Engine.random(
-    a.shape, device=torch.device("cpu"), dtype=torch.float32, vram_gib=a.vram or None, context=a.prompt_tokens + 64
+    a.shape,
+    device=torch.device("cpu"),
+    dtype=torch.float32,
+    vram_gib=a.vram or None,
+    context=a.prompt_tokens + 64,
+    experts=a.experts,
 )
 replacements.install(e.model, "cpu", force=True)  # the fused modules a GPU load installs
 e.set_sparsity(0.85)
@@ -140,8 +147,10 @@ aten, tri = sum(count.by_site.values()), sum(triton_launches.values())
 cache = e.loaded.cache
 print(
     f"{a.shape} structure at tiny widths, {len(e.loaded.experts)} MoE layers, a {a.prompt_tokens}-token piece, "
-    f"prepare {a.prepare}, device spans {'off' if a.host_spans else 'on'}, prefill norms {a.prefill_norms}, "
-    f"fused block {a.prefill_block}, fused attention {a.prefill_attention}, "
+    f"{a.experts} experts{' read in place' if a.int4_in_place else ''}, prepare {FusedGatedDeltaNet.prefill_prepare}, "
+    f"device spans {'off' if a.host_spans else 'on'}, prefill norms {replacements.FusedDecoderLayer.prefill_norms}, "
+    f"fused block {replacements.FusedSparseMoeBlock.prefill_fused}, fused attention "
+    f"{replacements.FusedAttention.prefill_fused}, "
     + (f"experts offloaded ({cache.slots} slots, spans of {cache.staging.span})" if cache else "experts resident")
 )
 print(f"launches: {aten + tri} ({aten} aten ops, {tri} Triton: {dict(triton_launches.most_common())})")
