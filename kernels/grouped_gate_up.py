@@ -34,7 +34,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
-    from localmoe.kernels.grouped_gemm import span_tile
+    from localmoe.kernels.grouped_gemm import span_tile, w4_tile
     from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
@@ -178,11 +178,7 @@ if triton is not None:
         at p_ptrs, their groups' scales and minimums, each weight dequantized as kernels/dequant_int4.py does (fp32 q *
         scale + minimum, rounded to DT); the even K rows (low nibbles) against x's even columns, the odd against the
         odd."""
-        p = tl.load(p_ptrs, mask=wm, other=0)
-        sc = tl.load(s_ptrs, mask=wm, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptrs, mask=wm, other=0.0).to(tl.float32)
-        lo = round_to((p & 15).to(tl.float32) * sc + mn, DT)
-        hi = round_to((p >> 4).to(tl.float32) * sc + mn, DT)
+        lo, hi = w4_tile(p_ptrs, s_ptrs, m_ptrs, wm, DT)  # kernels/grouped_gemm.py
         if DOT_F32:
             acc = tl.dot(a_even.to(tl.float32), lo, acc, input_precision="ieee")
             return tl.dot(a_odd.to(tl.float32), hi, acc, input_precision="ieee")

@@ -151,6 +151,16 @@ if triton is not None:
             tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
     @triton.jit
+    def w4_tile(p_ptrs, s_ptrs, m_ptrs, mask, DT: tl.constexpr):
+        """A tile of int4 bytes and, per byte, its group's scale and minimum -> (the low nibbles' weights, the high
+        nibbles'), fp32 values of DT, dequantized as kernels/dequant_int4.py does (fp32 q * scale + minimum, rounded
+        once). The span kernels' int4 mode (this file's down projection, kernels/grouped_gate_up.py's gate and up)."""
+        p = tl.load(p_ptrs, mask=mask, other=0)
+        sc = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptrs, mask=mask, other=0.0).to(tl.float32)
+        return round_to((p & 15).to(tl.float32) * sc + mn, DT), round_to((p >> 4).to(tl.float32) * sc + mn, DT)
+
+    @triton.jit
     def _w4_n_tiles(
         xrow, rmask, p_ptr, s_ptr, m_ptr, pid_n, N, K, stride_pk, stride_sk, DT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
@@ -172,11 +182,10 @@ if triton is not None:
             k64 = ks.to(tl.int64)[:, None]
             wm = km[:, None] & bmask[None, :]
             a = tl.load(xrow + ks[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            p = tl.load(p_ptr + k64 * stride_pk + nb[None, :], mask=wm, other=0)  # [BLOCK_K, HB] uint8
-            sc = tl.load(s_ptr + k64 * stride_sk + grp[None, :], mask=wm, other=0.0).to(tl.float32)
-            mn = tl.load(m_ptr + k64 * stride_sk + grp[None, :], mask=wm, other=0.0).to(tl.float32)
-            lo = round_to((p & 15).to(tl.float32) * sc + mn, DT)
-            hi = round_to((p >> 4).to(tl.float32) * sc + mn, DT)
+            lo, hi = w4_tile(  # [BLOCK_K, HB] each
+                p_ptr + k64 * stride_pk + nb[None, :], s_ptr + k64 * stride_sk + grp[None, :],
+                m_ptr + k64 * stride_sk + grp[None, :], wm, DT,
+            )  # fmt: skip
             if DOT_F32:
                 af = a.to(tl.float32)
                 acc_lo = tl.dot(af, lo, acc_lo, input_precision="ieee")
