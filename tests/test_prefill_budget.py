@@ -5,6 +5,8 @@ greedy tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import repo_id
@@ -182,3 +184,21 @@ def test_offloaded_engine_with_short_pieces_equals_resident():
     assert int(got.argmax()) == int(want.argmax())
     assert e.loaded.cache.staging.buffers[0].w_up.shape[0] == 2
     assert _greedy(e, ids) == _greedy(resident, ids)
+
+
+def test_resident_int4_read_in_place_reserves_no_dequantized_span(monkeypatch):
+    """With int4 read in place (`DensePath.int4_in_place`) a resident piece that routes to every expert dequantizes
+    nothing: the fit sets no span and its peak drops by the dequantized span's bytes; a short call still dequantizes
+    DEQUANT_BYTES spans (counted); NF4 is not read in place."""
+    config = shape_config("qwen3.5-35b")
+    before = pb.fit(pb.PrefillShapes.of(config, torch.bfloat16, "int4"), 8 * GiB, CONTEXT, offloaded=False)
+    monkeypatch.setattr(pb.DensePath, "int4_in_place", True)
+    s = pb.PrefillShapes.of(config, torch.bfloat16, "int4")
+    assert s.in_place and not pb.PrefillShapes.of(config, torch.bfloat16, "nf4").in_place
+    after = pb.fit(s, 8 * GiB, CONTEXT, offloaded=False)
+    assert after.dequant_bytes == 0 and after.chunk == before.chunk == pb.MAX_CHUNK
+    assert before.peak_bytes - after.peak_bytes >= pb.DEQUANT_MAX_BYTES  # 2.45 -> 0.62 GB at Qwen3.5-35B-A3B
+    short = 16  # 16 tokens x 8 slots < 4 x 256 experts: dequantized spans of the default size
+    dequantizing = dataclasses.replace(s, in_place=False)
+    assert pb._moe(s, short, 0) == pb._moe(dequantizing, short, 0)
+    assert pb._moe(s, pb.MAX_CHUNK, 0) < pb._moe(dequantizing, pb.MAX_CHUNK, 0)

@@ -25,7 +25,8 @@ the CUDA-graph decoder's StaticCache), V vocab):
         with Dspan = span·3·I·H·el for staged MXFP4 experts (each span dequantized; the generator dequantizes the next
         span while the loop still holds the last one: two alive), resident 4-bit experts the dequantized span `fit`
         chooses (dense_path.DEQUANT_BYTES up to DEQUANT_MAX_BYTES), 0 for plain and staged int4 / NF4 experts
-        (staging buffers are used as they are)
+        (staging buffers are used as they are) and for resident int4 read in place (`DensePath.int4_in_place`) in a
+        piece of N >= 4·E slots (shorter calls dequantize DEQUANT_BYTES spans)
     full attention (sdpa): T·Hq·Dh·(3·el + 8) (q projection, Qwen3.5's gate copy (2·el without), fp32 q-norm)
         + 2·T·Hkv·Dh·el
         + 2·Hq·L·Dh·el (repeat_kv of the cache when a mask is given and Hq > Hkv) + T·L·(1 + el) (the mask's negation
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.experts.dense_path import DEQUANT_BYTES, DEQUANT_MAX_BYTES
+from localmoe.experts.dense_path import DEQUANT_BYTES, DEQUANT_MAX_BYTES, DensePath
 from localmoe.experts.int4 import expert_bytes as quantized_expert_bytes
 from localmoe.experts.int4 import format_of, parts
 from localmoe.experts.placement import WORKSPACE_RESERVE, GiB, OffloadPlan, state_bytes
@@ -97,6 +98,7 @@ class PrefillShapes:
     stored: int  # one expert's stored bytes (gate + up + down, its format)
     quantized: bool  # 4-bit experts: dequantized a span at a time
     staged_dequantized: bool = False  # int4 / NF4: offloaded spans are staged dequantized (kernels/gather_dequant.py)
+    in_place: bool = False  # int4 read in place by the grouped GEMMs (DensePath.int4_in_place): no dequantized span
 
     @classmethod
     def of(cls, config, dtype: torch.dtype, fmt: str = "full", *, experts=None, width=None, hidden=None, top_k=None):
@@ -148,6 +150,7 @@ class PrefillShapes:
             stored=stored,
             quantized=fmt != "full",
             staged_dequantized=fmt in ("int4", "nf4"),
+            in_place=fmt == "int4" and DensePath.int4_in_place,
         )
 
     @property
@@ -190,6 +193,8 @@ def _deltanet(s: PrefillShapes, T: int) -> int:
 def _moe(s: PrefillShapes, T: int, span: int, dequant: int = DEQUANT_BYTES) -> int:
     el, H, I, N = s.el, s.hidden, s.width, T * s.top_k
     if not s.quantized or (span and s.staged_dequantized):  # plain experts, or staging buffers used as they are
+        dspan = 0
+    elif s.in_place and N >= 4 * s.experts:  # resident int4 read in place (DensePath._device_ok: such long calls)
         dspan = 0
     elif span:  # staged (offloaded) MXFP4
         dspan = span * s.dequantized
@@ -269,10 +274,10 @@ def fit(s: PrefillShapes, left: int, context: int, offloaded: bool, longest: int
             if peak_bytes(s, chunk, n, context) <= left:
                 span = n
                 break
-        dq = _dequant(s, chunk, context, left) if s.quantized and not offloaded else 0
+        dq = _dequant(s, chunk, context, left) if s.quantized and not offloaded and not s.in_place else 0
         return PrefillFit(chunk, span, peak_bytes(s, chunk, span, context, dq or DEQUANT_BYTES), int(left), True, dq)
     chunk = chunks[-1]
-    dq = DEQUANT_BYTES if s.quantized and not offloaded else 0
+    dq = DEQUANT_BYTES if s.quantized and not offloaded and not s.in_place else 0
     return PrefillFit(chunk, least, peak_bytes(s, chunk, least, context), int(left), False, dq)
 
 
