@@ -12,7 +12,9 @@ A in the "copies" columns, B in the "gather" ones; `--dequant-grid PxR,PxR` two 
 dequantizing launches on the compute stream) in the "copies" columns against spans staged dequantized
 (kernels/gather_dequant.py, the default) in the "gather" ones.
 `--int4-in-place` instead compares int4 experts dequantized a span at a time before the grouped GEMMs ("copies")
-against the GEMMs reading them in place (`DensePath.int4_in_place`, "gather"); `--vram 0` too.
+against the GEMMs reading them in place (`DensePath.int4_in_place`, "gather"); `--vram 0` too. `--packed-fill` (int4
+offloaded, read in place in both) packed spans of the dequantized span's experts ("copies") against as many as the
+staging buffers' memory holds (`Staging.packed_fill`, "gather").
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
@@ -29,7 +31,7 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --device-spans | --int4-in-place | --deltanet A,B | --prefill-norms | --prefill-block
+       | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block
        | --prefill-attention | --prefill-all]
 """
 
@@ -46,6 +48,7 @@ from localmoe.decode.prefix import piece_cuts
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts.dense_path import DensePath
+from localmoe.experts.staging import Staging
 from localmoe.kernels import gather_dequant, gather_experts
 from localmoe.measure.benchmark import host_bandwidth
 
@@ -66,6 +69,7 @@ p.add_argument(
     "--dequant-grid", default=None, help="A,B: int4 / NF4 staging's gather_dequant PROGRAMSxBLOCK_R[xNUM_WARPS]"
 )
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
+p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
@@ -91,8 +95,10 @@ if cache is None and not (a.device_spans or rules or fused_prefill or a.int4_in_
     )
 staging = cache.staging if cache is not None else None
 plain = staging.plain if staging is not None else None
-if a.packed and plain is None:
-    raise SystemExit("--packed compares int4 / NF4 staging: give --experts int4 or nf4")
+if (a.packed or a.packed_fill) and plain is None:
+    raise SystemExit("--packed / --packed-fill compare int4 / NF4 staging: give --experts int4 (nf4: --packed)")
+if a.packed_fill:
+    DensePath.int4_in_place = True
 gen = torch.Generator().manual_seed(1)
 vocab = e.loaded.config.vocab_size
 
@@ -119,6 +125,10 @@ def ttft(n: int, gather: bool) -> float:
     elif a.prefill_all:
         FusedDecoderLayer.prefill_norms = FusedSparseMoeBlock.prefill_fused = FusedAttention.prefill_fused = gather
         FusedGatedDeltaNet.prefill_prepare = "split" if gather else "torch"
+    elif a.packed_fill:
+        if Staging.packed_fill != gather:  # the packed views: made again at the next use
+            staging.settle(torch.device("cuda"))
+            Staging.packed_fill, staging.packed_buffers = gather, None
     elif a.packed:
         if (staging.plain is not None) != gather:  # the other buffers: made again at the next use
             staging.settle(torch.device("cuda"))
@@ -144,6 +154,8 @@ if dq_grids:
     print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
 if a.int4_in_place:
     print("'copies': int4 spans dequantized, then grouped GEMMs; 'gather': grouped GEMMs reading int4 in place")
+if a.packed_fill:
+    print("'copies': int4 packed spans of the dequantized span's experts; 'gather': as many as the buffers hold")
 if a.packed:
     print("'copies': spans staged packed, then dequantized; 'gather': staged dequantized (gather_dequant)")
 if a.prefill_norms:

@@ -16,6 +16,7 @@ from localmoe.events import GenerationSettings
 from localmoe.experts import cache as offload
 from localmoe.experts import dense_path, placement
 from localmoe.experts.expert_weights import ExpertWeights
+from localmoe.experts.staging import Staging
 
 GiB = 1 << 30
 
@@ -443,14 +444,16 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("experts", ["full", "int4", "int4-dequantized"])
+@pytest.mark.parametrize("experts", ["full", "int4", "int4-plainspans", "int4-dequantized"])
 def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     """The dense path with no host read of the routing (`DensePath.device_spans`: every expert in fixed spans, the
     group ends read by kernels/grouped_gate_up.py and grouped_gemm.py): an offloaded prompt (spans of 2 staged) and a
     resident one give the resident model's logits; the offloaded one stages every expert of every layer once. The
     span launches are counted (the kernel still runs) to show the path was taken. int4 experts are read in place
-    (`DensePath.int4_in_place`: spans staged packed, in the staging buffers' memory) or dequantized (staged so)."""
-    in_place = experts == "int4"
+    (`DensePath.int4_in_place`: spans staged packed, in the staging buffers' memory, as many experts as it holds) or
+    dequantized (staged so)."""
+    in_place = experts in ("int4", "int4-plainspans")
+    monkeypatch.setattr(Staging, "packed_fill", experts != "int4-plainspans")  # packed spans as many as the plain
     experts = experts.split("-")[0]
     monkeypatch.setattr(dense_path.DensePath, "int4_in_place", in_place)
     launches = []
@@ -477,8 +480,11 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     assert cache.hits + cache.misses == sum(m.num_experts for m in e.loaded.experts)  # every expert, once a layer
     E, layers = e.loaded.experts[0].num_experts, len(e.loaded.experts)
     assert launches.count(0) == 2 * layers  # each engine's first span of every layer
-    assert set(range(0, E, 2)) <= set(launches)  # the offloaded spans of 2 experts
+    span = cache.staging.packed_span if in_place else 2  # packed spans fill the buffers' memory: more experts
+    assert set(range(0, E, span)) <= set(launches)  # the offloaded spans
     assert (cache.staging.packed_buffers is not None) == in_place
+    if in_place:  # fp32 buffers hold ~7x as many int4 experts
+        assert min(E, 6) <= span <= E if Staging.packed_fill else span == 2
 
 
 def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():

@@ -17,7 +17,9 @@ pick pool or host per expert, and the host rows are read through unified address
 pageable master copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device).
 `stream(packed=True)` (int4 experts whose grouped GEMMs read them in place, experts/dense_path.py `int4_in_place`)
 stages spans as int4 stacks laid in the same buffers' memory, one gather_experts launch per projection (its three
-parts): the packed bytes cross and nothing is dequantized.
+parts): the packed bytes cross and nothing is dequantized. A packed span holds as many experts as that memory does
+(`packed_fill`; ~3.8x `span` for bf16 models, the whole layer in two spans at Qwen3.5-35B-A3B's shapes): fewer spans,
+fewer launches a layer, and the next layer's two spans filled ahead are all of it.
 
 A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, STAGE_DEQUANT_BYTES of
 dequantized ones (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
@@ -44,6 +46,9 @@ from localmoe.kernels.nf4 import nf4_code
 class Staging:
     """Two staging buffers of `span` experts for one cache (made on first use, kept for the next calls)."""
 
+    # Packed int4 spans hold as many experts as the plain buffers' memory does (False: `span`, as staged dequantized).
+    packed_fill = True
+
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
     ):
@@ -54,6 +59,8 @@ class Staging:
         self.make = make
         self.plain = plain
         self.span = span_for(expert_bytes, dequantized_bytes, quantized, experts)
+        self.experts = experts
+        self.packed_span = 0  # experts per packed buffer (`_buffers(packed=True)` sets it)
         self.buffers: list[ExpertWeights] | None = None
         self.packed_buffers: list[ExpertWeights] | None = None  # int4 views of `buffers` (`stream(packed=True)`)
         self.stream_: torch.cuda.Stream | None = None
@@ -79,9 +86,22 @@ class Staging:
         if not packed:
             return self.buffers
         if self.packed_buffers is None:
-            self.packed_buffers = [ExpertWeights(*(_packed(getattr(b, p), self.make) for p in PROJECTIONS))
+            n = self.span
+            if self.packed_fill:  # as many packed experts as a plain buffer's bytes hold, at most the layer's
+                plain = self.buffers[0].w_gate
+                one = sum(t.numel() * t.element_size() for t in parts(self.make(1, "w_gate")))
+                n = max(self.span, min(self.experts, plain.numel() * plain.element_size() // one))
+            self.packed_span = n
+            self.packed_buffers = [ExpertWeights(*(_packed(getattr(b, p), self.make, n) for p in PROJECTIONS))
                                    for b in self.buffers]  # fmt: skip
         return self.packed_buffers
+
+    def _span(self, packed: bool) -> int:
+        """Experts a span holds staged this way (the packed buffers made first)."""
+        if not packed:
+            return self.span
+        self._buffers(True)
+        return self.packed_span
 
     def stream(
         self, cache, layer: int, experts: list[int], packed: bool = False
@@ -91,8 +111,9 @@ class Staging:
         `layer`), in order (module doc). The buffer is valid until the generator is resumed twice. No host sync: the
         ids cross once, from pinned memory. `packed` (int4 experts staged dequantized otherwise): the spans stay
         int4, in the same memory (the grouped GEMMs read them in place)."""
-        spans = [experts[i : i + self.span] for i in range(0, len(experts), self.span)]
         packed = packed and self.plain is not None
+        size = self._span(packed)
+        spans = [experts[i : i + size] for i in range(0, len(experts), size)]
         ahead = self._take_ahead(layer, spans, packed)
         if not spans:
             return
@@ -108,9 +129,7 @@ class Staging:
         def issue(i: int):
             if i in ahead:  # filled ahead, at the end of the layer before
                 return ahead[i]
-            return self._issue(
-                cache, layer, spans[i], bufs[i % 2], ids[i * self.span :] if gather else None, cuda, packed
-            )
+            return self._issue(cache, layer, spans[i], bufs[i % 2], ids[i * size :] if gather else None, cuda, packed)
 
         ready = issue(0)
         for i, span in enumerate(spans):
@@ -118,7 +137,7 @@ class Staging:
             if ready is not None:
                 torch.cuda.current_stream(device).wait_event(ready)
             _count(cache, span, sources)
-            first = i * self.span
+            first = i * size
             yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
             ready = following
         if len(experts) == cache.num_experts and layer + 1 in cache.masters:
@@ -150,9 +169,9 @@ class Staging:
     def _fill_ahead(self, cache, layer: int, device: torch.device, cuda: bool, packed: bool = False) -> None:
         """Fill both buffers with `layer`'s first two spans of experts (all experts routed, as a long piece routes
         them), for `stream` to take if they are that layer's first spans (staged the same way: `packed`)."""
-        bufs = self._buffers(packed)
+        bufs, size = self._buffers(packed), self._span(packed)
         E = cache.num_experts
-        spans = [list(range(a, min(E, a + self.span))) for a in range(0, min(E, 2 * self.span), self.span)]
+        spans = [list(range(a, min(E, a + size))) for a in range(0, min(E, 2 * size), size)]
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
         ids = torch.arange(E, dtype=torch.int32, device=device) if gather else None
         events = [
@@ -228,14 +247,13 @@ class Staging:
                     copy_expert(getattr(buf, name), i, getattr(master, name), e, non_blocking=True)
 
 
-def _packed(plain: torch.Tensor, make) -> Int4Tensor:
-    """An int4 stack of plain's experts [n, I, H] laid in plain's own memory (packed bytes, then the scales, then the
-    minimums: each part contiguous, under half plain's bytes for a 2-byte dtype), the dtype and group `make` gives the
-    format (a one-expert stack made to read them)."""
+def _packed(plain: torch.Tensor, make, n: int) -> Int4Tensor:
+    """An int4 stack of `n` experts [n, I, H] laid in plain's own memory ([span, I, H] in the model's dtype: packed
+    bytes, then the scales, then the minimums, each part contiguous; the caller keeps n within plain's bytes), the
+    dtype and group `make` gives the format (a one-expert stack made to read them)."""
     like = make(1, "w_gate")
     if not isinstance(like, Int4Tensor) or like.minimum is None:
         raise ValueError("only int4 experts are staged packed for the grouped GEMMs to read in place")
-    n, I, H = plain.shape
     raw = plain.view(-1).view(torch.uint8)
     out, at = [], 0
     for t in like.parts():
