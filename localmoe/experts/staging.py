@@ -18,8 +18,8 @@ pageable master copies, the CPU) a copy per expert and part (int4 / NF4: dequant
 `stream(packed=True)` (int4 experts whose grouped GEMMs read them in place, experts/dense_path.py `int4_in_place`)
 stages spans as int4 stacks laid in the same buffers' memory, one gather_experts launch per projection (its three
 parts): the packed bytes cross and nothing is dequantized. A packed span holds as many experts as that memory does
-(`packed_fill`; ~3.8x `span` for bf16 models, the whole layer in two spans at Qwen3.5-35B-A3B's shapes): fewer spans,
-fewer launches a layer, and the next layer's two spans filled ahead are all of it.
+(`packed_fill`; ~3.8x `span` for bf16 models, evened out: a layer in two spans of 128 at Qwen3.5-35B-A3B's shapes):
+fewer spans, fewer launches a layer, and the next layer's two spans filled ahead are all of it.
 
 A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, STAGE_DEQUANT_BYTES of
 dequantized ones (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
@@ -87,10 +87,11 @@ class Staging:
             return self.buffers
         if self.packed_buffers is None:
             n = self.span
-            if self.packed_fill:  # as many packed experts as a plain buffer's bytes hold, at most the layer's
+            if self.packed_fill:  # as many packed experts as a plain buffer's bytes hold, spans of equal size
                 plain = self.buffers[0].w_gate
                 one = sum(t.numel() * t.element_size() for t in parts(self.make(1, "w_gate")))
-                n = max(self.span, min(self.experts, plain.numel() * plain.element_size() // one))
+                most = min(self.experts, plain.numel() * plain.element_size() // one)
+                n = max(self.span, -(-self.experts // -(-self.experts // most)))  # 256 experts, 225 fit: 128
             self.packed_span = n
             self.packed_buffers = [ExpertWeights(*(_packed(getattr(b, p), self.make, n) for p in PROJECTIONS))
                                    for b in self.buffers]  # fmt: skip
