@@ -13,7 +13,7 @@ Usage: TRITON_INTERPRET=1 python bench/prefill_launches.py [--shape qwen3.5-35b]
        [--experts full|int4] [--int4-in-place] [--prepare torch|split|triton] [--host-spans] [--prefill-off]
        [--vram GiB [--span N]] [--top 20]
 The engine's prefill defaults unless a flag says otherwise (`--prefill-off`: the fused norms, MoE block and attention
-off, as before session 37). A 2048-token piece takes over 20 minutes here; 256 tokens a few.
+off, as before session 37). Slow: a 256-token piece of the default shape took over 15 minutes on a 2-core machine.
 --vram (> 0.5: the workspace reserve) offloads experts behind a cache on the CPU, staged by the gather kernel, --span
 experts a staging span (at tiny widths every expert fits one span; Qwen3.5-35B-A3B int4 at `--vram 16` takes 60).
 """
