@@ -39,6 +39,9 @@ _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 # of 6, alternating): 0.267 s at 256 MiB (7 spans a layer), 0.241 at 512 MiB, 0.200 at 1 GiB (2 spans).
 DEQUANT_BYTES = 256 << 20
 DEQUANT_MAX_BYTES = 1 << 30
+# The device path (`_device_ok`) takes calls of at least this many slots per expert (T·k >= 4E): they route to nearly
+# every expert, which its fixed spans stage; a shorter call keeps the routed ones only.
+DEVICE_SLOTS_PER_EXPERT = 4
 
 
 class DensePath:
@@ -192,7 +195,7 @@ class DensePath:
             return False
         if self.recorder is not None or self.predictor is not None:
             return False
-        return top_k_index.numel() >= 4 * self.num_experts
+        return top_k_index.numel() >= DEVICE_SLOTS_PER_EXPERT * self.num_experts
 
     def _grouped_device(self, x, top_k_index, top_k_weights, masked: bool, shared=None) -> torch.Tensor:
         """The dense path with no host read of the routing: the slots sorted by expert and the group ends made on the

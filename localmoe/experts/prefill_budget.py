@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localmoe.experts.dense_path import DEQUANT_BYTES, DEQUANT_MAX_BYTES, DensePath
+from localmoe.experts.dense_path import DEQUANT_BYTES, DEQUANT_MAX_BYTES, DEVICE_SLOTS_PER_EXPERT, DensePath
 from localmoe.experts.int4 import expert_bytes as quantized_expert_bytes
 from localmoe.experts.int4 import format_of, parts
 from localmoe.experts.placement import WORKSPACE_RESERVE, GiB, OffloadPlan, state_bytes
@@ -194,7 +194,7 @@ def _moe(s: PrefillShapes, T: int, span: int, dequant: int = DEQUANT_BYTES) -> i
     el, H, I, N = s.el, s.hidden, s.width, T * s.top_k
     if not s.quantized or (span and s.staged_dequantized):  # plain experts, or staging buffers used as they are
         dspan = 0
-    elif s.in_place and N >= 4 * s.experts:  # resident int4 read in place (DensePath._device_ok: such long calls)
+    elif s.in_place and N >= DEVICE_SLOTS_PER_EXPERT * s.experts:  # resident int4 read in place (DensePath._device_ok)
         dspan = 0
     elif span:  # staged (offloaded) MXFP4
         dspan = span * s.dequantized
