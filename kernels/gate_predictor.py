@@ -1,10 +1,10 @@
 """The department-shared gate predictor's kernels (issue #23): stage 1, and what `sparse_fused` needs for stages 2-3.
 
-Owns `GatePredictor` (the argument `kernels/sparse_fused.py`'s `predictor=` takes), `department_basis` (Triton
-launcher) with its torch reference `department_basis_ref`, the stage 1 + 2 reference `candidates_ref`, and one
-kernel `_department_basis_kernel`. The math (localmoe/experts/predicted.py): a layer's experts are grouped into N
-departments, department d has a shared basis B_d [r, H], expert e a private map C_e [I, r]; for a token x routed to
-experts e of departments d(e):
+Owns `GatePredictor` (the argument `kernels/sparse_fused.py`'s `predictor=` takes) with its launch check
+`check_predictor`, `department_basis` (Triton launcher) with its torch reference `department_basis_ref`, the stage
+1 + 2 reference `candidates_ref`, and one kernel `_department_basis_kernel`. The math (localmoe/experts/predicted.py):
+a layer's experts are grouped into N departments, department d has a shared basis B_d [r, H], expert e a private map
+C_e [I, r]; for a token x routed to experts e of departments d(e):
 
     stage 1  z_d = B_d . x                  once per department the token's experts touch (this file)
     stage 2  cand = |silu(C_e . z_d(e))| >= tau'                     (sparse_fused, PRED mode)
@@ -204,3 +204,50 @@ def department_basis(x, B, dept_of, experts, out=None, *, BLOCK_R: int | None = 
         **pdl_kw(x),
     )
     return out
+
+
+def check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int) -> dict:
+    """Checks `predictor=` against the launch (x, T tokens, k experts each, E experts or cache slots, width I) and
+    returns the kernel's arguments for it: pointers (z, C, dept_of, the predictor's expert ids), scalars (r, N,
+    C's expert stride, tau') and R_P2; without a predictor, dummies that are never read."""
+    if p is None:
+        return {"tensors": (x, x, x, x), "scalars": (1, 1, 0, 0.0), "R_P2": 1}
+    dev = x.device
+    z, C, dept = p.z, p.C, p.dept_of
+    if z.dim() != 3 or z.shape[0] != T or z.dtype != torch.float32 or not z.is_contiguous() or z.device != dev:
+        raise ValueError(
+            f"predictor.z must be a contiguous fp32 [T, N, r] tensor with T = {T} on {dev}, got {z.dtype} "
+            f"{tuple(z.shape)} on {z.device}"
+        )
+    _, N, r = z.shape
+    if N < 1 or r < 1:
+        raise ValueError(f"predictor.z needs N >= 1 departments and rank r >= 1, got shape {tuple(z.shape)}")
+    if C.dim() != 3 or C.shape[1:] != (I, r) or C.dtype not in _FLOAT_DTYPES or C.device != dev:
+        raise ValueError(
+            f"predictor.C must be a bf16/fp16/fp32 [E, I, r] tensor with I = {I}, r = {r} on {dev}, got {C.dtype} "
+            f"{tuple(C.shape)} on {C.device}"
+        )
+    if C.stride(2) != 1 or (I > 1 and C.stride(1) != r):
+        raise ValueError(f"predictor.C rows must be contiguous (stride(2) == 1, stride(1) == r), got {C.stride()}")
+    E_p = C.shape[0]
+    if dept.dim() != 1 or dept.shape[0] != E_p or dept.dtype not in _INT_DTYPES or dept.device != dev:
+        raise ValueError(
+            f"predictor.dept_of must be an int32/int64 [E] = [{E_p}] tensor on {dev} (C's experts), got "
+            f"{dept.dtype} {tuple(dept.shape)} on {dept.device}"
+        )
+    ids = p.experts
+    if ids is None:
+        if E_p != E:
+            raise ValueError(
+                f"predictor.C has {E_p} experts, the weights {E}: in copy mode (expert_ids hold cache slots) give "
+                f"predictor.experts, the expert ids"
+            )
+    elif tuple(ids.shape) != (T, k) or ids.dtype not in _INT_DTYPES or ids.device != dev:
+        raise ValueError(
+            f"predictor.experts must be int32/int64 [T, k] = {(T, k)} on {dev}, got {ids.dtype} {tuple(ids.shape)}"
+        )
+    tp = float(p.tau_prime)
+    if tp != tp:
+        raise ValueError("predictor.tau_prime must be a number, got NaN")
+    pexp = ids.contiguous() if ids is not None else dept
+    return {"tensors": (z, C, dept, pexp), "scalars": (r, N, C.stride(0), tp), "R_P2": triton.next_power_of_2(r)}

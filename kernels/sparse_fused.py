@@ -2,7 +2,8 @@
 
 Owns `sparse_fused` (Triton launcher), its torch reference `sparse_fused_ref` and one Triton kernel
 `_sparse_fused_kernel`, grid (T*k, ceil(I / BLOCK_I)); the per-token tail it shares with kernels/mxfp4_sparse.py (the
-workspace, tickets, publishing, the shared expert's and the decoder layer's handles) is kernels/token_tail.py:
+workspace, tickets, publishing, the shared expert's and the decoder layer's handles) is kernels/token_tail.py, its
+4-bit row helpers kernels/int4_rows.py, its argument checks kernels/sparse_fused_args.py:
 
 * program (tj, b) takes neurons [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_ids[tj]: one full-width load
   of its BLOCK_I x H gate tile (no serial loop over H: a batch-1 step is latency bound), g = silu(x . W_gate),
@@ -77,17 +78,18 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.checks import HostPointer, expert_weights, int4_expert_weights, tokens_and_experts
-from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
-from localmoe.kernels.gate_predictor import GatePredictor
-from localmoe.kernels.int4 import Int4Tensor
-from localmoe.kernels.nf4 import Nf4Tensor, dequant_nf4_ref, nf4_code
+from localmoe.kernels.checks import HostPointer, tokens_and_experts
+from localmoe.kernels.gate_predictor import GatePredictor, check_predictor
+from localmoe.kernels.int4_rows import int4_mode, routed_fp32, scale_min
+from localmoe.kernels.nf4 import Nf4Tensor, nf4_code
+from localmoe.kernels.sparse_fused_args import check_offload, check_routing, check_stats, check_weights, out_buffers
 from localmoe.kernels.token_tail import SharedExpert, check_tail, tail_buffers
 
 try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.int4_rows import int4_group_dots, int4_weighted_rows
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.token_tail import last_of_token, publish_token, publish_totals
 except ImportError:  # pragma: no cover - exercised only on machines without triton
@@ -95,21 +97,11 @@ except ImportError:  # pragma: no cover - exercised only on machines without tri
     tl = None
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INT_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # torch reference
 # ----------------------------------------------------------------------------------------------------------
-def _routed_fp32(w, eid) -> torch.Tensor:
-    """w[eid] in fp32 [T,k,I,H]; an Int4Tensor dequantized exactly (w[eid] would round to its logical dtype)."""
-    if isinstance(w, Nf4Tensor):
-        return dequant_nf4_ref(w.packed[eid], w.scale[eid], nf4_code(w.device), torch.float32)
-    if isinstance(w, Int4Tensor):
-        return dequantize(w.packed[eid], w.scale[eid], w.minimum[eid], torch.float32)
-    return w[eid].float()
-
-
 def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau, candidates=None):
     """Reference in fp32 torch. Returns (y [T,H] fp32, count [T,k] int32 kept neurons per routed expert).
 
@@ -120,13 +112,13 @@ def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau, candid
     `candidates_ref`): only those neurons may be kept (the `predictor=` launch)."""
     eid = expert_ids.long()
     xf = x.float()
-    g = torch.nn.functional.silu(torch.einsum("th,tkih->tki", xf, _routed_fp32(w_gate, eid)))  # [T,k,I]
+    g = torch.nn.functional.silu(torch.einsum("th,tkih->tki", xf, routed_fp32(w_gate, eid)))  # [T,k,I]
     keep = g.abs() >= tau.float()[eid].unsqueeze(-1)
     if candidates is not None:
         keep &= candidates
-    u = torch.einsum("th,tkih->tki", xf, _routed_fp32(w_up, eid))
+    u = torch.einsum("th,tkih->tki", xf, routed_fp32(w_up, eid))
     h = torch.where(keep, g * u, torch.zeros((), device=x.device)) * weights.float().unsqueeze(-1)
-    y = torch.einsum("tki,tkih->th", h, _routed_fp32(w_down_t, eid))
+    y = torch.einsum("tki,tkih->th", h, routed_fp32(w_down_t, eid))
     return y, keep.sum(-1).to(torch.int32)
 
 
@@ -134,35 +126,6 @@ def sparse_fused_ref(x, w_gate, w_up, w_down_t, expert_ids, weights, tau, candid
 # Triton kernel
 # ----------------------------------------------------------------------------------------------------------
 if triton is not None:
-
-    @triton.jit
-    def int4_values(p, code_ptr, NF4: tl.constexpr):
-        """Packed bytes p (uint8, any shape) -> the values of their even and odd elements in fp32: int4 q[2j] (low
-        nibble), q[2j + 1] (high); NF4 (bitsandbytes: high nibble first) code[hi], code[lo] from the 16-entry
-        codebook at code_ptr."""
-        if NF4:
-            return tl.load(code_ptr + (p >> 4)), tl.load(code_ptr + (p & 15))
-        return (p & 15).to(tl.float32), (p >> 4).to(tl.float32)
-
-    @triton.jit
-    def int4_group_dots(p, xe, xo, code_ptr, NF4: tl.constexpr):
-        """Packed rows p [R, NG_P2, G/2] uint8 against x's even / odd elements xe, xo [NG_P2, G/2] (any float): the
-        per-group sums of q * x, [R, NG_P2] fp32 (scale and minimum are applied per group by the caller)."""
-        ve, vo = int4_values(p, code_ptr, NF4)
-        return tl.sum(ve * xe[None, :, :].to(tl.float32) + vo * xo[None, :, :].to(tl.float32), axis=2)
-
-    @triton.jit
-    def int4_weighted_rows(p, sc, mn, h, code_ptr, NF4: tl.constexpr):
-        """sum_n h_n W[n] over packed rows p [R, NG_P2, G/2] uint8, W = q * scale + minimum per element (sc, mn
-        [R, NG_P2] fp32, broadcast over each group; NF4: W = code[q] * scale, mn unused): the even and odd halves
-        of the [H] sum, each [NG_P2, G/2]."""
-        ve, vo = int4_values(p, code_ptr, NF4)
-        s3 = sc[:, :, None]
-        h3 = h[:, None, None]
-        if NF4:
-            return tl.sum(ve * s3 * h3, axis=0), tl.sum(vo * s3 * h3, axis=0)
-        m3 = mn[:, :, None]
-        return tl.sum((ve * s3 + m3) * h3, axis=0), tl.sum((vo * s3 + m3) * h3, axis=0)
 
     @triton.jit
     def _sparse_fused_kernel(
@@ -543,83 +506,22 @@ def sparse_fused(
     """
     if triton is None:
         raise RuntimeError("sparse_fused needs triton")
-    quant = _int4_mode(w_gate, w_up, w_down_t)
+    quant = int4_mode(w_gate, w_up, w_down_t)
     T, H, E, I = tokens_and_experts(x, w_gate.packed if quant else w_gate)
     if x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be bf16/fp16/fp32 with a contiguous last dim, got {x.dtype} strides {x.stride()}")
     dev = x.device
     offload = slot_table is not None
     pools = (pool_gate, pool_up, pool_down_t)
-    if offload != all(p is not None for p in pools) or (not offload and any(p is not None for p in pools)):
-        raise ValueError(
-            "slot_table, pool_gate, pool_up and pool_down_t must be given together (offload) or not at all"
-        )
     masters = (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t))
-    if quant:
-        if shared is not None:
-            raise ValueError(
-                "int4 experts (Int4Tensor weights): not with shared= (run the shared expert in "
-                "moe_front, its sums go into the workspace)"
-            )
-        for name, w in masters:
-            int4_expert_weights(name, w, E, I, H, dev, allow_host=offload)
-        if len({w.group for _, w in masters}) != 1:
-            raise ValueError(
-                f"w_gate, w_up and w_down_t must share one group size, got {[w.group for _, w in masters]}"
-            )
-    else:
-        for name, w in masters:
-            expert_weights(name, w, E, I, H, dev, allow_host=offload)
+    check_weights(masters, pools, quant, offload, shared is not None, E, I, H, dev)
     if offload:
-        pt = _check_offload(masters, pools, slot_table, gate_table, quant, E, I, H, dev)  # the pools' base tensors
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
-        raise ValueError(
-            f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
-        )
-    k = expert_ids.shape[1]
-    if tuple(weights.shape) != (T, k) or not weights.dtype.is_floating_point:
-        raise ValueError(
-            f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} {tuple(weights.shape)}"
-        )
-    if tau.dim() != 1 or tau.shape[0] != E or tau.dtype != torch.float32:
-        raise ValueError(f"tau must be a float32 [E] = [{E}] tensor, got {tau.dtype} {tuple(tau.shape)}")
-    for name, tns in (("expert_ids", expert_ids), ("weights", weights), ("tau", tau)):
-        if tns.device != dev:
-            raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
-    if accumulate:
-        if out is None or count is None:
-            raise ValueError("accumulate=True needs out= (fp32 [T,H]) and count= (int32 [T,k]) buffers")
-        if out.dtype != torch.float32:
-            raise ValueError(f"accumulate=True needs an fp32 out, got {out.dtype}")
-    if out is None:
-        out = torch.empty(T, H, dtype=torch.float32, device=dev)
-    elif tuple(out.shape) != (T, H) or out.dtype not in _FLOAT_DTYPES or not out.is_contiguous() or out.device != dev:
-        raise ValueError(
-            f"out must be a contiguous bf16/fp16/fp32 [T, H] = {(T, H)} tensor on {dev}, got "
-            f"{out.dtype} {tuple(out.shape)} on {out.device}"
-        )
-    if count is None:
-        count = torch.empty(T, k, dtype=torch.int32, device=dev)
-    elif tuple(count.shape) != (T, k) or count.dtype != torch.int32 or not count.is_contiguous() or count.device != dev:
-        raise ValueError(f"count must be a contiguous int32 [T, k] = {(T, k)} tensor on {dev}")
-    for name, tot in (("kept_total", kept_total), ("host_rows", host_rows)):
-        if tot is None:
-            continue
-        if accumulate:
-            raise ValueError(f"{name} is counted in the finalising tail: not with accumulate=True")
-        if tot.dtype != torch.int64 or tot.numel() != 1 or tot.device != dev:
-            raise ValueError(f"{name} must be a one-element int64 tensor on {dev}")
-    if host_rows is not None and not offload:
-        raise ValueError("host_rows counts host reads of offloaded experts: it needs slot_table")
-    if gate_table is not None and not offload:
-        raise ValueError("gate_table addresses the gate pool of offloaded experts: it needs slot_table")
-    if read_rows is not None:
-        if accumulate:
-            raise ValueError("read_rows is counted in the finalising tail: not with accumulate=True")
-        if read_rows.dtype != torch.int64 or read_rows.numel() != 1 or read_rows.device != dev:
-            raise ValueError(f"read_rows must be a one-element int64 tensor on {dev}")
+        pt = check_offload(masters, pools, slot_table, gate_table, quant, E, I, H, dev)  # the pools' base tensors
+    k = check_routing(expert_ids, weights, tau, T, E, dev)
+    out, count = out_buffers(out, count, accumulate, T, H, k, dev)
+    check_stats(kept_total, host_rows, read_rows, gate_table, accumulate, offload, dev)
     I_s = check_tail(shared, residual, accumulate, T, H, x, out)
-    pred = _check_predictor(predictor, x, T, k, E, I)
+    pred = check_predictor(predictor, x, T, k, E, I)
     cand_rows = predictor is not None and not accumulate and (host_rows is not None or read_rows is not None)
     if cand_rows and I >= 1 << 15:
         raise ValueError(f"the gate predictor counts rows for host_rows / read_rows up to I = 32767, got I = {I}")
@@ -642,8 +544,8 @@ def sparse_fused(
     if quant:  # the packed bytes take the weights' place; scale / minimum pointers and expert strides beside them
         wg, wu, wd = (ptr(w.packed) for _, w in masters)
         es = [w.packed.stride(0) for _, w in masters]
-        qt = [ptr(t) for _, w in masters for t in _scale_min(w)]
-        qs = [t.stride(0) for _, w in masters for t in _scale_min(w)]
+        qt = [ptr(t) for _, w in masters for t in scale_min(w)]
+        qs = [t.stride(0) for _, w in masters for t in scale_min(w)]
         G = w_gate.group
         ng_p2 = triton.next_power_of_2(H // G)
     else:
@@ -658,7 +560,7 @@ def sparse_fused(
         pg, pu, pd, st = wg, wu, wd, expert_ids
         sp = (0, 0, 0)
     if quant and offload:  # the pools' scale / minimum pointers and slot strides
-        pqt = [t for p in pools for t in _scale_min(p)]
+        pqt = [t for p in pools for t in scale_min(p)]
         pqs = [t.stride(0) for t in pqt]
     else:  # dummies, never read
         pqt, pqs = qt, [0] * 6
@@ -728,120 +630,3 @@ def sparse_fused(
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),
     )
     return out, count
-
-
-def _int4_mode(w_gate, w_up, w_down_t) -> bool:
-    """Whether the experts are 4-bit (Int4Tensor, or its NF4 kind Nf4Tensor): all three projections of one kind, or
-    none."""
-    kinds = [type(w).__name__ if isinstance(w, Int4Tensor) else "tensor" for w in (w_gate, w_up, w_down_t)]
-    if len(set(kinds)) != 1:
-        raise ValueError(
-            f"w_gate, w_up and w_down_t must all be Int4Tensors, all Nf4Tensors or all plain tensors, got {kinds}"
-        )
-    return kinds[0] != "tensor"
-
-
-def _scale_min(w) -> tuple:
-    """(scale, minimum) of a 4-bit stack; an Nf4Tensor has no minimum: its scale stands in (never read)."""
-    return (w.scale, w.scale if w.minimum is None else w.minimum)
-
-
-def _check_offload(masters, pools, slot_table, gate_table, quant: bool, E: int, I: int, H: int, dev) -> list:
-    """Checks the offload arguments (slot tables; pools in the masters' format, plain or int4, on x's device) and
-    returns the pools' base tensors (int4: the packed bytes)."""
-    if slot_table.dim() != 1 or slot_table.shape[0] != E or slot_table.dtype not in _INT_DTYPES:
-        raise ValueError(
-            f"slot_table must be int32/int64 [E] = [{E}], got {slot_table.dtype} {tuple(slot_table.shape)}"
-        )
-    if slot_table.device != dev:
-        raise ValueError(f"slot_table is on {slot_table.device}, x is on {dev}")
-    pool_names = ("pool_gate", "pool_up", "pool_down_t")
-    for pname, p in zip(pool_names, pools):
-        if isinstance(p, Int4Tensor) != quant:
-            raise ValueError(
-                f"{pname} is {'an Int4Tensor' if not quant else 'a plain tensor'} but the master "
-                f"copies are {'Int4Tensors' if quant else 'plain tensors'}: pools and masters "
-                f"must share one format (int4 or not)"
-            )
-        if quant and type(p) is not type(masters[0][1]):
-            raise ValueError(f"{pname} is an {type(p).__name__}, the master copies {type(masters[0][1]).__name__}s")
-    pt = [p.packed if quant else p for p in pools]  # int4: the packed bytes carry the [S, I, H/2] shape
-    if pt[0].dim() != 3:
-        raise ValueError(f"pool_gate must be [S, I, H], got shape {tuple(pt[0].shape)}")
-    S = pt[1].shape[0] if pt[1].dim() == 3 else 0
-    Sg = pt[0].shape[0] if gate_table is not None else S
-    if S < 1 or Sg < 1:
-        raise ValueError("the pools need at least one slot")
-    if gate_table is not None and (
-        gate_table.dim() != 1
-        or gate_table.shape[0] != E
-        or gate_table.dtype not in _INT_DTYPES
-        or gate_table.device != dev
-    ):
-        raise ValueError(
-            f"gate_table must be int32/int64 [E] = [{E}] on {dev}, got {gate_table.dtype} "
-            f"{tuple(gate_table.shape)} on {gate_table.device}"
-        )
-    for (name, w), pname, p, n in zip(masters, pool_names, pools, (Sg, S, S)):
-        if not quant:
-            expert_weights(pname, p, n, I, H, dev)
-            if p.dtype != w.dtype:
-                raise ValueError(f"{pname} ({p.dtype}) and its master copy {name} ({w.dtype}) must share a dtype")
-            continue
-        int4_expert_weights(pname, p, n, I, H, dev)  # the pools live on x's device
-        if p.group != w.group:
-            raise ValueError(f"{pname} has group size {p.group}, its master copy {name} {w.group}: they must share one")
-        for part in ("scale", "minimum"):  # the kernel picks pool or master per program: one element type
-            if getattr(w, part) is None:  # NF4: no minimum
-                continue
-            pdt, mdt = getattr(p, part).dtype, getattr(w, part).dtype
-            if pdt != mdt:
-                raise ValueError(f"{pname}.{part} ({pdt}) and its master copy {name}.{part} ({mdt}) must share a dtype")
-    return pt
-
-
-def _check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int) -> dict:
-    """Checks `predictor=` against the launch (x, T tokens, k experts each, E experts or cache slots, width I) and
-    returns the kernel's arguments for it: pointers (z, C, dept_of, the predictor's expert ids), scalars (r, N,
-    C's expert stride, tau') and R_P2; without a predictor, dummies that are never read."""
-    if p is None:
-        return {"tensors": (x, x, x, x), "scalars": (1, 1, 0, 0.0), "R_P2": 1}
-    dev = x.device
-    z, C, dept = p.z, p.C, p.dept_of
-    if z.dim() != 3 or z.shape[0] != T or z.dtype != torch.float32 or not z.is_contiguous() or z.device != dev:
-        raise ValueError(
-            f"predictor.z must be a contiguous fp32 [T, N, r] tensor with T = {T} on {dev}, got {z.dtype} "
-            f"{tuple(z.shape)} on {z.device}"
-        )
-    _, N, r = z.shape
-    if N < 1 or r < 1:
-        raise ValueError(f"predictor.z needs N >= 1 departments and rank r >= 1, got shape {tuple(z.shape)}")
-    if C.dim() != 3 or C.shape[1:] != (I, r) or C.dtype not in _FLOAT_DTYPES or C.device != dev:
-        raise ValueError(
-            f"predictor.C must be a bf16/fp16/fp32 [E, I, r] tensor with I = {I}, r = {r} on {dev}, got {C.dtype} "
-            f"{tuple(C.shape)} on {C.device}"
-        )
-    if C.stride(2) != 1 or (I > 1 and C.stride(1) != r):
-        raise ValueError(f"predictor.C rows must be contiguous (stride(2) == 1, stride(1) == r), got {C.stride()}")
-    E_p = C.shape[0]
-    if dept.dim() != 1 or dept.shape[0] != E_p or dept.dtype not in _INT_DTYPES or dept.device != dev:
-        raise ValueError(
-            f"predictor.dept_of must be an int32/int64 [E] = [{E_p}] tensor on {dev} (C's experts), got "
-            f"{dept.dtype} {tuple(dept.shape)} on {dept.device}"
-        )
-    ids = p.experts
-    if ids is None:
-        if E_p != E:
-            raise ValueError(
-                f"predictor.C has {E_p} experts, the weights {E}: in copy mode (expert_ids hold cache slots) give "
-                f"predictor.experts, the expert ids"
-            )
-    elif tuple(ids.shape) != (T, k) or ids.dtype not in _INT_DTYPES or ids.device != dev:
-        raise ValueError(
-            f"predictor.experts must be int32/int64 [T, k] = {(T, k)} on {dev}, got {ids.dtype} {tuple(ids.shape)}"
-        )
-    tp = float(p.tau_prime)
-    if tp != tp:
-        raise ValueError("predictor.tau_prime must be a number, got NaN")
-    pexp = ids.contiguous() if ids is not None else dept
-    return {"tensors": (z, C, dept, pexp), "scalars": (r, N, C.stride(0), tp), "R_P2": triton.next_power_of_2(r)}
