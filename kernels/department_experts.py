@@ -1,10 +1,12 @@
 """DeaMoE's department-grouped sparse decode (a step of T <= 8 tokens, T = 1 the usual case).
 
-Owns `department_experts` (launcher), its torch reference `department_experts_ref`, and two kernels. The step's
-departments sit in S fixed slots (`dept` [S], -1 = unused: the grid never depends on the routing, so the step can be
-captured in a CUDA graph); `weights` [S, T, n] holds token t's routing weight for expert j of the slot's department
-(0 = not chosen). For a slot s with department d, token t, a = silu(x_t W_gate_d^T), kept neurons K = {i : |a_i| >=
-tau[d]} (only tokens with a chosen expert in d):
+Owns `department_experts` (launcher), its torch reference `department_experts_ref`, and three kernels
+(`_dept_up_private_kernel`, `_dept_down_kernel`, `_dept_one_kernel`) running two programs: the up/private stage's
+`up_private_program` (kernels/department_up.py) and the down stage's `down_program` (kernels/department_down.py).
+The step's departments sit in S fixed slots (`dept` [S], -1 = unused: the grid never depends on the routing, so the
+step can be captured in a CUDA graph); `weights` [S, T, n] holds token t's routing weight for expert j of the slot's
+department (0 = not chosen). For a slot s with department d, token t, a = silu(x_t W_gate_d^T), kept neurons
+K = {i : |a_i| >= tau[d]} (only tokens with a chosen expert in d):
 
     u[s,t,i] = a_i (x_t . W_up_d[i])                            i in K, else 0             `_dept_up_private_kernel`
     z[s,t,:] = sum_j weights[s,t,j] sum_{i in K} u[s,t,i] P_{d,j}[i, :]                    (the same launch)
@@ -13,16 +15,16 @@ tau[d]} (only tokens with a chosen expert in d):
 (with `tau_z` [D], z entries with |z| < tau_z[d] are dropped first, and a W_down_t row no token keeps is not read).
 
 Grids: up/private (S, h / BLOCK_N): a program reads a block of gate rows once for all T tokens, up rows only where
-kept, computes u for its neurons in registers and adds their share of z (z is linear in u: the product is split over
-neurons), reading the kept rows of each chosen expert's P once for all T tokens (experts no token chose are skipped);
-down (H / BLOCK_O, S, row splits) reads the department's W_down_t once (z is dense unless tau_z) and adds into y
-atomically. z and the down kernel's tickets live in a zeroed workspace (kernels/workspace.py): the last down program
-of each slot re-zeroes the slot's z, and the first kernel zeroes y (unless accumulating): no memset launch. With
-`residual` the last slot to finish publishes residual + y and zeroes y (a fused decoder layer's tail). Both kernels
-use programmatic dependent launch (kernels/pdl.py). The kept count (tokens x kept neurons) is added into
-`kept_total`. One launch (`_dept_one_kernel`, the default for one token read from VRAM: 1.3-2.4% faster decode steps of
-the Qwen3.5-35B twin on an H100): the same programs in one grid, roles taken by ticket in the order programs start
-(up/private first), each down program loading its W_down rows before it waits on a counter of finished up programs.
+kept, and adds its neurons' share of z, reading the kept rows of each chosen expert's P once for all T tokens
+(kernels/department_up.py); down (H / BLOCK_O, S, row splits) reads the department's W_down_t once (z is dense unless
+tau_z) and adds into y atomically (kernels/department_down.py). z and the down kernel's tickets live in a zeroed
+workspace (kernels/workspace.py): the last down program of each slot re-zeroes the slot's z, and the first kernel
+zeroes y (unless accumulating): no memset launch. With `residual` the last slot to finish publishes residual + y and
+zeroes y (a fused decoder layer's tail). Both kernels use programmatic dependent launch (kernels/pdl.py). The kept
+count (tokens x kept neurons) is added into `kept_total`. One launch (`_dept_one_kernel`, the default for one token
+read from VRAM: 1.3-2.4% faster decode steps of the Qwen3.5-35B twin on an H100): the same programs in one grid,
+roles taken by ticket in the order programs start (up/private first), each down program loading its W_down rows
+before it waits on a counter of finished up programs.
 
 Shape legend: T tokens, D departments, n experts per department, h department width, H hidden, S slots.
 Weight layout: w_gate, w_up, w_down_t [D, h, H] and private [D, n, h, h] (row i = input neuron i), rows contiguous.
@@ -39,9 +41,10 @@ try:
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.department_down import down_program
+    from localmoe.kernels.department_up import up_private_program
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.residual_publish import residual_publish
-    from localmoe.kernels.rounding import round_to
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -133,118 +136,6 @@ def department_experts_ref(
 if triton is not None:
 
     @triton.jit
-    def _up_private_program(
-        s, blk, NB, x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr,
-        seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
-        T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
-        H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_Z: tl.constexpr, COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
-        INDEXED: tl.constexpr,
-    ):  # fmt: skip
-        # program (slot s, block blk of BLOCK_N neurons; NB blocks a slot): u of its neurons for every token, then
-        # their share of z for each expert of the slot's department some token chose (the product split over
-        # neurons: z is added atomically)
-        rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        y0 = (s * NB + blk) * y_chunk  # y zeroed here (a chunk per program)
-        for o in range(y0, tl.minimum(y0 + y_chunk, T * H), 256):
-            zo = o + tl.arange(0, 256)
-            tl.store(y_ptr + zo, tl.zeros((256,), dtype=tl.float32), mask=zo < tl.minimum(y0 + y_chunk, T * H))
-        d = tl.load(dept_ptr + s)
-        if d >= 0:
-            dd = d.to(tl.int64)
-            valid = rows < h
-            cols = tl.arange(0, H_P2)
-            cmask = cols < H
-            roff = rows.to(tl.int64)[:, None] * H + cols[None, :]
-            m2 = valid[:, None] & cmask[None, :]
-            host_elems = 0
-            if DIRECT:  # the department's pool slot, or -1: read from the host master copy
-                slot = tl.load(dmap_ptr + dd)
-                pool = tl.maximum(slot, 0).to(tl.int64) * stride_pool
-                res = ((rows * 0 + slot) >= 0)[:, None]  # masks are blocks, not scalars
-                host = ((rows * 0 + slot) < 0)[:, None]
-                up_res = ((rows * 0 + slot) >= 0)[:, None] & ((rows * 0 + slot) < up_slots)[:, None]
-                up_on_host = ((slot < 0) | (slot >= up_slots)).to(tl.int64)
-                wg = tl.load(gp_ptr + pool + roff, mask=m2 & res, other=0.0).to(tl.float32)
-                wg += tl.load(wg_ptr + dd * stride_gd + roff, mask=m2 & host, other=0.0).to(tl.float32)
-                host_elems += (slot < 0).to(tl.int64) * tl.sum(valid.to(tl.int64), axis=0) * H
-            else:
-                wg = tl.load(wg_ptr + dd * stride_gd + roff, mask=m2, other=0.0).to(tl.float32)
-            tau = tl.load(tau_ptr + dd)
-            jj = tl.arange(0, N_P2)
-            tt = tl.arange(0, T_P2)
-            tmask = tt < T
-            # the slot's routing weights [token, expert] in one load (no load per token or expert below)
-            wall = tl.load(
-                w_ptr + (s * T + tt[:, None]) * n + jj[None, :], mask=tmask[:, None] & (jj < n)[None, :], other=0.0
-            )
-            uses = tl.sum(tl.abs(wall), axis=1)  # [T_P2] > 0: token t chose an expert of d
-            u = tl.zeros((T_P2, BLOCK_N), dtype=tl.float32)  # [token, neuron], 0 where not kept
-            total = 0
-            considered = 0
-            for t in tl.static_range(T_P2):
-                used_t = tl.sum(tl.where(tt == t, uses, 0.0), axis=0)
-                used = (tl.zeros((BLOCK_N,), dtype=tl.float32) + used_t) > 0  # token t uses d (a block: masks are)
-                xv = tl.load(x_ptr + t * stride_xt + cols, mask=cmask & ((cols * 0 + t) < T), other=0.0)
-                xv = xv.to(tl.float32)
-                g = tl.sum(wg * xv[None, :], axis=1)
-                a = g / (1.0 + tl.exp(-g))
-                keep = (tl.abs(a) >= tau) & valid & used
-                km = keep[:, None] & cmask[None, :]
-                if DIRECT:
-                    wu = tl.load(up_ptr + pool + roff, mask=km & up_res, other=0.0).to(tl.float32)
-                    wu += tl.load(wu_ptr + dd * stride_ud + roff, mask=km & (up_res == 0), other=0.0).to(tl.float32)
-                    host_elems += up_on_host * tl.sum(keep.to(tl.int64), axis=0) * H
-                else:
-                    wu = tl.load(wu_ptr + dd * stride_ud + roff, mask=km, other=0.0).to(tl.float32)
-                ut = tl.where(keep, a * tl.sum(wu * xv[None, :], axis=1), 0.0)
-                u = tl.where(tt[:, None] == t, ut[None, :], u)
-                total += tl.sum(keep.to(tl.int64), axis=0)
-                considered += tl.sum((valid & used).to(tl.int64), axis=0)
-            if COUNT:
-                tl.atomic_add(kept_ptr, total, sem="relaxed")
-            if SEEN:
-                tl.atomic_add(seen_ptr, considered, sem="relaxed")
-            # z[s, t, :] += sum_j weights[s, t, j] sum_{i in block} u[t, i] P_j[i, :]: P rows of kept neurons only
-            if total > 0:  # a block with no kept neuron adds nothing to z: no P reads, no atomics
-                chosen = tl.sum(tl.abs(wall), axis=0) > 0  # [N_P2]: experts some token chose (most are not)
-                first = tl.min(tl.where(chosen, jj, N_P2), axis=0)
-                for c0 in range(0, h, BLOCK_Z):
-                    zc = c0 + tl.arange(0, BLOCK_Z)
-                    zmask = zc < h
-                    poff = rows.to(tl.int64)[:, None] * h + zc[None, :]
-                    acc = tl.zeros((T_P2, BLOCK_Z), dtype=tl.float32)
-                    j = first
-                    while j < n:  # the chosen experts only, in order
-                        wj = tl.sum(tl.where(jj[None, :] == j, wall, 0.0), axis=1)  # [T_P2]
-                        if INDEXED:  # a pool of private parts: expert j of slot s sits at private_slots[s, j]
-                            pbase = tl.load(ps_ptr + s * n + j).to(tl.int64) * stride_pe
-                        else:
-                            pbase = dd * stride_pd + j * stride_pe
-                        live = tl.sum(tl.abs(u) * (wj[:, None] != 0), axis=0) > 0  # kept by a token choosing j
-                        pm = live[:, None] & zmask[None, :]
-                        if DIRECT:  # the expert's private pool slot, or -1: read from the host master copy
-                            pslot = tl.load(pmap_ptr + dd * n + j)
-                            pres = ((rows * 0 + pslot) >= 0)[:, None]
-                            ppool = tl.maximum(pslot, 0).to(tl.int64) * stride_pp
-                            p = tl.load(pp_ptr + ppool + poff, mask=pm & pres, other=0.0).to(tl.float32)
-                            p += tl.load(p_ptr + pbase + poff, mask=pm & (pres == 0), other=0.0).to(tl.float32)
-                            read = tl.sum(live.to(tl.int64), axis=0) * tl.sum(zmask.to(tl.int64), axis=0)
-                            host_elems += (pslot < 0).to(tl.int64) * read
-                        else:
-                            p = tl.load(p_ptr + pbase + poff, mask=pm, other=0.0).to(tl.float32)
-                        acc += tl.sum((u * wj[:, None])[:, :, None] * p[None, :, :], axis=1)
-                        j = tl.min(tl.where(chosen & (jj > j), jj, N_P2), axis=0)
-                    tl.atomic_add(
-                        z_ptr + (s * T + tt[:, None]) * h + zc[None, :],
-                        acc,
-                        mask=tmask[:, None] & zmask[None, :],
-                        sem="relaxed",
-                    )
-            if DIRECT:
-                tl.atomic_add(hc_ptr, host_elems, sem="relaxed")
-
-    @triton.jit
     def _dept_up_private_kernel(
         x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr,
         ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
@@ -256,95 +147,12 @@ if triton is not None:
         if PDL:  # the slot's department comes from the step's routing: nothing is read before the wait
             gdc_wait()
             gdc_launch_dependents()
-        _up_private_program(
+        up_private_program(
             tl.program_id(0), tl.program_id(1), tl.num_programs(1), x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr,
             tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr,
             hc_ptr, T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
             H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED,
         )  # fmt: skip
-
-    @triton.jit
-    def _down_program(
-        cb, s, split, per_slot, wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, tick_ptr,
-        res_ptr, out_ptr, T, h, S, stride_dd, stride_pool, stride_res, stride_out, down_slots, wd_pre, done_ptr,
-        H: tl.constexpr, H_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr,
-        ROWS: tl.constexpr, DIRECT: tl.constexpr, ZMASK: tl.constexpr, TAIL: tl.constexpr, PRE: tl.constexpr,
-        ONE: tl.constexpr,
-    ):  # fmt: skip
-        # program (column block cb, slot s, row split): rows [split * ROWS, +ROWS) of the slot's W_down_t, all T
-        # tokens; per_slot programs a slot. PRE: wd_pre holds the block's rows (ROWS = BLOCK_I, loaded by the caller)
-        cols = cb * BLOCK_O + tl.arange(0, BLOCK_O)
-        cmask = cols < H
-        d = tl.load(dept_ptr + s)
-        dd = tl.maximum(d, 0).to(tl.int64)
-        tt = tl.arange(0, T_P2)
-        tmask = tt < T
-        if d >= 0:
-            if DIRECT:
-                slot = tl.load(dmap_ptr + dd)  # its down projection in the pool when 0 <= slot < down_slots
-                pool = tl.maximum(slot, 0).to(tl.int64) * stride_pool
-                in_pool = (slot >= 0) & (slot < down_slots)
-                res = ((tl.arange(0, BLOCK_I) * 0 + in_pool.to(tl.int32)) > 0)[:, None]  # masks are blocks
-                host = ((tl.arange(0, BLOCK_I) * 0 + in_pool.to(tl.int32)) == 0)[:, None]
-                on_host = (in_pool == 0).to(tl.int64)
-            read = tl.zeros((BLOCK_I,), dtype=tl.int64)  # W_down rows read, by row position in the block
-            acc = tl.zeros((T_P2, BLOCK_O), dtype=tl.float32)
-            if ZMASK:
-                tz = tl.load(tz_ptr + dd)
-            r0 = split * ROWS
-            for i0 in range(0, ROWS, BLOCK_I):
-                ii = r0 + i0 + tl.arange(0, BLOCK_I)
-                imask = ii < h
-                z = tl.load(
-                    z_ptr + (s * T + tt[:, None]) * h + ii[None, :],
-                    mask=tmask[:, None] & imask[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",  # the up programs' atomic sums: via L2
-                )
-                doff = ii.to(tl.int64)[:, None] * H + cols[None, :]
-                rmask = imask
-                if ZMASK:  # z entries under tau_z dropped; a row no token keeps is not read
-                    z = tl.where(tl.abs(z) >= tz, z, 0.0)
-                    rmask = imask & (tl.sum((z != 0).to(tl.int32), axis=0) > 0)
-                dm = rmask[:, None] & cmask[None, :]
-                if PRE:
-                    wd = wd_pre.to(tl.float32)
-                elif DIRECT:
-                    wd = tl.load(dp_ptr + pool + doff, mask=dm & res, other=0.0).to(tl.float32)
-                    wd += tl.load(wd_ptr + dd * stride_dd + doff, mask=dm & host, other=0.0).to(tl.float32)
-                    read += rmask.to(tl.int64)
-                else:
-                    wd = tl.load(wd_ptr + dd * stride_dd + doff, mask=dm, other=0.0).to(tl.float32)
-                acc += tl.sum(z[:, :, None] * wd[None, :, :], axis=1)
-            tl.atomic_add(
-                y_ptr + tt[:, None] * H + cols[None, :], acc, mask=tmask[:, None] & cmask[None, :], sem="relaxed"
-            )
-            if DIRECT:
-                elems = tl.sum(read, axis=0) * tl.sum(cmask.to(tl.int64), axis=0)
-                tl.atomic_add(hc_ptr, on_host * elems, sem="relaxed")
-        # the last program of a slot (acq_rel ticket: the others' z reads and y adds are visible to it) re-zeroes the
-        # slot's z and its ticket for the next launch; the last of those (a second ticket, after the S slot tickets)
-        # publishes out = residual + y and zeroes y with TAIL, and re-zeroes the one-launch counter with ONE
-        if tl.atomic_add(tick_ptr + s, 1, sem="acq_rel", scope="gpu") == per_slot - 1:
-            z0 = s * T * h
-            for o in range(z0, z0 + T * h, 1024):
-                zo = o + tl.arange(0, 1024)
-                tl.store(z_ptr + zo, tl.zeros((1024,), dtype=tl.float32), mask=zo < z0 + T * h)
-            tl.store(tick_ptr + s, 0)
-            if TAIL or ONE:
-                if tl.atomic_add(tick_ptr + S, 1, sem="acq_rel", scope="gpu") == S - 1:
-                    if TAIL:
-                        hh = tl.arange(0, H_P2)
-                        hm = hh < H
-                        DT = out_ptr.dtype.element_ty
-                        for t in range(0, T):
-                            a = tl.load(y_ptr + t * H + hh, mask=hm, other=0.0, cache_modifier=".cg")
-                            r = tl.load(res_ptr + t * stride_res + hh, mask=hm, other=0.0).to(tl.float32)
-                            tl.store(out_ptr + t * stride_out + hh, round_to(r + a, DT).to(DT), mask=hm)
-                            tl.store(y_ptr + t * H + hh, tl.zeros((H_P2,), dtype=tl.float32), mask=hm)
-                    if ONE:
-                        tl.store(done_ptr, 0)
-                    tl.store(tick_ptr + S, 0)
 
     @triton.jit
     def _dept_down_kernel(
@@ -356,7 +164,7 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        _down_program(
+        down_program(
             tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0) * tl.num_programs(2), wd_ptr,
             dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr, tick_ptr, res_ptr, out_ptr, T, h, S, stride_dd,
             stride_pool, stride_res, stride_out, down_slots, 0.0, tick_ptr,
@@ -389,7 +197,7 @@ if triton is not None:
         if ticket == n_up + NCB * S * NSPLIT - 1:
             tl.store(role_ptr, 0)
         if ticket < n_up:
-            _up_private_program(
+            up_private_program(
                 ticket // NB, ticket % NB, NB, x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr,
                 y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
                 T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
@@ -412,7 +220,7 @@ if triton is not None:
             done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
             while done < n_up:
                 done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-            _down_program(
+            down_program(
                 cb, s, split, NCB * NSPLIT, wd_ptr, dept_ptr, z_ptr, y_ptr, dp_ptr, dmap_ptr, hc_ptr, tz_ptr,
                 tick_ptr, res_ptr, out_ptr, T, h, S, stride_dd, stride_pool, stride_res, stride_out, down_slots, wd,
                 done_ptr, H, H_P2, T_P2, ROWS, BLOCK_O, ROWS, DIRECT, ZMASK, TAIL, PRE, True,

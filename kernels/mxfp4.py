@@ -1,7 +1,8 @@
 """The MXFP4 expert format (gpt-oss): `Mxfp4Tensor`, the hub layout's conversions both ways, and a quantizer.
 
 It lives beside its kernels (`mxfp4_dequant.py` holds the format's definition `dequant_mxfp4_ref` and the CUDA
-dequantizing launch; `mxfp4_sparse.py` reads the codes in place), so kernels import nothing from the app layer.
+dequantizing launch; `mxfp4_sparse.py` reads the codes in place, with `mxfp4_rows.py`'s row helpers), so kernels
+import nothing from the app layer.
 
 In-memory layout (one `Mxfp4Tensor` per projection of a layer, each logically [E, I, H] like every expert format):
 * e2m1 codes two per byte, byte j of a row holding element 2j in its LOW nibble and 2j + 1 in its HIGH nibble (the

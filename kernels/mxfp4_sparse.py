@@ -2,10 +2,10 @@
 up / down rows, optionally offload-aware.
 
 Owns `sparse_mxfp4` (Triton launcher), its torch reference `sparse_mxfp4_ref` and the kernel `_sparse_mxfp4_kernel`,
-grid (T*k, I / BLOCK_I). The structure and modes are kernels/sparse_fused.py's (the ticket tail `last_of_token` /
-`publish_token` and the workspace split `tail_buffers` of kernels/token_tail.py are shared); the weights are
-`Mxfp4Tensor`s (kernels/mxfp4.py): gate / up blocks [E, I, H/2] + scales [E, I, H/32] along rows, the transposed
-down blocks [E, I, H/2] + scales [E, I/32, H].
+grid (T*k, I / BLOCK_I); the MXFP4 row helpers it reads its weights with are kernels/mxfp4_rows.py's. The structure
+and modes are kernels/sparse_fused.py's (the ticket tail `last_of_token` / `publish_token` and the workspace split
+`tail_buffers` of kernels/token_tail.py are shared); the weights are `Mxfp4Tensor`s (kernels/mxfp4.py): gate / up
+blocks [E, I, H/2] + scales [E, I, H/32] along rows, the transposed down blocks [E, I, H/2] + scales [E, I/32, H].
 
 Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_ids[tj]:
 * gate: z_n = sum_blocks 2**(s - 127) * sum_{j in block} v_j x_j + b_gate[e, n] over the codes + scales of the
@@ -18,12 +18,9 @@ Program (tj, b), neurons n of [b*BLOCK_I, (b+1)*BLOCK_I) of expert e = expert_id
   expert must start on a 4-byte boundary); H goes as two power-of-two parts of 32-blocks (NB = 90 at H 2880: 64 + 32,
   6.7 % padding), each one [BLOCK_I, blocks, 4] word tile, every part's loads issued before any is used; the kept
   up and down rows are loaded together, before the up dot;
-* no conversion instructions: codes j and j + 4 of a word (16 bits apart) are decoded together (`fp4_pair`): their
-  3 exponent / mantissa bits go to bits 8..6 and their signs to bit 15 of the word's two halves, each half then read
-  as fp32 (bits 24..22 and 31), which is FP4 * 2**-126 (e = 0: fp32 subnormals, exact without flush-to-zero,
-  Triton's default for mul / fma; checked on an H200); 3.5 integer ops a weight, against 5 decoding one code at a
-  time (1.5-2 % faster at gpt-oss-20b shapes); x (gate, up) or h (down) comes in times 2**63 and each 32-block's sum
-  goes out times 2**63 and its scale, so no product is subnormal;
+* the rows are read and decoded by kernels/mxfp4_rows.py's helpers (`part_words`, `part_x`, `part_dot`,
+  `part_down`): two codes a word at a time with no conversion instructions (`fp4_pair`), x (gate, up) or h (down)
+  scaled by 2**63 so no product is subnormal;
 * BLOCK_I divides 32, so a program's neurons share one down scale row (H bytes), loaded once.
 Launch parameters (bench/mxfp4_kernel.py, H200, Triton 3.6, gpt-oss-20b experts, k 4, one bf16 token; RESULTS.md,
 session 31): BLOCK_I 4, 4 warps: 69.1 / 64.4 / 56.7 / 47.1 µs at 0 / 50 / 70 / 85 %, the gate pass alone 29.4 µs;
@@ -54,6 +51,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.mxfp4_rows import part_dot, part_down, part_words, part_x
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.token_tail import last_of_token, publish_token, publish_totals
 except ImportError:  # pragma: no cover - exercised only on machines without triton
@@ -99,95 +97,6 @@ def sparse_mxfp4_ref(
 # Triton kernel
 # ----------------------------------------------------------------------------------------------------------
 if triton is not None:
-
-    @triton.jit
-    def fp4_pair(w, J: tl.constexpr):
-        """Nibbles J and J + 4 (J 0..3: elements 8c + J and 8c + J + 4 of word c) of uint32 words w -> their FP4 values
-        times 2**-126, two fp32. The two nibbles sit 16 bits apart, so one set of shifts and masks places both as bf16
-        bit patterns in the two halves of a word (exponent / mantissa bits at 8..6, sign at 15), each half then read
-        as fp32: 3.5 integer ops a weight, no conversion instruction (e = 0 gives fp32 subnormals, exact without
-        flush-to-zero, Triton's default for mul / fma)."""
-        if J <= 1:
-            em = (w << (6 - 4 * J)) & 0x01C001C0
-        else:
-            em = (w >> (4 * J - 6)) & 0x01C001C0
-        p = em | ((w << (12 - 4 * J)) & 0x80008000)
-        return (p << 16).to(tl.float32, bitcast=True), (p & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def e8m0(s):
-        """uint8 biased exponents (int32) -> 2**(s - 127) in fp32, exactly (0 is the subnormal 2**-127)."""
-        return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def part_words(base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
-        """One load of rows' code words [R, NBP, 4] (uint32, 8 codes each) for the 32-blocks
-        J0 .. J0 + NBP - 1 of an along-H MXFP4 row (NB blocks, 4 words a block); masked rows and blocks >= NB read
-        nothing (0)."""
-        jb = J0 + tl.arange(0, NBP)
-        w4 = jb[:, None] * 4 + tl.arange(0, 4)[None, :]  # [NBP, 4]
-        r64 = rows.to(tl.int64) * (NB * 4)
-        off = r64[:, None, None] + w4[None]
-        m = rmask[:, None, None] & (jb < NB)[None, :, None]
-        return tl.load(base + off, mask=m, other=0).to(tl.uint32, bitcast=True)
-
-    @triton.jit
-    def part_x(x_row, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
-        """x (times 2**63) for the blocks J0 .. J0 + NBP - 1 as 8 tensors [NBP, 4]: element 8c + J of word c for J =
-        0..7. One contiguous load (a word's 8 elements in one thread), split in registers; gate and up share it
-        (instead of 8 strided loads a part and projection, each touching every cache line of x)."""
-        jb = J0 + tl.arange(0, NBP)
-        col = jb[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-        xv = tl.load(x_row + col, mask=(jb < NB)[:, None, None], other=0.0).to(tl.float32) * 9.223372036854775808e18
-        c0, c1 = tl.split(tl.reshape(xv, [NBP, 4, 2, 2, 2]))  # [.., a, b, c]: J = 4a + 2b + c; c = 0 / 1
-        b00, b01 = tl.split(c0)  # (c 0, b 0) / (c 0, b 1)
-        b10, b11 = tl.split(c1)
-        x0, x4 = tl.split(b00)
-        x2, x6 = tl.split(b01)
-        x1, x5 = tl.split(b10)
-        x3, x7 = tl.split(b11)
-        return x0, x1, x2, x3, x4, x5, x6, x7
-
-    @triton.jit
-    def part_dot(w, xs, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
-        """x . W[n] over the blocks of `part_words` w with `part_x`'s xs: per 32-block the codes' dot with x (the sum
-        out times 2**63), times the block's scale; [R] fp32."""
-        jb = J0 + tl.arange(0, NBP)
-        bm = jb < NB
-        acc = tl.zeros(w.shape, dtype=tl.float32)
-        r64 = rows.to(tl.int64) * NB
-        for J in tl.static_range(4):
-            lo, hi = fp4_pair(w, J)
-            acc += lo * xs[J][None, :, :] + hi * xs[J + 4][None, :, :]
-        part = tl.sum(acc, axis=2) * 9.223372036854775808e18  # [R, NBP]
-        s = tl.load(s_base + r64[:, None] + jb[None, :], mask=rmask[:, None] & bm[None, :], other=0)
-        return tl.sum(part * e8m0(s.to(tl.int32)), axis=1)
-
-    @triton.jit
-    def part_down(w, h3, ydst, srow, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
-        """Adds sum_n h_n W[n, c] into ydst for the columns of the blocks J0 .. J0 + NBP - 1: w the kept rows' down
-        code words [R, NBP, 4] (`part_words`), h3 [R, 1, 1] (times 2**63), srow the rows' shared scale row [H]."""
-        jb = J0 + tl.arange(0, NBP)
-        bm = jb < NB
-        lo, hi = fp4_pair(w, 0)
-        c0 = tl.sum(lo * h3, axis=0)  # [NBP, 4]: column 32 jb + 8 q + J
-        c4 = tl.sum(hi * h3, axis=0)
-        lo, hi = fp4_pair(w, 1)
-        c1 = tl.sum(lo * h3, axis=0)
-        c5 = tl.sum(hi * h3, axis=0)
-        lo, hi = fp4_pair(w, 2)
-        c2 = tl.sum(lo * h3, axis=0)
-        c6 = tl.sum(hi * h3, axis=0)
-        lo, hi = fp4_pair(w, 3)
-        c3 = tl.sum(lo * h3, axis=0)
-        c7 = tl.sum(hi * h3, axis=0)
-        # nested joins put J last: [NBP, 4, 2, 2, 2][.., a, b, c] = c_{4a + 2b + c}, i.e. columns in order
-        j = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-        col = jb[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBP, 32]
-        cm = bm[:, None] & (col >= 0)  # full shape (the interpreter applies a broadcast atomic mask to one element)
-        sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
-        contrib = tl.reshape(j, [NBP, 32]) * 9.223372036854775808e18 * sv
-        tl.atomic_add(ydst + col, contrib, mask=cm, sem="relaxed")
 
     @triton.jit
     def _sparse_mxfp4_kernel(

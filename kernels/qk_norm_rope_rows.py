@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.qk_norm_rope import KINDS, check_cache, check_weights, qk_norm_rope_ref
+from localmoe.kernels.qk_layout import KINDS, check_cache, check_weights
+from localmoe.kernels.qk_norm_rope import qk_norm_rope_ref
 from localmoe.kernels.workspace import zeroed_int32
 
 try:  # Triton is optional at import time; the launcher needs it.
