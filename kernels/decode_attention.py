@@ -1,7 +1,8 @@
 """Attention for ONE query token over a KV cache, in time proportional to the keys the mask keeps (flash decoding).
 
-Owns `decode_attention` and `decode_attention_qk` (Triton launchers), their torch references, and one kernel
-`_split_kernel`, grid (Hq, NP), with the combine in its tail:
+Owns `decode_attention` (a checked Triton launcher), its torch reference `decode_attention_ref`, and one kernel
+`_split_kernel`, grid (Hq, NP), with the combine in its tail (the online softmax's two halves, `_chunk` and
+`_combine_head`, are kernels/decode_attention_softmax.py's):
 
 1. program (h, p) takes chunks p, p + NP, p + 2 NP, ... of CHUNK keys of query head h's KV head (GQA: kv = h //
    (Hq / Hkv)); NP = min(NS, max_splits), so a long static cache's unused tail does not grow the grid (at the
@@ -24,13 +25,8 @@ Owns `decode_attention` and `decode_attention_qk` (Triton launchers), their torc
    `window` keeps only keys at index > last - window (last: the newest key the mask keeps), so one call serves a
    full-length cache and transformers' StaticSlidingWindowLayer (its newest row last) alike; chunks wholly before
    the window are skipped unread.
-4. `decode_attention_qk` (QK): kernels/qk_norm_rope.py's step joins the launch. q is read from the q|k|v projection
-   (gated: the output gate beside it, read in place by the combine) and normed and rotated by each program after the
-   PDL wait (`norm_rope_head`, the same jit code and roundings), as is its KV head's new key; program 0 of each KV
-   head's first query head writes the new key and value at the position (the norm weights, the angles and the
-   position are read before the wait), every program skips that cache row, program 0 of each query head folds the
-   new key and value into its softmax from registers, and the last program of the launch (a ticket after the heads')
-   advances the position. One launch fewer per attention layer (the projection's GEMV, this, o_proj).
+4. QK: kernels/qk_norm_rope.py's step (q/k norm + RoPE, the k/v cache write) in the same launch, behind the
+   constexpr QK: `decode_attention_qk` (kernels/decode_attention_qk.py, which says how) launches it through `_launch`.
 
 Why: transformers' SDPA path on a static cache reads every one of its max_cache_len keys for each decode token
 (the mask hides the unused ones but the kernel still streams them): at the default 8192-token context that
@@ -48,15 +44,13 @@ import math
 
 import torch
 
-from localmoe.kernels.qk_norm_rope import KINDS, qk_layout, qk_norm_rope_ref
-
 try:
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.decode_attention_softmax import _chunk, _combine_head
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.qk_norm_rope import norm_rope_head
-    from localmoe.kernels.rounding import round_to
     from localmoe.kernels.workspace import zeroed_int32
 except ImportError:  # pragma: no cover
     triton = None
@@ -92,24 +86,6 @@ def decode_attention_ref(q, k, v, mask=None, scale=None, gate=None, sinks=None, 
     else:
         p = torch.softmax(s, dim=-1)
     return torch.einsum("hl,hld->hd", p, vv).to(q.dtype)
-
-
-def decode_attention_qk_ref(
-    qkv, keys, values, position, mask=None, scale=None, *, q_weight, k_weight, cos, sin, eps, num_q_heads,
-    num_kv_heads, kind="standard", gated=False, whole=False, head_dim=None,
-):  # fmt: skip
-    """`decode_attention_qk` as the two steps it joins: kernels/qk_norm_rope.py's reference, the key and value written
-    at the position (advanced by one; keys / values / position updated in place), then `decode_attention_ref`."""
-    q, k, v, gate = qk_norm_rope_ref(
-        qkv, q_weight, k_weight, cos, sin, eps, num_q_heads, num_kv_heads, kind=kind, gated=gated, whole=whole,
-        head_dim=head_dim,
-    )  # fmt: skip
-    p = int(position.reshape(-1)[0])
-    if p < keys.shape[1]:
-        keys[:, p] = k
-        values[:, p] = v
-    position += 1
-    return decode_attention_ref(q, keys, values, mask, scale, gate=None if gate is None else gate.view(q.shape))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -383,110 +359,6 @@ if triton is not None:
             )
             tl.store(tick_ptr + h, 0)  # ready for the next launch / graph replay
 
-    @triton.jit
-    def _chunk(
-        q,
-        k_ptr,
-        v_ptr,
-        m_ptr,
-        kvh,
-        base,
-        L,
-        lo,
-        scale,
-        m_i,
-        l_i,
-        acc,
-        stride_kh,
-        stride_kl,
-        stride_vh,
-        stride_vl,
-        DK: tl.constexpr,
-        DV: tl.constexpr,
-        DK_P2: tl.constexpr,
-        DV_P2: tl.constexpr,
-        CHUNK: tl.constexpr,
-        BLOCK_L: tl.constexpr,
-        HAS_MASK: tl.constexpr,
-        skip,
-    ):
-        """Keys [base, base + CHUNK) at index >= lo but `skip` (this step's row with QK; -1) in BLOCK_L tiles, folded
-        into the running (m, l, acc) by the online softmax."""
-        dk = tl.arange(0, DK_P2)
-        dkm = dk < DK
-        dv = tl.arange(0, DV_P2)
-        dvm = dv < DV
-        for t0 in range(0, CHUNK, BLOCK_L):
-            rows = base + t0 + tl.arange(0, BLOCK_L)  # [BLOCK_L] key positions
-            ok = (rows < L) & (rows >= lo) & (rows != skip)
-            if HAS_MASK:
-                ok = ok & (tl.load(m_ptr + rows, mask=rows < L, other=0) != 0)
-            r64 = rows.to(tl.int64)
-            kt = tl.load(
-                k_ptr + kvh * stride_kh + r64[:, None] * stride_kl + dk[None, :],
-                mask=ok[:, None] & dkm[None, :],
-                other=0.0,
-            )
-            sc = tl.sum(kt.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK_L]
-            sc = tl.where(ok, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept so far: no NaN
-            pr = tl.exp(sc - m_safe)  # masked keys: exp(-inf) = 0
-            alpha = tl.exp(m_i - m_safe)
-            vt = tl.load(
-                v_ptr + kvh * stride_vh + r64[:, None] * stride_vl + dv[None, :],
-                mask=ok[:, None] & dvm[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha + tl.sum(pr[:, None] * vt.to(tl.float32), axis=0)
-            l_i = l_i * alpha + tl.sum(pr, axis=0)
-            m_i = m_new
-        return m_i, l_i, acc
-
-    @triton.jit
-    def _combine_head(
-        part_ptr,
-        o_ptr,
-        g_ptr,
-        s_ptr,
-        h,
-        NS,
-        stride_oh,
-        stride_gh,
-        DV: tl.constexpr,
-        DV_P2: tl.constexpr,
-        NS_P2: tl.constexpr,
-        HAS_GATE: tl.constexpr,
-        HAS_SINKS: tl.constexpr,
-    ):
-        """out[h] from head h's NS partials (m, l, acc), read through L2 (other programs wrote them)."""
-        sp = tl.arange(0, NS_P2)
-        sm = sp < NS
-        row = part_ptr + (h * NS + sp) * (2 + DV)  # [NS_P2]
-        m = tl.load(row, mask=sm, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(row + 1, mask=sm, other=0.0, cache_modifier=".cg")
-        M = tl.max(m, axis=0)
-        if HAS_SINKS:  # the head's sink logit: in the denominator, with no value
-            sk = tl.load(s_ptr + h).to(tl.float32)
-            M = tl.maximum(M, sk)
-        w = tl.exp(m - tl.where(M == float("-inf"), 0.0, M))  # splits with nothing kept weigh 0
-        dv = tl.arange(0, DV_P2)
-        dvm = dv < DV
-        kept = sm & (m > float("-inf"))  # splits with nothing kept wrote no accumulator
-        acc = tl.load(
-            row[:, None] + 2 + dv[None, :], mask=kept[:, None] & dvm[None, :], other=0.0, cache_modifier=".cg"
-        )
-        den = tl.sum(l * w, axis=0)
-        if HAS_SINKS:
-            den += tl.exp(sk - M)
-        o = tl.sum(acc * w[:, None], axis=0) / den
-        DT = o_ptr.dtype.element_ty
-        o = round_to(o, DT)
-        if HAS_GATE:  # (attn.to(DT) * sigmoid(gate).to(DT)).to(DT), as torch computes it on DT tensors
-            gv = tl.load(g_ptr + h * stride_gh + dv, mask=dvm, other=0.0).to(tl.float32)
-            o = round_to(o * round_to(1.0 / (1.0 + tl.exp(-gv)), DT), DT)
-        tl.store(o_ptr + h * stride_oh + dv, o.to(DT), mask=dvm)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # launcher
@@ -580,70 +452,6 @@ def _out(out, Hq: int, Dv: int, q):
     if tuple(out.shape) != (Hq, Dv) or out.dtype != q.dtype or out.stride(1) != 1 or out.device != q.device:
         raise ValueError(f"out must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
     return out
-
-
-def decode_attention_qk(
-    qkv: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    position: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    out: torch.Tensor | None = None,
-    *,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    num_q_heads: int,
-    num_kv_heads: int,
-    kind: str = "standard",
-    gated: bool = False,
-    whole: bool = False,
-    head_dim: int | None = None,
-    chunk: int = 64,
-    block_l: int = 64,
-    num_warps: int = 4,
-    prefetch: bool | None = None,
-    max_splits: int = 16,
-) -> torch.Tensor:
-    """kernels/qk_norm_rope.py's step (`qk_norm_rope(qkv, ..., kv_cache=(keys, values, position))`: its arguments
-    and checks) and `decode_attention(q, keys, values, mask, scale, gate=gate)` in ONE launch: after the PDL wait each
-    program norms and rotates its query head and its KV head's new key from the projection, one program a KV head
-    writes the key and value at the position, program 0 of each query head folds the new key and value into its
-    softmax from registers (every program skips that cache row: it may not be written yet), and the last program
-    advances the position. The norm weights, the angles and the position are read before the wait (the angles are
-    made at the start of the step). Returns [Hq, D] in qkv's dtype (gated: times sigmoid(gate), as
-    `decode_attention`). A static cache of L >= 1 rows in position order: no ring, no biases, no sinks or window."""
-    if triton is None:
-        raise RuntimeError("decode_attention_qk needs triton")
-    x, qw, kw, D, QW, ROT, c, s, kc, vc, pos = qk_layout(
-        qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, kind, gated, (keys, values, position), whole,
-        head_dim,
-    )  # fmt: skip
-    Hq, Hkv, L = num_q_heads, num_kv_heads, kc.shape[1]
-    if L == 0:
-        raise ValueError("decode_attention_qk needs a cache of at least one row")
-    rows = x[: Hq * QW].view(Hq, QW)
-    q, gate = rows[:, :D], (rows[:, D:] if gated else None)
-    qk = {
-        "q_weight": qw,
-        "k_weight": kw,
-        "cos": c,
-        "sin": s,
-        "position": pos,
-        "k_new": x[Hq * QW : Hq * QW + Hkv * D],
-        "v_new": x[Hq * QW + Hkv * D :],
-        "eps": eps,
-        "kind": KINDS.index(kind),
-        "whole": whole,
-        "rot": ROT,
-        "block_w": triton.next_power_of_2(max(Hq, Hkv) * D) if whole else 1,
-    }
-    mask = _mask_int8(mask, L, x.device)
-    out = _out(out, Hq, D, q)
-    return _launch(q, kc, vc, mask, scale, out, gate, None, None, chunk, block_l, num_warps, prefetch, max_splits, qk)
 
 
 def _launch(q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits, qk=None):

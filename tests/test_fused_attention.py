@@ -1,7 +1,7 @@
 """Tests of localmoe/decode/attention.py: Qwen3.5-MoE's gated full attention and Qwen3-MoE's / OLMoE's / Mixtral's /
 GraniteMoE's plain ones (where parametrised by `family`; the last two without q/k norms), fused for a cached
 one-token step (q|k|v GEMV; on a static cache the q/k norms, RoPE, the k/v write and the core in one launch
-(kernels/decode_attention.py's decode_attention_qk), else kernels/qk_norm_rope.py, the cache's update and the core;
+(kernels/decode_attention_qk.py's decode_attention_qk), else kernels/qk_norm_rope.py, the cache's update and the core;
 [sigmoid gate], o_proj),
 equal transformers' module on a tiny random model: the layer's own output and cache writes, whole-model logits with
 everything else fused alike, greedy `generate`; prefill, uncached, eager-core, biased, sliding-window (Mixtral's from

@@ -1,9 +1,9 @@
-"""kernels/decode_attention.py's `decode_attention_qk`: q/k norm + RoPE, the k/v cache write and the attention core in
-one launch, against the two launches it replaces (kernels/qk_norm_rope.py with kv_cache=, then `decode_attention`) and
-against its torch reference. Every norm kind (Qwen3.5's gated zero-centred with partial rotary, Qwen3-MoE's standard,
-OLMoE's whole-projection, Mixtral's none), GQA, odd head dims; the step's row in the first chunk of a program or in a
-later one (contexts past the programs' first chunks), with and without the prefetch, a position past the cache's end
-(nothing written, still advanced), two steps in a row (the second reads the first's write), bf16 and fp32.
+"""kernels/decode_attention_qk.py's `decode_attention_qk`: q/k norm + RoPE, the k/v cache write and the attention core
+in one launch, against the two launches it replaces (kernels/qk_norm_rope.py with kv_cache=, then `decode_attention`)
+and against its torch reference. Every norm kind (Qwen3.5's gated zero-centred with partial rotary, Qwen3-MoE's
+standard, OLMoE's whole-projection, Mixtral's none), GQA, odd head dims; the step's row in the first chunk of a program
+or in a later one (contexts past the programs' first chunks), with and without the prefetch, a position past the
+cache's end (nothing written, still advanced), two steps in a row (the second reads the first's write), bf16 and fp32.
 
 Runs under TRITON_INTERPRET=1 on the CPU, compiled on a GPU. The step's cache row equals qk_norm_rope's to rounding,
 the others are untouched; the outputs agree to rounding (the step's key is folded into program 0's softmax last instead
@@ -20,11 +20,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from localmoe.kernels.decode_attention import (  # noqa: E402
-    decode_attention,
-    decode_attention_qk,
-    decode_attention_qk_ref,
-)
+from localmoe.kernels.decode_attention import decode_attention  # noqa: E402
+from localmoe.kernels.decode_attention_qk import decode_attention_qk, decode_attention_qk_ref  # noqa: E402
 from localmoe.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

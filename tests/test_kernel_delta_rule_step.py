@@ -156,7 +156,7 @@ def test_gated_deltanet_step_matches_transformers(shape, dtype, block_v, one_tic
     with pytest.raises(ValueError, match="count must be one int64"):
         gated_deltanet_step(mixed_qkv, z, a, b, conv_state=cs_ref, state=st_ref, count=count.int(), **kw)
     if block_v is not None:  # the split grid's tickets are left zeroed for the next launch (graph replays)
-        from localmoe.kernels.delta_rule_step import _split_workspace
+        from localmoe.kernels.delta_rule_step_split import _split_workspace
         from localmoe.kernels.workspace import zeroed_int32
 
         _, tk, th = _split_workspace(DEV, B, HK, HV, DV)

@@ -7,7 +7,7 @@ angles of ROT/2 per position, no q/k norms; its "eager" implementation kept, the
 kernel itself). One GEMV for
 q|k|v (the three projections' weights share one buffer), then on a StaticCache with localmoe_sdpa one Triton launch
 for the per-head q/k RMSNorm + RoPE, the k/v write into the cache and the attention core (localmoe_sdpa's
-`decode_qk`: kernels/decode_attention.py's `decode_attention_qk`; the sigmoid gate read from the projection in its
+`decode_qk`: kernels/decode_attention_qk.py's `decode_attention_qk`; the sigmoid gate read from the projection in its
 combine; kind "none": RoPE alone), and o_proj. Other caches and cores: `kernels/qk_norm_rope.py` (norms, RoPE, the
 gate's de-interleave), the cache's update, the core. A prompt piece runs `attention_prefill`
 (decode/attention_prefill.py) when `FusedAttention.prefill_fused` is on; every other call runs transformers' module.

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.decode_attention import decode_attention, decode_attention_qk
+from localmoe.kernels.decode_attention import decode_attention
+from localmoe.kernels.decode_attention_qk import decode_attention_qk
 from localmoe.kernels.tuning import tuned
 
 NAME = "localmoe_sdpa"
