@@ -1,6 +1,6 @@
 """The argument layout and checks of the q/k norm + RoPE step (kernels/qk_norm_rope.py's `qk_norm_rope`), shared by
 every kernel that takes that step: kernels/qk_norm_rope.py (one decode token), kernels/qk_norm_rope_rows.py (a prompt
-piece's rows) and kernels/decode_attention.py's `decode_attention_qk` (the step joined to the attention core).
+piece's rows) and kernels/decode_attention_qk.py's `decode_attention_qk` (the step joined to the attention core).
 
 Owns `KINDS` (the norm kinds "standard", "zero_centred", "none"; a kernel's KIND constexpr is the kind's index),
 `qk_layout` (one token's arguments checked -> the flat q|k|v row, the norm weights, D, QW, ROT, the flat angles and
@@ -57,7 +57,7 @@ def qk_layout(qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, kind
               half_angles=False):  # fmt: skip
     """`qk_norm_rope`'s arguments checked -> (qkv as one flat row, q_weight, k_weight (dummies for kind "none"), D,
     QW, ROT, cos, sin (flat), keys, values, position (dummies without `kv_cache`)); also for
-    kernels/decode_attention.py's `decode_attention_qk`, which takes the same step into its launch."""
+    kernels/decode_attention_qk.py's `decode_attention_qk`, which takes the same step into its launch."""
     if kind not in _KIND_ID:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if num_q_heads < 1 or num_kv_heads < 1:
