@@ -118,7 +118,7 @@ def row(family: str, fmt: str, check_fn, *args) -> tuple:
 def main() -> None:
     if "--host-spans" in sys.argv:
         DensePath.device_spans = False
-    if "--int4-in-place" in sys.argv:
+    if "--int4-in-place" in sys.argv:  # resident too (offloaded: DensePath.int4_staged_packed, on by default)
         DensePath.int4_in_place = True
     if "--deltanet" in sys.argv:
         way = sys.argv[sys.argv.index("--deltanet") + 1].split("/")
@@ -132,8 +132,9 @@ def main() -> None:
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
-    print(f"device_spans {DensePath.device_spans}, int4_in_place {DensePath.int4_in_place}, DeltaNet prefill {rule}, "
-          f"prefill_norms {norms}, block {block}, attention {attention}")  # fmt: skip
+    print(f"device_spans {DensePath.device_spans}, int4_in_place {DensePath.int4_in_place} (staged packed "
+          f"{DensePath.int4_staged_packed}), DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
+          f"attention {attention}")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

@@ -48,7 +48,11 @@ p.add_argument("--prepare", default=None, choices=("torch", "split", "triton"), 
 p.add_argument("--host-spans", action="store_true", help="DensePath.device_spans off (a host read of the routing)")
 p.add_argument("--prefill-off", action="store_true", help="the prefill's fused norms, block and attention off")
 p.add_argument("--experts", default="full", choices=("full", "int4"), help="the experts' format")
-p.add_argument("--int4-in-place", action="store_true", help="DensePath.int4_in_place on (int4 read in place)")
+p.add_argument(
+    "--int4-in-place",
+    action="store_true",
+    help="DensePath.int4_in_place on (resident int4 read in place; offloaded: int4_staged_packed, on)",
+)
 p.add_argument("--vram", type=float, default=0.0)
 p.add_argument("--span", type=int, default=0, help="offloaded: experts a staging span (int4 at --vram 16 takes 60)")
 p.add_argument("--top", type=int, default=20)

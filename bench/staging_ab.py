@@ -12,7 +12,8 @@ A in the "copies" columns, B in the "gather" ones; `--dequant-grid PxR,PxR` two 
 dequantizing launches on the compute stream) in the "copies" columns against spans staged dequantized
 (kernels/gather_dequant.py, the default) in the "gather" ones.
 `--int4-in-place` instead compares int4 experts dequantized a span at a time before the grouped GEMMs ("copies")
-against the GEMMs reading them in place (`DensePath.int4_in_place`, "gather"); `--vram 0` too. `--packed-fill` (int4
+against the GEMMs reading them in place (`DensePath.int4_staged_packed` offloaded, `DensePath.int4_in_place`
+resident, "gather"); `--vram 0` too. `--packed-fill` (int4
 offloaded, read in place in both) packed spans of the dequantized span's experts ("copies") against as many as the
 staging buffers' memory holds (`Staging.packed_fill`, "gather").
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
@@ -98,7 +99,7 @@ plain = staging.plain if staging is not None else None
 if (a.packed or a.packed_fill) and plain is None:
     raise SystemExit("--packed / --packed-fill compare int4 / NF4 staging: give --experts int4 (nf4: --packed)")
 if a.packed_fill:
-    DensePath.int4_in_place = True
+    DensePath.int4_staged_packed = True
 gen = torch.Generator().manual_seed(1)
 vocab = e.loaded.config.vocab_size
 
@@ -113,7 +114,7 @@ def ttft(n: int, gather: bool) -> float:
         for m in e.loaded.experts:
             m.device_spans = gather
     elif a.int4_in_place:
-        DensePath.int4_in_place = gather
+        DensePath.int4_in_place = DensePath.int4_staged_packed = gather
     elif rules:
         FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = rules[int(gather)]
     elif a.prefill_norms:

@@ -450,12 +450,13 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     group ends read by kernels/grouped_gate_up.py and grouped_gemm.py): an offloaded prompt (spans of 2 staged) and a
     resident one give the resident model's logits; the offloaded one stages every expert of every layer once. The
     span launches are counted (the kernel still runs) to show the path was taken. int4 experts are read in place
-    (`DensePath.int4_in_place`: spans staged packed, in the staging buffers' memory, as many experts as it holds) or
-    dequantized (staged so)."""
+    (`DensePath.int4_staged_packed` offloaded, `int4_in_place` resident: spans staged packed, in the staging buffers'
+    memory, as many experts as it holds) or dequantized (staged so)."""
     in_place = experts in ("int4", "int4-plainspans")
     monkeypatch.setattr(Staging, "packed_fill", experts != "int4-plainspans")  # packed spans as many as the plain
     experts = experts.split("-")[0]
     monkeypatch.setattr(dense_path.DensePath, "int4_in_place", in_place)
+    monkeypatch.setattr(dense_path.DensePath, "int4_staged_packed", in_place)
     launches = []
     real = dense_path.grouped_gate_up
     monkeypatch.setattr(dense_path, "grouped_gate_up", lambda *a, **kw: launches.append(a[4]) or real(*a, **kw))

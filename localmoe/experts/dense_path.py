@@ -54,10 +54,12 @@ class DensePath:
     # On CUDA only: on the CPU tests turn it on with `kernel_on_cpu`.
     device_spans = True
     # int4 experts (not NF4 / MXFP4) read in place by the device path's grouped GEMMs (kernels/grouped_gemm.py,
-    # grouped_gate_up.py: dequantized in registers): no span of the model's dtype written and read back, one span a
-    # layer when resident, offloaded spans staged packed. Off until a GPU times it (session 39 had none after its
-    # first call; compiled for sm_90 without spills): `python bench/staging_ab.py --experts int4 --vram 0|16
-    # --int4-in-place --prompt-tokens 2048,2048,8192,8192`.
+    # grouped_gate_up.py: dequantized in registers), offloaded and resident apart. Offloaded (`int4_staged_packed`):
+    # spans staged packed, no span of the model's dtype written and read back. H100, Qwen3.5-35B-A3B shapes, 85%,
+    # `--vram 16`, TTFT against spans dequantized first (`python bench/staging_ab.py --experts int4 --vram 16
+    # --int4-in-place`, session 41): 1.01x / 1.00x at 2048 tokens, 2.01x at 8192. Resident (`int4_in_place`): one
+    # span a layer as stored; 0.92x at 2048 tokens at `--vram 0` (same call, grouped GEMMs untuned then): off.
+    int4_staged_packed = True
     int4_in_place = False
 
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,10 +230,10 @@ class DensePath:
         """(gate, up, down_t [n, I, H], first expert) of every expert in order, with no host read: resident plain or
         int4 experts (`int4_in_place`) in one span as stored, other 4-bit ones dequantized `dequant_bytes` at a
         time, offloaded ones streamed through the staging buffers (all experts: the layer ahead is filled ahead
-        too)."""
+        too; int4 ones packed with `int4_staged_packed`)."""
         E = self.num_experts
         if self.cache is not None:
-            packed = self.int4_in_place and self.cache.pool.affine_int4
+            packed = self.int4_staged_packed and self.cache.pool.affine_int4
             for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E)), packed=packed):
                 yield (*(buf.in_place(0, n) if packed else buf.dequantized(0, n)), first)
             return

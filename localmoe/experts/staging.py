@@ -15,7 +15,7 @@ same experts; otherwise refilled). With pinned master copies one kernel launch p
 kernels/gather_dequant.py; otherwise kernels/gather_experts.py, all its parts) fills a span: the device slot tables
 pick pool or host per expert, and the host rows are read through unified addressing; otherwise (memory-mapped or
 pageable master copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device).
-`stream(packed=True)` (int4 experts whose grouped GEMMs read them in place, experts/dense_path.py `int4_in_place`)
+`stream(packed=True)` (int4 experts whose grouped GEMMs read them in place, experts/dense_path.py `int4_staged_packed`)
 stages spans as int4 stacks laid in the same buffers' memory, one gather_experts launch per projection (its three
 parts): the packed bytes cross and nothing is dequantized. A packed span holds as many experts as that memory does
 (`packed_fill`; ~3.8x `span` for bf16 models, evened out: a layer in two spans of 128 at Qwen3.5-35B-A3B's shapes):
