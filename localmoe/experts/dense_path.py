@@ -55,11 +55,11 @@ class DensePath:
     device_spans = True
     # int4 experts (not NF4 / MXFP4) read in place by the device path's grouped GEMMs (kernels/grouped_gemm.py,
     # grouped_gate_up.py: dequantized in registers), offloaded and resident apart. Offloaded (`int4_staged_packed`):
-    # spans staged packed, no span of the model's dtype written and read back. H100, Qwen3.5-35B-A3B shapes, 85%,
-    # `--vram 16`, TTFT against spans dequantized first (`python bench/staging_ab.py --experts int4 --vram 16
-    # --int4-in-place`, session 41): 1.01x / 1.00x at 2048 tokens, 2.01x at 8192. Resident (`int4_in_place`): one
-    # span a layer as stored; 0.92x at 2048 tokens at `--vram 0` (same call, grouped GEMMs untuned then): off.
-    int4_staged_packed = True
+    # spans staged packed, no span of the model's dtype written and read back. Resident (`int4_in_place`): one span a
+    # layer as stored. H100, Qwen3.5-35B-A3B shapes, 85%, TTFT of a 2048-token prompt against spans dequantized first
+    # (`python bench/staging_ab.py --experts int4 --vram 16|0 --int4-in-place`, session 41, the grouped GEMMs
+    # untuned): offloaded 1.01x / 1.00x, resident 0.92x. Both stay off until a tuned call shows a gain.
+    int4_staged_packed = False
     int4_in_place = False
 
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
