@@ -56,9 +56,9 @@ class DensePath:
     # int4 experts (not NF4 / MXFP4) read in place by the device path's grouped GEMMs (kernels/grouped_gemm.py,
     # grouped_gate_up.py: dequantized in registers), offloaded and resident apart. Offloaded (`int4_staged_packed`):
     # spans staged packed, no span of the model's dtype written and read back. Resident (`int4_in_place`): one span a
-    # layer as stored. H100, Qwen3.5-35B-A3B shapes, 85%, TTFT of a 2048-token prompt against spans dequantized first
-    # (`python bench/staging_ab.py --experts int4 --vram 16|0 --int4-in-place`, session 41, the grouped GEMMs
-    # untuned): offloaded 1.01x / 1.00x, resident 0.92x. Both stay off until a tuned call shows a gain.
+    # layer as stored. Qwen3.5-35B-A3B shapes, 85%, TTFT against spans dequantized first (`python bench/staging_ab.py
+    # --experts int4 --vram 16|0 --int4-in-place`, session 41): H200 offloaded 0.97x at 2048 tokens, 0.94x at 8192,
+    # resident 0.84x; H100 (untuned GEMMs) 1.00x / 0.92x at 2048. Both off.
     int4_staged_packed = False
     int4_in_place = False
 
