@@ -11,7 +11,7 @@ localmoe-tiny-deamoe too (its prompt staged a group of departments at a time: th
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
 smoke run, the staging spans filled by per-expert copies there). With `--host-spans` / `--int4-in-place` / `--deltanet
 PREPARE/PRECISION` / `--prefill-norms` / `--prefill-block` / `--prefill-attention` the same check runs with
-`DensePath.device_spans` off / `DensePath.int4_in_place` on / the Gated DeltaNet prefill's rule that way (e.g.
+`DensePath.device_spans` off / `DensePath.int4_in_place` and `int4_staged_packed` on / the Gated DeltaNet prefill's rule that way (e.g.
 triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) / `FusedDecoderLayer.prefill_norms` /
 `FusedSparseMoeBlock.prefill_fused` / `FusedAttention.prefill_fused` on, in both engines, before one becomes a
 default.
@@ -118,8 +118,8 @@ def row(family: str, fmt: str, check_fn, *args) -> tuple:
 def main() -> None:
     if "--host-spans" in sys.argv:
         DensePath.device_spans = False
-    if "--int4-in-place" in sys.argv:  # resident too (offloaded: DensePath.int4_staged_packed, on by default)
-        DensePath.int4_in_place = True
+    if "--int4-in-place" in sys.argv:  # int4 read in place, offloaded (staged packed) and resident
+        DensePath.int4_in_place = DensePath.int4_staged_packed = True
     if "--deltanet" in sys.argv:
         way = sys.argv[sys.argv.index("--deltanet") + 1].split("/")
         FusedGatedDeltaNet.prefill_prepare, FusedGatedDeltaNet.prefill_precision = way
