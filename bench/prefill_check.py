@@ -11,10 +11,10 @@ localmoe-tiny-deamoe too (its prompt staged a group of departments at a time: th
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_check.py (bench/gpu_release_check.sh runs it; `--device cpu`: a CPU
 smoke run, the staging spans filled by per-expert copies there). With `--host-spans` / `--int4-in-place` / `--deltanet
 PREPARE/PRECISION` / `--prefill-norms` / `--prefill-block` / `--prefill-attention` the same check runs with
-`DensePath.device_spans` off / `DensePath.int4_in_place` and `int4_staged_packed` on / the Gated DeltaNet prefill's rule that way (e.g.
-triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) / `FusedDecoderLayer.prefill_norms` /
-`FusedSparseMoeBlock.prefill_fused` / `FusedAttention.prefill_fused` on, in both engines, before one becomes a
-default.
+`DensePath.device_spans` off / `DensePath.int4_in_place` and `int4_staged_packed` on / the Gated DeltaNet prefill's
+rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) /
+`FusedDecoderLayer.prefill_norms` / `FusedSparseMoeBlock.prefill_fused` / `FusedAttention.prefill_fused` on, in
+both engines, before one becomes a default.
 """
 
 import os
