@@ -1,5 +1,5 @@
-"""Argument checks the expert kernels' launchers share: expert weight stacks [n, I, H] (plain or int4), the grouped
-GEMMs' span of groups, the staging gathers' ids and slot table.
+"""Argument checks the expert kernels' launchers share: expert weight stacks [n, I, H] (plain or int4), the sparse
+decode launches' routing, the grouped GEMMs' span of groups, the staging gathers' ids and slot table.
 
 Each launcher still checks its own inputs top to bottom; this is only the part that is the same in all of them.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INT_DTYPES = (torch.int32, torch.int64)
 
 
 def tokens_and_experts(x: torch.Tensor, w: torch.Tensor, name: str = "w_gate") -> tuple[int, int, int, int]:
@@ -19,6 +20,26 @@ def tokens_and_experts(x: torch.Tensor, w: torch.Tensor, name: str = "w_gate") -
     if w.dim() != 3:
         raise ValueError(f"{name} must be [E, I, H], got shape {tuple(w.shape)}")
     return x.shape[0], x.shape[1], w.shape[0], w.shape[1]
+
+
+def check_routing(expert_ids, weights, tau, T: int, E: int, dev) -> int:
+    """The sparse decode launches' routing: expert_ids [T, k] int, weights [T, k] float, tau [E] fp32, all on x's
+    device; returns k."""
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in INT_DTYPES:
+        raise ValueError(
+            f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
+        )
+    k = expert_ids.shape[1]
+    if tuple(weights.shape) != (T, k) or not weights.dtype.is_floating_point:
+        raise ValueError(
+            f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} {tuple(weights.shape)}"
+        )
+    if tau.dim() != 1 or tau.shape[0] != E or tau.dtype != torch.float32:
+        raise ValueError(f"tau must be a float32 [E] = [{E}] tensor, got {tau.dtype} {tuple(tau.shape)}")
+    for name, tns in (("expert_ids", expert_ids), ("weights", weights), ("tau", tau)):
+        if tns.device != dev:
+            raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
+    return k
 
 
 def expert_weights(

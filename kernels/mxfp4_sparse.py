@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.checks import HostPointer, _on_device
+from localmoe.kernels.checks import HostPointer, _on_device, check_routing
 from localmoe.kernels.mxfp4 import BLOCK, Mxfp4Tensor, dequant_mxfp4_ref
 from localmoe.kernels.token_tail import tail_buffers
 
@@ -334,20 +334,7 @@ def sparse_mxfp4(
                 f"{name} must be a contiguous float [E, {n}] = {(E, n)} tensor on {dev}, got {b.dtype} "
                 f"{tuple(b.shape)} on {b.device}"
             )
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
-        raise ValueError(
-            f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
-        )
-    k = expert_ids.shape[1]
-    if tuple(weights.shape) != (T, k) or not weights.dtype.is_floating_point:
-        raise ValueError(
-            f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} {tuple(weights.shape)}"
-        )
-    if tau.dim() != 1 or tau.shape[0] != E or tau.dtype != torch.float32:
-        raise ValueError(f"tau must be a float32 [E] = [{E}] tensor, got {tau.dtype} {tuple(tau.shape)}")
-    for name, tns in (("expert_ids", expert_ids), ("weights", weights), ("tau", tau)):
-        if tns.device != dev:
-            raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
+    k = check_routing(expert_ids, weights, tau, T, E, dev)
     if offload:
         _check_pools(masters, pools, slot_table, gate_table, E, I, H, dev)
     elif gate_table is not None or host_rows is not None:

@@ -78,11 +78,11 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.kernels.checks import HostPointer, tokens_and_experts
+from localmoe.kernels.checks import HostPointer, check_routing, tokens_and_experts
 from localmoe.kernels.gate_predictor import GatePredictor, check_predictor
 from localmoe.kernels.int4_rows import int4_mode, routed_fp32, scale_min
 from localmoe.kernels.nf4 import Nf4Tensor, nf4_code
-from localmoe.kernels.sparse_fused_args import check_offload, check_routing, check_stats, check_weights, out_buffers
+from localmoe.kernels.sparse_fused_args import check_offload, check_stats, check_weights, out_buffers
 from localmoe.kernels.token_tail import SharedExpert, check_tail, tail_buffers
 
 try:  # Triton is optional at import time; the launcher needs it.

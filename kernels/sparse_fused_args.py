@@ -1,11 +1,11 @@
 """The argument checks of a `sparse_fused` launch (kernels/sparse_fused.py), top to bottom in the order the launcher
 calls them: the expert weights (plain or 4-bit, resident or host master copies), the offload pools and slot tables,
-the routing (expert ids, weights, thresholds), the output buffers, the row and kept-neuron counters.
+the output buffers, the row and kept-neuron counters.
 
 Each check raises ValueError naming the argument, the shape / dtype / device it must have and what it got; the
 launcher stays the dispatcher. The shared expert and residual tail's checks are kernels/token_tail.py's
-`check_tail`, the gate predictor's kernels/gate_predictor.py's `check_predictor`, the shared weight-stack checks
-kernels/checks.py's.
+`check_tail`, the gate predictor's kernels/gate_predictor.py's `check_predictor`, the routing's and the shared
+weight-stack checks kernels/checks.py's.
 """
 
 from __future__ import annotations
@@ -39,25 +39,6 @@ def check_weights(masters, pools, quant: bool, offload: bool, shared: bool, E: i
         int4_expert_weights(name, w, E, I, H, dev, allow_host=offload)
     if len({w.group for _, w in masters}) != 1:
         raise ValueError(f"w_gate, w_up and w_down_t must share one group size, got {[w.group for _, w in masters]}")
-
-
-def check_routing(expert_ids, weights, tau, T: int, E: int, dev) -> int:
-    """expert_ids [T, k] int, weights [T, k] float, tau [E] fp32, all on x's device; returns k."""
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.dtype not in _INT_DTYPES:
-        raise ValueError(
-            f"expert_ids must be int32/int64 [T, k] with T = {T}, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
-        )
-    k = expert_ids.shape[1]
-    if tuple(weights.shape) != (T, k) or not weights.dtype.is_floating_point:
-        raise ValueError(
-            f"weights must be a float [T, k] = {(T, k)} tensor, got {weights.dtype} {tuple(weights.shape)}"
-        )
-    if tau.dim() != 1 or tau.shape[0] != E or tau.dtype != torch.float32:
-        raise ValueError(f"tau must be a float32 [E] = [{E}] tensor, got {tau.dtype} {tuple(tau.shape)}")
-    for name, tns in (("expert_ids", expert_ids), ("weights", weights), ("tau", tau)):
-        if tns.device != dev:
-            raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
-    return k
 
 
 def out_buffers(out, count, accumulate: bool, T: int, H: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
