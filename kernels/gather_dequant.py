@@ -12,10 +12,6 @@ read once, and the launches a span costs (each ~40-100 µs of host time in a pre
 host syncs) fall from 18 to 3. The arithmetic is dequant_int4's (`dequant_bytes`): fp32, rounded once to dst's dtype
 to nearest even (kernels/rounding.py, so the interpreter's result is the GPU's).
 
-`only="host"` / `"pool"` writes one kind of expert's rows: offloaded prefill stages the host ones on its side stream
-(PCIe-paced) and dequantizes the resident ones on the compute stream, at device-memory speed, when the span is used
-(experts/staging.py `Staging.resident_on_compute`).
-
 Grid: PROGRAMS programs striding over the n * cdiv(I, BLOCK_R) tiles (a tile: BLOCK_R rows of one expert): a fixed
 number of programs keeps a few host reads in flight each without queueing thousands of programs ahead of the GEMMs
 (gather_experts.py). Shapes: I expert width, H hidden, NG groups per row (G = H / NG a power of two), S pool slots, E
@@ -34,16 +30,13 @@ from localmoe.kernels.rounding import round_to
 
 BLOCK_R = 4  # rows a tile: 4 KiB of packed bytes at H 2048, 16 KiB written in bf16
 PROGRAMS = 128  # programs a launch (grid-stride over the tiles)
-POOL_PROGRAMS = 1024  # programs a resident-only launch (`only="pool"`: device memory, no host reads to pace)
 NUM_WARPS = 4  # bench/staging_ab.py --dequant-grid PxRxW sweeps it
 
 
-def gather_dequant_ref(dst: torch.Tensor, pool, host, table, ids, code=None, only=None) -> torch.Tensor:
+def gather_dequant_ref(dst: torch.Tensor, pool, host, table, ids, code=None) -> torch.Tensor:
     """Reference: expert by expert, the 4-bit format's definition (dequant_int4_ref / dequant_nf4_ref)."""
     slots = [int(s) for s in table]
     for i, e in enumerate(int(e) for e in ids):
-        if (only == "host" and slots[e] >= 0) or (only == "pool" and slots[e] < 0):
-            continue
         src, j = (pool, slots[e]) if slots[e] >= 0 else (host, e)
         parts = [t[j].cpu() for t in src.parts()]
         if code is None:
@@ -59,7 +52,7 @@ def _gather_dequant_kernel(
     dst_ptr, pp_ptr, ps_ptr, pm_ptr, hp_ptr, hs_ptr, hm_ptr, c_ptr, table_ptr, id_ptr, tiles, per_expert, I,
     pool_p, pool_s, pool_m, host_p, host_s, host_m, dst_stride,
     H2: tl.constexpr, NG: tl.constexpr, HALF_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
-    NF4: tl.constexpr, ONLY: tl.constexpr,
+    NF4: tl.constexpr,
 ):  # fmt: skip
     j = tl.arange(0, BLOCK_J)  # byte index in a row
     cols = tl.arange(0, 2 * BLOCK_J)
@@ -67,31 +60,24 @@ def _gather_dequant_kernel(
         i = t // per_expert
         rows = (t % per_expert) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < I
+        mask = rmask[:, None] & (j < H2)[None, :]
         r64 = rows.to(tl.int64)[:, None]
         byte = r64 * H2 + j[None, :]
         grp = r64 * NG + (j // HALF_G)[None, :]  # the group of bytes j
         expert = tl.load(id_ptr + i).to(tl.int64)
         slot = tl.load(table_ptr + expert).to(tl.int64)
-        if ONLY == 1:  # host experts only: a resident one's rows stay as they are
-            take = slot < 0
-        elif ONLY == 2:  # resident experts only
-            take = slot >= 0
+        if slot >= 0:
+            p = tl.load(pp_ptr + slot * pool_p + byte, mask=mask, other=0)
+            s = tl.load(ps_ptr + slot * pool_s + grp, mask=mask, other=0.0).to(tl.float32)
+            m = s if NF4 else tl.load(pm_ptr + slot * pool_m + grp, mask=mask, other=0.0).to(tl.float32)
         else:
-            take = slot >= -1  # every expert (a slot is -1 or one >= 0)
-        if take:
-            mask = rmask[:, None] & (j < H2)[None, :]
-            if slot >= 0:
-                p = tl.load(pp_ptr + slot * pool_p + byte, mask=mask, other=0)
-                s = tl.load(ps_ptr + slot * pool_s + grp, mask=mask, other=0.0).to(tl.float32)
-                m = s if NF4 else tl.load(pm_ptr + slot * pool_m + grp, mask=mask, other=0.0).to(tl.float32)
-            else:
-                p = tl.load(hp_ptr + expert * host_p + byte, mask=mask, other=0)
-                s = tl.load(hs_ptr + expert * host_s + grp, mask=mask, other=0.0).to(tl.float32)
-                m = s if NF4 else tl.load(hm_ptr + expert * host_m + grp, mask=mask, other=0.0).to(tl.float32)
-            w = round_to(dequant_bytes(p, s, m, c_ptr, NF4), dst_ptr.dtype.element_ty)  # RTNE under the interpreter
-            omask = rmask[:, None] & (cols < 2 * H2)[None, :]
-            out = dst_ptr + i.to(tl.int64) * dst_stride + r64 * (2 * H2) + cols[None, :]
-            tl.store(out, w.to(dst_ptr.dtype.element_ty), mask=omask)
+            p = tl.load(hp_ptr + expert * host_p + byte, mask=mask, other=0)
+            s = tl.load(hs_ptr + expert * host_s + grp, mask=mask, other=0.0).to(tl.float32)
+            m = s if NF4 else tl.load(hm_ptr + expert * host_m + grp, mask=mask, other=0.0).to(tl.float32)
+        w = round_to(dequant_bytes(p, s, m, c_ptr, NF4), dst_ptr.dtype.element_ty)  # RTNE under the interpreter too
+        omask = rmask[:, None] & (cols < 2 * H2)[None, :]
+        out = dst_ptr + i.to(tl.int64) * dst_stride + r64 * (2 * H2) + cols[None, :]
+        tl.store(out, w.to(dst_ptr.dtype.element_ty), mask=omask)
 
 
 def _check_part(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype=None) -> None:
@@ -103,17 +89,12 @@ def _check_part(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype=None) 
         raise ValueError(f"{name}'s experts must each be contiguous; got strides {t.stride()}")
 
 
-def gather_dequant(
-    dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torch.Tensor, code=None, only: str | None = None
-) -> torch.Tensor:
+def gather_dequant(dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torch.Tensor, code=None) -> torch.Tensor:
     """dst[i] = pool[table[ids[i]]] dequantized if that slot is >= 0 else host[ids[i]] dequantized, for i < n =
     len(ids), in one launch on the current stream (module doc). `pool`, `host`: Int4Tensor stacks (NF4: Nf4Tensor
     and its `code` [16] fp32 on dst's device); dst [>= n, I, H] bf16 / fp16 / fp32, contiguous; table [E], ids [n]:
-    int32 / int64 on dst's device. `only` "host" / "pool": write only the rows of the experts read from the host
-    copy / resident in the pool (the others stay as they are; a resident-only launch runs POOL_PROGRAMS programs)."""
+    int32 / int64 on dst's device."""
     nf4 = code is not None
-    if only not in (None, "host", "pool"):
-        raise ValueError(f"only must be None, 'host' or 'pool'; got {only!r}")
     if dst.dim() != 3 or not dst.is_contiguous() or dst.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dst must be a contiguous float [n, I, H] stack; got {dst.dtype} {tuple(dst.shape)}")
     _, I, H = dst.shape
@@ -150,11 +131,10 @@ def gather_dequant(
     hp, hs, hm = (*host.parts(), host.scale)[:3]
     per_expert = triton.cdiv(I, BLOCK_R)
     tiles = n * per_expert
-    programs = POOL_PROGRAMS if only == "pool" else PROGRAMS
-    _gather_dequant_kernel[(min(tiles, programs),)](
+    _gather_dequant_kernel[(min(tiles, PROGRAMS),)](
         dst, pp, ps, pm, arg(hp), arg(hs), arg(hm), code if nf4 else ps, table, ids, tiles, per_expert, I,
         pp.stride(0), ps.stride(0), pm.stride(0), hp.stride(0), hs.stride(0), hm.stride(0), dst.stride(0),
         H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(H2), NF4=nf4,
-        ONLY=(None, "host", "pool").index(only), num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return dst

@@ -417,15 +417,12 @@ def test_offloaded_prefill_equals_the_resident_model_in_every_miss_mode(mode):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU tensors needs the interpreter")
-@pytest.mark.parametrize("experts", ["full", "int4", "int4-one-launch"])
-def test_offloaded_prefill_gathers_spans_with_the_kernel(experts, monkeypatch):
+@pytest.mark.parametrize("experts", ["full", "int4"])
+def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
     """With master copies the device can read (pinned on CUDA; here the CPU under the interpreter) a span fills by
-    one gather_experts launch per part (int4: gather_dequant, the host experts' rows when the span is staged and the
-    resident ones' when it is used, `Staging.resident_on_compute`; or both in one launch a projection): resident
-    experts from their pool slots, the others from the host copies; the logits equal the resident model's and the
-    cache's figures count the same hits, misses and bytes."""
-    monkeypatch.setattr(Staging, "resident_on_compute", experts != "int4-one-launch")
-    experts = experts.removesuffix("-one-launch")
+    one gather_experts launch per part (int4: one gather_dequant launch per projection): resident experts from their
+    pool slots, the others from the host copies; the logits equal the resident model's and the cache's figures count
+    the same hits, misses and bytes."""
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
     e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))

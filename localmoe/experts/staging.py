@@ -14,9 +14,7 @@ the next layer's attention then runs while PCIe works, not before it (used when 
 same experts; otherwise refilled). With pinned master copies one kernel launch per projection (int4 / NF4:
 kernels/gather_dequant.py; otherwise kernels/gather_experts.py, all its parts) fills a span: the device slot tables
 pick pool or host per expert, and the host rows are read through unified addressing; otherwise (memory-mapped or
-pageable master copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device). int4 / NF4 spans
-split that launch in two (`resident_on_compute`): the side stream writes the host experts' rows, PCIe-paced, and the
-compute stream the resident ones' when it takes the span, at device-memory speed.
+pageable master copies, the CPU) a copy per expert and part (int4 / NF4: dequantized on the device).
 `stream(packed=True)` (int4 experts whose grouped GEMMs read them in place, experts/dense_path.py `int4_staged_packed`)
 stages spans as int4 stacks laid in the same buffers' memory, one gather_experts launch per projection (its three
 parts): the packed bytes cross and nothing is dequantized. A packed span holds as many experts as that memory does
@@ -50,10 +48,6 @@ class Staging:
 
     # Packed int4 spans hold as many experts as the plain buffers' memory does (False: `span`, as staged dequantized).
     packed_fill = True
-    # int4 / NF4 spans staged dequantized by the gather kernel: the side stream dequantizes only the host copies'
-    # experts (PCIe-paced) and the compute stream the resident ones when the span is used (device-memory speed), not
-    # both kinds on the side stream (False).
-    resident_on_compute = True
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -145,8 +139,6 @@ class Staging:
                 torch.cuda.current_stream(device).wait_event(ready)
             _count(cache, span, sources)
             first = i * size
-            if gather and self._split(packed):
-                self._gather(cache, layer, bufs[i % 2], ids[first : first + len(span)], only="pool")
             yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
             ready = following
         if len(experts) == cache.num_experts and layer + 1 in cache.masters:
@@ -221,25 +213,17 @@ class Staging:
             )
         return self.gathers[layer]
 
-    def _split(self, packed: bool) -> bool:
-        """Whether spans staged this way are dequantized in two launches a projection (`resident_on_compute`)."""
-        return self.resident_on_compute and self.plain is not None and not packed
-
-    def _gather(
-        self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor, packed: bool = False, only: str | None = None
-    ) -> None:
+    def _gather(self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor, packed: bool = False) -> None:
         """buf[i] = expert ids[i] of `layer` (on the device), pool slot or host master per expert as the device slot
-        tables say: one gather_dequant launch per projection into plain buffers (`only` "pool": the resident
-        experts' rows; otherwise with `resident_on_compute` the host ones'), else (and `packed`) one gather_experts
-        launch per projection for all its parts."""
+        tables say: one gather_dequant launch per projection into plain buffers, else (and `packed`) one
+        gather_experts launch per projection for all its parts."""
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
-        only = only or ("host" if self._split(packed) else None)
         for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
             if self.plain is not None and not packed:
                 src = getattr(master, name)
                 code = nf4_code(ids.device) if isinstance(src, Nf4Tensor) else None
-                gather_dequant(getattr(buf, name), getattr(cache.pool, name), src, t, ids, code=code, only=only)
+                gather_dequant(getattr(buf, name), getattr(cache.pool, name), src, t, ids, code=code)
                 continue
             gather_experts(
                 parts(getattr(buf, name)), parts(getattr(cache.pool, name)), parts(getattr(master, name)), t, ids
