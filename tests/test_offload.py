@@ -489,7 +489,7 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     assert (cache.staging.packed_buffers is not None) == in_place
     assert (cache.staging.stage is not None) == layer_stage
     if layer_stage:  # every layer's absent experts fit a slot: staged whole
-        assert cache.staging.stage.fits((tuple(range(E)),) * 2)
+        assert cache.staging.stage.capacity >= E
     if in_place:  # fp32 buffers hold ~7x as many int4 experts
         assert min(E, 6) <= span <= E if Staging.packed_fill else span == 2
 

@@ -9,10 +9,9 @@ before starts its experts: PCIe then runs under that layer's GEMMs and this laye
 dequantizes each span of the layer from the pool (resident) or the stage (absent: kernels/gather_dequant.py
 `host_rows`, device memory only) into one plain buffer right before its GEMMs.
 
-The two slots are laid in the other plain buffer's memory (a half each, packed: ~2x a plain span's experts over the
-three projections, laid for each layer's absent gates and up/down pairs: a gate tier leaves the up/down pairs all of
-it), so the prefill budget (experts/prefill_budget.py) is unchanged; a layer whose absent experts do not fit a slot
-is staged span by span. Shapes: E experts a layer, I expert width, H hidden.
+The two slots are laid in the other plain buffer's memory (a half each, packed: ~2x a plain span's experts), so the
+prefill budget (experts/prefill_budget.py) is unchanged; a layer whose absent experts do not fit a slot is staged
+span by span. Shapes: E experts a layer, I expert width, H hidden.
 
 Imports: torch, experts/expert_weights and experts/int4, the two gather kernels.
 """
@@ -35,36 +34,37 @@ ALIGN = 256  # bytes: each slot and each part of it starts at a multiple
 @dataclass
 class Staged:
     """One layer's absent experts in a slot: their ids (gate, up/down: the gate tier may differ), each expert's row
-    in the slot ([E] int32 on the device, -1 resident), the slot's stacks as laid for them, and the event that marks
-    the copies done (None on the CPU)."""
+    in the slot ([E] int32 on the device, -1 resident), and the event that marks the copies done (None on the CPU)."""
 
     layer: int
     absent: tuple[tuple[int, ...], tuple[int, ...]]
     rows: tuple[torch.Tensor, torch.Tensor]
-    slot: ExpertWeights
     event: torch.cuda.Event | None
 
 
 class LayerStage:
     """Two stage slots of packed 4-bit experts laid in one plain buffer's memory (module doc)."""
 
-    def __init__(self, memory: torch.Tensor, like):
-        """`memory`: the bytes (uint8) of a plain staging buffer, its three projections' stacks in one allocation
-        (a half of it a slot, each laid for the layer it holds); `like(p)`: a one-expert stack of projection p in
-        the cache's 4-bit format."""
-        self.half = memory.numel() // 2 // ALIGN * ALIGN
-        self.memory = memory
-        self.like = {p: like(p) for p in PROJECTIONS}
+    def __init__(self, memory: ExpertWeights, like):
+        """`memory`: a plain staging buffer [span, I, H] per projection (its bytes hold the slots); `like(p)`: a
+        one-expert stack of projection p in the cache's 4-bit format."""
+        self.capacity = 1 << 30
+        self.slots: list[ExpertWeights] = []
+        for s in range(2):
+            stacks = []
+            for p in PROJECTIONS:
+                raw = getattr(memory, p).view(-1).view(torch.uint8)
+                half = raw.numel() // 2 // ALIGN * ALIGN
+                one = like(p)
+                n = half // sum(t[0].numel() * t.element_size() for t in parts(one))
+                while n and _packed_bytes(one, n) > half:
+                    n -= 1
+                self.capacity = min(self.capacity, n)
+                stacks.append((raw[s * half : (s + 1) * half], one, n))
+            self.slots.append(stacks)
+        self.slots = [ExpertWeights(*(_laid(raw, one, self.capacity) for raw, one, _ in st)) for st in self.slots]
         self.ahead: Staged | None = None
         self._none: dict[tuple, torch.Tensor] = {}  # (device, E) -> [E] of -1: gather_experts reads the host copy
-
-    def sizes(self, absent: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[int, int, int]:
-        """Bytes the three projections' stacks of these absent experts (gate, up/down) take in a slot."""
-        n = (len(absent[0]), len(absent[1]), len(absent[1]))
-        return tuple(_packed_bytes(self.like[p], k) for p, k in zip(PROJECTIONS, n))
-
-    def fits(self, absent) -> bool:
-        return sum(self.sizes(absent)) <= self.half
 
     def take(self, cache, layer: int, side, device: torch.device) -> Staged | None:
         """This layer's stage: the one issued ahead when it still matches the cache, else issued now; None when
@@ -78,16 +78,12 @@ class LayerStage:
         """Copy `layer`'s absent experts into slot layer % 2: on `side` after the compute stream's work so far (the
         slot's previous layer is computed); on the CPU now. None (nothing copied) when they do not fit."""
         absent = _absent(cache, layer)
-        if not self.fits(absent):
+        if max(map(len, absent)) > self.capacity:
             return None
         E = cache.num_experts
         rows = tuple(_rows(a, E, device) for a in absent)
         ids = tuple(_upload(a, device) if a else None for a in absent)
-        raw, at, stacks = self.memory[(layer % 2) * self.half :], 0, []
-        for p, size, k in zip(PROJECTIONS, self.sizes(absent), (0, 1, 1)):
-            stacks.append(_laid(raw[at : at + size], self.like[p], len(absent[k])))
-            at += size
-        slot, master = ExpertWeights(*stacks), cache.masters[layer]
+        slot, master = self.slots[layer % 2], cache.masters[layer]
         none = self._none.get((device, E))
         if none is None:
             none = self._none[(device, E)] = torch.full((E,), -1, dtype=torch.int32, device=device)
@@ -102,7 +98,7 @@ class LayerStage:
 
         if side is None:
             copy()
-            return Staged(layer, absent, rows, slot, None)
+            return Staged(layer, absent, rows, None)
         side.wait_stream(torch.cuda.current_stream(device))
         for t in ids:  # made on the compute stream, read on the side one
             if t is not None:
@@ -111,7 +107,7 @@ class LayerStage:
             copy()
             event = torch.cuda.Event()
             event.record(side)
-        return Staged(layer, absent, rows, slot, event)
+        return Staged(layer, absent, rows, event)
 
     def dequantize(self, cache, staged: Staged, buf: ExpertWeights, ids: torch.Tensor) -> None:
         """buf[i] = expert ids[i] of the staged layer dequantized, from its pool slot or its stage row (device
@@ -119,7 +115,7 @@ class LayerStage:
         layer = staged.layer
         table = cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
-        slot = staged.slot
+        slot = self.slots[layer % 2]
         for name, t, rows in (
             ("w_gate", gate_table, staged.rows[0]),
             ("w_up", table, staged.rows[1]),

@@ -71,7 +71,6 @@ class Staging:
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
         self.ahead: tuple[int, list[list[int]], list, bool] | None = None  # (layer, first spans, events, packed)
         self.stage: LayerStage | None = None  # the layer stage's slots, in the second plain buffer (`_layer_stage`)
-        self.memory: torch.Tensor | None = None  # that buffer's bytes (uint8), its three stacks in one allocation
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
 
     def resize(self, span: int) -> None:
@@ -86,12 +85,8 @@ class Staging:
     def _buffers(self, packed: bool = False) -> list[ExpertWeights]:
         """The two buffers; `packed`: int4 stacks of `span` experts laid in the plain buffers' memory (`_packed`)."""
         if self.buffers is None:
-            if self.plain is not None:  # a buffer's three stacks in one allocation: the layer stage's slots span it
-                wholes = [self.plain(3 * self.span) for _ in "ab"]
-                self.buffers = [ExpertWeights(*w.split(self.span)) for w in wholes]
-                self.memory = wholes[1].view(-1).view(torch.uint8)
-            else:
-                self.buffers = [ExpertWeights(*(self.make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
+            make = (lambda n, p: self.plain(n)) if self.plain is not None else self.make
+            self.buffers = [ExpertWeights(*(make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
             self.packed_buffers = self.stage = None
         if not packed:
             return self.buffers
@@ -170,7 +165,7 @@ class Staging:
         if not (cuda or self.kernel_on_cpu) or not self._gathers(cache, layer, device):
             return None
         if self.stage is None:
-            self.stage = LayerStage(self.memory, lambda p: self.make(1, p))
+            self.stage = LayerStage(bufs[1], lambda p: self.make(1, p))
         self._settle_spans(device)  # spans filled ahead write both buffers: done before the stage reuses them
         if cuda and self.stream_ is None:
             self.stream_ = torch.cuda.Stream(device)
