@@ -16,9 +16,6 @@ against the GEMMs reading them in place (`DensePath.int4_staged_packed` offloade
 resident, "gather"); `--vram 0` too. `--packed-fill` (int4
 offloaded, read in place in both) packed spans of the dequantized span's experts ("copies") against as many as the
 staging buffers' memory holds (`Staging.packed_fill`, "gather").
-`--stage-layers` (int4 / NF4 experts) compares a layer's spans staged dequantized on the side stream span by span
-("copies") against its absent experts staged packed a layer ahead and every span dequantized on the compute stream
-(`Staging.stage_layers`, experts/layer_stage.py, "gather").
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
@@ -35,8 +32,8 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --stage-layers | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B | --prefill-norms
-       | --prefill-block | --prefill-attention | --prefill-all]
+       | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block
+       | --prefill-attention | --prefill-all]
 """
 
 import argparse
@@ -73,7 +70,6 @@ p.add_argument(
     "--dequant-grid", default=None, help="A,B: int4 / NF4 staging's gather_dequant PROGRAMSxBLOCK_R[xNUM_WARPS]"
 )
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
-p.add_argument("--stage-layers", action="store_true", help="int4 / NF4: span by span against the layer stage")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
@@ -117,10 +113,6 @@ def ttft(n: int, gather: bool) -> float:
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather
-    elif a.stage_layers:
-        if Staging.stage_layers != gather:
-            staging.settle(torch.device("cuda"))
-            Staging.stage_layers = gather
     elif a.int4_in_place:
         DensePath.int4_in_place = DensePath.int4_staged_packed = gather
     elif rules:
@@ -161,8 +153,6 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if dq_grids:
     print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
-if a.stage_layers:
-    print("'copies': int4 / NF4 spans staged dequantized span by span; 'gather': the layer stage")
 if a.int4_in_place:
     print("'copies': int4 spans dequantized, then grouped GEMMs; 'gather': grouped GEMMs reading int4 in place")
 if a.packed_fill:

@@ -444,17 +444,15 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("experts", ["full", "int4", "int4-plainspans", "int4-dequantized", "int4-layerstage"])
+@pytest.mark.parametrize("experts", ["full", "int4", "int4-plainspans", "int4-dequantized"])
 def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     """The dense path with no host read of the routing (`DensePath.device_spans`: every expert in fixed spans, the
     group ends read by kernels/grouped_gate_up.py and grouped_gemm.py): an offloaded prompt (spans of 2 staged) and a
     resident one give the resident model's logits; the offloaded one stages every expert of every layer once. The
     span launches are counted (the kernel still runs) to show the path was taken. int4 experts are read in place
     (`DensePath.int4_staged_packed` offloaded, `int4_in_place` resident: spans staged packed, in the staging buffers'
-    memory, as many experts as it holds) or dequantized (staged so: span by span, or with the gather kernels a
-    layer's absent experts staged packed ahead, each span dequantized from the pool or that stage: layer_stage.py)."""
+    memory, as many experts as it holds) or dequantized (staged so)."""
     in_place = experts in ("int4", "int4-plainspans")
-    layer_stage = experts == "int4-layerstage"
     monkeypatch.setattr(Staging, "packed_fill", experts != "int4-plainspans")  # packed spans as many as the plain
     experts = experts.split("-")[0]
     monkeypatch.setattr(dense_path.DensePath, "int4_in_place", in_place)
@@ -469,8 +467,7 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
         want = resident.model(input_ids=ids).logits
     e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
     cache = e.loaded.cache
-    cache.staging.span = 4 if layer_stage else 2  # the stage's slots: a half of the second buffer each
-    cache.staging.kernel_on_cpu = layer_stage
+    cache.staging.span = 2
     for engine in (resident, e):
         for m in engine.loaded.experts:
             m.device_spans = m.kernel_on_cpu = True
@@ -484,12 +481,9 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     assert cache.hits + cache.misses == sum(m.num_experts for m in e.loaded.experts)  # every expert, once a layer
     E, layers = e.loaded.experts[0].num_experts, len(e.loaded.experts)
     assert launches.count(0) == 2 * layers  # each engine's first span of every layer
-    span = cache.staging.packed_span if in_place else cache.staging.span  # packed spans: as the memory holds
+    span = cache.staging.packed_span if in_place else 2  # packed spans fill the buffers' memory: more experts
     assert set(range(0, E, span)) <= set(launches)  # the offloaded spans
     assert (cache.staging.packed_buffers is not None) == in_place
-    assert (cache.staging.stage is not None) == layer_stage
-    if layer_stage:  # every layer's absent experts fit a slot: staged whole
-        assert cache.staging.stage.capacity >= E
     if in_place:  # fp32 buffers hold ~7x as many int4 experts
         assert min(E, 6) <= span <= E if Staging.packed_fill else span == 2
 

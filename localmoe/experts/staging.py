@@ -37,7 +37,6 @@ import torch
 
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, Int4Tensor, Nf4Tensor, copy_expert, parts
-from localmoe.experts.layer_stage import LayerStage
 from localmoe.experts.prefill_budget import span_for
 from localmoe.kernels.gather_dequant import gather_dequant
 from localmoe.kernels.gather_experts import gather_experts
@@ -49,9 +48,6 @@ class Staging:
 
     # Packed int4 spans hold as many experts as the plain buffers' memory does (False: `span`, as staged dequantized).
     packed_fill = True
-    # int4 / NF4 layers that route every expert: the absent experts staged packed a layer ahead and every span
-    # dequantized on the compute stream (experts/layer_stage.py); False: span by span, dequantized on the side stream.
-    stage_layers = True
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -70,7 +66,6 @@ class Staging:
         self.stream_: torch.cuda.Stream | None = None
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
         self.ahead: tuple[int, list[list[int]], list, bool] | None = None  # (layer, first spans, events, packed)
-        self.stage: LayerStage | None = None  # the layer stage's slots, in the second plain buffer (`_layer_stage`)
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
 
     def resize(self, span: int) -> None:
@@ -79,7 +74,7 @@ class Staging:
         if span != self.span:
             if self.buffers is not None:  # a fill ahead may still write them: the compute stream waits before they go
                 self.settle(self.buffers[0].w_gate.device)
-            self.buffers = self.stage = None
+            self.buffers = None
             self.span = span
 
     def _buffers(self, packed: bool = False) -> list[ExpertWeights]:
@@ -87,7 +82,7 @@ class Staging:
         if self.buffers is None:
             make = (lambda n, p: self.plain(n)) if self.plain is not None else self.make
             self.buffers = [ExpertWeights(*(make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
-            self.packed_buffers = self.stage = None
+            self.packed_buffers = None
         if not packed:
             return self.buffers
         if self.packed_buffers is None:
@@ -118,10 +113,6 @@ class Staging:
         ids cross once, from pinned memory. `packed` (int4 experts staged dequantized otherwise): the spans stay
         int4, in the same memory (the grouped GEMMs read them in place)."""
         packed = packed and self.plain is not None
-        staged = self._layer_stage(cache, layer, experts, packed)
-        if staged is not None:
-            yield from self._stream_staged(cache, staged)
-            return
         size = self._span(packed)
         spans = [experts[i : i + size] for i in range(0, len(experts), size)]
         ahead = self._take_ahead(layer, spans, packed)
@@ -152,44 +143,6 @@ class Staging:
             ready = following
         if len(experts) == cache.num_experts and layer + 1 in cache.masters:
             self._fill_ahead(cache, layer + 1, device, cuda, packed)
-
-    def _layer_stage(self, cache, layer: int, experts: list[int], packed: bool):
-        """`layer`'s stage (experts/layer_stage.py) when it takes the layer: int4 / NF4 experts staged dequantized,
-        every expert routed, master copies the gather kernels read (CUDA, or the CPU under the interpreter with
-        `kernel_on_cpu`) and its absent experts fitting a slot; else None (span by span)."""
-        if not self.stage_layers or self.plain is None or packed or len(experts) != cache.num_experts or not experts:
-            return None
-        bufs = self._buffers()
-        device = bufs[0].w_gate.device
-        cuda = device.type == "cuda"
-        if not (cuda or self.kernel_on_cpu) or not self._gathers(cache, layer, device):
-            return None
-        if self.stage is None:
-            self.stage = LayerStage(bufs[1], lambda p: self.make(1, p))
-        self._settle_spans(device)  # spans filled ahead write both buffers: done before the stage reuses them
-        if cuda and self.stream_ is None:
-            self.stream_ = torch.cuda.Stream(device)
-        side = self.stream_ if cuda else None
-        staged = self.stage.take(cache, layer, side, device)
-        if staged is None:
-            return None
-        if cuda:  # this layer's copies, not the next one's
-            torch.cuda.current_stream(device).wait_event(staged.event)
-        if layer + 1 in cache.masters and self._gathers(cache, layer + 1, device):
-            self.stage.ahead = self.stage.issue(cache, layer + 1, side, device)
-        return staged
-
-    def _stream_staged(self, cache, staged) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
-        """`stream` of a whole layer through its stage: each span dequantized into the first buffer on the compute
-        stream (valid until the generator is resumed)."""
-        buf, size, E = self.buffers[0], self.span, cache.num_experts
-        ids = torch.arange(E, dtype=torch.int32, device=buf.w_gate.device)
-        sources = cache.sources(staged.layer)
-        for first in range(0, E, size):
-            n = min(size, E - first)
-            self.stage.dequantize(cache, staged, buf, ids[first : first + n])
-            _count(cache, list(range(first, first + n)), sources)
-            yield first, n, buf, ids[first : first + n]
 
     def _issue(self, cache, layer: int, span: list[int], buf: ExpertWeights, ids, cuda: bool, packed: bool = False):
         """Fill `buf` with `span`'s experts: on the side stream after the compute stream's work so far (the buffer's
@@ -243,13 +196,7 @@ class Staging:
 
     def settle(self, device: torch.device) -> None:
         """Before the cache writes its pools (decode admits experts): the compute stream waits for any fill ahead
-        still reading them, and it is dropped (a layer staged ahead too)."""
-        self._settle_spans(device)
-        if self.stage is not None:
-            self.stage.settle(device)
-
-    def _settle_spans(self, device: torch.device) -> None:
-        """The compute stream waits for the spans filled ahead, and they are dropped."""
+        still reading them, and it is dropped."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and device.type == "cuda":
             for event in ahead[2]:
