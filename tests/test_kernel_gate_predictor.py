@@ -19,13 +19,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernel_cases import DEV, expert_inputs, rel_err  # noqa: E402
-from test_kernel_sparse_fused import (  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    DEV,
     accumulates_twice,
+    expert_inputs,
     gate_abs,
     int4_inputs,
     int4_offload_layout,
     offload_layout,
+    rel_err,
     tau_for,
 )
 
