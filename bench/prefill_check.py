@@ -14,7 +14,8 @@ PREPARE/PRECISION` / `--prefill-norms` / `--prefill-block` / `--prefill-attentio
 `DensePath.device_spans` off / `DensePath.int4_in_place` and `int4_staged_packed` on / the Gated DeltaNet prefill's
 rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_precision`) /
 `FusedDecoderLayer.prefill_norms` / `FusedSparseMoeBlock.prefill_fused` / `FusedAttention.prefill_fused` on, in
-both engines, before one becomes a default.
+both engines, before one becomes a default; `--cpu-share F`: `Staging.cpu_share` (a share of the offloaded full
+experts computed on the CPU: its matmuls round differently, so the logits differ a little; the tokens must not).
 """
 
 import os
@@ -38,6 +39,7 @@ from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 from localmoe.experts.dense_path import DensePath  # noqa: E402
 from localmoe.experts.placement import WORKSPACE_RESERVE  # noqa: E402
+from localmoe.experts.staging import Staging  # noqa: E402
 
 DEV = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
 DEAMOE = "localmoe-tiny-deamoe"  # bundled: DeaMoE's departments staged instead of experts
@@ -129,12 +131,14 @@ def main() -> None:
         FusedSparseMoeBlock.prefill_fused = True
     if "--prefill-attention" in sys.argv:
         FusedAttention.prefill_fused = True
+    if "--cpu-share" in sys.argv:
+        Staging.cpu_share = float(sys.argv[sys.argv.index("--cpu-share") + 1])
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
     print(f"device_spans {DensePath.device_spans}, int4_in_place {DensePath.int4_in_place} (staged packed "
           f"{DensePath.int4_staged_packed}), DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
-          f"attention {attention}")  # fmt: skip
+          f"attention {attention}, cpu_share {Staging.cpu_share}")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

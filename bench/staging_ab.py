@@ -16,6 +16,9 @@ against the GEMMs reading them in place (`DensePath.int4_staged_packed` offloade
 resident, "gather"); `--vram 0` too. `--packed-fill` (int4
 offloaded, read in place in both) packed spans of the dequantized span's experts ("copies") against as many as the
 staging buffers' memory holds (`Staging.packed_fill`, "gather").
+`--cpu-share F` (full experts) compares every absent expert staged ("copies") against a share F of each layer's
+computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.py, "gather"); the PCIe column
+still counts every absent byte.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
@@ -32,8 +35,8 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block
-       | --prefill-attention | --prefill-all]
+       | --cpu-share F | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B | --prefill-norms
+       | --prefill-block | --prefill-attention | --prefill-all]
 """
 
 import argparse
@@ -70,6 +73,7 @@ p.add_argument(
     "--dequant-grid", default=None, help="A,B: int4 / NF4 staging's gather_dequant PROGRAMSxBLOCK_R[xNUM_WARPS]"
 )
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
+p.add_argument("--cpu-share", type=float, default=None, help="full experts: no CPU share against this share")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
@@ -113,6 +117,8 @@ def ttft(n: int, gather: bool) -> float:
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather
+    elif a.cpu_share is not None:
+        Staging.cpu_share = a.cpu_share if gather else 0.0
     elif a.int4_in_place:
         DensePath.int4_in_place = DensePath.int4_staged_packed = gather
     elif rules:
@@ -153,6 +159,8 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if dq_grids:
     print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
+if a.cpu_share is not None:
+    print(f"'copies': every absent expert staged; 'gather': a share of {a.cpu_share} computed on the CPU")
 if a.int4_in_place:
     print("'copies': int4 spans dequantized, then grouped GEMMs; 'gather': grouped GEMMs reading int4 in place")
 if a.packed_fill:

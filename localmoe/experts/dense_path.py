@@ -13,8 +13,9 @@ and clamped SwiGLU (experts/clamped_swiglu.py).
 The mixin reads the module's state: `weights` (ExpertWeights), `cache`, `layer_idx`, `num_experts`,
 `intermediate_size`, `hidden_size`, `hidden_act`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`,
 `grouped`, `mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens`, `dequant_bytes`, `kernel_on_cpu` and `_count`.
-Imports: torch, experts/clamped_swiglu, the int4 format and the kernels of `_grouped_device` (the two grouped GEMMs,
-the slot sort and the token combine) with their tuned tables.
+Imports: torch, experts/clamped_swiglu, experts/cpu_share (a long call's CPU experts, `Staging.cpu_share`), the int4
+format and the kernels of `_grouped_device` (the two grouped GEMMs, the slot sort and the token combine) with their
+tuned tables.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from localmoe.experts.clamped_swiglu import down_out, gate_pre, up_value
+from localmoe.experts.cpu_share import CpuRows
 from localmoe.kernels.grouped_gate_up import grouped_gate_up
 from localmoe.kernels.grouped_gemm import grouped_gemm
 from localmoe.kernels.int4 import Int4Tensor
@@ -138,6 +140,17 @@ class DensePath:
             return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
         return x.device.type == "cpu" and x.dtype.is_floating_point and _TORCH >= (2, 11)
 
+    def _cpu_experts(self) -> list[int]:
+        """The absent experts the CPU computes in this layer's long call (experts/cpu_share.py, `Staging.cpu_share`):
+        offloaded plain experts with a plain SwiGLU, no recorder, predictor or mask over all tokens; else none."""
+        if self.cache is None or not self.cache.staging.cpu_share or self.weights.quantized:
+            return []
+        if self.biases is not None or self.up_fn is not None or self.recorder is not None or self.predictor is not None:
+            return []
+        if self.mask_all_tokens and self.sparse_enabled and self.tau is not None:
+            return []
+        return self.cache.staging.cpu_experts(self.cache, self.layer_idx)
+
     def _grouped(self, x, top_k_index, top_k_weights, masked: bool) -> torch.Tensor:
         """The dense path as three grouped GEMMs (torch's grouped_mm: one launch per projection for all experts)
         over the (token, expert) slots sorted by expert: no Python loop and no host sync, the same arithmetic and
@@ -152,7 +165,12 @@ class DensePath:
         ids = flat[order]  # [T*k] expert of each sorted slot
         xs = x[tok]  # [T*k, H]
         ys, kept = [], 0
-        for w_gate, w_up, w_down_t, offs, s0, s1 in self._span_weights(ends, T * k):
+        cpu, on_cpu = self._cpu_experts(), None
+        if cpu:  # started before the spans: the CPU works while the GPU stages and computes the rest
+            end = ends.tolist()
+            on_cpu = CpuRows(x, order, end, k, cpu, self.cache.masters[self.layer_idx], self.act_fn)
+            self.cache.misses += on_cpu.experts
+        for w_gate, w_up, w_down_t, offs, s0, s1 in self._span_weights(ends, T * k, cpu):
             xc = xs[s0:s1]
             g = self.act_fn(gate_pre(_GROUPED_MM(xc, w_gate.transpose(1, 2), offs=offs), self.biases, ids[s0:s1]))
             if self.recorder is not None:
@@ -162,10 +180,16 @@ class DensePath:
                 g = g * keep
                 kept = kept + keep.sum()
             h = g * up_value(_GROUPED_MM(xc, w_up.transpose(1, 2), offs=offs), self.biases, ids[s0:s1], self.up_fn)
-            ys.append(down_out(_GROUPED_MM(h, w_down_t, offs=offs), self.biases, ids[s0:s1]))  # [n, H]
+            ys.append((s0, s1, down_out(_GROUPED_MM(h, w_down_t, offs=offs), self.biases, ids[s0:s1])))  # [n, H]
         if masked:
             self._count(kept, T * k * I)
-        y = ys[0] if len(ys) == 1 else torch.cat(ys)  # [T*k, H]
+        if on_cpu is None:
+            y = ys[0][2] if len(ys) == 1 else torch.cat([r for _, _, r in ys])  # [T*k, H]
+        else:  # the spans leave the CPU's slots out (or computed with a neighbour's weights): its rows go there
+            y = x.new_empty((T * k, x.shape[1]), dtype=ys[0][2].dtype if ys else x.dtype)
+            for s0, s1, r in ys:
+                y[s0:s1] = r
+            on_cpu.put(y)
         y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
         if x.is_cuda:
             return token_sum(y, order, k).to(x.dtype)
@@ -191,7 +215,7 @@ class DensePath:
         `kernel_on_cpu`), a plain SwiGLU (no GPT-OSS biases or clamp, no MXFP4 stacks), no gate recorder or predictor
         (they read the activations), and a call that routes to nearly every expert (T·k >= 4E: the fixed spans stage
         every expert; a shorter call keeps the routed ones only)."""
-        if not self.device_spans or not (x.is_cuda or self.kernel_on_cpu):
+        if not self.device_spans or not (x.is_cuda or self.kernel_on_cpu) or self._cpu_experts():
             return False
         if self.hidden_act != "silu" or self.biases is not None or self.up_fn is not None or self.weights.mxfp4:
             return False
@@ -244,17 +268,21 @@ class DensePath:
         for a in range(0, E, per):
             yield (*self.weights.dequantized(a, min(E, a + per)), a)
 
-    def _span_weights(self, ends: torch.Tensor, slots: int):
+    def _span_weights(self, ends: torch.Tensor, slots: int, cpu: list[int] = ()):
         """(gate, up, down_t [n, I, H], group ends within the span [n] int32, first slot, end slot) of each grouped
         GEMM call: resident experts by `_spans`; offloaded, the routed experts streamed through the cache's staging
-        buffers (experts/staging.py: one span's copies overlap the previous span's GEMMs; one host sync, `ends`)."""
+        buffers (experts/staging.py: one span's copies overlap the previous span's GEMMs; one host sync, `ends`),
+        but for `cpu`'s: a span's slots may hold theirs (each joins the next staged expert's group; `_grouped`
+        writes the CPU's rows over them)."""
         if self.cache is None:
             for a, b, s0, s1 in self._spans(ends, slots):
                 yield (*self.weights.dequantized(a, b), ends[a:b] - s0 if s0 else ends[a:b], s0, s1)
             return
         end = ends.tolist()
-        routed = [e for e in range(self.num_experts) if end[e] > (end[e - 1] if e else 0)]
-        for first, n, buf, ids in self.cache.stream(self.layer_idx, routed):
+        skip = set(cpu)
+        routed = [e for e in range(self.num_experts) if end[e] > (end[e - 1] if e else 0) and e not in skip]
+        taken = [e for e in cpu if end[e] > (end[e - 1] if e else 0)]
+        for first, n, buf, ids in self.cache.stream(self.layer_idx, routed, cpu=taken):
             span = routed[first : first + n]
             s0 = end[span[0] - 1] if span[0] else 0
             yield (*buf.dequantized(0, n), ends[ids] - s0, s0, end[span[-1]])  # device ids: no host sync

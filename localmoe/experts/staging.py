@@ -21,6 +21,9 @@ parts): the packed bytes cross and nothing is dequantized. A packed span holds a
 (`packed_fill`; ~3.8x `span` for bf16 models, evened out: a layer in two spans of 128 at Qwen3.5-35B-A3B's shapes):
 fewer spans, fewer launches a layer, and the next layer's two spans filled ahead are all of it.
 
+With `cpu_share` some absent plain experts of a layer are not staged at all: the CPU computes them meanwhile
+(experts/cpu_share.py; `cpu_experts` picks them without the routing, so the layer ahead is filled without them).
+
 A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, STAGE_DEQUANT_BYTES of
 dequantized ones (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
 prefill_budget.fit: two buffers (MXFP4: and two dequantized spans) and the piece's activations inside what the plan
@@ -48,6 +51,9 @@ class Staging:
 
     # Packed int4 spans hold as many experts as the plain buffers' memory does (False: `span`, as staged dequantized).
     packed_fill = True
+    # Plain (bf16 / fp32) experts: the share of an offloaded layer's absent experts a long piece computes on the CPU
+    # while the GPU stages the rest (experts/cpu_share.py, `cpu_experts`). 0: off (not yet timed on a GPU).
+    cpu_share = 0.0
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -59,6 +65,7 @@ class Staging:
         self.make = make
         self.plain = plain
         self.span = span_for(expert_bytes, dequantized_bytes, quantized, experts)
+        self.quantized = quantized
         self.experts = experts
         self.packed_span = 0  # experts per packed buffer (`_buffers(packed=True)` sets it)
         self.buffers: list[ExpertWeights] | None = None
@@ -104,14 +111,25 @@ class Staging:
         self._buffers(True)
         return self.packed_span
 
+    def cpu_experts(self, cache, layer: int) -> list[int]:
+        """The absent experts of `layer` a long piece computes on the CPU (`cpu_share`; plain experts only): the last
+        share of them by id, a choice that needs no routing (the layer ahead is filled without them)."""
+        if not self.cpu_share or self.quantized or layer not in cache.masters:
+            return []
+        gates, slots = cache.sources(layer)
+        absent = [e for e in range(cache.num_experts) if slots[e] < 0 and gates[e] < 0]
+        n = int(len(absent) * self.cpu_share)
+        return absent[len(absent) - n :] if n else []
+
     def stream(
-        self, cache, layer: int, experts: list[int], packed: bool = False
+        self, cache, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = ()
     ) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
         """(index in `experts` of the span's first expert, experts in the span n, the staging buffer holding them in
         its first n rows, their ids [n] int32 on the device) for each span of `experts` (ascending expert ids of
         `layer`), in order (module doc). The buffer is valid until the generator is resumed twice. No host sync: the
         ids cross once, from pinned memory. `packed` (int4 experts staged dequantized otherwise): the spans stay
-        int4, in the same memory (the grouped GEMMs read them in place)."""
+        int4, in the same memory (the grouped GEMMs read them in place). `cpu`: the routed experts the CPU computes
+        (`cpu_experts`), not in `experts`."""
         packed = packed and self.plain is not None
         size = self._span(packed)
         spans = [experts[i : i + size] for i in range(0, len(experts), size)]
@@ -141,7 +159,7 @@ class Staging:
             first = i * size
             yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
             ready = following
-        if len(experts) == cache.num_experts and layer + 1 in cache.masters:
+        if len(experts) + len(cpu) == cache.num_experts and layer + 1 in cache.masters:
             self._fill_ahead(cache, layer + 1, device, cuda, packed)
 
     def _issue(self, cache, layer: int, span: list[int], buf: ExpertWeights, ids, cuda: bool, packed: bool = False):
@@ -171,12 +189,13 @@ class Staging:
         """Fill both buffers with `layer`'s first two spans of experts (all experts routed, as a long piece routes
         them), for `stream` to take if they are that layer's first spans (staged the same way: `packed`)."""
         bufs, size = self._buffers(packed), self._span(packed)
-        E = cache.num_experts
-        spans = [list(range(a, min(E, a + size))) for a in range(0, min(E, 2 * size), size)]
+        skip = set(self.cpu_experts(cache, layer))
+        experts = [e for e in range(cache.num_experts) if e not in skip]
+        spans = [experts[a : a + size] for a in range(0, min(len(experts), 2 * size), size)]
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
-        ids = torch.arange(E, dtype=torch.int32, device=device) if gather else None
+        ids = upload(experts, device) if gather else None
         events = [
-            self._issue(cache, layer, span, bufs[i], ids[span[0] :] if gather else None, cuda, packed)
+            self._issue(cache, layer, span, bufs[i], ids[i * size :] if gather else None, cuda, packed)
             for i, span in enumerate(spans)
         ]
         self.ahead = (layer, spans, events, packed)
