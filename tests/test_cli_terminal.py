@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import tiny_models
-from cli_support import run
+from cli_support import on_terminal, run
 
 # -- output safety: what reaches a terminal carries no control sequences; pipes and --json keep the exact text ------
 ESC_TOKEN = "title:\x1b]0;pwn\x07done"  # the checkpoint's greedy reply, token after token: an OSC that retitles
@@ -22,35 +20,6 @@ ESC_DIR = "esc\x1b]0;dir\x07"  # the checkpoint folder's name, shown in the stat
 def escape_model(tmp_path_factory) -> str:
 
     return str(tiny_models.save_repeating_checkpoint(tmp_path_factory.mktemp("safety") / ESC_DIR, ESC_TOKEN))
-
-
-def _on_terminal(argv: list[str]) -> tuple[int, bytes]:
-    """Run the CLI with stdout and stderr on a pseudo-terminal, as a user at a terminal would: (status, what the
-    terminal received)."""
-    import pty
-
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "localmoe", *argv],
-        stdin=subprocess.DEVNULL,
-        stdout=follower,
-        stderr=follower,
-        env=dict(os.environ),
-    )
-    os.close(follower)
-    received = b""
-    try:
-        while True:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            received += chunk
-    finally:
-        os.close(leader)
-    return proc.wait(timeout=120), received
 
 
 def _safety_piped(model, capsys):
@@ -75,7 +44,7 @@ def _safety_error_line(model, capsys):
 
 
 def _safety_terminal(model, capsys):
-    code, seen = _on_terminal(["run", model, "hi", "--max-new-tokens", "3", "--sparsity", "0"])
+    code, seen = on_terminal(["run", model, "hi", "--max-new-tokens", "3", "--sparsity", "0"])
     text = seen.decode()
     assert code == 0 and "title:done" * 3 + "\r\n" in text and "[esc on cpu] load " in text
     assert "localmoe: note: esc: " in text  # the plan line, on a terminal
@@ -86,17 +55,17 @@ def _safety_terminal(model, capsys):
 
 
 def _safety_terminal_json(model, capsys):
-    code, seen = _on_terminal(["run", model, "hi", "--max-new-tokens", "2", "--sparsity", "0", "--json", "--quiet"])
+    code, seen = on_terminal(["run", model, "hi", "--max-new-tokens", "2", "--sparsity", "0", "--json", "--quiet"])
     text = seen.decode()
     assert code == 0 and json.loads(text.splitlines()[-1])["text"] == ESC_TOKEN * 2
     return text
 
 
 def _safety_terminal_error(model, capsys):
-    code, seen = _on_terminal(["run", model, "hi", "--system", " ", "--calibration-text", ESC_DIR])
+    code, seen = on_terminal(["run", model, "hi", "--system", " ", "--calibration-text", ESC_DIR])
     assert code == 2 and seen.decode().startswith("localmoe: error: --system is empty")
     first = seen.decode()
-    code, seen = _on_terminal(["pull", f"./{ESC_DIR}-missing"])
+    code, seen = on_terminal(["pull", f"./{ESC_DIR}-missing"])
     assert code == 2 and b"does not exist" in seen and b"\\x1b]0;dir\\x07" in seen  # shown as inert text (repr)
     return first + seen.decode()
 

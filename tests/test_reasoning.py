@@ -15,6 +15,7 @@ import json
 
 import pytest
 import tiny_models
+from cli_support import on_terminal
 from conftest import repo_id
 
 from localmoe.cli.main import main
@@ -213,9 +214,7 @@ def test_run_json_carries_both(capsys, extra, text, reasoning, tokens):
 
 def test_show_reasoning_on_a_terminal():
     """On a terminal the reasoning is dimmed, each line marked, and ended by a newline before the answer."""
-    from test_cli import _on_terminal
-
-    code, seen = _on_terminal(["run", THINK, "hi", "--show-reasoning", "--quiet"])
+    code, seen = on_terminal(["run", THINK, "hi", "--show-reasoning", "--quiet"])
     text = seen.decode()
     assert code == 0 and "\x1b[2m\u2502 Why?\x1b[22m\r\nOK\r\n" in text
 
