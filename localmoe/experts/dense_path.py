@@ -165,12 +165,12 @@ class DensePath:
         ids = flat[order]  # [T*k] expert of each sorted slot
         xs = x[tok]  # [T*k, H]
         ys, kept = [], 0
-        cpu, on_cpu = self._cpu_experts(), None
+        cpu, on_cpu, end = self._cpu_experts(), None, None
         if cpu:  # started before the spans: the CPU works while the GPU stages and computes the rest
-            end = ends.tolist()
+            end = ends.tolist()  # the one host read of the group ends, `_span_weights` takes it
             on_cpu = CpuRows(x, order, end, k, cpu, self.cache.masters[self.layer_idx], self.act_fn)
             self.cache.misses += on_cpu.experts
-        for w_gate, w_up, w_down_t, offs, s0, s1 in self._span_weights(ends, T * k, cpu):
+        for w_gate, w_up, w_down_t, offs, s0, s1 in self._span_weights(ends, T * k, cpu, end):
             xc = xs[s0:s1]
             g = self.act_fn(gate_pre(_GROUPED_MM(xc, w_gate.transpose(1, 2), offs=offs), self.biases, ids[s0:s1]))
             if self.recorder is not None:
@@ -268,17 +268,17 @@ class DensePath:
         for a in range(0, E, per):
             yield (*self.weights.dequantized(a, min(E, a + per)), a)
 
-    def _span_weights(self, ends: torch.Tensor, slots: int, cpu: list[int] = ()):
+    def _span_weights(self, ends: torch.Tensor, slots: int, cpu: list[int] = (), end: list[int] | None = None):
         """(gate, up, down_t [n, I, H], group ends within the span [n] int32, first slot, end slot) of each grouped
         GEMM call: resident experts by `_spans`; offloaded, the routed experts streamed through the cache's staging
         buffers (experts/staging.py: one span's copies overlap the previous span's GEMMs; one host sync, `ends`),
         but for `cpu`'s: a span's slots may hold theirs (each joins the next staged expert's group; `_grouped`
-        writes the CPU's rows over them)."""
+        writes the CPU's rows over them). `end`: `ends` already read on the host, if it was."""
         if self.cache is None:
             for a, b, s0, s1 in self._spans(ends, slots):
                 yield (*self.weights.dequantized(a, b), ends[a:b] - s0 if s0 else ends[a:b], s0, s1)
             return
-        end = ends.tolist()
+        end = ends.tolist() if end is None else end
         skip = set(cpu)
         routed = [e for e in range(self.num_experts) if end[e] > (end[e - 1] if e else 0) and e not in skip]
         taken = [e for e in cpu if end[e] > (end[e - 1] if e else 0)]
