@@ -19,6 +19,7 @@ staging buffers' memory holds (`Staging.packed_fill`, "gather").
 `--cpu-share F` (full experts) compares every absent expert staged ("copies") against a share F of each layer's
 computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.py, "gather"); the PCIe column
 still counts every absent byte.
+`--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
 kernels/grouped_gate_up.py and grouped_gemm.py; "gather"); with `--vram 0` on the resident engine too.
@@ -35,8 +36,8 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --cpu-share F | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B | --prefill-norms
-       | --prefill-block | --prefill-attention | --prefill-all]
+       | --cpu-share F | --span A,B | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B
+       | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
 
 import argparse
@@ -74,6 +75,7 @@ p.add_argument(
 )
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
 p.add_argument("--cpu-share", type=float, default=None, help="full experts: no CPU share against this share")
+p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
@@ -81,6 +83,7 @@ lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
 dq_grids = [(*map(int, w.split("x")), 4)[:3] for w in a.dequant_grid.split(",")] if a.dequant_grid else None
 rules = [tuple(w.split("/")) for w in a.deltanet.split(",")] if a.deltanet else None
+spans = [int(n) for n in a.span.split(",")] if a.span else None
 fused_prefill = a.prefill_norms or a.prefill_block or a.prefill_attention or a.prefill_all
 
 e = Engine.random(
@@ -100,6 +103,7 @@ if cache is None and not (a.device_spans or rules or fused_prefill or a.int4_in_
     )
 staging = cache.staging if cache is not None else None
 plain = staging.plain if staging is not None else None
+engine_span = staging.span if staging is not None else 0
 if (a.packed or a.packed_fill) and plain is None:
     raise SystemExit("--packed / --packed-fill compare int4 / NF4 staging: give --experts int4 (nf4: --packed)")
 if a.packed_fill:
@@ -117,6 +121,8 @@ def ttft(n: int, gather: bool) -> float:
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather
+    elif spans:
+        staging.resize(spans[int(gather)] or engine_span)
     elif a.cpu_share is not None:
         Staging.cpu_share = a.cpu_share if gather else 0.0
     elif a.int4_in_place:
@@ -159,6 +165,8 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if dq_grids:
     print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
+if spans:
+    print(f"staging span (experts a buffer) 'copies': {spans[0] or engine_span}, 'gather': {spans[1] or engine_span}")
 if a.cpu_share is not None:
     print(f"'copies': every absent expert staged; 'gather': a share of {a.cpu_share} computed on the CPU")
 if a.int4_in_place:

@@ -72,6 +72,19 @@ def test_qwen35_35b_chunk_and_span_fit_the_budget(fmt, gib):
     assert pb.peak_bytes(s, 2048, pb.MIN_SPAN, CONTEXT) < pb.peak_bytes(s, 2048, fit.span + 1, CONTEXT)
 
 
+def test_spans_are_even():
+    """A layer streams in as few spans as the staging bytes allow, of equal size: int4 experts staged dequantized
+    are sized by their dequantized bytes alone (Qwen3.5-35B-A3B: 85 fit, four spans of 64, not five with a last of
+    16); plain ones by their stored bytes (16 of 256: even already); a fit below the default is evened too."""
+    config = shape_config("qwen3.5-35b")
+    int4, full = (pb.PrefillShapes.of(config, torch.bfloat16, fmt) for fmt in ("int4", "full"))
+    assert (pb.default_span(int4), pb.default_span(full)) == (64, 16)
+    assert [pb.even(n, 256) for n in (1, 60, 64, 85, 86, 128, 200, 300)] == [1, 52, 64, 64, 86, 128, 128, 256]
+    assert all(256 % pb.even(n, 256) == 0 or -(-256 // pb.even(n, 256)) == -(-256 // n) for n in range(1, 257))
+    tight = pb.fit(int4, pb.peak_bytes(int4, 2048, 60, CONTEXT), CONTEXT, offloaded=True)
+    assert tight.chunk == pb.MAX_CHUNK and tight.span == 52
+
+
 def test_short_context_reserves_only_the_pieces_it_holds():
     """A prompt must leave room in the cache, so no piece reaches the context: at context 640, gpt-oss-120b's
     reserve is a 639-token piece's, less than a 2,048-token piece's at context 2112; the cache gets the difference.

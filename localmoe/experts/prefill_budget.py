@@ -161,16 +161,25 @@ class PrefillShapes:
 
 def default_span(s: PrefillShapes) -> int:
     """Experts per staging buffer when room allows (`span_for` of these shapes)."""
-    return span_for(s.stored, s.dequantized, s.quantized, s.experts)
+    return span_for(s.stored, s.dequantized, s.quantized, s.experts, s.staged_dequantized)
 
 
-def span_for(stored: int, dequantized: int, quantized: bool, experts: int) -> int:
+def span_for(stored: int, dequantized: int, quantized: bool, experts: int, staged_dequantized: bool = False) -> int:
     """STAGE_BYTES of stored expert weights a buffer, and for 4-bit experts STAGE_DEQUANT_BYTES of dequantized ones
-    (at most every expert, at least one)."""
-    per = STAGE_BYTES // max(stored, 1)
+    (int4 / NF4 staged dequantized: only that, their buffers hold no stored bytes), evened out over the layer's
+    experts (`even`; at most every expert, at least one)."""
+    per = STAGE_DEQUANT_BYTES // max(dequantized, 1) if staged_dequantized else STAGE_BYTES // max(stored, 1)
     if quantized:
         per = min(per, STAGE_DEQUANT_BYTES // max(dequantized, 1))
-    return max(1, min(experts, per))
+    return even(per, experts)
+
+
+def even(span: int, experts: int) -> int:
+    """The smallest span that streams `experts` in as few spans as `span` does: spans of equal size, no short last
+    one (Qwen3.5-35B-A3B int4: 85 experts a span is four spans, of 64; 60 was five, the last of 16 experts: a
+    span's gather and two grouped GEMM launches more a layer, the last a fraction of a wave)."""
+    span = max(1, min(experts, span))
+    return -(-experts // -(-experts // span))
 
 
 def _attention(s: PrefillShapes, T: int, L: int) -> int:
@@ -272,7 +281,7 @@ def fit(s: PrefillShapes, left: int, context: int, offloaded: bool, longest: int
         span = least
         for n in range(top, least, -1):
             if peak_bytes(s, chunk, n, context) <= left:
-                span = n
+                span = even(n, s.experts)
                 break
         dq = _dequant(s, chunk, context, left) if s.quantized and not offloaded and not s.in_place else 0
         return PrefillFit(chunk, span, peak_bytes(s, chunk, span, context, dq or DEQUANT_BYTES), int(left), True, dq)

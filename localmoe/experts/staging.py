@@ -24,8 +24,9 @@ fewer spans, fewer launches a layer, and the next layer's two spans filled ahead
 With `cpu_share` some absent plain experts of a layer are not staged at all: the CPU computes them meanwhile
 (experts/cpu_share.py; `cpu_experts` picks them without the routing, so the layer ahead is filled without them).
 
-A span holds as many experts as fit STAGE_BYTES of stored weights, and, for 4-bit experts, STAGE_DEQUANT_BYTES of
-dequantized ones (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
+A span holds as many experts as fit STAGE_BYTES of stored weights (int4 / NF4 staged dequantized: not counted),
+and, for 4-bit experts, STAGE_DEQUANT_BYTES of dequantized ones, evened out so that a layer's spans are of one size
+(experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
 prefill_budget.fit: two buffers (MXFP4: and two dequantized spans) and the piece's activations inside what the plan
 left for prefill).
 
@@ -64,7 +65,7 @@ class Staging:
         [n, I, H] stacks of the model's dtype that `plain` makes (filled by kernels/gather_dequant.py)."""
         self.make = make
         self.plain = plain
-        self.span = span_for(expert_bytes, dequantized_bytes, quantized, experts)
+        self.span = span_for(expert_bytes, dequantized_bytes, quantized, experts, plain is not None)
         self.quantized = quantized
         self.experts = experts
         self.packed_span = 0  # experts per packed buffer (`_buffers(packed=True)` sets it)
