@@ -30,9 +30,9 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from localmoe.devices import host_bandwidth
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.measure.benchmark import host_bandwidth
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="qwen3.5-35b")

@@ -17,8 +17,8 @@ resident, "gather"); `--vram 0` too. `--packed-fill` (int4
 offloaded, read in place in both) packed spans of the dequantized span's experts ("copies") against as many as the
 staging buffers' memory holds (`Staging.packed_fill`, "gather").
 `--cpu-share F` (full experts) compares every absent expert staged ("copies") against a share F of each layer's
-computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.py, "gather"); the PCIe column
-still counts every absent byte.
+computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.py, "gather"; `auto`: the share the
+measured rates balance at each piece, the default); the PCIe column still counts every absent byte.
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -50,12 +50,12 @@ from localmoe.decode.decoder_layer import FusedDecoderLayer
 from localmoe.decode.deltanet import FusedGatedDeltaNet
 from localmoe.decode.moe_layer import FusedSparseMoeBlock
 from localmoe.decode.prefix import piece_cuts
+from localmoe.devices import host_bandwidth
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts.dense_path import DensePath
 from localmoe.experts.staging import Staging
 from localmoe.kernels import gather_dequant, gather_experts
-from localmoe.measure.benchmark import host_bandwidth
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="qwen3.5-35b")
@@ -74,7 +74,7 @@ p.add_argument(
     "--dequant-grid", default=None, help="A,B: int4 / NF4 staging's gather_dequant PROGRAMSxBLOCK_R[xNUM_WARPS]"
 )
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
-p.add_argument("--cpu-share", type=float, default=None, help="full experts: no CPU share against this share")
+p.add_argument("--cpu-share", default=None, help="full experts: no CPU share against this share (auto: the default)")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
@@ -124,7 +124,7 @@ def ttft(n: int, gather: bool) -> float:
     elif spans:
         staging.resize(spans[int(gather)] or engine_span)
     elif a.cpu_share is not None:
-        Staging.cpu_share = a.cpu_share if gather else 0.0
+        Staging.cpu_share = (None if a.cpu_share == "auto" else float(a.cpu_share)) if gather else 0.0
     elif a.int4_in_place:
         DensePath.int4_in_place = DensePath.int4_staged_packed = gather
     elif rules:

@@ -1,7 +1,9 @@
 """Where a run executes, from the user's flags: the device (`--device`), the dtype (`--dtype`) and the VRAM budget
-(`--vram`, else what the card has free minus a margin)."""
+(`--vram`, else what the card has free minus a margin); and the pinned host-to-device bandwidth (`host_bandwidth`)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -39,3 +41,21 @@ def vram_budget(device: torch.device, vram_gib: float | None) -> int | None:
         free, _ = torch.cuda.mem_get_info(device)
         return max(0, free - VRAM_MARGIN)
     return None
+
+
+def host_bandwidth(device: torch.device, nbytes: int = 256 << 20, copies: int = 8) -> float:
+    """Pinned host memory to the device, bytes per second (what bounds an offloaded prompt's expert copies): `copies`
+    copies of `nbytes` after one to warm up (0.0 off CUDA)."""
+    if device.type != "cuda":
+        return 0.0
+    a = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b.copy_(a, non_blocking=True)
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(copies):
+        b.copy_(a, non_blocking=True)
+    torch.cuda.synchronize(device)
+    bw = nbytes * copies / (time.perf_counter() - t)
+    del a, b
+    return bw

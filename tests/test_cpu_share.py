@@ -12,6 +12,8 @@ from conftest import repo_id
 from test_offload import budget_for, tokens
 
 from localmoe.engine.engine import Engine
+from localmoe.experts import cpu_share
+from localmoe.experts.cpu_share import CpuRates
 from localmoe.experts.staging import Staging
 
 PROMPT = "Departments share weights, experts keep their own. " * 2
@@ -73,8 +75,50 @@ def test_int4_experts_and_a_share_of_0_take_none(monkeypatch):
     e = Engine.load(model, device="cpu", sparsity=0.0, experts="int4", vram_gib=budget_for(model, 3, "int4"))
     cache = e.loaded.cache
     monkeypatch.setattr(Staging, "cpu_share", 0.5)
-    assert cache.staging.cpu_experts(cache, 0) == [] and e.loaded.experts[0]._cpu_experts() == []
+    assert cache.staging.cpu_experts(cache, 0) == [] and e.loaded.experts[0]._cpu_experts(64) == []
     f = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))
-    assert f.loaded.experts[0]._cpu_experts()
+    assert f.loaded.experts[0]._cpu_experts(64)
     monkeypatch.setattr(Staging, "cpu_share", 0.0)
-    assert f.loaded.experts[0]._cpu_experts() == []
+    assert f.loaded.experts[0]._cpu_experts(64) == []
+    monkeypatch.setattr(Staging, "cpu_share", None)  # automatic: off the GPU, no rates measured, no share
+    assert f.loaded.experts[0]._cpu_experts(64) == [] and f.loaded.cache.staging.rates is None
+
+
+def test_the_automatic_share_balances_the_rates():
+    """f = t_pcie / (t_pcie + fixed + rows·row), none below MIN_SHARE, at most MAX_SHARE: more rows an expert (a
+    longer piece), a smaller share."""
+    rates = CpuRates(pcie=1.0, fixed=1.0, row=0.1)
+    assert rates.share(0) == cpu_share.MAX_SHARE
+    assert rates.share(40) == pytest.approx(1 / 6)
+    assert rates.share(200) == 0.0  # 1/22 < MIN_SHARE
+    assert CpuRates(0.0, 0.0, 0.0).share(10) == 0.0
+
+
+def test_the_rates_are_measured_on_the_machine():
+    """`measure` times a master copy's expert at two row counts; with no GPU nothing crosses a bus (no share)."""
+    model = repo_id("qwen3_moe")
+    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))
+    cache = e.loaded.cache
+    rates = cpu_share.measure(cache.masters[0], 3 * cache.row_bytes * cache.width, cache.device)
+    assert rates.pcie == 0.0 and rates.fixed >= 0.0 and rates.row >= 0.0 and rates.fixed + rates.row > 0
+    assert rates.share(1) == 0.0
+
+
+def test_the_automatic_share_follows_the_piece(monkeypatch):
+    """With rates given (as CUDA measures them), a short piece's layers give the CPU a share and a long one's none,
+    and the logits stay the resident model's."""
+    monkeypatch.setattr(Staging, "cpu_share", None)
+    model = repo_id("qwen3_moe")
+    resident = Engine.load(model, device="cpu", sparsity=0.0)
+    ids = torch.tensor([resident.encode_raw(PROMPT)])
+    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))
+    cache = e.loaded.cache
+    cache.staging.span = 2
+    k = e.loaded.config.num_experts_per_tok
+    rows = ids.numel() * k / cache.num_experts  # the prompt's rows an expert
+    cache.staging.rates = CpuRates(pcie=1.0, fixed=0.0, row=1.0 / rows)  # the balance at 0.5 for this prompt
+    assert cache.staging.cpu_experts(cache, 0, ids.numel() * k)
+    assert cache.staging.cpu_experts(cache, 0, 100 * ids.numel() * k) == []
+    cache.reset_stats()
+    torch.testing.assert_close(_logits(e, ids), _logits(resident, ids), rtol=1e-4, atol=1e-4)
+    assert cache.copied_bytes < cache.misses * 3 * cache.row_bytes * cache.width

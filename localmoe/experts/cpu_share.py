@@ -5,19 +5,77 @@ copies, and their rows are copied into the piece's slot rows before the tokens' 
 `Staging.cpu_share` (experts/staging.py `cpu_experts`) picks the experts: the last share of the layer's absent ones
 by id, a choice that needs no routing, so the layer ahead is staged without them. `DensePath._grouped` starts the
 job before its spans and puts the rows after them. Plain experts only: dequantizing 4-bit experts on the CPU costs
-~100x an expert's PCIe time. `bench/cpu_misses.py` bounds the gain (bf16 at 2048 tokens, 16 cores: 1.29x, before the
-copies and the host sync this path adds).
+~100x an expert's PCIe time.
 
-Imports: torch and the standard library.
+How large a share (`CpuRates.share`, the default on CUDA): in a piece each expert gets m = T·k/E rows; an absent
+expert costs the GPU at least its bytes over PCIe (t_pcie), the CPU its MLP on m rows (t_cpu(m) = fixed + m·row,
+reading its weights from host memory and the three matmuls). The two finish together at f = t_pcie / (t_pcie +
+t_cpu(m)) (`bench/cpu_misses.py`); below MIN_SHARE the host sync and the host read of the routing a share costs
+take what it saves. `measure` times both once, on the machine: a pinned copy, and one expert's MLP at two row counts.
+H100, Qwen3.5-35B-A3B bf16 at `--vram 24`, 16 cores (`python bench/staging_ab.py --vram 24 --cpu-share F`): 512
+tokens 1.05x at F 0.2, 1.04x at 0.1 (the balance: ~0.19); 2048 tokens 0.98x at 0.2, 1.00x at 0.1 (~0.06).
+
+Imports: torch, the standard library and localmoe.devices (the bandwidth).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from localmoe.devices import host_bandwidth
 
 _POOL: ThreadPoolExecutor | None = None  # one worker: torch's CPU matmuls use every core themselves
+MIN_SHARE = 0.08  # a balance below this takes no share (H100 above: 0.1 at 2048 tokens gained nothing)
+MAX_SHARE = 0.5
+
+
+def expert_mlp(xs: torch.Tensor, master, e: int, act_fn) -> torch.Tensor:
+    """Expert e's SwiGLU MLP on rows xs [n, H] from the host master copy `master` (ExpertWeights): [n, H]."""
+    return (act_fn(xs @ master.w_gate[e].T) * (xs @ master.w_up[e].T)) @ master.w_down_t[e]
+
+
+@dataclass(frozen=True)
+class CpuRates:
+    """What an absent expert costs each side (seconds): PCIe for its stored bytes, and the CPU for its MLP on m rows,
+    `fixed` + m·`row`."""
+
+    pcie: float
+    fixed: float
+    row: float
+
+    def share(self, rows: float) -> float:
+        """The share of a layer's absent experts the CPU takes when each has `rows` rows (module doc)."""
+        both = self.pcie + self.fixed + self.row * rows
+        f = self.pcie / both if both > 0 else 0.0
+        return min(MAX_SHARE, f) if f >= MIN_SHARE else 0.0
+
+
+def measure(master, expert_bytes: int, device: torch.device, act_fn=F.silu) -> CpuRates:
+    """The rates on this machine: pinned host-to-`device` bandwidth (64 MiB copies) for `expert_bytes` (off CUDA
+    none: `pcie` 0, no share), and expert 0 of `master`'s MLP at 8 and 64 rows (the faster of two runs each, after one
+    to warm up)."""
+    bw = host_bandwidth(torch.device(device), 64 << 20, 4)
+    H = master.w_gate.shape[-1]
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(0)).to(master.w_gate.dtype)
+
+    def seconds(n: int) -> float:
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            expert_mlp(x[:n], master, 0, act_fn)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    with torch.inference_mode():
+        expert_mlp(x, master, 0, act_fn)
+        few, many = seconds(8), seconds(64)
+    row = max(0.0, (many - few) / 56)
+    return CpuRates(expert_bytes / bw if bw else 0.0, max(0.0, few - 8 * row), row)  # no bandwidth: no share
 
 
 class CpuRows:
@@ -41,14 +99,8 @@ class CpuRows:
         self.future = _POOL.submit(self._run, x_host, order_host, k, master, act_fn)
 
     def _run(self, x: torch.Tensor, order: torch.Tensor, k: int, master, act_fn) -> torch.Tensor:
-        outs = []
         with torch.inference_mode():
-            for e, a, b in self.spans:
-                xs = x[order[a:b] // k]  # [n, H]
-                g = act_fn(xs @ master.w_gate[e].T)
-                h = g * (xs @ master.w_up[e].T)
-                outs.append(h @ master.w_down_t[e])
-        return torch.cat(outs)
+            return torch.cat([expert_mlp(x[order[a:b] // k], master, e, act_fn) for e, a, b in self.spans])
 
     def put(self, y: torch.Tensor) -> None:
         """y[their slots] = the rows (waits for the worker; y [T*k, H] on the piece's device)."""

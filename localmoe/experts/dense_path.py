@@ -140,16 +140,17 @@ class DensePath:
             return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
         return x.device.type == "cpu" and x.dtype.is_floating_point and _TORCH >= (2, 11)
 
-    def _cpu_experts(self) -> list[int]:
-        """The absent experts the CPU computes in this layer's long call (experts/cpu_share.py, `Staging.cpu_share`):
-        offloaded plain experts with a plain SwiGLU, no recorder, predictor or mask over all tokens; else none."""
-        if self.cache is None or not self.cache.staging.cpu_share or self.weights.quantized:
+    def _cpu_experts(self, slots: int) -> list[int]:
+        """The absent experts the CPU computes in this layer's long call of `slots` (token, expert) slots
+        (experts/cpu_share.py, `Staging.cpu_share`): offloaded plain experts with a plain SwiGLU, no recorder,
+        predictor or mask over all tokens; else none."""
+        if self.cache is None or self.cache.staging.cpu_share == 0 or self.weights.quantized:
             return []
         if self.biases is not None or self.up_fn is not None or self.recorder is not None or self.predictor is not None:
             return []
         if self.mask_all_tokens and self.sparse_enabled and self.tau is not None:
             return []
-        return self.cache.staging.cpu_experts(self.cache, self.layer_idx)
+        return self.cache.staging.cpu_experts(self.cache, self.layer_idx, slots)
 
     def _grouped(self, x, top_k_index, top_k_weights, masked: bool) -> torch.Tensor:
         """The dense path as three grouped GEMMs (torch's grouped_mm: one launch per projection for all experts)
@@ -165,7 +166,7 @@ class DensePath:
         ids = flat[order]  # [T*k] expert of each sorted slot
         xs = x[tok]  # [T*k, H]
         ys, kept = [], 0
-        cpu, on_cpu, end = self._cpu_experts(), None, None
+        cpu, on_cpu, end = self._cpu_experts(T * k), None, None
         if cpu:  # started before the spans: the CPU works while the GPU stages and computes the rest
             end = ends.tolist()  # the one host read of the group ends, `_span_weights` takes it
             on_cpu = CpuRows(x, order, end, k, cpu, self.cache.masters[self.layer_idx], self.act_fn)
@@ -215,7 +216,7 @@ class DensePath:
         `kernel_on_cpu`), a plain SwiGLU (no GPT-OSS biases or clamp, no MXFP4 stacks), no gate recorder or predictor
         (they read the activations), and a call that routes to nearly every expert (T·k >= 4E: the fixed spans stage
         every expert; a shorter call keeps the routed ones only)."""
-        if not self.device_spans or not (x.is_cuda or self.kernel_on_cpu) or self._cpu_experts():
+        if not self.device_spans or not (x.is_cuda or self.kernel_on_cpu) or self._cpu_experts(top_k_index.numel()):
             return False
         if self.hidden_act != "silu" or self.biases is not None or self.up_fn is not None or self.weights.mxfp4:
             return False

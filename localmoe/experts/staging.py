@@ -39,6 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
+from localmoe.experts.cpu_share import CpuRates, measure
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, Int4Tensor, Nf4Tensor, copy_expert, parts
 from localmoe.experts.prefill_budget import span_for
@@ -53,8 +54,9 @@ class Staging:
     # Packed int4 spans hold as many experts as the plain buffers' memory does (False: `span`, as staged dequantized).
     packed_fill = True
     # Plain (bf16 / fp32) experts: the share of an offloaded layer's absent experts a long piece computes on the CPU
-    # while the GPU stages the rest (experts/cpu_share.py, `cpu_experts`). 0: off (not yet timed on a GPU).
-    cpu_share = 0.0
+    # while the GPU stages the rest (experts/cpu_share.py, `cpu_experts`). None: the share that balances the rates
+    # measured on this machine at the piece's rows per expert (on CUDA; elsewhere with `rates` given), 0: off.
+    cpu_share: float | None = None
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -75,6 +77,8 @@ class Staging:
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
         self.ahead: tuple[int, list[list[int]], list, bool] | None = None  # (layer, first spans, events, packed)
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
+        self.rates: CpuRates | None = None  # the automatic CPU share's rates (`measure`d at the first long piece)
+        self.rows = 0.0  # the last long piece's rows per expert (the layer ahead is filled for the same)
 
     def resize(self, span: int) -> None:
         """`span` experts per buffer from now on (the buffers are made again at the next use when it changed)."""
@@ -112,15 +116,31 @@ class Staging:
         self._buffers(True)
         return self.packed_span
 
-    def cpu_experts(self, cache, layer: int) -> list[int]:
-        """The absent experts of `layer` a long piece computes on the CPU (`cpu_share`; plain experts only): the last
-        share of them by id, a choice that needs no routing (the layer ahead is filled without them)."""
-        if not self.cpu_share or self.quantized or layer not in cache.masters:
+    def cpu_experts(self, cache, layer: int, slots: int | None = None) -> list[int]:
+        """The absent experts of `layer` a long piece of `slots` (token, expert) slots computes on the CPU (`cpu_share`,
+        or `share`; plain experts only; None: the last piece's): the last share of them by id, a choice that needs no
+        routing (the layer ahead is filled without them)."""
+        if self.quantized or layer not in cache.masters:
             return []
-        gates, slots = cache.sources(layer)
-        absent = [e for e in range(cache.num_experts) if slots[e] < 0 and gates[e] < 0]
-        n = int(len(absent) * self.cpu_share)
+        if slots is not None:
+            self.rows = slots / cache.num_experts
+        share = self.cpu_share if self.cpu_share is not None else self.share(cache, layer)
+        if not share:
+            return []
+        gates, sources = cache.sources(layer)
+        absent = [e for e in range(cache.num_experts) if sources[e] < 0 and gates[e] < 0]
+        n = int(len(absent) * share)
         return absent[len(absent) - n :] if n else []
+
+    def share(self, cache, layer: int) -> float:
+        """The automatic share at the last piece's rows per expert (experts/cpu_share.py): on CUDA from rates measured
+        once, at the first long piece; elsewhere only with `rates` set (0 otherwise)."""
+        if self.rates is None:
+            device = torch.device(cache.device)
+            if device.type != "cuda":
+                return 0.0
+            self.rates = measure(cache.masters[layer], 3 * cache.row_bytes * cache.width, device)
+        return self.rates.share(self.rows)
 
     def stream(
         self, cache, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = ()

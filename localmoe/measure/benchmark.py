@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from localmoe.devices import pick_device, pick_dtype
+from localmoe.devices import host_bandwidth, pick_device, pick_dtype
 from localmoe.engine import model_facts
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
@@ -43,24 +43,6 @@ def copy_bandwidth(device) -> float:
         b.copy_(a)
     torch.cuda.synchronize()
     bw = 2 * n * 10 / (time.perf_counter() - t)
-    del a, b
-    return bw
-
-
-def host_bandwidth(device) -> float:
-    """Pinned host memory to the device, bytes per second (what bounds an offloaded prompt's expert copies)."""
-    if device.type != "cuda":
-        return 0.0
-    n = 256 << 20
-    a = torch.empty(n, dtype=torch.uint8).pin_memory()
-    b = torch.empty(n, dtype=torch.uint8, device=device)
-    b.copy_(a, non_blocking=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(8):
-        b.copy_(a, non_blocking=True)
-    torch.cuda.synchronize()
-    bw = n * 8 / (time.perf_counter() - t)
     del a, b
     return bw
 
