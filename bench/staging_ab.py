@@ -200,6 +200,11 @@ for n in lengths:
         f"{pcie:>6.2f}  {pcie / g:>6.1%}",
         flush=True,
     )
+if staging is not None and staging.rates is not None:  # the automatic CPU share's, where it ran
+    r, k = staging.rates, e.loaded.config.num_experts_per_tok
+    shares = ", ".join(f"{n}: {r.share(min(n, e.prefill_chunk) * k / cache.num_experts):.3f}" for n in lengths)
+    print(f"CPU share rates: PCIe {r.pcie * 1e3:.3f} ms an expert, CPU {r.fixed * 1e3:.3f} ms + {r.row * 1e6:.1f} us"
+          f" a row; share at {shares}")  # fmt: skip
 prompt = torch.randint(0, vocab, (512,), generator=gen).tolist()
 for _ in e.generate(prompt, GenerationSettings(max_new_tokens=128)):
     pass
