@@ -18,7 +18,8 @@ offloaded, read in place in both) packed spans of the dequantized span's experts
 staging buffers' memory holds (`Staging.packed_fill`, "gather").
 `--cpu-share F` (full experts) compares every absent expert staged ("copies") against a share F of each layer's
 computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.py, "gather"; `auto`: the share the
-measured rates balance at each piece, the default); the PCIe column still counts every absent byte.
+measured rates balance at each piece, the default; `--cpu-threads N` the worker's threads); the PCIe column still
+counts every absent byte.
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -53,6 +54,7 @@ from localmoe.decode.prefix import piece_cuts
 from localmoe.devices import host_bandwidth
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
+from localmoe.experts.cpu_share import CpuRows
 from localmoe.experts.dense_path import DensePath
 from localmoe.experts.staging import Staging
 from localmoe.kernels import gather_dequant, gather_experts
@@ -76,6 +78,7 @@ p.add_argument(
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
 p.add_argument("--cpu-share", default=None, help="full experts: no CPU share against this share (auto: the default)")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
+p.add_argument("--cpu-threads", type=int, default=0, help="with --cpu-share: the CPU worker's threads (0: torch's)")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
@@ -125,6 +128,7 @@ def ttft(n: int, gather: bool) -> float:
         staging.resize(spans[int(gather)] or engine_span)
     elif a.cpu_share is not None:
         Staging.cpu_share = (None if a.cpu_share == "auto" else float(a.cpu_share)) if gather else 0.0
+        CpuRows.threads = a.cpu_threads
     elif a.int4_in_place:
         DensePath.int4_in_place = DensePath.int4_staged_packed = gather
     elif rules:
@@ -205,6 +209,8 @@ if staging is not None and staging.rates is not None:  # the automatic CPU share
     shares = ", ".join(f"{n}: {r.share(min(n, e.prefill_chunk) * k / cache.num_experts):.3f}" for n in lengths)
     print(f"CPU share rates: PCIe {r.pcie * 1e3:.3f} ms an expert, CPU {r.fixed * 1e3:.3f} ms + {r.row * 1e6:.1f} us"
           f" a row; share at {shares}")  # fmt: skip
+    synced, busy, waited = staging.cpu_seconds
+    print(f"CPU share over the run: host syncs {synced:.3f} s, worker {busy:.3f} s, waited for it {waited:.3f} s")
 prompt = torch.randint(0, vocab, (512,), generator=gen).tolist()
 for _ in e.generate(prompt, GenerationSettings(max_new_tokens=128)):
     pass

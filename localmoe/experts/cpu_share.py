@@ -32,6 +32,7 @@ from localmoe.devices import host_bandwidth
 _POOL: ThreadPoolExecutor | None = None  # one worker: torch's CPU matmuls use every core themselves
 MIN_SHARE = 0.08  # a balance below this takes no share (H100 above: 0.1 at 2048 tokens gained nothing)
 MAX_SHARE = 0.5
+MEASURED = 16  # distinct experts `measure` times at each row count (Qwen3.5-35B-A3B bf16: 96 MiB, past a CPU's caches)
 
 
 def expert_mlp(xs: torch.Tensor, master, e: int, act_fn) -> torch.Tensor:
@@ -57,23 +58,23 @@ class CpuRates:
 
 def measure(master, expert_bytes: int, device: torch.device, act_fn=F.silu) -> CpuRates:
     """The rates on this machine: pinned host-to-`device` bandwidth (64 MiB copies) for `expert_bytes` (off CUDA
-    none: `pcie` 0, no share), and expert 0 of `master`'s MLP at 8 and 64 rows (the faster of two runs each, after one
-    to warm up)."""
+    none: `pcie` 0, no share), and the MLP of MEASURED distinct experts of `master` at 8 rows, then of as many others
+    at 64 (each expert read once from host memory, as a piece reads them: one expert timed again and again would run
+    from the CPU's caches), after one expert to warm up."""
     bw = host_bandwidth(torch.device(device), 64 << 20, 4)
-    H = master.w_gate.shape[-1]
+    E, H = master.w_gate.shape[0], master.w_gate.shape[-1]
     x = torch.randn(64, H, generator=torch.Generator().manual_seed(0)).to(master.w_gate.dtype)
+    n = max(1, min(MEASURED, (E - 1) // 2))
 
-    def seconds(n: int) -> float:
-        best = float("inf")
-        for _ in range(2):
-            t = time.perf_counter()
-            expert_mlp(x[:n], master, 0, act_fn)
-            best = min(best, time.perf_counter() - t)
-        return best
+    def seconds(rows: int, first: int) -> float:
+        t = time.perf_counter()
+        for e in range(first, first + n):
+            expert_mlp(x[:rows], master, e % E, act_fn)
+        return (time.perf_counter() - t) / n
 
     with torch.inference_mode():
-        expert_mlp(x, master, 0, act_fn)
-        few, many = seconds(8), seconds(64)
+        expert_mlp(x, master, E - 1, act_fn)
+        few, many = seconds(8, 0), seconds(64, n)
     row = max(0.0, (many - few) / 56)
     return CpuRates(expert_bytes / bw if bw else 0.0, max(0.0, few - 8 * row), row)  # no bandwidth: no share
 
@@ -85,27 +86,39 @@ class CpuRows:
     j-th expert), end [E] each expert's group end in that order (on the host), master: the layer's ExpertWeights in
     host memory, act_fn the experts' activation. One host sync (the copies of x and order)."""
 
+    threads = 0  # the worker's CPU threads (0: torch's default, every core)
+
     def __init__(self, x: torch.Tensor, order: torch.Tensor, end: list[int], k: int, experts, master, act_fn):
         global _POOL
         self.spans = [(e, end[e - 1] if e else 0, end[e]) for e in experts]
         self.spans = [(e, a, b) for e, a, b in self.spans if b > a]
         self.experts = len(self.spans)
         self.future: Future | None = None
+        self.synced = self.busy = self.waited = 0.0  # seconds the host waited for x, the worker took, `put` waited
         if not self.spans:
             return
+        t = time.perf_counter()
         x_host, order_host = x.to("cpu"), order.to("cpu")
+        self.synced = time.perf_counter() - t
         if _POOL is None:
             _POOL = ThreadPoolExecutor(1, thread_name_prefix="localmoe-cpu-experts")
         self.future = _POOL.submit(self._run, x_host, order_host, k, master, act_fn)
 
     def _run(self, x: torch.Tensor, order: torch.Tensor, k: int, master, act_fn) -> torch.Tensor:
+        if self.threads:  # the worker's own parallel regions (OpenMP: per calling thread)
+            torch.set_num_threads(self.threads)
+        t = time.perf_counter()
         with torch.inference_mode():
-            return torch.cat([expert_mlp(x[order[a:b] // k], master, e, act_fn) for e, a, b in self.spans])
+            rows = torch.cat([expert_mlp(x[order[a:b] // k], master, e, act_fn) for e, a, b in self.spans])
+        self.busy = time.perf_counter() - t
+        return rows
 
     def put(self, y: torch.Tensor) -> None:
         """y[their slots] = the rows (waits for the worker; y [T*k, H] on the piece's device)."""
         if self.future is None:
             return
+        t = time.perf_counter()
         rows = self.future.result()
+        self.waited = time.perf_counter() - t
         at = torch.cat([torch.arange(a, b) for _, a, b in self.spans]).to(y.device, non_blocking=True)
         y[at] = rows.to(device=y.device, dtype=y.dtype, non_blocking=True)

@@ -191,6 +191,8 @@ class DensePath:
             for s0, s1, r in ys:
                 y[s0:s1] = r
             on_cpu.put(y)
+            times = self.cache.staging.cpu_seconds
+            times[:] = [t + d for t, d in zip(times, (on_cpu.synced, on_cpu.busy, on_cpu.waited))]
         y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
         if x.is_cuda:
             return token_sum(y, order, k).to(x.dtype)

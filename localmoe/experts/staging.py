@@ -79,6 +79,7 @@ class Staging:
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
         self.rates: CpuRates | None = None  # the automatic CPU share's rates (`measure`d at the first long piece)
         self.rows = 0.0  # the last long piece's rows per expert (the layer ahead is filled for the same)
+        self.cpu_seconds = [0.0, 0.0, 0.0]  # the CPU share's host syncs, worker and waits for it (CpuRows)
 
     def resize(self, span: int) -> None:
         """`span` experts per buffer from now on (the buffers are made again at the next use when it changed)."""
