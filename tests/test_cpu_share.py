@@ -87,10 +87,12 @@ def test_int4_experts_and_a_share_of_0_take_none(monkeypatch):
 def test_the_automatic_share_balances_the_rates():
     """f = t_pcie / (t_pcie + fixed + rows·row), none below MIN_SHARE, at most MAX_SHARE: more rows an expert (a
     longer piece), a smaller share."""
-    rates = CpuRates(pcie=1.0, fixed=1.0, row=0.1)
+    rates = CpuRates(pcie=1.0, fixed=1.0, row=0.5)
     assert rates.share(0) == cpu_share.MAX_SHARE
-    assert rates.share(40) == pytest.approx(1 / 6)
-    assert rates.share(200) == 0.0  # 1/22 < MIN_SHARE
+    assert rates.share(8) == pytest.approx(1 / 6)
+    assert rates.share(16) == pytest.approx(1 / 10)
+    assert CpuRates(pcie=1.0, fixed=1.0, row=1.0).share(16) == 0.0  # 1/18 < MIN_SHARE
+    assert CpuRates(pcie=1.0, fixed=0.0, row=0.0).share(cpu_share.MAX_ROWS + 1) == 0.0  # a long piece: none
     assert CpuRates(0.0, 0.0, 0.0).share(10) == 0.0
 
 
@@ -105,8 +107,8 @@ def test_the_rates_are_measured_on_the_machine():
 
 
 def test_the_automatic_share_follows_the_piece(monkeypatch):
-    """With rates given (as CUDA measures them), a short piece's layers give the CPU a share and a long one's none,
-    and the logits stay the resident model's."""
+    """With rates given (as CUDA measures them), a short piece's layers give the CPU a share and a long one's none
+    (more rows an expert than MAX_ROWS), and the logits stay the resident model's."""
     monkeypatch.setattr(Staging, "cpu_share", None)
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=0.0)
@@ -117,6 +119,7 @@ def test_the_automatic_share_follows_the_piece(monkeypatch):
     k = e.loaded.config.num_experts_per_tok
     rows = ids.numel() * k / cache.num_experts  # the prompt's rows an expert
     cache.staging.rates = CpuRates(pcie=1.0, fixed=0.0, row=1.0 / rows)  # the balance at 0.5 for this prompt
+    monkeypatch.setattr(cpu_share, "MAX_ROWS", rows)  # the tiny model's few experts: more rows an expert
     assert cache.staging.cpu_experts(cache, 0, ids.numel() * k)
     assert cache.staging.cpu_experts(cache, 0, 100 * ids.numel() * k) == []
     cache.reset_stats()

@@ -11,9 +11,12 @@ How large a share (`CpuRates.share`, the default on CUDA): in a piece each exper
 expert costs the GPU at least its bytes over PCIe (t_pcie), the CPU its MLP on m rows (t_cpu(m) = fixed + m·row,
 reading its weights from host memory and the three matmuls). The two finish together at f = t_pcie / (t_pcie +
 t_cpu(m)) (`bench/cpu_misses.py`); below MIN_SHARE the host sync and the host read of the routing a share costs
-take what it saves. `measure` times both once, on the machine: a pinned copy, and one expert's MLP at two row counts.
-H100, Qwen3.5-35B-A3B bf16 at `--vram 24`, 16 cores (`python bench/staging_ab.py --vram 24 --cpu-share F`): 512
-tokens 1.05x at F 0.2, 1.04x at 0.1 (the balance: ~0.19); 2048 tokens 0.98x at 0.2, 1.00x at 0.1 (~0.06).
+take what it saves. `measure` times both once, on the machine: a pinned copy, and distinct experts' MLPs at two row
+counts. Measured (H100s, 16 cores, Qwen3.5-35B-A3B bf16 at `--vram 24`, `python bench/staging_ab.py --vram 24
+--cpu-share F|auto`, seven pairs on four machines): 512-token pieces (16 rows an expert) 0.99-1.05x, 1.03x on average;
+1024 and 2048 (64 rows) 0.97-1.02x, 0.99x on average, the worker done before the GPU needed its rows (0.1 s waited
+of 1.0 s of work): the bytes the share saves are not what bounds those pieces. So the share applies to pieces of at
+most MAX_ROWS rows an expert.
 
 Imports: torch, the standard library and localmoe.devices (the bandwidth).
 """
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 from localmoe.devices import host_bandwidth
 
 _POOL: ThreadPoolExecutor | None = None  # one worker: torch's CPU matmuls use every core themselves
-MIN_SHARE = 0.08  # a balance below this takes no share (H100 above: 0.1 at 2048 tokens gained nothing)
+MIN_SHARE = 0.08  # a balance below this takes no share
+MAX_ROWS = 16  # nor does a piece with more rows an expert (module doc: 512 tokens gained, 1024 and 2048 did not)
 MAX_SHARE = 0.5
 MEASURED = 16  # distinct experts `measure` times at each row count (Qwen3.5-35B-A3B bf16: 96 MiB, past a CPU's caches)
 
@@ -51,6 +55,8 @@ class CpuRates:
 
     def share(self, rows: float) -> float:
         """The share of a layer's absent experts the CPU takes when each has `rows` rows (module doc)."""
+        if rows > MAX_ROWS:
+            return 0.0
         both = self.pcie + self.fixed + self.row * rows
         f = self.pcie / both if both > 0 else 0.0
         return min(MAX_SHARE, f) if f >= MIN_SHARE else 0.0

@@ -55,7 +55,8 @@ class Staging:
     packed_fill = True
     # Plain (bf16 / fp32) experts: the share of an offloaded layer's absent experts a long piece computes on the CPU
     # while the GPU stages the rest (experts/cpu_share.py, `cpu_experts`). None: the share that balances the rates
-    # measured on this machine at the piece's rows per expert (on CUDA; elsewhere with `rates` given), 0: off.
+    # measured on this machine at the piece's rows per expert, in pieces of at most cpu_share.MAX_ROWS rows an
+    # expert (on CUDA; elsewhere with `rates` given), 0: off.
     cpu_share: float | None = None
 
     def __init__(
