@@ -12,9 +12,10 @@ to first token of --reps random prompts of --prompt-tokens (median), then one un
 The profiler slows the host side, so its span is longer than the timed TTFT; compare splits, not totals.
 
 Usage: PYTHONUNBUFFERED=1 python bench/prefill_profile.py [--shape qwen3.5-35b] [--experts int4] [--vram 16]
-       [--prompt-tokens 2048] [--reps 3] [--host-spans]
+       [--prompt-tokens 2048] [--reps 3] [--host-spans] [--cpu-share F]
 `--host-spans` profiles the dense path with torch's grouped_mm and a host read of the routing each layer (the default
-before session 35) instead of `DensePath.device_spans`.
+before session 35) instead of `DensePath.device_spans`. `--cpu-share F` sets `Staging.cpu_share` (bf16 experts: a
+share F of each layer's absent experts computed on the CPU; 0 none; the default: the engine's automatic share).
 """
 
 import argparse
@@ -33,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from localmoe.devices import host_bandwidth
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
+from localmoe.experts.staging import Staging
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="qwen3.5-35b")
@@ -41,7 +43,9 @@ p.add_argument("--vram", type=float, default=16)
 p.add_argument("--prompt-tokens", type=int, default=2048)
 p.add_argument("--reps", type=int, default=3)
 p.add_argument("--host-spans", action="store_true", help="the layer with a host read (DensePath.device_spans off)")
+p.add_argument("--cpu-share", type=float, default=None, help="Staging.cpu_share (default: the automatic share)")
 a = p.parse_args()
+Staging.cpu_share = a.cpu_share
 n = a.prompt_tokens
 e = Engine.random(
     a.shape,
