@@ -141,7 +141,10 @@ class Staging:
             device = torch.device(cache.device)
             if device.type != "cuda":
                 return 0.0
-            self.rates = measure(cache.masters[layer], 3 * cache.row_bytes * cache.width, device)
+            try:
+                self.rates = measure(cache.masters[layer], 3 * cache.row_bytes * cache.width, device)
+            except RuntimeError:  # no pinned memory to time the bus with (a container's limit): no share
+                self.rates = CpuRates(0.0, 0.0, 0.0)
         return self.rates.share(self.rows)
 
     def stream(
