@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import repo_id
-from test_offload import budget_for, tokens
+from offload_support import budget_for, tokens
 
 from localmoe.engine.engine import Engine
 from localmoe.experts import cpu_share

@@ -154,7 +154,7 @@ def test_device_spans_equal_grouped(dtype, masked):
 
 def test_loop_where_no_grouped_gemm():
     """A decode-sized call on offloaded experts (fetched one by one, admitted) and a dtype other than x's take the
-    loop (a longer offloaded call streams through the cache's staging buffers: tests/test_offload.py)."""
+    loop (a longer offloaded call streams through the cache's staging buffers: tests/test_offload_prefill.py)."""
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     m = _experts(4, 8, 16, dt)
     x = torch.randn(3, 16).to(DEV, dt)

@@ -9,39 +9,13 @@ import os
 import pytest
 import torch
 from conftest import repo_id
+from offload_support import GiB, budget_for, few_slots_engine, small_cache, tokens
 
 from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.experts import cache as offload
-from localmoe.experts import dense_path, placement
-from localmoe.experts.expert_weights import ExpertWeights
-from localmoe.experts.staging import Staging
-
-GiB = 1 << 30
-
-
-def budget_for(model: str, slots: int, experts: str = "full") -> float:
-    """--vram (GiB) that leaves exactly `slots` expert slots."""
-    probe = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=64.0, experts=experts).loaded.offload
-    fixed = probe.non_expert_bytes + probe.state_bytes + placement.WORKSPACE_RESERVE
-    return (fixed + slots * probe.expert_bytes + probe.expert_bytes // 2) / GiB
-
-
-def tokens(engine, prompt="Sparse experts skip most neurons.", n=24):
-    return [ev.token_id for ev in engine.generate(engine.encode_raw(prompt), GenerationSettings(max_new_tokens=n))]
-
-
-def few_slots_engine(mode: str, n: int) -> tuple[Engine, list[int], int]:
-    """qwen3_moe at sparsity 0.5 offloaded with miss `mode` and a few slots (direct: every gate resident and a few
-    up/down slots; else 3 whole-expert slots): (the engine, all-resident greedy tokens of `n`, experts in all)."""
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.5)
-    want = tokens(resident, n=n)
-    total = sum(m.num_experts for m in resident.loaded.experts)
-    slots = total // 3 + 2 if mode == "direct" else 3
-    e = Engine.load(model, device="cpu", sparsity=0.5, vram_gib=budget_for(model, slots), offload_miss=mode)
-    return e, want, total
+from localmoe.experts import placement
+from localmoe.models.loaded import attach_cache
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
@@ -64,17 +38,8 @@ def test_whole_model_fits_means_no_offloading():
     assert not e.loaded.offload.offloading and e.loaded.cache is None
 
 
-def _cache(slots=3, layers=2, E=6, I=4, H=5):
-    cache = offload.ExpertCache(slots, (E, I, H), torch.float32, torch.device("cpu"))
-    masters = {}
-    for layer in range(layers):
-        masters[layer] = ExpertWeights(*(torch.randn(E, I, H) for _ in range(3)))
-        cache.add_layer(layer, masters[layer])
-    return cache, masters
-
-
 def test_cache_hits_misses_eviction_and_slot_table():
-    cache, masters = _cache()
+    cache, masters = small_cache()
     cache.fetch(0, [1, 2])
     assert (cache.hits, cache.misses) == (0, 2)
     cache.fetch(0, [1])
@@ -97,7 +62,7 @@ def test_cache_hits_misses_eviction_and_slot_table():
 
 
 def test_cache_never_evicts_what_the_call_needs():
-    cache, _ = _cache(slots=2)
+    cache, _ = small_cache(slots=2)
     cache.fetch(0, [0, 1])
     cache.fetch(0, [1, 2])  # must evict 0, not 1
     assert set(cache.lru) == {(0, 1), (0, 2)}
@@ -167,7 +132,6 @@ def test_direct_misses_equal_all_resident(sparsity, layout):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "0":
         pytest.skip("a CPU engine's Triton kernels need the interpreter (on a GPU: bench/gpu_engine_check.py)")
-    from localmoe.models.loaded import attach_cache
 
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=sparsity)
@@ -348,171 +312,3 @@ def test_up_down_slots_are_filled_at_load_by_calibration_routing(mode):
     lru = dict(cache.lru)
     thresholds.apply(e.loaded, table, device=torch.device("cpu"))
     assert dict(cache.lru) == lru
-
-
-def test_sparse_piece_tokens_follow_host_bytes():
-    """Direct misses: the longest prefill piece for the sparse path is where its per-token host reads (absent gates,
-    kept rows of absent up/down) reach the dense path's per-piece copies (every absent expert's up/down)."""
-    E, I, H, layers, k = 16, 4, 8, 4, 2
-
-    def piece(slots, gate_slots, sparsity):
-        cache = offload.ExpertCache(
-            slots, (E, I, H), torch.float32, torch.device("cpu"), mode="direct", gate_slots=gate_slots
-        )
-        for layer in range(layers):
-            cache.add_layer(layer, ExpertWeights(*(torch.zeros(E, I, H) for _ in range(3))))
-        return cache.sparse_piece_tokens(k, sparsity)
-
-    total = layers * E
-    # gates all resident, no up/down slot: per token k kept fractions of up+down per layer, per piece all up/down
-    assert piece(0, total, 0.85) == int(total * 2 / (layers * k * 2 * 0.15))
-    assert piece(0, total, 0.85) > piece(0, total, 0.5) > piece(0, total, 0.0)
-    assert piece(0, total // 2, 0.85) < piece(0, total, 0.85)  # absent gates are read whole for every token
-    assert piece(total, total, 0.85) >= 1 << 20  # everything resident: no host bytes either way, no limit by them
-
-
-@pytest.mark.parametrize("experts", ["full", "int4"])
-def test_offloaded_prefill_streams_spans_of_experts(experts):
-    """A prompt on an offloaded model takes the grouped path, its routed experts staged a few at a time
-    (experts/staging.py; spans of 2 here, so every layer takes several): the logits equal the resident model's,
-    each routed expert is counted once per layer as a hit or a miss, and prefill admits nothing into the cache."""
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
-    e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
-    cache = e.loaded.cache
-    assert cache is not None and cache.slots == 3
-    cache.staging.span = 2
-    cache.reset_stats()
-    placed = dict(cache.lru)  # the load filled the slots (place_experts): layers interleaved, in id order
-    assert list(placed) == [(0, 1), (1, 0), (0, 0)] and cache.placed
-    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
-    with torch.no_grad():
-        want = resident.model(input_ids=ids).logits
-        got = e.model(input_ids=ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert dict(cache.lru) == placed and cache.misses > 2 * len(e.loaded.experts) and cache.copied_bytes > 0
-    assert cache.hits > 0  # the placed experts serve the prompt from their slots
-    assert cache.staging.buffers is not None and cache.staging.buffers[0].w_up.shape[0] == 2
-    part = cache.row_bytes * cache.width  # a pass over every expert copies every part of all but the 3 placed
-    assert cache.absent_bytes() == 3 * part * (sum(m.num_experts for m in e.loaded.experts) - 3)
-
-
-@pytest.mark.parametrize("mode", ["copy", "direct", "cpu"])
-def test_offloaded_prefill_equals_the_resident_model_in_every_miss_mode(mode):
-    """However decode serves its misses (copy-then-compute, direct reads, the CPU), a prompt streams its experts
-    through the staging buffers: prompt logits and greedy tokens equal the resident model's."""
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.0)
-    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3), offload_miss=mode)
-    cache = e.loaded.cache
-    assert cache is not None and cache.mode == mode
-    cache.staging.span = 2
-    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
-    with torch.no_grad():
-        want = resident.model(input_ids=ids).logits
-        got = e.model(input_ids=ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert cache.staging.buffers is not None and cache.staging.buffers[0].w_up.shape[0] == 2
-    assert tokens(e, n=8) == tokens(resident, n=8)
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU tensors needs the interpreter")
-@pytest.mark.parametrize("experts", ["full", "int4"])
-def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
-    """With master copies the device can read (pinned on CUDA; here the CPU under the interpreter) a span fills by
-    one gather_experts launch per part (int4: one gather_dequant launch per projection): resident experts from their
-    pool slots, the others from the host copies; the logits equal the resident model's and the cache's figures count
-    the same hits, misses and bytes."""
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
-    e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
-    cache = e.loaded.cache
-    tokens(e, n=4)  # decode admits experts: the pools hold some
-    assert len(cache.lru) == 3
-    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
-    figures = []
-    for kernel in (False, True):
-        cache.staging.kernel_on_cpu, cache.staging.span = kernel, 2
-        cache.reset_stats()
-        with torch.inference_mode():  # as the engine runs (its buffers are inference tensors)
-            got = e.model(input_ids=ids).logits
-            want = resident.model(input_ids=ids).logits
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        figures.append((cache.hits, cache.misses, cache.copied_bytes))
-    assert cache.staging.gathers and all(cache.staging.gathers.values())
-    assert figures[0] == figures[1] and figures[1][0] > 0
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("experts", ["full", "int4", "int4-plainspans", "int4-dequantized"])
-def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
-    """The dense path with no host read of the routing (`DensePath.device_spans`: every expert in fixed spans, the
-    group ends read by kernels/grouped_gate_up.py and grouped_gemm.py): an offloaded prompt (spans of 2 staged) and a
-    resident one give the resident model's logits; the offloaded one stages every expert of every layer once. The
-    span launches are counted (the kernel still runs) to show the path was taken. int4 experts are read in place
-    (`DensePath.int4_staged_packed` offloaded, `int4_in_place` resident: spans staged packed, in the staging buffers'
-    memory, as many experts as it holds) or dequantized (staged so)."""
-    in_place = experts in ("int4", "int4-plainspans")
-    monkeypatch.setattr(Staging, "packed_fill", experts != "int4-plainspans")  # packed spans as many as the plain
-    experts = experts.split("-")[0]
-    monkeypatch.setattr(dense_path.DensePath, "int4_in_place", in_place)
-    monkeypatch.setattr(dense_path.DensePath, "int4_staged_packed", in_place)
-    launches = []
-    real = dense_path.grouped_gate_up
-    monkeypatch.setattr(dense_path, "grouped_gate_up", lambda *a, **kw: launches.append(a[4]) or real(*a, **kw))
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.0, experts=experts)
-    ids = torch.tensor([resident.encode_raw("Departments share weights, experts keep their own. " * 2)])
-    with torch.inference_mode():
-        want = resident.model(input_ids=ids).logits
-    e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
-    cache = e.loaded.cache
-    cache.staging.span = 2
-    for engine in (resident, e):
-        for m in engine.loaded.experts:
-            m.device_spans = m.kernel_on_cpu = True
-            assert m._device_ok(torch.zeros(1, m.hidden_size), torch.zeros(ids.shape[1], 2, dtype=torch.long))
-    cache.reset_stats()
-    with torch.inference_mode():
-        got_resident = resident.model(input_ids=ids).logits
-        got = e.model(input_ids=ids).logits
-    torch.testing.assert_close(got_resident, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert cache.hits + cache.misses == sum(m.num_experts for m in e.loaded.experts)  # every expert, once a layer
-    E, layers = e.loaded.experts[0].num_experts, len(e.loaded.experts)
-    assert launches.count(0) == 2 * layers  # each engine's first span of every layer
-    span = cache.staging.packed_span if in_place else 2  # packed spans fill the buffers' memory: more experts
-    assert set(range(0, E, span)) <= set(launches)  # the offloaded spans
-    assert (cache.staging.packed_buffers is not None) == in_place
-    if in_place:  # fp32 buffers hold ~7x as many int4 experts
-        assert min(E, 6) <= span <= E if Staging.packed_fill else span == 2
-
-
-def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():
-    """experts/staging.py: after a layer that routed every expert, the next layer's first two spans are filled
-    ahead; `stream` takes the leading ones that match its spans (a routing without expert 2 takes the first only)
-    and refills the rest; every span it yields holds its experts' weights, counted once when used."""
-    cache, masters = _cache(slots=3, layers=3, E=6)
-    cache.staging.span = 2
-
-    def staged(layer, experts):
-        out = []
-        for first, n, buf, ids in cache.stream(layer, experts):
-            assert ids.tolist() == experts[first : first + n]
-            for i, e in enumerate(experts[first : first + n]):
-                for name in ("w_gate", "w_up", "w_down_t"):
-                    assert torch.equal(getattr(buf, name)[i], getattr(masters[layer], name)[e]), (layer, e, name)
-            out.append(experts[first : first + n])
-        return out
-
-    assert staged(0, list(range(6))) == [[0, 1], [2, 3], [4, 5]]
-    assert cache.staging.ahead[0] == 1 and cache.staging.ahead[1] == [[0, 1], [2, 3]]
-    assert cache.staging._take_ahead(1, [[0, 1], [3, 4]]).keys() == {0}
-    staged(0, list(range(6)))
-    cache.reset_stats()
-    assert staged(1, [0, 1, 3, 4, 5]) == [[0, 1], [3, 4], [5]]  # span 0 filled ahead, the others refilled
-    assert cache.misses == 5 and cache.staging.ahead is None  # not every expert routed: nothing filled ahead
-    staged(1, list(range(6)))
-    assert cache.staging.ahead[0] == 2
-    cache.fetch(2, [0])  # decode admits into the pools: what was filled ahead is dropped
-    assert cache.staging.ahead is None

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 from conftest import repo_id
-from test_offload import budget_for, tokens
+from offload_support import budget_for, tokens
 
 from localmoe.engine.engine import Engine
 from localmoe.errors import RuntimeFailure
