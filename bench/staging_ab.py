@@ -20,6 +20,8 @@ staging buffers' memory holds (`Staging.packed_fill`, "gather").
 computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.py, "gather"; `auto`: the share the
 measured rates balance at each piece, the default; `--cpu-threads N` the worker's threads); the PCIe column still
 counts every absent byte.
+`--absent-first` compares spans in ascending expert ids ("copies") against the experts whose bytes cross the bus
+first (`Staging.absent_first`, "gather").
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -37,7 +39,7 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --cpu-share F | --span A,B | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B
+       | --cpu-share F | --span A,B | --absent-first | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B
        | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
 
@@ -77,6 +79,7 @@ p.add_argument(
 )
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
 p.add_argument("--cpu-share", default=None, help="full experts: no CPU share against this share (auto: the default)")
+p.add_argument("--absent-first", action="store_true", help="spans in ids' order against the absent experts first")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
 p.add_argument("--cpu-threads", type=int, default=0, help="with --cpu-share: the CPU worker's threads (0: torch's)")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
@@ -126,6 +129,8 @@ def ttft(n: int, gather: bool) -> float:
             m.device_spans = gather
     elif spans:
         staging.resize(spans[int(gather)] or engine_span)
+    elif a.absent_first:
+        Staging.absent_first = gather
     elif a.cpu_share is not None:
         Staging.cpu_share = (None if a.cpu_share == "auto" else float(a.cpu_share)) if gather else 0.0
         CpuRows.threads = a.cpu_threads
@@ -169,6 +174,8 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if dq_grids:
     print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
+if a.absent_first:
+    print("'copies': spans in ascending expert ids; 'gather': the experts whose bytes cross the bus first")
 if spans:
     print(f"staging span (experts a buffer) 'copies': {spans[0] or engine_span}, 'gather': {spans[1] or engine_span}")
 if a.cpu_share is not None:

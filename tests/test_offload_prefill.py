@@ -112,14 +112,19 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("experts", ["full", "int4", "int4-plainspans", "int4-dequantized"])
+@pytest.mark.parametrize(
+    "experts", ["full", "int4", "int4-plainspans", "int4-dequantized", "full-absentfirst", "int4-absentfirst"]
+)
 def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     """The dense path with no host read of the routing (`DensePath.device_spans`: every expert in fixed spans, the
     group ends read by kernels/grouped_gate_up.py and grouped_gemm.py): an offloaded prompt (spans of 2 staged) and a
     resident one give the resident model's logits; the offloaded one stages every expert of every layer once. The
     span launches are counted (the kernel still runs) to show the path was taken. int4 experts are read in place
     (`DensePath.int4_staged_packed` offloaded, `int4_in_place` resident: spans staged packed, in the staging buffers'
-    memory, as many experts as it holds) or dequantized (staged so)."""
+    memory, as many experts as it holds) or dequantized (staged so). `Staging.absent_first`: the offloaded spans
+    in `Staging.order` (the experts whose bytes cross first), the routing renamed by place in it."""
+    absent_first = experts.endswith("absentfirst")
+    monkeypatch.setattr(Staging, "absent_first", absent_first)
     in_place = experts in ("int4", "int4-plainspans")
     monkeypatch.setattr(Staging, "packed_fill", experts != "int4-plainspans")  # packed spans as many as the plain
     experts = experts.split("-")[0]
@@ -154,6 +159,14 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     assert (cache.staging.packed_buffers is not None) == in_place
     if in_place:  # fp32 buffers hold ~7x as many int4 experts
         assert min(E, 6) <= span <= E if Staging.packed_fill else span == 2
+    orders = [cache.staging.order(cache, layer) for layer in range(layers)]
+    assert all(sorted(o) == list(range(E)) for o in orders)
+    if absent_first:  # resident experts last: not the ids' order in some layer, so the renaming was exercised
+        assert any(o != list(range(E)) for o in orders)
+        for layer, o in enumerate(orders):
+            gates, slots = cache.sources(layer)
+            crossing = [2 * (slots[x] < 0) + (gates[x] < 0) for x in o]
+            assert crossing == sorted(crossing, reverse=True)
 
 
 def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():

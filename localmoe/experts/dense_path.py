@@ -236,13 +236,20 @@ class DensePath:
         has them. Same arithmetic and roundings as `_grouped` but for the GEMMs' and the k-term sums' order."""
         T, k = top_k_index.shape
         M, I, H = T * k, self.intermediate_size, self.hidden_size
+        order = None
+        if self.cache is not None and self.cache.staging.absent_first:  # experts renamed by their place in `order`
+            order = self.cache.staging.order(self.cache, self.layer_idx)
+            order_d, rank = self.cache.staging.ranks(order, x.device)
+            top_k_index = rank[top_k_index]
         _, tok, pos, ends = slot_sort(top_k_index, self.num_experts)
         h = torch.empty(M, I, dtype=x.dtype, device=x.device)
         y = torch.empty(M, H, dtype=x.dtype, device=x.device)
         kept = torch.zeros(1, dtype=torch.int64, device=x.device) if masked else None
         tau = self.tau.to(device=x.device, dtype=torch.float32) if masked else None
+        if masked and order is not None:
+            tau = tau[order_d]
         x = x if x.stride(-1) == 1 else x.contiguous()
-        for w_gate, w_up, w_down_t, g0 in self._fixed_spans():
+        for w_gate, w_up, w_down_t, g0 in self._fixed_spans(order):
             w4 = "_int4" if isinstance(w_gate, Int4Tensor) else ""  # read in place
             kw = tuned(x, "grouped_gate_up", f"K{H}_N{I}{w4}")
             grouped_gate_up(x, w_gate, w_up, ends, g0, h, tau=tau, kept=kept, x_rows=tok, **kw)
@@ -253,15 +260,19 @@ class DensePath:
         s, g = shared if shared is not None else (None, None)
         return token_combine(y, pos, top_k_weights, x.dtype, shared=s, shared_gate=g)
 
-    def _fixed_spans(self):
+    def _fixed_spans(self, order: list[int] | None = None):
         """(gate, up, down_t [n, I, H], first expert) of every expert in order, with no host read: resident plain or
         int4 experts (`int4_in_place`) in one span as stored, other 4-bit ones dequantized `dequant_bytes` at a
         time, offloaded ones streamed through the staging buffers (all experts: the layer ahead is filled ahead
-        too; int4 ones packed with `int4_staged_packed`)."""
+        too; int4 ones packed with `int4_staged_packed`), in `order` when given (`Staging.absent_first`: the first
+        expert is then a place in it)."""
         E = self.num_experts
         if self.cache is not None:
             packed = self.int4_staged_packed and self.cache.pool.affine_int4
-            for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E)), packed=packed):
+            experts = list(range(E)) if order is None else order
+            for first, n, buf, _ in self.cache.stream(
+                self.layer_idx, experts, packed=packed, ordered=order is not None
+            ):
                 yield (*(buf.in_place(0, n) if packed else buf.dequantized(0, n)), first)
             return
         if not self.weights.quantized or (self.int4_in_place and self.weights.affine_int4):

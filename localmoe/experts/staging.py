@@ -58,6 +58,10 @@ class Staging:
     # measured on this machine at the piece's rows per expert, in pieces of at most cpu_share.MAX_ROWS rows an
     # expert (on CUDA; elsewhere with `rates` given), 0: off.
     cpu_share: float | None = None
+    # The device path's spans (experts/dense_path.py `_fixed_spans`) in `order`: the experts whose bytes cross the bus
+    # first, so the two spans filled ahead (under the layer before's last span and this layer's attention) carry most
+    # of a layer's PCIe traffic and the later spans gather from the pools only. Off: ascending ids (untimed).
+    absent_first = False
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -147,15 +151,30 @@ class Staging:
                 self.rates = CpuRates(0.0, 0.0, 0.0)
         return self.rates.share(self.rows)
 
+    def order(self, cache, layer: int) -> list[int]:
+        """`layer`'s experts by the bytes they would cross the bus, most first (gate and up/down absent, then up/down
+        only, then the gate only, then resident), ascending ids within each (`absent_first`; no device read)."""
+        gates, slots = cache.sources(layer)
+        return sorted(range(cache.num_experts), key=lambda e: -(2 * (slots[e] < 0) + (gates[e] < 0)))
+
+    def ranks(self, order: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`order` [E] int64, each expert's place in it [E] int64) on `device`, from pinned memory."""
+        rank = [0] * len(order)
+        for i, e in enumerate(order):
+            rank[e] = i
+        both = upload(order + rank, device).long()
+        return both[: len(order)], both[len(order) :]
+
     def stream(
-        self, cache, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = ()
+        self, cache, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = (), ordered: bool = False
     ) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
         """(index in `experts` of the span's first expert, experts in the span n, the staging buffer holding them in
         its first n rows, their ids [n] int32 on the device) for each span of `experts` (ascending expert ids of
-        `layer`), in order (module doc). The buffer is valid until the generator is resumed twice. No host sync: the
-        ids cross once, from pinned memory. `packed` (int4 experts staged dequantized otherwise): the spans stay
-        int4, in the same memory (the grouped GEMMs read them in place). `cpu`: the routed experts the CPU computes
-        (`cpu_experts`), not in `experts`."""
+        `layer`, or in `order` when `ordered`), in order (module doc). The buffer is valid until the generator is
+        resumed twice. No host sync: the ids cross once, from pinned memory. `packed` (int4 experts staged dequantized
+        otherwise): the spans stay int4, in the same memory (the grouped GEMMs read them in place). `cpu`: the routed
+        experts the CPU computes (`cpu_experts`), not in `experts`. `ordered`: the layer ahead is filled in `order`
+        too."""
         packed = packed and self.plain is not None
         size = self._span(packed)
         spans = [experts[i : i + size] for i in range(0, len(experts), size)]
@@ -186,7 +205,7 @@ class Staging:
             yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
             ready = following
         if len(experts) + len(cpu) == cache.num_experts and layer + 1 in cache.masters:
-            self._fill_ahead(cache, layer + 1, device, cuda, packed)
+            self._fill_ahead(cache, layer + 1, device, cuda, packed, ordered)
 
     def _issue(self, cache, layer: int, span: list[int], buf: ExpertWeights, ids, cuda: bool, packed: bool = False):
         """Fill `buf` with `span`'s experts: on the side stream after the compute stream's work so far (the buffer's
@@ -211,12 +230,16 @@ class Staging:
             done.record(self.stream_)
         return done
 
-    def _fill_ahead(self, cache, layer: int, device: torch.device, cuda: bool, packed: bool = False) -> None:
+    def _fill_ahead(
+        self, cache, layer: int, device: torch.device, cuda: bool, packed: bool = False, ordered: bool = False
+    ) -> None:
         """Fill both buffers with `layer`'s first two spans of experts (all experts routed, as a long piece routes
-        them), for `stream` to take if they are that layer's first spans (staged the same way: `packed`)."""
+        them; in `order` when `ordered`), for `stream` to take if they are that layer's first spans (staged the same
+        way: `packed`)."""
         bufs, size = self._buffers(packed), self._span(packed)
         skip = set(self.cpu_experts(cache, layer))
-        experts = [e for e in range(cache.num_experts) if e not in skip]
+        every = self.order(cache, layer) if ordered else range(cache.num_experts)
+        experts = [e for e in every if e not in skip]
         spans = [experts[a : a + size] for a in range(0, min(len(experts), 2 * size), size)]
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
         ids = upload(experts, device) if gather else None
