@@ -13,7 +13,7 @@ reading its weights from host memory and the three matmuls). The two finish toge
 t_cpu(m)) (`bench/cpu_misses.py`); below MIN_SHARE the host sync and the host read of the routing a share costs
 take what it saves. `measure` times both once, on the machine: a pinned copy, and distinct experts' MLPs at two row
 counts. Measured (H100s, 16 cores, Qwen3.5-35B-A3B bf16 at `--vram 24`, `python bench/staging_ab.py --vram 24
---cpu-share F|auto`, seven pairs on four machines): 512-token pieces (16 rows an expert) 0.99-1.05x, 1.03x on average;
+--cpu-share F|auto`, seven pairs on three machines): 512-token pieces (16 rows an expert) 0.99-1.05x, 1.03x on average;
 1024 and 2048 (64 rows) 0.97-1.02x, 0.99x on average, the worker done before the GPU needed its rows (0.1 s waited
 of 1.0 s of work): the bytes the share saves are not what bounds those pieces. So the share applies to pieces of at
 most MAX_ROWS rows an expert.
