@@ -16,7 +16,8 @@ rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_
 `FusedDecoderLayer.prefill_norms` / `FusedSparseMoeBlock.prefill_fused` / `FusedAttention.prefill_fused` on, in
 both engines, before one becomes a default; `--cpu-share F`: `Staging.cpu_share` (a share of the offloaded full
 experts computed on the CPU: its matmuls round differently, so the logits differ a little; the tokens must not);
-`--absent-first`: `Staging.absent_first` (the offloaded spans in the order of the bytes they cross).
+`--absent-first`: `Staging.absent_first` (the offloaded spans in the order of the bytes they cross); `--early-ahead`:
+`Staging.early_ahead` (the next layer's first span issued before a layer's last).
 """
 
 import os
@@ -136,12 +137,15 @@ def main() -> None:
         Staging.cpu_share = float(sys.argv[sys.argv.index("--cpu-share") + 1])
     if "--absent-first" in sys.argv:
         Staging.absent_first = True
+    if "--early-ahead" in sys.argv:
+        Staging.early_ahead = True
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
     print(f"device_spans {DensePath.device_spans}, int4_in_place {DensePath.int4_in_place} (staged packed "
           f"{DensePath.int4_staged_packed}), DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
-          f"attention {attention}, cpu_share {Staging.cpu_share}, absent_first {Staging.absent_first}")  # fmt: skip
+          f"attention {attention}, cpu_share {Staging.cpu_share}, absent_first {Staging.absent_first}, "
+          f"early_ahead {Staging.early_ahead}")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

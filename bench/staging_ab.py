@@ -21,7 +21,8 @@ computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.p
 measured rates balance at each piece, the default; `--cpu-threads N` the worker's threads); the PCIe column still
 counts every absent byte.
 `--absent-first` compares spans in ascending expert ids ("copies") against the experts whose bytes cross the bus
-first (`Staging.absent_first`, "gather").
+first (`Staging.absent_first`, "gather"); `--early-ahead` the next layer's first span issued after the last span
+against before it (`Staging.early_ahead`).
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -39,8 +40,8 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --cpu-share F | --span A,B | --absent-first | --device-spans | --int4-in-place | --packed-fill | --deltanet A,B
-       | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
+       | --cpu-share F | --span A,B | --absent-first | --early-ahead | --device-spans | --int4-in-place
+       | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
 
 import argparse
@@ -80,6 +81,7 @@ p.add_argument(
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
 p.add_argument("--cpu-share", default=None, help="full experts: no CPU share against this share (auto: the default)")
 p.add_argument("--absent-first", action="store_true", help="spans in ids' order against the absent experts first")
+p.add_argument("--early-ahead", action="store_true", help="the layer ahead's first span after the last, or before")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
 p.add_argument("--cpu-threads", type=int, default=0, help="with --cpu-share: the CPU worker's threads (0: torch's)")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
@@ -131,6 +133,8 @@ def ttft(n: int, gather: bool) -> float:
         staging.resize(spans[int(gather)] or engine_span)
     elif a.absent_first:
         Staging.absent_first = gather
+    elif a.early_ahead:
+        Staging.early_ahead = gather
     elif a.cpu_share is not None:
         Staging.cpu_share = (None if a.cpu_share == "auto" else float(a.cpu_share)) if gather else 0.0
         CpuRows.threads = a.cpu_threads
@@ -174,6 +178,8 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if dq_grids:
     print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
+if a.early_ahead:
+    print("'copies': the next layer's first spans issued after a layer's last; 'gather': the first before it")
 if a.absent_first:
     print("'copies': spans in ascending expert ids; 'gather': the experts whose bytes cross the bus first")
 if spans:

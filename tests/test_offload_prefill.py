@@ -113,7 +113,8 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
 @pytest.mark.parametrize(
-    "experts", ["full", "int4", "int4-plainspans", "int4-dequantized", "full-absentfirst", "int4-absentfirst"]
+    "experts",
+    ["full", "int4", "int4-plainspans", "int4-dequantized", "full-absentfirst", "int4-absentfirst", "int4-early"],
 )
 def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     """The dense path with no host read of the routing (`DensePath.device_spans`: every expert in fixed spans, the
@@ -122,9 +123,11 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     span launches are counted (the kernel still runs) to show the path was taken. int4 experts are read in place
     (`DensePath.int4_staged_packed` offloaded, `int4_in_place` resident: spans staged packed, in the staging buffers'
     memory, as many experts as it holds) or dequantized (staged so). `Staging.absent_first`: the offloaded spans
-    in `Staging.order` (the experts whose bytes cross first), the routing renamed by place in it."""
+    in `Staging.order` (the experts whose bytes cross first), the routing renamed by place in it;
+    `Staging.early_ahead`: the next layer's first span issued before the last span."""
     absent_first = experts.endswith("absentfirst")
     monkeypatch.setattr(Staging, "absent_first", absent_first)
+    monkeypatch.setattr(Staging, "early_ahead", experts.endswith("early"))
     in_place = experts in ("int4", "int4-plainspans")
     monkeypatch.setattr(Staging, "packed_fill", experts != "int4-plainspans")  # packed spans as many as the plain
     experts = experts.split("-")[0]
@@ -169,10 +172,14 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
             assert crossing == sorted(crossing, reverse=True)
 
 
-def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():
+@pytest.mark.parametrize("early", [False, True])
+def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead(early, monkeypatch):
     """experts/staging.py: after a layer that routed every expert, the next layer's first two spans are filled
     ahead; `stream` takes the leading ones that match its spans (a routing without expert 2 takes the first only)
-    and refills the rest; every span it yields holds its experts' weights, counted once when used."""
+    and refills the rest; every span it yields holds its experts' weights, counted once when used. `early_ahead`:
+    the first of them is issued before the layer's last span, into the buffer the span before freed (three spans:
+    buffer 1), and the next layer starts there."""
+    monkeypatch.setattr(Staging, "early_ahead", early)
     cache, masters = small_cache(slots=3, layers=3, E=6)
     cache.staging.span = 2
 
@@ -188,7 +195,9 @@ def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():
 
     assert staged(0, list(range(6))) == [[0, 1], [2, 3], [4, 5]]
     assert cache.staging.ahead[0] == 1 and cache.staging.ahead[1] == [[0, 1], [2, 3]]
-    assert cache.staging._take_ahead(1, [[0, 1], [3, 4]]).keys() == {0}
+    assert cache.staging.ahead[4] == (1 if early else 0)
+    taken, base = cache.staging._take_ahead(1, [[0, 1], [3, 4]])
+    assert taken.keys() == {0} and base == (1 if early else 0)
     staged(0, list(range(6)))
     cache.reset_stats()
     assert staged(1, [0, 1, 3, 4, 5]) == [[0, 1], [3, 4], [5]]  # span 0 filled ahead, the others refilled

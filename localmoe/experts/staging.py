@@ -62,6 +62,10 @@ class Staging:
     # first, so the two spans filled ahead (under the layer before's last span and this layer's attention) carry most
     # of a layer's PCIe traffic and the later spans gather from the pools only. Off: ascending ids (untimed).
     absent_first = False
+    # The layer ahead's first span issued into the buffer the second-to-last span freed, before the last span is
+    # computed (its GEMMs and the next layer's first gather overlap; the next layer then starts in that buffer). Off:
+    # both spans issued after the last span (untimed).
+    early_ahead = False
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -80,7 +84,8 @@ class Staging:
         self.packed_buffers: list[ExpertWeights] | None = None  # int4 views of `buffers` (`stream(packed=True)`)
         self.stream_: torch.cuda.Stream | None = None
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
-        self.ahead: tuple[int, list[list[int]], list, bool] | None = None  # (layer, first spans, events, packed)
+        # what was filled ahead: (layer, first spans, events, packed, the buffer of span 0)
+        self.ahead: tuple[int, list[list[int]], list, bool, int] | None = None
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
         self.rates: CpuRates | None = None  # the automatic CPU share's rates (`measure`d at the first long piece)
         self.rows = 0.0  # the last long piece's rows per expert (the layer ahead is filled for the same)
@@ -178,7 +183,7 @@ class Staging:
         packed = packed and self.plain is not None
         size = self._span(packed)
         spans = [experts[i : i + size] for i in range(0, len(experts), size)]
-        ahead = self._take_ahead(layer, spans, packed)
+        ahead, base = self._take_ahead(layer, spans, packed)
         if not spans:
             return
         bufs = self._buffers(packed)
@@ -193,19 +198,31 @@ class Staging:
         def issue(i: int):
             if i in ahead:  # filled ahead, at the end of the layer before
                 return ahead[i]
-            return self._issue(cache, layer, spans[i], bufs[i % 2], ids[i * size :] if gather else None, cuda, packed)
+            buf = bufs[(i + base) % 2]
+            return self._issue(cache, layer, spans[i], buf, ids[i * size :] if gather else None, cuda, packed)
 
+        n = len(spans)
+        fill_next = len(experts) + len(cpu) == cache.num_experts and layer + 1 in cache.masters
+        nxt = None  # the layer ahead's spans and their filling, once begun
         ready = issue(0)
         for i, span in enumerate(spans):
-            following = issue(i + 1) if i + 1 < len(spans) else None
+            following = issue(i + 1) if i + 1 < n else None
+            if fill_next and self.early_ahead and i + 1 == n:  # span i-1's buffer is free: the next layer's span 0
+                nxt = self._ahead(cache, layer + 1, device, cuda, packed, ordered, (n + base) % 2)
+                self.ahead = (layer + 1, nxt[0][:1], [nxt[1](0)], packed, (n + base) % 2)
             if ready is not None:
                 torch.cuda.current_stream(device).wait_event(ready)
             _count(cache, span, sources)
             first = i * size
-            yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
+            yield first, len(span), bufs[(i + base) % 2], ids[first : first + len(span)]
             ready = following
-        if len(experts) + len(cpu) == cache.num_experts and layer + 1 in cache.masters:
-            self._fill_ahead(cache, layer + 1, device, cuda, packed, ordered)
+        if fill_next:
+            began = nxt is not None and self.ahead is not None and self.ahead[0] == layer + 1
+            done = self.ahead[2] if began else []  # (what settles the pools drops it: then all again)
+            if nxt is None:
+                nxt = self._ahead(cache, layer + 1, device, cuda, packed, ordered, 0)
+            events = done + [nxt[1](j) for j in range(len(done), len(nxt[0]))]
+            self.ahead = (layer + 1, nxt[0], events, packed, nxt[2])
 
     def _issue(self, cache, layer: int, span: list[int], buf: ExpertWeights, ids, cuda: bool, packed: bool = False):
         """Fill `buf` with `span`'s experts: on the side stream after the compute stream's work so far (the buffer's
@@ -230,12 +247,13 @@ class Staging:
             done.record(self.stream_)
         return done
 
-    def _fill_ahead(
-        self, cache, layer: int, device: torch.device, cuda: bool, packed: bool = False, ordered: bool = False
-    ) -> None:
-        """Fill both buffers with `layer`'s first two spans of experts (all experts routed, as a long piece routes
-        them; in `order` when `ordered`), for `stream` to take if they are that layer's first spans (staged the same
-        way: `packed`)."""
+    def _ahead(
+        self, cache, layer: int, device: torch.device, cuda: bool, packed: bool, ordered: bool, base: int
+    ) -> tuple[list[list[int]], object, int]:
+        """`layer`'s first two spans of experts (all experts routed, as a long piece routes them; in `order` when
+        `ordered`; staged `packed` or not) to fill ahead, span j into buffer (base + j) % 2, for `stream` to take if
+        they are that layer's first spans: (the spans, a function issuing span j's fill and returning its event,
+        base)."""
         bufs, size = self._buffers(packed), self._span(packed)
         skip = set(self.cpu_experts(cache, layer))
         every = self.order(cache, layer) if ordered else range(cache.num_experts)
@@ -243,24 +261,26 @@ class Staging:
         spans = [experts[a : a + size] for a in range(0, min(len(experts), 2 * size), size)]
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
         ids = upload(experts, device) if gather else None
-        events = [
-            self._issue(cache, layer, span, bufs[i], ids[i * size :] if gather else None, cuda, packed)
-            for i, span in enumerate(spans)
-        ]
-        self.ahead = (layer, spans, events, packed)
 
-    def _take_ahead(self, layer: int, spans: list[list[int]], packed: bool = False) -> dict:
-        """{span index: its fill event (None on the CPU)} for the leading spans of `layer` filled ahead with the same
-        experts, staged the same way; clears what was filled ahead either way."""
+        def fill(j: int):
+            src = ids[j * size :] if gather else None
+            return self._issue(cache, layer, spans[j], bufs[(base + j) % 2], src, cuda, packed)
+
+        return spans, fill, base
+
+    def _take_ahead(self, layer: int, spans: list[list[int]], packed: bool = False) -> tuple[dict, int]:
+        """({span index: its fill event (None on the CPU)} for the leading spans of `layer` filled ahead with the
+        same experts, staged the same way; the buffer span 0 is in, 0 when none is taken); clears what was filled
+        ahead either way."""
         ahead, self.ahead = self.ahead, None
         if ahead is None or ahead[0] != layer or ahead[3] != packed:
-            return {}
+            return {}, 0
         taken = {}
         for i, (span, event) in enumerate(zip(ahead[1], ahead[2])):
             if i >= len(spans) or spans[i] != span:
                 break
             taken[i] = event
-        return taken
+        return taken, ahead[4] if taken else 0
 
     def settle(self, device: torch.device) -> None:
         """Before the cache writes its pools (decode admits experts): the compute stream waits for any fill ahead
