@@ -22,7 +22,7 @@ measured rates balance at each piece, the default; `--cpu-threads N` the worker'
 counts every absent byte.
 `--absent-first` compares spans in ascending expert ids ("copies") against the experts whose bytes cross the bus
 first (`Staging.absent_first`, "gather"); `--early-ahead` the next layer's first span issued after the last span
-against before it (`Staging.early_ahead`).
+against before it (`Staging.early_ahead`; with `--absent-first`: both on against both off).
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -131,10 +131,8 @@ def ttft(n: int, gather: bool) -> float:
             m.device_spans = gather
     elif spans:
         staging.resize(spans[int(gather)] or engine_span)
-    elif a.absent_first:
-        Staging.absent_first = gather
-    elif a.early_ahead:
-        Staging.early_ahead = gather
+    elif a.absent_first or a.early_ahead:  # either, or both together
+        Staging.absent_first, Staging.early_ahead = a.absent_first and gather, a.early_ahead and gather
     elif a.cpu_share is not None:
         Staging.cpu_share = (None if a.cpu_share == "auto" else float(a.cpu_share)) if gather else 0.0
         CpuRows.threads = a.cpu_threads
