@@ -10,8 +10,13 @@ Prints per expert format (bf16 and int4, dequantized on the CPU first) and m: ms
 and the bound.
 
 Usage: python bench/cpu_misses.py [--shape qwen3.5-35b] [--tokens 512,2048,8192] [--pcie-gbs GB/s] [--threads N]
+       [--contention]
 On CUDA the pinned host->device bandwidth is measured (256 MB copies); without CUDA it is --pcie-gbs (default 25, a
-PCIe 4.0 x16 slot).
+PCIe 4.0 x16 slot). `--contention` (CUDA) asks whether the two sides slow each other down, as the engine's CPU share
+runs them (experts/cpu_share.py): pinned host->device copies alone and while a thread computes bf16 experts (the
+--tokens' first length's rows, 64 distinct experts in pinned memory: past the CPU's caches), and those experts alone
+and beside the copies. If the copies slow down by about the share of bytes the CPU takes, the share cannot shorten a
+piece bound by them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 
 import torch
@@ -59,6 +65,57 @@ def expert_ms(x: torch.Tensor, experts: list, int4: bool, reps: int) -> float:
     return statistics.median(times[2:]) * 1e3
 
 
+def contention(x: torch.Tensor, I: int, H: int, seconds: float = 2.0) -> None:
+    """Pinned host->device GB/s alone and beside a thread computing experts, and that thread's ms an expert alone and
+    beside the copies (module doc)."""
+    gen = torch.Generator().manual_seed(1)
+    experts = [
+        tuple((torch.randn(I, H, generator=gen) / H**0.5).to(torch.bfloat16).pin_memory() for _ in range(3))
+        for _ in range(64)
+    ]
+    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    stop = threading.Event()
+    done = []
+
+    def cpu_loop() -> None:
+        t0, n = time.perf_counter(), 0
+        while not stop.is_set():
+            wg, wu, wd = experts[n % len(experts)]
+            ((F.silu(x @ wg.T) * (x @ wu.T)) @ wd).sum().item()
+            n += 1
+        done.append((time.perf_counter() - t0) / max(n, 1) * 1e3)
+
+    def copies() -> float:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            n += 1
+        return src.numel() * n / (time.perf_counter() - t0) / 1e9
+
+    alone_gbs = copies()
+    worker = threading.Thread(target=cpu_loop)
+    worker.start()
+    time.sleep(seconds)  # the CPU alone
+    stop.set()
+    worker.join()
+    cpu_alone = done.pop()
+    stop.clear()
+    worker = threading.Thread(target=cpu_loop)
+    worker.start()
+    both_gbs = copies()
+    stop.set()
+    worker.join()
+    cpu_both = done.pop()
+    print(f"contention ({x.shape[0]} rows an expert, 64 experts in pinned memory):")
+    print(f"  pinned host->device {alone_gbs:.1f} GB/s alone, {both_gbs:.1f} beside the CPU's experts "
+          f"({both_gbs / alone_gbs:.2f}x)")  # fmt: skip
+    print(f"  CPU {cpu_alone:.3f} ms an expert alone, {cpu_both:.3f} beside the copies ({cpu_alone / cpu_both:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3.5-35b")
@@ -66,6 +123,7 @@ def main() -> None:
     ap.add_argument("--pcie-gbs", type=float, default=25.0)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: every core)")
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--contention", action="store_true", help="CUDA: copies and CPU experts alone and together")
     a = ap.parse_args()
     torch.set_num_threads(a.threads or len(os.sched_getaffinity(0)))
     c = shape_config(a.shape)
@@ -101,6 +159,9 @@ def main() -> None:
             pcie = nbytes[fmt] / (gbs * 1e9) * 1e3
             f = pcie / (pcie + cpu)
             print(f"| {fmt} | {T} | {m} | {cpu:.3f} | {pcie:.3f} | {f:.1%} | {1 / (1 - f):.2f}x |")
+    if a.contention and torch.cuda.is_available():
+        T = int(a.tokens.split(",")[0])
+        contention(torch.randn(max(1, T * k // E), H, generator=gen).to(torch.bfloat16), I, H)
 
 
 if __name__ == "__main__":
