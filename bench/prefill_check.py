@@ -17,7 +17,8 @@ rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_
 both engines, before one becomes a default; `--cpu-share F`: `Staging.cpu_share` (a share of the offloaded full
 experts computed on the CPU: its matmuls round differently, so the logits differ a little; the tokens must not);
 `--absent-first`: `Staging.absent_first` (the offloaded spans in the order of the bytes they cross); `--early-ahead`:
-`Staging.early_ahead` (the next layer's first span issued before a layer's last).
+`Staging.early_ahead` (the next layer's first span issued before a layer's last); `--cpu-in-device`:
+`Staging.cpu_in_device` (a CPU share in the device path).
 """
 
 import os
@@ -139,13 +140,15 @@ def main() -> None:
         Staging.absent_first = True
     if "--early-ahead" in sys.argv:
         Staging.early_ahead = True
+    if "--cpu-in-device" in sys.argv:
+        Staging.cpu_in_device = True
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
     print(f"device_spans {DensePath.device_spans}, int4_in_place {DensePath.int4_in_place} (staged packed "
           f"{DensePath.int4_staged_packed}), DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
           f"attention {attention}, cpu_share {Staging.cpu_share}, absent_first {Staging.absent_first}, "
-          f"early_ahead {Staging.early_ahead}")  # fmt: skip
+          f"early_ahead {Staging.early_ahead}, cpu_in_device {Staging.cpu_in_device}")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

@@ -66,6 +66,9 @@ class Staging:
     # computed (its GEMMs and the next layer's first gather overlap; the next layer then starts in that buffer). Off:
     # both spans issued after the last span (untimed).
     early_ahead = False
+    # A CPU share (`cpu_share`) in the device path: its experts renamed last and left out of the spans, their rows
+    # computed by a worker that waits on an event, not by a host read of the routing (`_grouped`). Off (untimed).
+    cpu_in_device = False
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -156,11 +159,16 @@ class Staging:
                 self.rates = CpuRates(0.0, 0.0, 0.0)
         return self.rates.share(self.rows)
 
-    def order(self, cache, layer: int) -> list[int]:
-        """`layer`'s experts by the bytes they would cross the bus, most first (gate and up/down absent, then up/down
-        only, then the gate only, then resident), ascending ids within each (`absent_first`; no device read)."""
-        gates, slots = cache.sources(layer)
-        return sorted(range(cache.num_experts), key=lambda e: -(2 * (slots[e] < 0) + (gates[e] < 0)))
+    def order(self, cache, layer: int, last: list[int] = ()) -> list[int]:
+        """`layer`'s experts in the order the device path stages them (no device read): with `absent_first` by the
+        bytes they would cross the bus, most first (gate and up/down absent, then up/down only, then the gate only,
+        then resident), ascending ids within each; else ascending ids; `last` (the CPU's) at the end, as given."""
+        skip = set(last)
+        front = [e for e in range(cache.num_experts) if e not in skip]
+        if self.absent_first:
+            gates, slots = cache.sources(layer)
+            front.sort(key=lambda e: -(2 * (slots[e] < 0) + (gates[e] < 0)))
+        return front + list(last)
 
     def ranks(self, order: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(`order` [E] int64, each expert's place in it [E] int64) on `device`, from pinned memory."""
