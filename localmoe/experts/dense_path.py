@@ -13,7 +13,8 @@ and clamped SwiGLU (experts/clamped_swiglu.py).
 The mixin reads the module's state: `weights` (ExpertWeights), `cache`, `layer_idx`, `num_experts`,
 `intermediate_size`, `hidden_size`, `hidden_act`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`,
 `grouped`, `mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens`, `dequant_bytes`, `kernel_on_cpu` and `_count`.
-Imports: torch, experts/clamped_swiglu, experts/cpu_share (a long call's CPU experts, `Staging.cpu_share`), the int4
+Imports: torch, experts/clamped_swiglu, experts/cpu_share (a long call's CPU experts, `Staging.cpu_share`: `CpuRows`
+after a host read of the routing, `CpuSlots` in the device path with none), the int4
 format and the kernels of `_grouped_device` (the two grouped GEMMs, the slot sort and the token combine) with their
 tuned tables.
 """

@@ -24,6 +24,13 @@ fewer spans, fewer launches a layer, and the next layer's two spans filled ahead
 With `cpu_share` some absent plain experts of a layer are not staged at all: the CPU computes them meanwhile
 (experts/cpu_share.py; `cpu_experts` picks them without the routing, so the layer ahead is filled without them).
 
+The device path (experts/dense_path.py `_grouped_device`) may stream a layer in another order than its ids
+(`stream(ordered=True)`, `order`): the experts whose bytes cross the bus first (`absent_first`), the CPU's share last
+(`cpu_in_device`); it renames the routing by place in that order, and the layer ahead is filled in it too. With
+`early_ahead` the next layer's first span is issued before this layer's last span is computed, into the buffer the
+span before freed; the buffers are then taken in turn from the one the layer ahead started in. All three are off
+until timed (bench/RESULTS.md, "Next measurements").
+
 A span holds as many experts as fit STAGE_BYTES of stored weights (int4 / NF4 staged dequantized: not counted),
 and, for 4-bit experts, STAGE_DEQUANT_BYTES of dequantized ones, evened out so that a layer's spans are of one size
 (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
