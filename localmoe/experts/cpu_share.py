@@ -4,8 +4,10 @@ copies, and their rows are copied into the piece's slot rows before the tokens' 
 
 `Staging.cpu_share` (experts/staging.py `cpu_experts`) picks the experts: the last share of the layer's absent ones
 by id, a choice that needs no routing, so the layer ahead is staged without them. `DensePath._grouped` starts the
-job before its spans and puts the rows after them. Plain experts only: dequantizing 4-bit experts on the CPU costs
-~100x an expert's PCIe time.
+job before its spans and puts the rows after them (`CpuRows`, after its host read of the routing); with
+`Staging.cpu_in_device` the device path does the same with no host read (`CpuSlots`: the experts renamed last, the
+worker waits on an event for pinned copies of what it needs). Plain experts only: dequantizing 4-bit experts on the
+CPU costs ~100x an expert's PCIe time.
 
 How large a share (`CpuRates.share`, the default on CUDA): in a piece each expert gets m = T·k/E rows; an absent
 expert costs the GPU at least its bytes over PCIe (t_pcie), the CPU its MLP on m rows (t_cpu(m) = fixed + m·row,
