@@ -136,12 +136,9 @@ def main() -> None:
         FusedAttention.prefill_fused = True
     if "--cpu-share" in sys.argv:
         Staging.cpu_share = float(sys.argv[sys.argv.index("--cpu-share") + 1])
-    if "--absent-first" in sys.argv:
-        Staging.absent_first = True
-    if "--early-ahead" in sys.argv:
-        Staging.early_ahead = True
-    if "--cpu-in-device" in sys.argv:
-        Staging.cpu_in_device = True
+    for flag in ("--absent-first", "--early-ahead", "--cpu-in-device"):  # Staging's switches, named as the flags
+        if flag in sys.argv:
+            setattr(Staging, flag[2:].replace("-", "_"), True)
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused

@@ -26,15 +26,20 @@ def _logits(e: Engine, ids: torch.Tensor) -> torch.Tensor:
         return e.model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("share", [0.5, 1.0])
-def test_cpu_experts_give_the_resident_logits_with_fewer_bytes_copied(share, monkeypatch):
+def _engines():
+    """(the resident qwen3_moe engine, PROMPT's ids, its logits, an offloaded engine: 3 slots, spans of 2)."""
     model = repo_id("qwen3_moe")
     resident = Engine.load(model, device="cpu", sparsity=0.0)
     ids = torch.tensor([resident.encode_raw(PROMPT)])
-    want = _logits(resident, ids)
     e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))
+    e.loaded.cache.staging.span = 2
+    return resident, ids, _logits(resident, ids), e
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_cpu_experts_give_the_resident_logits_with_fewer_bytes_copied(share, monkeypatch):
+    resident, ids, want, e = _engines()
     cache = e.loaded.cache
-    cache.staging.span = 2
     layers = len(e.loaded.experts)
     figures = {}
     for s in (0.0, share):
@@ -112,12 +117,8 @@ def test_the_automatic_share_follows_the_piece(monkeypatch):
     """With rates given (as CUDA measures them), a short piece's layers give the CPU a share and a long one's none
     (more rows an expert than MAX_ROWS), and the logits stay the resident model's."""
     monkeypatch.setattr(Staging, "cpu_share", None)
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.0)
-    ids = torch.tensor([resident.encode_raw(PROMPT)])
-    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))
+    _, ids, want, e = _engines()
     cache = e.loaded.cache
-    cache.staging.span = 2
     k = e.loaded.config.num_experts_per_tok
     rows = ids.numel() * k / cache.num_experts  # the prompt's rows an expert
     cache.staging.rates = CpuRates(pcie=1.0, fixed=0.0, row=1.0 / rows)  # the balance at 0.5 for this prompt
@@ -125,7 +126,7 @@ def test_the_automatic_share_follows_the_piece(monkeypatch):
     assert cache.staging.cpu_experts(cache, 0, ids.numel() * k)
     assert cache.staging.cpu_experts(cache, 0, 100 * ids.numel() * k) == []
     cache.reset_stats()
-    torch.testing.assert_close(_logits(e, ids), _logits(resident, ids), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_logits(e, ids), want, rtol=1e-4, atol=1e-4)
     assert cache.copied_bytes < cache.misses * 3 * cache.row_bytes * cache.width
 
 
@@ -142,13 +143,8 @@ def test_the_cpu_share_in_the_device_path(absent_first, monkeypatch):
     launches = []
     real = dense_path.grouped_gate_up
     monkeypatch.setattr(dense_path, "grouped_gate_up", lambda *a, **kw: launches.append(a[4]) or real(*a, **kw))
-    model = repo_id("qwen3_moe")
-    resident = Engine.load(model, device="cpu", sparsity=0.0)
-    ids = torch.tensor([resident.encode_raw(PROMPT)])
-    want = _logits(resident, ids)
-    e = Engine.load(model, device="cpu", sparsity=0.0, vram_gib=budget_for(model, 3))
+    _, ids, want, e = _engines()
     cache = e.loaded.cache
-    cache.staging.span = 2
     for m in e.loaded.experts:
         m.device_spans = m.kernel_on_cpu = True
     issued = []
