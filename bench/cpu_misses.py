@@ -30,25 +30,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from localmoe.devices import host_bandwidth
 from localmoe.kernels.dequant_int4 import dequant_int4_ref
 from localmoe.kernels.int4 import quantize
 from localmoe.models.shapes import shape_config
 
 EXPERTS = 8  # distinct experts cycled through, more bytes than the CPU's caches hold
-
-
-def pinned_gbs() -> float:
-    """Pinned host -> device copy bandwidth, GB/s (median of 5 copies of 256 MB)."""
-    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
-    dst = torch.empty_like(src, device="cuda")
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return src.numel() / statistics.median(times[1:]) / 1e9
 
 
 def expert_ms(x: torch.Tensor, experts: list, int4: bool, reps: int) -> float:
@@ -131,7 +118,7 @@ def main() -> None:
     H, k = c.hidden_size, c.num_experts_per_tok
     I = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
     E = getattr(c, "num_experts", None) or c.num_local_experts
-    gbs = pinned_gbs() if torch.cuda.is_available() else a.pcie_gbs
+    gbs = host_bandwidth(torch.device("cuda")) / 1e9 if torch.cuda.is_available() else a.pcie_gbs
     where = "measured" if torch.cuda.is_available() else "given"
     print(
         f"{a.shape}: H {H}, I {I}, E {E}, k {k}; CPU threads {torch.get_num_threads()}; PCIe {gbs:.1f} GB/s ({where})"

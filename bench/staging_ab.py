@@ -18,8 +18,8 @@ offloaded, read in place in both) packed spans of the dequantized span's experts
 staging buffers' memory holds (`Staging.packed_fill`, "gather").
 `--cpu-share F` (full experts) compares every absent expert staged ("copies") against a share F of each layer's
 computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.py, "gather"; `auto`: the share the
-measured rates balance at each piece, the default; `--cpu-threads N` the worker's threads; `--cpu-in-device` the
-share in the device path, `Staging.cpu_in_device`); the PCIe column still counts every absent byte.
+measured rates balance at each piece, the default; `--cpu-in-device` the share in the device path,
+`Staging.cpu_in_device`); the PCIe column still counts every absent byte.
 `--absent-first` compares spans in ascending expert ids ("copies") against the experts whose bytes cross the bus
 first (`Staging.absent_first`, "gather"); `--early-ahead` the next layer's first span issued after the last span
 against before it (`Staging.early_ahead`; with `--absent-first`: both on against both off).
@@ -57,7 +57,6 @@ from localmoe.decode.prefix import piece_cuts
 from localmoe.devices import host_bandwidth
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
-from localmoe.experts.cpu_share import CpuRows
 from localmoe.experts.dense_path import DensePath
 from localmoe.experts.staging import Staging
 from localmoe.kernels import gather_dequant, gather_experts
@@ -84,7 +83,6 @@ p.add_argument("--absent-first", action="store_true", help="spans in ids' order 
 p.add_argument("--early-ahead", action="store_true", help="the layer ahead's first span after the last, or before")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
 p.add_argument("--cpu-in-device", action="store_true", help="with --cpu-share: the share in the device path")
-p.add_argument("--cpu-threads", type=int, default=0, help="with --cpu-share: the CPU worker's threads (0: torch's)")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
@@ -136,7 +134,6 @@ def ttft(n: int, gather: bool) -> float:
         Staging.absent_first, Staging.early_ahead = a.absent_first and gather, a.early_ahead and gather
     elif a.cpu_share is not None:
         Staging.cpu_share = (None if a.cpu_share == "auto" else float(a.cpu_share)) if gather else 0.0
-        CpuRows.threads = a.cpu_threads
         Staging.cpu_in_device = a.cpu_in_device
     elif a.int4_in_place:
         DensePath.int4_in_place = DensePath.int4_staged_packed = gather

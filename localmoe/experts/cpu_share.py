@@ -95,16 +95,13 @@ class CpuSlots:
     ids, in place order) in the renamed routing; master: the layer's ExpertWeights in host memory."""
 
     def __init__(self, x: torch.Tensor, tok: torch.Tensor, ends: torch.Tensor, first: int, experts, master, act_fn):
-        global _POOL
         self.experts = len(experts)
         event = None
         if x.is_cuda:
             x, tok, ends = (_pinned_copy(t) for t in (x, tok, ends))
             event = torch.cuda.Event()
             event.record()
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(1, thread_name_prefix="localmoe-cpu-experts")
-        self.future = _POOL.submit(self._run, event, x, tok, ends, first, list(experts), master, act_fn)
+        self.future = _submit(self._run, event, x, tok, ends, first, list(experts), master, act_fn)
 
     @staticmethod
     def _run(event, x, tok, ends, first: int, experts: list[int], master, act_fn):
@@ -129,6 +126,14 @@ class CpuSlots:
             y[s0 : s0 + rows.shape[0]].copy_(rows.to(y.dtype), non_blocking=True)
 
 
+def _submit(fn, *args) -> Future:
+    """fn(*args) on the one CPU worker (made at first use)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="localmoe-cpu-experts")
+    return _POOL.submit(fn, *args)
+
+
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of device tensor t, made on the current stream (non-blocking)."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -143,10 +148,7 @@ class CpuRows:
     j-th expert), end [E] each expert's group end in that order (on the host), master: the layer's ExpertWeights in
     host memory, act_fn the experts' activation. One host sync (the copies of x and order)."""
 
-    threads = 0  # the worker's CPU threads (0: torch's default, every core)
-
     def __init__(self, x: torch.Tensor, order: torch.Tensor, end: list[int], k: int, experts, master, act_fn):
-        global _POOL
         self.spans = [(e, end[e - 1] if e else 0, end[e]) for e in experts]
         self.spans = [(e, a, b) for e, a, b in self.spans if b > a]
         self.experts = len(self.spans)
@@ -157,13 +159,9 @@ class CpuRows:
         t = time.perf_counter()
         x_host, order_host = x.to("cpu"), order.to("cpu")
         self.synced = time.perf_counter() - t
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(1, thread_name_prefix="localmoe-cpu-experts")
-        self.future = _POOL.submit(self._run, x_host, order_host, k, master, act_fn)
+        self.future = _submit(self._run, x_host, order_host, k, master, act_fn)
 
     def _run(self, x: torch.Tensor, order: torch.Tensor, k: int, master, act_fn) -> torch.Tensor:
-        if self.threads:  # the worker's own parallel regions (OpenMP: per calling thread)
-            torch.set_num_threads(self.threads)
         t = time.perf_counter()
         with torch.inference_mode():
             rows = torch.cat([expert_mlp(x[order[a:b] // k], master, e, act_fn) for e, a, b in self.spans])
