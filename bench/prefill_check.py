@@ -18,7 +18,9 @@ both engines, before one becomes a default; `--cpu-share F`: `Staging.cpu_share`
 experts computed on the CPU: its matmuls round differently, so the logits differ a little; the tokens must not);
 `--absent-first`: `Staging.absent_first` (the offloaded spans in the order of the bytes they cross); `--early-ahead`:
 `Staging.early_ahead` (the next layer's first span issued before a layer's last); `--cpu-in-device`:
-`Staging.cpu_in_device` (a CPU share in the device path).
+`Staging.cpu_in_device` (a CPU share in the device path); `--no-stage`: `Staging.stage_layers` off (int4 / NF4 staged
+span by span); `--stage-gather`: the layer stage filled by gather_experts, not the copy engines
+(`LayerStage.by_copy_engines`). The last column says "+ stage" where a layer went through the layer stage.
 """
 
 import os
@@ -41,6 +43,7 @@ from localmoe.decode.moe_layer import FusedSparseMoeBlock  # noqa: E402
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
 from localmoe.experts.dense_path import DensePath  # noqa: E402
+from localmoe.experts.layer_stage import LayerStage  # noqa: E402
 from localmoe.experts.placement import WORKSPACE_RESERVE  # noqa: E402
 from localmoe.experts.staging import Staging  # noqa: E402
 
@@ -76,7 +79,8 @@ def check(repo: str, fmt: str) -> tuple:
     diff, same = compare(resident, off, ids)
     gathered = sum(cache.staging.gathers.values())
     hits = f"{cache.hits}/{cache.hits + cache.misses}"
-    return len(ids), diff, same, hits, f"{gathered}/{len(cache.masters)}"
+    staged = " + stage" if cache.staging.stage is not None else ""
+    return len(ids), diff, same, hits, f"{gathered}/{len(cache.masters)}{staged}"
 
 
 def compare(resident, off, ids: list[int]) -> tuple[float, bool]:
@@ -139,13 +143,19 @@ def main() -> None:
     for flag in ("--absent-first", "--early-ahead", "--cpu-in-device"):  # Staging's switches, named as the flags
         if flag in sys.argv:
             setattr(Staging, flag[2:].replace("-", "_"), True)
+    if "--no-stage" in sys.argv:
+        Staging.stage_layers = False
+    if "--stage-gather" in sys.argv:
+        LayerStage.by_copy_engines = False
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
     print(f"device_spans {DensePath.device_spans}, int4_in_place {DensePath.int4_in_place} (staged packed "
           f"{DensePath.int4_staged_packed}), DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
           f"attention {attention}, cpu_share {Staging.cpu_share}, absent_first {Staging.absent_first}, "
-          f"early_ahead {Staging.early_ahead}, cpu_in_device {Staging.cpu_in_device}")  # fmt: skip
+          f"early_ahead {Staging.early_ahead}, cpu_in_device {Staging.cpu_in_device}, "
+          f"stage_layers {Staging.stage_layers} (copy engines "
+          f"{LayerStage.by_copy_engines})")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

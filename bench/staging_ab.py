@@ -23,6 +23,11 @@ measured rates balance at each piece, the default; `--cpu-in-device` the share i
 `--absent-first` compares spans in ascending expert ids ("copies") against the experts whose bytes cross the bus
 first (`Staging.absent_first`, "gather"); `--early-ahead` the next layer's first span issued after the last span
 against before it (`Staging.early_ahead`; with `--absent-first`: both on against both off).
+`--stage-layers` (int4 / NF4 experts) compares a layer's spans staged dequantized on the side stream span by span
+("copies") against its absent experts staged packed a layer ahead and every span dequantized on the compute stream
+(`Staging.stage_layers`, experts/layer_stage.py, the default, "gather"); `--stage-engines` the stage filled by one
+gather_experts launch a projection (SMs reading pinned memory, "copies") against the copy engines
+(`LayerStage.by_copy_engines`, experts/host_copies.py, the default, "gather").
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -40,7 +45,8 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --cpu-share F | --span A,B | --absent-first | --early-ahead | --device-spans | --int4-in-place
+       | --cpu-share F | --stage-layers | --stage-engines | --span A,B | --absent-first | --early-ahead
+       | --device-spans | --int4-in-place
        | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
 
@@ -58,6 +64,7 @@ from localmoe.devices import host_bandwidth
 from localmoe.engine.engine import Engine
 from localmoe.events import GenerationSettings
 from localmoe.experts.dense_path import DensePath
+from localmoe.experts.layer_stage import LayerStage
 from localmoe.experts.staging import Staging
 from localmoe.kernels import gather_dequant, gather_experts
 
@@ -81,6 +88,8 @@ p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequant
 p.add_argument("--cpu-share", default=None, help="full experts: no CPU share against this share (auto: the default)")
 p.add_argument("--absent-first", action="store_true", help="spans in ids' order against the absent experts first")
 p.add_argument("--early-ahead", action="store_true", help="the layer ahead's first span after the last, or before")
+p.add_argument("--stage-layers", action="store_true", help="int4 / NF4: span by span against the layer stage")
+p.add_argument("--stage-engines", action="store_true", help="the layer stage by the gather kernel or copy engines")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
 p.add_argument("--cpu-in-device", action="store_true", help="with --cpu-share: the share in the device path")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
@@ -128,6 +137,13 @@ def ttft(n: int, gather: bool) -> float:
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather
+    elif a.stage_layers or a.stage_engines:
+        if a.stage_layers and Staging.stage_layers != gather:
+            staging.settle(torch.device("cuda"))
+            Staging.stage_layers = gather
+        if a.stage_engines and LayerStage.by_copy_engines != gather:
+            staging.settle(torch.device("cuda"))
+            LayerStage.by_copy_engines = gather
     elif spans:
         staging.resize(spans[int(gather)] or engine_span)
     elif a.absent_first or a.early_ahead:  # either, or both together
@@ -179,6 +195,10 @@ if a.early_ahead:
     print("'copies': the next layer's first spans issued after a layer's last; 'gather': the first before it")
 if a.absent_first:
     print("'copies': spans in ascending expert ids; 'gather': the experts whose bytes cross the bus first")
+if a.stage_layers:
+    print("'copies': int4 / NF4 spans staged dequantized span by span; 'gather': the layer stage")
+if a.stage_engines:
+    print("'copies': the layer stage filled by gather_experts; 'gather': by the copy engines")
 if spans:
     print(f"staging span (experts a buffer) 'copies': {spans[0] or engine_span}, 'gather': {spans[1] or engine_span}")
 if a.cpu_share is not None:

@@ -12,6 +12,9 @@ read once, and the launches a span costs (each ~40-100 µs of host time in a pre
 host syncs) fall from 18 to 3. The arithmetic is dequant_int4's (`dequant_bytes`): fp32, rounded once to dst's dtype
 to nearest even (kernels/rounding.py, so the interpreter's result is the GPU's).
 
+`host_rows` lets `host` be a device stage of the absent experts only (experts/layer_stage.py: a layer's absent
+experts staged packed ahead, then dequantized with the resident ones from device memory): expert e's row there.
+
 Grid: PROGRAMS programs striding over the n * cdiv(I, BLOCK_R) tiles (a tile: BLOCK_R rows of one expert): a fixed
 number of programs keeps a few host reads in flight each without queueing thousands of programs ahead of the GEMMs
 (gather_experts.py). Shapes: I expert width, H hidden, NG groups per row (G = H / NG a power of two), S pool slots, E
@@ -30,14 +33,16 @@ from localmoe.kernels.rounding import round_to
 
 BLOCK_R = 4  # rows a tile: 4 KiB of packed bytes at H 2048, 16 KiB written in bf16
 PROGRAMS = 128  # programs a launch (grid-stride over the tiles)
+DEVICE_PROGRAMS = 1024  # programs a launch whose `host` is on the device too (a stage): no host reads to pace
 NUM_WARPS = 4  # bench/staging_ab.py --dequant-grid PxRxW sweeps it
 
 
-def gather_dequant_ref(dst: torch.Tensor, pool, host, table, ids, code=None) -> torch.Tensor:
+def gather_dequant_ref(dst: torch.Tensor, pool, host, table, ids, code=None, host_rows=None) -> torch.Tensor:
     """Reference: expert by expert, the 4-bit format's definition (dequant_int4_ref / dequant_nf4_ref)."""
     slots = [int(s) for s in table]
+    rows = [int(r) for r in host_rows] if host_rows is not None else range(len(slots))
     for i, e in enumerate(int(e) for e in ids):
-        src, j = (pool, slots[e]) if slots[e] >= 0 else (host, e)
+        src, j = (pool, slots[e]) if slots[e] >= 0 else (host, rows[e])
         parts = [t[j].cpu() for t in src.parts()]
         if code is None:
             w = dequant_int4_ref(*parts, torch.float32)
@@ -49,10 +54,10 @@ def gather_dequant_ref(dst: torch.Tensor, pool, host, table, ids, code=None) -> 
 
 @triton.jit
 def _gather_dequant_kernel(
-    dst_ptr, pp_ptr, ps_ptr, pm_ptr, hp_ptr, hs_ptr, hm_ptr, c_ptr, table_ptr, id_ptr, tiles, per_expert, I,
+    dst_ptr, pp_ptr, ps_ptr, pm_ptr, hp_ptr, hs_ptr, hm_ptr, c_ptr, table_ptr, id_ptr, row_ptr, tiles, per_expert, I,
     pool_p, pool_s, pool_m, host_p, host_s, host_m, dst_stride,
     H2: tl.constexpr, NG: tl.constexpr, HALF_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
-    NF4: tl.constexpr,
+    NF4: tl.constexpr, HOST_ROWS: tl.constexpr,
 ):  # fmt: skip
     j = tl.arange(0, BLOCK_J)  # byte index in a row
     cols = tl.arange(0, 2 * BLOCK_J)
@@ -71,9 +76,13 @@ def _gather_dequant_kernel(
             s = tl.load(ps_ptr + slot * pool_s + grp, mask=mask, other=0.0).to(tl.float32)
             m = s if NF4 else tl.load(pm_ptr + slot * pool_m + grp, mask=mask, other=0.0).to(tl.float32)
         else:
-            p = tl.load(hp_ptr + expert * host_p + byte, mask=mask, other=0)
-            s = tl.load(hs_ptr + expert * host_s + grp, mask=mask, other=0.0).to(tl.float32)
-            m = s if NF4 else tl.load(hm_ptr + expert * host_m + grp, mask=mask, other=0.0).to(tl.float32)
+            if HOST_ROWS:  # a stage of the absent experts only: expert -> its row
+                row = tl.load(row_ptr + expert).to(tl.int64)
+            else:
+                row = expert
+            p = tl.load(hp_ptr + row * host_p + byte, mask=mask, other=0)
+            s = tl.load(hs_ptr + row * host_s + grp, mask=mask, other=0.0).to(tl.float32)
+            m = s if NF4 else tl.load(hm_ptr + row * host_m + grp, mask=mask, other=0.0).to(tl.float32)
         w = round_to(dequant_bytes(p, s, m, c_ptr, NF4), dst_ptr.dtype.element_ty)  # RTNE under the interpreter too
         omask = rmask[:, None] & (cols < 2 * H2)[None, :]
         out = dst_ptr + i.to(tl.int64) * dst_stride + r64 * (2 * H2) + cols[None, :]
@@ -89,11 +98,14 @@ def _check_part(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype=None) 
         raise ValueError(f"{name}'s experts must each be contiguous; got strides {t.stride()}")
 
 
-def gather_dequant(dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torch.Tensor, code=None) -> torch.Tensor:
+def gather_dequant(
+    dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torch.Tensor, code=None, host_rows=None
+) -> torch.Tensor:
     """dst[i] = pool[table[ids[i]]] dequantized if that slot is >= 0 else host[ids[i]] dequantized, for i < n =
     len(ids), in one launch on the current stream (module doc). `pool`, `host`: Int4Tensor stacks (NF4: Nf4Tensor
     and its `code` [16] fp32 on dst's device); dst [>= n, I, H] bf16 / fp16 / fp32, contiguous; table [E], ids [n]:
-    int32 / int64 on dst's device."""
+    int32 / int64 on dst's device. `host_rows` [E] int32 / int64 on dst's device: `host` holds only the absent
+    experts (a stage), expert e's in row host_rows[e] (not row e)."""
     nf4 = code is not None
     if dst.dim() != 3 or not dst.is_contiguous() or dst.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dst must be a contiguous float [n, I, H] stack; got {dst.dtype} {tuple(dst.shape)}")
@@ -120,7 +132,13 @@ def gather_dequant(dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torc
         raise ValueError(f"host must be on {dst.device} or in pinned host memory")
     if nf4 and (code.shape != (16,) or code.dtype != torch.float32 or code.device != dst.device):
         raise ValueError(f"code must be [16] fp32 on {dst.device}")
-    n = gather_ids(ids, table, host.packed.shape[0], dst.shape[0], dst.device)
+    n_host = host.packed.shape[0]
+    if host_rows is not None:
+        if host_rows.dim() != 1 or host_rows.dtype not in (torch.int32, torch.int64) or host_rows.device != dst.device:
+            raise ValueError(f"host_rows must be [E] int32/int64 on {dst.device}; got {host_rows.dtype} "
+                             f"{tuple(host_rows.shape)} on {host_rows.device}")  # fmt: skip
+        n_host = host_rows.shape[0]
+    n = gather_ids(ids, table, n_host, dst.shape[0], dst.device)
     if n == 0:
         return dst
 
@@ -131,10 +149,12 @@ def gather_dequant(dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torc
     hp, hs, hm = (*host.parts(), host.scale)[:3]
     per_expert = triton.cdiv(I, BLOCK_R)
     tiles = n * per_expert
-    _gather_dequant_kernel[(min(tiles, PROGRAMS),)](
-        dst, pp, ps, pm, arg(hp), arg(hs), arg(hm), code if nf4 else ps, table, ids, tiles, per_expert, I,
+    programs = PROGRAMS if any(t.device != dst.device for t in host.parts()) else DEVICE_PROGRAMS
+    _gather_dequant_kernel[(min(tiles, programs),)](
+        dst, pp, ps, pm, arg(hp), arg(hs), arg(hm), code if nf4 else ps, table, ids,
+        host_rows if host_rows is not None else ids, tiles, per_expert, I,
         pp.stride(0), ps.stride(0), pm.stride(0), hp.stride(0), hs.stride(0), hm.stride(0), dst.stride(0),
         H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(H2), NF4=nf4,
-        num_warps=NUM_WARPS,
+        HOST_ROWS=host_rows is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     return dst

@@ -72,11 +72,40 @@ def test_any_number_of_programs_and_a_pool_at_a_stride(monkeypatch, programs, ro
     default), 8 (a partial last tile at I 7) or 1 (`bench/staging_ab.py --dequant-grid` sets both); the pool a view
     of every other expert of a larger stack (an expert stride that is not its size)."""
     monkeypatch.setattr(gd, "PROGRAMS", programs)
+    monkeypatch.setattr(gd, "DEVICE_PROGRAMS", programs)  # the host stack on the device (the CPU here)
     monkeypatch.setattr(gd, "BLOCK_R", rows)
     host = _int4(9, 7, 128, 4, 32)
     big = _int4(8, 7, 128, 5, 32)
     pool = Int4Tensor(*(t.to(DEV)[::2] for t in big.parts()), big.dtype)
     _run(host, pool, torch.bfloat16, [7, 0, 3, 4, 8])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+def test_a_stage_of_the_absent_experts(fmt, dtype):
+    """`host_rows`: `host` is a device stack of the absent experts only (experts/layer_stage.py), expert e in row
+    host_rows[e]; the result equals the gather from the whole host copy. int4 at the real shape, NF4."""
+    if fmt == "int4":
+        host, pool, code = _int4(9, 512, 2048, 20, 128), _int4(4, 512, 2048, 21, 128), None
+        pool = Int4Tensor(*(t.to(DEV) for t in pool.parts()), pool.dtype)
+    else:
+        host, pool, code = _nf4(9, 6, 256, 64, 22), _nf4(4, 6, 256, 64, 23), nf4_code(DEV)
+        pool = Nf4Tensor(*(t.to(DEV) for t in pool.parts()), None, pool.dtype)
+    absent = [e for e, s in enumerate(TABLE) if s < 0][::-1]  # any order: rows by host_rows
+    rows = torch.full((len(TABLE),), -1, dtype=torch.int32)
+    rows[absent] = torch.arange(len(absent), dtype=torch.int32)
+    parts = [t[absent].to(DEV) for t in host.parts()]
+    stage = Int4Tensor(*parts, host.dtype) if fmt == "int4" else Nf4Tensor(*parts, None, host.dtype)
+    table = torch.tensor(TABLE, device=DEV)
+    ids = torch.tensor([8, 0, 1, 3, 4, 7, 6], dtype=torch.int32, device=DEV)
+    I, H = host.shape[1:]
+    cpu_code = None if code is None else code.cpu()
+    want = gather_dequant_ref(torch.zeros((8, I, H), dtype=dtype), pool, host, TABLE, ids.cpu(), cpu_code)
+    got = gather_dequant(torch.zeros((8, I, H), dtype=dtype, device=DEV), pool, stage, table, ids, code=code,
+                         host_rows=rows.to(DEV))  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    ref = gather_dequant_ref(torch.zeros((8, I, H), dtype=dtype), pool, stage, TABLE, ids.cpu(), cpu_code, rows)
+    torch.testing.assert_close(ref, want, rtol=0, atol=0)
 
 
 def test_refuses_bad_arguments():
@@ -95,6 +124,10 @@ def test_refuses_bad_arguments():
         gather_dequant(dst, pool, host, torch.full((5,), -1), ids)
     with pytest.raises(ValueError, match="int32/int64"):
         gather_dequant(dst, pool, host, table, ids.float())
+    with pytest.raises(ValueError, match="host_rows must be"):
+        gather_dequant(dst, pool, host, table, ids, host_rows=torch.zeros(9))
+    with pytest.raises(ValueError, match="table"):
+        gather_dequant(dst, pool, host, table, ids, host_rows=torch.zeros(5, dtype=torch.int32))
     with pytest.raises(ValueError, match="Nf4Tensor"):
         gather_dequant(dst, _nf4(4, 4, 64, 16, 8), _nf4(9, 4, 64, 16, 9), table, ids, code=None)
     odd = Int4Tensor(host.packed, host.scale.transpose(1, 2).contiguous().transpose(1, 2), host.minimum, host.dtype)

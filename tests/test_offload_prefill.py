@@ -15,6 +15,7 @@ from localmoe.engine.engine import Engine
 from localmoe.experts import cache as offload
 from localmoe.experts import dense_path
 from localmoe.experts.expert_weights import ExpertWeights
+from localmoe.experts.layer_stage import LayerStage
 from localmoe.experts.staging import Staging
 
 
@@ -114,7 +115,17 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
 @pytest.mark.parametrize(
     "experts",
-    ["full", "int4", "int4-plainspans", "int4-dequantized", "full-absentfirst", "int4-absentfirst", "int4-early"],
+    [
+        "full",
+        "int4",
+        "int4-plainspans",
+        "int4-dequantized",
+        "int4-layerstage",
+        "int4-layerstagegather",
+        "full-absentfirst",
+        "int4-absentfirst",
+        "int4-early",
+    ],  # fmt: skip
 )
 def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     """The dense path with no host read of the routing (`DensePath.device_spans`: every expert in fixed spans, the
@@ -124,11 +135,15 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     (`DensePath.int4_staged_packed` offloaded, `int4_in_place` resident: spans staged packed, in the staging buffers'
     memory, as many experts as it holds) or dequantized (staged so). `Staging.absent_first`: the offloaded spans
     in `Staging.order` (the experts whose bytes cross first), the routing renamed by place in it;
-    `Staging.early_ahead`: the next layer's first span issued before the last span."""
+    `Staging.early_ahead`: the next layer's first span issued before the last span. The layer stage
+    (experts/layer_stage.py: a layer's absent experts staged packed ahead, by copies or by the gather kernel, each
+    span dequantized from the pool or that stage)."""
     absent_first = experts.endswith("absentfirst")
     monkeypatch.setattr(Staging, "absent_first", absent_first)
     monkeypatch.setattr(Staging, "early_ahead", experts.endswith("early"))
     in_place = experts in ("int4", "int4-plainspans")
+    layer_stage = "layerstage" in experts
+    monkeypatch.setattr(LayerStage, "by_copy_engines", experts != "int4-layerstagegather")
     monkeypatch.setattr(Staging, "packed_fill", experts != "int4-plainspans")  # packed spans as many as the plain
     experts = experts.split("-")[0]
     monkeypatch.setattr(dense_path.DensePath, "int4_in_place", in_place)
@@ -143,7 +158,8 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
         want = resident.model(input_ids=ids).logits
     e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
     cache = e.loaded.cache
-    cache.staging.span = 2
+    cache.staging.span = 4 if layer_stage else 2  # the stage's slots: a half of the second buffer each
+    cache.staging.kernel_on_cpu = layer_stage
     for engine in (resident, e):
         for m in engine.loaded.experts:
             m.device_spans = m.kernel_on_cpu = True
@@ -157,9 +173,12 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     assert cache.hits + cache.misses == sum(m.num_experts for m in e.loaded.experts)  # every expert, once a layer
     E, layers = e.loaded.experts[0].num_experts, len(e.loaded.experts)
     assert launches.count(0) == 2 * layers  # each engine's first span of every layer
-    span = cache.staging.packed_span if in_place else 2  # packed spans fill the buffers' memory: more experts
+    span = cache.staging.packed_span if in_place else cache.staging.span  # packed spans: as the memory holds
     assert set(range(0, E, span)) <= set(launches)  # the offloaded spans
     assert (cache.staging.packed_buffers is not None) == in_place
+    assert (cache.staging.stage is not None) == layer_stage
+    if layer_stage:  # every layer's absent experts fit a slot: staged whole
+        assert cache.staging.stage.fits((tuple(range(E)),) * 2)
     if in_place:  # fp32 buffers hold ~7x as many int4 experts
         assert min(E, 6) <= span <= E if Staging.packed_fill else span == 2
     orders = [cache.staging.order(cache, layer) for layer in range(layers)]

@@ -49,6 +49,7 @@ import torch
 from localmoe.experts.cpu_share import CpuRates, measure
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, Int4Tensor, Nf4Tensor, copy_expert, parts
+from localmoe.experts.layer_stage import LayerStage
 from localmoe.experts.prefill_budget import span_for
 from localmoe.kernels.gather_dequant import gather_dequant
 from localmoe.kernels.gather_experts import gather_experts
@@ -76,6 +77,10 @@ class Staging:
     # A CPU share (`cpu_share`) in the device path: its experts renamed last and left out of the spans, their rows
     # computed by a worker that waits on an event, not by a host read of the routing (`_grouped`). Off (untimed).
     cpu_in_device = False
+    # int4 / NF4 layers that route every expert: the absent experts staged packed a layer ahead (by the copy engines
+    # where the driver allows) and every span dequantized on the compute stream (experts/layer_stage.py); False: span
+    # by span, dequantized on the side stream.
+    stage_layers = True
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -96,6 +101,8 @@ class Staging:
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
         # what was filled ahead: (layer, first spans, events, packed, the buffer of span 0)
         self.ahead: tuple[int, list[list[int]], list, bool, int] | None = None
+        self.stage: LayerStage | None = None  # the layer stage's slots, in the second plain buffer (`_layer_stage`)
+        self.memory: torch.Tensor | None = None  # that buffer's bytes (uint8), its three stacks in one allocation
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
         self.rates: CpuRates | None = None  # the automatic CPU share's rates (`measure`d at the first long piece)
         self.rows = 0.0  # the last long piece's rows per expert (the layer ahead is filled for the same)
@@ -107,15 +114,19 @@ class Staging:
         if span != self.span:
             if self.buffers is not None:  # a fill ahead may still write them: the compute stream waits before they go
                 self.settle(self.buffers[0].w_gate.device)
-            self.buffers = None
+            self.buffers = self.stage = None
             self.span = span
 
     def _buffers(self, packed: bool = False) -> list[ExpertWeights]:
         """The two buffers; `packed`: int4 stacks of `span` experts laid in the plain buffers' memory (`_packed`)."""
         if self.buffers is None:
-            make = (lambda n, p: self.plain(n)) if self.plain is not None else self.make
-            self.buffers = [ExpertWeights(*(make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
-            self.packed_buffers = None
+            if self.plain is not None:  # a buffer's three stacks in one allocation: the layer stage's slots span it
+                wholes = [self.plain(3 * self.span) for _ in "ab"]
+                self.buffers = [ExpertWeights(*w.split(self.span)) for w in wholes]
+                self.memory = wholes[1].view(-1).view(torch.uint8)
+            else:
+                self.buffers = [ExpertWeights(*(self.make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
+            self.packed_buffers = self.stage = None
         if not packed:
             return self.buffers
         if self.packed_buffers is None:
@@ -196,6 +207,10 @@ class Staging:
         experts the CPU computes (`cpu_experts`), not in `experts`. `ordered`: the layer ahead is filled in `order`
         too."""
         packed = packed and self.plain is not None
+        staged = None if ordered or cpu else self._layer_stage(cache, layer, experts, packed)
+        if staged is not None:
+            yield from self._stream_staged(cache, staged)
+            return
         size = self._span(packed)
         spans = [experts[i : i + size] for i in range(0, len(experts), size)]
         ahead, base = self._take_ahead(layer, spans, packed)
@@ -238,6 +253,44 @@ class Staging:
                 nxt = self._ahead(cache, layer + 1, device, cuda, packed, ordered, 0)
             events = done + [nxt[1](j) for j in range(len(done), len(nxt[0]))]
             self.ahead = (layer + 1, nxt[0], events, packed, nxt[2])
+
+    def _layer_stage(self, cache, layer: int, experts: list[int], packed: bool):
+        """`layer`'s stage (experts/layer_stage.py) when it takes the layer: int4 / NF4 experts staged dequantized,
+        every expert routed, master copies the device reads (pinned or on the device; on the CPU, the gather kernels
+        under the interpreter with `kernel_on_cpu`) and its absent experts fitting a slot; else None (span by span)."""
+        if not self.stage_layers or self.plain is None or packed or len(experts) != cache.num_experts or not experts:
+            return None
+        bufs = self._buffers()
+        device = bufs[0].w_gate.device
+        cuda = device.type == "cuda"
+        if not (cuda or self.kernel_on_cpu) or not self._gathers(cache, layer, device):
+            return None
+        if self.stage is None:
+            self.stage = LayerStage(self.memory, lambda p: self.make(1, p))
+        self._settle_spans(device)  # spans filled ahead write both buffers: done before the stage reuses them
+        if cuda and self.stream_ is None:
+            self.stream_ = torch.cuda.Stream(device)
+        side = self.stream_ if cuda else None
+        staged = self.stage.take(cache, layer, side, device)
+        if staged is None:
+            return None
+        if cuda:  # this layer's copies, not the next one's
+            torch.cuda.current_stream(device).wait_event(staged.event)
+        if layer + 1 in cache.masters and self._gathers(cache, layer + 1, device):
+            self.stage.ahead = self.stage.issue(cache, layer + 1, side, device)
+        return staged
+
+    def _stream_staged(self, cache, staged) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
+        """`stream` of a whole layer through its stage: each span dequantized into the first buffer on the compute
+        stream (valid until the generator is resumed)."""
+        buf, size, E = self.buffers[0], self.span, cache.num_experts
+        ids = torch.arange(E, dtype=torch.int32, device=buf.w_gate.device)
+        sources = cache.sources(staged.layer)
+        for first in range(0, E, size):
+            n = min(size, E - first)
+            self.stage.dequantize(cache, staged, buf, ids[first : first + n])
+            _count(cache, list(range(first, first + n)), sources)
+            yield first, n, buf, ids[first : first + n]
 
     def _issue(self, cache, layer: int, span: list[int], buf: ExpertWeights, ids, cuda: bool, packed: bool = False):
         """Fill `buf` with `span`'s experts: on the side stream after the compute stream's work so far (the buffer's
@@ -299,7 +352,13 @@ class Staging:
 
     def settle(self, device: torch.device) -> None:
         """Before the cache writes its pools (decode admits experts): the compute stream waits for any fill ahead
-        still reading them, and it is dropped."""
+        still reading them, and it is dropped (a layer staged ahead too)."""
+        self._settle_spans(device)
+        if self.stage is not None:
+            self.stage.settle(device)
+
+    def _settle_spans(self, device: torch.device) -> None:
+        """The compute stream waits for the spans filled ahead, and they are dropped."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and device.type == "cuda":
             for event in ahead[2]:

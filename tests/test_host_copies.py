@@ -1,0 +1,37 @@
+"""experts/host_copies.py: rows of host stacks copied by runs (CPU: torch copies; the driver's copy engines are
+checked on the GPU by bench/prefill_check.py through the layer stage)."""
+
+import pytest
+import torch
+
+from localmoe.experts.host_copies import copy_rows, runs
+
+
+def test_runs_merge_consecutive_rows():
+    assert runs([]) == []
+    assert runs([3]) == [(3, 0, 1)]
+    assert runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (5, 3, 2), (9, 5, 1)]
+    assert runs([4, 3]) == [(4, 0, 1), (3, 1, 1)]  # descending rows are not a run
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_copy_rows_gathers_each_stack(dtype):
+    gen = torch.Generator().manual_seed(0)
+    srcs = [torch.randint(0, 100, (9, 3, 5), generator=gen).to(dtype), torch.randn(9, 7, generator=gen).to(dtype)]
+    dsts = [torch.zeros(6, 3, 5, dtype=dtype), torch.zeros(6, 7, dtype=dtype)]
+    rows = [0, 1, 4, 5, 6, 8]
+    copy_rows(list(zip(dsts, srcs)), rows)
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s[rows])
+
+
+def test_copy_rows_refuses_what_it_cannot_copy():
+    src = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="cannot take"):
+        copy_rows([(torch.zeros(4, 8, dtype=torch.float16), src)], [0])
+    with pytest.raises(ValueError, match="cannot take"):
+        copy_rows([(torch.zeros(1, 8), src)], [0, 1])
+    with pytest.raises(ValueError, match="back to back"):
+        copy_rows([(torch.zeros(8, 4).t(), src)], [0])
+    with pytest.raises(ValueError, match="past"):
+        copy_rows([(torch.zeros(2, 8), src)], [4])

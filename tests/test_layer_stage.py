@@ -1,0 +1,96 @@
+"""experts/layer_stage.py: a layer's absent int4 / NF4 experts staged packed a layer ahead, each span dequantized
+from the pool or the stage. The spans equal those staged span by span (bit for bit: the same kernel arithmetic),
+the next layer is staged ahead and taken, a stage that no longer matches the cache is made again, one that does not
+fit a slot falls back to spans, and the cache counts the same hits, misses and bytes. The CPU under the
+interpreter (the gather kernels; the stage filled by host copies or by the gather kernel); the offloaded engine's
+logits through the stage: tests/test_offload_prefill.py."""
+
+import os
+
+import pytest
+import torch
+
+from localmoe.experts import cache as offload
+from localmoe.experts.expert_weights import ExpertWeights
+from localmoe.experts.int4 import PROJECTIONS, quantize_as
+from localmoe.experts.layer_stage import LayerStage
+from localmoe.experts.staging import Staging
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the gather kernels on CPU tensors need the interpreter"
+)
+E, I, H = 6, 4, 64
+
+
+def _cache(fmt: str, layers: int = 3):
+    cache = offload.ExpertCache(3, (E, I, H), torch.float32, torch.device("cpu"), int4=fmt)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(layers):
+        w = {p: quantize_as(torch.randn(E, I, H, generator=gen), fmt, p) for p in PROJECTIONS}
+        cache.add_layer(layer, ExpertWeights(**w))
+    cache.staging.kernel_on_cpu, cache.staging.span = True, 3
+    cache.fetch(0, [1, 4])  # resident: experts 1 and 4 of layer 0, 2 of layer 1
+    cache.fetch(1, [2])
+    return cache
+
+
+def _spans(cache, layer: int) -> list[list[torch.Tensor]]:
+    out = []
+    for first, n, buf, ids in cache.stream(layer, list(range(E))):
+        assert ids.tolist() == list(range(first, first + n))
+        out.append([getattr(buf, p)[:n].clone() for p in PROJECTIONS])
+    return out
+
+
+@pytest.mark.parametrize("copies", [True, False])
+@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+def test_the_stage_gives_the_spans_the_span_path_gives(fmt, copies, monkeypatch):
+    monkeypatch.setattr(LayerStage, "by_copy_engines", copies)  # host copies or the gather kernel fill the stage
+    cache = _cache(fmt)
+    monkeypatch.setattr(Staging, "stage_layers", False)
+    want, figures = [], []
+    for layer in range(3):
+        cache.reset_stats()
+        want.append(_spans(cache, layer))
+        figures.append((cache.hits, cache.misses, cache.copied_bytes))
+    assert cache.staging.stage is None
+    monkeypatch.setattr(Staging, "stage_layers", True)
+    for layer in range(3):
+        cache.reset_stats()
+        got = _spans(cache, layer)
+        for a, b in zip(got, want[layer]):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+        assert (cache.hits, cache.misses, cache.copied_bytes) == figures[layer]
+        stage = cache.staging.stage
+        assert stage is not None and stage.fits((tuple(range(E)),) * 2)  # fp32 spans of 3: a half holds a layer
+        if layer < 2:  # the next layer staged ahead, its absent experts listed
+            assert stage.ahead.layer == layer + 1
+            assert stage.ahead.absent[1] == tuple(e for e in range(E) if not (layer == 0 and e == 2))
+        else:
+            assert stage.ahead is None
+    assert cache.staging.ahead is None  # no spans filled ahead on this path
+
+
+def test_a_stale_or_oversized_stage_is_not_used(monkeypatch):
+    cache = _cache("int4")
+    want = [_spans(cache, layer) for layer in range(2)]
+    _spans(cache, 0)
+    stage = cache.staging.stage
+    assert stage.ahead.layer == 1
+    cache.fetch(1, [3])  # decode admits into the pools: the stage ahead is dropped
+    assert stage.ahead is None
+    got = _spans(cache, 1)  # staged now, with expert 3 resident
+    assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[1])] == [[True] * 3] * 2
+    stage.ahead = None
+    _spans(cache, 0)
+    cache.place_experts([])  # every slot freed: a stage ahead still held no longer matches the cache (`take`)
+    assert stage.ahead is None or stage.ahead.absent[1] != tuple(range(E))
+    got = _spans(cache, 1)
+    assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[1])] == [[True] * 3] * 2
+    monkeypatch.setattr(stage, "half", sum(stage.sizes(((0, 1), (0, 1)))))  # two experts a slot: span by span
+    cache.reset_stats()
+    got = _spans(cache, 0)
+    assert cache.staging.ahead is not None and cache.staging.ahead[0] == 1  # the span path filled ahead
+    assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[0])] == [[True] * 3] * 2
+    assert cache.misses == E
