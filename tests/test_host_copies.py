@@ -25,6 +25,11 @@ def test_copy_rows_gathers_each_stack(dtype):
         assert torch.equal(d, s[rows])
 
 
+def test_no_rows_copy_nothing():
+    """A layer whose gates are all resident (a gate tier) stages none: its slot stacks hold no rows."""
+    copy_rows([(torch.zeros(0, 8), torch.ones(4, 8))], [])
+
+
 def test_copy_rows_refuses_what_it_cannot_copy():
     src = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="cannot take"):

@@ -94,3 +94,26 @@ def test_a_stale_or_oversized_stage_is_not_used(monkeypatch):
     assert cache.staging.ahead is not None and cache.staging.ahead[0] == 1  # the span path filled ahead
     assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[0])] == [[True] * 3] * 2
     assert cache.misses == E
+
+
+def test_a_gate_tier_with_every_gate_resident_stages_up_down_only(monkeypatch):
+    """Every gate in its tier (the usual int4 budget): a layer's stage holds no gate rows, only the absent up/down
+    pairs, and gives the spans the span path gives."""
+    cache = offload.ExpertCache(3, (E, I, H), torch.float32, torch.device("cpu"), int4="int4", mode="direct",
+                                gate_slots=2 * E)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        w = {p: quantize_as(torch.randn(E, I, H, generator=gen), "int4", p) for p in PROJECTIONS}
+        cache.add_layer(layer, ExpertWeights(**w))
+    cache.place_gates()
+    cache.staging.kernel_on_cpu, cache.staging.span = True, 3
+    monkeypatch.setattr(Staging, "stage_layers", False)
+    want = [_spans(cache, layer) for layer in range(2)]
+    monkeypatch.setattr(Staging, "stage_layers", True)
+    got = [_spans(cache, layer) for layer in range(2)]
+    assert [[[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(g, w)] for g, w in zip(got, want)] == [
+        [[True] * 3] * 2
+    ] * 2
+    stage = cache.staging.stage
+    assert stage is not None and stage.ahead is None  # layer 1 was staged ahead and taken
+    assert all(s < 0 for s in cache.sources(0)[1]) and all(g >= 0 for g in cache.sources(0)[0])

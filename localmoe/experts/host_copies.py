@@ -99,7 +99,10 @@ def _row_bytes(t: torch.Tensor, name: str) -> int:
 
 def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[int]) -> None:
     """dst[k] = src[rows[k]] for k < len(rows), for each (dst, src) stack pair, on the current stream: by the copy
-    engines where dst is on a CUDA device and src in pinned host memory (module doc), else by torch copies."""
+    engines where dst is on a CUDA device and src in pinned host memory (module doc), else by torch copies. No rows:
+    nothing (a layer whose gates are all resident stages none)."""
+    if not rows:
+        return
     pieces, device = [], None
     spans = runs(rows)
     for dst, src in pairs:
@@ -109,7 +112,7 @@ def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence
             )
         step = _row_bytes(src, "src")
         _row_bytes(dst, "dst")
-        if rows and max(rows) >= src.shape[0]:
+        if max(rows) >= src.shape[0]:
             raise ValueError(f"row {max(rows)} is past src's {src.shape[0]}")
         if dst.device.type == "cuda" and src.is_pinned() and driver() is not None:
             device = dst.device
