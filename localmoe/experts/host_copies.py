@@ -20,6 +20,7 @@ import torch
 
 _STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: the source is read in stream order
 _HOST, _DEVICE = 2, 1  # CUmemLocationType
+FLAGS = 0  # CUmemcpyFlags of the batch (1: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
 
 
 class _Location(ctypes.Structure):
@@ -48,7 +49,7 @@ class _Driver:
             n = len(pieces)
             dsts, srcs, sizes = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)(), (ctypes.c_size_t * n)()
             dsts[:], srcs[:], sizes[:] = (list(column) for column in zip(*pieces))
-            attrs = _Attributes(_STREAM_ORDER, _Location(_HOST, 0), _Location(_DEVICE, device), 0)
+            attrs = _Attributes(_STREAM_ORDER, _Location(_HOST, 0), _Location(_DEVICE, device), FLAGS)
             first, failed = (ctypes.c_size_t * 1)(0), ctypes.c_size_t(0)
             code = self.batch(
                 dsts, srcs, sizes, ctypes.c_size_t(n), ctypes.byref(attrs), first, ctypes.c_size_t(1),
