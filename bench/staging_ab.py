@@ -27,9 +27,7 @@ against before it (`Staging.early_ahead`; with `--absent-first`: both on against
 ("copies") against its absent experts staged packed a layer ahead and every span dequantized on the compute stream
 (`Staging.stage_layers`, experts/layer_stage.py, the default, "gather"); `--stage-engines` the stage filled by one
 gather_experts launch a projection (SMs reading pinned memory, "copies") against the copy engines
-(`LayerStage.by_copy_engines`, experts/host_copies.py, the default, "gather"); `--stage-thread` the copy engines'
-pieces issued on the thread that launches the GEMMs ("copies") against a worker thread (`LayerStage.threaded`, the
-default, "gather").
+(`LayerStage.by_copy_engines`, experts/host_copies.py, the default, "gather").
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -47,7 +45,7 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --cpu-share F | --stage-layers | --stage-engines | --stage-thread | --span A,B | --absent-first | --early-ahead
+       | --cpu-share F | --stage-layers | --stage-engines | --span A,B | --absent-first | --early-ahead
        | --device-spans | --int4-in-place
        | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
@@ -92,7 +90,6 @@ p.add_argument("--absent-first", action="store_true", help="spans in ids' order 
 p.add_argument("--early-ahead", action="store_true", help="the layer ahead's first span after the last, or before")
 p.add_argument("--stage-layers", action="store_true", help="int4 / NF4: span by span against the layer stage")
 p.add_argument("--stage-engines", action="store_true", help="the layer stage by the gather kernel or copy engines")
-p.add_argument("--stage-thread", action="store_true", help="the stage's copies issued inline or by a worker")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
 p.add_argument("--cpu-in-device", action="store_true", help="with --cpu-share: the share in the device path")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
@@ -140,9 +137,6 @@ def ttft(n: int, gather: bool) -> float:
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather
-    elif a.stage_thread:
-        staging.settle(torch.device("cuda"))
-        LayerStage.threaded = gather
     elif a.stage_layers or a.stage_engines:
         if a.stage_layers and Staging.stage_layers != gather:
             staging.settle(torch.device("cuda"))
@@ -205,8 +199,6 @@ if a.stage_layers:
     print("'copies': int4 / NF4 spans staged dequantized span by span; 'gather': the layer stage")
 if a.stage_engines:
     print("'copies': the layer stage filled by gather_experts; 'gather': by the copy engines")
-if a.stage_thread:
-    print("'copies': the stage's copies issued by the launching thread; 'gather': by a worker thread")
 if spans:
     print(f"staging span (experts a buffer) 'copies': {spans[0] or engine_span}, 'gather': {spans[1] or engine_span}")
 if a.cpu_share is not None:

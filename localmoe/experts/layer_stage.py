@@ -6,8 +6,7 @@ during the next layer's attention. With the layer stage (`Staging.stage_layers`:
 copies the device reads in place, a call that routes every expert) only the absent experts' packed bytes cross on
 the side stream into one of two stage slots, issued as soon as the layer before starts its experts: PCIe then runs
 under that layer's GEMMs and this layer's attention. From pinned host memory the copy engines move them
-(experts/host_copies.py, `by_copy_engines`: the SMs stay with the GEMMs; the driver calls issued by a worker
-thread, `threaded`, so their host time stays off the thread that launches the GEMMs), else one gather_experts launch a
+(experts/host_copies.py, `by_copy_engines`: the SMs stay with the GEMMs), else one gather_experts launch a
 projection (master copies on the device, or `by_copy_engines` off). The compute stream
 dequantizes each span of the layer from the pool (resident) or the stage (absent: kernels/gather_dequant.py
 `host_rows`, device memory only) into one plain buffer right before its GEMMs.
@@ -17,13 +16,11 @@ three projections, laid for each layer's absent gates and up/down pairs: a gate 
 it), so the prefill budget (experts/prefill_budget.py) is unchanged; a layer whose absent experts do not fit a slot
 is staged span by span. Shapes: E experts a layer, I expert width, H hidden.
 
-Imports: torch, concurrent.futures, experts/expert_weights, experts/host_copies and experts/int4, the gather
-kernels.
+Imports: torch, experts/expert_weights, experts/host_copies and experts/int4, the two gather kernels.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -42,21 +39,13 @@ ALIGN = 256  # bytes: each slot and each part of it starts at a multiple
 class Staged:
     """One layer's absent experts in a slot: their ids (gate, up/down: the gate tier may differ), each expert's row
     in the slot ([E] int32 on the device, -1 resident), the slot's stacks as laid for them, and the event that marks
-    the copies done (None on the CPU), recorded once `pending` (the worker issuing the copies) is done: `ready`."""
+    the copies done (None on the CPU)."""
 
     layer: int
     absent: tuple[tuple[int, ...], tuple[int, ...]]
     rows: tuple[torch.Tensor, torch.Tensor]
     slot: ExpertWeights
     event: torch.cuda.Event | None
-    pending: Future | None = None
-
-    def ready(self) -> torch.cuda.Event | None:
-        """The event, once the copies are issued (the worker's exceptions raise here)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
-        return self.event
 
 
 class LayerStage:
@@ -65,9 +54,6 @@ class LayerStage:
     # Host master copies staged by the copy engines (experts/host_copies.py; one driver call a layer where the
     # driver has the batch call); False: one gather_experts launch a projection (SMs read the pinned rows).
     by_copy_engines = True
-    # The copy engines' pieces issued by a worker thread (the driver calls take ~1-2 ms of host time a layer, off the
-    # thread that launches the GEMMs); False: on the calling thread.
-    threaded = True
 
     def __init__(self, memory: torch.Tensor, like):
         """`memory`: the bytes (uint8) of a plain staging buffer, its three projections' stacks in one allocation
@@ -77,7 +63,6 @@ class LayerStage:
         self.memory = memory
         self.like = {p: like(p) for p in PROJECTIONS}
         self.ahead: Staged | None = None
-        self.worker: ThreadPoolExecutor | None = None  # `threaded`: the one thread issuing the copies
         self._none: dict[tuple, torch.Tensor] = {}  # (device, E) -> [E] of -1: gather_experts reads the host copy
 
     def sizes(self, absent: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[int, int, int]:
@@ -92,8 +77,6 @@ class LayerStage:
         """This layer's stage: the one issued ahead when it still matches the cache, else issued now; None when
         its absent experts do not fit a slot."""
         ahead, self.ahead = self.ahead, None
-        if ahead is not None:  # issued (a stale one's copies land before the new ones: one side stream, FIFO)
-            ahead.ready()
         if ahead is not None and ahead.layer == layer and ahead.absent == _absent(cache, layer):
             return ahead
         return self.issue(cache, layer, side, device)
@@ -116,10 +99,8 @@ class LayerStage:
         if none is None:
             none = self._none[(device, E)] = torch.full((E,), -1, dtype=torch.int32, device=device)
 
-        engines = self.by_copy_engines and not any(t.is_cuda for p in PROJECTIONS for t in parts(getattr(master, p)))
-
         def copy() -> None:
-            if engines:
+            if self.by_copy_engines and not any(t.is_cuda for p in PROJECTIONS for t in parts(getattr(master, p))):
                 for name, k in (("w_gate", 0), ("w_up", 1), ("w_down_t", 1)):
                     copy_rows(list(zip(parts(getattr(slot, name)), parts(getattr(master, name)))), absent[k])
                 return
@@ -137,19 +118,11 @@ class LayerStage:
         for t in ids:  # made on the compute stream, read on the side one
             if t is not None:
                 t.record_stream(side)
-        event = torch.cuda.Event()
-
-        def run() -> None:
-            with torch.cuda.device(device), torch.cuda.stream(side):
-                copy()
-                event.record(side)
-
-        if not (engines and self.threaded):
-            run()
-            return Staged(layer, absent, rows, slot, event)
-        if self.worker is None:
-            self.worker = ThreadPoolExecutor(1, thread_name_prefix="localmoe-stage")
-        return Staged(layer, absent, rows, slot, event, self.worker.submit(run))  # FIFO: side-stream order kept
+        with torch.cuda.stream(side):
+            copy()
+            event = torch.cuda.Event()
+            event.record(side)
+        return Staged(layer, absent, rows, slot, event)
 
     def dequantize(self, cache, staged: Staged, buf: ExpertWeights, ids: torch.Tensor) -> None:
         """buf[i] = expert ids[i] of the staged layer dequantized, from its pool slot or its stage row (device
@@ -170,7 +143,7 @@ class LayerStage:
     def settle(self, device: torch.device) -> None:
         """The compute stream waits for a stage issued ahead (its memory may go), and it is dropped."""
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.ready() is not None:
+        if ahead is not None and ahead.event is not None:
             torch.cuda.current_stream(device).wait_event(ahead.event)
 
 

@@ -275,7 +275,7 @@ class Staging:
         if staged is None:
             return None
         if cuda:  # this layer's copies, not the next one's
-            torch.cuda.current_stream(device).wait_event(staged.ready())
+            torch.cuda.current_stream(device).wait_event(staged.event)
         if layer + 1 in cache.masters and self._gathers(cache, layer + 1, device):
             self.stage.ahead = self.stage.issue(cache, layer + 1, side, device)
         return staged
