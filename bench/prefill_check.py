@@ -18,8 +18,8 @@ both engines, before one becomes a default; `--cpu-share F`: `Staging.cpu_share`
 experts computed on the CPU: its matmuls round differently, so the logits differ a little; the tokens must not);
 `--absent-first`: `Staging.absent_first` (the offloaded spans in the order of the bytes they cross); `--early-ahead`:
 `Staging.early_ahead` (the next layer's first span issued before a layer's last); `--cpu-in-device`:
-`Staging.cpu_in_device` (a CPU share in the device path); `--no-stage`: `Staging.stage_layers` off (int4 / NF4 staged
-span by span); `--stage-gather`: the layer stage filled by gather_experts, not the copy engines
+`Staging.cpu_in_device` (a CPU share in the device path); `--stage`: `Staging.stage_layers` on (int4 / NF4 absent experts
+staged a layer ahead, experts/layer_stage.py); `--stage-gather`: the layer stage filled by gather_experts, not the copy engines
 (`LayerStage.by_copy_engines`). The last column says "+ stage" where a layer went through the layer stage.
 """
 
@@ -143,8 +143,8 @@ def main() -> None:
     for flag in ("--absent-first", "--early-ahead", "--cpu-in-device"):  # Staging's switches, named as the flags
         if flag in sys.argv:
             setattr(Staging, flag[2:].replace("-", "_"), True)
-    if "--no-stage" in sys.argv:
-        Staging.stage_layers = False
+    if "--stage" in sys.argv or "--stage-gather" in sys.argv:
+        Staging.stage_layers = True
     if "--stage-gather" in sys.argv:
         LayerStage.by_copy_engines = False
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"

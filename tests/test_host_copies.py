@@ -25,6 +25,15 @@ def test_copy_rows_gathers_each_stack(dtype):
         assert torch.equal(d, s[rows])
 
 
+def test_rows_with_gaps_between_them_copy_one_by_one():
+    """Stacks whose rows are not back to back (views of an expert-major block) still take their rows."""
+    block = torch.arange(6 * 10, dtype=torch.float32).view(6, 10)
+    src = block[:, 2:7]  # rows of 5, 10 apart
+    dst = torch.zeros(4, 12)[:, :5]
+    copy_rows([(dst, src)], [1, 2, 3, 5])
+    assert torch.equal(dst, src[[1, 2, 3, 5]])
+
+
 def test_no_rows_copy_nothing():
     """A layer whose gates are all resident (a gate tier) stages none: its slot stacks hold no rows."""
     copy_rows([(torch.zeros(0, 8), torch.ones(4, 8))], [])
@@ -36,7 +45,7 @@ def test_copy_rows_refuses_what_it_cannot_copy():
         copy_rows([(torch.zeros(4, 8, dtype=torch.float16), src)], [0])
     with pytest.raises(ValueError, match="cannot take"):
         copy_rows([(torch.zeros(1, 8), src)], [0, 1])
-    with pytest.raises(ValueError, match="back to back"):
+    with pytest.raises(ValueError, match="each row contiguous"):
         copy_rows([(torch.zeros(8, 4).t(), src)], [0])
     with pytest.raises(ValueError, match="past"):
         copy_rows([(torch.zeros(2, 8), src)], [4])

@@ -22,6 +22,12 @@ pytestmark = pytest.mark.skipif(
 E, I, H = 6, 4, 64
 
 
+@pytest.fixture(autouse=True)
+def _stage_on(monkeypatch):
+    """The layer stage is off by default (bench/RESULTS.md): on here unless a test turns it off."""
+    monkeypatch.setattr(Staging, "stage_layers", True)
+
+
 def _cache(fmt: str, layers: int = 3):
     cache = offload.ExpertCache(3, (E, I, H), torch.float32, torch.device("cpu"), int4=fmt)
     gen = torch.Generator().manual_seed(0)

@@ -90,34 +90,36 @@ def runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
     return [tuple(run) for run in out]
 
 
-def _row_bytes(t: torch.Tensor, name: str) -> int:
-    """Bytes of one row of stack t ([n, ...], rows contiguous and back to back)."""
-    row = t[0].numel()
-    if t.dim() < 1 or not t[0].is_contiguous() or (t.shape[0] > 1 and t.stride(0) != row):
-        raise ValueError(f"{name} must hold its rows contiguous and back to back; got strides {t.stride()}")
-    return row * t.element_size()
+def _row_bytes(t: torch.Tensor, name: str) -> tuple[int, int]:
+    """(bytes of one row of stack t [n, ...], bytes from one row to the next); each row must be contiguous."""
+    if t.dim() < 1 or t.shape[0] == 0 or not t[0].is_contiguous():
+        raise ValueError(f"{name} must hold each row contiguous; got {tuple(t.shape)}, strides {t.stride()}")
+    return t[0].numel() * t.element_size(), t.stride(0) * t.element_size()
 
 
 def copy_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: Sequence[int]) -> None:
     """dst[k] = src[rows[k]] for k < len(rows), for each (dst, src) stack pair, on the current stream: by the copy
-    engines where dst is on a CUDA device and src in pinned host memory (module doc), else by torch copies. No rows:
-    nothing (a layer whose gates are all resident stages none)."""
+    engines where dst is on a CUDA device and src in pinned host memory (module doc), else by torch copies; a run of
+    consecutive rows in one piece where both stacks hold their rows back to back. No rows: nothing (a layer whose
+    gates are all resident stages none)."""
     if not rows:
         return
     pieces, device = [], None
-    spans = runs(rows)
+    merged, single = runs(rows), [(r, k, 1) for k, r in enumerate(rows)]
     for dst, src in pairs:
         if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:] or dst.shape[0] < len(rows):
             raise ValueError(
                 f"dst {dst.dtype} {tuple(dst.shape)} cannot take rows of src {src.dtype} {tuple(src.shape)}"
             )
-        step = _row_bytes(src, "src")
-        _row_bytes(dst, "dst")
+        row, step = _row_bytes(src, "src")
+        dst_step = _row_bytes(dst, "dst")[1]
         if max(rows) >= src.shape[0]:
             raise ValueError(f"row {max(rows)} is past src's {src.shape[0]}")
+        spans = merged if step == dst_step == row else single
         if dst.device.type == "cuda" and src.is_pinned() and driver() is not None:
             device = dst.device
-            pieces += [(dst.data_ptr() + k * step, src.data_ptr() + r * step, n * step) for r, k, n in spans]
+            a, b = dst.data_ptr(), src.data_ptr()
+            pieces += [(a + k * dst_step, b + r * step, (n - 1) * step + row) for r, k, n in spans]
             continue
         for r, k, n in spans:
             dst[k : k + n].copy_(src[r : r + n], non_blocking=True)

@@ -78,9 +78,10 @@ class Staging:
     # computed by a worker that waits on an event, not by a host read of the routing (`_grouped`). Off (untimed).
     cpu_in_device = False
     # int4 / NF4 layers that route every expert: the absent experts staged packed a layer ahead (by the copy engines
-    # where the driver allows) and every span dequantized on the compute stream (experts/layer_stage.py); False: span
-    # by span, dequantized on the side stream.
-    stage_layers = True
+    # where the driver allows) and every span dequantized on the compute stream (experts/layer_stage.py). Off: span by
+    # span, dequantized on the side stream (the stage's ~500 driver calls a layer make the piece host-bound: 0.17-0.34
+    # s against 0.22 at 2048 tokens, bench/RESULTS.md).
+    stage_layers = False
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
