@@ -74,7 +74,7 @@ def test_the_layer_ahead_is_filled_without_the_cpu_experts(monkeypatch):
     ahead = staging.ahead
     want = [x for x in range(E) if x not in staging.cpu_experts(cache, 1)]
     assert ahead[0] == 1 and ahead[1] == [want[:2], want[2:4]]
-    assert staging._take_ahead(1, [want[:2], want[2:4]])[0].keys() == {0, 1}
+    assert staging._take_ahead(1, [want[:2], want[2:4]]).keys() == {0, 1}
 
 
 def test_int4_experts_and_a_share_of_0_take_none(monkeypatch):

@@ -124,7 +124,6 @@ def test_offloaded_prefill_gathers_spans_with_the_kernel(experts):
         "int4-layerstagegather",
         "full-absentfirst",
         "int4-absentfirst",
-        "int4-early",
     ],  # fmt: skip
 )
 def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
@@ -135,12 +134,11 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     (`DensePath.int4_staged_packed` offloaded, `int4_in_place` resident: spans staged packed, in the staging buffers'
     memory, as many experts as it holds) or dequantized (staged so). `Staging.absent_first`: the offloaded spans
     in `Staging.order` (the experts whose bytes cross first), the routing renamed by place in it;
-    `Staging.early_ahead`: the next layer's first span issued before the last span. The layer stage
+    the layer stage
     (experts/layer_stage.py: a layer's absent experts staged packed ahead, by copies or by the gather kernel, each
     span dequantized from the pool or that stage)."""
     absent_first = experts.endswith("absentfirst")
     monkeypatch.setattr(Staging, "absent_first", absent_first)
-    monkeypatch.setattr(Staging, "early_ahead", experts.endswith("early"))
     in_place = experts in ("int4", "int4-plainspans")
     layer_stage = "layerstage" in experts
     monkeypatch.setattr(Staging, "stage_layers", layer_stage)
@@ -192,14 +190,10 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
             assert crossing == sorted(crossing, reverse=True)
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead(early, monkeypatch):
+def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead():
     """experts/staging.py: after a layer that routed every expert, the next layer's first two spans are filled
     ahead; `stream` takes the leading ones that match its spans (a routing without expert 2 takes the first only)
-    and refills the rest; every span it yields holds its experts' weights, counted once when used. `early_ahead`:
-    the first of them is issued before the layer's last span, into the buffer the span before freed (three spans:
-    buffer 1), and the next layer starts there."""
-    monkeypatch.setattr(Staging, "early_ahead", early)
+    and refills the rest; every span it yields holds its experts' weights, counted once when used."""
     cache, masters = small_cache(slots=3, layers=3, E=6)
     cache.staging.span = 2
 
@@ -215,9 +209,8 @@ def test_a_layer_routing_every_expert_fills_the_next_layers_first_spans_ahead(ea
 
     assert staged(0, list(range(6))) == [[0, 1], [2, 3], [4, 5]]
     assert cache.staging.ahead[0] == 1 and cache.staging.ahead[1] == [[0, 1], [2, 3]]
-    assert cache.staging.ahead[4] == (1 if early else 0)
-    taken, base = cache.staging._take_ahead(1, [[0, 1], [3, 4]])
-    assert taken.keys() == {0} and base == (1 if early else 0)
+    taken = cache.staging._take_ahead(1, [[0, 1], [3, 4]])
+    assert taken.keys() == {0}
     staged(0, list(range(6)))
     cache.reset_stats()
     assert staged(1, [0, 1, 3, 4, 5]) == [[0, 1], [3, 4], [5]]  # span 0 filled ahead, the others refilled

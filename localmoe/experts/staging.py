@@ -26,10 +26,8 @@ With `cpu_share` some absent plain experts of a layer are not staged at all: the
 
 The device path (experts/dense_path.py `_grouped_device`) may stream a layer in another order than its ids
 (`stream(ordered=True)`, `order`): the experts whose bytes cross the bus first (`absent_first`), the CPU's share last
-(`cpu_in_device`); it renames the routing by place in that order, and the layer ahead is filled in it too. With
-`early_ahead` the next layer's first span is issued before this layer's last span is computed, into the buffer the
-span before freed; the buffers are then taken in turn from the one the layer ahead started in. All three are off
-until timed (bench/RESULTS.md, "Next measurements").
+(`cpu_in_device`); it renames the routing by place in that order, and the layer ahead is filled in it too. Both
+are off (timed: neither helped, bench/RESULTS.md).
 
 A span holds as many experts as fit STAGE_BYTES of stored weights (int4 / NF4 staged dequantized: not counted),
 and, for 4-bit experts, STAGE_DEQUANT_BYTES of dequantized ones, evened out so that a layer's spans are of one size
@@ -70,10 +68,6 @@ class Staging:
     # first, so the two spans filled ahead (under the layer before's last span and this layer's attention) carry most
     # of a layer's PCIe traffic and the later spans gather from the pools only. Off: ascending ids (untimed).
     absent_first = False
-    # The layer ahead's first span issued into the buffer the second-to-last span freed, before the last span is
-    # computed (its GEMMs and the next layer's first gather overlap; the next layer then starts in that buffer). Off:
-    # both spans issued after the last span (untimed).
-    early_ahead = False
     # A CPU share (`cpu_share`) in the device path: its experts renamed last and left out of the spans, their rows
     # computed by a worker that waits on an event, not by a host read of the routing (`_grouped`). Off (untimed).
     cpu_in_device = False
@@ -100,8 +94,8 @@ class Staging:
         self.packed_buffers: list[ExpertWeights] | None = None  # int4 views of `buffers` (`stream(packed=True)`)
         self.stream_: torch.cuda.Stream | None = None
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
-        # what was filled ahead: (layer, first spans, events, packed, the buffer of span 0)
-        self.ahead: tuple[int, list[list[int]], list, bool, int] | None = None
+        # what was filled ahead: (layer, first spans, events, packed)
+        self.ahead: tuple[int, list[list[int]], list, bool] | None = None
         self.stage: LayerStage | None = None  # the layer stage's slots, in the second plain buffer (`_layer_stage`)
         self.memory: torch.Tensor | None = None  # that buffer's bytes (uint8), its three stacks in one allocation
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
@@ -214,7 +208,7 @@ class Staging:
             return
         size = self._span(packed)
         spans = [experts[i : i + size] for i in range(0, len(experts), size)]
-        ahead, base = self._take_ahead(layer, spans, packed)
+        ahead = self._take_ahead(layer, spans, packed)
         if not spans:
             return
         bufs = self._buffers(packed)
@@ -229,31 +223,23 @@ class Staging:
         def issue(i: int):
             if i in ahead:  # filled ahead, at the end of the layer before
                 return ahead[i]
-            buf = bufs[(i + base) % 2]
+            buf = bufs[i % 2]
             return self._issue(cache, layer, spans[i], buf, ids[i * size :] if gather else None, cuda, packed)
 
         n = len(spans)
         fill_next = len(experts) + len(cpu) == cache.num_experts and layer + 1 in cache.masters
-        nxt = None  # the layer ahead's spans and their filling, once begun
         ready = issue(0)
         for i, span in enumerate(spans):
             following = issue(i + 1) if i + 1 < n else None
-            if fill_next and self.early_ahead and i + 1 == n:  # span i-1's buffer is free: the next layer's span 0
-                nxt = self._ahead(cache, layer + 1, device, cuda, packed, ordered, (n + base) % 2)
-                self.ahead = (layer + 1, nxt[0][:1], [nxt[1](0)], packed, (n + base) % 2)
             if ready is not None:
                 torch.cuda.current_stream(device).wait_event(ready)
             _count(cache, span, sources)
             first = i * size
-            yield first, len(span), bufs[(i + base) % 2], ids[first : first + len(span)]
+            yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
             ready = following
         if fill_next:
-            began = nxt is not None and self.ahead is not None and self.ahead[0] == layer + 1
-            done = self.ahead[2] if began else []  # (what settles the pools drops it: then all again)
-            if nxt is None:
-                nxt = self._ahead(cache, layer + 1, device, cuda, packed, ordered, 0)
-            events = done + [nxt[1](j) for j in range(len(done), len(nxt[0]))]
-            self.ahead = (layer + 1, nxt[0], events, packed, nxt[2])
+            nxt, fill = self._ahead(cache, layer + 1, device, cuda, packed, ordered)
+            self.ahead = (layer + 1, nxt, [fill(j) for j in range(len(nxt))], packed)
 
     def _layer_stage(self, cache, layer: int, experts: list[int], packed: bool):
         """`layer`'s stage (experts/layer_stage.py) when it takes the layer: int4 / NF4 experts staged dequantized,
@@ -317,12 +303,11 @@ class Staging:
         return done
 
     def _ahead(
-        self, cache, layer: int, device: torch.device, cuda: bool, packed: bool, ordered: bool, base: int
-    ) -> tuple[list[list[int]], object, int]:
+        self, cache, layer: int, device: torch.device, cuda: bool, packed: bool, ordered: bool
+    ) -> tuple[list[list[int]], object]:
         """`layer`'s first two spans of experts (all experts routed, as a long piece routes them; in `order` when
-        `ordered`; staged `packed` or not) to fill ahead, span j into buffer (base + j) % 2, for `stream` to take if
-        they are that layer's first spans: (the spans, a function issuing span j's fill and returning its event,
-        base)."""
+        `ordered`; staged `packed` or not) to fill ahead, span j into buffer j, for `stream` to take if they are
+        that layer's first spans: (the spans, a function issuing span j's fill and returning its event)."""
         bufs, size = self._buffers(packed), self._span(packed)
         skip = set(self.cpu_experts(cache, layer))
         every = self.order(cache, layer) if ordered else range(cache.num_experts)
@@ -333,23 +318,22 @@ class Staging:
 
         def fill(j: int):
             src = ids[j * size :] if gather else None
-            return self._issue(cache, layer, spans[j], bufs[(base + j) % 2], src, cuda, packed)
+            return self._issue(cache, layer, spans[j], bufs[j], src, cuda, packed)
 
-        return spans, fill, base
+        return spans, fill
 
-    def _take_ahead(self, layer: int, spans: list[list[int]], packed: bool = False) -> tuple[dict, int]:
-        """({span index: its fill event (None on the CPU)} for the leading spans of `layer` filled ahead with the
-        same experts, staged the same way; the buffer span 0 is in, 0 when none is taken); clears what was filled
-        ahead either way."""
+    def _take_ahead(self, layer: int, spans: list[list[int]], packed: bool = False) -> dict:
+        """{span index: its fill event (None on the CPU)} for the leading spans of `layer` filled ahead with the
+        same experts, staged the same way; clears what was filled ahead either way."""
         ahead, self.ahead = self.ahead, None
         if ahead is None or ahead[0] != layer or ahead[3] != packed:
-            return {}, 0
+            return {}
         taken = {}
         for i, (span, event) in enumerate(zip(ahead[1], ahead[2])):
             if i >= len(spans) or spans[i] != span:
                 break
             taken[i] = event
-        return taken, ahead[4] if taken else 0
+        return taken
 
     def settle(self, device: torch.device) -> None:
         """Before the cache writes its pools (decode admits experts): the compute stream waits for any fill ahead
