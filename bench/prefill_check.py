@@ -16,11 +16,9 @@ rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_
 `FusedDecoderLayer.prefill_norms` / `FusedSparseMoeBlock.prefill_fused` / `FusedAttention.prefill_fused` on, in
 both engines, before one becomes a default; `--cpu-share F`: `Staging.cpu_share` (a share of the offloaded full
 experts computed on the CPU: its matmuls round differently, so the logits differ a little; the tokens must not);
-`--absent-first`: `Staging.absent_first` (the offloaded spans in the order of the bytes they cross);
-`--cpu-in-device`: `Staging.cpu_in_device` (a CPU share in the device path); `--stage`: `Staging.stage_layers` on
-(int4 / NF4 absent experts staged a layer ahead, experts/layer_stage.py); `--stage-gather`: the layer stage filled by
-gather_experts, not the copy engines (`LayerStage.by_copy_engines`). The last column says "+ stage" where a layer
-went through the layer stage.
+`--stage`: `Staging.stage_layers` on (int4 / NF4 absent experts staged a layer
+ahead, experts/layer_stage.py); `--stage-gather`: the layer stage filled by gather_experts, not the copy engines
+(`LayerStage.by_copy_engines`). The last column says "+ stage" where a layer went through the layer stage.
 """
 
 import os
@@ -140,9 +138,6 @@ def main() -> None:
         FusedAttention.prefill_fused = True
     if "--cpu-share" in sys.argv:
         Staging.cpu_share = float(sys.argv[sys.argv.index("--cpu-share") + 1])
-    for flag in ("--absent-first", "--cpu-in-device"):  # Staging's switches, named as the flags
-        if flag in sys.argv:
-            setattr(Staging, flag[2:].replace("-", "_"), True)
     if "--stage" in sys.argv or "--stage-gather" in sys.argv:
         Staging.stage_layers = True
     if "--stage-gather" in sys.argv:
@@ -152,8 +147,7 @@ def main() -> None:
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
     print(f"device_spans {DensePath.device_spans}, int4_in_place {DensePath.int4_in_place} (staged packed "
           f"{DensePath.int4_staged_packed}), DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
-          f"attention {attention}, cpu_share {Staging.cpu_share}, absent_first {Staging.absent_first}, "
-          f"cpu_in_device {Staging.cpu_in_device}, "
+          f"attention {attention}, cpu_share {Staging.cpu_share}, "
           f"stage_layers {Staging.stage_layers} (copy engines "
           f"{LayerStage.by_copy_engines})")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]

@@ -18,10 +18,7 @@ offloaded, read in place in both) packed spans of the dequantized span's experts
 staging buffers' memory holds (`Staging.packed_fill`, "gather").
 `--cpu-share F` (full experts) compares every absent expert staged ("copies") against a share F of each layer's
 computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.py, "gather"; `auto`: the share the
-measured rates balance at each piece, the default; `--cpu-in-device` the share in the device path,
-`Staging.cpu_in_device`); the PCIe column still counts every absent byte.
-`--absent-first` compares spans in ascending expert ids ("copies") against the experts whose bytes cross the bus
-first (`Staging.absent_first`, "gather").
+measured rates balance at each piece, the default); the PCIe column still counts every absent byte.
 `--stage-layers` (int4 / NF4 experts) compares a layer's spans staged dequantized on the side stream span by span
 ("copies") against its absent experts staged packed a layer ahead and every span dequantized on the compute stream
 (`Staging.stage_layers`, experts/layer_stage.py, the default, "gather"); `--stage-engines` the stage filled by one
@@ -44,7 +41,7 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --cpu-share F | --stage-layers | --stage-engines | --span A,B | --absent-first
+       | --cpu-share F | --stage-layers | --stage-engines | --span A,B
        | --device-spans | --int4-in-place
        | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
@@ -85,11 +82,9 @@ p.add_argument(
 )
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
 p.add_argument("--cpu-share", default=None, help="full experts: no CPU share against this share (auto: the default)")
-p.add_argument("--absent-first", action="store_true", help="spans in ids' order against the absent experts first")
 p.add_argument("--stage-layers", action="store_true", help="int4 / NF4: span by span against the layer stage")
 p.add_argument("--stage-engines", action="store_true", help="the layer stage by the gather kernel or copy engines")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
-p.add_argument("--cpu-in-device", action="store_true", help="with --cpu-share: the share in the device path")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
@@ -144,11 +139,8 @@ def ttft(n: int, gather: bool) -> float:
             LayerStage.by_copy_engines = gather
     elif spans:
         staging.resize(spans[int(gather)] or engine_span)
-    elif a.absent_first:
-        Staging.absent_first = gather
     elif a.cpu_share is not None:
         Staging.cpu_share = (None if a.cpu_share == "auto" else float(a.cpu_share)) if gather else 0.0
-        Staging.cpu_in_device = a.cpu_in_device
     elif a.int4_in_place:
         DensePath.int4_in_place = DensePath.int4_staged_packed = gather
     elif rules:
@@ -189,8 +181,6 @@ if grids:
     print(f"'copies': gather_experts.PROGRAMS = {grids[0]}, 'gather': {grids[1]}")
 if dq_grids:
     print(f"gather_dequant PROGRAMSxBLOCK_R, 'copies': {a.dequant_grid}".replace(",", ", 'gather': "))
-if a.absent_first:
-    print("'copies': spans in ascending expert ids; 'gather': the experts whose bytes cross the bus first")
 if a.stage_layers:
     print("'copies': int4 / NF4 spans staged dequantized span by span; 'gather': the layer stage")
 if a.stage_engines:

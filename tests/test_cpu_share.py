@@ -6,15 +6,13 @@ of conftest, on the CPU (the staging and the grouped GEMMs run there too; the wo
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from conftest import repo_id
 from offload_support import budget_for, tokens
 
 from localmoe.engine.engine import Engine
-from localmoe.experts import cpu_share, dense_path
+from localmoe.experts import cpu_share
 from localmoe.experts.cpu_share import CpuRates
 from localmoe.experts.staging import Staging
 
@@ -128,36 +126,3 @@ def test_the_automatic_share_follows_the_piece(monkeypatch):
     cache.reset_stats()
     torch.testing.assert_close(_logits(e, ids), want, rtol=1e-4, atol=1e-4)
     assert cache.copied_bytes < cache.misses * 3 * cache.row_bytes * cache.width
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("absent_first", [False, True])
-def test_the_cpu_share_in_the_device_path(absent_first, monkeypatch):
-    """`Staging.cpu_in_device`: the CPU's experts renamed last in the device path (no host read of the routing), left
-    out of its spans, their rows put in by the worker: the resident model's logits, every expert looked up once a
-    layer, fewer bytes copied, the span kernels launched (the device path taken) and the layer ahead filled without
-    the CPU's experts and taken."""
-    monkeypatch.setattr(Staging, "cpu_share", 0.5)
-    monkeypatch.setattr(Staging, "cpu_in_device", True)
-    monkeypatch.setattr(Staging, "absent_first", absent_first)
-    launches = []
-    real = dense_path.grouped_gate_up
-    monkeypatch.setattr(dense_path, "grouped_gate_up", lambda *a, **kw: launches.append(a[4]) or real(*a, **kw))
-    _, ids, want, e = _engines()
-    cache = e.loaded.cache
-    for m in e.loaded.experts:
-        m.device_spans = m.kernel_on_cpu = True
-    issued = []
-    real_issue = Staging._issue
-    monkeypatch.setattr(Staging, "_issue", lambda self, *a, **kw: issued.append(a[2]) or real_issue(self, *a, **kw))
-    cache.reset_stats()
-    got = _logits(e, ids)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    layers, E = len(e.loaded.experts), cache.num_experts
-    cpu = [cache.staging.cpu_experts(cache, layer) for layer in range(layers)]
-    assert all(cpu) and launches  # a share in every layer, and the device path's span kernels ran
-    assert cache.hits + cache.misses == layers * E
-    absent = sum(s < 0 for layer in range(layers) for s in cache.sources(layer)[1])
-    assert cache.copied_bytes == (absent - sum(map(len, cpu))) * 3 * cache.row_bytes * cache.width
-    staged = [x for span in issued for x in span]  # every span issued once (those filled ahead taken), no CPU expert
-    assert len(staged) == layers * E - sum(map(len, cpu)) and not set(staged[:E]) & set(cpu[0])

@@ -4,9 +4,8 @@ copies, and their rows are copied into the piece's slot rows before the tokens' 
 
 `Staging.cpu_share` (experts/staging.py `cpu_experts`) picks the experts: the last share of the layer's absent ones
 by id, a choice that needs no routing, so the layer ahead is staged without them. `DensePath._grouped` starts the
-job before its spans and puts the rows after them (`CpuRows`, after its host read of the routing); with
-`Staging.cpu_in_device` the device path does the same with no host read (`CpuSlots`: the experts renamed last, the
-worker waits on an event for pinned copies of what it needs). Plain experts only: dequantizing 4-bit experts on the
+job before its spans and puts the rows after them (`CpuRows`, after its host read of the routing; a piece with a
+share takes that path, not the device path). Plain experts only: dequantizing 4-bit experts on the
 CPU costs ~100x an expert's PCIe time.
 
 How large a share (`CpuRates.share`, the default on CUDA): in a piece each expert gets m = T·k/E rows; an absent
@@ -87,58 +86,12 @@ def measure(master, expert_bytes: int, device: torch.device, act_fn=F.silu) -> C
     return CpuRates(expert_bytes / bw if bw else 0.0, max(0.0, few - 8 * row), row)  # no bandwidth: no share
 
 
-class CpuSlots:
-    """The rows of a renamed routing's last experts (experts/dense_path.py `_grouped_device` with
-    `Staging.cpu_in_device`), computed on the CPU in the background with no host sync on the caller's thread: x
-    [T, H], the sorted slots' tokens tok [T*k] and the group ends [E] cross to pinned host memory on the current
-    stream, and the worker waits for that copy's event. `first`: the place of the first of `experts` (their original
-    ids, in place order) in the renamed routing; master: the layer's ExpertWeights in host memory."""
-
-    def __init__(self, x: torch.Tensor, tok: torch.Tensor, ends: torch.Tensor, first: int, experts, master, act_fn):
-        self.experts = len(experts)
-        event = None
-        if x.is_cuda:
-            x, tok, ends = (_pinned_copy(t) for t in (x, tok, ends))
-            event = torch.cuda.Event()
-            event.record()
-        self.future = _submit(self._run, event, x, tok, ends, first, list(experts), master, act_fn)
-
-    @staticmethod
-    def _run(event, x, tok, ends, first: int, experts: list[int], master, act_fn):
-        if event is not None:
-            event.synchronize()
-        end = ends.tolist()
-        s0 = end[first - 1] if first else 0
-        with torch.inference_mode():
-            rows = [
-                expert_mlp(x[tok[(end[g - 1] if g else 0) : end[g]]], master, e, act_fn)
-                for g, e in enumerate(experts, first)
-            ]
-            out = torch.cat(rows) if rows else x.new_empty((0, x.shape[1]))
-            if x.is_pinned():  # the copy back to the device runs on the stream, not on the host
-                out = out.pin_memory()
-        return s0, out
-
-    def put(self, y: torch.Tensor) -> None:
-        """y[the experts' slots] = their rows (waits for the worker; y [T*k, H] on the piece's device)."""
-        s0, rows = self.future.result()
-        if rows.shape[0]:
-            y[s0 : s0 + rows.shape[0]].copy_(rows.to(y.dtype), non_blocking=True)
-
-
 def _submit(fn, *args) -> Future:
     """fn(*args) on the one CPU worker (made at first use)."""
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(1, thread_name_prefix="localmoe-cpu-experts")
     return _POOL.submit(fn, *args)
-
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of device tensor t, made on the current stream (non-blocking)."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
 
 
 class CpuRows:

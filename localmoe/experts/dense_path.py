@@ -14,7 +14,7 @@ The mixin reads the module's state: `weights` (ExpertWeights), `cache`, `layer_i
 `intermediate_size`, `hidden_size`, `hidden_act`, `act_fn`, `up_fn`, `biases`, `tau`, `predictor`, `recorder`,
 `grouped`, `mask_all_tokens`, `sparse_enabled`, `max_sparse_tokens`, `dequant_bytes`, `kernel_on_cpu` and `_count`.
 Imports: torch, experts/clamped_swiglu, experts/cpu_share (a long call's CPU experts, `Staging.cpu_share`: `CpuRows`
-after a host read of the routing, `CpuSlots` in the device path with none), the int4
+after a host read of the routing), the int4
 format and the kernels of `_grouped_device` (the two grouped GEMMs, the slot sort and the token combine) with their
 tuned tables.
 """
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from localmoe.experts.clamped_swiglu import down_out, gate_pre, up_value
-from localmoe.experts.cpu_share import CpuRows, CpuSlots
+from localmoe.experts.cpu_share import CpuRows
 from localmoe.kernels.grouped_gate_up import grouped_gate_up
 from localmoe.kernels.grouped_gemm import grouped_gemm
 from localmoe.kernels.int4 import Int4Tensor
@@ -221,7 +221,7 @@ class DensePath:
         every expert; a shorter call keeps the routed ones only)."""
         if not self.device_spans or not (x.is_cuda or self.kernel_on_cpu):
             return False
-        if self._cpu_experts(top_k_index.numel()) and not self.cache.staging.cpu_in_device:
+        if self._cpu_experts(top_k_index.numel()):  # a CPU share: `_grouped`, after its host read of the routing
             return False
         if self.hidden_act != "silu" or self.biases is not None or self.up_fn is not None or self.weights.mxfp4:
             return False
@@ -239,23 +239,13 @@ class DensePath:
         has them. Same arithmetic and roundings as `_grouped` but for the GEMMs' and the k-term sums' order."""
         T, k = top_k_index.shape
         M, I, H, E = T * k, self.intermediate_size, self.hidden_size, self.num_experts
-        order, cpu, on_cpu = None, self._cpu_experts(M), None
-        if self.cache is not None and (self.cache.staging.absent_first or cpu):  # renamed by place in `order`
-            order = self.cache.staging.order(self.cache, self.layer_idx, last=cpu)
-            order_d, rank = self.cache.staging.ranks(order, x.device)
-            top_k_index = rank[top_k_index]
         _, tok, pos, ends = slot_sort(top_k_index, E)
-        if cpu:  # the CPU's experts are the last places: their slots end the sorted order, no span stages them
-            on_cpu = CpuSlots(x, tok, ends, E - len(cpu), cpu, self.cache.masters[self.layer_idx], self.act_fn)
-            self.cache.misses += len(cpu)
         h = torch.empty(M, I, dtype=x.dtype, device=x.device)
         y = torch.empty(M, H, dtype=x.dtype, device=x.device)
         kept = torch.zeros(1, dtype=torch.int64, device=x.device) if masked else None
         tau = self.tau.to(device=x.device, dtype=torch.float32) if masked else None
-        if masked and order is not None:
-            tau = tau[order_d]
         x = x if x.stride(-1) == 1 else x.contiguous()
-        for w_gate, w_up, w_down_t, g0 in self._fixed_spans(order, len(cpu)):
+        for w_gate, w_up, w_down_t, g0 in self._fixed_spans():
             w4 = "_int4" if isinstance(w_gate, Int4Tensor) else ""  # read in place
             kw = tuned(x, "grouped_gate_up", f"K{H}_N{I}{w4}")
             grouped_gate_up(x, w_gate, w_up, ends, g0, h, tau=tau, kept=kept, x_rows=tok, **kw)
@@ -263,25 +253,18 @@ class DensePath:
             grouped_gemm(h, down, ends, g0, y, **tuned(x, "grouped_gemm", f"K{I}_N{H}{w4}"))
         if masked:
             self._count(kept[0], M * I)
-        if on_cpu is not None:
-            on_cpu.put(y)
         s, g = shared if shared is not None else (None, None)
         return token_combine(y, pos, top_k_weights, x.dtype, shared=s, shared_gate=g)
 
-    def _fixed_spans(self, order: list[int] | None = None, cpu: int = 0):
+    def _fixed_spans(self):
         """(gate, up, down_t [n, I, H], first expert) of every expert in order, with no host read: resident plain or
         int4 experts (`int4_in_place`) in one span as stored, other 4-bit ones dequantized `dequant_bytes` at a
         time, offloaded ones streamed through the staging buffers (all experts: the layer ahead is filled ahead
-        too; int4 ones packed with `int4_staged_packed`), in `order` when given (`Staging.absent_first`, a CPU share:
-        the first expert is then a place in it), but for its last `cpu` (the CPU computes them)."""
+        too; int4 ones packed with `int4_staged_packed`)."""
         E = self.num_experts
         if self.cache is not None:
             packed = self.int4_staged_packed and self.cache.pool.affine_int4
-            experts = list(range(E)) if order is None else order[: E - cpu]
-            cpu_ids = order[E - cpu :] if cpu else []
-            for first, n, buf, _ in self.cache.stream(
-                self.layer_idx, experts, packed=packed, cpu=cpu_ids, ordered=order is not None
-            ):
+            for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E)), packed=packed):
                 yield (*(buf.in_place(0, n) if packed else buf.dequantized(0, n)), first)
             return
         if not self.weights.quantized or (self.int4_in_place and self.weights.affine_int4):

@@ -24,11 +24,6 @@ fewer spans, fewer launches a layer, and the next layer's two spans filled ahead
 With `cpu_share` some absent plain experts of a layer are not staged at all: the CPU computes them meanwhile
 (experts/cpu_share.py; `cpu_experts` picks them without the routing, so the layer ahead is filled without them).
 
-The device path (experts/dense_path.py `_grouped_device`) may stream a layer in another order than its ids
-(`stream(ordered=True)`, `order`): the experts whose bytes cross the bus first (`absent_first`), the CPU's share last
-(`cpu_in_device`); it renames the routing by place in that order, and the layer ahead is filled in it too. Both
-are off (timed: neither helped, bench/RESULTS.md).
-
 A span holds as many experts as fit STAGE_BYTES of stored weights (int4 / NF4 staged dequantized: not counted),
 and, for 4-bit experts, STAGE_DEQUANT_BYTES of dequantized ones, evened out so that a layer's spans are of one size
 (experts/prefill_budget.span_for); the engine sets it from the VRAM budget at load (`resize`,
@@ -64,13 +59,6 @@ class Staging:
     # measured on this machine at the piece's rows per expert, in pieces of at most cpu_share.MAX_ROWS rows an
     # expert (on CUDA; elsewhere with `rates` given), 0: off.
     cpu_share: float | None = None
-    # The device path's spans (experts/dense_path.py `_fixed_spans`) in `order`: the experts whose bytes cross the bus
-    # first, so the two spans filled ahead (under the layer before's last span and this layer's attention) carry most
-    # of a layer's PCIe traffic and the later spans gather from the pools only. Off: ascending ids (untimed).
-    absent_first = False
-    # A CPU share (`cpu_share`) in the device path: its experts renamed last and left out of the spans, their rows
-    # computed by a worker that waits on an event, not by a host read of the routing (`_grouped`). Off (untimed).
-    cpu_in_device = False
     # int4 / NF4 layers that route every expert: the absent experts staged packed a layer ahead (by the copy engines
     # where the driver allows) and every span dequantized on the compute stream (experts/layer_stage.py). Off: span by
     # span, dequantized on the side stream (the stage's ~500 driver calls a layer make the piece host-bound: 0.17-0.34
@@ -172,37 +160,17 @@ class Staging:
                 self.rates = CpuRates(0.0, 0.0, 0.0)
         return self.rates.share(self.rows)
 
-    def order(self, cache, layer: int, last: list[int] = ()) -> list[int]:
-        """`layer`'s experts in the order the device path stages them (no device read): with `absent_first` by the
-        bytes they would cross the bus, most first (gate and up/down absent, then up/down only, then the gate only,
-        then resident), ascending ids within each; else ascending ids; `last` (the CPU's) at the end, as given."""
-        skip = set(last)
-        front = [e for e in range(cache.num_experts) if e not in skip]
-        if self.absent_first:
-            gates, slots = cache.sources(layer)
-            front.sort(key=lambda e: -(2 * (slots[e] < 0) + (gates[e] < 0)))
-        return front + list(last)
-
-    def ranks(self, order: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`order` [E] int64, each expert's place in it [E] int64) on `device`, from pinned memory."""
-        rank = [0] * len(order)
-        for i, e in enumerate(order):
-            rank[e] = i
-        both = upload(order + rank, device).long()
-        return both[: len(order)], both[len(order) :]
-
     def stream(
-        self, cache, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = (), ordered: bool = False
+        self, cache, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = ()
     ) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
         """(index in `experts` of the span's first expert, experts in the span n, the staging buffer holding them in
         its first n rows, their ids [n] int32 on the device) for each span of `experts` (ascending expert ids of
-        `layer`, or in `order` when `ordered`), in order (module doc). The buffer is valid until the generator is
+        `layer`), in order (module doc). The buffer is valid until the generator is
         resumed twice. No host sync: the ids cross once, from pinned memory. `packed` (int4 experts staged dequantized
         otherwise): the spans stay int4, in the same memory (the grouped GEMMs read them in place). `cpu`: the routed
-        experts the CPU computes (`cpu_experts`), not in `experts`. `ordered`: the layer ahead is filled in `order`
-        too."""
+        experts the CPU computes (`cpu_experts`), not in `experts`."""
         packed = packed and self.plain is not None
-        staged = None if ordered or cpu else self._layer_stage(cache, layer, experts, packed)
+        staged = None if cpu else self._layer_stage(cache, layer, experts, packed)
         if staged is not None:
             yield from self._stream_staged(cache, staged)
             return
@@ -238,7 +206,7 @@ class Staging:
             yield first, len(span), bufs[i % 2], ids[first : first + len(span)]
             ready = following
         if fill_next:
-            nxt, fill = self._ahead(cache, layer + 1, device, cuda, packed, ordered)
+            nxt, fill = self._ahead(cache, layer + 1, device, cuda, packed)
             self.ahead = (layer + 1, nxt, [fill(j) for j in range(len(nxt))], packed)
 
     def _layer_stage(self, cache, layer: int, experts: list[int], packed: bool):
@@ -303,15 +271,14 @@ class Staging:
         return done
 
     def _ahead(
-        self, cache, layer: int, device: torch.device, cuda: bool, packed: bool, ordered: bool
+        self, cache, layer: int, device: torch.device, cuda: bool, packed: bool
     ) -> tuple[list[list[int]], object]:
-        """`layer`'s first two spans of experts (all experts routed, as a long piece routes them; in `order` when
-        `ordered`; staged `packed` or not) to fill ahead, span j into buffer j, for `stream` to take if they are
+        """`layer`'s first two spans of experts (all experts routed, as a long piece routes them; staged `packed` or
+        not) to fill ahead, span j into buffer j, for `stream` to take if they are
         that layer's first spans: (the spans, a function issuing span j's fill and returning its event)."""
         bufs, size = self._buffers(packed), self._span(packed)
         skip = set(self.cpu_experts(cache, layer))
-        every = self.order(cache, layer) if ordered else range(cache.num_experts)
-        experts = [e for e in every if e not in skip]
+        experts = [e for e in range(cache.num_experts) if e not in skip]
         spans = [experts[a : a + size] for a in range(0, min(len(experts), 2 * size), size)]
         gather = (cuda or self.kernel_on_cpu) and self._gathers(cache, layer, device)
         ids = upload(experts, device) if gather else None
