@@ -6,7 +6,7 @@ chose) and an expert's private [h, h] (h² weights, read only when that expert i
 worth more VRAM than any one private unit: it serves every expert of its department. Under a budget, what is left after
 the non-expert weights, the KV/recurrent state and the workspace reserve holds department units first (all of them when
 they fit), then private units; every unit's master copy stays in host memory (pinned when possible, as for vanilla MoEs:
-placement.host_buffer). Direct offloading (misses read in place from pinned host memory, experts/department_cache.py)
+experts/host_memory.py). Direct offloading (misses read in place from pinned host memory, experts/department_cache.py)
 spends the same bytes by what a miss costs (`direct_split`): a department's gate is read whole on every step that
 touches it, its down_t whole too (only the rows of kept z entries with DeaMoE's second threshold `tau_z`), its up_t and
 the private parts only at kept rows, so the gates of as many departments as fit come first, then their down

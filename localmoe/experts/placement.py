@@ -5,8 +5,8 @@ needs: experts/prefill_budget.reserve_bytes) come first, then the non-expert wei
 non-expert weights do not fit beside one token's experts they spill: accelerate keeps what fits on the GPU (at
 least the largest module, which it never splits) and the rest in host memory (`models.offload.place_non_experts`); below
 that, a one-line error with the numbers. With direct misses the experts' bytes hold gates first
-(`gate_tier_split`). Every expert's master copy lives in host memory, pinned when possible (`host_buffer`), and a
-notice comes before the load when the copies look larger than the RAM available (`host_ram_notice`).
+(`gate_tier_split`). Every expert's master copy lives in host memory, pinned when possible (experts/host_memory.py),
+and a notice comes before the load when the copies look larger than the RAM available (`host_ram_notice`).
 
 Shape legend: E experts per layer, I expert width, H hidden.
 """
@@ -174,25 +174,3 @@ def host_ram_notice(plan: OffloadPlan, available: int | None) -> str | None:
         f"the expert master copies need {need / GiB:.1f} GiB of host RAM and {available / GiB:.1f} GiB is "
         "available now: if loading fails, close other programs or run a smaller model"
     )
-
-
-def host_allocator(pinned: list):
-    """alloc(shape, dtype) -> a host buffer, pinned while pinning works; `pinned[0]` is cleared at the first failure
-    (the caller reads it: direct misses need every master copy pinned)."""
-
-    def alloc(shape, dtype) -> torch.Tensor:
-        t, ok = host_buffer(shape, dtype, pin=pinned[0])
-        pinned[0] = pinned[0] and ok
-        return t
-
-    return alloc
-
-
-def host_buffer(shape, dtype, pin: bool) -> tuple[torch.Tensor, bool]:
-    """(tensor, pinned) — pinned host memory when asked and possible, else pageable."""
-    if pin:
-        try:
-            return torch.empty(shape, dtype=dtype, pin_memory=True), True
-        except RuntimeError:
-            pass
-    return torch.empty(shape, dtype=dtype), False

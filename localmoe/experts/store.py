@@ -1,6 +1,6 @@
 """Expert master copies on disk, memory-mapped: the fallback when host RAM cannot hold them.
 
-An offloaded model keeps every expert's master copy in host memory, pinned (`placement.host_buffer`). Qwen3.5-35B
+An offloaded model keeps every expert's master copy in host memory, pinned (experts/host_memory.py). Qwen3.5-35B
 needs 60 GiB of it; a desktop with less RAM gets the copies as files in localmoe's layout instead (gate, up and
 transposed down, each [E, I, H] per layer) under `$XDG_CACHE_HOME/localmoe/experts/<model>/`, mapped with
 `torch.from_file(shared=True)`: the OS keeps the pages it has room for and reads the rest from disk on demand. The

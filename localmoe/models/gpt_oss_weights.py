@@ -27,8 +27,8 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts.clamped_swiglu import ExpertBiases
 from localmoe.experts.expert_weights import ExpertWeights
+from localmoe.experts.host_memory import HostMemory
 from localmoe.experts.int4 import PROJECTIONS, empty_stack
-from localmoe.experts.placement import host_allocator
 from localmoe.kernels.mxfp4 import down_t_from_hub, gate_up_from_hub
 from localmoe.safe_text import for_line
 
@@ -131,14 +131,14 @@ class _Layer:
             raise self._corrupt(file, key, e) from None
 
 
-def load_layer(prefix: str, mod, keys: dict, handle, *, device, dtype, host: bool, pinned: list):
+def load_layer(prefix: str, mod, keys: dict, handle, *, device, dtype, host: bool, memory: HostMemory):
     """One layer's MXFP4 experts into new Mxfp4Tensor stacks (on `device`, or with `host` in host memory, pinned
     while pinning works) -> ExpertWeights; the biases onto `device` as `mod.biases` (the compute device)."""
     E, I, H = mod.num_experts, mod.intermediate_size, mod.hidden_size
     if H % 32 or I % 32:
         raise UsageError(f"MXFP4 experts need hidden and expert widths divisible by 32; this model's are {H} and {I}")
     layer = _Layer(prefix, keys, handle, E, I, H)
-    alloc = host_allocator(pinned) if host else None
+    alloc = memory if host else None
     where = torch.device("cpu") if host else device
     w = ExpertWeights(*(empty_stack("mxfp4", (E, I, H), dtype, where, p, alloc=alloc) for p in PROJECTIONS))
     for e in range(E):

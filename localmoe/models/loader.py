@@ -131,8 +131,8 @@ def load_model(
         model=model, config=text_config, family=fam, experts=list(experts.values()), offload=placed.budget
     )
     if placed.host:
-        attach_cache(loaded, dtype, device, placed.pinned[0], options.offload_miss)
-        loaded.host_storage = "mmap" if files_store is not None else "pinned" if placed.pinned[0] else "pageable"
+        attach_cache(loaded, dtype, device, placed.memory.pinned, options.offload_miss)
+        loaded.host_storage = "mmap" if files_store is not None else "pinned" if placed.memory.pinned else "pageable"
     return loaded
 
 

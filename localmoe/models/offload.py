@@ -15,6 +15,7 @@ import torch
 
 from localmoe.errors import UsageError
 from localmoe.experts import department_placement, placement, prefill_budget, store
+from localmoe.experts.host_memory import HostMemory
 from localmoe.experts.int4 import expert_bytes as int4_expert_bytes
 from localmoe.models import host_embedding
 from localmoe.models.skeleton import units
@@ -28,11 +29,12 @@ EMBEDDINGS = ("auto", "host", "gpu")
 @dataclass
 class Placement:
     """The plan for one load: the VRAM budget's plan (None without a budget), the non-expert device map ({} when
-    nothing spills) and whether host memory pins (a one-element list, cleared when pinning fails)."""
+    nothing spills) and the host memory the master copies are carved from (its `pinned` cleared when pinning
+    fails)."""
 
     budget: placement.OffloadPlan | None
     dmap: dict[str, torch.device]
-    pinned: list[bool] = field(default_factory=list)
+    memory: HostMemory = field(default_factory=lambda: HostMemory(False))
     host_params: tuple[str, ...] = ()  # offloaded DeaMoE: the experts modules whose parameters load to host memory
     host_embedding: str = ""  # the HostEmbedding module's name when the token embeddings live in host memory
 
@@ -74,7 +76,17 @@ def plan_placement(
     )
     dmap = place_non_experts(model, budget, device, dtype)
     host = tuple(experts) if isinstance(budget, department_placement.DepartmentPlan) and budget.offloading else ()
-    return Placement(budget, dmap, [device.type == "cuda"], host, emb or "")
+    memory = HostMemory(device.type == "cuda", _master_bytes(budget))
+    return Placement(budget, dmap, memory, host, emb or "")
+
+
+def _master_bytes(budget) -> int:
+    """Bytes the offloaded experts' master copies take in host memory (0: nothing offloaded, or no plan)."""
+    if budget is None or not budget.offloading:
+        return 0
+    if isinstance(budget, department_placement.DepartmentPlan):
+        return budget.host_bytes
+    return budget.total_experts * budget.expert_bytes
 
 
 def embeddings_to_host(model, text_config, device: torch.device, dtype, embeddings: str, on_notice=None) -> str | None:
@@ -232,7 +244,7 @@ def expert_store(placed: Placement, options, path: Path, files: list[Path], dtyp
     key = options.store_key or (str(path), "local")
     files_store = _expert_files(placed.host, options.host_storage, placed.budget, key, files, dtype, on_notice)
     if files_store is not None:
-        placed.pinned[0] = False
+        placed.memory.pinned = False
     return files_store
 
 

@@ -16,9 +16,9 @@ import torch
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.experts.clamped_swiglu import ExpertBiases
 from localmoe.experts.expert_weights import ExpertWeights
+from localmoe.experts.host_memory import HostMemory
 from localmoe.experts.int4 import PROJECTIONS, QUANTIZED, empty_stack, format_of, quantize_as
 from localmoe.experts.local_experts import LocalExperts
-from localmoe.experts.placement import host_allocator
 from localmoe.models.families import family_for_model_type, supported_families
 from localmoe.models.loaded import LoadedModel, attach_cache
 from localmoe.models.loader import LoadOptions, check_format, format_for, install_decode
@@ -79,10 +79,10 @@ def random_value(name: str, shape, owner: str, *, dtype, device, gen: torch.Gene
     return t.normal_(0.0, 0.02, generator=gen)
 
 
-def _host_copy(t, pinned: list, projection: str = "w_gate"):
+def _host_copy(t, memory: HostMemory, projection: str = "w_gate"):
     """A master copy of t (a tensor, or a 4-bit stack of ExpertWeights' `projection`) in host memory, pinned while
     pinning works."""
-    alloc = host_allocator(pinned)
+    alloc = memory
     if isinstance(t, QUANTIZED):
         h = empty_stack(format_of(t), t.shape, t.dtype, "cpu", projection, alloc=alloc)
         for dst, src in zip(h.parts(), t.parts()):
@@ -128,7 +128,7 @@ def build_random(
         t = random_value(name, p.shape, owners[name], dtype=dtype, device=device, gen=gen)
         where = placed.device_for(name, device)
         if where.type == "cpu" and device.type != "cpu" and name.startswith(placed.host_params):
-            t = _host_copy(t, placed.pinned)  # an offloaded DeaMoE's master copy: drawn on the device, then moved
+            t = _host_copy(t, placed.memory)  # an offloaded DeaMoE's master copy: drawn on the device, then moved
         set_module_tensor_to_device(model, name, where, value=t)
     if routing == "skewed":
         skew_routers(model, experts, seed)
@@ -143,7 +143,7 @@ def build_random(
             if options.experts_format != "full":  # quantized on the device
                 t = quantize_as(t, options.experts_format, projection)
             mats.append(
-                _host_copy(t, placed.pinned, projection) if placed.host else t
+                _host_copy(t, placed.memory, projection) if placed.host else t
             )  # offloaded: drawn on the device, then moved
         mod.weights = ExpertWeights(*mats)
         if mod.up_fn is not None:  # GPT-OSS's expert biases: small, like the other vectors
@@ -156,5 +156,5 @@ def build_random(
         model=model, config=text_config, family=fam, experts=list(experts.values()), offload=placed.budget
     )
     if placed.host:
-        attach_cache(loaded, dtype, device, placed.pinned[0], options.offload_miss)
+        attach_cache(loaded, dtype, device, placed.memory.pinned, options.offload_miss)
     return loaded

@@ -17,9 +17,9 @@ import torch
 from localmoe.errors import RuntimeFailure
 from localmoe.events import ProgressFn
 from localmoe.experts.expert_weights import ExpertWeights
+from localmoe.experts.host_memory import HostMemory
 from localmoe.experts.int4 import STORAGE, Int4Tensor
 from localmoe.experts.local_experts import LocalExperts
-from localmoe.experts.placement import host_allocator
 from localmoe.models import bnb, gpt_oss_weights
 from localmoe.models.checkpoint import map_keys, open_shard
 from localmoe.models.families import PER_EXPERT_NAMES
@@ -123,7 +123,7 @@ def _load_experts(prefix, mod, keys, handle, placed: Placement, files_store, dev
     shape = (mod.num_experts, mod.intermediate_size, mod.hidden_size)
     if experts_format == "mxfp4":  # a gpt-oss checkpoint's own MXFP4 experts, read as they are
         mod.weights = gpt_oss_weights.load_layer(
-            prefix, mod, keys, handle, device=device, dtype=dtype, host=placed.host, pinned=placed.pinned
+            prefix, mod, keys, handle, device=device, dtype=dtype, host=placed.host, memory=placed.memory
         )
         return
     if gpt_oss_weights.stored_as_mxfp4(keys):
@@ -139,11 +139,11 @@ def _load_experts(prefix, mod, keys, handle, placed: Placement, files_store, dev
         mod.weights = into
     elif experts_format in STORAGE:  # int4, nf4
         kind = STORAGE[experts_format]
-        into = ExpertWeights(*(_int4_storage(kind, shape, dtype, device, placed.host, placed.pinned) for _ in range(3)))
+        into = ExpertWeights(*(_int4_storage(kind, shape, dtype, device, placed.host, placed.memory) for _ in range(3)))
         mod.weights = _load_layer_experts(prefix, mod, keys, handle, device, dtype, into=into)
     else:
         mod.weights = _load_layer_experts(
-            prefix, mod, keys, handle, device, dtype, host=placed.host, pinned=placed.pinned
+            prefix, mod, keys, handle, device, dtype, host=placed.host, memory=placed.memory
         )
 
 
@@ -168,7 +168,7 @@ def _load_layer_experts(
     dtype,
     *,
     host: bool = False,
-    pinned: list | None = None,
+    memory: HostMemory | None = None,
     into: ExpertWeights | None = None,
 ) -> ExpertWeights:
     E, I, H = mod.num_experts, mod.intermediate_size, mod.hidden_size
@@ -176,7 +176,7 @@ def _load_layer_experts(
     if into is not None:  # given storage (the memory-mapped files)
         w = into
     elif host:  # offloaded: the master copies live in host memory, pinned when possible
-        alloc = host_allocator(pinned)
+        alloc = memory
         w = ExpertWeights(*(alloc(shape, dtype) for _ in range(3)))
     else:
         w = ExpertWeights(*(torch.empty(shape, dtype=dtype, device=device) for _ in range(3)))
@@ -264,12 +264,12 @@ def _put(dst, e: int, rows: torch.Tensor, device) -> None:
         dst[e].copy_(rows)
 
 
-def _int4_storage(kind, shape, dtype, device, host: bool, pinned: list) -> Int4Tensor:
+def _int4_storage(kind, shape, dtype, device, host: bool, memory: HostMemory) -> Int4Tensor:
     """An empty 4-bit stack [E, I, H] of class `kind` (Int4Tensor, Nf4Tensor) on the device, or offloaded in host
     memory (pinned while pinning works)."""
     if not host:
         return kind.empty(shape, dtype, device)
-    return kind.empty(shape, dtype, "cpu", alloc=host_allocator(pinned))
+    return kind.empty(shape, dtype, "cpu", alloc=memory)
 
 
 # Weights localmoe converts to the run's dtype as it reads them; anything else (int8, fp8, packed 4-bit) is a
