@@ -68,3 +68,15 @@ def test_unknown_totals_and_failed_pinning():
     assert made == [4 * MiB]  # the tail holds the next stack
     memory((2, GiB), torch.uint8)
     assert made[-1] == 2 * GiB
+
+
+def test_a_block_that_will_not_pin_is_tried_smaller_first():
+    asked = []
+
+    def pins_up_to_1_gib(nbytes, pin):
+        asked.append((nbytes, pin))
+        return torch.empty(nbytes, dtype=torch.uint8, device="meta"), pin and nbytes <= GiB
+
+    memory = HostMemory(True, total=16 * GiB, block=pins_up_to_1_gib)
+    memory((384, MiB), torch.uint8)
+    assert asked == [(8 * GiB, True), (512 * MiB, True)] and memory.pinned

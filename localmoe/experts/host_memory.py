@@ -5,8 +5,9 @@ allocated alone wastes up to half of itself: Qwen3-30B-A3B's bf16 [128, 768, 204
 512 (72 GiB of pinned memory for 54 GiB of experts), DeepSeek-V2-Lite's 352 MiB took 512. `HostMemory` asks for
 blocks whose sizes are powers of two already, as large as the bytes still to come allow (at most MAX_BLOCK), and
 carves the stacks out of them at ALIGN-byte offsets, the first block with room first: the waste is at most about one
-stack a block. Where pinning fails (no CUDA, a container's limit), the blocks and all later ones are pageable and
-`pinned` is cleared (direct misses need every master copy pinned; the loader reads it).
+stack a block. Where pinning a block fails, one just large enough for the stack is tried; where that fails too (no
+CUDA, a container's limit), it and all later blocks are pageable and `pinned` is cleared (direct misses need every
+master copy pinned; the loader reads it).
 
 Imports: torch only.
 """
@@ -57,8 +58,12 @@ class HostMemory:
         self.left = max(0, self.left - need)
         i = next((i for i, t in enumerate(self.free) if t.numel() >= need), None)
         if i is None:
-            size = max(_power_of_two_at_least(need), min(MAX_BLOCK, _power_of_two_at_most(self.left + need)))
+            least = _power_of_two_at_least(need)
+            size = max(least, min(MAX_BLOCK, _power_of_two_at_most(self.left + need)))
             t, ok = self.block(size, self.pinned)
+            if self.pinned and not ok and size > least:  # near the limit a smaller block may still pin
+                size = least
+                t, ok = self.block(size, True)
             self.pinned = self.pinned and ok
             self.asked += size
             self.free.append(t)
