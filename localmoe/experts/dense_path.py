@@ -238,8 +238,8 @@ class DensePath:
         The two GEMMs' tiles come from the device's tuned table (kernels/tuned/, `bench/tune_prefill.py`) when it
         has them. Same arithmetic and roundings as `_grouped` but for the GEMMs' and the k-term sums' order."""
         T, k = top_k_index.shape
-        M, I, H, E = T * k, self.intermediate_size, self.hidden_size, self.num_experts
-        _, tok, pos, ends = slot_sort(top_k_index, E)
+        M, I, H = T * k, self.intermediate_size, self.hidden_size
+        _, tok, pos, ends = slot_sort(top_k_index, self.num_experts)
         h = torch.empty(M, I, dtype=x.dtype, device=x.device)
         y = torch.empty(M, H, dtype=x.dtype, device=x.device)
         kept = torch.zeros(1, dtype=torch.int64, device=x.device) if masked else None

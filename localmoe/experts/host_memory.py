@@ -50,7 +50,6 @@ class HostMemory:
         self.left = total
         self.block = block
         self.free: list[torch.Tensor] = []  # the blocks' unused tails (uint8), in the order made
-        self.asked = 0  # bytes of blocks made (what the load holds)
 
     def __call__(self, shape, dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -65,7 +64,6 @@ class HostMemory:
                 size = least
                 t, ok = self.block(size, True)
             self.pinned = self.pinned and ok
-            self.asked += size
             self.free.append(t)
             i = len(self.free) - 1
         tail = self.free[i]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from localmoe.experts.expert_weights import ExpertWeights
-from localmoe.experts.host_copies import copy_rows
+from localmoe.experts.host_copies import copy_rows, upload
 from localmoe.experts.int4 import PROJECTIONS, Nf4Tensor, parts
 from localmoe.kernels.gather_dequant import gather_dequant
 from localmoe.kernels.gather_experts import gather_experts
@@ -89,7 +89,7 @@ class LayerStage:
             return None
         E = cache.num_experts
         rows = tuple(_rows(a, E, device) for a in absent)
-        ids = tuple(_upload(a, device) if a else None for a in absent)
+        ids = tuple(upload(list(a), device) if a else None for a in absent)
         raw, at, stacks = self.memory[(layer % 2) * self.half :], 0, []
         for p, size, k in zip(PROJECTIONS, self.sizes(absent), (0, 1, 1)):
             stacks.append(_laid(raw[at : at + size], self.like[p], len(absent[k])))
@@ -153,18 +153,12 @@ def _absent(cache, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(e for e, s in enumerate(gates) if s < 0), tuple(e for e, s in enumerate(slots) if s < 0)
 
 
-def _upload(values, device: torch.device) -> torch.Tensor:
-    """int32 on `device`; on CUDA from pinned memory, non-blocking (no host sync)."""
-    t = torch.tensor(values, dtype=torch.int32)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
 def _rows(absent: tuple[int, ...], E: int, device: torch.device) -> torch.Tensor:
     """[E] int32 on `device`: each absent expert's row in the slot (in `absent`'s order), -1 for the others."""
     rows = [-1] * E
     for r, e in enumerate(absent):
         rows[e] = r
-    return _upload(rows, device)
+    return upload(rows, device)
 
 
 def _packed_bytes(like, n: int) -> int:

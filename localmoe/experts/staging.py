@@ -41,6 +41,7 @@ import torch
 
 from localmoe.experts.cpu_share import CpuRates, measure
 from localmoe.experts.expert_weights import ExpertWeights
+from localmoe.experts.host_copies import upload
 from localmoe.experts.int4 import PROJECTIONS, Int4Tensor, Nf4Tensor, copy_expert, parts
 from localmoe.experts.layer_stage import LayerStage
 from localmoe.experts.prefill_budget import span_for
@@ -165,10 +166,10 @@ class Staging:
     ) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
         """(index in `experts` of the span's first expert, experts in the span n, the staging buffer holding them in
         its first n rows, their ids [n] int32 on the device) for each span of `experts` (ascending expert ids of
-        `layer`), in order (module doc). The buffer is valid until the generator is
-        resumed twice. No host sync: the ids cross once, from pinned memory. `packed` (int4 experts staged dequantized
-        otherwise): the spans stay int4, in the same memory (the grouped GEMMs read them in place). `cpu`: the routed
-        experts the CPU computes (`cpu_experts`), not in `experts`."""
+        `layer`), in order (module doc). The buffer is valid until the generator is resumed twice. No host sync: the
+        ids cross once, from pinned memory. `packed` (int4 experts staged dequantized otherwise): the spans stay
+        int4, in the same memory (the grouped GEMMs read them in place). `cpu`: the routed experts the CPU computes
+        (`cpu_experts`), not in `experts`."""
         packed = packed and self.plain is not None
         staged = None if cpu else self._layer_stage(cache, layer, experts, packed)
         if staged is not None:
@@ -191,8 +192,7 @@ class Staging:
         def issue(i: int):
             if i in ahead:  # filled ahead, at the end of the layer before
                 return ahead[i]
-            buf = bufs[i % 2]
-            return self._issue(cache, layer, spans[i], buf, ids[i * size :] if gather else None, cuda, packed)
+            return self._issue(cache, layer, spans[i], bufs[i % 2], ids[i * size :] if gather else None, cuda, packed)
 
         n = len(spans)
         fill_next = len(experts) + len(cpu) == cache.num_experts and layer + 1 in cache.masters
@@ -274,8 +274,8 @@ class Staging:
         self, cache, layer: int, device: torch.device, cuda: bool, packed: bool
     ) -> tuple[list[list[int]], object]:
         """`layer`'s first two spans of experts (all experts routed, as a long piece routes them; staged `packed` or
-        not) to fill ahead, span j into buffer j, for `stream` to take if they are
-        that layer's first spans: (the spans, a function issuing span j's fill and returning its event)."""
+        not) to fill ahead, span j into buffer j, for `stream` to take if they are that layer's first spans: (the
+        spans, a function issuing span j's fill and returning its event)."""
         bufs, size = self._buffers(packed), self._span(packed)
         skip = set(self.cpu_experts(cache, layer))
         experts = [e for e in range(cache.num_experts) if e not in skip]
@@ -376,14 +376,6 @@ def _packed(plain: torch.Tensor, make, n: int) -> Int4Tensor:
         out.append(raw[at : at + size].view(t.dtype).view(n, *t.shape[1:]))
         at += size
     return Int4Tensor(*out, like.dtype)
-
-
-def upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """`values` as int32 on `device`; on CUDA from pinned memory, non-blocking: a copy from pageable memory waits
-    for the stream, and one per span drained the GPU several times a layer (365 host syncs in a 2048-token int4
-    prefill at Qwen3.5-35B-A3B shapes, 240 of its 632 profiled ms idle)."""
-    t = torch.tensor(values, dtype=torch.int32)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def _count(cache, span: list[int], sources) -> None:
