@@ -15,6 +15,7 @@ Shape legend: E experts, I expert width (neurons), H hidden, G group size, NG = 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from localmoe.kernels.dequant_int4 import dequant_int4
 from localmoe.kernels.dequant_int4 import dequant_int4_ref as dequantize
 
+ALIGN = 16  # bytes: each part of an expert in an expert-major block starts at a multiple (`expert_major`)
 GROUP = 128  # preferred group size; smaller powers of two when H is not a multiple of it
 MIN_GROUP = 16
 
@@ -44,12 +46,14 @@ def row_bytes(hidden: int) -> int:
 @dataclass(frozen=True)
 class Int4Tensor:
     """Packed 4-bit weights, logically [E, I, H] in `dtype`. packed [E, I, H/2] uint8; scale and minimum
-    [E, I, H/G] bfloat16. Indexing dequantizes: `w[e]` -> [I, H], `w[ids]` -> [n, I, H] in `dtype`."""
+    [E, I, H/G] bfloat16. Indexing dequantizes: `w[e]` -> [I, H], `w[ids]` -> [n, I, H] in `dtype`. `block`: the
+    [E, B] uint8 block the parts are views of when laid expert-major (`expert_major`: host master copies), else None."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor
     dtype: torch.dtype
+    block: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -73,17 +77,16 @@ class Int4Tensor:
 
     @classmethod
     def empty(cls, shape: tuple[int, int, int], dtype: torch.dtype, device, alloc=None) -> Int4Tensor:
-        """Uninitialised storage for logical [E, I, H] weights (fill it with `put`); `alloc(shape, dtype)` makes
-        each part instead of torch.empty on `device` (e.g. pinned host memory)."""
+        """Uninitialised storage for logical [E, I, H] weights (fill it with `put`); with `alloc(shape, dtype)` (e.g.
+        pinned host memory) one block laid expert-major (`expert_major`), else each part by torch.empty on
+        `device`."""
         E, I, H = shape
-        NG = H // group_for(H)
-        alloc = alloc or (lambda s, dt: torch.empty(s, dtype=dt, device=device))
-        return cls(
-            alloc((E, I, H // 2), torch.uint8),
-            alloc((E, I, NG), torch.bfloat16),
-            alloc((E, I, NG), torch.bfloat16),
-            dtype,
-        )
+        specs = [((I, H // 2), torch.uint8), ((I, H // group_for(H)), torch.bfloat16)]
+        specs.append(specs[1])
+        if alloc is None:
+            return cls(*(torch.empty((E, *s), dtype=dt, device=device) for s, dt in specs), dtype)
+        *parts, block = expert_major(alloc, E, specs)
+        return cls(*parts, dtype, block)
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.packed, self.scale, self.minimum
@@ -104,6 +107,20 @@ class Int4Tensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return _dequantize(self.packed, self.scale, self.minimum, dtype or self.dtype)
+
+
+def expert_major(alloc, E: int, specs) -> list[torch.Tensor]:
+    """[E, *shape] parts of `specs` [(shape, dtype)] as views of one [E, B] uint8 block `alloc((E, B), torch.uint8)`
+    makes, then the block: each expert's parts back to back (each at a multiple of ALIGN bytes), so one copy moves an
+    expert's whole projection, or a run of experts' (experts/host_copies.py)."""
+    sizes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in specs]
+    steps = [-(-n // ALIGN) * ALIGN for n in sizes]
+    block = alloc((E, sum(steps)), torch.uint8)
+    out, at = [], 0
+    for (s, dt), n, step in zip(specs, sizes, steps):
+        out.append(block[:, at : at + n].view(dt).view(E, *s))
+        at += step
+    return [*out, block]
 
 
 def _dequantize(packed, scale, minimum, dtype) -> torch.Tensor:

@@ -6,8 +6,10 @@ during the next layer's attention. With the layer stage (`Staging.stage_layers`:
 copies the device reads in place, a call that routes every expert) only the absent experts' packed bytes cross on
 the side stream into one of two stage slots, issued as soon as the layer before starts its experts: PCIe then runs
 under that layer's GEMMs and this layer's attention. From pinned host memory the copy engines move them
-(experts/host_copies.py, `by_copy_engines`: the SMs stay with the GEMMs), else one gather_experts launch a
-projection (master copies on the device, or `by_copy_engines` off). The compute stream
+(experts/host_copies.py, `by_copy_engines`: the SMs stay with the GEMMs): host master copies and slots are both
+laid expert-major (kernels/int4.py `expert_major`), so a run of absent experts is one piece of a projection (~170
+pieces a layer at Qwen3.5-35B-A3B's shapes, ~0.5 ms of host time, where part by part took ~510 and ~1.6 ms). Else
+one gather_experts launch a projection (master copies on the device, or `by_copy_engines` off). The compute stream
 dequantizes each span of the layer from the pool (resident) or the stage (absent: kernels/gather_dequant.py
 `host_rows`, device memory only) into one plain buffer right before its GEMMs.
 
@@ -16,7 +18,8 @@ three projections, laid for each layer's absent gates and up/down pairs: a gate 
 it), so the prefill budget (experts/prefill_budget.py) is unchanged; a layer whose absent experts do not fit a slot
 is staged span by span. Shapes: E experts a layer, I expert width, H hidden.
 
-Imports: torch, experts/expert_weights, experts/host_copies and experts/int4, the two gather kernels.
+Imports: torch, experts/expert_weights, experts/host_copies and experts/int4, kernels/int4 and the two gather
+kernels.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from localmoe.experts.host_copies import copy_rows, upload
 from localmoe.experts.int4 import PROJECTIONS, Nf4Tensor, parts
 from localmoe.kernels.gather_dequant import gather_dequant
 from localmoe.kernels.gather_experts import gather_experts
+from localmoe.kernels.int4 import expert_major
 from localmoe.kernels.nf4 import nf4_code
 
 ALIGN = 256  # bytes: each slot and each part of it starts at a multiple
@@ -101,8 +105,10 @@ class LayerStage:
 
         def copy() -> None:
             if self.by_copy_engines and not any(t.is_cuda for p in PROJECTIONS for t in parts(getattr(master, p))):
-                for name, k in (("w_gate", 0), ("w_up", 1), ("w_down_t", 1)):
-                    copy_rows(list(zip(parts(getattr(slot, name)), parts(getattr(master, name)))), absent[k])
+                for name, k in (("w_gate", 0), ("w_up", 1), ("w_down_t", 1)):  # expert-major: a piece a run
+                    dst, src = getattr(slot, name), getattr(master, name)
+                    whole = getattr(src, "block", None) is not None and src.block.shape[1:] == dst.block.shape[1:]
+                    copy_rows([(dst.block, src.block)] if whole else list(zip(parts(dst), parts(src))), absent[k])
                 return
             for name, i in (("w_gate", ids[0]), ("w_up", ids[1]), ("w_down_t", ids[1])):
                 if i is not None:
@@ -161,18 +167,21 @@ def _rows(absent: tuple[int, ...], E: int, device: torch.device) -> torch.Tensor
     return upload(rows, device)
 
 
+def _specs(like) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape of one expert's part, dtype) of each part of `like`'s format."""
+    return [(tuple(t.shape[1:]), t.dtype) for t in parts(like)]
+
+
 def _packed_bytes(like, n: int) -> int:
-    """Bytes `n` experts of `like`'s format take laid by `_laid` (each part aligned)."""
-    return sum(-(-n * t[0].numel() * t.element_size() // ALIGN) * ALIGN for t in parts(like))
+    """Bytes `n` experts of `like`'s format take laid by `_laid` (expert-major, rounded up to ALIGN)."""
+    block = expert_major(lambda shape, dt: torch.empty(shape, dtype=dt, device="meta"), n, _specs(like))[-1]
+    return -(-block.numel() // ALIGN) * ALIGN
 
 
 def _laid(raw: torch.Tensor, like, n: int):
-    """A 4-bit stack of `n` experts like `like` (Int4Tensor / Nf4Tensor), its parts laid one after the other in
-    `raw` (uint8, at least `_packed_bytes(like, n)` bytes)."""
-    out, at = [], 0
-    for t in parts(like):
-        size = n * t[0].numel() * t.element_size()
-        out.append(raw[at : at + size].view(t.dtype).view(n, *t.shape[1:]))
-        at += -(-size // ALIGN) * ALIGN
+    """A 4-bit stack of `n` experts like `like` (Int4Tensor / Nf4Tensor) laid expert-major in `raw` (uint8, at least
+    `_packed_bytes(like, n)` bytes) as the host master copies are (kernels/int4.py `expert_major`): a run of absent
+    experts crosses in one copy."""
+    *out, block = expert_major(lambda shape, dt: raw[: shape[0] * shape[1]].view(shape), n, _specs(like))
     minimum = () if len(out) == 3 else (None,)
-    return type(like)(*out, *minimum, like.dtype)
+    return type(like)(*out, *minimum, like.dtype, block)
