@@ -62,8 +62,8 @@ class Staging:
     cpu_share: float | None = None
     # int4 / NF4 layers that route every expert: the absent experts staged packed a layer ahead (by the copy engines
     # where the driver allows) and every span dequantized on the compute stream (experts/layer_stage.py). Off: span by
-    # span, dequantized on the side stream (the stage's ~500 driver calls a layer make the piece host-bound: 0.17-0.34
-    # s against 0.22 at 2048 tokens, bench/RESULTS.md).
+    # span, dequantized on the side stream. Off by default: 1.24-1.30x at 2048 tokens on a fresh engine, but a prompt
+    # after decoding (a chat's next turn, `localmoe bench`) took 0.26 s against the span path's 0.22 (RESULTS.md).
     stage_layers = False
 
     def __init__(
