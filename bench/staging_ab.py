@@ -39,8 +39,12 @@ B in the "gather" ones; `--vram 0` too. `--prefill-norms` instead compares trans
 attention module against `FusedAttention.prefill_fused` (decode/attention_prefill.py); `--prefill-all` the four
 prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused norms, block and attention).
 
+`--decode-first N` decodes N tokens after a 512-token prompt before the timed prompts (the cache as a chat's next
+turn and `localmoe bench` find it).
+
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
-       [--prompt-tokens 2048,8192] [--reps 2] [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
+       [--prompt-tokens 2048,8192] [--reps 2] [--decode-first N]
+       [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
        | --cpu-share F | --stage-layers | --stage-engines | --span A,B
        | --device-spans | --int4-in-place
        | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
@@ -70,6 +74,7 @@ p.add_argument("--vram", type=float, default=24)
 p.add_argument("--experts", default="full")
 p.add_argument("--prompt-tokens", default="2048,8192")
 p.add_argument("--reps", type=int, default=2)
+p.add_argument("--decode-first", type=int, default=0, help="decode N tokens (512-token prompt) before timing, as bench")
 p.add_argument("--programs", default=None, help="A,B: two gather grids instead of copies against the gather")
 p.add_argument("--packed", action="store_true", help="int4 / NF4: packed staging against dequantized staging")
 p.add_argument("--device-spans", action="store_true", help="torch's grouped_mm against the device-side grouped GEMMs")
@@ -172,6 +177,11 @@ def ttft(n: int, gather: bool) -> float:
 
 for gather in (True, False):  # warm-up: compile and allocate both ways
     ttft(min(lengths), gather)
+if a.decode_first:  # the cache as a chat's next turn (or `localmoe bench`) finds it: decode admitted experts
+    for _ in e.generate(
+        torch.randint(0, vocab, (512,), generator=gen).tolist(), GenerationSettings(max_new_tokens=a.decode_first)
+    ):
+        pass
 h2d = host_bandwidth(torch.device("cuda"))
 print(
     f"{a.shape} --experts {a.experts} --vram {a.vram:g}, sparsity 0.85, median of {a.reps}, "
