@@ -2,11 +2,11 @@
 
 Offloaded prefill's layer stage (experts/layer_stage.py) moves a layer's absent int4 experts: at Qwen3.5-35B-A3B's
 shapes ~77 experts a layer, laid expert-major (kernels/int4.py `expert_major`): a piece a run of absent experts and
-projection, ~170 a layer (~700 when each of an expert's 9 parts was its own piece). Copied by the copy engines they leave
-the SMs to the grouped GEMMs beside them (an SM gather of the same bytes slows those GEMMs 1.19x; bench/RESULTS.md),
-but each piece costs host time: torch's `copy_` 7-16 µs, the driver's `cuMemcpyHtoDAsync` ~3 µs, and CUDA 12.8's
-`cuMemcpyBatchAsync` takes them all in one call. `copy_rows` merges runs of consecutive rows into one piece and
-issues the pieces through the batch call, else one driver call each, else (no CUDA driver library, a source that is
+projection, ~170 a layer (~700 when each of an expert's 9 parts was its own piece). Copied by the copy engines they
+leave the SMs to the grouped GEMMs beside them (an SM gather of the same bytes slows those GEMMs 1.19x;
+bench/RESULTS.md), but each piece costs host time: torch's `copy_` 7-16 µs, the driver's `cuMemcpyHtoDAsync` ~3 µs, and
+CUDA 12.8's `cuMemcpyBatchAsync` takes them all in one call. `copy_rows` merges runs of consecutive rows into one piece
+and issues the pieces through the batch call, else one driver call each, else (no CUDA driver library, a source that is
 not pinned, the CPU) torch copies. `upload` moves a small list of ids the same way (pinned, no host sync), for the
 staging spans and the layer stage.
 
