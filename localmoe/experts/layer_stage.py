@@ -107,7 +107,7 @@ class LayerStage:
             if self.by_copy_engines and not any(t.is_cuda for p in PROJECTIONS for t in parts(getattr(master, p))):
                 for name, k in (("w_gate", 0), ("w_up", 1), ("w_down_t", 1)):  # expert-major: a piece a run
                     dst, src = getattr(slot, name), getattr(master, name)
-                    whole = getattr(src, "block", None) is not None and src.block.shape[1:] == dst.block.shape[1:]
+                    whole = src.block is not None and src.block.shape[1:] == dst.block.shape[1:]
                     copy_rows([(dst.block, src.block)] if whole else list(zip(parts(dst), parts(src))), absent[k])
                 return
             for name, i in (("w_gate", ids[0]), ("w_up", ids[1]), ("w_down_t", ids[1])):
