@@ -13,7 +13,7 @@ import torch
 from localmoe.experts import cache as offload
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, quantize_as
-from localmoe.experts.layer_stage import LayerStage
+from localmoe.experts.layer_stage import LayerStage, _beside, span_beside
 from localmoe.experts.staging import Staging
 
 pytestmark = pytest.mark.skipif(
@@ -69,7 +69,7 @@ def test_the_stage_gives_the_spans_the_span_path_gives(fmt, copies, monkeypatch)
                 assert torch.equal(x, y)
         assert (cache.hits, cache.misses, cache.copied_bytes) == figures[layer]
         stage = cache.staging.stage
-        assert stage is not None and stage.fits((tuple(range(E)),) * 2)  # fp32 spans of 3: a half holds a layer
+        assert stage is not None and stage.fits((tuple(range(E)),) * 2)  # fp32 spans of 3: the room holds a layer
         if layer < 2:  # the next layer staged ahead, its absent experts listed
             assert stage.ahead.layer == layer + 1
             assert stage.ahead.absent[1] == tuple(e for e in range(E) if not (layer == 0 and e == 2))
@@ -94,7 +94,7 @@ def test_a_stale_or_oversized_stage_is_not_used(monkeypatch):
     assert stage.ahead is None or stage.ahead.absent[1] != tuple(range(E))
     got = _spans(cache, 1)
     assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[1])] == [[True] * 3] * 2
-    monkeypatch.setattr(stage, "half", sum(stage.sizes(((0, 1), (0, 1)))))  # two experts a slot: span by span
+    monkeypatch.setattr(stage, "room", sum(stage.sizes(((0, 1), (0, 1)))))  # room for two experts: span by span
     cache.reset_stats()
     got = _spans(cache, 0)
     assert cache.staging.ahead is not None and cache.staging.ahead[0] == 1  # the span path filled ahead
@@ -123,3 +123,61 @@ def test_a_gate_tier_with_every_gate_resident_stages_up_down_only(monkeypatch):
     stage = cache.staging.stage
     assert stage is not None and stage.ahead is None  # layer 1 was staged ahead and taken
     assert all(s < 0 for s in cache.sources(0)[1]) and all(g >= 0 for g in cache.sources(0)[0])
+
+
+def test_spans_shrink_while_the_room_cannot_hold_two_layers_in_a_row(monkeypatch):
+    """bf16 spans of 6 of 12 experts leave too little room for two layers in a row with every expert absent: the
+    stage dequantizes spans of 3 (12 in four equal spans); with most experts resident, the next prompt piece's
+    stage has spans of 6 again. Either way the layer's experts equal the span path's."""
+    n = 12
+    cache = offload.ExpertCache(20, (n, I, H), torch.bfloat16, torch.device("cpu"), int4="int4")
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        w = {p: quantize_as(torch.randn(n, I, H, generator=gen), "int4", p) for p in PROJECTIONS}
+        cache.add_layer(layer, ExpertWeights(**w))
+    cache.staging.kernel_on_cpu, cache.staging.span = True, 6
+
+    def layer_experts(layer):
+        spans = [
+            [getattr(buf, p)[:k].clone() for p in PROJECTIONS] for _, k, buf, _ in cache.stream(layer, [*range(n)])
+        ]
+        return [torch.cat(parts) for parts in zip(*spans)], len(spans)
+
+    for resident, span in ((0, 3), (10, 6)):
+        for layer in range(2):
+            cache.fetch(layer, list(range(resident)))
+        monkeypatch.setattr(Staging, "stage_layers", False)
+        want = [layer_experts(layer) for layer in range(2)]
+        monkeypatch.setattr(Staging, "stage_layers", True)
+        got = [layer_experts(layer) for layer in range(2)]
+        stage = cache.staging.stage
+        assert stage.span == span and stage.need(cache, [0, 1]) <= stage.room
+        assert [k for _, k in want] == [2, 2] and [k for _, k in got] == [n // span] * 2
+        for (a, _), (b, _) in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert stage.need(cache, [0, 1]) == 2 * sum(stage.sizes(((10, 11),) * 2))
+
+
+def test_span_beside_is_the_largest_equal_span_that_leaves_the_slots_room():
+    total = 6 * 64 * 6000  # two buffers of 64 experts of 6,000 bytes
+    assert span_beside(256, 64, 6000, 100, total) == 64  # room to spare: the span path's span
+    assert span_beside(256, 64, 6000, 2_060_000, total) == 37  # 256 in 7 spans (43, in 6, leaves too little)
+    assert span_beside(256, 64, 6000, 2_300_000, total) == 16  # no room at any span: a quarter of it
+
+
+def test_a_slot_takes_the_other_end_of_the_room_and_one_that_does_not_fit_is_staged_as_its_layer_starts(monkeypatch):
+    cache = _cache("int4")
+    want = [_spans(cache, layer) for layer in range(3)]
+    _spans(cache, 0)  # layer 0 from the start of the room, layer 1 ahead at its end
+    stage = cache.staging.stage
+    first = sum(stage.sizes(((0, 2, 3, 5),) * 2))  # layer 0's absent experts (no gate tier): 1 and 4 resident
+    assert stage.ahead.layer == 1 and stage.ahead.at == stage.room - stage.ahead.size >= first
+    assert [_beside(0, 300, 100, 400), _beside(0, 300, 101, 400), _beside(300, 400, 300, 400)] == [300, None, 0]
+    assert _beside(300, 400, 301, 400) is None
+    whole = sum(stage.sizes((tuple(range(E)),) * 2))
+    monkeypatch.setattr(stage, "room", whole)  # one layer at a time: none ahead, each staged as its layer starts
+    stage.ahead = None
+    for layer in range(3):
+        got = _spans(cache, layer)
+        assert stage.ahead is None and cache.staging.ahead is None  # not the span path either
+        assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[layer])] == [[True] * 3] * 2

@@ -13,10 +13,17 @@ one gather_experts launch a projection (master copies on the device, or `by_copy
 dequantizes each span of the layer from the pool (resident) or the stage (absent: kernels/gather_dequant.py
 `host_rows`, device memory only) into one plain buffer right before its GEMMs.
 
-The two slots are laid in the other plain buffer's memory (a half each, packed: ~2x a plain span's experts over the
-three projections, laid for each layer's absent gates and up/down pairs: a gate tier leaves the up/down pairs all of
-it), so the prefill budget (experts/prefill_budget.py) is unchanged; a layer whose absent experts do not fit a slot
-is staged span by span. Shapes: E experts a layer, I expert width, H hidden.
+The stage lays its own span buffer and its slots in the memory of the span path's two plain buffers (one
+allocation; the prefill budget, experts/prefill_budget.py, is unchanged). A layer's slot takes the other end of the
+room (the memory after the span buffer) from the one the layer before is still read from, as large as its absent
+experts need (gates and up/down pairs; a gate tier leaves the up/down pairs all of it), so two stages fit whenever
+their sum does. At each prompt piece (`lay`) the span buffer is as large as the span path's where the room still
+holds the two largest stages in a row with the cache as it is, else fewer experts a span (`span_beside`): decoding
+leaves the deep layers with the most experts absent (Qwen3.5-35B-A3B int4 at 16 GiB after 128 tokens: 10-46 of 256
+in layers 0-14, 187-216 in layers 19-39; two fixed halves held 180), and spans of 43 instead of 64 then let every
+stage be issued a layer ahead. A stage that still does not fit beside the one before is issued when its layer
+starts; a layer whose absent experts do not fit the room is staged span by span. Shapes: E experts a layer, I
+expert width, H hidden.
 
 Imports: torch, experts/expert_weights, experts/host_copies and experts/int4, kernels/int4 and the two gather
 kernels.
@@ -42,60 +49,98 @@ ALIGN = 256  # bytes: each slot and each part of it starts at a multiple
 @dataclass
 class Staged:
     """One layer's absent experts in a slot: their ids (gate, up/down: the gate tier may differ), each expert's row
-    in the slot ([E] int32 on the device, -1 resident), the slot's stacks as laid for them, and the event that marks
-    the copies done (None on the CPU)."""
+    in the slot ([E] int32 on the device, -1 resident), the slot's stacks as laid for them, the event that marks
+    the copies done (None on the CPU), and where the slot lies in the stage's memory (bytes from, bytes)."""
 
     layer: int
     absent: tuple[tuple[int, ...], tuple[int, ...]]
     rows: tuple[torch.Tensor, torch.Tensor]
     slot: ExpertWeights
     event: torch.cuda.Event | None
+    at: int = 0
+    size: int = 0
 
 
 class LayerStage:
-    """Two stage slots of packed 4-bit experts laid in one plain buffer's memory (module doc)."""
+    """A span buffer and two stage slots of packed 4-bit experts laid in the plain buffers' memory (module doc)."""
 
     # Host master copies staged by the copy engines (experts/host_copies.py; one driver call a layer where the
     # driver has the batch call); False: one gather_experts launch a projection (SMs read the pinned rows).
     by_copy_engines = True
 
-    def __init__(self, memory: torch.Tensor, like):
-        """`memory`: the bytes (uint8) of a plain staging buffer, its three projections' stacks in one allocation
-        (a half of it a slot, each laid for the layer it holds); `like(p)`: a one-expert stack of projection p in
-        the cache's 4-bit format."""
-        self.half = memory.numel() // 2 // ALIGN * ALIGN
-        self.memory = memory
+    def __init__(self, memory: torch.Tensor, like, row: torch.Tensor, experts: int, span: int, gates: bool):
+        """`memory`: the bytes (uint8) of both plain staging buffers, one allocation; `like(p)`: a one-expert stack of
+        projection p in the cache's 4-bit format; `row`: one plain [I, H] row (the dtype and shape spans are
+        dequantized to); `experts` a layer; `span`: the span path's experts a buffer (the most a span holds here);
+        `gates`: whether absent gates are staged (no gate tier). Laid at first for a whole layer's experts absent
+        (`lay`)."""
         self.like = {p: like(p) for p in PROJECTIONS}
+        self.whole, self.row, self.experts, self.most = memory, row, experts, span
+        self._bytes: dict[tuple[str, int], int] = {}  # (projection, experts) -> _packed_bytes
+        self.span = 0
         self.ahead: Staged | None = None
         self._none: dict[tuple, torch.Tensor] = {}  # (device, E) -> [E] of -1: gather_experts reads the host copy
+        self.lay(sum(self.sizes(((tuple(range(experts)) if gates else ()), tuple(range(experts))))))
+
+    def lay(self, need: int) -> None:
+        """The span buffer at the head of the memory and the slots' room after it, for `need` bytes of slots: as
+        many experts a span as the span path's where the room still holds them, else fewer (`span_beside`). No
+        stage may be in flight (`settle` first)."""
+        plain = self.row.numel() * self.row.element_size()
+        span = span_beside(self.experts, self.most, 3 * plain, need, self.whole.numel())
+        if span == self.span:
+            return
+        self.span, head = span, 3 * span * plain
+        stacks = self.whole[:head].view(self.row.dtype).view(3 * span, *self.row.shape).split(span)
+        self.buf = ExpertWeights(*stacks)  # where each span is dequantized
+        at = -(-head // ALIGN) * ALIGN
+        self.room = (self.whole.numel() - at) // ALIGN * ALIGN
+        self.memory = self.whole[at:]
+
+    def need(self, cache, layers: list[int]) -> int:
+        """Bytes of slots `layers` (in order, each staged a layer ahead of the next) need with the cache as it is:
+        the most any two in a row take together (decoding leaves the deep layers with the most absent)."""
+        size = [sum(self.sizes(_absent(cache, layer))) for layer in layers]
+        pairs = [a + b for a, b, x, y in zip(size, size[1:], layers, layers[1:]) if y == x + 1]
+        return max(size + pairs, default=0)
 
     def sizes(self, absent: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[int, int, int]:
         """Bytes the three projections' stacks of these absent experts (gate, up/down) take in a slot."""
-        n = (len(absent[0]), len(absent[1]), len(absent[1]))
-        return tuple(_packed_bytes(self.like[p], k) for p, k in zip(PROJECTIONS, n))
+        out = []
+        for p, k in zip(PROJECTIONS, (len(absent[0]), len(absent[1]), len(absent[1]))):
+            n = self._bytes.get((p, k))
+            if n is None:
+                n = self._bytes[(p, k)] = _packed_bytes(self.like[p], k)
+            out.append(n)
+        return tuple(out)
 
     def fits(self, absent) -> bool:
-        return sum(self.sizes(absent)) <= self.half
+        return sum(self.sizes(absent)) <= self.room
 
     def take(self, cache, layer: int, side, device: torch.device) -> Staged | None:
-        """This layer's stage: the one issued ahead when it still matches the cache, else issued now; None when
-        its absent experts do not fit a slot."""
+        """This layer's stage: the one issued ahead when it still matches the cache, else issued now (anywhere in
+        the room: what the compute stream reads of the layer before was queued first); None when its absent experts
+        do not fit the room."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.layer == layer and ahead.absent == _absent(cache, layer):
             return ahead
         return self.issue(cache, layer, side, device)
 
-    def issue(self, cache, layer: int, side, device: torch.device) -> Staged | None:
-        """Copy `layer`'s absent experts into slot layer % 2: on `side` after the compute stream's work so far (the
-        slot's previous layer is computed); on the CPU now. None (nothing copied) when they do not fit."""
+    def issue(self, cache, layer: int, side, device: torch.device, beside: Staged | None = None) -> Staged | None:
+        """Copy `layer`'s absent experts into a slot of the room: on `side` after the compute stream's work so far;
+        on the CPU now. `beside`: the stage the compute stream still reads (the layer before's), which the slot must
+        not overlap: at the room's other end. None (nothing copied) when they do not fit."""
         absent = _absent(cache, layer)
-        if not self.fits(absent):
+        sizes = self.sizes(absent)
+        need = sum(sizes)
+        start = 0 if beside is None else _beside(beside.at, beside.at + beside.size, need, self.room)
+        if start is None or need > self.room:
             return None
         E = cache.num_experts
         rows = tuple(_rows(a, E, device) for a in absent)
         ids = tuple(upload(list(a), device) if a else None for a in absent)
-        raw, at, stacks = self.memory[(layer % 2) * self.half :], 0, []
-        for p, size, k in zip(PROJECTIONS, self.sizes(absent), (0, 1, 1)):
+        raw, at, stacks = self.memory[start:], 0, []
+        for p, size, k in zip(PROJECTIONS, sizes, (0, 1, 1)):
             stacks.append(_laid(raw[at : at + size], self.like[p], len(absent[k])))
             at += size
         slot, master = ExpertWeights(*stacks), cache.masters[layer]
@@ -119,7 +164,7 @@ class LayerStage:
 
         if side is None:
             copy()
-            return Staged(layer, absent, rows, slot, None)
+            return Staged(layer, absent, rows, slot, None, start, need)
         side.wait_stream(torch.cuda.current_stream(device))
         for t in ids:  # made on the compute stream, read on the side one
             if t is not None:
@@ -128,7 +173,7 @@ class LayerStage:
             copy()
             event = torch.cuda.Event()
             event.record(side)
-        return Staged(layer, absent, rows, slot, event)
+        return Staged(layer, absent, rows, slot, event, start, need)
 
     def dequantize(self, cache, staged: Staged, buf: ExpertWeights, ids: torch.Tensor) -> None:
         """buf[i] = expert ids[i] of the staged layer dequantized, from its pool slot or its stage row (device
@@ -151,6 +196,28 @@ class LayerStage:
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.event is not None:
             torch.cuda.current_stream(device).wait_event(ahead.event)
+
+
+def span_beside(experts: int, span: int, expert: int, need: int, total: int) -> int:
+    """Experts a span of the layer stage holds: the largest of `experts` split in equal spans, at most `span`, that
+    leaves room for `need` bytes of slots beside a buffer of `expert` bytes an expert in `total` bytes; at least a
+    quarter of `span` (the slots then take the rest: most layers still fit)."""
+    floor = max(1, span // 4)
+    for k in range(-(-experts // span), experts + 1):
+        s = -(-experts // k)
+        if s < floor:
+            break
+        if s * expert + need + 2 * ALIGN <= total:
+            return s
+    return floor
+
+
+def _beside(lo: int, hi: int, need: int, room: int) -> int | None:
+    """Where `need` bytes go in `room` beside the bytes lo..hi in use, at the other end of the room (two stages fit
+    whenever their sum does): at its end when lo..hi is at its start, else at its start."""
+    if lo == 0:
+        return room - need if room - need >= hi else None
+    return 0 if need <= lo else None
 
 
 def _absent(cache, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -85,8 +85,8 @@ class Staging:
         self.gathers: dict[int, bool] = {}  # layer -> whether its spans fill by gather_experts (pinned masters)
         # what was filled ahead: (layer, first spans, events, packed)
         self.ahead: tuple[int, list[list[int]], list, bool] | None = None
-        self.stage: LayerStage | None = None  # the layer stage's slots, in the second plain buffer (`_layer_stage`)
-        self.memory: torch.Tensor | None = None  # that buffer's bytes (uint8), its three stacks in one allocation
+        self.stage: LayerStage | None = None  # the layer stage: its span buffer and slots in the plain buffers' memory
+        self.memory: torch.Tensor | None = None  # both plain buffers' bytes (uint8), their six stacks one allocation
         self.kernel_on_cpu = False  # tests: the gather kernel on CPU tensors too (TRITON_INTERPRET=1)
         self.rates: CpuRates | None = None  # the automatic CPU share's rates (`measure`d at the first long piece)
         self.rows = 0.0  # the last long piece's rows per expert (the layer ahead is filled for the same)
@@ -104,10 +104,10 @@ class Staging:
     def _buffers(self, packed: bool = False) -> list[ExpertWeights]:
         """The two buffers; `packed`: int4 stacks of `span` experts laid in the plain buffers' memory (`_packed`)."""
         if self.buffers is None:
-            if self.plain is not None:  # a buffer's three stacks in one allocation: the layer stage's slots span it
-                wholes = [self.plain(3 * self.span) for _ in "ab"]
-                self.buffers = [ExpertWeights(*w.split(self.span)) for w in wholes]
-                self.memory = wholes[1].view(-1).view(torch.uint8)
+            if self.plain is not None:  # both buffers' stacks in one allocation: the layer stage lays its own in it
+                whole = self.plain(6 * self.span)
+                self.buffers = [ExpertWeights(*w.split(self.span)) for w in whole.split(3 * self.span)]
+                self.memory = whole.view(-1).view(torch.uint8)
             else:
                 self.buffers = [ExpertWeights(*(self.make(self.span, p) for p in PROJECTIONS)) for _ in "ab"]
             self.packed_buffers = self.stage = None
@@ -213,7 +213,8 @@ class Staging:
         """`layer`'s stage (experts/layer_stage.py) when it takes the layer: int4 / NF4 experts staged dequantized,
         every expert routed, master copies the device reads (pinned or on the device; on the CPU, the gather kernels
         under the interpreter with `kernel_on_cpu`) and its absent experts fitting a slot; else None (span by span)."""
-        if not self.stage_layers or self.plain is None or packed or len(experts) != cache.num_experts or not experts:
+        E = cache.num_experts
+        if not self.stage_layers or self.plain is None or packed or len(experts) != E or not experts:
             return None
         bufs = self._buffers()
         device = bufs[0].w_gate.device
@@ -221,8 +222,14 @@ class Staging:
         if not (cuda or self.kernel_on_cpu) or not self._gathers(cache, layer, device):
             return None
         if self.stage is None:
-            self.stage = LayerStage(self.memory, lambda p: self.make(1, p))
+            gates = not cache.gate_slots  # no gate tier: an absent expert's gate is staged with it
+            self.stage = LayerStage(self.memory, lambda p: self.make(1, p), bufs[0].w_gate[0], E, self.span, gates)
         self._settle_spans(device)  # spans filled ahead write both buffers: done before the stage reuses them
+        if layer == min(cache.masters):  # a prompt piece starts: the room for this cache's two largest in a row
+            self.stage.settle(device)
+            self.stage.lay(
+                self.stage.need(cache, [n for n in sorted(cache.masters) if self._gathers(cache, n, device)])
+            )
         if cuda and self.stream_ is None:
             self.stream_ = torch.cuda.Stream(device)
         side = self.stream_ if cuda else None
@@ -232,13 +239,13 @@ class Staging:
         if cuda:  # this layer's copies, not the next one's
             torch.cuda.current_stream(device).wait_event(staged.event)
         if layer + 1 in cache.masters and self._gathers(cache, layer + 1, device):
-            self.stage.ahead = self.stage.issue(cache, layer + 1, side, device)
+            self.stage.ahead = self.stage.issue(cache, layer + 1, side, device, beside=staged)
         return staged
 
     def _stream_staged(self, cache, staged) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
         """`stream` of a whole layer through its stage: each span dequantized into the first buffer on the compute
         stream (valid until the generator is resumed)."""
-        buf, size, E = self.buffers[0], self.span, cache.num_experts
+        buf, size, E = self.stage.buf, self.stage.span, cache.num_experts
         ids = torch.arange(E, dtype=torch.int32, device=buf.w_gate.device)
         sources = cache.sources(staged.layer)
         for first in range(0, E, size):
