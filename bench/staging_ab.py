@@ -21,7 +21,9 @@ computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.p
 measured rates balance at each piece, the default); the PCIe column still counts every absent byte.
 `--stage-layers` (int4 / NF4 experts) compares a layer's spans staged dequantized on the side stream span by span
 ("copies") against its absent experts staged packed a layer ahead and every span dequantized on the compute stream
-(`Staging.stage_layers`, experts/layer_stage.py, the default, "gather"); `--stage-engines` the stage filled by one
+(`Staging.stage_layers`, experts/layer_stage.py, off by default, "gather"; under each row, how its runs took the
+layers: staged a layer ahead, as they start, or span by span, and the stage's span); `--stage-engines` the stage
+filled by one
 gather_experts launch a projection (SMs reading pinned memory, "copies") against the copy engines
 (`LayerStage.by_copy_engines`, experts/host_copies.py, the default, "gather").
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
@@ -220,6 +222,8 @@ if rules:
 print("prompt  copies TTFT s  tok/s   gather TTFT s  tok/s   speed-up  PCIe s  of PCIe (gather)")
 for n in lengths:
     t = {True: [], False: []}
+    if staging is not None and staging.stage is not None:
+        staging.stage.counts.clear()
     for _ in range(a.reps):
         for gather in (False, True):
             t[gather].append(ttft(n, gather))
@@ -230,6 +234,10 @@ for n in lengths:
         f"{pcie:>6.2f}  {pcie / g:>6.1%}",
         flush=True,
     )
+    if a.stage_layers and staging.stage is not None:  # how the stage took the layers of these runs
+        k = staging.stage.counts
+        print(f"        layer stage: spans of {staging.stage.span} experts; layers staged a layer ahead "
+              f"{k['ahead']}, as they start {k['at start']}, span by span {k['spans']}", flush=True)  # fmt: skip
 if staging is not None and staging.rates is not None:  # the automatic CPU share's, where it ran
     r, k = staging.rates, e.loaded.config.num_experts_per_tok
     shares = ", ".join(f"{n}: {r.share(min(n, e.prefill_chunk) * k / cache.num_experts):.3f}" for n in lengths)

@@ -177,7 +177,9 @@ def test_a_slot_takes_the_other_end_of_the_room_and_one_that_does_not_fit_is_sta
     whole = sum(stage.sizes((tuple(range(E)),) * 2))
     monkeypatch.setattr(stage, "room", whole)  # one layer at a time: none ahead, each staged as its layer starts
     stage.ahead = None
+    stage.counts.clear()
     for layer in range(3):
         got = _spans(cache, layer)
         assert stage.ahead is None and cache.staging.ahead is None  # not the span path either
         assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[layer])] == [[True] * 3] * 2
+    assert stage.counts == {"at start": 3}  # counted for bench/staging_ab.py

@@ -31,6 +31,7 @@ kernels.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,8 @@ class LayerStage:
         self.span = 0
         self.ahead: Staged | None = None
         self._none: dict[tuple, torch.Tensor] = {}  # (device, E) -> [E] of -1: gather_experts reads the host copy
+        # layers taken: "ahead" (staged a layer ahead), "at start" (staged as the layer starts), "spans" (too large)
+        self.counts: Counter[str] = Counter()
         self.lay(sum(self.sizes(((tuple(range(experts)) if gates else ()), tuple(range(experts))))))
 
     def lay(self, need: int) -> None:
@@ -123,8 +126,11 @@ class LayerStage:
         do not fit the room."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.layer == layer and ahead.absent == _absent(cache, layer):
+            self.counts["ahead"] += 1
             return ahead
-        return self.issue(cache, layer, side, device)
+        staged = self.issue(cache, layer, side, device)
+        self.counts["at start" if staged is not None else "spans"] += 1
+        return staged
 
     def issue(self, cache, layer: int, side, device: torch.device, beside: Staged | None = None) -> Staged | None:
         """Copy `layer`'s absent experts into a slot of the room: on `side` after the compute stream's work so far;

@@ -62,8 +62,9 @@ class Staging:
     cpu_share: float | None = None
     # int4 / NF4 layers that route every expert: the absent experts staged packed a layer ahead (by the copy engines
     # where the driver allows) and every span dequantized on the compute stream (experts/layer_stage.py). Off: span by
-    # span, dequantized on the side stream. Off by default: 1.24-1.30x at 2048 tokens on a fresh engine, but a prompt
-    # after decoding (a chat's next turn, `localmoe bench`) took 0.26 s against the span path's 0.22 (RESULTS.md).
+    # span, dequantized on the side stream. Off by default until the layout laid per prompt piece is timed on a GPU:
+    # the layouts it picks took 0.165 s fresh and 0.187-0.200 after decoding against the span path's 0.214 / 0.223
+    # at 2048 tokens, but 0.200 against 0.180 at 512 (H100, RESULTS.md).
     stage_layers = False
 
     def __init__(
