@@ -23,8 +23,7 @@ measured rates balance at each piece, the default); the PCIe column still counts
 ("copies") against its absent experts staged packed a layer ahead and every span dequantized on the compute stream
 (`Staging.stage_layers`, experts/layer_stage.py, off by default, "gather"; under each row, how its runs took the
 layers: staged a layer ahead, as they start, or span by span, and the stage's span); `--stage-engines` the stage
-filled by one
-gather_experts launch a projection (SMs reading pinned memory, "copies") against the copy engines
+filled by one gather_experts launch a projection (SMs reading pinned memory, "copies") against the copy engines
 (`LayerStage.by_copy_engines`, experts/host_copies.py, the default, "gather").
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer

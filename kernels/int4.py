@@ -82,10 +82,7 @@ class Int4Tensor:
         `device`."""
         E, I, H = shape
         specs = [((I, H // 2), torch.uint8), ((I, H // group_for(H)), torch.bfloat16)]
-        specs.append(specs[1])
-        if alloc is None:
-            return cls(*(torch.empty((E, *s), dtype=dt, device=device) for s, dt in specs), dtype)
-        *parts, block = expert_major(alloc, E, specs)
+        *parts, block = empty_parts(E, specs + specs[1:], device, alloc)
         return cls(*parts, dtype, block)
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,6 +104,14 @@ class Int4Tensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return _dequantize(self.packed, self.scale, self.minimum, dtype or self.dtype)
+
+
+def empty_parts(E: int, specs, device, alloc=None) -> list[torch.Tensor | None]:
+    """[E, *shape] parts of `specs` [(shape, dtype)], then their block: each by torch.empty on `device` (block None),
+    or with `alloc` one block laid expert-major (`expert_major`)."""
+    if alloc is None:
+        return [*(torch.empty((E, *s), dtype=dt, device=device) for s, dt in specs), None]
+    return expert_major(alloc, E, specs)
 
 
 def expert_major(alloc, E: int, specs) -> list[torch.Tensor]:

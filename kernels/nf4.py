@@ -25,7 +25,7 @@ import functools
 import torch
 
 from localmoe.kernels.dequant_int4 import dequant_int4, dequant_nf4_ref
-from localmoe.kernels.int4 import Int4Tensor, expert_major, group_for
+from localmoe.kernels.int4 import Int4Tensor, empty_parts, group_for
 
 BLOCK = 64  # bitsandbytes' default 4-bit block; smaller powers of two when H is not a multiple of it
 MIN_BLOCK = 32  # the smallest block bitsandbytes quantizes 4-bit weights with
@@ -99,11 +99,7 @@ class Nf4Tensor(Int4Tensor):
         """As Int4Tensor.empty; `block` the block size G (default `block_for(H)`)."""
         E, I, H = shape
         specs = [((I, H // 2), torch.uint8), ((I, H // (block or block_for(H))), torch.float32)]
-        if alloc is None:
-            packed, scale = (torch.empty((E, *s), dtype=dt, device=device) for s, dt in specs)
-            held = None
-        else:  # one block, expert-major (Int4Tensor.empty)
-            packed, scale, held = expert_major(alloc, E, specs)
+        packed, scale, held = empty_parts(E, specs, device, alloc)  # with `alloc`: one block, expert-major
         nf4_code(packed.device)  # made now, before any CUDA graph capture reads it
         return cls(packed, scale, None, dtype, held)
 
