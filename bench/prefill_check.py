@@ -139,7 +139,7 @@ def main() -> None:
     if "--cpu-share" in sys.argv:
         Staging.cpu_share = float(sys.argv[sys.argv.index("--cpu-share") + 1])
     if "--stage" in sys.argv or "--stage-gather" in sys.argv:
-        Staging.stage_layers = True
+        Staging.stage_layers, Staging.stage_rows = True, 0  # the tiny prompts' pieces too
     if "--stage-gather" in sys.argv:
         LayerStage.by_copy_engines = False
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"

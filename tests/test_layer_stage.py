@@ -24,8 +24,10 @@ E, I, H = 6, 4, 64
 
 @pytest.fixture(autouse=True)
 def _stage_on(monkeypatch):
-    """The layer stage is off by default (bench/RESULTS.md): on here unless a test turns it off."""
+    """The layer stage is off by default (bench/RESULTS.md): on here unless a test turns it off, for pieces of any
+    length."""
     monkeypatch.setattr(Staging, "stage_layers", True)
+    monkeypatch.setattr(Staging, "stage_rows", 0)
 
 
 def _cache(fmt: str, layers: int = 3):
@@ -100,6 +102,19 @@ def test_a_stale_or_oversized_stage_is_not_used(monkeypatch):
     assert cache.staging.ahead is not None and cache.staging.ahead[0] == 1  # the span path filled ahead
     assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[0])] == [[True] * 3] * 2
     assert cache.misses == E
+
+
+def test_a_short_piece_goes_span_by_span(monkeypatch):
+    monkeypatch.setattr(Staging, "stage_rows", 4)  # pieces of at least 4 slots an expert
+    cache = _cache("int4")
+    want = _spans(cache, 0)  # slots=0: below the threshold, the span path
+    assert cache.staging.stage is None
+    got = [
+        [getattr(buf, p)[:n].clone() for p in PROJECTIONS]
+        for _, n, buf, _ in cache.stream(0, list(range(E)), slots=4 * E)
+    ]
+    assert cache.staging.stage is not None and cache.staging.stage.counts["at start"] == 1
+    assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want)] == [[True] * 3] * 2
 
 
 def test_a_gate_tier_with_every_gate_resident_stages_up_down_only(monkeypatch):

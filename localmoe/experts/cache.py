@@ -247,9 +247,9 @@ class ExpertCache:
             total += part * sum((g < 0) + 2 * (s < 0) for g, s in zip(gates, slots))
         return total
 
-    def stream(self, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = ()):
+    def stream(self, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = (), slots: int = 0):
         """The dense path's routed `experts` of `layer` (ascending) staged a span at a time: `Staging.stream`."""
-        return self.staging.stream(self, layer, experts, packed, cpu)
+        return self.staging.stream(self, layer, experts, packed, cpu, slots)
 
     def add_layer(self, layer: int, master: ExpertWeights) -> None:
         self.masters[layer] = master

@@ -288,7 +288,7 @@ class DensePath:
         skip = set(cpu)
         routed = [e for e in range(self.num_experts) if end[e] > (end[e - 1] if e else 0) and e not in skip]
         taken = [e for e in cpu if end[e] > (end[e - 1] if e else 0)]
-        for first, n, buf, ids in self.cache.stream(self.layer_idx, routed, cpu=taken):
+        for first, n, buf, ids in self.cache.stream(self.layer_idx, routed, cpu=taken, slots=slots):
             span = routed[first : first + n]
             s0 = end[span[0] - 1] if span[0] else 0
             yield (*buf.dequantized(0, n), ends[ids] - s0, s0, end[span[-1]])  # device ids: no host sync

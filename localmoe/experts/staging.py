@@ -66,6 +66,9 @@ class Staging:
     # the layouts it picks took 0.165 s fresh and 0.187-0.200 after decoding against the span path's 0.214 / 0.223
     # at 2048 tokens, but 0.200 against 0.180 at 512 (H100, RESULTS.md).
     stage_layers = False
+    # Pieces the stage takes: at least this many (token, expert) slots an expert (Qwen3.5-35B-A3B, 8 of 256: 1024
+    # tokens). A shorter piece's layer is bound by the host's launches, which the stage adds to: span by span.
+    stage_rows = 32
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
@@ -163,7 +166,7 @@ class Staging:
         return self.rates.share(self.rows)
 
     def stream(
-        self, cache, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = ()
+        self, cache, layer: int, experts: list[int], packed: bool = False, cpu: list[int] = (), slots: int = 0
     ) -> Iterator[tuple[int, int, ExpertWeights, torch.Tensor]]:
         """(index in `experts` of the span's first expert, experts in the span n, the staging buffer holding them in
         its first n rows, their ids [n] int32 on the device) for each span of `experts` (ascending expert ids of
@@ -172,7 +175,7 @@ class Staging:
         int4, in the same memory (the grouped GEMMs read them in place). `cpu`: the routed experts the CPU computes
         (`cpu_experts`), not in `experts`."""
         packed = packed and self.plain is not None
-        staged = None if cpu else self._layer_stage(cache, layer, experts, packed)
+        staged = None if cpu else self._layer_stage(cache, layer, experts, packed, slots)
         if staged is not None:
             yield from self._stream_staged(cache, staged)
             return
@@ -210,12 +213,15 @@ class Staging:
             nxt, fill = self._ahead(cache, layer + 1, device, cuda, packed)
             self.ahead = (layer + 1, nxt, [fill(j) for j in range(len(nxt))], packed)
 
-    def _layer_stage(self, cache, layer: int, experts: list[int], packed: bool):
+    def _layer_stage(self, cache, layer: int, experts: list[int], packed: bool, slots: int):
         """`layer`'s stage (experts/layer_stage.py) when it takes the layer: int4 / NF4 experts staged dequantized,
-        every expert routed, master copies the device reads (pinned or on the device; on the CPU, the gather kernels
-        under the interpreter with `kernel_on_cpu`) and its absent experts fitting a slot; else None (span by span)."""
+        every expert routed in a piece of at least `stage_rows` slots an expert, master copies the device reads
+        (pinned or on the device; on the CPU, the gather kernels under the interpreter with `kernel_on_cpu`) and its
+        absent experts fitting a slot; else None (span by span)."""
         E = cache.num_experts
         if not self.stage_layers or self.plain is None or packed or len(experts) != E or not experts:
+            return None
+        if slots < self.stage_rows * E:
             return None
         bufs = self._buffers()
         device = bufs[0].w_gate.device
