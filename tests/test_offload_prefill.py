@@ -136,7 +136,6 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     in_place = experts in ("int4", "int4-plainspans")
     layer_stage = "layerstage" in experts
     monkeypatch.setattr(Staging, "stage_layers", layer_stage)
-    monkeypatch.setattr(Staging, "stage_rows", 0)  # these short prompts' pieces too
     monkeypatch.setattr(LayerStage, "by_copy_engines", experts != "int4-layerstagegather")
     monkeypatch.setattr(Staging, "packed_fill", experts != "int4-plainspans")  # packed spans as many as the plain
     experts = experts.split("-")[0]
@@ -153,6 +152,8 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     e = Engine.load(model, device="cpu", sparsity=0.0, experts=experts, vram_gib=budget_for(model, 3, experts))
     cache = e.loaded.cache
     cache.staging.span = 4 if layer_stage else 2  # the stage's slots: a half of the second buffer each
+    E = e.loaded.experts[0].num_experts
+    monkeypatch.setattr(Staging, "stage_rows", ids.shape[1] * 2 // E)  # the piece's slots an expert (top-2): taken
     cache.staging.kernel_on_cpu = layer_stage
     for engine in (resident, e):
         for m in engine.loaded.experts:
@@ -165,7 +166,7 @@ def test_device_spans_prefill_equals_the_resident_model(experts, monkeypatch):
     torch.testing.assert_close(got_resident, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert cache.hits + cache.misses == sum(m.num_experts for m in e.loaded.experts)  # every expert, once a layer
-    E, layers = e.loaded.experts[0].num_experts, len(e.loaded.experts)
+    layers = len(e.loaded.experts)
     assert launches.count(0) == 2 * layers  # each engine's first span of every layer
     span = cache.staging.packed_span if in_place else cache.staging.span  # packed spans: as the memory holds
     assert set(range(0, E, span)) <= set(launches)  # the offloaded spans

@@ -245,7 +245,7 @@ class DensePath:
         kept = torch.zeros(1, dtype=torch.int64, device=x.device) if masked else None
         tau = self.tau.to(device=x.device, dtype=torch.float32) if masked else None
         x = x if x.stride(-1) == 1 else x.contiguous()
-        for w_gate, w_up, w_down_t, g0 in self._fixed_spans():
+        for w_gate, w_up, w_down_t, g0 in self._fixed_spans(M):
             w4 = "_int4" if isinstance(w_gate, Int4Tensor) else ""  # read in place
             kw = tuned(x, "grouped_gate_up", f"K{H}_N{I}{w4}")
             grouped_gate_up(x, w_gate, w_up, ends, g0, h, tau=tau, kept=kept, x_rows=tok, **kw)
@@ -256,15 +256,15 @@ class DensePath:
         s, g = shared if shared is not None else (None, None)
         return token_combine(y, pos, top_k_weights, x.dtype, shared=s, shared_gate=g)
 
-    def _fixed_spans(self):
-        """(gate, up, down_t [n, I, H], first expert) of every expert in order, with no host read: resident plain or
-        int4 experts (`int4_in_place`) in one span as stored, other 4-bit ones dequantized `dequant_bytes` at a
-        time, offloaded ones streamed through the staging buffers (all experts: the layer ahead is filled ahead
-        too; int4 ones packed with `int4_staged_packed`)."""
+    def _fixed_spans(self, slots: int):
+        """(gate, up, down_t [n, I, H], first expert) of every expert in order for a call of `slots` (token, expert)
+        slots, with no host read: resident plain or int4 experts (`int4_in_place`) in one span as stored, other
+        4-bit ones dequantized `dequant_bytes` at a time, offloaded ones streamed through the staging buffers (all
+        experts: the layer ahead is filled ahead too; int4 ones packed with `int4_staged_packed`)."""
         E = self.num_experts
         if self.cache is not None:
             packed = self.int4_staged_packed and self.cache.pool.affine_int4
-            for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E)), packed=packed):
+            for first, n, buf, _ in self.cache.stream(self.layer_idx, list(range(E)), packed=packed, slots=slots):
                 yield (*(buf.in_place(0, n) if packed else buf.dequantized(0, n)), first)
             return
         if not self.weights.quantized or (self.int4_in_place and self.weights.affine_int4):
