@@ -21,10 +21,11 @@ computed on the CPU meanwhile (`Staging.cpu_share`, localmoe/experts/cpu_share.p
 measured rates balance at each piece, the default); the PCIe column still counts every absent byte.
 `--stage-layers` (int4 / NF4 experts) compares a layer's spans staged dequantized on the side stream span by span
 ("copies") against its absent experts staged packed a layer ahead and every span dequantized on the compute stream
-(`Staging.stage_layers`, experts/layer_stage.py, off by default, "gather"; under each row, how its runs took the
-layers: staged a layer ahead, as they start, or span by span, and the stage's span); `--stage-engines` the stage
-filled by one gather_experts launch a projection (SMs reading pinned memory, "copies") against the copy engines
-(`LayerStage.by_copy_engines`, experts/host_copies.py, the default, "gather").
+(`Staging.stage_layers`, experts/layer_stage.py, the default for long pieces, "gather"; under each row, how its
+runs took the layers: staged a layer ahead, as they start, or span by span, and the stage's span); `--stage-rows N`:
+the stage takes pieces of at least N slots an expert (`Staging.stage_rows`; 0: every piece). `--stage-engines` the
+stage filled by one gather_experts launch a projection (SMs reading pinned memory, "copies") against the copy
+engines (`LayerStage.by_copy_engines`, experts/host_copies.py, the default, "gather").
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -44,7 +45,7 @@ prefill switches off ("copies") against all on (split/ieee DeltaNet rule, fused 
 turn and `localmoe bench` find it).
 
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
-       [--prompt-tokens 2048,8192] [--reps 2] [--decode-first N]
+       [--prompt-tokens 2048,8192] [--reps 2] [--decode-first N] [--stage-rows N]
        [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
        | --cpu-share F | --stage-layers | --stage-engines | --span A,B
        | --device-spans | --int4-in-place
@@ -89,11 +90,14 @@ p.add_argument(
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
 p.add_argument("--cpu-share", default=None, help="full experts: no CPU share against this share (auto: the default)")
 p.add_argument("--stage-layers", action="store_true", help="int4 / NF4: span by span against the layer stage")
+p.add_argument("--stage-rows", type=int, default=None, help="the layer stage's shortest piece, slots an expert")
 p.add_argument("--stage-engines", action="store_true", help="the layer stage by the gather kernel or copy engines")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
 p.add_argument("--packed-fill", action="store_true", help="int4 in place: packed spans as plain ones against full")
 p.add_argument("--deltanet", default=None, help="A,B: two PREPARE/PRECISION ways of the DeltaNet prefill's rule")
 a = p.parse_args()
+if a.stage_rows is not None:
+    Staging.stage_rows = a.stage_rows
 lengths = [int(n) for n in a.prompt_tokens.split(",")]
 grids = [int(n) for n in a.programs.split(",")] if a.programs else None
 dq_grids = [(*map(int, w.split("x")), 4)[:3] for w in a.dequant_grid.split(",")] if a.dequant_grid else None

@@ -24,8 +24,8 @@ E, I, H = 6, 4, 64
 
 @pytest.fixture(autouse=True)
 def _stage_on(monkeypatch):
-    """The layer stage is off by default (bench/RESULTS.md): on here unless a test turns it off, for pieces of any
-    length."""
+    """The layer stage (on by default for long pieces, bench/RESULTS.md): on here unless a test turns it off, for
+    pieces of any length."""
     monkeypatch.setattr(Staging, "stage_layers", True)
     monkeypatch.setattr(Staging, "stage_rows", 0)
 

@@ -3,7 +3,8 @@
 Span by span (experts/staging.py `Staging.stream`), a long prompt piece's int4 layer is dequantized on the side
 stream, host and resident experts together, into two plain buffers, and PCIe only runs ahead by the two spans filled
 during the next layer's attention. With the layer stage (`Staging.stage_layers`: int4 / NF4 experts whose master
-copies the device reads in place, a call that routes every expert) only the absent experts' packed bytes cross on
+copies the device reads in place, a call that routes every expert in a piece of at least `Staging.stage_rows` slots
+an expert) only the absent experts' packed bytes cross on
 the side stream into one of two stage slots, issued as soon as the layer before starts its experts: PCIe then runs
 under that layer's GEMMs and this layer's attention. From pinned host memory the copy engines move them
 (experts/host_copies.py, `by_copy_engines`: the SMs stay with the GEMMs): host master copies and slots are both

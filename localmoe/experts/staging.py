@@ -62,13 +62,14 @@ class Staging:
     cpu_share: float | None = None
     # int4 / NF4 layers that route every expert: the absent experts staged packed a layer ahead (by the copy engines
     # where the driver allows) and every span dequantized on the compute stream (experts/layer_stage.py). Off: span by
-    # span, dequantized on the side stream. Off by default until the layout laid per prompt piece is timed on a GPU:
-    # the layouts it picks took 0.165 s fresh and 0.187-0.200 after decoding against the span path's 0.214 / 0.223
-    # at 2048 tokens, but 0.200 against 0.180 at 512 (H100, RESULTS.md).
-    stage_layers = False
-    # Pieces the stage takes: at least this many (token, expert) slots an expert (Qwen3.5-35B-A3B, 8 of 256: 1024
-    # tokens). A shorter piece's layer is bound by the host's launches, which the stage adds to: span by span.
-    stage_rows = 32
+    # span, dequantized on the side stream. In-process A/Bs at 2048 tokens after decoding (H100, RESULTS.md): 0.188
+    # against 0.258 s and 0.199 against 0.223 (session 47), 0.187-0.200 against 0.223 (session 46); fresh 0.165
+    # against 0.214.
+    stage_layers = True
+    # Pieces the stage takes: at least this many (token, expert) slots an expert (Qwen3.5-35B-A3B, 8 of 256: 2048
+    # tokens, the longest piece). Its launches are host-bound (a layer's spans cost 18 gather_dequant launches at
+    # spans of 43), and at 512 tokens it lost (0.200 against 0.180 s); shorter pieces go span by span.
+    stage_rows = 64
 
     def __init__(
         self, make, expert_bytes: int, dequantized_bytes: int, quantized: bool, experts: int = 1 << 30, plain=None
