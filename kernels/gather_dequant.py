@@ -5,20 +5,21 @@
 `pool` and `host` are stacks of one 4-bit format (kernels/int4.py `Int4Tensor`: packed bytes, bf16 scale and minimum
 per group; kernels/nf4.py `Nf4Tensor`: packed bytes and an fp32 absmax, the codebook `code`), `pool` on the device and
 `host` there or in pinned host memory, read through unified virtual addressing. `dst` is a plain [n, I, H] stack in
-the model's dtype, ready for the grouped GEMMs. One launch per projection replaces three gathers of packed parts into
-a 4-bit staging buffer and three dequantizing launches on the compute stream (kernels/gather_experts.py then
-kernels/dequant_int4.py): the dequantization moves to the side stream that overlaps the GEMMs, the 4-bit bytes are
-read once, and the launches a span costs (each ~40-100 µs of host time in a prefill that is launch bound between its
-host syncs) fall from 18 to 3. The arithmetic is dequant_int4's (`dequant_bytes`): fp32, rounded once to dst's dtype
-to nearest even (kernels/rounding.py, so the interpreter's result is the GPU's).
+the model's dtype, ready for the grouped GEMMs. `gather_dequant_projections` takes a span's three projections (each
+its own dst, pool, host and table; their strides shared, else one launch each) in one launch. It replaces three
+gathers of packed parts into a 4-bit staging buffer and three dequantizing launches (kernels/gather_experts.py then
+kernels/dequant_int4.py): the 4-bit bytes are read once, and the launches a span costs (each ~40-100 µs of host
+time) fall from 18 to 1, where one a projection left a third of a 2048-token piece's host time in them (the layer
+stage, bound by its host: bench/RESULTS.md). The arithmetic is dequant_int4's (`dequant_bytes`): fp32, rounded once
+to dst's dtype to nearest even (kernels/rounding.py, so the interpreter's result is the GPU's).
 
 `host_rows` lets `host` be a device stage of the absent experts only (experts/layer_stage.py: a layer's absent
 experts staged packed ahead, then dequantized with the resident ones from device memory): expert e's row there.
 
-Grid: PROGRAMS programs striding over the n * cdiv(I, BLOCK_R) tiles (a tile: BLOCK_R rows of one expert): a fixed
-number of programs keeps a few host reads in flight each without queueing thousands of programs ahead of the GEMMs
-(gather_experts.py). Shapes: I expert width, H hidden, NG groups per row (G = H / NG a power of two), S pool slots, E
-experts in `host` and `table`, n <= len(dst).
+Grid: PROGRAMS programs striding over the P * n * cdiv(I, BLOCK_R) tiles (a tile: BLOCK_R rows of one expert's
+projection, P projections): a fixed number of programs keeps a few host reads in flight each without queueing
+thousands of programs ahead of the GEMMs (gather_experts.py). Shapes: I expert width, H hidden, NG groups per row (G =
+H / NG a power of two), S pool slots, E experts in `host` and `table`, n <= len(dst).
 """
 
 from __future__ import annotations
@@ -54,14 +55,26 @@ def gather_dequant_ref(dst: torch.Tensor, pool, host, table, ids, code=None, hos
 
 @triton.jit
 def _gather_dequant_kernel(
-    dst_ptr, pp_ptr, ps_ptr, pm_ptr, hp_ptr, hs_ptr, hm_ptr, c_ptr, table_ptr, id_ptr, row_ptr, tiles, per_expert, I,
-    pool_p, pool_s, pool_m, host_p, host_s, host_m, dst_stride,
+    d0, pp0, ps0, pm0, hp0, hs0, hm0, tb0, rw0,
+    d1, pp1, ps1, pm1, hp1, hs1, hm1, tb1, rw1,
+    d2, pp2, ps2, pm2, hp2, hs2, hm2, tb2, rw2,
+    c_ptr, id_ptr, tiles, per_expert, I, dst_stride, pool_p, pool_s, pool_m, host_p, host_s, host_m,
     H2: tl.constexpr, NG: tl.constexpr, HALF_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
-    NF4: tl.constexpr, HOST_ROWS: tl.constexpr,
+    NF4: tl.constexpr, HOST_ROWS: tl.constexpr, PROJ: tl.constexpr,
 ):  # fmt: skip
     j = tl.arange(0, BLOCK_J)  # byte index in a row
     cols = tl.arange(0, 2 * BLOCK_J)
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+    for u in range(tl.program_id(0), PROJ * tiles, tl.num_programs(0)):
+        # projection u // tiles's pointers (a scalar branch: one projection a tile; the strides are shared)
+        dst_ptr, table_ptr, row_ptr, t = d0, tb0, rw0, u
+        pp_ptr, ps_ptr, pm_ptr, hp_ptr, hs_ptr, hm_ptr = pp0, ps0, pm0, hp0, hs0, hm0
+        if PROJ > 1:
+            if u >= 2 * tiles:
+                dst_ptr, table_ptr, row_ptr, t = d2, tb2, rw2, u - 2 * tiles
+                pp_ptr, ps_ptr, pm_ptr, hp_ptr, hs_ptr, hm_ptr = pp2, ps2, pm2, hp2, hs2, hm2
+            elif u >= tiles:
+                dst_ptr, table_ptr, row_ptr, t = d1, tb1, rw1, u - tiles
+                pp_ptr, ps_ptr, pm_ptr, hp_ptr, hs_ptr, hm_ptr = pp1, ps1, pm1, hp1, hs1, hm1
         i = t // per_expert
         rows = (t % per_expert) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < I
@@ -106,55 +119,99 @@ def gather_dequant(
     and its `code` [16] fp32 on dst's device); dst [>= n, I, H] bf16 / fp16 / fp32, contiguous; table [E], ids [n]:
     int32 / int64 on dst's device. `host_rows` [E] int32 / int64 on dst's device: `host` holds only the absent
     experts (a stage), expert e's in row host_rows[e] (not row e)."""
+    rows = None if host_rows is None else (host_rows,)
+    return gather_dequant_projections((dst,), (pool,), (host,), (table,), ids, code, rows)[0]
+
+
+def gather_dequant_projections(dsts, pools, hosts, tables, ids: torch.Tensor, code=None, host_rows=None):
+    """`gather_dequant` of up to three projections of the same experts in one launch (the launches a staged span
+    costs are host time in a host-bound prefill): dsts[q][i] from pools[q] by tables[q] or hosts[q] (host_rows[q]),
+    each projection of one shape [I, H], format and dtype. -> dsts."""
+    P = len(dsts)
+    if not 1 <= P <= 3 or not len(pools) == len(hosts) == len(tables) == P:
+        raise ValueError(f"one to three projections, as many pools, hosts and tables as dsts; got {P} dsts")
+    if host_rows is not None and len(host_rows) != P:
+        raise ValueError(f"host_rows: one per projection ({P}); got {len(host_rows)}")
     nf4 = code is not None
+    dst = dsts[0]
     if dst.dim() != 3 or not dst.is_contiguous() or dst.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dst must be a contiguous float [n, I, H] stack; got {dst.dtype} {tuple(dst.shape)}")
+    for d in dsts[1:]:
+        if d.shape[1:] != dst.shape[1:] or d.dtype != dst.dtype or not d.is_contiguous() or d.device != dst.device:
+            raise ValueError(f"every dst must be a contiguous {dst.dtype} [n, {dst.shape[1]}, {dst.shape[2]}] stack "
+                             f"on {dst.device}; got {d.dtype} {tuple(d.shape)}")  # fmt: skip
     _, I, H = dst.shape
     if H % 2:
         raise ValueError(f"H must be even, got {H}")
     H2 = H // 2
-    NG = pool.scale.shape[-1]
+    NG = pools[0].scale.shape[-1]
     if NG < 1 or H % NG or (H // NG) & (H // NG - 1) or H // NG < 2:
         raise ValueError(f"H = {H} must split into {NG} groups of a power-of-two size >= 2")
-    for name, w in (("pool", pool), ("host", host)):
-        parts = w.parts()
-        if len(parts) != (2 if nf4 else 3):
-            raise ValueError(f"{name} must be an Int4Tensor (packed, scale, minimum), or an Nf4Tensor with code=")
-        _check_part(f"{name}.packed", parts[0], (I, H2), torch.uint8)
-        for t in parts[1:]:
-            _check_part(f"{name}'s scales", t, (I, NG))
-            if not t.dtype.is_floating_point:
-                raise ValueError(f"{name}'s scales must be float; got {t.dtype}")
     cuda = dst.device.type == "cuda"
-    if any(t.device != dst.device for t in pool.parts()):
-        raise ValueError(f"the pool must be on dst's device {dst.device}")
-    if any(t.device != dst.device and not (cuda and t.device.type == "cpu" and t.is_pinned()) for t in host.parts()):
-        raise ValueError(f"host must be on {dst.device} or in pinned host memory")
+    for q in range(P):
+        for name, w, first in (("pool", pools[q], pools[0]), ("host", hosts[q], hosts[0])):
+            parts = w.parts()
+            if len(parts) != (2 if nf4 else 3):
+                raise ValueError(f"{name} must be an Int4Tensor (packed, scale, minimum), or an Nf4Tensor with code=")
+            _check_part(f"{name}.packed", parts[0], (I, H2), torch.uint8)
+            for t, like in zip(parts[1:], first.parts()[1:]):
+                _check_part(f"{name}'s scales", t, (I, NG))
+                if not t.dtype.is_floating_point or t.dtype != like.dtype:
+                    raise ValueError(f"{name}'s scales must be float, one dtype for every projection; got {t.dtype}")
+        if any(t.device != dst.device for t in pools[q].parts()):
+            raise ValueError(f"the pool must be on dst's device {dst.device}")
+        if any(t.device != dst.device and not (cuda and t.device.type == "cpu" and t.is_pinned())
+               for t in hosts[q].parts()):  # fmt: skip
+            raise ValueError(f"host must be on {dst.device} or in pinned host memory")
     if nf4 and (code.shape != (16,) or code.dtype != torch.float32 or code.device != dst.device):
         raise ValueError(f"code must be [16] fp32 on {dst.device}")
-    n_host = host.packed.shape[0]
+    n_host = hosts[0].packed.shape[0]
     if host_rows is not None:
-        if host_rows.dim() != 1 or host_rows.dtype not in (torch.int32, torch.int64) or host_rows.device != dst.device:
-            raise ValueError(f"host_rows must be [E] int32/int64 on {dst.device}; got {host_rows.dtype} "
-                             f"{tuple(host_rows.shape)} on {host_rows.device}")  # fmt: skip
-        n_host = host_rows.shape[0]
-    n = gather_ids(ids, table, n_host, dst.shape[0], dst.device)
+        for r in host_rows:
+            if r.dim() != 1 or r.dtype not in (torch.int32, torch.int64) or r.device != dst.device:
+                raise ValueError(f"host_rows must be [E] int32/int64 on {dst.device}; got {r.dtype} "
+                                 f"{tuple(r.shape)} on {r.device}")  # fmt: skip
+            if r.dtype != host_rows[0].dtype:
+                raise ValueError(f"host_rows must share one dtype; got {host_rows[0].dtype} and {r.dtype}")
+        n_host = host_rows[0].shape[0]
+    n = min(d.shape[0] for d in dsts)
+    for t in tables:
+        gather_ids(ids, t, n_host, n, dst.device)
+        if t.dtype != tables[0].dtype:
+            raise ValueError(f"the tables must share one dtype; got {tables[0].dtype} and {t.dtype}")
+    n = ids.shape[0]
     if n == 0:
-        return dst
+        return dsts
 
     def arg(t):
         return HostPointer(t) if cuda and t.device.type == "cpu" else t
 
-    pp, ps, pm = (*pool.parts(), pool.scale)[:3]
-    hp, hs, hm = (*host.parts(), host.scale)[:3]
+    def pointers(q: int) -> list:
+        pool, host = pools[q], hosts[q]
+        hp, hs, hm = (*host.parts(), host.scale)[:3]
+        row = host_rows[q] if host_rows is not None else ids
+        return [dsts[q], *(*pool.parts(), pool.scale)[:3], arg(hp), arg(hs), arg(hm), tables[q], row]
+
+    def strides(q: int) -> tuple[int, ...]:
+        """dst's, the pool's and (an empty host stack is never read: the first non-empty one's) the host's."""
+        h = next((w for w in (hosts[q], *hosts) if w.packed.shape[0]), hosts[q])
+        parts = (*pools[q].parts(), pools[q].scale)[:3] + (*h.parts(), h.scale)[:3]
+        return (dsts[q].stride(0), *(t.stride(0) for t in parts))
+
+    if any(strides(q) != strides(0) for q in range(1, P)):  # one launch each (the kernel shares the strides)
+        for q in range(P):
+            rows = None if host_rows is None else (host_rows[q],)
+            gather_dequant_projections((dsts[q],), (pools[q],), (hosts[q],), (tables[q],), ids, code, rows)
+        return dsts
+    sets = [pointers(q) for q in range(P)]
+    sets += [sets[0]] * (3 - P)  # unused
     per_expert = triton.cdiv(I, BLOCK_R)
     tiles = n * per_expert
-    programs = PROGRAMS if any(t.device != dst.device for t in host.parts()) else DEVICE_PROGRAMS
-    _gather_dequant_kernel[(min(tiles, programs),)](
-        dst, pp, ps, pm, arg(hp), arg(hs), arg(hm), code if nf4 else ps, table, ids,
-        host_rows if host_rows is not None else ids, tiles, per_expert, I,
-        pp.stride(0), ps.stride(0), pm.stride(0), hp.stride(0), hs.stride(0), hm.stride(0), dst.stride(0),
+    on_host = any(t.device != dst.device for h in hosts for t in h.parts())
+    programs = PROGRAMS if on_host else DEVICE_PROGRAMS
+    _gather_dequant_kernel[(min(P * tiles, programs),)](
+        *sets[0], *sets[1], *sets[2], code if nf4 else sets[0][2], ids, tiles, per_expert, I, *strides(0),
         H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(H2), NF4=nf4,
-        HOST_ROWS=host_rows is not None, num_warps=NUM_WARPS,
+        HOST_ROWS=host_rows is not None, PROJ=P, num_warps=NUM_WARPS,
     )  # fmt: skip
-    return dst
+    return dsts

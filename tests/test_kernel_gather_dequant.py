@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import localmoe.kernels.gather_dequant as gd
-from localmoe.kernels.gather_dequant import gather_dequant, gather_dequant_ref
+from localmoe.kernels.gather_dequant import gather_dequant, gather_dequant_projections, gather_dequant_ref
 from localmoe.kernels.int4 import Int4Tensor, quantize
 from localmoe.kernels.nf4 import Nf4Tensor, nf4_code
 
@@ -108,6 +108,64 @@ def test_a_stage_of_the_absent_experts(fmt, dtype):
     torch.testing.assert_close(ref, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("stage", [False, True], ids=["host", "stage"])
+@pytest.mark.parametrize("I, H, group", [(5, 256, 128), (512, 2048, 128)], ids=["odd", "real"])
+def test_three_projections_in_one_launch(I, H, group, stage, dtype, monkeypatch):
+    """A span's three projections, each its own pool, host stack and table (the gate tier's table differs), in one
+    launch equal three references; from a stage (`host_rows`, one per projection), the gate's stage empty (every
+    gate resident) as the layer stage lays it. A few programs striding over the three projections' tiles."""
+    monkeypatch.setattr(gd, "PROGRAMS", 3)
+    monkeypatch.setattr(gd, "DEVICE_PROGRAMS", 3)
+    launches = []
+    real = gd._gather_dequant_kernel
+    monkeypatch.setattr(
+        gd, "_gather_dequant_kernel", type("K", (), {"__getitem__": lambda _, g: launches.append(g) or real[g]})()
+    )
+    tables = [[0, 1, 2, 3, 0, 1, 2, 3, 0], TABLE, TABLE]  # the gate tier: every gate resident
+    hosts = [_int4(9, I, H, 30 + q, group) for q in range(3)]
+    pools = [_int4(4, I, H, 40 + q, group) for q in range(3)]
+    pools = [Int4Tensor(*(t.to(DEV) for t in w.parts()), w.dtype) for w in pools]
+    ids = torch.tensor([8, 0, 1, 3, 4, 7, 6], dtype=torch.int32, device=DEV)
+    wants = [gather_dequant_ref(torch.zeros((8, I, H), dtype=dtype), pools[q], hosts[q], tables[q], ids.cpu())
+             for q in range(3)]  # fmt: skip
+    rows = None
+    if stage:  # each projection's absent experts only, in a device stack
+        rows, srcs = [], []
+        for q in range(3):
+            absent = [e for e, s in enumerate(tables[q]) if s < 0]
+            r = torch.full((9,), -1, dtype=torch.int32)
+            r[absent] = torch.arange(len(absent), dtype=torch.int32)
+            rows.append(r.to(DEV))
+            srcs.append(Int4Tensor(*(t[absent].to(DEV) for t in hosts[q].parts()), hosts[q].dtype))
+        assert srcs[0].packed.shape[0] == 0
+    else:
+        srcs = [_pin(w) for w in hosts]
+    dsts = [torch.zeros((8, I, H), dtype=dtype, device=DEV) for _ in range(3)]
+    tabs = [torch.tensor(t, device=DEV) for t in tables]
+    gather_dequant_projections(dsts, pools, srcs, tabs, ids, host_rows=rows)
+    assert len(launches) == 1
+    for got, want in zip(dsts, wants):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
+def test_projections_at_other_strides_launch_each():
+    """A pool at another expert stride than the others' (a view of every other expert): one launch a projection,
+    the same results."""
+    hosts = [_int4(9, 3, 64, 50 + q, 16) for q in range(3)]
+    pools = [_int4(4, 3, 64, 60 + q, 16) for q in range(2)]
+    big = _int4(8, 3, 64, 62, 16)
+    pools.append(Int4Tensor(*(t[::2] for t in big.parts()), big.dtype))
+    pools = [Int4Tensor(*(t.to(DEV) for t in w.parts()), w.dtype) for w in pools]
+    table = torch.tensor(TABLE, device=DEV)
+    ids = torch.arange(9, dtype=torch.int32, device=DEV)
+    dsts = [torch.zeros((9, 3, 64), device=DEV) for _ in range(3)]
+    gather_dequant_projections(dsts, pools, [_pin(w) for w in hosts], [table] * 3, ids)
+    for q in range(3):
+        want = gather_dequant_ref(torch.zeros((9, 3, 64)), pools[q], hosts[q], TABLE, ids.cpu())
+        torch.testing.assert_close(dsts[q].cpu(), want, rtol=1e-6, atol=1e-7)
+
+
 def test_refuses_bad_arguments():
     host, pool = _int4(9, 4, 64, 6, 16), _int4(4, 4, 64, 7, 16)
     table, ids = torch.full((9,), -1), torch.arange(3)
@@ -118,6 +176,11 @@ def test_refuses_bad_arguments():
         gather_dequant(torch.zeros(3, 4, 66), pool, host, table, ids)
     with pytest.raises(ValueError, match=r"pool.packed must be torch.uint8 \[N, 5, 32\]"):
         gather_dequant(torch.zeros(3, 5, 64), pool, host, table, ids)
+    with pytest.raises(ValueError, match="one to three projections"):
+        gather_dequant_projections([dst] * 4, [pool] * 4, [host] * 4, [table] * 4, ids)
+    with pytest.raises(ValueError, match="every dst must be"):
+        gather_dequant_projections([dst, torch.zeros(3, 4, 64, dtype=torch.bfloat16)], [pool] * 2, [host] * 2,
+                                   [table] * 2, ids)  # fmt: skip
     with pytest.raises(ValueError, match="n <= 3"):
         gather_dequant(dst, pool, host, table, torch.arange(4))
     with pytest.raises(ValueError, match="table"):

@@ -15,6 +15,7 @@ from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, quantize_as
 from localmoe.experts.layer_stage import LayerStage, _beside, span_beside
 from localmoe.experts.staging import Staging
+from localmoe.kernels import gather_dequant
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the gather kernels on CPU tensors need the interpreter"
@@ -28,6 +29,17 @@ def _stage_on(monkeypatch):
     pieces of any length."""
     monkeypatch.setattr(Staging, "stage_layers", True)
     monkeypatch.setattr(Staging, "stage_rows", 0)
+
+
+class _Counted:
+    """A kernel whose launches are counted (each still runs)."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
 
 
 def _cache(fmt: str, layers: int = 3):
@@ -128,10 +140,14 @@ def test_a_gate_tier_with_every_gate_resident_stages_up_down_only(monkeypatch):
         cache.add_layer(layer, ExpertWeights(**w))
     cache.place_gates()
     cache.staging.kernel_on_cpu, cache.staging.span = True, 3
+    launches = []
+    real = gather_dequant._gather_dequant_kernel
+    monkeypatch.setattr(gather_dequant, "_gather_dequant_kernel", _Counted(real, launches))
     monkeypatch.setattr(Staging, "stage_layers", False)
     want = [_spans(cache, layer) for layer in range(2)]
     monkeypatch.setattr(Staging, "stage_layers", True)
     got = [_spans(cache, layer) for layer in range(2)]
+    assert len(launches) == 8  # one a span (three projections, the gates from their tier), either way
     assert [[[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(g, w)] for g, w in zip(got, want)] == [
         [[True] * 3] * 2
     ] * 2

@@ -40,7 +40,7 @@ import torch
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.host_copies import copy_rows, upload
 from localmoe.experts.int4 import PROJECTIONS, Nf4Tensor, parts
-from localmoe.kernels.gather_dequant import gather_dequant
+from localmoe.kernels.gather_dequant import gather_dequant_projections
 from localmoe.kernels.gather_experts import gather_experts
 from localmoe.kernels.int4 import expert_major
 from localmoe.kernels.nf4 import nf4_code
@@ -184,19 +184,16 @@ class LayerStage:
 
     def dequantize(self, cache, staged: Staged, buf: ExpertWeights, ids: torch.Tensor) -> None:
         """buf[i] = expert ids[i] of the staged layer dequantized, from its pool slot or its stage row (device
-        memory only), one gather_dequant launch a projection on the current stream."""
-        layer = staged.layer
-        table = cache.tables[layer]
-        gate_table = cache.gate_tables[layer] if cache.gate_slots else table
+        memory only), one gather_dequant launch for the three projections on the current stream."""
+        table = cache.tables[staged.layer]
+        gate_table = cache.gate_tables[staged.layer] if cache.gate_slots else table
         slot = staged.slot
-        for name, t, rows in (
-            ("w_gate", gate_table, staged.rows[0]),
-            ("w_up", table, staged.rows[1]),
-            ("w_down_t", table, staged.rows[1]),
-        ):
-            stage = getattr(slot, name)
-            code = nf4_code(ids.device) if isinstance(stage, Nf4Tensor) else None
-            gather_dequant(getattr(buf, name), getattr(cache.pool, name), stage, t, ids, code=code, host_rows=rows)
+        code = nf4_code(ids.device) if isinstance(slot.w_gate, Nf4Tensor) else None
+        gather_dequant_projections(
+            [getattr(buf, p) for p in PROJECTIONS], [getattr(cache.pool, p) for p in PROJECTIONS],
+            [getattr(slot, p) for p in PROJECTIONS], (gate_table, table, table), ids, code=code,
+            host_rows=(staged.rows[0], staged.rows[1], staged.rows[1]),
+        )  # fmt: skip
 
     def settle(self, device: torch.device) -> None:
         """The compute stream waits for a stage issued ahead (its memory may go), and it is dropped."""

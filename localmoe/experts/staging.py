@@ -45,7 +45,7 @@ from localmoe.experts.host_copies import upload
 from localmoe.experts.int4 import PROJECTIONS, Int4Tensor, Nf4Tensor, copy_expert, parts
 from localmoe.experts.layer_stage import LayerStage
 from localmoe.experts.prefill_budget import span_for
-from localmoe.kernels.gather_dequant import gather_dequant
+from localmoe.kernels.gather_dequant import gather_dequant_projections
 from localmoe.kernels.gather_experts import gather_experts
 from localmoe.kernels.nf4 import nf4_code
 
@@ -67,7 +67,7 @@ class Staging:
     # against 0.214.
     stage_layers = True
     # Pieces the stage takes: at least this many (token, expert) slots an expert (Qwen3.5-35B-A3B, 8 of 256: 2048
-    # tokens, the longest piece). Its launches are host-bound (a layer's spans cost 18 gather_dequant launches at
+    # tokens, the longest piece). Its launches are host-bound (a layer's spans cost 6 gather_dequant launches at
     # spans of 43), and at 512 tokens it lost (0.200 against 0.180 s); shorter pieces go span by span.
     stage_rows = 64
 
@@ -344,16 +344,18 @@ class Staging:
 
     def _gather(self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor, packed: bool = False) -> None:
         """buf[i] = expert ids[i] of `layer` (on the device), pool slot or host master per expert as the device slot
-        tables say: one gather_dequant launch per projection into plain buffers, else (and `packed`) one
+        tables say: one gather_dequant launch for the three projections into plain buffers, else (and `packed`) one
         gather_experts launch per projection for all its parts."""
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
+        if self.plain is not None and not packed:
+            code = nf4_code(ids.device) if isinstance(master.w_gate, Nf4Tensor) else None
+            gather_dequant_projections(
+                [getattr(buf, p) for p in PROJECTIONS], [getattr(cache.pool, p) for p in PROJECTIONS],
+                [getattr(master, p) for p in PROJECTIONS], (gate_table, table, table), ids, code=code,
+            )  # fmt: skip
+            return
         for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
-            if self.plain is not None and not packed:
-                src = getattr(master, name)
-                code = nf4_code(ids.device) if isinstance(src, Nf4Tensor) else None
-                gather_dequant(getattr(buf, name), getattr(cache.pool, name), src, t, ids, code=code)
-                continue
             gather_experts(
                 parts(getattr(buf, name)), parts(getattr(cache.pool, name)), parts(getattr(master, name)), t, ids
             )
