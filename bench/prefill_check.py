@@ -16,9 +16,10 @@ rule that way (e.g. triton/ieee: `FusedGatedDeltaNet.prefill_prepare`, `prefill_
 `FusedDecoderLayer.prefill_norms` / `FusedSparseMoeBlock.prefill_fused` / `FusedAttention.prefill_fused` on, in
 both engines, before one becomes a default; `--cpu-share F`: `Staging.cpu_share` (a share of the offloaded full
 experts computed on the CPU: its matmuls round differently, so the logits differ a little; the tokens must not);
-`--stage`: `Staging.stage_layers` on (int4 / NF4 absent experts staged a layer
+`--stage`: `Staging.stage_layers` on for every piece (int4 / NF4 absent experts staged a layer
 ahead, experts/layer_stage.py); `--stage-gather`: the layer stage filled by gather_experts, not the copy engines
-(`LayerStage.by_copy_engines`). The last column says "+ stage" where a layer went through the layer stage.
+(`LayerStage.by_copy_engines`); `--joined`: a span's three projections dequantized in one launch
+(kernels/gather_dequant.py `JOINED`). The last column says "+ stage" where a layer went through the layer stage.
 """
 
 import os
@@ -44,6 +45,7 @@ from localmoe.experts.dense_path import DensePath  # noqa: E402
 from localmoe.experts.layer_stage import LayerStage  # noqa: E402
 from localmoe.experts.placement import WORKSPACE_RESERVE  # noqa: E402
 from localmoe.experts.staging import Staging  # noqa: E402
+from localmoe.kernels import gather_dequant  # noqa: E402
 
 DEV = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda"
 DEAMOE = "localmoe-tiny-deamoe"  # bundled: DeaMoE's departments staged instead of experts
@@ -142,6 +144,8 @@ def main() -> None:
         Staging.stage_layers, Staging.stage_rows = True, 0  # the tiny prompts' pieces too
     if "--stage-gather" in sys.argv:
         LayerStage.by_copy_engines = False
+    if "--joined" in sys.argv:
+        gather_dequant.JOINED = True
     rule = f"{FusedGatedDeltaNet.prefill_prepare}/{FusedGatedDeltaNet.prefill_precision}"
     norms = FusedDecoderLayer.prefill_norms
     block, attention = FusedSparseMoeBlock.prefill_fused, FusedAttention.prefill_fused
@@ -149,7 +153,7 @@ def main() -> None:
           f"{DensePath.int4_staged_packed}), DeltaNet prefill {rule}, prefill_norms {norms}, block {block}, "
           f"attention {attention}, cpu_share {Staging.cpu_share}, "
           f"stage_layers {Staging.stage_layers} (copy engines "
-          f"{LayerStage.by_copy_engines})")  # fmt: skip
+          f"{LayerStage.by_copy_engines}), joined dequant {gather_dequant.JOINED}")  # fmt: skip
     rows = [row("deamoe", "full", check_deamoe)]
     for fam in tiny_models.SUPPORTED:
         repo = f"{tiny_models.ORG}/tiny-{fam}"

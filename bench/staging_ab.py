@@ -26,6 +26,8 @@ runs took the layers: staged a layer ahead, as they start, or span by span, and 
 the stage takes pieces of at least N slots an expert (`Staging.stage_rows`; 0: every piece). `--stage-engines` the
 stage filled by one gather_experts launch a projection (SMs reading pinned memory, "copies") against the copy
 engines (`LayerStage.by_copy_engines`, experts/host_copies.py, the default, "gather").
+`--joined-dequant` compares a staged span's three projections dequantized in a launch each ("copies") against one
+launch (`kernels/gather_dequant.JOINED`, "gather").
 `--span A,B` compares two staging spans (experts a buffer; 0: the engine's own), e.g. 60,64.
 `--device-spans` instead compares the dense path with torch's grouped_mm and a host read of the routing each layer
 ("copies") against `DensePath.device_spans` (every expert in fixed spans, the group ends read on the device by
@@ -47,7 +49,7 @@ turn and `localmoe bench` find it).
 Usage: PYTHONUNBUFFERED=1 python bench/staging_ab.py [--shape qwen3.5-35b] [--vram 24] [--experts full]
        [--prompt-tokens 2048,8192] [--reps 2] [--decode-first N] [--stage-rows N]
        [--programs 0,64 | --dequant-grid 128x4,256x8 | --packed
-       | --cpu-share F | --stage-layers | --stage-engines | --span A,B
+       | --cpu-share F | --stage-layers | --stage-engines | --joined-dequant | --span A,B
        | --device-spans | --int4-in-place
        | --packed-fill | --deltanet A,B | --prefill-norms | --prefill-block | --prefill-attention | --prefill-all]
 """
@@ -90,6 +92,7 @@ p.add_argument(
 p.add_argument("--int4-in-place", action="store_true", help="int4: spans dequantized against read in place")
 p.add_argument("--cpu-share", default=None, help="full experts: no CPU share against this share (auto: the default)")
 p.add_argument("--stage-layers", action="store_true", help="int4 / NF4: span by span against the layer stage")
+p.add_argument("--joined-dequant", action="store_true", help="int4 / NF4: a span's projections in 3 launches or 1")
 p.add_argument("--stage-rows", type=int, default=None, help="the layer stage's shortest piece, slots an expert")
 p.add_argument("--stage-engines", action="store_true", help="the layer stage by the gather kernel or copy engines")
 p.add_argument("--span", default=None, help="A,B: two staging spans (experts a buffer; 0: the engine's)")
@@ -137,6 +140,8 @@ def ttft(n: int, gather: bool) -> float:
         gather_experts.PROGRAMS = grids[int(gather)]
     elif dq_grids:
         gather_dequant.PROGRAMS, gather_dequant.BLOCK_R, gather_dequant.NUM_WARPS = dq_grids[int(gather)]
+    elif a.joined_dequant:
+        gather_dequant.JOINED = gather
     elif a.device_spans:
         for m in e.loaded.experts:
             m.device_spans = gather

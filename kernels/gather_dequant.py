@@ -6,12 +6,13 @@
 per group; kernels/nf4.py `Nf4Tensor`: packed bytes and an fp32 absmax, the codebook `code`), `pool` on the device and
 `host` there or in pinned host memory, read through unified virtual addressing. `dst` is a plain [n, I, H] stack in
 the model's dtype, ready for the grouped GEMMs. `gather_dequant_projections` takes a span's three projections (each
-its own dst, pool, host and table; their strides shared, else one launch each) in one launch. It replaces three
-gathers of packed parts into a 4-bit staging buffer and three dequantizing launches (kernels/gather_experts.py then
-kernels/dequant_int4.py): the 4-bit bytes are read once, and the launches a span costs (each ~40-100 µs of host
-time) fall from 18 to 1, where one a projection left a third of a 2048-token piece's host time in them (the layer
-stage, bound by its host: bench/RESULTS.md). The arithmetic is dequant_int4's (`dequant_bytes`): fp32, rounded once
-to dst's dtype to nearest even (kernels/rounding.py, so the interpreter's result is the GPU's).
+its own dst, pool, host and table) in one launch where their strides agree and `JOINED` is set, else one launch
+each. One launch replaces three gathers of packed parts into a 4-bit staging buffer and three dequantizing launches
+(kernels/gather_experts.py then kernels/dequant_int4.py): the 4-bit bytes are read once, and the launches a span
+costs (each ~40-100 µs of host time) fall from 18 to 3, or to 1 joined: one a projection left a third of a
+2048-token piece's host time in them (the layer stage, bound by its host: bench/RESULTS.md). The arithmetic is
+dequant_int4's (`dequant_bytes`): fp32, rounded once to dst's dtype to nearest even (kernels/rounding.py, so the
+interpreter's result is the GPU's).
 
 `host_rows` lets `host` be a device stage of the absent experts only (experts/layer_stage.py: a layer's absent
 experts staged packed ahead, then dequantized with the resident ones from device memory): expert e's row there.
@@ -36,6 +37,10 @@ BLOCK_R = 4  # rows a tile: 4 KiB of packed bytes at H 2048, 16 KiB written in b
 PROGRAMS = 128  # programs a launch (grid-stride over the tiles)
 DEVICE_PROGRAMS = 1024  # programs a launch whose `host` is on the device too (a stage): no host reads to pace
 NUM_WARPS = 4  # bench/staging_ab.py --dequant-grid PxRxW sweeps it
+# A call's projections in one launch (`gather_dequant_projections`); off: one launch each. Compiled for sm_90 / sm_89 /
+# sm_120 and tested under the interpreter, not yet run on a GPU: off until `bench/staging_ab.py --joined-dequant` times
+# it (and `bench/prefill_check.py --stage` checks it there).
+JOINED = False
 
 
 def gather_dequant_ref(dst: torch.Tensor, pool, host, table, ids, code=None, host_rows=None) -> torch.Tensor:
@@ -198,7 +203,7 @@ def gather_dequant_projections(dsts, pools, hosts, tables, ids: torch.Tensor, co
         parts = (*pools[q].parts(), pools[q].scale)[:3] + (*h.parts(), h.scale)[:3]
         return (dsts[q].stride(0), *(t.stride(0) for t in parts))
 
-    if any(strides(q) != strides(0) for q in range(1, P)):  # one launch each (the kernel shares the strides)
+    if P > 1 and (not JOINED or any(strides(q) != strides(0) for q in range(1, P))):  # one launch each
         for q in range(P):
             rows = None if host_rows is None else (host_rows[q],)
             gather_dequant_projections((dsts[q],), (pools[q],), (hosts[q],), (tables[q],), ids, code, rows)

@@ -117,6 +117,7 @@ def test_three_projections_in_one_launch(I, H, group, stage, dtype, monkeypatch)
     gate resident) as the layer stage lays it. A few programs striding over the three projections' tiles."""
     monkeypatch.setattr(gd, "PROGRAMS", 3)
     monkeypatch.setattr(gd, "DEVICE_PROGRAMS", 3)
+    monkeypatch.setattr(gd, "JOINED", True)
     launches = []
     real = gd._gather_dequant_kernel
     monkeypatch.setattr(
@@ -149,9 +150,11 @@ def test_three_projections_in_one_launch(I, H, group, stage, dtype, monkeypatch)
         torch.testing.assert_close(got.cpu(), want, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
 
 
-def test_projections_at_other_strides_launch_each():
-    """A pool at another expert stride than the others' (a view of every other expert): one launch a projection,
-    the same results."""
+@pytest.mark.parametrize("joined", [True, False])
+def test_projections_at_other_strides_launch_each(joined, monkeypatch):
+    """A pool at another expert stride than the others' (a view of every other expert), or `JOINED` off: one launch
+    a projection, the same results."""
+    monkeypatch.setattr(gd, "JOINED", joined)
     hosts = [_int4(9, 3, 64, 50 + q, 16) for q in range(3)]
     pools = [_int4(4, 3, 64, 60 + q, 16) for q in range(2)]
     big = _int4(8, 3, 64, 62, 16)

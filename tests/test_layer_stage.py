@@ -140,6 +140,7 @@ def test_a_gate_tier_with_every_gate_resident_stages_up_down_only(monkeypatch):
         cache.add_layer(layer, ExpertWeights(**w))
     cache.place_gates()
     cache.staging.kernel_on_cpu, cache.staging.span = True, 3
+    monkeypatch.setattr(gather_dequant, "JOINED", True)
     launches = []
     real = gather_dequant._gather_dequant_kernel
     monkeypatch.setattr(gather_dequant, "_gather_dequant_kernel", _Counted(real, launches))
@@ -147,7 +148,7 @@ def test_a_gate_tier_with_every_gate_resident_stages_up_down_only(monkeypatch):
     want = [_spans(cache, layer) for layer in range(2)]
     monkeypatch.setattr(Staging, "stage_layers", True)
     got = [_spans(cache, layer) for layer in range(2)]
-    assert len(launches) == 8  # one a span (three projections, the gates from their tier), either way
+    assert len(launches) == 8  # one a span (three projections joined, the gates from their tier), either way
     assert [[[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(g, w)] for g, w in zip(got, want)] == [
         [[True] * 3] * 2
     ] * 2
