@@ -4,15 +4,15 @@ Span by span (experts/staging.py `Staging.stream`), a long prompt piece's int4 l
 stream, host and resident experts together, into two plain buffers, and PCIe only runs ahead by the two spans filled
 during the next layer's attention. With the layer stage (`Staging.stage_layers`: int4 / NF4 experts whose master
 copies the device reads in place, a call that routes every expert in a piece of at least `Staging.stage_rows` slots
-an expert) only the absent experts' packed bytes cross on
-the side stream into one of two stage slots, issued as soon as the layer before starts its experts: PCIe then runs
-under that layer's GEMMs and this layer's attention. From pinned host memory the copy engines move them
-(experts/host_copies.py, `by_copy_engines`: the SMs stay with the GEMMs): host master copies and slots are both
-laid expert-major (kernels/int4.py `expert_major`), so a run of absent experts is one piece of a projection (~170
-pieces a layer at Qwen3.5-35B-A3B's shapes, ~0.5 ms of host time, where part by part took ~510 and ~1.6 ms). Else
-one gather_experts launch a projection (master copies on the device, or `by_copy_engines` off). The compute stream
-dequantizes each span of the layer from the pool (resident) or the stage (absent: kernels/gather_dequant.py
-`host_rows`, device memory only) into one plain buffer right before its GEMMs.
+an expert) only the absent experts' packed bytes cross on the side stream into one of two stage slots, issued as soon
+as the layer before starts its experts: PCIe then runs under that layer's GEMMs and this layer's attention. From
+pinned host memory the copy engines move them (experts/host_copies.py, `by_copy_engines`: the SMs stay with the
+GEMMs): host master copies and slots are both laid expert-major (kernels/int4.py `expert_major`), so a run of
+absent experts is one piece of a projection (~170 pieces a layer at Qwen3.5-35B-A3B's shapes, ~0.5 ms of host time,
+where part by part took ~510 and ~1.6 ms). Else one gather_experts launch a projection (master copies on the device,
+or `by_copy_engines` off). The compute stream dequantizes each span of the layer from the pool (resident) or the
+stage (absent: kernels/gather_dequant.py `host_rows`, device memory only) into one plain buffer right before its
+GEMMs.
 
 The stage lays its own span buffer and its slots in the memory of the span path's two plain buffers (one
 allocation; the prefill budget, experts/prefill_budget.py, is unchanged). A layer's slot takes the other end of the
@@ -184,7 +184,7 @@ class LayerStage:
 
     def dequantize(self, cache, staged: Staged, buf: ExpertWeights, ids: torch.Tensor) -> None:
         """buf[i] = expert ids[i] of the staged layer dequantized, from its pool slot or its stage row (device
-        memory only), one gather_dequant launch for the three projections on the current stream."""
+        memory only), on the current stream (`gather_dequant_projections`: one launch a projection, or one)."""
         table = cache.tables[staged.layer]
         gate_table = cache.gate_tables[staged.layer] if cache.gate_slots else table
         slot = staged.slot

@@ -67,8 +67,9 @@ class Staging:
     # against 0.214.
     stage_layers = True
     # Pieces the stage takes: at least this many (token, expert) slots an expert (Qwen3.5-35B-A3B, 8 of 256: 2048
-    # tokens, the longest piece). Its launches are host-bound (a layer's spans cost 6 gather_dequant launches at
-    # spans of 43), and at 512 tokens it lost (0.200 against 0.180 s); shorter pieces go span by span.
+    # tokens, the longest piece). The stage is bound by the host's launches (18 gather_dequant launches a layer at
+    # spans of 43, 3 with kernels/gather_dequant.JOINED), and at 512 tokens it lost (0.200 against 0.180 s); shorter
+    # pieces go span by span.
     stage_rows = 64
 
     def __init__(
@@ -344,8 +345,8 @@ class Staging:
 
     def _gather(self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor, packed: bool = False) -> None:
         """buf[i] = expert ids[i] of `layer` (on the device), pool slot or host master per expert as the device slot
-        tables say: one gather_dequant launch for the three projections into plain buffers, else (and `packed`) one
-        gather_experts launch per projection for all its parts."""
+        tables say: the three projections dequantized into plain buffers (`gather_dequant_projections`: one launch
+        each, or one for all), else (and `packed`) one gather_experts launch per projection for all its parts."""
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
         if self.plain is not None and not packed:
