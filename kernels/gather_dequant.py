@@ -116,6 +116,25 @@ def _check_part(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype=None) 
         raise ValueError(f"{name}'s experts must each be contiguous; got strides {t.stride()}")
 
 
+_NAMES = {"pool": ("pool.packed", "pool's scales"), "host": ("host.packed", "host's scales")}
+
+
+def _parts(kind: str, w, I: int, H2: int, NG: int, nf4: bool, like) -> tuple[torch.Tensor, ...]:
+    """The parts of `w` ("pool" or "host": an Int4Tensor, or an Nf4Tensor when `nf4`) checked against [N, I, H2]
+    packed bytes and [N, I, NG] float scales, each scale of `like`'s dtype (the first projection's parts) if given."""
+    parts = w.parts()
+    if len(parts) != (2 if nf4 else 3):
+        raise ValueError(f"{kind} must be an Int4Tensor (packed, scale, minimum), or an Nf4Tensor with code=")
+    packed, scales = _NAMES[kind]
+    _check_part(packed, parts[0], (I, H2), torch.uint8)
+    for k in range(1, len(parts)):
+        t = parts[k]
+        _check_part(scales, t, (I, NG))
+        if not t.dtype.is_floating_point or (like is not None and t.dtype != like[k].dtype):
+            raise ValueError(f"{scales} must be float, one dtype for every projection; got {t.dtype}")
+    return parts
+
+
 def gather_dequant(
     dst: torch.Tensor, pool, host, table: torch.Tensor, ids: torch.Tensor, code=None, host_rows=None
 ) -> torch.Tensor:
@@ -152,22 +171,17 @@ def gather_dequant_projections(dsts, pools, hosts, tables, ids: torch.Tensor, co
     NG = pools[0].scale.shape[-1]
     if NG < 1 or H % NG or (H // NG) & (H // NG - 1) or H // NG < 2:
         raise ValueError(f"H = {H} must split into {NG} groups of a power-of-two size >= 2")
-    cuda = dst.device.type == "cuda"
+    cuda, device = dst.device.type == "cuda", dst.device
+    pool_parts, host_parts = [], []
     for q in range(P):
-        for name, w, first in (("pool", pools[q], pools[0]), ("host", hosts[q], hosts[0])):
-            parts = w.parts()
-            if len(parts) != (2 if nf4 else 3):
-                raise ValueError(f"{name} must be an Int4Tensor (packed, scale, minimum), or an Nf4Tensor with code=")
-            _check_part(f"{name}.packed", parts[0], (I, H2), torch.uint8)
-            for t, like in zip(parts[1:], first.parts()[1:]):
-                _check_part(f"{name}'s scales", t, (I, NG))
-                if not t.dtype.is_floating_point or t.dtype != like.dtype:
-                    raise ValueError(f"{name}'s scales must be float, one dtype for every projection; got {t.dtype}")
-        if any(t.device != dst.device for t in pools[q].parts()):
-            raise ValueError(f"the pool must be on dst's device {dst.device}")
-        if any(t.device != dst.device and not (cuda and t.device.type == "cpu" and t.is_pinned())
-               for t in hosts[q].parts()):  # fmt: skip
-            raise ValueError(f"host must be on {dst.device} or in pinned host memory")
+        pool_parts.append(_parts("pool", pools[q], I, H2, NG, nf4, pool_parts[0] if q else None))
+        host_parts.append(_parts("host", hosts[q], I, H2, NG, nf4, host_parts[0] if q else None))
+        for t in pool_parts[q]:
+            if t.device != device:
+                raise ValueError(f"the pool must be on dst's device {device}")
+        for t in host_parts[q]:
+            if t.device != device and not (cuda and t.device.type == "cpu" and t.is_pinned()):
+                raise ValueError(f"host must be on {device} or in pinned host memory")
     if nf4 and (code.shape != (16,) or code.dtype != torch.float32 or code.device != dst.device):
         raise ValueError(f"code must be [16] fp32 on {dst.device}")
     n_host = hosts[0].packed.shape[0]
@@ -192,31 +206,29 @@ def gather_dequant_projections(dsts, pools, hosts, tables, ids: torch.Tensor, co
         return HostPointer(t) if cuda and t.device.type == "cpu" else t
 
     def pointers(q: int) -> list:
-        pool, host = pools[q], hosts[q]
-        hp, hs, hm = (*host.parts(), host.scale)[:3]
+        pp, ps, pm = (*pool_parts[q], pool_parts[q][1])[:3]  # NF4: no minimum (the scale stands in)
+        hp, hs, hm = (*host_parts[q], host_parts[q][1])[:3]
         row = host_rows[q] if host_rows is not None else ids
-        return [dsts[q], *(*pool.parts(), pool.scale)[:3], arg(hp), arg(hs), arg(hm), tables[q], row]
+        return [dsts[q], pp, ps, pm, arg(hp), arg(hs), arg(hm), tables[q], row]
 
     def strides(q: int) -> tuple[int, ...]:
         """dst's, the pool's and (an empty host stack is never read: the first non-empty one's) the host's."""
-        h = next((w for w in (hosts[q], *hosts) if w.packed.shape[0]), hosts[q])
-        parts = (*pools[q].parts(), pools[q].scale)[:3] + (*h.parts(), h.scale)[:3]
+        h = next((w for w in (host_parts[q], *host_parts) if w[0].shape[0]), host_parts[q])
+        parts = (*pool_parts[q], pool_parts[q][1])[:3] + (*h, h[1])[:3]
         return (dsts[q].stride(0), *(t.stride(0) for t in parts))
 
-    if P > 1 and (not JOINED or any(strides(q) != strides(0) for q in range(1, P))):  # one launch each
-        for q in range(P):
-            rows = None if host_rows is None else (host_rows[q],)
-            gather_dequant_projections((dsts[q],), (pools[q],), (hosts[q],), (tables[q],), ids, code, rows)
-        return dsts
-    sets = [pointers(q) for q in range(P)]
-    sets += [sets[0]] * (3 - P)  # unused
+    st = [strides(q) for q in range(P)]
+    joined = JOINED and all(t == st[0] for t in st[1:])
     per_expert = triton.cdiv(I, BLOCK_R)
     tiles = n * per_expert
-    on_host = any(t.device != dst.device for h in hosts for t in h.parts())
-    programs = PROGRAMS if on_host else DEVICE_PROGRAMS
-    _gather_dequant_kernel[(min(P * tiles, programs),)](
-        *sets[0], *sets[1], *sets[2], code if nf4 else sets[0][2], ids, tiles, per_expert, I, *strides(0),
-        H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(H2), NF4=nf4,
-        HOST_ROWS=host_rows is not None, PROJ=P, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    for group in [list(range(P))] if joined else [[q] for q in range(P)]:  # one launch, or one a projection
+        sets = [pointers(q) for q in group]
+        sets += [sets[0]] * (3 - len(sets))  # unused
+        on_host = any(t.device != device for q in group for t in host_parts[q])
+        programs = PROGRAMS if on_host else DEVICE_PROGRAMS
+        _gather_dequant_kernel[(min(len(group) * tiles, programs),)](
+            *sets[0], *sets[1], *sets[2], code if nf4 else sets[0][2], ids, tiles, per_expert, I, *st[group[0]],
+            H2=H2, NG=NG, HALF_G=H2 // NG, BLOCK_R=BLOCK_R, BLOCK_J=triton.next_power_of_2(H2), NF4=nf4,
+            HOST_ROWS=host_rows is not None, PROJ=len(group), num_warps=NUM_WARPS,
+        )  # fmt: skip
     return dsts
