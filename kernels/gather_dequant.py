@@ -39,7 +39,7 @@ DEVICE_PROGRAMS = 1024  # programs a launch whose `host` is on the device too (a
 NUM_WARPS = 4  # bench/staging_ab.py --dequant-grid PxRxW sweeps it
 # A call's projections in one launch (`gather_dequant_projections`); off: one launch each. Compiled for sm_90 / sm_89 /
 # sm_120 and tested under the interpreter, not yet run on a GPU: off until `bench/staging_ab.py --joined-dequant` times
-# it (and `bench/prefill_check.py --stage` checks it there).
+# it (and `bench/prefill_check.py --stage --joined` checks it there).
 JOINED = False
 
 
@@ -193,9 +193,9 @@ def gather_dequant_projections(dsts, pools, hosts, tables, ids: torch.Tensor, co
             if r.dtype != host_rows[0].dtype:
                 raise ValueError(f"host_rows must share one dtype; got {host_rows[0].dtype} and {r.dtype}")
         n_host = host_rows[0].shape[0]
-    n = min(d.shape[0] for d in dsts)
+    capacity = min(d.shape[0] for d in dsts)
     for t in tables:
-        gather_ids(ids, t, n_host, n, dst.device)
+        gather_ids(ids, t, n_host, capacity, dst.device)
         if t.dtype != tables[0].dtype:
             raise ValueError(f"the tables must share one dtype; got {tables[0].dtype} and {t.dtype}")
     n = ids.shape[0]

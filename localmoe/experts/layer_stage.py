@@ -184,22 +184,28 @@ class LayerStage:
 
     def dequantize(self, cache, staged: Staged, buf: ExpertWeights, ids: torch.Tensor) -> None:
         """buf[i] = expert ids[i] of the staged layer dequantized, from its pool slot or its stage row (device
-        memory only), on the current stream (`gather_dequant_projections`: one launch a projection, or one)."""
-        table = cache.tables[staged.layer]
-        gate_table = cache.gate_tables[staged.layer] if cache.gate_slots else table
-        slot = staged.slot
-        code = nf4_code(ids.device) if isinstance(slot.w_gate, Nf4Tensor) else None
-        gather_dequant_projections(
-            [getattr(buf, p) for p in PROJECTIONS], [getattr(cache.pool, p) for p in PROJECTIONS],
-            [getattr(slot, p) for p in PROJECTIONS], (gate_table, table, table), ids, code=code,
-            host_rows=(staged.rows[0], staged.rows[1], staged.rows[1]),
-        )  # fmt: skip
+        memory only), on the current stream (`dequantize_span`)."""
+        rows = (staged.rows[0], staged.rows[1], staged.rows[1])
+        dequantize_span(cache, staged.layer, buf, staged.slot, ids, rows)
 
     def settle(self, device: torch.device) -> None:
         """The compute stream waits for a stage issued ahead (its memory may go), and it is dropped."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.event is not None:
             torch.cuda.current_stream(device).wait_event(ahead.event)
+
+
+def dequantize_span(cache, layer: int, buf: ExpertWeights, src: ExpertWeights, ids: torch.Tensor, rows=None) -> None:
+    """buf[i] = expert ids[i] of `layer` dequantized, its three projections each from the pool slot the cache's
+    tables give (gates by the gate tier's) or else from `src` (host master copies, or with `rows` (gate, up, down)
+    a stage of the absent experts): kernels/gather_dequant.py `gather_dequant_projections`."""
+    table = cache.tables[layer]
+    gate_table = cache.gate_tables[layer] if cache.gate_slots else table
+    code = nf4_code(ids.device) if isinstance(src.w_gate, Nf4Tensor) else None
+    gather_dequant_projections(
+        [getattr(buf, p) for p in PROJECTIONS], [getattr(cache.pool, p) for p in PROJECTIONS],
+        [getattr(src, p) for p in PROJECTIONS], (gate_table, table, table), ids, code=code, host_rows=rows,
+    )  # fmt: skip
 
 
 def span_beside(experts: int, span: int, expert: int, need: int, total: int) -> int:

@@ -42,12 +42,10 @@ import torch
 from localmoe.experts.cpu_share import CpuRates, measure
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.host_copies import upload
-from localmoe.experts.int4 import PROJECTIONS, Int4Tensor, Nf4Tensor, copy_expert, parts
-from localmoe.experts.layer_stage import LayerStage
+from localmoe.experts.int4 import PROJECTIONS, Int4Tensor, copy_expert, parts
+from localmoe.experts.layer_stage import LayerStage, dequantize_span
 from localmoe.experts.prefill_budget import span_for
-from localmoe.kernels.gather_dequant import gather_dequant_projections
 from localmoe.kernels.gather_experts import gather_experts
-from localmoe.kernels.nf4 import nf4_code
 
 
 class Staging:
@@ -221,9 +219,7 @@ class Staging:
         (pinned or on the device; on the CPU, the gather kernels under the interpreter with `kernel_on_cpu`) and its
         absent experts fitting a slot; else None (span by span)."""
         E = cache.num_experts
-        if not self.stage_layers or self.plain is None or packed or len(experts) != E or not experts:
-            return None
-        if slots < self.stage_rows * E:
+        if not self.stage_layers or self.plain is None or packed or len(experts) != E or slots < self.stage_rows * E:
             return None
         bufs = self._buffers()
         device = bufs[0].w_gate.device
@@ -345,17 +341,13 @@ class Staging:
 
     def _gather(self, cache, layer: int, buf: ExpertWeights, ids: torch.Tensor, packed: bool = False) -> None:
         """buf[i] = expert ids[i] of `layer` (on the device), pool slot or host master per expert as the device slot
-        tables say: the three projections dequantized into plain buffers (`gather_dequant_projections`: one launch
-        each, or one for all), else (and `packed`) one gather_experts launch per projection for all its parts."""
+        tables say: the three projections dequantized into plain buffers (layer_stage.dequantize_span), else (and
+        `packed`) one gather_experts launch per projection for all its parts."""
+        if self.plain is not None and not packed:
+            dequantize_span(cache, layer, buf, cache.masters[layer], ids)
+            return
         master, table = cache.masters[layer], cache.tables[layer]
         gate_table = cache.gate_tables[layer] if cache.gate_slots else table
-        if self.plain is not None and not packed:
-            code = nf4_code(ids.device) if isinstance(master.w_gate, Nf4Tensor) else None
-            gather_dequant_projections(
-                [getattr(buf, p) for p in PROJECTIONS], [getattr(cache.pool, p) for p in PROJECTIONS],
-                [getattr(master, p) for p in PROJECTIONS], (gate_table, table, table), ids, code=code,
-            )  # fmt: skip
-            return
         for name, t in (("w_gate", gate_table), ("w_up", table), ("w_down_t", table)):
             gather_experts(
                 parts(getattr(buf, name)), parts(getattr(cache.pool, name)), parts(getattr(master, name)), t, ids
