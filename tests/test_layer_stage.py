@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from localmoe.experts import cache as offload
+from localmoe.experts import layer_stage
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.int4 import PROJECTIONS, quantize_as
 from localmoe.experts.layer_stage import LayerStage, _beside, span_beside
@@ -215,3 +216,25 @@ def test_a_slot_takes_the_other_end_of_the_room_and_one_that_does_not_fit_is_sta
         assert stage.ahead is None and cache.staging.ahead is None  # not the span path either
         assert [[torch.equal(x, y) for x, y in zip(a, b)] for a, b in zip(got, want[layer])] == [[True] * 3] * 2
     assert stage.counts == {"at start": 3}  # counted for bench/staging_ab.py
+
+
+def test_a_layers_tables_are_one_upload_each_view_aligned(monkeypatch):
+    """A layer's stage crosses its rows and ids in one upload: each view holds what it would alone, starting 16
+    bytes aligned (the gather kernels keep their compiled variants); a gate tier's empty gate list is None."""
+    uploads = []
+    real = layer_stage.upload
+    monkeypatch.setattr(layer_stage, "upload", lambda values, device: uploads.append(values) or real(values, device))
+    for absent, n in [(((1, 2, 5), (0, 2, 3, 4, 5)), 6), (((), (2,)), 6), (((0, 3), (1,)), 9)]:
+        rows, ids = layer_stage._tables(absent, n, torch.device("cpu"))
+        for got, a in zip(rows, absent):
+            want = [-1] * n
+            for r, e in enumerate(a):
+                want[e] = r
+            assert got.tolist() == want and got.dtype == torch.int32
+        assert [None if t is None else t.tolist() for t in ids] == [list(a) or None for a in absent]
+        assert all(t.data_ptr() % 16 == 0 for t in (*rows, *ids) if t is not None)
+    assert len(uploads) == 3
+    cache = _cache("int4")
+    uploads.clear()
+    _spans(cache, 0)  # layer 0 staged as it starts, layer 1 ahead: one upload each
+    assert len(uploads) == 2

@@ -82,6 +82,7 @@ class LayerStage:
         self.span = 0
         self.ahead: Staged | None = None
         self._none: dict[tuple, torch.Tensor] = {}  # (device, E) -> [E] of -1: gather_experts reads the host copy
+        self._every: dict[torch.device, torch.Tensor] = {}  # device -> [E] int32 of 0..E-1 (`every`)
         # layers taken: "ahead" (staged a layer ahead), "at start" (staged as the layer starts), "spans" (too large)
         self.counts: Counter[str] = Counter()
         self.lay(sum(self.sizes(((tuple(range(experts)) if gates else ()), tuple(range(experts))))))
@@ -118,6 +119,13 @@ class LayerStage:
             out.append(n)
         return tuple(out)
 
+    def every(self, device: torch.device) -> torch.Tensor:
+        """Every expert's id, [E] int32 on `device`, made once: a span's ids are a slice (read only)."""
+        ids = self._every.get(device)
+        if ids is None:
+            ids = self._every[device] = torch.arange(self.experts, dtype=torch.int32, device=device)
+        return ids
+
     def fits(self, absent) -> bool:
         return sum(self.sizes(absent)) <= self.room
 
@@ -143,9 +151,8 @@ class LayerStage:
         start = 0 if beside is None else _beside(beside.at, beside.at + beside.size, need, self.room)
         if start is None or need > self.room:
             return None
+        rows, ids = _tables(absent, cache.num_experts, device)
         E = cache.num_experts
-        rows = tuple(_rows(a, E, device) for a in absent)
-        ids = tuple(upload(list(a), device) if a else None for a in absent)
         raw, at, stacks = self.memory[start:], 0, []
         for p, size, k in zip(PROJECTIONS, sizes, (0, 1, 1)):
             stacks.append(_laid(raw[at : at + size], self.like[p], len(absent[k])))
@@ -173,9 +180,7 @@ class LayerStage:
             copy()
             return Staged(layer, absent, rows, slot, None, start, need)
         side.wait_stream(torch.cuda.current_stream(device))
-        for t in ids:  # made on the compute stream, read on the side one
-            if t is not None:
-                t.record_stream(side)
+        rows[0].record_stream(side)  # the layer's one upload (rows and ids): made on the compute stream, read on both
         with torch.cuda.stream(side):
             copy()
             event = torch.cuda.Event()
@@ -236,12 +241,26 @@ def _absent(cache, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(e for e, s in enumerate(gates) if s < 0), tuple(e for e, s in enumerate(slots) if s < 0)
 
 
-def _rows(absent: tuple[int, ...], E: int, device: torch.device) -> torch.Tensor:
-    """[E] int32 on `device`: each absent expert's row in the slot (in `absent`'s order), -1 for the others."""
-    rows = [-1] * E
-    for r, e in enumerate(absent):
-        rows[e] = r
-    return upload(rows, device)
+def _tables(absent: tuple[tuple[int, ...], tuple[int, ...]], E: int, device: torch.device):
+    """((gate rows, up/down rows): [E] int32 each, every absent expert's row in the slot in `absent`'s order and -1
+    for the others; (gate ids, up/down ids): the absent experts' ids, None where there are none), all views of one
+    upload (experts/host_copies.py: one pinned copy a layer, not four), each starting 16 bytes aligned as separate
+    tensors would (the kernels' launches keep their compiled variants)."""
+    values = []
+    for a in absent:
+        rows = [-1] * E
+        for r, e in enumerate(a):
+            rows[e] = r
+        values += rows + [-1] * (-E % 4)
+    starts = []
+    for a in absent:
+        starts.append(len(values))
+        values += list(a) + [-1] * (-len(a) % 4)
+    table = upload(values, device)
+    step = E + -E % 4
+    rows = (table[:E], table[step : step + E])
+    ids = tuple(table[s : s + len(a)] if a else None for s, a in zip(starts, absent))
+    return rows, ids
 
 
 def _specs(like) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -251,7 +251,7 @@ class Staging:
         """`stream` of a whole layer through its stage: each span dequantized into the first buffer on the compute
         stream (valid until the generator is resumed)."""
         buf, size, E = self.stage.buf, self.stage.span, cache.num_experts
-        ids = torch.arange(E, dtype=torch.int32, device=buf.w_gate.device)
+        ids = self.stage.every(buf.w_gate.device)
         sources = cache.sources(staged.layer)
         for first in range(0, E, size):
             n = min(size, E - first)
