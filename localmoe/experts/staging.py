@@ -66,7 +66,7 @@ class Staging:
     stage_layers = True
     # Pieces the stage takes: at least this many (token, expert) slots an expert (Qwen3.5-35B-A3B, 8 of 256: 2048
     # tokens, the longest piece). The stage is bound by the host's launches (18 gather_dequant launches a layer at
-    # spans of 43, 3 with kernels/gather_dequant.JOINED), and at 512 tokens it lost (0.200 against 0.180 s); shorter
+    # spans of 43, 6 with kernels/gather_dequant.JOINED), and at 512 tokens it lost (0.200 against 0.180 s); shorter
     # pieces go span by span.
     stage_rows = 64
 
