@@ -151,8 +151,8 @@ class LayerStage:
         start = 0 if beside is None else _beside(beside.at, beside.at + beside.size, need, self.room)
         if start is None or need > self.room:
             return None
-        rows, ids = _tables(absent, cache.num_experts, device)
         E = cache.num_experts
+        rows, ids = _tables(absent, E, device)
         raw, at, stacks = self.memory[start:], 0, []
         for p, size, k in zip(PROJECTIONS, sizes, (0, 1, 1)):
             stacks.append(_laid(raw[at : at + size], self.like[p], len(absent[k])))
