@@ -16,6 +16,8 @@ The engine's prefill defaults unless a flag says otherwise (`--prefill-off`: the
 off, as before session 37). Slow: a 256-token piece of the default shape took over 15 minutes on a 2-core machine.
 --vram (> 0.5: the workspace reserve) offloads experts behind a cache on the CPU, staged by the gather kernel, --span
 experts a staging span (at tiny widths every expert fits one span; Qwen3.5-35B-A3B int4 at `--vram 16` takes 60).
+At tiny widths the experts are small (Qwen3.5-35B-A3B's 40 layers: ~250 MB full, ~31 MB int4): `--vram 0.6` offloads
+full experts but holds every int4 one, so int4 needs ~0.515; the first line says whether experts were offloaded.
 """
 
 from __future__ import annotations
