@@ -25,6 +25,9 @@ H / NG a power of two), S pool slots, E experts in `host` and `table`, n <= len(
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -117,11 +120,31 @@ def _check_part(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype=None) 
 
 
 _NAMES = {"pool": ("pool.packed", "pool's scales"), "host": ("host.packed", "host's scales")}
+# Stacks already checked (the pools and host copies a model reuses at every call): key -> (weak ref, parts). A
+# staged span's launch is host time in a host-bound prefill, and the checks of six stacks took most of it.
+_CHECKED: dict[tuple, tuple[weakref.ref, _Stack]] = {}
 
 
-def _parts(kind: str, w, I: int, H2: int, NG: int, nf4: bool, like) -> tuple[torch.Tensor, ...]:
+class _Stack(NamedTuple):
+    """A checked stack as the kernel takes it: packed bytes, scale, minimum (NF4: the scale again), their expert
+    strides, whether they are in the launch's device memory, and the three as launch arguments (pinned host memory
+    read by a CUDA launch as a raw pointer)."""
+
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    strides: tuple[int, int, int]
+    on_device: bool
+    args: tuple
+
+
+def _parts(kind: str, w, I: int, H2: int, NG: int, nf4: bool, like, device: torch.device) -> _Stack:
     """The parts of `w` ("pool" or "host": an Int4Tensor, or an Nf4Tensor when `nf4`) checked against [N, I, H2]
-    packed bytes and [N, I, NG] float scales, each scale of `like`'s dtype (the first projection's parts) if given."""
+    packed bytes and [N, I, NG] float scales, each scale of `like`'s dtype (the first projection's parts) if given,
+    on `device` (a host stack on a CUDA device: there or in pinned host memory). A stack is checked once while it
+    lives (its parts are fixed: the formats are frozen dataclasses)."""
+    key = (id(w), kind, I, H2, NG, nf4, None if like is None else tuple(t.dtype for t in like.parts), device)
+    hit = _CHECKED.get(key)
+    if hit is not None and hit[0]() is w:
+        return hit[1]
     parts = w.parts()
     if len(parts) != (2 if nf4 else 3):
         raise ValueError(f"{kind} must be an Int4Tensor (packed, scale, minimum), or an Nf4Tensor with code=")
@@ -130,9 +153,19 @@ def _parts(kind: str, w, I: int, H2: int, NG: int, nf4: bool, like) -> tuple[tor
     for k in range(1, len(parts)):
         t = parts[k]
         _check_part(scales, t, (I, NG))
-        if not t.dtype.is_floating_point or (like is not None and t.dtype != like[k].dtype):
+        if not t.dtype.is_floating_point or (like is not None and t.dtype != like.parts[k].dtype):
             raise ValueError(f"{scales} must be float, one dtype for every projection; got {t.dtype}")
-    return parts
+    pinned_ok = kind == "host" and device.type == "cuda"
+    for t in parts:
+        if t.device != device and not (pinned_ok and t.device.type == "cpu" and t.is_pinned()):
+            where = "on {} or in pinned host memory" if pinned_ok else "on dst's device {}"
+            raise ValueError(f"{kind} must be {where.format(device)}")
+    three = (*parts, parts[1])[:3]  # NF4: no minimum (the scale stands in)
+    on_device = all(t.device == device for t in parts)
+    args = tuple(HostPointer(t) if t.device != device else t for t in three)
+    stack = _Stack(three, tuple(t.stride(0) for t in three), on_device, args)
+    _CHECKED[key] = (weakref.ref(w, lambda _, k=key: _CHECKED.pop(k, None)), stack)
+    return stack
 
 
 def gather_dequant(
@@ -171,17 +204,11 @@ def gather_dequant_projections(dsts, pools, hosts, tables, ids: torch.Tensor, co
     NG = pools[0].scale.shape[-1]
     if NG < 1 or H % NG or (H // NG) & (H // NG - 1) or H // NG < 2:
         raise ValueError(f"H = {H} must split into {NG} groups of a power-of-two size >= 2")
-    cuda, device = dst.device.type == "cuda", dst.device
+    device = dst.device
     pool_parts, host_parts = [], []
     for q in range(P):
-        pool_parts.append(_parts("pool", pools[q], I, H2, NG, nf4, pool_parts[0] if q else None))
-        host_parts.append(_parts("host", hosts[q], I, H2, NG, nf4, host_parts[0] if q else None))
-        for t in pool_parts[q]:
-            if t.device != device:
-                raise ValueError(f"the pool must be on dst's device {device}")
-        for t in host_parts[q]:
-            if t.device != device and not (cuda and t.device.type == "cpu" and t.is_pinned()):
-                raise ValueError(f"host must be on {device} or in pinned host memory")
+        pool_parts.append(_parts("pool", pools[q], I, H2, NG, nf4, pool_parts[0] if q else None, device))
+        host_parts.append(_parts("host", hosts[q], I, H2, NG, nf4, host_parts[0] if q else None, device))
     if nf4 and (code.shape != (16,) or code.dtype != torch.float32 or code.device != dst.device):
         raise ValueError(f"code must be [16] fp32 on {dst.device}")
     n_host = hosts[0].packed.shape[0]
@@ -202,20 +229,14 @@ def gather_dequant_projections(dsts, pools, hosts, tables, ids: torch.Tensor, co
     if n == 0:
         return dsts
 
-    def arg(t):
-        return HostPointer(t) if cuda and t.device.type == "cpu" else t
-
     def pointers(q: int) -> list:
-        pp, ps, pm = (*pool_parts[q], pool_parts[q][1])[:3]  # NF4: no minimum (the scale stands in)
-        hp, hs, hm = (*host_parts[q], host_parts[q][1])[:3]
         row = host_rows[q] if host_rows is not None else ids
-        return [dsts[q], pp, ps, pm, arg(hp), arg(hs), arg(hm), tables[q], row]
+        return [dsts[q], *pool_parts[q].args, *host_parts[q].args, tables[q], row]
 
     def strides(q: int) -> tuple[int, ...]:
         """dst's, the pool's and (an empty host stack is never read: the first non-empty one's) the host's."""
-        h = next((w for w in (host_parts[q], *host_parts) if w[0].shape[0]), host_parts[q])
-        parts = (*pool_parts[q], pool_parts[q][1])[:3] + (*h, h[1])[:3]
-        return (dsts[q].stride(0), *(t.stride(0) for t in parts))
+        h = next((w for w in (host_parts[q], *host_parts) if w.parts[0].shape[0]), host_parts[q])
+        return (dsts[q].stride(0), *pool_parts[q].strides, *h.strides)
 
     st = [strides(q) for q in range(P)]
     joined = JOINED and all(t == st[0] for t in st[1:])
@@ -224,7 +245,7 @@ def gather_dequant_projections(dsts, pools, hosts, tables, ids: torch.Tensor, co
     for group in [list(range(P))] if joined else [[q] for q in range(P)]:  # one launch, or one a projection
         sets = [pointers(q) for q in group]
         sets += [sets[0]] * (3 - len(sets))  # unused
-        on_host = any(t.device != device for q in group for t in host_parts[q])
+        on_host = not all(host_parts[q].on_device for q in group)
         programs = PROGRAMS if on_host else DEVICE_PROGRAMS
         _gather_dequant_kernel[(min(len(group) * tiles, programs),)](
             *sets[0], *sets[1], *sets[2], code if nf4 else sets[0][2], ids, tiles, per_expert, I, *st[group[0]],

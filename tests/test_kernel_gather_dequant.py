@@ -199,3 +199,32 @@ def test_refuses_bad_arguments():
     odd = Int4Tensor(host.packed, host.scale.transpose(1, 2).contiguous().transpose(1, 2), host.minimum, host.dtype)
     with pytest.raises(ValueError, match="contiguous"):
         gather_dequant(dst, pool, odd, table, ids)
+
+
+def test_a_stack_is_checked_once_while_it_lives():
+    """The launcher's checks of a pool or host stack run once for that stack (a staged prefill's host time) and are
+    dropped with it; another stack of the same shapes is checked again (a bad one still refused)."""
+    import gc
+
+    host, pool = _int4(9, 4, 64, 10, 16), _int4(4, 4, 64, 11, 16)
+    pool = Int4Tensor(*(t.to(DEV) for t in pool.parts()), pool.dtype)
+    table, ids = torch.full((9,), -1, device=DEV), torch.arange(3, device=DEV)
+    dst = torch.zeros(3, 4, 64, device=DEV)
+    host = _pin(host)
+    before = len(gd._CHECKED)
+    gather_dequant(dst, pool, host, table, ids)
+    assert len(gd._CHECKED) == before + 2  # the pool and the host stack
+    first = dst.clone()
+    gather_dequant(dst.zero_(), pool, host, table, ids)  # from the memo: the same launch
+    torch.testing.assert_close(dst, first, rtol=0, atol=0)
+    del host
+    gc.collect()
+    assert len(gd._CHECKED) == before + 1  # the host stack's entry went with it
+    odd = _int4(9, 4, 64, 12, 16)
+    odd = Int4Tensor(odd.packed, odd.scale.transpose(1, 2).contiguous().transpose(1, 2), odd.minimum, odd.dtype)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_dequant(dst, pool, odd, table, ids)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="host must be on dst.s device cpu"):
+            far = _int4(9, 4, 64, 13, 16)
+            gather_dequant(dst, pool, Int4Tensor(*(t.to("meta") for t in far.parts()), far.dtype), table, ids)
