@@ -9,7 +9,8 @@
 #              six tiny families and each expert format
 #   4. offload: `localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85 --prompt-tokens 512,2048` (bf16 experts
 #              offloaded, a 24 GB card; a 2048-token prompt's time to first token against the PCIe ceiling)
-#   5. int4:   the same with `--experts int4 --vram 16` (int4 experts offloaded, a 16 GB card)
+#   5. int4:   the same with `--experts int4 --vram 16` and 1024 tokens too (int4 experts offloaded, a 16 GB card;
+#              pieces of 1024 tokens and up take the layer stage)
 # Needs torch, triton, transformers, accelerate, safetensors, pytest (and pytest-xdist to run the tests in parallel);
 # not textual: the package runs from the checkout (PYTHONPATH), kernels/ and tui/ linked in as localmoe.kernels/.tui.
 # Each step has its own time limit and log under $OUT; a summary is printed last; exit status 1 if anything failed.
@@ -38,7 +39,7 @@ step tests 330 python -m pytest -q -p no:cacheprovider --tb=short "${xdist[@]}" 
 step engine 220 python bench/gpu_engine_check.py
 step prefill 120 python bench/prefill_check.py
 step offload 130 python -m localmoe bench --shape qwen3.5-35b --vram 24 --sparsity 0.85 --prompt-tokens 512,2048
-step int4 100 python -m localmoe bench --shape qwen3.5-35b --experts int4 --vram 16 --sparsity 0.85 --prompt-tokens 512,2048
+step int4 100 python -m localmoe bench --shape qwen3.5-35b --experts int4 --vram 16 --sparsity 0.85 --prompt-tokens 512,1024,2048
 
 echo
 echo "== release check on $(python -c 'import torch; print(torch.cuda.get_device_name())') (logs under $OUT)"
