@@ -120,9 +120,6 @@ def _check_part(name: str, t: torch.Tensor, inner: tuple[int, ...], dtype=None) 
 
 
 _NAMES = {"pool": ("pool.packed", "pool's scales"), "host": ("host.packed", "host's scales")}
-# Stacks already checked (the pools and host copies a model reuses at every call): key -> (weak ref, parts). A
-# staged span's launch is host time in a host-bound prefill, and the checks of six stacks took most of it.
-_CHECKED: dict[tuple, tuple[weakref.ref, _Stack]] = {}
 
 
 class _Stack(NamedTuple):
@@ -134,6 +131,11 @@ class _Stack(NamedTuple):
     strides: tuple[int, int, int]
     on_device: bool
     args: tuple
+
+
+# Stacks already checked (the pools and host copies a model reuses at every call): key -> (weak ref, _Stack). A
+# staged span's launch is host time in a host-bound prefill, and the checks of six stacks took most of it.
+_CHECKED: dict[tuple, tuple[weakref.ref, _Stack]] = {}
 
 
 def _parts(kind: str, w, I: int, H2: int, NG: int, nf4: bool, like, device: torch.device) -> _Stack:
