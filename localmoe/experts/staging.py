@@ -65,10 +65,10 @@ class Staging:
     # against 0.214.
     stage_layers = True
     # Pieces the stage takes: at least this many (token, expert) slots an expert (Qwen3.5-35B-A3B, 8 of 256: 1024
-    # tokens and up). The stage is bound by the host's launches (6 gather_dequant launches a layer at spans of 43,
-    # kernels/gather_dequant.JOINED). In-process at 1024 tokens after decoding (H100, session 49): 0.177 / 0.173
-    # against 0.190 / 0.185 s span by span; at 512 it lost (0.200 against 0.180 s, session 46): shorter pieces go
-    # span by span.
+    # tokens and up). A span costs one gather_dequant launch (kernels/gather_dequant.JOINED; 3 before, when the
+    # stage was bound by the host's launches). In-process at 1024 tokens after decoding (H100, session 49): 0.177 /
+    # 0.173 against 0.190 / 0.185 s span by span; at 512 it lost (0.200 against 0.180 s, session 46): shorter pieces
+    # go span by span.
     stage_rows = 32
 
     def __init__(
