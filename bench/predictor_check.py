@@ -34,7 +34,12 @@ import triton  # noqa: E402
 
 from localmoe.engine.engine import Engine  # noqa: E402
 from localmoe.events import GenerationSettings  # noqa: E402
-from localmoe.kernels.gate_predictor import GatePredictor, department_basis  # noqa: E402
+from localmoe.kernels.gate_predictor import (  # noqa: E402
+    GatePredictor,
+    department_basis,
+    dequantize_rows,
+    quantize_rows,
+)
 from localmoe.kernels.sparse_fused import sparse_fused  # noqa: E402
 from localmoe.measure.benchmark import bench, table  # noqa: E402
 
@@ -68,14 +73,16 @@ def check_tokens() -> bool:
 
 
 def synthetic(E: int, I: int, H: int, share: float, gen):
-    """B [N, r, H] orthonormal rows, C = W_gate B^T, τ′ at the `share` quantile over random x (bf16)."""
+    """B [N, r, H] orthonormal rows, C = W_gate B^T, both int8 rows with scales (as the engine stores them), τ′ at
+    the `share` quantile over random x: (w, B, B_scale, C, C_scale, dept_of, τ′)."""
     w = [torch.randn(E, I, H, device="cuda", generator=gen, dtype=torch.bfloat16) * H**-0.5 for _ in range(3)]
     B = torch.linalg.qr(torch.randn(N, H, R, device="cuda", generator=gen))[0].transpose(1, 2).contiguous()
     dept = torch.arange(E, device="cuda") * N // E
-    C = (w[0].float() @ B[dept].transpose(1, 2)).to(torch.bfloat16).contiguous()
+    (qb, sb), (qc, sc) = quantize_rows(B), quantize_rows(w[0].float() @ B[dept].transpose(1, 2))
+    Bf, Cf = dequantize_rows(qb, sb), dequantize_rows(qc, sc)
     x = torch.randn(64, H, device="cuda", generator=gen)
-    p = torch.nn.functional.silu(torch.einsum("nh,erh,eir->nei", x, B[dept], C.float())).abs()
-    return w, B.to(torch.bfloat16), C, dept.to(torch.int32), float(torch.quantile(p.reshape(-1)[: 1 << 24], 1 - share))
+    p = torch.nn.functional.silu(torch.einsum("nh,erh,eir->nei", x, Bf[dept], Cf)).abs()
+    return w, qb, sb, qc, sc, dept.to(torch.int32), float(torch.quantile(p.reshape(-1)[: 1 << 24], 1 - share))
 
 
 def kernel_rows(share: float) -> list[str]:
@@ -95,8 +102,8 @@ def kernel_rows(share: float) -> list[str]:
             sparse_fused(x, *s[0], ids, wts, tau, out)
 
         def pred(s):
-            department_basis(x, s[1], s[3], ids, out=z)
-            sparse_fused(x, *s[0], ids, wts, tau, out, predictor=GatePredictor(z, s[2], s[3], s[4]))
+            department_basis(x, s[1], s[2], s[5], ids, out=z)
+            sparse_fused(x, *s[0], ids, wts, tau, out, predictor=GatePredictor(z, s[3], s[4], s[5], s[6]))
 
         times = {}
         for label, fn in (("today", plain), ("predictor", pred)):

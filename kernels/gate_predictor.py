@@ -4,10 +4,12 @@ Owns `GatePredictor` (the argument `kernels/sparse_fused.py`'s `predictor=` take
 `check_predictor`, `department_basis` (Triton launcher) with its torch reference `department_basis_ref`, the stage
 1 + 2 reference `candidates_ref`, and one kernel `_department_basis_kernel`. The math (localmoe/experts/predicted.py):
 a layer's experts are grouped into N departments, department d has a shared basis B_d [r, H], expert e a private map
-C_e [I, r]; for a token x routed to experts e of departments d(e):
+C_e [I, r], both stored as int8 rows with an fp32 scale a row (`quantize_rows`: B_d = sB_d * qB_d, C_e = sC_e * qC_e;
+half the bytes of bf16 maps, a quarter of fp32's, with the calibration recall unchanged on localmoe-tiny); for a
+token x routed to experts e of departments d(e):
 
-    stage 1  z_d = B_d . x                  once per department the token's experts touch (this file)
-    stage 2  cand = |silu(C_e . z_d(e))| >= tau'                     (sparse_fused, PRED mode)
+    stage 1  z_d = sB_d * (qB_d . x)        once per department the token's experts touch (this file)
+    stage 2  cand = |silu(sC_e * (qC_e . z_d(e)))| >= tau'           (sparse_fused, PRED mode)
     stage 3  the candidates' exact gate rows only, keep |g| >= tau   (sparse_fused, as without a predictor)
 
 `_department_basis_kernel`, grid (T*k, ceil(r / BLOCK_R)): program (tj, b) takes slot j of token t (tj = t*k + j),
@@ -48,33 +50,48 @@ class GatePredictor:
     """What `sparse_fused(..., predictor=)` needs to run stages 2 + 3 for one launch."""
 
     z: torch.Tensor  # [T, N, r] fp32 contiguous: B_d x per (token, department), filled by department_basis this step
-    C: torch.Tensor  # [E, I, r] the experts' private maps, bf16/fp16/fp32 (x's dtype), rows contiguous
+    C: torch.Tensor  # [E, I, r] int8 the experts' private maps (quantize_rows), rows contiguous
+    C_scale: torch.Tensor  # [E, I] fp32 contiguous: each row's scale
     dept_of: torch.Tensor  # [E] int32/int64: each expert's department
     tau_prime: float  # candidate when |silu(C_e . z_d)| >= tau_prime (a CUDA graph keeps the value it captured)
     experts: torch.Tensor | None = None  # [T, k] expert ids when sparse_fused's expert_ids hold cache slots (copy mode)
 
 
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [..., n], scale fp32 [...]): symmetric per-row int8, w ~ scale * q with scale = max|row| / 127 (an
+    all-zero row gets scale 0). The predictor's maps B and C are stored and read this way."""
+    amax = w.detach().abs().amax(-1).to(torch.float64)
+    scale = (amax / 127.0).to(torch.float32)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(torch.float64)
+    q = torch.round(w.detach().to(torch.float64) / safe[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.to(torch.float64) * scale.to(torch.float64)[..., None]).to(dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # torch references
 # ----------------------------------------------------------------------------------------------------------
-def department_basis_ref(x, B, dept_of, experts) -> torch.Tensor:
-    """z [T, N, r] fp32: z[t, d] = B_d . x_t (fp32) for every department d an expert of token t belongs to; the rows
-    of untouched departments are 0."""
+def department_basis_ref(x, B, B_scale, dept_of, experts) -> torch.Tensor:
+    """z [T, N, r] fp32: z[t, d] = sB_d * (qB_d . x_t) (fp32) for every department d an expert of token t belongs to;
+    the rows of untouched departments are 0."""
     T, N = x.shape[0], B.shape[0]
-    z = torch.einsum("nrh,th->tnr", B.float(), x.float())
+    z = torch.einsum("nrh,th->tnr", B.float(), x.float()) * B_scale.float()[None]
     touched = torch.zeros(T, N, dtype=torch.bool, device=x.device)
     touched.scatter_(1, dept_of.long()[experts.long()], True)
     return z * touched[:, :, None]
 
 
-def candidates_ref(x, B, C, dept_of, experts, tau_prime) -> torch.Tensor:
+def candidates_ref(x, B, B_scale, C, C_scale, dept_of, experts, tau_prime) -> torch.Tensor:
     """bool [T, k, I]: stages 1 + 2, the neurons of each routed expert experts[t, j] whose predicted gate
-    |silu(C_e . z_d(e))| (fp32) reaches tau_prime."""
-    z = department_basis_ref(x, B, dept_of, experts)  # [T, N, r]
+    |silu(sC_e * (qC_e . z_d(e)))| (fp32) reaches tau_prime."""
+    z = department_basis_ref(x, B, B_scale, dept_of, experts)  # [T, N, r]
     e = experts.long()
     d = dept_of.long()[e]  # [T, k]
     zt = z.gather(1, d[:, :, None].expand(-1, -1, z.shape[2]))  # [T, k, r]
-    p = torch.einsum("tkir,tkr->tki", C[e].float(), zt)
+    p = torch.einsum("tkir,tkr->tki", C[e].float(), zt) * C_scale.float()[e]
     return torch.nn.functional.silu(p).abs() >= tau_prime
 
 
@@ -86,7 +103,8 @@ if triton is not None:
     @triton.jit
     def _department_basis_kernel(
         x_ptr,  # [T, H] any float, row stride stride_xt, last dim contiguous
-        b_ptr,  # [N, r, H] any float, rows contiguous, department stride stride_bd
+        b_ptr,  # [N, r, H] int8, rows contiguous, department stride stride_bd
+        bs_ptr,  # [N, r] fp32 contiguous: each row's scale
         dept_ptr,  # [E] int32/int64
         exp_ptr,  # [T*k] int32/int64 expert ids
         z_ptr,  # [T, N, r] fp32 contiguous
@@ -134,21 +152,23 @@ if triton is not None:
                     w = tl.load(brow + hh[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
                     xv = tl.load(xrow + hh, mask=cm, other=0.0).to(tl.float32)
                     acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
-            tl.store(z_ptr + (t.to(tl.int64) * NDEPT + d) * R + rows, acc, mask=rmask)
+            sc = tl.load(bs_ptr + d * R + rows, mask=rmask, other=0.0)
+            tl.store(z_ptr + (t.to(tl.int64) * NDEPT + d) * R + rows, acc * sc, mask=rmask)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------------------
-def department_basis(x, B, dept_of, experts, out=None, *, BLOCK_R: int | None = None, num_warps: int = 4):
-    """Stage 1: z[t, d] = B_d . x_t (fp32 accumulate) for each department d an expert of token t touches, each B_d
-    read once per token. Returns z [T, N, r] fp32 (into `out` when given: contiguous fp32 [T, N, r] on x's device);
-    rows of untouched departments are left as they are.
+def department_basis(x, B, B_scale, dept_of, experts, out=None, *, BLOCK_R: int | None = None, num_warps: int = 4):
+    """Stage 1: z[t, d] = sB_d * (qB_d . x_t) (fp32 accumulate) for each department d an expert of token t touches,
+    each B_d read once per token. Returns z [T, N, r] fp32 (into `out` when given: contiguous fp32 [T, N, r] on x's
+    device); rows of untouched departments are left as they are.
 
-    x [T, H] bf16/fp16/fp32 (last dim contiguous); B [N, r, H] float (x's dtype in practice), rows contiguous, any
-    department stride; dept_of [E] int32/int64 (values in [0, N): not checked, that would sync); experts [T, k]
-    int32/int64 expert ids (values in [0, E)). BLOCK_R (a power of two) defaults to a tile of 32 elements per
-    thread (H 2048, 4 warps: 2). Fixed grid, no host sync: CUDA-graph capturable with `out=`."""
+    x [T, H] bf16/fp16/fp32 (last dim contiguous); B [N, r, H] int8 (`quantize_rows`), rows contiguous, any
+    department stride; B_scale [N, r] fp32 contiguous; dept_of [E] int32/int64 (values in [0, N): not checked,
+    that would sync); experts [T, k] int32/int64 expert ids (values in [0, E)). BLOCK_R (a power of two) defaults
+    to a tile of 32 elements per thread (H 2048, 4 warps: 2). Fixed grid, no host sync: CUDA-graph capturable with
+    `out=`."""
     if triton is None:
         raise RuntimeError("department_basis needs triton")
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
@@ -157,9 +177,13 @@ def department_basis(x, B, dept_of, experts, out=None, *, BLOCK_R: int | None = 
         )
     T, H = x.shape
     dev = x.device
-    if B.dim() != 3 or B.shape[2] != H or B.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"B must be a float [N, r, H] tensor with H = {H}, got {B.dtype} {tuple(B.shape)}")
+    if B.dim() != 3 or B.shape[2] != H or B.dtype != torch.int8:
+        raise ValueError(f"B must be an int8 [N, r, H] tensor with H = {H}, got {B.dtype} {tuple(B.shape)}")
     N, r, _ = B.shape
+    if tuple(B_scale.shape) != (N, r) or B_scale.dtype != torch.float32 or not B_scale.is_contiguous():
+        raise ValueError(
+            f"B_scale must be a contiguous fp32 [N, r] = {(N, r)} tensor, got {B_scale.dtype} {tuple(B_scale.shape)}"
+        )
     if N < 1 or r < 1:
         raise ValueError(f"B needs at least one department and rank 1, got shape {tuple(B.shape)}")
     if B.stride(2) != 1 or (r > 1 and B.stride(1) != H):
@@ -168,7 +192,7 @@ def department_basis(x, B, dept_of, experts, out=None, *, BLOCK_R: int | None = 
         raise ValueError(f"dept_of must be an int32/int64 [E] tensor, got {dept_of.dtype} {tuple(dept_of.shape)}")
     if experts.dim() != 2 or experts.shape[0] != T or experts.dtype not in _INT_DTYPES:
         raise ValueError(f"experts must be int32/int64 [T, k] with T = {T}, got {experts.dtype} {tuple(experts.shape)}")
-    for name, tns in (("B", B), ("dept_of", dept_of), ("experts", experts)):
+    for name, tns in (("B", B), ("B_scale", B_scale), ("dept_of", dept_of), ("experts", experts)):
         if tns.device != dev:
             raise ValueError(f"{name} is on {tns.device}, x is on {dev}: all inputs must share a device")
     if out is None:
@@ -188,6 +212,7 @@ def department_basis(x, B, dept_of, experts, out=None, *, BLOCK_R: int | None = 
     _department_basis_kernel[(T * k, triton.cdiv(r, br))](
         x,
         B,
+        B_scale,
         dept_of,
         experts.contiguous(),
         out,
@@ -208,10 +233,10 @@ def department_basis(x, B, dept_of, experts, out=None, *, BLOCK_R: int | None = 
 
 def check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int) -> dict:
     """Checks `predictor=` against the launch (x, T tokens, k experts each, E experts or cache slots, width I) and
-    returns the kernel's arguments for it: pointers (z, C, dept_of, the predictor's expert ids), scalars (r, N,
-    C's expert stride, tau') and R_P2; without a predictor, dummies that are never read."""
+    returns the kernel's arguments for it: pointers (z, C, C_scale, dept_of, the predictor's expert ids), scalars (r,
+    N, C's expert stride, tau') and R_P2; without a predictor, dummies that are never read."""
     if p is None:
-        return {"tensors": (x, x, x, x), "scalars": (1, 1, 0, 0.0), "R_P2": 1}
+        return {"tensors": (x, x, x, x, x), "scalars": (1, 1, 0, 0.0), "R_P2": 1}
     dev = x.device
     z, C, dept = p.z, p.C, p.dept_of
     if z.dim() != 3 or z.shape[0] != T or z.dtype != torch.float32 or not z.is_contiguous() or z.device != dev:
@@ -222,14 +247,20 @@ def check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int) 
     _, N, r = z.shape
     if N < 1 or r < 1:
         raise ValueError(f"predictor.z needs N >= 1 departments and rank r >= 1, got shape {tuple(z.shape)}")
-    if C.dim() != 3 or C.shape[1:] != (I, r) or C.dtype not in _FLOAT_DTYPES or C.device != dev:
+    if C.dim() != 3 or C.shape[1:] != (I, r) or C.dtype != torch.int8 or C.device != dev:
         raise ValueError(
-            f"predictor.C must be a bf16/fp16/fp32 [E, I, r] tensor with I = {I}, r = {r} on {dev}, got {C.dtype} "
+            f"predictor.C must be an int8 [E, I, r] tensor with I = {I}, r = {r} on {dev}, got {C.dtype} "
             f"{tuple(C.shape)} on {C.device}"
         )
     if C.stride(2) != 1 or (I > 1 and C.stride(1) != r):
         raise ValueError(f"predictor.C rows must be contiguous (stride(2) == 1, stride(1) == r), got {C.stride()}")
     E_p = C.shape[0]
+    cs = p.C_scale
+    if tuple(cs.shape) != (E_p, I) or cs.dtype != torch.float32 or not cs.is_contiguous() or cs.device != dev:
+        raise ValueError(
+            f"predictor.C_scale must be a contiguous fp32 [E, I] = {(E_p, I)} tensor on {dev}, got {cs.dtype} "
+            f"{tuple(cs.shape)} on {cs.device}"
+        )
     if dept.dim() != 1 or dept.shape[0] != E_p or dept.dtype not in _INT_DTYPES or dept.device != dev:
         raise ValueError(
             f"predictor.dept_of must be an int32/int64 [E] = [{E_p}] tensor on {dev} (C's experts), got "
@@ -250,4 +281,4 @@ def check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int) 
     if tp != tp:
         raise ValueError("predictor.tau_prime must be a number, got NaN")
     pexp = ids.contiguous() if ids is not None else dept
-    return {"tensors": (z, C, dept, pexp), "scalars": (r, N, C.stride(0), tp), "R_P2": triton.next_power_of_2(r)}
+    return {"tensors": (z, C, cs, dept, pexp), "scalars": (r, N, C.stride(0), tp), "R_P2": triton.next_power_of_2(r)}

@@ -46,13 +46,13 @@ every other mode (accumulate, workspace, residual, stats) is the same.
 Gate predictor (optional, `predictor=GatePredictor(...)` from kernels/gate_predictor.py, issue #23; a constexpr mode,
 compiled out without it): stages 2 + 3 of the department-shared predictor inside the same program. Program (tj, b)
 of expert e (the predictor's id: `predictor.experts[tj]` in copy mode, else expert_ids[tj]) loads z[t, dept_of[e],
-:r] (written by `department_basis`, the launch before) and C_e's BLOCK_I x r rows, and makes its candidates
-cand = |silu(C_e . z)| >= tau'. The gate tile (bf16 or int4: packed bytes and scales alike) is loaded under the
-candidates' row mask, so a non-candidate's gate row issues no memory traffic, keep = cand & (|g| >= tau[e]), and a
-block without candidates stops after stage 2. Everything else is as above; the shared expert's programs stay dense
-(no C rows). The row stats count the gate rows actually read (the candidates): the count words of the workspace then
-carry kept + (candidates << 16) (I < 2^15), so the workspace keeps its size. tau' = 0 makes every neuron a
-candidate: the launch without a predictor. C and z are not counted as weight rows.
+:r] (written by `department_basis`, the launch before) and C_e's BLOCK_I x r int8 rows with their scales, and makes
+its candidates cand = |silu(sC * (qC_e . z))| >= tau'. The gate tile (bf16 or int4: packed bytes and scales alike)
+is loaded under the candidates' row mask, so a non-candidate's gate row issues no memory traffic, keep = cand &
+(|g| >= tau[e]), and a block without candidates stops after stage 2. Everything else is as above; the shared
+expert's programs stay dense (no C rows). The row stats count the gate rows actually read (the candidates): the count
+words of the workspace then carry kept + (candidates << 16) (I < 2^15), so the workspace keeps its size. tau' = 0
+makes every neuron a candidate: the launch without a predictor. C and z are not counted as weight rows.
 
 One launch, fixed grid and output sizes, no host sync: CUDA-graph capturable (pass `out=`, `count=` and
 `workspace=` to keep every address fixed across replays).
@@ -169,7 +169,8 @@ if triton is not None:
         pdmn_ptr,  # [S, I, NG] down_t pool minimums
         code_ptr,  # [16] fp32 NF4 codebook (NF4 only)
         z_ptr,  # [T, N, r] fp32: B_d x per (token, department) (PRED only)
-        pc_ptr,  # [E_p, I, r] the experts' private maps C, rows contiguous (PRED only)
+        pc_ptr,  # [E_p, I, r] int8 the experts' private maps C, rows contiguous (PRED only)
+        pcs_ptr,  # [E_p, I] fp32 C's row scales, contiguous (PRED only)
         pdept_ptr,  # [E_p] int32/int64 each expert's department (PRED only)
         pexp_ptr,  # [T*k] int32/int64 the predictor's expert ids (PRED_IDS only: eid_ptr holds cache slots)
         I,
@@ -304,7 +305,8 @@ if triton is not None:
                 mask=crm[:, None] & rrm[None, :],
                 other=0.0,
             )  # [BLOCK_I, R_P2]
-            zp = tl.sum(cp.to(tl.float32) * zd[None, :], axis=1)  # [BLOCK_I]
+            csc = tl.load(pcs_ptr + pe * I + rows, mask=crm, other=0.0)  # [BLOCK_I] fp32
+            zp = tl.sum(cp.to(tl.float32) * zd[None, :], axis=1) * csc  # [BLOCK_I]
             grow = (tl.abs(zp / (1.0 + tl.exp(-zp))) >= tau_p) & rmask  # |silu|
             if SHARED:
                 grow = tl.where(is_sh, rmask, grow)

@@ -44,8 +44,10 @@ def test_fit_shapes_and_balanced_departments(tiny):
     assert len(preds) == len(engine.loaded.experts) == 8
     for p in preds:
         assert p.B.shape == (4, 16, 256) and p.C.shape == (8, 160, 16) and p.dept_of.shape == (8,)
+        assert p.B.dtype == p.C.dtype == torch.int8 and p.B_scale.shape == (4, 16) and p.C_scale.shape == (8, 160)
         assert torch.bincount(p.dept_of, minlength=4).tolist() == [2, 2, 2, 2]
-        assert p.tau_prime > 0 and torch.isfinite(p.B).all() and torch.isfinite(p.C).all()
+        assert p.tau_prime > 0 and torch.isfinite(p.B_scale).all() and torch.isfinite(p.C_scale).all()
+        assert int(p.C.abs().amax(-1).min()) == 127  # each row's scale spans it
     assert predictor.group(torch.rand(8, 8), 3) and [len(g) for g in predictor.group(torch.ones(7, 7), 3)] == [3, 2, 2]
     assert path is not None and path.exists() and path.name == "s0.8500-d4-r16-coact.safetensors"
 
@@ -69,6 +71,9 @@ def test_cache_round_trip_and_invalidation(tiny, monkeypatch):
         again, same = predictor.predictors_for(engine, table, 4, 16, tokens=TOKENS)
         assert same == path and not notes
         assert all(torch.equal(a.C, b.C) and a.tau_prime == b.tau_prime for a, b in zip(preds, again))
+        assert all(
+            torch.equal(a.B_scale, b.B_scale) and torch.equal(a.C_scale, b.C_scale) for a, b in zip(preds, again)
+        )
         body = path.read_bytes()
         path.write_bytes(body[: len(body) // 2])  # truncated: fitted again, with a notice
         refit, _ = predictor.predictors_for(engine, table, 4, 16, tokens=TOKENS)
@@ -95,17 +100,17 @@ def test_tau_prime_zero_decodes_todays_sparse_tokens(tiny):
     engine, _, preds, _ = tiny
     today = _tokens(engine)
     everyone = [dataclasses.replace(p, tau_prime=0.0) for p in preds]
-    predicted.apply(engine.loaded, everyone, device=engine._device, dtype=engine.dtype)
+    predicted.apply(engine.loaded, everyone, device=engine._device)
     try:
         assert _tokens(engine) == today
         c = engine.loaded.experts[0].predictor.counts
         assert c["candidates"] == c["slots"] * 160 > 0 and 0 < c["touches"] <= c["slots"]
-        predicted.apply(engine.loaded, preds, device=engine._device, dtype=engine.dtype)
+        predicted.apply(engine.loaded, preds, device=engine._device)
         c = engine.loaded.experts[0].predictor.counts
         _tokens(engine, 4)
         assert 0 < c["candidates"] < c["slots"] * 160  # a fitted τ′ reads fewer gate rows
     finally:
-        predicted.apply(engine.loaded, None, device=engine._device, dtype=engine.dtype)
+        predicted.apply(engine.loaded, None, device=engine._device)
 
 
 def test_eval_reports_recall_and_bytes(tiny, monkeypatch):
@@ -172,7 +177,7 @@ def test_predicted_reference_keeps_candidates_over_tau():
     gen = torch.Generator().manual_seed(0)
     E, I, H, N, r = 4, 16, 8, 2, 3
     w = ExpertWeights(*(torch.randn(E, I, H, generator=gen) for _ in range(3)))
-    pred = LayerPredictor(
+    pred = LayerPredictor.of(
         torch.randn(N, r, H, generator=gen), torch.randn(E, I, r, generator=gen), torch.tensor([0, 1, 0, 1]), 0.3
     )
     x, idx = torch.randn(3, H, generator=gen), torch.tensor([[0, 2], [1, 3], [0, 1]])
@@ -211,7 +216,7 @@ def test_fused_predictor_decodes_the_reference_tokens(tiny):
     pytest.importorskip("triton")
     _sparse_again(tiny)
     engine, _, preds, _ = tiny
-    predicted.apply(engine.loaded, preds, device=engine._device, dtype=engine.dtype)
+    predicted.apply(engine.loaded, preds, device=engine._device)
     try:
         want = _tokens(engine, 2)
         m = engine.loaded.experts[0]
@@ -224,7 +229,7 @@ def test_fused_predictor_decodes_the_reference_tokens(tiny):
         assert int(m.kept) == kept > 0 and m.predictor.counts["slots"] == 0  # the same neurons, kept by the kernels
     finally:
         _kernels_on_cpu(engine, False)
-        predicted.apply(engine.loaded, None, device=engine._device, dtype=engine.dtype)
+        predicted.apply(engine.loaded, None, device=engine._device)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "0", reason="a CPU engine's kernels need the interpreter")
@@ -235,11 +240,11 @@ def test_offloaded_predictor_gives_gate_slots_to_b_and_c(tiny, monkeypatch):
     _sparse_again(tiny)
     engine, _, preds, path = tiny
     monkeypatch.setenv("XDG_CACHE_HOME", str(path.parents[3]))  # thresholds and predictor from the fixture's fit
-    predicted.apply(engine.loaded, preds, device=engine._device, dtype=engine.dtype)
+    predicted.apply(engine.loaded, preds, device=engine._device)
     try:  # the torch reference path (the test above shows the kernels' path decodes the same tokens)
         want = _tokens(engine, 2)
     finally:
-        predicted.apply(engine.loaded, None, device=engine._device, dtype=engine.dtype)
+        predicted.apply(engine.loaded, None, device=engine._device)
     probe = engine.loaded.offload or Engine.load("localmoe-tiny", device="cpu", vram_gib=64.0).loaded.offload
     fixed = probe.non_expert_bytes + probe.state_bytes + placement.WORKSPACE_RESERVE
     vram = (fixed + 12.5 * probe.expert_bytes) / GiB
@@ -253,7 +258,7 @@ def test_offloaded_predictor_gives_gate_slots_to_b_and_c(tiny, monkeypatch):
     _kernels_on_cpu(off, True)
     off.set_departments(4, 16)
     off.set_sparsity(SPARSITY)
-    need = -(-predicted.device_bytes(preds, off.dtype) // (cache.row_bytes * cache.width))
+    need = -(-predicted.device_bytes(preds) // (cache.row_bytes * cache.width))
     assert cache.gate_slots == 36 - need and cache.pool.w_gate.shape[0] == 36 - need
     assert _tokens(off, 2) == want
     off.set_departments(0)
@@ -271,6 +276,8 @@ def test_synthetic_predictor_for_random_weights():
     p = preds[0]
     assert p.B.shape == (4, 16, m.hidden_size) and p.C.shape == (m.num_experts, m.intermediate_size, 16)
     assert torch.bincount(p.dept_of).tolist() == [2, 2, 2, 2]
-    torch.testing.assert_close(p.B[0] @ p.B[0].T, torch.eye(16), rtol=0, atol=1e-5)
-    torch.testing.assert_close(p.C[3], m.weights.w_gate[3].float() @ p.B[int(p.dept_of[3])].T, rtol=1e-4, atol=1e-4)
+    B, C = p.maps()  # as stored: int8 rows, within a few steps of each row's scale (C was made with B unrounded)
+    torch.testing.assert_close(B[0] @ B[0].T, torch.eye(16), rtol=0, atol=0.02)
+    want = m.weights.w_gate[3].float() @ B[int(p.dept_of[3])].T
+    assert float((C[3] - want).abs().max()) <= 4 * float(p.C_scale[3].max())
     assert all(abs(q.candidate_share - 0.25) < 0.02 and q.tau_prime > 0 for q in preds)

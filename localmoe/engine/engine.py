@@ -208,8 +208,8 @@ class Engine:
                 self.use_graphs = False
                 self._notice("--departments decodes without the CUDA graph (these experts have no predictor kernel)")
         if any(hasattr(m, "predictor") for m in self.loaded.experts):  # LocalExperts (not DeaMoE's): set or clear
-            predicted.make_room(self.loaded, preds, self.dtype)  # offloaded: B and C take the VRAM of some gates
-            predicted.apply(self.loaded, preds, device=self._device, dtype=self.dtype)
+            predicted.make_room(self.loaded, preds)  # offloaded: B and C take the VRAM of some gates
+            predicted.apply(self.loaded, preds, device=self._device)
         self.sparsity = sparsity
         self._drop_graph()  # captured against the old thresholds / path: capture again
         self._forget_prompt()

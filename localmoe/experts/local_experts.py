@@ -206,8 +206,8 @@ class LocalExperts(DensePath, nn.Module):
         p = self.predictor
         if p is None:
             return {}
-        z = department_basis(x, p.B, p.dept_of, experts)
-        return {"predictor": GatePredictor(z, p.C, p.dept_of, p.tau_prime, experts=experts)}
+        z = department_basis(x, p.B, p.B_scale, p.dept_of, experts)
+        return {"predictor": GatePredictor(z, p.C, p.C_scale, p.dept_of, p.tau_prime, experts=experts)}
 
     @property
     def direct_misses(self) -> bool:

@@ -2,7 +2,9 @@
 reference of the predicted sparse path.
 
 A layer's routed experts are grouped into N departments; department d has a shared basis B_d [r, H], expert e a
-private C_e [I, r] (fitted by `localmoe.experts.predictor`). For a token x routed to experts e of departments d(e):
+private C_e [I, r] (fitted by `localmoe.experts.predictor`), both held as int8 rows with an fp32 scale a row
+(kernels/gate_predictor.py's `quantize_rows`: what the kernels read, and what the torch paths here compute with, in
+fp32). For a token x routed to experts e of departments d(e):
 
     stage 1  z_d = B_d · x                          once per department the token's experts touch
     stage 2  p_e = |act(C_e · z_d(e))|              candidates: neurons with p_e >= τ′ (the layer's predictor threshold)
@@ -22,11 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from localmoe.kernels.gate_predictor import dequantize_rows, quantize_rows
+
 
 @dataclass
 class LayerPredictor:
-    B: torch.Tensor  # [N, r, H] the departments' shared bases
-    C: torch.Tensor  # [E, I, r] the experts' private maps
+    B: torch.Tensor  # [N, r, H] int8 the departments' shared bases
+    B_scale: torch.Tensor  # [N, r] fp32 their rows' scales
+    C: torch.Tensor  # [E, I, r] int8 the experts' private maps
+    C_scale: torch.Tensor  # [E, I] fp32 their rows' scales
     dept_of: torch.Tensor  # [E] int64: each expert's department
     tau_prime: float  # candidates: |act(C_e B_d x)| >= tau_prime
     candidate_share: float | None = None  # the share of routed neurons that were candidates when fitted (None: unknown)
@@ -34,6 +40,16 @@ class LayerPredictor:
 
     def __post_init__(self) -> None:
         self.reset()
+
+    @classmethod
+    def of(cls, B, C, dept_of, tau_prime, candidate_share=None) -> LayerPredictor:
+        """From float maps B [N, r, H] and C [E, I, r]: stored as int8 rows with their scales."""
+        (qb, sb), (qc, sc) = quantize_rows(B), quantize_rows(C)
+        return cls(qb, sb, qc, sc, dept_of, tau_prime, candidate_share)
+
+    def maps(self, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C) as the kernels see them (int8 x scale), in `dtype`."""
+        return dequantize_rows(self.B, self.B_scale, dtype), dequantize_rows(self.C, self.C_scale, dtype)
 
     @property
     def departments(self) -> int:
@@ -46,10 +62,12 @@ class LayerPredictor:
     def reset(self) -> None:
         self.counts.update(mass_exact=0.0, mass_kept=0.0, candidates=0, slots=0, touches=0)  # in place
 
-    def to(self, device, dtype) -> LayerPredictor:
+    def to(self, device) -> LayerPredictor:
         return LayerPredictor(
-            self.B.to(device, dtype),
-            self.C.to(device, dtype),
+            self.B.to(device),
+            self.B_scale.to(device, torch.float32).contiguous(),
+            self.C.to(device),
+            self.C_scale.to(device, torch.float32).contiguous(),
             self.dept_of.to(device),
             self.tau_prime,
             self.candidate_share,
@@ -58,13 +76,13 @@ class LayerPredictor:
     def predicted_abs(self, x: torch.Tensor, experts: torch.Tensor, act_fn) -> torch.Tensor:
         """|act(C_e B_d(e) x)| [n, I] of rows x [n, H] routed to experts [n] (stage 1 and 2 for many rows)."""
         n, (N, r, H) = x.shape[0], self.B.shape
-        z_all = (x.to(self.B.dtype) @ self.B.reshape(N * r, H).T).view(n, N, r)
+        z_all = ((x.float() @ self.B.reshape(N * r, H).float().T) * self.B_scale.reshape(N * r)).view(n, N, r)
         dept = self.dept_of[experts]
-        z = z_all.gather(1, dept.view(n, 1, 1).expand(n, 1, r)).squeeze(1)  # [n, r]
+        z = z_all.gather(1, dept.view(n, 1, 1).expand(n, 1, r)).squeeze(1)  # [n, r] fp32
         out = torch.empty(n, self.C.shape[1], dtype=z.dtype, device=x.device)
         for e in torch.unique(experts).tolist():
             rows = experts == e
-            out[rows] = act_fn(z[rows] @ self.C[e].T).abs()
+            out[rows] = act_fn((z[rows] @ self.C[e].float().T) * self.C_scale[e]).abs()
         return out
 
     def candidates(self, x: torch.Tensor, experts: torch.Tensor, act_fn) -> torch.Tensor:
@@ -99,8 +117,9 @@ def predicted_reference(x, w, top_k_index, top_k_weights, tau, act_fn, pred: Lay
             e = int(top_k_index[t, j])
             d = int(pred.dept_of[e])
             if d not in z:
-                z[d] = pred.B[d] @ xt.to(pred.B.dtype)
-            cand = (act_fn(pred.C[e] @ z[d]).abs() >= pred.tau_prime).nonzero().squeeze(1)  # stage 2
+                z[d] = (pred.B[d].float() @ xt.float()) * pred.B_scale[d]
+            p = act_fn((pred.C[e].float() @ z[d]) * pred.C_scale[e])
+            cand = (p.abs() >= pred.tau_prime).nonzero().squeeze(1)  # stage 2
             c["candidates"] += cand.numel()
             c["slots"] += 1
             if cand.numel() == 0:
@@ -117,23 +136,36 @@ def predicted_reference(x, w, top_k_index, top_k_weights, tau, act_fn, pred: Lay
     return y, kept_total
 
 
-def routed_gate_bytes(p: LayerPredictor, matrix: float, top_k: int, element: int) -> float:
+def basis_bytes(r: int, H: int) -> int:
+    """Bytes of one department's B_d: int8 rows and their fp32 scales."""
+    return r * H + 4 * r
+
+
+def map_bytes(I: int, r: int) -> int:
+    """Bytes of one expert's C_e: int8 rows and their fp32 scales."""
+    return I * r + 4 * I
+
+
+def routed_gate_bytes(p: LayerPredictor, matrix: float, top_k: int) -> float:
     """Gate-side bytes one token's k routed experts read in one layer with predictor `p` (uniform routing): each
     touched department's B_d once (N (1 - (1 - 1/N)^k) of them expected), each expert's C_e, and its candidates'
     gate rows (`p.candidate_share` of a `matrix`-byte gate); without a predictor it is k * matrix."""
     N, r, H = p.B.shape
     _, I, _ = p.C.shape
     touched = N * (1.0 - (1.0 - 1.0 / N) ** top_k)
-    return top_k * (p.candidate_share * matrix + I * r * element) + touched * r * H * element
+    return top_k * (p.candidate_share * matrix + map_bytes(I, r)) + touched * basis_bytes(r, H)
 
 
-def device_bytes(preds: list[LayerPredictor] | None, dtype) -> int:
-    """VRAM the predictors take on the device: every layer's B and C in the experts' dtype."""
-    el = torch.finfo(dtype).bits // 8
-    return sum((p.B.numel() + p.C.numel()) * el + p.dept_of.numel() * 8 for p in preds or [])
+def device_bytes(preds: list[LayerPredictor] | None) -> int:
+    """VRAM the predictors take on the device: every layer's int8 B and C with their scales, and dept_of."""
+    total = 0
+    for p in preds or []:
+        (N, r, H), (E, I, _) = p.B.shape, p.C.shape
+        total += N * basis_bytes(r, H) + E * map_bytes(I, r) + p.dept_of.numel() * 8
+    return total
 
 
-def make_room(loaded, preds: list[LayerPredictor] | None, dtype) -> None:
+def make_room(loaded, preds: list[LayerPredictor] | None) -> None:
     """Offloaded with a gate tier (direct misses): B and C live in VRAM in place of whole gates. The tier gives up
     as many gates as the predictors' bytes (rounded up) and takes them back when the predictor is turned off; the
     up/down slots keep their share. A predictor makes each absent gate cost only its candidates' rows, so per byte
@@ -143,14 +175,14 @@ def make_room(loaded, preds: list[LayerPredictor] | None, dtype) -> None:
     if cache is None or not cache.gate_slots:
         return
     gate_bytes = cache.row_bytes * cache.width
-    need = -(-device_bytes(preds, dtype) // gate_bytes)
+    need = -(-device_bytes(preds) // gate_bytes)
     cache.resize_gates(cache.planned_gate_slots - need)
 
 
-def apply(loaded, preds: list[LayerPredictor] | None, *, device, dtype) -> None:
+def apply(loaded, preds: list[LayerPredictor] | None, *, device) -> None:
     """Predictors into the experts modules (None: off, the exact sparse path)."""
     for i, m in enumerate(loaded.experts):
-        m.predictor = None if preds is None else preds[i].to(device, dtype)
+        m.predictor = None if preds is None else preds[i].to(device)
 
 
 def mass_recall_of(loaded) -> float | None:

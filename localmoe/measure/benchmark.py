@@ -93,8 +93,7 @@ def step_bytes(engine, sparsity: float) -> float:
     preds = [getattr(m, "predictor", None) for m in engine.loaded.experts]
     if sparsity and preds and all(p is not None and p.candidate_share is not None for p in preds):
         # the gate predictor: B_d per touched department, C_e and the candidates' gate rows instead of whole gates
-        el = w.w_gate.element_size()
-        need += sum(predicted.routed_gate_bytes(p, matrix, f.top_k, el) - f.top_k * matrix for p in preds)
+        need += sum(predicted.routed_gate_bytes(p, matrix, f.top_k) - f.top_k * matrix for p in preds)
     return need
 
 

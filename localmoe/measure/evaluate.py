@@ -201,20 +201,22 @@ def evaluate(
 def routed_bytes(experts, itemsize: int) -> tuple[float, float]:
     """(the routed experts' weight bytes the sparse path read for the tokens counted since the counters were reset,
     the same with whole gates: today's sparse path at the same kept rows, as bench/gate_predictor.py counts it).
-    Per layer: the whole gate, or with a predictor B_d per touched department, C_e and the candidates' gate rows;
-    then the kept rows of up and down."""
+    Per layer: the whole gate, or with a predictor B_d per touched department and C_e (int8 rows and their scales)
+    and the candidates' gate rows; then the kept rows of up and down (weights at `itemsize` bytes)."""
     total = whole = 0
     for m in experts:
         H, I = m.hidden_size, m.intermediate_size
         kept, slots, p = int(m.kept), m.seen // I, m.predictor
+        rows = 2 * kept * H * itemsize
         if p is None:
-            gate = slots * I * H
+            gate = slots * I * H * itemsize
         else:
             c = p.counts
-            gate = c["touches"] * p.rank * H + c["slots"] * I * p.rank + c["candidates"] * H
-        total += gate + 2 * kept * H
-        whole += slots * I * H + 2 * kept * H
-    return float(total * itemsize), float(whole * itemsize)
+            maps = c["touches"] * predicted.basis_bytes(p.rank, H) + c["slots"] * predicted.map_bytes(I, p.rank)
+            gate = maps + c["candidates"] * H * itemsize
+        total += gate + rows
+        whole += slots * I * H * itemsize + rows
+    return float(total), float(whole)
 
 
 def direct_perplexity(model, ids: list[int], window: int) -> float:
