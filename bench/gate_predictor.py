@@ -13,8 +13,9 @@ Per MoE layer, from the routed inputs of the calibration text (localmoe/data/cal
 On the held-out text (localmoe/data/heldout.txt, --test tokens): the predicted |silu(C_e B_d x)| picks a candidate
 fraction f of each expert's neurons (the layer's quantile); mass recall = share of the exact kept neurons' |act|
 mass inside the candidates. Gate-side bytes per (token, expert), relative to reading the whole gate: B_d once per
-department a token touches (shared by its experts there) + C_e + the candidates' exact gate rows. Routed bytes
-relative to today's sparse path: (gate side + 2 (1 - sparsity)) / (1 + 2 (1 - sparsity)).
+department a token touches (shared by its experts there) + C_e (both int8 rows with an fp32 scale a row, as the
+engine stores them) + the candidates' exact gate rows, the weights at --weight-bytes bytes an element (2: bf16).
+Routed bytes relative to today's sparse path: (gate side + 2 (1 - sparsity)) / (1 + 2 (1 - sparsity)).
 
     python bench/gate_predictor.py [--model localmoe-tiny] [--ranks 8,16,32,64] [--departments 1,2,4,8]
 """
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.2,0.3,0.4")
     ap.add_argument("--calib", type=int, default=8192)
     ap.add_argument("--test", type=int, default=8192)
+    ap.add_argument("--weight-bytes", type=int, default=2)
     a = ap.parse_args()
     engine = Engine.load(a.model, device="cpu", dtype="float32", sparsity=0.0)
     calib, mods = routed_inputs(engine, (DATA / "calibration.txt").read_text(), a.calib)
@@ -99,7 +101,8 @@ def main() -> None:
                     for f in fractions:
                         cut = torch.quantile(pr.reshape(-1)[: 1 << 24].float(), 1.0 - f).item()
                         recall = float((ex * kept * (pr >= cut)).sum() / mass)
-                        gate_side = (share_b * r * H + I * r) / (I * H) + f
+                        maps = share_b * (r * H + 4 * r) + I * r + 4 * I  # int8 rows + fp32 scales
+                        gate_side = maps / (I * H * a.weight_bytes) + f
                         key = (kind, N, r, f)
                         rows.setdefault(key, []).append((recall, gate_side))
     print(f"{a.model}: sparsity {a.sparsity:.0%}, calibration {a.calib} tokens, held-out {a.test} tokens")
