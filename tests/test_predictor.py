@@ -87,6 +87,12 @@ def test_cache_round_trip_and_invalidation(tiny, monkeypatch):
         stale = predictor._read_cache(path, {**meta, "rank": 8}, shapes)[1]
         assert "was stale (made with rank" in stale
         assert "tensor" in predictor._read_cache(path, meta, [(8, 160, 256)] * 9)[1]
+        # a file of another map format (one from before int8 maps has no "maps" key): stale, fitted again
+        assert "was stale (made with maps" in predictor._read_cache(path, {**meta, "maps": "bf16"}, shapes)[1]
+        floats = [dataclasses.replace(p, B=p.B.float()) for p in preds]  # the right metadata, float B: refused
+        assert predictor._write_cache(path, floats, meta) is None
+        assert "0.B is torch.float32, expected torch.int8" in predictor._read_cache(path, meta, shapes)[1]
+        path.write_bytes(body)  # the valid file back, for the tests after this one
     finally:
         engine.on_notice = None
 
