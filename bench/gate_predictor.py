@@ -92,7 +92,7 @@ def main() -> None:
                     if r > H:
                         continue
                     B, C, dept_of = fit_layer(wg, x, idx, N, r, kind)  # localmoe/experts/predictor.py
-                    ex, pr = exact_and_predicted(wg, xt, idt, B, C, dept_of, torch.nn.functional.silu)
+                    ex, pr, _ = exact_and_predicted(wg, xt, idt, B, C, dept_of, torch.nn.functional.silu)
                     kept = ex >= tau
                     mass = (ex * kept).sum()
                     # departments a token touches per routed expert (B_d is read once per department per token)
@@ -101,7 +101,7 @@ def main() -> None:
                     for f in fractions:
                         cut = torch.quantile(pr.reshape(-1)[: 1 << 24].float(), 1.0 - f).item()
                         recall = float((ex * kept * (pr >= cut)).sum() / mass)
-                        maps = share_b * (r * H + 4 * r) + I * r + 4 * I  # int8 rows + fp32 scales
+                        maps = share_b * (r * H + 4 * r) + I * r + 6 * I  # int8 rows, fp32 scales, fp16 thresholds
                         gate_side = maps / (I * H * a.weight_bytes) + f
                         key = (kind, N, r, f)
                         rows.setdefault(key, []).append((recall, gate_side))

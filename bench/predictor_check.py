@@ -74,7 +74,7 @@ def check_tokens() -> bool:
 
 def synthetic(E: int, I: int, H: int, share: float, gen):
     """B [N, r, H] orthonormal rows, C = W_gate B^T, both int8 rows with scales (as the engine stores them), τ′ at
-    the `share` quantile over random x: (w, B, B_scale, C, C_scale, dept_of, τ′)."""
+    the `share` quantile over random x: (w, B, B_scale, C, C_scale, dept_of, τ′ fp16 [E, I], one value)."""
     w = [torch.randn(E, I, H, device="cuda", generator=gen, dtype=torch.bfloat16) * H**-0.5 for _ in range(3)]
     B = torch.linalg.qr(torch.randn(N, H, R, device="cuda", generator=gen))[0].transpose(1, 2).contiguous()
     dept = torch.arange(E, device="cuda") * N // E
@@ -82,7 +82,8 @@ def synthetic(E: int, I: int, H: int, share: float, gen):
     Bf, Cf = dequantize_rows(qb, sb), dequantize_rows(qc, sc)
     x = torch.randn(64, H, device="cuda", generator=gen)
     p = torch.nn.functional.silu(torch.einsum("nh,erh,eir->nei", x, Bf[dept], Cf)).abs()
-    return w, qb, sb, qc, sc, dept.to(torch.int32), float(torch.quantile(p.reshape(-1)[: 1 << 24], 1 - share))
+    tp = float(torch.quantile(p.reshape(-1)[: 1 << 24], 1 - share))
+    return w, qb, sb, qc, sc, dept.to(torch.int32), torch.full((E, I), tp, dtype=torch.float16, device="cuda")
 
 
 def kernel_rows(share: float) -> list[str]:

@@ -9,7 +9,7 @@ half the bytes of bf16 maps, a quarter of fp32's, with the calibration recall un
 token x routed to experts e of departments d(e):
 
     stage 1  z_d = sB_d * (qB_d . x)        once per department the token's experts touch (this file)
-    stage 2  cand = |silu(sC_e * (qC_e . z_d(e)))| >= tau'           (sparse_fused, PRED mode)
+    stage 2  cand = |silu(sC_e * (qC_e . z_d(e)))| >= tau'_e         (sparse_fused, PRED mode)
     stage 3  the candidates' exact gate rows only, keep |g| >= tau   (sparse_fused, as without a predictor)
 
 `_department_basis_kernel`, grid (T*k, ceil(r / BLOCK_R)): program (tj, b) takes slot j of token t (tj = t*k + j),
@@ -20,6 +20,10 @@ the tile would exceed 64 elements per thread: then BLOCK_H-wide chunks). Rows of
 t touches are not written (and sparse_fused never reads them). Fixed grid, no host sync: CUDA-graph capturable
 (`out=` keeps z's address). Programmatic dependent launch (kernels/pdl.py): it waits first (the expert ids are the
 router's output), then lets sparse_fused launch; sparse_fused's own wait covers its reads of z.
+
+tau'_e [I] is a threshold a neuron (row of C_e), stored in fp16: the fit lowers each row's threshold by a multiple
+of how far its predictions strayed on the calibration text (localmoe/experts/predictor.py), so neurons predicted
+well need less margin.
 
 Shape legend: T = tokens, k = experts per token, E = experts, N = departments, r = predictor rank, I = expert width,
 H = hidden.
@@ -53,7 +57,7 @@ class GatePredictor:
     C: torch.Tensor  # [E, I, r] int8 the experts' private maps (quantize_rows), rows contiguous
     C_scale: torch.Tensor  # [E, I] fp32 contiguous: each row's scale
     dept_of: torch.Tensor  # [E] int32/int64: each expert's department
-    tau_prime: float  # candidate when |silu(C_e . z_d)| >= tau_prime (a CUDA graph keeps the value it captured)
+    tau_rows: torch.Tensor  # [E, I] fp16 contiguous: neuron i of expert e is a candidate when |silu(C_e . z_d)|_i >= it
     experts: torch.Tensor | None = None  # [T, k] expert ids when sparse_fused's expert_ids hold cache slots (copy mode)
 
 
@@ -84,15 +88,15 @@ def department_basis_ref(x, B, B_scale, dept_of, experts) -> torch.Tensor:
     return z * touched[:, :, None]
 
 
-def candidates_ref(x, B, B_scale, C, C_scale, dept_of, experts, tau_prime) -> torch.Tensor:
+def candidates_ref(x, B, B_scale, C, C_scale, dept_of, experts, tau_rows) -> torch.Tensor:
     """bool [T, k, I]: stages 1 + 2, the neurons of each routed expert experts[t, j] whose predicted gate
-    |silu(sC_e * (qC_e . z_d(e)))| (fp32) reaches tau_prime."""
+    |silu(sC_e * (qC_e . z_d(e)))| (fp32) reaches their threshold tau_rows[e] (fp16 [E, I])."""
     z = department_basis_ref(x, B, B_scale, dept_of, experts)  # [T, N, r]
     e = experts.long()
     d = dept_of.long()[e]  # [T, k]
     zt = z.gather(1, d[:, :, None].expand(-1, -1, z.shape[2]))  # [T, k, r]
     p = torch.einsum("tkir,tkr->tki", C[e].float(), zt) * C_scale.float()[e]
-    return torch.nn.functional.silu(p).abs() >= tau_prime
+    return torch.nn.functional.silu(p).abs() >= tau_rows.float()[e]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,10 +237,10 @@ def department_basis(x, B, B_scale, dept_of, experts, out=None, *, BLOCK_R: int 
 
 def check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int) -> dict:
     """Checks `predictor=` against the launch (x, T tokens, k experts each, E experts or cache slots, width I) and
-    returns the kernel's arguments for it: pointers (z, C, C_scale, dept_of, the predictor's expert ids), scalars (r,
-    N, C's expert stride, tau') and R_P2; without a predictor, dummies that are never read."""
+    returns the kernel's arguments for it: pointers (z, C, C_scale, tau_rows, dept_of, the predictor's expert ids),
+    scalars (r, N, C's expert stride) and R_P2; without a predictor, dummies that are never read."""
     if p is None:
-        return {"tensors": (x, x, x, x, x), "scalars": (1, 1, 0, 0.0), "R_P2": 1}
+        return {"tensors": (x, x, x, x, x, x), "scalars": (1, 1, 0), "R_P2": 1}
     dev = x.device
     z, C, dept = p.z, p.C, p.dept_of
     if z.dim() != 3 or z.shape[0] != T or z.dtype != torch.float32 or not z.is_contiguous() or z.device != dev:
@@ -277,8 +281,11 @@ def check_predictor(p: GatePredictor | None, x, T: int, k: int, E: int, I: int) 
         raise ValueError(
             f"predictor.experts must be int32/int64 [T, k] = {(T, k)} on {dev}, got {ids.dtype} {tuple(ids.shape)}"
         )
-    tp = float(p.tau_prime)
-    if tp != tp:
-        raise ValueError("predictor.tau_prime must be a number, got NaN")
+    tr = p.tau_rows
+    if tuple(tr.shape) != (E_p, I) or tr.dtype != torch.float16 or not tr.is_contiguous() or tr.device != dev:
+        raise ValueError(
+            f"predictor.tau_rows must be a contiguous fp16 [E, I] = {(E_p, I)} tensor on {dev}, got {tr.dtype} "
+            f"{tuple(tr.shape)} on {tr.device}"
+        )
     pexp = ids.contiguous() if ids is not None else dept
-    return {"tensors": (z, C, cs, dept, pexp), "scalars": (r, N, C.stride(0), tp), "R_P2": triton.next_power_of_2(r)}
+    return {"tensors": (z, C, cs, tr, dept, pexp), "scalars": (r, N, C.stride(0)), "R_P2": triton.next_power_of_2(r)}

@@ -46,13 +46,14 @@ every other mode (accumulate, workspace, residual, stats) is the same.
 Gate predictor (optional, `predictor=GatePredictor(...)` from kernels/gate_predictor.py, issue #23; a constexpr mode,
 compiled out without it): stages 2 + 3 of the department-shared predictor inside the same program. Program (tj, b)
 of expert e (the predictor's id: `predictor.experts[tj]` in copy mode, else expert_ids[tj]) loads z[t, dept_of[e],
-:r] (written by `department_basis`, the launch before) and C_e's BLOCK_I x r int8 rows with their scales, and makes
-its candidates cand = |silu(sC * (qC_e . z))| >= tau'. The gate tile (bf16 or int4: packed bytes and scales alike)
-is loaded under the candidates' row mask, so a non-candidate's gate row issues no memory traffic, keep = cand &
-(|g| >= tau[e]), and a block without candidates stops after stage 2. Everything else is as above; the shared
-expert's programs stay dense (no C rows). The row stats count the gate rows actually read (the candidates): the count
-words of the workspace then carry kept + (candidates << 16) (I < 2^15), so the workspace keeps its size. tau' = 0
-makes every neuron a candidate: the launch without a predictor. C and z are not counted as weight rows.
+:r] (written by `department_basis`, the launch before) and C_e's BLOCK_I x r int8 rows with their scales and fp16
+thresholds, and makes its candidates cand = |silu(sC * (qC_e . z))| >= tau'_e (a threshold a neuron). The gate
+tile (bf16 or int4: packed bytes and scales alike) is loaded under the candidates' row mask, so a non-candidate's
+gate row issues no memory traffic, keep = cand & (|g| >= tau[e]), and a block without candidates stops after stage
+2. Everything else is as above; the shared expert's programs stay dense (no C rows). The row stats count the gate
+rows actually read (the candidates): the count words of the workspace then carry kept + (candidates << 16) (I <
+2^15), so the workspace keeps its size. tau' = 0 everywhere makes every neuron a candidate: the launch without a
+predictor. C and z are not counted as weight rows.
 
 One launch, fixed grid and output sizes, no host sync: CUDA-graph capturable (pass `out=`, `count=` and
 `workspace=` to keep every address fixed across replays).
@@ -171,6 +172,7 @@ if triton is not None:
         z_ptr,  # [T, N, r] fp32: B_d x per (token, department) (PRED only)
         pc_ptr,  # [E_p, I, r] int8 the experts' private maps C, rows contiguous (PRED only)
         pcs_ptr,  # [E_p, I] fp32 C's row scales, contiguous (PRED only)
+        ptau_ptr,  # [E_p, I] fp16 each neuron's predictor threshold tau', contiguous (PRED only)
         pdept_ptr,  # [E_p] int32/int64 each expert's department (PRED only)
         pexp_ptr,  # [T*k] int32/int64 the predictor's expert ids (PRED_IDS only: eid_ptr holds cache slots)
         I,
@@ -199,7 +201,6 @@ if triton is not None:
         R,  # predictor rank r (PRED only)
         NDEPT,  # departments N (PRED only)
         stride_ce,  # C's expert stride (PRED only)
-        tau_p,  # fp32 predictor threshold tau' (PRED only)
         H: tl.constexpr,
         H_P2: tl.constexpr,  # next power of two >= H: one full-width tile per program, no serial H loop
         BLOCK_I: tl.constexpr,
@@ -306,8 +307,9 @@ if triton is not None:
                 other=0.0,
             )  # [BLOCK_I, R_P2]
             csc = tl.load(pcs_ptr + pe * I + rows, mask=crm, other=0.0)  # [BLOCK_I] fp32
+            ctp = tl.load(ptau_ptr + pe * I + rows, mask=crm, other=0.0).to(tl.float32)  # [BLOCK_I] tau' a neuron
             zp = tl.sum(cp.to(tl.float32) * zd[None, :], axis=1) * csc  # [BLOCK_I]
-            grow = (tl.abs(zp / (1.0 + tl.exp(-zp))) >= tau_p) & rmask  # |silu|
+            grow = (tl.abs(zp / (1.0 + tl.exp(-zp))) >= ctp) & rmask  # |silu|
             if SHARED:
                 grow = tl.where(is_sh, rmask, grow)
             nc = tl.sum(grow.to(tl.int32), axis=0)
@@ -497,11 +499,12 @@ def sparse_fused(
       bytes + its H/G scales and H/G minimums). Not with `shared=`; everything else as above.
 
     * gate predictor: `predictor` (kernels/gate_predictor.py `GatePredictor`): z [T,N,r] fp32 contiguous (from
-      `department_basis` this step), C [E_p,I,r] bf16/fp16/fp32 with contiguous rows, dept_of [E_p] int32/int64,
-      tau' a number, and in copy mode (expert_ids hold cache slots) experts [T,k], the expert ids C and dept_of are
-      indexed by (else E_p must be E). Only neurons with |silu(C_e . z_d(e))| >= tau' are candidates: only their gate
-      rows are read and only they can be kept. Any r (padded to a power of two with a mask), N >= 1; with host_rows
-      / read_rows, I < 32768. Every mode above (int4 included).
+      `department_basis` this step), C [E_p,I,r] int8 with contiguous rows and its fp32 row scales C_scale [E_p,I],
+      tau_rows [E_p,I] fp16, dept_of [E_p] int32/int64, and in copy mode (expert_ids hold cache slots) experts
+      [T,k], the expert ids C, C_scale, tau_rows and dept_of are indexed by (else E_p must be E). Only neurons with
+      |silu(sC_e * (qC_e . z_d(e)))| >= tau_rows[e] are candidates: only their gate rows are read and only they can
+      be kept. Any r (padded to a power of two with a mask), N >= 1; with host_rows / read_rows, I < 32768. Every
+      mode above (int4 included).
 
     Fixed grid (T*k [+ T], ceil(max(I, I_s)/BLOCK_I)), no host sync: CUDA-graph capturable. `maxnreg` caps the
     registers per thread (more programs resident per SM; a tuned launch parameter like BLOCK_I and num_warps).

@@ -46,7 +46,8 @@ def test_fit_shapes_and_balanced_departments(tiny):
         assert p.B.shape == (4, 16, 256) and p.C.shape == (8, 160, 16) and p.dept_of.shape == (8,)
         assert p.B.dtype == p.C.dtype == torch.int8 and p.B_scale.shape == (4, 16) and p.C_scale.shape == (8, 160)
         assert torch.bincount(p.dept_of, minlength=4).tolist() == [2, 2, 2, 2]
-        assert p.tau_prime > 0 and torch.isfinite(p.B_scale).all() and torch.isfinite(p.C_scale).all()
+        assert p.tau_rows.shape == (8, 160) and p.tau_rows.dtype == torch.float16 and float(p.tau_rows.max()) > 0
+        assert torch.isfinite(p.B_scale).all() and torch.isfinite(p.C_scale).all() and float(p.tau_rows.min()) >= 0
         assert int(p.C.abs().amax(-1).min()) == 127  # each row's scale spans it
     assert predictor.group(torch.rand(8, 8), 3) and [len(g) for g in predictor.group(torch.ones(7, 7), 3)] == [3, 2, 2]
     assert path is not None and path.exists() and path.name == "s0.8500-d4-r16-coact.safetensors"
@@ -62,6 +63,29 @@ def test_tau_for_recall_holds_the_target_mass():
     assert predictor.mass_recall(exact, pred, 0.4, 0.2) == pytest.approx(3.0 / 3.5)
 
 
+def test_thresholds_lower_where_predictions_stray():
+    """Two experts' neurons: expert 0 predicted exactly, expert 1 with noise. Each neuron's error σ is shrunk toward
+    the layer's; the fitted rows hold the recall target, and a slack k > 0 (the noisy expert's thresholds below the
+    exact one's by k (σ_1 - σ_0): more margin where predictions stray) lets fewer neurons through than one τ′."""
+    gen = torch.Generator().manual_seed(0)
+    n, I = 400, 6
+    exact = torch.rand(2 * n, I, generator=gen, dtype=torch.float64)
+    experts = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long)])
+    noise = 0.3 * torch.randn(n, I, generator=gen, dtype=torch.float64)
+    pred = torch.cat([exact[:n], (exact[n:] + noise).abs()])
+    err = predictor.row_errors(exact, pred, experts, 3)
+    assert err.shape == (3, I) and float(err[0].max()) < float(err[1].min())
+    prior = float((exact - pred).pow(2).mean().sqrt())
+    torch.testing.assert_close(err[2], torch.full((I,), prior, dtype=torch.float64))  # never routed: the layer's
+    rows, k, tp = predictor.fit_thresholds(exact, pred, experts, 3, 0.5, 0.99)
+    assert rows.dtype == torch.float16 and rows.shape == (3, I) and k > 0
+    assert float(rows[1].max()) < float(rows[0].min())
+    got = predictor.mass_recall(exact, pred, 0.5, rows.double()[experts])
+    assert got >= 0.99 - 1e-3
+    one = predictor.tau_for_recall(exact, pred, 0.5, 0.99)
+    assert float((pred >= rows.double()[experts]).double().mean()) < float((pred >= one).double().mean())
+
+
 def test_cache_round_trip_and_invalidation(tiny, monkeypatch):
     engine, table, preds, path = tiny
     monkeypatch.setenv("XDG_CACHE_HOME", str(path.parents[3]))  # the fixture's cache (each test has its own)
@@ -70,7 +94,7 @@ def test_cache_round_trip_and_invalidation(tiny, monkeypatch):
     try:
         again, same = predictor.predictors_for(engine, table, 4, 16, tokens=TOKENS)
         assert same == path and not notes
-        assert all(torch.equal(a.C, b.C) and a.tau_prime == b.tau_prime for a, b in zip(preds, again))
+        assert all(torch.equal(a.C, b.C) and torch.equal(a.tau_rows, b.tau_rows) for a, b in zip(preds, again))
         assert all(
             torch.equal(a.B_scale, b.B_scale) and torch.equal(a.C_scale, b.C_scale) for a, b in zip(preds, again)
         )
@@ -102,10 +126,10 @@ def _tokens(engine, n=12):
     return [e.token_id for e in engine.generate(ids, GenerationSettings(max_new_tokens=n, temperature=0.0))]
 
 
-def test_tau_prime_zero_decodes_todays_sparse_tokens(tiny):
+def test_tau_zero_decodes_todays_sparse_tokens(tiny):
     engine, _, preds, _ = tiny
     today = _tokens(engine)
-    everyone = [dataclasses.replace(p, tau_prime=0.0) for p in preds]
+    everyone = [dataclasses.replace(p, tau_rows=torch.zeros_like(p.tau_rows)) for p in preds]
     predicted.apply(engine.loaded, everyone, device=engine._device)
     try:
         assert _tokens(engine) == today
@@ -286,4 +310,5 @@ def test_synthetic_predictor_for_random_weights():
     torch.testing.assert_close(B[0] @ B[0].T, torch.eye(16), rtol=0, atol=0.02)
     want = m.weights.w_gate[3].float() @ B[int(p.dept_of[3])].T
     assert float((C[3] - want).abs().max()) <= 4 * float(p.C_scale[3].max())
-    assert all(abs(q.candidate_share - 0.25) < 0.02 and q.tau_prime > 0 for q in preds)
+    assert all(abs(q.candidate_share - 0.25) < 0.02 and float(q.tau_rows.min()) > 0 for q in preds)
+    assert all(torch.equal(q.tau_rows, q.tau_rows[0, 0].expand_as(q.tau_rows)) for q in preds)  # one τ′ a layer

@@ -207,7 +207,7 @@ class LocalExperts(DensePath, nn.Module):
         if p is None:
             return {}
         z = department_basis(x, p.B, p.B_scale, p.dept_of, experts)
-        return {"predictor": GatePredictor(z, p.C, p.C_scale, p.dept_of, p.tau_prime, experts=experts)}
+        return {"predictor": GatePredictor(z, p.C, p.C_scale, p.dept_of, p.tau_rows, experts=experts)}
 
     @property
     def direct_misses(self) -> bool:

@@ -7,15 +7,16 @@ private C_e [I, r] (fitted by `localmoe.experts.predictor`), both held as int8 r
 fp32). For a token x routed to experts e of departments d(e):
 
     stage 1  z_d = B_d · x                          once per department the token's experts touch
-    stage 2  p_e = |act(C_e · z_d(e))|              candidates: neurons with p_e >= τ′ (the layer's predictor threshold)
+    stage 2  p_e = |act(C_e · z_d(e))|              candidates: neurons with p_e >= τ′_e (a threshold a neuron)
     stage 3  g = act(W_gate_e[cand] · x)            the exact gate rows of the candidates only;
              kept = cand with |g| >= τ              as the exact sparse path; their up/down rows read, computed exactly
 
 The only error against the exact-mask sparse path is a neuron with |g| >= τ that the predictor missed. τ′ = 0 makes
-every neuron a candidate: the exact sparse path. The counters (`mass_exact`, `mass_kept`: the exact mask's |act|
-mass and the part of it kept; `candidates`, `slots`, `touches`: candidate neurons, (token, expert) slots and
-(token, department) pairs) are filled by evaluation's masked grouped path (`observe`) and by the decode reference
-(which cannot see the mass it missed: it adds counts only).
+every neuron a candidate: the exact sparse path. τ′_e [I] is stored in fp16 (`tau_rows` [E, I]): the fit
+(localmoe.experts.predictor) sets the layer's τ′ and lowers each neuron's by a multiple of its prediction error.
+The counters (`mass_exact`, `mass_kept`: the exact mask's |act| mass and the part of it kept; `candidates`, `slots`,
+`touches`: candidate neurons, (token, expert) slots and (token, department) pairs) are filled by evaluation's masked
+grouped path (`observe`) and by the decode reference (which cannot see the mass it missed: it adds counts only).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class LayerPredictor:
     C: torch.Tensor  # [E, I, r] int8 the experts' private maps
     C_scale: torch.Tensor  # [E, I] fp32 their rows' scales
     dept_of: torch.Tensor  # [E] int64: each expert's department
-    tau_prime: float  # candidates: |act(C_e B_d x)| >= tau_prime
+    tau_rows: torch.Tensor  # [E, I] fp16: neuron i of expert e is a candidate when |act(C_e B_d x)|_i >= tau_rows[e, i]
     candidate_share: float | None = None  # the share of routed neurons that were candidates when fitted (None: unknown)
     counts: dict = field(default_factory=dict)
 
@@ -42,10 +43,11 @@ class LayerPredictor:
         self.reset()
 
     @classmethod
-    def of(cls, B, C, dept_of, tau_prime, candidate_share=None) -> LayerPredictor:
-        """From float maps B [N, r, H] and C [E, I, r]: stored as int8 rows with their scales."""
+    def of(cls, B, C, dept_of, tau=0.0, candidate_share=None) -> LayerPredictor:
+        """From float maps B [N, r, H] and C [E, I, r] (stored as int8 rows with their scales) and `tau`, one
+        threshold for every neuron or [E, I]."""
         (qb, sb), (qc, sc) = quantize_rows(B), quantize_rows(C)
-        return cls(qb, sb, qc, sc, dept_of, tau_prime, candidate_share)
+        return cls(qb, sb, qc, sc, dept_of, row_thresholds(tau, C.shape[:2]), candidate_share)
 
     def maps(self, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, C) as the kernels see them (int8 x scale), in `dtype`."""
@@ -69,7 +71,7 @@ class LayerPredictor:
             self.C.to(device),
             self.C_scale.to(device, torch.float32).contiguous(),
             self.dept_of.to(device),
-            self.tau_prime,
+            self.tau_rows.to(device, torch.float16).contiguous(),
             self.candidate_share,
         )
 
@@ -87,7 +89,7 @@ class LayerPredictor:
 
     def candidates(self, x: torch.Tensor, experts: torch.Tensor, act_fn) -> torch.Tensor:
         """bool [n, I]: the neurons the predictor lets through."""
-        return self.predicted_abs(x, experts, act_fn) >= self.tau_prime
+        return self.predicted_abs(x, experts, act_fn) >= self.tau_rows[experts].float()
 
     def observe(self, g_abs, keep_exact, cand, experts, tokens) -> None:
         """Evaluation (every row's exact gate known): the exact mask's |act| mass and the part the candidates kept,
@@ -99,6 +101,13 @@ class LayerPredictor:
         c["candidates"] += int(cand.sum())
         c["slots"] += int(experts.numel())
         c["touches"] += int(torch.unique(tokens * self.departments + self.dept_of[experts]).numel())
+
+
+def row_thresholds(tau, shape) -> torch.Tensor:
+    """fp16 [E, I] thresholds from one number (every neuron) or an [E, I] tensor; negative ones are 0 (every
+    |act| reaches them)."""
+    t = torch.as_tensor(tau, dtype=torch.float64)
+    return torch.broadcast_to(t.clamp_min(0.0), tuple(shape)).to(torch.float16).contiguous()
 
 
 def predicted_reference(x, w, top_k_index, top_k_weights, tau, act_fn, pred: LayerPredictor):
@@ -119,7 +128,7 @@ def predicted_reference(x, w, top_k_index, top_k_weights, tau, act_fn, pred: Lay
             if d not in z:
                 z[d] = (pred.B[d].float() @ xt.float()) * pred.B_scale[d]
             p = act_fn((pred.C[e].float() @ z[d]) * pred.C_scale[e])
-            cand = (p.abs() >= pred.tau_prime).nonzero().squeeze(1)  # stage 2
+            cand = (p.abs() >= pred.tau_rows[e].float()).nonzero().squeeze(1)  # stage 2
             c["candidates"] += cand.numel()
             c["slots"] += 1
             if cand.numel() == 0:
@@ -142,8 +151,8 @@ def basis_bytes(r: int, H: int) -> int:
 
 
 def map_bytes(I: int, r: int) -> int:
-    """Bytes of one expert's C_e: int8 rows and their fp32 scales."""
-    return I * r + 4 * I
+    """Bytes of one expert's C_e: int8 rows, their fp32 scales and fp16 thresholds."""
+    return I * r + 6 * I
 
 
 def routed_gate_bytes(p: LayerPredictor, matrix: float, top_k: int) -> float:
@@ -157,7 +166,8 @@ def routed_gate_bytes(p: LayerPredictor, matrix: float, top_k: int) -> float:
 
 
 def device_bytes(preds: list[LayerPredictor] | None) -> int:
-    """VRAM the predictors take on the device: every layer's int8 B and C with their scales, and dept_of."""
+    """VRAM the predictors take on the device: every layer's int8 B and C with their scales and thresholds, and
+    dept_of."""
     total = 0
     for p in preds or []:
         (N, r, H), (E, I, _) = p.B.shape, p.C.shape
