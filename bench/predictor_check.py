@@ -8,13 +8,14 @@
 2. kernel: the routed-expert launch at real shapes (Qwen3.5-35B-A3B: H 2048, I 512, E 256, k 8; Qwen3-30B-A3B:
    H 2048, I 768, E 128, k 8), bf16, random weights, 85% sparsity: `sparse_fused` alone against
    `department_basis` + `sparse_fused(predictor=)` with a synthetic predictor (N 8, r 64; τ′ at the candidate
-   share of --candidates), µs per call (CUDA graph of 40 layers' weights in rotation, median of replays).
+   share of --candidates), µs per call (CUDA graph of 40 layers' weights in rotation, median of replays), both
+   launches at each BLOCK_I / num_warps pair of --launches (default 8 / 8, the launcher's default).
 3. engine (unless --skip-engine): `localmoe bench --shape S --sparsity 0.85 --departments 0,8` for each shape,
    resident, and qwen3.5-35b at `--vram 16` (bf16 experts offloaded): today's sparse path and the predictor's rows
    from one engine.
 Random weights cannot show recall (synthetic predictors, speed only).
 
-    PYTHONUNBUFFERED=1 python bench/predictor_check.py [--skip-engine] [--candidates 0.3]
+    PYTHONUNBUFFERED=1 python bench/predictor_check.py [--skip-engine] [--candidates 0.3] [--launches 8/8,4/8]
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ def synthetic(E: int, I: int, H: int, share: float, gen):
     return w, qb, sb, qc, sc, dept.to(torch.int32), torch.full((E, I), tp, dtype=torch.float16, device="cuda")
 
 
-def kernel_rows(share: float) -> list[str]:
+def kernel_rows(share: float, launches: list[tuple[int, int]]) -> list[str]:
     rows = []
-    for name, H, I, E in SHAPES:
+    for (name, H, I, E), (bi, nw) in ((s, lp) for s in SHAPES for lp in launches):
         gen = torch.Generator(device="cuda").manual_seed(0)
         sets = [synthetic(E, I, H, share, gen) for _ in range(4)]  # rotated: L2 must not hold the working set
         x = torch.randn(1, H, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -100,11 +101,12 @@ def kernel_rows(share: float) -> list[str]:
         z = torch.empty(1, N, R, device="cuda", dtype=torch.float32)
 
         def plain(s):
-            sparse_fused(x, *s[0], ids, wts, tau, out)
+            sparse_fused(x, *s[0], ids, wts, tau, out, BLOCK_I=bi, num_warps=nw)
 
         def pred(s):
             department_basis(x, s[1], s[2], s[5], ids, out=z)
-            sparse_fused(x, *s[0], ids, wts, tau, out, predictor=GatePredictor(z, s[3], s[4], s[5], s[6]))
+            p = GatePredictor(z, s[3], s[4], s[5], s[6])
+            sparse_fused(x, *s[0], ids, wts, tau, out, predictor=p, BLOCK_I=bi, num_warps=nw)
 
         times = {}
         for label, fn in (("today", plain), ("predictor", pred)):
@@ -117,7 +119,7 @@ def kernel_rows(share: float) -> list[str]:
                     fn(sets[i % len(sets)])
             times[label] = triton.testing.do_bench(graph.replay, warmup=25, rep=200) * 1e3 / LAYERS
         ratio = times["today"] / times["predictor"]
-        rows.append(f"| {name} | {times['today']:.1f} | {times['predictor']:.1f} | {ratio:.2f}x |")
+        rows.append(f"| {name} | {bi} / {nw} | {times['today']:.1f} | {times['predictor']:.1f} | {ratio:.2f}x |")
     return rows
 
 
@@ -125,11 +127,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--candidates", type=float, default=0.3, help="synthetic predictor's candidate share")
+    ap.add_argument("--launches", default="8/8", help="BLOCK_I/num_warps pairs of both launches, e.g. 8/8,4/8,4/4")
     a = ap.parse_args()
+    launches = [tuple(int(v) for v in p.split("/")) for p in a.launches.split(",")]
     ok = check_tokens()
     print(f"\nrouted-expert launch, bf16, 85%, synthetic predictor N {N} r {R}, {a.candidates:.0%} candidates")
-    print("| shape | today µs | predictor µs | speed-up |\n|---|---:|---:|---:|")
-    print("\n".join(kernel_rows(a.candidates)), flush=True)
+    print("| shape | BLOCK_I / warps | today µs | predictor µs | speed-up |\n|---|---|---:|---:|---:|")
+    print("\n".join(kernel_rows(a.candidates, launches)), flush=True)
     if not a.skip_engine:
         for shape, vram in (("qwen3.5-35b", None), ("qwen3-30b", None), ("qwen3.5-35b", 16.0)):
             result = bench(

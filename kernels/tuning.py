@@ -11,9 +11,10 @@ One JSON file per device, merged from the sweeps' outputs (`bench/bench_moe_bloc
                          "gated_deltanet_step": {...}}}
 
 The `launch_params` dicts are keyword arguments of `dense_experts` and `sparse_fused` ("fused"; "fused_int4" with int4
-experts); `decode_params` holds keyword arguments of the fused decode launchers (router_topk, moe_front,
-shared_expert, gated_deltanet_step, gemv, decode_attention, department_experts) and of the prefill's grouped GEMMs
-(grouped_gate_up, grouped_gemm: `bench/tune_prefill.py`), looked up by `tuned(x, kernel, shape)`;
+experts; "fused_pred" with the gate predictor, resident experts); `decode_params` holds keyword arguments of the
+fused decode launchers (router_topk, moe_front, shared_expert, gated_deltanet_step, gemv, decode_attention,
+department_experts) and of the prefill's grouped GEMMs (grouped_gate_up, grouped_gemm: `bench/tune_prefill.py`),
+looked up by `tuned(x, kernel, shape)`;
 tests/test_tuned_tables.py checks that every entry is one the code reads. `launch_params(device_name, H, I, k)`
 returns the entry for that shape (or the defaults); `crossover_tokens(device_name, H, I, E, k)` returns the largest
 token count at which the sparse kernels beat the dense grouped path (1 when unmeasured). Device names match
@@ -36,6 +37,9 @@ DEFAULT_PARAMS = {
     "fused": {"BLOCK_I": 8, "num_warps": 8},
 }
 INT4_FUSED = {"BLOCK_I": 4, "num_warps": 8}  # sparse_fused with int4 experts (launch_params)
+# sparse_fused with the gate predictor (launch_params' "fused_pred"): with ~30% of the gate rows read, smaller blocks
+# win (H100, untuned, bench/predictor_check.py --launches: Qwen3.5-35B 11.8 µs at 4 / 4 against 12.4 at 8 / 8)
+PRED_FUSED = {"BLOCK_I": 4, "num_warps": 4}
 
 
 def _norm(name: str) -> str:
@@ -70,11 +74,12 @@ def _device_table(device_name: str) -> dict:
 
 
 def launch_params(device_name: str, H: int, I: int, k: int, int4: bool = False) -> dict:
-    """Launch parameters {"dense": {...}, "fused": {...}} for one shape on one device.
+    """Launch parameters {"dense": {...}, "fused": {...}, "fused_pred": {...}} for one shape on one device.
 
     int4 experts: sparse_fused's unpacked tiles need about twice the registers per element, so its untuned rule
     allows 32 tile elements per thread instead of 64 (H 2048: BLOCK_I 4 / 8 warps; on the H200 at ~20% kept 14.2 µs
-    against 16.4 for 8 / 8, dense 18.2 against 17.9); a tuned entry's "fused_int4" overrides it."""
+    against 16.4 for 8 / 8, dense 18.2 against 17.9); a tuned entry's "fused_int4" overrides it. "fused_pred" (the
+    predictor's launch): PRED_FUSED or a tuned entry's; with int4 experts the int4 launch."""
     params = copy.deepcopy(DEFAULT_PARAMS)
     entry = _device_table(device_name).get("launch_params", {}).get(f"H{H}_I{I}_k{k}", {})
     for kernel, kw in entry.items():
@@ -90,6 +95,7 @@ def launch_params(device_name: str, H: int, I: int, k: int, int4: bool = False) 
             f["num_warps"] *= 2
         while f["BLOCK_I"] * h_p2 > per_thread * 32 * f["num_warps"] and f["BLOCK_I"] > 1:
             f["BLOCK_I"] //= 2
+    params["fused_pred"] = dict(params["fused"]) if int4 else dict(PRED_FUSED, **entry.get("fused_pred", {}))
     return params
 
 

@@ -1,8 +1,8 @@
 """The tuned launch tables (kernels/tuned/*.json) hold only what code reads: every `decode_params` kernel is one a
 decode path looks up with `tuned(x, KERNEL, shape)`, and every `launch_params` entry names the expert launches
-`launch_params` returns ("dense", "fused", "fused_int4") with keyword arguments of those launchers. An entry under
-any other name is silently never used (session 28's sparse_fused sweeps sat under an unread "sparse_tail" key for two
-sessions)."""
+`launch_params` returns ("dense", "fused", "fused_int4", "fused_pred") with keyword arguments of those launchers. An
+entry under any other name is silently never used (session 28's sparse_fused sweeps sat under an unread
+"sparse_tail" key for two sessions)."""
 
 import inspect
 import json
@@ -39,7 +39,7 @@ def test_launch_params_entries_are_expert_launches():
         "dense": set(inspect.signature(dense_experts).parameters),
         "fused": set(inspect.signature(sparse_fused).parameters),
     }
-    params["fused_int4"] = params["fused"]
+    params["fused_int4"] = params["fused_pred"] = params["fused"]
     for path in TABLES:
         for shape, entry in json.loads(path.read_text()).get("launch_params", {}).items():
             assert re.fullmatch(r"H\d+_I\d+_k\d+", shape), f"{path.name}: launch_params key {shape!r}"
@@ -52,3 +52,7 @@ def test_an_entry_reaches_the_launch():
     """The H200 table's OLMoE entry is what the experts' launch gets (and an unknown device gets the defaults)."""
     assert tuning.launch_params("NVIDIA H200", 2048, 1024, 8)["fused"] == {"BLOCK_I": 16, "num_warps": 4}
     assert tuning.launch_params("no such device", 2048, 1024, 8)["fused"] == tuning.DEFAULT_PARAMS["fused"]
+    # the gate predictor's launch: its own default, or the int4 launch with int4 experts
+    assert tuning.launch_params("no such device", 2048, 512, 8)["fused_pred"] == tuning.PRED_FUSED
+    int4 = tuning.launch_params("no such device", 2048, 512, 8, int4=True)
+    assert int4["fused_pred"] == int4["fused"] == tuning.INT4_FUSED

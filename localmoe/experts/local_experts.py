@@ -359,7 +359,7 @@ class LocalExperts(DensePath, nn.Module):
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:
         if not x.is_cuda:
-            return {"fused": {}, "dense": {}}
+            return {"fused": {}, "fused_pred": {}, "dense": {}}
         if self._params is None:
             self._params = launch_params(
                 torch.cuda.get_device_name(x.device),
@@ -397,7 +397,7 @@ class LocalExperts(DensePath, nn.Module):
         """`count`: add the kept neurons to the sparsity stats (False: threshold 0, the dense path with a tail);
         `experts`: the expert ids [T, k] when `top_k_index` holds cache slots (biases are indexed by expert)."""
         if (x.is_cuda or self.kernel_on_cpu) and self.hidden_act == "silu":  # one launch, output in x's dtype
-            p = self._launch(x, top_k_index.shape[1])["fused"]
+            p = self._launch(x, top_k_index.shape[1])["fused_pred" if count and self.predictor is not None else "fused"]
             y, _ = sparse_fused(
                 x,
                 w.w_gate,
