@@ -16,7 +16,7 @@ from localmoe.cli.main import main
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.experts import placement, predicted, predictor, thresholds
+from localmoe.experts import placement, predicted, predictor, predictor_cache, thresholds
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.measure.evaluate import evaluate
@@ -103,19 +103,19 @@ def test_cache_round_trip_and_invalidation(tiny, monkeypatch):
         refit, _ = predictor.predictors_for(engine, table, 4, 16, tokens=TOKENS)
         assert len(notes) == 1 and "was invalid" in notes[0] and "fitted again" in notes[0]
         assert all(torch.equal(a.B, b.B) for a, b in zip(preds, refit))
-        meta = predictor._meta(
+        meta = predictor_cache.metadata(
             engine, SPARSITY, 4, 16, "coact", predictor.DEFAULT_RECALL, *thresholds.read_calibration_text(None), TOKENS
         )
         shapes = [(8, 160, 256)] * 8
-        assert predictor._read_cache(path, meta, shapes)[0] is not None
-        stale = predictor._read_cache(path, {**meta, "rank": 8}, shapes)[1]
+        assert predictor_cache.read(path, meta, shapes)[0] is not None
+        stale = predictor_cache.read(path, {**meta, "rank": 8}, shapes)[1]
         assert "was stale (made with rank" in stale
-        assert "tensor" in predictor._read_cache(path, meta, [(8, 160, 256)] * 9)[1]
+        assert "tensor" in predictor_cache.read(path, meta, [(8, 160, 256)] * 9)[1]
         # a file of another map format (one from before int8 maps has no "maps" key): stale, fitted again
-        assert "was stale (made with maps" in predictor._read_cache(path, {**meta, "maps": "bf16"}, shapes)[1]
+        assert "was stale (made with maps" in predictor_cache.read(path, {**meta, "maps": "bf16"}, shapes)[1]
         floats = [dataclasses.replace(p, B=p.B.float()) for p in preds]  # the right metadata, float B: refused
-        assert predictor._write_cache(path, floats, meta) is None
-        assert "0.B is torch.float32, expected torch.int8" in predictor._read_cache(path, meta, shapes)[1]
+        assert predictor_cache.write(path, floats, meta) is None
+        assert "0.B is torch.float32, expected torch.int8" in predictor_cache.read(path, meta, shapes)[1]
         path.write_bytes(body)  # the valid file back, for the tests after this one
     finally:
         engine.on_notice = None

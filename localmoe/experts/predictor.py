@@ -24,11 +24,8 @@ Per MoE layer, from the routed inputs x of the calibration text (the thresholds'
     / 0.696 / 0.708 / 0.729 at +1.03% / +0.82% / +0.91% / +0.68% (0.99 / 0.9905 / 0.991 / 0.992).
 Random weights (`bench --shape`) get a synthetic predictor instead (`synthetic`: for speed only).
 Fitting runs on the CPU in float64 and keeps the layers' routed inputs in host memory (tokens x H x 8 bytes per
-layer). The result is cached under `$XDG_CACHE_HOME/localmoe/predictors/` as one safetensors file with the metadata
-that made it (model, revision, checkpoint fingerprint, sparsity, N, r, method, recall, calibration set and its hash,
-tokens, layers, localmoe version), validated in full before use (metadata equal; every tensor present, finite, of the
-model's shape; departments balanced; thresholds finite and non-negative); an invalid or stale file is fitted again and
-overwritten, with a notice. Files are written atomically; one that cannot be written serves this run only.
+layer). `predictors_for` reads the fitted predictors from their cache file (localmoe.experts.predictor_cache) or
+fits them and writes it; an invalid or stale file is fitted again and overwritten, with a notice.
 
 An `engine` argument is read through `.model_name`, `.resolved`, `.tokenizer`, `.model`, `.loaded.experts`,
 `._device`, `._logits_kw`, `.max_positions` and `.on_notice` (this module sits below the engine).
@@ -36,22 +33,16 @@ An `engine` argument is read through `.model_name`, `.resolved`, `.tokenizer`, `
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as save_tensors
 
-from localmoe import __version__
 from localmoe.errors import UsageError
 from localmoe.events import ProgressFn
+from localmoe.experts import predictor_cache
 from localmoe.experts.local_experts import LocalExperts
 from localmoe.experts.predicted import LayerPredictor, row_thresholds
-from localmoe.experts.threshold_files import checkpoint_fingerprint, write_atomically
 from localmoe.experts.thresholds import CHUNK, DEFAULT_TOKENS, read_calibration_text
-from localmoe.paths import cache_root, slug
 from localmoe.safe_text import for_line
 
 METHODS = ("coact", "rows")
@@ -63,8 +54,6 @@ SYNTHETIC_TOKENS = 256  # random weights: routed inputs that set the synthetic p
 # (localmoe-tiny, bf16, N 8, r 64; 0.99: 98.2%, +1.03%; 0.992: 98.5%, +0.68%, 27.1% fewer; RESULTS.md)
 DEFAULT_RECALL = 0.9905
 RIDGE = 1e-6
-# how B, C and the thresholds are stored (a cache file of another format is stale: fitted again)
-MAPS = "int8 rows, fp32 scales, fp16 thresholds a neuron"
 SLACKS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)  # multiples of a neuron's prediction error tried for each layer
 PRIOR_PAIRS = 16  # a neuron's prediction error is shrunk toward its layer's over this many pseudo-pairs
 ROW_SPACE = 32  # the "rows" similarity: singular directions per expert compared
@@ -316,123 +305,6 @@ def synthetic(
     return out
 
 
-# -- the cache -------------------------------------------------------------------------------------------------
-MAX_CACHE_BYTES = 4 << 30  # B and C of a large model: a file past this is not one of ours
-
-
-def cache_path(model: str, revision: str, sparsity: float, departments: int, rank: int, method: str, experts: str):
-    suffix = "" if experts == "full" else f"-{experts}"
-    name = f"s{sparsity:.4f}-d{departments}-r{rank}-{method}{suffix}.safetensors"
-    return cache_root() / "predictors" / f"{slug(model)}-{slug(revision)[:24]}" / name
-
-
-def _meta(engine, sparsity, departments, rank, method, recall, text, name, tokens) -> dict:
-    return {
-        "model": engine.model_name,
-        "revision": engine.resolved.revision,
-        "checkpoint": checkpoint_fingerprint(Path(engine.resolved.path)),
-        "experts": engine.experts_format,
-        "sparsity": round(float(sparsity), 6),
-        "departments": departments,
-        "rank": rank,
-        "method": method,
-        "recall_target": recall,
-        "calibration_set": name,
-        "calibration_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
-        "tokens_requested": tokens,
-        "layers": len(engine.loaded.experts),
-        "maps": MAPS,
-        "localmoe_version": __version__,
-    }
-
-
-def _layer_problem(f, i: int, shape: tuple, departments: int, rank: int) -> str | None:
-    E, I, H = shape
-    want = {
-        "B": ((departments, rank, H), torch.int8),
-        "B_scale": ((departments, rank), torch.float32),
-        "C": ((E, I, rank), torch.int8),
-        "C_scale": ((E, I), torch.float32),
-        "dept": ((E,), None),
-        "tau_rows": ((E, I), torch.float16),
-    }
-    got = {}
-    for key, (dims, dtype) in want.items():
-        name = f"{i}.{key}"
-        if name not in f.keys():
-            return f"no tensor {name}"
-        got[key] = f.get_tensor(name)
-        if tuple(got[key].shape) != dims:
-            return f"{name} is {tuple(got[key].shape)}, expected {dims}"
-        if dtype is not None and got[key].dtype != dtype:
-            return f"{name} is {got[key].dtype}, expected {dtype}"
-    finite = all(torch.isfinite(got[k]).all() for k in ("B_scale", "C_scale", "tau_rows"))
-    if not finite or any(float(got[k].min()) < 0 for k in ("B_scale", "C_scale", "tau_rows")):
-        return f"layer {i} holds NaN, inf or a negative threshold or scale"
-    sizes = torch.bincount(got["dept"].long().clamp(0, departments), minlength=departments + 1)
-    if (
-        int(got["dept"].min()) < 0
-        or int(sizes[departments])
-        or int(sizes[:departments].max() - sizes[:departments].min()) > 1
-    ):
-        return f"layer {i}'s departments are not {departments} balanced groups"
-    return None
-
-
-def _read_cache(path: Path, meta: dict, shapes: list[tuple]) -> tuple[list[LayerPredictor] | None, str]:
-    """(the predictors, "") when the file at `path` is valid for `meta`; (None, notice) when it exists but cannot
-    be used; (None, "") when there is none."""
-    why = None
-    try:
-        if not path.exists():
-            return None, ""
-        if path.stat().st_size > MAX_CACHE_BYTES:
-            raise ValueError(f"{path.stat().st_size} bytes, not a predictor file")
-        with safe_open(str(path), "pt") as f:
-            saved = json.loads((f.metadata() or {}).get("localmoe", "null"))
-            if not isinstance(saved, dict):
-                why = "no localmoe metadata"
-            else:
-                bad = [k for k in meta if saved.get(k) != meta[k]]
-                if bad:
-                    why = f"made with {bad[0]} {for_line(repr(saved.get(bad[0])))}, this run has {meta[bad[0]]!r}"
-            N, r = meta["departments"], meta["rank"]
-            for i, shape in enumerate(shapes):
-                why = why or _layer_problem(f, i, shape, N, r)
-            if why is None:
-                preds = [
-                    LayerPredictor(
-                        f.get_tensor(f"{i}.B"),
-                        f.get_tensor(f"{i}.B_scale"),
-                        f.get_tensor(f"{i}.C"),
-                        f.get_tensor(f"{i}.C_scale"),
-                        f.get_tensor(f"{i}.dept").long(),
-                        f.get_tensor(f"{i}.tau_rows"),
-                        float(f.get_tensor(f"{i}.candidate_share")) if f"{i}.candidate_share" in f.keys() else None,
-                    )
-                    for i in range(len(shapes))
-                ]
-                return preds, ""
-    except OSError as e:
-        why = f"unreadable: {e.strerror or e}"
-    except Exception as e:  # noqa: BLE001 - a corrupt header or tensor: safetensors' own errors, JSON's
-        why = f"not a predictor file, truncated or corrupt ({type(e).__name__})"
-    kind = "stale" if why.startswith("made with") else "invalid"  # metadata of another run, or a broken file
-    return None, f"cached gate predictor at {for_line(path)} was {kind} ({for_line(why)}); fitted again"
-
-
-def _write_cache(path: Path, preds: list[LayerPredictor], meta: dict) -> str | None:
-    tensors = {}
-    for i, p in enumerate(preds):
-        tensors.update({f"{i}.B": p.B, f"{i}.B_scale": p.B_scale, f"{i}.C": p.C, f"{i}.C_scale": p.C_scale})
-        tensors[f"{i}.dept"] = p.dept_of
-        tensors[f"{i}.tau_rows"] = p.tau_rows
-        if p.candidate_share is not None:
-            tensors[f"{i}.candidate_share"] = torch.tensor(p.candidate_share, dtype=torch.float64)
-    tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
-    return write_atomically(path, save_tensors(tensors, metadata={"localmoe": json.dumps(meta)}))
-
-
 def predictors_for(
     engine,
     table,
@@ -466,14 +338,14 @@ def predictors_for(
         )
         return synthetic(engine, ids.tolist(), departments, rank, progress=progress), None
     body, name = read_calibration_text(text)
-    meta = _meta(engine, table.sparsity, departments, rank, method, recall, body, name, tokens)
-    path = cache_path(
+    meta = predictor_cache.metadata(engine, table.sparsity, departments, rank, method, recall, body, name, tokens)
+    path = predictor_cache.cache_path(
         engine.model_name, engine.resolved.revision, table.sparsity, departments, rank, method, engine.experts_format
     )
     shapes = [(m.num_experts, m.intermediate_size, m.hidden_size) for m in mods]
     why = ""
     if not force:
-        preds, why = _read_cache(path, meta, shapes)
+        preds, why = predictor_cache.read(path, meta, shapes)
         if preds is not None:
             return preds, path
     ids = engine.tokenizer(body, add_special_tokens=False)["input_ids"][:tokens]
@@ -481,7 +353,7 @@ def predictors_for(
     if why:
         notice(why)
     meta = {**meta, "tokens": len(ids), "calibration_recall": [round(v, 6) for v in recalls], "slack": slacks}
-    failed = _write_cache(path, preds, {k: v for k, v in meta.items()})
+    failed = predictor_cache.write(path, preds, {k: v for k, v in meta.items()})
     if failed is None:
         return preds, path
     notice(f"could not save the gate predictor to {for_line(path)} ({for_line(failed)}); using it for this run only")
