@@ -77,7 +77,7 @@ def test_thresholds_lower_where_predictions_stray():
     assert err.shape == (3, I) and float(err[0].max()) < float(err[1].min())
     prior = float((exact - pred).pow(2).mean().sqrt())
     torch.testing.assert_close(err[2], torch.full((I,), prior, dtype=torch.float64))  # never routed: the layer's
-    rows, k, tp = predictor.fit_thresholds(exact, pred, experts, 3, 0.5, 0.99)
+    rows, k, share = predictor.fit_thresholds(exact, pred, experts, 3, 0.5, 0.99)
     assert rows.dtype == torch.float16 and rows.shape == (3, I) and k > 0
     assert float(rows[1].max()) < float(rows[0].min())
     got = predictor.mass_recall(exact, pred, 0.5, rows.double()[experts])

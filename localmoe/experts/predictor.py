@@ -185,8 +185,8 @@ def row_errors(exact: torch.Tensor, pred: torch.Tensor, experts: torch.Tensor, E
 
 
 def fit_thresholds(exact, pred, experts, E: int, tau: float, recall: float) -> tuple[torch.Tensor, float, float]:
-    """(tau_rows fp16 [E, I], the slack k, τ′): of the slacks k in SLACKS, the one whose thresholds τ′ - k σ (τ′ set
-    for `recall` on these pairs) make the fewest candidates."""
+    """(tau_rows fp16 [E, I], the slack k, the share of these pairs' neurons that are candidates): of the slacks k in
+    SLACKS, the one whose thresholds τ′ - k σ (τ′ set for `recall` on these pairs) make the fewest candidates."""
     err = row_errors(exact, pred, experts, E)
     best = None
     for k in SLACKS:
@@ -194,8 +194,8 @@ def fit_thresholds(exact, pred, experts, E: int, tau: float, recall: float) -> t
         rows = row_thresholds(tp - k * err, err.shape)
         share = float((pred >= rows.double()[experts]).double().mean()) if pred.numel() else 0.0
         if best is None or share < best[0]:
-            best = (share, rows, k, tp)
-    return best[1], best[2], best[3]
+            best = (share, rows, k)
+    return best[1], best[2], best[0]
 
 
 # -- calibration activations -----------------------------------------------------------------------------------
@@ -247,11 +247,10 @@ def fit(
         B, C, dept_of = fit_layer(w, x, idx, departments, rank, method)
         p = LayerPredictor.of(B, C, dept_of)
         exact, pred, experts = exact_and_predicted(w, x, idx, *p.maps(torch.float64), dept_of, m.act_fn)  # as stored
-        p.tau_rows, k, _ = fit_thresholds(exact, pred, experts, m.num_experts, tau, recall)
-        per_pair = p.tau_rows.double()[experts]
-        p.candidate_share = float((pred >= per_pair).double().mean()) if pred.numel() else None
+        p.tau_rows, k, share = fit_thresholds(exact, pred, experts, m.num_experts, tau, recall)
+        p.candidate_share = share if pred.numel() else None
         out.append(p)
-        recalls.append(mass_recall(exact, pred, tau, per_pair))
+        recalls.append(mass_recall(exact, pred, tau, p.tau_rows.double()[experts]))
         slacks.append(k)
         if progress:
             progress("fit predictor", i + 1, len(acts))
