@@ -20,6 +20,9 @@ pair has the same department, and the slot of a department is the number of dist
 each first pair's department into its slot and each pair's weight into (slot, t, j). Programmatic dependent launch
 (kernels/pdl.py) where the device has it.
 
+The slotting itself is `write_slots`, which kernels/moe_front.py's last router program also runs (`slots=`, one
+token): a fused decoder layer's DeaMoE step then has no slotting launch.
+
 Shape legend: T tokens, k experts per token, n experts per department, S slots.
 """
 
@@ -67,13 +70,12 @@ def department_slots_ref(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _slots_kernel(
+    def write_slots(
         idx_ptr, w_ptr, dept_ptr, out_ptr, dmap_ptr, pmap_ptr, cnt_ptr, TK, K, T, n, S,
-        TK_P2: tl.constexpr, S_P2: tl.constexpr, Z_P2: tl.constexpr, MAPS: tl.constexpr, PDL: tl.constexpr,
+        TK_P2: tl.constexpr, S_P2: tl.constexpr, Z_P2: tl.constexpr, MAPS: tl.constexpr,
     ):  # fmt: skip
-        if PDL:  # the routing is the kernel before's output: nothing is read before the wait
-            gdc_wait()
-            gdc_launch_dependents()
+        """The slotting of one step by one program (module doc), from the routing at idx_ptr / w_ptr (already
+        visible to this program): also the tail of kernels/moe_front.py's last router program (`slots=`)."""
         p = tl.arange(0, TK_P2)
         pm = p < TK
         e = tl.load(idx_ptr + p, mask=pm, other=0).to(tl.int32)
@@ -99,6 +101,18 @@ if triton is not None:
             tl.atomic_add(cnt_ptr + 1, tl.sum((first & (dres == 0)).to(tl.int64), axis=0), sem="relaxed")
             tl.atomic_add(cnt_ptr + 2, tl.sum((pm & pres).to(tl.int64), axis=0), sem="relaxed")
             tl.atomic_add(cnt_ptr + 3, tl.sum((pm & (pres == 0)).to(tl.int64), axis=0), sem="relaxed")
+
+    @triton.jit
+    def _slots_kernel(
+        idx_ptr, w_ptr, dept_ptr, out_ptr, dmap_ptr, pmap_ptr, cnt_ptr, TK, K, T, n, S,
+        TK_P2: tl.constexpr, S_P2: tl.constexpr, Z_P2: tl.constexpr, MAPS: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        if PDL:  # the routing is the kernel before's output: nothing is read before the wait
+            gdc_wait()
+            gdc_launch_dependents()
+        write_slots(
+            idx_ptr, w_ptr, dept_ptr, out_ptr, dmap_ptr, pmap_ptr, cnt_ptr, TK, K, T, n, S, TK_P2, S_P2, Z_P2, MAPS
+        )  # fmt: skip
 
 
 def department_slots(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n: int, slots: int, maps=None):

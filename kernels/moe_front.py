@@ -30,6 +30,15 @@ With `group_size`/`topk_group` the router's top-k is DeaMoE's group-limited one 
 only the experts of the g departments with the best logits), and `acc` may be DeaMoE's department output row, which
 kernels/department_experts.py then adds into (`accumulate=True`).
 
+With `basis=` (issue #23's gate predictor, kernels/gate_predictor.py) cdiv(N·r, BLOCK_B) more programs compute its
+stage 1 for every department, z_d = sB_d · (qB_d · h) (fp32, B's int8 rows loaded before the PDL wait): it needs no
+routing either, so the predictor's `department_basis` launch between the router and the experts goes (all N
+departments instead of the ones the token's experts touch: N·r·H bytes of int8, beside the router's E·H of bf16).
+
+With `slots=` (DeaMoE, group-limited top-k) the program that routes also writes the step's departments in fixed
+slots (kernels/department_slots.py's `write_slots`, reading back the k ids and weights it just stored), so
+kernels/department_experts.py follows this launch directly: the slotting launch goes.
+
 Shape legend: H hidden, E experts, k experts per token, I_s shared expert width.
 """
 
@@ -43,6 +52,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
+    from localmoe.kernels.department_slots import write_slots
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.rounding import round_to
     from localmoe.kernels.router_topk import topk_tail
@@ -133,8 +143,17 @@ if triton is not None:
         seu_ptr,  # [I_S, H] shared expert W_up
         sed_ptr,  # [I_S, H] shared expert W_down transposed
         acc_ptr,  # [H] fp32, added into: sg * the shared expert's output (SHARED_EXPERT only)
+        b_ptr,  # [N·r, H] int8 the predictor's bases, contiguous (BASIS only)
+        bsc_ptr,  # [N·r] fp32 their row scales (BASIS only)
+        z_ptr,  # [N·r] fp32 out: sB · (qB · h) (BASIS only)
+        dept_ptr,  # [S] int32 out: the step's departments in slots, then -1 (SLOTS only)
+        sw_ptr,  # [S, 1, n] fp32 out: each slot's routing weights (SLOTS only)
         E,
-        NR,  # router programs (cdiv(E, BLOCK_E)); programs NR.. run the shared expert
+        NR,  # router programs (cdiv(E, BLOCK_E)); programs NR.. run the shared expert, then the basis
+        NS,  # shared expert programs (0 without SHARED_EXPERT)
+        NB,  # basis rows N·r (BASIS only)
+        SLOT_N,  # experts per department n (SLOTS only)
+        SLOT_S,  # slots S (SLOTS only)
         I_S,
         eps,
         x_scale,  # X_SCALED: the mixer's output times x_scale before the residual add
@@ -152,6 +171,11 @@ if triton is not None:
         BLOCK_S: tl.constexpr,  # shared expert neurons per program
         EARLY_RES: tl.constexpr,  # load the residual before the PDL wait
         PDL: tl.constexpr,
+        BASIS: tl.constexpr = False,  # the gate predictor's stage 1 in programs NR + NS..
+        BLOCK_B: tl.constexpr = 1,  # basis rows per program
+        SLOTS: tl.constexpr = False,  # the last router program writes the department slots
+        S_P2: tl.constexpr = 1,  # SLOTS: next_pow2(S)
+        Z_P2: tl.constexpr = 1,  # SLOTS: next_pow2(S * n)
         GROUP_N: tl.constexpr = 0,  # group-limited top-k: department size (0: plain top-k)
         GROUP_G: tl.constexpr = 0,  # departments kept
         X_SCALED: tl.constexpr = False,
@@ -191,29 +215,52 @@ if triton is not None:
             if STORE_SG:
                 if pid == 0:
                     tl.store(sg_ptr, _shared_gate(ws, h, DT).to(DT))
-            topk_tail(
+            last = topk_tail(
                 logits_ptr, tw_ptr, ti_ptr, tick_ptr, 0, E, NR, K=K, K_P2=K_P2, NORM=NORM, E_P2=E_P2,
                 GROUP_N=GROUP_N, GROUP_G=GROUP_G, W_SCALED=W_SCALED, w_scale=w_scale,
             )  # fmt: skip
-        elif SHARED_EXPERT:
-            # ---- the shared expert (needs no routing): BLOCK_S neurons' gate, up and down rows before the wait ----
-            srows = (pid - NR) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] (names apart from the router's:
-            m2 = (srows < I_S)[:, None] & cm[None, :]  # the two branches' common names must share types)
-            roff = srows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_S, H_P2]
-            wg = tl.load(seg_ptr + roff, mask=m2, other=0.0)
-            wu = tl.load(seu_ptr + roff, mask=m2, other=0.0)
-            wd = tl.load(sed_ptr + roff, mask=m2, other=0.0)
-            ws = tl.load(wsg_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            if SLOTS:
+                if last:
+                    tl.debug_barrier()  # the top-k this program's threads stored, visible to all of them
+                    write_slots(
+                        ti_ptr, tw_ptr, dept_ptr, sw_ptr, dept_ptr, dept_ptr, sw_ptr, K, K, 1, SLOT_N, SLOT_S,
+                        TK_P2=K_P2, S_P2=S_P2, Z_P2=Z_P2, MAPS=False,
+                    )  # fmt: skip
+        elif pid < NR + NS:  # NS = 0 without SHARED_EXPERT
+            if SHARED_EXPERT:
+                # ---- the shared expert (needs no routing): BLOCK_S neurons' gate, up, down rows before the wait ----
+                # (names apart from the router's: the two branches' common names must share types)
+                srows = (pid - NR) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+                m2 = (srows < I_S)[:, None] & cm[None, :]
+                roff = srows.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_S, H_P2]
+                wg = tl.load(seg_ptr + roff, mask=m2, other=0.0)
+                wu = tl.load(seu_ptr + roff, mask=m2, other=0.0)
+                wd = tl.load(sed_ptr + roff, mask=m2, other=0.0)
+                ws = tl.load(wsg_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                if PDL:
+                    gdc_wait()
+                    gdc_launch_dependents()
+                _, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, x_scale, H, KIND, EARLY_RES, X_SCALED)
+                sg = _shared_gate(ws, h, DT)
+                # as kernels/sparse_fused.py's shared programs: silu(h . W_gate) * (h . W_up) * sg, then down
+                zg = tl.sum(wg.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_S]
+                a = zg / (1.0 + tl.exp(-zg)) * tl.sum(wu.to(tl.float32) * h[None, :], axis=1) * sg
+                contrib = tl.sum(wd.to(tl.float32) * a[:, None], axis=0)  # [H_P2]
+                tl.atomic_add(acc_ptr + cols, contrib, mask=cm, sem="relaxed")
+        elif BASIS:
+            # ---- the gate predictor's stage 1 (needs no routing): BLOCK_B rows of B before the wait ----
+            brow = (pid - NR - NS) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B] rows of B viewed [N·r, H]
+            bm = brow < NB
+            qb = tl.load(
+                b_ptr + brow.to(tl.int64)[:, None] * H + cols[None, :], mask=bm[:, None] & cm[None, :], other=0
+            )
+            sb = tl.load(bsc_ptr + brow, mask=bm, other=0.0)
             if PDL:
                 gdc_wait()
                 gdc_launch_dependents()
-            _, h = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, x_scale, H, KIND, EARLY_RES, X_SCALED)
-            sg = _shared_gate(ws, h, DT)
-            # as kernels/sparse_fused.py's shared programs: silu(h . W_gate) * (h . W_up) * sg, then down
-            zg = tl.sum(wg.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_S]
-            a = zg / (1.0 + tl.exp(-zg)) * tl.sum(wu.to(tl.float32) * h[None, :], axis=1) * sg
-            contrib = tl.sum(wd.to(tl.float32) * a[:, None], axis=0)  # [H_P2]
-            tl.atomic_add(acc_ptr + cols, contrib, mask=cm, sem="relaxed")
+            _, hb = _residual_norm(x_ptr, r_ptr, rv, nw, cols, cm, eps, x_scale, H, KIND, EARLY_RES, X_SCALED)
+            zb = tl.sum(qb.to(tl.float32) * hb[None, :], axis=1) * sb  # as department_basis: scale after the sum
+            tl.store(z_ptr + brow, zb, mask=bm)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,6 +288,9 @@ def moe_front(
     topk_group: int = 0,
     x_scale: float = 1.0,
     w_scale: float = 1.0,
+    basis: tuple | None = None,
+    basis_block: int | None = None,
+    slots: tuple | None = None,
 ):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] in x's dtype or fp32 (DeepSeek-V2's
@@ -260,6 +310,13 @@ def moe_front(
     `x_scale` / `w_scale` (GraniteMoE's residual_multiplier m on both branches): s = round(x · m) + residual, and the
     top-k weights are returned times m (each rounded as transformers' `h * m` and the layer's scaled MoE output,
     folded into the k weights, round them): the two multiplies' launches go into this one.
+    `basis` = (B, B_scale, z): the gate predictor's stage 1 for every department (module docstring): B int8 [N, r, H]
+    contiguous, B_scale fp32 [N, r] contiguous, z the fp32 output of N·r values (contiguous: the [1, N, r] `z` of
+    kernels/gate_predictor.py's GatePredictor), z[d, i] = B_scale[d, i] · (B[d, i] · h). `basis_block` rows of B a
+    program (a power of two; default: a tile of 32 elements per thread, as department_basis).
+    `slots` = (n, dept, weights) with the group-limited top-k (`group_size` = n): the step's departments in S fixed
+    slots as kernels/department_slots.py's `department_slots(ti, tw, n, S)` writes them, into dept (int32, S values)
+    and weights (fp32 [S, 1, n], contiguous).
     """
     if triton is None:
         raise RuntimeError("moe_front needs triton")
@@ -308,6 +365,35 @@ def moe_front(
             raise ValueError(f"shared_block must be a power of two, got {shared_block}")
     elif acc is not None:
         raise ValueError("acc= is what shared_expert= adds into: give both or neither")
+    nb, bb = 0, 1
+    if basis is not None:
+        B, B_scale, z = basis
+        if B.dim() != 3 or B.shape[2] != H or B.dtype != torch.int8 or not B.is_contiguous():
+            raise ValueError(f"basis B must be a contiguous int8 [N, r, {H}] tensor, got {B.dtype} {tuple(B.shape)}")
+        nb = B.shape[0] * B.shape[1]
+        if tuple(B_scale.shape) != tuple(B.shape[:2]) or B_scale.dtype != torch.float32 or not B_scale.is_contiguous():
+            raise ValueError(f"basis B_scale must be a contiguous fp32 {tuple(B.shape[:2])} tensor")
+        if z.numel() != nb or z.dtype != torch.float32 or not z.is_contiguous():
+            raise ValueError(f"basis z must be a contiguous fp32 tensor of N·r = {nb} values")
+        if any(t.device != x.device for t in (B, B_scale, z)):
+            raise ValueError("basis tensors must be on x's device")
+        budget = 32 * 32 * num_warps // triton.next_power_of_2(H)  # rows a program holds at 32 elements a thread
+        bb = basis_block if basis_block is not None else max(1, budget)
+        if bb < 1 or bb & (bb - 1):
+            raise ValueError(f"basis_block must be a power of two, got {bb}")
+        bb = min(bb, triton.next_power_of_2(nb))
+    sn = ss = 0
+    if slots is not None:
+        sn, dept, sw = slots
+        ss = dept.numel()
+        if not group_n or sn != group_n:
+            raise ValueError(f"slots= is DeaMoE's: n must be the group-limited top-k's group_size, got {sn}")
+        if dept.dtype != torch.int32 or not dept.is_contiguous() or ss < 1:
+            raise ValueError("slots dept must be a contiguous int32 tensor of S >= 1 values")
+        if tuple(sw.shape) != (ss, 1, sn) or sw.dtype != torch.float32 or not sw.is_contiguous():
+            raise ValueError(f"slots weights must be a contiguous fp32 [S, 1, n] = {(ss, 1, sn)} tensor")
+        if dept.device != x.device or sw.device != x.device:
+            raise ValueError("slots tensors must be on x's device")
     if block_e < 1 or block_e & (block_e - 1):
         raise ValueError(f"block_e must be a power of two, got {block_e}")
     x1, r1 = x.reshape(H), residual.reshape(H)
@@ -330,8 +416,11 @@ def moe_front(
     nr = triton.cdiv(E, be)
     bs = min(shared_block, triton.next_power_of_2(max(I_s, 1)))
     ns = triton.cdiv(I_s, bs) if shared_expert is not None else 0
+    nbp = triton.cdiv(nb, bb)
     se = shared_expert if shared_expert is not None else (w, w, w)  # dummies, never read
-    _moe_front_kernel[(nr + ns,)](
+    bt = basis if basis is not None else (nw, nw, nw)
+    st = slots[1:] if slots is not None else (ti, nw)
+    _moe_front_kernel[(nr + ns + nbp,)](
         x1,
         r1,
         nw,
@@ -346,8 +435,14 @@ def moe_front(
         tickets,
         *se,
         acc if acc is not None else nw,
+        *bt,
+        *st,
         E,
         nr,
+        ns,
+        nb,
+        sn,
+        ss,
         I_s,
         float(eps),
         float(x_scale),
@@ -364,6 +459,11 @@ def moe_front(
         SHARED_EXPERT=shared_expert is not None,
         BLOCK_S=bs,
         EARLY_RES=bool(residual_early),
+        BASIS=basis is not None,
+        BLOCK_B=bb,
+        SLOTS=slots is not None,
+        S_P2=triton.next_power_of_2(max(ss, 1)),
+        Z_P2=triton.next_power_of_2(max(ss * sn, 1)),
         GROUP_N=group_n,
         GROUP_G=group_g,
         X_SCALED=x_scale != 1.0,

@@ -213,12 +213,15 @@ if triton is not None:
         w_scale=1.0,
     ):
         """Called by every program of token t after storing its logits: the last one to take the token's ticket
-        reads the E logits back through L2 and routes them (`topk_row`), then re-zeroes the ticket."""
+        reads the E logits back through L2 and routes them (`topk_row`), then re-zeroes the ticket. Returns whether
+        this program was the last (it wrote the token's top-k)."""
         tl.debug_barrier()  # this program's logits stores precede the release below
         done = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel", scope="gpu")
-        if done == programs - 1:
+        last = done == programs - 1
+        if last:
             topk_row(logits_ptr, tw_ptr, ti_ptr, t, E, E, K, K_P2, NORM, E_P2, GROUP_N, GROUP_G, W_SCALED, w_scale)
             tl.store(tick_ptr + t, 0)  # ready for the next launch / graph replay
+        return last
 
     @triton.jit
     def _router_topk_kernel(

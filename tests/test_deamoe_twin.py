@@ -27,7 +27,7 @@ import test_fused_model  # noqa: E402
 import tiny_models  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from localmoe.decode import replacements  # noqa: E402
+from localmoe.decode import moe_layer, replacements  # noqa: E402
 from localmoe.errors import UsageError  # noqa: E402
 from localmoe.experts.department_cache import DepartmentCache  # noqa: E402
 from localmoe.experts.departments import DepartmentExperts  # noqa: E402
@@ -151,9 +151,10 @@ def test_fused_decode_equals_unfused(which):
 @torch.no_grad()
 def test_twin_moe_block_launches(monkeypatch):
     """The twin's decoder layer from the mixer's output on (resident, sparsity 0.5): moe_front (residual add, norm,
-    group-limited top-k, the shared expert into the workspace row), the slotting, the department kernel (both phases
-    in one launch for one token) adding into the row and publishing residual + row: 3 launches (was 9: norm with the
-    add, router, slotting, 3, cast, the shared expert's 2; 4 with the up/private and down kernels apart)."""
+    group-limited top-k, the shared expert into the workspace row, the department slots written by its routing
+    program), the department kernel (both phases in one launch for one token) adding into the row and publishing
+    residual + row: 2 launches (was 9: norm with the add, router, slotting, 3, cast, the shared expert's 2; 3 with
+    the slotting's own launch, `slots_in_front` off)."""
     torch.manual_seed(0)
     model = (
         test_fused.nontrivial(DeaMoeQwen35ForCausalLM(twin_config(num_hidden_layers=1, layer_types=["full_attention"])))
@@ -169,11 +170,11 @@ def test_twin_moe_block_launches(monkeypatch):
     ops = test_fused_model._count_step(model, monkeypatch, warm=True, layer=0).ops
     print(f"\nlaunches of the twin's decoder layer: {ops}")
     moe = ops[ops.index("triton:_moe_front_kernel") :]
-    assert moe == [
-        "triton:_moe_front_kernel",
-        "triton:_slots_kernel",
-        "triton:_dept_one_kernel",
-    ]
+    assert moe == ["triton:_moe_front_kernel", "triton:_dept_one_kernel"]
+    monkeypatch.setattr(moe_layer.FusedSparseMoeBlock, "slots_in_front", False)
+    ops = test_fused_model._count_step(model, monkeypatch, warm=True, layer=0).ops
+    moe = ops[ops.index("triton:_moe_front_kernel") :]
+    assert moe == ["triton:_moe_front_kernel", "triton:_slots_kernel", "triton:_dept_one_kernel"]
 
 
 def _greedy(model, ids, n=5):

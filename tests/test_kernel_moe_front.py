@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from localmoe.kernels.department_slots import department_slots_ref  # noqa: E402
+from localmoe.kernels.gate_predictor import department_basis_ref, quantize_rows  # noqa: E402
 from localmoe.kernels.moe_front import moe_front, moe_front_ref  # noqa: E402
 from localmoe.kernels.router_topk import router_tickets, router_topk_ref  # noqa: E402
 from localmoe.kernels.token_tail import SharedExpert, shared_expert_term  # noqa: E402
@@ -146,10 +148,14 @@ def test_shared_expert_into_acc(shape, dtype, block_s, num_warps):
 @torch.no_grad()
 def test_group_limited_routing(shape, dtype):
     """DeaMoE's front: the group-limited top-k (experts of the g best departments of n only), with its shared
-    expert added into the department output row, as router_topk's group mode selects from the kernel's logits."""
+    expert added into the department output row, as router_topk's group mode selects from the kernel's logits, and
+    the step's department slots (`slots=`) as kernels/department_slots.py writes them from that top-k."""
     H, E, k, n, g, I_s = shape
     x, r, nw, w, sg = _inputs(H, E, dtype, seed=E + n)
-    kw = dict(group_size=n, topk_group=g, block_e=4, residual_early=True)
+    S = min(E // n, g)  # the slots a one-token step needs (DepartmentExperts: min(D, T * topk_group))
+    dept = torch.full((S,), 7, dtype=torch.int32, device=DEV)  # garbage: every value is written
+    sw = torch.full((S, 1, n), 3.0, device=DEV)
+    kw = dict(group_size=n, topk_group=g, block_e=4, residual_early=True, slots=(n, dept, sw))
     if I_s:
         acc = torch.zeros(H, device=DEV)
         s, h, logits, tw, ti, _ = moe_front(
@@ -163,6 +169,8 @@ def test_group_limited_routing(shape, dtype):
     assert torch.equal(ti, ri)
     torch.testing.assert_close(tw, rw, rtol=1e-6, atol=1e-7)
     assert len(set((ti[0] // n).tolist())) <= g
+    want_dept, want_w = department_slots_ref(ti, tw, n, S)  # slots=: what the slotting launch writes
+    assert torch.equal(dept, want_dept) and torch.equal(sw, want_w)
     want = moe_front_ref(x, r, nw, 1e-6, "zero_centred" if I_s else "standard", w, k, True, group_size=n, topk_group=g)
     one_step = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(logits[0], want[2], **one_step)
@@ -233,3 +241,51 @@ def test_launcher_checks():
         moe_front(x, r, nw, 1e-6, "standard", w, 2, True, sg, shared_expert=(sw[0], sw[1][:, :16], sw[2]), acc=acc)
     with pytest.raises(ValueError, match="shared_block"):
         moe_front(x, r, nw, 1e-6, "standard", w, 2, True, sg, shared_expert=sw, acc=acc, shared_block=3)
+
+
+BASIS_CASES = [((2048, 256, 8, 512), 8, 64, None), ((2048, 128, 8, 0), 8, 64, 4), ((100, 60, 4, 37), 3, 5, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "shape,N,r,block", BASIS_CASES, ids=["H{}E{}k{}Is{}-N{}r{}-b{}".format(*s, n, r, b) for s, n, r, b in BASIS_CASES]
+)
+@torch.no_grad()
+def test_basis_is_department_basis_of_h(shape, dtype, N, r, block):
+    """basis=: z = sB · (qB · h) for every department, h the launch's own normed row (department_basis' reference
+    over all N departments); the routing outputs (and the shared expert's row) are those of the launch without it."""
+    H, E, k, I_s = shape
+    x, r_, nw, w, sg = _inputs(H, E, dtype, seed=H + N + r)
+    gen = torch.Generator().manual_seed(N * r)
+    B, B_scale = (t.to(DEV) for t in quantize_rows(torch.randn(N, r, H, generator=gen)))
+    z = torch.full((1, N, r), float("nan"), device=DEV)
+    shared = {}
+    if I_s:
+        shared = {"shared_expert": _shared_weights(I_s, H, dtype, seed=I_s), "acc": torch.zeros(H, device=DEV)}
+    got = moe_front(x, r_, nw, 1e-6, "zero_centred", w, k, True, sg, basis=(B, B_scale, z), basis_block=block, **shared)
+    plain_shared = {"shared_expert": shared["shared_expert"], "acc": torch.zeros(H, device=DEV)} if I_s else {}
+    plain = moe_front(x, r_, nw, 1e-6, "zero_centred", w, k, True, sg, **plain_shared)
+    for a, b in zip(got[:5], plain[:5]):
+        assert torch.equal(a, b)
+    if I_s:
+        torch.testing.assert_close(shared["acc"], plain_shared["acc"], rtol=1e-5, atol=1e-5)
+    every = torch.arange(N, device=DEV)[None]  # one "expert" a department: every row of z is computed
+    want = department_basis_ref(got[1].view(1, H), B, B_scale, torch.arange(N, device=DEV), every)
+    torch.testing.assert_close(z, want, rtol=1e-5, atol=1e-4)
+
+
+def test_basis_refusals():
+    x, r, nw, w, sg = _inputs(64, 8, torch.float32, seed=3)
+    B, B_scale = (t.to(DEV) for t in quantize_rows(torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0))))
+    z = torch.empty(1, 2, 4, device=DEV)
+    with pytest.raises(ValueError, match="basis B must be a contiguous int8"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, basis=(B.float(), B_scale, z))
+    with pytest.raises(ValueError, match="basis z must be"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, basis=(B, B_scale, z[:, :1]))
+    with pytest.raises(ValueError, match="basis_block must be a power of two"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, basis=(B, B_scale, z), basis_block=3)
+    dept, sw = torch.empty(2, dtype=torch.int32, device=DEV), torch.empty(2, 1, 4, device=DEV)
+    with pytest.raises(ValueError, match="slots= is DeaMoE's"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, slots=(4, dept, sw))
+    with pytest.raises(ValueError, match="slots weights must be"):
+        moe_front(x, r, nw, 1e-6, "standard", w, 2, group_size=4, topk_group=1, slots=(4, dept, sw[:, :, :2]))

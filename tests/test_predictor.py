@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from localmoe.cli.main import main
+from localmoe.decode import replacements
 from localmoe.engine.engine import Engine
 from localmoe.errors import UsageError
 from localmoe.events import GenerationSettings
-from localmoe.experts import placement, predicted, predictor, predictor_cache, thresholds
+from localmoe.experts import local_experts, placement, predicted, predictor, predictor_cache, thresholds
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.measure.evaluate import evaluate
@@ -257,6 +258,46 @@ def test_fused_predictor_decodes_the_reference_tokens(tiny):
         m.predictor.reset()
         assert _tokens(engine, 2) == want
         assert int(m.kept) == kept > 0 and m.predictor.counts["slots"] == 0  # the same neurons, kept by the kernels
+    finally:
+        _kernels_on_cpu(engine, False)
+        predicted.apply(engine.loaded, None, device=engine._device)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "0", reason="a CPU engine's kernels need the interpreter")
+@torch.no_grad()
+def test_moe_front_computes_stage_one(tiny, monkeypatch):
+    """A fused decoder layer's MoE front (moe_front + sparse_fused) with the predictor's stage 1 inside moe_front's
+    launch (`basis_in_front`, for every department) gives the output and the kept neurons of the launch with
+    department_basis between the two."""
+    pytest.importorskip("triton")
+    _sparse_again(tiny)
+    engine, _, preds, _ = tiny
+    predicted.apply(engine.loaded, preds, device=engine._device)
+    try:
+        _kernels_on_cpu(engine, True)
+        layer = engine.loaded.model.model.layers[3]
+        block = replacements.REPLACEMENTS[type(layer.mlp).__name__].make(layer.mlp)
+        hf_norm = layer.post_attention_layernorm
+        norm = replacements.REPLACEMENTS[type(hf_norm).__name__].make(hf_norm)
+        gen = torch.Generator().manual_seed(5)
+        H, dt = hf_norm.weight.shape[0], hf_norm.weight.dtype
+        mixed, residual = torch.randn(1, 1, H, generator=gen).to(dt), (4 * torch.randn(1, 1, H, generator=gen)).to(dt)
+        experts = layer.mlp.experts
+        assert block.takes_front(mixed) and experts.front_basis(mixed) is not None
+        launched = []
+        basis = local_experts.department_basis
+        monkeypatch.setattr(local_experts, "department_basis", lambda *a, **k: launched.append(1) or basis(*a, **k))
+        got = {}
+        for front in (False, True):
+            block.basis_in_front = front
+            kept = int(experts.kept)
+            y = block.step_front(mixed, residual, norm)
+            got[front] = (y, int(experts.kept) - kept, len(launched))
+        assert got[False][2] == got[True][2] == 1  # department_basis launched without the front's stage 1 only
+        torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+        assert got[True][1] == got[False][1] > 0
+        _kernels_on_cpu(engine, False)
+        assert experts.front_basis(mixed) is None  # the torch reference path computes its own stage 1
     finally:
         _kernels_on_cpu(engine, False)
         predicted.apply(engine.loaded, None, device=engine._device)

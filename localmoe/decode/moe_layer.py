@@ -85,6 +85,12 @@ class FusedSparseMoeBlock(nn.Module):
     # step's (fp32 sums inside one kernel). On by default: alone 1.00x TTFT (`bench/staging_ab.py --prefill-block`,
     # H100, int4 at --vram 16, 2048 tokens), with the other three prefill switches 1.09x (`--prefill-all`).
     prefill_fused = True
+    # step_front with the experts' gate predictor (issue #23): its stage 1 (z = B_d h for every department) in
+    # moe_front's launch; False: `department_basis`'s own launch between the router and the experts
+    basis_in_front = True
+    # step_front with DeaMoE's experts: the step's department slots written by moe_front's routing program; False:
+    # kernels/department_slots.py's own launch between the router and the department kernel
+    slots_in_front = True
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -272,6 +278,7 @@ class FusedSparseMoeBlock(nn.Module):
             front = {"shared_expert": weights, "acc": ws[:H].view(torch.float32)}
         else:
             ws, front = None, {}
+        front |= self._front_extras(mixed)
         # residual_early: the residual is the layer's input, written before the mixer's kernels, so moe_front may
         # load it before its PDL wait
         s, h, _, tw, ti, sg = moe_front(
@@ -294,8 +301,31 @@ class FusedSparseMoeBlock(nn.Module):
             w_scale=scale * self._routed_scale,
         )
         shared = None if se is None or in_front else SharedExpert(*weights, sg if self.shared_gated else self._one(h))
-        y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws))
+        tail = Tail(shared, s.view(1, H), ws)
+        extra = {}
+        if "basis" in front:
+            extra["z"] = front["basis"][2]
+        if "slots" in front:
+            extra["slots"] = front["slots"][1:]
+        y = self.experts(h.view(1, H), ti, tw, tail=tail, **extra)
         return y.view(B, T, H)
+
+    def _front_extras(self, mixed: torch.Tensor) -> dict:
+        """moe_front's keywords for work its launch can take from the experts' call: the gate predictor's stage 1 for
+        every department (`basis=`, it needs no routing) and DeaMoE's department slots (`slots=`, written by the
+        program that routes), each with the output buffers the experts' call then reads."""
+        kw, dev = {}, mixed.device
+        maps = self.experts.front_basis(mixed) if self.basis_in_front and hasattr(self.experts, "front_basis") else None
+        if maps is not None:
+            kw["basis"] = (*maps, torch.empty((1, *maps[0].shape[:2]), dtype=torch.float32, device=dev))
+        slots = (
+            self.experts.front_slots(mixed) if self.slots_in_front and hasattr(self.experts, "front_slots") else None
+        )
+        if slots is not None:
+            n, S = slots
+            dept = torch.empty(S, dtype=torch.int32, device=dev)
+            kw["slots"] = (n, dept, torch.empty((S, 1, n), dtype=torch.float32, device=dev))
+        return kw
 
     def _one(self, like: torch.Tensor) -> torch.Tensor:
         """[1] = 1 in like's dtype on its device (an ungated shared expert's weight), made once."""

@@ -183,12 +183,29 @@ class DepartmentExperts(nn.Module):
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens and not self.training
         return few and self.cache is None and (hidden_states.is_cuda or self.kernel_on_cpu)
 
+    def front_slots(self, hidden_states: torch.Tensor) -> tuple[int, int] | None:
+        """(n, S) when a one-token call with `tail=` runs the department kernel (`takes_tail`), so the caller's router
+        launch may write the step's department slots (kernels/moe_front.py `slots=`: S slots of n experts) and pass
+        them as `forward(slots=)`; else None."""
+        H = hidden_states.shape[-1]
+        if hidden_states.numel() != H or not self.takes_tail(hidden_states.reshape(1, H)):
+            return None
+        return self.per_department, min(self.num_departments, self.slots)
+
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, tail: Tail = None
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        tail: Tail = None,
+        slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
+        """`tail`: a fused decoder layer's step (`takes_tail`); `slots` (with `tail`, where `front_slots` said so):
+        the step's (dept [S], weights [S, 1, n]) as kernels/department_slots.py writes them, from the router's
+        launch."""
         T = hidden_states.shape[0]
         if tail is not None:
-            return self._decode_tail(hidden_states, top_k_index, top_k_weights, tail)
+            return self._decode_tail(hidden_states, top_k_index, top_k_weights, tail, slots)
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens and not self.training
         if self.cache is not None:
             return self._through_cache(hidden_states, top_k_index, top_k_weights, few)
@@ -217,17 +234,23 @@ class DepartmentExperts(nn.Module):
             self.tau_z = self.tau_z.to(device=device, dtype=torch.float32)
         return self.tau_z
 
-    def _decode(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **out) -> torch.Tensor:
-        """`out`: out= and accumulate=True, the kernel adding into that fp32 row (`_decode_tail`)."""
+    def _decode(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, slots=None, **out
+    ) -> torch.Tensor:
+        """`out`: out= and accumulate=True, the kernel adding into that fp32 row (`_decode_tail`); `slots`: the
+        step's (dept, weights) already written (`forward`)."""
         T = x.shape[0]
-        slots = min(self.num_departments, T * self.slots)
-        dept, w = step_slots(top_k_index, top_k_weights, self.per_department, slots, x.is_cuda or self.kernel_on_cpu)
+        if slots is not None:
+            dept, w = slots
+        else:
+            S = min(self.num_departments, T * self.slots)
+            dept, w = step_slots(top_k_index, top_k_weights, self.per_department, S, x.is_cuda or self.kernel_on_cpu)
         self.last_departments = dept
         sparse, tau = self._tau(x.device)
         args = (x, self.gate_proj, self.up_proj, self.down_t, self.private, dept, w, tau)
         return self._run_kernel(x, args, w, sparse, self._tau_z(x.device), **out)
 
-    def _decode_tail(self, x: torch.Tensor, top_k_index, top_k_weights, tail: Tail) -> torch.Tensor:
+    def _decode_tail(self, x: torch.Tensor, top_k_index, top_k_weights, tail: Tail, slots=None) -> torch.Tensor:
         """`_decode` adding into the workspace row (the shared expert's output when moe_front put it there), and
         publishing residual + row in x's dtype in the same launch, the row zeroed (`takes_tail` holds; module doc)
         -> [T, H]."""
@@ -238,7 +261,8 @@ class DepartmentExperts(nn.Module):
             acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
         if tail.shared is not None:  # the shared expert not in moe_front's launch
             acc += shared_expert_term(x, tail.shared)
-        return self._decode(x, top_k_index, top_k_weights, out=acc, accumulate=True, residual=tail.residual.view(T, H))
+        residual = tail.residual.view(T, H)
+        return self._decode(x, top_k_index, top_k_weights, slots, out=acc, accumulate=True, residual=residual)
 
     def _run_kernel(self, x, args, w, sparse: bool, tau_z=None, **where) -> torch.Tensor:
         """`where`: private_slots= (copied-in pools) or pools= and host_elems= (direct offloading), or out= with

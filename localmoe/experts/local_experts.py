@@ -152,10 +152,13 @@ class LocalExperts(DensePath, nn.Module):
         *,
         tail=None,
         shared=None,
+        z=None,
     ):
         """transformers' experts call; `tail` (a `kernels.sparse_fused.Tail`, only where `takes_tail` holds) adds
         the shared expert and the residual inside the same launch; `shared` ((s [T, H], gate logit [T, 1] or None),
-        only where `takes_shared` holds: a prompt piece) adds the shared expert in the dense path's last launch."""
+        only where `takes_shared` holds: a prompt piece) adds the shared expert in the dense path's last launch;
+        `z` ([1, N, r] fp32, only where `front_basis` gave the maps): the gate predictor's stage 1, computed by the
+        caller's launch (kernels/moe_front.py `basis=`) instead of `department_basis`."""
         if self.weights is None:
             raise RuntimeError(f"layer {self.layer_idx}: expert weights were not loaded")
         if shared is not None:
@@ -176,7 +179,7 @@ class LocalExperts(DensePath, nn.Module):
         if tail is None and not (sparse or (few and self._decode_kernel(hidden_states))):
             return self._dense(hidden_states, top_k_index, top_k_weights)
         if self.cache is not None and self.cache.mode == "direct":
-            return self._direct(hidden_states, top_k_index, top_k_weights, sparse, tail)
+            return self._direct(hidden_states, top_k_index, top_k_weights, sparse, tail, z)
         if self._mxfp4_kernel(hidden_states):  # GPT-OSS: its one launch, resident or from the cache's slots
             if self.cache is not None:
                 self.cache.fetch(self.layer_idx, sorted(set(top_k_index.reshape(-1).tolist())))
@@ -187,7 +190,7 @@ class LocalExperts(DensePath, nn.Module):
             if tau is not None:
                 tau = self.cache.slot_tau(ids, top_k_index, tau)
         if sparse:
-            return self._sparse(hidden_states, ids, top_k_weights, w, tau, tail, experts=top_k_index)
+            return self._sparse(hidden_states, ids, top_k_weights, w, tau, tail, experts=top_k_index, z=z)
         if tail is not None:  # sparsity off: the dense math in the tail-taking kernel, threshold 0 keeps every neuron
             zeros = self._zeros_tau(hidden_states.device, w.w_gate.shape[0])  # [experts or pool slots]
             return self._sparse(hidden_states, ids, top_k_weights, w, zeros, tail, count=False)
@@ -200,13 +203,25 @@ class LocalExperts(DensePath, nn.Module):
         on = torch.device(device).type == "cuda" or self.kernel_on_cpu
         return on and self.hidden_act == "silu" and w is not None and (w.int4 or not w.quantized)
 
-    def _predictor_kw(self, x: torch.Tensor, experts: torch.Tensor) -> dict:
-        """sparse_fused's `predictor=` for this call (stage 1 launched here: z_d = B_d x per touched department),
-        or {} without a predictor. `experts` [T, k]: the expert ids (the kernel's ids may be cache slots)."""
+    def front_basis(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The gate predictor's stage-1 maps (B [N, r, H] int8, B_scale [N, r]) when a one-token decode call on x's
+        device runs it in the fused kernels, so the caller's launch may compute z for every department and pass it
+        as `forward(z=)`; else None."""
+        p = self.predictor
+        sparse = self.sparse_enabled and self.tau is not None and self.max_sparse_tokens >= 1
+        if p is None or not sparse or self.recorder is not None or self.mask_all_tokens:
+            return None
+        return (p.B, p.B_scale) if self.predictor_fused(x.device) else None
+
+    def _predictor_kw(self, x: torch.Tensor, experts: torch.Tensor, z: torch.Tensor | None = None) -> dict:
+        """sparse_fused's `predictor=` for this call (stage 1 launched here, z_d = B_d x per touched department,
+        unless the caller computed `z`), or {} without a predictor. `experts` [T, k]: the expert ids (the kernel's
+        ids may be cache slots)."""
         p = self.predictor
         if p is None:
             return {}
-        z = department_basis(x, p.B, p.B_scale, p.dept_of, experts)
+        if z is None:
+            z = department_basis(x, p.B, p.B_scale, p.dept_of, experts)
         return {"predictor": GatePredictor(z, p.C, p.C_scale, p.dept_of, p.tau_rows, experts=experts)}
 
     @property
@@ -272,7 +287,7 @@ class LocalExperts(DensePath, nn.Module):
         return y
 
     @torch.compiler.disable
-    def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None) -> torch.Tensor:
+    def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None, z=None) -> torch.Tensor:
         """Offloaded, direct misses: one fused launch reads resident experts from the cache pool and absent ones
         (gate rows + kept rows only) from the host master copies. Routing and counts are kept for `observe`."""
         if self.up_fn is not None:  # GPT-OSS: its own kernel reads absent experts in place too
@@ -299,7 +314,7 @@ class LocalExperts(DensePath, nn.Module):
             host_rows=c.host_rows,
             read_rows=c.read_rows,
             **_tail_kw(tail),
-            **(self._predictor_kw(x, top_k_index) if sparse else {}),
+            **(self._predictor_kw(x, top_k_index, z) if sparse else {}),
             **p,
         )
         self.last_routing = top_k_index  # graph replays rewrite this tensor in place
@@ -393,6 +408,7 @@ class LocalExperts(DensePath, nn.Module):
         tail=None,
         count: bool = True,
         experts=None,
+        z=None,
     ) -> torch.Tensor:
         """`count`: add the kept neurons to the sparsity stats (False: threshold 0, the dense path with a tail);
         `experts`: the expert ids [T, k] when `top_k_index` holds cache slots (biases are indexed by expert)."""
@@ -409,7 +425,7 @@ class LocalExperts(DensePath, nn.Module):
                 torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 kept_total=self._kept_on(x.device) if count else None,
                 **_tail_kw(tail),
-                **(self._predictor_kw(x, top_k_index if experts is None else experts) if count else {}),
+                **(self._predictor_kw(x, top_k_index if experts is None else experts, z) if count else {}),
                 **p,
             )
             if count:
