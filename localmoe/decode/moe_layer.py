@@ -255,8 +255,9 @@ class FusedSparseMoeBlock(nn.Module):
         add, post-attention norm, router top-k, the shared expert into the experts' workspace row), then the
         experts' `sparse_fused` with the residual add in its tail (`shared_in_front=False`: the shared expert in
         sparse_fused's launch; a block without one: moe_front without it). DeaMoE's DepartmentExperts take the same
-        tail: moe_front routes group-limited, then the slotting and the two department kernels adding into the
-        workspace row, the last publishing residual + row (4 launches, was 9). mixed, residual [B, T, H] -> the
+        tail: moe_front routes group-limited and writes the department slots (`slots_in_front`), then the
+        department kernel (one launch for one token) adds into the workspace row and publishes residual + row (2
+        launches, was 9). With the gate predictor, moe_front computes its stage 1 too (`basis_in_front`). mixed, residual [B, T, H] -> the
         layer's output.
         `scale` (GraniteMoE's residual_multiplier; no shared expert): the mixer's output is scaled before its add
         and the block's output before its own, through the k routing weights, both inside moe_front (`mixed` comes
