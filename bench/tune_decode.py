@@ -11,7 +11,8 @@ not hold the weights; `triton.testing.do_bench` median, µs per call). Prints th
 `$OUT/decode_params.json` ({"decode_params": {kernel: {shape: kwargs}}, "launch_params": {shape: {"fused": kwargs}}})
 to merge into kernels/tuned/<device>.json.
 
-Also moe_front (residual add + norm + router top-k + shared gate, one launch) and the experts' `sparse_fused` with
+Also moe_front (residual add + norm + router top-k + shared gate, one launch; with a gated shared expert, as Qwen3.5's
+decoder layer runs it, that expert's programs in the same launch) and the experts' `sparse_fused` with
 the shared expert and the residual in its tail (the decoder layer's two launches on the sparse path; thresholds at
 the model's registry default sparsity, or `--sparsity S`, 0.85 for a shape the registry does not list; its best
 launch is written as `launch_params`' "fused" entry, which the engine's experts read).
@@ -230,10 +231,33 @@ wsg = [rnd(1, H) if I_S else None for _ in range(N)]
 ref_front = [moe_front(xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], **GROUP) for i in range(N)]
 
 
+# the engine's decoder layer puts a gated shared expert (Qwen3.5's) in moe_front's launch (its programs share the
+# launch's num_warps): the sweep times it that way, so a launch that would spill those programs is not chosen
+GATED_SHARED = bool(getattr(cfg, "shared_expert_intermediate_size", 0))
+front_shared = [
+    {"shared_expert": (rnd(I_S, H), rnd(I_S, H), rnd(I_S, H)), "acc": torch.zeros(H, device=DEV)}
+    if GATED_SHARED
+    else {}
+    for _ in range(N)
+]
+
+
 def front_calls(kw):
     return [
         lambda i=i: moe_front(
-            xs[i], res[i], nw[i], 1e-6, KIND, wr[i], K, NORM_TOPK, wsg[i], tickets=tick, **GROUP, **kw
+            xs[i],
+            res[i],
+            nw[i],
+            1e-6,
+            KIND,
+            wr[i],
+            K,
+            NORM_TOPK,
+            wsg[i],
+            tickets=tick,
+            **GROUP,
+            **front_shared[i],
+            **kw,
         )
         for i in range(N)
     ]
