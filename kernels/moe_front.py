@@ -75,10 +75,11 @@ _KINDS = {"standard": 0, "zero_centred": 1}
 # ----------------------------------------------------------------------------------------------------------
 def moe_front_ref(
     x, residual, norm_weight, eps, kind, router_weight, top_k, norm_topk_prob=True, w_sg=None, *, group_size=0,
-    topk_group=0, x_scale=1.0, w_scale=1.0,
+    topk_group=0, x_scale=1.0, w_scale=1.0, router_bias=None,
 ):  # fmt: skip
     """x, residual [H] (or [1, H]) -> (s [H], h [H], logits [E], top-k weights [k], top-k ids [k], sg [1] | None).
-    group_size / topk_group: DeaMoE's group-limited top-k (kernels/router_topk.py); x_scale / w_scale: `moe_front`."""
+    group_size / topk_group: DeaMoE's group-limited top-k (kernels/router_topk.py); x_scale / w_scale / router_bias:
+    `moe_front`."""
     dt = x.dtype
     xs = x.reshape(-1) if x_scale == 1.0 else x.reshape(-1) * x_scale
     s = (xs.float() + residual.reshape(-1).float()).to(dt)
@@ -87,7 +88,7 @@ def moe_front_ref(
     w = norm_weight.float()
     h = (n * (1.0 + w)).to(dt) if kind == "zero_centred" else (w * n.to(dt).float()).to(dt)
     logits, tw, ti = router_topk_ref(
-        h[None], router_weight, top_k, norm_topk_prob, group_size=group_size, topk_group=topk_group
+        h[None], router_weight, top_k, norm_topk_prob, group_size=group_size, topk_group=topk_group, bias=router_bias
     )
     sg = None
     if w_sg is not None:
@@ -137,6 +138,7 @@ if triton is not None:
         r_ptr,  # [H] the residual stream before the mixer
         nw_ptr,  # [H] post-attention RMSNorm weight
         w_ptr,  # [E, H] router weight, contiguous
+        rb_ptr,  # [E] router bias, the weight's dtype (BIAS only: GPT-OSS's router)
         wsg_ptr,  # [H] shared expert gate weight (SHARED_GATE / SHARED_EXPERT)
         s_ptr,  # [H] out: x + residual (x's dtype)
         h_ptr,  # [H] out: RMSNorm(s) (x's dtype)
@@ -179,6 +181,7 @@ if triton is not None:
         PDL: tl.constexpr,
         BASIS: tl.constexpr = False,  # the gate predictor's stage 1 in programs NR + NS..
         BLOCK_B: tl.constexpr = 1,  # basis rows per program
+        BIAS: tl.constexpr = False,  # the router's logits get a bias (added to the fp32 sum, one rounding)
         SLOTS: tl.constexpr = False,  # the last router program writes the department slots
         S_P2: tl.constexpr = 1,  # SLOTS: next_pow2(S)
         Z_P2: tl.constexpr = 1,  # SLOTS: next_pow2(S * n)
@@ -216,6 +219,8 @@ if triton is not None:
             tl.store(h_ptr + cols, h.to(DT), mask=cm & first)
             # ---- router logits of this program's rows, the shared expert's gate in program 0 ----
             logit = tl.sum(wv.to(tl.float32) * h[None, :], axis=1)  # [BLOCK_E]
+            if BIAS:  # F.linear's bias: added to the fp32 sum, one rounding (as router_topk's)
+                logit += tl.load(rb_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             LT = logits_ptr.dtype.element_ty  # x's dtype, or fp32 (an fp32 router)
             tl.store(logits_ptr + rows, round_to(logit, LT).to(LT), mask=rmask)
             if STORE_SG:
@@ -297,6 +302,7 @@ def moe_front(
     basis: tuple | None = None,
     basis_block: int | None = None,
     slots: tuple | None = None,
+    router_bias: torch.Tensor | None = None,
 ):
     """One decode token's MoE front (module docstring). x, residual: one row of H (any shape with H elements, last
     dim contiguous), one float dtype; norm_weight [H]; router_weight [E, H] in x's dtype or fp32 (DeepSeek-V2's
@@ -323,6 +329,8 @@ def moe_front(
     `slots` = (n, dept, weights) with the group-limited top-k (`group_size` = n): the step's departments in S fixed
     slots as kernels/department_slots.py's `department_slots(ti, tw, n, S)` writes them, into dept (int32, S values)
     and weights (fp32 [S, 1, n], contiguous).
+    `router_bias` (E values, the router weight's dtype; GPT-OSS's router): logits = h · Wᵀ + b, the bias added to the
+    fp32 sum before the one rounding, as F.linear and kernels/router_topk.py's `bias` compute it.
     """
     if triton is None:
         raise RuntimeError("moe_front needs triton")
@@ -350,7 +358,10 @@ def moe_front(
     group_n, group_g = group_args(E, top_k, group_size, topk_group)
     if w_sg is not None and (w_sg.numel() != H or w_sg.dtype != x.dtype):
         raise ValueError(f"w_sg must hold H = {H} values of {x.dtype}")
+    if router_bias is not None and (router_bias.numel() != E or router_bias.dtype != router_weight.dtype):
+        raise ValueError(f"router_bias must hold E = {E} values of the router weight's dtype {router_weight.dtype}")
     tensors = [residual, norm_weight, router_weight] + ([w_sg] if w_sg is not None else [])
+    tensors += [router_bias] if router_bias is not None else []
     if any(t.device != x.device for t in tensors):
         raise ValueError("every tensor must be on x's device")
     I_s = 0
@@ -433,6 +444,7 @@ def moe_front(
         r1,
         nw,
         w,
+        router_bias.reshape(E).contiguous() if router_bias is not None else w,
         w_sg.reshape(H) if w_sg is not None else nw,
         s,
         h,
@@ -469,6 +481,7 @@ def moe_front(
         EARLY_RES=bool(residual_early),
         BASIS=basis is not None,
         BLOCK_B=bb,
+        BIAS=router_bias is not None,
         SLOTS=slots is not None,
         S_P2=triton.next_power_of_2(max(ss, 1)),
         Z_P2=triton.next_power_of_2(max(ss * sn, 1)),

@@ -21,6 +21,8 @@ from safetensors.torch import save_file
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 from localmoe.cli.main import main
+from localmoe.decode import moe_layer, replacements
+from localmoe.decode.ops import FusedRMSNorm
 from localmoe.engine.engine import Engine
 from localmoe.errors import RuntimeFailure, UsageError
 from localmoe.events import GenerationSettings
@@ -242,3 +244,34 @@ def test_decode_kernel_equals_the_reference(resident, calibration):
         m.kernel_on_cpu = True
     assert tokens(off, n=2) == want
     assert off.stats.sparsity_realized > 0 and off.loaded.cache.host_rows.item() > 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
+@torch.no_grad()
+def test_moe_front_takes_the_router_bias(resident, monkeypatch):
+    """`bias_in_front`: a fused decoder layer's MoE half in 2 launches (moe_front with the router's bias, then
+    sparse_mxfp4 adding the residual) gives what the 4 launches give (add + norm, router_topk with its bias, the
+    experts, the add); off, the layer does not take the front."""
+    layer = resident.loaded.model.model.layers[0]
+    block = replacements.REPLACEMENTS[type(layer.mlp).__name__].make(layer.mlp)
+    hf_norm = layer.post_attention_layernorm
+    norm = replacements.REPLACEMENTS[type(hf_norm).__name__].make(hf_norm)
+    assert isinstance(norm, FusedRMSNorm) and block._router_bias is not None
+    experts = layer.mlp.experts
+    gen = torch.Generator().manual_seed(3)
+    H, dt = layer.mlp.router.weight.shape[1], layer.mlp.router.weight.dtype
+    mixed, residual = torch.randn(1, 1, H, generator=gen).to(dt), (2 * torch.randn(1, 1, H, generator=gen)).to(dt)
+    try:
+        experts.kernel_on_cpu = True
+        assert not block.takes_front(mixed)  # off by default until measured on a GPU
+        monkeypatch.setattr(moe_layer.FusedSparseMoeBlock, "bias_in_front", True)
+        assert block.takes_front(mixed)
+        calls = block.front_calls
+        got = block.step_front(mixed, residual, norm)
+        assert block.front_calls == calls + 1
+        s = (mixed.float() + residual.float()).to(dt)
+        y = block(norm(s))
+        want = s + (y[0] if isinstance(y, tuple) else y)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        experts.kernel_on_cpu = False

@@ -289,3 +289,24 @@ def test_basis_refusals():
         moe_front(x, r, nw, 1e-6, "standard", w, 2, slots=(4, dept, sw))
     with pytest.raises(ValueError, match="slots weights must be"):
         moe_front(x, r, nw, 1e-6, "standard", w, 2, group_size=4, topk_group=1, slots=(4, dept, sw[:, :, :2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2880, 32, 4), (100, 60, 4)], ids=lambda s: "H{}E{}k{}".format(*s))
+@torch.no_grad()
+def test_router_bias(shape, dtype):
+    """router_bias= (GPT-OSS's router): logits h · Wᵀ + b rounded once, the top-k as router_topk's reference with
+    that bias selects and weights from the kernel's logits (GPT-OSS: E 32, k 4, H 2880; its norm as zero_centred)."""
+    H, E, k = shape
+    x, r, nw, w, _ = _inputs(H, E, dtype, seed=H + E)
+    b = (torch.randn(E, generator=torch.Generator().manual_seed(E)) * 0.5).to(DEV, dtype)
+    s, h, logits, tw, ti, _ = moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, None, router_bias=b)
+    want = moe_front_ref(x, r, nw, 1e-6, "zero_centred", w, k, True, router_bias=b)
+    one_step = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(logits[0], want[2], **one_step)
+    torch.testing.assert_close(logits[0].float(), (h.float() @ w.float().T + b.float()).to(dtype).float(), **one_step)
+    _, rw, ri = router_topk_ref(h[None], w, k, True, logits=logits)
+    assert torch.equal(ti, ri)
+    torch.testing.assert_close(tw, rw, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="router_bias must hold"):
+        moe_front(x, r, nw, 1e-6, "zero_centred", w, k, True, None, router_bias=b[:-1])

@@ -13,9 +13,10 @@ is transformers' value, and the MoE branch by m folded into the k routing weight
 as Qwen3-MoE's layer (two more before, the multiplies).
 
 GPT-OSS: the block is GptOssMLP (its router `router`, with a bias: router_topk's `bias`; top-k of the logits and a
-softmax over them, the renormalised softmax top-k). moe_front's router has no bias, so its layer is not `takes_front`:
-residual add + post-attention norm 1 launch, router 1, the experts module (LocalExperts: MXFP4 on sparse_mxfp4), the
-residual add 1 (2 launches more than a layer whose experts take sparse_fused's residual tail).
+softmax over them, the renormalised softmax top-k). Its layer: residual add + post-attention norm 1 launch, router 1,
+the experts module (LocalExperts: MXFP4 on sparse_mxfp4), the residual add 1; with `bias_in_front` (off until
+measured on a GPU) moe_front adds the router's bias and sparse_mxfp4 the residual: 2 launches, as a layer whose
+experts take sparse_fused's residual tail.
 
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
 """
@@ -91,6 +92,10 @@ class FusedSparseMoeBlock(nn.Module):
     # step_front with DeaMoE's experts: the step's department slots written by moe_front's routing program; False:
     # kernels/department_slots.py's own launch between the router and the department kernel
     slots_in_front = True
+    # step_front for a router with a bias (GPT-OSS's): moe_front adds it, and the MXFP4 experts' launch takes the
+    # residual add (2 launches from the mixer's output on, was 4: add + norm, router, experts, add). Off until
+    # measured on a GPU (bench/RESULTS.md, "Next measurements")
+    bias_in_front = False
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -234,7 +239,7 @@ class FusedSparseMoeBlock(nn.Module):
         department kernels on resident weights (experts/departments.py `tail=`)."""
         takes = getattr(self.experts, "takes_tail", None)
         plain = self._gate.weight.dtype in (h.dtype, torch.float32)  # moe_front: x's dtype, or DeepSeek-V2's fp32
-        plain = plain and getattr(self._gate, "bias", None) is None  # moe_front's router has no bias (GPT-OSS's has)
+        plain = plain and (self._router_bias is None or self.bias_in_front)  # GPT-OSS's biased router
         # DeepSeek-V2's ungated shared experts on the sparse path: the five launches (norm, router_topk, sparse_fused,
         # the shared experts' two) measured faster than moe_front + sparse_fused with them in its shared programs
         # (V2-Lite, H200, 75%: 443 against 432 tok/s; at sparsity 0 the front wins, 385 against 325)
@@ -257,8 +262,9 @@ class FusedSparseMoeBlock(nn.Module):
         sparse_fused's launch; a block without one: moe_front without it). DeaMoE's DepartmentExperts take the same
         tail: moe_front routes group-limited and writes the department slots (`slots_in_front`), then the
         department kernel (one launch for one token) adds into the workspace row and publishes residual + row (2
-        launches, was 9). With the gate predictor, moe_front computes its stage 1 too (`basis_in_front`). mixed, residual [B, T, H] -> the
-        layer's output.
+        launches, was 9). With the gate predictor, moe_front computes its stage 1 too (`basis_in_front`). GPT-OSS
+        (`bias_in_front`): moe_front with the router's bias, then its MXFP4 experts' `sparse_mxfp4` with the residual
+        add in its tail. mixed, residual [B, T, H] -> the layer's output.
         `scale` (GraniteMoE's residual_multiplier; no shared expert): the mixer's output is scaled before its add
         and the block's output before its own, through the k routing weights, both inside moe_front (`mixed` comes
         unscaled)."""
@@ -300,6 +306,7 @@ class FusedSparseMoeBlock(nn.Module):
             x_scale=scale,  # GraniteMoE: the attention branch times m before the add, and the MoE branch through
             # the k routing weights (residual + Σ (w_i·m)·expert_i); DeepSeek-V2's routed_scaling_factor there too
             w_scale=scale * self._routed_scale,
+            router_bias=self._router_bias,
         )
         shared = None if se is None or in_front else SharedExpert(*weights, sg if self.shared_gated else self._one(h))
         tail = Tail(shared, s.view(1, H), ws)
@@ -327,6 +334,11 @@ class FusedSparseMoeBlock(nn.Module):
             dept = torch.empty(S, dtype=torch.int32, device=dev)
             kw["slots"] = (n, dept, torch.empty((S, 1, n), dtype=torch.float32, device=dev))
         return kw
+
+    @property
+    def _router_bias(self) -> torch.Tensor | None:
+        bias = getattr(self._gate, "bias", None)  # GPT-OSS's router
+        return bias if isinstance(bias, torch.Tensor) else None
 
     def _one(self, like: torch.Tensor) -> torch.Tensor:
         """[1] = 1 in like's dtype on its device (an ungated shared expert's weight), made once."""
@@ -357,14 +369,13 @@ class FusedSparseMoeBlock(nn.Module):
                 tuned(x, "router_topk", f"H{H}_E{E}_k{self.top_k}"),
                 tuned(x, "shared_expert", f"H{H}_I{se.gate_proj.weight.shape[0]}") if se else {},
             )
-        bias = getattr(self._gate, "bias", None)  # GPT-OSS's router
         return router_topk(
             x,
             self._gate.weight,
             self.top_k,
             self.norm_topk_prob,
             tickets=tickets,
-            bias=bias if isinstance(bias, torch.Tensor) else None,
+            bias=self._router_bias,
             **self._group,
             **self._launch[0],
         )

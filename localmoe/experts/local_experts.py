@@ -127,16 +127,15 @@ class LocalExperts(DensePath, nn.Module):
 
     def takes_tail(self, hidden_states: torch.Tensor) -> bool:
         """Whether a call on these tokens runs `sparse_fused` (sparse, or offloaded with direct misses), so it can
-        take `tail=` (the shared expert and the residual add in the same launch)."""
+        take `tail=` (the shared expert and the residual add in the same launch); GPT-OSS's: `sparse_mxfp4` (the
+        residual add)."""
         T = hidden_states.shape[0]
         few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
-        if not (
-            few
-            and self.weights is not None
-            and self.hidden_act == "silu"
-            and (hidden_states.is_cuda or self.kernel_on_cpu)
-        ):
+        if not (few and self.weights is not None and (hidden_states.is_cuda or self.kernel_on_cpu)):
             return False
+        if self.hidden_act != "silu":  # GPT-OSS: its MXFP4 launch takes the residual add (it has no shared expert)
+            modes = (None, "direct", "copy")
+            return self._mxfp4_kernel(hidden_states) and (self.cache.mode if self.cache else None) in modes
         sparse = self.sparse_enabled and self.tau is not None
         if sparse and self.predictor is not None and not self.predictor_fused(hidden_states.device):
             return False  # the predictor's torch reference runs instead
@@ -183,7 +182,7 @@ class LocalExperts(DensePath, nn.Module):
         if self._mxfp4_kernel(hidden_states):  # GPT-OSS: its one launch, resident or from the cache's slots
             if self.cache is not None:
                 self.cache.fetch(self.layer_idx, sorted(set(top_k_index.reshape(-1).tolist())))
-            return self._mxfp4(hidden_states, top_k_index, top_k_weights, sparse)
+            return self._mxfp4(hidden_states, top_k_index, top_k_weights, sparse, tail=tail)
         w, ids, tau = self.weights, top_k_index, self.tau
         if self.cache is not None:  # offloaded: compute from cache slots (misses copied in first)
             w, ids = self.cache.pool, self.cache.slot_ids(self.layer_idx, top_k_index)
@@ -246,14 +245,19 @@ class LocalExperts(DensePath, nn.Module):
         return blocks.device == x.device or blocks.is_pinned()
 
     @torch.compiler.disable
-    def _mxfp4(self, x, top_k_index, top_k_weights, sparse: bool, direct: bool = False) -> torch.Tensor:
+    def _mxfp4(self, x, top_k_index, top_k_weights, sparse: bool, direct: bool = False, tail=None) -> torch.Tensor:
         """GPT-OSS's routed experts in one `sparse_mxfp4` launch (threshold 0 when not `sparse`: the dense math).
         Offloaded, every part is read from its cache slot (the slot tables) or, absent (`direct` misses only: copy
         mode fetched them first), from the host master copy; the biases by expert id, on the device. Launch keywords
-        from the device's tuned table (`sparse_mxfp4`, "H{H}_I{I}_k{k}"), else the launcher's defaults."""
+        from the device's tuned table (`sparse_mxfp4`, "H{H}_I{I}_k{k}"), else the launcher's defaults. `tail` (no
+        shared expert): the residual add (and the workspace) in the same launch."""
         tau = self.tau if sparse else self._zeros_tau(x.device)
         w, b, c = self.weights, self.biases, self.cache
         kw = {}
+        if tail is not None:
+            if tail.shared is not None:
+                raise ValueError(f"layer {self.layer_idx}: GPT-OSS's experts take no shared expert in their tail")
+            kw = {k: v for k, v in _tail_kw(tail).items() if k != "shared"}
         if c is not None:
             kw = {
                 "slot_table": c.tables[self.layer_idx],
@@ -292,7 +296,7 @@ class LocalExperts(DensePath, nn.Module):
         (gate rows + kept rows only) from the host master copies. Routing and counts are kept for `observe`."""
         if self.up_fn is not None:  # GPT-OSS: its own kernel reads absent experts in place too
             self.last_routing = top_k_index
-            return self._mxfp4(x, top_k_index, top_k_weights, sparse, direct=True)
+            return self._mxfp4(x, top_k_index, top_k_weights, sparse, direct=True, tail=tail)
         tau = self.tau if sparse else self._zeros_tau(x.device)
         c, m = self.cache, self.weights
         p = self._launch(x, top_k_index.shape[1])["fused"] if x.is_cuda else {}
