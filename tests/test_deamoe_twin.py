@@ -136,13 +136,14 @@ def test_fused_decode_equals_unfused(which):
     if which == "twin":
         assert done["DeaMoeQwen35DecoderLayer"] == 2 and done["DeaMoeQwen35SparseMoeBlock"] == 2
         assert done["DeaMoeQwen35TextModel"] == 1
-    else:
-        assert done["DeaMoeSparseMoeBlock"] == 2
+    else:  # Qwen3-MoE's decoder and text model around the DeaMoE block
+        assert done["DeaMoeSparseMoeBlock"] == 2 and done["DeaMoeDecoderLayer"] == 2 and done["DeaMoeModel"] == 1
     got, got_toks = test_fused._run(model, "static", prompt, steps=2)
     blocks = [m for m in model.modules() if type(m).__name__ == "FusedSparseMoeBlock"]
     assert blocks and all(b.decode_calls > 0 for b in blocks)  # the fused call was taken
-    if which == "twin":  # the decoder layer's front: moe_front (group-limited) + the department kernels' tail
-        assert all(b.front_calls > 0 for b in blocks)
+    # the decoder layer's front: moe_front (group-limited, the slots) + the department kernel's tail
+    assert all(b.front_calls > 0 for b in blocks)
+    assert model.model.decode_calls == 2  # the text model's fused step too (its forward is Qwen3.5's / Qwen3-MoE's)
     assert got_toks == want_toks
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
 

@@ -76,6 +76,8 @@ It acts only on CUDA models (the kernels are Triton; on CPU transformers' module
                                                                kernel) -> the twin's shared expert 2 launches
     DeaMoeQwen35TextModel,         FusedTextModel,          as Qwen3.5's: DeaMoE's Qwen3.5 twin shares the decoder
     DeaMoeQwen35DecoderLayer       FusedDecoderLayer
+    DeaMoeModel,                   FusedTextModel,          as Qwen3-MoE's (localmoe-tiny-deamoe, deamoe-7b: Qwen3-MoE's
+    DeaMoeDecoderLayer             FusedDecoderLayer           decoder with the DeaMoE block)
     Qwen3MoeModel                  FusedTextModel           as Qwen3_5MoeTextModel: 4 launches around the layers (the
                                                                rotary table from position ids [1, L]; every layer
                                                                full attention; no sliding window)
@@ -205,6 +207,10 @@ REPLACEMENTS: dict[str, Replacement] = {
     ),
     "Qwen3MoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: router 1 launch, experts unchanged"),
     "DeaMoeSparseMoeBlock": Replacement(FusedSparseMoeBlock, "T=1: group-limited router 1 launch, experts unchanged"),
+    "DeaMoeModel": Replacement(FusedTextModel, "as Qwen3MoeModel (its forward)"),
+    "DeaMoeDecoderLayer": Replacement(
+        FusedDecoderLayer, "as Qwen3MoeDecoderLayer: moe_front (group-limited, the slots) + the department kernel"
+    ),
     "DeaMoeQwen35TextModel": Replacement(FusedTextModel, "as Qwen3_5MoeTextModel"),
     "DeaMoeQwen35DecoderLayer": Replacement(FusedDecoderLayer, "as Qwen3_5MoeDecoderLayer"),
     "DeaMoeQwen35SparseMoeBlock": Replacement(

@@ -54,13 +54,16 @@ _PASSED = {"cache_position", *_OUTPUT_FLAGS}  # keywords the fused call takes (p
 
 def _output_class(hf: nn.Module):
     """The ModelOutput class the original forward returns (MoeModelOutputWithPast in transformers 5.2x,
-    Qwen3_5MoeModelOutputWithPast in 5.17; the annotation of 5.17 names its base), read from its `return` statement;
-    None when not found (then the fused call is never taken)."""
+    Qwen3_5MoeModelOutputWithPast in 5.17; the annotation of 5.17 names its base), read from its `return` statement
+    and looked up where that forward is defined; None when not found (then the fused call is never taken)."""
+    fn = type(hf).forward
     try:
-        names = re.findall(r"return\s+(\w+)\(", inspect.getsource(type(hf).forward))
+        names = re.findall(r"return\s+(\w+)\(", inspect.getsource(fn))
     except (OSError, TypeError):
         return None
-    cls = vars(sys.modules[type(hf).__module__]).get(names[-1]) if names else None
+    # the name as the forward's own module sees it (a class may borrow another's forward: DeaMoE's Qwen3.5 twin)
+    scope = vars(sys.modules.get(getattr(fn, "__module__", None)) or sys.modules[type(hf).__module__])
+    cls = scope.get(names[-1]) if names else None
     fields = getattr(cls, "__dataclass_fields__", {})
     return cls if "last_hidden_state" in fields and ("cache" in fields or "past_key_values" in fields) else None
 
