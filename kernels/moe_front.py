@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.kernels.moe_front_args import check_basis, check_shared, check_slots
 from localmoe.kernels.router_topk import group_args, router_tickets, router_topk_ref
 
 try:  # Triton is optional at import time; the launcher needs it.
@@ -364,53 +365,9 @@ def moe_front(
     tensors += [router_bias] if router_bias is not None else []
     if any(t.device != x.device for t in tensors):
         raise ValueError("every tensor must be on x's device")
-    I_s = 0
-    if shared_expert is not None:
-        if w_sg is None or acc is None:
-            raise ValueError("shared_expert= needs w_sg (its sigmoid gate) and acc= (the fp32 [H] row it adds into)")
-        if acc.dtype != torch.float32 or acc.numel() != H or not acc.is_contiguous() or acc.device != x.device:
-            raise ValueError(f"acc must be a contiguous fp32 tensor of H = {H} values on {x.device}")
-        I_s = shared_expert[0].shape[0] if shared_expert[0].dim() == 2 else -1
-        for name, sw in zip(("w_gate", "w_up", "w_down_t"), shared_expert):
-            if sw.dim() != 2 or tuple(sw.shape) != (I_s, H) or not sw.is_contiguous():
-                raise ValueError(
-                    f"shared_expert {name} must be a contiguous [I_s, H] = [{I_s}, {H}] tensor, got {tuple(sw.shape)}"
-                )
-            if sw.dtype != x.dtype or sw.device != x.device:
-                raise ValueError(f"shared_expert {name} must be {x.dtype} on {x.device}, got {sw.dtype} on {sw.device}")
-        if shared_block < 1 or shared_block & (shared_block - 1):
-            raise ValueError(f"shared_block must be a power of two, got {shared_block}")
-    elif acc is not None:
-        raise ValueError("acc= is what shared_expert= adds into: give both or neither")
-    nb, bb = 0, 1
-    if basis is not None:
-        B, B_scale, z = basis
-        if B.dim() != 3 or B.shape[2] != H or B.dtype != torch.int8 or not B.is_contiguous():
-            raise ValueError(f"basis B must be a contiguous int8 [N, r, {H}] tensor, got {B.dtype} {tuple(B.shape)}")
-        nb = B.shape[0] * B.shape[1]
-        if tuple(B_scale.shape) != tuple(B.shape[:2]) or B_scale.dtype != torch.float32 or not B_scale.is_contiguous():
-            raise ValueError(f"basis B_scale must be a contiguous fp32 {tuple(B.shape[:2])} tensor")
-        if z.numel() != nb or z.dtype != torch.float32 or not z.is_contiguous():
-            raise ValueError(f"basis z must be a contiguous fp32 tensor of N·r = {nb} values")
-        if any(t.device != x.device for t in (B, B_scale, z)):
-            raise ValueError("basis tensors must be on x's device")
-        budget = 32 * 32 * num_warps // triton.next_power_of_2(H)  # rows a program holds at 32 elements a thread
-        bb = basis_block if basis_block is not None else max(1, budget)
-        if bb < 1 or bb & (bb - 1):
-            raise ValueError(f"basis_block must be a power of two, got {bb}")
-        bb = min(bb, triton.next_power_of_2(nb))
-    sn = ss = 0
-    if slots is not None:
-        sn, dept, sw = slots
-        ss = dept.numel()
-        if not group_n or sn != group_n:
-            raise ValueError(f"slots= is DeaMoE's: n must be the group-limited top-k's group_size, got {sn}")
-        if dept.dtype != torch.int32 or not dept.is_contiguous() or ss < 1:
-            raise ValueError("slots dept must be a contiguous int32 tensor of S >= 1 values")
-        if tuple(sw.shape) != (ss, 1, sn) or sw.dtype != torch.float32 or not sw.is_contiguous():
-            raise ValueError(f"slots weights must be a contiguous fp32 [S, 1, n] = {(ss, 1, sn)} tensor")
-        if dept.device != x.device or sw.device != x.device:
-            raise ValueError("slots tensors must be on x's device")
+    I_s = check_shared(shared_expert, w_sg, acc, shared_block, x, H)
+    nb, bb = check_basis(basis, basis_block, x, H, num_warps)
+    sn, ss = check_slots(slots, group_n, x)
     if block_e is None:  # untuned: 4 router rows a program from 128 experts on (few tickets; module doc)
         block_e = 4 if E >= 128 else 1
     if block_e < 1 or block_e & (block_e - 1):
@@ -438,7 +395,7 @@ def moe_front(
     nbp = triton.cdiv(nb, bb)
     se = shared_expert if shared_expert is not None else (w, w, w)  # dummies, never read
     bt = basis if basis is not None else (nw, nw, nw)
-    st = slots[1:] if slots is not None else (ti, nw)
+    st = slots[1:] if slots is not None else (ti, nw)  # dummies, never read
     _moe_front_kernel[(nr + ns + nbp,)](
         x1,
         r1,
