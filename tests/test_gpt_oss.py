@@ -247,12 +247,19 @@ def test_decode_kernel_equals_the_reference(resident, calibration):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
+@pytest.mark.parametrize("where", ["resident", "offloaded"])
 @torch.no_grad()
-def test_moe_front_takes_the_router_bias(resident, monkeypatch):
+def test_moe_front_takes_the_router_bias(resident, monkeypatch, where):
     """`bias_in_front`: a fused decoder layer's MoE half in 2 launches (moe_front with the router's bias, then
     sparse_mxfp4 adding the residual) gives what the 4 launches give (add + norm, router_topk with its bias, the
-    experts, the add); off, the layer does not take the front."""
-    layer = resident.loaded.model.model.layers[0]
+    experts, the add), resident and offloaded with direct misses (the slot tables beside the tail); off, the layer
+    does not take the front."""
+    engine = resident
+    if where == "offloaded":
+        engine = Engine.load(MODEL, device="cpu", sparsity=0.0, vram_gib=_budget(2))
+        attach_cache(engine.loaded, engine.dtype, torch.device("cpu"), False, "direct")
+        assert engine.loaded.cache.mode == "direct"
+    layer = engine.loaded.model.model.layers[0]
     block = replacements.REPLACEMENTS[type(layer.mlp).__name__].make(layer.mlp)
     hf_norm = layer.post_attention_layernorm
     norm = replacements.REPLACEMENTS[type(hf_norm).__name__].make(hf_norm)

@@ -259,7 +259,7 @@ class LocalExperts(DensePath, nn.Module):
                 raise ValueError(f"layer {self.layer_idx}: GPT-OSS's experts take no shared expert in their tail")
             kw = {k: v for k, v in _tail_kw(tail).items() if k != "shared"}
         if c is not None:
-            kw = {
+            kw |= {
                 "slot_table": c.tables[self.layer_idx],
                 "pool_gate": c.pool.w_gate,
                 "pool_up": c.pool.w_up,
