@@ -285,7 +285,8 @@ class FusedSparseMoeBlock(nn.Module):
             front = {"shared_expert": weights, "acc": ws[:H].view(torch.float32)}
         else:
             ws, front = None, {}
-        front |= self._front_extras(mixed)
+        extras, handed = self._front_extras(mixed)
+        front |= extras
         # residual_early: the residual is the layer's input, written before the mixer's kernels, so moe_front may
         # load it before its PDL wait
         s, h, _, tw, ti, sg = moe_front(
@@ -309,31 +310,26 @@ class FusedSparseMoeBlock(nn.Module):
             router_bias=self._router_bias,
         )
         shared = None if se is None or in_front else SharedExpert(*weights, sg if self.shared_gated else self._one(h))
-        tail = Tail(shared, s.view(1, H), ws)
-        extra = {}
-        if "basis" in front:
-            extra["z"] = front["basis"][2]
-        if "slots" in front:
-            extra["slots"] = front["slots"][1:]
-        y = self.experts(h.view(1, H), ti, tw, tail=tail, **extra)
+        y = self.experts(h.view(1, H), ti, tw, tail=Tail(shared, s.view(1, H), ws), **handed)
         return y.view(B, T, H)
 
-    def _front_extras(self, mixed: torch.Tensor) -> dict:
-        """moe_front's keywords for work its launch can take from the experts' call: the gate predictor's stage 1 for
-        every department (`basis=`, it needs no routing) and DeaMoE's department slots (`slots=`, written by the
-        program that routes), each with the output buffers the experts' call then reads."""
-        kw, dev = {}, mixed.device
+    def _front_extras(self, mixed: torch.Tensor) -> tuple[dict, dict]:
+        """Work moe_front's launch can take from the experts' call: the gate predictor's stage 1 for every department
+        (it needs no routing) and DeaMoE's department slots (written by the program that routes) -> (moe_front's
+        keywords `basis=` / `slots=` with their output buffers, the experts' keywords `z=` / `slots=` reading them)."""
+        front, handed, dev = {}, {}, mixed.device
         maps = self.experts.front_basis(mixed) if self.basis_in_front and hasattr(self.experts, "front_basis") else None
         if maps is not None:
-            kw["basis"] = (*maps, torch.empty((1, *maps[0].shape[:2]), dtype=torch.float32, device=dev))
+            handed["z"] = torch.empty((1, *maps[0].shape[:2]), dtype=torch.float32, device=dev)
+            front["basis"] = (*maps, handed["z"])
         slots = (
             self.experts.front_slots(mixed) if self.slots_in_front and hasattr(self.experts, "front_slots") else None
         )
         if slots is not None:
             n, S = slots
-            dept = torch.empty(S, dtype=torch.int32, device=dev)
-            kw["slots"] = (n, dept, torch.empty((S, 1, n), dtype=torch.float32, device=dev))
-        return kw
+            handed["slots"] = (torch.empty(S, dtype=torch.int32, device=dev), torch.empty((S, 1, n), device=dev))
+            front["slots"] = (n, *handed["slots"])
+        return front, handed
 
     @property
     def _router_bias(self) -> torch.Tensor | None:

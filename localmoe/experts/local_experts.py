@@ -129,9 +129,11 @@ class LocalExperts(DensePath, nn.Module):
         """Whether a call on these tokens runs `sparse_fused` (sparse, or offloaded with direct misses), so it can
         take `tail=` (the shared expert and the residual add in the same launch); GPT-OSS's: `sparse_mxfp4` (the
         residual add)."""
-        T = hidden_states.shape[0]
-        few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
-        if not (few and self.weights is not None and (hidden_states.is_cuda or self.kernel_on_cpu)):
+        if not (
+            self._few(hidden_states.shape[0])
+            and self.weights is not None
+            and (hidden_states.is_cuda or self.kernel_on_cpu)
+        ):
             return False
         if self.hidden_act != "silu":  # GPT-OSS: its MXFP4 launch takes the residual add (it has no shared expert)
             modes = (None, "direct", "copy")
@@ -166,8 +168,7 @@ class LocalExperts(DensePath, nn.Module):
             return self._dense(hidden_states, top_k_index, top_k_weights, shared=shared)
         if tail is not None and not self.takes_tail(hidden_states):
             raise ValueError(f"layer {self.layer_idx}: this call does not run sparse_fused, it cannot take a tail")
-        T = hidden_states.shape[0]
-        few = T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
+        few = self._few(hidden_states.shape[0])
         sparse = few and self.sparse_enabled and self.tau is not None
         if sparse and self.predictor is not None and not self.predictor_fused(hidden_states.device):
             if self.cache is not None:
@@ -207,10 +208,13 @@ class LocalExperts(DensePath, nn.Module):
         device runs it in the fused kernels, so the caller's launch may compute z for every department and pass it
         as `forward(z=)`; else None."""
         p = self.predictor
-        sparse = self.sparse_enabled and self.tau is not None and self.max_sparse_tokens >= 1
-        if p is None or not sparse or self.recorder is not None or self.mask_all_tokens:
+        if p is None or not (self._few(1) and self.sparse_enabled and self.tau is not None):
             return None
         return (p.B, p.B_scale) if self.predictor_fused(x.device) else None
+
+    def _few(self, T: int) -> bool:
+        """Whether a call of T tokens is decode-sized: the sparse / fused kernels' path (no recorder, no mask-all)."""
+        return T <= self.max_sparse_tokens and self.recorder is None and not self.mask_all_tokens
 
     def _predictor_kw(self, x: torch.Tensor, experts: torch.Tensor, z: torch.Tensor | None = None) -> dict:
         """sparse_fused's `predictor=` for this call (stage 1 launched here, z_d = B_d x per touched department,
