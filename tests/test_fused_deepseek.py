@@ -49,8 +49,10 @@ def test_absorbed_decode_equals_transformers(q_lora_rank, cache_kind, dtype):
     model = copy.deepcopy(ref)
     done = replacements.install(model, DEV, force=True)
     assert done["DeepseekV2Attention"] == 2 and done["DeepseekV2Moe"] == 1  # (layer 0: a dense MLP)
-    assert done["DeepseekV2DecoderLayer"] == 2
+    assert done["DeepseekV2DecoderLayer"] == 2 and done["DeepseekV2Model"] == 1
     got, got_toks = test_fused._run(model, cache_kind, prompt, steps=2)
+    # the fused text model (freqs_cis from its table) took the static cache's steps; a dynamic cache: the original
+    assert model.model.decode_calls == (2 if cache_kind == "static" else 0)
     mla = [m for m in model.modules() if isinstance(m, FusedMLA)]
     assert [m.decode_calls for m in mla] == [2, 2]  # every decode step, not the prefill
     assert [m.static_writes for m in mla] == ([2, 2] if cache_kind == "static" else [0, 0])  # mla_rope_write
@@ -120,6 +122,7 @@ def test_front_and_tail_equal_transformers(q_lora_rank, sparsity):
     # sparse: the shared experts' own launches after sparse_fused, off the front (FusedSparseMoeBlock.takes_front)
     assert [b.front_calls for b in blocks] == [2 if sparsity == 0 else 0]
     assert [b.decode_calls for b in blocks] == [2]
+    assert model.model.decode_calls == 2  # the fused text model
     assert toks == want_toks
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
 

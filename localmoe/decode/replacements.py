@@ -243,6 +243,9 @@ REPLACEMENTS: dict[str, Replacement] = {
     "GraniteMoeMoE": Replacement(
         FusedSparseMoeBlock, "T=1: router (top-k, softmax over k) 1 launch, experts unchanged"
     ),
+    "DeepseekV2Model": Replacement(
+        FusedTextModel, "as Qwen3MoeModel; freqs_cis (complex) gathered from the table in place of cos|sin"
+    ),
     "DeepseekV2DecoderLayer": Replacement(
         FusedDecoderLayer,
         "T=1: input norm inside MLA's q|kv_a GEMV, residual add + norm 1 launch, the MoE output's add in the shared "

@@ -1,6 +1,6 @@
-"""The text model of Qwen3.5-MoE, Qwen3-MoE, OLMoE, Mixtral and GraniteMoE (embedding -> decoder layers -> final
-norm) for the one-token cached decode step, with transformers' glue around the layers cut to 4 launches (GraniteMoE:
-5, its `embedding_multiplier` one multiply after the embedding, as transformers does it; its `logits_scaling` is the
+"""The text model of Qwen3.5-MoE, Qwen3-MoE, OLMoE, Mixtral, GraniteMoE and DeepSeek-V2 (embedding -> decoder
+layers -> final norm) for the one-token cached decode step, with transformers' glue around the layers cut to 4
+launches (GraniteMoE: 5, its `embedding_multiplier` one multiply after the embedding, as transformers does it; its `logits_scaling` is the
 LM head's, outside this module). Installed by `localmoe.decode.replacements`; every other call runs transformers'
 module.
 
@@ -8,7 +8,8 @@ On the CUDA-graph decode step every decoder layer is localmoe's FusedDecoderLaye
 does around them was 25 small kernels on the H200 (transformers 5.17): the embedding, mrope's cos/sin (inv_freq
 product, cos, sin, scaling, recomposition, casts), position-id arithmetic (aranges, adds), the causal mask over the
 static cache, the final norm (Qwen3-MoE's, OLMoE's, Mixtral's, GraniteMoE's: the same without mrope). Here 4: the
-embedding, ONE gather of (cos, sin) for the position from a table, the boolean causal mask (key index <= position:
+embedding, ONE gather of (cos, sin) for the position from a table (DeepSeek-V2: of its complex freqs_cis, which
+its rotary module returns in place of the pair), the boolean causal mask (key index <= position:
 transformers' sdpa mask for one query over a StaticCache), the final norm. Measured at Qwen3.5-35B-A3B shapes
 (random bf16 weights, sparsity 0.85): 246 -> 225 kernels per step, graph decode 2874 -> 2724 µs
 per step (348 -> 367 tok/s).
@@ -69,9 +70,9 @@ def _output_class(hf: nn.Module):
 
 
 class FusedTextModel(nn.Module):
-    """Qwen3.5-MoE's / Qwen3-MoE's / OLMoE's / Mixtral's / GraniteMoE's text model whose one-token StaticCache step
-    is 4 launches around the decoder layers (see the module docstring). Other calls run the original module, kept
-    unregistered as `_hf`."""
+    """Qwen3.5-MoE's / Qwen3-MoE's / OLMoE's / Mixtral's / GraniteMoE's / DeepSeek-V2's text model whose one-token
+    StaticCache step is 4 launches around the decoder layers (see the module docstring). Other calls run the original
+    module, kept unregistered as `_hf`."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -164,9 +165,10 @@ class FusedTextModel(nn.Module):
         h = self.embed_tokens(x) if not x.is_floating_point() else x  # [1, 1, H]: 1 launch
         if self._embed_scale != 1.0:  # GraniteMoE: inputs_embeds * embedding_multiplier (ids or embeds): 1 launch
             h = h * self._embed_scale
-        angles, kv = self._angles(h, L)  # [2, L, ROT], [L]
-        cs = angles.index_select(1, pos.view(1))  # [2, 1, ROT]: 1 launch
-        rope = (cs[0:1], cs[1:2])  # cos, sin [B=1, T=1, ROT], as transformers' rotary module returns them
+        angles, kv = self._angles(h, L)  # [2, L, ROT] (cos|sin) or [1, L, ROT / 2] (complex), [L]
+        cs = angles.index_select(1, pos.view(1))  # [2 or 1, 1, ROT or ROT / 2]: 1 launch
+        # as transformers' rotary module returns them: cos, sin [B=1, T=1, ROT]; DeepSeek-V2: freqs_cis [1, 1, ROT / 2]
+        rope = (cs[0:1], cs[1:2]) if cs.shape[0] == 2 else cs
         masks = {
             "full_attention": (kv <= pos).view(1, 1, 1, L),  # [B, 1, T, L] bool: 1 launch
             "linear_attention": None,
@@ -187,16 +189,17 @@ class FusedTextModel(nn.Module):
 
     @torch.compiler.disable  # built eagerly, outside any compiled or captured region's steady state
     def _angles(self, h: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([2, L, ROT] cos|sin of positions 0..L-1 in h's dtype, arange(L)), from the ORIGINAL rotary module as
-        transformers' text model calls it (Qwen3.5: mrope position ids [3, 1, L]; else [1, L]); made once per
-        (L, dtype, device)."""
+        """([2, L, ROT] cos|sin of positions 0..L-1 in h's dtype, or DeepSeek-V2's [1, L, ROT / 2] complex freqs_cis
+        (its rotary module returns one tensor), and arange(L)), from the ORIGINAL rotary module as transformers' text
+        model calls it (Qwen3.5: mrope position ids [3, 1, L]; else [1, L]); made once per (L, dtype, device)."""
         key = (L, h.dtype, h.device)
         if self._table is None or self._table[0] != key:
             with torch.no_grad():
                 kv = torch.arange(L, device=h.device)
                 ids = kv.view(1, 1, L).expand(3, 1, L) if self._mrope else kv.view(1, L)
-                cos, sin = self.rotary_emb(h, ids)  # [1, L, ROT] each
-                self._table = (key, torch.stack([cos[0], sin[0]]).contiguous(), kv)
+                out = self.rotary_emb(h, ids)  # (cos, sin) [1, L, ROT] each, or freqs_cis [1, L, ROT / 2]
+                table = torch.stack([out[0][0], out[1][0]]) if isinstance(out, tuple) else out
+                self._table = (key, table.contiguous(), kv)
         return self._table[1], self._table[2]
 
 
