@@ -1,8 +1,8 @@
-"""The text model of Qwen3.5-MoE, Qwen3-MoE, OLMoE, Mixtral, GraniteMoE and DeepSeek-V2 (embedding -> decoder
-layers -> final norm) for the one-token cached decode step, with transformers' glue around the layers cut to 4
-launches (GraniteMoE: 5, its `embedding_multiplier` one multiply after the embedding, as transformers does it; its `logits_scaling` is the
-LM head's, outside this module). Installed by `localmoe.decode.replacements`; every other call runs transformers'
-module.
+"""The text model of Qwen3.5-MoE, Qwen3-MoE, OLMoE, Mixtral, GraniteMoE and DeepSeek-V2 (embedding -> decoder layers ->
+final norm) for the one-token cached decode step, with transformers' glue around the layers cut to 4 launches
+(GraniteMoE: 5, its `embedding_multiplier` one multiply after the embedding, as transformers does it; its
+`logits_scaling` is the LM head's, outside this module). Installed by `localmoe.decode.replacements`; every other call
+runs transformers' module.
 
 On the CUDA-graph decode step every decoder layer is localmoe's FusedDecoderLayer; what transformers' text model
 does around them was 25 small kernels on the H200 (transformers 5.17): the embedding, mrope's cos/sin (inv_freq
