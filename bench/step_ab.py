@@ -75,6 +75,7 @@ def apply(engine, case: str) -> None:
 def reset(engine) -> None:
     pdl.set_enabled(None)
     tuning._tuned_on.cache_clear()
+    tuning._tuned_at.cache_clear()
     table = tuning._device_table(torch.cuda.get_device_name())
     table.setdefault("decode_params", {})
     for (kern, shape), kw in _UNDO["table"].items():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -121,3 +122,24 @@ def tuned(x: torch.Tensor, kernel: str, shape_key: str) -> dict:
 @functools.cache
 def _tuned_on(device_index: int, kernel: str, shape_key: str) -> dict:
     return decode_params(torch.cuda.get_device_name(device_index), kernel, shape_key)
+
+
+def tuned_at(x: torch.Tensor, kernel: str, shape_key: str, sparsity: float) -> dict:
+    """`tuned` for a launch whose best parameters depend on how much of the experts it reads: an entry
+    "SHAPE_s{P}" (P a percentage) applies from sparsity P / 100 on, the highest such P <= `sparsity` wins; below
+    every band (or with none) SHAPE's own entry. E.g. sparse_mxfp4's one-warp programs win at high sparsity only."""
+    return _tuned_at(x.device.index or 0, kernel, shape_key, round(float(sparsity), 4)) if x.is_cuda else {}
+
+
+@functools.cache
+def _tuned_at(device_index: int, kernel: str, shape_key: str, sparsity: float) -> dict:
+    entries = _device_table(torch.cuda.get_device_name(device_index)).get("decode_params", {}).get(kernel, {})
+    band = sparsity_band(entries, shape_key, sparsity)
+    return dict(entries[band]) if band else _tuned_on(device_index, kernel, shape_key)
+
+
+def sparsity_band(entries: dict, shape_key: str, sparsity: float) -> str | None:
+    """The key of `entries` ("SHAPE_s{P}") whose band holds `sparsity` (the highest P <= 100 * sparsity), or None."""
+    bands = [(int(m.group(1)), k) for k in entries if (m := re.fullmatch(re.escape(shape_key) + r"_s(\d+)", k))]
+    below = [b for b in bands if b[0] <= 100 * sparsity + 1e-6 and isinstance(entries[b[1]], dict)]
+    return max(below)[1] if below else None

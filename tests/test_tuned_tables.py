@@ -19,7 +19,7 @@ TABLES = sorted((ROOT / "kernels" / "tuned").glob("*.json"))
 
 def _kernels_looked_up() -> set[str]:
     text = "\n".join(p.read_text() for d in ("localmoe", "kernels") for p in (ROOT / d).rglob("*.py"))
-    return set(re.findall(r'\btuned\(\s*[\w.]+\s*,\s*"(\w+)"', text))
+    return set(re.findall(r'\btuned(?:_at)?\(\s*[\w.]+\s*,\s*"(\w+)"', text))
 
 
 def test_there_are_tables():
@@ -56,3 +56,13 @@ def test_an_entry_reaches_the_launch():
     assert tuning.launch_params("no such device", 2048, 512, 8)["fused_pred"] == tuning.PRED_FUSED
     int4 = tuning.launch_params("no such device", 2048, 512, 8, int4=True)
     assert int4["fused_pred"] == int4["fused"] == tuning.INT4_FUSED
+
+
+def test_sparsity_bands():
+    """`tuned_at`'s bands: "SHAPE_s{P}" from sparsity P / 100 on, the highest band at or below the sparsity."""
+    entries = {"S": {"a": 1}, "S_s70": {"a": 2}, "S_s85": {"a": 3}, "T_s10": {"a": 4}, "S_s99x": {"a": 5}}
+    assert tuning.sparsity_band(entries, "S", 0.5) is None  # below every band: SHAPE's own entry
+    assert tuning.sparsity_band(entries, "S", 0.7) == "S_s70"
+    assert tuning.sparsity_band(entries, "S", 0.84) == "S_s70"
+    assert tuning.sparsity_band(entries, "S", 0.85) == "S_s85"
+    assert tuning.sparsity_band(entries, "T", 0.05) is None and tuning.sparsity_band(entries, "U", 0.9) is None

@@ -51,7 +51,7 @@ from localmoe.kernels.dense_experts import dense_experts
 from localmoe.kernels.gate_predictor import GatePredictor, department_basis
 from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
 from localmoe.kernels.sparse_fused import sparse_fused
-from localmoe.kernels.tuning import launch_params, tuned
+from localmoe.kernels.tuning import launch_params, tuned_at
 
 
 class LocalExperts(DensePath, nn.Module):
@@ -81,6 +81,7 @@ class LocalExperts(DensePath, nn.Module):
         self._zero_tau: torch.Tensor | None = None
         # sparse path state, set by the engine / sparsity module
         self.tau: torch.Tensor | None = None  # [E] float32 threshold per expert (per-layer τ broadcast)
+        self.target_sparsity = 0.0  # the sparsity tau was calibrated for (launches tuned by band: `tuned_at`)
         self.sparse_enabled = False
         self.max_sparse_tokens = 1
         self.mask_all_tokens = False  # evaluation: apply the sparse mask on the grouped path too (same function)
@@ -253,7 +254,8 @@ class LocalExperts(DensePath, nn.Module):
         """GPT-OSS's routed experts in one `sparse_mxfp4` launch (threshold 0 when not `sparse`: the dense math).
         Offloaded, every part is read from its cache slot (the slot tables) or, absent (`direct` misses only: copy
         mode fetched them first), from the host master copy; the biases by expert id, on the device. Launch keywords
-        from the device's tuned table (`sparse_mxfp4`, "H{H}_I{I}_k{k}"), else the launcher's defaults. `tail` (no
+        from the device's tuned table (`sparse_mxfp4`, "H{H}_I{I}_k{k}", or its "_s{P}" band for the calibrated
+        sparsity: `target_sparsity`), else the launcher's defaults. `tail` (no
         shared expert): the residual add (and the workspace) in the same launch."""
         tau = self.tau if sparse else self._zeros_tau(x.device)
         w, b, c = self.weights, self.biases, self.cache
@@ -288,7 +290,12 @@ class LocalExperts(DensePath, nn.Module):
             limit=self.act_fn.limit,
             kept_total=self._kept_on(x.device) if sparse else None,
             **kw,
-            **tuned(x, "sparse_mxfp4", f"H{x.shape[-1]}_I{self.intermediate_size}_k{top_k_index.shape[-1]}"),
+            **tuned_at(
+                x,
+                "sparse_mxfp4",
+                f"H{x.shape[-1]}_I{self.intermediate_size}_k{top_k_index.shape[-1]}",
+                self.target_sparsity if sparse else 0.0,
+            ),
         )
         if sparse:
             self.seen += top_k_index.numel() * self.intermediate_size

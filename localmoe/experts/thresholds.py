@@ -274,6 +274,7 @@ def apply(loaded, table: ThresholdTable, *, device: torch.device) -> None:
             tz = None if table.taus_z is None else table.taus_z[i]
             m.tau_z = None if tz is None else torch.full((m.tau_groups,), tz, dtype=torch.float32, device=device)
         _counters_on(m, device)
+        m.target_sparsity = float(table.sparsity)
         m.max_sparse_tokens = limit
         m.sparse_enabled = True
 
