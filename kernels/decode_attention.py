@@ -2,7 +2,8 @@
 
 Owns `decode_attention` (a checked Triton launcher), its torch reference `decode_attention_ref`, and one kernel
 `_split_kernel`, grid (Hq, NP), with the combine in its tail (the online softmax's two halves, `_chunk` and
-`_combine_head`, are kernels/decode_attention_softmax.py's):
+`_combine_head`, are kernels/decode_attention_softmax.py's; the launcher's argument checks
+kernels/decode_attention_args.py's):
 
 1. program (h, p) takes chunks p, p + NP, p + 2 NP, ... of CHUNK keys of query head h's KV head (GQA: kv = h //
    (Hq / Hkv)); NP = min(NS, max_splits), so a long static cache's unused tail does not grow the grid (at the
@@ -44,6 +45,8 @@ import math
 
 import torch
 
+from localmoe.kernels.decode_attention_args import _mask_int8, _out, check_extras, check_qkv
+
 try:
     import triton
     import triton.language as tl
@@ -55,8 +58,6 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
-
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -397,61 +398,13 @@ def decode_attention(
     row after it: the caller's cache rows other than the newest must not be written by the kernel just before."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
-    if q.dim() != 2 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"q must be [Hq, Dk], k [Hkv, L, Dk], v [Hkv, L, Dv]; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    Hq, Dk = q.shape
-    Hkv, L, _ = k.shape
-    Dv = v.shape[2]
-    if k.shape[2] != Dk or v.shape[:2] != (Hkv, L):
-        raise ValueError(
-            f"k must be [Hkv, L, {Dk}] and v [Hkv, L, Dv] with k's Hkv and L; got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.stride(1) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("q, k and v need a contiguous last dim")
-    if len({q.device, k.device, v.device}) != 1:
-        raise ValueError("q, k and v must be on one device")
+    Hq, Dk, Hkv, L, Dv = check_qkv(q, k, v)
     mask = _mask_int8(mask, L, q.device)
     out = _out(out, Hq, Dv, q)
-    if gate is not None and (
-        tuple(gate.shape) != (Hq, Dv) or gate.dtype != q.dtype or gate.stride(1) != 1 or gate.device != q.device
-    ):
-        raise ValueError(f"gate must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
-    if sinks is not None and (
-        tuple(sinks.shape) != (Hq,)
-        or sinks.dtype not in _FLOAT_DTYPES
-        or sinks.stride(0) != 1
-        or sinks.device != q.device
-    ):
-        raise ValueError(f"sinks must be a contiguous float [Hq] = [{Hq}] tensor on {q.device}")
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"window must be a positive int, got {window!r}")
+    check_extras(gate, sinks, window, Hq, Dv, q)
     if L == 0:
         return out.zero_()
     return _launch(q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits)
-
-
-def _mask_int8(mask, L: int, device):
-    """A bool [L] mask (or None) checked, as the kernel's int8."""
-    if mask is None:
-        return None
-    if mask.dtype != torch.bool or mask.shape != (L,) or mask.device != device:
-        raise ValueError(f"mask must be a bool [L] = [{L}] tensor on {device}, got {mask.dtype} {tuple(mask.shape)}")
-    return mask.contiguous().view(torch.int8)
-
-
-def _out(out, Hq: int, Dv: int, q):
-    if out is None:
-        return torch.empty(Hq, Dv, dtype=q.dtype, device=q.device)
-    if tuple(out.shape) != (Hq, Dv) or out.dtype != q.dtype or out.stride(1) != 1 or out.device != q.device:
-        raise ValueError(f"out must be [Hq, Dv] = {(Hq, Dv)} of {q.dtype} with a contiguous last dim")
-    return out
 
 
 def _launch(q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits, qk=None):
