@@ -144,3 +144,25 @@ def test_front_only_with_dense_unquantized_experts():
     experts.sparse_enabled = False
     experts.weights = experts.weights.to_int4()
     assert experts.weights.quantized and not block.takes_front(h)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches of the interpreter")
+@torch.no_grad()
+def test_text_model_glue_launches(monkeypatch):
+    """Around the decoder layers DeepSeek-V2's decode step is the fused text model's 4 launches (embedding, the
+    freqs_cis row gathered from its table, the mask, the final norm); transformers' text model: its rotary module's
+    complex arithmetic, the position ids and the causal mask."""
+    import test_fused_model
+
+    ref = _tiny().to(DEV)
+    before = test_fused_model._count_step(
+        test_fused_model._installed(ref, exclude=("DeepseekV2Model",))[0], monkeypatch
+    )
+    model = test_fused_model._installed(ref)[0]
+    after = test_fused_model._count_step(model, monkeypatch, warm=True)  # (the first step builds the table)
+    print(
+        f"\nDeepSeek-V2 launches a decode step outside the layers: {len(before.ops)} -> {len(after.ops)}: {before.ops}"
+    )
+    assert model.model.decode_calls == 2
+    assert after.ops == ["embedding.default", "index_select.default", "le.Tensor", "triton:_rmsnorm_kernel"]
+    assert len(before.ops) > len(after.ops) and after.syncs == 0
