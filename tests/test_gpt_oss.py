@@ -252,8 +252,8 @@ def test_decode_kernel_equals_the_reference(resident, calibration):
 def test_moe_front_takes_the_router_bias(resident, monkeypatch, where):
     """`bias_in_front`: a fused decoder layer's MoE half in 2 launches (moe_front with the router's bias, then
     sparse_mxfp4 adding the residual) gives what the 4 launches give (add + norm, router_topk with its bias, the
-    experts, the add), resident and offloaded with direct misses (the slot tables beside the tail); off, the layer
-    does not take the front."""
+    experts, the add), resident and offloaded with direct misses (the slot tables beside the tail); switched off, the
+    layer does not take the front."""
     engine = resident
     if where == "offloaded":
         engine = Engine.load(MODEL, device="cpu", sparsity=0.0, vram_gib=_budget(2))
@@ -270,9 +270,10 @@ def test_moe_front_takes_the_router_bias(resident, monkeypatch, where):
     mixed, residual = torch.randn(1, 1, H, generator=gen).to(dt), (2 * torch.randn(1, 1, H, generator=gen)).to(dt)
     try:
         experts.kernel_on_cpu = True
-        assert not block.takes_front(mixed)  # off by default until measured on a GPU
+        monkeypatch.setattr(moe_layer.FusedSparseMoeBlock, "bias_in_front", False)
+        assert not block.takes_front(mixed)  # off: the four launches
         monkeypatch.setattr(moe_layer.FusedSparseMoeBlock, "bias_in_front", True)
-        assert block.takes_front(mixed)
+        assert block.takes_front(mixed)  # on: the default
         calls = block.front_calls
         got = block.step_front(mixed, residual, norm)
         assert block.front_calls == calls + 1

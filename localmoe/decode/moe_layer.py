@@ -14,9 +14,9 @@ as Qwen3-MoE's layer (two more before, the multiplies).
 
 GPT-OSS: the block is GptOssMLP (its router `router`, with a bias: router_topk's `bias`; top-k of the logits and a
 softmax over them, the renormalised softmax top-k). Its layer: residual add + post-attention norm 1 launch, router 1,
-the experts module (LocalExperts: MXFP4 on sparse_mxfp4), the residual add 1; with `bias_in_front` (off until
-measured on a GPU) moe_front adds the router's bias and sparse_mxfp4 the residual: 2 launches, as a layer whose
-experts take sparse_fused's residual tail.
+the experts module (LocalExperts: MXFP4 on sparse_mxfp4), the residual add 1; with `bias_in_front` (the default)
+moe_front adds the router's bias and sparse_mxfp4 the residual: 2 launches, as a layer whose experts take
+sparse_fused's residual tail.
 
 Shape legend: B batch, T tokens, H hidden, E experts, k experts per token.
 """
@@ -93,9 +93,9 @@ class FusedSparseMoeBlock(nn.Module):
     # kernels/department_slots.py's own launch between the router and the department kernel
     slots_in_front = True
     # step_front for a router with a bias (GPT-OSS's): moe_front adds it, and the MXFP4 experts' launch takes the
-    # residual add (2 launches from the mixer's output on, was 4: add + norm, router, experts, add). Off until
-    # measured on a GPU (bench/RESULTS.md, "Next measurements")
-    bias_in_front = False
+    # residual add (2 launches from the mixer's output on, was 4: add + norm, router, experts, add). gpt-oss-20b on an
+    # H100 (bench/step_ab.py, session 53): +3.1% at 85%, +2.1% at 50%; False: the four launches
+    bias_in_front = True
 
     def __init__(self, hf: nn.Module):
         super().__init__()
