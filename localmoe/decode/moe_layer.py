@@ -327,7 +327,10 @@ class FusedSparseMoeBlock(nn.Module):
         )
         if slots is not None:
             n, S = slots
-            handed["slots"] = (torch.empty(S, dtype=torch.int32, device=dev), torch.empty((S, 1, n), device=dev))
+            handed["slots"] = (
+                torch.empty(S, dtype=torch.int32, device=dev),
+                torch.empty((S, 1, n), dtype=torch.float32, device=dev),
+            )
             front["slots"] = (n, *handed["slots"])
         return front, handed
 
