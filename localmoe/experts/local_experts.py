@@ -45,16 +45,16 @@ from localmoe.experts.clamped_swiglu import (
 from localmoe.experts.dense_path import DensePath
 from localmoe.experts.expert_weights import ExpertWeights
 from localmoe.experts.gate_recorder import GateRecorder
+from localmoe.experts.mxfp4_path import Mxfp4Path, tail_kw
 from localmoe.experts.predicted import LayerPredictor, predicted_reference
 from localmoe.experts.sparse_reference import sparse_reference
 from localmoe.kernels.dense_experts import dense_experts
 from localmoe.kernels.gate_predictor import GatePredictor, department_basis
-from localmoe.kernels.mxfp4_sparse import sparse_mxfp4
 from localmoe.kernels.sparse_fused import sparse_fused
-from localmoe.kernels.tuning import launch_params, tuned_at
+from localmoe.kernels.tuning import launch_params
 
 
-class LocalExperts(DensePath, nn.Module):
+class LocalExperts(DensePath, Mxfp4Path, nn.Module):
     def __init__(
         self,
         num_experts: int,
@@ -239,68 +239,6 @@ class LocalExperts(DensePath, nn.Module):
         GPT-OSS's MXFP4 experts' sparse one at threshold 0 (`_mxfp4_kernel`)."""
         return (x.is_cuda and self.hidden_act == "silu") or self._mxfp4_kernel(x)
 
-    def _mxfp4_kernel(self, x: torch.Tensor) -> bool:
-        """Whether GPT-OSS's decode runs `sparse_mxfp4` (CUDA, or the CPU under the interpreter with
-        `kernel_on_cpu`): MXFP4 experts, resident or offloaded with master copies the kernel can read (pinned, or on
-        x's device); otherwise the torch reference."""
-        w = self.weights
-        if self.up_fn is None or w is None or not w.mxfp4 or not (x.is_cuda or self.kernel_on_cpu):
-            return False
-        blocks = w.w_gate.blocks
-        return blocks.device == x.device or blocks.is_pinned()
-
-    @torch.compiler.disable
-    def _mxfp4(self, x, top_k_index, top_k_weights, sparse: bool, direct: bool = False, tail=None) -> torch.Tensor:
-        """GPT-OSS's routed experts in one `sparse_mxfp4` launch (threshold 0 when not `sparse`: the dense math).
-        Offloaded, every part is read from its cache slot (the slot tables) or, absent (`direct` misses only: copy
-        mode fetched them first), from the host master copy; the biases by expert id, on the device. Launch keywords
-        from the device's tuned table (`sparse_mxfp4`, "H{H}_I{I}_k{k}", or its "_s{P}" band for the calibrated
-        sparsity: `target_sparsity`), else the launcher's defaults. `tail` (no
-        shared expert): the residual add (and the workspace) in the same launch."""
-        tau = self.tau if sparse else self._zeros_tau(x.device)
-        w, b, c = self.weights, self.biases, self.cache
-        kw = {}
-        if tail is not None:
-            if tail.shared is not None:
-                raise ValueError(f"layer {self.layer_idx}: GPT-OSS's experts take no shared expert in their tail")
-            kw = {k: v for k, v in _tail_kw(tail).items() if k != "shared"}
-        if c is not None:
-            kw |= {
-                "slot_table": c.tables[self.layer_idx],
-                "pool_gate": c.pool.w_gate,
-                "pool_up": c.pool.w_up,
-                "pool_down_t": c.pool.w_down_t,
-                "gate_table": c.gate_tables.get(self.layer_idx),
-            }
-            if direct:
-                kw |= {"host_rows": c.host_rows, "read_rows": c.read_rows}
-        y, _ = sparse_mxfp4(
-            x,
-            w.w_gate,
-            w.w_up,
-            w.w_down_t,
-            b.gate,
-            b.up,
-            b.down,
-            top_k_index,
-            top_k_weights,
-            tau,
-            torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            alpha=self.act_fn.alpha,
-            limit=self.act_fn.limit,
-            kept_total=self._kept_on(x.device) if sparse else None,
-            **kw,
-            **tuned_at(
-                x,
-                "sparse_mxfp4",
-                f"H{x.shape[-1]}_I{self.intermediate_size}_k{top_k_index.shape[-1]}",
-                self.target_sparsity if sparse else 0.0,
-            ),
-        )
-        if sparse:
-            self.seen += top_k_index.numel() * self.intermediate_size
-        return y
-
     @torch.compiler.disable
     def _direct(self, x, top_k_index, top_k_weights, sparse: bool, tail=None, z=None) -> torch.Tensor:
         """Offloaded, direct misses: one fused launch reads resident experts from the cache pool and absent ones
@@ -328,7 +266,7 @@ class LocalExperts(DensePath, nn.Module):
             kept_total=self._kept_on(x.device) if sparse else None,
             host_rows=c.host_rows,
             read_rows=c.read_rows,
-            **_tail_kw(tail),
+            **tail_kw(tail),
             **(self._predictor_kw(x, top_k_index, z) if sparse else {}),
             **p,
         )
@@ -378,14 +316,6 @@ class LocalExperts(DensePath, nn.Module):
                 self._count(kept.to(self.kept.device), len(miss) * I)
         self.last_routing = top_k_index
         return out.to(x.dtype)
-
-    def _biases_on_host(self) -> ExpertBiases | None:
-        """The experts' biases in host memory (the CPU computes offloaded misses there), copied once."""
-        if self.biases is None or self.biases.device.type == "cpu":
-            return self.biases
-        if self._host_biases is None:
-            self._host_biases = self.biases.to("cpu")
-        return self._host_biases
 
     def _launch(self, x: torch.Tensor, k: int) -> dict:
         if not x.is_cuda:
@@ -439,7 +369,7 @@ class LocalExperts(DensePath, nn.Module):
                 tau,
                 torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 kept_total=self._kept_on(x.device) if count else None,
-                **_tail_kw(tail),
+                **tail_kw(tail),
                 **(self._predictor_kw(x, top_k_index if experts is None else experts, z) if count else {}),
                 **p,
             )
@@ -463,10 +393,3 @@ class LocalExperts(DensePath, nn.Module):
         )
         self._count(kept, top_k_index.numel() * self.intermediate_size)
         return y.to(x.dtype)
-
-
-def _tail_kw(tail) -> dict:
-    if tail is None:
-        return {}
-    kw = {"shared": tail.shared, "residual": tail.residual}
-    return kw if tail.workspace is None else {**kw, "workspace": tail.workspace}
