@@ -46,14 +46,14 @@ import math
 import torch
 
 from localmoe.kernels.decode_attention_args import _mask_int8, _out, check_extras, check_qkv
-from localmoe.kernels.l2_prefetch import l2_prefetch_ok
+from localmoe.kernels.l2_prefetch import l2_prefetch_ok, line_elems
 
 try:
     import triton
     import triton.language as tl
 
     from localmoe.kernels.decode_attention_softmax import _chunk, _combine_head
-    from localmoe.kernels.l2_prefetch import bulk_prefetch_l2
+    from localmoe.kernels.l2_prefetch import prefetch_l2
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.qk_norm_rope import norm_rope_head
     from localmoe.kernels.workspace import zeroed_int32
@@ -114,7 +114,7 @@ if triton is not None:
         pos_ptr,  # QK: [] int, the cache row this step writes, advanced by one
         kn_ptr,  # QK: [Hkv, Dk] the token's raw keys (the projection's k part)
         vn_ptr,  # QK: [Hkv, Dv] the token's values
-        nx_ptr,  # L2_NEXT: the next kernel's weight (nx_elems elements), prefetched into L2, nx_chunk a program
+        nx_ptr,  # L2_NEXT: the next kernel's weight, prefetched into L2 a line (NX_LINE elements) at a time
         L,
         NS,  # chunks of CHUNK keys
         NP,  # programs per head: program p takes chunks p, p + NP, p + 2 NP, ... (at most NCH of them)
@@ -130,8 +130,7 @@ if triton is not None:
         stride_vl,
         stride_oh,
         stride_gh,
-        nx_elems,
-        nx_chunk,
+        nx_lines,  # L2_NEXT: lines of nx_ptr's tensor
         DK: tl.constexpr,
         DV: tl.constexpr,
         DK_P2: tl.constexpr,
@@ -151,8 +150,9 @@ if triton is not None:
         WHOLE: tl.constexpr,  # QK: norms over the whole q / k projection (OLMoE)
         ROT: tl.constexpr,  # QK: rotary dims (even, <= Dk)
         BLOCK_W: tl.constexpr,  # QK and WHOLE: >= Hq*Dk and Hkv*Dk
-        L2_NEXT: tl.constexpr,  # prefetch nx_ptr's tensor into L2 (NX_ELEM bytes an element)
-        NX_ELEM: tl.constexpr,
+        L2_NEXT: tl.constexpr,  # prefetch nx_ptr's tensor into L2, NX_PER lines a program
+        NX_PER: tl.constexpr,
+        NX_LINE: tl.constexpr,
         PDL: tl.constexpr,
     ):
         h = tl.program_id(0)
@@ -234,9 +234,8 @@ if triton is not None:
             gdc_wait()
             gdc_launch_dependents()
         if L2_NEXT:  # the next kernel's weight into L2 while this latency-bound one leaves HBM idle
-            n0 = (h * NP + p).to(tl.int64) * nx_chunk
-            if n0 < nx_elems:
-                bulk_prefetch_l2(nx_ptr + n0, (tl.minimum(nx_elems - n0, nx_chunk) * NX_ELEM).to(tl.int32))
+            ln = (h * NP + p).to(tl.int64) * NX_PER + tl.arange(0, NX_PER)
+            prefetch_l2(nx_ptr + tl.where(ln < nx_lines, ln, 0) * NX_LINE)
         DT = o_ptr.dtype.element_ty
         if QK:  # q and this step's key normed and rotated here; the key and value written by one program a KV head
             q = norm_rope_head(q_ptr + h.to(tl.int64) * stride_qh, q_ptr, tl.num_programs(0) * DK, wq, wqp, rc, rs,
@@ -452,12 +451,9 @@ def _launch(
     tickets = zeroed_int32("decode_attention", q.device, Hq + 1)
     qk = qk or {}
     qkt = [qk.get(n, out) for n in ("q_weight", "k_weight", "cos", "sin", "position", "k_new", "v_new")]
-    nx, nx_chunk = None, 0
-    if l2_next is not None and l2_next.is_contiguous() and l2_next.numel() > 0:
-        per16 = 16 // math.gcd(16, l2_next.element_size())  # elements a chunk is a multiple of: 16-byte ranges
-        nx_chunk = triton.cdiv(triton.cdiv(l2_next.numel(), Hq * npg), per16) * per16
-        ok = l2_prefetch_ok(q, (l2_next, nx_chunk * l2_next.element_size()))
-        nx = l2_next if ok and (l2_next.numel() * l2_next.element_size()) % 16 == 0 else None
+    nx = l2_next if l2_next is not None and l2_next.is_contiguous() and l2_prefetch_ok(q) else None
+    nx_line = line_elems(nx.dtype) if nx is not None else 1
+    nx_lines = triton.cdiv(nx.numel(), nx_line) if nx is not None else 0
     _split_kernel[(Hq, npg)](
         q,
         k,
@@ -485,8 +481,7 @@ def _launch(
         v.stride(1),
         out.stride(0),
         g.stride(0),
-        nx.numel() if nx is not None else 0,
-        nx_chunk,
+        nx_lines,
         DK=Dk,
         DV=Dv,
         DK_P2=triton.next_power_of_2(Dk),
@@ -507,7 +502,8 @@ def _launch(
         ROT=qk.get("rot", 2),
         BLOCK_W=qk.get("block_w", 1),
         L2_NEXT=nx is not None,
-        NX_ELEM=nx.element_size() if nx is not None else 1,
+        NX_PER=triton.next_power_of_2(max(1, triton.cdiv(nx_lines, Hq * npg))),
+        NX_LINE=nx_line,
         num_warps=num_warps,
         **pdl_kw(q),
     )

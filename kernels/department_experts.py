@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from localmoe.kernels.checks import FLOAT_DTYPES, expert_weights
-from localmoe.kernels.l2_prefetch import l2_prefetch_ok
+from localmoe.kernels.l2_prefetch import l2_prefetch_ok, line_elems
 from localmoe.kernels.workspace import zeroed_int32
 
 try:
@@ -143,7 +143,7 @@ if triton is not None:
         T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
-        INDEXED: tl.constexpr, PREFETCH: tl.constexpr, PF_ELEM: tl.constexpr, PDL: tl.constexpr,
+        INDEXED: tl.constexpr, PREFETCH: tl.constexpr, PF_LINE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # the slot's department comes from the step's routing: nothing is read before the wait
             gdc_wait()
@@ -153,7 +153,7 @@ if triton is not None:
             tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr,
             hc_ptr, wd_ptr, stride_dd, T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool,
             stride_pp, up_slots, H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED, PREFETCH,
-            PF_ELEM,
+            PF_LINE,
         )  # fmt: skip
 
     @triton.jit
@@ -183,7 +183,7 @@ if triton is not None:
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_O: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr, SEEN: tl.constexpr,
         DIRECT: tl.constexpr, INDEXED: tl.constexpr, ZMASK: tl.constexpr, TAIL: tl.constexpr, PRE: tl.constexpr,
-        PREFETCH: tl.constexpr, PF_ELEM: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr, PF_LINE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # both phases in one launch: a program takes a ticket (the order programs start in) and is an up/private
         # program for tickets [0, S * NB), a down program after; a down program loads its W_down rows first, then
@@ -203,7 +203,7 @@ if triton is not None:
                 ticket // NB, ticket % NB, NB, x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr,
                 y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr, wd_ptr,
                 stride_dd, T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp,
-                up_slots, H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED, PREFETCH, PF_ELEM,
+                up_slots, H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED, PREFETCH, PF_LINE,
             )  # fmt: skip
             tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")  # after this program's z and y writes
         else:
@@ -383,12 +383,11 @@ def department_experts(
     res = residual.view(T, H) if tail else x
     ps = private_slots if indexed else dept
     consts = dict(H=H, H_P2=triton.next_power_of_2(H), T_P2=t_p2, DIRECT=direct, ZMASK=tau_z is not None, TAIL=tail)
-    elem = w_down_t.element_size()
-    prefetch = bool(L2_PREFETCH) and not direct and tau_z is None
-    prefetch = prefetch and l2_prefetch_ok(x, (w_down_t, H * elem), (w_down_t, w_down_t.stride(0) * elem))
+    pf_line = line_elems(w_down_t.dtype)
+    prefetch = bool(L2_PREFETCH) and not direct and tau_z is None and H >= pf_line and l2_prefetch_ok(x)
     up_consts = dict(
         N_P2=triton.next_power_of_2(n), BLOCK_N=bn, BLOCK_Z=bz, COUNT=count, SEEN=see, INDEXED=indexed,
-        PREFETCH=prefetch, PF_ELEM=elem,
+        PREFETCH=prefetch, PF_LINE=pf_line,
     )  # fmt: skip
     if ONE_LAUNCH is None:  # measured faster for one token read from VRAM (bench/RESULTS.md, DeaMoE)
         ONE_LAUNCH = T == 1 and not direct
