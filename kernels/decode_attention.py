@@ -46,14 +46,12 @@ import math
 import torch
 
 from localmoe.kernels.decode_attention_args import _mask_int8, _out, check_extras, check_qkv
-from localmoe.kernels.l2_prefetch import l2_prefetch_ok, line_elems
 
 try:
     import triton
     import triton.language as tl
 
     from localmoe.kernels.decode_attention_softmax import _chunk, _combine_head
-    from localmoe.kernels.l2_prefetch import prefetch_l2
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.qk_norm_rope import norm_rope_head
     from localmoe.kernels.workspace import zeroed_int32
@@ -114,7 +112,6 @@ if triton is not None:
         pos_ptr,  # QK: [] int, the cache row this step writes, advanced by one
         kn_ptr,  # QK: [Hkv, Dk] the token's raw keys (the projection's k part)
         vn_ptr,  # QK: [Hkv, Dv] the token's values
-        nx_ptr,  # L2_NEXT: the next kernel's weight, prefetched into L2 a line (NX_LINE elements) at a time
         L,
         NS,  # chunks of CHUNK keys
         NP,  # programs per head: program p takes chunks p, p + NP, p + 2 NP, ... (at most NCH of them)
@@ -130,7 +127,6 @@ if triton is not None:
         stride_vl,
         stride_oh,
         stride_gh,
-        nx_lines,  # L2_NEXT: lines of nx_ptr's tensor
         DK: tl.constexpr,
         DV: tl.constexpr,
         DK_P2: tl.constexpr,
@@ -150,9 +146,6 @@ if triton is not None:
         WHOLE: tl.constexpr,  # QK: norms over the whole q / k projection (OLMoE)
         ROT: tl.constexpr,  # QK: rotary dims (even, <= Dk)
         BLOCK_W: tl.constexpr,  # QK and WHOLE: >= Hq*Dk and Hkv*Dk
-        L2_NEXT: tl.constexpr,  # prefetch nx_ptr's tensor into L2, NX_PER lines a program
-        NX_PER: tl.constexpr,
-        NX_LINE: tl.constexpr,
         PDL: tl.constexpr,
     ):
         h = tl.program_id(0)
@@ -233,9 +226,6 @@ if triton is not None:
         if PDL:  # programmatic dependent launch (kernels/pdl.py): q and the newest key/value follow the wait
             gdc_wait()
             gdc_launch_dependents()
-        if L2_NEXT:  # the next kernel's weight into L2 while this latency-bound one leaves HBM idle
-            ln = (h * NP + p).to(tl.int64) * NX_PER + tl.arange(0, NX_PER)
-            prefetch_l2(nx_ptr + tl.where(ln < nx_lines, ln, 0) * NX_LINE)
         DT = o_ptr.dtype.element_ty
         if QK:  # q and this step's key normed and rotated here; the key and value written by one program a KV head
             q = norm_rope_head(q_ptr + h.to(tl.int64) * stride_qh, q_ptr, tl.num_programs(0) * DK, wq, wqp, rc, rs,
@@ -390,7 +380,6 @@ def decode_attention(
     num_warps: int = 4,
     prefetch: bool | None = None,
     max_splits: int = 16,
-    l2_next: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token's attention over a KV cache (module docstring). q [Hq,Dk]; k [Hkv,L,Dk]; v [Hkv,L,Dv];
     mask [L] bool (True = attend) or None (all L keys); scale default Dk^-0.5. Returns [Hq, Dv] in q's dtype (into
@@ -406,8 +395,7 @@ def decode_attention(
     cache positions used, 15.6 µs (SDPA over the masked cache: 22.8); at 140 of 1024 the best launch was chunk 32,
     block_l 32, 8 warps, 8.7 µs (SDPA 15.7; the defaults were not timed there). `prefetch` (default: whenever
     chunk == block_l) loads the chunk's mask, keys and values before the PDL wait and re-reads only the newest kept
-    row after it: the caller's cache rows other than the newest must not be written by the kernel just before.
-    `l2_next`: a contiguous tensor the next kernel reads (o_proj's weight), prefetched into L2 by this launch (CUDA)."""
+    row after it: the caller's cache rows other than the newest must not be written by the kernel just before."""
     if triton is None:
         raise RuntimeError("decode_attention needs triton")
     Hq, Dk, Hkv, L, Dv = check_qkv(q, k, v)
@@ -416,18 +404,12 @@ def decode_attention(
     check_extras(gate, sinks, window, Hq, Dv, q)
     if L == 0:
         return out.zero_()
-    return _launch(
-        q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits, None, l2_next
-    )
+    return _launch(q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits)
 
 
-def _launch(
-    q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits, qk=None,
-    l2_next=None,
-):  # fmt: skip
+def _launch(q, k, v, mask, scale, out, gate, sinks, window, chunk, block_l, num_warps, prefetch, max_splits, qk=None):
     """The split kernel's launch for checked arguments (mask as int8); `qk`: the QK prologue's tensors and modes
-    (`decode_attention_qk`); `l2_next`: a contiguous tensor the next kernel reads (its weight), prefetched into L2 by
-    this launch's programs after the PDL wait (kernels/l2_prefetch.py; on CUDA only, the values unchanged)."""
+    (`decode_attention_qk`)."""
     Hq, Dk = q.shape
     Hkv, L, Dv = v.shape
     chunk = max(16, triton.next_power_of_2(chunk))
@@ -451,9 +433,6 @@ def _launch(
     tickets = zeroed_int32("decode_attention", q.device, Hq + 1)
     qk = qk or {}
     qkt = [qk.get(n, out) for n in ("q_weight", "k_weight", "cos", "sin", "position", "k_new", "v_new")]
-    nx = l2_next if l2_next is not None and l2_next.is_contiguous() and l2_prefetch_ok(q) else None
-    nx_line = line_elems(nx.dtype) if nx is not None else 1
-    nx_lines = triton.cdiv(nx.numel(), nx_line) if nx is not None else 0
     _split_kernel[(Hq, npg)](
         q,
         k,
@@ -465,7 +444,6 @@ def _launch(
         sinks if sinks is not None else out,
         tickets,
         *qkt,
-        nx if nx is not None else out,
         L,
         ns,
         npg,
@@ -481,7 +459,6 @@ def _launch(
         v.stride(1),
         out.stride(0),
         g.stride(0),
-        nx_lines,
         DK=Dk,
         DV=Dv,
         DK_P2=triton.next_power_of_2(Dk),
@@ -501,9 +478,6 @@ def _launch(
         WHOLE=qk.get("whole", False),
         ROT=qk.get("rot", 2),
         BLOCK_W=qk.get("block_w", 1),
-        L2_NEXT=nx is not None,
-        NX_PER=triton.next_power_of_2(max(1, triton.cdiv(nx_lines, Hq * npg))),
-        NX_LINE=nx_line,
         num_warps=num_warps,
         **pdl_kw(q),
     )

@@ -73,7 +73,6 @@ def decode_attention_qk(
     num_warps: int = 4,
     prefetch: bool | None = None,
     max_splits: int = 16,
-    l2_next: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kernels/qk_norm_rope.py's step (`qk_norm_rope(qkv, ..., kv_cache=(keys, values, position))`: its arguments
     and checks) and `decode_attention(q, keys, values, mask, scale, gate=gate)` in ONE launch: after the PDL wait each
@@ -82,8 +81,7 @@ def decode_attention_qk(
     softmax from registers (every program skips that cache row: it may not be written yet), and the last program
     advances the position. The norm weights, the angles and the position are read before the wait (the angles are
     made at the start of the step). Returns [Hq, D] in qkv's dtype (gated: times sigmoid(gate), as
-    `decode_attention`). A static cache of L >= 1 rows in position order: no ring, no biases, no sinks or window.
-    `l2_next`: as decode_attention's (the next kernel's weight prefetched into L2)."""
+    `decode_attention`). A static cache of L >= 1 rows in position order: no ring, no biases, no sinks or window."""
     if triton is None:
         raise RuntimeError("decode_attention_qk needs triton")
     x, qw, kw, D, QW, ROT, c, s, kc, vc, pos = qk_layout(
@@ -111,6 +109,4 @@ def decode_attention_qk(
     }
     mask = _mask_int8(mask, L, x.device)
     out = _out(out, Hq, D, q)
-    return _launch(
-        q, kc, vc, mask, scale, out, gate, None, None, chunk, block_l, num_warps, prefetch, max_splits, qk, l2_next
-    )
+    return _launch(q, kc, vc, mask, scale, out, gate, None, None, chunk, block_l, num_warps, prefetch, max_splits, qk)

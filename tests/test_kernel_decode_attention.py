@@ -116,18 +116,6 @@ def test_no_mask_scale_and_out():
     torch.testing.assert_close(got, decode_attention_ref(q, k, v, None, scale=0.3), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_l2_next_changes_no_value(dtype):
-    """l2_next (the next kernel's weight prefetched into L2 by this launch; compiled in on CUDA only) leaves the
-    output bit for bit as without it, for a weight of odd size too."""
-    gen = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(*s, generator=gen).to(dtype).to(DEV) for s in ((8, 64), (2, 200, 64), (2, 200, 64)))
-    mask = (torch.arange(200) < 150).to(DEV)
-    weight = torch.randn(1000, 37, generator=gen).to(dtype).to(DEV)
-    got = decode_attention(q, k, v, mask, chunk=32, l2_next=weight)
-    assert torch.equal(got, decode_attention(q, k, v, mask, chunk=32))
-
-
 def test_strided_views():
     """A [B=1, H, L, D] cache's head views and a transposed query, as transformers' attention passes them."""
     gen = torch.Generator().manual_seed(9)

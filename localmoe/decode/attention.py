@@ -110,13 +110,10 @@ class FusedAttention(nn.Module):
     `fold_qk` (default on): on a StaticCache with localmoe_sdpa, the norms, RoPE and the k/v write inside the core's
     launch (`sdpa.decode_qk`); off, qk_norm_rope's launch and then the core (bench/step_ab.py A/Bs the two).
     `prefill_fused` (default on): a prompt piece of one sequence through `attention_prefill` (~11 launches a Qwen3.5
-    layer where the module takes ~40; `bench/staging_ab.py --prefill-attention`: 1.02x TTFT on an H100).
-    `l2_next` (default off): the core's launch prefetches o_proj's weight into L2 while it waits on latency
-    (kernels/l2_prefetch.py), so the o_proj GEMV after it reads from L2."""
+    layer where the module takes ~40; `bench/staging_ab.py --prefill-attention`: 1.02x TTFT on an H100)."""
 
     fold_qk = True
     prefill_fused = True
-    l2_next = False
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -256,7 +253,7 @@ class FusedAttention(nn.Module):
                 qkv, static.keys, static.values, static.cumulative_length, attention_mask, self.scaling, kwargs,
                 q_weight=self.q_norm.weight if normed else None, k_weight=self.k_norm.weight if normed else None,
                 cos=cos, sin=sin, eps=self._eps, num_q_heads=Hq, num_kv_heads=Hkv, kind=self._kind,
-                gated=self._gated, whole=self._whole, head_dim=D, l2_next=self._next_weight(),
+                gated=self._gated, whole=self._whole, head_dim=D,
             )  # fmt: skip
             if out is not None:
                 return self.o_proj(out.view(*input_shape, -1)), None
@@ -326,14 +323,7 @@ class FusedAttention(nn.Module):
         if ring:
             kw = dict(kw, prefetch=False)
         window = None if ring else self._window
-        return decode_attention(
-            q, key, value, mask, self.scaling, sinks=self.sinks, window=window, l2_next=self._next_weight(), **kw
-        )
-
-    def _next_weight(self) -> torch.Tensor | None:
-        """o_proj's weight for the core's launch to prefetch into L2 (`l2_next`), or None."""
-        w = getattr(self.o_proj, "weight", None)
-        return w if self.l2_next and isinstance(w, torch.Tensor) and w.is_floating_point() else None
+        return decode_attention(q, key, value, mask, self.scaling, sinks=self.sinks, window=window, **kw)
 
     @torch.compiler.disable  # Triton launches stay opaque to dynamo (the CUDA graph still holds them)
     def _norm_rope(self, qkv, cos, sin, kv_cache=None, ring=False):
