@@ -173,24 +173,8 @@ def time_layers(mods, kind: str, T: int, sparsity: float, gen, steps: int = 24, 
     return times[len(times) // 2], step_bytes(kind, idx, sparsity, z_sparsity)
 
 
-def prefetch_agrees(m, T: int) -> None:
-    """The layer's output with L2_PREFETCH equals it without (up to the order of fp32 atomic adds)."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-    idx, w = routing("deamoe", T, 1, gen)
-    with_pf = m(x, idx[0], w[0]).float()
-    m.launch = {**m.launch, "L2_PREFETCH": False}
-    without = m(x, idx[0], w[0]).float()
-    m.launch = {**m.launch, "L2_PREFETCH": True}
-    err = (with_pf - without).abs().max().item()
-    if err > 1e-3 * without.abs().max().item() + 1e-6:
-        raise SystemExit(f"L2_PREFETCH changed the layer's output: max abs difference {err:.3g}")
-    print(f"L2_PREFETCH T={T}: output agrees (max abs difference {err:.2g})")
-
-
 def layer_part(out: Path, z_sparsities: list[float], launches: list[str]) -> None:
-    """`launches`: the DeaMoE kernel's launch modes to time ("two": up/private then down, "one": ONE_LAUNCH; a
-    "+pf" suffix: with L2_PREFETCH, its output first checked against the same launch without it)."""
+    """`launches`: the DeaMoE kernel's launch modes to time ("two": up/private then down, "one": ONE_LAUNCH)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for kind, make in (("vanilla", vanilla_layers), ("deamoe", twin_layers)):
@@ -204,13 +188,9 @@ def layer_part(out: Path, z_sparsities: list[float], launches: list[str]) -> Non
                 ]:
                     for m in mods if kind == "deamoe" else ():
                         x1 = torch.empty(T, H, device="cuda")
-                        kw = launch_keywords(x1, m.width, m.per_department)
-                        m.launch = {**kw, "ONE_LAUNCH": mode.startswith("one"), "L2_PREFETCH": mode.endswith("+pf")}
-                    if mode.endswith("+pf"):
-                        prefetch_agrees(mods[0], T)
+                        m.launch = {**launch_keywords(x1, m.width, m.per_department), "ONE_LAUNCH": mode == "one"}
                     us, nbytes = time_layers(mods, kind, T, sp, gen, z_sparsity=zs)
-                    name = (kind if zs == 0 else f"{kind} z{zs:.0%}") + (" 1L" if mode.startswith("one") else "")
-                    name += " pf" if mode.endswith("+pf") else ""
+                    name = (kind if zs == 0 else f"{kind} z{zs:.0%}") + (" 1L" if mode == "one" else "")
                     rows.append(dict(layer=name, tokens=T, sparsity=sp, us=us, mb=nbytes / 1e6, gb_s=nbytes / us / 1e3))
                     r = rows[-1]
                     print(
@@ -318,11 +298,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("/tmp"))
     ap.add_argument("--z", default="0", help="layer: z sparsities (tau_z quantiles) for the DeaMoE rows at 85%%")
-    ap.add_argument(
-        "--launch",
-        default="two",
-        help="layer: the DeaMoE kernel's launch modes, two,one (ONE_LAUNCH), +pf (L2_PREFETCH)",
-    )
+    ap.add_argument("--launch", default="two", help="layer: the DeaMoE kernel's launch modes, two,one (ONE_LAUNCH)")
     ap.add_argument("--engine-z", default="0", help="engine: the DeaMoE engine's z sparsities (one engine each)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)

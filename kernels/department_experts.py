@@ -35,7 +35,6 @@ from __future__ import annotations
 import torch
 
 from localmoe.kernels.checks import FLOAT_DTYPES, expert_weights
-from localmoe.kernels.l2_prefetch import l2_prefetch_ok, line_elems
 from localmoe.kernels.workspace import zeroed_int32
 
 try:
@@ -139,11 +138,11 @@ if triton is not None:
     @triton.jit
     def _dept_up_private_kernel(
         x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr,
-        ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr, wd_ptr, stride_dd,
+        ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
         T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
-        INDEXED: tl.constexpr, PREFETCH: tl.constexpr, PF_LINE: tl.constexpr, PDL: tl.constexpr,
+        INDEXED: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # the slot's department comes from the step's routing: nothing is read before the wait
             gdc_wait()
@@ -151,9 +150,8 @@ if triton is not None:
         up_private_program(
             tl.program_id(0), tl.program_id(1), tl.num_programs(1), x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr,
             tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr,
-            hc_ptr, wd_ptr, stride_dd, T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool,
-            stride_pp, up_slots, H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED, PREFETCH,
-            PF_LINE,
+            hc_ptr, T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
+            H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED,
         )  # fmt: skip
 
     @triton.jit
@@ -183,7 +181,7 @@ if triton is not None:
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_O: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr, SEEN: tl.constexpr,
         DIRECT: tl.constexpr, INDEXED: tl.constexpr, ZMASK: tl.constexpr, TAIL: tl.constexpr, PRE: tl.constexpr,
-        PREFETCH: tl.constexpr, PF_LINE: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         # both phases in one launch: a program takes a ticket (the order programs start in) and is an up/private
         # program for tickets [0, S * NB), a down program after; a down program loads its W_down rows first, then
@@ -201,9 +199,9 @@ if triton is not None:
         if ticket < n_up:
             up_private_program(
                 ticket // NB, ticket % NB, NB, x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr,
-                y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr, wd_ptr,
-                stride_dd, T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp,
-                up_slots, H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED, PREFETCH, PF_LINE,
+                y_chunk, kept_ptr, seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
+                T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
+                H, H_P2, N_P2, T_P2, BLOCK_N, BLOCK_Z, COUNT, SEEN, DIRECT, INDEXED,
             )  # fmt: skip
             tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")  # after this program's z and y writes
         else:
@@ -239,7 +237,7 @@ def department_experts(
     x, w_gate, w_up, w_down_t, private, dept, weights, tau, out=None, *, accumulate=False, kept_total=None,
     seen_total=None, private_slots=None, pools=None, host_elems=None, tau_z=None, residual=None,
     BLOCK_N: int = 8, BLOCK_I: int = 0, BLOCK_Z: int = 1024, BLOCK_O: int = 128, SPLIT_ROWS: int = 96,
-    ONE_LAUNCH: bool | None = None, ONE_ROWS: int = 0, L2_PREFETCH: bool = False, num_warps: int = 4,
+    ONE_LAUNCH: bool | None = None, ONE_ROWS: int = 0, num_warps: int = 4,
 ):  # fmt: skip
     """y [T, H] fp32 = the department-grouped DeaMoE experts of a step (module doc); `out` is zeroed and filled, or
     with `accumulate=True` added into (what it held stays: e.g. the shared expert's output from kernels/moe_front.py).
@@ -266,9 +264,7 @@ def department_experts(
 
     `ONE_LAUNCH` (default: one token read from VRAM, not `pools`): both phases in one launch (`_dept_one_kernel`,
     module doc), each down program's W_down rows (`ONE_ROWS` a program, default 128 / T) loaded while the up programs
-    run; else the up/private and down kernels. `L2_PREFETCH` (read from VRAM, no `tau_z`, on CUDA): each up/private
-    program prefetches its neurons' W_down_t rows into L2 (kernels/l2_prefetch.py), so the down phase, which must
-    wait for every up program, reads them from L2 (the same values: only the time changes)."""
+    run; else the up/private and down kernels."""
     if triton is None:
         raise RuntimeError("department_experts needs triton")
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
@@ -383,12 +379,7 @@ def department_experts(
     res = residual.view(T, H) if tail else x
     ps = private_slots if indexed else dept
     consts = dict(H=H, H_P2=triton.next_power_of_2(H), T_P2=t_p2, DIRECT=direct, ZMASK=tau_z is not None, TAIL=tail)
-    pf_line = line_elems(w_down_t.dtype)
-    prefetch = bool(L2_PREFETCH) and not direct and tau_z is None and H >= pf_line and l2_prefetch_ok(x)
-    up_consts = dict(
-        N_P2=triton.next_power_of_2(n), BLOCK_N=bn, BLOCK_Z=bz, COUNT=count, SEEN=see, INDEXED=indexed,
-        PREFETCH=prefetch, PF_LINE=pf_line,
-    )  # fmt: skip
+    up_consts = dict(N_P2=triton.next_power_of_2(n), BLOCK_N=bn, BLOCK_Z=bz, COUNT=count, SEEN=see, INDEXED=indexed)
     if ONE_LAUNCH is None:  # measured faster for one token read from VRAM (bench/RESULTS.md, DeaMoE)
         ONE_LAUNCH = T == 1 and not direct
     if ONE_LAUNCH:
@@ -410,9 +401,8 @@ def department_experts(
         return residual_out if tail else out
     _dept_up_private_kernel[(S, nb)](
         x, w_gate, w_up, private, dept, weights, tau, z_ws, out, y_chunk, kept, seen, ps, gp, upp, pp, dmap, pmap, hc,
-        w_down_t, w_down_t.stride(0), T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0), pstride_d, pstride_e,
-        pool_stride, pp_stride, up_slots, H=H, H_P2=consts["H_P2"], T_P2=t_p2, DIRECT=direct, **up_consts,
-        num_warps=num_warps, **pdl_kw(x),
+        T, h, n, x.stride(0), w_gate.stride(0), w_up.stride(0), pstride_d, pstride_e, pool_stride, pp_stride,
+        up_slots, H=H, H_P2=consts["H_P2"], T_P2=t_p2, DIRECT=direct, **up_consts, num_warps=num_warps, **pdl_kw(x),
     )  # fmt: skip
     _dept_down_kernel[(triton.cdiv(H, bo), S, splits)](
         w_down_t, dept, z_ws, out, dp, dmap, hc, tau if tau_z is None else tau_z, tick, res,

@@ -14,9 +14,7 @@ each chosen expert's P once for all T tokens (experts no token chose are skipped
 no P and adds nothing). It also zeroes its chunk of y (y_chunk elements; 0 when accumulating), adds the kept and the
 considered (token, neuron) counts into kept_ptr / seen_ptr (COUNT, SEEN); INDEXED: expert j of slot s is
 private[private_slots[s, j]]; DIRECT: a department's gate (and, below up_slots, up) rows and an expert's private part
-come from their pool slots, others from the host master copies, the host elements read added into hc_ptr;
-PREFETCH: the same BLOCK_N rows of the department's W_down_t are prefetched into L2 (kernels/l2_prefetch.py, a
-pointer every PF_LINE elements) right after the gate rows are asked for, for the down phase to find there.
+come from their pool slots, others from the host master copies, the host elements read added into hc_ptr.
 
 Shape legend (kernels/department_experts.py's): T tokens, n experts per department, h department width, H hidden,
 S slots.
@@ -27,8 +25,6 @@ from __future__ import annotations
 try:  # Triton is optional at import time; the kernels need it.
     import triton
     import triton.language as tl
-
-    from localmoe.kernels.l2_prefetch import prefetch_l2
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -38,11 +34,11 @@ if triton is not None:
     @triton.jit
     def up_private_program(
         s, blk, NB, x_ptr, wg_ptr, wu_ptr, p_ptr, dept_ptr, w_ptr, tau_ptr, z_ptr, y_ptr, y_chunk, kept_ptr,
-        seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr, wd_ptr, stride_dd,
+        seen_ptr, ps_ptr, gp_ptr, up_ptr, pp_ptr, dmap_ptr, pmap_ptr, hc_ptr,
         T, h, n, stride_xt, stride_gd, stride_ud, stride_pd, stride_pe, stride_pool, stride_pp, up_slots,
         H: tl.constexpr, H_P2: tl.constexpr, N_P2: tl.constexpr, T_P2: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, COUNT: tl.constexpr, SEEN: tl.constexpr, DIRECT: tl.constexpr,
-        INDEXED: tl.constexpr, PREFETCH: tl.constexpr, PF_LINE: tl.constexpr,
+        INDEXED: tl.constexpr,
     ):  # fmt: skip
         # program (slot s, block blk of BLOCK_N neurons; NB blocks a slot): u of its neurons for every token, then
         # their share of z for each expert of the slot's department some token chose (the product split over
@@ -73,11 +69,6 @@ if triton is not None:
                 host_elems += (slot < 0).to(tl.int64) * tl.sum(valid.to(tl.int64), axis=0) * H
             else:
                 wg = tl.load(wg_ptr + dd * stride_gd + roff, mask=m2, other=0.0).to(tl.float32)
-            if PREFETCH:  # the same rows of W_down_t into L2, a pointer a line: the down phase finds them there
-                lc = tl.arange(0, H_P2 // PF_LINE) * PF_LINE
-                lm = valid[:, None] & (lc < H)[None, :]
-                lp = wd_ptr + dd * stride_dd + tl.where(lm, rows.to(tl.int64)[:, None] * H + lc[None, :], 0)
-                prefetch_l2(lp)
             tau = tl.load(tau_ptr + dd)
             jj = tl.arange(0, N_P2)
             tt = tl.arange(0, T_P2)
