@@ -103,11 +103,15 @@ def _run(model, cache_kind, prompt, steps=STEPS):
         cache = DynamicCache(config=model.config)
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=prompt, cache_position=torch.arange(P, device=DEV), use_cache=True, **{kw: cache})
-    logits = [out.logits[0, -1].float()]
+    return _greedy_steps(model, {kw: cache}, [out.logits[0, -1].float()], P, steps)
+
+
+def _greedy_steps(model, cache_kw: dict, logits: list, P: int, steps: int):
+    """`steps` greedy one-token calls after a P-token prompt whose last logits end `logits`: (logits, tokens)."""
     toks = [int(logits[-1].argmax())]
     for i in range(steps):
         ids = torch.tensor([[toks[-1]]], device=DEV)
-        out = model(input_ids=ids, cache_position=torch.tensor([P + i], device=DEV), use_cache=True, **{kw: cache})
+        out = model(input_ids=ids, cache_position=torch.tensor([P + i], device=DEV), use_cache=True, **cache_kw)
         logits.append(out.logits[0, -1].float())
         toks.append(int(logits[-1].argmax()))
     return torch.stack(logits), toks

@@ -18,19 +18,20 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import test_fused  # noqa: E402
+
+# the fixtures, shared with test_fused (tiny_model takes the family's)
+from test_fused import (  # noqa: E402, F401
+    _greedy_steps,
+    _run,
+    tiny_granitemoe,
+    tiny_mixtral,
+    tiny_model,
+    tiny_qwen3_moe,
+    tiny_text_model,
+)
 from test_fused_model import DEV, _counted_launch, _installed, _Launches, _prompt  # noqa: E402
 
 from localmoe.decode import moe_layer, replacements  # noqa: E402
-
-_run = test_fused._run  # greedy prefill + decode steps -> (logits [1+steps, V], tokens)
-# the fixtures, shared with test_fused (tiny_model takes the family's)
-tiny_text_model, tiny_qwen3_moe, tiny_mixtral, tiny_granitemoe, tiny_model = (
-    test_fused.tiny_text_model,
-    test_fused.tiny_qwen3_moe,
-    test_fused.tiny_mixtral,
-    test_fused.tiny_granitemoe,
-    test_fused.tiny_model,
-)
 
 
 def _prefill_switches(monkeypatch, on: bool) -> None:
@@ -137,13 +138,7 @@ def _two_pieces(model, prompt, steps=2):
             input_ids=prompt[:, a:b], cache_position=torch.arange(a, b, device=DEV), use_cache=True, **{kw: cache}
         )
         logits.append(out.logits[0, -1].float())
-    toks = [int(logits[-1].argmax())]
-    for i in range(steps):
-        ids = torch.tensor([[toks[-1]]], device=DEV)
-        out = model(input_ids=ids, cache_position=torch.tensor([P + i], device=DEV), use_cache=True, **{kw: cache})
-        logits.append(out.logits[0, -1].float())
-        toks.append(int(logits[-1].argmax()))
-    return torch.stack(logits), toks
+    return _greedy_steps(model, {kw: cache}, logits, P, steps)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts Triton launches of the interpreter")
