@@ -17,7 +17,7 @@ Launch parameters: BLOCK_I x num_warps, the pairs that compile without spills fo
 120b; also the prefill's dequantizer (`dequant_mxfp4`, 8 experts) in GB/s. Figures: kernels/mxfp4_sparse.py's launch
 note.
 
-Usage: PYTHONUNBUFFERED=1 python bench/mxfp4_kernel.py [--quick] [--pairs BLOCK_I/WARPS,...] [--only-20b]
+Usage: PYTHONUNBUFFERED=1 python bench/mxfp4_kernel.py [--quick] [--pairs BLOCK_I/WARPS[/FLAT],...] [--only-20b]
 """
 
 from __future__ import annotations
@@ -123,11 +123,11 @@ def run(E: int, space: list[dict], peak: float) -> list:
 
 
 def launch(pair) -> dict:
-    """sparse_mxfp4's launch keywords of a (BLOCK_I, num_warps) pair or a "B/W" string."""
+    """sparse_mxfp4's launch keywords of a (BLOCK_I, num_warps) pair or a "B/W" / "B/W/F" string (F: `flat`)."""
     if isinstance(pair, tuple):
         return dict(BLOCK_I=pair[0], num_warps=pair[1])
-    b, w = pair.split("/")
-    return dict(BLOCK_I=int(b), num_warps=int(w))
+    b, w, *f = pair.split("/")
+    return dict(BLOCK_I=int(b), num_warps=int(w)) | ({"flat": int(f[0])} if f else {})
 
 
 def best(rows, n=4) -> list[dict]:

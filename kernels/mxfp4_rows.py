@@ -120,3 +120,64 @@ if triton is not None:
         sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
         contrib = tl.reshape(j, [NBP, 32]) * 9.223372036854775808e18 * sv
         tl.atomic_add(ydst + col, contrib, mask=cm, sem="relaxed")
+
+    # ---- flat tiles: a part's words as one [R, 4 NBP] tile (word c of the row at column c), no 3-D reshapes ----
+
+    @triton.jit
+    def flat_words(base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """`part_words` as one 2-D load: rows' code words [R, 4 NBP] (uint32) of the blocks J0 .. J0 + NBP - 1, word
+        c of the row at column c - 4 J0; masked rows and words past the row read nothing (0)."""
+        c = J0 * 4 + tl.arange(0, NBP * 4)
+        off = rows.to(tl.int64)[:, None] * (NB * 4) + c[None, :]
+        m = rmask[:, None] & (c < NB * 4)[None, :]
+        return tl.load(base + off, mask=m, other=0).to(tl.uint32, bitcast=True)
+
+    @triton.jit
+    def flat_x(x_row, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """x (times 2**63) for a `flat_words` part as 8 tensors [4 NBP]: element 8c + J for word c, J = 0..7, each one
+        strided load (from L1); gate and up share them."""
+        c = J0 * 4 + tl.arange(0, NBP * 4)
+        cm = c < NB * 4
+        S: tl.constexpr = 9.223372036854775808e18
+        x0 = tl.load(x_row + c * 8, mask=cm, other=0.0).to(tl.float32) * S
+        x1 = tl.load(x_row + c * 8 + 1, mask=cm, other=0.0).to(tl.float32) * S
+        x2 = tl.load(x_row + c * 8 + 2, mask=cm, other=0.0).to(tl.float32) * S
+        x3 = tl.load(x_row + c * 8 + 3, mask=cm, other=0.0).to(tl.float32) * S
+        x4 = tl.load(x_row + c * 8 + 4, mask=cm, other=0.0).to(tl.float32) * S
+        x5 = tl.load(x_row + c * 8 + 5, mask=cm, other=0.0).to(tl.float32) * S
+        x6 = tl.load(x_row + c * 8 + 6, mask=cm, other=0.0).to(tl.float32) * S
+        x7 = tl.load(x_row + c * 8 + 7, mask=cm, other=0.0).to(tl.float32) * S
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def flat_dot(w, xs, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """`part_dot` over a `flat_words` tile with `flat_x`'s xs: x . W[n] over the part, [R] fp32. Each word's
+        partial sum is scaled by its block's scale (gathered per word) before the one row sum, so every tensor of the
+        dot but x shares the words' layout."""
+        c = J0 * 4 + tl.arange(0, NBP * 4)
+        cm = c < NB * 4
+        acc = tl.zeros(w.shape, dtype=tl.float32)
+        for J in tl.static_range(4):
+            lo, hi = fp4_pair(w, J)
+            acc += lo * xs[J][None, :] + hi * xs[J + 4][None, :]
+        s_off = rows.to(tl.int64)[:, None] * NB + (c // 4)[None, :]
+        s = tl.load(s_base + s_off, mask=rmask[:, None] & cm[None, :], other=0)
+        return tl.sum(acc * 9.223372036854775808e18 * e8m0(s.to(tl.int32)), axis=1)
+
+    @triton.jit
+    def flat_down_col(v, h2, ydst, srow, col, cm):
+        """One nibble position's columns of the down projection: sum_n h_n v[n, :] (h2 [R, 1] times 2**63) times the
+        columns' scales, added into ydst[col]."""
+        sv = e8m0(tl.load(srow + col, mask=cm, other=0).to(tl.int32))
+        tl.atomic_add(ydst + col, tl.sum(v * h2, axis=0) * 9.223372036854775808e18 * sv, mask=cm, sem="relaxed")
+
+    @triton.jit
+    def flat_down(w, h2, ydst, srow, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr):
+        """`part_down` over a `flat_words` tile of the kept rows' down words: the eight nibble positions' column sums
+        go into ydst as eight strided atomic adds (columns 8c + J), with no join of the columns into order."""
+        c = J0 * 4 + tl.arange(0, NBP * 4)
+        cm = c < NB * 4
+        for J in tl.static_range(4):
+            lo, hi = fp4_pair(w, J)
+            flat_down_col(lo, h2, ydst, srow, c * 8 + J, cm)
+            flat_down_col(hi, h2, ydst, srow, c * 8 + (J + 4), cm)

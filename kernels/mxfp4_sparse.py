@@ -51,7 +51,16 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
-    from localmoe.kernels.mxfp4_rows import part_dot, part_down, part_words, part_x
+    from localmoe.kernels.mxfp4_rows import (
+        flat_dot,
+        flat_down,
+        flat_words,
+        flat_x,
+        part_dot,
+        part_down,
+        part_words,
+        part_x,
+    )
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.token_tail import last_of_token, publish_token, publish_totals
 except ImportError:  # pragma: no cover - exercised only on machines without triton
@@ -162,6 +171,7 @@ if triton is not None:
         READ_ROWS: tl.constexpr,
         HAS_RES: tl.constexpr,
         PDL: tl.constexpr,
+        FLAT: tl.constexpr = 0,  # 0: [R, NBP, 4] word tiles; 1: gate / up as flat [R, 4 NBP] tiles; 2: the down too
     ):
         if PDL:  # programmatic dependent launch (kernels/pdl.py): everything here follows the wait
             gdc_wait()
@@ -199,14 +209,24 @@ if triton is not None:
         rmask = rows < I
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         # ---- gate for BLOCK_I neurons (the only dense read: every part's words in flight at once), bias, act ----
-        gw1 = part_words(g_b, rows, rmask, 0, NBP1, NB)
-        if NBP2 > 0:
-            gw2 = part_words(g_b, rows, rmask, NBP1, NBP2, NB)
-        xs1 = part_x(x_row, 0, NBP1, NB)
-        z = part_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB)
-        if NBP2 > 0:
-            xs2 = part_x(x_row, NBP1, NBP2, NB)
-            z += part_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB)
+        if FLAT > 0:  # 2-D word tiles, x loaded per nibble position (kernels/mxfp4_rows.py's flat helpers)
+            gw1 = flat_words(g_b, rows, rmask, 0, NBP1, NB)
+            if NBP2 > 0:
+                gw2 = flat_words(g_b, rows, rmask, NBP1, NBP2, NB)
+            xs1 = flat_x(x_row, 0, NBP1, NB)
+            z = flat_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB)
+            if NBP2 > 0:
+                xs2 = flat_x(x_row, NBP1, NBP2, NB)
+                z += flat_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB)
+        else:
+            gw1 = part_words(g_b, rows, rmask, 0, NBP1, NB)
+            if NBP2 > 0:
+                gw2 = part_words(g_b, rows, rmask, NBP1, NBP2, NB)
+            xs1 = part_x(x_row, 0, NBP1, NB)
+            z = part_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB)
+            if NBP2 > 0:
+                xs2 = part_x(x_row, NBP1, NBP2, NB)
+                z += part_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB)
         z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
         g = tl.minimum(z, limit)
         a = g / (1.0 + tl.exp(-alpha * g))
@@ -226,22 +246,42 @@ if triton is not None:
             tl.atomic_add(ydst + cols, rw * bd, mask=cm, sem="relaxed")
         # ---- up / down over the kept rows only, both issued before either is used; nothing kept: no traffic ----
         if nk > 0:
-            uw1 = part_words(u_b, rows, keep, 0, NBP1, NB)
-            dw1 = part_words(d_b, rows, keep, 0, NBP1, NB)
-            if NBP2 > 0:
-                uw2 = part_words(u_b, rows, keep, NBP1, NBP2, NB)
-                dw2 = part_words(d_b, rows, keep, NBP1, NBP2, NB)
-            u = part_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB)
-            if NBP2 > 0:
-                u += part_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB)
+            if FLAT > 0:
+                uw1 = flat_words(u_b, rows, keep, 0, NBP1, NB)
+                if NBP2 > 0:
+                    uw2 = flat_words(u_b, rows, keep, NBP1, NBP2, NB)
+            else:
+                uw1 = part_words(u_b, rows, keep, 0, NBP1, NB)
+                if NBP2 > 0:
+                    uw2 = part_words(u_b, rows, keep, NBP1, NBP2, NB)
+            if FLAT == 2:
+                dw1 = flat_words(d_b, rows, keep, 0, NBP1, NB)
+                if NBP2 > 0:
+                    dw2 = flat_words(d_b, rows, keep, NBP1, NBP2, NB)
+            else:
+                dw1 = part_words(d_b, rows, keep, 0, NBP1, NB)
+                if NBP2 > 0:
+                    dw2 = part_words(d_b, rows, keep, NBP1, NBP2, NB)
+            if FLAT > 0:
+                u = flat_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB)
+                if NBP2 > 0:
+                    u += flat_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB)
+            else:
+                u = part_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB)
+                if NBP2 > 0:
+                    u += part_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB)
             u += tl.load(bu_ptr + e * I + rows, mask=keep, other=0.0).to(tl.float32)
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 9.223372036854775808e18  # 2**63 (and out per column)
-            h3 = h[:, None, None]
             srow = d_sc + ((pid_i * BLOCK_I) // 32).to(tl.int64) * H  # the program's 32-neuron group's scale row
-            part_down(dw1, h3, ydst, srow, 0, NBP1, NB)
-            if NBP2 > 0:
-                part_down(dw2, h3, ydst, srow, NBP1, NBP2, NB)
+            if FLAT == 2:
+                flat_down(dw1, h[:, None], ydst, srow, 0, NBP1, NB)
+                if NBP2 > 0:
+                    flat_down(dw2, h[:, None], ydst, srow, NBP1, NBP2, NB)
+            else:
+                part_down(dw1, h[:, None, None], ydst, srow, 0, NBP1, NB)
+                if NBP2 > 0:
+                    part_down(dw2, h[:, None, None], ydst, srow, NBP1, NBP2, NB)
             tl.atomic_add(cdst + tj, nk, sem="relaxed")
         if FINALIZE:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
@@ -291,6 +331,7 @@ def sparse_mxfp4(
     BLOCK_I: int = 4,
     num_warps: int = 4,
     maxnreg: int | None = None,
+    flat: int = 0,
 ):
     """GPT-OSS's routed experts over MXFP4 weights, one launch. Returns (y [T, H], count [T, k]).
 
@@ -307,8 +348,11 @@ def sparse_mxfp4(
     * offload: `slot_table` [E] (slot or -1), `pool_gate/pool_up/pool_down_t` Mxfp4Tensors [S, I, H] on x's device
       (pool_gate [Sg, I, H] with `gate_table` [E]); w_* are then the host master copies (pinned on CUDA) or on x's
       device. Each program reads every part of a resident expert from its slot, of an absent one from the master.
-    BLOCK_I (a power of two <= 32: the program's neurons share one down scale row), num_warps and maxnreg are launch
-    parameters (defaults: the H200's best at gpt-oss shapes). CUDA-graph capturable.
+    BLOCK_I (a power of two <= 32: the program's neurons share one down scale row), num_warps, maxnreg and `flat` are
+    launch parameters (defaults: the H200's best at gpt-oss shapes). `flat` 1 reads the gate and up rows as 2-D word
+    tiles with x loaded per nibble position (no 3-D reshape, no layout conversion: kernels/mxfp4_rows.py's flat
+    helpers), 2 the down rows too (eight strided atomic adds a part instead of the joined columns); 0 the 3-D tiles.
+    Same sums in another order (fp32). CUDA-graph capturable.
     """
     if triton is None:
         raise RuntimeError("sparse_mxfp4 needs triton")
@@ -365,6 +409,8 @@ def sparse_mxfp4(
         raise ValueError(f"residual must be a contiguous {out.dtype} [T, H] = {(T, H)} tensor on {dev}")
     if BLOCK_I < 1 or BLOCK_I > BLOCK or BLOCK_I & (BLOCK_I - 1):
         raise ValueError(f"BLOCK_I must be a power of two <= {BLOCK}, got {BLOCK_I}")
+    if int(flat) not in (0, 1, 2):
+        raise ValueError(f"flat must be 0 (3-D word tiles), 1 (gate / up flat) or 2 (the down too), got {flat}")
     if T == 0 or k == 0:
         if not accumulate:
             out.copy_(residual) if residual is not None else out.zero_()
@@ -429,6 +475,7 @@ def sparse_mxfp4(
         HOST_ROWS=host_rows is not None,
         READ_ROWS=read_rows is not None,
         HAS_RES=residual is not None,
+        FLAT=int(flat),
         num_warps=num_warps,
         **pdl_kw(x),
         **({"maxnreg": int(maxnreg)} if maxnreg else {}),

@@ -121,6 +121,43 @@ def test_matches_reference(experts, T, dtype, sparsities):
             assert torch.count_nonzero(c) == 0 and rel_err(y, (rw.float()[..., None] * bd.float()[ids]).sum(1)) < 1e-6
 
 
+@pytest.mark.parametrize("flat", [1, 2])
+@pytest.mark.parametrize(
+    "T,dtype,block_i", [(2, torch.float32, 8), (1, torch.bfloat16, 32)], ids=["T2-fp32-B8", "T1-bf16-B32"]
+)
+def test_flat_tiles_match_reference(experts, flat, T, dtype, block_i):
+    """`flat` 1 (gate / up rows as 2-D word tiles, x per nibble position) and 2 (the down rows too, strided atomic
+    adds): the same outputs and counts as the reference at ~0 / ~90 % sparsity and all-dropped."""
+    wg, wu, wd, bg, bu, bd = experts
+    x, ids, rw = problem(T, dtype, seed=T + 10)
+    a_abs = act_abs(x, wg, bg, ids)
+    out = torch.empty(T, H, device=DEV)
+    cnt = torch.empty(T, K, dtype=torch.int32, device=DEV)
+    for s in [0.0, 0.9, "all"]:
+        tau = tau_for(a_abs, ids, s)
+        y_ref, c_ref = sparse_mxfp4_ref(x, wg, wu, wd, bg, bu, bd, ids, rw, tau)
+        out.fill_(float("nan"))
+        y, c = sparse_mxfp4(x, wg, wu, wd, bg, bu, bd, ids, rw, tau, out, count=cnt, BLOCK_I=block_i, flat=flat)
+        assert torch.equal(c, c_ref) and rel_err(y, y_ref) < 1e-5, f"sparsity {s}"
+
+
+@pytest.mark.parametrize("flat", [0, 2])
+def test_real_hidden_size(flat):
+    """gpt-oss's H 2880 (90 blocks: parts of 64 and 32, the second padded) with a narrow expert: both tile forms."""
+    gen = torch.Generator().manual_seed(3)
+    E2, I2, H2 = 4, 64, 2880
+    ws = [quantize_mxfp4(torch.randn(E2, I2, H2, generator=gen) * 0.1, along) for along in (True, True, False)]
+    ws = [Mxfp4Tensor(w.blocks.to(DEV), w.scales.to(DEV), torch.bfloat16, w.along_rows) for w in ws]
+    bg, bu, bd = [(torch.randn(E2, n, generator=gen) * 0.5).to(torch.bfloat16).to(DEV) for n in (I2, I2, H2)]
+    x = torch.randn(1, H2, generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.tensor([[2, 0]], dtype=torch.int32, device=DEV)
+    rw = torch.tensor([[0.7, 0.3]], dtype=torch.bfloat16, device=DEV)
+    tau = torch.full((E2,), 0.05, device=DEV)
+    y_ref, c_ref = sparse_mxfp4_ref(x, *ws, bg, bu, bd, ids, rw, tau)
+    y, c = sparse_mxfp4(x, *ws, bg, bu, bd, ids, rw, tau, BLOCK_I=32, flat=flat)
+    assert torch.equal(c, c_ref) and 0 < int(c.sum()) < 2 * I2 and rel_err(y, y_ref) < 1e-5
+
+
 def test_accumulate_small_blocks(experts):
     """accumulate=True adds to what the caller put in out / count; BLOCK_I 8: four programs share a down scale row
     (H = 160 is 5 blocks of 32: a first part of 4 and a second of 1); both word layouts."""
