@@ -4,7 +4,10 @@ decodes its gate / up rows and sums its down rows with, straight from the codes 
 Owns `fp4_pair` (two codes of a word -> their values, no conversion instruction), `e8m0` (a scale byte -> 2**(s - 127)),
 `part_words` (one load of a row block's code words for a part of the 32-blocks), `part_x` (x for those blocks, one
 contiguous load split in registers), `part_dot` (x . W[n] over a part: the gate and up projections) and `part_down`
-(sum_n h_n W[n, :] over a part, added into y atomically: the down projection).
+(sum_n h_n W[n, :] over a part, added into y atomically: the down projection); their flat forms `flat_words`,
+`flat_x`, `flat_dot`, `flat_down` (a part's words as one 2-D [R, 4 NBP] tile, x loaded per nibble position, the down
+columns added by eight strided atomics: no 3-D reshape or join); and `row_words`, `row_x`, `row_dot`, `row_down`,
+which call one form or the other by a constexpr (the kernel's `FLAT` launch parameter).
 
 Layout (kernels/mxfp4.py's `Mxfp4Tensor`): codes two per byte (element 2j in byte j's low nibble), read here as int32
 words of 8 codes (word c of a row: elements 8c .. 8c + 7, 4 words a 32-block); along-H rows (gate, up) have one scale
@@ -181,3 +184,34 @@ if triton is not None:
             lo, hi = fp4_pair(w, J)
             flat_down_col(lo, h2, ydst, srow, c * 8 + J, cm)
             flat_down_col(hi, h2, ydst, srow, c * 8 + (J + 4), cm)
+
+    # ---- one call for either tile form (FLAT: the flat helpers above, else the 3-D ones) ----
+
+    @triton.jit
+    def row_words(base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr, FLAT: tl.constexpr):
+        if FLAT:
+            return flat_words(base, rows, rmask, J0, NBP, NB)
+        else:
+            return part_words(base, rows, rmask, J0, NBP, NB)
+
+    @triton.jit
+    def row_x(x_row, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr, FLAT: tl.constexpr):
+        if FLAT:
+            return flat_x(x_row, J0, NBP, NB)
+        else:
+            return part_x(x_row, J0, NBP, NB)
+
+    @triton.jit
+    def row_dot(w, xs, s_base, rows, rmask, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr, FLAT: tl.constexpr):
+        if FLAT:
+            return flat_dot(w, xs, s_base, rows, rmask, J0, NBP, NB)
+        else:
+            return part_dot(w, xs, s_base, rows, rmask, J0, NBP, NB)
+
+    @triton.jit
+    def row_down(w, h, ydst, srow, J0: tl.constexpr, NBP: tl.constexpr, NB: tl.constexpr, FLAT: tl.constexpr):
+        """Adds sum_n h_n W[n, :] over a part (h [R] times 2**63) into ydst."""
+        if FLAT:
+            flat_down(w, h[:, None], ydst, srow, J0, NBP, NB)
+        else:
+            part_down(w, h[:, None, None], ydst, srow, J0, NBP, NB)

@@ -51,16 +51,7 @@ try:  # Triton is optional at import time; the launcher needs it.
     import triton
     import triton.language as tl
 
-    from localmoe.kernels.mxfp4_rows import (
-        flat_dot,
-        flat_down,
-        flat_words,
-        flat_x,
-        part_dot,
-        part_down,
-        part_words,
-        part_x,
-    )
+    from localmoe.kernels.mxfp4_rows import row_dot, row_down, row_words, row_x
     from localmoe.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_kw
     from localmoe.kernels.token_tail import last_of_token, publish_token, publish_totals
 except ImportError:  # pragma: no cover - exercised only on machines without triton
@@ -209,24 +200,16 @@ if triton is not None:
         rmask = rows < I
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         # ---- gate for BLOCK_I neurons (the only dense read: every part's words in flight at once), bias, act ----
-        if FLAT > 0:  # 2-D word tiles, x loaded per nibble position (kernels/mxfp4_rows.py's flat helpers)
-            gw1 = flat_words(g_b, rows, rmask, 0, NBP1, NB)
-            if NBP2 > 0:
-                gw2 = flat_words(g_b, rows, rmask, NBP1, NBP2, NB)
-            xs1 = flat_x(x_row, 0, NBP1, NB)
-            z = flat_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB)
-            if NBP2 > 0:
-                xs2 = flat_x(x_row, NBP1, NBP2, NB)
-                z += flat_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB)
-        else:
-            gw1 = part_words(g_b, rows, rmask, 0, NBP1, NB)
-            if NBP2 > 0:
-                gw2 = part_words(g_b, rows, rmask, NBP1, NBP2, NB)
-            xs1 = part_x(x_row, 0, NBP1, NB)
-            z = part_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB)
-            if NBP2 > 0:
-                xs2 = part_x(x_row, NBP1, NBP2, NB)
-                z += part_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB)
+        FG: tl.constexpr = FLAT > 0  # gate / up as flat tiles (kernels/mxfp4_rows.py's flat helpers)
+        FD: tl.constexpr = FLAT == 2  # the down too
+        gw1 = row_words(g_b, rows, rmask, 0, NBP1, NB, FG)
+        if NBP2 > 0:
+            gw2 = row_words(g_b, rows, rmask, NBP1, NBP2, NB, FG)
+        xs1 = row_x(x_row, 0, NBP1, NB, FG)
+        z = row_dot(gw1, xs1, g_sc, rows, rmask, 0, NBP1, NB, FG)
+        if NBP2 > 0:
+            xs2 = row_x(x_row, NBP1, NBP2, NB, FG)
+            z += row_dot(gw2, xs2, g_sc, rows, rmask, NBP1, NBP2, NB, FG)
         z += tl.load(bg_ptr + e * I + rows, mask=rmask, other=0.0).to(tl.float32)
         g = tl.minimum(z, limit)
         a = g / (1.0 + tl.exp(-alpha * g))
@@ -244,44 +227,25 @@ if triton is not None:
             cm = cols < H
             bd = tl.load(bd_ptr + e * H + cols, mask=cm, other=0.0).to(tl.float32)
             tl.atomic_add(ydst + cols, rw * bd, mask=cm, sem="relaxed")
-        # ---- up / down over the kept rows only, both issued before either is used; nothing kept: no traffic ----
+        # ---- up / down over the kept rows only, all issued before any is used (up parts first: fewer layout
+        # conversions and barriers than up and down interleaved, sm_90 compile); nothing kept: no traffic ----
         if nk > 0:
-            if FLAT > 0:
-                uw1 = flat_words(u_b, rows, keep, 0, NBP1, NB)
-                if NBP2 > 0:
-                    uw2 = flat_words(u_b, rows, keep, NBP1, NBP2, NB)
-            else:
-                uw1 = part_words(u_b, rows, keep, 0, NBP1, NB)
-                if NBP2 > 0:
-                    uw2 = part_words(u_b, rows, keep, NBP1, NBP2, NB)
-            if FLAT == 2:
-                dw1 = flat_words(d_b, rows, keep, 0, NBP1, NB)
-                if NBP2 > 0:
-                    dw2 = flat_words(d_b, rows, keep, NBP1, NBP2, NB)
-            else:
-                dw1 = part_words(d_b, rows, keep, 0, NBP1, NB)
-                if NBP2 > 0:
-                    dw2 = part_words(d_b, rows, keep, NBP1, NBP2, NB)
-            if FLAT > 0:
-                u = flat_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB)
-                if NBP2 > 0:
-                    u += flat_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB)
-            else:
-                u = part_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB)
-                if NBP2 > 0:
-                    u += part_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB)
+            uw1 = row_words(u_b, rows, keep, 0, NBP1, NB, FG)
+            if NBP2 > 0:
+                uw2 = row_words(u_b, rows, keep, NBP1, NBP2, NB, FG)
+            dw1 = row_words(d_b, rows, keep, 0, NBP1, NB, FD)
+            if NBP2 > 0:
+                dw2 = row_words(d_b, rows, keep, NBP1, NBP2, NB, FD)
+            u = row_dot(uw1, xs1, u_sc, rows, keep, 0, NBP1, NB, FG)
+            if NBP2 > 0:
+                u += row_dot(uw2, xs2, u_sc, rows, keep, NBP1, NBP2, NB, FG)
             u += tl.load(bu_ptr + e * I + rows, mask=keep, other=0.0).to(tl.float32)
             u = tl.minimum(tl.maximum(u, -limit), limit)
             h = tl.where(keep, (u + 1.0) * a * rw, 0.0) * 9.223372036854775808e18  # 2**63 (and out per column)
             srow = d_sc + ((pid_i * BLOCK_I) // 32).to(tl.int64) * H  # the program's 32-neuron group's scale row
-            if FLAT == 2:
-                flat_down(dw1, h[:, None], ydst, srow, 0, NBP1, NB)
-                if NBP2 > 0:
-                    flat_down(dw2, h[:, None], ydst, srow, NBP1, NBP2, NB)
-            else:
-                part_down(dw1, h[:, None, None], ydst, srow, 0, NBP1, NB)
-                if NBP2 > 0:
-                    part_down(dw2, h[:, None, None], ydst, srow, NBP1, NBP2, NB)
+            row_down(dw1, h, ydst, srow, 0, NBP1, NB, FD)
+            if NBP2 > 0:
+                row_down(dw2, h, ydst, srow, NBP1, NBP2, NB, FD)
             tl.atomic_add(cdst + tj, nk, sem="relaxed")
         if FINALIZE:
             # ---- the last program of token t publishes y[t] and count[t, :] and cleans the workspace ----
