@@ -314,8 +314,9 @@ def sparse_mxfp4(
       device. Each program reads every part of a resident expert from its slot, of an absent one from the master.
     BLOCK_I (a power of two <= 32: the program's neurons share one down scale row), num_warps, maxnreg and `flat` are
     launch parameters (defaults: the H200's best at gpt-oss shapes). `flat` 1 reads the gate and up rows as 2-D word
-    tiles with x loaded per nibble position (no 3-D reshape, no layout conversion: kernels/mxfp4_rows.py's flat
-    helpers), 2 the down rows too (eight strided atomic adds a part instead of the joined columns); 0 the 3-D tiles.
+    tiles with x loaded per nibble position (no 3-D reshape of x or the words: kernels/mxfp4_rows.py's flat helpers;
+    fewer layout conversions at gpt-oss shapes, bench/RESULTS.md), 2 the down rows too (eight strided atomic adds a
+    part instead of the joined columns); 0 the 3-D tiles.
     Same sums in another order (fp32). CUDA-graph capturable.
     """
     if triton is None:

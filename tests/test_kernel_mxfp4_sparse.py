@@ -217,6 +217,7 @@ def test_offload_addressing_totals_and_residual(experts, gates):
         ("accumulate-no-out", "accumulate=True needs out="),
         ("pools-partial", "must be given together"),
         ("block-i", "BLOCK_I must be a power of two <= 32"),
+        ("flat", "flat must be 0"),
     ],
 )
 def test_rejects(experts, case, match):
@@ -237,6 +238,8 @@ def test_rejects(experts, case, match):
         kw = {"accumulate": True}
     elif case == "pools-partial":
         kw = {"slot_table": torch.zeros(E, dtype=torch.int32, device=DEV), "pool_gate": wg}
+    elif case == "flat":
+        kw = {"flat": 3}
     else:
         kw = {"BLOCK_I": 64}
     with pytest.raises(ValueError, match=match):
