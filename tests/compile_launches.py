@@ -6,7 +6,8 @@ the arch gives (`SHARED_LIMIT`: a desktop card has less than an H200).
 
 `python tests/compile_launches.py DIR --report [--arch 90] [--kernel NAME] [--set K=V ...]` instead prints, per
 distinct launch, what the compiler made of it: registers and spilled stack bytes a thread (Triton's bundled
-cuobjdump), shared memory a program, layout conversions in the TTGIR and `bar.sync` in the PTX. `--set` overrides
+cuobjdump), shared memory a program, layout conversions in the TTGIR, `bar.sync` in the PTX and static SASS
+instructions (a program's issue count where the kernel has no loops). `--set` overrides
 constexprs (and num_warps / num_stages), so a launch recorded at a test's shape compiles at a real model's (H=2048,
 BLOCK_N=8, ...). These are compiler figures, not timings: what a kernel change does to them, before a GPU times it.
 """
@@ -102,12 +103,16 @@ def _report(job) -> str:
         f.write(k.asm["cubin"])
         f.flush()
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    # static SASS instructions (`/*0a10*/  FFMA R1, ...`): what a program issues where the kernel has no loops, the
+    # proxy for an issue-bound launch (times its programs: warp-instructions a call)
+    n_sass = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass, flags=re.M))
     reg, stack = (re.search(rf"{key}:(\d+)", usage) for key in ("REG", "STACK"))
     shown = {n: v for n, v in c.items() if n.isupper()} | o
     return (
         f"{where} {shown}: {reg.group(1) if reg else '?'} registers, {stack.group(1) if stack else '?'} B stack, "
         f"{k.metadata.shared} B shared, {k.asm['ttgir'].count('ttg.convert_layout')} layout conversions, "
-        f"{k.asm['ptx'].count('bar.sync')} bar.sync"
+        f"{k.asm['ptx'].count('bar.sync')} bar.sync, {n_sass} SASS instructions"
     )
 
 
