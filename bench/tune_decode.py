@@ -274,7 +274,7 @@ def front_check(kw):
 
 
 # with the shared expert in the launch its neurons a program (`shared_block`) set the registers of every program (the
-# router's too): at 8 warps, sm_90, 4 neurons take 137 registers (one program an SM), 2 take 62-64 (four)
+# router's too): bf16 at 8 warps, sm_90, 4 neurons take 92 registers (two programs an SM), 2 take 62-64 (four)
 FRONT_SPACE = {"block_e": [1, 2, 4, 8], "num_warps": [2, 4, 8]} | ({"shared_block": [1, 2, 4]} if GATED_SHARED else {})
 results.append(sweep("moe_front", f"H{H}_E{E}_k{K}", FRONT_SPACE, front_calls, front_check))
 # -- sparse_fused with the shared expert and the residual (at SPARSITY) ----------------------------------------------
